@@ -1,0 +1,1 @@
+"""dualseg.serve"""
