@@ -1,0 +1,295 @@
+"""Checkpoints: one plain dict, written atomically, loaded with ``weights_only=True``.
+
+A checkpoint names its network by ``arch`` (a ``dualseg.models.MODELS`` key) and
+``model_kwargs`` (the JSON-able keyword arguments given to ``build_model``), so any checkpoint
+rebuilds its own model. Everything inside is a plain container, tensor, number or string, so
+that ``torch.load(weights_only=True)`` accepts it — numpy arrays, numpy scalars and paths are
+converted on save (see :func:`to_plain`).
+
+Keys (``FORMAT = "dualseg-checkpoint/1"``)::
+
+    format, version, arch, model_kwargs, model, optimizer, scheduler, scaler, iteration, epoch,
+    sampler, rng, config, class_names, palette, ignore_index, metrics
+
+Only ``format``, ``arch``, ``model_kwargs`` and ``model`` are required to rebuild a model;
+the rest is needed to resume training.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import zipfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from dualseg.errors import CheckpointError
+from dualseg.io import atomic_torch_save
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dualseg.data import DatasetMeta
+
+FORMAT = "dualseg-checkpoint/1"
+REQUIRED_KEYS = ("format", "arch", "model_kwargs", "model")
+LAST_NAME = "last.pt"
+BEST_NAME = "best.pt"
+
+
+# --------------------------------------------------------------------------- plain containers
+def to_plain(obj: Any) -> Any:
+    """Recursively convert ``obj`` into types ``torch.load(weights_only=True)`` accepts.
+
+    numpy arrays -> tensors, numpy scalars -> Python numbers, paths -> str, tuples stay tuples,
+    mappings -> dicts (``OrderedDict`` state dicts are kept, the safe loader allows them).
+    """
+    if isinstance(obj, torch.Tensor | str | bytes | bool | int | float | type(None)):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if isinstance(obj, Mapping):
+        plain = {k: to_plain(v) for k, v in obj.items()}
+        return type(obj)(plain) if type(obj).__name__ == "OrderedDict" else plain
+    if isinstance(obj, tuple):
+        return tuple(to_plain(v) for v in obj)
+    if isinstance(obj, list | set | frozenset):
+        return [to_plain(v) for v in obj]
+    if isinstance(obj, torch.device | torch.dtype):
+        return str(obj)
+    raise TypeError(
+        f"cannot store a {type(obj).__name__} in a checkpoint: only plain containers, tensors, "
+        "numbers and strings load with weights_only=True"
+    )
+
+
+# --------------------------------------------------------------------------- RNG states
+def capture_rng_state() -> dict[str, Any]:
+    """Python, numpy, torch (CPU) and CUDA RNG states as plain values."""
+    np_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "python": random.getstate(),  # (version, tuple[int, ...], gauss) — plain tuples
+        "numpy": {
+            "bit_generator": np_state["bit_generator"],
+            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
+            "pos": int(np_state["state"]["pos"]),
+            "has_gauss": int(np_state["has_gauss"]),
+            "gauss": float(np_state["gauss"]),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    return state
+
+
+def restore_rng_state(state: Mapping[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state` (CUDA states are restored when the counts match)."""
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state(
+        {
+            "bit_generator": n["bit_generator"],
+            "state": {"key": n["key"].numpy().astype(np.uint32), "pos": int(n["pos"])},
+            "has_gauss": int(n["has_gauss"]),
+            "gauss": float(n["gauss"]),
+        }
+    )
+    torch.set_rng_state(state["torch"].cpu())
+    cuda = state.get("cuda") or []
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all([s.cpu() for s in cuda])
+
+
+# --------------------------------------------------------------------------- save / load
+def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
+    """Write ``state`` to ``path`` atomically (temp file + ``os.replace``).
+
+    ``format`` and ``version`` are filled in when absent; every value is converted with
+    :func:`to_plain` so that the file loads with ``weights_only=True``.
+    """
+    from dualseg import __version__
+
+    missing = [k for k in ("arch", "model_kwargs", "model") if k not in state]
+    if missing:
+        raise ValueError(f"checkpoint state lacks required keys {missing}")
+    plain = to_plain({k: v for k, v in state.items() if k != "_path"})
+    plain.setdefault("format", FORMAT)
+    plain.setdefault("version", __version__)
+    path = Path(path)
+    atomic_torch_save(plain, path)
+    return path
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu"
+) -> dict[str, Any]:
+    """Load a dualseg checkpoint safely; every failure is a one-line :class:`CheckpointError`."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(
+            f"checkpoint not found: {path} (check the path; training writes "
+            f"<run_dir>/{LAST_NAME} and <run_dir>/{BEST_NAME})"
+        )
+    if path.is_dir():
+        raise CheckpointError(
+            f"{path} is a folder, not a checkpoint file (pass {path / LAST_NAME} or "
+            f"{path / BEST_NAME})"
+        )
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{path} contains objects that cannot be loaded safely (weights_only=True); "
+            f"it was not written by dualseg: {str(err).splitlines()[0]}"
+        ) from err
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(
+            f"{path} is corrupt or truncated and cannot be read ({first}); "
+            f"use another checkpoint (e.g. {BEST_NAME} or {LAST_NAME} of the run) or retrain"
+        ) from err
+    if not isinstance(ckpt, dict) or "format" not in ckpt:
+        hint = ""
+        if (
+            isinstance(ckpt, dict)
+            and ckpt
+            and all(isinstance(v, torch.Tensor) for v in ckpt.values())
+        ):
+            hint = " — it looks like a bare state dict; pass it as model weights instead"
+        raise CheckpointError(f"{path} is not a dualseg checkpoint (no 'format' key){hint}")
+    if ckpt["format"] != FORMAT:
+        raise CheckpointError(
+            f"{path} has checkpoint format {ckpt['format']!r}, this dualseg reads {FORMAT!r}; "
+            "use the dualseg version that wrote it"
+        )
+    missing = [k for k in REQUIRED_KEYS if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"{path} is an incomplete dualseg checkpoint: missing {missing}")
+    ckpt["_path"] = str(path)
+    return ckpt
+
+
+# --------------------------------------------------------------------------- compatibility
+def checkpoint_num_classes(ckpt: Mapping[str, Any]) -> int:
+    """The checkpoint's class count (from ``model_kwargs``, else from its class names)."""
+    kwargs = ckpt.get("model_kwargs") or {}
+    if "num_classes" in kwargs:
+        return int(kwargs["num_classes"])
+    return len(ckpt.get("class_names") or ())
+
+
+def _name(ckpt: Mapping[str, Any]) -> str:
+    return str(ckpt.get("_path", "checkpoint"))
+
+
+def check_compatible(
+    ckpt: Mapping[str, Any], *, arch: str | None = None, num_classes: int | None = None
+) -> None:
+    """Raise :class:`CheckpointError` when ``ckpt`` is not of ``arch`` / ``num_classes``."""
+    problems = []
+    if arch is not None and ckpt.get("arch") != arch:
+        problems.append(f"architecture {ckpt.get('arch')!r} (expected {arch!r})")
+    have = checkpoint_num_classes(ckpt)
+    if num_classes is not None and have != num_classes:
+        problems.append(f"{have} classes (expected {num_classes})")
+    if problems:
+        raise CheckpointError(
+            f"{_name(ckpt)} does not fit this run: it holds {' and '.join(problems)}; "
+            "resume from a checkpoint of the same model and dataset, or start a new run"
+        )
+
+
+def _state_dict_problems(model: nn.Module, state: Mapping[str, torch.Tensor]) -> list[str]:
+    """Human-readable differences between a model's state dict and ``state`` (no exception)."""
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [
+        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in own
+        if k in state and tuple(state[k].shape) != tuple(own[k].shape)
+    ]
+    out = []
+    for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", shapes)):
+        if keys:
+            more = f" (+{len(keys) - 3} more)" if len(keys) > 3 else ""
+            out.append(f"{len(keys)} {label}: {', '.join(keys[:3])}{more}")
+    return out
+
+
+def load_model_state(model: nn.Module, ckpt: Mapping[str, Any]) -> None:
+    """``model.load_state_dict(ckpt["model"])`` with a clear error instead of a stack trace."""
+    problems = _state_dict_problems(model, ckpt["model"])
+    if problems:
+        raise CheckpointError(
+            f"{_name(ckpt)} does not match the model: checkpoint arch {ckpt.get('arch')!r} with "
+            f"{checkpoint_num_classes(ckpt)} classes, model {type(model).__name__} "
+            f"({'; '.join(problems)}); use a checkpoint of this architecture and class count"
+        )
+    model.load_state_dict(ckpt["model"])
+
+
+def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
+    """The dataset description stored in a checkpoint (class names, palette, ignore index)."""
+    from dualseg.data import DatasetMeta
+
+    n = checkpoint_num_classes(ckpt)
+    names = tuple(ckpt.get("class_names") or (f"class_{i}" for i in range(n)))
+    palette = ckpt.get("palette") or [
+        ((37 * i) % 256, (97 * i) % 256, (173 * i) % 256) for i in range(n)
+    ]
+    config = ckpt.get("config") or {}
+    data_cfg = config.get("data") if isinstance(config, Mapping) else None
+    name = (data_cfg or {}).get("preset") or "checkpoint"
+    return DatasetMeta(
+        name=str(name),
+        class_names=names,
+        palette=tuple(tuple(int(c) for c in rgb) for rgb in palette),
+        ignore_index=int(ckpt.get("ignore_index", 255)),
+    )
+
+
+def build_model_from_checkpoint(
+    ckpt: Mapping[str, Any],
+    *,
+    device: str | torch.device = "cpu",
+    arch: str | None = None,
+    num_classes: int | None = None,
+) -> tuple[nn.Module, DatasetMeta]:
+    """Rebuild the checkpoint's model (eval mode, on ``device``) and its dataset description.
+
+    ``arch`` / ``num_classes``, when given, are what the caller expects; a different
+    checkpoint raises :class:`CheckpointError` naming both.
+    """
+    from dualseg.models import MODELS, build_model
+
+    check_compatible(ckpt, arch=arch, num_classes=num_classes)
+    name = ckpt["arch"]
+    if name not in MODELS:
+        raise CheckpointError(
+            f"{_name(ckpt)} names architecture {name!r}, which this dualseg does not know "
+            f"(known: {', '.join(sorted(MODELS))})"
+        )
+    kwargs = dict(ckpt["model_kwargs"])
+    kwargs["weights"] = None  # the checkpoint carries the weights; never resolve files here
+    for key, value in kwargs.items():  # tuples were stored as lists by JSON-like configs
+        if isinstance(value, list):
+            kwargs[key] = tuple(value)
+    model = build_model(name, **kwargs)
+    load_model_state(model, ckpt)
+    return model.to(device).eval(), meta_from_checkpoint(ckpt)
+
+
+def find_resume_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
+    """``<run_dir>/last.pt`` when present (what ``--resume auto`` picks), else ``None``."""
+    path = Path(run_dir) / LAST_NAME
+    return path if path.is_file() else None
