@@ -1,0 +1,425 @@
+"""Streaming segmentation metrics: confusion-matrix scores and boundary scores.
+
+Both metric classes accumulate plain integer counts on the device of the tensors they are given
+(CPU or GPU), so evaluating a dataset is ``update`` per batch and one ``compute`` at the end, and
+a distributed evaluation sums the counters across ranks (``dist.all_reduce(m.mat)`` /
+``dist.all_reduce(m.state)``, or ``m.all_reduce()``) before ``compute``.
+
+Definitions (``ignore_index`` pixels of the ground truth are excluded from everything):
+
+* ``ConfusionMatrix.mat[g, p]`` counts pixels with ground truth ``g`` predicted as ``p``.
+  Per class ``c``: ``TP = mat[c, c]``, ``GT_c = sum(mat[c, :])``, ``PRED_c = sum(mat[:, c])``.
+  ``iou[c] = TP / (GT_c + PRED_c - TP)``; NaN when the class is absent from both prediction and
+  ground truth, and means skip NaN (an absent class is excluded, not scored 0).
+  ``class_acc[c] = TP / GT_c`` (NaN when ``GT_c = 0``); ``mean_acc`` is its NaN-mean.
+  ``pixel_acc = sum(TP) / sum(GT)``; ``fwiou = sum_c (GT_c / sum(GT)) * iou[c]``.
+* Boundary pixel: a pixel ``p`` of class ``c`` (not ignore) is a boundary pixel of class ``c``
+  when at least one of its 4 neighbours (up, down, left, right) inside the image has another
+  class that is not ignore. So a boundary between classes ``a`` and ``b`` is two 1-px lines, one
+  on each side; the image border is not a boundary; a transition to an ignore pixel is not a
+  boundary. The prediction is compared only where the ground truth is not ignore: before its
+  boundaries are extracted, its pixels under ground-truth ignore are set to ignore too.
+* Boundary F1 at tolerance ``t``: a predicted boundary pixel of class ``c`` is matched when a
+  ground-truth boundary pixel of class ``c`` lies within Euclidean distance ``t``
+  (``dy² + dx² <= t²``, a disk of radius ``t``); a ground-truth boundary pixel is matched
+  symmetrically. Counts are summed over all images, then per class
+  ``precision = matched_pred / pred``, ``recall = matched_gt / gt``, ``F1 = 2PR / (P + R)``.
+  A class with boundary pixels on one side only scores 0; a class with no boundary pixel in
+  either prediction or ground truth is NaN and excluded from ``boundary_f1`` (the mean over the
+  classes present).
+* Trimap IoU at width ``w``: the band is the set of non-ignore pixels within Euclidean distance
+  ``w`` of a ground-truth boundary pixel of any class; a confusion matrix is accumulated inside
+  the band only, and ``trimap_miou`` is its mIoU (absent classes excluded as above).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "BoundaryMetrics",
+    "ConfusionMatrix",
+    "boundary_map",
+    "disk_offsets",
+    "format_table",
+    "scores_from_confusion",
+    "to_jsonable",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# Confusion matrix
+# --------------------------------------------------------------------------------------------
+
+
+def _check_labels(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int) -> None:
+    """Raise ``ValueError`` for ground-truth values that are neither a class nor ignore, and for
+    predictions outside ``[0, C)`` at non-ignore pixels (one host sync)."""
+    if pred.shape != target.shape:
+        raise ValueError(
+            f"pred and target shapes differ: {tuple(pred.shape)} vs {tuple(target.shape)}"
+        )
+    if pred.is_floating_point() or target.is_floating_point():
+        raise TypeError("pred and target must be integer label maps (take argmax of logits first)")
+    valid = target != ignore_index
+    bad_t = valid & ((target < 0) | (target >= num_classes))
+    bad_p = valid & ((pred < 0) | (pred >= num_classes))
+    if bool((bad_t | bad_p).any()):
+        if bool(bad_t.any()):
+            vals = torch.unique(target[bad_t]).tolist()[:10]
+            raise ValueError(
+                f"ground-truth values {vals} are neither a class in [0, {num_classes}) nor the "
+                f"ignore index {ignore_index}"
+            )
+        vals = torch.unique(pred[bad_p]).tolist()[:10]
+        raise ValueError(f"predicted values {vals} are outside [0, {num_classes})")
+
+
+def _confusion_counts(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int) -> Tensor:
+    """``[C, C]`` int64 counts (rows = ground truth) of valid labels; ignore pixels dropped."""
+    c = num_classes
+    target = target.reshape(-1).long()
+    pred = pred.reshape(-1).long()
+    # One flat index per pixel; ignored pixels go to an overflow bin that is dropped, which
+    # avoids a boolean gather (a host sync on GPU).
+    idx = torch.where(target != ignore_index, target * c + pred, c * c)
+    return torch.bincount(idx, minlength=c * c + 1)[: c * c].view(c, c)
+
+
+def scores_from_confusion(mat: Tensor) -> dict[str, Any]:
+    """Scores of a ``[C, C]`` confusion matrix (rows = ground truth); see the module docstring.
+
+    Returns ``{"iou": Tensor[C], "class_acc": Tensor[C], "miou", "pixel_acc", "mean_acc",
+    "fwiou"}``: float64 CPU tensors per class (NaN for absent classes), Python floats for the
+    scalars (NaN when nothing was counted).
+    """
+    m = mat.detach().to("cpu", torch.float64)
+    tp = m.diagonal()
+    gt = m.sum(1)
+    pr = m.sum(0)
+    union = gt + pr - tp
+    nan = torch.tensor(math.nan, dtype=torch.float64)
+    iou = torch.where(union > 0, tp / union.clamp(min=1), nan)
+    class_acc = torch.where(gt > 0, tp / gt.clamp(min=1), nan)
+    total = gt.sum()
+    if total > 0:
+        pixel_acc = float(tp.sum() / total)
+        present = gt > 0
+        fwiou = float((gt[present] / total * iou[present]).sum())
+    else:
+        pixel_acc = fwiou = math.nan
+    return {
+        "iou": iou,
+        "class_acc": class_acc,
+        "miou": _nanmean(iou),
+        "pixel_acc": pixel_acc,
+        "mean_acc": _nanmean(class_acc),
+        "fwiou": fwiou,
+    }
+
+
+def _nanmean(x: Tensor) -> float:
+    keep = ~torch.isnan(x)
+    return float(x[keep].mean()) if bool(keep.any()) else math.nan
+
+
+class ConfusionMatrix:
+    """Streaming confusion matrix: per-class IoU, mIoU, pixel / mean class accuracy, fwIoU.
+
+    ``mat`` (int64 ``[C, C]``, rows = ground truth, columns = prediction) lives on the device of
+    the tensors passed to ``update`` (it moves there on the first update when ``device`` is not
+    given) and is all_reduce-able as is.
+
+    >>> cm = ConfusionMatrix(3)
+    >>> cm.update(torch.tensor([[0, 1], [1, 1]]), torch.tensor([[0, 1], [2, 255]]))
+    >>> cm.compute()["miou"]  # class 0: 1/1, class 1: 1/2, class 2: 0/1
+    0.5
+    """
+
+    def __init__(
+        self, num_classes: int, ignore_index: int = 255, device: torch.device | str | None = None
+    ) -> None:
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        self.num_classes = num_classes
+        self.ignore_index = ignore_index
+        self._follow_input = device is None
+        self.mat = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
+
+    def reset(self) -> None:
+        self.mat.zero_()
+
+    @torch.no_grad()
+    def update(self, pred: Tensor, target: Tensor) -> None:
+        """Add one batch: integer label maps of any (equal) shape, ``ignore_index`` in target."""
+        if self._follow_input and self.mat.device != target.device:
+            self.mat = self.mat.to(target.device)
+        pred, target = pred.to(self.mat.device), target.to(self.mat.device)
+        _check_labels(pred, target, self.num_classes, self.ignore_index)
+        self.mat += _confusion_counts(pred, target, self.num_classes, self.ignore_index)
+
+    def compute(self) -> dict[str, Any]:
+        """``{"iou", "class_acc", "miou", "pixel_acc", "mean_acc", "fwiou"}``; see
+        :func:`scores_from_confusion`."""
+        return scores_from_confusion(self.mat)
+
+    def all_reduce(self) -> None:
+        """Sum ``mat`` over the ranks of the default process group (no-op when not distributed)."""
+        _all_reduce(self.mat)
+
+
+def _all_reduce(t: Tensor) -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+
+
+# --------------------------------------------------------------------------------------------
+# Boundary metrics
+# --------------------------------------------------------------------------------------------
+
+
+def disk_offsets(radius: int) -> list[tuple[int, int]]:
+    """All integer offsets ``(dy, dx)`` with ``dy² + dx² <= radius²`` (a digital disk)."""
+    r = int(radius)
+    return [
+        (dy, dx) for dy in range(-r, r + 1) for dx in range(-r, r + 1) if dy * dy + dx * dx <= r * r
+    ]
+
+
+def _shift(x: Tensor, dy: int, dx: int, fill: int) -> Tensor:
+    """``out[..., y, x] = x[..., y + dy, x + dx]``, ``fill`` where that falls outside the image."""
+    h, w = x.shape[-2:]
+    out = torch.full_like(x, fill)
+    ys, yd = (slice(dy, h), slice(0, h - dy)) if dy >= 0 else (slice(0, h + dy), slice(-dy, h))
+    xs, xd = (slice(dx, w), slice(0, w - dx)) if dx >= 0 else (slice(0, w + dx), slice(-dx, w))
+    out[..., yd, xd] = x[..., ys, xs]
+    return out
+
+
+def boundary_map(labels: Tensor, ignore_index: int = 255) -> Tensor:
+    """Per-pixel boundary class: ``labels[p]`` where ``p`` is a boundary pixel, else ``-1``.
+
+    ``labels``: integer ``[..., H, W]``. A pixel is a boundary pixel of its class when one of
+    its 4 neighbours inside the image has a different class and neither is ``ignore_index``
+    (the image border and transitions to ignore are not boundaries). Vectorized: 4 shifts.
+    """
+    lab = labels.long()
+    valid = lab != ignore_index
+    padded = F.pad(lab, (1, 1, 1, 1), value=ignore_index)  # outside the image behaves as ignore
+    h, w = lab.shape[-2:]
+    edge = torch.zeros_like(valid)
+    for dy, dx in ((-1, 0), (1, 0), (0, -1), (0, 1)):
+        nb = padded[..., 1 + dy : 1 + dy + h, 1 + dx : 1 + dx + w]
+        edge |= (nb != lab) & (nb != ignore_index)
+    return torch.where(edge & valid, lab, torch.full_like(lab, -1))
+
+
+def _matched(src: Tensor, ref: Tensor, offsets: Sequence[tuple[int, int]]) -> Tensor:
+    """``True`` at boundary pixels of ``src`` (class maps, -1 = none) that have a boundary pixel
+    of the same class in ``ref`` at one of ``offsets``. One vectorized compare per offset."""
+    hit = torch.zeros(src.shape, dtype=torch.bool, device=src.device)
+    for dy, dx in offsets:
+        hit |= _shift(ref, dy, dx, -1) == src
+    return hit & (src >= 0)
+
+
+def _dilate(mask: Tensor, radius: int) -> Tensor:
+    """Binary dilation of ``[B, H, W]`` bool ``mask`` by a disk of ``radius`` (conv2d)."""
+    if radius <= 0:
+        return mask.clone()
+    offs = disk_offsets(radius)
+    k = torch.zeros(2 * radius + 1, 2 * radius + 1, device=mask.device)
+    for dy, dx in offs:
+        k[dy + radius, dx + radius] = 1.0
+    out = F.conv2d(mask[:, None].float(), k[None, None], padding=radius)
+    return out[:, 0] > 0.5
+
+
+class BoundaryMetrics:
+    """Streaming boundary F1 (tolerance ``t`` px) and trimap mIoU (band of ``w`` px).
+
+    Definitions are in the module docstring. All counters live in one int64 tensor ``state``
+    (length ``4*C + C*C``): per class ``[pred boundary pixels, matched pred boundary pixels,
+    GT boundary pixels, matched GT boundary pixels]`` then the band's ``[C, C]`` confusion
+    matrix; ``dist.all_reduce(state)`` across ranks gives the global result.
+
+    Everything runs with torch ops on the input's device, batched over images: boundary
+    extraction is 4 shifted compares; matching is one compare per offset of the disk (29 for
+    t = 3) on class-valued maps, so memory does not grow with the number of classes; the band is
+    one conv2d with a disk kernel.
+    """
+
+    def __init__(
+        self,
+        num_classes: int,
+        *,
+        tolerance: int = 3,
+        trimap_width: int = 5,
+        ignore_index: int = 255,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        if tolerance < 0 or trimap_width < 0:
+            raise ValueError(
+                f"tolerance and trimap_width must be >= 0, got {tolerance} and {trimap_width}"
+            )
+        self.num_classes = num_classes
+        self.tolerance = int(tolerance)
+        self.trimap_width = int(trimap_width)
+        self.ignore_index = ignore_index
+        self._offsets = disk_offsets(self.tolerance)
+        self._follow_input = device is None
+        self.state = torch.zeros(4 * num_classes + num_classes**2, dtype=torch.int64, device=device)
+
+    def reset(self) -> None:
+        self.state.zero_()
+
+    @property
+    def boundary_counts(self) -> Tensor:
+        """``[4, C]`` view: pred, matched pred, GT, matched GT boundary pixels per class."""
+        return self.state[: 4 * self.num_classes].view(4, self.num_classes)
+
+    @property
+    def trimap_mat(self) -> Tensor:
+        """``[C, C]`` view: confusion matrix (rows = ground truth) inside the trimap band."""
+        return self.state[4 * self.num_classes :].view(self.num_classes, self.num_classes)
+
+    @torch.no_grad()
+    def update(self, pred: Tensor, target: Tensor) -> None:
+        """Add a batch of label maps ``[B, H, W]`` (or one ``[H, W]``)."""
+        _check_labels(pred, target, self.num_classes, self.ignore_index)
+        if pred.dim() == 2:
+            pred, target = pred[None], target[None]
+        if pred.dim() != 3:
+            raise ValueError(
+                f"expected label maps [B, H, W] or [H, W], got shape {tuple(pred.shape)}"
+            )
+        if self._follow_input and self.state.device != target.device:
+            self.state = self.state.to(target.device)
+        dev, c, ign = self.state.device, self.num_classes, self.ignore_index
+        target = target.to(dev).long()
+        pred = pred.to(dev).long()
+        gt_bd = boundary_map(target, ign)
+        band = _dilate(gt_bd >= 0, self.trimap_width) & (target != ign)
+        band_target = torch.where(band, target, torch.full_like(target, ign))
+        self.trimap_mat.add_(_confusion_counts(pred, band_target, c, ign))
+
+        pred = torch.where(target == ign, torch.full_like(pred, ign), pred)
+        pred_bd = boundary_map(pred, ign)
+        pred_hit = _matched(pred_bd, gt_bd, self._offsets)
+        gt_hit = _matched(gt_bd, pred_bd, self._offsets)
+        # Rows of boundary_counts: (class map, which of its pixels count). Non-counted pixels go
+        # to an overflow bin c (no boolean gather, no host sync); one bincount for all rows.
+        rows = ((pred_bd, pred_bd >= 0), (pred_bd, pred_hit), (gt_bd, gt_bd >= 0), (gt_bd, gt_hit))
+        idx = torch.stack(
+            [row * (c + 1) + torch.where(sel, cls, c) for row, (cls, sel) in enumerate(rows)]
+        )
+        counts = torch.bincount(idx.reshape(-1), minlength=4 * (c + 1)).view(4, c + 1)[:, :c]
+        self.boundary_counts.add_(counts)
+
+    def compute(self) -> dict[str, Any]:
+        """``{"boundary_f1", "boundary_f1_per_class", "boundary_precision", "boundary_recall",
+        "trimap_miou", "trimap_iou"}``: float64 CPU tensors per class (NaN for absent classes),
+        floats for the means."""
+        cnt = self.boundary_counts.detach().to("cpu", torch.float64)
+        n_pred, hit_pred, n_gt, hit_gt = cnt
+        nan = torch.tensor(math.nan, dtype=torch.float64)
+        # P (or R) is 0 when that side has boundary pixels, so a one-sided class gets F1 = 0.
+        p = torch.where(n_pred > 0, hit_pred / n_pred.clamp(min=1), torch.zeros_like(n_pred))
+        r = torch.where(n_gt > 0, hit_gt / n_gt.clamp(min=1), torch.zeros_like(n_gt))
+        present = (n_pred > 0) | (n_gt > 0)
+        f1 = torch.where(p + r > 0, 2 * p * r / (p + r).clamp(min=1e-12), torch.zeros_like(p))
+        f1 = torch.where(present, f1, nan)
+        trimap = scores_from_confusion(self.trimap_mat)
+        return {
+            "boundary_f1": _nanmean(f1),
+            "boundary_f1_per_class": f1,
+            "boundary_precision": torch.where(n_pred > 0, p, nan),
+            "boundary_recall": torch.where(n_gt > 0, r, nan),
+            "trimap_miou": trimap["miou"],
+            "trimap_iou": trimap["iou"],
+        }
+
+    def all_reduce(self) -> None:
+        """Sum ``state`` over the default process group's ranks (no-op when not distributed)."""
+        _all_reduce(self.state)
+
+
+# --------------------------------------------------------------------------------------------
+# Reporting
+# --------------------------------------------------------------------------------------------
+
+
+def to_jsonable(results: Mapping[str, Any]) -> dict[str, Any]:
+    """``compute()`` results as plain JSON values: tensors -> lists, NaN -> ``None``."""
+
+    def conv(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            v = v.detach().cpu().tolist()
+        if isinstance(v, (list, tuple)):
+            return [conv(x) for x in v]
+        if isinstance(v, Mapping):
+            return {str(k): conv(x) for k, x in v.items()}
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        return v
+
+    return {str(k): conv(v) for k, v in results.items()}
+
+
+# Per-class result keys that format_table knows, in column order, with their headers.
+_PER_CLASS_COLUMNS = (
+    ("iou", "IoU"),
+    ("class_acc", "Acc"),
+    ("boundary_f1_per_class", "BF1"),
+    ("trimap_iou", "Trimap IoU"),
+)
+_SUMMARY_KEYS = (
+    ("miou", "mIoU"),
+    ("pixel_acc", "pixel acc"),
+    ("mean_acc", "mean acc"),
+    ("fwiou", "fwIoU"),
+    ("boundary_f1", "boundary F1"),
+    ("trimap_miou", "trimap mIoU"),
+)
+
+
+def format_table(class_names: Sequence[str], results: Mapping[str, Any]) -> str:
+    """A markdown table (readable as plain text) of per-class scores in percent, then the means.
+
+    ``results`` is one ``compute()`` dict or several merged (``{**cm.compute(), **bm.compute()}``);
+    only the known keys present are shown. Absent classes (NaN) print as ``-``.
+    """
+    cols = [(k, h) for k, h in _PER_CLASS_COLUMNS if k in results]
+    for k, _ in cols:
+        if len(results[k]) != len(class_names):
+            raise ValueError(f"{k} has {len(results[k])} values but {len(class_names)} class names")
+
+    def pct(v: Any) -> str:
+        v = float(v)
+        return "-" if math.isnan(v) else f"{100 * v:.2f}"
+
+    name_w = max([len("class"), *(len(n) for n in class_names)])
+    widths = [max(len(h), 6) for _, h in cols]
+    lines = [
+        "| "
+        + " | ".join(["class".ljust(name_w), *(h.rjust(w) for (_, h), w in zip(cols, widths))])
+        + " |",
+        "|" + "|".join(["-" * (name_w + 1) + "-", *("-" * (w + 1) + ":" for w in widths)]) + "|",
+    ]
+    for i, name in enumerate(class_names):
+        cells = [pct(results[k][i]).rjust(w) for (k, _), w in zip(cols, widths)]
+        lines.append("| " + " | ".join([name.ljust(name_w), *cells]) + " |")
+    summary = [f"{h}: {pct(results[k])}" for k, h in _SUMMARY_KEYS if k in results]
+    if summary:
+        lines += ["", "  ".join(summary)]
+    return "\n".join(lines)

@@ -1,0 +1,288 @@
+"""Pictures of segmentations: colourized label maps, overlays, side-by-side panels, curves.
+
+Arrays are numpy ``uint8``: images ``HxWx3`` RGB (or ``HxW`` gray), label maps ``HxW`` integer
+with 255 = ignore (torch tensors are accepted too). Every file is written atomically through
+:mod:`dualseg.io`. Curves use matplotlib's Agg canvas directly (no pyplot, no global backend).
+
+>>> palette = [(128, 64, 128), (70, 70, 70)]
+>>> colorize(np.array([[0, 1, 255]]), palette).tolist()
+[[[128, 64, 128], [70, 70, 70], [0, 0, 0]]]
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFont
+
+from dualseg.io import atomic_save_image, atomic_write_bytes
+
+__all__ = [
+    "colorize",
+    "denormalize",
+    "make_legend",
+    "make_panel",
+    "overlay",
+    "save_curves",
+    "save_panel",
+]
+
+Palette = Sequence[Sequence[int]]
+
+IGNORE_INDEX = 255
+TITLE_HEIGHT = 20  # px of the title strip above each panel tile
+GAP = 4  # px of white between tiles
+_BACKGROUND = (255, 255, 255)
+_TEXT = (0, 0, 0)
+
+
+def _numpy(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):  # torch tensor
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _lut(palette: Palette) -> np.ndarray:
+    """``[K + 1, 3]`` uint8: the K palette colours, then black (for ignore)."""
+    pal = np.asarray(palette, dtype=np.int64).reshape(-1, 3)
+    if pal.size and (pal.min() < 0 or pal.max() > 255):
+        raise ValueError("palette colours must be RGB triples in [0, 255]")
+    return np.concatenate([pal, np.zeros((1, 3), np.int64)]).astype(np.uint8)
+
+
+def colorize(label: Any, palette: Palette, *, ignore_index: int = IGNORE_INDEX) -> np.ndarray:
+    """Label map ``HxW`` -> ``HxWx3`` uint8 RGB, class ``k`` -> ``palette[k]``, ignore -> black.
+
+    Raises ``ValueError`` for a value that is neither a palette entry nor ``ignore_index``.
+    """
+    lab = _numpy(label)
+    if lab.ndim != 2 or not np.issubdtype(lab.dtype, np.integer):
+        raise ValueError(f"label must be an integer HxW map, got {lab.dtype} {lab.shape}")
+    lab = lab.astype(np.int64)
+    bad = (lab != ignore_index) & ((lab < 0) | (lab >= len(palette)))
+    if bad.any():
+        vals = np.unique(lab[bad])[:10].tolist()
+        raise ValueError(
+            f"label values {vals} have no palette colour ({len(palette)} colours) and are not "
+            f"the ignore index {ignore_index}"
+        )
+    return _lut(palette)[np.where(lab == ignore_index, len(palette), lab)]
+
+
+def _rgb(image: Any) -> np.ndarray:
+    img = _numpy(image)
+    if img.dtype != np.uint8:
+        raise TypeError(
+            f"image must be uint8 (got {img.dtype}); convert a normalized tensor with "
+            "dualseg.viz.denormalize"
+        )
+    if img.ndim == 2:
+        img = np.repeat(img[:, :, None], 3, axis=2)
+    if img.ndim != 3 or img.shape[2] not in (3, 4):
+        raise ValueError(f"image must be HxW, HxWx3 or HxWx4, got shape {img.shape}")
+    return np.ascontiguousarray(img[:, :, :3])
+
+
+def overlay(
+    image: Any,
+    label: Any,
+    palette: Palette,
+    alpha: float = 0.5,
+    *,
+    ignore_index: int = IGNORE_INDEX,
+) -> np.ndarray:
+    """Blend the colourized ``label`` over ``image``: ``(1 - alpha) * image + alpha * colour``.
+
+    Ignore pixels keep the image unchanged. Returns ``HxWx3`` uint8.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    img = _rgb(image)
+    lab = _numpy(label)
+    if img.shape[:2] != lab.shape:
+        raise ValueError(f"image {img.shape[:2]} and label {lab.shape} sizes differ")
+    col = colorize(lab, palette, ignore_index=ignore_index).astype(np.float32)
+    out = img.astype(np.float32)
+    keep = (lab != ignore_index)[:, :, None]
+    out = np.where(keep, (1.0 - alpha) * out + alpha * col, out)
+    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
+
+
+def denormalize(
+    image: Any, mean: Sequence[float] | None = None, std: Sequence[float] | None = None
+) -> np.ndarray:
+    """Normalized ``[3, H, W]`` float image (tensor or array) -> ``HxWx3`` uint8 RGB.
+
+    ``mean``/``std`` default to ImageNet's (``dualseg.data.transforms``), which the datasets use.
+    """
+    if mean is None or std is None:
+        from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+
+        mean = IMAGENET_MEAN if mean is None else mean
+        std = IMAGENET_STD if std is None else std
+    x = _numpy(image).astype(np.float32)
+    if x.ndim != 3 or x.shape[0] != len(mean):
+        raise ValueError(f"expected a [{len(mean)}, H, W] image, got shape {x.shape}")
+    x = x * np.asarray(std, np.float32)[:, None, None] + np.asarray(mean, np.float32)[:, None, None]
+    return np.clip(np.rint(x.transpose(1, 2, 0) * 255.0), 0, 255).astype(np.uint8)
+
+
+def _font(size: int = 14) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
+    try:
+        return ImageFont.load_default(size=size)
+    except (TypeError, OSError):  # Pillow < 10.1 or no FreeType: fixed bitmap font
+        return ImageFont.load_default()
+
+
+def _text_width(draw: ImageDraw.ImageDraw, text: str, font: Any) -> int:
+    left, _, right, _ = draw.textbbox((0, 0), text, font=font)
+    return math.ceil(right - left)
+
+
+def make_legend(
+    class_names: Sequence[str],
+    palette: Palette,
+    *,
+    width: int = 640,
+    swatch: int = 14,
+) -> np.ndarray:
+    """Legend strip ``hxWx3`` uint8: a colour swatch and the class name per class, wrapped into
+    rows that fit ``width`` pixels."""
+    if len(class_names) != len(palette):
+        raise ValueError(f"{len(class_names)} class names but {len(palette)} palette colours")
+    font = _font(max(swatch - 2, 8))
+    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    row_h, pad = swatch + 6, 6
+    # Lay out the entries first (x, row) so the strip's height is known.
+    items, x, row = [], pad, 0
+    for name, colour in zip(class_names, palette):
+        w = swatch + 4 + _text_width(probe, name, font) + 12
+        if x + w > width and x > pad:
+            x, row = pad, row + 1
+        items.append((x, row, name, tuple(int(v) for v in colour)))
+        x += w
+    canvas = Image.new("RGB", (width, (row + 1) * row_h + pad), _BACKGROUND)
+    draw = ImageDraw.Draw(canvas)
+    for x, r, name, colour in items:
+        y = pad // 2 + r * row_h
+        draw.rectangle([x, y, x + swatch - 1, y + swatch - 1], fill=colour, outline=(0, 0, 0))
+        draw.text((x + swatch + 4, y), name, fill=_TEXT, font=font)
+    return np.asarray(canvas)
+
+
+def make_panel(
+    images: Sequence[Any],
+    titles: Sequence[str],
+    *,
+    class_names: Sequence[str] | None = None,
+    palette: Palette | None = None,
+) -> np.ndarray:
+    """Tiles side by side at their own resolution (``image | ground truth | prediction | ...``),
+    each under its title, optionally a legend below; returns ``HxWx3`` uint8.
+
+    Tile ``k`` is copied pixel for pixel to rows ``[TITLE_HEIGHT, TITLE_HEIGHT + h_k)`` and
+    columns starting at ``sum(w_j + GAP for j < k)``. Colourize label maps first
+    (:func:`colorize` / :func:`overlay`).
+    """
+    if len(images) == 0 or len(images) != len(titles):
+        raise ValueError(
+            f"need one title per image, got {len(images)} images, {len(titles)} titles"
+        )
+    tiles = [_rgb(im) for im in images]
+    height = TITLE_HEIGHT + max(t.shape[0] for t in tiles)
+    width = sum(t.shape[1] for t in tiles) + GAP * (len(tiles) - 1)
+    canvas = Image.new("RGB", (width, height), _BACKGROUND)
+    draw = ImageDraw.Draw(canvas)
+    font = _font(14)
+    x = 0
+    for tile, title in zip(tiles, titles):
+        w = tile.shape[1]
+        canvas.paste(Image.fromarray(tile), (x, TITLE_HEIGHT))
+        tw = _text_width(draw, title, font)
+        draw.text((x + max((w - tw) // 2, 0), 2), title, fill=_TEXT, font=font)
+        x += w + GAP
+    panel = np.asarray(canvas)
+    if class_names is not None or palette is not None:
+        if class_names is None or palette is None:
+            raise ValueError("a legend needs both class_names and palette")
+        legend = make_legend(class_names, palette, width=width)
+        panel = np.concatenate([panel, legend], axis=0)
+    return panel
+
+
+def save_panel(
+    path: str | os.PathLike[str],
+    images: Sequence[Any],
+    titles: Sequence[str],
+    *,
+    class_names: Sequence[str] | None = None,
+    palette: Palette | None = None,
+) -> None:
+    """Write :func:`make_panel`'s picture to ``path`` (PNG unless the suffix says otherwise),
+    atomically."""
+    atomic_save_image(path, make_panel(images, titles, class_names=class_names, palette=palette))
+
+
+_X_KEYS = ("iteration", "iter", "step", "epoch")
+
+
+def save_curves(
+    path: str | os.PathLike[str],
+    history: Sequence[Mapping[str, Any]],
+    keys: Sequence[str | Sequence[str]],
+    *,
+    x_key: str | None = None,
+    title: str | None = None,
+) -> None:
+    """Plot training curves (loss, mIoU, ...) from ``history`` to a PNG, atomically.
+
+    ``history``: one dict per logged point, e.g. ``{"iteration": 100, "loss": 0.8}`` and
+    ``{"iteration": 500, "val_miou": 0.41}``. ``keys``: one subplot per entry; an entry that is
+    a sequence of keys shares one subplot (``[("loss", "val_loss"), "val_miou"]``). Points
+    lacking a key, or whose value is None/NaN, are skipped. The x axis is ``x_key``, else the
+    first of iteration/iter/step/epoch found in ``history``, else the point's index.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    if len(keys) == 0:
+        raise ValueError("save_curves needs at least one key to plot")
+    groups = [[k] if isinstance(k, str) else list(k) for k in keys]
+    if x_key is None:
+        x_key = next((k for k in _X_KEYS if any(k in h for h in history)), None)
+
+    fig = Figure(figsize=(5.0 * len(groups), 3.6), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(groups), squeeze=False)[0]
+    for ax, group in zip(axes, groups):
+        plotted = False
+        for key in group:
+            xs, ys = [], []
+            for i, h in enumerate(history):
+                v = h.get(key)
+                x = i if x_key is None else h.get(x_key)
+                if v is None or x is None or not math.isfinite(float(v)):
+                    continue
+                xs.append(float(x))
+                ys.append(float(v))
+            if xs:
+                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=key)
+                plotted = True
+        if not plotted:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel(x_key or "point")
+        ax.set_title(", ".join(group))
+        ax.grid(True, alpha=0.3)
+        if plotted and len(group) > 1:
+            ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(path, buf.getvalue())
