@@ -14,15 +14,14 @@ pixels refinement changed and how many of those changes fixed or broke a pixel.
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dualseg.metrics import BoundaryMetrics, ConfusionMatrix
+from dualseg.metrics import BoundaryMetrics, ConfusionMatrix, format_table
 
 __all__ = ["Refiner", "evaluate", "format_metrics"]
 
@@ -62,17 +61,11 @@ class _Scores:
         _all_reduce_(self.bm.state)
 
     def compute(self) -> dict[str, Any]:
-        region = self.cm.compute()
-        boundary = self.bm.compute()
+        """Scalars as floats, per-class scores as lists (NaN for absent classes)."""
+        scores = {**self.cm.compute(), **self.bm.compute()}
         return {
-            "miou": float(region["miou"]),
-            "iou": [float(v) for v in region["iou"].tolist()],
-            "pixel_acc": float(region["pixel_acc"]),
-            "mean_acc": float(region["mean_acc"]),
-            "fwiou": float(region["fwiou"]),
-            "boundary_f1": float(boundary["boundary_f1"]),
-            "boundary_f1_per_class": [float(v) for v in boundary["boundary_f1_per_class"].tolist()],
-            "trimap_miou": float(boundary["trimap_miou"]),
+            k: [float(x) for x in v.tolist()] if isinstance(v, Tensor) else float(v)
+            for k, v in scores.items()
         }
 
 
@@ -125,11 +118,14 @@ def evaluate(
     another size are bilinearly resized to the label size (spec S4).
 
     Returns ``{"miou", "iou" (per class, NaN for classes absent from prediction and ground
-    truth), "pixel_acc", "mean_acc", "fwiou", "boundary_f1", "boundary_f1_per_class",
-    "trimap_miou", "num_images"}``. With ``refiner`` it also returns ``"refined"`` (the same
-    metrics for the refined labels) and ``"refine"`` = ``{"pixels", "changed",
-    "changed_fraction", "fixed", "broke"}`` over labelled pixels: ``fixed`` counts changes that
-    turned a wrong pixel right, ``broke`` changes that turned a right pixel wrong.
+    truth), "pixel_acc", "mean_acc", "fwiou", "boundary_f1", "trimap_miou", "num_images"}``
+    plus the per-class lists ``class_acc``, ``boundary_f1_per_class``, ``boundary_precision``,
+    ``boundary_recall``, ``trimap_iou`` (definitions: :mod:`dualseg.metrics`).
+
+    With ``refiner`` it also returns ``"refined"`` (the same metrics for the refined labels)
+    and ``"refine"`` = ``{"pixels", "changed", "changed_fraction", "fixed", "broke"}`` over
+    labelled pixels: ``fixed`` counts changes that turned a wrong pixel right, ``broke``
+    changes that turned a right pixel wrong.
 
     With ``distributed=True`` (an initialized ``torch.distributed`` process group), counters are
     summed over ranks; every rank gets the same result.
@@ -203,49 +199,25 @@ def evaluate(
     return result
 
 
-def _pct(value: float) -> str:
-    return "   n/a" if value is None or math.isnan(value) else f"{100 * value:6.2f}"
-
-
-def format_metrics(metrics: dict[str, Any], class_names: Iterable[str] | None = None) -> str:
-    """A human-readable report: summary lines and a per-class IoU table (refined side by side)."""
+def format_metrics(metrics: dict[str, Any], class_names: Sequence[str] | None = None) -> str:
+    """A human-readable report: per-class table and means; with refinement, both side by side."""
+    names = list(class_names or [f"class_{i}" for i in range(len(metrics["iou"]))])
     refined = metrics.get("refined")
-    names = list(class_names) if class_names is not None else []
-    ious = metrics["iou"]
-    names += [f"class_{i}" for i in range(len(names), len(ious))]
-    width = max([len("class"), *(len(n) for n in names)])
-
-    def row(label: str, key: str) -> str:
-        line = f"{label:<{width + 2}}{_pct(metrics[key])}"
-        if refined is not None:
-            delta = refined[key] - metrics[key]
-            line += f"  {_pct(refined[key])}  {100 * delta:+6.2f}"
-        return line
-
-    header = f"{'':<{width + 2}}{'base':>6}"
-    if refined is not None:
-        header += f"  {'refined':>6}  {'delta':>6}"
-    lines = [header]
-    lines += [
-        row("mIoU", "miou"),
-        row("pixel acc", "pixel_acc"),
-        row("mean acc", "mean_acc"),
-        row("fwIoU", "fwiou"),
-        row("boundary F1", "boundary_f1"),
-        row("trimap mIoU", "trimap_miou"),
-        "",
-        f"{'class':<{width + 2}}{'IoU':>6}" + (f"  {'refined':>6}" if refined else ""),
-    ]
-    for i, name in enumerate(names):
-        line = f"{name:<{width + 2}}{_pct(ious[i])}"
-        if refined is not None:
-            line += f"  {_pct(refined['iou'][i])}"
-        lines.append(line)
-    if refined is not None:
-        r = metrics["refine"]
-        lines += [
-            "",
-            f"refinement changed {r['changed']} of {r['pixels']} labelled pixels "
-            f"({100 * r['changed_fraction']:.3f}%): {r['fixed']} fixed, {r['broke']} broke",
-        ]
+    if refined is None:
+        return format_table(names, metrics)
+    lines = ["base model:", format_table(names, metrics), "", "refined:"]
+    lines += [format_table(names, refined), "", f"{'':<12}{'base':>8}{'refined':>9}{'delta':>8}"]
+    for key, label in (
+        ("miou", "mIoU"),
+        ("boundary_f1", "boundary F1"),
+        ("trimap_miou", "trimap mIoU"),
+        ("pixel_acc", "pixel acc"),
+    ):
+        b, r = 100 * metrics[key], 100 * refined[key]
+        lines.append(f"{label:<12}{b:8.2f}{r:9.2f}{r - b:+8.2f}")
+    c = metrics["refine"]
+    lines.append(
+        f"refinement changed {c['changed']} of {c['pixels']} labelled pixels "
+        f"({100 * c['changed_fraction']:.3f}%): {c['fixed']} fixed, {c['broke']} broke"
+    )
     return "\n".join(lines)
