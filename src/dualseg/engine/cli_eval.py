@@ -1,0 +1,175 @@
+"""``dualseg eval``: score a checkpoint on a dataset split.
+
+Prints mIoU, a per-class IoU table, pixel / mean accuracy, boundary F1 and trimap mIoU, and
+writes them to ``OUT/metrics.json`` (NaN -> null). ``--save-predictions DIR`` writes each
+image's label and colour PNGs; ``--refiner R`` (method B) adds the refined scores side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from dualseg.errors import CheckpointError, DualsegError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dualseg eval",
+        description="Evaluate a checkpoint: mIoU, per-class IoU, pixel accuracy, "
+        "boundary F1 and trimap mIoU; writes metrics.json.",
+    )
+    p.add_argument("--checkpoint", "-c", required=True, help="a dualseg checkpoint (.pt)")
+    p.add_argument("--data", "-d", required=True, help="dataset root folder")
+    p.add_argument("--split", default="val", help="split to evaluate (val)")
+    p.add_argument(
+        "--layout", default="auto", help="auto | list | folder | voc | cityscapes (auto)"
+    )
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="dataset preset (camvid, voc, cityscapes, synthetic); default: the classes stored "
+        "in the checkpoint",
+    )
+    p.add_argument("--label-format", default="index", help="index | color (index)")
+    p.add_argument(
+        "--out", "-o", default=None, help="folder for metrics.json (<checkpoint dir>/eval_SPLIT)"
+    )
+    p.add_argument("--save-predictions", metavar="DIR", default=None, help="write label PNGs")
+    p.add_argument("--refiner", default=None, help="a method-B refiner file (dualseg refine fit)")
+    p.add_argument("--batch-size", type=int, default=1, help="images per batch (1)")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (0)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto)")
+    p.add_argument("--amp", action="store_true", help="bf16 autocast (CUDA)")
+    p.add_argument("--boundary-tolerance", type=int, default=3, help="boundary F1 tolerance px (3)")
+    p.add_argument("--trimap-width", type=int, default=5, help="trimap band width px (5)")
+    return p
+
+
+def _load_refiner(path: str, class_names: tuple[str, ...], device: Any) -> Any:
+    try:
+        from dualseg.refine import BoundaryRefiner
+    except ImportError as err:
+        raise DualsegError(f"--refiner needs dualseg.refine (method B): {err}") from err
+    refiner = BoundaryRefiner.load(path, device=device)
+    names = tuple(getattr(refiner, "class_names", class_names) or class_names)
+    if names != tuple(class_names):
+        raise CheckpointError(
+            f"refiner {path} was fitted for classes {list(names)}, the checkpoint predicts "
+            f"{list(class_names)}; fit the refiner on this model's dataset"
+        )
+    return refiner
+
+
+def prediction_writer(samples: list, out: Path, palette: Any, batch_size: int):
+    """``evaluate(on_batch=...)`` hook writing ``labels/`` and ``color/`` PNGs per sample.
+
+    ``samples`` are the dataset's ``(image_path, label_path)`` pairs in loader order (the eval
+    loader is not shuffled), so batch ``i`` row ``k`` is sample ``i * batch_size + k``.
+    """
+    from dualseg import viz
+    from dualseg.io import atomic_save_image
+
+    def write(index, images, labels, pred, refined) -> None:
+        for k in range(pred.shape[0]):
+            name = Path(samples[index * batch_size + k][0]).stem
+            for kind, lab in (
+                ("", pred[k]),
+                ("refined_", refined[k] if refined is not None else None),
+            ):
+                if lab is None:
+                    continue
+                arr = lab.to("cpu").numpy().astype("uint8")
+                atomic_save_image(out / f"{kind}labels" / f"{name}.png", arr)
+                atomic_save_image(out / f"{kind}color" / f"{name}.png", viz.colorize(arr, palette))
+
+    return write
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Evaluate as the command line describes; returns the metrics (also written to disk)."""
+    import torch
+
+    from dualseg.data import PRESETS, build_dataset, get_preset
+    from dualseg.data.transforms import build_eval_transform
+    from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+    from dualseg.engine.evaluate import evaluate, format_metrics
+    from dualseg.engine.predict import resolve_device
+    from dualseg.io import atomic_write_json
+    from dualseg.metrics import to_jsonable
+
+    device = resolve_device(args.device)
+    ckpt = load_checkpoint(args.checkpoint)
+    model, meta = build_model_from_checkpoint(ckpt, device=device)
+    if args.preset is not None:
+        meta = get_preset(args.preset)
+    elif meta.name in PRESETS and PRESETS[meta.name].class_names == meta.class_names:
+        meta = PRESETS[meta.name]  # the preset also knows the raw ignore values (CamVid: 11)
+    dataset = build_dataset(
+        args.data,
+        split=args.split,
+        layout=args.layout,
+        preset=meta,
+        transform=build_eval_transform(),
+        label_format=args.label_format,
+    )
+    n_model = int(ckpt["model_kwargs"].get("num_classes", meta.num_classes))
+    if dataset.meta.num_classes != n_model:
+        raise CheckpointError(
+            f"{args.checkpoint} predicts {n_model} classes but the dataset {args.data} "
+            f"({dataset.meta.name}) has {dataset.meta.num_classes}; pick the matching --preset "
+            "or a checkpoint trained on this dataset"
+        )
+    if len(dataset) == 0:
+        raise DualsegError(f"split {args.split!r} of {args.data} has no images")
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        shuffle=False,
+        num_workers=args.workers,
+        pin_memory=device.type == "cuda",
+    )
+    refiner = (
+        _load_refiner(args.refiner, dataset.meta.class_names, device) if args.refiner else None
+    )
+    hook = None
+    if args.save_predictions:
+        hook = prediction_writer(
+            dataset.samples, Path(args.save_predictions), dataset.meta.palette, args.batch_size
+        )
+    metrics = evaluate(
+        model,
+        loader,
+        num_classes=dataset.meta.num_classes,
+        ignore_index=dataset.meta.ignore_index,
+        device=device,
+        boundary_tolerance=args.boundary_tolerance,
+        trimap_width=args.trimap_width,
+        refiner=refiner,
+        amp=args.amp,
+        on_batch=hook,
+        progress=sys.stderr.isatty(),
+    )
+    out = Path(args.out) if args.out else Path(args.checkpoint).parent / f"eval_{args.split}"
+    record = {
+        "checkpoint": str(args.checkpoint),
+        "data": str(args.data),
+        "split": args.split,
+        "class_names": list(dataset.meta.class_names),
+        "boundary_tolerance": args.boundary_tolerance,
+        "trimap_width": args.trimap_width,
+        "refiner": args.refiner,
+        **metrics,
+    }
+    atomic_write_json(out / "metrics.json", to_jsonable(record))
+    print(f"{args.checkpoint} on {args.data} [{args.split}], {metrics['num_images']} images")
+    print(format_metrics(metrics, dataset.meta.class_names))
+    print(f"metrics -> {out / 'metrics.json'}")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(build_parser().parse_args(argv))
+    return 0

@@ -1,0 +1,187 @@
+"""``dualseg predict``: segment image files, folders or globs with a trained checkpoint.
+
+For each input image ``<name>`` it writes, at the image's original resolution::
+
+    OUT/labels/<name>.png    class index per pixel (8-bit grayscale PNG)
+    OUT/color/<name>.png     the label map in the dataset palette
+    OUT/overlay/<name>.png   the colours blended over the image
+    OUT/probs/<name>.npz     with --probs: class probabilities (see PROBS_KEYS)
+
+``<name>`` is the file stem; images found inside a folder keep their path relative to it (so
+``a/x.png`` and ``b/x.png`` do not collide). Every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import io
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dualseg.errors import DataError, DualsegError
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
+
+# Keys of each --probs npz file. Method B (`dualseg refine apply --base <folder>`) reads these
+# as the output of a base model.
+PROBS_KEYS = {
+    "probs": "float16 [C, H, W] softmax class probabilities at the original size",
+    "class_names": "str [C] class names, in channel order",
+    "source": "str, the input image path",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dualseg predict",
+        description="Segment images with a trained checkpoint: label PNG, colour PNG, overlay "
+        "(and optionally class probabilities) per image, at the original resolution.",
+    )
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or globs")
+    p.add_argument("--checkpoint", "-c", required=True, help="a dualseg checkpoint (.pt)")
+    p.add_argument("--out", "-o", required=True, help="output folder")
+    p.add_argument(
+        "--probs", action="store_true", help="also save class probabilities (probs/<name>.npz)"
+    )
+    p.add_argument("--batch-size", type=int, default=4, help="images per forward pass (4)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto)")
+    p.add_argument("--amp", action="store_true", help="bf16 autocast (CUDA)")
+    p.add_argument("--alpha", type=float, default=0.5, help="overlay opacity of the colours (0.5)")
+    return p
+
+
+def collect_images(inputs: Sequence[str]) -> list[tuple[Path, str]]:
+    """Expand files, folders (recursively) and globs into ``(path, output name)`` pairs.
+
+    Raises :class:`DataError` for an input that matches nothing, listing all such inputs.
+    """
+    found: list[tuple[Path, str]] = []
+    missing: list[str] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            files = sorted(
+                f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS
+            )
+            if not files:
+                missing.append(f"{item} (a folder with no {'/'.join(IMAGE_EXTENSIONS)} images)")
+            found += [(f, f.relative_to(path).with_suffix("").as_posix()) for f in files]
+        elif path.is_file():
+            found.append((path, path.stem))
+        elif glob.has_magic(item):
+            files = sorted(
+                Path(f)
+                for f in glob.glob(item, recursive=True)
+                if Path(f).is_file() and Path(f).suffix.lower() in IMAGE_EXTENSIONS
+            )
+            if not files:
+                missing.append(f"{item} (no image matches this pattern)")
+            found += [(f, f.stem) for f in files]
+        else:
+            missing.append(f"{item} (no such file or folder)")
+    if missing:
+        raise DataError("input not found: " + "; ".join(missing))
+    return _unique_names(found)
+
+
+def _unique_names(found: list[tuple[Path, str]]) -> list[tuple[Path, str]]:
+    """Drop repeated files; give distinct files that share a name a numeric suffix."""
+    seen_paths: set[Path] = set()
+    used: set[str] = set()
+    out = []
+    for path, name in found:
+        key = path.resolve()
+        if key in seen_paths:
+            continue
+        seen_paths.add(key)
+        unique, k = name, 1
+        while unique in used:
+            unique, k = f"{name}_{k}", k + 1
+        used.add(unique)
+        out.append((path, unique))
+    return out
+
+
+def save_probs(path: Path, probs: np.ndarray, class_names: Iterable[str], source: str) -> None:
+    """Write one ``--probs`` file (keys: :data:`PROBS_KEYS`), compressed and atomically."""
+    from dualseg.io import atomic_write_bytes
+
+    buf = io.BytesIO()
+    np.savez_compressed(
+        buf,
+        probs=probs.astype(np.float16),
+        class_names=np.asarray(list(class_names), dtype=str),
+        source=np.asarray(source),
+    )
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def write_outputs(
+    out: Path,
+    name: str,
+    image: np.ndarray,
+    label: np.ndarray,
+    palette: Any,
+    *,
+    alpha: float = 0.5,
+) -> None:
+    """``labels/``, ``color/`` and ``overlay/`` PNGs of one image (atomic writes)."""
+    from dualseg import viz
+    from dualseg.io import atomic_save_image
+
+    atomic_save_image(out / "labels" / f"{name}.png", label.astype(np.uint8))
+    atomic_save_image(out / "color" / f"{name}.png", viz.colorize(label, palette))
+    atomic_save_image(
+        out / "overlay" / f"{name}.png", viz.overlay(image, label, palette, alpha=alpha)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.batch_size < 1:
+        raise DualsegError(f"--batch-size must be >= 1, got {args.batch_size}")
+    from tqdm.auto import tqdm
+
+    from dualseg.engine.predict import as_rgb_array, load_model
+
+    images = collect_images(args.inputs)
+    seg = load_model(args.checkpoint, device=args.device, amp=args.amp)
+    if seg.num_classes > 255:
+        raise DualsegError(
+            f"{args.checkpoint} has {seg.num_classes} classes; label PNGs hold at most 255"
+        )
+    out = Path(args.out)
+    failures: list[str] = []
+    bar = tqdm(total=len(images), desc="predict", unit="img", disable=not sys.stderr.isatty())
+    # Read a few batches' worth at a time: images of equal size share a forward pass.
+    chunk = args.batch_size * 4
+    for start in range(0, len(images), chunk):
+        part = []
+        for path, name in images[start : start + chunk]:
+            try:
+                part.append((path, name, as_rgb_array(path)))
+            except DualsegError as err:
+                failures.append(str(err))
+                bar.update(1)
+        results = seg.predict_batch(
+            [a for _, _, a in part], batch_size=args.batch_size, return_probs=args.probs
+        )
+        for (path, name, array), res in zip(part, results):
+            label, probs = res if args.probs else (res, None)
+            write_outputs(out, name, array, label, seg.meta.palette, alpha=args.alpha)
+            if probs is not None:
+                save_probs(out / "probs" / f"{name}.npz", probs, seg.class_names, str(path))
+            bar.update(1)
+    bar.close()
+    done = len(images) - len(failures)
+    print(f"segmented {done} image(s) with {seg.num_classes} classes -> {out}")
+    if failures:
+        for message in failures:
+            print(f"  skipped: {message}", file=sys.stderr)
+        raise DataError(f"{len(failures)} of {len(images)} input image(s) could not be read")
+    return 0
