@@ -61,12 +61,12 @@ __all__ = [
 def _check_labels(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int) -> None:
     """Raise ``ValueError`` for ground-truth values that are neither a class nor ignore, and for
     predictions outside ``[0, C)`` at non-ignore pixels (one host sync)."""
+    if pred.is_floating_point() or target.is_floating_point():
+        raise TypeError("pred and target must be integer label maps (take argmax of logits first)")
     if pred.shape != target.shape:
         raise ValueError(
             f"pred and target shapes differ: {tuple(pred.shape)} vs {tuple(target.shape)}"
         )
-    if pred.is_floating_point() or target.is_floating_point():
-        raise TypeError("pred and target must be integer label maps (take argmax of logits first)")
     valid = target != ignore_index
     bad_t = valid & ((target < 0) | (target >= num_classes))
     bad_p = valid & ((pred < 0) | (pred >= num_classes))
@@ -397,7 +397,8 @@ def format_table(class_names: Sequence[str], results: Mapping[str, Any]) -> str:
     """A markdown table (readable as plain text) of per-class scores in percent, then the means.
 
     ``results`` is one ``compute()`` dict or several merged (``{**cm.compute(), **bm.compute()}``);
-    only the known keys present are shown. Absent classes (NaN) print as ``-``.
+    only the known keys present are shown. Tensors, lists and :func:`to_jsonable` output all
+    work; absent classes (NaN or None) print as ``-``.
     """
     cols = [(k, h) for k, h in _PER_CLASS_COLUMNS if k in results]
     for k, _ in cols:
@@ -405,8 +406,7 @@ def format_table(class_names: Sequence[str], results: Mapping[str, Any]) -> str:
             raise ValueError(f"{k} has {len(results[k])} values but {len(class_names)} class names")
 
     def pct(v: Any) -> str:
-        v = float(v)
-        return "-" if math.isnan(v) else f"{100 * v:.2f}"
+        return "-" if v is None or math.isnan(float(v)) else f"{100 * float(v):.2f}"
 
     name_w = max([len("class"), *(len(n) for n in class_names)])
     widths = [max(len(h), 6) for _, h in cols]
