@@ -1,0 +1,149 @@
+"""JSON API of ``dualseg serve`` through FastAPI's TestClient (no network, no disk)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from PIL import Image
+from serve_fakes import BrightnessSegmenter, gradient_png
+
+from dualseg.serve.app import create_app
+
+
+def _decode(b64: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))))
+
+
+@pytest.fixture
+def client(segmenter) -> TestClient:
+    return TestClient(create_app(segmenter, max_megapixels=0.01, max_upload_bytes=200_000))
+
+
+def test_segment_good_image_returns_label_map_and_visuals(client, segmenter):
+    png = gradient_png(48, 64)
+    r = client.post("/api/segment", files={"file": ("ramp.png", png, "image/png")})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert (body["width"], body["height"], body["num_classes"]) == (64, 48, 3)
+    assert body["class_names"] == ["dark", "mid", "bright"]
+    label = _decode(body["label_png"])
+    image = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+    np.testing.assert_array_equal(label, segmenter.predict_proba(image).argmax(0))
+    assert body["class_pixels"] == np.bincount(label.ravel(), minlength=3).tolist()
+    color = _decode(body["color_png"])
+    assert color.shape == (48, 64, 3)
+    np.testing.assert_array_equal(color[0, 0], (0, 0, 255))  # dark -> palette[0]
+    np.testing.assert_array_equal(color[0, -1], (255, 0, 0))  # bright -> palette[2]
+    assert _decode(body["overlay_png"]).shape == (48, 64, 3)
+    assert body["refined"] is None
+    assert {"decode", "inference", "encode", "total"} <= set(body["timings_ms"])
+
+
+def test_segment_raw_body_and_label_only(client):
+    r = client.post(
+        "/api/segment?images=false",
+        content=gradient_png(),
+        headers={"Content-Type": "image/png"},
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["color_png"] is None and body["overlay_png"] is None
+    assert _decode(body["label_png"]).shape == (48, 64)
+
+
+def test_non_image_is_rejected_with_400(client):
+    r = client.post("/api/segment", files={"file": ("notes.png", b"hello, not a png", "image/png")})
+    assert r.status_code == 400
+    assert "not a readable image" in r.json()["detail"]
+
+
+def test_text_part_is_rejected_with_415(client):
+    r = client.post("/api/segment", files={"file": ("notes.txt", b"hello", "text/plain")})
+    assert r.status_code == 415
+    assert "not an image" in r.json()["detail"]
+
+
+def test_wrong_request_content_type_is_415(client):
+    r = client.post("/api/segment", json={"image": "street.png"})
+    assert r.status_code == 415
+    assert "multipart/form-data" in r.json()["detail"]
+
+
+def test_missing_file_field_is_400(client):
+    r = client.post("/api/segment", files={"image": ("a.png", gradient_png(), "image/png")})
+    assert r.status_code == 400
+    assert "'file'" in r.json()["detail"]
+
+
+def test_image_over_megapixel_limit_is_413(client):
+    # 0.01 MP limit = 10,000 px; 120x100 = 12,000 px (small in bytes: one colour).
+    buf = io.BytesIO()
+    Image.new("RGB", (120, 100), (9, 9, 9)).save(buf, format="PNG")
+    r = client.post("/api/segment", files={"file": ("big.png", buf.getvalue(), "image/png")})
+    assert r.status_code == 413
+    assert "megapixels" in r.json()["detail"]
+
+
+def test_upload_over_byte_limit_is_413(client):
+    noise = np.random.default_rng(0).integers(0, 256, (300, 300, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(noise).save(buf, format="BMP")  # 270 KB > 200 KB limit
+    for kwargs in (
+        {"files": {"file": ("noise.bmp", buf.getvalue(), "image/bmp")}},
+        {"content": buf.getvalue(), "headers": {"Content-Type": "image/bmp"}},
+    ):
+        r = client.post("/api/segment", **kwargs)
+        assert r.status_code == 413
+        assert "MB" in r.json()["detail"]
+
+
+def test_refiner_result_and_changed_pixels(segmenter, refiner):
+    client = TestClient(create_app(segmenter, refiner=refiner))
+    r = client.post("/api/segment", files={"file": ("ramp.png", gradient_png(48, 64), "image/png")})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    base = _decode(body["label_png"])
+    refined = _decode(body["refined"]["label_png"])
+    assert (refined[0] == 0).all() and (refined[1:] == base[1:]).all()
+    assert body["refined"]["changed_pixels"] == int((base[0] != 0).sum()) > 0
+    changed = _decode(body["refined"]["changed_png"])
+    assert (changed[0, -1] == (255, 0, 255)).all()  # bright -> 0: highlighted in magenta
+    assert "refine" in body["timings_ms"]
+    assert client.get("/api/info").json()["refiner"] is True
+
+
+def test_uploads_not_written_unless_asked(tmp_path, segmenter, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    client = TestClient(create_app(segmenter))
+    r = client.post("/api/segment", content=gradient_png(), headers={"Content-Type": "image/png"})
+    assert r.status_code == 200
+    assert list(tmp_path.iterdir()) == []
+    keep = tmp_path / "kept"
+    client = TestClient(create_app(segmenter, save_uploads=keep))
+    png = gradient_png()
+    client.post("/api/segment", files={"file": ("a.png", png, "image/png")})
+    (saved,) = keep.iterdir()
+    assert saved.suffix == ".png" and saved.read_bytes() == png
+
+
+def test_page_info_and_openapi(client):
+    page = client.get("/")
+    assert page.status_code == 200 and 'id="result-color"' in page.text
+    info = client.get("/api/info").json()
+    assert info["class_names"] == ["dark", "mid", "bright"] and info["refiner"] is False
+    schema = client.get("/openapi.json").json()
+    op = schema["paths"]["/api/segment"]["post"]
+    assert "multipart/form-data" in op["requestBody"]["content"]
+    assert {"200", "400", "413", "415"} <= set(op["responses"])
+    assert "label_png" in schema["components"]["schemas"]["SegmentResponse"]["properties"]
+
+
+def test_fake_segmenter_is_not_trivial():
+    probs = BrightnessSegmenter().predict_proba(
+        np.asarray(Image.open(io.BytesIO(gradient_png())).convert("RGB"))
+    )
+    assert set(np.unique(probs.argmax(0))) == {0, 1, 2}
