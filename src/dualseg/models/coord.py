@@ -1,0 +1,46 @@
+"""Coordinate channels (spec S2, claim 4)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class CoordChannels(nn.Module):
+    """Append three e×f channels ``i``, ``j``, ``r`` to a feature map (claim 4).
+
+    ``i`` is the row index 0..e-1 and ``j`` the column index 0..f-1, both linearly scaled to
+    [-1, 1]; a map with a single row (column) gets ``i = 0`` (``j = 0``), never NaN.
+    ``r = sqrt(m² + n²)`` with ``radius="scaled"`` (the spec's Reading: m, n are the scaled
+    i, j, so r ∈ [0, √2]); ``radius="index"`` uses the raw indices instead.
+
+    ``[B, C, e, f] -> [B, C + 3, e, f]``.
+    """
+
+    def __init__(self, radius: str = "scaled") -> None:
+        super().__init__()
+        if radius not in ("scaled", "index"):
+            raise ValueError(f"radius must be 'scaled' or 'index', got {radius!r}")
+        self.radius = radius
+
+    @staticmethod
+    def _axis(n: int, like: Tensor) -> Tensor:
+        if n == 1:  # linspace(-1, 1, 1) would give -1; a single row/column sits at the centre
+            return like.new_zeros(1)
+        return torch.linspace(-1.0, 1.0, n, device=like.device, dtype=like.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, _, e, f = x.shape
+        i = self._axis(e, x)[:, None].expand(e, f)  # [e, f], constant along a row
+        j = self._axis(f, x)[None, :].expand(e, f)  # [e, f], constant along a column
+        if self.radius == "scaled":
+            r = torch.sqrt(i * i + j * j)
+        else:
+            ri = torch.arange(e, device=x.device, dtype=x.dtype)[:, None]
+            rj = torch.arange(f, device=x.device, dtype=x.dtype)[None, :]
+            r = torch.sqrt(ri * ri + rj * rj)
+        coords = torch.stack([i, j, r.expand(e, f)])  # [3, e, f]
+        return torch.cat([x, coords.unsqueeze(0).expand(b, -1, -1, -1)], dim=1)
+
+    def extra_repr(self) -> str:
+        return f"radius={self.radius!r}"

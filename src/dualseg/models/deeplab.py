@@ -1,0 +1,43 @@
+"""The peer model: torchvision's DeepLabV3 head on the same dilated backbone.
+
+Used by the speed benchmark (same backbone and output stride as method A's network) and as a
+ready base model for method B.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor, nn
+from torchvision.models.segmentation.deeplabv3 import DeepLabHead
+
+from dualseg.models.base import SegmentationModel, pad_to_multiple, upsample_crop
+
+
+class DeepLabV3(SegmentationModel):
+    """backbone → torchvision ``DeepLabHead`` (ASPP with image pooling, 256 channels, 3×3 conv,
+    1×1 classifier) → bilinear upsampling. Default rates (12, 24, 36) at output stride 8 and
+    (6, 12, 18) at 16, as in the DeepLabV3 paper. Padding/cropping as in ``DualBranchNet``."""
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        backbone_channels: int,
+        num_classes: int,
+        *,
+        output_stride: int = 8,
+        rates: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_classes, self.output_stride = num_classes, output_stride
+        if rates is None:
+            rates = (12, 24, 36) if output_stride == 8 else (6, 12, 18)
+        self.rates = tuple(int(r) for r in rates)
+        self.backbone = backbone
+        self.head = DeepLabHead(backbone_channels, num_classes, self.rates)
+
+    def forward(self, x: Tensor) -> Tensor:
+        size = (x.shape[-2], x.shape[-1])
+        x = pad_to_multiple(x, self.output_stride)
+        scores = self.head(self.backbone(x))  # [B, C, H'/os, W'/os]
+        return upsample_crop(scores, (x.shape[-2], x.shape[-1]), size)

@@ -1,0 +1,152 @@
+"""Method A's network (spec S2, S4): two branches (RGB and grayscale) fused by learnable weights.
+
+RGB ─┬─────────────────────────→ Branch(rgb)  ─┐
+     └─ gray (BT.601 luma) ───→ Branch(gray) ─┴→ Fusion → upsample → logits
+Branch: backbone → CoordChannels → ReNetLayer → CoordChannels → ReNetLayer → ASPP
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from dualseg.models.aspp import ASPP, ASPPv3Head
+from dualseg.models.base import SegmentationModel, pad_to_multiple, upsample_crop
+from dualseg.models.coord import CoordChannels
+from dualseg.models.renet import ReNetLayer
+
+try:  # the data package owns the normalization constants
+    from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+except ImportError:  # pragma: no cover - identical fallback while data/ is being written
+    IMAGENET_MEAN = (0.485, 0.456, 0.406)
+    IMAGENET_STD = (0.229, 0.224, 0.225)
+
+# ITU-R BT.601 luma coefficients (R, G, B).
+BT601 = (0.299, 0.587, 0.114)
+
+
+class Branch(nn.Module):
+    """One branch of spec S2: backbone → CoordChannels → ReNetLayer → CoordChannels →
+    ReNetLayer → ASPP, ``[B, in, H, W] -> [B, num_classes, H/os, W/os]`` (class scores).
+
+    Ablations: ``renet_layers`` 0/1/2 keeps that many (CoordChannels → ReNetLayer) pairs;
+    ``coord_channels=False`` drops the coordinate modules; ``aspp_style="v3"`` swaps the
+    DeepLab-v2 sum of atrous class scores for torchvision's DeepLab-v3 ASPP.
+    """
+
+    def __init__(
+        self,
+        backbone: nn.Module,
+        backbone_channels: int,
+        num_classes: int,
+        *,
+        coord_channels: bool = True,
+        coord_radius: str = "scaled",
+        renet_layers: int = 2,
+        renet_hidden: int = 150,
+        renet_patch: int = 1,
+        aspp_rates: Sequence[int] = (4, 6, 8, 12),
+        aspp_style: str = "v2",
+        aspp_init_std: float = 0.01,
+    ) -> None:
+        super().__init__()
+        if renet_layers not in (0, 1, 2):
+            raise ValueError(f"renet_layers must be 0, 1 or 2, got {renet_layers}")
+        self.backbone = backbone
+        context: OrderedDict[str, nn.Module] = OrderedDict()
+        channels = backbone_channels
+        for k in range(1, renet_layers + 1):
+            if coord_channels:
+                context[f"coord{k}"] = CoordChannels(coord_radius)
+                channels += 3
+            context[f"renet{k}"] = ReNetLayer(channels, renet_hidden, renet_patch)
+            channels = 2 * renet_hidden
+        self.context = nn.Sequential(context)
+        if aspp_style == "v2":
+            self.aspp: nn.Module = ASPP(channels, num_classes, aspp_rates, init_std=aspp_init_std)
+        elif aspp_style == "v3":
+            self.aspp = ASPPv3Head(channels, num_classes, aspp_rates)
+        else:
+            raise ValueError(f"aspp_style must be 'v2' or 'v3', got {aspp_style!r}")
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.backbone(x)  # [B, C_bb, H/os, W/os] local features
+        x = self.context(x)  # coord1 → renet1 → coord2 → renet2: [B, 300, H/os, W/os]
+        return self.aspp(x)  # [B, num_classes, H/os, W/os]
+
+
+class Fusion(nn.Module):
+    """Weighted sum of the two branches' class scores (spec S2 Reading: two learnable scalars,
+    initialized equal). ``mode="per_class"`` learns one pair per class; ``"fixed"`` keeps
+    0.5/0.5."""
+
+    def __init__(self, num_classes: int, mode: str = "scalar") -> None:
+        super().__init__()
+        shapes = {"scalar": (2, 1), "per_class": (2, num_classes), "fixed": (2, 1)}
+        if mode not in shapes:
+            raise ValueError(f"fusion must be one of {', '.join(shapes)}, got {mode!r}")
+        self.mode = mode
+        init = torch.full(shapes[mode], 0.5)
+        if mode == "fixed":
+            self.register_buffer("weight", init)
+        else:
+            self.weight = nn.Parameter(init)
+
+    def forward(self, rgb: Tensor, gray: Tensor) -> Tensor:
+        w = self.weight[:, None, :, None, None]  # [2, 1, C or 1, 1, 1]
+        return w[0] * rgb + w[1] * gray
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}"
+
+
+class DualBranchNet(SegmentationModel):
+    """Spec S2/S4: RGB branch + grayscale branch (separate weights), fused, upsampled.
+
+    Input: ImageNet-normalized RGB ``[B, 3, H, W]`` of any size; the grayscale image is computed
+    inside (BT.601 luma of the un-normalized RGB, normalized with the matching gray mean/std),
+    so callers pass only the RGB tensor. The input is zero-padded to a multiple of the output
+    stride and the logits cropped back: output ``[B, num_classes, H, W]``.
+    ``gray=None`` is the single-branch ablation.
+    """
+
+    def __init__(
+        self,
+        rgb: Branch,
+        gray: Branch | None,
+        num_classes: int,
+        *,
+        output_stride: int = 8,
+        fusion: str = "scalar",
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+    ) -> None:
+        super().__init__()
+        self.num_classes, self.output_stride = num_classes, output_stride
+        self.rgb, self.gray = rgb, gray
+        self.fusion = Fusion(num_classes, fusion) if gray is not None else None
+        luma = torch.tensor(BT601)
+        mean_t, std_t = torch.tensor(mean, dtype=torch.float32), torch.tensor(std)
+        self.register_buffer("mean", mean_t.view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", std_t.float().view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("luma", luma.view(1, 3, 1, 1), persistent=False)
+        # Gray normalization matching the RGB one: the same linear combination of the stats.
+        self.gray_mean = float((luma * mean_t).sum())
+        self.gray_std = float((luma * std_t).sum())
+
+    def to_gray(self, x: Tensor) -> Tensor:
+        """Normalized RGB ``[B, 3, H, W]`` -> normalized BT.601 luma ``[B, 1, H, W]``."""
+        rgb = x * self.std + self.mean  # un-normalize to [0, 1]
+        gray = (rgb * self.luma).sum(1, keepdim=True)
+        return (gray - self.gray_mean) / self.gray_std
+
+    def forward(self, x: Tensor) -> Tensor:
+        size = (x.shape[-2], x.shape[-1])
+        x = pad_to_multiple(x, self.output_stride)
+        scores = self.rgb(x)  # [B, C, H'/os, W'/os]
+        if self.gray is not None and self.fusion is not None:
+            scores = self.fusion(scores, self.gray(self.to_gray(x)))
+        return upsample_crop(scores, (x.shape[-2], x.shape[-1]), size)

