@@ -1,0 +1,318 @@
+"""Segmentation datasets: four on-disk layouts, one ``SegmentationDataset``.
+
+Layouts (``layout=`` or detected by ``"auto"``):
+
+- ``list``: a text file with ``image_path label_path`` per line, relative to the file's folder
+  (``ROOT/{split}.txt``, or ``root`` is the list file itself) — the CamVid/SegNet format.
+- ``folder``: ``images/`` and ``labels/`` (or ``masks/``) matched by file stem; searched as
+  ``ROOT/{split}/images``, ``ROOT/images/{split}``, then a flat ``ROOT/images`` (any split).
+- ``voc``: ``JPEGImages/``, ``SegmentationClass/``, ``ImageSets/Segmentation/{split}.txt``.
+- ``cityscapes``: ``leftImg8bit/{split}/*/*_leftImg8bit.png`` with
+  ``gtFine/{split}/*/*_gtFine_labelTrainIds.png``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dualseg.data.presets import META_FILE, PRESETS, DatasetMeta, get_preset, load_meta_file
+from dualseg.data.readers import LABEL_FORMATS, read_image, read_label
+from dualseg.data.transforms import JointTransform, build_eval_transform, sample_seed, seeded
+from dualseg.errors import DataError
+
+LAYOUTS = ("auto", "list", "folder", "voc", "cityscapes")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
+Pair = tuple[Path, Path]
+
+
+@dataclass
+class Discovery:
+    """What a layout scan found: the pairs, the problems (each naming a file), the layout."""
+
+    layout: str
+    samples: list[Pair] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    source: Path | None = None  # the list file or folder the samples came from
+    split_missing: bool = False  # the split's list file / folder does not exist at all
+
+
+def _read_list(list_file: Path, found: Discovery) -> None:
+    base = list_file.parent
+    for n, line in enumerate(list_file.read_text(encoding="utf-8").splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            found.problems.append(
+                f"{list_file}:{n}: expected 'image_path label_path', got {line!r}; "
+                "write one pair per line, separated by a space"
+            )
+            continue
+        pair = (base / parts[0], base / parts[1])
+        missing = [p for p in pair if not p.is_file()]
+        for p in missing:
+            found.problems.append(
+                f"{p}: listed in {list_file}:{n} but not found; fix the path or remove the line"
+            )
+        if not missing:
+            found.samples.append(pair)
+
+
+def _scan_list(root: Path, split: str) -> Discovery:
+    list_file = root if root.is_file() else root / f"{split}.txt"
+    found = Discovery("list", source=list_file)
+    if not list_file.is_file():
+        found.split_missing = True
+        found.problems.append(f"{list_file}: list file not found; create it or pass another split")
+    else:
+        _read_list(list_file, found)
+    return found
+
+
+def _images_by_stem(folder: Path) -> dict[str, Path]:
+    return {
+        p.stem: p
+        for p in sorted(folder.iterdir())
+        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
+    }
+
+
+def _folder_pair_dirs(root: Path, split: str) -> tuple[Path, Path] | None:
+    for base, sub in ((root / split, ""), (root, split), (root, "")):
+        images = base / "images" / sub
+        for name in ("labels", "masks"):
+            labels = base / name / sub
+            if images.is_dir() and labels.is_dir():
+                return images, labels
+    return None
+
+
+def _scan_folder(root: Path, split: str) -> Discovery:
+    found = Discovery("folder", source=root)
+    dirs = _folder_pair_dirs(root, split)
+    if dirs is None:
+        found.split_missing = True
+        found.problems.append(
+            f"{root}: no images/ + labels/ (or masks/) folders (looked in {root / split}, "
+            f"{root}/images/{split}, {root}); arrange the files so or pass --layout"
+        )
+        return found
+    images, labels = map(_images_by_stem, dirs)
+    found.source = dirs[0]
+    for stem, img in images.items():
+        if stem in labels:
+            found.samples.append((img, labels[stem]))
+        else:
+            found.problems.append(f"{img}: no label with stem {stem!r} in {dirs[1]}; add it")
+    for stem in sorted(set(labels) - set(images)):
+        found.problems.append(f"{labels[stem]}: no image with stem {stem!r} in {dirs[0]}; add it")
+    return found
+
+
+def _scan_voc(root: Path, split: str) -> Discovery:
+    if not (root / "JPEGImages").is_dir() and (root / "VOC2012").is_dir():
+        root = root / "VOC2012"  # VOCdevkit/ given
+    list_file = root / "ImageSets" / "Segmentation" / f"{split}.txt"
+    found = Discovery("voc", source=list_file)
+    if not list_file.is_file():
+        found.split_missing = True
+        found.problems.append(f"{list_file}: VOC split file not found; check ROOT and --split")
+        return found
+    for n, line in enumerate(list_file.read_text(encoding="utf-8").splitlines(), start=1):
+        stem = line.strip()
+        if not stem:
+            continue
+        pair = (root / "JPEGImages" / f"{stem}.jpg", root / "SegmentationClass" / f"{stem}.png")
+        missing = [p for p in pair if not p.is_file()]
+        for p in missing:
+            found.problems.append(f"{p}: named in {list_file}:{n} but not found; add it")
+        if not missing:
+            found.samples.append(pair)
+    return found
+
+
+def _scan_cityscapes(root: Path, split: str) -> Discovery:
+    img_dir, gt_dir = root / "leftImg8bit" / split, root / "gtFine" / split
+    found = Discovery("cityscapes", source=img_dir)
+    if not img_dir.is_dir():
+        found.split_missing = True
+        found.problems.append(f"{img_dir}: Cityscapes image folder not found; check ROOT/--split")
+        return found
+    for img in sorted(img_dir.glob("*/*_leftImg8bit.png")):
+        stem = img.name[: -len("_leftImg8bit.png")]
+        label = gt_dir / img.parent.name / f"{stem}_gtFine_labelTrainIds.png"
+        if label.is_file():
+            found.samples.append((img, label))
+        else:
+            found.problems.append(
+                f"{label}: train-id label not found; create the *_labelTrainIds.png files with "
+                "cityscapesscripts' createTrainIdLabelImgs"
+            )
+    return found
+
+
+SCANNERS = {
+    "list": _scan_list,
+    "folder": _scan_folder,
+    "voc": _scan_voc,
+    "cityscapes": _scan_cityscapes,
+}
+
+
+def detect_layout(root: str | Path, split: str = "train") -> str:
+    """Which layout ``root`` looks like (``DataError`` when none)."""
+    root = Path(root)
+    if (root.is_file() and root.suffix == ".txt") or (root / f"{split}.txt").is_file():
+        return "list"
+    if (root / "JPEGImages").is_dir() or (root / "VOC2012" / "JPEGImages").is_dir():
+        return "voc"
+    if (root / "leftImg8bit").is_dir() and (root / "gtFine").is_dir():
+        return "cityscapes"
+    if _folder_pair_dirs(root, split) is not None:
+        return "folder"
+    if not root.exists():
+        raise DataError(f"{root}: dataset folder not found; check the path")
+    raise DataError(
+        f"{root}: cannot tell the dataset layout for split {split!r}: expected {split}.txt "
+        "(list), images/ + labels/ (folder), JPEGImages/ (voc) or leftImg8bit/ (cityscapes); "
+        f"pass layout= one of {LAYOUTS[1:]}"
+    )
+
+
+def discover(root: str | Path, *, split: str = "train", layout: str = "auto") -> Discovery:
+    """Scan a dataset; every problem found is collected (``dualseg data check`` reports all)."""
+    root = Path(root)
+    if layout not in LAYOUTS:
+        raise DataError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+    if layout == "auto":
+        layout = detect_layout(root, split)
+    return SCANNERS[layout](root, split)
+
+
+def resolve_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -> DatasetMeta:
+    """The dataset's classes: the given preset, else ROOT/meta.json, else the layout's preset."""
+    if isinstance(preset, DatasetMeta):
+        return preset
+    if preset is not None:
+        return get_preset(preset)
+    root = Path(root)
+    meta_file = (root.parent if root.is_file() else root) / META_FILE
+    if meta_file.is_file():
+        return load_meta_file(meta_file)
+    if layout in PRESETS:  # voc, cityscapes
+        return PRESETS[layout]
+    raise DataError(
+        f"{root}: which classes does this dataset have? pass preset= one of {sorted(PRESETS)} "
+        f"(CLI: --preset), or describe them in {meta_file} (name, class_names, palette)"
+    )
+
+
+class SegmentationDataset(torch.utils.data.Dataset):
+    """Image/label pairs -> ``(image float32 [3,H,W] normalized, label int64 [H,W])``.
+
+    ``samples_per_epoch`` expands the dataset on the fly (spec S1): index ``i`` reads pair
+    ``i % len(samples)`` with its own augmentation. Every index has its own seed, derived from
+    ``(seed, epoch, i)``, so the stream does not depend on DataLoader workers and a resumed run
+    replays it; call :meth:`set_epoch` before each epoch for fresh augmentations (as with
+    ``DistributedSampler``; with ``persistent_workers=True`` workers keep the epoch they forked
+    with).
+    """
+
+    def __init__(
+        self,
+        samples: list[Pair],
+        meta: DatasetMeta,
+        *,
+        transform: JointTransform | None = None,
+        label_format: str = "index",
+        samples_per_epoch: int | None = None,
+        seed: int = 0,
+        source: str | Path = "",
+    ) -> None:
+        if not samples:
+            raise DataError(f"{source or 'dataset'}: the dataset is empty; check ROOT and split")
+        if label_format not in LABEL_FORMATS:
+            raise DataError(f"unknown label_format {label_format!r}; use one of {LABEL_FORMATS}")
+        if samples_per_epoch is not None and samples_per_epoch < 1:
+            raise DataError(f"samples_per_epoch must be >= 1, got {samples_per_epoch}")
+        self.samples = list(samples)
+        self.meta = meta
+        self.transform = transform if transform is not None else build_eval_transform()
+        self.label_format = label_format
+        self.samples_per_epoch = samples_per_epoch
+        self.seed = seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.samples_per_epoch or len(self.samples)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+    def load_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """The raw pair ``(uint8 HxWx3, uint8 HxW with 255 = ignore)`` of sample ``index``."""
+        img_path, label_path = self.samples[index % len(self.samples)]
+        image = read_image(img_path)
+        label = read_label(label_path, self.meta, label_format=self.label_format)
+        if image.shape[:2] != label.shape:
+            raise DataError(
+                f"{label_path}: label size {label.shape[1]}x{label.shape[0]} differs from image "
+                f"{img_path} size {image.shape[1]}x{image.shape[0]} (WxH); resize the label with "
+                "nearest-neighbour or fix the pairing"
+            )
+        return image, label
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"index {index} out of range for {len(self)} samples")
+        index %= len(self)
+        image, label = self.load_pair(index)
+        with seeded(sample_seed(self.seed, index, self.epoch)):
+            return self.transform(image, label)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.meta.name}, {len(self.samples)} pairs, "
+            f"len={len(self)}, transform={self.transform!r})"
+        )
+
+
+def build_dataset(
+    root: str | Path,
+    *,
+    split: str = "train",
+    layout: str = "auto",
+    preset: str | DatasetMeta | None = None,
+    transform: JointTransform | None = None,
+    label_format: str = "index",
+    samples_per_epoch: int | None = None,
+    seed: int = 0,
+) -> SegmentationDataset:
+    """Scan ``root`` and return its ``split`` as a :class:`SegmentationDataset`.
+
+    Raises one :class:`DataError` naming the first bad file (and how many more there are) when
+    listed files are missing; ``transform=None`` means :func:`build_eval_transform`.
+    """
+    found = discover(root, split=split, layout=layout)
+    if found.problems:
+        more = len(found.problems) - 1
+        raise DataError(
+            found.problems[0]
+            + (f" (and {more} more problems; run 'dualseg data check {root}')" if more else "")
+        )
+    meta = resolve_meta(root, found.layout, preset)
+    return SegmentationDataset(
+        found.samples,
+        meta,
+        transform=transform,
+        label_format=label_format,
+        samples_per_epoch=samples_per_epoch,
+        seed=seed,
+        source=found.source or root,
+    )
