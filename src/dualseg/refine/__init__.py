@@ -1,1 +1,28 @@
-"""dualseg.refine"""
+"""dualseg.refine — method B: boundary re-optimization of any segmentation model.
+
+>>> from dualseg.refine import BoundaryRefiner                       # doctest: +SKIP
+>>> refiner = BoundaryRefiner.load("refiner.pt")                     # doctest: +SKIP
+>>> labels = refiner.refine(images, probs)   # [B,3,H,W] normalized, [B,C,H,W] -> [B,H,W]
+"""
+
+from dualseg.refine.boundary import near_boundary_mask, semantic_boundary
+from dualseg.refine.embedding import EmbeddingNet, build_embedding_net, init_backbone_from
+from dualseg.refine.prototypes import PrototypeAccumulator, compute_prototypes
+from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig, triplet_step
+from dualseg.refine.triplet import sample_triplets, triplet_hinge, triplet_loss
+
+__all__ = [
+    "BoundaryRefiner",
+    "EmbeddingNet",
+    "PrototypeAccumulator",
+    "RefinerConfig",
+    "build_embedding_net",
+    "compute_prototypes",
+    "init_backbone_from",
+    "near_boundary_mask",
+    "sample_triplets",
+    "semantic_boundary",
+    "triplet_hinge",
+    "triplet_loss",
+    "triplet_step",
+]

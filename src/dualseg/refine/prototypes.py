@@ -1,0 +1,41 @@
+"""Class prototypes (method B, training step 5): E_j = mean near-boundary embedding of label j.
+
+Streamed: per-class sums and counts are accumulated batch by batch (float64, ``index_add_``),
+so the training set's near-boundary features are never held in memory at once. A class never
+seen at a near-boundary pixel gets no prototype (``present[j] == False``); the refiner never
+chooses it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class PrototypeAccumulator:
+    """Running per-class sums of embeddings; ``compute()`` gives the means."""
+
+    def __init__(self, num_classes: int, dim: int, *, device: str | torch.device = "cpu") -> None:
+        self.sums = torch.zeros(num_classes, dim, dtype=torch.float64, device=device)
+        self.counts = torch.zeros(num_classes, dtype=torch.int64, device=device)
+
+    def update(self, emb: Tensor, labels: Tensor) -> None:
+        """Add embeddings ``[N,C]`` with labels ``[N]`` (labels outside ``[0, K)`` are skipped)."""
+        labels = labels.to(self.counts.device).long()
+        keep = (labels >= 0) & (labels < self.counts.numel())
+        emb, labels = emb.detach().to(self.sums.device, torch.float64)[keep], labels[keep]
+        self.sums.index_add_(0, labels, emb)
+        self.counts += torch.bincount(labels, minlength=self.counts.numel())
+
+    def compute(self) -> tuple[Tensor, Tensor]:
+        """``(prototypes float32 [K,C], present bool [K])``; rows of absent classes are zero."""
+        present = self.counts > 0
+        protos = self.sums / self.counts.clamp(min=1).unsqueeze(1).to(torch.float64)
+        return protos.float(), present
+
+
+def compute_prototypes(emb: Tensor, labels: Tensor, num_classes: int) -> tuple[Tensor, Tensor]:
+    """Prototypes of one in-memory set ``emb [N,C]``, ``labels [N]``."""
+    acc = PrototypeAccumulator(num_classes, emb.shape[1], device=emb.device)
+    acc.update(emb, labels)
+    return acc.compute()

@@ -1,0 +1,135 @@
+"""Triplet metric learning on near-boundary embeddings (method B, training step 4).
+
+The claim picks, for a label j, two true examples T1, T2 (label j) and a false example F0
+(another label); when ``d(T1, F0) - d(T1, T2) <= Δ`` it corrects the model by back-propagating
+that difference, else it skips. Reading: a hinge ``max(0, Δ + d(T1,T2) - d(T1,F0))`` averaged
+over many triplets sampled per step, Euclidean ``d``; a triplet with zero loss contributes
+nothing — the claim's skip.
+
+Sampling is vectorized: pixels are sorted by label, so each class occupies one contiguous run
+``[start_j, start_j + count_j)``; positives are drawn inside the anchor's run (never the anchor
+itself), negatives from the complement of that run.
+"""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+import torch
+from torch import Tensor
+
+from dualseg.errors import ConfigError
+
+REDUCTIONS = ("all", "violating")
+
+
+class TripletStats(TypedDict):
+    num_triplets: int  # triplets sampled (0: no class had two samples next to another class)
+    violating: float  # fraction with d(T1,F0) - d(T1,T2) < Δ (positive loss)
+    margin: float  # mean of d(T1,F0) - d(T1,T2)
+    loss: float
+
+
+def sample_triplets(
+    labels: Tensor, num_triplets: int, *, generator: torch.Generator | None = None
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Indices ``(t1, t2, f0)`` into ``labels`` ``[N]``, each ``[num_triplets]`` long.
+
+    ``labels[t1] == labels[t2] != labels[f0]`` and ``t1 != t2``. Anchors are drawn uniformly
+    among the samples of classes that have at least two samples (a class with a single sample
+    cannot give T1 and T2 and is skipped). ``None`` when no triplet exists (fewer than two
+    classes, or no class with two samples): the caller's step is then a no-op.
+    """
+    n = labels.numel()
+    if n < 3 or num_triplets <= 0:
+        return None
+    dev = labels.device
+    order = torch.argsort(labels, stable=True)  # sorted position -> original index
+    sorted_labels = labels[order]
+    _, inverse, counts = torch.unique_consecutive(
+        sorted_labels, return_inverse=True, return_counts=True
+    )
+    if counts.numel() < 2:
+        return None
+    starts = torch.cumsum(counts, 0) - counts
+    per_pos_count = counts[inverse]  # [N] size of each sample's class
+    eligible = (per_pos_count >= 2).nonzero().squeeze(1)  # sorted positions usable as T1
+    if eligible.numel() == 0:
+        return None
+
+    def randint(high: Tensor) -> Tensor:  # uniform integer in [0, high) per element
+        u = torch.rand(high.shape, generator=generator, device="cpu").to(dev)
+        return torch.minimum((u * high).long(), high - 1)
+
+    size = torch.full((num_triplets,), eligible.numel(), device=dev)
+    anchor = eligible[randint(size)]  # sorted positions
+    cls = inverse[anchor]
+    start, count = starts[cls], counts[cls]
+    # positive: one of the other count-1 members of the run
+    k = randint(count - 1)
+    own = anchor - start
+    positive = start + k + (k >= own).long()
+    # negative: one of the n - count samples outside the run
+    r = randint(n - count)
+    negative = torch.where(r < start, r, r + count)
+    return order[anchor], order[positive], order[negative]
+
+
+def triplet_hinge(
+    emb: Tensor, t1: Tensor, t2: Tensor, f0: Tensor, margin: float
+) -> tuple[Tensor, Tensor]:
+    """Per-triplet hinge ``max(0, Δ + d(T1,T2) - d(T1,F0))`` and ``d(T1,F0) - d(T1,T2)``."""
+    a = emb[t1]
+    d_pos = _euclidean(a, emb[t2])
+    d_neg = _euclidean(a, emb[f0])
+    gap = d_neg - d_pos
+    return torch.relu(margin - gap), gap
+
+
+def _euclidean(a: Tensor, b: Tensor) -> Tensor:
+    # sqrt with a tiny floor: the gradient of sqrt at 0 is infinite (T1 == T2 happens early on)
+    return ((a - b).pow(2).sum(-1) + 1e-12).sqrt()
+
+
+def triplet_loss(
+    emb: Tensor,
+    labels: Tensor,
+    *,
+    margin: float = 1.0,
+    num_triplets: int = 4096,
+    reduction: str = "all",
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, TripletStats]:
+    """Sampled triplet hinge loss over near-boundary embeddings ``emb [N,C]``, ``labels [N]``.
+
+    ``reduction="all"`` averages over all sampled triplets (zero-loss ones add zeros);
+    ``"violating"`` averages over the violating ones only (the claim's skip taken literally:
+    only corrected triplets count). With no possible triplet the loss is an exact zero that
+    still belongs to the graph, so ``backward()`` is a no-op.
+    """
+    if reduction not in REDUCTIONS:
+        raise ConfigError(f"unknown triplet reduction {reduction!r}; choose one of {REDUCTIONS}")
+    if margin < 0:
+        raise ConfigError(f"triplet margin must be >= 0, got {margin}")
+    zero = emb.sum() * 0.0
+    triplets = sample_triplets(labels, num_triplets, generator=generator)
+    if triplets is None:
+        return zero, TripletStats(num_triplets=0, violating=0.0, margin=0.0, loss=0.0)
+    hinge, gap = triplet_hinge(emb, *triplets, margin)
+    return reduce_hinge(hinge, gap, reduction)
+
+
+def reduce_hinge(hinge: Tensor, gap: Tensor, reduction: str = "all") -> tuple[Tensor, TripletStats]:
+    """The loss of per-triplet hinges (see :func:`triplet_loss`) and its statistics."""
+    if reduction not in REDUCTIONS:
+        raise ConfigError(f"unknown triplet reduction {reduction!r}; choose one of {REDUCTIONS}")
+    violating = hinge > 0
+    # "violating": mean over the corrected triplets only
+    loss = hinge.mean() if reduction == "all" else hinge.sum() / violating.sum().clamp(min=1)
+    stats = TripletStats(
+        num_triplets=int(hinge.numel()),
+        violating=float(violating.float().mean()),
+        margin=float(gap.detach().mean()),
+        loss=float(loss.detach()),
+    )
+    return loss, stats

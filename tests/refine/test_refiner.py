@@ -1,0 +1,100 @@
+"""BoundaryRefiner inference (method B P2-P5) on a constructed case."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from dualseg.errors import CheckpointError, DataError
+from dualseg.refine import BoundaryRefiner, EmbeddingNet, RefinerConfig, near_boundary_mask
+
+
+class FixedFeatures(nn.Module):
+    """A 'backbone' whose features are a given map at input size (ignores the image)."""
+
+    def __init__(self, features: Tensor) -> None:
+        super().__init__()
+        self.register_buffer("map", features)
+        self.calls = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        return self.map.expand(x.shape[0], -1, -1, -1)
+
+
+def _case() -> tuple[BoundaryRefiner, Tensor, Tensor, Tensor]:
+    """Left half class 0 (Top-2 {0, 2}), right half class 1 (Top-2 {1, 3}); prototype k =
+    10·e_k; embeddings = own prototype except a few planted pixels. Returns the refiner, the
+    probabilities, the embedding map and the expected changed mask."""
+    h = w = 32
+    order_left, order_right = torch.tensor([0.6, 0.0, 0.3, 0.1]), torch.tensor([0.0, 0.6, 0.1, 0.3])
+    probs = torch.where(torch.arange(w) < 16, order_left[:, None], order_right[:, None])
+    probs = probs[:, None, :].expand(4, h, w)[None].clone()  # [1,4,H,W]
+    protos = 10 * torch.eye(4)
+    emb = torch.where(torch.arange(w) < 16, protos[0][:, None], protos[1][:, None])
+    emb = emb[:, None, :].expand(4, h, w).clone()  # [4,H,W]
+    expected = torch.zeros(h, w, dtype=torch.bool)
+    emb[:, 0:10, 14] = protos[2][:, None]  # in band, 2 in Top-2 -> becomes 2
+    expected[0:10, 14] = True
+    emb[:, 10:20, 14] = (protos[1] + 0.1 * protos[0])[:, None]  # nearest is 1, not in Top-2 -> 0
+    emb[:, 0:10, 2] = protos[2][:, None]  # like the first group but outside the band
+    emb[:, 20:30, 17] = protos[3][:, None]  # right side, in band, 3 in Top-2 -> becomes 3
+    expected[20:30, 17] = True
+    net = EmbeddingNet(FixedFeatures(emb[None]), nn.Identity(), 4)
+    refiner = BoundaryRefiner(
+        net,
+        protos,
+        torch.ones(4, dtype=torch.bool),
+        class_names="abcd",
+        config=RefinerConfig(embed_dim=4, top_n=2, radius=2),
+    )
+    return refiner, probs, emb, expected
+
+
+def test_refiner_changes_exactly_the_expected_pixels(tmp_path: Path) -> None:
+    refiner, probs, _, expected = _case()
+    images = torch.zeros(1, 3, 32, 32)
+    labels, changed = refiner.refine(images, probs, return_changed=True)
+    assert labels.dtype == torch.int64 and labels.shape == (1, 32, 32)
+    assert torch.equal(changed[0], expected)
+    assert (labels[0][expected] == torch.tensor([2] * 10 + [3] * 10)).all()
+    band = near_boundary_mask(probs.argmax(1), radius=2)
+    assert not (changed & ~band).any()
+    top2 = probs.topk(2, dim=1).indices
+    assert ((top2 == labels[:, None]).any(1)).all()  # never a label outside the Top-N
+    # logits give the same result (only the order of the scores matters)
+    assert torch.equal(refiner.refine(images, probs.clamp(min=1e-6).log()), labels)
+
+    # a class without prototype is never chosen: the planted 2s stay 0
+    refiner.present[2] = False
+    labels2, changed2 = refiner.refine(images, probs, return_changed=True)
+    assert (labels2 != 2).all() and torch.equal(changed2[0], expected & (torch.arange(32) > 16))
+    refiner.present[2] = True
+
+    # one file, weights_only: the loaded refiner gives the same labels
+    path = refiner.save(tmp_path / "refiner.pt")
+    blank = EmbeddingNet(FixedFeatures(torch.zeros(1, 4, 32, 32)), nn.Identity(), 4)
+    loaded = BoundaryRefiner.load(path, net=blank)
+    assert loaded.class_names == ("a", "b", "c", "d") and loaded.config.top_n == 2
+    assert torch.equal(loaded.refine(images, probs), labels)
+
+
+def test_refiner_bad_inputs_are_clear_errors_or_no_ops(tmp_path: Path) -> None:
+    refiner, probs, _, _ = _case()
+    with pytest.raises(DataError, match="do not match"):
+        refiner.refine(torch.zeros(1, 3, 30, 32), probs)
+    with pytest.raises(CheckpointError, match="predicts 3 classes"):
+        refiner.refine(torch.zeros(1, 3, 32, 32), probs[:, :3])
+    with pytest.raises(CheckpointError, match="class names differ"):
+        refiner.check_classes(["a", "b", "x", "d"], 4)
+    with pytest.raises(CheckpointError, match="not a dualseg refiner"):
+        torch.save({"a": torch.zeros(1)}, tmp_path / "x.pt")
+        BoundaryRefiner.load(tmp_path / "x.pt")
+    # no near-boundary pixel (one class everywhere): unchanged, embedding model never run
+    flat = torch.zeros(1, 4, 32, 32)
+    flat[:, 1] = 1
+    labels, changed = refiner.refine(torch.zeros(1, 3, 32, 32), flat, return_changed=True)
+    assert (labels == 1).all() and not changed.any() and refiner.net.backbone.calls == 0
