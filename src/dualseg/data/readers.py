@@ -60,7 +60,7 @@ def read_image(path: str | Path) -> np.ndarray:
         im, mode = im.convert("RGB"), "RGB"
     if mode == "1":
         im, mode = im.convert("L"), "L"
-    arr = np.asarray(im)
+    arr = np.array(im)  # a writable copy: np.asarray of a PIL image is read-only
     if mode in _SIXTEEN_BIT:
         if arr.min() < 0 or arr.max() > 65535:
             raise DataError(f"{path}: 32-bit image values outside 0..65535; save it as 8-bit RGB")

@@ -1,0 +1,164 @@
+"""Every layout loads; every way a dataset can be wrong gives one DataError naming the file."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from datahelpers import TINY, random_pair, save
+
+from dualseg.data import (
+    build_dataset,
+    build_train_transform,
+    detect_layout,
+    get_preset,
+    read_image,
+)
+from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from dualseg.errors import DataError
+
+
+def _check_item(ds, n_classes):
+    image, label = ds[0]
+    assert image.dtype == torch.float32 and image.shape[0] == 3
+    assert label.dtype == torch.int64 and label.shape == image.shape[1:]
+    values = set(label.unique().tolist())
+    assert values <= set(range(n_classes)) | {255}
+
+
+def test_list_layout_from_folder_or_list_file(list_root):
+    ds = build_dataset(list_root, split="train", preset=TINY)
+    assert detect_layout(list_root) == "list" and len(ds) == 3
+    _check_item(ds, 4)
+    assert len(build_dataset(list_root / "val.txt", preset=TINY)) == 2
+    # the first item is the ImageNet-normalized first image
+    raw = read_image(ds.samples[0][0])
+    mean, std = torch.tensor(IMAGENET_MEAN), torch.tensor(IMAGENET_STD)
+    expected = (torch.from_numpy(raw).float() / 255 - mean) / std
+    assert torch.allclose(ds[0][0], expected.permute(2, 0, 1), atol=1e-5)
+
+
+@pytest.mark.parametrize("label_dir", ["labels", "masks"])
+@pytest.mark.parametrize("arrangement", ["flat", "split_first", "split_inside"])
+def test_folder_layout(tmp_path, label_dir, arrangement):
+    rng = np.random.default_rng(1)
+    base, sub = {
+        "flat": (tmp_path, ""),
+        "split_first": (tmp_path / "train", ""),
+        "split_inside": (tmp_path, "train"),
+    }[arrangement]
+    for stem, suffix in (("a", ".png"), ("b", ".jpg"), ("c", ".bmp")):
+        image, label = random_pair(rng)
+        save(base / "images" / sub / f"{stem}{suffix}", image)
+        save(base / label_dir / sub / f"{stem}.png", label)
+    assert detect_layout(tmp_path) == "folder"
+    ds = build_dataset(tmp_path, preset=TINY)
+    assert [p[0].stem for p in ds.samples] == ["a", "b", "c"]
+    _check_item(ds, 4)
+
+
+def test_voc_layout(tmp_path):
+    rng = np.random.default_rng(2)
+    voc = tmp_path / "VOCdevkit" / "VOC2012"
+    for stem in ("2007_000032", "2007_000033"):
+        image, _ = random_pair(rng)
+        save(voc / "JPEGImages" / f"{stem}.jpg", image)
+        label = rng.choice(np.array([0, 5, 20, 255], np.uint8), size=image.shape[:2])
+        save(voc / "SegmentationClass" / f"{stem}.png", label)
+    (voc / "ImageSets" / "Segmentation").mkdir(parents=True)
+    (voc / "ImageSets" / "Segmentation" / "val.txt").write_text("2007_000032\n2007_000033\n")
+    ds = build_dataset(tmp_path / "VOCdevkit", split="val")  # preset from the layout
+    assert ds.meta.name == "voc" and len(ds) == 2
+    _check_item(ds, 21)
+    assert set(ds[0][1].unique().tolist()) <= {0, 5, 20, 255}
+
+
+def test_cityscapes_layout(tmp_path):
+    rng = np.random.default_rng(3)
+    for city, stem in (("aachen", "aachen_000000_000019"), ("bonn", "bonn_000001_000019")):
+        image, _ = random_pair(rng)
+        save(tmp_path / "leftImg8bit" / "train" / city / f"{stem}_leftImg8bit.png", image)
+        label = rng.choice(np.array([0, 18, 255], np.uint8), size=image.shape[:2])
+        save(tmp_path / "gtFine" / "train" / city / f"{stem}_gtFine_labelTrainIds.png", label)
+    assert detect_layout(tmp_path) == "cityscapes"
+    ds = build_dataset(tmp_path)
+    assert ds.meta.name == "cityscapes" and ds.meta.num_classes == 19 and len(ds) == 2
+    _check_item(ds, 19)
+
+
+def test_meta_json_gives_classes_and_missing_preset_is_explained(list_root):
+    with pytest.raises(DataError, match="preset"):
+        build_dataset(list_root)
+    (list_root / "meta.json").write_text(json.dumps(TINY.to_dict()))
+    assert build_dataset(list_root).meta == TINY
+    assert get_preset("camvid").num_classes == 11 and get_preset("camvid").source_ignore == (11,)
+
+
+def test_missing_listed_file(list_root):
+    missing = list_root / "train" / "1.png"
+    missing.unlink()
+    with pytest.raises(DataError) as err:
+        build_dataset(list_root, preset=TINY)
+    assert str(missing) in str(err.value) and "train.txt:2" in str(err.value)
+
+
+def test_size_mismatch_names_both_files(list_root):
+    save(list_root / "trainannot" / "0.png", np.zeros((10, 10), np.uint8))
+    ds = build_dataset(list_root, preset=TINY)
+    with pytest.raises(DataError, match="differs") as err:
+        ds[0]
+    assert "trainannot/0.png" in str(err.value) and "train/0.png" in str(err.value)
+
+
+def test_out_of_range_label_when_loading(list_root):
+    save(list_root / "trainannot" / "2.png", np.full((16, 24), 7, np.uint8))
+    ds = build_dataset(list_root, preset=TINY)
+    with pytest.raises(DataError, match=r"\[7\]") as err:
+        ds[2]
+    assert "trainannot/2.png" in str(err.value)
+
+
+def test_empty_dataset_and_malformed_lines(tmp_path):
+    (tmp_path / "train.txt").write_text("\n")
+    with pytest.raises(DataError, match="empty") as err:
+        build_dataset(tmp_path, preset=TINY)
+    assert str(tmp_path / "train.txt") in str(err.value)
+    (tmp_path / "train.txt").write_text("only_one_path.png\n")
+    with pytest.raises(DataError, match=r"train.txt:1: expected"):
+        build_dataset(tmp_path, preset=TINY)
+    with pytest.raises(DataError, match="cannot tell the dataset layout"):
+        build_dataset(tmp_path, split="val")  # no val.txt, no images/, ...
+
+
+def test_folder_with_unmatched_files(tmp_path):
+    rng = np.random.default_rng(4)
+    image, label = random_pair(rng)
+    save(tmp_path / "images" / "a.png", image)
+    save(tmp_path / "labels" / "b.png", label)
+    with pytest.raises(DataError, match=r"a\.png: no label") as err:
+        build_dataset(tmp_path, preset=TINY)
+    assert "1 more" in str(err.value)
+
+
+def test_samples_per_epoch_expands_with_fresh_augmentations(list_root):
+    t = build_train_transform(crop_size=(16, 16), scale_range=(0.5, 2.0))
+    ds = build_dataset(list_root, preset=TINY, transform=t, samples_per_epoch=10)
+    assert len(ds) == 10 and len(ds.samples) == 3
+    a, b = ds[1], ds[4]  # the same source pair, different per-index augmentation
+    assert not torch.equal(a[0], b[0])
+    assert torch.equal(ds[4][0], b[0])  # same index -> same sample
+    ds.set_epoch(1)
+    assert not torch.equal(ds[4][0], b[0])  # a new epoch -> new augmentations
+
+
+def test_stream_is_independent_of_dataloader_workers(list_root):
+    t = build_train_transform(crop_size=(16, 16))
+    ds = build_dataset(list_root, preset=TINY, transform=t, samples_per_epoch=6, seed=3)
+
+    def batches(workers):
+        loader = torch.utils.data.DataLoader(ds, batch_size=2, num_workers=workers)
+        return [torch.cat([x.flatten(), y.flatten().float()]) for x, y in loader]
+
+    assert all(torch.equal(a, b) for a, b in zip(batches(0), batches(2), strict=True))

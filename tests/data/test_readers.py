@@ -1,0 +1,117 @@
+"""read_image / read_label: conversions where unambiguous, one clear DataError otherwise."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from datahelpers import TINY, save
+from PIL import Image
+
+from dualseg.data import get_preset, read_image, read_label
+from dualseg.errors import DataError
+
+RNG = np.random.default_rng(0)
+RGB = RNG.integers(0, 256, (8, 10, 3), dtype=np.uint8)
+
+
+def test_rgb_and_grayscale_and_palette_images(tmp_path):
+    assert np.array_equal(read_image(save(tmp_path / "rgb.png", RGB)), RGB)
+    gray = RGB[..., 0]
+    out = read_image(save(tmp_path / "gray.png", gray))
+    assert out.shape == (8, 10, 3) and all(np.array_equal(out[..., c], gray) for c in range(3))
+    pal = Image.fromarray(RGB).quantize(16)
+    pal.save(tmp_path / "p.png")
+    assert np.array_equal(read_image(tmp_path / "p.png"), np.asarray(pal.convert("RGB")))
+    assert np.array_equal(read_image(save(tmp_path / "x.jpg", RGB)).shape, RGB.shape)
+
+
+def test_opaque_alpha_is_dropped_transparent_is_an_error(tmp_path):
+    rgba = np.dstack([RGB, np.full((8, 10), 255, np.uint8)])
+    assert np.array_equal(read_image(save(tmp_path / "a.png", rgba)), RGB)
+    rgba[0, 0, 3] = 10
+    path = save(tmp_path / "t.png", rgba)
+    with pytest.raises(DataError, match="transparent") as err:
+        read_image(path)
+    assert str(path) in str(err.value)
+
+
+def test_sixteen_bit_image_scaled_to_eight_bit(tmp_path):
+    values = np.array([[0, 257, 65535, 32896]], dtype=np.uint16)
+    Image.fromarray(values).save(tmp_path / "g16.png")
+    assert Image.open(tmp_path / "g16.png").mode.startswith("I")
+    assert read_image(tmp_path / "g16.png")[0, :, 0].tolist() == [0, 1, 255, 128]
+
+
+@pytest.mark.parametrize("kind", ["truncated", "not_an_image", "missing", "float_mode"])
+def test_bad_images_name_the_file(tmp_path, kind):
+    path = tmp_path / "bad.png"
+    if kind == "truncated":
+        save(path, RNG.integers(0, 256, (64, 64, 3), dtype=np.uint8))
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif kind == "not_an_image":
+        path.write_text("hello")
+    elif kind == "float_mode":
+        path = tmp_path / "bad.tif"
+        Image.fromarray(RNG.random((4, 4)).astype(np.float32)).save(path)
+    with pytest.raises(DataError) as err:
+        read_image(path)
+    assert str(path) in str(err.value)
+    msg = str(err.value)
+    expected = {"truncated": "truncated", "not_an_image": "unreadable", "missing": "not found"}
+    assert expected.get(kind, "unsupported image mode") in msg
+
+
+def test_index_label_maps_source_ignore_to_255(tmp_path):
+    label = np.array([[0, 1, 10, 11, 255]], np.uint8)
+    out = read_label(save(tmp_path / "l.png", label), get_preset("camvid"))
+    assert out.dtype == np.uint8 and out.tolist() == [[0, 1, 10, 255, 255]]
+
+
+def test_out_of_range_label_names_file_and_values(tmp_path):
+    path = save(tmp_path / "l.png", np.array([[0, 12, 40]], np.uint8))
+    with pytest.raises(DataError, match=r"\[12, 40\]") as err:
+        read_label(path, get_preset("camvid"))
+    assert str(path) in str(err.value) and "preset" in str(err.value)
+
+
+def test_palette_mode_label_reads_indices_not_colours(tmp_path):
+    # VOC's SegmentationClass PNGs: mode P whose pixel values are the class indices
+    label = np.array([[0, 1, 20, 255]], np.uint8)
+    im = Image.fromarray(label)
+    im.putpalette([v for c in get_preset("voc").palette for v in c])
+    im.save(tmp_path / "voc.png")
+    assert read_label(tmp_path / "voc.png", get_preset("voc")).tolist() == label.tolist()
+
+
+def test_sixteen_bit_and_gray_rgb_labels_converted(tmp_path):
+    Image.fromarray(np.array([[0, 3, 255]], np.uint16)).save(tmp_path / "l16.png")
+    assert read_label(tmp_path / "l16.png", TINY).tolist() == [[0, 3, 255]]
+    Image.fromarray(np.array([[0, 300]], np.uint16)).save(tmp_path / "big.png")
+    with pytest.raises(DataError, match="300"):
+        read_label(tmp_path / "big.png", TINY)
+    gray_rgb = np.repeat(np.array([[1, 2]], np.uint8)[..., None], 3, axis=2)
+    assert read_label(save(tmp_path / "g.png", gray_rgb), TINY).tolist() == [[1, 2]]
+
+
+def test_colour_label_needs_color_format_and_decodes(tmp_path):
+    idx = np.array([[0, 1, 2, 3], [3, 2, 1, 0]], np.uint8)
+    rgb = np.asarray(TINY.palette, np.uint8)[idx]
+    rgb[1, 3] = 0  # void colour -> ignore
+    path = save(tmp_path / "c.png", rgb)
+    with pytest.raises(DataError, match="label_format='color'"):
+        read_label(path, TINY)
+    expected = idx.copy()
+    expected[1, 3] = 255
+    assert np.array_equal(read_label(path, TINY, label_format="color"), expected)
+    rgb[0, 0] = (1, 2, 3)
+    with pytest.raises(DataError, match=r"\(1, 2, 3\)") as err:
+        read_label(save(tmp_path / "u.png", rgb), TINY, label_format="color")
+    assert "u.png" in str(err.value)
+
+
+def test_unsupported_label_mode(tmp_path):
+    path = tmp_path / "f.tif"
+    Image.fromarray(np.zeros((3, 3), np.float32)).save(path)
+    with pytest.raises(DataError, match="unsupported label mode") as err:
+        read_label(path, TINY)
+    assert str(path) in str(err.value)
