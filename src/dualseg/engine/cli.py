@@ -1,0 +1,30 @@
+"""``dualseg train``: train from a YAML config plus command-line overrides.
+
+    dualseg train --config configs/camvid_mobilenet_v2.yaml --optim.lr 0.01 --train.max_iters 100
+    dualseg train --config configs/camvid_mobilenet_v2.yaml --resume auto
+    torchrun --nproc_per_node=2 -m dualseg train --config configs/camvid_resnet101.yaml
+
+Every field of :mod:`dualseg.engine.config` is a flag (``dualseg train --help`` lists them).
+Exit status: 0 when the run finished (max iterations or patience), 130 after SIGINT and 143
+after SIGTERM (a checkpoint was saved first; ``--resume auto`` continues).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dualseg.engine.config import parse_args
+    from dualseg.engine.train import fit
+
+    cfg, resume = parse_args(argv)
+    summary = fit(cfg, resume=resume)
+    if summary.get("rank", 0) == 0:
+        print(json.dumps(summary))
+    if summary["stop_reason"] == "interrupted":
+        return 128 + int(summary.get("signal", signal.SIGINT))
+    return 0

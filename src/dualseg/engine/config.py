@@ -1,0 +1,260 @@
+"""Training configuration: frozen dataclasses, read from YAML + command-line overrides.
+
+Config flows one way: YAML / CLI  ->  :class:`Config` (frozen)  ->  plain values into
+``build_model``, ``build_dataset``, the optimizer and the loop. `jsonargparse
+<https://jsonargparse.readthedocs.io>`_ maps every field to a flag, so any value of a YAML file
+can be overridden on the command line::
+
+    dualseg train --config configs/camvid_mobilenet_v2.yaml --optim.lr 0.01 --train.max_iters 100
+
+Each spec "Reading" is a named field with the spec's default (S32 ``optim.weight_decay``,
+S33 ``train.patience`` / ``train.monitor``, claim 5 ``optim.poly_power``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from dualseg.errors import ConfigError
+from dualseg.io import atomic_write_text
+
+__all__ = [
+    "Config",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "build_parser",
+    "config_from_dict",
+    "config_to_dict",
+    "load_config",
+    "model_kwargs",
+    "save_config",
+]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Dataset, augmentation (spec S1) and loader settings."""
+
+    root: str | None = None  # dataset folder (list files train.txt / val.txt or auto layout)
+    preset: str | None = None  # "camvid", "voc", "cityscapes", "synthetic" (None: auto)
+    layout: str = "auto"
+    label_format: str = "index"
+    train_split: str = "train"
+    val_split: str | None = "val"  # None: no validation (then monitor train_loss)
+    crop_size: tuple[int, int] = (360, 480)  # (H, W) of training crops
+    scale_range: tuple[float, float] = (0.5, 2.0)
+    hflip_prob: float = 0.5
+    blur_prob: float = 0.1  # S1 "filtering"
+    jitter: float = 0.2  # S1 photometric jitter strength
+    samples_per_epoch: int | None = None  # S1: on-the-fly augmentation, e.g. 10000
+    batch_size: int = 8  # per process (per GPU under torchrun)
+    val_batch_size: int = 2
+    num_workers: int = 4
+    pin_memory: bool = True  # used on CUDA only
+    persistent_workers: bool = True  # used when num_workers > 0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """``build_model`` arguments (spec S2 readings). ``None``: the architecture's default.
+
+    Options left at ``None`` are not passed, so an option that does not apply to ``arch``
+    (``renet_layers`` for ``deeplabv3_*``) never gets in the way.
+    """
+
+    arch: str = "dualseg_resnet101"
+    weights: str | None = "imagenet"  # "imagenet", a backbone file path, or None (random init)
+    allow_download: bool = False  # "imagenet" may download from torchvision when online
+    output_stride: int | None = None  # 8
+    gray_branch: bool | None = None  # True: RGB + grayscale branches
+    gray_conv_init: str | None = None  # "sum": 1-channel first conv = summed RGB kernels
+    fusion: str | None = None  # "scalar": two learnable branch weights
+    coord_channels: bool | None = None  # True
+    coord_radius: str | None = None  # "scaled"
+    renet_layers: int | None = None  # 2
+    renet_hidden: int | None = None  # 150
+    renet_patch: int | None = None  # 1
+    aspp_rates: tuple[int, ...] | None = None  # (4, 6, 8, 12)
+    aspp_style: str | None = None  # "v2": per-rate class scores, summed
+    aspp_init_std: float | None = None  # 0.01
+    deeplab_rates: tuple[int, ...] | None = None  # deeplabv3_* only
+    timm_model: str | None = None  # dualseg_timm only
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """SGD + poly LR (claim 5) and the explicit L2 term of the objective (S32)."""
+
+    lr: float = 0.01  # l_0
+    momentum: float = 0.9
+    nesterov: bool = False
+    # S32 Reading: L2 = λ/(2·B·N)·Σw² over conv/linear weights, λ = weight_decay·B·N by default,
+    # so the penalty's gradient equals weight decay `weight_decay`. `l2_lambda` sets λ itself.
+    weight_decay: float = 1e-4
+    l2_lambda: float | None = None
+    poly_power: float = 0.9  # l_t = l_0·(1 − t/T)^power
+    warmup_iters: int = 0  # linear warm-up from warmup_factor·l_0 to l_0
+    warmup_factor: float = 0.1
+    head_lr_mult: float = 1.0  # 10.0: the head (everything but the backbones) learns 10× faster
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The loop: length, validation, stopping (S33), checkpoints, speed, logging."""
+
+    out_dir: str = "runs/train"
+    max_iters: int = 40000  # T of the poly schedule
+    val_every: int = 1000  # K: validate (and checkpoint) every K iterations; 0: at the end only
+    ckpt_every: int | None = None  # None: = val_every
+    log_every: int = 20
+    monitor: Literal["val_miou", "train_loss"] = "val_miou"
+    patience: int | None = None  # evaluations without improvement before stopping; None: off
+    min_delta: float = 0.0
+    loss_smoothing: float = 0.9  # EMA factor of the smoothed training loss
+    seed: int = 0
+    deterministic: bool = False
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1"
+    amp: Literal["auto", "none", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, none on CPU
+    channels_last: bool = True  # CUDA only
+    compile: bool = False  # torch.compile the training model
+    sync_bn: bool = False  # SyncBatchNorm under DDP
+    progress: bool = True  # tqdm bar (rank 0, TTY only)
+    tensorboard: bool = True  # event files when tensorboard is installed
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> Any:
+    """The ``dualseg train`` parser: ``--config FILE`` plus one flag per field."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    parser = ArgumentParser(
+        prog=prog,
+        description="Train a segmentation model (spec S3). Values come from --config YAML "
+        "files, then from flags (--section.field value), later ones winning.",
+        default_meta=False,
+        exit_on_error=exit_on_error,
+    )
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML config file")
+    parser.add_class_arguments(Config, None)
+    parser.add_argument(
+        "--resume",
+        type=str | None,
+        default=None,
+        help="checkpoint to resume from, or 'auto' for <train.out_dir>/last.pt when present",
+    )
+    return parser
+
+
+def _instantiate(parser: Any, ns: Any) -> Config:
+    init = parser.instantiate(ns) if hasattr(parser, "instantiate") else None
+    if init is None:  # jsonargparse < 4.49
+        init = parser.instantiate_classes(ns)
+    cfg = Config(data=init.data, model=init.model, optim=init.optim, train=init.train)
+    validate(cfg)
+    return cfg
+
+
+def parse_args(argv: list[str] | None) -> tuple[Config, str | None]:
+    """Parse ``dualseg train`` arguments into a validated :class:`Config` and ``--resume``."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    return _instantiate(parser, ns), ns.resume
+
+
+def config_from_dict(d: dict[str, Any]) -> Config:
+    """A :class:`Config` from a plain dict (a checkpoint's ``config``, a test), validated."""
+    parser = build_parser(exit_on_error=False)
+    sections = {k: v for k, v in d.items() if k in ("data", "model", "optim", "train")}
+    try:
+        ns = parser.parse_object(sections)
+    except Exception as err:  # jsonargparse's ArgumentError: name the bad key, no traceback
+        raise ConfigError(f"invalid config: {str(err).strip()}") from err
+    return _instantiate(parser, ns)
+
+
+def load_config(path: str | Path, **overrides: dict[str, Any]) -> Config:
+    """Read a YAML config; ``overrides`` are per-section dicts, e.g. ``train={"max_iters": 5}``."""
+    try:
+        d = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise ConfigError(f"cannot read config {path}: {err}") from err
+    for section, values in overrides.items():
+        d.setdefault(section, {}).update(values)
+    return config_from_dict(d)
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain dict (lists instead of tuples): YAML, JSON and checkpoints take it as is."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [plain(x) for x in v]
+        return v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    """Write the resolved config as YAML (atomic); ``dualseg train --config`` reads it back."""
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    atomic_write_text(path, text)
+
+
+def model_kwargs(cfg: ModelConfig, num_classes: int) -> dict[str, Any]:
+    """The keyword arguments for ``build_model(cfg.arch, **kwargs)`` (unset options left out).
+
+    ``weights`` is not included: checkpoints carry their own weights.
+    """
+    kwargs: dict[str, Any] = {"num_classes": int(num_classes)}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name not in ("arch", "weights", "allow_download") and value is not None:
+            kwargs[f.name] = list(value) if isinstance(value, tuple) else value
+    return kwargs
+
+
+def validate(cfg: Config) -> None:
+    """Reject values that would fail late or silently (one clear ConfigError each)."""
+    t, o, d = cfg.train, cfg.optim, cfg.data
+    checks = [
+        (t.max_iters > 0, "train.max_iters must be > 0"),
+        (t.val_every >= 0, "train.val_every must be >= 0 (0: validate at the end only)"),
+        (t.ckpt_every is None or t.ckpt_every > 0, "train.ckpt_every must be > 0 or null"),
+        (t.log_every > 0, "train.log_every must be > 0"),
+        (t.patience is None or t.patience > 0, "train.patience must be > 0 or null"),
+        (0.0 <= t.loss_smoothing < 1.0, "train.loss_smoothing must be in [0, 1)"),
+        (o.lr > 0, "optim.lr must be > 0"),
+        (0.0 <= o.momentum < 1.0, "optim.momentum must be in [0, 1)"),
+        (o.weight_decay >= 0, "optim.weight_decay must be >= 0"),
+        (o.l2_lambda is None or o.l2_lambda >= 0, "optim.l2_lambda must be >= 0"),
+        (o.poly_power >= 0, "optim.poly_power must be >= 0"),
+        (o.warmup_iters >= 0, "optim.warmup_iters must be >= 0"),
+        (0.0 < o.warmup_factor <= 1.0, "optim.warmup_factor must be in (0, 1]"),
+        (o.head_lr_mult > 0, "optim.head_lr_mult must be > 0"),
+        (d.batch_size > 0 and d.val_batch_size > 0, "data.batch_size must be > 0"),
+        (d.num_workers >= 0, "data.num_workers must be >= 0"),
+        (min(d.crop_size) > 0, "data.crop_size must be positive (H, W)"),
+        (
+            t.monitor == "train_loss" or t.patience is None or bool(d.val_split),
+            "train.monitor=val_miou needs data.val_split; set --train.monitor train_loss",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
