@@ -19,9 +19,11 @@ __all__ = ["main"]
 
 def main(argv: list[str] | None = None) -> int:
     from dualseg.engine.config import parse_args
+
+    cfg, resume = parse_args(argv)  # --help and bad flags exit here, before torch is imported
+
     from dualseg.engine.train import fit
 
-    cfg, resume = parse_args(argv)
     summary = fit(cfg, resume=resume)
     if summary.get("rank", 0) == 0:
         print(json.dumps(summary))
