@@ -344,6 +344,20 @@ def test_trimap_band_is_a_disk_and_skips_ignore() -> None:
     assert bm.trimap_mat.tolist()[1] == [0, 1]
 
 
+@pytest.mark.parametrize("radius", [0, 1, 2, 3, 5, 7])
+def test_disk_dilation_matches_distance_transform(radius: int) -> None:
+    from dualseg.metrics import _dilate
+
+    mask = torch.rand(2, 23, 31, generator=torch.Generator().manual_seed(radius)) < 0.02
+    mask[1, 0, 0] = mask[1, 22, 30] = True  # corners: the disk is clipped at the border
+    got = _dilate(mask, radius)
+    for i in range(2):
+        dist = cv2.distanceTransform(
+            (~mask[i].numpy()).astype(np.uint8), cv2.DIST_L2, cv2.DIST_MASK_PRECISE
+        )
+        np.testing.assert_array_equal(got[i].numpy(), dist <= radius + 1e-4)
+
+
 # --------------------------------------------------------------------------------------------
 # Distributed reduction, reporting
 # --------------------------------------------------------------------------------------------
@@ -425,3 +439,12 @@ def test_boundary_rejects_bad_input() -> None:
         )
     with pytest.raises(ValueError, match="tolerance"):
         BoundaryMetrics(2, tolerance=-1)
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    import dualseg.metrics
+
+    result = doctest.testmod(dualseg.metrics)
+    assert result.attempted >= 3 and result.failed == 0

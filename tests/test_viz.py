@@ -64,6 +64,8 @@ def test_denormalize_inverts_normalization() -> None:
         torch.from_numpy(rgb).permute(2, 0, 1).float() / 255 - torch.tensor(mean)[:, None, None]
     ) / torch.tensor(std)[:, None, None]
     np.testing.assert_array_equal(denormalize(x, mean, std), rgb)
+    # defaults: the datasets' ImageNet statistics from dualseg.data.transforms
+    np.testing.assert_array_equal(denormalize(x), rgb)
 
 
 def test_make_panel_layout_is_pixel_exact() -> None:
@@ -134,3 +136,12 @@ def test_save_curves_writes_png(tmp_path) -> None:
     with pytest.raises(ValueError, match="at least one key"):
         save_curves(tmp_path / "x.png", history, [])
     assert not (tmp_path / "x.png").exists()
+
+
+def test_docstring_examples() -> None:
+    import doctest
+
+    import dualseg.viz
+
+    result = doctest.testmod(dualseg.viz)
+    assert result.attempted >= 1 and result.failed == 0
