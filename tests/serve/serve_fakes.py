@@ -31,13 +31,13 @@ class BrightnessSegmenter:
 
 
 class TopRowRefiner:
-    """Torch contract of BoundaryRefiner.refine: relabels the first row as class 0."""
+    """Single-image form of BoundaryRefiner.refine: relabels the first row as class 0."""
 
-    def refine(self, images, probs, *, return_changed=False):
-        assert images.dim() == 4 and probs.dim() == 4 and images.shape[-2:] == probs.shape[-2:]
-        labels = probs.argmax(1)
-        refined = labels.clone()
-        refined[:, 0, :] = 0
+    def refine(self, image, probs, *, return_changed=False):
+        assert image.dtype == np.uint8 and image.shape[:2] == probs.shape[1:]
+        labels = probs.argmax(0)
+        refined = labels.copy()
+        refined[0, :] = 0
         return (refined, refined != labels) if return_changed else refined
 
 

@@ -135,26 +135,11 @@ def highlight_changes(color: np.ndarray, changed: np.ndarray) -> np.ndarray:
 
 
 def refine_one(refiner: Any, image: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Run a method-B refiner on one image: ``(refined labels HxW, changed bool HxW)``.
-
-    ``image`` uint8 ``HxWx3``; ``probs`` float ``[C,H,W]`` from the base model. A refiner with
-    ``refine_array`` (numpy in, numpy out: the exported refiner) is called directly; otherwise
-    the torch ``BoundaryRefiner.refine(images, probs, return_changed=True)`` contract is used
-    (normalized ``[1,3,H,W]`` image tensor, ``[1,C,H,W]`` probabilities).
-    """
-    if hasattr(refiner, "refine_array"):
-        return refiner.refine_array(image, probs)
-    import torch
-
-    from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-
-    x = torch.tensor(image).permute(2, 0, 1)[None].float() / 255.0
-    x = (x - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) / torch.tensor(IMAGENET_STD).view(
-        1, 3, 1, 1
-    )
-    with torch.no_grad():
-        labels, changed = refiner.refine(x, torch.from_numpy(probs)[None], return_changed=True)
-    return labels[0].cpu().numpy(), changed[0].cpu().numpy().astype(bool)
+    """``(refined labels HxW, changed bool HxW)`` of one image, through the single-image form
+    of ``refine`` that ``BoundaryRefiner`` and the exported refiner share: uint8 ``HxWx3``
+    image and the base model's ``[C,H,W]`` probabilities."""
+    labels, changed = refiner.refine(image, probs, return_changed=True)
+    return np.asarray(labels), np.asarray(changed, dtype=bool)
 
 
 def _too_large(what: str, limit: str, fix: str) -> HTTPException:
