@@ -1,0 +1,90 @@
+"""``dualseg export``: a checkpoint (method A) or a refiner (method B) to ONNX / TorchScript.
+
+    dualseg export --checkpoint runs/demo/best.pt --format onnx --out model.onnx --dynamic
+    dualseg export --refiner runs/demo/refiner.pt --format onnx --out refiner.onnx --dynamic
+
+After writing, the exported file is run once (onnxruntime on CPU, or the TorchScript module)
+on the example input and compared with PyTorch; the largest difference is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dualseg.errors import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dualseg export",
+        description="Export a trained network to ONNX or TorchScript, with class names, palette "
+        "and normalization in the file's metadata.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", "-c", help="a dualseg checkpoint (.pt): method A's network")
+    src.add_argument(
+        "--refiner",
+        help="a method-B refiner file: exports its embedding model, plus <out stem>.json with "
+        "prototypes and configuration",
+    )
+    p.add_argument("--format", choices=("onnx", "torchscript"), default="onnx", help="(onnx)")
+    p.add_argument("--out", "-o", required=True, help="output file (.onnx / .pt)")
+    p.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="dynamic batch, height and width (otherwise batch 1 at --size)",
+    )
+    p.add_argument(
+        "--output",
+        choices=("logits", "probs"),
+        default="logits",
+        help="what the exported network returns (logits); ignored for --refiner",
+    )
+    p.add_argument(
+        "--size",
+        type=int,
+        nargs=2,
+        metavar=("H", "W"),
+        default=None,
+        help="input size: the fixed size of a static export (512 512), the tracing size of a "
+        "dynamic one (64 64)",
+    )
+    p.add_argument("--opset", type=int, default=17, help="ONNX opset, >= 17 (17)")
+    p.add_argument(
+        "--exporter",
+        choices=("legacy", "dynamo"),
+        default="legacy",
+        help="torch.onnx exporter: legacy (TorchScript-based, handles the GRU sweeps with "
+        "dynamic sizes) or dynamo (static exports only) (legacy)",
+    )
+    p.add_argument("--no-verify", action="store_true", help="skip the PyTorch comparison")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from dualseg.export.export import export_checkpoint, export_refiner, verify_export
+
+    size = tuple(args.size) if args.size else ((64, 64) if args.dynamic else (512, 512))
+    if min(size) < 8:
+        raise ConfigError(f"--size must be at least 8x8, got {size[0]}x{size[1]}")
+    options = dict(
+        format=args.format,
+        dynamic=args.dynamic,
+        example_size=size,
+        opset=args.opset,
+        exporter=args.exporter,
+    )
+    out = Path(args.out)
+    if args.checkpoint:
+        path = export_checkpoint(args.checkpoint, out, output=args.output, **options)
+        print(f"exported {args.checkpoint} -> {path} ({args.format}, {args.output}, "
+              f"{'dynamic' if args.dynamic else f'static {size[0]}x{size[1]}'})")  # fmt: skip
+    else:
+        path, sidecar = export_refiner(args.refiner, out, **options)
+        print(f"exported {args.refiner} -> {path} + {sidecar}")
+    if not args.no_verify:
+        diff = verify_export(path, checkpoint=args.checkpoint, refiner=args.refiner, size=size)
+        print(f"max |exported - pytorch| on a {size[0]}x{size[1]} input: {diff:.2e}")
+    return 0
