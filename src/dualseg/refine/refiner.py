@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dualseg.errors import CheckpointError, ConfigError, DataError
@@ -48,7 +49,9 @@ class RefinerConfig:
     """Every method-B option, with the spec's readings as defaults.
 
     Model (step 3): ``backbone`` (a ``dualseg.models.build_backbone`` name), ``embed_dim`` C,
-    ``output_stride``, ``aspp_rates``. Mask (step 2 / P4): ``radius`` (dilation, px),
+    ``output_stride``, ``aspp_rates``, ``input_scale`` (the embedding model sees the image
+    resized by this factor — 0.5 makes it ~4x cheaper; the embedding is still read at every
+    full-resolution pixel). Mask (step 2 / P4): ``radius`` (dilation, px),
     ``edge_method`` (see :mod:`dualseg.refine.boundary`). Triplets (step 4): ``margin`` Δ,
     ``num_triplets`` per step, ``reduction``, ``steps`` (the preset repetition count),
     ``optimizer`` / ``lr`` / ``weight_decay`` / ``momentum``, ``batch_size``, ``seed``.
@@ -59,6 +62,7 @@ class RefinerConfig:
     embed_dim: int = 256
     output_stride: int = 8
     aspp_rates: tuple[int, ...] = (4, 6, 8, 12)
+    input_scale: float = 1.0
     radius: int = 5
     edge_method: str = "canny"
     top_n: int = 5
@@ -76,6 +80,7 @@ class RefinerConfig:
     def __post_init__(self) -> None:
         checks = [
             (self.embed_dim >= 1, f"embed_dim must be >= 1, got {self.embed_dim}"),
+            (0 < self.input_scale <= 4, f"input_scale must be in (0, 4], got {self.input_scale}"),
             (self.radius >= 0, f"radius must be >= 0, got {self.radius}"),
             (self.top_n >= 1, f"top_n must be >= 1, got {self.top_n}"),
             (self.margin >= 0, f"margin must be >= 0, got {self.margin}"),
@@ -228,7 +233,7 @@ class BoundaryRefiner:
     def _nearest_label(self, images: Tensor, top: Tensor, edge: Tensor) -> Tensor:
         """P5 at the ``edge`` pixels: the Top-N label whose prototype is nearest, ``[M]``."""
         keep = edge.flatten(1).any(1)  # only images that have near-boundary pixels
-        feats = self.net.features(images[keep].float())  # [B',C,h,w]
+        feats = embed_features(self.net, images[keep].float(), self.config.input_scale)
         emb = EmbeddingNet.sample(feats, edge[keep]).float()  # [M,C]
         cand = top.permute(0, 2, 3, 1)[edge]  # [M,N] candidate labels
         # squared distances to every prototype via |e|^2 - 2 e.p + |p|^2: [M,K], no [M,N,C]
@@ -356,6 +361,7 @@ class BoundaryRefiner:
             len(class_names),
             radius=cfg.radius,
             edge_method=cfg.edge_method,
+            input_scale=cfg.input_scale,
             ignore_index=ignore_index,
             device=dev,
             num_workers=num_workers,
@@ -418,10 +424,12 @@ def train_embedding(
     ckpt_path = Path(checkpoint) if checkpoint is not None else None
     if resume and ckpt_path is not None and ckpt_path.is_file():
         state = _load_file(ckpt_path, TRAIN_FORMAT, "refiner training checkpoint")
-        if state["config"] != cfg.to_dict() or list(state["class_names"]) != list(class_names):
+        # the step count may grow on resume (train longer); every other option must agree
+        saved = dataclasses.replace(RefinerConfig.from_dict(state["config"]), steps=cfg.steps)
+        if saved != cfg or list(state["class_names"]) != list(class_names):
             raise CheckpointError(
                 f"{ckpt_path} was written with another configuration or class set; resume with "
-                "the same options, or delete it to start over"
+                "the same options (only --steps may change), or delete it to start over"
             )
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -498,7 +506,7 @@ def triplet_step(
     where = edge.nonzero()[used]  # [U,3]
     sub = torch.zeros_like(edge)
     sub[where[:, 0], where[:, 1], where[:, 2]] = True  # nonzero() order == sorted `used` order
-    emb = EmbeddingNet.sample(net.features(images), sub)  # [U,C]
+    emb = EmbeddingNet.sample(embed_features(net, images, cfg.input_scale), sub)  # [U,C]
     t1, t2, f0 = inverse.split(triplets[0].numel())
     hinge, gap = triplet_hinge(emb, t1, t2, f0, cfg.margin)
     loss, stats = reduce_hinge(hinge, gap, cfg.reduction)
@@ -516,6 +524,7 @@ def stream_prototypes(
     *,
     radius: int = 5,
     edge_method: str = "canny",
+    input_scale: float = 1.0,
     ignore_index: int = 255,
     device: str | torch.device = "cpu",
     num_workers: int = 0,
@@ -533,8 +542,18 @@ def stream_prototypes(
             labels, radius=radius, ignore_index=ignore_index, method=edge_method
         )
         if edge.any():
-            acc.update(EmbeddingNet.sample(net.features(images), edge), labels[edge])
+            feats = embed_features(net, images, input_scale)
+            acc.update(EmbeddingNet.sample(feats, edge), labels[edge])
     return acc.compute()
+
+
+def embed_features(net: EmbeddingNet, images: Tensor, input_scale: float = 1.0) -> Tensor:
+    """Low-resolution embedding of ``images``, optionally of a resized copy (``input_scale``)."""
+    if input_scale != 1.0:
+        images = F.interpolate(
+            images, scale_factor=input_scale, mode="bilinear", align_corners=False
+        )
+    return net.features(images)
 
 
 def _as_tensor(x: Any) -> Tensor:

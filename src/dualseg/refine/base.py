@@ -1,0 +1,154 @@
+"""Base models for method B (P2): anything that gives class scores for an image.
+
+- :class:`ModuleBase` — any ``nn.Module`` returning logits ``[B,C,h,w]`` (resized to the image
+  bilinearly), a dict with ``"out"`` (torchvision's segmentation models) or a tuple/list whose
+  first item is the logits;
+- :func:`checkpoint_base` — a dualseg checkpoint (method A's network or the peer models);
+- :class:`ProbsFolderBase` — a folder of probability maps saved by ``dualseg predict --probs``
+  (one ``<name>.npz`` per image, keys ``probs`` float16 ``[C,H,W]``, ``class_names``,
+  ``source``), looked up by the image's output name.
+
+All share ``scores(images, names) -> [B,C,H,W]`` (logits or probabilities at the image size;
+only their order is used) and ``class_names`` (``None`` when unknown).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dualseg.errors import CheckpointError, DataError
+
+
+class BaseModel(Protocol):
+    class_names: tuple[str, ...] | None
+    palette: tuple[tuple[int, int, int], ...] | None
+
+    def scores(self, images: Tensor, names: Sequence[str]) -> Tensor: ...
+
+
+class ModuleBase:
+    """Wraps a segmentation ``nn.Module`` (eval mode, no grad)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        class_names: Sequence[str] | None = None,
+        palette: Sequence[tuple[int, int, int]] | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.device = torch.device(device)
+        self.module = module.to(self.device).eval()
+        self.class_names = tuple(class_names) if class_names is not None else None
+        self.palette = tuple(tuple(c) for c in palette) if palette is not None else None
+
+    @torch.no_grad()
+    def scores(self, images: Tensor, names: Sequence[str] = ()) -> Tensor:
+        out = self.module(images.to(self.device))
+        if isinstance(out, dict):
+            if "out" not in out:
+                raise CheckpointError(
+                    f"the base model returned a dict with keys {sorted(out)}; expected logits "
+                    "under 'out' (torchvision segmentation models)"
+                )
+            out = out["out"]
+        elif isinstance(out, tuple | list):
+            out = out[0]
+        if not isinstance(out, Tensor) or out.dim() != 4:
+            raise CheckpointError(
+                "the base model must return logits [B,C,H,W] (or torchvision's {'out': ...})"
+            )
+        if out.shape[-2:] != images.shape[-2:]:
+            out = F.interpolate(
+                out.float(), size=images.shape[-2:], mode="bilinear", align_corners=False
+            )
+        return out.float()
+
+
+def checkpoint_base(
+    path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
+) -> ModuleBase:
+    """A dualseg checkpoint as a base model (its class names and palette come along)."""
+    from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+
+    ckpt = load_checkpoint(path, map_location="cpu")
+    model, meta = build_model_from_checkpoint(ckpt, device=device)
+    base = ModuleBase(model, class_names=meta.class_names, palette=meta.palette, device=device)
+    base.arch = str(ckpt["arch"])  # type: ignore[attr-defined]
+    return base
+
+
+class ProbsFolderBase:
+    """Saved probability maps (``dualseg predict --probs``): ``<folder>/<name>.npz`` or
+    ``<folder>/probs/<name>.npz``."""
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        folder = Path(folder)
+        self.folder = folder / "probs" if (folder / "probs").is_dir() else folder
+        files = sorted(self.folder.rglob("*.npz"))
+        if not files:
+            raise DataError(
+                f"{folder}: no .npz probability maps found; write them with "
+                "'dualseg predict --probs ... --out DIR' and pass DIR"
+            )
+        first = self._read(files[0])
+        self.class_names = (
+            tuple(str(n) for n in first["class_names"]) if "class_names" in first else None
+        )
+        self.palette = None
+
+    def _read(self, path: Path) -> dict[str, np.ndarray]:
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                return {k: z[k] for k in z.files}
+        except (OSError, ValueError) as err:
+            raise DataError(f"{path}: not a readable probability file ({err})") from err
+
+    def scores(self, images: Tensor, names: Sequence[str]) -> Tensor:
+        if len(names) != images.shape[0]:
+            raise DataError("a probability folder needs the name of every image")
+        out = []
+        for name in names:
+            path = self.folder / f"{name}.npz"
+            if not path.is_file():
+                raise DataError(
+                    f"no probabilities for image {name!r}: {path} is missing (run 'dualseg "
+                    "predict --probs' on the same inputs)"
+                )
+            data = self._read(path)
+            if "probs" not in data or data["probs"].ndim != 3:
+                raise DataError(f"{path}: expected key 'probs' holding [C,H,W] probabilities")
+            probs = torch.from_numpy(data["probs"].astype(np.float32))
+            if probs.shape[-2:] != images.shape[-2:]:
+                raise DataError(
+                    f"{path}: probabilities are {probs.shape[2]}x{probs.shape[1]} but the image "
+                    f"is {images.shape[-1]}x{images.shape[-2]} (WxH); use the maps predicted "
+                    "for this very image, at its original size"
+                )
+            out.append(probs)
+        return torch.stack(out).to(images.device)
+
+
+def load_base(
+    base: str | os.PathLike[str] | nn.Module | BaseModel,
+    *,
+    device: str | torch.device = "cpu",
+    class_names: Sequence[str] | None = None,
+) -> BaseModel:
+    """Any accepted base (module, checkpoint file, probability folder) as a :class:`BaseModel`."""
+    if isinstance(base, nn.Module):
+        return ModuleBase(base, class_names=class_names, device=device)
+    if hasattr(base, "scores"):
+        return base  # type: ignore[return-value]
+    path = Path(base)  # type: ignore[arg-type]
+    if path.is_dir():
+        return ProbsFolderBase(path)
+    return checkpoint_base(path, device=device)

@@ -1,0 +1,294 @@
+"""``dualseg refine fit`` and ``dualseg refine apply`` (method B).
+
+dualseg refine fit --data ROOT --base CKPT_OR_PROBS_DIR --out refiner.pt [options]
+dualseg refine apply --refiner refiner.pt --base CKPT_OR_PROBS_DIR INPUTS... --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dualseg.errors import ConfigError, DataError, DualsegError
+
+
+def _config_defaults():
+    from dualseg.refine.refiner import RefinerConfig
+
+    return RefinerConfig()
+
+
+def _add_fit(sub: argparse._SubParsersAction) -> None:
+    d = _config_defaults()
+    p = sub.add_parser(
+        "fit",
+        help="train the re-optimization model and compute class prototypes",
+        description="Method B training (steps 1-5): triplet metric learning on the near-boundary "
+        "pixels of DATA, then the mean embedding of each class. Writes one refiner file.",
+    )
+    p.add_argument("--data", required=True, help="dataset root (any layout build_dataset reads)")
+    p.add_argument(
+        "--base",
+        help="the base model: a dualseg checkpoint or a 'dualseg predict --probs' folder; its "
+        "class names must match the dataset's (and --init-backbone base copies its backbone)",
+    )
+    p.add_argument("--out", "-o", default="refiner.pt", help="refiner file to write (refiner.pt)")
+    p.add_argument("--split", default="train", help="split to fit on (train)")
+    p.add_argument("--layout", default="auto", help="dataset layout (auto)")
+    p.add_argument("--preset", help="class preset: camvid, voc, cityscapes, synthetic")
+    p.add_argument(
+        "--crop-size", type=int, nargs=2, default=(256, 256), metavar=("H", "W"), help="(256 256)"
+    )
+    p.add_argument(
+        "--scale-range",
+        type=float,
+        nargs=2,
+        default=(0.5, 2.0),
+        metavar=("LO", "HI"),
+        help="random scale of step 1 (0.5 2.0)",
+    )
+    p.add_argument("--backbone", default=d.backbone, help=f"embedding backbone ({d.backbone})")
+    p.add_argument(
+        "--init-backbone",
+        choices=("imagenet", "base", "none"),
+        default="imagenet",
+        help="backbone initialization: ImageNet weights, the base checkpoint's backbone (same "
+        "backbone name), or random (imagenet)",
+    )
+    p.add_argument("--weights", help="ImageNet weight file for the backbone (default: resolved)")
+    p.add_argument("--embed-dim", type=int, default=d.embed_dim, help=f"C ({d.embed_dim})")
+    p.add_argument("--output-stride", type=int, default=d.output_stride, help="(8)")
+    p.add_argument(
+        "--aspp-rates", type=int, nargs="+", default=list(d.aspp_rates), help="(4 6 8 12)"
+    )
+    p.add_argument("--input-scale", type=float, default=d.input_scale, help="(1.0)")
+    p.add_argument(
+        "--radius", type=int, default=d.radius, help=f"near-boundary radius ({d.radius})"
+    )
+    p.add_argument("--edge-method", default=d.edge_method, help=f"({d.edge_method})")
+    p.add_argument("--top-n", type=int, default=d.top_n, help=f"Top-N at inference ({d.top_n})")
+    p.add_argument("--margin", type=float, default=d.margin, help=f"triplet margin Δ ({d.margin})")
+    p.add_argument("--num-triplets", type=int, default=d.num_triplets, help=f"({d.num_triplets})")
+    p.add_argument("--reduction", default=d.reduction, help="all | violating (all)")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"training steps ({d.steps})")
+    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"({d.batch_size})")
+    p.add_argument("--optimizer", default=d.optimizer, help="adamw | sgd (adamw)")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"({d.lr})")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay, help=f"({d.weight_decay})")
+    p.add_argument("--momentum", type=float, default=d.momentum, help="SGD momentum (0.9)")
+    p.add_argument("--seed", type=int, default=d.seed, help="(0)")
+    p.add_argument(
+        "--proto-images",
+        type=int,
+        default=0,
+        help="use only the first N training images for the prototypes (0: all)",
+    )
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto)")
+    p.add_argument("--workers", type=int, default=0, help="data loader workers (0)")
+    p.add_argument(
+        "--checkpoint", help="training-state file, for --resume (default: OUT with .train.pt)"
+    )
+    p.add_argument("--checkpoint-every", type=int, default=200, help="steps between saves (200)")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _add_apply(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "apply",
+        help="refine a base model's segmentation of images",
+        description="Method B inference (P1-P5): label PNGs (labels/), colour PNGs (color/), "
+        "overlays (overlay/) and the changed pixels (changed/) per input image.",
+    )
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or globs")
+    p.add_argument("--refiner", "-r", required=True, help="refiner file from 'refine fit'")
+    p.add_argument(
+        "--base", required=True, help="dualseg checkpoint or 'dualseg predict --probs' folder"
+    )
+    p.add_argument("--out", "-o", required=True, help="output folder")
+    p.add_argument("--top-n", type=int, help="override the refiner's Top-N")
+    p.add_argument("--radius", type=int, help="override the refiner's near-boundary radius")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto)")
+    p.add_argument("--alpha", type=float, default=0.5, help="overlay opacity (0.5)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dualseg refine",
+        description="Method B: boundary re-optimization of any segmentation model.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="{fit,apply}")
+    sub.required = True
+    _add_fit(sub)
+    _add_apply(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return fit_main(args) if args.command == "fit" else apply_main(args)
+
+
+# ---------------------------------------------------------------------- fit
+def fit_main(args: argparse.Namespace) -> int:
+    from dualseg.data import build_dataset, build_eval_transform, build_train_transform
+    from dualseg.engine.predict import resolve_device
+    from dualseg.refine.base import load_base
+    from dualseg.refine.embedding import build_embedding_net, init_backbone_from
+    from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig
+
+    cfg = RefinerConfig(
+        backbone=args.backbone,
+        embed_dim=args.embed_dim,
+        output_stride=args.output_stride,
+        aspp_rates=tuple(args.aspp_rates),
+        input_scale=args.input_scale,
+        radius=args.radius,
+        edge_method=args.edge_method,
+        top_n=args.top_n,
+        margin=args.margin,
+        num_triplets=args.num_triplets,
+        reduction=args.reduction,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        momentum=args.momentum,
+        seed=args.seed,
+    )
+    device = resolve_device(args.device)
+    train_tf = build_train_transform(
+        crop_size=tuple(args.crop_size), scale_range=tuple(args.scale_range)
+    )
+    common = {"split": args.split, "layout": args.layout, "preset": args.preset}
+    train = build_dataset(args.data, transform=train_tf, seed=args.seed, **common)
+    protos = build_dataset(args.data, transform=build_eval_transform(), **common)
+    if args.proto_images > 0:
+        protos = torch.utils.data.Subset(protos, range(min(args.proto_images, len(protos))))
+    class_names = train.meta.class_names
+
+    base = None
+    if args.base is not None:
+        base = load_base(args.base, device="cpu")
+        if base.class_names is not None and tuple(base.class_names) != tuple(class_names):
+            raise DataError(
+                f"the base model {args.base} has classes {list(base.class_names)} but "
+                f"{args.data} has {list(class_names)}; fit on the base model's dataset "
+                "(or pass the matching --preset)"
+            )
+    if args.init_backbone == "base" and not hasattr(base, "module"):
+        raise ConfigError("--init-backbone base needs --base to be a dualseg checkpoint")
+
+    weights = None if args.init_backbone == "none" else (args.weights or "imagenet")
+    if args.init_backbone == "base":
+        weights = args.weights  # ImageNet first only when a file is given explicitly
+    net = build_embedding_net(
+        cfg.backbone,
+        embed_dim=cfg.embed_dim,
+        output_stride=cfg.output_stride,
+        aspp_rates=cfg.aspp_rates,
+        weights=weights,
+    )
+    if args.init_backbone == "base":
+        copied = init_backbone_from(net.backbone, base.module)  # type: ignore[union-attr]
+        if copied == 0:
+            raise ConfigError(
+                f"no tensor of the base model fits backbone {cfg.backbone!r}; pass the base "
+                "model's backbone name with --backbone, or use --init-backbone imagenet"
+            )
+        print(f"backbone: {copied} tensors copied from {args.base}")
+    del base
+
+    out = Path(args.out)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else out.with_suffix(".train.pt")
+    refiner = BoundaryRefiner.fit(
+        train,
+        class_names=class_names,
+        config=cfg,
+        prototype_dataset=protos,
+        net=net,
+        device=device,
+        num_workers=args.workers,
+        checkpoint=checkpoint,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
+    refiner.save(out)
+    last = refiner.history[-1] if refiner.history else None
+    if last is not None:
+        print(
+            f"step {last['step']}: loss {last['loss']:.4f}, violating triplets "
+            f"{100 * last['violating']:.1f}%, mean margin {last['margin']:.3f}"
+        )
+    missing = [n for n, p in zip(class_names, refiner.present.tolist()) if not p]
+    print(
+        f"refiner ({cfg.backbone}, C={cfg.embed_dim}, {refiner.num_classes} classes"
+        + (f"; no prototype for {missing}" if missing else "")
+        + f") -> {out}"
+    )
+    return 0
+
+
+# ---------------------------------------------------------------------- apply
+def apply_main(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
+    from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+    from dualseg.engine.cli_predict import collect_images, write_outputs
+    from dualseg.engine.predict import as_rgb_array, resolve_device
+    from dualseg.io import atomic_save_image
+    from dualseg.refine.base import load_base
+    from dualseg.refine.refiner import BoundaryRefiner
+
+    device = resolve_device(args.device)
+    refiner = BoundaryRefiner.load(args.refiner, device=device)
+    overrides = {k: getattr(args, k) for k in ("top_n", "radius") if getattr(args, k) is not None}
+    if overrides:
+        refiner.config = dataclasses.replace(refiner.config, **overrides)
+    base = load_base(args.base, device=device)
+    if base.class_names is not None:
+        refiner.check_classes(base.class_names, len(base.class_names), what=str(args.base))
+    palette = base.palette or _palette(refiner.num_classes)
+    images = collect_images(args.inputs)
+    out = Path(args.out)
+    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+    changed_total = pixels_total = 0
+    failures: list[str] = []
+    for path, name in tqdm(images, desc="refine", unit="img", disable=not sys.stderr.isatty()):
+        try:
+            rgb = as_rgb_array(path)
+        except DualsegError as err:
+            failures.append(str(err))
+            continue
+        x = torch.from_numpy(rgb).to(device).permute(2, 0, 1)[None].float() / 255.0
+        x = (x - mean) / std
+        scores = base.scores(x, [name])
+        labels, changed = refiner.refine(x, scores, return_changed=True)
+        label = labels[0].cpu().numpy()
+        write_outputs(out, name, rgb, label, palette, alpha=args.alpha)
+        atomic_save_image(
+            out / "changed" / f"{name}.png", changed[0].cpu().numpy().astype(np.uint8) * 255
+        )
+        changed_total += int(changed.sum())
+        pixels_total += changed.numel()
+    done = len(images) - len(failures)
+    frac = 100 * changed_total / pixels_total if pixels_total else 0.0
+    print(f"refined {done} image(s): {changed_total} pixels changed ({frac:.3f}%) -> {out}")
+    if failures:
+        for message in failures:
+            print(f"  skipped: {message}", file=sys.stderr)
+        raise DataError(f"{len(failures)} of {len(images)} input image(s) could not be read")
+    return 0
+
+
+def _palette(n: int) -> Sequence[tuple[int, int, int]]:
+    return [((37 * i) % 256, (97 * i) % 256, (173 * i) % 256) for i in range(n)]
