@@ -140,7 +140,6 @@ def fit_main(args: argparse.Namespace) -> int:
     from dualseg.data import build_dataset, build_eval_transform, build_train_transform
     from dualseg.engine.predict import resolve_device
     from dualseg.refine.base import load_base
-    from dualseg.refine.embedding import build_embedding_net, init_backbone_from
     from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig
 
     cfg = RefinerConfig(
@@ -187,24 +186,10 @@ def fit_main(args: argparse.Namespace) -> int:
         raise ConfigError("--init-backbone base needs --base to be a dualseg checkpoint")
 
     weights = None if args.init_backbone == "none" else (args.weights or "imagenet")
+    init_from = None
     if args.init_backbone == "base":
         weights = args.weights  # ImageNet first only when a file is given explicitly
-    net = build_embedding_net(
-        cfg.backbone,
-        embed_dim=cfg.embed_dim,
-        output_stride=cfg.output_stride,
-        aspp_rates=cfg.aspp_rates,
-        weights=weights,
-    )
-    if args.init_backbone == "base":
-        copied = init_backbone_from(net.backbone, base.module)  # type: ignore[union-attr]
-        if copied == 0:
-            raise ConfigError(
-                f"no tensor of the base model fits backbone {cfg.backbone!r}; pass the base "
-                "model's backbone name with --backbone, or use --init-backbone imagenet"
-            )
-        print(f"backbone: {copied} tensors copied from {args.base}")
-    del base
+        init_from = base.module  # type: ignore[union-attr]
 
     out = Path(args.out)
     checkpoint = Path(args.checkpoint) if args.checkpoint else out.with_suffix(".train.pt")
@@ -213,7 +198,8 @@ def fit_main(args: argparse.Namespace) -> int:
         class_names=class_names,
         config=cfg,
         prototype_dataset=protos,
-        net=net,
+        weights=weights,
+        init_from=init_from,
         device=device,
         num_workers=args.workers,
         checkpoint=checkpoint,

@@ -339,8 +339,11 @@ class BoundaryRefiner:
                 aspp_rates=cfg.aspp_rates,
                 weights=weights,
             )
-            if init_from is not None:
-                init_backbone_from(net.backbone, init_from)
+            if init_from is not None and init_backbone_from(net.backbone, init_from) == 0:
+                raise ConfigError(
+                    f"no tensor of the base model fits backbone {cfg.backbone!r}; use the base "
+                    "model's backbone name, or ImageNet initialization"
+                )
         net.to(dev)
         history = train_embedding(
             net,
