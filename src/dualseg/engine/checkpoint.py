@@ -147,9 +147,16 @@ def load_checkpoint(
     try:
         ckpt = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
+        if not zipfile.is_zipfile(path):
+            raise CheckpointError(
+                f"{path} is corrupt or not a PyTorch checkpoint file; use another checkpoint "
+                f"(e.g. {BEST_NAME} or {LAST_NAME} of the run) or retrain"
+            ) from err
+        lines = str(err).splitlines()
+        detail = next((ln.strip() for ln in lines if "Unsupported global" in ln), lines[0])
         raise CheckpointError(
-            f"{path} contains objects that cannot be loaded safely (weights_only=True); "
-            f"it was not written by dualseg: {str(err).splitlines()[0]}"
+            f"{path} contains objects that cannot be loaded safely (weights_only=True), so it "
+            f"was not written by dualseg ({detail})"
         ) from err
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__

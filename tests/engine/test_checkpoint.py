@@ -1,0 +1,147 @@
+"""Checkpoints: atomic save, safe load, clear errors, model rebuild, RNG round trip."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from dualseg.engine.checkpoint import (
+    FORMAT,
+    build_model_from_checkpoint,
+    capture_rng_state,
+    check_compatible,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from dualseg.errors import CheckpointError
+from dualseg.models import build_model
+
+KWARGS = {"num_classes": 3, "renet_hidden": 4, "aspp_rates": [1, 2]}
+
+
+def _state(model: nn.Module, **extra) -> dict:
+    return {
+        "arch": "dualseg_mobilenet_v2",
+        "model_kwargs": dict(KWARGS),
+        "model": model.state_dict(),
+        "class_names": ["a", "b", "c"],
+        "palette": [(1, 2, 3), (4, 5, 6), (7, 8, 9)],
+        "ignore_index": 255,
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def model() -> nn.Module:
+    return build_model("dualseg_mobilenet_v2", **KWARGS).eval()
+
+
+def test_round_trip_rebuilds_identical_model(tmp_path: Path, model: nn.Module) -> None:
+    path = save_checkpoint(tmp_path / "c.pt", _state(model, iteration=7))
+    # Loads with the safe unpickler, and carries format + version.
+    raw = torch.load(path, weights_only=True)
+    assert raw["format"] == FORMAT and raw["version"]
+    ckpt = load_checkpoint(path)
+    assert ckpt["iteration"] == 7
+    rebuilt, meta = build_model_from_checkpoint(ckpt)
+    assert meta.class_names == ("a", "b", "c") and meta.palette[1] == (4, 5, 6)
+    x = torch.randn(1, 3, 32, 32)
+    with torch.no_grad():
+        assert torch.equal(rebuilt(x), model(x))
+    assert not rebuilt.training
+
+
+def test_numpy_and_tuples_are_stored_plainly(tmp_path: Path, model: nn.Module) -> None:
+    state = _state(model, sampler={"perm": np.arange(4), "n": np.int64(3)}, rng=capture_rng_state())
+    ckpt = load_checkpoint(save_checkpoint(tmp_path / "c.pt", state))
+    assert torch.equal(ckpt["sampler"]["perm"], torch.arange(4))
+    assert ckpt["sampler"]["n"] == 3 and isinstance(ckpt["sampler"]["n"], int)
+
+
+def test_rng_state_round_trip(tmp_path: Path, model: nn.Module) -> None:
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    path = save_checkpoint(tmp_path / "c.pt", _state(model, rng=capture_rng_state()))
+    ckpt = load_checkpoint(path)
+    expected = (random.random(), float(np.random.rand()), torch.rand(3))
+    random.seed(9)
+    np.random.seed(9)
+    torch.manual_seed(9)
+    restore_rng_state(ckpt["rng"])
+    got = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+
+
+def test_missing_folder_truncated_and_foreign_files(tmp_path: Path, model: nn.Module) -> None:
+    with pytest.raises(CheckpointError, match="not found"):
+        load_checkpoint(tmp_path / "nope.pt")
+    with pytest.raises(CheckpointError, match="is a folder"):
+        load_checkpoint(tmp_path)
+
+    good = save_checkpoint(tmp_path / "good.pt", _state(model))
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_checkpoint(truncated)
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match="corrupt or not a PyTorch checkpoint"):
+        load_checkpoint(garbage)
+
+    bare = tmp_path / "bare.pt"
+    torch.save(model.state_dict(), bare)
+    with pytest.raises(CheckpointError, match=r"not a dualseg checkpoint.*bare state dict"):
+        load_checkpoint(bare)
+
+    other = tmp_path / "other.pt"
+    torch.save({**_state(model), "format": "dualseg-checkpoint/99"}, other)
+    with pytest.raises(CheckpointError, match="dualseg-checkpoint/99"):
+        load_checkpoint(other)
+
+    unsafe = tmp_path / "unsafe.pt"  # an arbitrary pickled object: refused, never executed
+    torch.save({"format": FORMAT, "x": argparse.Namespace(a=1)}, unsafe)
+    with pytest.raises(CheckpointError, match="cannot be loaded safely"):
+        load_checkpoint(unsafe)
+
+
+def test_save_is_atomic_on_failure(tmp_path: Path, model: nn.Module) -> None:
+    path = save_checkpoint(tmp_path / "c.pt", _state(model, iteration=1))
+    before = path.read_bytes()
+    with pytest.raises(TypeError, match="cannot store"):
+        save_checkpoint(path, _state(model, iteration=2, bad=object()))
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temp file left behind
+
+
+def test_compatibility_errors_name_both_sides(tmp_path: Path, model: nn.Module) -> None:
+    ckpt = load_checkpoint(save_checkpoint(tmp_path / "c.pt", _state(model)))
+    check_compatible(ckpt, arch="dualseg_mobilenet_v2", num_classes=3)
+    expected = r"'dualseg_mobilenet_v2'.*expected 'dualseg_resnet18'"
+    with pytest.raises(CheckpointError, match=expected):
+        check_compatible(ckpt, arch="dualseg_resnet18")
+    with pytest.raises(CheckpointError, match=r"3 classes \(expected 11\)"):
+        build_model_from_checkpoint(ckpt, num_classes=11)
+
+
+def test_state_dict_mismatch_is_a_clear_error(tmp_path: Path, model: nn.Module) -> None:
+    # The weights belong to a 5-class model but the checkpoint claims 3: no raw stack trace.
+    five = build_model("dualseg_mobilenet_v2", **{**KWARGS, "num_classes": 5})
+    path = save_checkpoint(tmp_path / "c.pt", {**_state(model), "model": five.state_dict()})
+    with pytest.raises(CheckpointError, match=r"'dualseg_mobilenet_v2' with 3 classes.*shape"):
+        build_model_from_checkpoint(load_checkpoint(path))
+    # Weights of another architecture under this arch's name.
+    other = nn.Sequential(nn.Conv2d(3, 3, 1))
+    path = save_checkpoint(tmp_path / "d.pt", {**_state(model), "model": other.state_dict()})
+    with pytest.raises(CheckpointError, match="missing"):
+        build_model_from_checkpoint(load_checkpoint(path))
+    unknown = save_checkpoint(tmp_path / "e.pt", {**_state(model), "arch": "no_such_net"})
+    with pytest.raises(CheckpointError, match="no_such_net"):
+        build_model_from_checkpoint(load_checkpoint(unknown))
