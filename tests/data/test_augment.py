@@ -1,0 +1,70 @@
+"""`dualseg augment`: N pairs + list file, deterministic, resumes, refuses mixed settings."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from datahelpers import TINY
+
+from dualseg.data import build_dataset, read_label
+from dualseg.data.augment import augment_dataset, main
+from dualseg.errors import DataError
+
+
+def _files(dst):
+    return {p.relative_to(dst): p for p in sorted(dst.glob("*s/*.png"))}
+
+
+@pytest.fixture
+def src(list_root):
+    (list_root / "meta.json").write_text(json.dumps(TINY.to_dict()))
+    return list_root
+
+
+def test_writes_pairs_list_and_meta(src, tmp_path, capsys):
+    dst = tmp_path / "aug"
+    assert main([str(src), str(dst), "--count", "5", "--crop-size", "12", "16"]) == 0
+    assert "5 pairs written" in capsys.readouterr().out
+    assert len(_files(dst)) == 10
+    lines = (dst / "train.txt").read_text().splitlines()
+    assert lines[0] == "images/000000.png labels/000000.png" and len(lines) == 5
+    ds = build_dataset(dst)  # reads meta.json: same classes, labels already hold 255
+    assert len(ds) == 5 and ds.meta.class_names == TINY.class_names
+    image, label = ds.load_pair(4)
+    assert image.shape == (12, 16, 3) and set(np.unique(label)) <= {0, 1, 2, 3, 255}
+
+
+def test_resume_skips_valid_outputs_and_redoes_broken_ones(src, tmp_path):
+    dst = tmp_path / "aug"
+    assert augment_dataset(src, dst, count=6, progress=False) == (6, 0)
+    files = _files(dst)
+    before = {k: (p.read_bytes(), p.stat().st_mtime_ns) for k, p in files.items()}
+    files[next(iter(files))].unlink()  # images/000000.png gone
+    label = dst / "labels" / "000003.png"
+    label.write_bytes(label.read_bytes()[:40])  # truncated
+    assert augment_dataset(src, dst, count=6, progress=False) == (2, 4)
+    after = {k: (p.read_bytes(), p.stat().st_mtime_ns) for k, p in _files(dst).items()}
+    assert {k: v[0] for k, v in after.items()} == {k: v[0] for k, v in before.items()}
+    redone = {k for k in after if after[k][1] != before[k][1]}
+    assert {str(k) for k in redone} <= {
+        "images/000000.png", "labels/000000.png", "images/000003.png", "labels/000003.png"
+    }  # fmt: skip
+    assert read_label(label, TINY).shape == (16, 24)
+
+
+def test_workers_give_the_same_files(src, tmp_path):
+    augment_dataset(src, tmp_path / "one", count=4, progress=False)
+    augment_dataset(src, tmp_path / "two", count=4, workers=2, progress=False)
+    one, two = _files(tmp_path / "one"), _files(tmp_path / "two")
+    assert one.keys() == two.keys()
+    assert all(one[k].read_bytes() == two[k].read_bytes() for k in one)
+
+
+def test_other_settings_in_the_same_folder_are_refused(src, tmp_path):
+    dst = tmp_path / "aug"
+    augment_dataset(src, dst, count=2, progress=False)
+    with pytest.raises(DataError, match="seed") as err:
+        augment_dataset(src, dst, count=2, seed=1, progress=False)
+    assert str(dst) in str(err.value)

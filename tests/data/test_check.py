@@ -1,0 +1,46 @@
+"""`dualseg data check`: every problem at once, plus a per-class pixel histogram."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from datahelpers import TINY, save
+
+from dualseg.data.cli import check_dataset, main
+
+
+def test_reports_every_problem_and_the_histogram(list_root, tmp_path, capsys):
+    (list_root / "meta.json").write_text(json.dumps(TINY.to_dict()))
+    (list_root / "train" / "0.png").unlink()  # missing listed file
+    save(list_root / "trainannot" / "1.png", np.zeros((5, 5), np.uint8))  # size mismatch
+    save(list_root / "trainannot" / "2.png", np.full((16, 24), 7, np.uint8))  # out of range
+    val_img = list_root / "val" / "0.png"
+    val_img.write_bytes(val_img.read_bytes()[:60])  # truncated
+    save(list_root / "valannot" / "1.png", np.full((16, 24), 9, np.uint8))  # 9 -> ignore: fine
+
+    out_json = tmp_path / "report.json"
+    assert main(["check", str(list_root), "--json", str(out_json)]) == 1
+    text = capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    problems = report["problems"]
+    assert len(problems) == 4, problems
+    for needle in ("train/0.png", "trainannot/1.png", "trainannot/2.png", "val/0.png"):
+        assert sum(needle in p for p in problems) == 1, needle
+        assert needle in text
+    assert report["pairs"] == {"train": 2, "val": 2}
+    # histogram: the readable labels are trainannot/1 (5x5 zeros) and valannot/0, valannot/1
+    hist = report["histogram"]
+    assert hist["ignore"] == 16 * 24
+    assert sum(hist.values()) == 25 + 2 * 16 * 24
+    assert "(ignore)" in text and "4 problem(s)" in text
+
+
+def test_clean_dataset_passes(list_root, capsys):
+    report = check_dataset(list_root, preset=TINY)
+    assert report.problems == [] and report.pairs == {"train": 3, "val": 2}
+    assert report.histogram[:4].sum() == (3 + 2) * 16 * 24
+    (list_root / "meta.json").write_text(json.dumps(TINY.to_dict()))
+    assert main(["check", str(list_root), "--split", "val", "--layout", "list"]) == 0
+    text = capsys.readouterr().out
+    assert "no problems found" in text and "pairs: val 2" in text
