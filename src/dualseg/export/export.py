@@ -69,6 +69,7 @@ _KNOWN_WARNINGS = (
     "is deprecated",
     "Iterating over a tensor might cause the trace to be incorrect",
     "Converting a tensor to a Python integer",
+    "The feature will be removed",
 )
 
 

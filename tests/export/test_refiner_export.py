@@ -1,0 +1,78 @@
+"""Method B exported: embedding model + JSON sidecar reproduce BoundaryRefiner.refine."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dualseg.cli import main
+from dualseg.errors import CheckpointError
+from dualseg.export.runtime import load_exported_refiner
+from dualseg.refine import BoundaryRefiner, RefinerConfig, build_embedding_net
+
+
+@pytest.fixture(scope="module")
+def refiner(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = RefinerConfig(embed_dim=16, input_scale=0.5, radius=3, top_n=2)
+    net = build_embedding_net(cfg.backbone, embed_dim=cfg.embed_dim)
+    protos = torch.randn(3, cfg.embed_dim) * 0.1
+    present = torch.tensor([True, True, False])  # class 2 has no prototype: never chosen
+    r = BoundaryRefiner(net, protos, present, class_names=["a", "b", "c"], config=cfg)
+    path = tmp_path_factory.mktemp("refiner") / "refiner.pt"
+    r.save(path)
+    return BoundaryRefiner.load(path), path
+
+
+def _case(seed: int = 0):
+    """An image and base-model probabilities with three vertical stripes (boundaries)."""
+    rng = np.random.default_rng(seed)
+    h, w = 40, 56
+    label = np.zeros((h, w), np.int64)
+    label[:, 20:] = 1
+    label[:, 38:] = 2
+    logits = rng.normal(0, 1.0, (3, h, w)).astype(np.float32)
+    np.put_along_axis(logits, label[None], 3.0, axis=0)
+    probs = np.exp(logits) / np.exp(logits).sum(0, keepdims=True)
+    image = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+    return image, probs
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
+def test_exported_refiner_matches_boundary_refiner(refiner, tmp_path, fmt):
+    ref, path = refiner
+    out = tmp_path / f"emb.{'onnx' if fmt == 'onnx' else 'pt'}"
+    assert main(["export", "--refiner", str(path), "--format", fmt, "--out", str(out),
+                 "--dynamic"]) == 0  # fmt: skip
+    sidecar = json.loads((tmp_path / "emb.json").read_text())
+    assert sidecar["class_names"] == ["a", "b", "c"] and sidecar["config"]["top_n"] == 2
+    exported = load_exported_refiner(out)
+    image, probs = _case()
+    want, want_changed = ref.refine(image, probs, return_changed=True)
+    got, got_changed = exported.refine(image, probs, return_changed=True)
+    assert want_changed.sum() > 0  # the case exercises P5
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got_changed, want_changed)
+    # batch form with tensors, as 'refine apply' calls it: tensors out
+    x = torch.from_numpy((image / 255.0 - [0.485, 0.456, 0.406]) / [0.229, 0.224, 0.225])
+    x = x.permute(2, 0, 1)[None].float()
+    p = torch.from_numpy(probs)[None]
+    t_want = ref.refine(x, p)
+    t_got = exported.refine(x, p)
+    assert isinstance(t_got, torch.Tensor) and t_got.dtype == torch.int64
+    torch.testing.assert_close(t_got, t_want)
+
+
+def test_missing_sidecar_and_class_mismatch(refiner, tmp_path):
+    _, path = refiner
+    out = tmp_path / "emb.onnx"
+    assert main(["export", "--refiner", str(path), "--out", str(out), "--no-verify"]) == 0
+    exported = load_exported_refiner(tmp_path / "emb.json")  # the sidecar works as well
+    with pytest.raises(CheckpointError, match="fit for 3"):
+        exported.check_classes(None, 5)
+    (tmp_path / "emb.json").unlink()
+    with pytest.raises(CheckpointError, match="sidecar not found"):
+        load_exported_refiner(out)

@@ -1,0 +1,85 @@
+"""OnnxSegmenter: the engine Segmenter's interface through onnxruntime, without torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dualseg.errors import CheckpointError
+from dualseg.export.runtime import OnnxSegmenter
+
+
+def _images():
+    rng = np.random.default_rng(0)
+    return [
+        rng.integers(0, 256, (50, 70, 3), dtype=np.uint8),
+        rng.integers(0, 256, (64, 64, 3), dtype=np.uint8),
+        rng.integers(0, 256, (50, 70, 3), dtype=np.uint8),
+    ]
+
+
+def test_onnx_segmenter_matches_engine_segmenter(onnx_dynamic, torch_model):
+    from dualseg.engine.predict import Segmenter
+
+    model, meta = torch_model
+    ref, seg = Segmenter(model, meta), OnnxSegmenter(onnx_dynamic)
+    assert seg.meta.class_names == meta.class_names and seg.meta.palette == meta.palette
+    assert seg.num_classes == 3 and seg.class_names == meta.class_names
+    images = _images()
+    got = seg.predict_batch(images, batch_size=2, return_probs=True)
+    want = ref.predict_batch(images, batch_size=2, return_probs=True)
+    for (g_lab, g_prob), (w_lab, w_prob) in zip(got, want):
+        assert g_lab.dtype == np.uint8 and g_lab.shape == w_lab.shape
+        np.testing.assert_allclose(g_prob, w_prob, atol=1e-4)
+        assert (g_lab == w_lab).mean() > 0.999  # argmax may flip only at exact ties
+    np.testing.assert_array_equal(seg.predict(images[1]), got[1][0])
+
+
+def test_onnx_predict_does_not_import_torch(onnx_dynamic, tmp_path):
+    image = tmp_path / "x.png"
+    Image.fromarray(_images()[0]).save(image)
+    code = textwrap.dedent(
+        f"""
+        import sys
+        import numpy as np
+        from dualseg.export.runtime import OnnxSegmenter
+        seg = OnnxSegmenter({str(onnx_dynamic)!r})
+        labels = seg.predict({str(image)!r})
+        probs = seg.predict_proba(np.zeros((40, 48, 3), np.uint8))
+        assert labels.shape == (50, 70) and probs.shape == (3, 40, 48)
+        assert "torch" not in sys.modules, "torch was imported"
+        print("ok")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_static_export_resizes_in_and_out(torch_model, tmp_path):
+    from dualseg.engine.predict import Segmenter
+    from dualseg.export.export import export_model
+
+    model, meta = torch_model
+    path = export_model(
+        model, tmp_path / "s.onnx", class_names=meta.class_names, palette=meta.palette,
+        dynamic=False, example_size=(64, 64),
+    )  # fmt: skip
+    seg = OnnxSegmenter(path)
+    image = _images()[1]  # already 64x64: no resizing, so it must match PyTorch
+    np.testing.assert_allclose(
+        seg.predict_proba(image), Segmenter(model, meta).predict_proba(image), atol=1e-4
+    )
+    assert seg.predict(_images()[0]).shape == (50, 70)  # other sizes: resized, back at 50x70
+
+
+def test_wrong_files_are_clear_errors(tmp_path, onnx_dynamic):
+    with pytest.raises(CheckpointError, match="not found"):
+        OnnxSegmenter(tmp_path / "missing.onnx")
+    with pytest.raises(CheckpointError, match="not a readable ONNX model"):
+        (tmp_path / "bad.onnx").write_bytes(b"\x00garbage")
+        OnnxSegmenter(tmp_path / "bad.onnx")

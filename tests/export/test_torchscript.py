@@ -1,0 +1,55 @@
+"""TorchScript export: parity at two sizes (and an odd one), metadata in _extra_files."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from export_case import CLASS_NAMES, PALETTE
+
+from dualseg.cli import main
+from dualseg.export.runtime import TORCHSCRIPT_META, ExportedSegmenter, read_export_info
+
+
+@pytest.fixture(scope="module")
+def scripted(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ts") / "tiny.pt"
+    args = ["export", "-c", str(checkpoint), "--format", "torchscript", "--out", str(out)]
+    assert main([*args, "--dynamic", "--output", "probs", "--no-verify"]) == 0
+    return out
+
+
+def test_torchscript_matches_pytorch_at_several_sizes(scripted, torch_model):
+    model, _ = torch_model
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.load is deprecated in 2.14
+        loaded = torch.jit.load(str(scripted))
+    for shape in [(1, 3, 64, 64), (2, 3, 64, 96), (1, 3, 41, 57)]:
+        x = torch.randn(*shape)
+        with torch.no_grad():
+            ref, got = model(x).softmax(1), loaded(x)
+        assert got.shape == ref.shape
+        torch.testing.assert_close(got, ref, atol=1e-4, rtol=0)
+
+
+def test_torchscript_metadata(scripted):
+    extra = {TORCHSCRIPT_META: ""}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.jit.load(str(scripted), _extra_files=extra)
+    info = json.loads(extra[TORCHSCRIPT_META])
+    assert info["class_names"] == CLASS_NAMES and info["palette"] == PALETTE
+    assert info["output"] == "probs"
+    assert read_export_info(scripted) == info  # read from the zip, without torch
+
+
+def test_exported_segmenter_runs_torchscript(scripted, torch_model):
+    model, meta = torch_model
+    from dualseg.engine.predict import Segmenter
+
+    image = np.random.default_rng(0).integers(0, 256, (45, 61, 3), dtype=np.uint8)
+    got = ExportedSegmenter(scripted).predict_proba(image)
+    np.testing.assert_allclose(got, Segmenter(model, meta).predict_proba(image), atol=1e-4)
