@@ -134,8 +134,8 @@ class DualBranchNet(SegmentationModel):
         self.register_buffer("std", std_t.float().view(1, 3, 1, 1), persistent=False)
         self.register_buffer("luma", luma.view(1, 3, 1, 1), persistent=False)
         # Gray normalization matching the RGB one: the same linear combination of the stats.
-        self.gray_mean = float((luma * mean_t).sum())
-        self.gray_std = float((luma * std_t).sum())
+        self.gray_mean = sum(c * m for c, m in zip(BT601, mean))
+        self.gray_std = sum(c * s for c, s in zip(BT601, std))
 
     def to_gray(self, x: Tensor) -> Tensor:
         """Normalized RGB ``[B, 3, H, W]`` -> normalized BT.601 luma ``[B, 1, H, W]``."""

