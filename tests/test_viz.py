@@ -84,6 +84,13 @@ def test_make_panel_layout_is_pixel_exact() -> None:
     ).any()
 
 
+def test_long_titles_stay_over_their_tile() -> None:
+    tiles = [np.zeros((20, 24, 3), np.uint8)] * 2
+    panel = make_panel(tiles, ["a very long title for a narrow tile", "ok"])
+    assert (panel[:TITLE_HEIGHT, 24 : 24 + GAP] == 255).all()  # nothing drawn in the gap
+    assert (panel[:TITLE_HEIGHT, :24] < 128).any()  # but something drawn over the tile
+
+
 def test_legend_swatches_and_panel_with_legend() -> None:
     legend = make_legend(NAMES, PALETTE, width=300)
     assert legend.shape[1] == 300 and legend.dtype == np.uint8

@@ -144,6 +144,21 @@ def _text_width(draw: ImageDraw.ImageDraw, text: str, font: Any) -> int:
     return math.ceil(right - left)
 
 
+def _fit_title(draw: ImageDraw.ImageDraw, title: str, width: int) -> tuple[str, Any, int]:
+    """The title in the largest font size (14 down to 8) that fits ``width``; cut with an
+    ellipsis if even size 8 is too wide. Returns (text, font, text width)."""
+    for size in range(14, 7, -1):
+        font = _font(size)
+        tw = _text_width(draw, title, font)
+        if tw <= width:
+            return title, font, tw
+    text = title
+    while len(text) > 1 and _text_width(draw, text + "…", font) > width:
+        text = text[:-1]
+    text += "…"
+    return text, font, _text_width(draw, text, font)
+
+
 def make_legend(
     class_names: Sequence[str],
     palette: Palette,
@@ -198,13 +213,12 @@ def make_panel(
     width = sum(t.shape[1] for t in tiles) + GAP * (len(tiles) - 1)
     canvas = Image.new("RGB", (width, height), _BACKGROUND)
     draw = ImageDraw.Draw(canvas)
-    font = _font(14)
     x = 0
     for tile, title in zip(tiles, titles):
         w = tile.shape[1]
         canvas.paste(Image.fromarray(tile), (x, TITLE_HEIGHT))
-        tw = _text_width(draw, title, font)
-        draw.text((x + max((w - tw) // 2, 0), 2), title, fill=_TEXT, font=font)
+        text, font, tw = _fit_title(draw, title, w)
+        draw.text((x + max((w - tw) // 2, 0), 2), text, fill=_TEXT, font=font)
         x += w + GAP
     panel = np.asarray(canvas)
     if class_names is not None or palette is not None:
