@@ -413,6 +413,10 @@ def test_results_are_json_dumpable_and_tabulated() -> None:
     text = json.dumps(data, allow_nan=False)  # NaN became null: strict JSON
     assert json.loads(text)["iou"][2] is None
     assert isinstance(data["miou"], float) and len(data["boundary_f1_per_class"]) == 3
+    assert to_jsonable({"a": np.array([0.5, np.nan]), "b": {"c": np.float64("nan")}}) == {
+        "a": [0.5, None],
+        "b": {"c": None},
+    }
 
     table = format_table(["road", "sky", "car"], results)
     lines = table.splitlines()

@@ -386,11 +386,14 @@ class BoundaryMetrics:
 
 
 def to_jsonable(results: Mapping[str, Any]) -> dict[str, Any]:
-    """``compute()`` results as plain JSON values: tensors -> lists, NaN -> ``None``."""
+    """``compute()`` results as plain JSON values: tensors/arrays -> lists, NaN -> ``None``
+    (``json.dumps(..., allow_nan=False)`` accepts the result)."""
 
     def conv(v: Any) -> Any:
         if isinstance(v, Tensor):
             v = v.detach().cpu().tolist()
+        elif hasattr(v, "tolist"):  # numpy arrays and scalars
+            v = v.tolist()
         if isinstance(v, (list, tuple)):
             return [conv(x) for x in v]
         if isinstance(v, Mapping):
