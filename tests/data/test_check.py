@@ -44,3 +44,11 @@ def test_clean_dataset_passes(list_root, capsys):
     assert main(["check", str(list_root), "--split", "val", "--layout", "list"]) == 0
     text = capsys.readouterr().out
     assert "no problems found" in text and "pairs: val 2" in text
+
+
+def test_unusable_root_is_one_line_error_through_the_cli(tmp_path, capsys):
+    from dualseg.cli import main as dualseg_main
+
+    assert dualseg_main(["data", "check", str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "nope" in err and "not found" in err
