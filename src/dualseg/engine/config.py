@@ -124,7 +124,7 @@ class TrainConfig:
     amp: Literal["auto", "none", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, none on CPU
     channels_last: bool = True  # CUDA only
     compile: bool = False  # torch.compile the training model
-    sync_bn: bool = False  # SyncBatchNorm under DDP
+    sync_bn: bool = False  # SyncBatchNorm under DDP (GPUs only; ignored on CPU)
     progress: bool = True  # tqdm bar (rank 0, TTY only)
     tensorboard: bool = True  # event files when tensorboard is installed
 

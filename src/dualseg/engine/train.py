@@ -50,6 +50,7 @@ from dualseg.engine.distributed import (
     ShardSampler,
     all_reduce_sum,
     barrier,
+    broadcast_buffers,
     cleanup_distributed,
     init_distributed,
 )
@@ -445,7 +446,7 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
         ckpt_io.check_compatible(state, arch=cfg.model.arch, num_classes=num_classes)
 
     model = _build_model(cfg, num_classes, pretrained=state is None)
-    if env.distributed and t.sync_bn:
+    if env.distributed and t.sync_bn and device.type == "cuda":  # SyncBatchNorm is GPU-only
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
     amp_dtype = _amp_dtype(t.amp, device)
@@ -534,6 +535,7 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
         """Score the validation split; True on a new best mIoU."""
         from dualseg.engine.evaluate import evaluate
 
+        broadcast_buffers(raw_model)  # every rank scores rank 0's model (the checkpointed one)
         metrics = evaluate(
             raw_model,
             val_loader,

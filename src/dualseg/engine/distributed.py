@@ -1,0 +1,219 @@
+"""Distributed training helpers (PyTorch DDP, launched with ``torchrun``) and samplers.
+
+``torchrun --nproc_per_node=N -m dualseg train ...`` sets ``RANK``, ``WORLD_SIZE`` and
+``LOCAL_RANK``; :func:`init_distributed` reads them and joins the process group (NCCL on GPUs,
+gloo on CPUs). Without them everything runs as a single process (rank 0 of 1).
+
+Samplers:
+
+* :class:`ResumableSampler` — a ``DistributedSampler`` (seeded permutation per epoch, one shard
+  per rank) whose position inside the epoch can be saved and restored; with
+  :class:`SeededSamples` every sample gets its own augmentation seed. A resumed run therefore
+  sees the same images with the same augmentations in the same order as an uninterrupted one,
+  whatever the number of workers.
+* :class:`ShardSampler` — evaluation shards without padding, so that the confusion matrices
+  summed over ranks equal the single-process one exactly (``DistributedSampler`` would repeat
+  samples to even out the shards).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset, DistributedSampler, Sampler
+
+__all__ = [
+    "DistEnv",
+    "ResumableSampler",
+    "SeededSamples",
+    "ShardSampler",
+    "all_reduce_sum",
+    "barrier",
+    "broadcast_buffers",
+    "cleanup_distributed",
+    "init_distributed",
+    "resolve_device",
+]
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process stands: rank, world size, local rank, device."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        """Only rank 0 writes files, prints and shows progress bars."""
+        return self.rank == 0
+
+
+def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
+    """``"auto"``: the local GPU when there is one, else CPU; ``"cuda"``: ``cuda:local_rank``."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        from dualseg.errors import ConfigError
+
+        if not torch.cuda.is_available():
+            raise ConfigError("train.device is cuda but no GPU is visible; use --train.device cpu")
+        if device.index is None:
+            device = torch.device("cuda", local_rank)
+    return device
+
+
+def init_distributed(device: str = "auto") -> DistEnv:
+    """Join the ``torchrun`` process group when launched by it; else a single-process env."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = resolve_device(device, local_rank=local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+
+
+def cleanup_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over ranks in place (no-op in a single process); returns ``t``."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def broadcast_buffers(model: torch.nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s buffers (BatchNorm running statistics) to every rank.
+
+    DDP broadcasts buffers at the start of each *training* forward, so after a step every rank
+    holds its own running statistics; validation and checkpoints must use rank 0's.
+    """
+    if dist.is_available() and dist.is_initialized():
+        for buf in model.buffers():
+            dist.broadcast(buf, src=src)
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """A 31-bit seed for one sample of one epoch (independent of ranks and workers)."""
+    return int(np.random.SeedSequence([seed, epoch, index]).generate_state(1)[0] >> 1)
+
+
+class ResumableSampler(DistributedSampler):
+    """``DistributedSampler`` whose position inside the epoch can be saved and restored.
+
+    Yields ``(index, epoch)`` pairs for :class:`SeededSamples`. ``set_epoch(e)`` picks the
+    epoch's permutation (``seed + e``) and ``set_offset(k)`` skips the first ``k`` samples of
+    this rank's shard (those already trained on). ``state_dict()`` / ``load_state_dict()``
+    hold ``{"epoch", "offset"}``; the caller counts consumed samples (a loader prefetches).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(
+            dataset,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        self.offset = 0
+
+    def set_offset(self, offset: int) -> None:
+        self.offset = int(offset)
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
+        indices = list(super().__iter__())
+        return iter([(i, self.epoch) for i in indices[self.offset :]])
+
+    def __len__(self) -> int:
+        return max(0, self.num_samples - self.offset)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": int(self.epoch), "offset": int(self.offset)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.set_epoch(int(state["epoch"]))
+        self.set_offset(int(state["offset"]))
+
+
+class SeededSamples(Dataset):
+    """Wraps a dataset; ``ds[(index, epoch)]`` loads sample ``index`` as of ``epoch``.
+
+    Datasets with ``set_epoch`` (``SegmentationDataset`` seeds each sample from
+    ``(seed, index, epoch)``) get the epoch set in the process that loads the sample — which
+    also works with persistent workers. Around the call Python's ``random``, numpy's global RNG
+    and torch's CPU RNG are seeded from ``(seed, epoch, index)`` and restored afterwards, so
+    any dataset's augmentations depend on the sample only, not on which worker loads it nor on
+    what ran before.
+    """
+
+    def __init__(self, dataset: Dataset, *, seed: int = 0) -> None:
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        index, epoch = key
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if set_epoch is not None:
+            set_epoch(epoch)
+        seed = sample_seed(self.seed, epoch, index)
+        py_state, np_state = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            random.seed(seed)
+            np.random.seed(seed)
+            torch.manual_seed(seed)
+            try:
+                return self.dataset[index]
+            finally:
+                random.setstate(py_state)
+                np.random.set_state(np_state)
+
+
+class ShardSampler(Sampler[int]):
+    """Indices ``rank, rank + world, ...`` in order, without padding (for evaluation)."""
+
+    def __init__(self, length: int, *, num_replicas: int = 1, rank: int = 0) -> None:
+        self.indices = list(range(rank, length, num_replicas))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
