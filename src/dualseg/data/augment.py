@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 from PIL import Image
+from torchvision import tv_tensors
+from torchvision.transforms import v2
 from tqdm import tqdm
 
 from dualseg.data.datasets import LAYOUTS, SegmentationDataset, build_dataset
@@ -36,13 +38,13 @@ class Augmenter:
 
     def __init__(self, dataset: SegmentationDataset, dst: Path, settings: dict) -> None:
         self.dataset, self.dst, self.settings = dataset, dst, settings
-        self._pipelines: dict[tuple[int, int], object] = {}  # crop size -> pipeline
+        self._pipelines: dict[tuple[int, ...], v2.Compose] = {}  # crop size -> pipeline
 
     def paths(self, i: int) -> tuple[Path, Path]:
         ext = self.settings["image_format"]
         return self.dst / "images" / f"{i:06d}.{ext}", self.dst / "labels" / f"{i:06d}.png"
 
-    def _pipeline(self, size: tuple[int, int]):
+    def _pipeline(self, size: tuple[int, ...]) -> v2.Compose:
         crop = tuple(self.settings["crop_size"] or size)
         if crop not in self._pipelines:
             s = self.settings
@@ -61,8 +63,6 @@ class Augmenter:
         img_path, label_path = self.paths(i)
         if _valid(img_path) and _valid(label_path):
             return False
-        from torchvision import tv_tensors
-
         image, label = self.dataset.load_pair(i)
         pipeline = self._pipeline(label.shape)
         with seeded(sample_seed(self.settings["seed"], i)):
