@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="input size: the fixed size of a static export (512 512), the tracing size of a "
         "dynamic one (64 64)",
     )
-    p.add_argument("--opset", type=int, default=17, help="ONNX opset, >= 17 (17)")
+    p.add_argument(
+        "--opset", type=int, default=None, help="ONNX opset (17 with legacy, 18 with dynamo)"
+    )
     p.add_argument(
         "--exporter",
         choices=("legacy", "dynamo"),

@@ -12,7 +12,8 @@ so the ReNet sweeps (rows and columns folded into the batch) run at any height a
 ``torch.export``-based exporter (``dynamo=True``, torch's default since 2.9) exports the same
 network only with static shapes: with dynamic height/width its decomposition of
 ``aten.gru.input`` fails ("The size of tensor a must match the size of tensor b"). It remains
-available as ``exporter="dynamo"`` for static exports.
+available as ``exporter="dynamo"`` for static exports, at opset 18 or later (it builds opset 18
+and has no converter down to 17 for ``Pad``).
 
 Metadata travels inside the file: ONNX ``metadata_props`` (each value JSON, keys
 ``dualseg.<name>``) and TorchScript ``_extra_files["dualseg.json"]``; see :func:`export_info`.
@@ -57,7 +58,8 @@ __all__ = [
 FORMATS = ("onnx", "torchscript")
 OUTPUTS = ("logits", "probs")
 EXPORTERS = ("legacy", "dynamo")
-DEFAULT_OPSET = 17
+DEFAULT_OPSET = 17  # the legacy exporter's default; dynamo needs 18 (no opset-17 Pad adapter)
+DYNAMO_MIN_OPSET = 18
 # Warnings the exporters always raise for these networks, understood and harmless here:
 # tracing freezes the models' own padding test (ExportWrapper pads first, so it is always
 # False), the GRU batch warning (h0 is built from the input's shape, checked by the parity
@@ -70,6 +72,7 @@ _KNOWN_WARNINGS = (
     "Iterating over a tensor might cause the trace to be incorrect",
     "Converting a tensor to a Python integer",
     "The feature will be removed",
+    "were assigned during export",
 )
 
 
@@ -198,16 +201,18 @@ def export_onnx(
     *,
     example_size: tuple[int, int] = (64, 64),
     dynamic: bool = True,
-    opset: int = DEFAULT_OPSET,
+    opset: int | None = None,
     exporter: str = "legacy",
 ) -> Path:
     """Export ``wrapper`` (image -> map) to an ONNX file with ``info`` in its metadata_props."""
     import onnx
 
-    if opset < DEFAULT_OPSET:
-        raise ConfigError(f"opset must be >= {DEFAULT_OPSET}, got {opset}")
     if exporter not in EXPORTERS:
         raise ConfigError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")
+    least = DYNAMO_MIN_OPSET if exporter == "dynamo" else DEFAULT_OPSET
+    opset = least if opset is None else opset
+    if opset < least:
+        raise ConfigError(f"opset must be >= {least} with the {exporter} exporter, got {opset}")
     if exporter == "dynamo" and dynamic:
         raise ConfigError(
             "the dynamo exporter cannot export the ReNet GRU sweeps with dynamic sizes in this "
@@ -297,7 +302,7 @@ def _write(
     format: str,
     example_size: tuple[int, int],
     dynamic: bool,
-    opset: int,
+    opset: int | None,
     exporter: str,
 ) -> Path:
     if format == "onnx":
@@ -320,7 +325,7 @@ def export_model(
     output: str = "logits",
     dynamic: bool = True,
     example_size: tuple[int, int] = (64, 64),
-    opset: int = DEFAULT_OPSET,
+    opset: int | None = None,
     exporter: str = "legacy",
     arch: str = "",
     model_kwargs: Mapping[str, Any] | None = None,
@@ -359,7 +364,7 @@ def export_checkpoint(
     output: str = "logits",
     dynamic: bool = True,
     example_size: tuple[int, int] = (64, 64),
-    opset: int = DEFAULT_OPSET,
+    opset: int | None = None,
     exporter: str = "legacy",
 ) -> Path:
     """Export a dualseg checkpoint's network (class names, palette, arch in the metadata)."""
@@ -392,7 +397,7 @@ def export_refiner(
     format: str = "onnx",
     dynamic: bool = True,
     example_size: tuple[int, int] = (64, 64),
-    opset: int = DEFAULT_OPSET,
+    opset: int | None = None,
     exporter: str = "legacy",
 ) -> tuple[Path, Path]:
     """Export method B: the embedding model to ``path`` and a JSON sidecar beside it.
