@@ -145,7 +145,6 @@ def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> 
         prog=prog,
         description="Train a segmentation model (spec S3). Values come from --config YAML "
         "files, then from flags (--section.field value), later ones winning.",
-        default_meta=False,
         exit_on_error=exit_on_error,
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config file")

@@ -1,0 +1,172 @@
+"""Training loop: run folder, CLI overrides, stopping, signals, NaN stop, resume after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from dualseg.data import SegmentationDataset, make_synthetic_dataset
+from dualseg.engine.checkpoint import load_checkpoint
+from dualseg.engine.cli import main as train_main
+from dualseg.engine.config import Config, load_config
+from dualseg.engine.train import TrainingDivergedError, fit
+from dualseg.errors import CheckpointError
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny_synthetic.yaml"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("synthetic")
+    return make_synthetic_dataset(root, n_train=6, n_val=2, size=(36, 44), seed=0)
+
+
+def tiny(data: Path, out: Path, *, data_cfg: dict | None = None, **train: Any) -> Config:
+    """The tiny config on ``data``, writing to ``out``, with ``train`` overrides."""
+    data_section = {"root": str(data), "crop_size": [32, 32], **(data_cfg or {})}
+    return load_config(TINY, data=data_section, train={"out_dir": str(out), **train})
+
+
+def test_cli_run_writes_the_run_folder(data: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "run"
+    argv = ["--config", str(TINY), "--data.root", str(data), "--data.crop_size", "[32,32]"]
+    argv += ["--train.out_dir", str(out), "--optim.lr", "0.02", "--train.max_iters", "4"]
+    argv += ["--train.val_every", "2", "--train.tensorboard", "true"]
+    assert train_main(argv) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["iteration"] == 4 and summary["stop_reason"] == "max_iters"
+
+    # The resolved config, with the overrides, reads back as the same run.
+    resolved = yaml.safe_load((out / "config.yaml").read_text())
+    assert resolved["optim"]["lr"] == 0.02 and resolved["train"]["max_iters"] == 4
+    assert load_config(out / "config.yaml").optim.lr == 0.02
+
+    ckpt = load_checkpoint(out / "last.pt")
+    expected_keys = {"format", "version", "arch", "model_kwargs", "model", "optimizer"}
+    expected_keys |= {"scheduler", "scaler", "iteration", "epoch", "sampler", "rng", "config"}
+    expected_keys |= {"class_names", "palette", "ignore_index", "metrics"}
+    assert expected_keys <= set(ckpt)
+    assert ckpt["iteration"] == 4 and ckpt["arch"] == "dualseg_mobilenet_v2"
+    assert ckpt["model_kwargs"] == {"num_classes": 8, "renet_hidden": 8}
+    assert ckpt["metrics"]["iteration"] == 4 and 0.0 <= ckpt["metrics"]["miou"] <= 1.0
+    assert (out / "best.pt").is_file() and (out / "curves.png").stat().st_size > 1000
+    assert list(out.glob("events.out.tfevents.*"))  # TensorBoard is installed here
+
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["iteration"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:  # L1, L2 and L logged separately, L = L1 + L2
+        assert r["loss"] == pytest.approx(r["l1"] + r["l2"], rel=1e-5) and r["l2"] > 0
+    assert steps[1]["lr"] < steps[0]["lr"]  # poly decay
+    assert [r["iteration"] for r in records if "val_miou" in r] == [2, 4]
+
+
+def test_patience_on_smoothed_training_loss(data: Path, tmp_path: Path) -> None:
+    # min_delta larger than any possible improvement: the 2nd and 3rd evaluations are "bad".
+    settings = {"max_iters": 50, "val_every": 1, "monitor": "train_loss", "patience": 2}
+    cfg = tiny(data, tmp_path, data_cfg={"val_split": None}, min_delta=1e3, **settings)
+    summary = fit(cfg)
+    assert summary["stop_reason"] == "patience" and summary["iteration"] == 3
+    assert load_checkpoint(tmp_path / "last.pt")["iteration"] == 3
+    assert not (tmp_path / "best.pt").exists()  # no validation split, no best checkpoint
+
+
+def _patch_samples(monkeypatch: pytest.MonkeyPatch, at: int, action) -> None:
+    """Run ``action(sample)`` on the ``at``-th training sample read (1-based)."""
+    real = SegmentationDataset.__getitem__
+    count = {"n": 0}
+
+    def getitem(self: SegmentationDataset, index: int):
+        image, label = real(self, index)
+        if image.shape[-1] == 32:  # training crops only (validation images are 44 wide)
+            count["n"] += 1
+            if count["n"] == at:
+                image = action(image)
+        return image, label
+
+    monkeypatch.setattr(SegmentationDataset, "__getitem__", getitem)
+
+
+def test_sigterm_saves_a_checkpoint_and_stops(data: Path, tmp_path: Path, monkeypatch) -> None:
+    def terminate(image: torch.Tensor) -> torch.Tensor:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return image
+
+    _patch_samples(monkeypatch, at=5, action=terminate)  # during the 3rd batch (batch size 2)
+    summary = fit(tiny(data, tmp_path, max_iters=100, val_every=0))
+    assert summary["stop_reason"] == "interrupted" and summary["signal"] == signal.SIGTERM
+    assert summary["iteration"] == 3
+    assert load_checkpoint(tmp_path / "last.pt")["iteration"] == 3
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(
+    data: Path, tmp_path: Path, monkeypatch
+) -> None:
+    _patch_samples(monkeypatch, at=9, action=lambda image: image * float("nan"))  # 5th batch
+    with pytest.raises(TrainingDivergedError, match=r"iteration 5.*last good checkpoint"):
+        fit(tiny(data, tmp_path, max_iters=100, val_every=0, ckpt_every=2))
+    ckpt = load_checkpoint(tmp_path / "last.pt")
+    assert ckpt["iteration"] == 4
+    assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
+
+
+def test_resume_refuses_another_architecture(data: Path, tmp_path: Path) -> None:
+    fit(tiny(data, tmp_path / "a", max_iters=1, val_every=0))
+    data_section = {"root": str(data), "crop_size": [32, 32]}
+    train_section = {"out_dir": str(tmp_path / "b")}
+    cfg = load_config(
+        TINY, data=data_section, model={"arch": "dualseg_resnet18"}, train=train_section
+    )
+    with pytest.raises(CheckpointError, match=r"dualseg_mobilenet_v2.*expected 'dualseg_resnet18'"):
+        fit(cfg, resume=str(tmp_path / "a" / "last.pt"))
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_is_bit_identical(data: Path, tmp_path: Path) -> None:
+    """Kill a CPU run with SIGKILL after a checkpoint, resume it: same final weights."""
+    settings = {"max_iters": 8, "val_every": 4, "ckpt_every": 2}
+    reference = fit(tiny(data, tmp_path / "ref", **settings))
+    assert reference["iteration"] == 8
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "dualseg", "train", "--config", str(TINY)]
+    cmd += ["--data.root", str(data), "--data.crop_size", "[32,32]", "--train.out_dir", str(out)]
+    cmd += [f"--train.{k}={v}" for k, v in settings.items()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "last.pt").exists() and proc.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    killed_at = load_checkpoint(out / "last.pt")["iteration"]
+    assert 2 <= killed_at < 8  # killed mid-run, after a checkpoint
+
+    resumed = fit(tiny(data, out, **settings), resume="auto")
+    assert resumed["iteration"] == 8
+    a, b = load_checkpoint(tmp_path / "ref" / "last.pt"), load_checkpoint(out / "last.pt")
+    assert a["model"].keys() == b["model"].keys()
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
+    assert a["metrics"]["miou"] == b["metrics"]["miou"]
+    # The log of the resumed run has each iteration once (lines past the checkpoint dropped).
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if "loss" in r] == list(range(1, 9))
