@@ -76,3 +76,26 @@ def test_missing_sidecar_and_class_mismatch(refiner, tmp_path):
     (tmp_path / "emb.json").unlink()
     with pytest.raises(CheckpointError, match="sidecar not found"):
         load_exported_refiner(out)
+
+
+def test_load_refiner_opens_both_kinds_and_overrides_apply(refiner, tmp_path):
+    import dataclasses
+
+    from dualseg.export.runtime import ExportedRefiner, load_refiner
+
+    _, path = refiner
+    assert isinstance(load_refiner(path), BoundaryRefiner)
+    ts = tmp_path / "emb.pt"
+    assert main(["export", "--refiner", str(path), "--format", "torchscript", "--out", str(ts),
+                 "--no-verify"]) == 0  # fmt: skip
+    exported = load_refiner(ts)
+    assert isinstance(exported, ExportedRefiner)
+    # 'refine apply --top-n/--radius' replace fields of the config, as for BoundaryRefiner
+    ref = load_refiner(path)
+    image, probs = _case(1)
+    for r in (exported, ref):
+        r.config = dataclasses.replace(r.config, radius=1, top_n=3)
+    got, got_changed = exported.refine(image, probs, return_changed=True)
+    want, want_changed = ref.refine(image, probs, return_changed=True)
+    np.testing.assert_array_equal(got, want)
+    assert 0 < got_changed.sum() == want_changed.sum()

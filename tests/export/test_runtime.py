@@ -83,3 +83,21 @@ def test_wrong_files_are_clear_errors(tmp_path, onnx_dynamic):
     with pytest.raises(CheckpointError, match="not a readable ONNX model"):
         (tmp_path / "bad.onnx").write_bytes(b"\x00garbage")
         OnnxSegmenter(tmp_path / "bad.onnx")
+
+
+def test_onnx_segmenter_drives_dualseg_predict(onnx_dynamic, tmp_path, monkeypatch):
+    """What 'dualseg predict --onnx' does: cli_predict's loop with an OnnxSegmenter."""
+    import dualseg.engine.predict as engine_predict
+    from dualseg.cli import main
+
+    monkeypatch.setattr(engine_predict, "load_model", lambda *a, **k: OnnxSegmenter(onnx_dynamic))
+    src = tmp_path / "in"
+    src.mkdir()
+    for i, a in enumerate(_images()):
+        Image.fromarray(a).save(src / f"im{i}.png")
+    out = tmp_path / "out"
+    args = ["predict", str(src), "--checkpoint", "unused.pt", "--out", str(out), "--probs"]
+    assert main(args) == 0
+    label = np.asarray(Image.open(out / "labels" / "im0.png"))
+    np.testing.assert_array_equal(label, OnnxSegmenter(onnx_dynamic).predict(_images()[0]))
+    assert (out / "color" / "im1.png").is_file() and (out / "probs" / "im2.npz").is_file()

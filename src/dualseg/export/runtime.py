@@ -7,8 +7,9 @@
   never imports torch.
 - :func:`load_exported_refiner` — method B from an exported embedding model plus its JSON
   sidecar (prototypes, configuration), with ``BoundaryRefiner.refine``'s contract. The
-  embedding runs in onnxruntime; the near-boundary mask reuses
-  :func:`dualseg.refine.boundary.near_boundary_mask`, which imports torch (its numpy path).
+  embedding runs in onnxruntime; the configuration (``RefinerConfig``) and the near-boundary
+  mask (:func:`dualseg.refine.boundary.near_boundary_mask`, numpy path) come from
+  ``dualseg.refine``, which imports torch. :func:`load_refiner` opens either kind of refiner.
 
 Export metadata: ONNX ``metadata_props`` ``dualseg.<key>`` (JSON values), TorchScript
 ``_extra_files["dualseg.json"]``; both read by :func:`read_export_info` (torch-free: a
@@ -35,6 +36,7 @@ __all__ = [
     "ExportedSegmenter",
     "OnnxSegmenter",
     "load_exported_refiner",
+    "load_refiner",
     "read_export_info",
     "refiner_sidecar_path",
 ]
@@ -352,8 +354,12 @@ class ExportedRefiner:
     def __init__(self, runner: Any, sidecar: Mapping[str, Any], *, source: str = "") -> None:
         self.runner = runner
         self.source = source
+        from dualseg.refine.refiner import RefinerConfig  # the same options as BoundaryRefiner
+
         self.class_names = tuple(str(c) for c in sidecar["class_names"])
-        self.config = dict(sidecar["config"])
+        # a RefinerConfig, so that overrides work as for BoundaryRefiner:
+        # refiner.config = dataclasses.replace(refiner.config, top_n=3)
+        self.config = RefinerConfig.from_dict(sidecar["config"])
         self.ignore_index = int(sidecar.get("ignore_index", 255))
         self.prototypes = np.asarray(sidecar["prototypes"], np.float32)
         self.present = np.asarray(sidecar["present"], bool)
@@ -364,9 +370,6 @@ class ExportedRefiner:
                 f"{source}: {self.prototypes.shape[0]} prototypes for {len(self.class_names)} "
                 "classes; re-export the refiner"
             )
-        self.top_n = int(self.config.get("top_n", 5))
-        self.radius = int(self.config.get("radius", 5))
-        self.edge_method = str(self.config.get("edge_method", "canny"))
 
     @property
     def num_classes(self) -> int:
@@ -375,7 +378,7 @@ class ExportedRefiner:
     def __repr__(self) -> str:
         return (
             f"ExportedRefiner({self.source}: {self.num_classes} classes, "
-            f"top_n={self.top_n}, radius={self.radius})"
+            f"top_n={self.config.top_n}, radius={self.config.radius})"
         )
 
     def check_classes(
@@ -427,10 +430,10 @@ class ExportedRefiner:
             )
         self.check_classes(None, probs.shape[1])
         pred = probs.argmax(1)  # P2
-        n = min(self.top_n, probs.shape[1])
+        n = min(self.config.top_n, probs.shape[1])
         top = np.argsort(-probs, axis=1, kind="stable")[:, :n]  # P3 [B,N,H,W]
         edge = near_boundary_mask(
-            pred, radius=self.radius, ignore_index=None, method=self.edge_method
+            pred, radius=self.config.radius, ignore_index=None, method=self.config.edge_method
         )
         out = pred.copy()
         for b in np.flatnonzero(edge.reshape(edge.shape[0], -1).any(1)):
@@ -492,3 +495,21 @@ def load_exported_refiner(
     return ExportedRefiner(
         _open_runner(model_path, providers, threads), sidecar, source=str(sidecar_path)
     )
+
+
+def _is_exported_torchscript(path: Path) -> bool:
+    if not (path.is_file() and zipfile.is_zipfile(path)):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any(n.endswith(f"extra/{TORCHSCRIPT_META}") for n in z.namelist())
+
+
+def load_refiner(path: str | os.PathLike[str], *, device: Any = "cpu") -> Any:
+    """Either refiner: a ``dualseg refine fit`` file (``BoundaryRefiner.load``) or an exported
+    pair (its ``.json`` sidecar, ``.onnx`` model or exported TorchScript ``.pt``)."""
+    path = Path(path)
+    if path.suffix.lower() in (".json", ".onnx") or _is_exported_torchscript(path):
+        return load_exported_refiner(path)
+    from dualseg.refine import BoundaryRefiner
+
+    return BoundaryRefiner.load(path, device=device)

@@ -55,18 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_refiner(path: str, *, device: str = "cpu") -> Any:
-    """A refiner file (``BoundaryRefiner.load``) or an exported pair (.onnx/.pt + .json)."""
-    p = Path(path)
-    if p.suffix.lower() in (".onnx", ".json"):
-        from dualseg.export.runtime import load_exported_refiner
-
-        return load_exported_refiner(p)
-    from dualseg.refine import BoundaryRefiner
-
-    return BoundaryRefiner.load(p, device=device)
-
-
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -98,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{Path(args.checkpoint).name} ({type(segmenter.model).__name__})"
     refiner = None
     if args.refiner:
+        from dualseg.export.runtime import load_refiner
+
         refiner = load_refiner(args.refiner, device=args.device)
         refiner.check_classes(segmenter.class_names, segmenter.num_classes)
     app = create_app(
