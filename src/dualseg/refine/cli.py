@@ -97,6 +97,9 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between saves (200)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--log-every", type=int, default=50, help="print a loss line every N steps (50; 0: off)"
+    )
 
 
 def _add_apply(sub: argparse._SubParsersAction) -> None:
@@ -206,6 +209,7 @@ def fit_main(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         progress=not args.no_progress and sys.stderr.isatty(),
+        log_every=args.log_every,
     )
     refiner.save(out)
     last = refiner.history[-1] if refiner.history else None

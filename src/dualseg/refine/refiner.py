@@ -317,6 +317,7 @@ class BoundaryRefiner:
         checkpoint_every: int = 200,
         resume: bool = False,
         progress: bool = True,
+        log_every: int = 0,
         ignore_index: int = 255,
     ) -> BoundaryRefiner:
         """Train the embedding model with triplets, then compute the class prototypes.
@@ -356,6 +357,7 @@ class BoundaryRefiner:
             checkpoint_every=checkpoint_every,
             resume=resume,
             progress=progress,
+            log_every=log_every,
             ignore_index=ignore_index,
         )
         protos, present = stream_prototypes(
@@ -414,10 +416,12 @@ def train_embedding(
     checkpoint_every: int = 200,
     resume: bool = False,
     progress: bool = True,
+    log_every: int = 0,
     ignore_index: int = 255,
 ) -> list[dict[str, float]]:
     """Step 4: ``cfg.steps`` optimizer steps of the sampled triplet hinge. Returns the history
-    (one dict per step: step, loss, violating, margin, num_triplets, pixels)."""
+    (one dict per step: step, loss, violating, margin, num_triplets, pixels). ``log_every``:
+    also print one line every that many steps (for logs without a progress bar)."""
     from tqdm.auto import tqdm
 
     if len(dataset) == 0:  # type: ignore[arg-type]
@@ -471,6 +475,11 @@ def train_embedding(
             viol=f"{stats['violating']:.2f}",
             margin=f"{stats['margin']:.2f}",
         )
+        if log_every and (step + 1) % log_every == 0:
+            bar.write(
+                f"[{step + 1}/{cfg.steps}] triplet loss {stats['loss']:.4f}, violating "
+                f"{100 * stats['violating']:.1f}%, margin {stats['margin']:.3f}"
+            )
         if (step + 1) % max(1, checkpoint_every) == 0:
             save(step + 1)
     bar.close()
