@@ -187,6 +187,8 @@ class Segmenter:
     # ------------------------------------------------------------------ internals
     def to_tensor(self, array: np.ndarray) -> Tensor:
         """uint8 ``HxWx3`` -> normalized float ``[1,3,H,W]`` on the segmenter's device."""
+        if not array.flags.writeable:  # e.g. np.asarray(PIL image); torch wants writable
+            array = array.copy()
         x = torch.from_numpy(array).to(self.device).permute(2, 0, 1)[None].float() / 255.0
         return (x - self._mean) / self._std
 

@@ -1,0 +1,200 @@
+"""Segmenter / load_model, ``dualseg predict`` and ``dualseg eval`` on a tiny random model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import dualseg
+from dualseg.cli import main as cli_main
+from dualseg.data import get_preset, make_synthetic_dataset
+from dualseg.engine.checkpoint import save_checkpoint
+from dualseg.engine.cli_predict import PROBS_KEYS, collect_images
+from dualseg.engine.predict import Segmenter, as_rgb_array, load_model
+from dualseg.errors import CheckpointError, DataError
+from dualseg.models import build_model
+
+META = get_preset("synthetic")
+KWARGS = {"num_classes": META.num_classes, "output_stride": 16, "renet_hidden": 8}
+
+
+def _checkpoint(path: Path, **overrides) -> Path:
+    torch.manual_seed(0)
+    model = build_model("dualseg_mobilenet_v2", **KWARGS)
+    with torch.no_grad():  # make the random model predict several classes, not one
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    state = {
+        "arch": "dualseg_mobilenet_v2",
+        "model_kwargs": dict(KWARGS),
+        "model": model.state_dict(),
+        "class_names": list(META.class_names),
+        "palette": [list(c) for c in META.palette],
+        "ignore_index": 255,
+        "config": {"data": {"preset": "synthetic"}},
+    }
+    state.update(overrides)
+    return save_checkpoint(path, state)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return _checkpoint(tmp_path_factory.mktemp("ckpt") / "model.pt")
+
+
+@pytest.fixture(scope="module")
+def seg(ckpt) -> Segmenter:
+    return load_model(ckpt)
+
+
+@pytest.fixture
+def rgb() -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 256, (37, 53, 3), dtype=np.uint8)  # odd size on purpose
+
+
+def test_load_model_is_the_public_api(ckpt, seg) -> None:
+    assert dualseg.load_model is load_model
+    assert seg.meta.class_names == META.class_names
+    assert seg.num_classes == 8 and seg.device == torch.device("cpu")
+    assert not seg.model.training
+
+
+def test_predict_accepts_path_pil_numpy_tensor_at_original_size(seg, rgb, tmp_path) -> None:
+    path = tmp_path / "im.png"
+    Image.fromarray(rgb).save(path)
+    ref = seg.predict(rgb)
+    assert ref.shape == (37, 53) and ref.dtype == np.uint8 and ref.max() < 8
+    chw_float = torch.from_numpy(rgb).permute(2, 0, 1).float() / 255
+    for form in (
+        str(path),
+        path,
+        Image.fromarray(rgb),
+        torch.from_numpy(rgb),  # uint8 HWC
+        torch.from_numpy(rgb).permute(2, 0, 1),  # uint8 CHW
+        chw_float,
+        chw_float[None],
+    ):
+        np.testing.assert_array_equal(seg.predict(form), ref)
+    gray = seg.predict(rgb[:, :, 0])  # HxW gray -> 3 channels
+    assert gray.shape == (37, 53)
+
+
+def test_predict_proba_and_batch_of_mixed_sizes(seg, rgb) -> None:
+    probs = seg.predict_proba(rgb)
+    assert probs.shape == (8, 37, 53) and probs.dtype == np.float32
+    np.testing.assert_allclose(probs.sum(0), 1.0, atol=1e-5)
+    np.testing.assert_array_equal(probs.argmax(0), seg.predict(rgb))
+    other = np.ascontiguousarray(rgb[:20, :31])
+    batch = seg.predict_batch([rgb, other, rgb[::-1].copy()], batch_size=2, return_probs=True)
+    assert [lab.shape for lab, _ in batch] == [(37, 53), (20, 31), (37, 53)]
+    # grouping by size: each result equals the image segmented on its own
+    np.testing.assert_array_equal(batch[1][0], seg.predict(other))
+    np.testing.assert_allclose(batch[0][1], probs, atol=1e-5)
+
+
+def test_bad_inputs_raise_clear_errors(seg, tmp_path) -> None:
+    with pytest.raises(DataError, match="not found"):
+        seg.predict(tmp_path / "missing.png")
+    bad = tmp_path / "bad.png"
+    bad.write_bytes(b"not a png")
+    with pytest.raises(DataError, match=r"bad\.png"):
+        seg.predict(bad)
+    with pytest.raises(DataError, match=r"\[0, 1\]"):
+        seg.predict(torch.randn(3, 16, 16) * 3)  # a normalized tensor
+    with pytest.raises(DataError, match="cannot segment"):
+        seg.predict(42)
+    with pytest.raises(DataError, match="uint8"):
+        as_rgb_array(np.zeros((4, 4, 3), np.int32))
+
+
+def test_corrupt_and_incompatible_checkpoints(ckpt, tmp_path) -> None:
+    truncated = tmp_path / "cut.pt"
+    truncated.write_bytes(ckpt.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_model(truncated)
+    wrong = _checkpoint(
+        tmp_path / "wrong.pt", model_kwargs={**KWARGS, "num_classes": 11}
+    )  # weights of 8 classes, claims 11
+    with pytest.raises(CheckpointError, match="does not match"):
+        load_model(wrong)
+    assert cli_main(["predict", "--checkpoint", str(truncated), str(tmp_path), "-o", "x"]) == 1
+
+
+def test_cli_predict_files_folders_globs(ckpt, rgb, tmp_path, capsys) -> None:
+    src = tmp_path / "in"
+    (src / "sub").mkdir(parents=True)
+    Image.fromarray(rgb).save(src / "a.png")
+    Image.fromarray(rgb[:24, :40]).save(src / "sub" / "a.jpg")
+    Image.fromarray(rgb[:30]).save(tmp_path / "b.png")
+    out = tmp_path / "out"
+    code = cli_main(
+        [
+            *("predict", "-c", str(ckpt), str(src), str(tmp_path / "b.*")),
+            *("--out", str(out), "--probs", "--batch-size", "2"),
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+    for name, size in (("a", (37, 53)), ("sub/a", (24, 40)), ("b", (30, 53))):
+        label = np.asarray(Image.open(out / "labels" / f"{name}.png"))
+        assert label.shape == size and label.max() < 8
+        assert np.asarray(Image.open(out / "color" / f"{name}.png")).shape == (*size, 3)
+        assert np.asarray(Image.open(out / "overlay" / f"{name}.png")).shape == (*size, 3)
+        with np.load(out / "probs" / f"{name}.npz") as z:
+            assert set(z.files) == set(PROBS_KEYS)
+            assert z["probs"].shape == (8, *size)
+            np.testing.assert_array_equal(z["probs"].astype(np.float32).argmax(0), label)
+            assert list(z["class_names"]) == list(META.class_names)
+    assert "segmented 3 image(s)" in capsys.readouterr().out
+
+
+def test_collect_images_errors_and_name_clashes(tmp_path, rgb) -> None:
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    for d in ("x", "y"):
+        Image.fromarray(rgb).save(tmp_path / d / "im.png")
+    found = collect_images([str(tmp_path / "x" / "im.png"), str(tmp_path / "y" / "im.png")])
+    assert [n for _, n in found] == ["im", "im_1"]
+    with pytest.raises(DataError, match=r"nope\.png.*no such file.*\*\.tif"):
+        collect_images([str(tmp_path / "nope.png"), str(tmp_path / "*.tif")])
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> Path:
+    return make_synthetic_dataset(
+        tmp_path_factory.mktemp("syn"), n_train=1, n_val=2, size=(48, 64), seed=0
+    )
+
+
+def test_cli_eval_writes_metrics_and_predictions(ckpt, synthetic, tmp_path, capsys) -> None:
+    out, preds = tmp_path / "eval", tmp_path / "preds"
+    code = cli_main(
+        [
+            *("eval", "-c", str(ckpt), "--data", str(synthetic), "--out", str(out)),
+            *("--save-predictions", str(preds), "--batch-size", "2"),
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("miou", "iou", "pixel_acc", "boundary_f1", "trimap_miou", "class_names"):
+        assert key in metrics
+    assert metrics["num_images"] == 2 and len(metrics["iou"]) == 8
+    assert 0.0 <= metrics["pixel_acc"] <= 1.0
+    text = capsys.readouterr().out
+    assert "mIoU" in text and "vegetation" in text and "boundary F1" in text
+    assert sorted(p.name for p in (preds / "labels").iterdir()) == [
+        "val_00000.png",
+        "val_00001.png",
+    ]
+    assert (preds / "color" / "val_00000.png").is_file()
+
+
+def test_cli_eval_class_count_mismatch(ckpt, synthetic, capsys) -> None:
+    code = cli_main(["eval", "-c", str(ckpt), "--data", str(synthetic), "--preset", "camvid"])
+    assert code == 1
+    assert "8 classes" in capsys.readouterr().err
