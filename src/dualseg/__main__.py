@@ -4,4 +4,5 @@ import sys
 
 from dualseg.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # spawn-based worker processes re-import this module
+    sys.exit(main())
