@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--refiner", help="a fitted refiner file (else one is fitted and saved)")
     p.add_argument("--refiner-out", default="refiner_bench.pt")
     p.add_argument("--init-from", help="fit: copy the backbone of this base checkpoint")
+    p.add_argument("--weights", default="imagenet", help="fit: imagenet | none | a weight file")
     p.add_argument("--backbone", default=RefinerConfig.backbone)
     p.add_argument("--steps", type=int, default=RefinerConfig.steps)
     p.add_argument("--batch-size", type=int, default=RefinerConfig.batch_size)
@@ -81,7 +82,7 @@ def fit_refiner(args: argparse.Namespace, device: torch.device) -> BoundaryRefin
         class_names=train.meta.class_names,
         config=cfg,
         prototype_dataset=protos,
-        weights=None if init_from is not None else "imagenet",
+        weights=None if init_from is not None or args.weights == "none" else args.weights,
         init_from=init_from,
         device=device,
         checkpoint=Path(args.refiner_out).with_suffix(".train.pt"),

@@ -30,7 +30,7 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp creates the file 0600; give it the permissions a plain open() would.
-        os.chmod(tmp, 0o666 & ~_umask())
+        os.chmod(tmp, 0o666 & ~_UMASK)
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
@@ -42,10 +42,14 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
         raise
 
 
-def _umask() -> int:
+def _read_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# Read once at import: os.umask can only be read by setting it, which is not thread-safe.
+_UMASK = _read_umask()
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:

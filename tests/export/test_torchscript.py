@@ -11,7 +11,13 @@ import torch
 from export_case import CLASS_NAMES, PALETTE
 
 from dualseg.cli import main
-from dualseg.export.runtime import TORCHSCRIPT_META, ExportedSegmenter, read_export_info
+from dualseg.errors import CheckpointError
+from dualseg.export.runtime import (
+    TORCHSCRIPT_META,
+    ExportedSegmenter,
+    OnnxSegmenter,
+    read_export_info,
+)
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +59,5 @@ def test_exported_segmenter_runs_torchscript(scripted, torch_model):
     image = np.random.default_rng(0).integers(0, 256, (45, 61, 3), dtype=np.uint8)
     got = ExportedSegmenter(scripted).predict_proba(image)
     np.testing.assert_allclose(got, Segmenter(model, meta).predict_proba(image), atol=1e-4)
+    with pytest.raises(CheckpointError, match="TorchScript file"):
+        OnnxSegmenter(scripted)

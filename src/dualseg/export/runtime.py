@@ -216,6 +216,8 @@ class ExportedSegmenter:
     image to the exported size and the scores back (bilinear), one image per run.
     """
 
+    accepts_torchscript = True
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -224,6 +226,11 @@ class ExportedSegmenter:
         threads: int | None = None,
     ) -> None:
         self.path = Path(path)
+        if not self.accepts_torchscript and self.path.is_file() and _is_torchscript(self.path):
+            raise CheckpointError(
+                f"{path} is a TorchScript file; use ExportedSegmenter for it, or export ONNX "
+                "with 'dualseg export --format onnx'"
+            )
         self.info = read_export_info(self.path)
         if self.info.get("kind") != "segmenter":
             raise CheckpointError(
@@ -311,19 +318,7 @@ class OnnxSegmenter(ExportedSegmenter):
     >>> labels = seg.predict("street.png")           # HxW uint8
     """
 
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        providers: Sequence[str] | None = None,
-        threads: int | None = None,
-    ) -> None:
-        if Path(path).is_file() and _is_torchscript(Path(path)):
-            raise CheckpointError(
-                f"{path} is a TorchScript file; use ExportedSegmenter for it, or export ONNX "
-                "with 'dualseg export --format onnx'"
-            )
-        super().__init__(path, providers=providers, threads=threads)
+    accepts_torchscript = False
 
 
 # ----------------------------------------------------------------------------- refiner
