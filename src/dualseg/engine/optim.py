@@ -1,0 +1,88 @@
+"""Optimizer and learning-rate schedule (spec S33, claim 5).
+
+SGD with momentum 0.9 and no weight decay of its own (the L2 term is in the objective, S32);
+the poly schedule l_t = l_0·(1 − t/T)^power with power 0.9, stepped once per iteration, with an
+optional linear warm-up; optionally a larger learning rate for the head (everything that is not
+a pretrained backbone), the usual 10× of DeepLab.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.optim import SGD, Optimizer
+from torch.optim.lr_scheduler import LambdaLR
+
+__all__ = ["build_optimizer", "build_scheduler", "param_groups", "poly_factor"]
+
+
+def _is_backbone(name: str) -> bool:
+    # Backbones are the pretrained fully convolutional modules (`...backbone...` in every
+    # dualseg / DeepLabV3 model); the rest (coord channels, ReNet, ASPP, fusion) is the head.
+    return "backbone" in name.split(".")
+
+
+def param_groups(model: nn.Module, *, lr: float, head_lr_mult: float = 1.0) -> list[dict]:
+    """Parameter groups: one group, or backbone (lr) + head (lr·head_lr_mult).
+
+    Each group carries ``initial_lr`` so the scheduler scales groups independently.
+    """
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if head_lr_mult == 1.0:
+        return [{"params": [p for _, p in params], "lr": lr, "name": "all"}]
+    backbone = [p for n, p in params if _is_backbone(n)]
+    head = [p for n, p in params if not _is_backbone(n)]
+    groups = [
+        {"params": backbone, "lr": lr, "name": "backbone"},
+        {"params": head, "lr": lr * head_lr_mult, "name": "head"},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(
+    model: nn.Module,
+    *,
+    lr: float,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    head_lr_mult: float = 1.0,
+) -> Optimizer:
+    """SGD, momentum 0.9, weight_decay 0 (S32's L2 is an explicit loss term)."""
+    groups = param_groups(model, lr=lr, head_lr_mult=head_lr_mult)
+    return SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=0.0)
+
+
+def poly_factor(
+    t: int,
+    *,
+    max_iters: int,
+    power: float = 0.9,
+    warmup_iters: int = 0,
+    warmup_factor: float = 0.1,
+) -> float:
+    """l_t / l_0 at iteration ``t`` (0-based): (1 − t/T)^power, times a linear warm-up ramp."""
+    factor = max(0.0, 1.0 - t / max_iters) ** power
+    if t < warmup_iters:
+        factor *= warmup_factor + (1.0 - warmup_factor) * t / warmup_iters
+    return factor
+
+
+def build_scheduler(
+    optimizer: Optimizer,
+    *,
+    max_iters: int,
+    power: float = 0.9,
+    warmup_iters: int = 0,
+    warmup_factor: float = 0.1,
+) -> LambdaLR:
+    """Poly LR (claim 5) as a per-iteration ``LambdaLR``; its state dict is plain numbers."""
+
+    def factor(t: int) -> float:
+        return poly_factor(
+            t,
+            max_iters=max_iters,
+            power=power,
+            warmup_iters=warmup_iters,
+            warmup_factor=warmup_factor,
+        )
+
+    return LambdaLR(optimizer, factor)
