@@ -53,3 +53,20 @@ def torch_model(checkpoint):
 
     model, meta = build_model_from_checkpoint(load_checkpoint(checkpoint))
     return model.eval(), meta
+
+
+@pytest.fixture(scope="session")
+def onnx_static(torch_model, tmp_path_factory) -> Path:
+    """A static export (batch 1, 48x80) returning probabilities."""
+    from dualseg.export.export import export_model
+
+    model, meta = torch_model
+    return export_model(
+        model,
+        tmp_path_factory.mktemp("onnx_static") / "static.onnx",
+        class_names=meta.class_names,
+        palette=meta.palette,
+        output="probs",
+        dynamic=False,
+        example_size=(48, 80),
+    )

@@ -49,24 +49,16 @@ def test_onnx_carries_metadata_and_opset(onnx_dynamic):
     assert "GRU" in {n.op_type for n in proto.graph.node}  # the ReNet sweeps stay recurrent
 
 
-def test_static_probs_export(torch_model, tmp_path):
-    model, meta = torch_model
-    path = export_model(
-        model,
-        tmp_path / "static.onnx",
-        class_names=meta.class_names,
-        palette=meta.palette,
-        output="probs",
-        dynamic=False,
-        example_size=(48, 80),
-    )
-    assert read_export_info(path)["input_size"] == [48, 80]
+def test_static_probs_export(onnx_static, torch_model):
+    model, _ = torch_model
+    info = read_export_info(onnx_static)
+    assert info["input_size"] == [48, 80] and info["output"] == "probs"
     x = torch.randn(1, 3, 48, 80)
     with torch.no_grad():
         ref = model(x).softmax(1).numpy()
-    np.testing.assert_allclose(_run(path, x), ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(_run(onnx_static, x), ref, atol=1e-4, rtol=0)
     with pytest.raises(Exception, match=r"(?i)dimension|shape"):
-        _run(path, torch.randn(1, 3, 64, 64))  # static: other sizes are refused
+        _run(onnx_static, torch.randn(1, 3, 64, 64))  # static: other sizes are refused
 
 
 def test_export_options_are_checked(torch_model, tmp_path):

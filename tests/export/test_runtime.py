@@ -60,21 +60,19 @@ def test_onnx_predict_does_not_import_torch(onnx_dynamic, tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
-def test_static_export_resizes_in_and_out(torch_model, tmp_path):
+def test_static_export_resizes_in_and_out(onnx_static, torch_model):
     from dualseg.engine.predict import Segmenter
-    from dualseg.export.export import export_model
 
     model, meta = torch_model
-    path = export_model(
-        model, tmp_path / "s.onnx", class_names=meta.class_names, palette=meta.palette,
-        dynamic=False, example_size=(64, 64),
-    )  # fmt: skip
-    seg = OnnxSegmenter(path)
-    image = _images()[1]  # already 64x64: no resizing, so it must match PyTorch
+    seg = OnnxSegmenter(onnx_static)
+    image = np.random.default_rng(1).integers(0, 256, (48, 80, 3), dtype=np.uint8)
+    # at the exported size nothing is resized, so it must match PyTorch
     np.testing.assert_allclose(
         seg.predict_proba(image), Segmenter(model, meta).predict_proba(image), atol=1e-4
     )
-    assert seg.predict(_images()[0]).shape == (50, 70)  # other sizes: resized, back at 50x70
+    probs = seg.predict_proba(_images()[0])  # another size: resized in, scores resized back
+    assert probs.shape == (3, 50, 70)
+    np.testing.assert_allclose(probs.sum(0), 1.0, atol=1e-5)
 
 
 def test_wrong_files_are_clear_errors(tmp_path, onnx_dynamic):
