@@ -86,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{Path(args.checkpoint).name} ({type(segmenter.model).__name__})"
     refiner = None
     if args.refiner:
+        from dualseg.engine.predict import resolve_device
         from dualseg.export.runtime import load_refiner
 
-        refiner = load_refiner(args.refiner, device=args.device)
+        refiner = load_refiner(args.refiner, device=resolve_device(args.device))
         refiner.check_classes(segmenter.class_names, segmenter.num_classes)
     app = create_app(
         segmenter,
