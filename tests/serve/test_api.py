@@ -99,6 +99,11 @@ def test_upload_over_byte_limit_is_413(client):
         r = client.post("/api/segment", **kwargs)
         assert r.status_code == 413
         assert "MB" in r.json()["detail"]
+    # chunked upload without Content-Length: counted while streaming in
+    data = buf.getvalue()
+    chunks = (data[i : i + 65536] for i in range(0, len(data), 65536))
+    r = client.post("/api/segment", content=chunks, headers={"Content-Type": "image/bmp"})
+    assert r.status_code == 413
 
 
 def test_refiner_result_and_changed_pixels(segmenter, refiner):
