@@ -122,15 +122,22 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
 
 
-def test_resume_refuses_another_architecture(data: Path, tmp_path: Path) -> None:
-    fit(tiny(data, tmp_path / "a", max_iters=1, val_every=0))
+def test_resume_checks_the_model_and_follows_the_new_schedule(data: Path, tmp_path: Path) -> None:
+    fit(tiny(data, tmp_path / "a", max_iters=2, val_every=0))
     data_section = {"root": str(data), "crop_size": [32, 32]}
-    train_section = {"out_dir": str(tmp_path / "b")}
-    cfg = load_config(
-        TINY, data=data_section, model={"arch": "dualseg_resnet18"}, train=train_section
+    other = load_config(
+        TINY, data=data_section, model={"arch": "dualseg_resnet18"}, train={"out_dir": "unused"}
     )
     with pytest.raises(CheckpointError, match=r"dualseg_mobilenet_v2.*expected 'dualseg_resnet18'"):
-        fit(cfg, resume=str(tmp_path / "a" / "last.pt"))
+        fit(other, resume=str(tmp_path / "a" / "last.pt"))
+
+    # Extending the run: iteration 3 uses the new poly schedule (T = 4), not the old one's LR.
+    summary = fit(tiny(data, tmp_path / "a", max_iters=4, val_every=0), resume="auto")
+    assert summary["iteration"] == 4
+    records = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    lrs = {r["iteration"]: r["lr"] for r in records if "lr" in r}
+    assert sorted(lrs) == [1, 2, 3, 4]
+    assert lrs[3] == pytest.approx(0.01 * (1 - 2 / 4) ** 0.9)
 
 
 @pytest.mark.slow

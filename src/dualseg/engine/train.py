@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
 from dualseg.engine import checkpoint as ckpt_io
@@ -396,6 +397,23 @@ def _build_model(cfg: Config, num_classes: int, *, pretrained: bool) -> nn.Modul
     )
 
 
+def _apply_schedule(
+    optimizer: torch.optim.Optimizer, scheduler: LambdaLR, base_lrs: list[float]
+) -> None:
+    """After loading a checkpoint: the LR of this run's schedule at the resumed iteration.
+
+    The checkpoint holds the LR its own schedule reached; a resume with another
+    ``--optim.lr`` or ``--train.max_iters`` continues on the new schedule instead (with the
+    same config this recomputes the very same values, so exact resumption is unaffected).
+    """
+    scheduler.base_lrs = list(base_lrs)
+    t = scheduler.last_epoch
+    for group, base, factor in zip(optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
+        group["initial_lr"] = base
+        group["lr"] = base * factor(t)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]
+
+
 def _resolve_resume(resume: str | None, out_dir: Path) -> Path | None:
     if resume is None:
         return None
@@ -476,8 +494,10 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
     iteration, epoch = 0, 0
     if state is not None:
         ckpt_io.load_model_state(model, state)
+        base_lrs = list(scheduler.base_lrs)  # from this run's config
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        _apply_schedule(optimizer, scheduler, base_lrs)
         if scaler is not None and state.get("scaler"):
             scaler.load_state_dict(state["scaler"])
         sampler.load_state_dict(state["sampler"])
