@@ -1,0 +1,247 @@
+"""Speed of method A's network against the torchvision DeepLabV3 peer on the same backbone.
+
+For each dualseg model and its peer (``deeplabv3_<backbone>``, same dilated backbone and output
+stride), in the same run: forward and forward+backward time (median over repetitions), FLOPs
+(``torch.utils.flop_counter``, counted on the meta device so they are exact and cost no compute),
+achieved GFLOP/s, peak memory, and the ReNet layers' share of the forward time. Then the ratios
+dualseg/peer. Targets (issue 3): dualseg's achieved GFLOP/s >= 0.9x the peer's, ReNet < 15% of
+the forward time.
+
+    python benchmarks/model_speed.py --device cpu --batch 1 --reps 3 --models dualseg_mobilenet_v2
+    python benchmarks/model_speed.py --device cuda --batch 1 8          # AMP (fp16) on by default
+
+train*GF/s: 3 x forward FLOPs per training step / step time. Peak memory: CUDA
+``max_memory_allocated`` during forward+backward; on CPU the bytes of the
+tensors saved for backward (activation memory of a training step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from dualseg.models import MODELS, ReNetLayer, build_model
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_time(fn: Callable[[], object], device: torch.device, reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@functools.lru_cache
+def count_flops(name: str, num_classes: int, size: tuple[int, int]) -> int:
+    """Forward FLOPs for one image, counted on the meta device (no arithmetic is done).
+
+    Backward FLOPs are not counted: torch's flop counter overcounts ``convolution_backward`` of
+    grouped (depthwise) convolutions by ~20x, so training throughput uses the usual
+    3 x forward estimate instead.
+    """
+    with torch.device("meta"):
+        model = build_model(name, num_classes=num_classes).eval()
+        x = torch.empty(1, 3, *size)
+    with FlopCounterMode(display=False) as fwd, torch.no_grad():
+        model(x)
+    return fwd.get_total_flops()
+
+
+def saved_tensor_bytes(model: nn.Module, x: torch.Tensor, autocast) -> int:
+    """Bytes kept for backward by one training forward (unique storages)."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
+        model(x)
+    return sum(seen.values())
+
+
+def renet_time(
+    model: nn.Module, x: torch.Tensor, device: torch.device, reps: int, warmup: int, autocast
+) -> float:
+    """Forward time of all ReNet layers, each timed alone on the input it gets in the model."""
+    inputs: list[tuple[nn.Module, torch.Tensor]] = []
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, args: inputs.append((mod, args[0])))
+        for m in model.modules()
+        if isinstance(m, ReNetLayer)
+    ]
+    with torch.inference_mode(), autocast():
+        model(x)
+    for h in hooks:
+        h.remove()
+    if not inputs:
+        return 0.0
+
+    def run() -> None:
+        with torch.inference_mode(), autocast():
+            for mod, inp in inputs:
+                mod(inp)
+
+    return median_time(run, device, reps, warmup)
+
+
+def measure(name: str, args: argparse.Namespace, device: torch.device, batch: int) -> dict:
+    size = tuple(args.size)
+    use_amp = device.type == "cuda" and not args.no_amp
+
+    def autocast():
+        if use_amp:
+            return torch.autocast("cuda", dtype=torch.float16)
+        return nullcontext()
+
+    torch.manual_seed(0)
+    model = build_model(name, num_classes=args.num_classes).to(device)
+    x = torch.randn(batch, 3, *size, device=device)
+    flops_fwd = batch * count_flops(name, args.num_classes, size)
+    flops_train = 3 * flops_fwd
+
+    model.eval()
+
+    def forward() -> None:
+        with torch.inference_mode(), autocast():
+            model(x)
+
+    t_fwd = median_time(forward, device, args.reps, args.warmup)
+    t_renet = renet_time(model, x, device, args.reps, args.warmup, autocast)
+
+    row = {
+        "model": name,
+        "device": device.type,
+        "batch": batch,
+        "amp": use_amp,
+        "fwd_ms": 1e3 * t_fwd,
+        "gflop_fwd": flops_fwd / 1e9,
+        "gflops_fwd": flops_fwd / t_fwd / 1e9,
+        "renet_share": t_renet / t_fwd,
+    }
+    if not args.no_backward:
+        # BatchNorm with frozen statistics (eval mode), as usual when fine-tuning segmentation
+        # at small batch: the peer's image-pooling BN cannot train on a batch of one.
+        model.train()
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+        scaler = torch.amp.GradScaler("cuda") if use_amp else None
+
+        def train_step() -> None:
+            model.zero_grad(set_to_none=True)
+            with autocast():
+                loss = model(x).float().square().mean()
+            (scaler.scale(loss) if scaler else loss).backward()
+
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t_train = median_time(train_step, device, args.reps, args.warmup)
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+        else:
+            peak = saved_tensor_bytes(model, x, autocast)
+        row.update(
+            train_ms=1e3 * t_train,
+            gflops_train=flops_train / t_train / 1e9,
+            peak_mb=peak / 2**20,
+        )
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def peer_of(name: str) -> str | None:
+    if not name.startswith("dualseg_"):
+        return None
+    peer = "deeplabv3_" + name.removeprefix("dualseg_")
+    return peer if peer in MODELS else None
+
+
+def fmt(row: dict, key: str, spec: str) -> str:
+    return format(row[key], spec) if key in row else "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["dualseg_mobilenet_v2", "dualseg_resnet101"])
+    p.add_argument("--device", nargs="+", default=["cpu", "cuda"], help="skipped when absent")
+    p.add_argument("--batch", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--size", nargs=2, type=int, default=[360, 480], metavar=("H", "W"))
+    p.add_argument("--num-classes", type=int, default=11)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
+    p.add_argument("--no-amp", action="store_true", help="fp32 on CUDA")
+    p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.backends.cudnn.benchmark = True
+
+    devices = [d for d in args.device if d != "cuda" or torch.cuda.is_available()]
+    header = (
+        f"{'device':6} {'b':>2} {'model':24} {'fwd ms':>9} {'train ms':>9} {'GFLOP':>8} "
+        f"{'GFLOP/s':>8} {'train*GF/s':>10} {'peak MB':>8} {'ReNet%':>6}"
+    )
+    print(f"input {args.size[0]}x{args.size[1]}, {torch.get_num_threads()} CPU threads")
+    print(header)
+    rows = []
+    for dev in devices:
+        device = torch.device(dev)
+        for batch in args.batch:
+            for name in args.models:
+                pair = [name] + ([peer_of(name)] if peer_of(name) else [])
+                result = []
+                for n in pair:
+                    r = measure(n, args, device, batch)
+                    result.append(r)
+                    rows.append(r)
+                    print(
+                        f"{dev + ('+amp' if r['amp'] else ''):6} {batch:>2} {r['model']:24} "
+                        f"{r['fwd_ms']:9.1f} {fmt(r, 'train_ms', '9.1f'):>9} "
+                        f"{r['gflop_fwd']:8.1f} {r['gflops_fwd']:8.1f} "
+                        f"{fmt(r, 'gflops_train', '10.1f'):>10} {fmt(r, 'peak_mb', '8.0f'):>8} "
+                        f"{100 * r['renet_share']:6.1f}",
+                        flush=True,
+                    )
+                if len(result) == 2:
+                    a, b = result
+                    ratio = a["gflops_fwd"] / b["gflops_fwd"]
+                    print(
+                        f"  ratio dualseg/peer: fwd time {a['fwd_ms'] / b['fwd_ms']:.2f}x, "
+                        f"FLOPs {a['gflop_fwd'] / b['gflop_fwd']:.2f}x, achieved GFLOP/s "
+                        f"{ratio:.2f}x (target >= 0.9: {'ok' if ratio >= 0.9 else 'MISSED'}), "
+                        f"ReNet {100 * a['renet_share']:.1f}% of forward (target < 15%: "
+                        f"{'ok' if a['renet_share'] < 0.15 else 'MISSED'})",
+                        flush=True,
+                    )
+    if args.json:
+        from dualseg.io import atomic_write_json
+
+        atomic_write_json(args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
