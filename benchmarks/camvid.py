@@ -1,0 +1,461 @@
+"""CamVid benchmark: method A against its peer and its ablations, with method B on top.
+
+Trains, with the same data, augmentation, budget and evaluation (issue 6):
+
+1. ``dualseg``        method A, ``dualseg_mobilenet_v2`` (offline ImageNet weights)
+2. ``peer``           torchvision's DeepLabV3 head on the same dilated MobileNetV2 (same engine)
+3. ``single_branch``  method A without the grayscale branch        (ablation)
+4. ``no_coord``       method A without coordinate channels          (ablation)
+5. ``no_renet``       method A without ReNet layers                 (ablation)
+
+then fits method B once and applies it on top of (1) and (2). Method B's embedding model learns
+from ground-truth labels only (triplets on near-boundary pixels of the training set); the base
+model enters at inference alone (P2-P5), so one fitted refiner serves every base model.
+
+Every model is evaluated on CamVid val and on each ``--eval-split`` at full 360x480: mIoU,
+per-class IoU, boundary F1 (3 px), trimap mIoU and inference time per image (median, batch 1).
+
+Budget: ``--budget-iters N`` (the same iteration count for every model) or
+``--budget-minutes M`` (the same wall-clock for every model: each model's iteration count is
+set from a short timed calibration, so the poly schedule still ends at T).
+
+The standard CPU setting (2 cores, under 2 hours in all) is the default::
+
+    python benchmarks/camvid.py --data ../shared/data/camvid --out runs/bench_camvid
+
+which trains on 192x256 crops (scale 0.5-1.0: the full 360x480 frame is seen at about half
+resolution, as evaluation reads it at full resolution), batch 4, 15 minutes per model
+(5 models: 75 min), fits method B for 150 steps (~15 min), then evaluates (~20 min).
+On a GPU: ``--device cuda --budget-minutes 8 --crop 360 480 --scale 0.5 2.0 --batch-size 8``.
+
+Outputs in ``--out``: ``results.json``, ``results.md`` (markdown table), ``per_class_iou.png``,
+``curves.png`` and ``panel_*.png`` (image | ground truth | peer | method A | method A + B).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dualseg.data import build_dataset
+from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+from dualseg.engine.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from dualseg.engine.evaluate import evaluate
+from dualseg.engine.train import fit
+from dualseg.io import atomic_write_json, atomic_write_text
+from dualseg.models import build_model
+from dualseg.refine import BoundaryRefiner
+from dualseg.refine.refiner import RefinerConfig
+
+# name -> (architecture, build_model options); the ablations switch one part of method A off.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "dualseg": ("dualseg_mobilenet_v2", {}),
+    "peer": ("deeplabv3_mobilenet_v2", {}),
+    "single_branch": ("dualseg_mobilenet_v2", {"gray_branch": False}),
+    "no_coord": ("dualseg_mobilenet_v2", {"coord_channels": False}),
+    "no_renet": ("dualseg_mobilenet_v2", {"renet_layers": 0}),
+}
+LABELS = {
+    "dualseg": "method A (dualseg_mobilenet_v2)",
+    "peer": "peer: DeepLabV3 (same backbone)",
+    "single_branch": "A, single branch (RGB only)",
+    "no_coord": "A, no coordinate channels",
+    "no_renet": "A, no ReNet layers",
+}
+REFINED = ("dualseg", "peer")  # base models that method B is applied to
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--data", required=True, help="CamVid folder with train.txt / val.txt")
+    p.add_argument("--out", default="runs/bench_camvid", help="output folder")
+    p.add_argument(
+        "--eval-split",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="a further split to evaluate: a list file (e.g. camvid/test.txt) or a folder",
+    )
+    p.add_argument("--models", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--budget-minutes", type=float, default=15.0, help="per model")
+    budget.add_argument("--budget-iters", type=int, help="per model (overrides minutes)")
+    p.add_argument("--crop", type=int, nargs=2, default=(192, 256), metavar=("H", "W"))
+    p.add_argument("--scale", type=float, nargs=2, default=(0.5, 1.0), metavar=("MIN", "MAX"))
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--weights", default="imagenet", help="'imagenet', a file, or 'none'")
+    p.add_argument("--refine-steps", type=int, default=150, help="method B triplet steps")
+    p.add_argument("--refine-input-scale", type=float, default=0.5)
+    p.add_argument("--timing-images", type=int, default=10, help="images timed per model")
+    p.add_argument("--panels", type=int, default=3, help="qualitative panels to write")
+    p.add_argument("--eval-limit", type=int, help="evaluate only the first N images (smoke runs)")
+    p.add_argument("--prototype-limit", type=int, help="method B prototypes from N train images")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def device_of(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
+    arch, options = VARIANTS[name]
+    weights = None if args.weights == "none" else args.weights
+    return Config(
+        data=DataConfig(
+            root=str(args.data),
+            preset="camvid",
+            val_split=None,  # evaluated below, at full resolution, outside the budget
+            crop_size=tuple(args.crop),
+            scale_range=tuple(args.scale),
+            batch_size=args.batch_size,
+            num_workers=args.workers,
+        ),
+        model=ModelConfig(arch=arch, weights=weights, **options),
+        optim=OptimConfig(lr=args.lr),
+        train=TrainConfig(
+            out_dir=str(out / "runs" / name),
+            max_iters=1,
+            val_every=0,
+            monitor="train_loss",
+            seed=args.seed,
+            device=args.device,
+            progress=True,
+            tensorboard=False,
+        ),
+    )
+
+
+def calibrate_iters(cfg: Config, minutes: float, device: torch.device) -> tuple[int, float]:
+    """Iterations that fit in ``minutes``, from timed forward+backward steps on a random batch.
+
+    Data loading runs in worker processes alongside; it is measured separately by
+    benchmarks/data_throughput.py and is not the bottleneck at these sizes.
+    """
+    from dualseg.engine.config import model_kwargs
+
+    kwargs = {
+        k: tuple(v) if isinstance(v, list) else v for k, v in model_kwargs(cfg.model, 11).items()
+    }
+    model = build_model(cfg.model.arch, **kwargs).to(device).train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    x = torch.randn(cfg.data.batch_size, 3, *cfg.data.crop_size, device=device)
+    y = torch.randint(0, 11, (cfg.data.batch_size, *cfg.data.crop_size), device=device)
+    times = []
+    for i in range(6):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:  # first steps warm up allocators / cuDNN autotuning
+            times.append(time.perf_counter() - t0)
+    per_iter = statistics.median(times)
+    return max(1, int(minutes * 60 / per_iter)), per_iter
+
+
+def eval_loader(root: str | Path, split_path: str | None, n: int | None) -> tuple[str, Any]:
+    """(name, loader) of CamVid val, or of a further split given as a list file or a folder."""
+    if split_path is None:
+        ds, name = build_dataset(root, split="val", preset="camvid"), "val"
+    else:
+        p = Path(split_path)
+        if p.is_file():
+            ds, name = build_dataset(p.parent, split=p.stem, preset="camvid"), p.stem
+        else:
+            ds, name = build_dataset(p, preset="camvid"), p.name
+    return name, torch.utils.data.DataLoader(limit(ds, n), batch_size=1, num_workers=2)
+
+
+def limit(ds: Any, n: int | None) -> Any:
+    """The first ``n`` samples of ``ds`` (all when ``n`` is None)."""
+    return ds if n is None else torch.utils.data.Subset(ds, range(min(n, len(ds))))
+
+
+def time_inference(
+    model: torch.nn.Module,
+    loader: Any,
+    n: int,
+    device: torch.device,
+    refiner: BoundaryRefiner | None = None,
+) -> float:
+    """Median seconds per image (batch 1, full resolution), base model (+ refiner)."""
+    times = []
+    with torch.inference_mode():
+        for i, (x, _) in enumerate(loader):
+            if i >= n + 2:
+                break
+            x = x.to(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            logits = model(x)
+            if refiner is not None:
+                refiner.refine(x, logits.softmax(1))
+            else:
+                logits.argmax(1)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= 2:
+                times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def summarize(m: dict[str, Any]) -> dict[str, Any]:
+    keys = ("miou", "pixel_acc", "mean_acc", "boundary_f1", "trimap_miou", "iou")
+    return {k: m[k] for k in keys if k in m}
+
+
+def write_table(results: dict[str, Any], path: Path) -> str:
+    lines = []
+    for split, rows in results["splits"].items():
+        lines += [
+            f"**CamVid {split}** (full 360x480; {results['budget']})",
+            "",
+            "| model | mIoU | boundary F1 (3 px) | trimap mIoU (5 px) | pixel acc | ms / image |",
+            "|---|---|---|---|---|---|",
+        ]
+        for _name, r in rows.items():
+            ms = r.get("ms_per_image")
+            lines.append(
+                f"| {r['label']} | {100 * r['miou']:.1f} | {100 * r['boundary_f1']:.1f} | "
+                f"{100 * r['trimap_miou']:.1f} | {100 * r['pixel_acc']:.1f} | "
+                f"{'' if ms is None else f'{ms:.0f}'} |"
+            )
+        lines.append("")
+    text = "\n".join(lines)
+    atomic_write_text(path, text + "\n")
+    return text
+
+
+def save_bar_chart(results: dict[str, Any], class_names: list[str], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = results["splits"]["val"]
+    fig = Figure(figsize=(12, 4.5), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    width = 0.8 / len(rows)
+    x = np.arange(len(class_names))
+    for i, (_, r) in enumerate(rows.items()):
+        iou = np.array([np.nan if v is None else v for v in r["iou"]], dtype=float)
+        ax.bar(x + i * width, 100 * np.nan_to_num(iou), width, label=r["label"])
+    ax.set_xticks(x + 0.4 - width / 2, class_names, rotation=30, ha="right")
+    ax.set_ylabel("IoU (%)")
+    ax.set_title("CamVid val: per-class IoU")
+    ax.legend(fontsize=7, ncols=2)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def save_curves(out: Path, names: list[str], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for name in names:
+        log = out / "runs" / name / "metrics.jsonl"
+        if not log.exists():
+            continue
+        recs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+        pts = [(r["iteration"], r["loss"]) for r in recs if "loss" in r and "iteration" in r]
+        if pts:
+            it, loss = zip(*pts)
+            ax.plot(it, loss, label=LABELS[name])
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("training loss L = L1 + L2")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def save_panels(
+    models: dict[str, Any],
+    refiner: BoundaryRefiner | None,
+    loader: Any,
+    meta: Any,
+    n: int,
+    out: Path,
+    device: torch.device,
+) -> list[str]:
+    from dualseg.viz import colorize, denormalize, save_panel
+
+    written = []
+    picks = set(np.linspace(0, len(loader.dataset) - 1, n).astype(int).tolist())
+    with torch.inference_mode():
+        for i, (x, y) in enumerate(loader):
+            if i not in picks:
+                continue
+            x = x.to(device)
+            images = [denormalize(x[0].cpu()), colorize(y[0].numpy(), meta.palette)]
+            titles = ["image", "ground truth"]
+            for name, title in (("peer", "peer (DeepLabV3)"), ("dualseg", "method A")):
+                if name in models:
+                    images.append(
+                        colorize(models[name](x).argmax(1)[0].cpu().numpy(), meta.palette)
+                    )
+                    titles.append(title)
+            if refiner is not None and "dualseg" in models:
+                probs = models["dualseg"](x).softmax(1)
+                images.append(colorize(refiner.refine(x, probs)[0].cpu().numpy(), meta.palette))
+                titles.append("method A + B")
+            path = out / f"panel_{len(written)}.png"
+            save_panel(path, images, titles, class_names=meta.class_names, palette=meta.palette)
+            written.append(path.name)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = device_of(args.device)
+    started = time.time()
+    results: dict[str, Any] = {
+        "machine": {
+            "platform": platform.platform(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "cpu_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        },
+        "args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
+        "train": {},
+        "splits": {},
+    }
+
+    # ---- 1. train every variant with the same budget ------------------------------------
+    for name in args.models:
+        cfg = base_config(args, name, out)
+        if args.budget_iters:
+            iters, per_iter = args.budget_iters, None
+        else:
+            iters, per_iter = calibrate_iters(cfg, args.budget_minutes, device)
+        cfg = replace(cfg, train=replace(cfg.train, max_iters=iters, ckpt_every=iters))
+        print(
+            f"[{name}] training {cfg.model.arch} {VARIANTS[name][1]} for {iters} iterations",
+            flush=True,
+        )
+        t0 = time.time()
+        summary = fit(cfg)
+        results["train"][name] = {
+            "iterations": summary["iteration"],
+            "seconds": time.time() - t0,
+            "calibrated_s_per_iter": per_iter,
+        }
+    results["budget"] = (
+        f"{args.budget_iters} iterations per model"
+        if args.budget_iters
+        else f"{args.budget_minutes:g} min per model"
+    ) + f", crops {args.crop[0]}x{args.crop[1]}, batch {args.batch_size}, {device.type}"
+
+    models: dict[str, torch.nn.Module] = {}
+    meta = None
+    for name in args.models:
+        ckpt = load_checkpoint(out / "runs" / name / "last.pt")
+        model, meta = build_model_from_checkpoint(ckpt, device=device)
+        models[name] = model.eval()
+
+    # ---- 2. method B: one refiner, fitted on the training set ---------------------------
+    refiner = None
+    if args.refine_steps > 0 and any(n in models for n in REFINED):
+        from dualseg.data.transforms import build_train_transform
+
+        train_ds = build_dataset(
+            args.data,
+            split="train",
+            preset="camvid",
+            transform=build_train_transform(
+                crop_size=tuple(args.crop), scale_range=tuple(args.scale)
+            ),
+        )
+        t0 = time.time()
+        refiner = BoundaryRefiner.fit(
+            train_ds,
+            class_names=meta.class_names,
+            config=RefinerConfig(
+                steps=args.refine_steps,
+                input_scale=args.refine_input_scale,
+                batch_size=args.batch_size,
+                seed=args.seed,
+            ),
+            prototype_dataset=limit(
+                build_dataset(args.data, split="train", preset="camvid"), args.prototype_limit
+            ),
+            weights=None if args.weights == "none" else args.weights,
+            device=device,
+            num_workers=args.workers,
+        )
+        refiner.save(out / "refiner.pt")
+        results["train"]["method_b"] = {"steps": args.refine_steps, "seconds": time.time() - t0}
+
+    # ---- 3. evaluate at full resolution ----------------------------------------------------
+    for split_path in [None, *args.eval_split]:
+        split, loader = eval_loader(args.data, split_path, args.eval_limit)
+        rows: dict[str, Any] = {}
+        for name, model in models.items():
+            use_refiner = refiner if name in REFINED else None
+            m = evaluate(
+                model,
+                loader,
+                num_classes=meta.num_classes,
+                device=device,
+                refiner=use_refiner,
+                amp=device.type == "cuda",
+            )
+            rows[name] = {
+                "label": LABELS[name],
+                **summarize(m),
+                "ms_per_image": 1000 * time_inference(model, loader, args.timing_images, device),
+            }
+            if use_refiner is not None:
+                ms_b = 1000 * time_inference(model, loader, args.timing_images, device, refiner)
+                rows[f"{name}+B"] = {
+                    "label": LABELS[name] + " + method B",
+                    **summarize(m["refined"]),
+                    "ms_per_image": ms_b,
+                    "extra_time_ratio": ms_b / rows[name]["ms_per_image"] - 1.0,
+                    "refine": m["refine"],
+                }
+            print(f"[{split}] {LABELS[name]}: mIoU {100 * m['miou']:.1f}", flush=True)
+        results["splits"][split] = rows
+
+    # ---- 4. report ------------------------------------------------------------------------
+    results["total_seconds"] = time.time() - started
+    atomic_write_json(out / "results.json", results)
+    table = write_table(results, out / "results.md")
+    save_bar_chart(results, list(meta.class_names), out / "per_class_iou.png")
+    save_curves(out, list(models), out / "curves.png")
+    _, val_loader = eval_loader(args.data, None, args.eval_limit)
+    results["panels"] = save_panels(models, refiner, val_loader, meta, args.panels, out, device)
+    atomic_write_json(out / "results.json", results)
+    print(table)
+    print(f"total {results['total_seconds'] / 60:.1f} min; results in {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
