@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -116,7 +118,10 @@ def measure(name: str, args: argparse.Namespace, device: torch.device, batch: in
     torch.manual_seed(0)
     model = build_model(name, num_classes=args.num_classes).to(device)
     x = torch.randn(batch, 3, *size, device=device)
-    flops_fwd = batch * count_flops(name, args.num_classes, size)
+    key = f"{name}@{size[0]}x{size[1]}/{args.num_classes}"
+    if key not in args.flops_cache:
+        args.flops_cache[key] = count_flops(name, args.num_classes, size)
+    flops_fwd = batch * args.flops_cache[key]
     flops_train = 3 * flops_fwd
 
     model.eval()
@@ -194,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-amp", action="store_true", help="fp32 on CUDA")
     p.add_argument("--no-backward", action="store_true", help="forward only")
     p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--flops-file", help="JSON cache of counted FLOPs (read, then updated)")
     args = p.parse_args(argv)
+    args.flops_cache = {}
+    if args.flops_file and Path(args.flops_file).is_file():
+        args.flops_cache = json.loads(Path(args.flops_file).read_text())
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.backends.cudnn.benchmark = True
@@ -236,10 +245,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"{'ok' if a['renet_share'] < 0.15 else 'MISSED'})",
                         flush=True,
                     )
-    if args.json:
-        from dualseg.io import atomic_write_json
+    from dualseg.io import atomic_write_json
 
+    if args.json:
         atomic_write_json(args.json, rows)
+    if args.flops_file:
+        atomic_write_json(args.flops_file, args.flops_cache)
     return 0
 
 
