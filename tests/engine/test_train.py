@@ -131,9 +131,10 @@ def test_resume_checks_the_model_and_follows_the_new_schedule(data: Path, tmp_pa
     with pytest.raises(CheckpointError, match=r"dualseg_mobilenet_v2.*expected 'dualseg_resnet18'"):
         fit(other, resume=str(tmp_path / "a" / "last.pt"))
 
-    # Extending the run: iteration 3 uses the new poly schedule (T = 4), not the old one's LR.
-    summary = fit(tiny(data, tmp_path / "a", max_iters=4, val_every=0), resume="auto")
-    assert summary["iteration"] == 4
+    # Extending the run from the command line (the run's config.yaml is read back): iteration 3
+    # uses the new poly schedule (T = 4), not the LR the old schedule (T = 2) ended on.
+    assert train_main(["--resume", str(tmp_path / "a" / "last.pt"), "--train.max_iters", "4"]) == 0
+    assert load_checkpoint(tmp_path / "a" / "last.pt")["iteration"] == 4
     records = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     lrs = {r["iteration"]: r["lr"] for r in records if "lr" in r}
     assert sorted(lrs) == [1, 2, 3, 4]
