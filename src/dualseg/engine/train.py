@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader
 
 from dualseg.engine import checkpoint as ckpt_io
 from dualseg.engine.config import Config, config_to_dict, model_kwargs, save_config
+from dualseg.engine.config import validate as validate_config
 from dualseg.engine.distributed import (
     DistEnv,
     ResumableSampler,
@@ -440,6 +441,7 @@ def fit(cfg: Config, *, resume: str | None = None) -> dict[str, Any]:
     "out_dir"}`` where ``stop_reason`` is ``"max_iters"``, ``"patience"`` or ``"interrupted"``
     (with ``"signal"``).
     """
+    validate_config(cfg)  # also for a Config built in Python rather than parsed
     env = init_distributed(cfg.train.device)
     try:
         return _fit(cfg, env, resume)
