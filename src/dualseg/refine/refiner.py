@@ -394,14 +394,30 @@ def _make_optimizer(net: nn.Module, cfg: RefinerConfig) -> torch.optim.Optimizer
 
 def _batches(
     n: int, batch_size: int, seed: int, start_step: int, steps: int
-) -> Iterator[list[int]]:
-    """Index batches for steps ``start_step..steps-1``: a fresh permutation per pass over the
-    data, seeded by (seed, pass), so a resumed run draws the batches it would have drawn."""
+) -> Iterator[list[tuple[int, int]]]:
+    """``(pass, index)`` batches for steps ``start_step..steps-1``: a fresh permutation per
+    pass over the data, seeded by (seed, pass), so a resumed run draws the batches it would
+    have drawn."""
     per_epoch = max(1, n // batch_size) if n >= batch_size else 1
     for step in range(start_step, steps):
         epoch, k = divmod(step, per_epoch)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        yield perm[k * batch_size : (k + 1) * batch_size].tolist()
+        yield [(epoch, i) for i in perm[k * batch_size : (k + 1) * batch_size].tolist()]
+
+
+class _EpochView(torch.utils.data.Dataset):
+    """``view[(pass, i)] = dataset[i]`` with the dataset's augmentation seeded for that pass
+    (``set_epoch``, when it has one), also inside DataLoader workers: each pass over the data
+    sees new augmentations."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+        return self.dataset[index]
 
 
 def train_embedding(
@@ -460,7 +476,7 @@ def train_embedding(
         )
 
     loader = torch.utils.data.DataLoader(
-        dataset,
+        _EpochView(dataset),
         batch_sampler=list(_batches(len(dataset), cfg.batch_size, cfg.seed, start, cfg.steps)),  # type: ignore[arg-type]
         num_workers=num_workers,
     )
