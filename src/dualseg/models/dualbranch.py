@@ -128,11 +128,10 @@ class DualBranchNet(SegmentationModel):
         self.num_classes, self.output_stride = num_classes, output_stride
         self.rgb, self.gray = rgb, gray
         self.fusion = Fusion(num_classes, fusion) if gray is not None else None
-        luma = torch.tensor(BT601)
-        mean_t, std_t = torch.tensor(mean, dtype=torch.float32), torch.tensor(std)
-        self.register_buffer("mean", mean_t.view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("std", std_t.float().view(1, 3, 1, 1), persistent=False)
-        self.register_buffer("luma", luma.view(1, 3, 1, 1), persistent=False)
+        for name, values in (("mean", mean), ("std", std), ("luma", BT601)):
+            # not persistent: constants, not learned state (checkpoints stay free of them)
+            t = torch.tensor(values, dtype=torch.float32).view(1, 3, 1, 1)
+            self.register_buffer(name, t, persistent=False)
         # Gray normalization matching the RGB one: the same linear combination of the stats.
         self.gray_mean = sum(c * m for c, m in zip(BT601, mean))
         self.gray_std = sum(c * s for c, s in zip(BT601, std))
