@@ -38,17 +38,23 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_time(fn: Callable[[], object], device: torch.device, reps: int, warmup: int) -> float:
+def interleaved_medians(
+    fns: list[Callable[[], object]], device: torch.device, reps: int, warmup: int
+) -> list[float]:
+    """Median time of each function, the functions taking turns (ABAB...) so that load from
+    other processes on a shared machine hits the dualseg model and its peer alike."""
     for _ in range(warmup):
-        fn()
+        for fn in fns:
+            fn()
     sync(device)
-    times = []
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for fn, ts in zip(fns, times):
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            ts.append(time.perf_counter() - t0)
+    return [statistics.median(ts) for ts in times]
 
 
 @functools.lru_cache
@@ -81,10 +87,8 @@ def saved_tensor_bytes(model: nn.Module, x: torch.Tensor, autocast) -> int:
     return sum(seen.values())
 
 
-def renet_time(
-    model: nn.Module, x: torch.Tensor, device: torch.device, reps: int, warmup: int, autocast
-) -> float:
-    """Forward time of all ReNet layers, each timed alone on the input it gets in the model."""
+def renet_inputs(model: nn.Module, x: torch.Tensor, autocast) -> list:
+    """(ReNet layer, the input it gets in the model) for every ReNet layer of ``model``."""
     inputs: list[tuple[nn.Module, torch.Tensor]] = []
     hooks = [
         m.register_forward_pre_hook(lambda mod, args: inputs.append((mod, args[0])))
@@ -95,18 +99,11 @@ def renet_time(
         model(x)
     for h in hooks:
         h.remove()
-    if not inputs:
-        return 0.0
-
-    def run() -> None:
-        with torch.inference_mode(), autocast():
-            for mod, inp in inputs:
-                mod(inp)
-
-    return median_time(run, device, reps, warmup)
+    return inputs
 
 
-def measure(name: str, args: argparse.Namespace, device: torch.device, batch: int) -> dict:
+def measure_pair(names: list[str], args: argparse.Namespace, device: torch.device, batch: int):
+    """Rows for a dualseg model and its peer, timed in turns."""
     size = tuple(args.size)
     use_amp = device.type == "cuda" and not args.no_amp
 
@@ -116,63 +113,80 @@ def measure(name: str, args: argparse.Namespace, device: torch.device, batch: in
         return nullcontext()
 
     torch.manual_seed(0)
-    model = build_model(name, num_classes=args.num_classes).to(device)
     x = torch.randn(batch, 3, *size, device=device)
-    key = f"{name}@{size[0]}x{size[1]}/{args.num_classes}"
-    if key not in args.flops_cache:
-        args.flops_cache[key] = count_flops(name, args.num_classes, size)
-    flops_fwd = batch * args.flops_cache[key]
-    flops_train = 3 * flops_fwd
+    models = [build_model(n, num_classes=args.num_classes).to(device).eval() for n in names]
+    rows = []
+    for name in names:
+        key = f"{name}@{size[0]}x{size[1]}/{args.num_classes}"
+        if key not in args.flops_cache:
+            args.flops_cache[key] = count_flops(name, args.num_classes, size)
+        flops = batch * args.flops_cache[key]
+        row = {"model": name, "device": device.type, "batch": batch, "amp": use_amp}
+        rows.append(row | {"gflop_fwd": flops / 1e9, "_flops": flops})
 
-    model.eval()
+    def forward(model: nn.Module) -> Callable[[], None]:
+        def run() -> None:
+            with torch.inference_mode(), autocast():
+                model(x)
 
-    def forward() -> None:
-        with torch.inference_mode(), autocast():
-            model(x)
+        return run
 
-    t_fwd = median_time(forward, device, args.reps, args.warmup)
-    t_renet = renet_time(model, x, device, args.reps, args.warmup, autocast)
+    def renet_only(model: nn.Module) -> Callable[[], None]:
+        inputs = renet_inputs(model, x, autocast)
 
-    row = {
-        "model": name,
-        "device": device.type,
-        "batch": batch,
-        "amp": use_amp,
-        "fwd_ms": 1e3 * t_fwd,
-        "gflop_fwd": flops_fwd / 1e9,
-        "gflops_fwd": flops_fwd / t_fwd / 1e9,
-        "renet_share": t_renet / t_fwd,
-    }
+        def run() -> None:  # each ReNet layer alone, on the input it gets in the model
+            with torch.inference_mode(), autocast():
+                for mod, inp in inputs:
+                    mod(inp)
+
+        return run
+
+    fwd = interleaved_medians([forward(m) for m in models], device, args.reps, args.warmup)
+    with_renet = [m for m in models if any(isinstance(k, ReNetLayer) for k in m.modules())]
+    renet = interleaved_medians([renet_only(m) for m in with_renet], device, args.reps, 1)
+    renet_iter = iter(renet)
+    for row, model, t in zip(rows, models, fwd):
+        t_renet = next(renet_iter) if model in with_renet else 0.0
+        row.update(fwd_ms=1e3 * t, gflops_fwd=row["_flops"] / t / 1e9, renet_share=t_renet / t)
+
     if not args.no_backward:
-        # BatchNorm with frozen statistics (eval mode), as usual when fine-tuning segmentation
-        # at small batch: the peer's image-pooling BN cannot train on a batch of one.
-        model.train()
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                m.eval()
         scaler = torch.amp.GradScaler("cuda") if use_amp else None
 
-        def train_step() -> None:
-            model.zero_grad(set_to_none=True)
-            with autocast():
-                loss = model(x).float().square().mean()
-            (scaler.scale(loss) if scaler else loss).backward()
+        def train_step(model: nn.Module) -> Callable[[], None]:
+            # BatchNorm with frozen statistics (eval mode), as usual when fine-tuning
+            # segmentation at small batch: the peer's image-pooling BN cannot train on one image.
+            model.train()
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.eval()
 
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        t_train = median_time(train_step, device, args.reps, args.warmup)
-        if device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device)
-        else:
-            peak = saved_tensor_bytes(model, x, autocast)
-        row.update(
-            train_ms=1e3 * t_train,
-            gflops_train=flops_train / t_train / 1e9,
-            peak_mb=peak / 2**20,
-        )
+            def run() -> None:
+                model.zero_grad(set_to_none=True)
+                with autocast():
+                    loss = model(x).float().square().mean()
+                (scaler.scale(loss) if scaler else loss).backward()
+
+            return run
+
+        steps = [train_step(m) for m in models]
+        train = interleaved_medians(steps, device, args.reps, args.warmup)
+        for row, model, step, t in zip(rows, models, steps, train):
+            if device.type == "cuda":
+                model.zero_grad(set_to_none=True)
+                torch.cuda.reset_peak_memory_stats(device)
+                step()
+                peak = torch.cuda.max_memory_allocated(device)
+            else:
+                peak = saved_tensor_bytes(model, x, autocast)
+            row.update(
+                train_ms=1e3 * t,
+                gflops_train=3 * row["_flops"] / t / 1e9,  # 3 x forward FLOPs per step
+                peak_mb=peak / 2**20,
+            )
+    del models
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return row
+    return [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
 
 
 def peer_of(name: str) -> str | None:
@@ -221,11 +235,9 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batch:
             for name in args.models:
                 pair = [name] + ([peer_of(name)] if peer_of(name) else [])
-                result = []
-                for n in pair:
-                    r = measure(n, args, device, batch)
-                    result.append(r)
-                    rows.append(r)
+                result = measure_pair(pair, args, device, batch)
+                rows += result
+                for r in result:
                     print(
                         f"{dev + ('+amp' if r['amp'] else ''):6} {batch:>2} {r['model']:24} "
                         f"{r['fwd_ms']:9.1f} {fmt(r, 'train_ms', '9.1f'):>9} "
