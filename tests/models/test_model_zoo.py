@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dualseg.errors import ConfigError
-from dualseg.models import MODELS, build_model
+from dualseg.models import MODELS, backbone_of, build_model
 
 RUN_ON_CPU = [
     "dualseg_resnet18",
@@ -118,3 +118,11 @@ def test_unknown_name_and_foreign_options_are_rejected() -> None:
         build_model("dualseg_mobilenet_v2", num_classes=2, output_stride=4)
     # options left at their defaults are fine for every model (engine configs pass them all)
     build_model("deeplabv3_mobilenet_v2", num_classes=2, renet_layers=2, gray_branch=True)
+
+
+def test_backbone_of_names_the_weights_to_resolve() -> None:
+    assert backbone_of("dualseg_resnet101") == "resnet101"
+    assert backbone_of("deeplabv3_mobilenet_v2") == "mobilenet_v2"
+    assert backbone_of("dualseg_timm") == "efficientnet_lite0"
+    with pytest.raises(ConfigError):
+        backbone_of("unet")

@@ -9,7 +9,7 @@ from dualseg.models.base import SegmentationModel
 from dualseg.models.coord import CoordChannels
 from dualseg.models.deeplab import DeepLabV3
 from dualseg.models.dualbranch import Branch, DualBranchNet, Fusion
-from dualseg.models.factory import MODELS, build_model
+from dualseg.models.factory import MODELS, backbone_of, build_model
 from dualseg.models.renet import ReNetLayer
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "Fusion",
     "ReNetLayer",
     "SegmentationModel",
+    "backbone_of",
     "build_backbone",
     "build_model",
 ]

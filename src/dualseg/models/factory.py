@@ -25,7 +25,7 @@ from dualseg.models.backbones import (
 from dualseg.models.deeplab import DeepLabV3
 from dualseg.models.dualbranch import Branch, DualBranchNet
 
-__all__ = ["MODELS", "build_model"]
+__all__ = ["MODELS", "backbone_of", "build_model"]
 
 
 def build_dualseg(
@@ -194,3 +194,13 @@ _DEFAULTS = {
     for k, p in inspect.signature(build_model).parameters.items()
     if p.kind is inspect.Parameter.KEYWORD_ONLY
 }
+
+
+def backbone_of(name: str, *, timm_model: str = "efficientnet_lite0") -> str:
+    """The backbone (and :func:`dualseg.weights.resolve_weights` name) of model ``name``:
+    ``"dualseg_resnet101"`` -> ``"resnet101"``, ``"dualseg_timm"`` -> ``timm_model``."""
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+    if name == "dualseg_timm":
+        return timm_model
+    return MODELS[name].args[0]
