@@ -54,10 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("H", "W"),
         help="synthetic image size and training crop size (96 128)",
     )
-    p.add_argument("--n-train", type=int, default=48, help="synthetic training images (48)")
-    p.add_argument("--n-val", type=int, default=12, help="synthetic held-out images (12)")
-    p.add_argument("--iters", type=int, default=300, help="training iterations (300)")
-    p.add_argument("--batch-size", type=int, default=8, help="training batch size (8)")
+    p.add_argument("--n-train", type=int, default=400, help="synthetic training images (400)")
+    p.add_argument("--n-val", type=int, default=20, help="synthetic held-out images (20)")
+    p.add_argument("--iters", type=int, default=250, help="training iterations (250)")
+    p.add_argument("--batch-size", type=int, default=4, help="training batch size (4)")
     p.add_argument("--lr", type=float, default=0.02, help="initial learning rate (0.02)")
     p.add_argument("--arch", default=DEFAULT_ARCH, help=f"model name ({DEFAULT_ARCH})")
     p.add_argument(
@@ -68,10 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--output-stride",
         type=int,
-        default=16,
-        help="backbone output stride; 16 keeps the demo within CPU minutes (16)",
+        default=8,
+        help="backbone output stride (8, as the spec; 16 is about 3x cheaper)",
     )
     p.add_argument("--renet-hidden", type=int, default=64, help="GRU units per direction (64)")
+    p.add_argument(
+        "--renet-layers", type=int, default=2, help="recurrent modules per branch, 0-2 (2)"
+    )
     p.add_argument(
         "--val-every",
         type=int,
@@ -84,8 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--threads",
         type=int,
-        default=0,
-        help="torch CPU threads (0: torch's default, one per core); 1 is faster on a busy machine",
+        default=1,
+        help="torch CPU threads (1: robust on a shared machine; 0: torch's default, one per core)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n-show", type=int, default=4, help="held-out images in the panel (4)")
@@ -224,8 +227,11 @@ def _train_config(args: argparse.Namespace, root: Path, meta: Any, weights: str 
             # validation inside fit only when asked for: the demo evaluates afterwards anyway
             val_split=args.val_split if args.val_every else None,
             crop_size=tuple(args.size),
-            # the synthetic scenes are drawn at the working size: mild scaling is enough
-            scale_range=(0.75, 1.25) if synthetic else (0.5, 2.0),
+            # the generator already varies layout, colour and texture per image, and draws at
+            # the working size: flips only, which lets the small demo learn in fewer steps
+            scale_range=(1.0, 1.0) if synthetic else (0.5, 2.0),
+            blur_prob=0.0 if synthetic else DataConfig.blur_prob,
+            jitter=0.0 if synthetic else DataConfig.jitter,
             batch_size=args.batch_size,
             val_batch_size=4 if synthetic else 1,
             num_workers=args.workers,
@@ -235,6 +241,7 @@ def _train_config(args: argparse.Namespace, root: Path, meta: Any, weights: str 
             weights=weights,
             output_stride=args.output_stride,
             renet_hidden=args.renet_hidden if args.arch.startswith("dualseg_") else None,
+            renet_layers=args.renet_layers if args.arch.startswith("dualseg_") else None,
         ),
         optim=OptimConfig(
             lr=args.lr, warmup_iters=min(20, args.iters // 10), head_lr_mult=args.head_lr_mult
