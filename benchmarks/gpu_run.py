@@ -1,0 +1,141 @@
+"""GPU path (issue 6): train ``dualseg_resnet101`` on CamVid at full resolution with AMP for a
+fixed short wall-clock budget, evaluate, and print training / inference images per second and
+the validation mIoU reached.
+
+Run through ``benchmarks/gpu_run.sh CAMVID_DIR`` (which installs dualseg first), or directly::
+
+    python benchmarks/gpu_run.py --data /path/to/camvid --minutes 6
+
+The iteration count T of the poly schedule is set from a timed calibration so that training
+ends inside ``--minutes``; ImageNet weights for ResNet-101 come from torchvision's download
+(``--weights imagenet``, the default; needs internet once, then the torch hub cache), a local
+file (``--weights FILE``) or nothing (``--weights none``, random init: far lower mIoU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dualseg.data import build_dataset
+from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+from dualseg.engine.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from dualseg.engine.evaluate import evaluate
+from dualseg.engine.train import fit
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from camvid import calibrate_iters, limit  # shared with the CamVid suite
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--data", required=True, help="CamVid folder with train.txt / val.txt")
+    p.add_argument("--out", default="runs/gpu_run")
+    p.add_argument("--arch", default="dualseg_resnet101")
+    p.add_argument("--minutes", type=float, default=6.0, help="training budget (at most 8)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--crop", type=int, nargs=2, default=(360, 480), metavar=("H", "W"))
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--weights", default="imagenet", help="'imagenet', a file, or 'none'")
+    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--amp", default="bf16", choices=["bf16", "fp16", "none"])
+    p.add_argument("--eval-limit", type=int, help="evaluate only the first N val images (smoke)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.minutes > 8:
+        raise SystemExit("--minutes must be at most 8 (the GPU path is a short fixed budget)")
+    device = torch.device(args.device)
+    out = Path(args.out)
+    cfg = Config(
+        data=DataConfig(
+            root=args.data,
+            preset="camvid",
+            val_split=None,
+            crop_size=tuple(args.crop),
+            batch_size=args.batch_size,
+            num_workers=args.workers,
+        ),
+        model=ModelConfig(
+            arch=args.arch,
+            weights=None if args.weights == "none" else args.weights,
+            allow_download=args.weights == "imagenet",
+        ),
+        optim=OptimConfig(lr=args.lr),
+        train=TrainConfig(
+            out_dir=str(out),
+            max_iters=1,
+            val_every=0,
+            monitor="train_loss",
+            device=args.device,
+            amp=args.amp,
+            progress=False,
+            tensorboard=False,
+        ),
+    )
+    iters, per_iter = calibrate_iters(cfg, args.minutes, device)
+    cfg = replace(cfg, train=replace(cfg.train, max_iters=iters, ckpt_every=iters))
+    print(f"calibrated {per_iter * 1000:.0f} ms/iteration -> {iters} iterations", flush=True)
+
+    t0 = time.time()
+    fit(cfg)
+    train_s = time.time() - t0
+    train_ips = iters * args.batch_size / train_s
+
+    model, meta = build_model_from_checkpoint(load_checkpoint(out / "last.pt"), device=device)
+    model.eval()
+    val = limit(build_dataset(args.data, split="val", preset="camvid"), args.eval_limit)
+    loader = torch.utils.data.DataLoader(val, batch_size=args.batch_size, num_workers=args.workers)
+    metrics = evaluate(
+        model, loader, num_classes=meta.num_classes, device=device, amp=args.amp != "none"
+    )
+
+    # Inference throughput: model only, full 360x480, batch 1 and batch B, AMP, median of runs.
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    infer = {}
+    for b in (1, args.batch_size):
+        x = torch.randn(b, 3, 360, 480, device=device)
+        times = []
+        with (
+            torch.inference_mode(),
+            torch.autocast(device.type, dtype=dtype, enabled=dtype is not None),
+        ):
+            for i in range(13):
+                torch.cuda.synchronize() if device.type == "cuda" else None
+                t = time.perf_counter()
+                model(x).argmax(1)
+                torch.cuda.synchronize() if device.type == "cuda" else None
+                if i >= 3:
+                    times.append(time.perf_counter() - t)
+        infer[f"batch_{b}"] = b / statistics.median(times)
+
+    summary = {
+        "arch": args.arch,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "amp": args.amp,
+        "iterations": iters,
+        "train_seconds": round(train_s, 1),
+        "train_images_per_s": round(train_ips, 2),
+        "infer_images_per_s": {k: round(v, 2) for k, v in infer.items()},
+        "val_miou": metrics["miou"],
+        "val_boundary_f1": metrics["boundary_f1"],
+        "weights": args.weights,
+    }
+    (out / "gpu_run.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
