@@ -258,41 +258,54 @@ def _train_config(args: argparse.Namespace, root: Path, meta: Any, weights: str 
     )
 
 
-def _write_visuals(segmenter: Any, dataset: Any, out: Path, n_show: int) -> dict[str, str]:
-    """Label PNG, colour PNG and overlay of every held-out image (``out/predictions``) and a
-    panel figure of the first ``n_show`` (image | ground truth | prediction | overlay)."""
-    from dualseg import viz
-    from dualseg.engine.cli_predict import write_outputs
-    from dualseg.io import atomic_save_image
+class _VisualWriter:
+    """``evaluate(on_batch=...)`` hook: label PNG, colour PNG and overlay of every held-out image
+    (``out/predictions``) during the evaluation pass, and a panel figure of the first
+    ``n_show`` (image | ground truth | prediction | overlay) at the end."""
 
-    meta = dataset.meta
-    rows: list[np.ndarray] = []
-    for i, (img_path, _) in enumerate(dataset.samples):
-        image, label = dataset.load_pair(i)
-        pred = segmenter.predict(image)
-        write_outputs(out / "predictions", Path(img_path).stem, image, pred, meta.palette)
-        if i < n_show:
-            tiles = [
-                image,
-                viz.colorize(label, meta.palette),
-                viz.colorize(pred, meta.palette),
-                viz.overlay(image, pred, meta.palette),
+    def __init__(self, dataset: Any, out: Path, n_show: int, batch_size: int) -> None:
+        self.dataset, self.out, self.n_show, self.batch_size = dataset, out, n_show, batch_size
+        self.rows: list[np.ndarray] = []
+
+    def __call__(self, index: int, images: Tensor, labels: Tensor, pred: Tensor, _refined) -> None:
+        from dualseg import viz
+        from dualseg.engine.cli_predict import write_outputs
+
+        meta = self.dataset.meta
+        for k in range(pred.shape[0]):
+            i = index * self.batch_size + k  # the eval loader is not shuffled
+            image, label = self.dataset.load_pair(i)  # the original pixels, for the overlays
+            p = pred[k].cpu().numpy().astype(np.uint8)
+            name = Path(self.dataset.samples[i][0]).stem
+            write_outputs(self.out / "predictions", name, image, p, meta.palette)
+            if i < self.n_show:
+                tiles = [
+                    image,
+                    viz.colorize(label, meta.palette),
+                    viz.colorize(p, meta.palette),
+                    viz.overlay(image, p, meta.palette),
+                ]
+                titles = [name, "ground truth", "prediction", "overlay"]
+                self.rows.append(viz.make_panel(tiles, titles))
+
+    def finish(self) -> dict[str, str]:
+        from dualseg import viz
+        from dualseg.io import atomic_save_image
+
+        meta = self.dataset.meta
+        figures = {"predictions": str(self.out / "predictions")}
+        if self.rows:
+            width = max(r.shape[1] for r in self.rows)
+            legend = viz.make_legend(meta.class_names, meta.palette, width=width)
+            rows = [
+                np.pad(r, ((0, 0), (0, width - r.shape[1]), (0, 0)), constant_values=255)
+                for r in self.rows
             ]
-            titles = [Path(img_path).stem, "ground truth", "prediction", "overlay"]
-            last = i == min(n_show, len(dataset.samples)) - 1
-            legend = {"class_names": meta.class_names, "palette": meta.palette} if last else {}
-            rows.append(viz.make_panel(tiles, titles, **legend))
-    figures = {"predictions": str(out / "predictions")}
-    if rows:
-        width = max(r.shape[1] for r in rows)
-        padded = [
-            np.pad(r, ((0, 0), (0, width - r.shape[1]), (0, 0)), constant_values=255) for r in rows
-        ]
-        atomic_save_image(out / "panel.png", np.concatenate(padded, axis=0))
-        figures["panel"] = str(out / "panel.png")
-    if (out / "curves.png").is_file():  # written by fit() at the end of training
-        figures["curves"] = str(out / "curves.png")
-    return figures
+            atomic_save_image(self.out / "panel.png", np.concatenate([*rows, legend], axis=0))
+            figures["panel"] = str(self.out / "panel.png")
+        if (self.out / "curves.png").is_file():  # written by fit() at the end of training
+            figures["curves"] = str(self.out / "curves.png")
+        return figures
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -337,7 +350,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     segmenter = load_model(ckpt_path, device=device)
-    model_metrics = evaluate(segmenter.model, val_loader, **eval_kwargs)
+    visuals = _VisualWriter(val_set, out, args.n_show, cfg.data.val_batch_size)
+    model_metrics = evaluate(segmenter.model, val_loader, on_batch=visuals, **eval_kwargs)
     t_eval = time.perf_counter() - t0
     baselines = {
         name: evaluate(m.to(device), val_loader, **eval_kwargs)
@@ -358,7 +372,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args=args,
         )
 
-    figures = _write_visuals(segmenter, val_set, out, args.n_show)
+    figures = visuals.finish()
     record = {
         "out": str(out),
         "dataset": {
