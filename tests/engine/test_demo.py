@@ -77,4 +77,4 @@ def test_reduced_demo_beats_trivial_baselines(tmp_path, capsys) -> None:
     preds = sorted(p.name for p in (out / "predictions" / "overlay").iterdir())
     assert preds == [f"val_{i:05d}.png" for i in range(8)]
     summary = capsys.readouterr().out
-    assert "baseline: majority per position" in summary and "over the best baseline" in summary
+    assert "baseline: majority per position" in summary and "vs the best baseline" in summary

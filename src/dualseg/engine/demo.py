@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 from pathlib import Path
@@ -27,9 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dualseg.errors import DualsegError, WeightsNotFoundError
-
-log = logging.getLogger(__name__)
+from dualseg.errors import ConfigError, DualsegError, WeightsNotFoundError
 
 DEFAULT_ARCH = "dualseg_mobilenet_v2"
 
@@ -136,9 +133,9 @@ def baseline_models(
     if counts.sum() == 0:
         raise DualsegError("the training labels hold no labelled pixel; check the dataset")
     per_position = F.one_hot(counts.argmax(0), c).permute(2, 0, 1)
-    most_frequent = F.one_hot(counts.sum((1, 2)).argmax(), c)[:, None, None].expand(-1, 1, 1)
+    most_frequent = F.one_hot(counts.sum((1, 2)).argmax(), c).view(c, 1, 1)
     return {
-        "most_frequent_class": PriorModel(most_frequent.clone()),
+        "most_frequent_class": PriorModel(most_frequent),
         "majority_per_position": PriorModel(per_position),
     }
 
@@ -181,11 +178,16 @@ def _resolve_weights(arch: str, weights: str) -> str | None:
         return None
     if weights != "imagenet":
         return weights
+    from dualseg.models.backbones import backbone_weights_name
     from dualseg.weights import resolve_weights
 
     backbone = arch.split("_", 1)[1] if arch.startswith(("dualseg_", "deeplabv3_")) else arch
     try:
-        resolve_weights(backbone)
+        name = backbone_weights_name(backbone)
+    except ConfigError:  # timm / unknown backbones: build_model resolves (or rejects) them
+        return "imagenet"
+    try:
+        resolve_weights(name)
     except WeightsNotFoundError:
         print(
             f"warning: no offline ImageNet weights for {backbone} "
@@ -408,12 +410,12 @@ def summary(record: dict[str, Any]) -> str:
         f"dualseg demo: {record['model']['arch']} ({record['model']['weights']}) trained "
         f"{record['train']['iters']} iters on {d['train_images']} {d['name']} images in "
         f"{record['seconds']['train']:.0f} s; held-out split: {d['val_images']} images",
-        f"{'':<24}{'mIoU':>7}{'pix acc':>9}{'bound F1':>10}{'trimap':>8}",
+        f"{'':<33}{'mIoU':>7}{'pix acc':>9}{'bound F1':>10}{'trimap':>8}",
     ]
 
     def row(name: str, r: dict[str, Any]) -> str:
         return (
-            f"{name:<24}{100 * r['miou']:7.1f}{100 * r['pixel_acc']:9.1f}"
+            f"{name:<33}{100 * r['miou']:7.1f}{100 * r['pixel_acc']:9.1f}"
             f"{100 * r['boundary_f1']:10.1f}{100 * r['trimap_miou']:8.1f}"
         )
 
@@ -425,7 +427,7 @@ def summary(record: dict[str, Any]) -> str:
         lines.append(row("model + refinement", ref["refined"]))
     best = max(r["miou"] for r in record["baselines"].values())
     lines.append(
-        f"model mIoU is {100 * (m['miou'] - best):+.1f} points over the best baseline; "
+        f"model vs the best baseline: {100 * (m['miou'] - best):+.1f} mIoU points; "
         f"total {record['seconds']['total']:.0f} s; outputs in {record['out']}"
     )
     return "\n".join(lines)
