@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (0)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto)")
     p.add_argument("--amp", action="store_true", help="bf16 autocast (CUDA)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--boundary-tolerance", type=int, default=3, help="boundary F1 tolerance px (3)")
     p.add_argument("--trimap-width", type=int, default=5, help="trimap band width px (5)")
     return p
@@ -100,6 +101,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualseg.io import atomic_write_json
     from dualseg.metrics import to_jsonable
 
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device=device)

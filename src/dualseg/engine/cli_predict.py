@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4, help="images per forward pass (4)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto)")
     p.add_argument("--amp", action="store_true", help="bf16 autocast (CUDA)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--alpha", type=float, default=0.5, help="overlay opacity of the colours (0.5)")
     return p
 
@@ -149,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from dualseg.engine.predict import as_rgb_array, load_model
 
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)
     images = collect_images(args.inputs)
     seg = load_model(args.checkpoint, device=args.device, amp=args.amp)
     if seg.num_classes > 255:
