@@ -99,3 +99,41 @@ def test_load_refiner_opens_both_kinds_and_overrides_apply(refiner, tmp_path):
     want, want_changed = ref.refine(image, probs, return_changed=True)
     np.testing.assert_array_equal(got, want)
     assert 0 < got_changed.sum() == want_changed.sum()
+
+
+def test_refine_apply_accepts_the_exported_pair(refiner, tmp_path):
+    """'dualseg refine apply --refiner emb.onnx' gives the labels of the original refiner."""
+    from PIL import Image
+
+    ref, path = refiner
+    onnx = tmp_path / "emb.onnx"
+    args = ["export", "--refiner", str(path), "--format", "onnx", "--out", str(onnx)]
+    assert main([*args, "--dynamic", "--no-verify"]) == 0
+    image, probs = _case(2)
+    Image.fromarray(image).save(tmp_path / "im.png")
+    base = tmp_path / "base"
+    base.mkdir()
+    np.savez_compressed(
+        base / "im.npz", probs=probs.astype(np.float16), class_names=np.array(["a", "b", "c"])
+    )
+    out = tmp_path / "out"
+    apply = ["refine", "apply", str(tmp_path / "im.png"), "--refiner", str(onnx)]
+    assert main([*apply, "--base", str(base), "--out", str(out), "--device", "cpu"]) == 0
+    got = np.asarray(Image.open(out / "labels" / "im.png"))
+    want = ref.refine(image, probs.astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_static_refiner_export_runs_on_other_sizes(refiner, tmp_path):
+    """A static export (no --dynamic) resizes other image sizes to its own and still refines
+    only near-boundary pixels, to labels among the Top-N."""
+    _, path = refiner
+    onnx = tmp_path / "static.onnx"
+    args = ["export", "--refiner", str(path), "--format", "onnx", "--out", str(onnx)]
+    assert main([*args, "--size", "32", "32", "--no-verify"]) == 0
+    image, probs = _case(3)  # 40x56, not 32x32
+    labels, changed = load_exported_refiner(onnx).refine(image, probs, return_changed=True)
+    assert labels.shape == probs.shape[1:]
+    top2 = np.argsort(-probs, axis=0)[:2]
+    assert ((labels[None] == top2).any(0)).all()
+    assert not changed[:, :10].any()  # far from the stripes' borders (x = 20, 38): untouched

@@ -83,18 +83,16 @@ def test_wrong_files_are_clear_errors(tmp_path, onnx_dynamic):
         OnnxSegmenter(tmp_path / "bad.onnx")
 
 
-def test_onnx_segmenter_drives_dualseg_predict(onnx_dynamic, tmp_path, monkeypatch):
-    """What 'dualseg predict --onnx' does: cli_predict's loop with an OnnxSegmenter."""
-    import dualseg.engine.predict as engine_predict
+def test_dualseg_predict_onnx(onnx_dynamic, tmp_path):
+    """'dualseg predict --onnx F' runs the exported model through onnxruntime."""
     from dualseg.cli import main
 
-    monkeypatch.setattr(engine_predict, "load_model", lambda *a, **k: OnnxSegmenter(onnx_dynamic))
     src = tmp_path / "in"
     src.mkdir()
     for i, a in enumerate(_images()):
         Image.fromarray(a).save(src / f"im{i}.png")
     out = tmp_path / "out"
-    args = ["predict", str(src), "--checkpoint", "unused.pt", "--out", str(out), "--probs"]
+    args = ["predict", str(src), "--onnx", str(onnx_dynamic), "--out", str(out), "--probs"]
     assert main(args) == 0
     label = np.asarray(Image.open(out / "labels" / "im0.png"))
     np.testing.assert_array_equal(label, OnnxSegmenter(onnx_dynamic).predict(_images()[0]))

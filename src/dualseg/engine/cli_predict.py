@@ -43,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(and optionally class probabilities) per image, at the original resolution.",
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or globs")
-    p.add_argument("--checkpoint", "-c", required=True, help="a dualseg checkpoint (.pt)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", "-c", help="a dualseg checkpoint (.pt)")
+    src.add_argument("--onnx", help="an exported ONNX model ('dualseg export'), run by onnxruntime")
     p.add_argument("--out", "-o", required=True, help="output folder")
     p.add_argument(
         "--probs", action="store_true", help="also save class probabilities (probs/<name>.npz)"
@@ -155,10 +157,16 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     images = collect_images(args.inputs)
-    seg = load_model(args.checkpoint, device=args.device, amp=args.amp)
+    if args.onnx:
+        from dualseg.export.runtime import OnnxSegmenter
+
+        seg = OnnxSegmenter(args.onnx)
+    else:
+        seg = load_model(args.checkpoint, device=args.device, amp=args.amp)
     if seg.num_classes > 255:
         raise DualsegError(
-            f"{args.checkpoint} has {seg.num_classes} classes; label PNGs hold at most 255"
+            f"{args.checkpoint or args.onnx} has {seg.num_classes} classes; "
+            "label PNGs hold at most 255"
         )
     out = Path(args.out)
     failures: list[str] = []

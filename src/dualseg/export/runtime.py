@@ -124,10 +124,28 @@ class _OnnxRunner:
         self.session = ort.InferenceSession(
             str(path), sess_options=opts, providers=list(providers or ["CPUExecutionProvider"])
         )
-        self.input_name = self.session.get_inputs()[0].name
+        first = self.session.get_inputs()[0]
+        self.input_name = first.name
+        # A static export (no --dynamic) takes one image size: other sizes are resized to it
+        # (callers that sample the output at their own pixel grid, as the refiner does, work).
+        hw = first.shape[2:]
+        self.static_hw = tuple(hw) if all(isinstance(d, int) for d in hw) else None
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.static_hw is not None and tuple(x.shape[-2:]) != self.static_hw:
+            x = _resize_chw_batch(x, self.static_hw)
         return self.session.run(None, {self.input_name: np.ascontiguousarray(x, np.float32)})[0]
+
+
+def _resize_chw_batch(x: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
+    """Bilinear resize of a float ``[B,C,H,W]`` batch to ``hw`` (OpenCV, no torch)."""
+    import cv2
+
+    h, w = hw
+    return np.stack(
+        [cv2.resize(img.transpose(1, 2, 0), (w, h), interpolation=cv2.INTER_LINEAR)
+         .reshape(h, w, -1).transpose(2, 0, 1) for img in x.astype(np.float32)]
+    )  # fmt: skip
 
 
 class _TorchScriptRunner:

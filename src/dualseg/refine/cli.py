@@ -110,7 +110,13 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
         "overlays (overlay/) and the changed pixels (changed/) per input image.",
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or globs")
-    p.add_argument("--refiner", "-r", required=True, help="refiner file from 'refine fit'")
+    p.add_argument(
+        "--refiner",
+        "-r",
+        required=True,
+        help="refiner file from 'refine fit', or an exported one ('dualseg export --refiner': "
+        "its .onnx/.json pair or TorchScript .pt)",
+    )
     p.add_argument(
         "--base", required=True, help="dualseg checkpoint or 'dualseg predict --probs' folder"
     )
@@ -234,12 +240,12 @@ def apply_main(args: argparse.Namespace) -> int:
     from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
     from dualseg.engine.cli_predict import collect_images, write_outputs
     from dualseg.engine.predict import as_rgb_array, resolve_device
+    from dualseg.export.runtime import load_refiner
     from dualseg.io import atomic_save_image
     from dualseg.refine.base import load_base
-    from dualseg.refine.refiner import BoundaryRefiner
 
     device = resolve_device(args.device)
-    refiner = BoundaryRefiner.load(args.refiner, device=device)
+    refiner = load_refiner(args.refiner, device=device)
     overrides = {k: getattr(args, k) for k in ("top_n", "radius") if getattr(args, k) is not None}
     if overrides:
         refiner.config = dataclasses.replace(refiner.config, **overrides)
