@@ -222,7 +222,7 @@ def load_model(
 ) -> Segmenter:
     """Load a dualseg checkpoint as a :class:`Segmenter` (``dualseg.load_model``).
 
-    >>> seg = dualseg.load_model("runs/demo/best.pt")      # doctest: +SKIP
+    >>> seg = dualseg.load_model("runs/demo/last.pt")      # doctest: +SKIP
     >>> labels = seg.predict("street.png")                  # HxW uint8 at the image's size
     """
     from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint

@@ -1,6 +1,6 @@
 """``dualseg export``: a checkpoint (method A) or a refiner (method B) to ONNX / TorchScript.
 
-    dualseg export --checkpoint runs/demo/best.pt --format onnx --out model.onnx --dynamic
+    dualseg export --checkpoint runs/demo/last.pt --format onnx --out model.onnx --dynamic
     dualseg export --refiner runs/demo/refiner.pt --format onnx --out refiner.onnx --dynamic
 
 After writing, the exported file is run once (onnxruntime on CPU, or the TorchScript module)

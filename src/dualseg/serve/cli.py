@@ -1,6 +1,6 @@
 """``dualseg serve``: the local web page and JSON API (see :mod:`dualseg.serve.app`).
 
-    dualseg serve --checkpoint runs/demo/best.pt [--refiner runs/demo/refiner.pt]
+    dualseg serve --checkpoint runs/demo/last.pt [--refiner runs/demo/refiner.pt]
     dualseg serve --onnx model.onnx [--refiner refiner.onnx]      # onnxruntime, exported files
 
 Binds to 127.0.0.1 (this machine only) unless --host says otherwise; the page has no login.
