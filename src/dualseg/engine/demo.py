@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dualseg.engine.config import DataConfig
 from dualseg.errors import ConfigError, DualsegError, WeightsNotFoundError
 
 DEFAULT_ARCH = "dualseg_mobilenet_v2"
@@ -155,6 +156,7 @@ def _run_refinement(
     preset: Any,
     val_loader: Any,
     base_metrics: dict[str, Any],
+    data: DataConfig,
     out: Path,
     args: argparse.Namespace,
 ) -> dict[str, Any] | None:
@@ -167,24 +169,18 @@ def _run_refinement(
     the base metrics (``base_metrics`` is the same evaluation without refinement).
     """
     from dualseg.data import build_dataset
-    from dualseg.data.transforms import build_train_transform
     from dualseg.engine.evaluate import evaluate
     from dualseg.engine.predict import load_model, resolve_device
+    from dualseg.engine.train import train_transform
     from dualseg.refine import BoundaryRefiner
     from dualseg.refine.refiner import RefinerConfig
 
     device = resolve_device(args.device)
-    synthetic = args.data is None
-    layout = "auto" if synthetic else args.layout
-    transform = build_train_transform(
-        crop_size=tuple(args.size),
-        scale_range=(1.0, 1.0) if synthetic else (0.5, 2.0),
-        blur_prob=0.0 if synthetic else 0.5,
-        jitter=(0.0, 0.0, 0.0, 0.0) if synthetic else (0.3, 0.3, 0.3, 0.0),
-    )
+    layout = data.layout
+    # step 1: the same augmentation the base model was trained with
     train = build_dataset(
-        data_root, split=args.train_split, layout=layout, preset=preset, transform=transform,
-        seed=args.seed,
+        data_root, split=args.train_split, layout=layout, preset=preset,
+        transform=train_transform(data), seed=args.seed,
     )  # fmt: skip
     plain = build_dataset(data_root, split=args.train_split, layout=layout, preset=preset)
     prototypes = torch.utils.data.Subset(plain, range(min(args.refine_prototypes, len(plain))))
@@ -432,6 +428,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             preset=meta,
             val_loader=val_loader,
             base_metrics=model_metrics,
+            data=cfg.data,
             out=out,
             args=args,
         )

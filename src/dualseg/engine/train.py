@@ -43,7 +43,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
 from dualseg.engine import checkpoint as ckpt_io
-from dualseg.engine.config import Config, config_to_dict, model_kwargs, save_config
+from dualseg.engine.config import Config, DataConfig, config_to_dict, model_kwargs, save_config
 from dualseg.engine.config import validate as validate_config
 from dualseg.engine.distributed import (
     DistEnv,
@@ -313,21 +313,26 @@ def _amp_dtype(mode: str, device: torch.device) -> torch.dtype | None:
     return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
 
 
-def _build_datasets(cfg: Config) -> tuple[Any, Any | None]:
-    from dualseg.data import build_dataset
+def train_transform(d: DataConfig) -> Any:
+    """The training augmentation (spec S1) that ``d`` describes."""
     from dualseg.data.transforms import build_train_transform
 
-    d = cfg.data
-    if not d.root:
-        raise ConfigError("no dataset: set data.root in the config or pass --data.root PATH")
-    b, c, s, h = (d.jitter, d.jitter, d.jitter, 0.0)
-    transform = build_train_transform(
+    return build_train_transform(
         crop_size=tuple(d.crop_size),
         scale_range=tuple(d.scale_range),
         hflip_prob=d.hflip_prob,
         blur_prob=d.blur_prob,
-        jitter=(b, c, s, h),
+        jitter=(d.jitter, d.jitter, d.jitter, 0.0),  # brightness, contrast, saturation; no hue
     )
+
+
+def _build_datasets(cfg: Config) -> tuple[Any, Any | None]:
+    from dualseg.data import build_dataset
+
+    d = cfg.data
+    if not d.root:
+        raise ConfigError("no dataset: set data.root in the config or pass --data.root PATH")
+    transform = train_transform(d)
     common = {"layout": d.layout, "preset": d.preset, "label_format": d.label_format}
     train_ds = build_dataset(
         d.root,
