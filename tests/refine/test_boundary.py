@@ -47,3 +47,21 @@ def test_every_transition_found_whatever_the_values() -> None:
             (cv2.dilate(label, np.ones((3, 3))) == cv2.erode(label, np.ones((3, 3))))[1:-1, 1:-1]
         ].any()
     assert not near_boundary_mask(np.zeros((8, 8), np.int64)).any()
+
+
+def test_rank_coding_equals_sorting_for_every_label_kind() -> None:
+    from dualseg.refine.boundary import _ranks
+
+    rng = np.random.default_rng(1)
+    cases = [
+        rng.integers(0, 12, (40, 50)).astype(np.uint8),
+        np.where(rng.random((40, 50)) < 0.2, 255, rng.integers(3, 9, (40, 50))).astype(np.int64),
+        rng.integers(-5, 5, (30, 30)).astype(np.int32),  # negative: the sorting path
+        rng.integers(0, 2**20, (30, 30)).astype(np.int64),  # huge values: the sorting path
+        np.full((8, 8), 7, dtype=np.uint8),
+    ]
+    for label in cases:
+        values, inverse = np.unique(label, return_inverse=True)
+        count, ranks = _ranks(label)
+        assert count == len(values)
+        assert np.array_equal(ranks, inverse.reshape(label.shape))

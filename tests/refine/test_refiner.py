@@ -98,3 +98,39 @@ def test_refiner_bad_inputs_are_clear_errors_or_no_ops(tmp_path: Path) -> None:
     flat[:, 1] = 1
     labels, changed = refiner.refine(torch.zeros(1, 3, 32, 32), flat, return_changed=True)
     assert (labels == 1).all() and not changed.any() and refiner.net.backbone.calls == 0
+
+
+def test_nearest_prototype_equals_brute_force_on_the_upsampled_embedding() -> None:
+    """P5 reads a K-channel score map; it must pick what full C-dim distances pick."""
+    from dualseg.models import ASPP
+
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Conv2d(3, 16, 3, stride=4, padding=1), nn.ReLU())
+    net = EmbeddingNet(backbone, ASPP(16, 8, (1, 2)), 8).eval()
+    for m in net.fuse.modules():  # ASPP's N(0, 0.01^2) init is nearly flat: spread it out
+        if isinstance(m, nn.Conv2d):
+            nn.init.normal_(m.weight, std=0.5)
+    k, h, w = 6, 37, 45  # odd sizes: bilinear weights at non-integer positions
+    protos = torch.randn(k, 8)
+    present = torch.tensor([True, True, False, True, True, True])
+    refiner = BoundaryRefiner(
+        net,
+        protos,
+        present,
+        class_names="abcdef",
+        config=RefinerConfig(embed_dim=8, top_n=3, radius=3, input_scale=1.0),
+    )
+    images = torch.randn(2, 3, h, w)
+    probs = torch.randn(2, k, h, w).softmax(1)
+    labels, changed = refiner.refine(images, probs, return_changed=True)
+
+    with torch.no_grad():
+        emb = net(images)  # [B,C,H,W], the full bilinear upsampling
+    d = torch.cdist(emb.permute(0, 2, 3, 1).reshape(-1, 8), protos).view(2, h, w, k)
+    d = d.masked_fill(~present, float("inf"))
+    top = probs.topk(3, dim=1).indices.permute(0, 2, 3, 1)  # [B,H,W,N]
+    best = top.gather(3, d.gather(3, top).argmin(3, keepdim=True))[..., 0]
+    pred = probs.argmax(1)
+    edge = near_boundary_mask(pred, radius=3, ignore_index=None)
+    expected = torch.where(edge, best, pred)
+    assert changed.any() and torch.equal(labels, expected)

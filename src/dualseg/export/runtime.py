@@ -450,16 +450,20 @@ class ExportedRefiner:
         )
         out = pred.copy()
         for b in np.flatnonzero(edge.reshape(edge.shape[0], -1).any(1)):
-            feats = self.runner(x[b : b + 1])[0]  # [C,h,w]
+            feats = self.runner(x[b : b + 1])[0].astype(np.float32)  # [C,h,w]
+            # nearest prototype = argmin of |p|^2 - 2 e.p, affine in e: sample that K-channel
+            # map instead of the C-channel embedding (as BoundaryRefiner does)
+            p = self.prototypes
+            scores = np.einsum("chw,kc->khw", feats, -2 * p) + (p * p).sum(1)[:, None, None]
             ys, xs = np.nonzero(edge[b])
-            emb = _sample_bilinear(feats.astype(np.float32), ys, xs, edge.shape[-2:])
+            s = _sample_bilinear(scores, ys, xs, edge.shape[-2:])  # [M,K]
             cand = top[b][:, ys, xs].T  # [M,N]
-            out[b, ys, xs] = self._nearest(emb, cand)  # P5
+            out[b, ys, xs] = self._nearest(s, cand)  # P5
         return out.astype(np.int64), out != pred
 
-    def _nearest(self, emb: np.ndarray, cand: np.ndarray) -> np.ndarray:
-        p = self.prototypes
-        d2 = (emb * emb).sum(1, keepdims=True) - 2 * emb @ p.T + (p * p).sum(1)
+    def _nearest(self, scores: np.ndarray, cand: np.ndarray) -> np.ndarray:
+        """The candidate with the lowest score (prototype distance); ``scores`` [M,K]."""
+        d2 = scores.copy()
         d2[:, ~self.present] = np.inf
         dc = np.take_along_axis(d2, cand, axis=1)  # [M,N]
         best = np.take_along_axis(cand, dc.argmin(1)[:, None], axis=1)[:, 0]

@@ -44,14 +44,28 @@ def semantic_boundary(label: np.ndarray, *, method: str = "canny") -> np.ndarray
 
 
 def _canny(label: np.ndarray) -> np.ndarray:
-    values, ranks = np.unique(label, return_inverse=True)
-    if len(values) < 2:
+    count, ranks = _ranks(label)
+    if count < 2:
         return np.zeros(label.shape, dtype=bool)
-    if len(values) > 256:  # more distinct labels than 8-bit grey levels: no Canny possible
+    if count > 256:  # more distinct labels than 8-bit grey levels: no Canny possible
         return _neighbour_transitions(label)
-    step = 255 // (len(values) - 1)  # smallest code step >= 1, so a Sobel response >= 4
-    code = (ranks.reshape(label.shape) * step).astype(np.uint8)
+    step = 255 // (count - 1)  # smallest code step >= 1, so a Sobel response >= 4
+    code = (ranks * step).astype(np.uint8)
     return cv2.Canny(code, 1, 1, L2gradient=True) > 0
+
+
+def _ranks(label: np.ndarray) -> tuple[int, np.ndarray]:
+    """``(number of distinct labels, each pixel's label rank)``, ranks shaped like ``label``.
+
+    Class maps hold small non-negative integers: a bincount + lookup table is ~10x faster
+    than ``np.unique``'s sort; anything else (negative, huge or float labels) takes the sort.
+    """
+    if label.dtype.kind in "ui" and label.size and label.min() >= 0 and label.max() < 65536:
+        present = np.bincount(label.ravel()) > 0
+        lut = np.cumsum(present) - 1
+        return int(present.sum()), lut[label]
+    values, ranks = np.unique(label, return_inverse=True)
+    return len(values), ranks.reshape(label.shape)
 
 
 def _neighbour_transitions(label: np.ndarray) -> np.ndarray:
