@@ -63,11 +63,18 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--weights", help="ImageNet weight file for the backbone (default: resolved)")
     p.add_argument("--embed-dim", type=int, default=d.embed_dim, help=f"C ({d.embed_dim})")
-    p.add_argument("--output-stride", type=int, default=d.output_stride, help="(8)")
+    p.add_argument(
+        "--output-stride", type=int, default=d.output_stride, help=f"({d.output_stride})"
+    )
     p.add_argument(
         "--aspp-rates", type=int, nargs="+", default=list(d.aspp_rates), help="(4 6 8 12)"
     )
-    p.add_argument("--input-scale", type=float, default=d.input_scale, help="(1.0)")
+    p.add_argument(
+        "--input-scale",
+        type=float,
+        default=d.input_scale,
+        help=f"the embedding model sees the image resized by this factor ({d.input_scale})",
+    )
     p.add_argument(
         "--radius", type=int, default=d.radius, help=f"near-boundary radius ({d.radius})"
     )
