@@ -25,7 +25,8 @@ The standard CPU setting (2 cores, under 2 hours in all) is the default::
 
 which trains on 192x256 crops (scale 0.5-1.0: the full 360x480 frame is seen at about half
 resolution, as evaluation reads it at full resolution), batch 4, 15 minutes per model
-(5 models: 75 min), fits method B for 150 steps (~15 min), then evaluates (~20 min).
+(5 models: 75 min), fits method B for 1,500 steps (~8 min), then evaluates (~15 min).
+``--threads 1 --workers 1`` keeps it to one core for the models (what the README's run used).
 On a GPU: ``--device cuda --budget-minutes 8 --crop 360 480 --scale 0.5 2.0 --batch-size 8``.
 
 Outputs in ``--out``: ``results.json``, ``results.md`` (markdown table), ``per_class_iou.png``,
@@ -97,13 +98,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--device", default="auto")
     p.add_argument("--weights", default="imagenet", help="'imagenet', a file, or 'none'")
-    p.add_argument("--refine-steps", type=int, default=150, help="method B triplet steps")
-    p.add_argument("--refine-input-scale", type=float, default=0.5)
+    p.add_argument("--refine-steps", type=int, default=1500, help="method B triplet steps")
+    p.add_argument("--refine-input-scale", type=float, default=RefinerConfig.input_scale)
     p.add_argument("--timing-images", type=int, default=10, help="images timed per model")
     p.add_argument("--panels", type=int, default=3, help="qualitative panels to write")
     p.add_argument("--eval-limit", type=int, help="evaluate only the first N images (smoke runs)")
     p.add_argument("--prototype-limit", type=int, help="method B prototypes from N train images")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--threads", type=int, help="torch CPU threads (default: torch's; 1 on a shared machine)"
+    )
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="skip training a model whose run in --out finished (its train.json exists)",
+    )
+    p.add_argument(
+        "--train-only", action="store_true", help="stop after training (method B and eval later)"
+    )
     return p.parse_args(argv)
 
 
@@ -334,7 +346,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = device_of(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     started = time.time()
+    reused_seconds = 0.0  # training time of reused runs, counted in the total
     results: dict[str, Any] = {
         "machine": {
             "platform": platform.platform(),
@@ -350,6 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     # ---- 1. train every variant with the same budget ------------------------------------
     for name in args.models:
         cfg = base_config(args, name, out)
+        record = out / "runs" / name / "train.json"
+        if args.reuse and record.is_file():
+            results["train"][name] = json.loads(record.read_text())
+            reused_seconds += results["train"][name]["seconds"]
+            print(f"[{name}] reusing the finished run in {record.parent}", flush=True)
+            continue
         if args.budget_iters:
             iters, per_iter = args.budget_iters, None
         else:
@@ -366,11 +387,15 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": time.time() - t0,
             "calibrated_s_per_iter": per_iter,
         }
+        atomic_write_json(record, results["train"][name])
     results["budget"] = (
         f"{args.budget_iters} iterations per model"
         if args.budget_iters
         else f"{args.budget_minutes:g} min per model"
     ) + f", crops {args.crop[0]}x{args.crop[1]}, batch {args.batch_size}, {device.type}"
+    if args.train_only:
+        print(f"trained {', '.join(args.models)}; rerun with --reuse for method B and evaluation")
+        return 0
 
     models: dict[str, torch.nn.Module] = {}
     meta = None
@@ -444,7 +469,8 @@ def main(argv: list[str] | None = None) -> int:
         results["splits"][split] = rows
 
     # ---- 4. report ------------------------------------------------------------------------
-    results["total_seconds"] = time.time() - started
+    # wall-clock of this run plus the (reused) training runs it builds on
+    results["total_seconds"] = time.time() - started + reused_seconds
     atomic_write_json(out / "results.json", results)
     table = write_table(results, out / "results.md")
     save_bar_chart(results, list(meta.class_names), out / "per_class_iou.png")

@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-eval-images", type=int, default=0, help="0: the whole split")
     p.add_argument("--time-images", type=int, default=10)
     p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", default="refine_gain.json")
     return p.parse_args(argv)
 
@@ -101,7 +102,7 @@ def _sync(device: torch.device) -> None:
 def time_ratio(model, refiner, dataset, device: torch.device, n: int) -> dict[str, float]:
     """Median seconds per image of the base forward (+ softmax) and of ``refiner.refine``."""
     base_t, refine_t = [], []
-    for i in range(min(n, len(dataset)) + 1):  # the first image warms up
+    for i in range(min(n + 1, len(dataset))):  # the first image warms up
         image = dataset[i][0][None].to(device)
         _sync(device)
         t0 = time.perf_counter()
@@ -120,6 +121,8 @@ def time_ratio(model, refiner, dataset, device: torch.device, n: int) -> dict[st
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     refiner = (
         BoundaryRefiner.load(args.refiner, device=device)
