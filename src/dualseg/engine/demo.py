@@ -192,7 +192,6 @@ def _run_refinement(
         output_stride=args.output_stride,
         # the demo's 96x128 scenes are small: embed them at full size, at the demo's stride
         input_scale=1.0,
-        lr=1e-4,
         steps=args.refine_steps,
         batch_size=args.batch_size,
         seed=args.seed,
