@@ -19,15 +19,16 @@ Budget: ``--budget-iters N`` (the same iteration count for every model) or
 ``--budget-minutes M`` (the same wall-clock for every model: each model's iteration count is
 set from a short timed calibration, so the poly schedule still ends at T).
 
-The standard CPU setting (2 cores, under 2 hours in all) is the default::
+The standard CPU setting (2 cores, under 2 hours in all) is the defaults, run on one core for
+the models and one for data loading (2 torch threads beside a loader can crawl on a busy machine)::
 
-    python benchmarks/camvid.py --data ../shared/data/camvid --out runs/bench_camvid
+    python benchmarks/camvid.py --data ../shared/data/camvid --out runs/bench_camvid \
+        --threads 1 --workers 1
 
 which trains on 192x256 crops (scale 0.5-1.0: the full 360x480 frame is seen at about half
 resolution, as evaluation reads it at full resolution), batch 4, 15 minutes per model
 (5 models: 75 min), fits method B for 3,000 steps (~13 min), then evaluates (~7 min): 94 min
-in all when measured.
-``--threads 1 --workers 1`` keeps it to one core for the models (what the README's run used).
+in all when measured (README).
 On a GPU: ``--device cuda --budget-minutes 8 --crop 360 480 --scale 0.5 2.0 --batch-size 8``.
 
 Outputs in ``--out``: ``results.json``, ``results.md`` (markdown table), ``per_class_iou.png``,
