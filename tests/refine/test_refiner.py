@@ -134,3 +134,15 @@ def test_nearest_prototype_equals_brute_force_on_the_upsampled_embedding() -> No
     edge = near_boundary_mask(pred, radius=3, ignore_index=None)
     expected = torch.where(edge, best, pred)
     assert changed.any() and torch.equal(labels, expected)
+
+
+def test_tied_scores_keep_the_argmax_outside_the_band() -> None:
+    """Pred is P2's argmax (first class on ties), as the base model's own prediction is."""
+    refiner, probs, _, _ = _case()
+    tied = probs.clone()
+    tied[:, :, :, 16:] = 0.25  # right half: all four classes tie
+    labels, changed = refiner.refine(torch.zeros(1, 3, 32, 32), tied, return_changed=True)
+    pred = tied.argmax(1)
+    band = near_boundary_mask(pred, radius=2, ignore_index=None)
+    assert torch.equal(labels[~band], pred[~band])
+    assert torch.equal(changed, labels != pred)

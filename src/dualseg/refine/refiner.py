@@ -221,11 +221,12 @@ class BoundaryRefiner:
         out_device = probs.device
         dev = self.device
         probs = probs.to(dev).float()
+        # P2's Pred is the argmax, first index on ties like argmax (topk's first is not: on
+        # equal scores it picks another class). max(1) returns the same indices and is ~4x
+        # faster than argmax(1) over the strided class dim on the CPU.
+        pred = probs.max(1).indices  # [B,H,W]
         n = min(self.config.top_n, probs.shape[1])
-        # P3; the first of the Top-N is the argmax, i.e. P2's Pred (a strided argmax over the
-        # class dim costs about twice this topk on the CPU)
-        top = probs.topk(n, dim=1).indices  # [B,N,H,W]
-        pred = top[:, 0]  # [B,H,W]
+        top = probs.topk(n, dim=1).indices  # [B,N,H,W] P3
         edge = near_boundary_mask(
             pred, radius=self.config.radius, ignore_index=None, method=self.config.edge_method
         )  # [B,H,W] P4
