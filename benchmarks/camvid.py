@@ -366,13 +366,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- 1. train every variant with the same budget ------------------------------------
     for name in args.models:
-        cfg = base_config(args, name, out)
         record = out / "runs" / name / "train.json"
         if args.reuse and record.is_file():
             results["train"][name] = json.loads(record.read_text())
             reused_seconds += results["train"][name]["seconds"]
             print(f"[{name}] reusing the finished run in {record.parent}", flush=True)
             continue
+        cfg = base_config(args, name, out)
         if args.budget_iters:
             iters, per_iter = args.budget_iters, None
         else:
