@@ -14,15 +14,15 @@ from dualseg.errors import DualsegError  # light: no torch import
 
 # name -> (module with main(argv), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("dualseg.engine.demo", "train, evaluate and refine on a built-in synthetic dataset"),
-    "train": ("dualseg.engine.cli", "train a model from a YAML config (+ overrides)"),
-    "eval": ("dualseg.engine.cli_eval", "evaluate a checkpoint: mIoU, boundary F1, trimap mIoU"),
-    "predict": ("dualseg.engine.cli_predict", "segment images: label PNG, colour PNG, overlay"),
+    "demo": ("dualseg.commands.demo", "train, evaluate and refine on a built-in synthetic dataset"),
+    "train": ("dualseg.commands.train", "train a model from a YAML config (+ overrides)"),
+    "eval": ("dualseg.commands.eval", "evaluate a checkpoint: mIoU, boundary F1, trimap mIoU"),
+    "predict": ("dualseg.commands.predict", "segment images: label PNG, colour PNG, overlay"),
     "augment": ("dualseg.data.augment", "write N augmented image/label pairs plus a list file"),
-    "data": ("dualseg.data.cli", "dataset tools: 'dualseg data check ROOT'"),
-    "refine": ("dualseg.refine.cli", "method B: 'refine fit' and 'refine apply'"),
-    "export": ("dualseg.export.cli", "export a checkpoint to ONNX or TorchScript"),
-    "serve": ("dualseg.serve.cli", "local web page and JSON API for segmentation"),
+    "data": ("dualseg.commands.data", "dataset tools: 'dualseg data check ROOT'"),
+    "refine": ("dualseg.commands.refine", "method B: 'refine fit' and 'refine apply'"),
+    "export": ("dualseg.commands.export", "export a checkpoint to ONNX or TorchScript"),
+    "serve": ("dualseg.commands.serve", "local web page and JSON API for segmentation"),
 }
 
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 from datahelpers import TINY, save
 
-from dualseg.data.cli import check_dataset, main
+from dualseg.commands.data import check_dataset, main
 
 
 def test_reports_every_problem_and_the_histogram(list_root, tmp_path, capsys):

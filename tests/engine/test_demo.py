@@ -9,8 +9,8 @@ import pytest
 import torch
 from PIL import Image
 
+from dualseg.commands import demo
 from dualseg.data import get_preset
-from dualseg.engine import demo
 from dualseg.engine.evaluate import evaluate
 from dualseg.errors import WeightsNotFoundError
 

@@ -12,9 +12,9 @@ from PIL import Image
 
 import dualseg
 from dualseg.cli import main as cli_main
+from dualseg.commands.predict import PROBS_KEYS, collect_images
 from dualseg.data import get_preset, make_synthetic_dataset
 from dualseg.engine.checkpoint import save_checkpoint
-from dualseg.engine.cli_predict import PROBS_KEYS, collect_images
 from dualseg.engine.predict import Segmenter, as_rgb_array, load_model
 from dualseg.errors import CheckpointError, DataError
 from dualseg.models import build_model

@@ -15,9 +15,9 @@ import pytest
 import torch
 import yaml
 
+from dualseg.commands.train import main as train_main
 from dualseg.data import SegmentationDataset, make_synthetic_dataset
 from dualseg.engine.checkpoint import load_checkpoint
-from dualseg.engine.cli import main as train_main
 from dualseg.engine.config import Config, load_config
 from dualseg.engine.train import TrainingDivergedError, fit
 from dualseg.errors import CheckpointError

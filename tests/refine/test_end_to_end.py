@@ -9,13 +9,13 @@ import pytest
 import torch
 from PIL import Image
 
+from dualseg.commands.predict import main as predict_main
+from dualseg.commands.refine import main as refine_main
 from dualseg.data import build_dataset, read_image
 from dualseg.engine.checkpoint import save_checkpoint
-from dualseg.engine.cli_predict import main as predict_main
 from dualseg.engine.evaluate import evaluate
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner
-from dualseg.refine.cli import main as refine_main
 
 SIZE = (80, 60)  # W, H: CamVid's 480x360 scaled by 1/6, to keep the test tiny
 

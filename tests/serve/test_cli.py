@@ -86,7 +86,7 @@ def test_serve_refuses_mismatched_refiner(files, captured, tmp_path):
         config=cfg,
     ).save(tmp_path / "other.pt")
     with pytest.raises(CheckpointError, match="refiner was fit for 2"):
-        from dualseg.serve.cli import main as serve_main
+        from dualseg.commands.serve import main as serve_main
 
         serve_main(["-c", str(ckpt), "--refiner", str(other)])
     assert main(["serve", "-c", str(ckpt), "--refiner", str(other)]) == 1  # one-line error

@@ -331,7 +331,7 @@ class _VisualWriter:
 
     def __call__(self, index: int, images: Tensor, labels: Tensor, pred: Tensor, _refined) -> None:
         from dualseg import viz
-        from dualseg.engine.cli_predict import write_outputs
+        from dualseg.commands.predict import write_outputs
 
         meta = self.dataset.meta
         for k in range(pred.shape[0]):

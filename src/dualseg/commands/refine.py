@@ -244,8 +244,8 @@ def fit_main(args: argparse.Namespace) -> int:
 def apply_main(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
+    from dualseg.commands.predict import collect_images, write_outputs
     from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-    from dualseg.engine.cli_predict import collect_images, write_outputs
     from dualseg.engine.predict import as_rgb_array, resolve_device
     from dualseg.export.runtime import load_refiner
     from dualseg.io import atomic_save_image

@@ -1,0 +1,1 @@
+"""``dualseg`` subcommands: one module per command, each with ``main(argv) -> int``."""
