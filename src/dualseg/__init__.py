@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from dualseg._version import __version__
 
 __all__ = ["BoundaryRefiner", "__version__", "build_model", "load_model"]
 

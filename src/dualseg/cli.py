@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] == "--version":
-        from dualseg import __version__
+        from dualseg._version import __version__
 
         print(f"dualseg {__version__}")
         return 0

@@ -116,7 +116,7 @@ def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any]) -> P
     ``format`` and ``version`` are filled in when absent; every value is converted with
     :func:`to_plain` so that the file loads with ``weights_only=True``.
     """
-    from dualseg import __version__
+    from dualseg._version import __version__
 
     missing = [k for k in ("arch", "model_kwargs", "model") if k not in state]
     if missing:

@@ -158,7 +158,7 @@ def export_info(
     ``kind``: ``"segmenter"`` (method A network) or ``"embedding"`` (method B). ``input_size``:
     the fixed ``(H, W)`` of a static export (``None`` when ``dynamic``).
     """
-    from dualseg import __version__
+    from dualseg._version import __version__
     from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 
     info = {

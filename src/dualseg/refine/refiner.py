@@ -262,7 +262,7 @@ class BoundaryRefiner:
     # ------------------------------------------------------------------ artifact
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the refiner (weights, prototypes, config, class names) atomically to one file."""
-        from dualseg import __version__
+        from dualseg._version import __version__
 
         state = {
             "format": FORMAT,

@@ -397,6 +397,6 @@ def _ms(t: float) -> float:
 
 
 def _version() -> str:
-    from dualseg import __version__
+    from dualseg._version import __version__
 
     return __version__
