@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dualseg.commands.train", "train a model from a YAML config (+ overrides)"),
     "eval": ("dualseg.commands.eval", "evaluate a checkpoint: mIoU, boundary F1, trimap mIoU"),
     "predict": ("dualseg.commands.predict", "segment images: label PNG, colour PNG, overlay"),
-    "augment": ("dualseg.data.augment", "write N augmented image/label pairs plus a list file"),
+    "augment": ("dualseg.commands.augment", "write N augmented image/label pairs plus a list file"),
     "data": ("dualseg.commands.data", "dataset tools: 'dualseg data check ROOT'"),
     "refine": ("dualseg.commands.refine", "method B: 'refine fit' and 'refine apply'"),
     "export": ("dualseg.commands.export", "export a checkpoint to ONNX or TorchScript"),

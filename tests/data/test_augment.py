@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from datahelpers import TINY
 
+from dualseg.commands.augment import main
 from dualseg.data import build_dataset, read_label
-from dualseg.data.augment import augment_dataset, main
+from dualseg.data.augment import augment_dataset
 from dualseg.errors import DataError
 
 

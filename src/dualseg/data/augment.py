@@ -1,4 +1,4 @@
-"""``dualseg augment SRC DST --count N``: materialize N augmented pairs (spec S1).
+"""Materialize N augmented pairs of a dataset (spec S1); the ``dualseg augment`` library.
 
 Output ``i`` takes source pair ``i % len(SRC)`` and its own seed ``(seed, i)``, so the output is
 a pure function of the arguments: a re-run skips every output pair that already exists and
@@ -9,7 +9,6 @@ last, so ``build_dataset(DST)`` reads the result directly.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import multiprocessing as mp
@@ -22,9 +21,8 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from tqdm import tqdm
 
-from dualseg.data.datasets import LAYOUTS, SegmentationDataset, build_dataset
-from dualseg.data.presets import META_FILE, PRESETS, without_source_ignore
-from dualseg.data.readers import LABEL_FORMATS
+from dualseg.data.datasets import SegmentationDataset, build_dataset
+from dualseg.data.presets import META_FILE, without_source_ignore
 from dualseg.data.transforms import build_augment_pipeline, sample_seed, seeded
 from dualseg.errors import DataError
 from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text
@@ -190,56 +188,3 @@ def _claim(dst: Path, settings: dict) -> None:
             )
     else:
         atomic_write_json(path, settings)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="dualseg augment",
-        description="Write COUNT augmented image/label pairs of SRC plus a list file into DST "
-        "(random scale, crop, flip, blur, colour jitter). Re-running resumes.",
-    )
-    p.add_argument("src", type=Path, help="source dataset folder (or list file)")
-    p.add_argument("dst", type=Path, help="output folder")
-    p.add_argument("--count", type=int, default=10_000, help="pairs to write (default 10000)")
-    p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
-    p.add_argument("--split", default="train")
-    p.add_argument("--layout", choices=LAYOUTS, default="auto")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="class set of SRC")
-    p.add_argument("--label-format", choices=LABEL_FORMATS, default="index")
-    p.add_argument(
-        "--crop-size", type=int, nargs=2, metavar=("H", "W"), help="default: the source size"
-    )
-    p.add_argument("--scale-range", type=float, nargs=2, default=(0.5, 2.0), metavar=("MIN", "MAX"))
-    p.add_argument("--hflip-prob", type=float, default=0.5)
-    p.add_argument("--blur-prob", type=float, default=0.5)
-    p.add_argument(
-        "--jitter",
-        type=float,
-        nargs=4,
-        default=(0.3, 0.3, 0.3, 0.0),
-        metavar=("BRIGHT", "CONTRAST", "SAT", "HUE"),
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--image-format", choices=sorted(IMAGE_FORMATS), default="png")
-    p.add_argument("--list-name", default="train.txt", help="list file written into DST")
-    a = p.parse_args(argv)
-    written, skipped = augment_dataset(
-        a.src,
-        a.dst,
-        count=a.count,
-        workers=a.workers,
-        split=a.split,
-        layout=a.layout,
-        preset=a.preset,
-        label_format=a.label_format,
-        crop_size=tuple(a.crop_size) if a.crop_size else None,
-        scale_range=tuple(a.scale_range),
-        hflip_prob=a.hflip_prob,
-        blur_prob=a.blur_prob,
-        jitter=tuple(a.jitter),
-        seed=a.seed,
-        image_format=a.image_format,
-        list_name=a.list_name,
-    )
-    print(f"{a.dst}: {written} pairs written, {skipped} already present; list {a.list_name}")
-    return 0

@@ -1,0 +1,67 @@
+"""``dualseg augment SRC DST --count N``: write N augmented pairs plus a list file (spec S1).
+
+The work is :func:`dualseg.data.augment.augment_dataset`; this module only parses flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dualseg.data.augment import IMAGE_FORMATS, augment_dataset
+from dualseg.data.datasets import LAYOUTS
+from dualseg.data.presets import PRESETS
+from dualseg.data.readers import LABEL_FORMATS
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="dualseg augment",
+        description="Write COUNT augmented image/label pairs of SRC plus a list file into DST "
+        "(random scale, crop, flip, blur, colour jitter). Re-running resumes.",
+    )
+    p.add_argument("src", type=Path, help="source dataset folder (or list file)")
+    p.add_argument("dst", type=Path, help="output folder")
+    p.add_argument("--count", type=int, default=10_000, help="pairs to write (default 10000)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--split", default="train")
+    p.add_argument("--layout", choices=LAYOUTS, default="auto")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="class set of SRC")
+    p.add_argument("--label-format", choices=LABEL_FORMATS, default="index")
+    p.add_argument(
+        "--crop-size", type=int, nargs=2, metavar=("H", "W"), help="default: the source size"
+    )
+    p.add_argument("--scale-range", type=float, nargs=2, default=(0.5, 2.0), metavar=("MIN", "MAX"))
+    p.add_argument("--hflip-prob", type=float, default=0.5)
+    p.add_argument("--blur-prob", type=float, default=0.5)
+    p.add_argument(
+        "--jitter",
+        type=float,
+        nargs=4,
+        default=(0.3, 0.3, 0.3, 0.0),
+        metavar=("BRIGHT", "CONTRAST", "SAT", "HUE"),
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--image-format", choices=sorted(IMAGE_FORMATS), default="png")
+    p.add_argument("--list-name", default="train.txt", help="list file written into DST")
+    a = p.parse_args(argv)
+    written, skipped = augment_dataset(
+        a.src,
+        a.dst,
+        count=a.count,
+        workers=a.workers,
+        split=a.split,
+        layout=a.layout,
+        preset=a.preset,
+        label_format=a.label_format,
+        crop_size=tuple(a.crop_size) if a.crop_size else None,
+        scale_range=tuple(a.scale_range),
+        hflip_prob=a.hflip_prob,
+        blur_prob=a.blur_prob,
+        jitter=tuple(a.jitter),
+        seed=a.seed,
+        image_format=a.image_format,
+        list_name=a.list_name,
+    )
+    print(f"{a.dst}: {written} pairs written, {skipped} already present; list {a.list_name}")
+    return 0
