@@ -121,3 +121,11 @@ def test_old_command_paths_warn_and_reexport(old):
     for name in dir(new):  # everything the command module has, the old path still has
         if not name.startswith("__"):
             assert getattr(module, name) is getattr(new, name)
+
+
+def test_runtime_load_refiner_alias_warns_and_is_the_command_helper():
+    from dualseg.commands.refine import load_refiner
+    from dualseg.export import runtime
+
+    with pytest.warns(DeprecationWarning, match="dualseg.commands.refine"):
+        assert runtime.load_refiner is load_refiner

@@ -7,8 +7,7 @@
 3. evaluate it on the held-out split, next to two trivial baselines that never look at the
    image: the most frequent training class everywhere, and the most frequent training class at
    each pixel position;
-4. method B (boundary refinement) before/after, when :mod:`dualseg.refine` provides it
-   (:func:`_run_refinement`);
+4. method B (boundary refinement) before/after (:func:`_run_refinement`);
 5. write predictions, overlays, a panel figure, curves and ``metrics.json`` to ``runs/demo/``
    and print a short summary.
 """
@@ -222,14 +221,6 @@ def _run_refinement(
     }
 
 
-def _refiner_available() -> bool:
-    try:
-        from dualseg.refine import BoundaryRefiner  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 # ----------------------------------------------------------------------------- steps
 def _resolve_weights(arch: str, weights: str) -> str | None:
     """``"imagenet"`` when its file is found offline; otherwise warn once and use random init."""
@@ -423,7 +414,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
     refinement = None
-    if not args.no_refine and _refiner_available():
+    if not args.no_refine:
         refinement = _run_refinement(
             checkpoint=ckpt_path,
             data_root=root,

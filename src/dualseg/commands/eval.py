@@ -50,10 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_refiner(path: str, class_names: tuple[str, ...], device: Any) -> Any:
-    try:
-        from dualseg.refine import BoundaryRefiner
-    except ImportError as err:
-        raise DualsegError(f"--refiner needs dualseg.refine (method B): {err}") from err
+    from dualseg.refine import BoundaryRefiner
+
     refiner = BoundaryRefiner.load(path, device=device)
     names = tuple(getattr(refiner, "class_names", class_names) or class_names)
     if names != tuple(class_names):

@@ -8,14 +8,29 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from dualseg.errors import ConfigError, DataError, DualsegError
+
+
+def load_refiner(path: str | os.PathLike[str], *, device: Any = "cpu") -> Any:
+    """Either refiner: a ``dualseg refine fit`` file (``BoundaryRefiner.load``) or an exported
+    pair (its ``.json`` sidecar, ``.onnx`` model or exported TorchScript ``.pt``); what
+    ``--refiner`` accepts in ``refine apply`` and ``serve``."""
+    from dualseg.export.runtime import is_exported_torchscript, load_exported_refiner
+    from dualseg.refine import BoundaryRefiner
+
+    path = Path(path)
+    if path.suffix.lower() in (".json", ".onnx") or is_exported_torchscript(path):
+        return load_exported_refiner(path)
+    return BoundaryRefiner.load(path, device=device)
 
 
 def _config_defaults():
@@ -247,7 +262,6 @@ def apply_main(args: argparse.Namespace) -> int:
     from dualseg.commands.predict import collect_images, write_outputs
     from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
     from dualseg.engine.predict import as_rgb_array, resolve_device
-    from dualseg.export.runtime import load_refiner
     from dualseg.io import atomic_save_image
     from dualseg.refine.base import load_base
 

@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{Path(args.checkpoint).name} ({type(segmenter.model).__name__})"
     refiner = None
     if args.refiner:
+        from dualseg.commands.refine import load_refiner
         from dualseg.engine.predict import resolve_device
-        from dualseg.export.runtime import load_refiner
 
         refiner = load_refiner(args.refiner, device=resolve_device(args.device))
         refiner.check_classes(segmenter.class_names, segmenter.num_classes)

@@ -9,7 +9,7 @@
   sidecar (prototypes, configuration), with ``BoundaryRefiner.refine``'s contract. The
   embedding runs in onnxruntime; the configuration (``RefinerConfig``) and the near-boundary
   mask (:func:`dualseg.refine.boundary.near_boundary_mask`, numpy path) come from
-  ``dualseg.refine``, which imports torch. :func:`load_refiner` opens either kind of refiner.
+  ``dualseg.refine``, which imports torch.
 
 Export metadata: ONNX ``metadata_props`` ``dualseg.<key>`` (JSON values), TorchScript
 ``_extra_files["dualseg.json"]``; both read by :func:`read_export_info` (torch-free: a
@@ -35,8 +35,8 @@ __all__ = [
     "ExportedRefiner",
     "ExportedSegmenter",
     "OnnxSegmenter",
+    "is_exported_torchscript",
     "load_exported_refiner",
-    "load_refiner",
     "read_export_info",
     "refiner_sidecar_path",
 ]
@@ -514,19 +514,25 @@ def load_exported_refiner(
     )
 
 
-def _is_exported_torchscript(path: Path) -> bool:
+def is_exported_torchscript(path: Path) -> bool:
+    """True for a TorchScript file written by ``dualseg export`` (it carries dualseg metadata)."""
     if not (path.is_file() and zipfile.is_zipfile(path)):
         return False
     with zipfile.ZipFile(path) as z:
         return any(n.endswith(f"extra/{TORCHSCRIPT_META}") for n in z.namelist())
 
 
-def load_refiner(path: str | os.PathLike[str], *, device: Any = "cpu") -> Any:
-    """Either refiner: a ``dualseg refine fit`` file (``BoundaryRefiner.load``) or an exported
-    pair (its ``.json`` sidecar, ``.onnx`` model or exported TorchScript ``.pt``)."""
-    path = Path(path)
-    if path.suffix.lower() in (".json", ".onnx") or _is_exported_torchscript(path):
-        return load_exported_refiner(path)
-    from dualseg.refine import BoundaryRefiner
+def __getattr__(name: str) -> Any:
+    if name == "load_refiner":  # deprecated alias: the refine command owns it now
+        import warnings
 
-    return BoundaryRefiner.load(path, device=device)
+        from dualseg.commands.refine import load_refiner
+
+        warnings.warn(
+            "dualseg.export.runtime.load_refiner moved to dualseg.commands.refine.load_refiner "
+            "(the old path goes in dualseg 0.2)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return load_refiner
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
