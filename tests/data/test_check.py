@@ -7,7 +7,8 @@ import json
 import numpy as np
 from datahelpers import TINY, save
 
-from dualseg.commands.data import check_dataset, main
+from dualseg.commands.data import main
+from dualseg.data.check import check_dataset
 
 
 def test_reports_every_problem_and_the_histogram(list_root, tmp_path, capsys):
