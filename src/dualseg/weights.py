@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from dualseg.errors import CheckpointError, WeightsNotFoundError
+from dualseg.serialization import safe_torch_load
 
 log = logging.getLogger(__name__)
 
@@ -226,13 +227,11 @@ def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     p = Path(path)
     if not p.is_file():
         raise WeightsNotFoundError(f"weights file {p} does not exist")
-    try:
-        obj = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(
-            f"cannot read weights file {p} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
-            "it must be a state dict saved with torch.save — re-download or re-export it"
-        ) from exc
+    obj = safe_torch_load(
+        p,
+        what="weights file",
+        fix="it must be a state dict saved with torch.save — re-download or re-export it",
+    )
     if isinstance(obj, Mapping):
         for key in ("state_dict", "model"):
             if isinstance(obj.get(key), Mapping):

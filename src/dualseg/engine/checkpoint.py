@@ -18,9 +18,7 @@ the rest is needed to resume training.
 from __future__ import annotations
 
 import os
-import pickle
 import random
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +29,7 @@ from torch import nn
 
 from dualseg.errors import CheckpointError
 from dualseg.io import atomic_torch_save
+from dualseg.serialization import safe_torch_load
 
 if TYPE_CHECKING:  # pragma: no cover
     from dualseg.data import DatasetMeta
@@ -144,26 +143,12 @@ def load_checkpoint(
             f"{path} is a folder, not a checkpoint file (pass {path / LAST_NAME} or "
             f"{path / BEST_NAME})"
         )
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        if not zipfile.is_zipfile(path):
-            raise CheckpointError(
-                f"{path} is corrupt or not a PyTorch checkpoint file; use another checkpoint "
-                f"(e.g. {BEST_NAME} or {LAST_NAME} of the run) or retrain"
-            ) from err
-        lines = str(err).splitlines()
-        detail = next((ln.strip() for ln in lines if "Unsupported global" in ln), lines[0])
-        raise CheckpointError(
-            f"{path} contains objects that cannot be loaded safely (weights_only=True), so it "
-            f"was not written by dualseg ({detail})"
-        ) from err
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise CheckpointError(
-            f"{path} is corrupt or truncated and cannot be read ({first}); "
-            f"use another checkpoint (e.g. {BEST_NAME} or {LAST_NAME} of the run) or retrain"
-        ) from err
+    ckpt = safe_torch_load(
+        path,
+        what="checkpoint",
+        fix=f"use another checkpoint (e.g. {BEST_NAME} or {LAST_NAME} of the run) or retrain",
+        map_location=map_location,
+    )
     if not isinstance(ckpt, dict) or "format" not in ckpt:
         hint = ""
         if (
@@ -173,6 +158,11 @@ def load_checkpoint(
         ):
             hint = " — it looks like a bare state dict; pass it as model weights instead"
         raise CheckpointError(f"{path} is not a dualseg checkpoint (no 'format' key){hint}")
+    if str(ckpt["format"]).startswith("dualseg-refiner"):
+        raise CheckpointError(
+            f"{path} is a method-B refiner, not a model checkpoint: pass it as --refiner "
+            "(and the model checkpoint as --checkpoint, or --base for 'dualseg refine')"
+        )
     if ckpt["format"] != FORMAT:
         raise CheckpointError(
             f"{path} has checkpoint format {ckpt['format']!r}, this dualseg reads {FORMAT!r}; "
