@@ -68,6 +68,15 @@ class EmbeddingNet(nn.Module):
         return out[:, :, 0, :].permute(0, 2, 1)[idx[:, 0], slot]  # [M,C]
 
 
+def embed_features(net: EmbeddingNet, images: Tensor, input_scale: float = 1.0) -> Tensor:
+    """Low-resolution embedding of ``images``, optionally of a resized copy (``input_scale``)."""
+    if input_scale != 1.0:
+        images = F.interpolate(
+            images, scale_factor=input_scale, mode="bilinear", align_corners=False
+        )
+    return net.features(images)
+
+
 def build_embedding_net(
     backbone: str = "mobilenet_v2",
     *,

@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dualseg.refine.boundary import near_boundary_mask
+from dualseg.refine.embedding import EmbeddingNet, embed_features
+
 
 class PrototypeAccumulator:
     """Running per-class sums of embeddings; ``compute()`` gives the means."""
@@ -38,4 +41,35 @@ def compute_prototypes(emb: Tensor, labels: Tensor, num_classes: int) -> tuple[T
     """Prototypes of one in-memory set ``emb [N,C]``, ``labels [N]``."""
     acc = PrototypeAccumulator(num_classes, emb.shape[1], device=emb.device)
     acc.update(emb, labels)
+    return acc.compute()
+
+
+@torch.no_grad()
+def stream_prototypes(
+    net: EmbeddingNet,
+    dataset: torch.utils.data.Dataset,
+    num_classes: int,
+    *,
+    radius: int = 5,
+    edge_method: str = "canny",
+    input_scale: float = 1.0,
+    ignore_index: int = 255,
+    device: str | torch.device = "cpu",
+    num_workers: int = 0,
+    progress: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Step 5 over ``dataset`` (one image at a time, any sizes): ``(prototypes, present)``."""
+    from tqdm.auto import tqdm
+
+    net.eval()
+    acc = PrototypeAccumulator(num_classes, net.embed_dim, device=device)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=1, num_workers=num_workers)
+    for images, labels in tqdm(loader, desc="prototypes", disable=not progress):
+        images, labels = images.to(device), labels.to(device)
+        edge = near_boundary_mask(
+            labels, radius=radius, ignore_index=ignore_index, method=edge_method
+        )
+        if edge.any():
+            feats = embed_features(net, images, input_scale)
+            acc.update(EmbeddingNet.sample(feats, edge), labels[edge])
     return acc.compute()

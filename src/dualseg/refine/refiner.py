@@ -18,30 +18,30 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import pickle
-import zipfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dualseg.errors import CheckpointError, ConfigError, DataError
 from dualseg.io import atomic_torch_save
 from dualseg.refine.boundary import EDGE_METHODS, near_boundary_mask
-from dualseg.refine.embedding import EmbeddingNet, build_embedding_net, init_backbone_from
-from dualseg.refine.prototypes import PrototypeAccumulator
-from dualseg.refine.triplet import REDUCTIONS, reduce_hinge, sample_triplets, triplet_hinge
+from dualseg.refine.embedding import (
+    EmbeddingNet,
+    build_embedding_net,
+    embed_features,
+    init_backbone_from,
+)
+from dualseg.refine.fit import OPTIMIZERS, train_embedding
+from dualseg.refine.formats import FORMAT, load_state
+from dualseg.refine.prototypes import stream_prototypes
+from dualseg.refine.triplet import REDUCTIONS, triplet_step
 
 log = logging.getLogger(__name__)
-
-FORMAT = "dualseg-refiner/1"
-TRAIN_FORMAT = "dualseg-refiner-train/1"
-OPTIMIZERS = ("adamw", "sgd")
 
 
 @dataclass(frozen=True)
@@ -288,7 +288,7 @@ class BoundaryRefiner:
     ) -> BoundaryRefiner:
         """Load a refiner file (``weights_only=True``). ``net``: an embedding model to load the
         weights into, for a custom model (default: rebuilt from the stored configuration)."""
-        state = _load_file(path, FORMAT, "refiner")
+        state = load_state(path, FORMAT, "refiner")
         config = RefinerConfig.from_dict(state["config"])
         if net is None:
             net = build_embedding_net(
@@ -396,243 +396,12 @@ class BoundaryRefiner:
         return refiner
 
 
-# ---------------------------------------------------------------------- training helpers
-def _make_optimizer(net: nn.Module, cfg: RefinerConfig) -> torch.optim.Optimizer:
-    params = [p for p in net.parameters() if p.requires_grad]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-        )
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
-def _batches(
-    n: int, batch_size: int, seed: int, start_step: int, steps: int
-) -> Iterator[list[tuple[int, int]]]:
-    """``(pass, index)`` batches for steps ``start_step..steps-1``: a fresh permutation per
-    pass over the data, seeded by (seed, pass), so a resumed run draws the batches it would
-    have drawn."""
-    per_epoch = max(1, n // batch_size) if n >= batch_size else 1
-    for step in range(start_step, steps):
-        epoch, k = divmod(step, per_epoch)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
-        yield [(epoch, i) for i in perm[k * batch_size : (k + 1) * batch_size].tolist()]
-
-
-class _EpochView(torch.utils.data.Dataset):
-    """``view[(pass, i)] = dataset[i]`` with the dataset's augmentation seeded for that pass
-    (``set_epoch``, when it has one), also inside DataLoader workers: each pass over the data
-    sees new augmentations."""
-
-    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
-        self.dataset = dataset
-
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        epoch, index = key
-        if hasattr(self.dataset, "set_epoch"):
-            self.dataset.set_epoch(epoch)
-        return self.dataset[index]
-
-
-def train_embedding(
-    net: EmbeddingNet,
-    dataset: torch.utils.data.Dataset,
-    cfg: RefinerConfig,
-    *,
-    class_names: Sequence[str],
-    device: torch.device,
-    num_workers: int = 0,
-    checkpoint: str | os.PathLike[str] | None = None,
-    checkpoint_every: int = 200,
-    resume: bool = False,
-    progress: bool = True,
-    log_every: int = 0,
-    ignore_index: int = 255,
-) -> list[dict[str, float]]:
-    """Step 4: ``cfg.steps`` optimizer steps of the sampled triplet hinge. Returns the history
-    (one dict per step: step, loss, violating, margin, num_triplets, pixels). ``log_every``:
-    also print one line every that many steps (for logs without a progress bar)."""
-    from tqdm.auto import tqdm
-
-    if len(dataset) == 0:  # type: ignore[arg-type]
-        raise DataError("the refiner's training dataset is empty; check --data and --split")
-    opt = _make_optimizer(net, cfg)
-    start, history = 0, []
-    ckpt_path = Path(checkpoint) if checkpoint is not None else None
-    if resume and ckpt_path is not None and ckpt_path.is_file():
-        state = _load_file(ckpt_path, TRAIN_FORMAT, "refiner training checkpoint")
-        # the step count may grow on resume (train longer); every other option must agree
-        saved = dataclasses.replace(RefinerConfig.from_dict(state["config"]), steps=cfg.steps)
-        if saved != cfg or list(state["class_names"]) != list(class_names):
-            raise CheckpointError(
-                f"{ckpt_path} was written with another configuration or class set; resume with "
-                "the same options (only --steps may change), or delete it to start over"
-            )
-        net.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        start, history = int(state["step"]), list(state["history"])
-        log.info("resuming refiner training from step %d (%s)", start, ckpt_path)
-
-    def save(step: int) -> None:
-        if ckpt_path is None:
-            return
-        atomic_torch_save(
-            {
-                "format": TRAIN_FORMAT,
-                "step": step,
-                "model": net.state_dict(),
-                "optimizer": opt.state_dict(),
-                "config": cfg.to_dict(),
-                "class_names": list(class_names),
-                "history": history,
-            },
-            ckpt_path,
-        )
-
-    loader = torch.utils.data.DataLoader(
-        _EpochView(dataset),
-        batch_sampler=list(_batches(len(dataset), cfg.batch_size, cfg.seed, start, cfg.steps)),  # type: ignore[arg-type]
-        num_workers=num_workers,
-    )
-    net.train()
-    bar = tqdm(loader, total=cfg.steps, initial=start, desc="refine fit", disable=not progress)
-    for step, (images, labels) in enumerate(bar, start=start):
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        stats = triplet_step(net, opt, images.to(device), labels.to(device), cfg, gen, ignore_index)
-        history.append({"step": step + 1, **stats})
-        bar.set_postfix(
-            loss=f"{stats['loss']:.3f}",
-            viol=f"{stats['violating']:.2f}",
-            margin=f"{stats['margin']:.2f}",
-        )
-        if log_every and (step + 1) % log_every == 0:
-            bar.write(
-                f"[{step + 1}/{cfg.steps}] triplet loss {stats['loss']:.4f}, violating "
-                f"{100 * stats['violating']:.1f}%, margin {stats['margin']:.3f}"
-            )
-        if (step + 1) % max(1, checkpoint_every) == 0:
-            save(step + 1)
-    bar.close()
-    if cfg.steps > start:
-        save(cfg.steps)
-    net.eval()
-    return history
-
-
-def triplet_step(
-    net: EmbeddingNet,
-    opt: torch.optim.Optimizer,
-    images: Tensor,
-    labels: Tensor,
-    cfg: RefinerConfig,
-    generator: torch.Generator,
-    ignore_index: int = 255,
-) -> dict[str, float]:
-    """One step 2-4 iteration on a batch. Triplets are drawn first, so embeddings are read only
-    at the (at most 3 x num_triplets) pixels they use. A batch without any possible triplet
-    (no boundary, or no class with two near-boundary pixels) is a no-op."""
-    edge = near_boundary_mask(
-        labels, radius=cfg.radius, ignore_index=ignore_index, method=cfg.edge_method
-    )
-    pix_labels = labels[edge]  # [M]
-    triplets = sample_triplets(pix_labels, cfg.num_triplets, generator=generator)
-    if triplets is None:
-        return {
-            "loss": 0.0,
-            "violating": 0.0,
-            "margin": 0.0,
-            "num_triplets": 0,
-            "pixels": int(edge.sum()),
-        }
-    used, inverse = torch.unique(torch.cat(triplets), return_inverse=True)
-    where = edge.nonzero()[used]  # [U,3]
-    sub = torch.zeros_like(edge)
-    sub[where[:, 0], where[:, 1], where[:, 2]] = True  # nonzero() order == sorted `used` order
-    emb = EmbeddingNet.sample(embed_features(net, images, cfg.input_scale), sub)  # [U,C]
-    t1, t2, f0 = inverse.split(triplets[0].numel())
-    hinge, gap = triplet_hinge(emb, t1, t2, f0, cfg.margin)
-    loss, stats = reduce_hinge(hinge, gap, cfg.reduction)
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    opt.step()
-    return {**stats, "pixels": int(edge.sum())}
-
-
-@torch.no_grad()
-def stream_prototypes(
-    net: EmbeddingNet,
-    dataset: torch.utils.data.Dataset,
-    num_classes: int,
-    *,
-    radius: int = 5,
-    edge_method: str = "canny",
-    input_scale: float = 1.0,
-    ignore_index: int = 255,
-    device: str | torch.device = "cpu",
-    num_workers: int = 0,
-    progress: bool = True,
-) -> tuple[Tensor, Tensor]:
-    """Step 5 over ``dataset`` (one image at a time, any sizes): ``(prototypes, present)``."""
-    from tqdm.auto import tqdm
-
-    net.eval()
-    acc = PrototypeAccumulator(num_classes, net.embed_dim, device=device)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=1, num_workers=num_workers)
-    for images, labels in tqdm(loader, desc="prototypes", disable=not progress):
-        images, labels = images.to(device), labels.to(device)
-        edge = near_boundary_mask(
-            labels, radius=radius, ignore_index=ignore_index, method=edge_method
-        )
-        if edge.any():
-            feats = embed_features(net, images, input_scale)
-            acc.update(EmbeddingNet.sample(feats, edge), labels[edge])
-    return acc.compute()
-
-
-def embed_features(net: EmbeddingNet, images: Tensor, input_scale: float = 1.0) -> Tensor:
-    """Low-resolution embedding of ``images``, optionally of a resized copy (``input_scale``)."""
-    if input_scale != 1.0:
-        images = F.interpolate(
-            images, scale_factor=input_scale, mode="bilinear", align_corners=False
-        )
-    return net.features(images)
-
-
 def _as_tensor(x: Any) -> Tensor:
     if isinstance(x, Tensor):
         return x
     if isinstance(x, np.ndarray):
         return torch.from_numpy(np.ascontiguousarray(x))
     raise DataError(f"class probabilities must be a tensor or numpy array, got {type(x).__name__}")
-
-
-def _load_file(path: str | os.PathLike[str], fmt: str, what: str) -> dict[str, Any]:
-    """``torch.load(weights_only=True)`` with one clear error per failure."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(
-            f"{what} not found: {path} (check the path; 'dualseg refine fit --out' writes it)"
-        )
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (
-        pickle.UnpicklingError,
-        RuntimeError,
-        EOFError,
-        OSError,
-        zipfile.BadZipFile,
-        ValueError,
-    ) as err:
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise CheckpointError(
-            f"{path} is not a readable {what} ({first}); refit or use another file"
-        ) from err
-    if not isinstance(state, dict) or state.get("format") != fmt:
-        found = state.get("format") if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(
-            f"{path} is not a dualseg {what} (format {found!r}, expected {fmt!r})"
-        )
-    return state
 
 
 __all__ = [

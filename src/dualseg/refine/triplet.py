@@ -13,12 +13,17 @@ itself), negatives from the complement of that run.
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import Tensor
 
 from dualseg.errors import ConfigError
+from dualseg.refine.boundary import near_boundary_mask
+from dualseg.refine.embedding import EmbeddingNet, embed_features
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dualseg.refine.refiner import RefinerConfig
 
 REDUCTIONS = ("all", "violating")
 
@@ -133,3 +138,42 @@ def reduce_hinge(hinge: Tensor, gap: Tensor, reduction: str = "all") -> tuple[Te
         loss=float(loss.detach()),
     )
     return loss, stats
+
+
+def triplet_step(
+    net: EmbeddingNet,
+    opt: torch.optim.Optimizer,
+    images: Tensor,
+    labels: Tensor,
+    cfg: RefinerConfig,
+    generator: torch.Generator,
+    ignore_index: int = 255,
+) -> dict[str, float]:
+    """One step 2-4 iteration on a batch. Triplets are drawn first, so embeddings are read only
+    at the (at most 3 x num_triplets) pixels they use. A batch without any possible triplet
+    (no boundary, or no class with two near-boundary pixels) is a no-op."""
+    edge = near_boundary_mask(
+        labels, radius=cfg.radius, ignore_index=ignore_index, method=cfg.edge_method
+    )
+    pix_labels = labels[edge]  # [M]
+    triplets = sample_triplets(pix_labels, cfg.num_triplets, generator=generator)
+    if triplets is None:
+        return {
+            "loss": 0.0,
+            "violating": 0.0,
+            "margin": 0.0,
+            "num_triplets": 0,
+            "pixels": int(edge.sum()),
+        }
+    used, inverse = torch.unique(torch.cat(triplets), return_inverse=True)
+    where = edge.nonzero()[used]  # [U,3]
+    sub = torch.zeros_like(edge)
+    sub[where[:, 0], where[:, 1], where[:, 2]] = True  # nonzero() order == sorted `used` order
+    emb = EmbeddingNet.sample(embed_features(net, images, cfg.input_scale), sub)  # [U,C]
+    t1, t2, f0 = inverse.split(triplets[0].numel())
+    hinge, gap = triplet_hinge(emb, t1, t2, f0, cfg.margin)
+    loss, stats = reduce_hinge(hinge, gap, cfg.reduction)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return {**stats, "pixels": int(edge.sum())}

@@ -1,0 +1,154 @@
+"""Training the embedding model (method B, step 4): a fixed number of triplet-hinge steps.
+
+Batches are drawn by (seed, pass over the data), so a resumed run (``checkpoint`` +
+``resume=True``) draws exactly the batches it would have drawn; the training state is one file
+(``TRAIN_FORMAT``) with the weights, optimizer, configuration, class names and loss history.
+One step is :func:`dualseg.refine.triplet.triplet_step`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from dualseg.errors import CheckpointError, DataError
+from dualseg.io import atomic_torch_save
+from dualseg.refine.embedding import EmbeddingNet
+from dualseg.refine.formats import TRAIN_FORMAT, load_state
+from dualseg.refine.triplet import triplet_step
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dualseg.refine.refiner import RefinerConfig
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def _make_optimizer(net: nn.Module, cfg: RefinerConfig) -> torch.optim.Optimizer:
+    params = [p for p in net.parameters() if p.requires_grad]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _batches(
+    n: int, batch_size: int, seed: int, start_step: int, steps: int
+) -> Iterator[list[tuple[int, int]]]:
+    """``(pass, index)`` batches for steps ``start_step..steps-1``: a fresh permutation per
+    pass over the data, seeded by (seed, pass), so a resumed run draws the batches it would
+    have drawn."""
+    per_epoch = max(1, n // batch_size) if n >= batch_size else 1
+    for step in range(start_step, steps):
+        epoch, k = divmod(step, per_epoch)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        yield [(epoch, i) for i in perm[k * batch_size : (k + 1) * batch_size].tolist()]
+
+
+class _EpochView(torch.utils.data.Dataset):
+    """``view[(pass, i)] = dataset[i]`` with the dataset's augmentation seeded for that pass
+    (``set_epoch``, when it has one), also inside DataLoader workers: each pass over the data
+    sees new augmentations."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+        return self.dataset[index]
+
+
+def train_embedding(
+    net: EmbeddingNet,
+    dataset: torch.utils.data.Dataset,
+    cfg: RefinerConfig,
+    *,
+    class_names: Sequence[str],
+    device: torch.device,
+    num_workers: int = 0,
+    checkpoint: str | os.PathLike[str] | None = None,
+    checkpoint_every: int = 200,
+    resume: bool = False,
+    progress: bool = True,
+    log_every: int = 0,
+    ignore_index: int = 255,
+) -> list[dict[str, float]]:
+    """Step 4: ``cfg.steps`` optimizer steps of the sampled triplet hinge. Returns the history
+    (one dict per step: step, loss, violating, margin, num_triplets, pixels). ``log_every``:
+    also print one line every that many steps (for logs without a progress bar)."""
+    from tqdm.auto import tqdm
+
+    if len(dataset) == 0:  # type: ignore[arg-type]
+        raise DataError("the refiner's training dataset is empty; check --data and --split")
+    opt = _make_optimizer(net, cfg)
+    start, history = 0, []
+    ckpt_path = Path(checkpoint) if checkpoint is not None else None
+    if resume and ckpt_path is not None and ckpt_path.is_file():
+        state = load_state(ckpt_path, TRAIN_FORMAT, "refiner training checkpoint")
+        # the step count may grow on resume (train longer); every other option must agree
+        saved = dataclasses.replace(type(cfg).from_dict(state["config"]), steps=cfg.steps)
+        if saved != cfg or list(state["class_names"]) != list(class_names):
+            raise CheckpointError(
+                f"{ckpt_path} was written with another configuration or class set; resume with "
+                "the same options (only --steps may change), or delete it to start over"
+            )
+        net.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start, history = int(state["step"]), list(state["history"])
+        log.info("resuming refiner training from step %d (%s)", start, ckpt_path)
+
+    def save(step: int) -> None:
+        if ckpt_path is None:
+            return
+        atomic_torch_save(
+            {
+                "format": TRAIN_FORMAT,
+                "step": step,
+                "model": net.state_dict(),
+                "optimizer": opt.state_dict(),
+                "config": cfg.to_dict(),
+                "class_names": list(class_names),
+                "history": history,
+            },
+            ckpt_path,
+        )
+
+    loader = torch.utils.data.DataLoader(
+        _EpochView(dataset),
+        batch_sampler=list(_batches(len(dataset), cfg.batch_size, cfg.seed, start, cfg.steps)),  # type: ignore[arg-type]
+        num_workers=num_workers,
+    )
+    net.train()
+    bar = tqdm(loader, total=cfg.steps, initial=start, desc="refine fit", disable=not progress)
+    for step, (images, labels) in enumerate(bar, start=start):
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+        stats = triplet_step(net, opt, images.to(device), labels.to(device), cfg, gen, ignore_index)
+        history.append({"step": step + 1, **stats})
+        bar.set_postfix(
+            loss=f"{stats['loss']:.3f}",
+            viol=f"{stats['violating']:.2f}",
+            margin=f"{stats['margin']:.2f}",
+        )
+        if log_every and (step + 1) % log_every == 0:
+            bar.write(
+                f"[{step + 1}/{cfg.steps}] triplet loss {stats['loss']:.4f}, violating "
+                f"{100 * stats['violating']:.1f}%, margin {stats['margin']:.3f}"
+            )
+        if (step + 1) % max(1, checkpoint_every) == 0:
+            save(step + 1)
+    bar.close()
+    if cfg.steps > start:
+        save(cfg.steps)
+    net.eval()
+    return history
