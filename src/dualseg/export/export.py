@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dualseg.errors import ConfigError
-from dualseg.export.runtime import (
+from dualseg.export.runners import (
     EXPORT_FORMAT,
     META_PREFIX,
     REFINER_FORMAT,
@@ -473,7 +473,7 @@ def verify_export(
     """
     import numpy as np
 
-    from dualseg.export.runtime import _open_runner, read_export_info
+    from dualseg.export.runners import _open_runner, read_export_info
 
     info = read_export_info(path)
     if checkpoint is not None:

@@ -1,0 +1,201 @@
+"""``ExportedRefiner``: method B from an exported embedding model plus its JSON sidecar.
+
+``BoundaryRefiner.refine``'s contract (P2-P5) with prototypes and configuration from the
+sidecar. The embedding runs in onnxruntime (or TorchScript); the configuration
+(``RefinerConfig``) and the near-boundary mask (:func:`dualseg.refine.boundary.near_boundary_mask`,
+numpy path) come from ``dualseg.refine``, which imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dualseg.errors import CheckpointError, ConfigError, DataError
+from dualseg.export.runners import (
+    REFINER_FORMAT,
+    _as_rgb,
+    _open_runner,
+    read_export_info,
+    refiner_sidecar_path,
+)
+
+
+# ----------------------------------------------------------------------------- refiner
+def _sample_bilinear(features: np.ndarray, ys: np.ndarray, xs: np.ndarray, size: tuple[int, int]):
+    """Features ``[C,h,w]`` read at full-resolution pixels ``(ys, xs)`` of an ``H x W`` map:
+    ``[M,C]``, the values of bilinear upsampling (``align_corners=False``, border clamp) —
+    what ``EmbeddingNet.sample`` computes."""
+    _, h, w = features.shape
+    H, W = size
+
+    def axis(idx: np.ndarray, n: int, N: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        src = np.clip((idx.astype(np.float32) + 0.5) * (n / N) - 0.5, 0, n - 1)
+        lo = np.floor(src).astype(np.int64)
+        return lo, np.minimum(lo + 1, n - 1), (src - lo).astype(np.float32)
+
+    y0, y1, wy = axis(ys, h, H)
+    x0, x1, wx = axis(xs, w, W)
+    f = features
+    top = f[:, y0, x0] * (1 - wx) + f[:, y0, x1] * wx
+    bottom = f[:, y1, x0] * (1 - wx) + f[:, y1, x1] * wx
+    return (top * (1 - wy) + bottom * wy).T  # [M,C]
+
+
+class ExportedRefiner:
+    """Method B from an exported embedding model + sidecar; ``BoundaryRefiner.refine``'s
+    contract (P2-P5), run with numpy and onnxruntime (or TorchScript)."""
+
+    def __init__(self, runner: Any, sidecar: Mapping[str, Any], *, source: str = "") -> None:
+        self.runner = runner
+        self.source = source
+        from dualseg.refine.refiner import RefinerConfig  # the same options as BoundaryRefiner
+
+        self.class_names = tuple(str(c) for c in sidecar["class_names"])
+        # a RefinerConfig, so that overrides work as for BoundaryRefiner:
+        # refiner.config = dataclasses.replace(refiner.config, top_n=3)
+        self.config = RefinerConfig.from_dict(sidecar["config"])
+        self.ignore_index = int(sidecar.get("ignore_index", 255))
+        self.prototypes = np.asarray(sidecar["prototypes"], np.float32)
+        self.present = np.asarray(sidecar["present"], bool)
+        if self.prototypes.shape[0] != len(self.class_names) or self.present.shape != (
+            len(self.class_names),
+        ):
+            raise CheckpointError(
+                f"{source}: {self.prototypes.shape[0]} prototypes for {len(self.class_names)} "
+                "classes; re-export the refiner"
+            )
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+    def __repr__(self) -> str:
+        return (
+            f"ExportedRefiner({self.source}: {self.num_classes} classes, "
+            f"top_n={self.config.top_n}, radius={self.config.radius})"
+        )
+
+    def check_classes(
+        self, base_names: Sequence[str] | None, num_classes: int, *, what: str = "the base model"
+    ) -> None:
+        """Raise :class:`CheckpointError` when the base model's classes are not the refiner's."""
+        if num_classes != self.num_classes or (
+            base_names is not None and tuple(base_names) != self.class_names
+        ):
+            raise CheckpointError(
+                f"{what} has classes {list(base_names or [])[:5] or num_classes} but the "
+                f"refiner was fit for {self.num_classes} ({', '.join(self.class_names)}); use a "
+                "refiner fit on the base model's dataset and class order"
+            )
+
+    def refine(self, images: Any, probs: Any, *, return_changed: bool = False) -> Any:
+        """Refined labels, as ``BoundaryRefiner.refine``.
+
+        Batch form: ``images`` float ``[B,3,H,W]`` normalized (numpy or tensor), ``probs``
+        ``[B,C,H,W]`` -> int64 ``[B,H,W]`` (a tensor when ``probs`` is one). Single-image
+        form: ``images`` uint8 ``HxWx3`` / path / PIL image, ``probs`` ``[C,H,W]`` -> numpy
+        ``HxW`` int64. With ``return_changed``: ``(labels, changed bool mask)``.
+        """
+        p = _numpy(probs)
+        x = _numpy(images) if _is_batch(images) else None
+        if x is None:
+            rgb = _as_rgb(images)
+            mean = np.asarray([0.485, 0.456, 0.406], np.float32)
+            std = np.asarray([0.229, 0.224, 0.225], np.float32)
+            x = ((rgb.astype(np.float32) / 255.0 - mean) / std).transpose(2, 0, 1)[None]
+            labels, changed = self._refine_batch(x, p[None] if p.ndim == 3 else p)
+            labels, changed = labels[0], changed[0]
+        else:
+            labels, changed = self._refine_batch(x, p)
+            if hasattr(probs, "detach"):  # tensors in, tensors out (on probs' device)
+                import torch
+
+                labels = torch.from_numpy(labels).to(probs.device)
+                changed = torch.from_numpy(changed).to(probs.device)
+        return (labels, changed) if return_changed else labels
+
+    def _refine_batch(self, x: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        from dualseg.refine.boundary import near_boundary_mask  # numpy path (module needs torch)
+
+        if probs.ndim != 4 or x.shape[0] != probs.shape[0] or x.shape[-2:] != probs.shape[-2:]:
+            raise DataError(
+                f"class probabilities of shape {probs.shape} do not match images of shape "
+                f"{x.shape}; resize the base model's output to the image size before refining"
+            )
+        self.check_classes(None, probs.shape[1])
+        pred = probs.argmax(1)  # P2
+        n = min(self.config.top_n, probs.shape[1])
+        top = np.argsort(-probs, axis=1, kind="stable")[:, :n]  # P3 [B,N,H,W]
+        edge = near_boundary_mask(
+            pred, radius=self.config.radius, ignore_index=None, method=self.config.edge_method
+        )
+        out = pred.copy()
+        for b in np.flatnonzero(edge.reshape(edge.shape[0], -1).any(1)):
+            feats = self.runner(x[b : b + 1])[0].astype(np.float32)  # [C,h,w]
+            # nearest prototype = argmin of |p|^2 - 2 e.p, affine in e: sample that K-channel
+            # map instead of the C-channel embedding (as BoundaryRefiner does)
+            p = self.prototypes
+            scores = np.einsum("chw,kc->khw", feats, -2 * p) + (p * p).sum(1)[:, None, None]
+            ys, xs = np.nonzero(edge[b])
+            s = _sample_bilinear(scores, ys, xs, edge.shape[-2:])  # [M,K]
+            cand = top[b][:, ys, xs].T  # [M,N]
+            out[b, ys, xs] = self._nearest(s, cand)  # P5
+        return out.astype(np.int64), out != pred
+
+    def _nearest(self, scores: np.ndarray, cand: np.ndarray) -> np.ndarray:
+        """The candidate with the lowest score (prototype distance); ``scores`` [M,K]."""
+        d2 = scores.copy()
+        d2[:, ~self.present] = np.inf
+        dc = np.take_along_axis(d2, cand, axis=1)  # [M,N]
+        best = np.take_along_axis(cand, dc.argmin(1)[:, None], axis=1)[:, 0]
+        return np.where(np.isfinite(dc.min(1)), best, cand[:, 0])
+
+
+def _numpy(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):
+        return x.detach().float().cpu().numpy()
+    return np.asarray(x)
+
+
+def _is_batch(images: Any) -> bool:
+    shape = getattr(images, "shape", None)
+    return shape is not None and len(shape) == 4
+
+
+def load_exported_refiner(
+    path: str | os.PathLike[str],
+    *,
+    providers: Sequence[str] | None = None,
+    threads: int | None = None,
+) -> ExportedRefiner:
+    """Load an exported refiner: ``path`` is its sidecar JSON or its embedding model (the
+    sidecar is then ``<stem>.json`` beside it)."""
+    path = Path(path)
+    sidecar_path = path if path.suffix.lower() == ".json" else refiner_sidecar_path(path)
+    if not sidecar_path.is_file():
+        raise CheckpointError(
+            f"refiner sidecar not found: {sidecar_path} (export writes it beside the model: "
+            "dualseg export --refiner R --out refiner.onnx)"
+        )
+    try:
+        sidecar = json.loads(sidecar_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{sidecar_path} is not readable JSON ({err}); re-export") from err
+    if not isinstance(sidecar, dict) or sidecar.get("format") != REFINER_FORMAT:
+        raise CheckpointError(
+            f"{sidecar_path} is not an exported dualseg refiner (expected format "
+            f"{REFINER_FORMAT!r}); re-export with 'dualseg export --refiner'"
+        )
+    model_path = sidecar_path.parent / str(sidecar["embedding"])
+    info = read_export_info(model_path)
+    if info.get("kind") != "embedding":
+        raise ConfigError(f"{model_path} is not an exported embedding model")
+    return ExportedRefiner(
+        _open_runner(model_path, providers, threads), sidecar, source=str(sidecar_path)
+    )

@@ -1,0 +1,157 @@
+"""``ExportedSegmenter`` / ``OnnxSegmenter``: an exported method-A network for raw images.
+
+The engine ``Segmenter``'s interface (``predict``, ``predict_proba``, ``predict_batch``,
+``meta``, ``num_classes``, ``class_names``), so ``dualseg predict --onnx`` and ``dualseg serve
+--onnx`` can use it. Importing this module and running an ONNX model on numpy arrays, PIL
+images or image files never imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dualseg.errors import CheckpointError
+from dualseg.export.runners import (
+    ExportMeta,
+    _as_rgb,
+    _is_torchscript,
+    _open_runner,
+    read_export_info,
+)
+
+
+def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    e = np.exp(x - x.max(axis=axis, keepdims=True))
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+def _resize(array: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Bilinear resize of ``HxWxK`` to ``size = (H, W)`` (half-pixel centres, like
+    ``F.interpolate(align_corners=False)``)."""
+    import cv2
+
+    if array.shape[:2] == tuple(size):
+        return array
+    out = cv2.resize(array, (size[1], size[0]), interpolation=cv2.INTER_LINEAR)
+    return out[:, :, None] if out.ndim == 2 else out
+
+
+# ----------------------------------------------------------------------------- segmenter
+class ExportedSegmenter:
+    """An exported method-A network (ONNX or TorchScript file) ready for raw images.
+
+    Same interface as ``dualseg.engine.predict.Segmenter``: ``predict(image) -> HxW`` labels
+    (uint8), ``predict_proba(image) -> float32 [C,H,W]``, ``predict_batch(images, *,
+    batch_size, return_probs)``, ``meta``, ``num_classes``, ``class_names``. A dynamic export
+    runs each image at its own size (equal sizes share a batch); a static one resizes each
+    image to the exported size and the scores back (bilinear), one image per run.
+    """
+
+    accepts_torchscript = True
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        providers: Sequence[str] | None = None,
+        threads: int | None = None,
+    ) -> None:
+        self.path = Path(path)
+        if not self.accepts_torchscript and self.path.is_file() and _is_torchscript(self.path):
+            raise CheckpointError(
+                f"{path} is a TorchScript file; use ExportedSegmenter for it, or export ONNX "
+                "with 'dualseg export --format onnx'"
+            )
+        self.info = read_export_info(self.path)
+        if self.info.get("kind") != "segmenter":
+            raise CheckpointError(
+                f"{self.path} holds a {self.info.get('kind')!r} model, not a segmentation "
+                "network; load an exported refiner with load_exported_refiner"
+            )
+        self.meta = ExportMeta(
+            name=str(self.info.get("dataset") or "exported"),
+            class_names=tuple(self.info["class_names"]),
+            palette=tuple(tuple(int(v) for v in c) for c in self.info["palette"]),  # type: ignore[misc]
+            ignore_index=int(self.info.get("ignore_index", 255)),
+        )
+        self.mean = np.asarray(self.info["mean"], np.float32).reshape(1, 3, 1, 1)
+        self.std = np.asarray(self.info["std"], np.float32).reshape(1, 3, 1, 1)
+        size = self.info.get("input_size")
+        self.input_size: tuple[int, int] | None = tuple(size) if size else None  # type: ignore[assignment]
+        self.runner = _open_runner(self.path, providers, threads)
+
+    @property
+    def num_classes(self) -> int:
+        return self.meta.num_classes
+
+    @property
+    def class_names(self) -> tuple[str, ...]:
+        return self.meta.class_names
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.input_size is None else f"static {self.input_size}"
+        return (
+            f"{type(self).__name__}({self.path.name}: {self.info.get('arch')}, "
+            f"{self.num_classes} classes, {kind}, {self.info['output']})"
+        )
+
+    def to_input(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
+        """uint8 ``HxWx3`` arrays of one size -> normalized float32 ``[B,3,H,W]``."""
+        x = np.stack(arrays).astype(np.float32).transpose(0, 3, 1, 2) / 255.0
+        return (x - self.mean) / self.std
+
+    def predict(self, image: Any) -> np.ndarray:
+        """Label map ``HxW`` uint8 at the image's size."""
+        return self.predict_batch([image])[0]
+
+    def predict_proba(self, image: Any) -> np.ndarray:
+        """Class probabilities float32 ``[C,H,W]`` at the image's size."""
+        return self.predict_batch([image], return_probs=True)[0][1]
+
+    __call__ = predict
+
+    def predict_batch(
+        self, images: Sequence[Any], *, batch_size: int = 8, return_probs: bool = False
+    ) -> list[Any]:
+        """Labels (or ``(labels, probs)`` pairs) for several images, in input order."""
+        arrays = [_as_rgb(im) for im in images]
+        out: list[Any] = [None] * len(arrays)
+        for indices, probs in self._run(arrays, max(1, batch_size)):
+            labels = probs.argmax(1).astype(np.uint8 if self.num_classes <= 255 else np.int64)
+            for k, i in enumerate(indices):
+                out[i] = (labels[k], probs[k]) if return_probs else labels[k]
+        return out
+
+    def _run(self, arrays: list[np.ndarray], batch_size: int):
+        if self.input_size is not None:  # static export: batch 1 at the exported size
+            for i, a in enumerate(arrays):
+                scores = self.runner(self.to_input([_resize(a, self.input_size)]))[0]
+                scores = _resize(scores.transpose(1, 2, 0), a.shape[:2]).transpose(2, 0, 1)
+                yield [i], self._probs(scores[None])
+            return
+        by_size: dict[tuple[int, ...], list[int]] = {}
+        for i, a in enumerate(arrays):
+            by_size.setdefault(a.shape[:2], []).append(i)
+        for indices in by_size.values():
+            for start in range(0, len(indices), batch_size):
+                chunk = indices[start : start + batch_size]
+                yield chunk, self._probs(self.runner(self.to_input([arrays[i] for i in chunk])))
+
+    def _probs(self, scores: np.ndarray) -> np.ndarray:
+        scores = scores.astype(np.float32, copy=False)
+        return scores if self.info["output"] == "probs" else _softmax(scores, axis=1)
+
+
+class OnnxSegmenter(ExportedSegmenter):
+    """:class:`ExportedSegmenter` for an ONNX file, run by onnxruntime (no torch).
+
+    >>> seg = OnnxSegmenter("model.onnx")            # doctest: +SKIP
+    >>> labels = seg.predict("street.png")           # HxW uint8
+    """
+
+    accepts_torchscript = False

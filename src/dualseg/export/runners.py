@@ -1,0 +1,194 @@
+"""Exported files, torch-free: their metadata and the runners that execute them.
+
+ONNX ``metadata_props`` ``dualseg.<key>`` (JSON values) and TorchScript
+``_extra_files["dualseg.json"]`` are both read by :func:`read_export_info` (a TorchScript file
+is a zip archive, so no torch is needed to read it). :func:`_open_runner` gives a callable
+``float32 [B,3,H,W] -> float32 output`` through onnxruntime (no torch) or TorchScript.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dualseg.errors import CheckpointError, DataError
+
+EXPORT_FORMAT = "dualseg-export/1"
+REFINER_FORMAT = "dualseg-refiner-export/1"
+META_PREFIX = "dualseg."
+TORCHSCRIPT_META = "dualseg.json"
+
+
+@dataclass(frozen=True)
+class ExportMeta:
+    """The dataset description of an exported model (the fields of ``DatasetMeta`` that
+    inference uses; a separate class so that this module does not import torch)."""
+
+    name: str
+    class_names: tuple[str, ...]
+    palette: tuple[tuple[int, int, int], ...]
+    ignore_index: int = 255
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.class_names)
+
+
+def refiner_sidecar_path(model_path: str | os.PathLike[str]) -> Path:
+    """The JSON beside an exported embedding model: ``refiner.onnx`` -> ``refiner.json``."""
+    return Path(model_path).with_suffix(".json")
+
+
+def _is_torchscript(path: Path) -> bool:
+    return zipfile.is_zipfile(path)
+
+
+def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The metadata dict of an exported ONNX or TorchScript file (see ``export_info``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"exported model not found: {path} (check the path)")
+    if _is_torchscript(path):
+        with zipfile.ZipFile(path) as z:
+            names = [n for n in z.namelist() if n.endswith(f"extra/{TORCHSCRIPT_META}")]
+            if not names:
+                raise CheckpointError(
+                    f"{path} is a TorchScript file without dualseg metadata; export it with "
+                    "'dualseg export'"
+                )
+            info = json.loads(z.read(names[0]))
+    else:
+        import onnxruntime as ort
+
+        try:
+            meta = ort.InferenceSession(
+                str(path), providers=["CPUExecutionProvider"]
+            ).get_modelmeta()
+        except Exception as err:  # onnxruntime raises its own exception types
+            raise CheckpointError(
+                f"{path} is not a readable ONNX model ({str(err).splitlines()[0]}); "
+                "re-export it with 'dualseg export'"
+            ) from err
+        props = meta.custom_metadata_map
+        info = {
+            k[len(META_PREFIX) :]: json.loads(v)
+            for k, v in props.items()
+            if k.startswith(META_PREFIX)
+        }
+    if info.get("format") != EXPORT_FORMAT:
+        raise CheckpointError(
+            f"{path} carries no dualseg export metadata (format {info.get('format')!r}, "
+            f"expected {EXPORT_FORMAT!r}); export it with 'dualseg export'"
+        )
+    return info
+
+
+def is_exported_torchscript(path: Path) -> bool:
+    """True for a TorchScript file written by ``dualseg export`` (it carries dualseg metadata)."""
+    if not (path.is_file() and zipfile.is_zipfile(path)):
+        return False
+    with zipfile.ZipFile(path) as z:
+        return any(n.endswith(f"extra/{TORCHSCRIPT_META}") for n in z.namelist())
+
+
+# ----------------------------------------------------------------------------- runners
+class _OnnxRunner:
+    """``image batch float32 [B,3,H,W] -> output float32`` through onnxruntime."""
+
+    def __init__(self, path: Path, providers: Sequence[str] | None, threads: int | None) -> None:
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = int(threads)
+        self.session = ort.InferenceSession(
+            str(path), sess_options=opts, providers=list(providers or ["CPUExecutionProvider"])
+        )
+        first = self.session.get_inputs()[0]
+        self.input_name = first.name
+        # A static export (no --dynamic) takes one image size: other sizes are resized to it
+        # (callers that sample the output at their own pixel grid, as the refiner does, work).
+        hw = first.shape[2:]
+        self.static_hw = tuple(hw) if all(isinstance(d, int) for d in hw) else None
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        if self.static_hw is not None and tuple(x.shape[-2:]) != self.static_hw:
+            x = _resize_chw_batch(x, self.static_hw)
+        return self.session.run(None, {self.input_name: np.ascontiguousarray(x, np.float32)})[0]
+
+
+def _resize_chw_batch(x: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
+    """Bilinear resize of a float ``[B,C,H,W]`` batch to ``hw`` (OpenCV, no torch)."""
+    import cv2
+
+    h, w = hw
+    return np.stack(
+        [cv2.resize(img.transpose(1, 2, 0), (w, h), interpolation=cv2.INTER_LINEAR)
+         .reshape(h, w, -1).transpose(2, 0, 1) for img in x.astype(np.float32)]
+    )  # fmt: skip
+
+
+class _TorchScriptRunner:
+    """The same with a TorchScript file (imports torch)."""
+
+    def __init__(self, path: Path, device: str = "cpu") -> None:
+        import warnings
+
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is deprecated.*")
+            self.module = torch.jit.load(str(path), map_location=device).eval()
+        self.device = device
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        import torch
+
+        with torch.no_grad():
+            out = self.module(torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(self.device))
+        return out.float().cpu().numpy()
+
+
+def _open_runner(path: Path, providers: Sequence[str] | None, threads: int | None) -> Any:
+    if _is_torchscript(path):
+        return _TorchScriptRunner(path)
+    return _OnnxRunner(path, providers, threads)
+
+
+# ----------------------------------------------------------------------------- images
+def _as_rgb(image: Any) -> np.ndarray:
+    """uint8 ``HxWx3`` from a path, PIL image or numpy array (torch-free); a tensor goes
+    through the engine's ``as_rgb_array``."""
+    if isinstance(image, np.ndarray):
+        a = image
+        if a.ndim == 2:
+            a = np.repeat(a[:, :, None], 3, axis=2)
+        if a.ndim != 3 or a.shape[2] not in (3, 4) or 0 in a.shape:
+            raise DataError(f"expected an HxWx3 RGB image array, got shape {image.shape}")
+        a = a[:, :, :3]
+        if np.issubdtype(a.dtype, np.floating):
+            a = np.round(np.clip(a, 0.0, 1.0) * 255)
+        elif a.dtype != np.uint8:
+            raise DataError(f"image arrays must be uint8 (or float in [0, 1]), got {a.dtype}")
+        return np.ascontiguousarray(a, dtype=np.uint8)
+    if isinstance(image, str | os.PathLike):
+        from PIL import Image
+
+        path = Path(image)
+        try:
+            with Image.open(path) as im:
+                return np.array(im.convert("RGB"))
+        except (OSError, ValueError, SyntaxError) as err:
+            raise DataError(f"{path}: unreadable image ({err}); check the file") from err
+    if hasattr(image, "convert") and hasattr(image, "size"):  # PIL image
+        return np.array(image.convert("RGB"))
+    from dualseg.engine.predict import as_rgb_array  # tensors: torch is loaded anyway
+
+    return as_rgb_array(image)
