@@ -260,8 +260,8 @@ def apply_main(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from dualseg.commands.predict import collect_images, write_outputs
-    from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
     from dualseg.engine.predict import as_rgb_array, resolve_device
+    from dualseg.imaging import normalize
     from dualseg.io import atomic_save_image
     from dualseg.refine.base import load_base
 
@@ -276,8 +276,6 @@ def apply_main(args: argparse.Namespace) -> int:
     palette = base.palette or _palette(refiner.num_classes)
     images = collect_images(args.inputs)
     out = Path(args.out)
-    mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
     changed_total = pixels_total = 0
     failures: list[str] = []
     for path, name in tqdm(images, desc="refine", unit="img", disable=not sys.stderr.isatty()):
@@ -286,8 +284,7 @@ def apply_main(args: argparse.Namespace) -> int:
         except DualsegError as err:
             failures.append(str(err))
             continue
-        x = torch.from_numpy(rgb).to(device).permute(2, 0, 1)[None].float() / 255.0
-        x = (x - mean) / std
+        x = torch.from_numpy(normalize([rgb])).to(device)
         scores = base.scores(x, [name])
         labels, changed = refiner.refine(x, scores, return_changed=True)
         label = labels[0].cpu().numpy()

@@ -22,8 +22,7 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD  # defined once, torch-free
 
 JointTransform = Callable[[np.ndarray, np.ndarray], tuple[Tensor, Tensor]]
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dualseg.errors import DataError
+from dualseg.imaging import as_rgb, normalize, numpy_to_rgb
 
 if TYPE_CHECKING:  # pragma: no cover
     from PIL.Image import Image as PILImage
@@ -60,17 +61,8 @@ def as_rgb_array(image: ImageLike) -> np.ndarray:
     if isinstance(image, Tensor):
         return _tensor_to_array(image)
     if isinstance(image, np.ndarray):
-        return _numpy_to_rgb(image)
-    try:
-        from PIL import Image
-    except ImportError:  # pragma: no cover - pillow is a dependency
-        Image = None
-    if Image is not None and isinstance(image, Image.Image):
-        return np.asarray(image.convert("RGB"))
-    raise DataError(
-        f"cannot segment a {type(image).__name__}: pass a file path, a PIL image, an HxWx3 "
-        "uint8 numpy array or a [3,H,W] tensor"
-    )
+        return numpy_to_rgb(image)
+    return as_rgb(image)  # a PIL image, or a clear error
 
 
 def _tensor_to_array(t: Tensor) -> np.ndarray:
@@ -91,26 +83,7 @@ def _tensor_to_array(t: Tensor) -> np.ndarray:
                 "(torchvision to_tensor) or uint8 — for normalized input call .model directly"
             )
         t = (t * 255).round()
-    return _numpy_to_rgb(t.to(torch.uint8).numpy())
-
-
-def _numpy_to_rgb(a: np.ndarray) -> np.ndarray:
-    if a.ndim == 3 and a.shape[2] == 1:
-        a = a[:, :, 0]
-    if a.ndim == 2:
-        a = np.repeat(a[:, :, None], 3, axis=2)
-    if a.ndim != 3 or a.shape[2] not in (3, 4):
-        raise DataError(f"expected an HxWx3 RGB image array, got shape {a.shape}")
-    a = a[:, :, :3]
-    if np.issubdtype(a.dtype, np.floating):
-        if a.size and (a.min() < -1e-3 or a.max() > 1 + 1e-3):
-            raise DataError("float image arrays must hold RGB values in [0, 1]; or pass uint8")
-        a = np.round(a * 255)
-    elif a.dtype != np.uint8:
-        raise DataError(f"image arrays must be uint8 (or float in [0, 1]), got {a.dtype}")
-    if a.shape[0] == 0 or a.shape[1] == 0:
-        raise DataError(f"empty image of shape {a.shape}")
-    return np.ascontiguousarray(a, dtype=np.uint8)
+    return numpy_to_rgb(t.to(torch.uint8).numpy())
 
 
 class Segmenter:
@@ -128,14 +101,10 @@ class Segmenter:
         device: str | torch.device | None = "cpu",
         amp: bool = False,
     ) -> None:
-        from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
         self.meta = meta
         self.amp = amp
-        self._mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
-        self._std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
 
     @property
     def num_classes(self) -> int:
@@ -187,10 +156,7 @@ class Segmenter:
     # ------------------------------------------------------------------ internals
     def to_tensor(self, array: np.ndarray) -> Tensor:
         """uint8 ``HxWx3`` -> normalized float ``[1,3,H,W]`` on the segmenter's device."""
-        if not array.flags.writeable:  # e.g. np.asarray(PIL image); torch wants writable
-            array = array.copy()
-        x = torch.from_numpy(array).to(self.device).permute(2, 0, 1)[None].float() / 255.0
-        return (x - self._mean) / self._std
+        return torch.from_numpy(normalize([array])).to(self.device)
 
     @torch.no_grad()
     def _run(self, arrays: list[np.ndarray], batch_size: int) -> Iterator[tuple[list[int], Tensor]]:

@@ -24,6 +24,7 @@ from dualseg.export.runners import (
     read_export_info,
     refiner_sidecar_path,
 )
+from dualseg.imaging import normalize
 
 
 # ----------------------------------------------------------------------------- refiner
@@ -105,10 +106,7 @@ class ExportedRefiner:
         p = _numpy(probs)
         x = _numpy(images) if _is_batch(images) else None
         if x is None:
-            rgb = _as_rgb(images)
-            mean = np.asarray([0.485, 0.456, 0.406], np.float32)
-            std = np.asarray([0.229, 0.224, 0.225], np.float32)
-            x = ((rgb.astype(np.float32) / 255.0 - mean) / std).transpose(2, 0, 1)[None]
+            x = normalize([_as_rgb(images)])
             labels, changed = self._refine_batch(x, p[None] if p.ndim == 3 else p)
             labels, changed = labels[0], changed[0]
         else:

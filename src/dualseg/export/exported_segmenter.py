@@ -23,6 +23,7 @@ from dualseg.export.runners import (
     _open_runner,
     read_export_info,
 )
+from dualseg.imaging import normalize
 
 
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
@@ -102,8 +103,7 @@ class ExportedSegmenter:
 
     def to_input(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
         """uint8 ``HxWx3`` arrays of one size -> normalized float32 ``[B,3,H,W]``."""
-        x = np.stack(arrays).astype(np.float32).transpose(0, 3, 1, 2) / 255.0
-        return (x - self.mean) / self.std
+        return normalize(arrays, self.mean, self.std)
 
     def predict(self, image: Any) -> np.ndarray:
         """Label map ``HxW`` uint8 at the image's size."""

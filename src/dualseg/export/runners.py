@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from dualseg.errors import CheckpointError, DataError
+from dualseg.errors import CheckpointError
+from dualseg.imaging import as_rgb
 
 EXPORT_FORMAT = "dualseg-export/1"
 REFINER_FORMAT = "dualseg-refiner-export/1"
@@ -164,31 +165,10 @@ def _open_runner(path: Path, providers: Sequence[str] | None, threads: int | Non
 
 # ----------------------------------------------------------------------------- images
 def _as_rgb(image: Any) -> np.ndarray:
-    """uint8 ``HxWx3`` from a path, PIL image or numpy array (torch-free); a tensor goes
-    through the engine's ``as_rgb_array``."""
-    if isinstance(image, np.ndarray):
-        a = image
-        if a.ndim == 2:
-            a = np.repeat(a[:, :, None], 3, axis=2)
-        if a.ndim != 3 or a.shape[2] not in (3, 4) or 0 in a.shape:
-            raise DataError(f"expected an HxWx3 RGB image array, got shape {image.shape}")
-        a = a[:, :, :3]
-        if np.issubdtype(a.dtype, np.floating):
-            a = np.round(np.clip(a, 0.0, 1.0) * 255)
-        elif a.dtype != np.uint8:
-            raise DataError(f"image arrays must be uint8 (or float in [0, 1]), got {a.dtype}")
-        return np.ascontiguousarray(a, dtype=np.uint8)
-    if isinstance(image, str | os.PathLike):
-        from PIL import Image
+    """uint8 ``HxWx3`` from a path, PIL image or numpy array (torch-free,
+    :func:`dualseg.imaging.as_rgb`); a tensor goes through the engine's ``as_rgb_array``."""
+    if hasattr(image, "detach"):
+        from dualseg.engine.predict import as_rgb_array  # tensors: torch is loaded anyway
 
-        path = Path(image)
-        try:
-            with Image.open(path) as im:
-                return np.array(im.convert("RGB"))
-        except (OSError, ValueError, SyntaxError) as err:
-            raise DataError(f"{path}: unreadable image ({err}); check the file") from err
-    if hasattr(image, "convert") and hasattr(image, "size"):  # PIL image
-        return np.array(image.convert("RGB"))
-    from dualseg.engine.predict import as_rgb_array  # tensors: torch is loaded anyway
-
-    return as_rgb_array(image)
+        return as_rgb_array(image)
+    return as_rgb(image)

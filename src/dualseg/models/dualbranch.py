@@ -13,16 +13,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 from dualseg.models.aspp import ASPP, ASPPv3Head
 from dualseg.models.base import SegmentationModel, pad_to_multiple, upsample_crop
 from dualseg.models.coord import CoordChannels
 from dualseg.models.renet import ReNetLayer
-
-try:  # the data package owns the normalization constants
-    from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-except ImportError:  # pragma: no cover - identical fallback while data/ is being written
-    IMAGENET_MEAN = (0.485, 0.456, 0.406)
-    IMAGENET_STD = (0.229, 0.224, 0.225)
 
 # ITU-R BT.601 luma coefficients (R, G, B).
 BT601 = (0.299, 0.587, 0.114)

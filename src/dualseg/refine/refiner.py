@@ -27,7 +27,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dualseg.engine.predict import as_rgb_array
 from dualseg.errors import CheckpointError, ConfigError, DataError
+from dualseg.imaging import normalize
 from dualseg.io import atomic_torch_save
 from dualseg.refine.boundary import EDGE_METHODS, near_boundary_mask
 from dualseg.refine.embedding import (
@@ -192,17 +194,11 @@ class BoundaryRefiner:
         """
         if isinstance(images, Tensor) and images.dim() == 4:
             return self._refine_batch(images, _as_tensor(probs), return_changed)
-        from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-        from dualseg.engine.predict import as_rgb_array
-
-        rgb = as_rgb_array(images)
-        x = torch.from_numpy(rgb).permute(2, 0, 1)[None].float() / 255.0
-        mean = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)
-        std = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+        x = torch.from_numpy(normalize([as_rgb_array(images)]))
         p = _as_tensor(probs)
         if p.dim() == 3:
             p = p[None]
-        labels, changed = self._refine_batch((x - mean) / std, p, True)
+        labels, changed = self._refine_batch(x, p, True)
         labels, changed = labels[0].cpu().numpy(), changed[0].cpu().numpy()
         return (labels, changed) if return_changed else labels
 

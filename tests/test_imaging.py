@@ -1,0 +1,53 @@
+"""dualseg.imaging: one RGB conversion and one input normalization for torch and the runtimes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from dualseg.engine.predict import as_rgb_array
+from dualseg.errors import DataError
+from dualseg.export.runners import _as_rgb
+from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD, as_rgb, normalize
+
+
+def test_normalize_is_the_torchvision_normalization() -> None:
+    rgb = np.random.default_rng(0).integers(0, 256, (2, 9, 7, 3), dtype=np.uint8)
+    x = torch.from_numpy(rgb).permute(0, 3, 1, 2).float() / 255
+    expected = (x - torch.tensor(IMAGENET_MEAN)[:, None, None]) / torch.tensor(IMAGENET_STD)[
+        :, None, None
+    ]
+    out = normalize(list(rgb))
+    assert out.dtype == np.float32 and out.shape == (2, 3, 9, 7)
+    np.testing.assert_allclose(out, expected.numpy(), atol=1e-6)
+
+
+def test_engine_and_runtime_see_the_same_pixels(tmp_path) -> None:
+    rng = np.random.default_rng(1)
+    rgba = rng.integers(0, 256, (5, 6, 4), dtype=np.uint8)
+    gray_float = rng.random((5, 6))
+    path = tmp_path / "x.png"
+    Image.fromarray(rgba[:, :, :3]).save(path)
+    for image in (rgba, gray_float, Image.fromarray(rgba[:, :, :3]), path):
+        np.testing.assert_array_equal(as_rgb_array(image), _as_rgb(image))
+    tensor = torch.from_numpy(rgba[:, :, :3]).permute(2, 0, 1).float() / 255
+    np.testing.assert_array_equal(_as_rgb(tensor), rgba[:, :, :3])
+    for bad in (np.zeros((4, 4, 3), np.int32), np.full((4, 4, 3), 2.0), object()):
+        for convert in (as_rgb_array, _as_rgb):
+            with pytest.raises(DataError):
+                convert(bad)
+
+
+def test_imaging_never_imports_torch() -> None:
+    code = "import dualseg.imaging, sys; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_as_rgb_names_a_missing_file(tmp_path) -> None:
+    with pytest.raises(DataError, match=r"nope\.png"):
+        as_rgb(tmp_path / "nope.png")
