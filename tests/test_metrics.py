@@ -452,3 +452,26 @@ def test_docstring_examples() -> None:
 
     result = doctest.testmod(dualseg.metrics)
     assert result.attempted >= 3 and result.failed == 0
+
+
+def test_neighbour_transitions_is_one_code_for_numpy_and_torch() -> None:
+    from dualseg.metrics import neighbour_transitions
+
+    rng = np.random.default_rng(0)
+    lab = rng.integers(0, 3, (2, 9, 11)).astype(np.int64)
+    valid = rng.random((2, 9, 11)) > 0.2
+    for v in (None, valid):
+        out_np = neighbour_transitions(lab, v)
+        out_t = neighbour_transitions(
+            torch.from_numpy(lab), None if v is None else torch.from_numpy(v)
+        )
+        assert isinstance(out_np, np.ndarray) and out_t.dtype == torch.bool
+        np.testing.assert_array_equal(out_np, out_t.numpy())
+    # brute force: a pixel is marked iff one of its 4 neighbours differs
+    expect = np.zeros_like(valid)
+    for b, y, x in np.ndindex(lab.shape):
+        for dy, dx in ((0, 1), (0, -1), (1, 0), (-1, 0)):
+            yy, xx = y + dy, x + dx
+            if 0 <= yy < 9 and 0 <= xx < 11 and lab[b, yy, xx] != lab[b, y, x]:
+                expect[b, y, x] = True
+    np.testing.assert_array_equal(neighbour_transitions(lab), expect)

@@ -194,6 +194,27 @@ def disk_offsets(radius: int) -> list[tuple[int, int]]:
     ]
 
 
+def neighbour_transitions(label: Any, valid: Any = None) -> Any:
+    """Bool mask ``[..., H, W]`` of the pixels with a 4-neighbour of another value: both pixels
+    of every differing neighbour pair (one compare per axis). ``valid``: pairs that touch a
+    pixel where it is False do not count. Works on numpy arrays and tensors alike (same kind,
+    same device out): the boundary metrics and method B's near-boundary mask share it.
+    """
+    edge = label != label  # all False, of the input's kind, shape and device
+    # horizontal pairs (x, x+1), then vertical pairs (y, y+1)
+    pair = label[..., :, 1:] != label[..., :, :-1]
+    if valid is not None:
+        pair = pair & valid[..., :, 1:] & valid[..., :, :-1]
+    edge[..., :, 1:] |= pair
+    edge[..., :, :-1] |= pair
+    pair = label[..., 1:, :] != label[..., :-1, :]
+    if valid is not None:
+        pair = pair & valid[..., 1:, :] & valid[..., :-1, :]
+    edge[..., 1:, :] |= pair
+    edge[..., :-1, :] |= pair
+    return edge
+
+
 def boundary_map(labels: Tensor, ignore_index: int = 255) -> Tensor:
     """Per-pixel boundary class: ``labels[p]`` where ``p`` is a boundary pixel, else ``-1``.
 
@@ -204,15 +225,7 @@ def boundary_map(labels: Tensor, ignore_index: int = 255) -> Tensor:
     pixels of every differing neighbour pair.
     """
     lab = labels.to(torch.int16) if labels.dtype != torch.int16 else labels
-    valid = labels != ignore_index
-    edge = torch.zeros_like(valid)
-    # horizontal pairs (x, x+1), then vertical pairs (y, y+1)
-    pair = (lab[..., :, 1:] != lab[..., :, :-1]) & valid[..., :, 1:] & valid[..., :, :-1]
-    edge[..., :, 1:] |= pair
-    edge[..., :, :-1] |= pair
-    pair = (lab[..., 1:, :] != lab[..., :-1, :]) & valid[..., 1:, :] & valid[..., :-1, :]
-    edge[..., 1:, :] |= pair
-    edge[..., :-1, :] |= pair
+    edge = neighbour_transitions(lab, labels != ignore_index)
     return torch.where(edge, lab, torch.tensor(-1, dtype=torch.int16, device=lab.device))
 
 

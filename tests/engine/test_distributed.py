@@ -114,3 +114,19 @@ def _same(a: float | list[float], b: float | list[float]) -> bool:
     return len(a_list) == len(b_list) and all(
         x == y or (math.isnan(x) and math.isnan(y)) for x, y in zip(a_list, b_list)
     )
+
+
+def test_sample_seed_is_keyword_only_and_fits_every_generator() -> None:
+    import random
+
+    import numpy as np
+
+    from dualseg.data.transforms import sample_seed
+
+    with pytest.raises(TypeError):
+        sample_seed(0, 1, 2)  # type: ignore[misc]
+    seeds = {sample_seed(2**40, index=i, epoch=e) for i in range(50) for e in range(3)}
+    assert len(seeds) == 150 and all(0 <= s < 2**31 for s in seeds)
+    assert sample_seed(1, index=2, epoch=3) != sample_seed(1, index=3, epoch=2)
+    s = max(seeds)
+    random.seed(s), np.random.seed(s), torch.manual_seed(s)

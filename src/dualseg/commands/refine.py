@@ -10,7 +10,6 @@ import argparse
 import dataclasses
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -260,6 +259,7 @@ def apply_main(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
     from dualseg.commands.predict import collect_images, write_outputs
+    from dualseg.engine.checkpoint import default_palette
     from dualseg.engine.predict import as_rgb_array, resolve_device
     from dualseg.imaging import normalize
     from dualseg.io import atomic_save_image
@@ -273,7 +273,7 @@ def apply_main(args: argparse.Namespace) -> int:
     base = load_base(args.base, device=device)
     if base.class_names is not None:
         refiner.check_classes(base.class_names, len(base.class_names), what=str(args.base))
-    palette = base.palette or _palette(refiner.num_classes)
+    palette = base.palette or default_palette(refiner.num_classes)
     images = collect_images(args.inputs)
     out = Path(args.out)
     changed_total = pixels_total = 0
@@ -302,7 +302,3 @@ def apply_main(args: argparse.Namespace) -> int:
             print(f"  skipped: {message}", file=sys.stderr)
         raise DataError(f"{len(failures)} of {len(images)} input image(s) could not be read")
     return 0
-
-
-def _palette(n: int) -> Sequence[tuple[int, int, int]]:
-    return [((37 * i) % 256, (97 * i) % 256, (173 * i) % 256) for i in range(n)]

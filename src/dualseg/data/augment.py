@@ -63,7 +63,7 @@ class Augmenter:
             return False
         image, label = self.dataset.load_pair(i)
         pipeline = self._pipeline(label.shape)
-        with seeded(sample_seed(self.settings["seed"], i)):
+        with seeded(sample_seed(self.settings["seed"], index=i)):
             img_t, lbl_t = pipeline(
                 tv_tensors.Image(np.ascontiguousarray(image.transpose(2, 0, 1))),
                 tv_tensors.Mask(label),

@@ -273,7 +273,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
             raise IndexError(f"index {index} out of range for {len(self)} samples")
         index %= len(self)
         image, label = self.load_pair(index)
-        with seeded(sample_seed(self.seed, index, self.epoch)):
+        with seeded(sample_seed(self.seed, index=index, epoch=self.epoch)):
             return self.transform(image, label)
 
     def __repr__(self) -> str:

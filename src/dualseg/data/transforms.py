@@ -178,9 +178,11 @@ def build_eval_transform(
     return _Joint(v2.Compose(_normalize(mean, std)))
 
 
-def sample_seed(seed: int, index: int, epoch: int = 0) -> int:
-    """A well-mixed 63-bit seed for one sample (same inputs -> same seed, in any process)."""
-    return int(np.random.SeedSequence([seed, epoch, index]).generate_state(2, np.uint64)[0] >> 1)
+def sample_seed(seed: int, *, index: int, epoch: int = 0) -> int:
+    """A well-mixed 31-bit seed for one sample of one epoch: the same inputs give the same seed
+    in any process, rank or worker. Keyword-only (index and epoch are easy to swap); 31 bits
+    so that Python's, numpy's and torch's generators all accept it."""
+    return int(np.random.SeedSequence([seed, epoch, index]).generate_state(1)[0] >> 1)
 
 
 @contextlib.contextmanager

@@ -235,15 +235,18 @@ def load_model_state(model: nn.Module, ckpt: Mapping[str, Any]) -> None:
     model.load_state_dict(ckpt["model"])
 
 
+def default_palette(n: int) -> list[tuple[int, int, int]]:
+    """Distinct-enough colours for ``n`` classes when no palette is stored."""
+    return [((37 * i) % 256, (97 * i) % 256, (173 * i) % 256) for i in range(n)]
+
+
 def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
     """The dataset description stored in a checkpoint (class names, palette, ignore index)."""
     from dualseg.data import DatasetMeta
 
     n = checkpoint_num_classes(ckpt)
     names = tuple(ckpt.get("class_names") or (f"class_{i}" for i in range(n)))
-    palette = ckpt.get("palette") or [
-        ((37 * i) % 256, (97 * i) % 256, (173 * i) % 256) for i in range(n)
-    ]
+    palette = ckpt.get("palette") or default_palette(n)
     config = ckpt.get("config") or {}
     data_cfg = config.get("data") if isinstance(config, Mapping) else None
     name = (data_cfg or {}).get("preset") or "checkpoint"

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
+from dualseg.data.transforms import sample_seed
+
 __all__ = [
     "DistEnv",
     "ResumableSampler",
@@ -62,16 +64,22 @@ class DistEnv:
         return self.rank == 0
 
 
-def resolve_device(name: str, *, local_rank: int = 0) -> torch.device:
-    """``"auto"``: the local GPU when there is one, else CPU; ``"cuda"``: ``cuda:local_rank``."""
-    if name == "auto":
+def resolve_device(
+    name: str | torch.device | None = "auto", *, local_rank: int = 0
+) -> torch.device:
+    """``"auto"`` / ``None``: the local GPU when there is one, else CPU; ``"cuda"``:
+    ``cuda:local_rank``; anything else as given (every command's ``--device``)."""
+    if name is None or name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda":
         from dualseg.errors import ConfigError
 
         if not torch.cuda.is_available():
-            raise ConfigError("train.device is cuda but no GPU is visible; use --train.device cpu")
+            raise ConfigError(
+                f"device {str(name)!r} asked for but no GPU is visible; use the CPU "
+                "(--device cpu, or --train.device cpu for training)"
+            )
         if device.index is None:
             device = torch.device("cuda", local_rank)
     return device
@@ -116,11 +124,6 @@ def broadcast_buffers(model: torch.nn.Module, src: int = 0) -> None:
     if dist.is_available() and dist.is_initialized():
         for buf in model.buffers():
             dist.broadcast(buf, src=src)
-
-
-def sample_seed(seed: int, epoch: int, index: int) -> int:
-    """A 31-bit seed for one sample of one epoch (independent of ranks and workers)."""
-    return int(np.random.SeedSequence([seed, epoch, index]).generate_state(1)[0] >> 1)
 
 
 class ResumableSampler(DistributedSampler):
@@ -193,7 +196,7 @@ class SeededSamples(Dataset):
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if set_epoch is not None:
             set_epoch(epoch)
-        seed = sample_seed(self.seed, epoch, index)
+        seed = sample_seed(self.seed, index=index, epoch=epoch)
         py_state, np_state = random.getstate(), np.random.get_state()
         with torch.random.fork_rng(devices=[]):
             random.seed(seed)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dualseg.engine.distributed import resolve_device
 from dualseg.errors import DataError
 from dualseg.imaging import as_rgb, normalize, numpy_to_rgb
 
@@ -32,13 +33,6 @@ __all__ = ["ImageLike", "Segmenter", "as_rgb_array", "load_model", "resolve_devi
 
 # Anything predict() accepts: a file path, a PIL image, an HxWx3 array, or a tensor.
 ImageLike = Union[str, os.PathLike, "PILImage", np.ndarray, Tensor]
-
-
-def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
-    """``"auto"`` / ``None`` -> CUDA when available, else CPU; anything else as given."""
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def as_rgb_array(image: ImageLike) -> np.ndarray:

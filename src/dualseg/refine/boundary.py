@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from dualseg.errors import ConfigError
+from dualseg.metrics import neighbour_transitions
 
 EDGE_METHODS = ("canny", "canny_only", "neighbour")
 
@@ -69,14 +70,7 @@ def _ranks(label: np.ndarray) -> tuple[int, np.ndarray]:
 
 
 def _neighbour_transitions(label: np.ndarray) -> np.ndarray:
-    out = np.zeros(label.shape, dtype=bool)
-    dx = label[:, 1:] != label[:, :-1]  # [H, W-1]
-    dy = label[1:, :] != label[:-1, :]  # [H-1, W]
-    out[:, 1:] |= dx
-    out[:, :-1] |= dx
-    out[1:, :] |= dy
-    out[:-1, :] |= dy
-    return out
+    return neighbour_transitions(label)  # ignore takes part: a class/void border is a boundary
 
 
 def _ellipse(radius: int) -> np.ndarray:
