@@ -281,10 +281,7 @@ def build_model_from_checkpoint(
         )
     kwargs = dict(ckpt["model_kwargs"])
     kwargs["weights"] = None  # the checkpoint carries the weights; never resolve files here
-    for key, value in kwargs.items():  # tuples were stored as lists by JSON-like configs
-        if isinstance(value, list):
-            kwargs[key] = tuple(value)
-    model = build_model(name, **kwargs)
+    model = build_model(name, **kwargs)  # lists of older checkpoints: build_model takes them
     load_model_state(model, ckpt)
     return model.to(device).eval(), meta_from_checkpoint(ckpt)
 

@@ -216,15 +216,16 @@ def save_config(cfg: Config, path: str | Path) -> None:
 
 
 def model_kwargs(cfg: ModelConfig, num_classes: int) -> dict[str, Any]:
-    """The keyword arguments for ``build_model(cfg.arch, **kwargs)`` (unset options left out).
+    """The keyword arguments for ``build_model(cfg.arch, **kwargs)``: the options that are set
+    (``None`` means ``build_model``'s default, so it is left out), tuples kept as tuples.
 
-    ``weights`` is not included: checkpoints carry their own weights.
+    ``weights`` / ``allow_download`` are not included: checkpoints carry their own weights.
     """
     kwargs: dict[str, Any] = {"num_classes": int(num_classes)}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if f.name not in ("arch", "weights", "allow_download") and value is not None:
-            kwargs[f.name] = list(value) if isinstance(value, tuple) else value
+            kwargs[f.name] = value
     return kwargs
 
 

@@ -394,9 +394,6 @@ def _build_model(cfg: Config, num_classes: int, *, pretrained: bool) -> nn.Modul
     from dualseg.models import build_model
 
     kwargs = model_kwargs(cfg.model, num_classes)
-    for key, value in kwargs.items():
-        if isinstance(value, list):
-            kwargs[key] = tuple(value)
     weights = cfg.model.weights if pretrained else None
     return build_model(
         cfg.model.arch, weights=weights, allow_download=cfg.model.allow_download, **kwargs

@@ -2,7 +2,9 @@
 
 ``MODELS`` is an explicit ``{name: builder}`` dict. Checkpoints store the name (``arch``) and
 the keyword arguments (``model_kwargs``), so ``build_model(arch, **model_kwargs)`` rebuilds the
-same network; JSON turns tuples into lists, and both are accepted.
+same network; JSON turns tuples into lists, and both are accepted. ``build_model``'s signature
+is the one place where a model option's default is written; the builders below take every
+value by name from it (no ``**kwargs`` on the way to the modules).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import functools
 import inspect
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -32,30 +34,29 @@ def build_dualseg(
     backbone: str,
     *,
     num_classes: int,
-    weights: WeightsArg = None,
-    allow_download: bool = False,
-    output_stride: int = 8,
-    in_channels: int = 3,
-    gray_branch: bool = True,
-    gray_conv_init: str = "sum",
-    fusion: str = "scalar",
-    coord_channels: bool = True,
-    coord_radius: str = "scaled",
-    renet_layers: int = 2,
-    renet_hidden: int = 150,
-    renet_patch: int = 1,
-    aspp_rates: Sequence[int] = (4, 6, 8, 12),
-    aspp_style: str = "v2",
-    aspp_init_std: float = 0.01,
-    timm_model: str = "efficientnet_lite0",
+    weights: WeightsArg,
+    allow_download: bool,
+    output_stride: int,
+    in_channels: int,
+    gray_branch: bool,
+    gray_conv_init: str,
+    fusion: str,
+    coord_channels: bool,
+    coord_radius: str,
+    renet_layers: int,
+    renet_hidden: int,
+    renet_patch: int,
+    aspp_rates: tuple[int, ...],
+    aspp_style: str,
+    aspp_init_std: float,
+    timm_model: str,
 ) -> DualBranchNet:
     """Method A (spec S2) on ``backbone``: an RGB branch and, unless ``gray_branch=False``, a
     grayscale branch with its own weights whose first convolution takes one channel.
-    ``backbone="timm"`` uses the timm model ``timm_model`` (``features_only``)."""
+    ``backbone="timm"`` uses the timm model ``timm_model`` (``features_only``). Every value is
+    given by :func:`build_model`, whose signature holds the defaults."""
     if backbone == "timm":
         backbone = f"timm:{timm_model}"
-    elif timm_model != "efficientnet_lite0":
-        raise ConfigError(f"timm_model applies to dualseg_timm only, not to {backbone!r}")
     if gray_branch and in_channels != 3:
         raise ConfigError(
             f"the grayscale branch needs RGB input (in_channels=3, got {in_channels}); "
@@ -66,16 +67,6 @@ def build_dualseg(
         state = backbone_state_dict(
             backbone_weights_name(backbone), weights, allow_download=allow_download
         )
-    branch_options = dict(
-        coord_channels=coord_channels,
-        coord_radius=coord_radius,
-        renet_layers=renet_layers,
-        renet_hidden=renet_hidden,
-        renet_patch=renet_patch,
-        aspp_rates=tuple(aspp_rates),
-        aspp_style=aspp_style,
-        aspp_init_std=aspp_init_std,
-    )
 
     def branch(channels: int) -> Branch:
         body, body_channels = build_backbone(
@@ -85,7 +76,19 @@ def build_dualseg(
             weights=state,
             first_conv_reduce=gray_conv_init,
         )
-        return Branch(body, body_channels, num_classes, **branch_options)
+        return Branch(
+            body,
+            body_channels,
+            num_classes,
+            coord_channels=coord_channels,
+            coord_radius=coord_radius,
+            renet_layers=renet_layers,
+            renet_hidden=renet_hidden,
+            renet_patch=renet_patch,
+            aspp_rates=aspp_rates,
+            aspp_style=aspp_style,
+            aspp_init_std=aspp_init_std,
+        )
 
     return DualBranchNet(
         branch(in_channels),
@@ -100,11 +103,11 @@ def build_deeplabv3(
     backbone: str,
     *,
     num_classes: int,
-    weights: WeightsArg = None,
-    allow_download: bool = False,
-    output_stride: int = 8,
-    in_channels: int = 3,
-    deeplab_rates: Sequence[int] | None = None,
+    weights: WeightsArg,
+    allow_download: bool,
+    output_stride: int,
+    in_channels: int,
+    deeplab_rates: tuple[int, ...] | None,
 ) -> DeepLabV3:
     """The peer: torchvision's DeepLabV3 head on the same dilated backbone."""
     body, channels = build_backbone(
@@ -171,36 +174,84 @@ def build_model(
     """
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
-    given = {k: v for k, v in locals().items() if k != "name"}
-    for key in ("aspp_rates", "deeplab_rates"):  # JSON round trips turn tuples into lists
-        if given[key] is not None:
-            given[key] = tuple(int(r) for r in given[key])
-    if isinstance(given["weights"], Path):
-        given["weights"] = str(given["weights"])
+    # JSON round trips (older checkpoints, YAML) turn tuples into lists: tuples from here on
+    aspp_rates = tuple(int(r) for r in aspp_rates)
+    deeplab_rates = None if deeplab_rates is None else tuple(int(r) for r in deeplab_rates)
+    weights = os.fspath(weights) if isinstance(weights, os.PathLike) else weights
     builder = MODELS[name]
-    accepted = set(inspect.signature(builder).parameters)
-    defaults = _DEFAULTS
-    for key, value in given.items():
-        if key not in accepted and value != defaults[key]:
+    if builder.func is build_deeplabv3:
+        _keep_defaults(
+            name,
+            {
+                "gray_branch": gray_branch,
+                "gray_conv_init": gray_conv_init,
+                "fusion": fusion,
+                "coord_channels": coord_channels,
+                "coord_radius": coord_radius,
+                "renet_layers": renet_layers,
+                "renet_hidden": renet_hidden,
+                "renet_patch": renet_patch,
+                "aspp_rates": aspp_rates,
+                "aspp_style": aspp_style,
+                "aspp_init_std": aspp_init_std,
+                "timm_model": timm_model,
+            },
+        )
+        return build_deeplabv3(
+            *builder.args,
+            num_classes=num_classes,
+            weights=weights,
+            allow_download=allow_download,
+            output_stride=output_stride,
+            in_channels=in_channels,
+            deeplab_rates=deeplab_rates,
+        )
+    _keep_defaults(name, {"deeplab_rates": deeplab_rates})
+    if name != "dualseg_timm":
+        _keep_defaults(name, {"timm_model": timm_model})
+    return build_dualseg(
+        *builder.args,
+        num_classes=num_classes,
+        weights=weights,
+        allow_download=allow_download,
+        output_stride=output_stride,
+        in_channels=in_channels,
+        gray_branch=gray_branch,
+        gray_conv_init=gray_conv_init,
+        fusion=fusion,
+        coord_channels=coord_channels,
+        coord_radius=coord_radius,
+        renet_layers=renet_layers,
+        renet_hidden=renet_hidden,
+        renet_patch=renet_patch,
+        aspp_rates=aspp_rates,
+        aspp_style=aspp_style,
+        aspp_init_std=aspp_init_std,
+        timm_model=timm_model,
+    )
+
+
+def _default(option: str) -> Any:
+    """``build_model``'s default for ``option``, read from its signature (written only there)."""
+    return inspect.signature(build_model).parameters[option].default
+
+
+def _keep_defaults(name: str, options: dict[str, Any]) -> None:
+    """Options that ``name`` does not use must be left at their defaults (else ConfigError)."""
+    for option, value in options.items():
+        default = _default(option)
+        if value != (tuple(default) if isinstance(default, list) else default):
             raise ConfigError(
-                f"option {key}={value!r} does not apply to model {name!r}; leave it at its "
-                f"default ({defaults[key]!r})"
+                f"option {option}={value!r} does not apply to model {name!r}; leave it at its "
+                f"default ({default!r})"
             )
-    return builder(**{k: v for k, v in given.items() if k in accepted})
 
 
-_DEFAULTS = {
-    k: (tuple(p.default) if isinstance(p.default, list) else p.default)
-    for k, p in inspect.signature(build_model).parameters.items()
-    if p.kind is inspect.Parameter.KEYWORD_ONLY
-}
-
-
-def backbone_of(name: str, *, timm_model: str = "efficientnet_lite0") -> str:
+def backbone_of(name: str, *, timm_model: str | None = None) -> str:
     """The backbone (and :func:`dualseg.weights.resolve_weights` name) of model ``name``:
     ``"dualseg_resnet101"`` -> ``"resnet101"``, ``"dualseg_timm"`` -> ``timm_model``."""
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
     if name == "dualseg_timm":
-        return timm_model
+        return timm_model or _default("timm_model")
     return MODELS[name].args[0]

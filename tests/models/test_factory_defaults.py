@@ -1,0 +1,37 @@
+"""One default per model option: written in build_model's signature, nowhere on the way."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from dualseg.engine.config import ModelConfig, model_kwargs
+from dualseg.models import build_model
+from dualseg.models.factory import build_deeplabv3, build_dualseg
+
+PLUMBING = {"arch", "weights", "allow_download"}
+
+
+def test_builders_take_every_value_from_build_model() -> None:
+    for builder in (build_dualseg, build_deeplabv3):
+        params = list(inspect.signature(builder).parameters.values())[1:]  # after the backbone
+        assert all(p.default is inspect.Parameter.empty for p in params), builder.__name__
+        assert all(p.kind is not inspect.Parameter.VAR_KEYWORD for p in params)
+        accepted = set(inspect.signature(build_model).parameters)
+        assert {p.name for p in params} <= accepted
+
+
+def test_model_config_none_means_build_model_default() -> None:
+    names = set(inspect.signature(build_model).parameters)
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in PLUMBING:
+            assert f.name in names and f.default is None, f.name
+    assert model_kwargs(ModelConfig(), 5) == {"num_classes": 5}
+
+
+def test_model_kwargs_keep_tuples_and_rebuild_the_same_network() -> None:
+    cfg = ModelConfig(arch="dualseg_mobilenet_v2", aspp_rates=(2, 3), renet_hidden=8)
+    kwargs = model_kwargs(cfg, 3)
+    assert kwargs["aspp_rates"] == (2, 3) and isinstance(kwargs["aspp_rates"], tuple)
+    net = build_model(cfg.arch, **kwargs)
+    assert net.rgb.aspp.rates == (2, 3) and net.rgb.context.renet1.hidden == 8
