@@ -12,6 +12,7 @@ from dualseg.data.augment import IMAGE_FORMATS, augment_dataset
 from dualseg.data.datasets import LAYOUTS
 from dualseg.data.presets import PRESETS
 from dualseg.data.readers import LABEL_FORMATS
+from dualseg.data.transforms import BLUR_PROB, HFLIP_PROB, JITTER, SCALE_RANGE
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,15 +32,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--crop-size", type=int, nargs=2, metavar=("H", "W"), help="default: the source size"
     )
-    p.add_argument("--scale-range", type=float, nargs=2, default=(0.5, 2.0), metavar=("MIN", "MAX"))
-    p.add_argument("--hflip-prob", type=float, default=0.5)
-    p.add_argument("--blur-prob", type=float, default=0.5)
+    p.add_argument(
+        "--scale-range",
+        type=float,
+        nargs=2,
+        default=SCALE_RANGE,
+        metavar=("MIN", "MAX"),
+        help=f"random scale factors {SCALE_RANGE}",
+    )
+    p.add_argument("--hflip-prob", type=float, default=HFLIP_PROB, help=f"({HFLIP_PROB})")
+    p.add_argument(
+        "--blur-prob", type=float, default=BLUR_PROB, help=f"Gaussian blur ({BLUR_PROB})"
+    )
     p.add_argument(
         "--jitter",
         type=float,
         nargs=4,
-        default=(0.3, 0.3, 0.3, 0.0),
+        default=JITTER,
         metavar=("BRIGHT", "CONTRAST", "SAT", "HUE"),
+        help=f"colour jitter {JITTER}",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--image-format", choices=sorted(IMAGE_FORMATS), default="png")

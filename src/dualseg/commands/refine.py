@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dualseg.data.transforms import SCALE_RANGE
 from dualseg.errors import ConfigError, DataError, DualsegError
 
 
@@ -63,9 +64,9 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         "--scale-range",
         type=float,
         nargs=2,
-        default=(0.5, 2.0),
+        default=SCALE_RANGE,
         metavar=("LO", "HI"),
-        help="random scale of step 1 (0.5 2.0)",
+        help=f"random scale of step 1 {SCALE_RANGE}",
     )
     p.add_argument("--backbone", default=d.backbone, help=f"embedding backbone ({d.backbone})")
     p.add_argument(

@@ -23,7 +23,15 @@ from tqdm import tqdm
 
 from dualseg.data.datasets import SegmentationDataset, build_dataset
 from dualseg.data.presets import META_FILE, without_source_ignore
-from dualseg.data.transforms import build_augment_pipeline, sample_seed, seeded
+from dualseg.data.transforms import (
+    BLUR_PROB,
+    HFLIP_PROB,
+    JITTER,
+    SCALE_RANGE,
+    build_augment_pipeline,
+    sample_seed,
+    seeded,
+)
 from dualseg.errors import DataError
 from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
@@ -120,10 +128,10 @@ def augment_dataset(
     preset: str | None = None,
     label_format: str = "index",
     crop_size: tuple[int, int] | None = None,
-    scale_range: tuple[float, float] = (0.5, 2.0),
-    hflip_prob: float = 0.5,
-    blur_prob: float = 0.5,
-    jitter: tuple[float, float, float, float] = (0.3, 0.3, 0.3, 0.0),
+    scale_range: tuple[float, float] = SCALE_RANGE,
+    hflip_prob: float = HFLIP_PROB,
+    blur_prob: float = BLUR_PROB,
+    jitter: tuple[float, float, float, float] = JITTER,
     seed: int = 0,
     image_format: str = "png",
     list_name: str = "train.txt",

@@ -24,6 +24,14 @@ from torchvision.transforms.v2 import functional as F
 
 from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD  # defined once, torch-free
 
+# Spec S1 augmentation defaults, written once: build_train_transform (refine fit),
+# augment_dataset / 'dualseg augment' and the training config (engine DataConfig) read these.
+SCALE_RANGE = (0.5, 2.0)  # random scale factors
+HFLIP_PROB = 0.5
+BLUR_PROB = 0.5  # S1 "filtering": Gaussian blur
+BLUR_SIGMA = (0.1, 2.0)
+JITTER = (0.3, 0.3, 0.3, 0.0)  # colour jitter: brightness, contrast, saturation, hue
+
 JointTransform = Callable[[np.ndarray, np.ndarray], tuple[Tensor, Tensor]]
 
 
@@ -103,11 +111,11 @@ def _fill_value(image_fill: str | float, mean: Sequence[float]) -> list[float]:
 def build_augment_pipeline(
     *,
     crop_size: tuple[int, int],
-    scale_range: tuple[float, float] = (0.5, 2.0),
-    hflip_prob: float = 0.5,
-    blur_prob: float = 0.5,
-    blur_sigma: tuple[float, float] = (0.1, 2.0),
-    jitter: tuple[float, float, float, float] = (0.3, 0.3, 0.3, 0.0),
+    scale_range: tuple[float, float] = SCALE_RANGE,
+    hflip_prob: float = HFLIP_PROB,
+    blur_prob: float = BLUR_PROB,
+    blur_sigma: tuple[float, float] = BLUR_SIGMA,
+    jitter: tuple[float, float, float, float] = JITTER,
     image_fill: str | float = "mean",
     mean: Sequence[float] = IMAGENET_MEAN,
     ignore_index: int = 255,
@@ -142,11 +150,11 @@ def _normalize(mean: Sequence[float], std: Sequence[float]) -> list[v2.Transform
 def build_train_transform(
     *,
     crop_size: tuple[int, int],
-    scale_range: tuple[float, float] = (0.5, 2.0),
-    hflip_prob: float = 0.5,
-    blur_prob: float = 0.5,
-    blur_sigma: tuple[float, float] = (0.1, 2.0),
-    jitter: tuple[float, float, float, float] = (0.3, 0.3, 0.3, 0.0),
+    scale_range: tuple[float, float] = SCALE_RANGE,
+    hflip_prob: float = HFLIP_PROB,
+    blur_prob: float = BLUR_PROB,
+    blur_sigma: tuple[float, float] = BLUR_SIGMA,
+    jitter: tuple[float, float, float, float] = JITTER,
     image_fill: str | float = "mean",
     mean: Sequence[float] = IMAGENET_MEAN,
     std: Sequence[float] = IMAGENET_STD,

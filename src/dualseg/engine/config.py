@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
+from dualseg.data.transforms import BLUR_PROB, HFLIP_PROB, JITTER, SCALE_RANGE
 from dualseg.errors import ConfigError
 from dualseg.io import atomic_write_text
 
@@ -49,10 +50,10 @@ class DataConfig:
     train_split: str = "train"
     val_split: str | None = "val"  # None: no validation (then monitor train_loss)
     crop_size: tuple[int, int] = (360, 480)  # (H, W) of training crops
-    scale_range: tuple[float, float] = (0.5, 2.0)
-    hflip_prob: float = 0.5
-    blur_prob: float = 0.1  # S1 "filtering"
-    jitter: float = 0.2  # S1 photometric jitter strength
+    scale_range: tuple[float, float] = SCALE_RANGE
+    hflip_prob: float = HFLIP_PROB
+    blur_prob: float = BLUR_PROB  # S1 "filtering" (Gaussian blur probability)
+    jitter: float = JITTER[0]  # S1 colour jitter strength: brightness, contrast, saturation
     samples_per_epoch: int | None = None  # S1: on-the-fly augmentation, e.g. 10000
     batch_size: int = 8  # per process (per GPU under torchrun)
     val_batch_size: int = 2
