@@ -22,15 +22,14 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
+from dualseg.augment_defaults import (  # spec S1 defaults, written once
+    BLUR_PROB,
+    BLUR_SIGMA,
+    HFLIP_PROB,
+    JITTER,
+    SCALE_RANGE,
+)
 from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD  # defined once, torch-free
-
-# Spec S1 augmentation defaults, written once: build_train_transform (refine fit),
-# augment_dataset / 'dualseg augment' and the training config (engine DataConfig) read these.
-SCALE_RANGE = (0.5, 2.0)  # random scale factors
-HFLIP_PROB = 0.5
-BLUR_PROB = 0.5  # S1 "filtering": Gaussian blur
-BLUR_SIGMA = (0.1, 2.0)
-JITTER = (0.3, 0.3, 0.3, 0.0)  # colour jitter: brightness, contrast, saturation, hue
 
 JointTransform = Callable[[np.ndarray, np.ndarray], tuple[Tensor, Tensor]]
 

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from dualseg.data.transforms import BLUR_PROB, HFLIP_PROB, JITTER, SCALE_RANGE
+from dualseg.augment_defaults import BLUR_PROB, HFLIP_PROB, JITTER, SCALE_RANGE
 from dualseg.errors import ConfigError
 from dualseg.io import atomic_write_text
 
