@@ -24,15 +24,12 @@ Run folder (``train.out_dir``)::
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import random
-import signal
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +55,8 @@ from dualseg.engine.distributed import (
 )
 from dualseg.engine.losses import SegmentationLoss
 from dualseg.engine.optim import build_optimizer, build_scheduler
+from dualseg.engine.runlog import Interrupt, Progress, RunLog
 from dualseg.errors import ConfigError, DataError, DualsegError
-from dualseg.io import atomic_write_text
 
 __all__ = ["TrainingDivergedError", "fit", "train_one_epoch"]
 
@@ -155,143 +152,6 @@ def train_one_epoch(
 
 
 # --------------------------------------------------------------------------- pieces of fit
-class _Interrupt:
-    """Turns SIGINT / SIGTERM into a flag checked after each step (then save and return)."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self._old: dict[int, Any] = {}
-
-    def __call__(self) -> bool:
-        return self.signum is not None
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None and signum == signal.SIGINT:  # second Ctrl-C: stop now
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def __enter__(self) -> _Interrupt:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(ValueError):  # not the main thread: leave handlers alone
-                self._old[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-
-
-@dataclass
-class _Progress:
-    """Loop state beyond weights: best score, patience counter, smoothed loss."""
-
-    best_miou: float = -1.0
-    best_iteration: int = 0
-    best_monitored: float | None = None
-    bad_evals: int = 0
-    loss_ema: float | None = None
-    last_val: dict[str, Any] = field(default_factory=dict)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "best_miou": self.best_miou,
-            "best_iteration": self.best_iteration,
-            "best_monitored": self.best_monitored,
-            "bad_evals": self.bad_evals,
-            "loss_ema": self.loss_ema,
-        }
-
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        for key, value in d.items():
-            setattr(self, key, value)
-
-    def update_monitor(self, value: float, *, higher_is_better: bool, min_delta: float) -> bool:
-        """Record one evaluation of the monitored quantity; True when it improved."""
-        best = self.best_monitored
-        improved = (
-            best is None
-            or (higher_is_better and value > best + min_delta)
-            or (not higher_is_better and value < best - min_delta)
-        )
-        if improved:
-            self.best_monitored, self.bad_evals = value, 0
-        else:
-            self.bad_evals += 1
-        return improved
-
-
-class _RunLog:
-    """Rank-0 outputs: JSONL records, TensorBoard scalars, a tqdm bar or plain lines."""
-
-    def __init__(self, cfg: Config, env: DistEnv, out_dir: Path, start: int) -> None:
-        self.enabled = env.is_main
-        self.path = out_dir / "metrics.jsonl"
-        self.tb = None
-        self.bar = None
-        if not self.enabled:
-            return
-        self._truncate(start)
-        if cfg.train.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(out_dir), purge_step=start or None)
-            except ImportError:  # tensorboard not installed: JSONL and PNG only
-                self.tb = None
-        if cfg.train.progress and sys.stderr.isatty():
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=cfg.train.max_iters, initial=start, desc="train", unit="it")
-
-    def _truncate(self, start: int) -> None:
-        """Drop records past the resumed iteration (written after the checkpoint, then lost)."""
-        if not self.path.exists():
-            return
-        keep = [r for r in self.history() if r.get("iteration", 0) <= start]
-        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in keep))
-
-    def history(self) -> list[dict[str, Any]]:
-        records = []
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                with contextlib.suppress(json.JSONDecodeError):
-                    records.append(json.loads(line))
-        return records
-
-    def write(self, record: dict[str, Any], *, echo: str | None = None) -> None:
-        if not self.enabled:
-            return
-        # Append-only log: a line cut by a crash is skipped when read back.
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        if self.tb is not None:
-            for key, value in record.items():
-                if key != "iteration" and isinstance(value, int | float):
-                    self.tb.add_scalar(key.replace("_", "/", 1), value, record["iteration"])
-        if echo:
-            self.message(echo)
-
-    def step(self, n: int = 1, **postfix: float) -> None:
-        if self.bar is not None:
-            self.bar.update(n)
-            if postfix:
-                self.bar.set_postfix({k: f"{v:.4f}" for k, v in postfix.items()}, refresh=False)
-
-    def message(self, text: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.write(text)
-        else:
-            print(text, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
-
-
 def _seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -493,7 +353,7 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
         warmup_factor=o.warmup_factor,
     )
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
-    progress = _Progress()
+    progress = Progress()
 
     iteration, epoch = 0, 0
     if state is not None:
@@ -521,7 +381,7 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
     if env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, out_dir / "config.yaml")
-    log = _RunLog(cfg, env, out_dir, iteration)
+    log = RunLog(cfg, env, out_dir, iteration)
     if state is not None:
         log.message(f"resumed from {resume_path} at iteration {iteration} (epoch {epoch})")
     elif resume == "auto":
@@ -629,7 +489,7 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
             save("best", at=s.iteration, ep=epoch, offset=consumed)
         return stopping
 
-    interrupt = _Interrupt()
+    interrupt = Interrupt()
     try:
         with interrupt:
             while iteration < t.max_iters and stop_reason == "max_iters":
