@@ -29,7 +29,7 @@ import os
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -302,32 +302,77 @@ def fit(cfg: Config, *, resume: str | None = None) -> dict[str, Any]:
     Summary: ``{"iteration", "stop_reason", "best_miou", "best_iteration", "last", "best",
     "out_dir"}`` where ``stop_reason`` is ``"max_iters"``, ``"patience"`` or ``"interrupted"``
     (with ``"signal"``).
+
+    Reads like torchvision's reference ``main()``: build -> resume -> loop -> summary.
     """
     validate_config(cfg)  # also for a Config built in Python rather than parsed
     env = init_distributed(cfg.train.device)
     try:
-        return _fit(cfg, env, resume)
+        run = _build(cfg, env, resume)  # data, model, loss, optimizer, schedule
+        _resume(run)  # weights, optimizer, schedule, sampler, progress, RNG states
+        _start(run)  # DDP / compile, run folder, log
+        _loop(run)  # epochs until max_iters, patience or a signal
+        return _summary(run)
     finally:
         cleanup_distributed()
 
 
-def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
-    t = cfg.train
-    out_dir = Path(t.out_dir)
+@dataclass
+class _Run:
+    """Everything one ``fit`` holds; the loop's functions read and update it."""
+
+    cfg: Config
+    env: DistEnv
+    resume: str | None
+    resume_path: Path | None
+    state: dict[str, Any] | None  # the checkpoint resumed from
+    meta: Any  # DatasetMeta of the training set
+    train_loader: DataLoader
+    sampler: ResumableSampler
+    val_loader: DataLoader | None
+    model: nn.Module  # un-wrapped: checkpoints, validation
+    criterion: SegmentationLoss
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    scaler: torch.amp.GradScaler | None
+    amp_dtype: torch.dtype | None
+    channels_last: bool
+    progress: Progress = field(default_factory=Progress)
+    train_model: nn.Module | None = None  # DDP-wrapped and/or compiled
+    log: RunLog | None = None
+    interrupt: Interrupt = field(default_factory=Interrupt)
+    iteration: int = 0
+    epoch: int = 0
+    consumed: int = 0  # samples of this epoch already trained on (this rank)
+    stop_reason: str = "max_iters"
+    started: float = 0.0
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.train.out_dir)
+
+    @property
+    def paths(self) -> dict[str, Path]:
+        return {"last": self.out_dir / ckpt_io.LAST_NAME, "best": self.out_dir / ckpt_io.BEST_NAME}
+
+
+def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
+    """Datasets and loaders, the model (ImageNet weights unless resuming), loss, optimizer,
+    LR schedule and AMP scaler — in this order, which fixes the RNG stream."""
+    t, o = cfg.train, cfg.optim
     device = env.device
     _seed_everything(t.seed, t.deterministic, device)
 
     train_ds, val_ds = _build_datasets(cfg)
     meta = train_ds.meta
-    num_classes = meta.num_classes
     train_loader, sampler, val_loader = _build_loaders(cfg, env, train_ds, val_ds)
 
-    resume_path = _resolve_resume(resume, out_dir)
+    resume_path = _resolve_resume(resume, Path(t.out_dir))
     state = ckpt_io.load_checkpoint(resume_path) if resume_path is not None else None
     if state is not None:
-        ckpt_io.check_compatible(state, arch=cfg.model.arch, num_classes=num_classes)
+        ckpt_io.check_compatible(state, arch=cfg.model.arch, num_classes=meta.num_classes)
 
-    model = _build_model(cfg, num_classes, pretrained=state is None)
+    model = _build_model(cfg, meta.num_classes, pretrained=state is None)
     if env.distributed and t.sync_bn and device.type == "cuda":  # SyncBatchNorm is GPU-only
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
@@ -337,11 +382,10 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
         model = model.to(memory_format=torch.channels_last)
     criterion = SegmentationLoss(
         model,
-        weight_decay=cfg.optim.weight_decay,
-        l2_lambda=cfg.optim.l2_lambda,
+        weight_decay=o.weight_decay,
+        l2_lambda=o.l2_lambda,
         ignore_index=meta.ignore_index,
     )
-    o = cfg.optim
     optimizer = build_optimizer(
         model, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, head_lr_mult=o.head_lr_mult
     )
@@ -353,200 +397,242 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
         warmup_factor=o.warmup_factor,
     )
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
-    progress = Progress()
+    return _Run(
+        cfg=cfg,
+        env=env,
+        resume=resume,
+        resume_path=resume_path,
+        state=state,
+        meta=meta,
+        train_loader=train_loader,
+        sampler=sampler,
+        val_loader=val_loader,
+        model=model,
+        criterion=criterion,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        amp_dtype=amp_dtype,
+        channels_last=channels_last,
+    )
 
-    iteration, epoch = 0, 0
-    if state is not None:
-        ckpt_io.load_model_state(model, state)
-        base_lrs = list(scheduler.base_lrs)  # from this run's config
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        _apply_schedule(optimizer, scheduler, base_lrs)
-        if scaler is not None and state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        sampler.load_state_dict(state["sampler"])
-        progress.load_state_dict(state.get("progress") or {})
-        progress.last_val = dict(state.get("metrics") or {})
-        iteration, epoch = int(state["iteration"]), int(state["epoch"])
-        ckpt_io.restore_rng_state(state["rng"])
 
-    train_model: nn.Module = model
+def _resume(run: _Run) -> None:
+    """Continue the checkpoint's run exactly: weights, optimizer, this run's LR schedule at the
+    resumed iteration, AMP scaler, sampler position, loop progress and RNG states."""
+    state = run.state
+    if state is None:
+        return
+    ckpt_io.load_model_state(run.model, state)
+    base_lrs = list(run.scheduler.base_lrs)  # from this run's config
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    _apply_schedule(run.optimizer, run.scheduler, base_lrs)
+    if run.scaler is not None and state.get("scaler"):
+        run.scaler.load_state_dict(state["scaler"])
+    run.sampler.load_state_dict(state["sampler"])
+    run.progress.load_state_dict(state.get("progress") or {})
+    run.progress.last_val = dict(state.get("metrics") or {})
+    run.iteration, run.epoch = int(state["iteration"]), int(state["epoch"])
+    ckpt_io.restore_rng_state(state["rng"])
+
+
+def _start(run: _Run) -> None:
+    """Wrap the model for training (DDP, compile); create the run folder, config and log."""
+    t, env = run.cfg.train, run.env
+    train_model: nn.Module = run.model
     if env.distributed:
-        ids = [device.index] if device.type == "cuda" else None
-        train_model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        ids = [env.device.index] if env.device.type == "cuda" else None
+        train_model = nn.parallel.DistributedDataParallel(run.model, device_ids=ids)
     if t.compile:
         train_model = torch.compile(train_model)
-    raw_model = model  # un-wrapped: checkpoints, validation
+    run.train_model = train_model
 
     if env.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, out_dir / "config.yaml")
-    log = RunLog(cfg, env, out_dir, iteration)
-    if state is not None:
-        log.message(f"resumed from {resume_path} at iteration {iteration} (epoch {epoch})")
-    elif resume == "auto":
-        log.message(f"no checkpoint in {out_dir}; starting a new run")
-
-    paths = {"last": out_dir / ckpt_io.LAST_NAME, "best": out_dir / ckpt_io.BEST_NAME}
-    ckpt_every = t.ckpt_every or t.val_every or t.max_iters
-
-    def save(kind: str, *, at: int, ep: int, offset: int) -> None:
-        if not env.is_main:
-            return
-        ckpt_io.save_checkpoint(
-            paths[kind],
-            {
-                "arch": cfg.model.arch,
-                "model_kwargs": model_kwargs(cfg.model, num_classes),
-                "model": raw_model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "scaler": scaler.state_dict() if scaler is not None else {},
-                "iteration": at,
-                "epoch": ep,
-                "sampler": {"epoch": ep, "offset": offset},
-                "rng": ckpt_io.capture_rng_state(),
-                "config": config_to_dict(cfg),
-                "class_names": list(meta.class_names),
-                "palette": [list(c) for c in meta.palette],
-                "ignore_index": meta.ignore_index,
-                "metrics": progress.last_val,
-                "progress": progress.state_dict(),
-            },
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        save_config(run.cfg, run.out_dir / "config.yaml")
+    run.log = RunLog(run.cfg, env, run.out_dir, run.iteration)
+    if run.state is not None:
+        run.log.message(
+            f"resumed from {run.resume_path} at iteration {run.iteration} (epoch {run.epoch})"
         )
+    elif run.resume == "auto":
+        run.log.message(f"no checkpoint in {run.out_dir}; starting a new run")
 
-    def validate(at: int) -> bool:
-        """Score the validation split; True on a new best mIoU."""
-        from dualseg.engine.evaluate import evaluate
 
-        broadcast_buffers(raw_model)  # every rank scores rank 0's model (the checkpointed one)
-        metrics = evaluate(
-            raw_model,
-            val_loader,
-            num_classes=num_classes,
-            ignore_index=meta.ignore_index,
-            device=device,
-            amp=amp_dtype is not None,
-            distributed=env.distributed,
-        )
-        progress.last_val = {"iteration": at, **metrics}
-        record = _val_record(at, metrics)
-        log.write(record, echo=f"[{at}] val mIoU {metrics['miou']:.4f}")
-        if metrics["miou"] > progress.best_miou:
-            progress.best_miou, progress.best_iteration = float(metrics["miou"]), at
-            return True
-        return False
-
-    stop_reason = "max_iters"
-    consumed = sampler.offset  # samples of this epoch already trained on (this rank)
-    started = time.perf_counter()
-
-    def on_step(s: StepStats) -> bool:
-        nonlocal consumed, stop_reason
-        consumed += cfg.data.batch_size
-        a, ema = t.loss_smoothing, progress.loss_ema
-        progress.loss_ema = s.loss if ema is None else a * ema + (1 - a) * s.loss
-        log.step(loss=s.loss, lr=s.lr)
-        if s.iteration % t.log_every == 0 or s.iteration == 1:
-            record = {"iteration": s.iteration, "epoch": epoch, "l1": s.l1, "l2": s.l2}
-            record.update({"loss": s.loss, "loss_ema": progress.loss_ema, "lr": s.lr})
-            record["time"] = round(time.perf_counter() - started, 3)
-            echo = (
-                None
-                if log.bar is not None
-                else (
-                    f"[{s.iteration}/{t.max_iters}] loss {s.loss:.4f} (L1 {s.l1:.4f} "
-                    f"L2 {s.l2:.4f}) lr {s.lr:.3g}"
-                )
-            )
-            log.write(record, echo=echo)
-        done = s.iteration >= t.max_iters
-        is_best = False
-        evaluated = (t.val_every > 0 and s.iteration % t.val_every == 0) or done
-        if evaluated:
-            if val_loader is not None:
-                is_best = validate(s.iteration)
-            if t.monitor == "val_miou" and val_loader is not None:
-                progress.update_monitor(
-                    progress.last_val["miou"], higher_is_better=True, min_delta=t.min_delta
-                )
-            else:
-                progress.update_monitor(
-                    progress.loss_ema, higher_is_better=False, min_delta=t.min_delta
-                )
-        if s.interrupted:
-            stop_reason = "interrupted"
-        elif t.patience is not None and progress.bad_evals >= t.patience:
-            stop_reason = "patience"
-            log.message(
-                f"[{s.iteration}] stopping: {t.monitor} has not improved for {t.patience} "
-                f"evaluations (best {progress.best_monitored:.4f})"
-            )
-        stopping = done or stop_reason != "max_iters"
-        if stopping or s.iteration % ckpt_every == 0 or evaluated:
-            save("last", at=s.iteration, ep=epoch, offset=consumed)
-        if is_best:
-            save("best", at=s.iteration, ep=epoch, offset=consumed)
-        return stopping
-
-    interrupt = Interrupt()
+def _loop(run: _Run) -> None:
+    """Epochs of :func:`train_one_epoch` until ``max_iters``, patience or a signal; a NaN loss
+    keeps the last good checkpoint."""
+    t = run.cfg.train
+    run.consumed = run.sampler.offset
+    run.started = time.perf_counter()
+    assert run.log is not None and run.train_model is not None
     try:
-        with interrupt:
-            while iteration < t.max_iters and stop_reason == "max_iters":
-                sampler.set_epoch(epoch)
-                sampler.set_offset(consumed)
+        with run.interrupt:
+            while run.iteration < t.max_iters and run.stop_reason == "max_iters":
+                run.sampler.set_epoch(run.epoch)
+                run.sampler.set_offset(run.consumed)
                 try:
-                    iteration = train_one_epoch(
-                        train_model,
-                        train_loader,
-                        optimizer,
-                        scheduler,
-                        criterion,
-                        device=device,
-                        start_iteration=iteration,
+                    run.iteration = train_one_epoch(
+                        run.train_model,
+                        run.train_loader,
+                        run.optimizer,
+                        run.scheduler,
+                        run.criterion,
+                        device=run.env.device,
+                        start_iteration=run.iteration,
                         max_iters=t.max_iters,
-                        amp_dtype=amp_dtype,
-                        scaler=scaler,
-                        channels_last=channels_last,
-                        interrupted=interrupt,
-                        on_step=on_step,
+                        amp_dtype=run.amp_dtype,
+                        scaler=run.scaler,
+                        channels_last=run.channels_last,
+                        interrupted=run.interrupt,
+                        on_step=lambda s: _on_step(run, s),
                     )
                 except RuntimeError:
                     # A signal can kill loader workers while the next batch is fetched: the
                     # model is intact at the last completed step, which we save below.
-                    if not interrupt():
+                    if not run.interrupt():
                         raise
-                    stop_reason = "interrupted"
-                    iteration = int(scheduler.last_epoch)
-                    save("last", at=iteration, ep=epoch, offset=consumed)
+                    run.stop_reason = "interrupted"
+                    run.iteration = int(run.scheduler.last_epoch)
+                    _save(run, "last", at=run.iteration)
                     break
-                if iteration < t.max_iters and stop_reason == "max_iters":
-                    epoch, consumed = epoch + 1, 0  # the epoch's batches are exhausted
+                if run.iteration < t.max_iters and run.stop_reason == "max_iters":
+                    run.epoch, run.consumed = run.epoch + 1, 0  # the epoch's batches are done
     except TrainingDivergedError as err:
-        last = paths["last"]
+        last = run.paths["last"]
         kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint yet"
         raise TrainingDivergedError(f"{err}; {kept}") from None
     finally:
-        log.close()
+        run.log.close()
 
+
+def _on_step(run: _Run, s: StepStats) -> bool:
+    """After each step: log, validate / monitor, checkpoint; True to stop the loop."""
+    t, progress, log = run.cfg.train, run.progress, run.log
+    assert log is not None
+    run.consumed += run.cfg.data.batch_size
+    a, ema = t.loss_smoothing, progress.loss_ema
+    progress.loss_ema = s.loss if ema is None else a * ema + (1 - a) * s.loss
+    log.step(loss=s.loss, lr=s.lr)
+    if s.iteration % t.log_every == 0 or s.iteration == 1:
+        record = {"iteration": s.iteration, "epoch": run.epoch, "l1": s.l1, "l2": s.l2}
+        record.update({"loss": s.loss, "loss_ema": progress.loss_ema, "lr": s.lr})
+        record["time"] = round(time.perf_counter() - run.started, 3)
+        echo = (
+            None
+            if log.bar is not None
+            else (
+                f"[{s.iteration}/{t.max_iters}] loss {s.loss:.4f} (L1 {s.l1:.4f} "
+                f"L2 {s.l2:.4f}) lr {s.lr:.3g}"
+            )
+        )
+        log.write(record, echo=echo)
+    done = s.iteration >= t.max_iters
+    is_best = False
+    evaluated = (t.val_every > 0 and s.iteration % t.val_every == 0) or done
+    if evaluated:
+        if run.val_loader is not None:
+            is_best = _validate(run, s.iteration)
+        if t.monitor == "val_miou" and run.val_loader is not None:
+            progress.update_monitor(
+                progress.last_val["miou"], higher_is_better=True, min_delta=t.min_delta
+            )
+        else:
+            progress.update_monitor(
+                progress.loss_ema, higher_is_better=False, min_delta=t.min_delta
+            )
+    if s.interrupted:
+        run.stop_reason = "interrupted"
+    elif t.patience is not None and progress.bad_evals >= t.patience:
+        run.stop_reason = "patience"
+        log.message(
+            f"[{s.iteration}] stopping: {t.monitor} has not improved for {t.patience} "
+            f"evaluations (best {progress.best_monitored:.4f})"
+        )
+    stopping = done or run.stop_reason != "max_iters"
+    ckpt_every = t.ckpt_every or t.val_every or t.max_iters
+    if stopping or s.iteration % ckpt_every == 0 or evaluated:
+        _save(run, "last", at=s.iteration)
+    if is_best:
+        _save(run, "best", at=s.iteration)
+    return stopping
+
+
+def _validate(run: _Run, at: int) -> bool:
+    """Score the validation split; True on a new best mIoU."""
+    from dualseg.engine.evaluate import evaluate
+
+    broadcast_buffers(run.model)  # every rank scores rank 0's model (the checkpointed one)
+    metrics = evaluate(
+        run.model,
+        run.val_loader,
+        num_classes=run.meta.num_classes,
+        ignore_index=run.meta.ignore_index,
+        device=run.env.device,
+        amp=run.amp_dtype is not None,
+        distributed=run.env.distributed,
+    )
+    progress = run.progress
+    progress.last_val = {"iteration": at, **metrics}
+    assert run.log is not None
+    run.log.write(_val_record(at, metrics), echo=f"[{at}] val mIoU {metrics['miou']:.4f}")
+    if metrics["miou"] > progress.best_miou:
+        progress.best_miou, progress.best_iteration = float(metrics["miou"]), at
+        return True
+    return False
+
+
+def _save(run: _Run, kind: str, *, at: int) -> None:
+    """Write ``last.pt`` or ``best.pt`` (rank 0): everything a bit-exact resume needs."""
+    if not run.env.is_main:
+        return
+    cfg, meta = run.cfg, run.meta
+    ckpt_io.save_checkpoint(
+        run.paths[kind],
+        {
+            "arch": cfg.model.arch,
+            "model_kwargs": model_kwargs(cfg.model, meta.num_classes),
+            "model": run.model.state_dict(),
+            "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(),
+            "scaler": run.scaler.state_dict() if run.scaler is not None else {},
+            "iteration": at,
+            "epoch": run.epoch,
+            "sampler": {"epoch": run.epoch, "offset": run.consumed},
+            "rng": ckpt_io.capture_rng_state(),
+            "config": config_to_dict(cfg),
+            "class_names": list(meta.class_names),
+            "palette": [list(c) for c in meta.palette],
+            "ignore_index": meta.ignore_index,
+            "metrics": run.progress.last_val,
+            "progress": run.progress.state_dict(),
+        },
+    )
+
+
+def _summary(run: _Run) -> dict[str, Any]:
+    """The summary dict ``fit`` returns; rank 0 also draws the curves and prints one line."""
     barrier()
+    progress, paths, out_dir = run.progress, run.paths, run.out_dir
     summary: dict[str, Any] = {
-        "iteration": iteration,
-        "epoch": epoch,
-        "stop_reason": stop_reason,
+        "iteration": run.iteration,
+        "epoch": run.epoch,
+        "stop_reason": run.stop_reason,
         "best_miou": progress.best_miou if progress.best_miou >= 0 else None,
         "best_iteration": progress.best_iteration,
         "last": str(paths["last"]),
         "best": str(paths["best"]) if paths["best"].exists() else None,
         "out_dir": str(out_dir),
-        "rank": env.rank,
+        "rank": run.env.rank,
     }
-    if interrupt.signum is not None:
-        summary["signal"] = int(interrupt.signum)
-    if env.is_main:
-        _save_curves(out_dir / "curves.png", log.history())
-        log.message(
-            f"stopped at iteration {iteration} ({stop_reason}); checkpoints in {out_dir}"
+    if run.interrupt.signum is not None:
+        summary["signal"] = int(run.interrupt.signum)
+    if run.env.is_main:
+        assert run.log is not None
+        _save_curves(out_dir / "curves.png", run.log.history())
+        run.log.message(
+            f"stopped at iteration {run.iteration} ({run.stop_reason}); checkpoints in {out_dir}"
             + (f"; best val mIoU {progress.best_miou:.4f}" if progress.best_miou >= 0 else "")
         )
     return summary
