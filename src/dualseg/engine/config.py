@@ -36,6 +36,7 @@ __all__ = [
     "load_config",
     "model_kwargs",
     "save_config",
+    "train_transform",
 ]
 
 
@@ -228,6 +229,20 @@ def model_kwargs(cfg: ModelConfig, num_classes: int) -> dict[str, Any]:
         if f.name not in ("arch", "weights", "allow_download") and value is not None:
             kwargs[f.name] = value
     return kwargs
+
+
+def train_transform(d: DataConfig) -> Any:
+    """The training augmentation (spec S1) that ``d`` describes: its fields as named values
+    into ``build_train_transform`` (one jitter strength for brightness, contrast, saturation)."""
+    from dualseg.data.transforms import build_train_transform
+
+    return build_train_transform(
+        crop_size=tuple(d.crop_size),
+        scale_range=tuple(d.scale_range),
+        hflip_prob=d.hflip_prob,
+        blur_prob=d.blur_prob,
+        jitter=(d.jitter, d.jitter, d.jitter, 0.0),  # brightness, contrast, saturation; no hue
+    )
 
 
 def validate(cfg: Config) -> None:

@@ -40,7 +40,13 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
 from dualseg.engine import checkpoint as ckpt_io
-from dualseg.engine.config import Config, DataConfig, config_to_dict, model_kwargs, save_config
+from dualseg.engine.config import (
+    Config,
+    config_to_dict,
+    model_kwargs,
+    save_config,
+    train_transform,
+)
 from dualseg.engine.config import validate as validate_config
 from dualseg.engine.distributed import (
     DistEnv,
@@ -58,7 +64,7 @@ from dualseg.engine.optim import build_optimizer, build_scheduler
 from dualseg.engine.runlog import Interrupt, Progress, RunLog
 from dualseg.errors import ConfigError, DataError, DualsegError
 
-__all__ = ["TrainingDivergedError", "fit", "train_one_epoch"]
+__all__ = ["TrainingDivergedError", "fit", "train_one_epoch", "train_transform"]
 
 
 class TrainingDivergedError(DualsegError):
@@ -171,19 +177,6 @@ def _amp_dtype(mode: str, device: torch.device) -> torch.dtype | None:
     if mode == "auto":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
-
-
-def train_transform(d: DataConfig) -> Any:
-    """The training augmentation (spec S1) that ``d`` describes."""
-    from dualseg.data.transforms import build_train_transform
-
-    return build_train_transform(
-        crop_size=tuple(d.crop_size),
-        scale_range=tuple(d.scale_range),
-        hflip_prob=d.hflip_prob,
-        blur_prob=d.blur_prob,
-        jitter=(d.jitter, d.jitter, d.jitter, 0.0),  # brightness, contrast, saturation; no hue
-    )
 
 
 def _build_datasets(cfg: Config) -> tuple[Any, Any | None]:
