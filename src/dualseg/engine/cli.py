@@ -1,16 +1,5 @@
 """Deprecated alias of :mod:`dualseg.commands.train` (moved there; this module goes in 0.2)."""
 
-import warnings
+from dualseg._deprecated import moved
 
-from dualseg.commands import train as _moved
-
-warnings.warn(
-    "dualseg.engine.cli moved to dualseg.commands.train (the old path goes in dualseg 0.2)",
-    DeprecationWarning,
-    stacklevel=2,
-)
-main = _moved.main
-
-
-def __getattr__(name: str) -> object:
-    return getattr(_moved, name)
+main, __getattr__ = moved(__name__, "dualseg.commands.train")
