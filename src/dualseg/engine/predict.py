@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from dualseg.engine.distributed import resolve_device
 from dualseg.errors import DataError
 from dualseg.imaging import as_rgb, normalize, numpy_to_rgb
+from dualseg.predictor import Predictor, size_batches
 
 if TYPE_CHECKING:  # pragma: no cover
     from PIL.Image import Image as PILImage
@@ -80,7 +81,7 @@ def _tensor_to_array(t: Tensor) -> np.ndarray:
     return numpy_to_rgb(t.to(torch.uint8).numpy())
 
 
-class Segmenter:
+class Segmenter(Predictor):
     """A trained network ready for raw images (see module docstring).
 
     ``model`` returns logits ``[B,C,H,W]`` for ImageNet-normalized input; ``meta`` is the
@@ -100,14 +101,6 @@ class Segmenter:
         self.meta = meta
         self.amp = amp
 
-    @property
-    def num_classes(self) -> int:
-        return self.meta.num_classes
-
-    @property
-    def class_names(self) -> tuple[str, ...]:
-        return self.meta.class_names
-
     def __repr__(self) -> str:
         return (
             f"Segmenter({type(self.model).__name__}, {self.num_classes} classes "
@@ -115,16 +108,7 @@ class Segmenter:
         )
 
     # ------------------------------------------------------------------ public API
-    def predict(self, image: ImageLike) -> np.ndarray:
-        """Label map ``HxW`` (uint8 for up to 255 classes, else int64) at the original size."""
-        return self.predict_batch([image])[0]
-
-    def predict_proba(self, image: ImageLike) -> np.ndarray:
-        """Class probabilities ``float32 [C,H,W]`` at the original size."""
-        return self.predict_batch([image], return_probs=True)[0][1]
-
-    __call__ = predict
-
+    # predict(image), predict_proba(image), num_classes, class_names: from Predictor
     def predict_batch(
         self,
         images: Sequence[ImageLike],
@@ -155,26 +139,20 @@ class Segmenter:
     @torch.no_grad()
     def _run(self, arrays: list[np.ndarray], batch_size: int) -> Iterator[tuple[list[int], Tensor]]:
         """Yield ``(input indices, probs [b,C,H,W])`` for groups of equal-size images."""
-        by_size: dict[tuple[int, int], list[int]] = {}
-        for i, a in enumerate(arrays):
-            by_size.setdefault(a.shape[:2], []).append(i)
         autocast = (
             torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
             if self.amp
             else contextlib.nullcontext()
         )
-        for (h, w), indices in by_size.items():
-            for start in range(0, len(indices), max(1, batch_size)):
-                chunk = indices[start : start + batch_size]
-                x = torch.cat([self.to_tensor(arrays[i]) for i in chunk])
-                with autocast:
-                    logits = self.model(x)
-                logits = logits.float()
-                if logits.shape[-2:] != (h, w):  # spec S4: bilinear up to the original size
-                    logits = F.interpolate(
-                        logits, size=(h, w), mode="bilinear", align_corners=False
-                    )
-                yield chunk, logits.softmax(1)
+        for chunk in size_batches(arrays, batch_size):
+            h, w = arrays[chunk[0]].shape[:2]
+            x = torch.cat([self.to_tensor(arrays[i]) for i in chunk])
+            with autocast:
+                logits = self.model(x)
+            logits = logits.float()
+            if logits.shape[-2:] != (h, w):  # spec S4: bilinear up to the original size
+                logits = F.interpolate(logits, size=(h, w), mode="bilinear", align_corners=False)
+            yield chunk, logits.softmax(1)
 
 
 def load_model(

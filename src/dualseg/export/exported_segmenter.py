@@ -24,6 +24,7 @@ from dualseg.export.runners import (
     read_export_info,
 )
 from dualseg.imaging import normalize
+from dualseg.predictor import Predictor, size_batches
 
 
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
@@ -43,7 +44,7 @@ def _resize(array: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- segmenter
-class ExportedSegmenter:
+class ExportedSegmenter(Predictor):
     """An exported method-A network (ONNX or TorchScript file) ready for raw images.
 
     Same interface as ``dualseg.engine.predict.Segmenter``: ``predict(image) -> HxW`` labels
@@ -86,14 +87,6 @@ class ExportedSegmenter:
         self.input_size: tuple[int, int] | None = tuple(size) if size else None  # type: ignore[assignment]
         self.runner = _open_runner(self.path, providers, threads)
 
-    @property
-    def num_classes(self) -> int:
-        return self.meta.num_classes
-
-    @property
-    def class_names(self) -> tuple[str, ...]:
-        return self.meta.class_names
-
     def __repr__(self) -> str:
         kind = "dynamic" if self.input_size is None else f"static {self.input_size}"
         return (
@@ -104,16 +97,6 @@ class ExportedSegmenter:
     def to_input(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
         """uint8 ``HxWx3`` arrays of one size -> normalized float32 ``[B,3,H,W]``."""
         return normalize(arrays, self.mean, self.std)
-
-    def predict(self, image: Any) -> np.ndarray:
-        """Label map ``HxW`` uint8 at the image's size."""
-        return self.predict_batch([image])[0]
-
-    def predict_proba(self, image: Any) -> np.ndarray:
-        """Class probabilities float32 ``[C,H,W]`` at the image's size."""
-        return self.predict_batch([image], return_probs=True)[0][1]
-
-    __call__ = predict
 
     def predict_batch(
         self, images: Sequence[Any], *, batch_size: int = 8, return_probs: bool = False
@@ -134,13 +117,8 @@ class ExportedSegmenter:
                 scores = _resize(scores.transpose(1, 2, 0), a.shape[:2]).transpose(2, 0, 1)
                 yield [i], self._probs(scores[None])
             return
-        by_size: dict[tuple[int, ...], list[int]] = {}
-        for i, a in enumerate(arrays):
-            by_size.setdefault(a.shape[:2], []).append(i)
-        for indices in by_size.values():
-            for start in range(0, len(indices), batch_size):
-                chunk = indices[start : start + batch_size]
-                yield chunk, self._probs(self.runner(self.to_input([arrays[i] for i in chunk])))
+        for chunk in size_batches(arrays, batch_size):
+            yield chunk, self._probs(self.runner(self.to_input([arrays[i] for i in chunk])))
 
     def _probs(self, scores: np.ndarray) -> np.ndarray:
         scores = scores.astype(np.float32, copy=False)
