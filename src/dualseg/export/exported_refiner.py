@@ -2,8 +2,8 @@
 
 ``BoundaryRefiner.refine``'s contract (P2-P5) with prototypes and configuration from the
 sidecar. The embedding runs in onnxruntime (or TorchScript); the configuration
-(``RefinerConfig``) and the near-boundary mask (:func:`dualseg.refine.boundary.near_boundary_mask`,
-numpy path) come from ``dualseg.refine``, which imports torch.
+(``RefinerConfig``) and P2-P5 themselves (:func:`dualseg.refine.refiner.relabel`) are
+``BoundaryRefiner``'s, from ``dualseg.refine`` (which imports torch), so the two cannot drift.
 """
 
 from __future__ import annotations
@@ -28,29 +28,10 @@ from dualseg.imaging import normalize
 
 
 # ----------------------------------------------------------------------------- refiner
-def _sample_bilinear(features: np.ndarray, ys: np.ndarray, xs: np.ndarray, size: tuple[int, int]):
-    """Features ``[C,h,w]`` read at full-resolution pixels ``(ys, xs)`` of an ``H x W`` map:
-    ``[M,C]``, the values of bilinear upsampling (``align_corners=False``, border clamp) —
-    what ``EmbeddingNet.sample`` computes."""
-    _, h, w = features.shape
-    H, W = size
-
-    def axis(idx: np.ndarray, n: int, N: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        src = np.clip((idx.astype(np.float32) + 0.5) * (n / N) - 0.5, 0, n - 1)
-        lo = np.floor(src).astype(np.int64)
-        return lo, np.minimum(lo + 1, n - 1), (src - lo).astype(np.float32)
-
-    y0, y1, wy = axis(ys, h, H)
-    x0, x1, wx = axis(xs, w, W)
-    f = features
-    top = f[:, y0, x0] * (1 - wx) + f[:, y0, x1] * wx
-    bottom = f[:, y1, x0] * (1 - wx) + f[:, y1, x1] * wx
-    return (top * (1 - wy) + bottom * wy).T  # [M,C]
-
-
 class ExportedRefiner:
     """Method B from an exported embedding model + sidecar; ``BoundaryRefiner.refine``'s
-    contract (P2-P5), run with numpy and onnxruntime (or TorchScript)."""
+    contract and its very P2-P5 code (:func:`dualseg.refine.refiner.relabel`), with the
+    embedding computed by onnxruntime (or TorchScript)."""
 
     def __init__(self, runner: Any, sidecar: Mapping[str, Any], *, source: str = "") -> None:
         self.runner = runner
@@ -86,14 +67,9 @@ class ExportedRefiner:
         self, base_names: Sequence[str] | None, num_classes: int, *, what: str = "the base model"
     ) -> None:
         """Raise :class:`CheckpointError` when the base model's classes are not the refiner's."""
-        if num_classes != self.num_classes or (
-            base_names is not None and tuple(base_names) != self.class_names
-        ):
-            raise CheckpointError(
-                f"{what} has classes {list(base_names or [])[:5] or num_classes} but the "
-                f"refiner was fit for {self.num_classes} ({', '.join(self.class_names)}); use a "
-                "refiner fit on the base model's dataset and class order"
-            )
+        from dualseg.refine.refiner import check_classes
+
+        check_classes(self.class_names, base_names, num_classes, what=what)
 
     def refine(self, images: Any, probs: Any, *, return_changed: bool = False) -> Any:
         """Refined labels, as ``BoundaryRefiner.refine``.
@@ -119,7 +95,9 @@ class ExportedRefiner:
         return (labels, changed) if return_changed else labels
 
     def _refine_batch(self, x: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        from dualseg.refine.boundary import near_boundary_mask  # numpy path (module needs torch)
+        import torch
+
+        from dualseg.refine.refiner import prototype_scores, relabel  # BoundaryRefiner's P2-P5
 
         if probs.ndim != 4 or x.shape[0] != probs.shape[0] or x.shape[-2:] != probs.shape[-2:]:
             raise DataError(
@@ -127,32 +105,15 @@ class ExportedRefiner:
                 f"{x.shape}; resize the base model's output to the image size before refining"
             )
         self.check_classes(None, probs.shape[1])
-        pred = probs.argmax(1)  # P2
-        n = min(self.config.top_n, probs.shape[1])
-        top = np.argsort(-probs, axis=1, kind="stable")[:, :n]  # P3 [B,N,H,W]
-        edge = near_boundary_mask(
-            pred, radius=self.config.radius, ignore_index=None, method=self.config.edge_method
-        )
-        out = pred.copy()
-        for b in np.flatnonzero(edge.reshape(edge.shape[0], -1).any(1)):
-            feats = self.runner(x[b : b + 1])[0].astype(np.float32)  # [C,h,w]
-            # nearest prototype = argmin of |p|^2 - 2 e.p, affine in e: sample that K-channel
-            # map instead of the C-channel embedding (as BoundaryRefiner does)
-            p = self.prototypes
-            scores = np.einsum("chw,kc->khw", feats, -2 * p) + (p * p).sum(1)[:, None, None]
-            ys, xs = np.nonzero(edge[b])
-            s = _sample_bilinear(scores, ys, xs, edge.shape[-2:])  # [M,K]
-            cand = top[b][:, ys, xs].T  # [M,N]
-            out[b, ys, xs] = self._nearest(s, cand)  # P5
-        return out.astype(np.int64), out != pred
+        protos = torch.from_numpy(self.prototypes)
 
-    def _nearest(self, scores: np.ndarray, cand: np.ndarray) -> np.ndarray:
-        """The candidate with the lowest score (prototype distance); ``scores`` [M,K]."""
-        d2 = scores.copy()
-        d2[:, ~self.present] = np.inf
-        dc = np.take_along_axis(d2, cand, axis=1)  # [M,N]
-        best = np.take_along_axis(cand, dc.argmin(1)[:, None], axis=1)[:, 0]
-        return np.where(np.isfinite(dc.min(1)), best, cand[:, 0])
+        def scores(keep: Any) -> Any:  # the exported model, one image a run (static exports)
+            feats = [self.runner(x[b : b + 1]) for b in np.flatnonzero(keep.numpy())]
+            return prototype_scores(torch.from_numpy(np.concatenate(feats, 0)), protos)
+
+        p = torch.from_numpy(np.ascontiguousarray(probs, np.float32))
+        out, changed = relabel(p, scores, torch.from_numpy(self.present), self.config)
+        return out.numpy(), changed.numpy()
 
 
 def _numpy(x: Any) -> np.ndarray:

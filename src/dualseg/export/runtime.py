@@ -7,9 +7,8 @@
   never imports torch.
 - :func:`load_exported_refiner` — method B from an exported embedding model plus its JSON
   sidecar (prototypes, configuration), with ``BoundaryRefiner.refine``'s contract. The
-  embedding runs in onnxruntime; the configuration (``RefinerConfig``) and the near-boundary
-  mask (:func:`dualseg.refine.boundary.near_boundary_mask`, numpy path) come from
-  ``dualseg.refine``, which imports torch.
+  embedding runs in onnxruntime; the configuration (``RefinerConfig``) and P2-P5 are
+  ``BoundaryRefiner``'s own code from ``dualseg.refine``, which imports torch.
 
 This module gathers them; the code is in :mod:`~dualseg.export.runners` (metadata, runners),
 :mod:`~dualseg.export.exported_segmenter` and :mod:`~dualseg.export.exported_refiner`.

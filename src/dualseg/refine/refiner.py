@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,22 +162,7 @@ class BoundaryRefiner:
         self, base_names: Sequence[str] | None, num_classes: int, *, what: str = "the base model"
     ) -> None:
         """Raise :class:`CheckpointError` when the base model's classes are not the refiner's."""
-        if num_classes != self.num_classes:
-            raise CheckpointError(
-                f"{what} predicts {num_classes} classes but the refiner was fit for "
-                f"{self.num_classes} ({', '.join(self.class_names)}); fit a refiner on the base "
-                "model's dataset (dualseg refine fit)"
-            )
-        if base_names is not None and tuple(base_names) != self.class_names:
-            diff = [
-                f"{i}: {a!r} vs {b!r}"
-                for i, (a, b) in enumerate(zip(base_names, self.class_names))
-                if a != b
-            ]
-            raise CheckpointError(
-                f"{what}'s class names differ from the refiner's ({'; '.join(diff[:3])}); "
-                "use a refiner fit on the same dataset and class order"
-            )
+        check_classes(self.class_names, base_names, num_classes, what=what)
 
     # ------------------------------------------------------------------ inference (P2-P5)
     @torch.no_grad()
@@ -215,45 +200,15 @@ class BoundaryRefiner:
             )
         self.check_classes(None, probs.shape[1])
         out_device = probs.device
-        dev = self.device
-        probs = probs.to(dev).float()
-        # P2's Pred is the argmax, first index on ties like argmax (topk's first is not: on
-        # equal scores it picks another class). max(1) returns the same indices and is ~4x
-        # faster than argmax(1) over the strided class dim on the CPU.
-        pred = probs.max(1).indices  # [B,H,W]
-        n = min(self.config.top_n, probs.shape[1])
-        top = probs.topk(n, dim=1).indices  # [B,N,H,W] P3
-        edge = near_boundary_mask(
-            pred, radius=self.config.radius, ignore_index=None, method=self.config.edge_method
-        )  # [B,H,W] P4
-        out = pred.clone()
-        if edge.any():
-            out[edge] = self._nearest_label(images.to(dev), top, edge)  # P5
-        changed = out != pred
+        images = images.to(self.device)
+
+        def scores(keep: Tensor) -> Tensor:  # the embedding model on the images with a band
+            feats = embed_features(self.net, images[keep].float(), self.config.input_scale)
+            return prototype_scores(feats, self.prototypes)
+
+        out, changed = relabel(probs.to(self.device).float(), scores, self.present, self.config)
         out = out.to(out_device)
         return (out, changed.to(out_device)) if return_changed else out
-
-    def _nearest_label(self, images: Tensor, top: Tensor, edge: Tensor) -> Tensor:
-        """P5 at the ``edge`` pixels: the Top-N label whose prototype is nearest, ``[M]``.
-
-        Why a score map: ``|e - p_k|^2 = |e|^2 - 2 e.p_k + |p_k|^2`` and ``|e|^2`` is the same
-        for every k, so the nearest prototype is the argmin of ``s_k = |p_k|^2 - 2 e.p_k``.
-        ``s_k`` is affine in ``e`` and the bilinear weights sum to one, so sampling the
-        low-resolution map of ``s`` (K channels) at a pixel equals ``s`` of the sampled
-        embedding (C channels): the same labels, without reading C-dim vectors per pixel.
-        """
-        keep = edge.flatten(1).any(1)  # only images that have near-boundary pixels
-        feats = embed_features(self.net, images[keep].float(), self.config.input_scale)
-        p = self.prototypes  # [K,C]
-        scores = torch.einsum("bchw,kc->bkhw", feats.float(), -2 * p)
-        scores = scores + p.pow(2).sum(1)[None, :, None, None]  # [b,K,h,w]
-        s = EmbeddingNet.sample(scores, edge[keep])  # [M,K], in edge.nonzero() order
-        b, y, x = edge.nonzero().unbind(1)
-        cand = top[b, :, y, x]  # [M,N] candidate labels, the same order
-        sc = s.gather(1, cand).masked_fill(~self.present[cand], float("inf"))
-        best = cand.gather(1, sc.argmin(1, keepdim=True)).squeeze(1)
-        # no candidate with a prototype: keep the base label (the Top-1 candidate)
-        return torch.where(torch.isfinite(sc.min(1).values), best, cand[:, 0])
 
     # ------------------------------------------------------------------ artifact
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -390,6 +345,73 @@ class BoundaryRefiner:
         )
         refiner.history = history
         return refiner
+
+
+# ---------------------------------------------------------------------- P2-P5, shared
+def check_classes(
+    names: Sequence[str], base_names: Sequence[str] | None, num_classes: int, *, what: str
+) -> None:
+    """Raise :class:`CheckpointError` when a base model's classes are not a refiner's
+    ``names`` (shared by ``BoundaryRefiner`` and the exported refiner)."""
+    names = tuple(names)
+    if num_classes != len(names):
+        raise CheckpointError(
+            f"{what} predicts {num_classes} classes but the refiner was fit for "
+            f"{len(names)} ({', '.join(names)}); fit a refiner on the base "
+            "model's dataset (dualseg refine fit)"
+        )
+    if base_names is not None and tuple(base_names) != names:
+        diff = [f"{i}: {a!r} vs {b!r}" for i, (a, b) in enumerate(zip(base_names, names)) if a != b]
+        raise CheckpointError(
+            f"{what}'s class names differ from the refiner's ({'; '.join(diff[:3])}); "
+            "use a refiner fit on the same dataset and class order"
+        )
+
+
+def prototype_scores(feats: Tensor, prototypes: Tensor) -> Tensor:
+    """``s_k = |p_k|^2 - 2 e.p_k`` for low-resolution embeddings ``feats [b,C,h,w]``:
+    ``[b,K,h,w]``, whose argmin over k is the nearest prototype (Euclidean).
+
+    Why a score map: ``|e - p_k|^2 = |e|^2 - 2 e.p_k + |p_k|^2`` and ``|e|^2`` is the same
+    for every k. ``s_k`` is affine in ``e`` and the bilinear weights sum to one, so sampling the
+    low-resolution map of ``s`` (K channels) at a pixel equals ``s`` of the sampled
+    embedding (C channels): the same labels, without reading C-dim vectors per pixel.
+    """
+    p = prototypes  # [K,C]
+    scores = torch.einsum("bchw,kc->bkhw", feats.float(), -2 * p)
+    return scores + p.pow(2).sum(1)[None, :, None, None]
+
+
+def relabel(
+    probs: Tensor, scores: Callable[[Tensor], Tensor], present: Tensor, config: RefinerConfig
+) -> tuple[Tensor, Tensor]:
+    """P2-P5 on class scores ``probs [B,C,H,W]``: ``(labels [B,H,W] int64, changed bool)``.
+
+    ``scores(keep)`` returns :func:`prototype_scores` ``[b,K,h,w]`` of the images that ``keep``
+    (bool ``[B]``) selects: those with near-boundary pixels, so the embedding model runs only
+    on them. ``BoundaryRefiner`` runs its ``EmbeddingNet`` there, the exported refiner its
+    onnxruntime / TorchScript model.
+    """
+    # P2's Pred is the argmax, first index on ties like argmax (topk's first is not: on
+    # equal scores it picks another class). max(1) returns the same indices and is ~4x
+    # faster than argmax(1) over the strided class dim on the CPU.
+    pred = probs.max(1).indices  # [B,H,W]
+    n = min(config.top_n, probs.shape[1])
+    top = probs.topk(n, dim=1).indices  # [B,N,H,W] P3
+    edge = near_boundary_mask(
+        pred, radius=config.radius, ignore_index=None, method=config.edge_method
+    )  # [B,H,W] P4
+    out = pred.clone()
+    if edge.any():  # P5 at the edge pixels: the Top-N label whose prototype is nearest
+        keep = edge.flatten(1).any(1)
+        s = EmbeddingNet.sample(scores(keep), edge[keep])  # [M,K], in edge.nonzero() order
+        b, y, x = edge.nonzero().unbind(1)
+        cand = top[b, :, y, x]  # [M,N] candidate labels, the same order
+        sc = s.gather(1, cand).masked_fill(~present[cand], float("inf"))
+        best = cand.gather(1, sc.argmin(1, keepdim=True)).squeeze(1)
+        # no candidate with a prototype: keep the base label (the Top-1 candidate)
+        out[edge] = torch.where(torch.isfinite(sc.min(1).values), best, cand[:, 0])
+    return out, out != pred
 
 
 def _as_tensor(x: Any) -> Tensor:
