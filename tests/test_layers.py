@@ -45,8 +45,10 @@ def layer_table() -> dict[str, int]:
     for line in block.group(1).splitlines():
         m = re.match(r"\s*(\d+)\s+(.*)", line)
         if m:
-            for part in re.findall(r"([\w]+)(?:/|\.py)", m.group(2)):
-                table[part] = int(m.group(1))
+            for token in m.group(2).split():  # "engine/" or "io.py"; prose is skipped
+                part = re.fullmatch(r"(\w+)(?:/|\.py)", token)
+                if part:
+                    table[part.group(1)] = int(m.group(1))
     return table
 
 
