@@ -102,6 +102,16 @@ class RefinerConfig:
             if not ok:
                 raise ConfigError(message)
 
+    def embedding_net(self, *, weights: str | os.PathLike[str] | None = None) -> EmbeddingNet:
+        """The step-3 model these options describe (``weights``: backbone initialization)."""
+        return build_embedding_net(
+            self.backbone,
+            embed_dim=self.embed_dim,
+            output_stride=self.output_stride,
+            aspp_rates=self.aspp_rates,
+            weights=weights,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -242,12 +252,7 @@ class BoundaryRefiner:
         state = load_state(path, FORMAT, "refiner")
         config = RefinerConfig.from_dict(state["config"])
         if net is None:
-            net = build_embedding_net(
-                config.backbone,
-                embed_dim=config.embed_dim,
-                output_stride=config.output_stride,
-                aspp_rates=config.aspp_rates,
-            )
+            net = config.embedding_net()
         try:
             net.load_state_dict(state["model"])
         except RuntimeError as err:
@@ -298,13 +303,7 @@ class BoundaryRefiner:
         cfg = config or RefinerConfig()
         dev = torch.device(device)
         if net is None:
-            net = build_embedding_net(
-                cfg.backbone,
-                embed_dim=cfg.embed_dim,
-                output_stride=cfg.output_stride,
-                aspp_rates=cfg.aspp_rates,
-                weights=weights,
-            )
+            net = cfg.embedding_net(weights=weights)
             if init_from is not None and init_backbone_from(net.backbone, init_from) == 0:
                 raise ConfigError(
                     f"no tensor of the base model fits backbone {cfg.backbone!r}; use the base "
