@@ -53,12 +53,7 @@ def _load_refiner(path: str, class_names: tuple[str, ...], device: Any) -> Any:
     from dualseg.refine import BoundaryRefiner
 
     refiner = BoundaryRefiner.load(path, device=device)
-    names = tuple(getattr(refiner, "class_names", class_names) or class_names)
-    if names != tuple(class_names):
-        raise CheckpointError(
-            f"refiner {path} was fitted for classes {list(names)}, the checkpoint predicts "
-            f"{list(class_names)}; fit the refiner on this model's dataset"
-        )
+    refiner.check_classes(class_names, len(class_names), what=f"the checkpoint (refiner {path})")
     return refiner
 
 
