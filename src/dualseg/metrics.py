@@ -436,7 +436,8 @@ _SUMMARY_KEYS = (
 
 
 def format_table(class_names: Sequence[str], results: Mapping[str, Any]) -> str:
-    """A markdown table (readable as plain text) of per-class scores in percent, then the means.
+    """A markdown table (readable as plain text) of per-class scores in percent (one decimal,
+    as every mIoU dualseg prints), then the means.
 
     ``results`` is one ``compute()`` dict or several merged (``{**cm.compute(), **bm.compute()}``);
     only the known keys present are shown. Tensors, lists and :func:`to_jsonable` output all
@@ -448,7 +449,7 @@ def format_table(class_names: Sequence[str], results: Mapping[str, Any]) -> str:
             raise ValueError(f"{k} has {len(results[k])} values but {len(class_names)} class names")
 
     def pct(v: Any) -> str:
-        return "-" if v is None or math.isnan(float(v)) else f"{100 * float(v):.2f}"
+        return "-" if v is None or math.isnan(float(v)) else f"{100 * float(v):.1f}"
 
     name_w = max([len("class"), *(len(n) for n in class_names)])
     widths = [max(len(h), 6) for _, h in cols]

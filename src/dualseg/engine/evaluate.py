@@ -14,6 +14,9 @@ pixels refinement changed and how many of those changes fixed or broke a pixel.
 from __future__ import annotations
 
 import contextlib
+import math
+import statistics
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -21,9 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dualseg.engine.inference import InferenceOptions, infer_logits
 from dualseg.metrics import BoundaryMetrics, ConfusionMatrix, format_table
 
 __all__ = ["Refiner", "evaluate", "format_metrics"]
+
+_INFER = InferenceOptions()  # the inference defaults (written once, in engine/inference.py)
 
 
 class Refiner(Protocol):
@@ -63,10 +69,12 @@ class _Scores:
     def compute(self) -> dict[str, Any]:
         """Scalars as floats, per-class scores as lists (NaN for absent classes)."""
         scores = {**self.cm.compute(), **self.bm.compute()}
-        return {
+        out: dict[str, Any] = {
             k: [float(x) for x in v.tolist()] if isinstance(v, Tensor) else float(v)
             for k, v in scores.items()
         }
+        out["confusion_matrix"] = self.cm.mat.cpu().tolist()
+        return out
 
 
 def _all_reduce_(t: Tensor) -> None:
@@ -76,12 +84,27 @@ def _all_reduce_(t: Tensor) -> None:
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
 
-def _autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
-    if not enabled:
-        return contextlib.nullcontext()
-    # bf16 needs no loss scaling and is what the trainer uses; fp16 on older GPUs is handled
-    # by autocast's own fallback.
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+class _Timer:
+    """Milliseconds per image of each batch's inference (CUDA work included: synchronized)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.ms: list[float] = []
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def time(self, images: int) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        self.ms.append(1000 * (time.perf_counter() - start) / max(images, 1))
+
+    def median(self) -> float:
+        return float(statistics.median(self.ms)) if self.ms else math.nan
 
 
 @contextlib.contextmanager
@@ -110,22 +133,36 @@ def evaluate(
     distributed: bool = False,
     on_batch: BatchHook | None = None,
     progress: bool = False,
+    mode: str = _INFER.mode,
+    window: Sequence[int] = _INFER.window,
+    stride: Sequence[int] | None = _INFER.stride,
+    tta_scales: Sequence[float] = _INFER.tta_scales,
+    tta_flip: bool = _INFER.tta_flip,
+    tile_batch: int = _INFER.tile_batch,
 ) -> dict[str, Any]:
     """Score ``model`` on every ``(images, labels)`` batch of ``loader``.
 
     ``images``: float ``[B,3,H,W]`` normalized; ``labels``: int64 ``[B,H,W]`` with
     ``ignore_index`` for unlabelled pixels. The model returns logits ``[B,C,H,W]``; logits of
-    another size are bilinearly resized to the label size (spec S4).
+    another size are bilinearly resized to the label size (spec S4). ``mode``, ``window``,
+    ``stride``, ``tta_scales``, ``tta_flip``, ``tile_batch``: how the model is run
+    (sliding window, test-time augmentation; :func:`dualseg.engine.inference.infer_logits`).
 
     Returns ``{"miou", "iou" (per class, NaN for classes absent from prediction and ground
-    truth), "pixel_acc", "mean_acc", "fwiou", "boundary_f1", "trimap_miou", "num_images"}``
-    plus the per-class lists ``class_acc``, ``boundary_f1_per_class``, ``boundary_precision``,
-    ``boundary_recall``, ``trimap_iou`` (definitions: :mod:`dualseg.metrics`).
+    truth), "pixel_acc", "mean_acc", "fwiou", "boundary_f1", "trimap_miou", "num_images",
+    "ms_per_image", "confusion_matrix"}`` plus the per-class lists ``class_acc``,
+    ``boundary_f1_per_class``, ``boundary_precision``, ``boundary_recall``, ``trimap_iou``
+    (definitions: :mod:`dualseg.metrics`). Scores are fractions in [0, 1];
+    ``confusion_matrix`` is the ``[C][C]`` pixel counts (rows: ground truth, columns:
+    prediction); ``ms_per_image`` is the median over batches of the model's inference time
+    (TTA and sliding window included; data loading and metrics excluded) divided by the batch
+    size, in milliseconds (on this rank).
 
-    With ``refiner`` it also returns ``"refined"`` (the same metrics for the refined labels)
-    and ``"refine"`` = ``{"pixels", "changed", "changed_fraction", "fixed", "broke"}`` over
+    With ``refiner`` it also returns ``"refined"`` (the same metrics for the refined labels,
+    which the refiner computes from the (TTA-averaged) softmax scores) and ``"refine"`` =
+    ``{"pixels", "changed", "changed_fraction", "fixed", "broke", "ms_per_image"}`` over
     labelled pixels: ``fixed`` counts changes that turned a wrong pixel right, ``broke``
-    changes that turned a right pixel wrong.
+    changes that turned a right pixel wrong, ``ms_per_image`` the refiner's own time.
 
     With ``distributed=True`` (an initialized ``torch.distributed`` process group), counters are
     summed over ranks; every rank gets the same result.
@@ -139,6 +176,7 @@ def evaluate(
     )
     # pixels (labelled), changed, fixed, broke, images
     counts = torch.zeros(5, dtype=torch.int64, device=device)
+    timer, refine_timer = _Timer(device), _Timer(device)
 
     batches: Iterable = loader
     if progress:
@@ -150,9 +188,18 @@ def evaluate(
         for index, (images, labels) in enumerate(batches):
             images = images.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True).long()
-            with _autocast(device, amp):
-                logits = model(images)
-            logits = logits.float()
+            with timer.time(images.shape[0]):
+                logits = infer_logits(
+                    model,
+                    images,
+                    mode=mode,
+                    window=window,
+                    stride=stride,
+                    tta_scales=tta_scales,
+                    tta_flip=tta_flip,
+                    tile_batch=tile_batch,
+                    amp=amp,
+                )
             if logits.shape[-2:] != labels.shape[-2:]:
                 logits = F.interpolate(
                     logits, size=labels.shape[-2:], mode="bilinear", align_corners=False
@@ -163,7 +210,8 @@ def evaluate(
 
             new = None
             if refiner is not None and refined is not None:
-                new, changed = refiner.refine(images, logits.softmax(1), return_changed=True)
+                with refine_timer.time(images.shape[0]):
+                    new, changed = refiner.refine(images, logits.softmax(1), return_changed=True)
                 new = new.to(device).long()
                 changed = changed.to(device).bool()
                 refined.update(new, labels)
@@ -186,6 +234,7 @@ def evaluate(
 
     result = base.compute()
     result["num_images"] = int(counts[4])
+    result["ms_per_image"] = timer.median()
     if refined is not None:
         result["refined"] = refined.compute()
         pixels, changed_n, fixed, broke = (int(v) for v in counts[:4])
@@ -195,29 +244,38 @@ def evaluate(
             "changed_fraction": changed_n / pixels if pixels else 0.0,
             "fixed": fixed,
             "broke": broke,
+            "ms_per_image": refine_timer.median(),
         }
     return result
 
 
 def format_metrics(metrics: dict[str, Any], class_names: Sequence[str] | None = None) -> str:
-    """A human-readable report: per-class table and means; with refinement, both side by side."""
+    """A human-readable report: per-class table and means in percent (one decimal), then the
+    inference time; with refinement, both side by side."""
     names = list(class_names or [f"class_{i}" for i in range(len(metrics["iou"]))])
     refined = metrics.get("refined")
-    if refined is None:
-        return format_table(names, metrics)
-    lines = ["base model:", format_table(names, metrics), "", "refined:"]
-    lines += [format_table(names, refined), "", f"{'':<12}{'base':>8}{'refined':>9}{'delta':>8}"]
-    for key, label in (
-        ("miou", "mIoU"),
-        ("boundary_f1", "boundary F1"),
-        ("trimap_miou", "trimap mIoU"),
-        ("pixel_acc", "pixel acc"),
-    ):
-        b, r = 100 * metrics[key], 100 * refined[key]
-        lines.append(f"{label:<12}{b:8.2f}{r:9.2f}{r - b:+8.2f}")
-    c = metrics["refine"]
-    lines.append(
-        f"refinement changed {c['changed']} of {c['pixels']} labelled pixels "
-        f"({100 * c['changed_fraction']:.3f}%): {c['fixed']} fixed, {c['broke']} broke"
-    )
+    lines = [format_table(names, metrics)]
+    if refined is not None:
+        lines = ["base model:", *lines, "", "refined:", format_table(names, refined), ""]
+        lines.append(f"{'(%)':<12}{'base':>8}{'refined':>9}{'delta':>8}")
+        for key, label in (
+            ("miou", "mIoU"),
+            ("boundary_f1", "boundary F1"),
+            ("trimap_miou", "trimap mIoU"),
+            ("pixel_acc", "pixel acc"),
+        ):
+            b, r = 100 * metrics[key], 100 * refined[key]
+            lines.append(f"{label:<12}{b:8.1f}{r:9.1f}{r - b:+8.1f}")
+        c = metrics["refine"]
+        lines.append(
+            f"refinement changed {c['changed']} of {c['pixels']} labelled pixels "
+            f"({100 * c['changed_fraction']:.3f}%): {c['fixed']} fixed, {c['broke']} broke"
+        )
+    ms = metrics.get("ms_per_image")
+    if ms is not None and math.isfinite(ms):
+        line = f"inference: {ms:.1f} ms/image (median)"
+        r_ms = (metrics.get("refine") or {}).get("ms_per_image")
+        if r_ms is not None and math.isfinite(r_ms):
+            line += f", refinement: {r_ms:.1f} ms/image"
+        lines.append(line)
     return "\n".join(lines)

@@ -5,11 +5,12 @@ the dataset description (class names, palette), input conversion (path, PIL imag
 or tensor -> normalized tensor), and the spec's S4 tail — softmax, bilinear resize to the
 original size, argmax. Images are run at their own resolution; a batch groups images of equal
 size, so the result for an image never depends on the other images in its batch (no padding).
+Sliding-window inference and test-time augmentation are keyword options of every ``predict*``
+method (:mod:`dualseg.engine.inference`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -17,10 +18,10 @@ from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dualseg.engine.distributed import resolve_device
+from dualseg.engine.inference import InferenceOptions
 from dualseg.errors import DataError
 from dualseg.imaging import as_rgb, normalize, numpy_to_rgb
 from dualseg.predictor import Predictor, size_batches
@@ -31,6 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from dualseg.data import DatasetMeta
 
 __all__ = ["ImageLike", "Segmenter", "as_rgb_array", "load_model", "resolve_device"]
+
+_INFER = InferenceOptions()  # the inference defaults (written once, in engine/inference.py)
 
 # Anything predict() accepts: a file path, a PIL image, an HxWx3 array, or a tensor.
 ImageLike = Union[str, os.PathLike, "PILImage", np.ndarray, Tensor]
@@ -108,22 +111,89 @@ class Segmenter(Predictor):
         )
 
     # ------------------------------------------------------------------ public API
-    # predict(image), predict_proba(image), num_classes, class_names: from Predictor
+    # num_classes, class_names, __call__: from Predictor; predict / predict_proba take the
+    # inference keywords here
+    def predict(
+        self,
+        image: ImageLike,
+        *,
+        mode: str = _INFER.mode,
+        window: Sequence[int] = _INFER.window,
+        stride: Sequence[int] | None = _INFER.stride,
+        tta_scales: Sequence[float] = _INFER.tta_scales,
+        tta_flip: bool = _INFER.tta_flip,
+        tile_batch: int = _INFER.tile_batch,
+    ) -> np.ndarray:
+        """Label map ``HxW`` (uint8 for up to 255 classes, else int64) at the original size.
+
+        ``mode="slide"`` with ``window``/``stride`` segments tile by tile (logits averaged in
+        the overlaps); ``tta_scales``/``tta_flip`` average the softmax probabilities of the
+        resized / mirrored image (see :mod:`dualseg.engine.inference`).
+        """
+        return self.predict_batch(
+            [image],
+            mode=mode,
+            window=window,
+            stride=stride,
+            tta_scales=tta_scales,
+            tta_flip=tta_flip,
+            tile_batch=tile_batch,
+        )[0]
+
+    def predict_proba(
+        self,
+        image: ImageLike,
+        *,
+        mode: str = _INFER.mode,
+        window: Sequence[int] = _INFER.window,
+        stride: Sequence[int] | None = _INFER.stride,
+        tta_scales: Sequence[float] = _INFER.tta_scales,
+        tta_flip: bool = _INFER.tta_flip,
+        tile_batch: int = _INFER.tile_batch,
+    ) -> np.ndarray:
+        """Class probabilities ``float32 [C,H,W]`` at the original size (with TTA: the mean
+        of the variants' probabilities). Options as :meth:`predict`."""
+        return self.predict_batch(
+            [image],
+            return_probs=True,
+            mode=mode,
+            window=window,
+            stride=stride,
+            tta_scales=tta_scales,
+            tta_flip=tta_flip,
+            tile_batch=tile_batch,
+        )[0][1]
+
     def predict_batch(
         self,
         images: Sequence[ImageLike],
         *,
         batch_size: int = 8,
         return_probs: bool = False,
+        mode: str = _INFER.mode,
+        window: Sequence[int] = _INFER.window,
+        stride: Sequence[int] | None = _INFER.stride,
+        tta_scales: Sequence[float] = _INFER.tta_scales,
+        tta_flip: bool = _INFER.tta_flip,
+        tile_batch: int = _INFER.tile_batch,
     ) -> list[Any]:
         """Segment several images, ``batch_size`` at a time (images of equal size share a batch).
 
         Returns, in input order, label maps — or ``(label, probs)`` pairs with
-        ``return_probs=True``.
+        ``return_probs=True``. Inference options as :meth:`predict`.
         """
         arrays = [as_rgb_array(im) for im in images]
         out: list[Any] = [None] * len(arrays)
-        for indices, probs in self._run(arrays, batch_size):
+        for indices, probs in self._run(
+            arrays,
+            batch_size,
+            mode=mode,
+            window=window,
+            stride=stride,
+            tta_scales=tta_scales,
+            tta_flip=tta_flip,
+            tile_batch=tile_batch,
+        ):
             labels = probs.argmax(1)
             labels = labels.to(torch.uint8 if self.num_classes <= 255 else torch.int64).cpu()
             probs_np = probs.cpu().numpy() if return_probs else None
@@ -137,21 +207,34 @@ class Segmenter(Predictor):
         return torch.from_numpy(normalize([array])).to(self.device)
 
     @torch.no_grad()
-    def _run(self, arrays: list[np.ndarray], batch_size: int) -> Iterator[tuple[list[int], Tensor]]:
+    def _run(
+        self,
+        arrays: list[np.ndarray],
+        batch_size: int,
+        *,
+        mode: str,
+        window: Sequence[int],
+        stride: Sequence[int] | None,
+        tta_scales: Sequence[float],
+        tta_flip: bool,
+        tile_batch: int,
+    ) -> Iterator[tuple[list[int], Tensor]]:
         """Yield ``(input indices, probs [b,C,H,W])`` for groups of equal-size images."""
-        autocast = (
-            torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-            if self.amp
-            else contextlib.nullcontext()
-        )
+        from dualseg.engine.inference import infer_logits
+
         for chunk in size_batches(arrays, batch_size):
-            h, w = arrays[chunk[0]].shape[:2]
             x = torch.cat([self.to_tensor(arrays[i]) for i in chunk])
-            with autocast:
-                logits = self.model(x)
-            logits = logits.float()
-            if logits.shape[-2:] != (h, w):  # spec S4: bilinear up to the original size
-                logits = F.interpolate(logits, size=(h, w), mode="bilinear", align_corners=False)
+            logits = infer_logits(
+                self.model,
+                x,
+                mode=mode,
+                window=window,
+                stride=stride,
+                tta_scales=tta_scales,
+                tta_flip=tta_flip,
+                tile_batch=tile_batch,
+                amp=self.amp,
+            )  # spec S4: at the original size
             yield chunk, logits.softmax(1)
 
 
