@@ -152,3 +152,75 @@ def test_docstring_examples() -> None:
 
     result = doctest.testmod(dualseg.viz)
     assert result.attempted >= 1 and result.failed == 0
+
+
+def test_curves_label_axes_scale_fractions_and_keep_l2_on_its_own_axis(tmp_path) -> None:
+    from dualseg.engine.train import _save_curves
+    from dualseg.viz import curves_figure
+
+    history = [{"iteration": i, "loss": 1.0, "l1": 0.9, "l2": 1e-3} for i in (1, 10, 20)]
+    history += [{"iteration": 10, "val_miou": 0.25}, {"iteration": 20, "val_miou": 0.5}]
+    fig = curves_figure(
+        history,
+        ["loss", "l2", "val_miou"],
+        ylabels=["loss", "L2", "mIoU (%)"],
+        scale={"val_miou": 100},
+        names={"val_miou": "mIoU"},
+    )
+    loss_ax, l2_ax, val_ax = fig.axes
+    assert [a.get_ylabel() for a in fig.axes] == ["loss", "L2", "mIoU (%)"]
+    assert all(a.get_xlabel() == "iteration" for a in fig.axes)
+    (line,) = val_ax.get_lines()
+    assert line.get_xdata().tolist() == [10, 20] and line.get_ydata().tolist() == [25, 50]
+    assert l2_ax.get_ylim()[1] < 0.01 < loss_ax.get_ylim()[0]  # L2's own scale
+    with pytest.raises(ValueError, match="2 y labels for 3"):
+        curves_figure(history, ["loss", "l2", "val_miou"], ylabels=["a", "b"])
+    _save_curves(tmp_path / "curves.png", history)  # the trainer's call: 3 subplots
+    with Image.open(tmp_path / "curves.png") as im:
+        assert im.size == (1500, 360)
+
+
+def test_confusion_matrix_is_row_normalized_with_names_on_both_axes(tmp_path) -> None:
+    from dualseg.viz import confusion_matrix_figure, save_confusion_matrix
+
+    mat = np.array([[3, 1, 0], [0, 0, 0], [2, 0, 6]])  # "sky" never in the ground truth
+    fig = confusion_matrix_figure(mat, NAMES)
+    ax = fig.axes[0]
+    shown = ax.images[0].get_array()
+    np.testing.assert_allclose(shown[0], [75, 25, 0])
+    np.testing.assert_allclose(shown[2], [25, 0, 75])
+    assert shown.mask[1].all()  # no ground-truth pixel: an empty row, not 0 %
+    assert [t.get_text() for t in ax.get_xticklabels()] == NAMES
+    assert [t.get_text() for t in ax.get_yticklabels()] == NAMES
+    assert ax.get_xlabel() == "predicted class" and ax.get_ylabel() == "ground-truth class"
+    assert "75.0" in [t.get_text() for t in ax.texts]
+    save_confusion_matrix(tmp_path / "cm.png", mat, NAMES)
+    assert Image.open(tmp_path / "cm.png").format == "PNG"
+    with pytest.raises(ValueError, match="2 class names for 3"):
+        confusion_matrix_figure(mat, NAMES[:2])
+
+
+def test_class_iou_bars_in_percent_and_absent_classes_marked(tmp_path) -> None:
+    from dualseg.viz import class_iou_figure, save_class_iou
+
+    fig = class_iou_figure({"base": [0.5, None, 0.25], "refined": [0.6, None, 0.3]}, NAMES)
+    ax = fig.axes[0]
+    heights = [p.get_height() for p in ax.patches]
+    np.testing.assert_allclose(heights, [50, 0, 25, 60, 0, 30])
+    labels = [t.get_text() for t in ax.texts]
+    assert labels.count("n/a") == 2 and "50.0" in labels
+    assert ax.get_ylabel() == "IoU (%)"
+    assert [t.get_text() for t in ax.get_xticklabels()] == NAMES
+    save_class_iou(tmp_path / "iou.png", {"model": [0.5, 0.1, 0.2]}, NAMES)
+    assert Image.open(tmp_path / "iou.png").format == "PNG"
+
+
+def test_mark_changed_paints_only_the_changed_pixels() -> None:
+    from dualseg.viz import CHANGED_COLOR, mark_changed
+
+    pic = colorize(np.zeros((4, 5), np.int64), PALETTE)
+    changed = np.zeros((4, 5), bool)
+    changed[1, 2] = True
+    out = mark_changed(pic, changed)
+    assert out[1, 2].tolist() == list(CHANGED_COLOR)
+    assert (out[~changed] == pic[~changed]).all() and (pic[1, 2] != CHANGED_COLOR).any()

@@ -23,11 +23,18 @@ from PIL import Image, ImageDraw, ImageFont
 from dualseg.io import atomic_save_image, atomic_write_bytes
 
 __all__ = [
+    "CHANGED_COLOR",
+    "class_iou_figure",
     "colorize",
+    "confusion_matrix_figure",
+    "curves_figure",
     "denormalize",
     "make_legend",
     "make_panel",
+    "mark_changed",
     "overlay",
+    "save_class_iou",
+    "save_confusion_matrix",
     "save_curves",
     "save_panel",
 ]
@@ -37,6 +44,7 @@ Palette = Sequence[Sequence[int]]
 IGNORE_INDEX = 255
 TITLE_HEIGHT = 20  # px of the title strip above each panel tile
 GAP = 4  # px of white between tiles
+CHANGED_COLOR = (255, 0, 255)  # magenta: pixels method B changed (as on the serve page)
 _BACKGROUND = (255, 255, 255)
 _TEXT = (0, 0, 0)
 
@@ -111,6 +119,17 @@ def overlay(
     keep = (lab != ignore_index)[:, :, None]
     out = np.where(keep, (1.0 - alpha) * out + alpha * col, out)
     return np.clip(np.rint(out), 0, 255).astype(np.uint8)
+
+
+def mark_changed(picture: Any, changed: Any, color: Sequence[int] = CHANGED_COLOR) -> np.ndarray:
+    """``picture`` (``HxWx3`` uint8, e.g. a colourized label map) with every pixel where the
+    bool mask ``changed`` (``HxW``) is true painted ``color`` (magenta). Returns a copy."""
+    img = _rgb(picture).copy()
+    mask = _numpy(changed).astype(bool)
+    if mask.shape != img.shape[:2]:
+        raise ValueError(f"picture {img.shape[:2]} and mask {mask.shape} sizes differ")
+    img[mask] = np.asarray(color, np.uint8)
+    return img
 
 
 def denormalize(
@@ -245,36 +264,57 @@ def save_panel(
 _X_KEYS = ("iteration", "iter", "step", "epoch")
 
 
-def save_curves(
-    path: str | os.PathLike[str],
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save_figure(fig: Any, path: str | os.PathLike[str]) -> None:
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def curves_figure(
     history: Sequence[Mapping[str, Any]],
     keys: Sequence[str | Sequence[str]],
     *,
     x_key: str | None = None,
     title: str | None = None,
-) -> None:
-    """Plot training curves (loss, mIoU, ...) from ``history`` to a PNG, atomically.
+    ylabels: Sequence[str | None] | None = None,
+    scale: Mapping[str, float] | None = None,
+    names: Mapping[str, str] | None = None,
+) -> Any:
+    """A matplotlib ``Figure`` of training curves (loss, mIoU, ...) from ``history``.
 
     ``history``: one dict per logged point, e.g. ``{"iteration": 100, "loss": 0.8}`` and
-    ``{"iteration": 500, "val_miou": 0.41}``. ``keys``: one subplot per entry; an entry that is
-    a sequence of keys shares one subplot (``[("loss", "val_loss"), "val_miou"]``). Points
-    lacking a key, or whose value is None/NaN, are skipped. The x axis is ``x_key``, else the
-    first of iteration/iter/step/epoch found in ``history``, else the point's index.
+    ``{"iteration": 500, "val_miou": 0.41}``. ``keys``: one subplot per entry, each with its
+    own y axis and scale; an entry that is a sequence of keys shares one subplot
+    (``[("loss", "val_loss"), "val_miou"]``). Points lacking a key, or whose value is
+    None/NaN, are skipped. The x axis is ``x_key``, else the first of
+    iteration/iter/step/epoch found in ``history``, else the point's index.
+    ``ylabels``: one y-axis label per subplot (default: none); ``scale``: a factor per key
+    (``{"val_miou": 100}`` plots a fraction in percent); ``names``: legend names per key
+    (default: the key).
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     if len(keys) == 0:
         raise ValueError("save_curves needs at least one key to plot")
     groups = [[k] if isinstance(k, str) else list(k) for k in keys]
+    if ylabels is not None and len(ylabels) != len(groups):
+        raise ValueError(f"{len(ylabels)} y labels for {len(groups)} subplots")
+    scale, names = scale or {}, names or {}
     if x_key is None:
         x_key = next((k for k in _X_KEYS if any(k in h for h in history)), None)
 
-    fig = Figure(figsize=(5.0 * len(groups), 3.6), dpi=100)
-    FigureCanvasAgg(fig)
+    fig = _figure(5.0 * len(groups), 3.6)
     axes = fig.subplots(1, len(groups), squeeze=False)[0]
-    for ax, group in zip(axes, groups):
-        plotted = False
+    for g, (ax, group) in enumerate(zip(axes, groups)):
+        plotted = 0
         for key in group:
             xs, ys = [], []
             for i, h in enumerate(history):
@@ -283,20 +323,142 @@ def save_curves(
                 if v is None or x is None or not math.isfinite(float(v)):
                     continue
                 xs.append(float(x))
-                ys.append(float(v))
+                ys.append(float(v) * scale.get(key, 1.0))
             if xs:
-                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=key)
-                plotted = True
+                marker = "." if len(xs) < 30 else None
+                ax.plot(xs, ys, marker=marker, label=names.get(key, key))
+                plotted += 1
         if not plotted:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
         ax.set_xlabel(x_key or "point")
-        ax.set_title(", ".join(group))
+        if ylabels is not None and ylabels[g]:
+            ax.set_ylabel(ylabels[g])
+        ax.set_title(", ".join(names.get(k, k) for k in group))
         ax.grid(True, alpha=0.3)
         if plotted and len(group) > 1:
             ax.legend()
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    atomic_write_bytes(path, buf.getvalue())
+    return fig
+
+
+def save_curves(
+    path: str | os.PathLike[str],
+    history: Sequence[Mapping[str, Any]],
+    keys: Sequence[str | Sequence[str]],
+    *,
+    x_key: str | None = None,
+    title: str | None = None,
+    ylabels: Sequence[str | None] | None = None,
+    scale: Mapping[str, float] | None = None,
+    names: Mapping[str, str] | None = None,
+) -> None:
+    """Write :func:`curves_figure` (same arguments) to a PNG at ``path``, atomically."""
+    fig = curves_figure(
+        history, keys, x_key=x_key, title=title, ylabels=ylabels, scale=scale, names=names
+    )
+    _save_figure(fig, path)
+
+
+def _names_fit(class_names: Sequence[str], count: int) -> list[str]:
+    if len(class_names) != count:
+        raise ValueError(f"{len(class_names)} class names for {count} classes")
+    return [str(n) for n in class_names]
+
+
+def confusion_matrix_figure(
+    matrix: Any, class_names: Sequence[str], *, title: str | None = None
+) -> Any:
+    """A matplotlib ``Figure``: heat map of a ``[C, C]`` confusion matrix (rows: ground truth,
+    columns: prediction). Each row is normalized to 100 % (the share of a ground-truth class's
+    pixels predicted as each class), written in the cells with one decimal for up to 30
+    classes; a class with no ground-truth pixel gets an empty (grey) row. Class names on both
+    axes."""
+    counts = _numpy(matrix).astype(np.float64)
+    if counts.ndim != 2 or counts.shape[0] != counts.shape[1]:
+        raise ValueError(f"a confusion matrix must be [C, C], got shape {counts.shape}")
+    c = counts.shape[0]
+    names = _names_fit(class_names, c)
+    rows = counts.sum(1, keepdims=True)
+    share = np.divide(100 * counts, rows, out=np.full_like(counts, np.nan), where=rows > 0)
+
+    side = min(4.0 + 0.45 * c, 40.0)
+    fig = _figure(side + 1.5, side)
+    ax = fig.subplots()
+    from matplotlib import colormaps
+
+    cmap = colormaps["Blues"].with_extremes(bad="#dddddd")  # a copy: no global state changes
+    im = ax.imshow(np.ma.masked_invalid(share), cmap=cmap, vmin=0, vmax=100)
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="% of the ground-truth row")
+    ticks = np.arange(c)
+    font = max(4, 10 - c // 10)
+    ax.set_xticks(ticks, names, rotation=45, ha="right", fontsize=font)
+    ax.set_yticks(ticks, names, fontsize=font)
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("ground-truth class")
+    if c <= 30:
+        for i, j in zip(*np.nonzero(np.isfinite(share))):
+            v = share[i, j]
+            ax.text(j, i, f"{v:.1f}", ha="center", va="center", fontsize=max(4, font - 2),
+                    color="white" if v > 50 else "black")  # fmt: skip
+    ax.set_title(title or "confusion matrix (row-normalized, %)")
+    return fig
+
+
+def save_confusion_matrix(
+    path: str | os.PathLike[str],
+    matrix: Any,
+    class_names: Sequence[str],
+    *,
+    title: str | None = None,
+) -> None:
+    """Write :func:`confusion_matrix_figure` to a PNG at ``path``, atomically."""
+    _save_figure(confusion_matrix_figure(matrix, class_names, title=title), path)
+
+
+def class_iou_figure(
+    series: Mapping[str, Sequence[float | None]],
+    class_names: Sequence[str],
+    *,
+    title: str | None = None,
+) -> Any:
+    """A matplotlib ``Figure``: bar chart of per-class IoU in percent, one group of bars per class,
+    one bar per entry of ``series`` (label -> per-class IoU as fractions, e.g. ``{"model":
+    metrics["iou"]}``; several entries compare models). Absent classes (None / NaN) are marked
+    ``n/a`` instead of a bar."""
+    if not series:
+        raise ValueError("save_class_iou needs at least one series")
+    c = len(class_names)
+    names = _names_fit(class_names, c)
+    fig = _figure(max(6.0, 0.6 * c * max(1, len(series)) ** 0.5 + 2), 4.5)
+    ax = fig.subplots()
+    width = 0.8 / len(series)
+    x = np.arange(c)
+    for k, (label, iou) in enumerate(series.items()):
+        if len(iou) != c:
+            raise ValueError(f"series {label!r} has {len(iou)} values for {c} classes")
+        v = np.array([np.nan if a is None else float(a) for a in iou]) * 100
+        pos = x + (k - (len(series) - 1) / 2) * width
+        bars = ax.bar(pos, np.nan_to_num(v), width, label=label)
+        ax.bar_label(bars, labels=["n/a" if np.isnan(a) else f"{a:.1f}" for a in v],
+                     fontsize=6, rotation=90 if c > 12 else 0, padding=2)  # fmt: skip
+    ax.set_xticks(x, names, rotation=45 if c > 6 else 0, ha="right" if c > 6 else "center")
+    ax.set_ylim(0, 110)
+    ax.set_ylabel("IoU (%)")
+    ax.set_xlabel("class")
+    ax.set_title(title or "per-class IoU")
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    return fig
+
+
+def save_class_iou(
+    path: str | os.PathLike[str],
+    series: Mapping[str, Sequence[float | None]],
+    class_names: Sequence[str],
+    *,
+    title: str | None = None,
+) -> None:
+    """Write :func:`class_iou_figure` to a PNG at ``path``, atomically."""
+    _save_figure(class_iou_figure(series, class_names, title=title), path)

@@ -638,6 +638,12 @@ def _save_curves(path: Path, history: list[dict[str, Any]]) -> None:
     from dualseg.viz import save_curves
 
     keys: list[Any] = [("loss", "l1", "loss_ema"), "l2"]
+    ylabels = ["loss", "L2 weight penalty"]  # L2 on its own axis: it is orders smaller
+    val = ("val_miou", "val_trimap_miou", "val_boundary_f1")
     if any("val_miou" in r for r in history):
-        keys.append(("val_miou", "val_trimap_miou", "val_boundary_f1"))
-    save_curves(path, history, keys, x_key="iteration", title="training")
+        keys.append(val)
+        ylabels.append("validation score (%)")
+    names = {"l1": "L1 (cross-entropy)", "loss_ema": "loss (smoothed)", "l2": "L2"}
+    names |= {"val_miou": "mIoU", "val_trimap_miou": "trimap mIoU", "val_boundary_f1": "bF1"}
+    save_curves(path, history, keys, x_key="iteration", title="training", ylabels=ylabels,
+                scale=dict.fromkeys(val, 100.0), names=names)  # fmt: skip
