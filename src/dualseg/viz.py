@@ -371,8 +371,8 @@ def confusion_matrix_figure(
 ) -> Any:
     """A matplotlib ``Figure``: heat map of a ``[C, C]`` confusion matrix (rows: ground truth,
     columns: prediction). Each row is normalized to 100 % (the share of a ground-truth class's
-    pixels predicted as each class), written in the cells with one decimal for up to 30
-    classes; a class with no ground-truth pixel gets an empty (grey) row. Class names on both
+    pixels predicted as each class), written in the non-empty cells with one decimal for up to
+    30 classes; a class with no ground-truth pixel gets an empty (grey) row. Class names on both
     axes."""
     counts = _numpy(matrix).astype(np.float64)
     if counts.ndim != 2 or counts.shape[0] != counts.shape[1]:
@@ -397,7 +397,7 @@ def confusion_matrix_figure(
     ax.set_xlabel("predicted class")
     ax.set_ylabel("ground-truth class")
     if c <= 30:
-        for i, j in zip(*np.nonzero(np.isfinite(share))):
+        for i, j in zip(*np.nonzero(np.nan_to_num(share) > 0)):  # empty cells stay blank
             v = share[i, j]
             ax.text(j, i, f"{v:.1f}", ha="center", va="center", fontsize=max(4, font - 2),
                     color="white" if v > 50 else "black")  # fmt: skip

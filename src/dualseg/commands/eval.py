@@ -1,8 +1,16 @@
 """``dualseg eval``: score a checkpoint on a dataset split.
 
-Prints mIoU, a per-class IoU table, pixel / mean accuracy, boundary F1 and trimap mIoU, and
-writes them to ``OUT/metrics.json`` (NaN -> null). ``--save-predictions DIR`` writes each
-image's label and colour PNGs; ``--refiner R`` (method B) adds the refined scores side by side.
+Prints mIoU, a per-class IoU table, pixel / mean accuracy, boundary F1 and trimap mIoU (in
+percent) and the median inference time per image, and writes into ``OUT``:
+
+    metrics.json              every score (fractions in [0, 1]; units: docs/metrics.md), NaN -> null
+    confusion_matrix.png      the confusion matrix, row-normalized, class names on both axes
+    per_class_iou.png         per-class IoU bars (base and refined side by side with --refiner)
+    confusion_matrix_refined.png   with --refiner
+
+``--save-predictions DIR`` writes each image's label and colour PNGs; ``--refiner R``
+(method B) adds the refined scores side by side. ``--mode slide`` and ``--tta-*`` choose how
+the model runs (:mod:`dualseg.engine.inference`); the refiner gets the averaged scores.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dualseg.commands.predict import add_inference_arguments, inference_options
 from dualseg.errors import CheckpointError, DualsegError
 
 
@@ -46,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--boundary-tolerance", type=int, default=3, help="boundary F1 tolerance px (3)")
     p.add_argument("--trimap-width", type=int, default=5, help="trimap band width px (5)")
+    add_inference_arguments(p)
     return p
 
 
@@ -94,6 +104,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualseg.io import atomic_write_json
     from dualseg.metrics import to_jsonable
 
+    if args.batch_size < 1:
+        raise DualsegError(f"--batch-size must be >= 1, got {args.batch_size}")
+    opts = inference_options(args)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -147,23 +160,78 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         amp=args.amp,
         on_batch=hook,
         progress=sys.stderr.isatty(),
+        mode=opts.mode,
+        window=opts.window,
+        stride=opts.stride,
+        tta_scales=opts.tta_scales,
+        tta_flip=opts.tta_flip,
+        tile_batch=opts.tile_batch,
     )
     out = Path(args.out) if args.out else Path(args.checkpoint).parent / f"eval_{args.split}"
+    names = dataset.meta.class_names
     record = {
         "checkpoint": str(args.checkpoint),
         "data": str(args.data),
         "split": args.split,
-        "class_names": list(dataset.meta.class_names),
+        "class_names": list(names),
         "boundary_tolerance": args.boundary_tolerance,
         "trimap_width": args.trimap_width,
         "refiner": args.refiner,
+        "inference": {
+            "mode": opts.mode,
+            "window": list(opts.window) if opts.mode == "slide" else None,
+            "stride": list(opts.effective_stride) if opts.mode == "slide" else None,
+            "tta_scales": list(opts.tta_scales),
+            "tta_flip": opts.tta_flip,
+        },
+        "batch_size": args.batch_size,
+        "device": str(device),
+        "amp": bool(args.amp),
         **metrics,
     }
+    figures = write_figures(out, metrics, names)
     atomic_write_json(out / "metrics.json", to_jsonable(record))
-    print(f"{args.checkpoint} on {args.data} [{args.split}], {metrics['num_images']} images")
-    print(format_metrics(metrics, dataset.meta.class_names))
-    print(f"metrics -> {out / 'metrics.json'}")
+    print(
+        f"{args.checkpoint} on {args.data} [{args.split}], {metrics['num_images']} images, "
+        f"batch size {args.batch_size}, {device}, {_describe(opts)}"
+    )
+    print(format_metrics(metrics, names, batch_size=args.batch_size))
+    print(f"metrics -> {out / 'metrics.json'}; figures -> {', '.join(p.name for p in figures)}")
     return metrics
+
+
+def _describe(opts: Any) -> str:
+    """The inference settings in words, e.g. ``sliding window 512x512, stride 342x342``."""
+    text = "whole images"
+    if opts.mode == "slide":
+        (wh, ww), (sh, sw) = opts.window, opts.effective_stride
+        text = f"sliding window {wh}x{ww}, stride {sh}x{sw}"
+    if opts.uses_tta:
+        scales = ",".join(f"{s:g}" for s in opts.tta_scales)
+        text += f", TTA scales {scales}" + (" + flip" if opts.tta_flip else "")
+    return text
+
+
+def write_figures(out: Path, metrics: dict[str, Any], class_names: Any) -> list[Path]:
+    """``confusion_matrix.png`` and ``per_class_iou.png`` (+ ``confusion_matrix_refined.png``
+    with a refiner) in ``out``; returns the paths written."""
+    from dualseg import viz
+
+    written = [out / "confusion_matrix.png", out / "per_class_iou.png"]
+    viz.save_confusion_matrix(written[0], metrics["confusion_matrix"], class_names)
+    series = {"model": metrics["iou"]}
+    refined = metrics.get("refined")
+    if refined is not None:
+        series["model + method B"] = refined["iou"]
+        written.append(out / "confusion_matrix_refined.png")
+        viz.save_confusion_matrix(
+            written[-1],
+            refined["confusion_matrix"],
+            class_names,
+            title="method B: confusion matrix (row-normalized, %)",
+        )
+    viz.save_class_iou(written[1], series, class_names)
+    return written
 
 
 def main(argv: list[str] | None = None) -> int:

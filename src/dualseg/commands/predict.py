@@ -7,6 +7,10 @@ For each input image ``<name>`` it writes, at the image's original resolution::
     OUT/overlay/<name>.png   the colours blended over the image
     OUT/probs/<name>.npz     with --probs: class probabilities (see PROBS_KEYS)
 
+``--mode slide --window H W --stride H W`` segments large images tile by tile, ``--tta-scales``
+/ ``--tta-flip`` average test-time augmentations (:mod:`dualseg.engine.inference`); with
+``--probs`` the saved probabilities are the averaged ones.
+
 ``<name>`` is the file stem; images found inside a folder keep their path relative to it (so
 ``a/x.png`` and ``b/x.png`` do not collide). Every file is written atomically.
 """
@@ -19,21 +23,95 @@ import io
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dualseg.errors import DataError, DualsegError
+from dualseg.errors import ConfigError, DataError, DualsegError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dualseg.engine.inference import InferenceOptions
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 
 # Keys of each --probs npz file. Method B (`dualseg refine apply --base <folder>`) reads these
 # as the output of a base model.
 PROBS_KEYS = {
-    "probs": "float16 [C, H, W] softmax class probabilities at the original size",
+    "probs": "float16 [C, H, W] softmax class probabilities at the original size (with TTA: "
+    "their mean over the augmentations)",
     "class_names": "str [C] class names, in channel order",
     "source": "str, the input image path",
 }
+
+
+def add_inference_arguments(p: argparse.ArgumentParser) -> None:
+    """``--mode --window --stride --tta-scales --tta-flip --tile-batch`` (shared by ``eval``,
+    ``predict`` and ``refine apply``); defaults from :class:`InferenceOptions`."""
+    from dualseg.engine.inference import MODES, InferenceOptions
+
+    d = InferenceOptions()
+    g = p.add_argument_group(
+        "inference", "sliding window and test-time augmentation (dualseg.engine.inference)"
+    )
+    g.add_argument(
+        "--mode",
+        choices=MODES,
+        default=d.mode,
+        help=f"whole: one pass over each image; slide: tiles of --window every --stride px, "
+        f"logits averaged where tiles overlap ({d.mode})",
+    )
+    g.add_argument(
+        "--window",
+        type=int,
+        nargs=2,
+        default=d.window,
+        metavar=("H", "W"),
+        help=f"tile size of --mode slide ({d.window[0]} {d.window[1]})",
+    )
+    g.add_argument(
+        "--stride",
+        type=int,
+        nargs=2,
+        default=d.stride,
+        metavar=("H", "W"),
+        help="tile step of --mode slide, at most the window (default: 2/3 of the window)",
+    )
+    g.add_argument(
+        "--tta-scales",
+        type=float,
+        nargs="+",
+        default=list(d.tta_scales),
+        metavar="S",
+        help="test-time augmentation: also run the image resized by each factor and average "
+        f"the softmax probabilities at the image size, e.g. 0.75 1.0 1.25 "
+        f"({' '.join(str(v) for v in d.tta_scales)}: off)",
+    )
+    g.add_argument(
+        "--tta-flip",
+        action="store_true",
+        default=d.tta_flip,
+        help="test-time augmentation: also average the left-right mirrored image (off)",
+    )
+    g.add_argument(
+        "--tile-batch",
+        type=int,
+        default=d.tile_batch,
+        help=f"tiles per forward pass in --mode slide ({d.tile_batch})",
+    )
+
+
+def inference_options(args: argparse.Namespace) -> InferenceOptions:
+    """The validated options of :func:`add_inference_arguments` (ConfigError when invalid)."""
+    from dualseg.engine.inference import InferenceOptions
+
+    return InferenceOptions(
+        mode=args.mode,
+        window=(args.window[0], args.window[1]),
+        stride=None if args.stride is None else (args.stride[0], args.stride[1]),
+        tta_scales=tuple(args.tta_scales),
+        tta_flip=args.tta_flip,
+        tile_batch=args.tile_batch,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", action="store_true", help="bf16 autocast (CUDA)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--alpha", type=float, default=0.5, help="overlay opacity of the colours (0.5)")
+    add_inference_arguments(p)
     return p
 
 
@@ -156,9 +235,16 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    opts = inference_options(args)
     images = collect_images(args.inputs)
     if args.onnx:
         from dualseg.export.runtime import OnnxSegmenter
+
+        if opts.mode != "whole" or opts.uses_tta:
+            raise ConfigError(
+                "--mode slide and --tta-* need --checkpoint: an --onnx model runs whole images "
+                "only (drop those options, or pass the checkpoint)"
+            )
 
         seg = OnnxSegmenter(args.onnx)
     else:
@@ -181,9 +267,21 @@ def main(argv: list[str] | None = None) -> int:
             except DualsegError as err:
                 failures.append(str(err))
                 bar.update(1)
-        results = seg.predict_batch(
-            [a for _, _, a in part], batch_size=args.batch_size, return_probs=args.probs
-        )
+        arrays = [a for _, _, a in part]
+        if args.onnx:
+            results = seg.predict_batch(arrays, batch_size=args.batch_size, return_probs=args.probs)
+        else:
+            results = seg.predict_batch(
+                arrays,
+                batch_size=args.batch_size,
+                return_probs=args.probs,
+                mode=opts.mode,
+                window=opts.window,
+                stride=opts.stride,
+                tta_scales=opts.tta_scales,
+                tta_flip=opts.tta_flip,
+                tile_batch=opts.tile_batch,
+            )
         for (path, name, array), res in zip(part, results):
             label, probs = res if args.probs else (res, None)
             write_outputs(out, name, array, label, seg.meta.palette, alpha=args.alpha)

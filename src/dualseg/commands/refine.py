@@ -147,6 +147,9 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--radius", type=int, help="override the refiner's near-boundary radius")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto)")
     p.add_argument("--alpha", type=float, default=0.5, help="overlay opacity (0.5)")
+    from dualseg.commands.predict import add_inference_arguments
+
+    add_inference_arguments(p)  # how a checkpoint base runs; the refiner gets its (TTA) scores
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,13 +262,15 @@ def fit_main(args: argparse.Namespace) -> int:
 def apply_main(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from dualseg.commands.predict import collect_images, write_outputs
+    from dualseg.commands.predict import collect_images, inference_options, write_outputs
     from dualseg.engine.checkpoint import default_palette
+    from dualseg.engine.inference import infer_logits
     from dualseg.engine.predict import as_rgb_array, resolve_device
     from dualseg.imaging import normalize
     from dualseg.io import atomic_save_image
     from dualseg.refine.base import load_base
 
+    opts = inference_options(args)
     device = resolve_device(args.device)
     refiner = load_refiner(args.refiner, device=device)
     overrides = {k: getattr(args, k) for k in ("top_n", "radius") if getattr(args, k) is not None}
@@ -274,6 +279,13 @@ def apply_main(args: argparse.Namespace) -> int:
     base = load_base(args.base, device=device)
     if base.class_names is not None:
         refiner.check_classes(base.class_names, len(base.class_names), what=str(args.base))
+    augmented = opts.mode != "whole" or opts.uses_tta
+    if augmented and not hasattr(base, "module"):
+        raise ConfigError(
+            f"--mode slide and --tta-* run the base model, but --base {args.base} holds saved "
+            "probabilities; pass a checkpoint, or save them with 'dualseg predict --probs' "
+            "and the same options"
+        )
     palette = base.palette or default_palette(refiner.num_classes)
     images = collect_images(args.inputs)
     out = Path(args.out)
@@ -286,7 +298,19 @@ def apply_main(args: argparse.Namespace) -> int:
             failures.append(str(err))
             continue
         x = torch.from_numpy(normalize([rgb])).to(device)
-        scores = base.scores(x, [name])
+        with torch.no_grad():
+            scores = infer_logits(
+                lambda t, name=name: base.scores(t, [name] * t.shape[0]),
+                x,
+                mode=opts.mode,
+                window=opts.window,
+                stride=opts.stride,
+                tta_scales=opts.tta_scales,
+                tta_flip=opts.tta_flip,
+                tile_batch=opts.tile_batch,
+            )
+        if augmented:  # the averaged probabilities (their log came back)
+            scores = scores.softmax(1)
         labels, changed = refiner.refine(x, scores, return_changed=True)
         label = labels[0].cpu().numpy()
         write_outputs(out, name, rgb, label, palette, alpha=args.alpha)

@@ -249,9 +249,15 @@ def evaluate(
     return result
 
 
-def format_metrics(metrics: dict[str, Any], class_names: Sequence[str] | None = None) -> str:
+def format_metrics(
+    metrics: dict[str, Any],
+    class_names: Sequence[str] | None = None,
+    *,
+    batch_size: int | None = None,
+) -> str:
     """A human-readable report: per-class table and means in percent (one decimal), then the
-    inference time; with refinement, both side by side."""
+    median inference time per image (``batch_size``: the batch it was measured at, when
+    known); with refinement, both side by side."""
     names = list(class_names or [f"class_{i}" for i in range(len(metrics["iou"]))])
     refined = metrics.get("refined")
     lines = [format_table(names, metrics)]
@@ -273,7 +279,8 @@ def format_metrics(metrics: dict[str, Any], class_names: Sequence[str] | None = 
         )
     ms = metrics.get("ms_per_image")
     if ms is not None and math.isfinite(ms):
-        line = f"inference: {ms:.1f} ms/image (median)"
+        at = f", batch {batch_size}" if batch_size is not None else ""
+        line = f"inference: {ms:.1f} ms/image (median{at})"
         r_ms = (metrics.get("refine") or {}).get("ms_per_image")
         if r_ms is not None and math.isfinite(r_ms):
             line += f", refinement: {r_ms:.1f} ms/image"
