@@ -89,3 +89,41 @@ def test_reduced_demo_beats_trivial_baselines(tmp_path, capsys) -> None:
     summary = capsys.readouterr().out
     assert "baseline: majority per position" in summary and "vs the best baseline" in summary
     assert "model + method B refinement" in summary
+
+
+class _TinySet:
+    """What the demo's panel writer reads from a dataset: meta, samples, load_pair."""
+
+    def __init__(self, n: int) -> None:
+        self.meta = get_preset("synthetic")
+        self.samples = [(f"im{i}.png", f"lab{i}.png") for i in range(n)]
+
+    def load_pair(self, i: int):
+        image = np.full((8, 12, 3), 40 * i, np.uint8)
+        return image, np.zeros((8, 12), np.uint8)
+
+
+def test_panel_shows_method_b_with_changed_pixels_marked(tmp_path) -> None:
+    from dualseg import viz
+
+    writer = demo._VisualWriter(_TinySet(4), tmp_path, n_show=2, batch_size=2)
+    pred = torch.zeros(2, 8, 12, dtype=torch.long)
+    for index in (0, 1):  # two batches of 2 images; the first 2 are shown
+        writer(index, torch.zeros(2, 3, 8, 12), pred, pred, None)
+    refined = pred.clone()
+    refined[0, 2:4, 5:7] = 2  # method B changed a 2x2 block of image 0 only
+    writer.refined_hook(0, torch.zeros(2, 3, 8, 12), pred, pred, refined)
+    writer.finish()
+    panel = np.asarray(Image.open(tmp_path / "panel.png").convert("RGB"))
+    tile_w = 12 + viz.GAP
+    assert panel.shape[1] == 5 * 12 + 4 * viz.GAP  # image | gt | pred | overlay | method B
+    row0 = panel[viz.TITLE_HEIGHT : viz.TITLE_HEIGHT + 8, 4 * tile_w : 4 * tile_w + 12]
+    magenta = (row0 == viz.CHANGED_COLOR).all(-1)
+    assert magenta[2:4, 5:7].all() and magenta.sum() == 4
+    palette = get_preset("synthetic").palette
+    assert (row0[0, 0] == palette[0]).all()  # unchanged pixels show method B's label colour
+    # without a refiner the panel keeps its four columns
+    plain = demo._VisualWriter(_TinySet(2), tmp_path / "plain", n_show=1, batch_size=2)
+    plain(0, torch.zeros(2, 3, 8, 12), pred, pred, None)
+    plain.finish()
+    assert Image.open(tmp_path / "plain" / "panel.png").size[0] == 4 * 12 + 3 * viz.GAP

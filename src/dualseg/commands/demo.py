@@ -158,6 +158,7 @@ def _run_refinement(
     data: DataConfig,
     out: Path,
     args: argparse.Namespace,
+    on_batch: Any = None,
 ) -> dict[str, Any] | None:
     """Method B on top of the demo's model: fit a refiner, evaluate before/after.
 
@@ -166,6 +167,7 @@ def _run_refinement(
     prototypes from ``--refine-prototypes`` un-augmented training images (step 5). The refiner
     is saved to ``out / "refiner.pt"``; the result holds ``"refined"`` and ``"refine"`` beside
     the base metrics (``base_metrics`` is the same evaluation without refinement).
+    ``on_batch``: the evaluation's hook (the panel's method-B column).
     """
     from dualseg.data import build_dataset
     from dualseg.engine.evaluate import evaluate
@@ -209,7 +211,12 @@ def _run_refinement(
     refiner.save(out / "refiner.pt")
     fit_seconds = time.perf_counter() - t0
     result = evaluate(
-        base.model, val_loader, num_classes=preset.num_classes, device=device, refiner=refiner
+        base.model,
+        val_loader,
+        num_classes=preset.num_classes,
+        device=device,
+        refiner=refiner,
+        on_batch=on_batch,
     )
     return {
         "refiner": str(out / "refiner.pt"),
@@ -314,14 +321,15 @@ def _train_config(args: argparse.Namespace, root: Path, meta: Any, weights: str 
 class _VisualWriter:
     """``evaluate(on_batch=...)`` hook: label PNG, colour PNG and overlay of every held-out image
     (``out/predictions``) during the evaluation pass, and a panel figure of the first
-    ``n_show`` (image | ground truth | prediction | overlay) at the end."""
+    ``n_show`` (image | ground truth | prediction | overlay, and method B's labels with the
+    pixels it changed in magenta when a refiner was fitted: :meth:`refined_hook`) at the end."""
 
     def __init__(self, dataset: Any, out: Path, n_show: int, batch_size: int) -> None:
         self.dataset, self.out, self.n_show, self.batch_size = dataset, out, n_show, batch_size
-        self.rows: list[np.ndarray] = []
+        self.shown: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.refined: dict[int, np.ndarray] = {}
 
     def __call__(self, index: int, images: Tensor, labels: Tensor, pred: Tensor, _refined) -> None:
-        from dualseg import viz
         from dualseg.commands.predict import write_outputs
 
         meta = self.dataset.meta
@@ -332,14 +340,30 @@ class _VisualWriter:
             name = Path(self.dataset.samples[i][0]).stem
             write_outputs(self.out / "predictions", name, image, p, meta.palette)
             if i < self.n_show:
-                tiles = [
-                    image,
-                    viz.colorize(label, meta.palette),
-                    viz.colorize(p, meta.palette),
-                    viz.overlay(image, p, meta.palette),
-                ]
-                titles = [name, "ground truth", "prediction", "overlay"]
-                self.rows.append(viz.make_panel(tiles, titles))
+                self.shown.append((name, image, label, p))
+
+    def refined_hook(
+        self, index: int, images: Tensor, labels: Tensor, pred: Tensor, refined: Tensor | None
+    ) -> None:
+        """``on_batch`` of the evaluation with the refiner: keeps method B's labels to show."""
+        for k in range(pred.shape[0] if refined is not None else 0):
+            i = index * self.batch_size + k
+            if i < self.n_show:
+                self.refined[i] = refined[k].cpu().numpy().astype(np.uint8)  # type: ignore[index]
+
+    def _row(self, i: int) -> np.ndarray:
+        from dualseg import viz
+
+        palette = self.dataset.meta.palette
+        name, image, label, p = self.shown[i]
+        tiles = [image, viz.colorize(label, palette), viz.colorize(p, palette)]
+        tiles.append(viz.overlay(image, p, palette))
+        titles = [name, "ground truth", "prediction", "overlay"]
+        if i in self.refined:
+            r = self.refined[i]
+            tiles.append(viz.mark_changed(viz.colorize(r, palette), r != p))
+            titles.append("method B (changed: magenta)")
+        return viz.make_panel(tiles, titles)
 
     def finish(self) -> dict[str, str]:
         from dualseg import viz
@@ -347,12 +371,13 @@ class _VisualWriter:
 
         meta = self.dataset.meta
         figures = {"predictions": str(self.out / "predictions")}
-        if self.rows:
-            width = max(r.shape[1] for r in self.rows)
+        rows = [self._row(i) for i in range(len(self.shown))]
+        if rows:
+            width = max(r.shape[1] for r in rows)
             legend = viz.make_legend(meta.class_names, meta.palette, width=width)
             rows = [
                 np.pad(r, ((0, 0), (0, width - r.shape[1]), (0, 0)), constant_values=255)
-                for r in self.rows
+                for r in rows
             ]
             atomic_save_image(self.out / "panel.png", np.concatenate([*rows, legend], axis=0))
             figures["panel"] = str(self.out / "panel.png")
@@ -424,6 +449,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             data=cfg.data,
             out=out,
             args=args,
+            on_batch=visuals.refined_hook,
         )
 
     figures = visuals.finish()
