@@ -214,8 +214,10 @@ def test_predict_tta_probs_and_onnx_refusal(ckpt, seg, rgb, tmp_path, capsys) ->
     onnx = ["predict", "--onnx", str(tmp_path / "m.onnx"), str(image), "-o", str(out)]
     assert cli_main([*onnx, "--mode", "slide"]) == 1
     assert "need --checkpoint" in capsys.readouterr().err
-    assert cli_main([*argv, "--stride", "600", "600"]) == 1  # stride > window
-    assert "--stride 600 600 is larger than --window" in capsys.readouterr().err
+    assert cli_main([*argv, "--mode", "slide", "--stride", "600", "600"]) == 1
+    assert "--stride 600 600 is larger than --window 512 512" in capsys.readouterr().err
+    assert cli_main([*argv, "--window", "32", "32"]) == 1  # tiles, but whole mode
+    assert "add --mode slide" in capsys.readouterr().err
 
 
 def test_pointwise_model_slide_equals_whole_through_evaluate() -> None:

@@ -64,7 +64,7 @@ def add_inference_arguments(p: argparse.ArgumentParser) -> None:
         "--window",
         type=int,
         nargs=2,
-        default=d.window,
+        default=None,  # None: InferenceOptions' window; given without --mode slide: an error
         metavar=("H", "W"),
         help=f"tile size of --mode slide ({d.window[0]} {d.window[1]})",
     )
@@ -82,9 +82,9 @@ def add_inference_arguments(p: argparse.ArgumentParser) -> None:
         nargs="+",
         default=list(d.tta_scales),
         metavar="S",
-        help="test-time augmentation: also run the image resized by each factor and average "
-        f"the softmax probabilities at the image size, e.g. 0.75 1.0 1.25 "
-        f"({' '.join(str(v) for v in d.tta_scales)}: off)",
+        help="test-time augmentation: run the image resized by each of these factors and "
+        "average the softmax probabilities at the image size, e.g. 0.75 1.0 1.25 "
+        f"({' '.join(str(v) for v in d.tta_scales)}: the image as it is)",
     )
     g.add_argument(
         "--tta-flip",
@@ -104,9 +104,12 @@ def inference_options(args: argparse.Namespace) -> InferenceOptions:
     """The validated options of :func:`add_inference_arguments` (ConfigError when invalid)."""
     from dualseg.engine.inference import InferenceOptions
 
+    if args.mode != "slide" and (args.window is not None or args.stride is not None):
+        raise ConfigError("--window and --stride set the tiles of --mode slide; add --mode slide")
+    window = InferenceOptions.window if args.window is None else tuple(args.window)
     return InferenceOptions(
         mode=args.mode,
-        window=(args.window[0], args.window[1]),
+        window=(window[0], window[1]),
         stride=None if args.stride is None else (args.stride[0], args.stride[1]),
         tta_scales=tuple(args.tta_scales),
         tta_flip=args.tta_flip,
