@@ -131,6 +131,8 @@ def _forward(model: Model, x: Tensor, amp: bool) -> Tensor:
 def _slide(model: Model, images: Tensor, opts: InferenceOptions, amp: bool) -> Tensor:
     b, _, h, w = images.shape
     ys, xs, (th, tw) = slide_tiles((h, w), opts.window, opts.effective_stride)
+    if len(ys) == len(xs) == 1:  # the image fits in the window: one tile, the whole image
+        return _forward(model, images, amp)
     # every (image, tile) pair, run tile_batch at a time; tiles all have the size (th, tw)
     jobs = [(i, y, x) for y in ys for x in xs for i in range(b)]
     out: Tensor | None = None
