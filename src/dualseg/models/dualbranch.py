@@ -130,7 +130,7 @@ class DualBranchNet(SegmentationModel):
         super().__init__()
         if upsample_order not in UPSAMPLE_ORDERS:
             raise ValueError(
-                f"upsample_order must be one of {', '.join(UPSAMPLE_ORDERS)}, got {upsample_order!r}"
+                f"upsample_order must be one of {UPSAMPLE_ORDERS}, got {upsample_order!r}"
             )
         self.num_classes, self.output_stride = num_classes, output_stride
         self.upsample_order = upsample_order
