@@ -17,6 +17,7 @@ evaluation split is a path: a list file (``image label`` per line) or a dataset 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -152,8 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         row = {k: {"base": m[k], "refined": m["refined"][k]} for k, _ in KEYS}
         row["refine"] = m["refine"]
         row["iou_gain"] = {  # per class, IoU points (None: class absent from the split)
-            name: None if b is None or r is None or b != b or r != r else 100 * (r - b)
-            for name, b, r in zip(meta.class_names, m["iou"], m["refined"]["iou"])
+            name: None if math.isnan(b) or math.isnan(r) else 100 * (r - b)
+            for name, b, r in zip(meta.class_names, m["iou"].tolist(), m["refined"]["iou"].tolist())
         }
         row.update(time_ratio(model, refiner, val, device, args.time_images))
         report["bases"][ckpt_path] = row
