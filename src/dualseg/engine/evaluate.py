@@ -120,7 +120,9 @@ def evaluate(
     Returns ``{"miou", "iou" (per class, NaN for classes absent from prediction and ground
     truth), "pixel_acc", "mean_acc", "fwiou", "boundary_f1", "trimap_miou", "num_images"}``
     plus the per-class lists ``class_acc``, ``boundary_f1_per_class``, ``boundary_precision``,
-    ``boundary_recall``, ``trimap_iou`` (definitions: :mod:`dualseg.metrics`).
+    ``boundary_recall``, ``trimap_iou`` (definitions: :mod:`dualseg.metrics`), and ``"loss"``:
+    the pixel cross-entropy of the logits averaged over the labelled pixels (the validation
+    objective that ``train.monitor val_loss`` watches, spec S33).
 
     With ``refiner`` it also returns ``"refined"`` (the same metrics for the refined labels)
     and ``"refine"`` = ``{"pixels", "changed", "changed_fraction", "fixed", "broke"}`` over
@@ -139,6 +141,7 @@ def evaluate(
     )
     # pixels (labelled), changed, fixed, broke, images
     counts = torch.zeros(5, dtype=torch.int64, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # cross-entropy, summed
 
     batches: Iterable = loader
     if progress:
@@ -160,6 +163,10 @@ def evaluate(
             pred = logits.argmax(1)
             base.update(pred, labels)
             counts[4] += images.shape[0]
+            # labels were range-checked by the update above; ignored pixels add nothing
+            loss_sum += F.cross_entropy(
+                logits, labels, ignore_index=ignore_index, reduction="sum"
+            ).double()
 
             new = None
             if refiner is not None and refined is not None:
@@ -183,9 +190,12 @@ def evaluate(
         if refined is not None:
             refined.all_reduce()
         _all_reduce_(counts)
+        _all_reduce_(loss_sum)
 
     result = base.compute()
     result["num_images"] = int(counts[4])
+    labelled = int(base.cm.mat.sum())
+    result["loss"] = float(loss_sum) / labelled if labelled else float("nan")
     if refined is not None:
         result["refined"] = refined.compute()
         pixels, changed_n, fixed, broke = (int(v) for v in counts[:4])
