@@ -44,6 +44,8 @@ class Branch(nn.Module):
         renet_layers: int = 2,
         renet_hidden: int = 150,
         renet_patch: int = 1,
+        renet_init: str = "scaled",
+        renet_init_bound: float | None = None,
         aspp_rates: Sequence[int] = (4, 6, 8, 12),
         aspp_style: str = "v2",
         aspp_init_std: float = 0.01,
@@ -58,7 +60,9 @@ class Branch(nn.Module):
             if coord_channels:
                 context[f"coord{k}"] = CoordChannels(coord_radius)
                 channels += 3
-            context[f"renet{k}"] = ReNetLayer(channels, renet_hidden, renet_patch)
+            context[f"renet{k}"] = ReNetLayer(
+                channels, renet_hidden, renet_patch, init=renet_init, init_bound=renet_init_bound
+            )
             channels = 2 * renet_hidden
         self.context = nn.Sequential(context)
         if aspp_style == "v2":
