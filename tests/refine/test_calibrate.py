@@ -69,3 +69,8 @@ def test_choice_falls_back_to_never_relabelling_when_refinement_only_hurts() -> 
     assert choose_gate(rows) == 0.0
     base = next(r for r in rows if r["gate_margin"] == "base")
     assert next(r for r in rows if r["gate_margin"] == 0.0)["miou"] == base["miou"]
+
+
+def test_gate_mask_reads_logits_as_their_softmax() -> None:
+    probs = probs_with_margin(torch.tensor([[0.05, 0.6]]))
+    assert torch.equal(gate_mask(probs.log(), 0.2), gate_mask(probs, 0.2))

@@ -34,12 +34,16 @@ class _Refines(Protocol):
 def gate_mask(probs: Tensor, gate_margin: float | None) -> Tensor:
     """Pixels where the base is unsure enough to be relabelled: top-1 − top-2 < τ, ``[B,H,W]``.
 
-    ``probs`` are probabilities ``[B,C,H,W]``; ``None`` lets every pixel through (the claim).
+    ``probs`` ``[B,C,H,W]``: probabilities, or logits (turned into probabilities by a softmax
+    first: the margin is one of probabilities); ``None`` lets every pixel through (the claim).
     """
     if gate_margin is None:
         return torch.ones(probs.shape[0], *probs.shape[2:], dtype=torch.bool, device=probs.device)
     if probs.shape[1] < 2:
         return torch.zeros(probs.shape[0], *probs.shape[2:], dtype=torch.bool, device=probs.device)
+    sums = probs.sum(1)
+    if probs.min() < 0 or not torch.allclose(sums, torch.ones_like(sums), atol=1e-3):
+        probs = probs.softmax(1)  # logits
     top2 = probs.topk(2, dim=1).values  # [B,2,H,W]
     return (top2[:, 0] - top2[:, 1]) < gate_margin
 
@@ -57,6 +61,7 @@ def sweep_gate(
 ) -> list[dict[str, Any]]:
     """Score the base model and the refiner gated at each τ on labelled ``batches``.
 
+    ``refiner`` must be ungated (``gate_margin=None``): each τ is applied here.
     ``base(images)`` returns class probabilities ``[B,C,H,W]`` at image size; ``batches``
     yields ``(images [B,3,H,W] normalized, labels [B,H,W])``. Returns one row per τ (and a
     ``"base"`` row first): ``{"gate_margin", "miou", "boundary_f1", "pixel_acc", "changed"}``
