@@ -118,7 +118,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--train-only", action="store_true", help="stop after training (method B and eval later)"
     )
+    plateau = p.add_argument_group(
+        "--protocol plateau: train every model until its mIoU on a dev split carved from train "
+        "has plateaued (no gain over --min-delta in --patience validations), report on val"
+    )
+    plateau.add_argument("--protocol", choices=("budget", "plateau"), default="budget")
+    plateau.add_argument("--max-iters", type=int, default=2000, help="T of the poly schedule")
+    plateau.add_argument("--val-every", type=int, default=200, help="dev validation interval")
+    plateau.add_argument("--patience", type=int, default=3, help="validations without gain")
+    plateau.add_argument("--min-delta", type=float, default=0.5, help="mIoU points")
+    plateau.add_argument(
+        "--dev-fraction",
+        type=float,
+        default=0.125,
+        help="the last fraction of each training sequence (by file name) held out as dev",
+    )
+    plateau.add_argument("--output-stride", type=int, help="every model's (default: its own)")
+    plateau.add_argument("--head-lr-mult", type=float, default=1.0, help="LR × for the head")
+    plateau.add_argument("--warmup-iters", type=int, default=0)
     return p.parse_args(argv)
+
+
+def carve_dev_split(data: Path, out: Path, fraction: float) -> Path:
+    """List files ``train_fit.txt`` / ``dev.txt`` / ``val.txt`` in ``out/data`` (absolute paths).
+
+    Dev = the last ``fraction`` of each training sequence (CamVid names ``SEQ_frame.png``,
+    sorted by name), so dev frames are a contiguous stretch of video, not neighbours of
+    training frames; every choice of the protocol (when to stop, which recipe) is made on dev
+    and CamVid val is only reported.
+    """
+    from collections import defaultdict
+
+    def absolute(line: str) -> str:
+        return " ".join(str((data / part).resolve()) for part in line.split())
+
+    lines = [ln for ln in (data / "train.txt").read_text().splitlines() if ln.strip()]
+    sequences: dict[str, list[str]] = defaultdict(list)
+    for line in sorted(lines):
+        sequences[Path(line.split()[0]).name.split("_")[0]].append(absolute(line))
+    fit, dev = [], []
+    for frames in sequences.values():
+        k = max(1, round(len(frames) * fraction))
+        fit += frames[:-k]
+        dev += frames[-k:]
+    root = out / "data"
+    val = [absolute(ln) for ln in (data / "val.txt").read_text().splitlines() if ln.strip()]
+    for name, rows in (("train_fit", fit), ("dev", dev), ("val", val)):
+        atomic_write_text(root / f"{name}.txt", "\n".join(rows) + "\n")
+    return root
 
 
 def device_of(name: str) -> torch.device:
@@ -130,6 +177,39 @@ def device_of(name: str) -> torch.device:
 def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
     arch, options = VARIANTS[name]
     weights = None if args.weights == "none" else args.weights
+    if args.protocol == "plateau":
+        if args.output_stride:
+            options = {**options, "output_stride": args.output_stride}
+        return Config(
+            data=DataConfig(
+                root=str(out / "data"),
+                preset="camvid",
+                train_split="train_fit",
+                val_split="dev",
+                crop_size=tuple(args.crop),
+                scale_range=tuple(args.scale),
+                batch_size=args.batch_size,
+                val_batch_size=1,
+                num_workers=args.workers,
+                persistent_workers=False,  # no idle workers beside the model between validations
+            ),
+            model=ModelConfig(arch=arch, weights=weights, **options),
+            optim=OptimConfig(
+                lr=args.lr, head_lr_mult=args.head_lr_mult, warmup_iters=args.warmup_iters
+            ),
+            train=TrainConfig(
+                out_dir=str(out / "runs" / name),
+                max_iters=args.max_iters,
+                val_every=args.val_every,
+                monitor="val_miou",
+                patience=args.patience,
+                min_delta=args.min_delta / 100.0,
+                seed=args.seed,
+                device=args.device,
+                progress=False,
+                tensorboard=False,
+            ),
+        )
     return Config(
         data=DataConfig(
             root=str(args.data),
@@ -235,6 +315,30 @@ def time_inference(
     return statistics.median(times)
 
 
+def curve_stats(log: Path) -> dict[str, Any]:
+    """Dev-mIoU learning curve of a run from its ``metrics.jsonl``, with training time.
+
+    ``time`` in the log restarts at 0 when a run is resumed, so time is accumulated piecewise;
+    it is wall-clock of the training process (steps and dev validations), in minutes.
+    """
+    recs = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()]
+    minutes_at: dict[int, float] = {}
+    offset = last = 0.0
+    for r in recs:
+        if "time" in r:
+            if r["time"] < last:  # a resumed process: its clock starts again
+                offset += last
+            last = r["time"]
+            minutes_at[r["iteration"]] = (offset + last) / 60
+    curve = []
+    for r in recs:
+        if "val_miou" in r:
+            its = [i for i in minutes_at if i <= r["iteration"]]
+            minutes = minutes_at[max(its)] if its else 0.0
+            curve.append([r["iteration"], round(minutes, 2), r["val_miou"]])
+    return {"train_seconds": offset + last, "dev_curve": curve}
+
+
 def summarize(m: dict[str, Any]) -> dict[str, Any]:
     keys = ("miou", "pixel_acc", "mean_acc", "boundary_f1", "trimap_miou", "iou")
     return {k: m[k] for k in keys if k in m}
@@ -307,6 +411,32 @@ def save_curves(out: Path, names: list[str], path: Path) -> None:
     fig.savefig(path)
 
 
+def save_learning_curves(train: dict[str, Any], path: Path) -> None:
+    """Dev mIoU against iterations and against training minutes, every model in one figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4), dpi=100)
+    FigureCanvasAgg(fig)
+    by_iter, by_time = fig.subplots(1, 2, sharey=True)
+    for name, rec in train.items():
+        curve = rec.get("dev_curve")
+        if not curve:
+            continue
+        it, minutes, miou = zip(*curve)
+        by_iter.plot(it, [100 * v for v in miou], marker=".", label=LABELS.get(name, name))
+        by_time.plot(minutes, [100 * v for v in miou], marker=".", label=LABELS.get(name, name))
+    by_iter.set_xlabel("iteration")
+    by_time.set_xlabel("training wall-clock minutes (2-core CPU)")
+    by_iter.set_ylabel("dev mIoU (%) — dev: held out of CamVid train")
+    by_iter.legend(fontsize=7)
+    by_iter.grid(alpha=0.3)
+    by_time.grid(alpha=0.3)
+    fig.suptitle("Learning curves (plateau protocol)")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def save_panels(
     models: dict[str, Any],
     refiner: BoundaryRefiner | None,
@@ -347,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.protocol == "plateau":
+        carve_dev_split(Path(args.data), out, args.dev_fraction)
     device = device_of(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -373,6 +505,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{name}] reusing the finished run in {record.parent}", flush=True)
             continue
         cfg = base_config(args, name, out)
+        if args.protocol == "plateau":
+            print(f"[{name}] training {cfg.model.arch} {VARIANTS[name][1]} to plateau", flush=True)
+            t0 = time.time()
+            summary = fit(cfg, resume="auto")  # an interrupted run continues where it stopped
+            if summary["stop_reason"] == "interrupted":
+                print(f"[{name}] interrupted; rerun the same command to continue", flush=True)
+                return 130
+            results["train"][name] = {
+                "iterations": summary["iteration"],
+                "stop_reason": summary["stop_reason"],
+                "best_dev_miou": summary["best_miou"],
+                "best_iteration": summary["best_iteration"],
+                "seconds_this_call": time.time() - t0,
+                **curve_stats(out / "runs" / name / "metrics.jsonl"),
+            }
+            results["train"][name]["seconds"] = results["train"][name]["train_seconds"]
+            atomic_write_json(record, results["train"][name])
+            continue
         if args.budget_iters:
             iters, per_iter = args.budget_iters, None
         else:
@@ -391,7 +541,9 @@ def main(argv: list[str] | None = None) -> int:
         }
         atomic_write_json(record, results["train"][name])
     results["budget"] = (
-        f"{args.budget_iters} iterations per model"
+        f"trained to plateau on a dev split of train (T={args.max_iters})"
+        if args.protocol == "plateau"
+        else f"{args.budget_iters} iterations per model"
         if args.budget_iters
         else f"{args.budget_minutes:g} min per model"
     ) + f", crops {args.crop[0]}x{args.crop[1]}, batch {args.batch_size}, {device.type}"
@@ -402,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     models: dict[str, torch.nn.Module] = {}
     meta = None
     for name in args.models:
-        ckpt = load_checkpoint(out / "runs" / name / "last.pt")
+        kept = "best.pt" if args.protocol == "plateau" else "last.pt"  # plateau: best on dev
+        ckpt = load_checkpoint(out / "runs" / name / kept)
         model, meta = build_model_from_checkpoint(ckpt, device=device)
         models[name] = model.eval()
 
@@ -477,6 +630,8 @@ def main(argv: list[str] | None = None) -> int:
     table = write_table(results, out / "results.md")
     save_bar_chart(results, list(meta.class_names), out / "per_class_iou.png")
     save_curves(out, list(models), out / "curves.png")
+    if args.protocol == "plateau":
+        save_learning_curves(results["train"], out / "learning_curves.png")
     _, val_loader = eval_loader(args.data, None, args.eval_limit)
     results["panels"] = save_panels(models, refiner, val_loader, meta, args.panels, out, device)
     atomic_write_json(out / "results.json", results)

@@ -5,7 +5,9 @@ stride), in the same run: forward and forward+backward time (median over repetit
 (``torch.utils.flop_counter``, counted on the meta device so they are exact and cost no compute),
 achieved GFLOP/s, peak memory, and the ReNet layers' share of the forward time. Then the ratios
 dualseg/peer. Targets (issue 3): dualseg's achieved GFLOP/s >= 0.9x the peer's, ReNet < 15% of
-the forward time.
+the forward time. Issue 14: the ReNet layers' achieved GFLOP/s (their counted forward FLOPs over
+their own time) against a large SGEMM timed in the same run (>= 50%), and dualseg's training
+step <= 1.5x the peer's.
 
     python benchmarks/model_speed.py --device cpu --batch 1 --reps 3 --models dualseg_mobilenet_v2
     python benchmarks/model_speed.py --device cuda --batch 1 8          # AMP (fp16) on by default
@@ -58,7 +60,7 @@ def interleaved_medians(
 
 
 @functools.lru_cache
-def count_flops(name: str, num_classes: int, size: tuple[int, int]) -> int:
+def count_flops(name: str, num_classes: int, size: tuple[int, int], output_stride: int = 8) -> int:
     """Forward FLOPs for one image, counted on the meta device (no arithmetic is done).
 
     Backward FLOPs are not counted: torch's flop counter overcounts ``convolution_backward`` of
@@ -66,7 +68,7 @@ def count_flops(name: str, num_classes: int, size: tuple[int, int]) -> int:
     3 x forward estimate instead.
     """
     with torch.device("meta"):
-        model = build_model(name, num_classes=num_classes).eval()
+        model = build_model(name, num_classes=num_classes, output_stride=output_stride).eval()
         x = torch.empty(1, 3, *size)
     with FlopCounterMode(display=False) as fwd, torch.no_grad():
         model(x)
@@ -85,6 +87,30 @@ def saved_tensor_bytes(model: nn.Module, x: torch.Tensor, autocast) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
         model(x)
     return sum(seen.values())
+
+
+def renet_flops(inputs: list) -> int:
+    """Forward FLOPs of the ReNet layers on their inputs, counted on the meta device."""
+    total = 0
+    for mod, inp in inputs:
+        meta = ReNetLayer(mod.rows.input_size // mod.patch**2, mod.hidden, mod.patch).to("meta")
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            meta(torch.empty(inp.shape, device="meta"))
+        total += counter.get_total_flops()
+    return total
+
+
+def gemm_gflops(device: torch.device, n: int = 1024, reps: int = 10) -> float:
+    """Achieved GFLOP/s of an n x n x n float32 matmul: the machine's reference now."""
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    for _ in range(2):
+        a @ b
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync(device)
+    return reps * 2 * n**3 / (time.perf_counter() - t0) / 1e9
 
 
 def renet_inputs(model: nn.Module, x: torch.Tensor, autocast) -> list:
@@ -114,12 +140,17 @@ def measure_pair(names: list[str], args: argparse.Namespace, device: torch.devic
 
     torch.manual_seed(0)
     x = torch.randn(batch, 3, *size, device=device)
-    models = [build_model(n, num_classes=args.num_classes).to(device).eval() for n in names]
+    models = [
+        build_model(n, num_classes=args.num_classes, output_stride=args.output_stride)
+        .to(device)
+        .eval()
+        for n in names
+    ]
     rows = []
     for name in names:
-        key = f"{name}@{size[0]}x{size[1]}/{args.num_classes}"
+        key = f"{name}@{size[0]}x{size[1]}/{args.num_classes}/os{args.output_stride}"
         if key not in args.flops_cache:
-            args.flops_cache[key] = count_flops(name, args.num_classes, size)
+            args.flops_cache[key] = count_flops(name, args.num_classes, size, args.output_stride)
         flops = batch * args.flops_cache[key]
         row = {"model": name, "device": device.type, "batch": batch, "amp": use_amp}
         rows.append(row | {"gflop_fwd": flops / 1e9, "_flops": flops})
@@ -145,9 +176,13 @@ def measure_pair(names: list[str], args: argparse.Namespace, device: torch.devic
     with_renet = [m for m in models if any(isinstance(k, ReNetLayer) for k in m.modules())]
     renet = interleaved_medians([renet_only(m) for m in with_renet], device, args.reps, 1)
     renet_iter = iter(renet)
+    gemm = statistics.median(gemm_gflops(device) for _ in range(3))  # same run, same load
     for row, model, t in zip(rows, models, fwd):
         t_renet = next(renet_iter) if model in with_renet else 0.0
         row.update(fwd_ms=1e3 * t, gflops_fwd=row["_flops"] / t / 1e9, renet_share=t_renet / t)
+        row["gemm_gflops"] = gemm
+        if t_renet:
+            row["renet_gflops"] = renet_flops(renet_inputs(model, x, autocast)) / t_renet / 1e9
 
     if not args.no_backward:
         scaler = torch.amp.GradScaler("cuda") if use_amp else None
@@ -207,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", nargs="+", type=int, default=[1, 8])
     p.add_argument("--size", nargs=2, type=int, default=[360, 480], metavar=("H", "W"))
     p.add_argument("--num-classes", type=int, default=11)
+    p.add_argument("--output-stride", type=int, default=8, choices=(8, 16))
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
@@ -249,6 +285,21 @@ def main(argv: list[str] | None = None) -> int:
                 if len(result) == 2:
                     a, b = result
                     ratio = a["gflops_fwd"] / b["gflops_fwd"]
+                    if "renet_gflops" in a:
+                        share = a["renet_gflops"] / a["gemm_gflops"]
+                        print(
+                            f"  ReNet {a['renet_gflops']:.1f} GFLOP/s, same-run SGEMM "
+                            f"{a['gemm_gflops']:.1f}: {100 * share:.0f}% (target >= 50%: "
+                            f"{'ok' if share >= 0.5 else 'MISSED'})",
+                            flush=True,
+                        )
+                    if "train_ms" in a:
+                        step = a["train_ms"] / b["train_ms"]
+                        print(
+                            f"  training step dualseg/peer {step:.2f}x (target <= 1.5: "
+                            f"{'ok' if step <= 1.5 else 'MISSED'})",
+                            flush=True,
+                        )
                     print(
                         f"  ratio dualseg/peer: fwd time {a['fwd_ms'] / b['fwd_ms']:.2f}x, "
                         f"FLOPs {a['gflop_fwd'] / b['gflop_fwd']:.2f}x, achieved GFLOP/s "

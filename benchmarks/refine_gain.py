@@ -17,6 +17,7 @@ evaluation split is a path: a list file (``image label`` per line) or a dataset 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -151,12 +152,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         row = {k: {"base": m[k], "refined": m["refined"][k]} for k, _ in KEYS}
         row["refine"] = m["refine"]
+        row["iou_gain"] = {  # per class, IoU points (None: class absent from the split)
+            name: None if math.isnan(b) or math.isnan(r) else 100 * (r - b)
+            for name, b, r in zip(meta.class_names, m["iou"].tolist(), m["refined"]["iou"].tolist())
+        }
         row.update(time_ratio(model, refiner, val, device, args.time_images))
         report["bases"][ckpt_path] = row
         print(f"\n{ckpt_path} ({len(val)} images, device {device})")
         for key, label in KEYS:
             b, r = 100 * row[key]["base"], 100 * row[key]["refined"]
             print(f"  {label:<12} {b:6.2f} -> {r:6.2f}  ({r - b:+.2f} points)")
+        gains = ", ".join(
+            f"{name} {g:+.1f}" for name, g in row["iou_gain"].items() if g is not None
+        )
+        print(f"  IoU gain per class: {gains}")
         c = row["refine"]
         print(
             f"  changed {100 * c['changed_fraction']:.3f}% of pixels: {c['fixed']} fixed, "

@@ -157,3 +157,18 @@ def test_absent_class_is_nan_not_zero() -> None:
         batches.append((img, lab))
     m = evaluate(LabelEcho(), batches, num_classes=C)
     assert math.isnan(m["iou"][3]) and m["miou"] == pytest.approx(1.0)
+
+
+def test_loss_is_the_mean_cross_entropy_over_labelled_pixels() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 4, 5)
+    labels = torch.randint(0, 3, (2, 4, 5))
+    labels[0, 0] = 255
+
+    class Fixed(torch.nn.Module):
+        def forward(self, x):
+            return logits[: x.shape[0]]
+
+    result = evaluate(Fixed(), [(torch.zeros(2, 3, 4, 5), labels)], num_classes=3)
+    expected = F.cross_entropy(logits, labels, ignore_index=255)  # mean over labelled pixels
+    assert result["loss"] == pytest.approx(expected.item(), rel=1e-6)

@@ -1,4 +1,5 @@
-"""S32 objective: L1 cross-entropy over non-ignored pixels + explicit L2 on conv/linear weights."""
+"""S32 objective: L1 pixel cross-entropy (over B·N or the labelled pixels) + explicit L2 on the
+weight parameters (conv, linear, recurrent)."""
 
 from __future__ import annotations
 
@@ -23,16 +24,31 @@ class Tiny(nn.Module):
         return self.head(self.bn(self.conv(x)))
 
 
-def test_l1_averages_over_labelled_pixels_only() -> None:
+@pytest.mark.parametrize("reduction", ["batch_pixels", "valid_pixels"])
+def test_l1_sums_labelled_pixels_and_divides_by_the_reading(reduction: str) -> None:
     logits = torch.randn(2, 3, 4, 5)
     target = torch.randint(0, 3, (2, 4, 5))
     target[0, :2] = 255
     valid = target != 255
     per_pixel = F.cross_entropy(logits, target.clamp_max(2), reduction="none")
-    expected = per_pixel[valid].mean()
-    assert torch.allclose(cross_entropy_loss(logits, target), expected)
+    # S32: averaged over the B·N pixels (ignored ones add 0); or over the labelled ones.
+    count = target.numel() if reduction == "batch_pixels" else int(valid.sum())
+    expected = per_pixel[valid].sum() / count
+    assert torch.allclose(cross_entropy_loss(logits, target, reduction=reduction), expected)
     # All pixels ignored: zero, not NaN.
-    assert cross_entropy_loss(logits, torch.full_like(target, 255)).item() == 0.0
+    all_ignored = torch.full_like(target, 255)
+    assert cross_entropy_loss(logits, all_ignored, reduction=reduction).item() == 0.0
+
+
+def test_l1_default_is_the_claims_batch_average() -> None:
+    logits = torch.randn(1, 3, 4, 4)
+    target = torch.randint(0, 3, (1, 4, 4))
+    target[0, 0] = 255
+    criterion = SegmentationLoss(nn.Conv2d(1, 1, 1), weight_decay=0.0)
+    _, parts = criterion(logits, target)
+    assert torch.allclose(parts["l1"], cross_entropy_loss(logits, target, reduction="batch_pixels"))
+    with pytest.raises(ValueError, match="l1_reduction"):
+        SegmentationLoss(nn.Conv2d(1, 1, 1), l1_reduction="mean")
 
 
 def test_l1_resizes_logits_to_label_size() -> None:
@@ -42,10 +58,24 @@ def test_l1_resizes_logits_to_label_size() -> None:
     assert torch.allclose(cross_entropy_loss(logits, target), F.cross_entropy(up, target))
 
 
-def test_decay_weights_are_conv_and_linear_weights_only() -> None:
+def test_decay_weights_are_conv_linear_and_recurrent_weights_only() -> None:
     model = Tiny()
-    got = {id(w) for w in decay_weights(model)}
-    assert got == {id(model.conv.weight), id(model.head.weight), id(model.fc.weight)}
+    plain = {id(model.conv.weight), id(model.head.weight), id(model.fc.weight)}
+    recurrent = {id(model.gru.weight_ih_l0), id(model.gru.weight_hh_l0)}
+    assert {id(w) for w in decay_weights(model)} == plain | recurrent  # no biases, no BN
+    assert {id(w) for w in decay_weights(model, recurrent=False)} == plain
+
+
+def test_l2_covers_every_gru_weight_matrix_of_method_a() -> None:
+    from dualseg.models import build_model
+
+    model = build_model("dualseg_mobilenet_v2", num_classes=3, renet_hidden=4)
+    decayed = {id(w) for w in decay_weights(model)}
+    grus = [m for m in model.modules() if isinstance(m, nn.GRU)]
+    assert len(grus) == 8  # 2 branches x 2 ReNet layers x (rows, cols)
+    for gru in grus:
+        for name, p in gru.named_parameters():
+            assert (id(p) in decayed) == name.startswith("weight"), name
 
 
 @pytest.mark.parametrize("l2_lambda", [None, 0.5])
@@ -57,7 +87,9 @@ def test_l2_term_matches_the_formula(l2_lambda: float | None) -> None:
     loss, parts = criterion(model(x), target)
     b, n = 2, 6 * 7
     lam = 1e-3 * b * n if l2_lambda is None else l2_lambda
-    squares = sum(w.pow(2).sum() for w in (model.conv.weight, model.head.weight, model.fc.weight))
+    decayed = (model.conv.weight, model.head.weight, model.fc.weight)
+    decayed += (model.gru.weight_ih_l0, model.gru.weight_hh_l0)
+    squares = sum(w.pow(2).sum() for w in decayed)
     assert torch.allclose(parts["l2"], lam / (2 * b * n) * squares)
     assert torch.allclose(parts["loss"], parts["l1"] + parts["l2"])
     assert torch.allclose(loss.detach(), parts["loss"])

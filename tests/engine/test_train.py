@@ -82,6 +82,29 @@ def test_patience_on_smoothed_training_loss(data: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "best.pt").exists()  # no validation split, no best checkpoint
 
 
+def test_s33_default_stops_when_the_validation_loss_stops_decreasing(
+    data: Path, tmp_path: Path
+) -> None:
+    # S33 default: patience on, monitor "auto" = the validation loss when a val split exists.
+    cfg = tiny(data, tmp_path, max_iters=50, val_every=1, min_delta=1e3)
+    assert cfg.train.monitor == "auto" and cfg.train.patience == 5
+    summary = fit(cfg)
+    assert summary["stop_reason"] == "patience" and summary["iteration"] == 6
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["val_loss"] > 0 for r in records if "val_miou" in r)  # watched, and logged
+
+
+def test_cpu_amp_choices() -> None:
+    from dualseg.engine.train import _amp_dtype
+    from dualseg.errors import ConfigError
+
+    cpu = torch.device("cpu")
+    assert _amp_dtype("auto", cpu) is None  # fp32 on CPU unless bf16 is asked for
+    assert _amp_dtype("bf16", cpu) is torch.bfloat16  # opt-in (warns without native bf16)
+    with pytest.raises(ConfigError, match="fp16 needs a GPU"):
+        _amp_dtype("fp16", cpu)
+
+
 def _patch_samples(monkeypatch: pytest.MonkeyPatch, at: int, action) -> None:
     """Run ``action(sample)`` on the ``at``-th training sample read (1-based)."""
     real = SegmentationDataset.__getitem__

@@ -91,3 +91,21 @@ def test_resnet18_weights_from_a_file_written_by_the_test(tmp_path) -> None:
     assert torch.allclose(
         net.gray.backbone.conv1.weight, reference.conv1.weight.sum(1, keepdim=True)
     )
+
+
+def test_weights_of_another_architecture_fail_with_the_key_lists(tmp_path) -> None:
+    # S31: ResNet-50 weights into a ResNet-18 must not load partly and silently.
+    import torchvision
+
+    from dualseg.errors import CheckpointError
+
+    path = tmp_path / "resnet50.pth"
+    torch.save(torchvision.models.resnet50(weights=None).state_dict(), path)
+    with pytest.raises(CheckpointError, match=r"missing .*unexpected .*mismatched .*layer"):
+        build_model("dualseg_resnet18", num_classes=2, weights=path, renet_hidden=8)
+    # and a state dict missing keys (a truncated file) fails the same way
+    partial = torchvision.models.resnet18(weights=None).state_dict()
+    partial = {k: v for k, v in partial.items() if not k.startswith("layer4")}
+    torch.save(partial, tmp_path / "partial.pth")
+    with pytest.raises(CheckpointError, match="missing layer4"):
+        build_model("dualseg_resnet18", num_classes=2, weights=tmp_path / "partial.pth")

@@ -46,3 +46,11 @@ def test_index_radius_reading_uses_raw_indices() -> None:
     assert out[0, 3, 2, 3].item() == pytest.approx(math.hypot(2, 3))
     with pytest.raises(ValueError, match="radius"):
         CoordChannels(radius="polar")
+
+
+def test_centred_radius_reading_is_coordconvs_distance_from_the_centre() -> None:
+    out = CoordChannels(radius="centred")(torch.zeros(1, 1, 3, 5))
+    r = out[0, 3]
+    assert r[1, 2].item() == 0.0  # the centre pixel of a 3x5 map
+    assert r[0, 0].item() == pytest.approx(math.hypot(1, 2))  # corner: (1, 2) from the centre
+    assert torch.allclose(r, r.flip(0)) and torch.allclose(r, r.flip(1))  # symmetric

@@ -48,6 +48,11 @@ def test_fusion_weights_start_equal_and_fuse_by_weighted_sum(net: DualBranchNet)
         x = torch.randn(1, 3, 64, 64)
         net.eval()
         expected = net.fusion(net.rgb(x), net.gray(net.to_gray(x)))
+        # S44 (default order): softmax of the fused scores, then bilinear upsampling.
+        up = torch.nn.functional.interpolate(expected.softmax(1), size=(64, 64), mode="bilinear")
+        assert torch.allclose(net(x).exp(), up, atol=1e-5)
+        assert torch.allclose(net(x).softmax(1), up, atol=1e-5)  # log-probabilities are logits
+        net.upsample_order = "logits_first"  # DeepLab's order: upsample the scores themselves
         up = torch.nn.functional.interpolate(expected, size=(64, 64), mode="bilinear")
         assert torch.allclose(net(x), up, atol=1e-5)
 

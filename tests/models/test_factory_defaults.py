@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 
+import pytest
+
 from dualseg.engine.config import ModelConfig, model_kwargs
+from dualseg.errors import ConfigError
 from dualseg.models import build_model
 from dualseg.models.factory import build_deeplabv3, build_dualseg
 
@@ -35,3 +38,23 @@ def test_model_kwargs_keep_tuples_and_rebuild_the_same_network() -> None:
     assert kwargs["aspp_rates"] == (2, 3) and isinstance(kwargs["aspp_rates"], tuple)
     net = build_model(cfg.arch, **kwargs)
     assert net.rgb.aspp.rates == (2, 3) and net.rgb.context.renet1.hidden == 8
+
+
+def test_claim_readings_reach_the_modules_by_name() -> None:
+    from dualseg.models import build_model
+
+    net = build_model(
+        "dualseg_mobilenet_v2",
+        num_classes=3,
+        renet_hidden=4,
+        renet_init="standard",
+        upsample_order="logits_first",
+    )
+    assert net.upsample_order == "logits_first"
+    renet = net.rgb.context.renet1
+    assert renet.init == "standard" and min(p.min().item() for p in renet.parameters()) >= 0
+    assert build_model("dualseg_mobilenet_v2", num_classes=3).upsample_order == "softmax_first"
+    bounded = build_model("dualseg_mobilenet_v2", num_classes=3, renet_init_bound=0.01)
+    assert max(p.abs().max().item() for p in bounded.gray.context.renet2.parameters()) <= 0.01
+    with pytest.raises(ConfigError, match="upsample_order"):  # the peer keeps its own order
+        build_model("deeplabv3_mobilenet_v2", num_classes=3, upsample_order="logits_first")

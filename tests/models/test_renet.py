@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from dualseg.models import ReNetLayer
@@ -79,3 +80,16 @@ def test_gru_initialization_range() -> None:
 def test_patch_reading_keeps_resolution() -> None:
     layer = ReNetLayer(4, hidden=6, patch=2)
     assert layer(torch.randn(1, 4, 5, 7)).shape == (1, 12, 5, 7)
+
+
+def test_init_readings_standard_uniform_and_bound() -> None:
+    standard = ReNetLayer(3, hidden=4, init="standard")
+    for p in standard.parameters():
+        assert p.min().item() >= 0.0 and p.max().item() <= 1.0 and p.max().item() > 0.5
+    bounded = ReNetLayer(3, hidden=4, init_bound=0.05)
+    for p in bounded.parameters():
+        assert p.abs().max().item() <= 0.05
+    with pytest.raises(ValueError, match="init"):
+        ReNetLayer(3, hidden=4, init="gaussian")
+    with pytest.raises(ValueError, match="init_bound"):
+        ReNetLayer(3, hidden=4, init="standard", init_bound=0.1)

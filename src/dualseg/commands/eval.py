@@ -63,6 +63,9 @@ def _load_refiner(path: str, class_names: tuple[str, ...], device: Any) -> Any:
     from dualseg.refine import BoundaryRefiner
 
     refiner = BoundaryRefiner.load(path, device=device)
+    note = refiner.calibration_note()
+    if note:
+        print(f"dualseg eval: note: {note}", file=sys.stderr)
     refiner.check_classes(class_names, len(class_names), what=f"the checkpoint (refiner {path})")
     return refiner
 

@@ -76,6 +76,25 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         help="backbone initialization: ImageNet weights, the base checkpoint's backbone (same "
         "backbone name), or random (imagenet)",
     )
+    p.add_argument(
+        "--backbone-source",
+        choices=("independent", "base-frozen", "base-finetune"),
+        default=d.backbone_source,
+        help="step 3: the embedding's own backbone, or the --base checkpoint's backbone weights "
+        f"frozen (only the ASPP head learns) or fine-tuned ({d.backbone_source})",
+    )
+    p.add_argument(
+        "--gate-margin",
+        type=float,
+        default=d.gate_margin,
+        help="beyond the claim: relabel only where the base's top-1 minus top-2 probability is "
+        "below this (default: no gate, the claim)",
+    )
+    p.add_argument(
+        "--calibrate-split",
+        help="a labelled split of --data held out of --split (e.g. a list file's name): sweep "
+        "the gate on it with --base, keep the best (0 = never relabel when nothing helps)",
+    )
     p.add_argument("--weights", help="ImageNet weight file for the backbone (default: resolved)")
     p.add_argument("--embed-dim", type=int, default=d.embed_dim, help=f"C ({d.embed_dim})")
     p.add_argument(
@@ -195,6 +214,8 @@ def fit_main(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay,
         momentum=args.momentum,
         seed=args.seed,
+        backbone_source=args.backbone_source,
+        gate_margin=args.gate_margin,
     )
     device = resolve_device(args.device)
     train_tf = build_train_transform(
@@ -216,12 +237,17 @@ def fit_main(args: argparse.Namespace) -> int:
                 f"{args.data} has {list(class_names)}; fit on the base model's dataset "
                 "(or pass the matching --preset)"
             )
-    if args.init_backbone == "base" and not hasattr(base, "module"):
-        raise ConfigError("--init-backbone base needs --base to be a dualseg checkpoint")
+    from_base = args.init_backbone == "base" or args.backbone_source != "independent"
+    if from_base and not hasattr(base, "module"):
+        raise ConfigError(
+            "--init-backbone base / --backbone-source base-* need --base to be a dualseg checkpoint"
+        )
+    if args.calibrate_split and base is None:
+        raise ConfigError("--calibrate-split scores the refiner on top of a base model: add --base")
 
     weights = None if args.init_backbone == "none" else (args.weights or "imagenet")
     init_from = None
-    if args.init_backbone == "base":
+    if from_base:
         weights = args.weights  # ImageNet first only when a file is given explicitly
         init_from = base.module  # type: ignore[union-attr]
 
@@ -242,6 +268,8 @@ def fit_main(args: argparse.Namespace) -> int:
         progress=not args.no_progress and sys.stderr.isatty(),
         log_every=args.log_every,
     )
+    if args.calibrate_split:
+        calibrate(refiner, base, args, device)
     refiner.save(out)
     last = refiner.history[-1] if refiner.history else None
     if last is not None:
@@ -256,6 +284,45 @@ def fit_main(args: argparse.Namespace) -> int:
         + f") -> {out}"
     )
     return 0
+
+
+def calibrate(refiner: Any, base: Any, args: argparse.Namespace, device: Any) -> None:
+    """Choose the gate τ on ``--calibrate-split`` (labelled, held out of the fit split), store
+    it in the refiner with the sweep's table, and print the table."""
+    from dualseg.data import build_dataset, build_eval_transform
+    from dualseg.refine.calibrate import choose_gate, sweep_gate
+
+    held_out = build_dataset(
+        args.data,
+        split=args.calibrate_split,
+        layout=args.layout,
+        preset=args.preset,
+        transform=build_eval_transform(),
+    )
+    loader = torch.utils.data.DataLoader(held_out, batch_size=1)
+    ungated = dataclasses.replace(refiner.config, gate_margin=None)
+    refiner.config = ungated
+    rows = sweep_gate(
+        refiner,
+        lambda x: base.scores(x, []).softmax(1),
+        loader,
+        num_classes=refiner.num_classes,
+        ignore_index=held_out.meta.ignore_index,
+        device=device,
+    )
+    tau = choose_gate(rows)
+    refiner.config = dataclasses.replace(ungated, gate_margin=tau)
+    refiner.calibration = {"split": args.calibrate_split, "images": len(held_out), "rows": rows}
+    print(f"gate sweep on {args.calibrate_split} ({len(held_out)} held-out images):")
+    for r in rows:
+        g = r["gate_margin"]
+        name = g if isinstance(g, str) else ("none (claim)" if g is None else f"{g:g}")
+        print(
+            f"  gate {name:>12}: mIoU {100 * r['miou']:.1f}  boundary F1 "
+            f"{100 * r['boundary_f1']:.1f}  changed {100 * r['changed']:.2f}%"
+        )
+    verdict = "never relabel (refinement did not help this base)" if tau == 0 else f"{tau}"
+    print(f"chosen gate_margin: {verdict}")
 
 
 # ---------------------------------------------------------------------- apply
@@ -273,6 +340,9 @@ def apply_main(args: argparse.Namespace) -> int:
     opts = inference_options(args)
     device = resolve_device(args.device)
     refiner = load_refiner(args.refiner, device=device)
+    note = getattr(refiner, "calibration_note", lambda: None)()
+    if note:
+        print(f"dualseg refine apply: note: {note}", file=sys.stderr)
     overrides = {k: getattr(args, k) for k in ("top_n", "radius") if getattr(args, k) is not None}
     if overrides:
         refiner.config = dataclasses.replace(refiner.config, **overrides)

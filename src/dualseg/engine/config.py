@@ -83,9 +83,12 @@ class ModelConfig:
     renet_layers: int | None = None  # 2
     renet_hidden: int | None = None  # 150
     renet_patch: int | None = None  # 1
+    renet_init: str | None = None  # S31 GRU init: "scaled" U(±bound) or "standard" U(0, 1)
+    renet_init_bound: float | None = None  # the "scaled" bound; None: 1/√H
     aspp_rates: tuple[int, ...] | None = None  # (4, 6, 8, 12)
     aspp_style: str | None = None  # "v2": per-rate class scores, summed
-    aspp_init_std: float | None = None  # 0.01
+    aspp_init_std: float | None = None  # 0.01 (1.0: the literal standard Gaussian)
+    upsample_order: str | None = None  # S44: "softmax_first" (the claim) or "logits_first"
     deeplab_rates: tuple[int, ...] | None = None  # deeplabv3_* only
     timm_model: str | None = None  # dualseg_timm only
 
@@ -105,6 +108,10 @@ class OptimConfig:
     warmup_iters: int = 0  # linear warm-up from warmup_factor·l_0 to l_0
     warmup_factor: float = 0.1
     head_lr_mult: float = 1.0  # 10.0: the head (everything but the backbones) learns 10× faster
+    # S32: L1 averaged over the B·N pixels of the batch (the claim), or "valid_pixels" (the
+    # labelled ones only); the L2 term covers recurrent (GRU) weight matrices unless false.
+    l1_reduction: Literal["batch_pixels", "valid_pixels"] = "batch_pixels"
+    l2_recurrent: bool = True
 
 
 @dataclass(frozen=True)
@@ -116,14 +123,18 @@ class TrainConfig:
     val_every: int = 1000  # K: validate (and checkpoint) every K iterations; 0: at the end only
     ckpt_every: int | None = None  # None: = val_every
     log_every: int = 20
-    monitor: Literal["val_miou", "train_loss"] = "val_miou"
-    patience: int | None = None  # evaluations without improvement before stopping; None: off
+    # S33 "until the objective stops decreasing": the quantity watched for patience; "auto" is
+    # val_loss when there is a validation split, else the smoothed train_loss.
+    monitor: Literal["auto", "val_loss", "val_miou", "train_loss"] = "auto"
+    patience: int | None = 5  # evaluations without improvement before stopping; null: off
     min_delta: float = 0.0
     loss_smoothing: float = 0.9  # EMA factor of the smoothed training loss
     seed: int = 0
     deterministic: bool = False
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1"
-    amp: Literal["auto", "none", "bf16", "fp16"] = "auto"  # auto: bf16 on CUDA, none on CPU
+    # auto: bf16 (else fp16) on CUDA, none on CPU; bf16 on CPU is opt-in (native on AVX-512
+    # BF16 / AMX CPUs, emulated and far slower elsewhere: a warning says so)
+    amp: Literal["auto", "none", "bf16", "fp16"] = "auto"
     channels_last: bool = True  # CUDA only
     compile: bool = False  # torch.compile the training model
     sync_bn: bool = False  # SyncBatchNorm under DDP (GPUs only; ignored on CPU)
@@ -267,8 +278,8 @@ def validate(cfg: Config) -> None:
         (d.num_workers >= 0, "data.num_workers must be >= 0"),
         (min(d.crop_size) > 0, "data.crop_size must be positive (H, W)"),
         (
-            t.monitor == "train_loss" or t.patience is None or bool(d.val_split),
-            "train.monitor=val_miou needs data.val_split; set --train.monitor train_loss",
+            t.monitor in ("auto", "train_loss") or t.patience is None or bool(d.val_split),
+            f"train.monitor={t.monitor} needs data.val_split; set --train.monitor train_loss",
         ),
     ]
     for ok, message in checks:

@@ -150,13 +150,15 @@ def evaluate(
 
     Returns ``{"miou", "iou" (per class, NaN for classes absent from prediction and ground
     truth), "pixel_acc", "mean_acc", "fwiou", "boundary_f1", "trimap_miou", "num_images",
-    "ms_per_image", "confusion_matrix"}`` plus the per-class lists ``class_acc``,
+    "ms_per_image", "confusion_matrix", "loss"}`` plus the per-class lists ``class_acc``,
     ``boundary_f1_per_class``, ``boundary_precision``, ``boundary_recall``, ``trimap_iou``
     (definitions: :mod:`dualseg.metrics`). Scores are fractions in [0, 1];
     ``confusion_matrix`` is the ``[C][C]`` pixel counts (rows: ground truth, columns:
     prediction); ``ms_per_image`` is the median over batches of the model's inference time
     (TTA and sliding window included; data loading and metrics excluded) divided by the batch
-    size, in milliseconds (on this rank).
+    size, in milliseconds (on this rank); ``loss`` the pixel cross-entropy of the logits
+    averaged over the labelled pixels (the validation objective that ``train.monitor
+    val_loss`` watches, spec S33).
 
     With ``refiner`` it also returns ``"refined"`` (the same metrics for the refined labels,
     which the refiner computes from the (TTA-averaged) softmax scores) and ``"refine"`` =
@@ -177,6 +179,7 @@ def evaluate(
     # pixels (labelled), changed, fixed, broke, images
     counts = torch.zeros(5, dtype=torch.int64, device=device)
     timer, refine_timer = _Timer(device), _Timer(device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # cross-entropy, summed
 
     batches: Iterable = loader
     if progress:
@@ -207,6 +210,10 @@ def evaluate(
             pred = logits.argmax(1)
             base.update(pred, labels)
             counts[4] += images.shape[0]
+            # labels were range-checked by the update above; ignored pixels add nothing
+            loss_sum += F.cross_entropy(
+                logits, labels, ignore_index=ignore_index, reduction="sum"
+            ).double()
 
             new = None
             if refiner is not None and refined is not None:
@@ -231,10 +238,13 @@ def evaluate(
         if refined is not None:
             refined.all_reduce()
         _all_reduce_(counts)
+        _all_reduce_(loss_sum)
 
     result = base.compute()
     result["num_images"] = int(counts[4])
     result["ms_per_image"] = timer.median()
+    labelled = int(base.cm.mat.sum())
+    result["loss"] = float(loss_sum) / labelled if labelled else float("nan")
     if refined is not None:
         result["refined"] = refined.compute()
         pixels, changed_n, fixed, broke = (int(v) for v in counts[:4])

@@ -1,7 +1,7 @@
 """Method A's network (spec S2, S4): two branches (RGB and grayscale) fused by learnable weights.
 
 RGB ─┬─────────────────────────→ Branch(rgb)  ─┐
-     └─ gray (BT.601 luma) ───→ Branch(gray) ─┴→ Fusion → upsample → logits
+     └─ gray (BT.601 luma) ───→ Branch(gray) ─┴→ Fusion → softmax → upsample → log → logits
 Branch: backbone → CoordChannels → ReNetLayer → CoordChannels → ReNetLayer → ASPP
 """
 
@@ -21,6 +21,7 @@ from dualseg.models.renet import ReNetLayer
 
 # ITU-R BT.601 luma coefficients (R, G, B).
 BT601 = (0.299, 0.587, 0.114)
+UPSAMPLE_ORDERS = ("softmax_first", "logits_first")
 
 
 class Branch(nn.Module):
@@ -43,6 +44,8 @@ class Branch(nn.Module):
         renet_layers: int = 2,
         renet_hidden: int = 150,
         renet_patch: int = 1,
+        renet_init: str = "scaled",
+        renet_init_bound: float | None = None,
         aspp_rates: Sequence[int] = (4, 6, 8, 12),
         aspp_style: str = "v2",
         aspp_init_std: float = 0.01,
@@ -57,7 +60,9 @@ class Branch(nn.Module):
             if coord_channels:
                 context[f"coord{k}"] = CoordChannels(coord_radius)
                 channels += 3
-            context[f"renet{k}"] = ReNetLayer(channels, renet_hidden, renet_patch)
+            context[f"renet{k}"] = ReNetLayer(
+                channels, renet_hidden, renet_patch, init=renet_init, init_bound=renet_init_bound
+            )
             channels = 2 * renet_hidden
         self.context = nn.Sequential(context)
         if aspp_style == "v2":
@@ -106,6 +111,12 @@ class DualBranchNet(SegmentationModel):
     so callers pass only the RGB tensor. The input is zero-padded to a multiple of the output
     stride and the logits cropped back: output ``[B, num_classes, H, W]``.
     ``gray=None`` is the single-branch ablation.
+
+    ``upsample_order`` (S44): ``"softmax_first"`` — the claim's order: softmax over the fused
+    class scores, then bilinear upsampling of the probabilities; the model returns their log
+    (log-probabilities are logits: their softmax is the upsampled probability map, and
+    cross-entropy on them is the NLL of those probabilities). ``"logits_first"`` upsamples the
+    fused scores and returns them (DeepLab's and torchvision's order).
     """
 
     def __init__(
@@ -116,11 +127,17 @@ class DualBranchNet(SegmentationModel):
         *,
         output_stride: int = 8,
         fusion: str = "scalar",
+        upsample_order: str = "softmax_first",
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
     ) -> None:
         super().__init__()
+        if upsample_order not in UPSAMPLE_ORDERS:
+            raise ValueError(
+                f"upsample_order must be one of {UPSAMPLE_ORDERS}, got {upsample_order!r}"
+            )
         self.num_classes, self.output_stride = num_classes, output_stride
+        self.upsample_order = upsample_order
         self.rgb, self.gray = rgb, gray
         self.fusion = Fusion(num_classes, fusion) if gray is not None else None
         for name, values in (("mean", mean), ("std", std), ("luma", BT601)):
@@ -143,4 +160,9 @@ class DualBranchNet(SegmentationModel):
         scores = self.rgb(x)  # [B, C, H'/os, W'/os]
         if self.gray is not None and self.fusion is not None:
             scores = self.fusion(scores, self.gray(self.to_gray(x)))
-        return upsample_crop(scores, (x.shape[-2], x.shape[-1]), size)
+        padded = (x.shape[-2], x.shape[-1])
+        if self.upsample_order == "logits_first":
+            return upsample_crop(scores, padded, size)
+        probs = upsample_crop(scores.float().softmax(1), padded, size)  # S44: softmax, upsample
+        # A bilinear mix of positive values stays positive; the floor guards exp underflow.
+        return probs.clamp_min(torch.finfo(probs.dtype).tiny).log()

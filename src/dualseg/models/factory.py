@@ -46,9 +46,12 @@ def build_dualseg(
     renet_layers: int,
     renet_hidden: int,
     renet_patch: int,
+    renet_init: str,
+    renet_init_bound: float | None,
     aspp_rates: tuple[int, ...],
     aspp_style: str,
     aspp_init_std: float,
+    upsample_order: str,
     timm_model: str,
 ) -> DualBranchNet:
     """Method A (spec S2) on ``backbone``: an RGB branch and, unless ``gray_branch=False``, a
@@ -85,6 +88,8 @@ def build_dualseg(
             renet_layers=renet_layers,
             renet_hidden=renet_hidden,
             renet_patch=renet_patch,
+            renet_init=renet_init,
+            renet_init_bound=renet_init_bound,
             aspp_rates=aspp_rates,
             aspp_style=aspp_style,
             aspp_init_std=aspp_init_std,
@@ -96,6 +101,7 @@ def build_dualseg(
         num_classes,
         output_stride=output_stride,
         fusion=fusion,
+        upsample_order=upsample_order,
     )
 
 
@@ -149,8 +155,11 @@ def build_model(
     fusion: str = "scalar",
     coord_radius: str = "scaled",
     renet_patch: int = 1,
+    renet_init: str = "scaled",
+    renet_init_bound: float | None = None,
     aspp_style: str = "v2",
     aspp_init_std: float = 0.01,
+    upsample_order: str = "softmax_first",
     gray_conv_init: str = "sum",
     deeplab_rates: Sequence[int] | None = None,
     timm_model: str = "efficientnet_lite0",
@@ -166,11 +175,14 @@ def build_model(
     weights), ``gray_conv_init="sum"`` (1-channel first conv = RGB kernels summed),
     ``coord_radius="scaled"`` (r from the scaled i, j), ``renet_hidden=150``,
     ``renet_patch=1``, ``aspp_rates=(4, 6, 8, 12)``, ``aspp_style="v2"`` (class scores
-    summed), ``aspp_init_std=0.01``, ``fusion="scalar"`` (two learnable weights, equal at
-    start), ``output_stride=8``. Ablations: ``gray_branch``, ``coord_channels``,
-    ``renet_layers`` (0/1/2), ``aspp_rates``. Peer only: ``deeplab_rates``. ``dualseg_timm``
-    only: ``timm_model``. An option that does not apply to ``name`` must keep its default
-    (ConfigError otherwise).
+    summed), ``aspp_init_std=0.01`` (S31's Gaussian; 1.0 is the literal *standard* Gaussian),
+    ``renet_init="scaled"`` with ``renet_init_bound=None`` (S31's uniform: U(±1/√H);
+    ``"standard"`` is the literal U(0, 1)), ``fusion="scalar"`` (two learnable weights, equal
+    at start), ``upsample_order="softmax_first"`` (S44: softmax, then bilinear upsampling; the
+    model returns log-probabilities), ``output_stride=8``. Ablations: ``gray_branch``,
+    ``coord_channels``, ``renet_layers`` (0/1/2), ``aspp_rates``. Peer only:
+    ``deeplab_rates``. ``dualseg_timm`` only: ``timm_model``. An option that does not apply to
+    ``name`` must keep its default (ConfigError otherwise).
     """
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
@@ -191,9 +203,12 @@ def build_model(
                 "renet_layers": renet_layers,
                 "renet_hidden": renet_hidden,
                 "renet_patch": renet_patch,
+                "renet_init": renet_init,
+                "renet_init_bound": renet_init_bound,
                 "aspp_rates": aspp_rates,
                 "aspp_style": aspp_style,
                 "aspp_init_std": aspp_init_std,
+                "upsample_order": upsample_order,
                 "timm_model": timm_model,
             },
         )
@@ -224,9 +239,12 @@ def build_model(
         renet_layers=renet_layers,
         renet_hidden=renet_hidden,
         renet_patch=renet_patch,
+        renet_init=renet_init,
+        renet_init_bound=renet_init_bound,
         aspp_rates=aspp_rates,
         aspp_style=aspp_style,
         aspp_init_std=aspp_init_std,
+        upsample_order=upsample_order,
         timm_model=timm_model,
     )
 

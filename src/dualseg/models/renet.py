@@ -22,24 +22,45 @@ class ReNetLayer(nn.Module):
 
     ``patch`` (spec Reading: 1, i.e. resolution kept) > 1 reads non-overlapping patch×patch
     blocks as one step (ReNet's patches: ``pixel_unshuffle``), and upsamples the result back to
-    H×W bilinearly. GRU weights and biases are drawn from U(-1/√H, 1/√H), H = hidden (S31
-    Reading; PyTorch's default, made explicit here).
+    H×W bilinearly.
+
+    Initialization (S31: "a uniform distribution"): ``init="scaled"`` (the Reading, PyTorch's
+    GRU default made explicit) draws weights and biases from U(-b, b) with b = ``init_bound``,
+    by default 1/√H (H = hidden); ``init="standard"`` is the claim's literal *standard*
+    uniform U(0, 1).
     """
 
-    def __init__(self, in_channels: int, hidden: int = 150, patch: int = 1) -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        hidden: int = 150,
+        patch: int = 1,
+        *,
+        init: str = "scaled",
+        init_bound: float | None = None,
+    ) -> None:
         super().__init__()
         if patch < 1:
             raise ValueError(f"patch must be >= 1, got {patch}")
+        if init not in ("scaled", "standard"):
+            raise ValueError(f"init must be 'scaled' or 'standard', got {init!r}")
+        if init_bound is not None and (init != "scaled" or init_bound <= 0):
+            raise ValueError("init_bound must be > 0 and applies to init='scaled' only")
         self.hidden, self.patch = hidden, patch
+        self.init, self.init_bound = init, init_bound
         self.out_channels = 2 * hidden
         self.rows = nn.GRU(in_channels * patch * patch, hidden, bidirectional=True)
         self.cols = nn.GRU(2 * hidden, hidden, bidirectional=True)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        bound = 1.0 / math.sqrt(self.hidden)
+        if self.init == "standard":
+            low, high = 0.0, 1.0
+        else:
+            high = self.init_bound if self.init_bound is not None else 1.0 / math.sqrt(self.hidden)
+            low = -high
         for p in self.parameters():
-            nn.init.uniform_(p, -bound, bound)
+            nn.init.uniform_(p, low, high)
 
     def sweep_rows(self, x: Tensor) -> Tensor:
         """Horizontal sweep: ``[B, C, H, W] -> [B, H, W, 2·hidden]`` (forward half first)."""
@@ -69,4 +90,4 @@ class ReNetLayer(nn.Module):
         return out.contiguous()
 
     def extra_repr(self) -> str:
-        return f"hidden={self.hidden}, patch={self.patch}"
+        return f"hidden={self.hidden}, patch={self.patch}, init={self.init!r}"

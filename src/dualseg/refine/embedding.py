@@ -25,16 +25,36 @@ class EmbeddingNet(nn.Module):
 
     ``backbone(x)`` must return one feature map ``[B, backbone_channels, H/s, W/s]``;
     ``fuse`` maps it to ``[B, C, H/s, W/s]`` (dualseg's ASPP by default).
+
+    ``freeze_backbone=True`` (method B with the base model's own backbone, frozen): the backbone
+    keeps its weights and its normalization statistics (it stays in eval mode when the net is
+    put in training mode) and runs without autograd; only ``fuse`` learns.
     """
 
-    def __init__(self, backbone: nn.Module, fuse: nn.Module, embed_dim: int) -> None:
+    def __init__(
+        self, backbone: nn.Module, fuse: nn.Module, embed_dim: int, *, freeze_backbone: bool = False
+    ) -> None:
         super().__init__()
         self.backbone = backbone
         self.fuse = fuse
         self.embed_dim = embed_dim
+        self.freeze_backbone = freeze_backbone
+        if freeze_backbone:
+            self.backbone.requires_grad_(False)
+            self.backbone.eval()
+
+    def train(self, mode: bool = True) -> EmbeddingNet:
+        super().train(mode)
+        if self.freeze_backbone:
+            self.backbone.eval()  # frozen: BatchNorm running statistics stay the base's
+        return self
 
     def features(self, x: Tensor) -> Tensor:
         """Low-resolution embedding ``[B,C,h,w]`` (before the upsampling)."""
+        if self.freeze_backbone:
+            with torch.no_grad():
+                local = self.backbone(x)
+            return self.fuse(local)
         return self.fuse(self.backbone(x))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -84,15 +104,18 @@ def build_embedding_net(
     output_stride: int = 8,
     aspp_rates: Sequence[int] = (4, 6, 8, 12),
     weights: str | os.PathLike[str] | None = None,
+    freeze_backbone: bool = False,
 ) -> EmbeddingNet:
     """Backbone from :func:`dualseg.models.build_backbone` + :class:`dualseg.models.ASPP`.
 
     ``weights``: ``None`` (random init), ``"imagenet"`` or a file, as for ``build_backbone``.
+    ``freeze_backbone``: see :class:`EmbeddingNet` (freeze after loading the base's weights).
     """
     from dualseg.models import ASPP, build_backbone
 
     net, channels = build_backbone(backbone, output_stride=output_stride, weights=weights)
-    return EmbeddingNet(net, ASPP(channels, embed_dim, tuple(aspp_rates)), embed_dim)
+    fuse = ASPP(channels, embed_dim, tuple(aspp_rates))
+    return EmbeddingNet(net, fuse, embed_dim, freeze_backbone=freeze_backbone)
 
 
 def init_backbone_from(backbone: nn.Module, source: nn.Module | Mapping[str, Tensor]) -> int:

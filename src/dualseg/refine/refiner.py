@@ -32,6 +32,7 @@ from dualseg.errors import CheckpointError, ConfigError, DataError
 from dualseg.imaging import normalize
 from dualseg.io import atomic_torch_save
 from dualseg.refine.boundary import EDGE_METHODS, near_boundary_mask
+from dualseg.refine.calibrate import gate_mask
 from dualseg.refine.embedding import (
     EmbeddingNet,
     build_embedding_net,
@@ -42,6 +43,8 @@ from dualseg.refine.fit import OPTIMIZERS, train_embedding
 from dualseg.refine.formats import FORMAT, load_state
 from dualseg.refine.prototypes import stream_prototypes
 from dualseg.refine.triplet import REDUCTIONS, triplet_step
+
+BACKBONE_SOURCES = ("independent", "base-frozen", "base-finetune")
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,15 @@ class RefinerConfig:
     ``num_triplets`` per step, ``reduction``, ``steps`` (the preset repetition count),
     ``optimizer`` / ``lr`` / ``weight_decay`` / ``momentum``, ``batch_size``, ``seed``.
     Inference (P3): ``top_n``.
+
+    Step 3 readings (the claim re-optimizes *based on an existing model*): ``backbone_source``
+    ``"independent"`` (its own backbone, ImageNet-initialized; the default), ``"base-frozen"``
+    (the base model's backbone weights, frozen: only the ASPP head learns, on the base's own
+    features) or ``"base-finetune"`` (the base's backbone weights, trained on). The ``base-*``
+    readings need the base model at fit time (``init_from``), and ``backbone`` must be its
+    backbone. Decision (beyond the claim): ``gate_margin`` τ relabels only pixels where the
+    base's top-1 minus top-2 probability is below τ (``None``: every near-boundary pixel, the
+    claim); :mod:`dualseg.refine.calibrate` chooses τ on held-out labelled images.
     """
 
     backbone: str = "mobilenet_v2"
@@ -82,6 +94,8 @@ class RefinerConfig:
     weight_decay: float = 1e-4
     momentum: float = 0.9
     seed: int = 0
+    backbone_source: str = "independent"
+    gate_margin: float | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -97,6 +111,14 @@ class RefinerConfig:
             (self.edge_method in EDGE_METHODS, f"edge_method must be one of {EDGE_METHODS}"),
             (self.reduction in REDUCTIONS, f"reduction must be one of {REDUCTIONS}"),
             (self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}"),
+            (
+                self.backbone_source in BACKBONE_SOURCES,
+                f"backbone_source must be one of {BACKBONE_SOURCES}",
+            ),
+            (
+                self.gate_margin is None or 0 <= self.gate_margin <= 1,
+                f"gate_margin must be in [0, 1] or None, got {self.gate_margin}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -110,6 +132,7 @@ class RefinerConfig:
             output_stride=self.output_stride,
             aspp_rates=self.aspp_rates,
             weights=weights,
+            freeze_backbone=self.backbone_source == "base-frozen",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -145,6 +168,8 @@ class BoundaryRefiner:
         self.prototypes = prototypes.float()
         self.present = present.bool()
         self.ignore_index = ignore_index
+        # the gate sweep of ``refine fit --calibrate-split``: {"split", "images", "rows"}
+        self.calibration: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ basics
     @property
@@ -234,6 +259,7 @@ class BoundaryRefiner:
             "present": self.present.cpu(),
             "class_names": list(self.class_names),
             "ignore_index": self.ignore_index,
+            "calibration": self.calibration,
         }
         path = Path(path)
         atomic_torch_save(state, path)
@@ -267,7 +293,19 @@ class BoundaryRefiner:
             config=config,
             ignore_index=int(state.get("ignore_index", 255)),
         )
+        refiner.calibration = state.get("calibration")
         return refiner.to(device)
+
+    def calibration_note(self) -> str | None:
+        """A warning when the held-out check at fit time found that refinement did not help
+        the base model it was calibrated on (then the chosen gate 0 changes no pixel)."""
+        if self.calibration is None or self.config.gate_margin != 0:
+            return None
+        return (
+            f"this refiner's held-out check ({self.calibration['images']} images of split "
+            f"{self.calibration['split']!r}) found that refinement did not help the base model "
+            "it was fit for: its gate_margin is 0 and it changes no pixel"
+        )
 
     # ------------------------------------------------------------------ training (steps 1-5)
     @classmethod
@@ -302,6 +340,11 @@ class BoundaryRefiner:
         """
         cfg = config or RefinerConfig()
         dev = torch.device(device)
+        if cfg.backbone_source != "independent" and init_from is None and net is None:
+            raise ConfigError(
+                f"backbone_source={cfg.backbone_source!r} takes the base model's backbone: pass "
+                "the base model (init_from; on the CLI --base CHECKPOINT)"
+            )
         if net is None:
             net = cfg.embedding_net(weights=weights)
             if init_from is not None and init_backbone_from(net.backbone, init_from) == 0:
@@ -400,6 +443,8 @@ def relabel(
     edge = near_boundary_mask(
         pred, radius=config.radius, ignore_index=None, method=config.edge_method
     )  # [B,H,W] P4
+    if config.gate_margin is not None:  # beyond the claim: only where the base is unsure
+        edge &= gate_mask(probs, config.gate_margin)
     out = pred.clone()
     if edge.any():  # P5 at the edge pixels: the Top-N label whose prototype is nearest
         keep = edge.flatten(1).any(1)

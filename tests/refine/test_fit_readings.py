@@ -1,0 +1,95 @@
+"""refine fit's step-3 readings and the held-out gate sweep, through the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from dualseg.commands.refine import main as refine_main
+from dualseg.data import build_dataset, make_synthetic_dataset
+from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint, save_checkpoint
+from dualseg.models import build_model
+from dualseg.refine import BoundaryRefiner
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("refine_readings")
+    data = make_synthetic_dataset(root / "data", n_train=4, n_val=2, size=(48, 64), seed=0)
+    names = build_dataset(data, split="val").meta.class_names
+    torch.manual_seed(0)
+    model = build_model("deeplabv3_mobilenet_v2", num_classes=len(names))
+    base = root / "base.pt"
+    save_checkpoint(
+        base,
+        {
+            "arch": "deeplabv3_mobilenet_v2",
+            "model_kwargs": {"num_classes": len(names)},
+            "model": model.state_dict(),
+            "class_names": list(names),
+        },
+    )
+    return data, base
+
+
+def fit_args(data: Path, base: Path, out: Path) -> list[str]:
+    args = ["fit", "--data", str(data), "--base", str(base), "--out", str(out)]
+    args += ["--embed-dim", "8", "--steps", "2", "--batch-size", "2", "--crop-size", "32", "32"]
+    args += ["--num-triplets", "64", "--radius", "2", "--device", "cpu", "--no-progress"]
+    return [*args, "--log-every", "0", "--init-backbone", "none"]
+
+
+@pytest.mark.slow
+def test_base_frozen_backbone_is_the_base_models_and_the_gate_is_calibrated(
+    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    data, base = setup
+    out = tmp_path / "refiner.pt"
+    argv = [*fit_args(data, base, out), "--backbone-source", "base-frozen"]
+    assert refine_main([*argv, "--calibrate-split", "val"]) == 0
+    refiner = BoundaryRefiner.load(out)
+    assert refiner.config.backbone_source == "base-frozen"
+    # frozen: the embedding's backbone still holds the base model's backbone weights
+    model, _ = build_model_from_checkpoint(load_checkpoint(base))
+    theirs = model.backbone.state_dict()
+    for key, value in refiner.net.backbone.state_dict().items():
+        assert torch.equal(value, theirs[key]), key
+    # the sweep chose a gate on the held-out split and kept its table
+    cal = refiner.calibration
+    assert cal["split"] == "val" and cal["images"] == 2
+    assert refiner.config.gate_margin in [r["gate_margin"] for r in cal["rows"]]
+    best = max(r["miou"] for r in cal["rows"] if r["gate_margin"] != "base")
+    chosen = next(r for r in cal["rows"] if r["gate_margin"] == refiner.config.gate_margin)
+    assert chosen["miou"] == best
+    assert "chosen gate_margin" in capsys.readouterr().out
+
+
+def test_base_readings_need_a_base_checkpoint(setup: tuple[Path, Path], tmp_path: Path) -> None:
+    data, _ = setup
+    argv = ["fit", "--data", str(data), "--out", str(tmp_path / "r.pt")]
+    with pytest.raises(Exception, match="base"):
+        refine_main([*argv, "--backbone-source", "base-frozen"])
+    with pytest.raises(Exception, match="--base"):
+        refine_main([*argv, "--calibrate-split", "val"])
+
+
+def test_calibration_note_when_refinement_did_not_help(tmp_path: Path) -> None:
+    from dualseg.refine import RefinerConfig
+
+    cfg = RefinerConfig(embed_dim=4, gate_margin=0.0)
+    refiner = BoundaryRefiner(
+        cfg.embedding_net(),
+        torch.zeros(2, 4),
+        torch.ones(2, dtype=torch.bool),
+        class_names=("a", "b"),
+        config=cfg,
+    )
+    assert refiner.calibration_note() is None  # no held-out check was made
+    refiner.calibration = {"split": "dev", "images": 3, "rows": []}
+    refiner.save(tmp_path / "r.pt")
+    loaded = BoundaryRefiner.load(tmp_path / "r.pt")
+    assert "did not help" in loaded.calibration_note() and "'dev'" in loaded.calibration_note()
+    loaded.config = RefinerConfig(embed_dim=4, gate_margin=0.2)
+    assert loaded.calibration_note() is None
