@@ -604,7 +604,7 @@ def _validate(run: _Run, at: int) -> bool:
     progress = run.progress
     progress.last_val = {"iteration": at, **metrics}
     assert run.log is not None
-    run.log.write(_val_record(at, metrics), echo=f"[{at}] val mIoU {metrics['miou']:.4f}")
+    run.log.write(_val_record(at, metrics), echo=f"[{at}] val mIoU {100 * metrics['miou']:.1f}%")
     if metrics["miou"] > progress.best_miou:
         progress.best_miou, progress.best_iteration = float(metrics["miou"]), at
         return True
@@ -661,7 +661,11 @@ def _summary(run: _Run) -> dict[str, Any]:
         _save_curves(out_dir / "curves.png", run.log.history())
         run.log.message(
             f"stopped at iteration {run.iteration} ({run.stop_reason}); checkpoints in {out_dir}"
-            + (f"; best val mIoU {progress.best_miou:.4f}" if progress.best_miou >= 0 else "")
+            + (
+                f"; best val mIoU {100 * progress.best_miou:.1f}%"
+                if progress.best_miou >= 0
+                else ""
+            )
         )
     return summary
 
