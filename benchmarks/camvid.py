@@ -188,6 +188,8 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
                 val_split="dev",
                 crop_size=tuple(args.crop),
                 scale_range=tuple(args.scale),
+                blur_prob=0.1,  # the shipped CamVid configs' S1 augmentation, for every model
+                jitter=0.2,
                 batch_size=args.batch_size,
                 val_batch_size=1,
                 num_workers=args.workers,
