@@ -219,6 +219,8 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
             val_split=None,  # evaluated below, at full resolution, outside the budget
             crop_size=tuple(args.crop),
             scale_range=tuple(args.scale),
+            blur_prob=0.1,  # the shipped CamVid configs' S1 augmentation, for every model
+            jitter=0.2,
             batch_size=args.batch_size,
             num_workers=args.workers,
         ),
@@ -229,6 +231,7 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
             max_iters=1,
             val_every=0,
             monitor="train_loss",
+            patience=None,  # the budget protocol runs its full calibrated schedule
             seed=args.seed,
             device=args.device,
             progress=True,
