@@ -58,6 +58,8 @@ from dualseg.engine.distributed import (
 )
 from dualseg.engine.losses import SegmentationLoss
 from dualseg.engine.optim import build_optimizer, build_scheduler
+from dualseg.engine.preflight import check_training_data, label_mapping, scored_classes_note
+from dualseg.engine.rundir import CheckpointClock, checkpoint_interval, prepare_run_dir
 from dualseg.errors import ConfigError, DataError, DualsegError
 from dualseg.io import atomic_write_text
 
@@ -238,6 +240,9 @@ class _RunLog:
                 self.tb = SummaryWriter(str(out_dir), purge_step=start or None)
             except ImportError:  # tensorboard not installed: JSONL and PNG only
                 self.tb = None
+                print("dualseg train: warning: tensorboard is not installed, so no event files "
+                      "are written (pip install tensorboard, or --train.tensorboard false)",
+                      file=sys.stderr)  # fmt: skip
         if cfg.train.progress and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
@@ -334,6 +339,7 @@ def _build_datasets(cfg: Config) -> tuple[Any, Any | None]:
         raise ConfigError("no dataset: set data.root in the config or pass --data.root PATH")
     transform = train_transform(d)
     common = {"layout": d.layout, "preset": d.preset, "label_format": d.label_format}
+    common.update(label_mapping(d))
     train_ds = build_dataset(
         d.root,
         split=d.train_split,
@@ -438,26 +444,31 @@ def _val_record(iteration: int, metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- fit
-def fit(cfg: Config, *, resume: str | None = None) -> dict[str, Any]:
+def fit(cfg: Config, *, resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Train ``cfg`` (under ``torchrun``: one process per GPU); returns a summary dict.
 
     ``resume``: a checkpoint path, or ``"auto"`` for ``<out_dir>/last.pt`` when it exists.
     Summary: ``{"iteration", "stop_reason", "best_miou", "best_iteration", "last", "best",
     "out_dir"}`` where ``stop_reason`` is ``"max_iters"``, ``"patience"`` or ``"interrupted"``
     (with ``"signal"``).
+
+    A ``train.out_dir`` that already holds a run is refused unless ``resume`` is given or
+    ``overwrite=True`` (which removes the old run's files first).
     """
     validate_config(cfg)  # also for a Config built in Python rather than parsed
     env = init_distributed(cfg.train.device)
     try:
-        return _fit(cfg, env, resume)
+        return _fit(cfg, env, resume, overwrite)
     finally:
         cleanup_distributed()
 
 
-def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
+def _fit(cfg: Config, env: DistEnv, resume: str | None, overwrite: bool) -> dict[str, Any]:
     t = cfg.train
     out_dir = Path(t.out_dir)
     device = env.device
+    prepare_run_dir(out_dir, resuming=resume is not None, overwrite=overwrite, is_main=env.is_main)
+    check_training_data(cfg.data, progress=t.progress and env.is_main and sys.stderr.isatty())
     _seed_everything(t.seed, t.deterministic, device)
 
     train_ds, val_ds = _build_datasets(cfg)
@@ -531,7 +542,7 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
         log.message(f"no checkpoint in {out_dir}; starting a new run")
 
     paths = {"last": out_dir / ckpt_io.LAST_NAME, "best": out_dir / ckpt_io.BEST_NAME}
-    ckpt_every = t.ckpt_every or t.val_every or t.max_iters
+    clock = CheckpointClock(checkpoint_interval(t.ckpt_every, t.val_every), t.ckpt_minutes)
 
     def save(kind: str, *, at: int, ep: int, offset: int) -> None:
         if not env.is_main:
@@ -574,7 +585,8 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
         )
         progress.last_val = {"iteration": at, **metrics}
         record = _val_record(at, metrics)
-        log.write(record, echo=f"[{at}] val mIoU {metrics['miou']:.4f}")
+        note = scored_classes_note(metrics, meta.class_names)
+        log.write(record, echo=f"[{at}] val mIoU {metrics['miou']:.4f}{note}")
         if metrics["miou"] > progress.best_miou:
             progress.best_miou, progress.best_iteration = float(metrics["miou"]), at
             return True
@@ -626,8 +638,9 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
                 f"evaluations (best {progress.best_monitored:.4f})"
             )
         stopping = done or stop_reason != "max_iters"
-        if stopping or s.iteration % ckpt_every == 0 or evaluated:
+        if stopping or clock.due(s.iteration) or evaluated:
             save("last", at=s.iteration, ep=epoch, offset=consumed)
+            clock.saved()
         if is_best:
             save("best", at=s.iteration, ep=epoch, offset=consumed)
         return stopping
