@@ -27,7 +27,7 @@ from dualseg.data.presets import META_FILE, PRESETS, without_source_ignore
 from dualseg.data.readers import LABEL_FORMATS
 from dualseg.data.transforms import build_augment_pipeline, sample_seed, seeded
 from dualseg.errors import DataError
-from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text, check_writable
 
 SETTINGS_FILE = "augment.json"
 IMAGE_FORMATS = {"png": "PNG", "jpg": "JPEG"}
@@ -136,7 +136,7 @@ def augment_dataset(
         raise DataError(f"--count must be >= 1, got {count}")
     if image_format not in IMAGE_FORMATS:
         raise DataError(f"image format {image_format!r}: use one of {sorted(IMAGE_FORMATS)}")
-    dst = Path(dst)
+    dst = check_writable(dst, kind="dir", what="DST")
     dataset = build_dataset(
         src, split=split, layout=layout, preset=preset, label_format=label_format
     )

@@ -280,6 +280,20 @@ def _own_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -
     )
 
 
+def dataset_meta(
+    root: str | Path, *, layout: str = "auto", split: str = "train"
+) -> DatasetMeta | None:
+    """The classes ``root`` describes itself (ROOT/meta.json, or the VOC / Cityscapes layout);
+    ``None`` when it does not say (a bad meta.json is still an error)."""
+    root = Path(root)
+    meta_file = (root.parent if root.is_file() else root) / META_FILE
+    if meta_file.is_file():
+        return load_meta_file(meta_file)
+    if layout == "auto":
+        layout = _detect(root, split) or "auto"
+    return PRESETS.get(layout)
+
+
 class SegmentationDataset(torch.utils.data.Dataset):
     """Image/label pairs -> ``(image float32 [3,H,W] normalized, label int64 [H,W])``.
 
@@ -381,9 +395,7 @@ def build_dataset(
             found.problems[0]
             + (f" (and {more} more problems; run 'dualseg data check {root}')" if more else "")
         )
-    meta = resolve_meta(
-        root, found.layout, preset, label_map=label_map, ignore_value=ignore_value
-    )
+    meta = resolve_meta(root, found.layout, preset, label_map=label_map, ignore_value=ignore_value)
     return SegmentationDataset(
         found.samples,
         meta,

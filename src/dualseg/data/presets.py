@@ -344,3 +344,22 @@ def with_label_mapping(
     if ignore_value != "auto":
         changes["ignore_value"] = None if ignore_value is None else int(ignore_value)
     return replace(meta, **changes) if changes else meta
+
+
+def require_same_classes(
+    model_names: tuple[str, ...] | list[str],
+    data_names: tuple[str, ...] | list[str],
+    *,
+    model: str,
+    data: str,
+) -> None:
+    """Raise one :class:`DataError` listing both class lists when they differ.
+
+    Every command that scores or labels a dataset with a trained model (eval, predict --data,
+    refine fit, refine apply --data) calls this: a model never scores under wrong names.
+    """
+    if tuple(model_names) != tuple(data_names):
+        raise DataError(
+            f"{model} has classes {list(model_names)} but {data} has {list(data_names)}; use "
+            "a model trained on this dataset (or pass the matching --preset)"
+        )

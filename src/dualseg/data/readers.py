@@ -154,7 +154,7 @@ def _check_values(path: Path, raw: np.ndarray, meta: DatasetMeta) -> np.ndarray:
             f"{path}: label values {bad[:8]}{' ...' if len(bad) > 8 else ''} "
             f"({int(counts.sum())} pixels) are neither a class of {meta.name!r} "
             f"(0..{meta.num_classes - 1}) nor ignore ({meta.describe_ignore()}); choose the "
-            f"matching preset, map them with --label-map RAW:CLASS (meta.json: \"label_map\"), "
+            f'matching preset, map them with --label-map RAW:CLASS (meta.json: "label_map"), '
             "or fix the label"
         )
     return mapped.astype(np.uint8)
