@@ -40,6 +40,7 @@ class CheckReport:
     problems: list[str] = field(default_factory=list)
     histogram: np.ndarray = field(default_factory=_empty_histogram)  # all splits
     split_histograms: dict[str, np.ndarray] = field(default_factory=dict)
+    binary_mask: str | None = None  # the "looks like a 0/255 binary mask" problem, if found
 
     def to_dict(self) -> dict[str, Any]:
         names = {**dict(enumerate(self.meta.class_names)), IGNORE_INDEX: "ignore"}
@@ -153,12 +154,13 @@ def _class_problems(report: CheckReport) -> list[str]:
     ):
         absent.remove(1)
         meta_file = (report.root.parent if report.root.is_file() else report.root) / META_FILE
-        problems.append(
+        report.binary_mask = (
             f"{report.root}: looks like a 0/255 binary mask: class 1 ({names[1]!r}) has no "
             f"pixels while value 255 (read as ignore) covers {100 * ignore_share:.1f}% and the "
             "only other value is 0; map 255 to class 1 with --label-map 255:1 (or "
             f'"label_map": {{"255": 1}} in {meta_file})'
         )
+        problems.append(report.binary_mask)
     if absent:
         shown = ", ".join(f"{c} {names[c]!r}" for c in absent[:8])
         more = f" and {len(absent) - 8} more" if len(absent) > 8 else ""
@@ -171,8 +173,22 @@ def _class_problems(report: CheckReport) -> list[str]:
 
 
 def require_trainable(report: CheckReport, train_split: str) -> None:
-    """Raise one :class:`DataError` when ``report`` has problems or ``train_split``'s labels
-    hold fewer than two classes (a model cannot learn to tell classes apart from one)."""
+    """Raise one :class:`DataError` when ``train_split``'s labels hold fewer than two classes
+    (a model cannot learn to tell classes apart from one) or ``report`` has problems."""
+    meta, hist = report.meta, report.split_histograms.get(train_split)
+    present = [c for c in range(meta.num_classes) if hist is not None and hist[c] > 0]
+    if hist is not None and hist.any() and len(present) < 2:
+        total = max(int(hist.sum()), 1)
+        shown = ", ".join(repr(meta.class_names[c]) for c in present) or "none"
+        fix = report.binary_mask or (
+            "check the label mapping (--label-map, --ignore-index, meta.json) with "
+            f"'dualseg data check {report.root}'"
+        )
+        raise DataError(
+            f"{report.root}: the {train_split!r} labels contain {len(present)} class(es) "
+            f"({shown}; {100 * hist[IGNORE_INDEX] / total:.1f}% of pixels are ignore), so "
+            f"training cannot learn to separate classes; {fix}"
+        )
     if report.problems:
         more = len(report.problems) - 1
         raise DataError(
@@ -180,20 +196,6 @@ def require_trainable(report: CheckReport, train_split: str) -> None:
             + (f" (and {more} more problem(s))" if more else "")
             + f"; 'dualseg data check {report.root}' lists them all (or skip this scan with "
             "--data.check false)"
-        )
-    hist = report.split_histograms.get(train_split)
-    if hist is None:
-        return
-    meta = report.meta
-    present = [c for c in range(meta.num_classes) if hist[c] > 0]
-    if len(present) < 2:
-        total = max(int(hist.sum()), 1)
-        shown = ", ".join(repr(meta.class_names[c]) for c in present) or "none"
-        raise DataError(
-            f"{report.root}: the {train_split!r} labels contain {len(present)} class(es) "
-            f"({shown}; {100 * hist[IGNORE_INDEX] / total:.1f}% of pixels are ignore), so "
-            "training cannot learn to separate classes; check the label mapping "
-            "(--label-map, --ignore-index, meta.json) with 'dualseg data check'"
         )
 
 
