@@ -84,6 +84,18 @@ def main(argv: list[str] | None = None) -> int:
     except DualsegError as err:  # expected, user-facing failures: one clear line, no traceback
         print(error_line(name, err), file=sys.stderr)
         return 1
+    except OSError as err:
+        # A file-system failure no up-front check foresaw (disk full, a folder made read-only
+        # mid-run, a path that is a file): the user's environment, not a bug, so one line too.
+        if err.filename is None:
+            raise
+        reason = err.strerror or type(err).__name__
+        print(
+            f"dualseg {name}: error: {err.filename}: {reason}; check the path, its permissions "
+            "and the free space",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -360,6 +360,7 @@ def require_same_classes(
     """
     if tuple(model_names) != tuple(data_names):
         raise DataError(
-            f"{model} has classes {list(model_names)} but {data} has {list(data_names)}; use "
-            "a model trained on this dataset (or pass the matching --preset)"
+            f"{model} has {len(model_names)} classes {list(model_names)} but {data} has "
+            f"{len(data_names)} {list(data_names)}; use a model trained on this dataset (or "
+            "pass the matching --preset)"
         )
