@@ -111,6 +111,10 @@ def test_a_class_absent_from_every_split_is_a_problem(tmp_path, capsys) -> None:
     assert main(["data", "check", str(root)]) == 1
     out = capsys.readouterr().out
     assert "class(es) 3 'd' have no pixels in any split (train, val)" in out
+    # train warns (a subset of a large class set may lack some) but trains
+    run = tmp_path / "run"
+    assert main(train_argv(root, run)) == 0
+    assert "warning: " in capsys.readouterr().err and (run / "last.pt").is_file()
 
 
 def test_validation_of_a_single_class_says_so() -> None:
@@ -240,7 +244,7 @@ def test_train_into_an_existing_run_needs_resume_or_overwrite(four_data, tmp_pat
     stale.write_bytes(b"partial")
     assert main(train_argv(four_data, out, "--resume", "auto", "--train.max_iters", "2")) == 0
     assert load_checkpoint(out / "last.pt")["iteration"] == 2 and not stale.exists()
-    assert main(train_argv(four_data, out, "--overwrite", "true")) == 0
+    assert main(train_argv(four_data, out, "--overwrite")) == 0
     assert load_checkpoint(out / "last.pt")["iteration"] == 1
 
 

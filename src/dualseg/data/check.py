@@ -41,6 +41,7 @@ class CheckReport:
     histogram: np.ndarray = field(default_factory=_empty_histogram)  # all splits
     split_histograms: dict[str, np.ndarray] = field(default_factory=dict)
     binary_mask: str | None = None  # the "looks like a 0/255 binary mask" problem, if found
+    absent_classes: str | None = None  # the "class(es) ... have no pixels" problem, if found
 
     def to_dict(self) -> dict[str, Any]:
         names = {**dict(enumerate(self.meta.class_names)), IGNORE_INDEX: "ignore"}
@@ -165,16 +166,21 @@ def _class_problems(report: CheckReport) -> list[str]:
         shown = ", ".join(f"{c} {names[c]!r}" for c in absent[:8])
         more = f" and {len(absent) - 8} more" if len(absent) > 8 else ""
         splits = ", ".join(report.split_histograms) or "the dataset"
-        problems.append(
+        report.absent_classes = (
             f"{report.root}: class(es) {shown}{more} have no pixels in any split ({splits}); "
             "check the label mapping (--label-map, --preset) or remove them from the class list"
         )
+        problems.append(report.absent_classes)
     return problems
 
 
 def require_trainable(report: CheckReport, train_split: str) -> None:
     """Raise one :class:`DataError` when ``train_split``'s labels hold fewer than two classes
-    (a model cannot learn to tell classes apart from one) or ``report`` has problems."""
+    (a model cannot learn to tell classes apart from one) or ``report`` has problems.
+
+    Classes absent from every split are no reason to refuse (a small subset of a large class
+    set lacks some); :attr:`CheckReport.absent_classes` says which, for a warning.
+    """
     meta, hist = report.meta, report.split_histograms.get(train_split)
     present = [c for c in range(meta.num_classes) if hist is not None and hist[c] > 0]
     if hist is not None and hist.any() and len(present) < 2:
@@ -189,10 +195,11 @@ def require_trainable(report: CheckReport, train_split: str) -> None:
             f"({shown}; {100 * hist[IGNORE_INDEX] / total:.1f}% of pixels are ignore), so "
             f"training cannot learn to separate classes; {fix}"
         )
-    if report.problems:
-        more = len(report.problems) - 1
+    problems = [p for p in report.problems if p != report.absent_classes]
+    if problems:
+        more = len(problems) - 1
         raise DataError(
-            report.problems[0]
+            problems[0]
             + (f" (and {more} more problem(s))" if more else "")
             + f"; 'dualseg data check {report.root}' lists them all (or skip this scan with "
             "--data.check false)"

@@ -147,7 +147,7 @@ class Config:
 
 def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> Any:
     """The ``dualseg train`` parser: ``--config FILE`` plus one flag per field."""
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    from jsonargparse import ActionConfigFile, ActionYesNo, ArgumentParser
 
     parser = ArgumentParser(
         prog=prog,
@@ -165,7 +165,7 @@ def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> 
     )
     parser.add_argument(
         "--overwrite",
-        type=bool,
+        action=ActionYesNo,
         default=False,
         help="replace the run already in train.out_dir (without it, such a run is refused)",
     )

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,8 +30,11 @@ def label_mapping(d: DataConfig) -> dict[str, Any]:
     }
 
 
-def check_training_data(d: DataConfig, *, progress: bool = False) -> None:
-    """Scan every pair of ``d``'s training and validation splits; one ``DataError`` if bad."""
+def check_training_data(d: DataConfig, *, progress: bool = False, warn: bool = True) -> None:
+    """Scan every pair of ``d``'s training and validation splits; one ``DataError`` if bad.
+
+    Classes with no pixels in these splits are a one-line warning (``warn``), not a refusal.
+    """
     if not d.check or not d.root:
         return
     from dualseg.data.check import check_dataset, require_trainable
@@ -46,6 +50,8 @@ def check_training_data(d: DataConfig, *, progress: bool = False) -> None:
         **label_mapping(d),
     )
     require_trainable(report, d.train_split)
+    if report.absent_classes and warn:
+        print(f"dualseg train: warning: {report.absent_classes}", file=sys.stderr)
 
 
 def scored_classes_note(metrics: Mapping[str, Any], class_names: Sequence[str]) -> str:

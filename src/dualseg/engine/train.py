@@ -468,7 +468,9 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None, overwrite: bool) -> dict
     out_dir = Path(t.out_dir)
     device = env.device
     prepare_run_dir(out_dir, resuming=resume is not None, overwrite=overwrite, is_main=env.is_main)
-    check_training_data(cfg.data, progress=t.progress and env.is_main and sys.stderr.isatty())
+    check_training_data(
+        cfg.data, progress=t.progress and env.is_main and sys.stderr.isatty(), warn=env.is_main
+    )
     _seed_everything(t.seed, t.deterministic, device)
 
     train_ds, val_ds = _build_datasets(cfg)
