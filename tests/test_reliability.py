@@ -283,6 +283,35 @@ def test_eval_refuses_an_unwritable_folder_before_evaluating(four_ckpt, four_dat
         blocked.unlink()
 
 
+def test_eval_prints_the_scores_before_a_failing_write(
+    four_ckpt, four_data, tmp_path, capsys, monkeypatch
+):
+    import dualseg.io
+
+    def refuse(path, obj):  # the folder turned read-only while evaluating
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(dualseg.io, "atomic_write_json", refuse)
+    out = tmp_path / "e"
+    assert main(["eval", "-c", str(four_ckpt), "--data", str(four_data), "-o", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert "mIoU" in captured.out  # the finished evaluation is on screen
+    err = captured.err.strip()
+    assert err.count("\n") == 0 and "metrics.json: Permission denied" in err
+    assert tree(out) == []
+
+
+def test_ignore_index_null_makes_an_unmapped_255_an_error(tmp_path, capsys) -> None:
+    root = write_dataset(tmp_path / "bin", {"train": binary_masks(2)}, meta=BINARY)
+    run = tmp_path / "run"
+    argv = train_argv(root, run, "--data.val_split", "null", "--data.ignore_index", "null")
+    assert main(argv) == 1
+    err = one_line(capsys)
+    assert "label values [255]" in err and "ignore (none)" in err
+    assert "--data.label_map RAW:CLASS" in err and tree(run) == []
+    assert main([*argv, "--data.label_map", "255:1"]) == 0
+
+
 # ------------------------------------------------------------------ messages
 def test_colour_label_hint_names_the_train_flag(tmp_path, capsys) -> None:
     colour = np.zeros((32, 32, 3), np.uint8)
