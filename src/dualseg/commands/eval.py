@@ -124,7 +124,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device=device)
-    own = get_preset(args.preset) if args.preset else dataset_meta(args.data, layout=args.layout)
+    own = (
+        get_preset(args.preset)
+        if args.preset
+        else dataset_meta(args.data, layout=args.layout, split=args.split)
+    )
     if own is not None:
         require_same_classes(
             meta.class_names,

@@ -6,6 +6,8 @@
 - :func:`label_mapping`: the ``build_dataset`` arguments of ``data.label_map`` /
   ``data.ignore_index``.
 - :func:`scored_classes_note`: says so when a score is the mean over a single class.
+- :func:`warn_missing_tensorboard`: ``train.tensorboard`` without tensorboard installed is
+  said at the start (one line), not discovered after the run.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from typing import Any
 
 from dualseg.engine.config import DataConfig
 
-__all__ = ["check_training_data", "label_mapping", "scored_classes_note"]
+__all__ = [
+    "check_training_data",
+    "label_mapping",
+    "scored_classes_note",
+    "warn_missing_tensorboard",
+]
 
 
 def label_mapping(d: DataConfig) -> dict[str, Any]:
@@ -65,3 +72,20 @@ def scored_classes_note(metrics: Mapping[str, Any], class_names: Sequence[str]) 
         return ""
     name = class_names[scored[0]] if scored[0] < len(class_names) else scored[0]
     return f" (1 class scored: {name!r}; the labels hold no other class)"
+
+
+def warn_missing_tensorboard(enabled: bool) -> bool:
+    """Print one warning line when TensorBoard logging is on but cannot be imported; return
+    whether event files can be written."""
+    if not enabled:
+        return False
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        print(
+            "dualseg train: warning: tensorboard is not installed, so no event files are "
+            "written (pip install tensorboard, or --train.tensorboard false)",
+            file=sys.stderr,
+        )
+        return False
+    return True

@@ -58,7 +58,12 @@ from dualseg.engine.distributed import (
 )
 from dualseg.engine.losses import SegmentationLoss
 from dualseg.engine.optim import build_optimizer, build_scheduler
-from dualseg.engine.preflight import check_training_data, label_mapping, scored_classes_note
+from dualseg.engine.preflight import (
+    check_training_data,
+    label_mapping,
+    scored_classes_note,
+    warn_missing_tensorboard,
+)
 from dualseg.engine.rundir import CheckpointClock, checkpoint_interval, prepare_run_dir
 from dualseg.errors import ConfigError, DataError, DualsegError
 from dualseg.io import atomic_write_text
@@ -240,9 +245,6 @@ class _RunLog:
                 self.tb = SummaryWriter(str(out_dir), purge_step=start or None)
             except ImportError:  # tensorboard not installed: JSONL and PNG only
                 self.tb = None
-                print("dualseg train: warning: tensorboard is not installed, so no event files "
-                      "are written (pip install tensorboard, or --train.tensorboard false)",
-                      file=sys.stderr)  # fmt: skip
         if cfg.train.progress and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
@@ -471,6 +473,7 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None, overwrite: bool) -> dict
     check_training_data(
         cfg.data, progress=t.progress and env.is_main and sys.stderr.isatty(), warn=env.is_main
     )
+    warn_missing_tensorboard(t.tensorboard and env.is_main)
     _seed_everything(t.seed, t.deterministic, device)
 
     train_ds, val_ds = _build_datasets(cfg)
