@@ -40,7 +40,7 @@ class CheckReport:
     problems: list[str] = field(default_factory=list)
     histogram: np.ndarray = field(default_factory=_empty_histogram)  # all splits
     split_histograms: dict[str, np.ndarray] = field(default_factory=dict)
-    binary_mask: str | None = None  # the "looks like a 0/255 binary mask" problem, if found
+    binary_mask: str | None = None  # "looks like a 0/255 binary mask: ..." (its fix), if so
     absent_classes: str | None = None  # the "class(es) ... have no pixels" problem, if found
 
     def to_dict(self) -> dict[str, Any]:
@@ -156,12 +156,12 @@ def _class_problems(report: CheckReport) -> list[str]:
         absent.remove(1)
         meta_file = (report.root.parent if report.root.is_file() else report.root) / META_FILE
         report.binary_mask = (
-            f"{report.root}: looks like a 0/255 binary mask: class 1 ({names[1]!r}) has no "
+            f"looks like a 0/255 binary mask: class 1 ({names[1]!r}) has no "
             f"pixels while value 255 (read as ignore) covers {100 * ignore_share:.1f}% and the "
             "only other value is 0; map 255 to class 1 with --label-map 255:1 (or "
             f'"label_map": {{"255": 1}} in {meta_file})'
         )
-        problems.append(report.binary_mask)
+        problems.append(f"{report.root}: {report.binary_mask}")
     if absent:
         shown = ", ".join(f"{c} {names[c]!r}" for c in absent[:8])
         more = f" and {len(absent) - 8} more" if len(absent) > 8 else ""
