@@ -3,6 +3,10 @@
 Prints mIoU, a per-class IoU table, pixel / mean accuracy, boundary F1 and trimap mIoU, and
 writes them to ``OUT/metrics.json`` (NaN -> null). ``--save-predictions DIR`` writes each
 image's label and colour PNGs; ``--refiner R`` (method B) adds the refined scores side by side.
+
+Refusals before any work: an unwritable ``OUT`` or ``--save-predictions`` folder, and a dataset
+whose own classes (``ROOT/meta.json``, ``--preset`` or its layout) differ from the checkpoint's.
+The metrics are printed before they are written.
 """
 
 from __future__ import annotations
@@ -30,10 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--preset",
         default=None,
-        help="dataset preset (camvid, voc, cityscapes, synthetic); default: the classes stored "
-        "in the checkpoint",
+        help="dataset preset (camvid, voc, cityscapes, synthetic); default: ROOT/meta.json, "
+        "else the classes stored in the checkpoint",
     )
     p.add_argument("--label-format", default="index", help="index | color (index)")
+    p.add_argument(
+        "--label-map",
+        default=None,
+        metavar="RAW:CLASS[,...]",
+        help="map raw label values to class ids, e.g. 255:1 (default: ROOT/meta.json's)",
+    )
     p.add_argument(
         "--out", "-o", default=None, help="folder for metrics.json (<checkpoint dir>/eval_SPLIT)"
     )
@@ -87,20 +97,39 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from dualseg.data import PRESETS, build_dataset, get_preset
+    from dualseg.data.datasets import dataset_meta
+    from dualseg.data.presets import parse_label_map, require_same_classes
     from dualseg.data.transforms import build_eval_transform
     from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
     from dualseg.engine.evaluate import evaluate, format_metrics
     from dualseg.engine.predict import resolve_device
-    from dualseg.io import atomic_write_json
+    from dualseg.engine.preflight import scored_classes_note
+    from dualseg.io import atomic_write_json, check_writable
     from dualseg.metrics import to_jsonable
 
+    out = Path(args.out) if args.out else Path(args.checkpoint).parent / f"eval_{args.split}"
+    check_writable(out, kind="dir", what="--out")
+    if args.save_predictions:
+        check_writable(args.save_predictions, kind="dir", what="--save-predictions")
+    label_map = parse_label_map(args.label_map) if args.label_map else None
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device=device)
-    if args.preset is not None:
-        meta = get_preset(args.preset)
+    own = (
+        get_preset(args.preset)
+        if args.preset
+        else dataset_meta(args.data, layout=args.layout, split=args.split)
+    )
+    if own is not None:
+        require_same_classes(
+            meta.class_names,
+            own.class_names,
+            model=f"the checkpoint {args.checkpoint}",
+            data=f"the dataset {args.data} ({own.name})",
+        )
+        meta = own
     elif meta.name in PRESETS and PRESETS[meta.name].class_names == meta.class_names:
         meta = PRESETS[meta.name]  # the preset also knows the raw ignore values (CamVid: 11)
     dataset = build_dataset(
@@ -110,6 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         preset=meta,
         transform=build_eval_transform(),
         label_format=args.label_format,
+        label_map=label_map,
     )
     n_model = int(ckpt["model_kwargs"].get("num_classes", meta.num_classes))
     if dataset.meta.num_classes != n_model:
@@ -148,7 +178,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         on_batch=hook,
         progress=sys.stderr.isatty(),
     )
-    out = Path(args.out) if args.out else Path(args.checkpoint).parent / f"eval_{args.split}"
     record = {
         "checkpoint": str(args.checkpoint),
         "data": str(args.data),
@@ -159,9 +188,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "refiner": args.refiner,
         **metrics,
     }
-    atomic_write_json(out / "metrics.json", to_jsonable(record))
     print(f"{args.checkpoint} on {args.data} [{args.split}], {metrics['num_images']} images")
     print(format_metrics(metrics, dataset.meta.class_names))
+    note = scored_classes_note(metrics, dataset.meta.class_names)
+    if note:
+        print(f"note: mIoU {100 * metrics['miou']:.2f}{note}")
+    sys.stdout.flush()  # the scores are on screen before anything can fail writing them
+    atomic_write_json(out / "metrics.json", to_jsonable(record))
     print(f"metrics -> {out / 'metrics.json'}")
     return metrics
 

@@ -135,32 +135,29 @@ def decode_color_label(rgb: np.ndarray, meta: DatasetMeta, *, path: str | Path =
 
 
 def _check_values(path: Path, raw: np.ndarray, meta: DatasetMeta) -> np.ndarray:
-    """Map source_ignore -> 255, then require every value to be a class or 255."""
+    """Raw values -> class ids through the dataset's mapping; any other value is an error."""
     if raw.dtype != np.uint8:
         if raw.size and (raw.min() < 0 or raw.max() > 255):
             bad = np.unique(raw[(raw < 0) | (raw > 255)])[:8].tolist()
             raise DataError(
                 f"{path}: label values {bad} are neither a class of {meta.name!r} "
-                f"(0..{meta.num_classes - 1}) nor ignore (255); fix the label or choose the "
-                "matching preset"
+                f"(0..{meta.num_classes - 1}) nor ignore ({meta.describe_ignore()}); fix the "
+                "label or choose the matching preset"
             )
         raw = raw.astype(np.uint8)
-    lut = np.arange(256, dtype=np.uint8)
-    lut[list(meta.source_ignore)] = IGNORE_INDEX
-    label = lut[raw]
-    counts = np.bincount(label.ravel(), minlength=256)
-    counts[: meta.num_classes] = 0
-    counts[IGNORE_INDEX] = 0
-    if counts.any():
+    mapped = meta.lookup_table()[raw]
+    invalid = mapped < 0
+    if invalid.any():
+        counts = np.bincount(raw[invalid].ravel(), minlength=256)
         bad = np.flatnonzero(counts).tolist()
         raise DataError(
             f"{path}: label values {bad[:8]}{' ...' if len(bad) > 8 else ''} "
             f"({int(counts.sum())} pixels) are neither a class of {meta.name!r} "
-            f"(0..{meta.num_classes - 1}) nor ignore (255"
-            + "".join(f", {v}" for v in meta.source_ignore)
-            + "); choose the matching preset, list the value in source_ignore, or fix the label"
+            f"(0..{meta.num_classes - 1}) nor ignore ({meta.describe_ignore()}); choose the "
+            f'matching preset, map them with --label-map RAW:CLASS (meta.json: "label_map"), '
+            "or fix the label"
         )
-    return label
+    return mapped.astype(np.uint8)
 
 
 def read_label(path: str | Path, meta: DatasetMeta, *, label_format: str = "index") -> np.ndarray:
