@@ -55,10 +55,17 @@ def test_segment_raw_body_and_label_only(client):
     assert _decode(body["label_png"]).shape == (48, 64)
 
 
-def test_non_image_is_rejected_with_400(client):
+def test_non_image_is_rejected_with_400_naming_the_file_not_a_buffer(client):
     r = client.post("/api/segment", files={"file": ("notes.png", b"hello, not a png", "image/png")})
     assert r.status_code == 400
-    assert "not a readable image" in r.json()["detail"]
+    detail = r.json()["detail"]
+    assert detail.startswith("notes.png is not an image") and "PNG, JPEG" in detail
+    assert "BytesIO" not in detail and " at 0x" not in detail and "\n" not in detail
+    cut = gradient_png()[:120]  # a PNG header, then nothing: fails while decoding
+    raw = client.post("/api/segment", content=cut, headers={"Content-Type": "image/png"})
+    assert raw.status_code == 400
+    assert raw.json()["detail"].startswith("the upload is an unreadable or truncated image")
+    assert "BytesIO" not in raw.json()["detail"]
 
 
 def test_text_part_is_rejected_with_415(client):
