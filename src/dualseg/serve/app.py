@@ -135,6 +135,7 @@ class InfoResponse(BaseModel):
     work_megapixels: float = Field(description="larger images are inferred downscaled (0: never)")
     workers: int
     queue_size: int
+    busy: int = Field(description="requests being segmented or waiting for a worker now")
     model: str
 
 
@@ -368,6 +369,11 @@ class _Workers:
                 self._pending -= 1
                 self._mean_s = 0.8 * self._mean_s + 0.2 * (time.perf_counter() - t)
 
+    @property
+    def pending(self) -> int:
+        """Jobs running or waiting now."""
+        return self._pending
+
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
@@ -440,6 +446,7 @@ def create_app(
             work_megapixels=work_megapixels,
             workers=workers,
             queue_size=queue_size,
+            busy=pool.pending,
             model=model_name,
         )
 
