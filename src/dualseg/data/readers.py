@@ -152,9 +152,7 @@ def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:
     arr = np.array(im)  # a writable copy: np.asarray of a PIL image is read-only
     if mode in _SIXTEEN_BIT:
         if arr.min() < 0 or arr.max() > 65535:
-            raise DataError(
-                f"{source}: 32-bit image values outside 0..65535; save it as 8-bit RGB"
-            )
+            raise DataError(f"{source}: 32-bit image values outside 0..65535; save it as 8-bit RGB")
         arr = ((arr.astype(np.float32) / 257.0) + 0.5).astype(np.uint8)
         mode = "L"
     if mode == "LA":
