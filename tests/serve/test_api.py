@@ -14,7 +14,7 @@ from PIL import Image
 from serve_fakes import BrightnessSegmenter, gradient_png
 
 from dualseg.errors import ConfigError
-from dualseg.serve.app import create_app
+from dualseg.serve.app import create_app, upsample_probs
 
 
 def _decode(b64: str) -> np.ndarray:
@@ -258,3 +258,15 @@ def test_unwritable_save_uploads_fails_when_the_app_is_made(tmp_path, segmenter)
     blocker.write_bytes(b"")
     with pytest.raises(ConfigError, match=r"--save-uploads .*file.sub: cannot write there"):
         create_app(segmenter, save_uploads=blocker / "sub")
+
+
+@pytest.mark.parametrize("classes", [1, 3, 150])  # 150: more channels than one OpenCV call takes
+def test_upsample_probs_is_the_engines_bilinear_resize(classes):
+    torch = pytest.importorskip("torch")
+    probs = np.random.default_rng(0).random((classes, 9, 13), dtype=np.float32)
+    ours = upsample_probs(probs, (31, 40))
+    theirs = torch.nn.functional.interpolate(
+        torch.from_numpy(probs)[None], size=(31, 40), mode="bilinear", align_corners=False
+    )[0].numpy()
+    assert ours.shape == (classes, 31, 40)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)

@@ -157,3 +157,23 @@ def test_serve_refuses_mismatched_refiner(files, captured, tmp_path):
         serve_main(["-c", str(ckpt), "--refiner", str(other)])
     assert main(["serve", "-c", str(ckpt), "--refiner", str(other)]) == 1  # one-line error
     assert "app" not in captured
+
+
+def test_serve_logs_one_line_per_request_on_stderr(files, monkeypatch, capsys):
+    import uvicorn
+
+    ckpt, _ = files
+    monkeypatch.setattr(serve_command, "check_port", lambda host, port: None)
+
+    # "serving" = two requests made while uvicorn.run would be running
+    def serve(app, **_):
+        client = TestClient(app)
+        client.get("/api/info")
+        client.post("/api/segment", content=b"x", headers={"Content-Type": "text/plain"})
+
+    monkeypatch.setattr(uvicorn, "run", serve)
+    assert main(["serve", "-c", str(ckpt)]) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2
+    assert lines[0].endswith(" ms") and " GET /api/info 200 " in lines[0]
+    assert " POST /api/segment 415 " in lines[1]

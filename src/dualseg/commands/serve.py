@@ -9,10 +9,12 @@ Binds to 127.0.0.1 (this machine only) unless --host says otherwise; the page ha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,15 +133,21 @@ def _import_serve() -> tuple[Any, Any]:
     return uvicorn, create_app
 
 
-def _log_requests_to_stderr() -> None:
-    """One line per request (``dualseg.serve`` logger: method, path, status, ms) on stderr."""
+@contextlib.contextmanager
+def _request_log_on_stderr() -> Iterator[None]:
+    """While serving: one line per request (``dualseg.serve`` logger: method, path, status,
+    ms) on stderr; the logger is left as it was afterwards."""
     logger = logging.getLogger("dualseg.serve")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    level = logger.level
+    logger.addHandler(handler)
     logger.setLevel(logging.INFO)
-    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             "address can use it",
             file=sys.stderr,
         )
-    _log_requests_to_stderr()
     shown = f"[{args.host}]" if ":" in args.host else args.host
     print(f"dualseg serve: http://{shown}:{args.port}/  (API docs: /docs; Ctrl+C stops)")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    with _request_log_on_stderr():
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

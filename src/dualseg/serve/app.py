@@ -322,16 +322,23 @@ def working_size(height: int, width: int, max_pixels: float) -> tuple[int, int]:
 
 
 def _resize(array: np.ndarray, hw: tuple[int, int], interpolation: int) -> np.ndarray:
-    """``HxW[xC]`` -> ``h x w [xC]`` with OpenCV (any channel count up to 512)."""
+    """``HxW[xC]`` -> ``h x w [xC]`` with OpenCV."""
     return cv2.resize(array, (hw[1], hw[0]), interpolation=interpolation)
+
+
+_CV_CHANNELS = 64  # OpenCV resizes at most this many channels in one call here (safe bound)
 
 
 def upsample_probs(probs: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     """``[C,h,w]`` -> ``[C,H,W]`` bilinear (half-pixel centres, as the engine's S4 tail)."""
     if probs.shape[1:] == hw:
         return probs
-    chw = _resize(np.ascontiguousarray(probs.transpose(1, 2, 0)), hw, cv2.INTER_LINEAR)
-    return chw.reshape(*hw, -1).transpose(2, 0, 1)
+    hwc = np.ascontiguousarray(probs.transpose(1, 2, 0))
+    parts = [
+        _resize(hwc[..., i : i + _CV_CHANNELS], hw, cv2.INTER_LINEAR).reshape(*hw, -1)
+        for i in range(0, hwc.shape[2], _CV_CHANNELS)
+    ]
+    return np.concatenate(parts, axis=2).transpose(2, 0, 1)
 
 
 class _Workers:
