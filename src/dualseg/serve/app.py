@@ -402,8 +402,11 @@ def create_app(
 
     ``save_uploads`` is created and checked writable here (:class:`ConfigError` if not).
     """
-    if workers < 1 or queue_size < 0:
-        raise ConfigError(f"workers must be >= 1 and queue_size >= 0, got {workers}, {queue_size}")
+    if workers < 1 or queue_size < 0 or work_megapixels < 0:
+        raise ConfigError(
+            "workers must be >= 1, queue_size >= 0 and work_megapixels >= 0; got "
+            f"{workers}, {queue_size}, {work_megapixels}"
+        )
     meta = segmenter.meta
     class_names = [str(c) for c in meta.class_names]
     palette = [[int(v) for v in rgb] for rgb in meta.palette]
