@@ -30,6 +30,7 @@ def test_normalize_is_the_torchvision_normalization() -> None:
 def test_engine_and_runtime_see_the_same_pixels(tmp_path) -> None:
     rng = np.random.default_rng(1)
     rgba = rng.integers(0, 256, (5, 6, 4), dtype=np.uint8)
+    rgba[:, :, 3] = 255  # opaque: the image policy drops the alpha channel
     gray_float = rng.random((5, 6))
     path = tmp_path / "x.png"
     Image.fromarray(rgba[:, :, :3]).save(path)
@@ -37,7 +38,9 @@ def test_engine_and_runtime_see_the_same_pixels(tmp_path) -> None:
         np.testing.assert_array_equal(as_rgb_array(image), _as_rgb(image))
     tensor = torch.from_numpy(rgba[:, :, :3]).permute(2, 0, 1).float() / 255
     np.testing.assert_array_equal(_as_rgb(tensor), rgba[:, :, :3])
-    for bad in (np.zeros((4, 4, 3), np.int32), np.full((4, 4, 3), 2.0), object()):
+    transparent = rgba.copy()
+    transparent[0, 0, 3] = 0  # the image policy refuses transparency, in both
+    for bad in (np.zeros((4, 4, 3), np.int32), np.full((4, 4, 3), 2.0), transparent, object()):
         for convert in (as_rgb_array, _as_rgb):
             with pytest.raises(DataError):
                 convert(bad)

@@ -8,9 +8,10 @@ command runs) and the call graph stays visible: command name -> module -> ``main
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 
-from dualseg.errors import DualsegError  # light: no torch import
+from dualseg.errors import DualsegError, user_message  # light: no torch import
 
 # name -> (module with main(argv), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -24,6 +25,27 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("dualseg.commands.export", "export a checkpoint to ONNX or TorchScript"),
     "serve": ("dualseg.commands.serve", "local web page and JSON API for segmentation"),
 }
+
+
+# Messages from the data layer name the flags of most commands (``--label-format color``);
+# ``train`` takes them as config fields (``--data.label_format color``). One table, so every
+# message names the flag of the command it appears in.
+_TRAIN_FLAGS = {
+    "--label-format": "--data.label_format",
+    "--label-map": "--data.label_map",
+    "--ignore-index": "--data.ignore_index",
+    "--layout": "--data.layout",
+    "--preset": "--data.preset",
+}
+_TRAIN_FLAG_RE = re.compile("(" + "|".join(map(re.escape, _TRAIN_FLAGS)) + r")\b(?![.-])")
+
+
+def error_line(command: str, err: BaseException) -> str:
+    """The one line ``dualseg COMMAND`` prints for a user error, flags named as it takes them."""
+    text = user_message(err)
+    if command == "train":
+        text = _TRAIN_FLAG_RE.sub(lambda m: _TRAIN_FLAGS[m[1]], text)
+    return f"dualseg {command}: error: {text}"
 
 
 def _usage() -> str:
@@ -60,7 +82,19 @@ def main(argv: list[str] | None = None) -> int:
         print("dualseg: interrupted", file=sys.stderr)
         return 130
     except DualsegError as err:  # expected, user-facing failures: one clear line, no traceback
-        print(f"dualseg {name}: error: {err}", file=sys.stderr)
+        print(error_line(name, err), file=sys.stderr)
+        return 1
+    except OSError as err:
+        # A file-system failure no up-front check foresaw (disk full, a folder made read-only
+        # mid-run, a path that is a file): the user's environment, not a bug, so one line too.
+        if err.filename is None:
+            raise
+        reason = err.strerror or type(err).__name__
+        print(
+            f"dualseg {name}: error: {err.filename}: {reason}; check the path, its permissions "
+            "and the free space",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -1,37 +1,205 @@
-"""Image arrays without torch: the RGB conversion and the input normalization, written once.
+"""Image arrays without torch: the image policy, the RGB conversion and the input
+normalization, written once.
 
-Everything that turns a user's picture into network input goes through here: the engine's
-``Segmenter`` and ``BoundaryRefiner`` (torch) as well as the exported runtimes (numpy and
-onnxruntime only), so both sides see the same pixels. Importing this module never imports torch.
+Everything that turns a user's picture into network input goes through here: dataset reading
+(``dualseg.data.read_image``), the engine's ``Segmenter`` and ``BoundaryRefiner`` (torch), the
+exported runtimes (numpy and onnxruntime only) and ``dualseg serve`` uploads
+(:func:`decode_image`), so all of them see the same pixels. Importing this module never
+imports torch.
+
+**The image policy** (:func:`image_to_rgb`) is the one rule for every picture dualseg is given:
+files (:func:`read_image`: datasets, ``dualseg predict``), uploaded bytes (:func:`decode_image`:
+``dualseg serve``), PIL images and arrays passed to ``predict*`` (:func:`as_rgb`):
+
+- the EXIF orientation is applied (as browsers, OpenCV's ``imread`` and image viewers do), so
+  the result lines up with the picture as it is shown;
+- an alpha channel that is fully opaque is dropped; **an image with transparent pixels is
+  refused** (one line: flatten it onto a background first). dualseg never guesses the colour
+  under a transparent pixel, because any background it picked would change the prediction;
+- palette, grayscale, 1-bit, CMYK/YCbCr/LAB/HSV and 16-bit images become 8-bit RGB.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from dualseg.errors import DataError
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "as_rgb", "normalize", "numpy_to_rgb"]
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "SIXTEEN_BIT_MODES",
+    "UPLOAD_FORMATS",
+    "ImageTooLargeError",
+    "as_rgb",
+    "decode_image",
+    "drop_opaque_alpha",
+    "image_to_rgb",
+    "normalize",
+    "numpy_to_rgb",
+    "open_image",
+    "read_image",
+]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+SIXTEEN_BIT_MODES = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
+_PIL_TO_RGB = {"P", "CMYK", "YCbCr", "LAB", "HSV"}
+# Raster formats accepted from bytes (uploads): Pillow's other openers (EPS through Ghostscript,
+# PDF, icons, ...) are no photos to segment, and some run external programs.
+UPLOAD_FORMATS = ("PNG", "JPEG", "BMP", "TIFF", "WEBP", "GIF", "PPM")
+
+
+class ImageTooLargeError(DataError):
+    """An image has more pixels than the caller's limit (checked from its header)."""
+
+
+def open_image(path: str | Path) -> Image.Image:
+    """A decoded PIL image of the file ``path``; :class:`DataError` naming it when missing,
+    unreadable, truncated or a decompression bomb."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found; check the path (or the list file naming it)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(path)
+            im.load()  # decode now: truncated / corrupt files fail here, not later
+    except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, ... for bad files
+        raise DataError(
+            f"{path}: unreadable or truncated image ({err}); re-export or replace the file"
+        ) from err
+    return im
+
+
+def drop_opaque_alpha(array: np.ndarray, source: str | Path) -> np.ndarray:
+    """``HxWx2`` (LA) / ``HxWx4`` (RGBA) -> without its alpha channel, if every pixel is opaque.
+
+    Part of the image policy (module docstring): transparent pixels raise :class:`DataError`
+    naming ``source``. Opaque is 1.0 for float arrays, the maximum of an unsigned dtype (255
+    for uint8), else 255.
+    """
+    if np.issubdtype(array.dtype, np.floating):
+        opaque: float = 1.0
+    elif np.issubdtype(array.dtype, np.unsignedinteger):
+        opaque = float(np.iinfo(array.dtype).max)
+    else:
+        opaque = 255.0
+    if array.size and array[..., -1].min() < opaque:
+        raise DataError(
+            f"{source}: has transparent pixels (alpha < {opaque:g}), so the colour under them is "
+            "undefined; flatten it onto a background (or save it without alpha) and try again"
+        )
+    return array[..., :-1]
+
+
+def read_image(path: str | Path) -> np.ndarray:
+    """An image file as ``uint8 HxWx3`` RGB (:func:`image_to_rgb`). Raises :class:`DataError`
+    naming the file."""
+    path = Path(path)
+    return image_to_rgb(open_image(path), path)
+
+
+def decode_image(
+    data: bytes, *, source: str = "the upload", max_pixels: float | None = None
+) -> np.ndarray:
+    """Image file bytes (an upload) as ``uint8 HxWx3`` RGB through :func:`image_to_rgb`.
+
+    Only :data:`UPLOAD_FORMATS` are opened. ``max_pixels``: larger images raise
+    :class:`ImageTooLargeError` from the header, before decoding. Other problems raise
+    :class:`DataError` naming ``source``.
+    """
+    if not data:
+        raise DataError(f"{source} is empty; choose an image file")
+    formats = ", ".join(UPLOAD_FORMATS)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS)  # reads the header only
+            w, h = im.size
+            if max_pixels is not None and w * h > max_pixels:
+                raise ImageTooLargeError(
+                    f"{source} ({w}x{h} = {w * h / 1e6:.1f} megapixels) is over the limit of "
+                    f"{max_pixels / 1e6:g} megapixels; downscale it"
+                )
+            im.load()
+    except DataError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise ImageTooLargeError(f"{source}: {err}") from err
+    except UnidentifiedImageError as err:  # its message is the repr of the BytesIO: not shown
+        raise DataError(
+            f"{source} is not an image in a supported format ({formats}); upload one of those"
+        ) from err
+    except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, ... for bad data
+        raise DataError(
+            f"{source} is an unreadable or truncated image ({err}); re-export or replace it"
+        ) from err
+    return image_to_rgb(im, source)
+
+
+def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:
+    """The image policy (module docstring): a decoded PIL image as ``uint8 HxWx3`` RGB.
+
+    EXIF orientation applied; opaque alpha dropped, transparency refused; errors name
+    ``source``.
+    """
+    try:
+        im = ImageOps.exif_transpose(im)
+    except Exception as err:  # a malformed EXIF block: Pillow raises various types
+        raise DataError(
+            f"{source}: unreadable EXIF orientation ({err}); re-save the image without EXIF"
+        ) from err
+    mode = im.mode
+    if mode == "P":
+        im = im.convert("RGBA" if "transparency" in im.info else "RGB")
+        mode = im.mode
+    elif mode in _PIL_TO_RGB:
+        im, mode = im.convert("RGB"), "RGB"
+    elif mode == "PA":
+        im, mode = im.convert("RGBA"), "RGBA"
+    if mode == "1":
+        im, mode = im.convert("L"), "L"
+    arr = np.array(im)  # a writable copy: np.asarray of a PIL image is read-only
+    if mode in SIXTEEN_BIT_MODES:
+        if arr.min() < 0 or arr.max() > 65535:
+            raise DataError(f"{source}: 32-bit image values outside 0..65535; save it as 8-bit RGB")
+        arr = ((arr.astype(np.float32) / 257.0) + 0.5).astype(np.uint8)
+        mode = "L"
+    if mode == "LA":
+        arr, mode = drop_opaque_alpha(arr, source)[..., 0], "L"
+    elif mode == "RGBA":
+        arr, mode = drop_opaque_alpha(arr, source), "RGB"
+    if mode == "L":
+        return np.ascontiguousarray(np.repeat(arr[:, :, None], 3, axis=2))
+    if mode == "RGB":
+        return np.ascontiguousarray(arr)
+    raise DataError(
+        f"{source}: unsupported image mode {im.mode!r}; save it as 8-bit RGB (or grayscale) "
+        "PNG/JPEG"
+    )
 
 
 def numpy_to_rgb(a: np.ndarray) -> np.ndarray:
-    """``HxWx3`` (or ``HxW`` gray, ``HxWx1``, ``HxWx4`` RGBA) uint8 or float in [0, 1] ->
-    contiguous uint8 ``HxWx3``; a clear :class:`DataError` for anything else."""
+    """``HxWx3`` (or ``HxW`` gray, ``HxWx1``, opaque ``HxWx4`` RGBA) uint8 or float in [0, 1]
+    -> contiguous uint8 ``HxWx3``; a clear :class:`DataError` for anything else (transparent
+    RGBA included: the image policy)."""
     if a.ndim == 3 and a.shape[2] == 1:
         a = a[:, :, 0]
     if a.ndim == 2:
         a = np.repeat(a[:, :, None], 3, axis=2)
     if a.ndim != 3 or a.shape[2] not in (3, 4):
         raise DataError(f"expected an HxWx3 RGB image array, got shape {a.shape}")
-    a = a[:, :, :3]
+    if a.shape[2] == 4:  # the image policy: opaque alpha is dropped, transparency refused
+        a = drop_opaque_alpha(a, "the image array")
     if np.issubdtype(a.dtype, np.floating):
         if a.size and (a.min() < -1e-3 or a.max() > 1 + 1e-3):
             raise DataError("float image arrays must hold RGB values in [0, 1]; or pass uint8")
@@ -44,26 +212,15 @@ def numpy_to_rgb(a: np.ndarray) -> np.ndarray:
 
 
 def as_rgb(image: Any) -> np.ndarray:
-    """uint8 ``HxWx3`` from a numpy array, a PIL image or an image file path (torch-free).
-
-    Tensors are the engine's business (``dualseg.engine.predict.as_rgb_array``), and so is the
-    full-featured file reader (``dualseg.data.read_image``, which imports torch with its package).
-    """
+    """uint8 ``HxWx3`` from a numpy array, a PIL image or an image file path, through the
+    image policy (torch-free). Tensors are the engine's business
+    (``dualseg.engine.predict.as_rgb_array``)."""
     if isinstance(image, np.ndarray):
         return numpy_to_rgb(image)
     if isinstance(image, str | os.PathLike):
-        from PIL import Image
-
-        path = Path(image)
-        if not path.is_file():
-            raise DataError(f"image not found: {path} (check the path)")
-        try:
-            with Image.open(path) as im:
-                return np.array(im.convert("RGB"))
-        except (OSError, ValueError, SyntaxError) as err:
-            raise DataError(f"{path}: unreadable image ({err}); check the file") from err
-    if hasattr(image, "convert") and hasattr(image, "size"):  # PIL image
-        return np.array(image.convert("RGB"))
+        return read_image(image)
+    if isinstance(image, Image.Image):
+        return image_to_rgb(image, "the PIL image")
     raise DataError(
         f"cannot segment a {type(image).__name__}: pass a file path, a PIL image, an HxWx3 "
         "uint8 numpy array or a [3,H,W] tensor"

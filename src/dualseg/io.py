@@ -1,8 +1,10 @@
-"""Atomic file writes: a reader never sees a half-written file.
+"""Atomic file writes, and the up-front check that an output location is writable.
 
 Everything dualseg writes (checkpoints, PNGs, JSON, npz, list files) goes through these helpers:
 write to a temporary file in the same folder, flush + fsync, then ``os.replace`` — which is
-atomic on POSIX and Windows.
+atomic on POSIX and Windows. Every command checks its outputs with :func:`check_writable`
+before doing any work, so an unwritable path fails in the first second with one line naming
+it, not after an hour of computing.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
+
+from dualseg.errors import OutputError
 
 
 @contextlib.contextmanager
@@ -97,3 +101,37 @@ def _json_default(obj: Any) -> Any:
     if hasattr(obj, "item"):
         return obj.item()
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def check_writable(
+    path: str | os.PathLike[str], *, kind: Literal["file", "dir"] = "file", what: str = "output"
+) -> Path:
+    """Raise :class:`OutputError` (one line naming ``path``) unless it can be written.
+
+    ``kind="dir"``: ``path`` is (or will become) a folder; an existing file there is an error.
+    ``kind="file"``: ``path`` is (or will become) a file; an existing folder there is an error.
+    Nothing is created: a probe file is made and removed in the deepest existing folder.
+    """
+    path = Path(path)
+    if kind == "dir" and path.exists() and not path.is_dir():
+        raise OutputError(f"{what} {path} is an existing file, not a folder; pass a folder path")
+    if kind == "file" and path.is_dir():
+        raise OutputError(f"{what} {path} is an existing folder; pass a file path")
+    folder = path if kind == "dir" else path.parent
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise OutputError(
+            f"{what} {path}: cannot create it, {existing} is a file; choose another location"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(dir=existing, prefix=".dualseg-probe.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise OutputError(
+            f"{what} {path}: {existing} is not writable ({reason}); choose a writable location"
+        ) from None
+    return path

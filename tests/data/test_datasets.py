@@ -128,8 +128,11 @@ def test_empty_dataset_and_malformed_lines(tmp_path):
     (tmp_path / "train.txt").write_text("only_one_path.png\n")
     with pytest.raises(DataError, match=r"train.txt:1: expected"):
         build_dataset(tmp_path, preset=TINY)
-    with pytest.raises(DataError, match="cannot tell the dataset layout"):
+    with pytest.raises(DataError, match=r"has no split 'val' \(splits found: train\)"):
         build_dataset(tmp_path, split="val")  # no val.txt, no images/, ...
+    (tmp_path / "train.txt").unlink()
+    with pytest.raises(DataError, match="cannot tell the dataset layout"):
+        build_dataset(tmp_path, split="val")  # no split at all
 
 
 def test_folder_with_unmatched_files(tmp_path):

@@ -1,8 +1,9 @@
 """``dualseg data check ROOT``: scan a dataset, report every problem at once, count pixels.
 
 Unlike loading (which stops at the first bad file), the check reads every pair of every split
-and lists all problems, then prints a per-class pixel histogram. Exit status 1 when anything is
-wrong, so it can guard a training script. The check itself is :mod:`dualseg.data.check`.
+and lists all problems, then prints a per-class pixel histogram (the scan itself lives in
+:mod:`dualseg.data.check`; ``dualseg train`` runs the same scan before its first step). Exit
+status 1 when anything is wrong, so it can guard a training script.
 """
 
 from __future__ import annotations
@@ -12,11 +13,22 @@ from pathlib import Path
 
 from dualseg.data.check import CheckReport, check_dataset, format_report
 from dualseg.data.datasets import LAYOUTS
-from dualseg.data.presets import PRESETS
+from dualseg.data.presets import PRESETS, parse_label_map
 from dualseg.data.readers import LABEL_FORMATS
-from dualseg.io import atomic_write_json
+from dualseg.io import atomic_write_json, check_writable
 
-__all__ = ["CheckReport", "check_dataset", "format_report", "main"]
+__all__ = ["CheckReport", "check_dataset", "format_report", "main", "parse_ignore_index"]
+
+
+def parse_ignore_index(text: str) -> int | str | None:
+    """``--ignore-index``: a raw label value 0..255, ``none`` / ``null`` (no value) or ``auto``."""
+    if text.lower() in {"none", "null"}:
+        return None
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) > 255:
+        raise argparse.ArgumentTypeError(f"expected 0..255, none or auto, got {text!r}")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,8 +48,24 @@ def main(argv: list[str] | None = None) -> int:
         "--preset", choices=sorted(PRESETS), help="class set (default: ROOT/meta.json or layout)"
     )
     check.add_argument("--label-format", choices=LABEL_FORMATS, default="index")
+    check.add_argument(
+        "--label-map",
+        type=parse_label_map,
+        metavar="RAW:CLASS[,...]",
+        help="map raw label values to class ids, e.g. 255:1 for 0/255 binary masks "
+        "(default: ROOT/meta.json's label_map, else none)",
+    )
+    check.add_argument(
+        "--ignore-index",
+        type=parse_ignore_index,
+        default="auto",
+        metavar="RAW|none",
+        help="the raw label value meaning ignore; none: no value (default: the dataset's, 255)",
+    )
     check.add_argument("--json", type=Path, help="also write the report as JSON to this file")
     args = parser.parse_args(argv)
+    if args.json:
+        check_writable(args.json, what="--json")
 
     report = check_dataset(
         args.root,
@@ -45,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         layout=args.layout,
         preset=args.preset,
         label_format=args.label_format,
+        label_map=args.label_map,
+        ignore_value=args.ignore_index,
         progress=True,
     )
     print(format_report(report))

@@ -409,7 +409,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = _train_config(args, root, meta, weights)
 
     t0 = time.perf_counter()
-    result = fit(cfg)
+    result = fit(cfg, overwrite=True)  # the demo folder is the demo's own: re-runs replace it
     t_train = time.perf_counter() - t0
     ckpt_path = Path(result["best"] or result["last"])
 

@@ -11,6 +11,10 @@ percent) and the median inference time per image, and writes into ``OUT``:
 ``--save-predictions DIR`` writes each image's label and colour PNGs; ``--refiner R``
 (method B) adds the refined scores side by side. ``--mode slide`` and ``--tta-*`` choose how
 the model runs (:mod:`dualseg.engine.inference`); the refiner gets the averaged scores.
+
+Refusals before any work: an unwritable ``OUT`` or ``--save-predictions`` folder, and a dataset
+whose own classes (``ROOT/meta.json``, ``--preset`` or its layout) differ from the checkpoint's.
+The metrics are printed before they are written.
 """
 
 from __future__ import annotations
@@ -39,10 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--preset",
         default=None,
-        help="dataset preset (camvid, voc, cityscapes, synthetic); default: the classes stored "
-        "in the checkpoint",
+        help="dataset preset (camvid, voc, cityscapes, synthetic); default: ROOT/meta.json, "
+        "else the classes stored in the checkpoint",
     )
     p.add_argument("--label-format", default="index", help="index | color (index)")
+    p.add_argument(
+        "--label-map",
+        default=None,
+        metavar="RAW:CLASS[,...]",
+        help="map raw label values to class ids, e.g. 255:1 (default: ROOT/meta.json's)",
+    )
     p.add_argument(
         "--out", "-o", default=None, help="folder for metrics.json (<checkpoint dir>/eval_SPLIT)"
     )
@@ -100,23 +110,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from dualseg.data import PRESETS, build_dataset, get_preset
+    from dualseg.data.datasets import dataset_meta
+    from dualseg.data.presets import parse_label_map, require_same_classes
     from dualseg.data.transforms import build_eval_transform
     from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
     from dualseg.engine.evaluate import evaluate, format_metrics
     from dualseg.engine.predict import resolve_device
-    from dualseg.io import atomic_write_json
+    from dualseg.engine.preflight import scored_classes_note
+    from dualseg.io import atomic_write_json, check_writable
     from dualseg.metrics import to_jsonable
 
     if args.batch_size < 1:
         raise DualsegError(f"--batch-size must be >= 1, got {args.batch_size}")
     opts = inference_options(args)
+    out = Path(args.out) if args.out else Path(args.checkpoint).parent / f"eval_{args.split}"
+    check_writable(out, kind="dir", what="--out")
+    if args.save_predictions:
+        check_writable(args.save_predictions, kind="dir", what="--save-predictions")
+    label_map = parse_label_map(args.label_map) if args.label_map else None
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     ckpt = load_checkpoint(args.checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device=device)
-    if args.preset is not None:
-        meta = get_preset(args.preset)
+    own = (
+        get_preset(args.preset)
+        if args.preset
+        else dataset_meta(args.data, layout=args.layout, split=args.split)
+    )
+    if own is not None:
+        require_same_classes(
+            meta.class_names,
+            own.class_names,
+            model=f"the checkpoint {args.checkpoint}",
+            data=f"the dataset {args.data} ({own.name})",
+        )
+        meta = own
     elif meta.name in PRESETS and PRESETS[meta.name].class_names == meta.class_names:
         meta = PRESETS[meta.name]  # the preset also knows the raw ignore values (CamVid: 11)
     dataset = build_dataset(
@@ -126,6 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         preset=meta,
         transform=build_eval_transform(),
         label_format=args.label_format,
+        label_map=label_map,
     )
     n_model = int(ckpt["model_kwargs"].get("num_classes", meta.num_classes))
     if dataset.meta.num_classes != n_model:
@@ -170,7 +200,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tta_flip=opts.tta_flip,
         tile_batch=opts.tile_batch,
     )
-    out = Path(args.out) if args.out else Path(args.checkpoint).parent / f"eval_{args.split}"
     names = dataset.meta.class_names
     record = {
         "checkpoint": str(args.checkpoint),
@@ -192,13 +221,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "amp": bool(args.amp),
         **metrics,
     }
-    figures = write_figures(out, metrics, names)
-    atomic_write_json(out / "metrics.json", to_jsonable(record))
     print(
         f"{args.checkpoint} on {args.data} [{args.split}], {metrics['num_images']} images, "
         f"batch size {args.batch_size}, {device}, {_describe(opts)}"
     )
     print(format_metrics(metrics, names, batch_size=args.batch_size))
+    note = scored_classes_note(metrics, names)
+    if note:
+        print(f"note: mIoU {100 * metrics['miou']:.1f}%{note}")
+    sys.stdout.flush()  # the scores are on screen before anything can fail writing them
+    figures = write_figures(out, metrics, names)
+    atomic_write_json(out / "metrics.json", to_jsonable(record))
     print(f"metrics -> {out / 'metrics.json'}; figures -> {', '.join(p.name for p in figures)}")
     return metrics
 

@@ -10,7 +10,6 @@ on the example input and compared with PyTorch; the largest difference is printe
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from dualseg.errors import ConfigError
 
@@ -67,7 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from dualseg.export.export import export_checkpoint, export_refiner, verify_export
+    from dualseg.export.runtime import import_extra
+    from dualseg.io import check_writable
 
+    if args.format == "onnx":  # missing extras: one line now, not after the export
+        import_extra("onnx")
+        if not args.no_verify:
+            import_extra("onnxruntime")
+
+    out = check_writable(args.out, kind="file", what="--out")
     size = tuple(args.size) if args.size else ((64, 64) if args.dynamic else (512, 512))
     if min(size) < 8:
         raise ConfigError(f"--size must be at least 8x8, got {size[0]}x{size[1]}")
@@ -78,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
         opset=args.opset,
         exporter=args.exporter,
     )
-    out = Path(args.out)
     if args.checkpoint:
         path = export_checkpoint(args.checkpoint, out, output=args.output, **options)
         print(f"exported {args.checkpoint} -> {path} ({args.format}, {args.output}, "

@@ -12,7 +12,10 @@ For each input image ``<name>`` it writes, at the image's original resolution::
 ``--probs`` the saved probabilities are the averaged ones.
 
 ``<name>`` is the file stem; images found inside a folder keep their path relative to it (so
-``a/x.png`` and ``b/x.png`` do not collide). Every file is written atomically.
+``a/x.png`` and ``b/x.png`` do not collide). Every file is written atomically; ``OUT`` is
+checked before the model is loaded (an existing file or an unwritable place is refused).
+``--data ROOT`` names the dataset the images come from: a model whose classes differ from the
+ones ROOT describes (``meta.json``, ``--preset``) is refused with both lists.
 """
 
 from __future__ import annotations
@@ -128,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--checkpoint", "-c", help="a dualseg checkpoint (.pt)")
     src.add_argument("--onnx", help="an exported ONNX model ('dualseg export'), run by onnxruntime")
     p.add_argument("--out", "-o", required=True, help="output folder")
+    add_dataset_check_options(p)
     p.add_argument(
         "--probs", action="store_true", help="also save class probabilities (probs/<name>.npz)"
     )
@@ -138,6 +142,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=0.5, help="overlay opacity of the colours (0.5)")
     add_inference_arguments(p)
     return p
+
+
+def add_dataset_check_options(p: argparse.ArgumentParser) -> None:
+    """``--data`` / ``--preset``: the dataset whose classes the model must have."""
+    p.add_argument(
+        "--data",
+        metavar="ROOT",
+        help="the dataset the inputs belong to: refuse a model whose classes differ from "
+        "ROOT's (ROOT/meta.json or its layout's preset)",
+    )
+    p.add_argument("--preset", help="with --data: the dataset's class preset instead")
+
+
+def check_dataset_classes(args: argparse.Namespace, class_names: Sequence[str], model: str) -> None:
+    """Refuse (one line, both class lists) when ``--data``'s classes differ from the model's."""
+    if not args.data and not args.preset:
+        return
+    from dualseg.data.datasets import dataset_meta
+    from dualseg.data.presets import get_preset, require_same_classes
+
+    own = get_preset(args.preset) if args.preset else dataset_meta(args.data)
+    if own is None:
+        raise DataError(
+            f"{args.data}: says nothing about its classes; add a meta.json (name, class_names, "
+            "palette) or pass --preset"
+        )
+    where = f"the dataset {args.data or args.preset} ({own.name})"
+    require_same_classes(tuple(class_names), own.class_names, model=model, data=where)
 
 
 def collect_images(inputs: Sequence[str]) -> list[tuple[Path, str]]:
@@ -230,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.batch_size < 1:
         raise DualsegError(f"--batch-size must be >= 1, got {args.batch_size}")
+    from dualseg.io import check_writable
+
+    out = check_writable(args.out, kind="dir", what="--out")
     from tqdm.auto import tqdm
 
     from dualseg.engine.predict import as_rgb_array, load_model
@@ -257,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.checkpoint or args.onnx} has {seg.num_classes} classes; "
             "label PNGs hold at most 255"
         )
-    out = Path(args.out)
+    check_dataset_classes(args, seg.class_names, f"the model {args.checkpoint or args.onnx}")
     failures: list[str] = []
     bar = tqdm(total=len(images), desc="predict", unit="img", disable=not sys.stderr.isatty())
     # Read a few batches' worth at a time: images of equal size share a forward pass.

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dualseg.commands.predict import add_dataset_check_options
 from dualseg.data.transforms import SCALE_RANGE
 from dualseg.errors import ConfigError, DataError, DualsegError
 
@@ -162,6 +163,7 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
         "--base", required=True, help="dualseg checkpoint or 'dualseg predict --probs' folder"
     )
     p.add_argument("--out", "-o", required=True, help="output folder")
+    add_dataset_check_options(p)
     p.add_argument("--top-n", type=int, help="override the refiner's Top-N")
     p.add_argument("--radius", type=int, help="override the refiner's near-boundary radius")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto)")
@@ -191,9 +193,20 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------- fit
 def fit_main(args: argparse.Namespace) -> int:
     from dualseg.data import build_dataset, build_eval_transform, build_train_transform
+    from dualseg.data.presets import require_same_classes
     from dualseg.engine.predict import resolve_device
+    from dualseg.io import check_writable
     from dualseg.refine.base import load_base
     from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig
+
+    if args.steps < 1:
+        raise ConfigError(
+            f"--steps must be >= 1 (got {args.steps}): a refiner with no training steps "
+            "would re-label pixels with an untrained embedding"
+        )
+    out = check_writable(args.out, kind="file", what="--out")
+    checkpoint = Path(args.checkpoint) if args.checkpoint else out.with_suffix(".train.pt")
+    check_writable(checkpoint, kind="file", what="--checkpoint")
 
     cfg = RefinerConfig(
         backbone=args.backbone,
@@ -231,11 +244,12 @@ def fit_main(args: argparse.Namespace) -> int:
     base = None
     if args.base is not None:
         base = load_base(args.base, device="cpu")
-        if base.class_names is not None and tuple(base.class_names) != tuple(class_names):
-            raise DataError(
-                f"the base model {args.base} has classes {list(base.class_names)} but "
-                f"{args.data} has {list(class_names)}; fit on the base model's dataset "
-                "(or pass the matching --preset)"
+        if base.class_names is not None:
+            require_same_classes(
+                tuple(base.class_names),
+                tuple(class_names),
+                model=f"the base model {args.base}",
+                data=f"{args.data}",
             )
     from_base = args.init_backbone == "base" or args.backbone_source != "independent"
     if from_base and not hasattr(base, "module"):
@@ -251,8 +265,6 @@ def fit_main(args: argparse.Namespace) -> int:
         weights = args.weights  # ImageNet first only when a file is given explicitly
         init_from = base.module  # type: ignore[union-attr]
 
-    out = Path(args.out)
-    checkpoint = Path(args.checkpoint) if args.checkpoint else out.with_suffix(".train.pt")
     refiner = BoundaryRefiner.fit(
         train,
         class_names=class_names,
@@ -329,17 +341,24 @@ def calibrate(refiner: Any, base: Any, args: argparse.Namespace, device: Any) ->
 def apply_main(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    from dualseg.commands.predict import collect_images, inference_options, write_outputs
+    from dualseg.commands.predict import (
+        check_dataset_classes,
+        collect_images,
+        inference_options,
+        write_outputs,
+    )
     from dualseg.engine.checkpoint import default_palette
     from dualseg.engine.inference import infer_logits
     from dualseg.engine.predict import as_rgb_array, resolve_device
     from dualseg.imaging import normalize
-    from dualseg.io import atomic_save_image
+    from dualseg.io import atomic_save_image, check_writable
     from dualseg.refine.base import load_base
 
     opts = inference_options(args)
+    out = check_writable(args.out, kind="dir", what="--out")
     device = resolve_device(args.device)
     refiner = load_refiner(args.refiner, device=device)
+    check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
     note = getattr(refiner, "calibration_note", lambda: None)()
     if note:
         print(f"dualseg refine apply: note: {note}", file=sys.stderr)
@@ -358,7 +377,6 @@ def apply_main(args: argparse.Namespace) -> int:
         )
     palette = base.palette or default_palette(refiner.num_classes)
     images = collect_images(args.inputs)
-    out = Path(args.out)
     changed_total = pixels_total = 0
     failures: list[str] = []
     for path, name in tqdm(images, desc="refine", unit="img", disable=not sys.stderr.isatty()):

@@ -6,10 +6,13 @@
 >>> image, label = ds[0]   # float32 [3,360,480] normalized, int64 [360,480] (255 = ignore)
 """
 
+from dualseg.data.check import check_dataset
 from dualseg.data.datasets import (
     LAYOUTS,
     SegmentationDataset,
+    available_splits,
     build_dataset,
+    dataset_meta,
     detect_layout,
     discover,
 )
@@ -19,6 +22,9 @@ from dualseg.data.presets import (
     DatasetMeta,
     get_preset,
     load_meta_file,
+    parse_label_map,
+    require_same_classes,
+    with_label_mapping,
 )
 from dualseg.data.readers import decode_color_label, read_image, read_label
 from dualseg.data.synthetic import make_synthetic_dataset
@@ -39,10 +45,13 @@ __all__ = [
     "PRESETS",
     "DatasetMeta",
     "SegmentationDataset",
+    "available_splits",
     "build_augment_pipeline",
     "build_dataset",
     "build_eval_transform",
     "build_train_transform",
+    "check_dataset",
+    "dataset_meta",
     "decode_color_label",
     "denormalize",
     "detect_layout",
@@ -50,6 +59,9 @@ __all__ = [
     "get_preset",
     "load_meta_file",
     "make_synthetic_dataset",
+    "parse_label_map",
     "read_image",
     "read_label",
+    "require_same_classes",
+    "with_label_mapping",
 ]

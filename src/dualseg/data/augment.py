@@ -33,7 +33,7 @@ from dualseg.data.transforms import (
     seeded,
 )
 from dualseg.errors import DataError
-from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text, check_writable
 
 SETTINGS_FILE = "augment.json"
 IMAGE_FORMATS = {"png": "PNG", "jpg": "JPEG"}
@@ -142,7 +142,7 @@ def augment_dataset(
         raise DataError(f"--count must be >= 1, got {count}")
     if image_format not in IMAGE_FORMATS:
         raise DataError(f"image format {image_format!r}: use one of {sorted(IMAGE_FORMATS)}")
-    dst = Path(dst)
+    dst = check_writable(dst, kind="dir", what="DST")
     dataset = build_dataset(
         src, split=split, layout=layout, preset=preset, label_format=label_format
     )

@@ -1,24 +1,34 @@
-"""Dataset check (``dualseg data check ROOT``): every problem at once, plus a pixel count.
+"""The dataset scan behind ``dualseg data check`` and the pre-flight check of ``dualseg train``.
 
-Unlike loading (which stops at the first bad file), the check reads every pair of every split
-and lists all problems, then prints a per-class pixel histogram. Exit status 1 when anything is
-wrong, so it can guard a training script.
+Unlike loading (which stops at the first bad file), :func:`check_dataset` reads every pair of
+every split and lists all problems, each naming the file and the fix, with per-split pixel
+histograms. On top of per-file problems it reports two dataset-level ones: a class set that
+looks like a 0/255 binary mask read with 255 as "ignore", and a class absent from every split.
+:func:`require_trainable` turns a report into the one-line refusal ``train`` gives.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from dualseg.data.datasets import detect_layout, discover, resolve_meta
-from dualseg.data.presets import IGNORE_INDEX, DatasetMeta
+from dualseg.data.datasets import available_splits, detect_layout, discover, resolve_meta
+from dualseg.data.presets import IGNORE_INDEX, META_FILE, DatasetMeta, IgnoreSetting
 from dualseg.data.readers import read_image, read_label
 from dualseg.errors import DataError
 
 DEFAULT_SPLITS = ("train", "val", "test")
+# A 0/255 mask read with 255 as ignore: 255 covers at least this share of all pixels.
+BINARY_MASK_MIN_SHARE = 0.01
+
+
+def _empty_histogram() -> np.ndarray:
+    return np.zeros(256, np.int64)
 
 
 @dataclass
@@ -28,9 +38,12 @@ class CheckReport:
     meta: DatasetMeta
     pairs: dict[str, int] = field(default_factory=dict)  # split -> pairs found
     problems: list[str] = field(default_factory=list)
-    histogram: np.ndarray = field(default_factory=lambda: np.zeros(256, np.int64))
+    histogram: np.ndarray = field(default_factory=_empty_histogram)  # all splits
+    split_histograms: dict[str, np.ndarray] = field(default_factory=dict)
+    binary_mask: str | None = None  # "looks like a 0/255 binary mask: ..." (its fix), if so
+    absent_classes: str | None = None  # the "class(es) ... have no pixels" problem, if found
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         names = {**dict(enumerate(self.meta.class_names)), IGNORE_INDEX: "ignore"}
         return {
             "root": str(self.root),
@@ -49,6 +62,8 @@ def check_dataset(
     layout: str = "auto",
     preset: str | DatasetMeta | None = None,
     label_format: str = "index",
+    label_map: Mapping[int, int] | None = None,
+    ignore_value: IgnoreSetting = "auto",
     progress: bool = False,
 ) -> CheckReport:
     """Read every pair of ``splits`` (default: those of train/val/test that exist)."""
@@ -58,21 +73,34 @@ def check_dataset(
     if splits is None:
         found = {s: discover(root, split=s, layout=layout) for s in DEFAULT_SPLITS}
         splits = tuple(s for s, f in found.items() if not f.split_missing) or ("train",)
-    report = CheckReport(root, layout, resolve_meta(root, layout, preset))
-    sources: set[Path | None] = set()
+    meta = resolve_meta(root, layout, preset, label_map=label_map, ignore_value=ignore_value)
+    report = CheckReport(root, layout, meta)
+    sources: dict[Path, str] = {}
     for split in splits:
         found = discover(root, split=split, layout=layout)
-        if found.source in sources and found.source is not None:
-            continue  # a flat images/ folder serves every split: check it once
-        sources.add(found.source)
+        if found.source is not None and found.source in sources:
+            # a flat images/ folder serves every split: check it once
+            report.split_histograms[split] = report.split_histograms[sources[found.source]]
+            continue
+        if found.source is not None:
+            sources[found.source] = split
+        if found.split_missing:
+            others = [s for s in available_splits(root, layout) if s != split]
+            if others:
+                found.problems.append(
+                    f"{root}: has no split {split!r} (splits found: {', '.join(others)})"
+                )
         report.problems += found.problems
         report.pairs[split] = len(found.samples)
         if not found.samples and not found.problems:
             report.problems.append(f"{found.source or root}: split {split!r} is empty; add pairs")
+        hist = report.split_histograms.setdefault(split, _empty_histogram())
         for img_path, label_path in tqdm(
             found.samples, desc=f"check {split}", disable=not progress
         ):
-            report.problems += _check_pair(img_path, label_path, report, label_format)
+            report.problems += _check_pair(img_path, label_path, meta, label_format, hist)
+        report.histogram += hist
+    report.problems = _class_problems(report) + report.problems
     return report
 
 
@@ -86,14 +114,16 @@ def _detect_any_split(root: Path, splits: tuple[str, ...]) -> str:
     return detect_layout(root, splits[0])
 
 
-def _check_pair(img_path: Path, label_path: Path, report: CheckReport, label_format: str):
+def _check_pair(
+    img_path: Path, label_path: Path, meta: DatasetMeta, label_format: str, hist: np.ndarray
+) -> list[str]:
     problems, image, label = [], None, None
     try:
         image = read_image(img_path)
     except DataError as err:
         problems.append(str(err))
     try:
-        label = read_label(label_path, report.meta, label_format=label_format)
+        label = read_label(label_path, meta, label_format=label_format)
     except DataError as err:
         problems.append(str(err))
     if image is not None and label is not None and image.shape[:2] != label.shape:
@@ -102,15 +132,85 @@ def _check_pair(img_path: Path, label_path: Path, report: CheckReport, label_for
             f"{img_path} size {image.shape[1]}x{image.shape[0]} (WxH); fix the pair"
         )
     if label is not None:
-        report.histogram += np.bincount(label.ravel(), minlength=256)
+        hist += np.bincount(label.ravel(), minlength=256)
     return problems
+
+
+def _class_problems(report: CheckReport) -> list[str]:
+    """Dataset-level problems: a 0/255 binary mask read with 255 as ignore; absent classes."""
+    meta, hist = report.meta, report.histogram
+    total = int(hist.sum())
+    if total == 0:
+        return []
+    names = meta.class_names
+    absent = [c for c in range(meta.num_classes) if hist[c] == 0]
+    present = set(np.flatnonzero(hist).tolist())
+    problems = []
+    ignore_share = hist[IGNORE_INDEX] / total
+    if (
+        present == {0, IGNORE_INDEX}
+        and 1 in absent
+        and meta.ignore_value == IGNORE_INDEX
+        and ignore_share >= BINARY_MASK_MIN_SHARE
+    ):
+        absent.remove(1)
+        meta_file = (report.root.parent if report.root.is_file() else report.root) / META_FILE
+        report.binary_mask = (
+            f"looks like a 0/255 binary mask: class 1 ({names[1]!r}) has no "
+            f"pixels while value 255 (read as ignore) covers {100 * ignore_share:.1f}% and the "
+            "only other value is 0; map 255 to class 1 with --label-map 255:1 (or "
+            f'"label_map": {{"255": 1}} in {meta_file})'
+        )
+        problems.append(f"{report.root}: {report.binary_mask}")
+    if absent:
+        shown = ", ".join(f"{c} {names[c]!r}" for c in absent[:8])
+        more = f" and {len(absent) - 8} more" if len(absent) > 8 else ""
+        splits = ", ".join(report.split_histograms) or "the dataset"
+        report.absent_classes = (
+            f"{report.root}: class(es) {shown}{more} have no pixels in any split ({splits}); "
+            "check the label mapping (--label-map, --preset) or remove them from the class list"
+        )
+        problems.append(report.absent_classes)
+    return problems
+
+
+def require_trainable(report: CheckReport, train_split: str) -> None:
+    """Raise one :class:`DataError` when ``train_split``'s labels hold fewer than two classes
+    (a model cannot learn to tell classes apart from one) or ``report`` has problems.
+
+    Classes absent from every split are no reason to refuse (a small subset of a large class
+    set lacks some); :attr:`CheckReport.absent_classes` says which, for a warning.
+    """
+    meta, hist = report.meta, report.split_histograms.get(train_split)
+    present = [c for c in range(meta.num_classes) if hist is not None and hist[c] > 0]
+    if hist is not None and hist.any() and len(present) < 2:
+        total = max(int(hist.sum()), 1)
+        shown = ", ".join(repr(meta.class_names[c]) for c in present) or "none"
+        fix = report.binary_mask or (
+            "check the label mapping (--label-map, --ignore-index, meta.json) with "
+            f"'dualseg data check {report.root}'"
+        )
+        raise DataError(
+            f"{report.root}: the {train_split!r} labels contain {len(present)} class(es) "
+            f"({shown}; {100 * hist[IGNORE_INDEX] / total:.1f}% of pixels are ignore), so "
+            f"training cannot learn to separate classes; {fix}"
+        )
+    problems = [p for p in report.problems if p != report.absent_classes]
+    if problems:
+        more = len(problems) - 1
+        raise DataError(
+            problems[0]
+            + (f" (and {more} more problem(s))" if more else "")
+            + f"; 'dualseg data check {report.root}' lists them all (or skip this scan with "
+            "--data.check false)"
+        )
 
 
 def format_report(report: CheckReport) -> str:
     meta = report.meta
     lines = [
         f"dataset {report.root}  (layout {report.layout}, preset {meta.name}, "
-        f"{meta.num_classes} classes)",
+        f"{meta.num_classes} classes, ignore {meta.describe_ignore()})",
         "pairs: " + ", ".join(f"{s} {n}" for s, n in report.pairs.items()),
     ]
     total = max(int(report.histogram.sum()), 1)

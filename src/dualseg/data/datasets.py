@@ -13,6 +13,7 @@ Layouts (``layout=`` or detected by ``"auto"``):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dualseg.data.presets import META_FILE, PRESETS, DatasetMeta, get_preset, load_meta_file
+from dualseg.data.presets import (
+    META_FILE,
+    PRESETS,
+    DatasetMeta,
+    IgnoreSetting,
+    get_preset,
+    load_meta_file,
+    with_label_mapping,
+)
 from dualseg.data.readers import LABEL_FORMATS, read_image, read_label
 from dualseg.data.transforms import JointTransform, build_eval_transform, sample_seed, seeded
 from dualseg.errors import DataError
@@ -165,9 +174,7 @@ SCANNERS = {
 }
 
 
-def detect_layout(root: str | Path, split: str = "train") -> str:
-    """Which layout ``root`` looks like (``DataError`` when none)."""
-    root = Path(root)
+def _detect(root: Path, split: str) -> str | None:
     if (root.is_file() and root.suffix == ".txt") or (root / f"{split}.txt").is_file():
         return "list"
     if (root / "JPEGImages").is_dir() or (root / "VOC2012" / "JPEGImages").is_dir():
@@ -176,8 +183,55 @@ def detect_layout(root: str | Path, split: str = "train") -> str:
         return "cityscapes"
     if _folder_pair_dirs(root, split) is not None:
         return "folder"
+    return None
+
+
+def available_splits(root: str | Path, layout: str = "auto") -> list[str]:
+    """The splits ``root`` holds (``train``, ``val``, ... whatever its files name)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    names = {"train", "val", "test", "trainval"}
+    names |= {p.stem for p in root.glob("*.txt")}
+    names |= {p.stem for p in root.glob("ImageSets/Segmentation/*.txt")}
+    for sub in (root, root / "images", root / "leftImg8bit"):
+        if sub.is_dir():
+            names |= {d.name for d in sub.iterdir() if d.is_dir() and not d.name.startswith(".")}
+    found = []
+    for name in sorted(names):
+        kind = _detect(root, name) if layout == "auto" else layout
+        if kind is None or kind not in SCANNERS:
+            continue
+        flat = _folder_pair_dirs(root, "")
+        if kind == "folder" and _folder_pair_dirs(root, name) in (None, flat):
+            continue  # a flat images/ folder is no split of its own
+        if not SCANNERS[kind](root, name).split_missing:
+            found.append(name)
+    return found
+
+
+def _missing_split(root: Path, split: str, layout: str = "auto") -> DataError | None:
+    """``DataError`` listing the splits found, when ``split`` is absent but others exist."""
+    others = [s for s in available_splits(root, layout) if s != split]
+    if not others:
+        return None
+    return DataError(
+        f"{root}: has no split {split!r} (splits found: {', '.join(others)}); pass one of "
+        "them as --split"
+    )
+
+
+def detect_layout(root: str | Path, split: str = "train") -> str:
+    """Which layout ``root`` looks like (``DataError`` when none)."""
+    root = Path(root)
+    layout = _detect(root, split)
+    if layout is not None:
+        return layout
     if not root.exists():
         raise DataError(f"{root}: dataset folder not found; check the path")
+    missing = _missing_split(root, split)
+    if missing is not None:
+        raise missing
     raise DataError(
         f"{root}: cannot tell the dataset layout for split {split!r}: expected {split}.txt "
         "(list), images/ + labels/ (folder), JPEGImages/ (voc) or leftImg8bit/ (cityscapes); "
@@ -195,8 +249,21 @@ def discover(root: str | Path, *, split: str = "train", layout: str = "auto") ->
     return SCANNERS[layout](root, split)
 
 
-def resolve_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -> DatasetMeta:
-    """The dataset's classes: the given preset, else ROOT/meta.json, else the layout's preset."""
+def resolve_meta(
+    root: str | Path,
+    layout: str,
+    preset: str | DatasetMeta | None,
+    *,
+    label_map: Mapping[int, int] | None = None,
+    ignore_value: IgnoreSetting = "auto",
+) -> DatasetMeta:
+    """The dataset's classes: the given preset, else ROOT/meta.json, else the layout's preset;
+    then the ``label_map`` / ``ignore_value`` overrides (:func:`with_label_mapping`)."""
+    meta = _own_meta(root, layout, preset)
+    return with_label_mapping(meta, label_map=label_map, ignore_value=ignore_value)
+
+
+def _own_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -> DatasetMeta:
     if isinstance(preset, DatasetMeta):
         return preset
     if preset is not None:
@@ -211,6 +278,20 @@ def resolve_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None
         f"{root}: which classes does this dataset have? pass preset= one of {sorted(PRESETS)} "
         f"(CLI: --preset), or describe them in {meta_file} (name, class_names, palette)"
     )
+
+
+def dataset_meta(
+    root: str | Path, *, layout: str = "auto", split: str = "train"
+) -> DatasetMeta | None:
+    """The classes ``root`` describes itself (ROOT/meta.json, or the VOC / Cityscapes layout);
+    ``None`` when it does not say (a bad meta.json is still an error)."""
+    root = Path(root)
+    meta_file = (root.parent if root.is_file() else root) / META_FILE
+    if meta_file.is_file():
+        return load_meta_file(meta_file)
+    if layout == "auto":
+        layout = _detect(root, split) or "auto"
+    return PRESETS.get(layout)
 
 
 class SegmentationDataset(torch.utils.data.Dataset):
@@ -293,20 +374,28 @@ def build_dataset(
     label_format: str = "index",
     samples_per_epoch: int | None = None,
     seed: int = 0,
+    label_map: Mapping[int, int] | None = None,
+    ignore_value: IgnoreSetting = "auto",
 ) -> SegmentationDataset:
     """Scan ``root`` and return its ``split`` as a :class:`SegmentationDataset`.
 
     Raises one :class:`DataError` naming the first bad file (and how many more there are) when
     listed files are missing; ``transform=None`` means :func:`build_eval_transform`.
+    ``label_map`` / ``ignore_value`` override the dataset's label mapping
+    (:func:`dualseg.data.presets.with_label_mapping`).
     """
     found = discover(root, split=split, layout=layout)
+    if found.split_missing:
+        missing = _missing_split(Path(root), split, layout)
+        if missing is not None:
+            raise missing
     if found.problems:
         more = len(found.problems) - 1
         raise DataError(
             found.problems[0]
             + (f" (and {more} more problems; run 'dualseg data check {root}')" if more else "")
         )
-    meta = resolve_meta(root, found.layout, preset)
+    meta = resolve_meta(root, found.layout, preset, label_map=label_map, ignore_value=ignore_value)
     return SegmentationDataset(
         found.samples,
         meta,

@@ -1,16 +1,26 @@
-"""Dataset descriptions: class names, palette and ignore handling (``DatasetMeta``, ``PRESETS``).
+"""Dataset descriptions: class names, palette and label mapping (``DatasetMeta``, ``PRESETS``).
 
-Internally every label map uses **255 for "ignore"** (loss and metrics skip it). A preset names
-the raw label values of its source that mean "ignore" (``source_ignore``, e.g. CamVid's 11) and
-the colours that mean "ignore" in colour-coded label images (``void_colors``).
+Internally every label map uses **255 for "ignore"** (loss and metrics skip it). How the raw
+values of a dataset's label files become class ids is the dataset's own setting:
+
+- ``ignore_value``: the raw value that means "ignore" (default 255; ``None``: no value does, so
+  a raw 255 is an error unless ``label_map`` maps it);
+- ``source_ignore``: further raw values that mean "ignore" (CamVid: 11);
+- ``label_map``: raw value -> class id (or 255), applied last (a 0/255 binary mask: ``255 -> 1``);
+- ``void_colors``: the colours that mean "ignore" in colour-coded label images.
+
+A dataset describes them in ``ROOT/meta.json`` (keys ``name``, ``class_names``, ``palette``,
+``ignore_index``, ``source_ignore``, ``label_map`` as ``{"255": 1}``, ``void_colors``); the
+presets keep their own; ``with_label_mapping`` applies command-line overrides.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from dualseg.errors import DataError
 
@@ -28,6 +38,8 @@ class DatasetMeta:
     ignore_index: int = IGNORE_INDEX  # always 255 internally
     source_ignore: tuple[int, ...] = ()  # raw label values mapped to 255 (CamVid: (11,))
     void_colors: tuple[Color, ...] = field(default=())  # colours decoded to 255 (colour labels)
+    ignore_value: int | None = IGNORE_INDEX  # the raw value meaning ignore (None: none)
+    label_map: tuple[tuple[int, int], ...] = ()  # (raw value, class id or 255), applied last
 
     def __post_init__(self) -> None:
         if len(self.palette) != len(self.class_names):
@@ -42,30 +54,71 @@ class DatasetMeta:
             )
         if not 0 < len(self.class_names) < IGNORE_INDEX:
             raise DataError(f"dataset {self.name!r}: needs 1..254 classes")
+        raw = [*self.source_ignore, *(s for s, _ in self.label_map)]
+        if self.ignore_value is not None:
+            raw.append(self.ignore_value)
+        bad = [v for v in raw if not 0 <= v <= 255]
+        bad += [d for _, d in self.label_map if not (0 <= d < self.num_classes or d == 255)]
+        if bad:
+            raise DataError(
+                f"dataset {self.name!r}: label values {bad} out of range; raw values are "
+                f"0..255 and label_map targets a class id 0..{self.num_classes - 1} or 255"
+            )
+
+    def lookup_table(self) -> Any:
+        """``int16 [256]``: raw label value -> class id, 255 (ignore) or -1 (invalid)."""
+        import numpy as np
+
+        lut = np.full(256, -1, dtype=np.int16)
+        lut[: self.num_classes] = np.arange(self.num_classes)
+        if self.ignore_value is not None:
+            lut[self.ignore_value] = IGNORE_INDEX
+        lut[list(self.source_ignore)] = IGNORE_INDEX
+        for src, dst in self.label_map:
+            lut[src] = dst
+        return lut
+
+    def describe_ignore(self) -> str:
+        """The raw values that mean ignore, for messages: ``"255, 11"`` or ``"none"``."""
+        values = [self.ignore_value] if self.ignore_value is not None else []
+        values += [v for v in self.source_ignore if v not in values]
+        values += [s for s, d in self.label_map if d == IGNORE_INDEX and s not in values]
+        return ", ".join(map(str, values)) or "none"
 
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form (checkpoints, ``meta.json``)."""
-        return asdict(self)
+        """Plain JSON-able form, the ``meta.json`` format (``ignore_index``: the raw value)."""
+        return {
+            "name": self.name,
+            "class_names": list(self.class_names),
+            "palette": [list(c) for c in self.palette],
+            "ignore_index": self.ignore_value,
+            "source_ignore": list(self.source_ignore),
+            "label_map": {str(s): d for s, d in self.label_map},
+            "void_colors": [list(c) for c in self.void_colors],
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DatasetMeta:
+        """Read the ``meta.json`` format (``ignore_index``: the raw ignore value, or null)."""
         try:
+            ignore = d.get("ignore_index", IGNORE_INDEX)
             return cls(
                 name=str(d["name"]),
                 class_names=tuple(str(c) for c in d["class_names"]),
                 palette=tuple(tuple(int(v) for v in c) for c in d["palette"]),  # type: ignore[misc]
-                ignore_index=int(d.get("ignore_index", IGNORE_INDEX)),
                 source_ignore=tuple(int(v) for v in d.get("source_ignore", ())),
                 void_colors=tuple(tuple(int(v) for v in c) for c in d.get("void_colors", ())),  # type: ignore[misc]
+                ignore_value=None if ignore is None else int(ignore),
+                label_map=_label_map_items(d.get("label_map") or {}),
             )
-        except (KeyError, TypeError, ValueError) as err:
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise DataError(
                 f"invalid dataset description ({err!r}); it needs 'name', 'class_names' and "
-                "'palette' (one [r, g, b] per class)"
+                "'palette' (one [r, g, b] per class); 'label_map' is {\"raw\": class_id}"
             ) from err
 
 
@@ -251,4 +304,63 @@ def load_meta_file(path: str | Path) -> DatasetMeta:
 
 def without_source_ignore(meta: DatasetMeta) -> DatasetMeta:
     """The same classes for label maps that already hold 255 for ignore (written by dualseg)."""
-    return replace(meta, source_ignore=())
+    return replace(meta, source_ignore=(), ignore_value=IGNORE_INDEX, label_map=())
+
+
+def _label_map_items(mapping: Mapping[Any, Any]) -> tuple[tuple[int, int], ...]:
+    return tuple(sorted((int(s), int(d)) for s, d in mapping.items()))
+
+
+def parse_label_map(text: str) -> dict[int, int]:
+    """``"255:1"`` or ``"255:1,128:2"`` -> ``{255: 1, 128: 2}`` (raw value -> class id)."""
+    mapping: dict[int, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        src, sep, dst = item.partition(":")
+        if not sep or not src.strip().isdigit() or not dst.strip().isdigit():
+            raise DataError(
+                f"label map entry {item!r}: write RAW:CLASS pairs separated by commas, "
+                "e.g. 255:1 or 255:1,128:2"
+            )
+        mapping[int(src)] = int(dst)
+    return mapping
+
+
+IgnoreSetting = int | None | Literal["auto"]
+
+
+def with_label_mapping(
+    meta: DatasetMeta,
+    *,
+    label_map: Mapping[int, int] | None = None,
+    ignore_value: IgnoreSetting = "auto",
+) -> DatasetMeta:
+    """``meta`` with command-line overrides: extra ``label_map`` entries (they win) and, unless
+    ``ignore_value`` is ``"auto"`` (keep the dataset's), another raw ignore value (``None``:
+    none)."""
+    changes: dict[str, Any] = {}
+    if label_map:
+        merged = {**dict(meta.label_map), **{int(s): int(d) for s, d in label_map.items()}}
+        changes["label_map"] = _label_map_items(merged)
+    if ignore_value != "auto":
+        changes["ignore_value"] = None if ignore_value is None else int(ignore_value)
+    return replace(meta, **changes) if changes else meta
+
+
+def require_same_classes(
+    model_names: tuple[str, ...] | list[str],
+    data_names: tuple[str, ...] | list[str],
+    *,
+    model: str,
+    data: str,
+) -> None:
+    """Raise one :class:`DataError` listing both class lists when they differ.
+
+    Every command that scores or labels a dataset with a trained model (eval, predict --data,
+    refine fit, refine apply --data) calls this: a model never scores under wrong names.
+    """
+    if tuple(model_names) != tuple(data_names):
+        raise DataError(
+            f"{model} has {len(model_names)} classes {list(model_names)} but {data} has "
+            f"{len(data_names)} {list(data_names)}; use a model trained on this dataset (or "
+            "pass the matching --preset)"
+        )

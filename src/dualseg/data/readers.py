@@ -5,11 +5,14 @@ indices with 255 for ignore. Inputs are converted only where the conversion is u
 grayscale -> RGB, palette -> RGB, fully opaque RGBA/LA -> RGB/L, 16-bit -> 8-bit (images, by
 /257), gray-looking RGB label -> index. Anything else (transparency, float images, colour
 labels read as indices, ...) is an error that says how to fix it.
+
+Pictures follow **the image policy** of :mod:`dualseg.imaging` (``image_to_rgb``: EXIF
+orientation applied, opaque alpha dropped, transparency refused), the one rule for files
+(``read_image``), uploads (``decode_image``), PIL images and arrays; it is re-exported here.
 """
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,66 +20,34 @@ from PIL import Image
 
 from dualseg.data.presets import IGNORE_INDEX, DatasetMeta
 from dualseg.errors import DataError
+from dualseg.imaging import (
+    SIXTEEN_BIT_MODES,
+    UPLOAD_FORMATS,
+    ImageTooLargeError,
+    decode_image,
+    drop_opaque_alpha,
+    image_to_rgb,
+    open_image,
+    read_image,
+)
+
+__all__ = [
+    "LABEL_FORMATS",
+    "UPLOAD_FORMATS",
+    "ImageTooLargeError",
+    "decode_color_label",
+    "decode_image",
+    "drop_opaque_alpha",
+    "image_to_rgb",
+    "read_image",
+    "read_label",
+]
 
 LABEL_FORMATS = ("index", "color")
-_SIXTEEN_BIT = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
-_PIL_TO_RGB = {"P", "CMYK", "YCbCr", "LAB", "HSV"}
 
 
-def _open(path: Path) -> Image.Image:
-    if not path.is_file():
-        raise DataError(f"{path}: file not found; check the path (or the list file naming it)")
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            im = Image.open(path)
-            im.load()  # decode now: truncated / corrupt files fail here, not later
-    except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, ... for bad files
-        raise DataError(
-            f"{path}: unreadable or truncated image ({err}); re-export or replace the file"
-        ) from err
-    return im
-
-
-def _drop_opaque_alpha(path: Path, arr: np.ndarray) -> np.ndarray:
-    # arr HxWx2 (LA) or HxWx4 (RGBA): the alpha channel carries no information only if opaque.
-    if arr[..., -1].min() != 255:
-        raise DataError(
-            f"{path}: has transparent pixels (alpha < 255), so its colours are ambiguous; "
-            "flatten it onto a background and save it without alpha"
-        )
-    return arr[..., :-1]
-
-
-def read_image(path: str | Path) -> np.ndarray:
-    """An image file as ``uint8 HxWx3`` RGB. Raises :class:`DataError` naming the file."""
-    path = Path(path)
-    im = _open(path)
-    mode = im.mode
-    if mode == "P":
-        im = im.convert("RGBA" if "transparency" in im.info else "RGB")
-        mode = im.mode
-    elif mode in _PIL_TO_RGB:
-        im, mode = im.convert("RGB"), "RGB"
-    if mode == "1":
-        im, mode = im.convert("L"), "L"
-    arr = np.array(im)  # a writable copy: np.asarray of a PIL image is read-only
-    if mode in _SIXTEEN_BIT:
-        if arr.min() < 0 or arr.max() > 65535:
-            raise DataError(f"{path}: 32-bit image values outside 0..65535; save it as 8-bit RGB")
-        arr = ((arr.astype(np.float32) / 257.0) + 0.5).astype(np.uint8)
-        mode = "L"
-    if mode == "LA":
-        arr, mode = _drop_opaque_alpha(path, arr)[..., 0], "L"
-    elif mode == "RGBA":
-        arr, mode = _drop_opaque_alpha(path, arr), "RGB"
-    if mode == "L":
-        return np.ascontiguousarray(np.repeat(arr[:, :, None], 3, axis=2))
-    if mode == "RGB":
-        return np.ascontiguousarray(arr)
-    raise DataError(
-        f"{path}: unsupported image mode {im.mode!r}; save it as 8-bit RGB (or grayscale) PNG/JPEG"
-    )
+def _drop_opaque_alpha(path: Path, arr: np.ndarray) -> np.ndarray:  # label reading's spelling
+    return drop_opaque_alpha(arr, path)
 
 
 def _label_array(path: Path, im: Image.Image) -> np.ndarray:
@@ -86,7 +57,7 @@ def _label_array(path: Path, im: Image.Image) -> np.ndarray:
         return np.asarray(im)
     if mode == "1":
         return np.asarray(im).astype(np.uint8)
-    if mode in _SIXTEEN_BIT:
+    if mode in SIXTEEN_BIT_MODES:
         return np.asarray(im).astype(np.int64)
     if mode in {"LA", "RGB", "RGBA"}:
         arr = np.asarray(im)
@@ -135,32 +106,29 @@ def decode_color_label(rgb: np.ndarray, meta: DatasetMeta, *, path: str | Path =
 
 
 def _check_values(path: Path, raw: np.ndarray, meta: DatasetMeta) -> np.ndarray:
-    """Map source_ignore -> 255, then require every value to be a class or 255."""
+    """Raw values -> class ids through the dataset's mapping; any other value is an error."""
     if raw.dtype != np.uint8:
         if raw.size and (raw.min() < 0 or raw.max() > 255):
             bad = np.unique(raw[(raw < 0) | (raw > 255)])[:8].tolist()
             raise DataError(
                 f"{path}: label values {bad} are neither a class of {meta.name!r} "
-                f"(0..{meta.num_classes - 1}) nor ignore (255); fix the label or choose the "
-                "matching preset"
+                f"(0..{meta.num_classes - 1}) nor ignore ({meta.describe_ignore()}); fix the "
+                "label or choose the matching preset"
             )
         raw = raw.astype(np.uint8)
-    lut = np.arange(256, dtype=np.uint8)
-    lut[list(meta.source_ignore)] = IGNORE_INDEX
-    label = lut[raw]
-    counts = np.bincount(label.ravel(), minlength=256)
-    counts[: meta.num_classes] = 0
-    counts[IGNORE_INDEX] = 0
-    if counts.any():
+    mapped = meta.lookup_table()[raw]
+    invalid = mapped < 0
+    if invalid.any():
+        counts = np.bincount(raw[invalid].ravel(), minlength=256)
         bad = np.flatnonzero(counts).tolist()
         raise DataError(
             f"{path}: label values {bad[:8]}{' ...' if len(bad) > 8 else ''} "
             f"({int(counts.sum())} pixels) are neither a class of {meta.name!r} "
-            f"(0..{meta.num_classes - 1}) nor ignore (255"
-            + "".join(f", {v}" for v in meta.source_ignore)
-            + "); choose the matching preset, list the value in source_ignore, or fix the label"
+            f"(0..{meta.num_classes - 1}) nor ignore ({meta.describe_ignore()}); choose the "
+            f'matching preset, map them with --label-map RAW:CLASS (meta.json: "label_map"), '
+            "or fix the label"
         )
-    return label
+    return mapped.astype(np.uint8)
 
 
 def read_label(path: str | Path, meta: DatasetMeta, *, label_format: str = "index") -> np.ndarray:
@@ -172,7 +140,7 @@ def read_label(path: str | Path, meta: DatasetMeta, *, label_format: str = "inde
     if label_format not in LABEL_FORMATS:
         raise DataError(f"unknown label_format {label_format!r}; use one of {LABEL_FORMATS}")
     path = Path(path)
-    im = _open(path)
+    im = open_image(path)
     if label_format == "index":
         return _check_values(path, _label_array(path, im), meta)
     if im.mode not in {"RGB", "RGBA", "P", "L"}:

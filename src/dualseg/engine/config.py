@@ -35,6 +35,7 @@ __all__ = [
     "config_to_dict",
     "load_config",
     "model_kwargs",
+    "parse_run_args",
     "save_config",
     "train_transform",
 ]
@@ -61,6 +62,12 @@ class DataConfig:
     num_workers: int = 4
     pin_memory: bool = True  # used on CUDA only
     persistent_workers: bool = True  # used when num_workers > 0
+    # Label mapping (see dualseg.data.presets): None / "auto" keep the dataset's own setting
+    # (ROOT/meta.json or the preset). label_map "255:1" maps raw 255 to class 1 (0/255 masks);
+    # ignore_index: the raw value meaning ignore, null: no value means ignore.
+    label_map: str | None = None  # "RAW:CLASS[,RAW:CLASS...]"
+    ignore_index: int | Literal["auto"] | None = "auto"
+    check: bool = True  # scan every pair before step 1 (the `dualseg data check` scan)
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,8 @@ class TrainConfig:
     out_dir: str = "runs/train"
     max_iters: int = 40000  # T of the poly schedule
     val_every: int = 1000  # K: validate (and checkpoint) every K iterations; 0: at the end only
-    ckpt_every: int | None = None  # None: = val_every
+    ckpt_every: int | None = None  # None: = val_every (1000 when val_every is 0)
+    ckpt_minutes: float | None = 10.0  # also save last.pt this often (wall clock); None: off
     log_every: int = 20
     # S33 "until the objective stops decreasing": the quantity watched for patience; "auto" is
     # val_loss when there is a validation split, else the smoothed train_loss.
@@ -152,7 +160,7 @@ class Config:
 
 def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> Any:
     """The ``dualseg train`` parser: ``--config FILE`` plus one flag per field."""
-    from jsonargparse import ActionConfigFile, ArgumentParser
+    from jsonargparse import ActionConfigFile, ActionYesNo, ArgumentParser
 
     parser = ArgumentParser(
         prog=prog,
@@ -168,6 +176,12 @@ def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> 
         default=None,
         help="checkpoint to resume from, or 'auto' for <train.out_dir>/last.pt when present",
     )
+    parser.add_argument(
+        "--overwrite",
+        action=ActionYesNo,
+        default=False,
+        help="replace the run already in train.out_dir (without it, such a run is refused)",
+    )
     return parser
 
 
@@ -182,9 +196,55 @@ def _instantiate(parser: Any, ns: Any) -> Config:
 
 def parse_args(argv: list[str] | None) -> tuple[Config, str | None]:
     """Parse ``dualseg train`` arguments into a validated :class:`Config` and ``--resume``."""
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    return _instantiate(parser, ns), ns.resume
+    cfg, resume, _ = parse_run_args(argv)
+    return cfg, resume
+
+
+def parse_run_args(argv: list[str] | None) -> tuple[Config, str | None, bool]:
+    """Parse ``dualseg train`` arguments: the :class:`Config`, ``--resume``, ``--overwrite``.
+
+    A bad flag or config key raises one :class:`ConfigError` naming it and the closest valid
+    key (no usage dump); ``--help`` prints the help and exits as usual.
+    """
+    import sys
+
+    parser = build_parser(exit_on_error=False)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        ns = parser.parse_args(argv)
+    except Exception as err:  # jsonargparse's ArgumentError (or a YAML / type error)
+        raise ConfigError(_explain_parse_error(str(err), parser)) from None
+    return _instantiate(parser, ns), ns.resume, bool(ns.overwrite)
+
+
+def _valid_keys(parser: Any) -> list[str]:
+    keys = []
+    for action in parser._actions:
+        keys += [o for o in action.option_strings if o.startswith("--")]
+    return keys
+
+
+def _explain_parse_error(message: str, parser: Any) -> str:
+    """One line for a jsonargparse error, with the closest valid key for an unknown one."""
+    import difflib
+    import re
+
+    message = " ".join(message.split())
+    keys = _valid_keys(parser)
+    unknown = re.search(r"unrecognized arguments: (--[\w.\-]+)", message)
+    group = re.search(r"Group '(\w+)' does not accept option '([\w\-]+)'", message)
+    key = None
+    if unknown:
+        key = unknown.group(1)
+    elif group:
+        key = f"--{group.group(1)}.{group.group(2)}"
+    if key is None:
+        return f"invalid arguments: {message}; see dualseg train --help"
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    if group:  # a YAML key: name keys as YAML writes them
+        key, close = key[2:], [c[2:] for c in close]
+    hint = f"; did you mean {close[0]}?" if close else "; see dualseg train --help"
+    return f"unknown {'flag' if unknown else 'config key'} {key}{hint}"
 
 
 def config_from_dict(d: dict[str, Any]) -> Config:
@@ -278,6 +338,11 @@ def validate(cfg: Config) -> None:
         (d.num_workers >= 0, "data.num_workers must be >= 0"),
         (min(d.crop_size) > 0, "data.crop_size must be positive (H, W)"),
         (
+            d.ignore_index in (None, "auto") or 0 <= int(d.ignore_index) <= 255,
+            "data.ignore_index must be a raw label value 0..255, null (none) or auto",
+        ),
+        (t.ckpt_minutes is None or t.ckpt_minutes >= 0, "train.ckpt_minutes must be >= 0"),
+        (
             t.monitor in ("auto", "train_loss") or t.patience is None or bool(d.val_split),
             f"train.monitor={t.monitor} needs data.val_split; set --train.monitor train_loss",
         ),
@@ -285,3 +350,10 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    if d.label_map is not None:
+        from dualseg.data.presets import parse_label_map
+
+        try:
+            parse_label_map(d.label_map)
+        except ValueError as err:
+            raise ConfigError(f"data.label_map: {err}") from None

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
@@ -43,24 +42,16 @@ def as_rgb_array(image: ImageLike) -> np.ndarray:
     """Convert any accepted image form to a uint8 ``HxWx3`` RGB array.
 
     - path (str / PathLike): read with :func:`dualseg.data.read_image`;
-    - PIL image: converted to RGB;
-    - numpy: ``HxWx3`` (or ``HxW`` gray, ``HxWx4`` RGBA) uint8, or float in [0, 1];
+    - PIL image: converted to RGB by the image policy (:func:`dualseg.imaging.image_to_rgb`:
+      EXIF orientation applied, opaque alpha dropped, transparency refused);
+    - numpy: ``HxWx3`` (or ``HxW`` gray, opaque ``HxWx4`` RGBA) uint8, or float in [0, 1];
     - tensor: ``[3,H,W]`` / ``[1,3,H,W]`` float in [0, 1] (torchvision ``to_tensor``
       convention) or uint8 ``[3,H,W]`` / ``[H,W,3]``. Already-normalized tensors are rejected:
       call ``segmenter.model`` directly for those.
     """
-    if isinstance(image, str | os.PathLike):
-        from dualseg.data import read_image
-
-        path = Path(image)
-        if not path.is_file():
-            raise DataError(f"image not found: {path} (check the path)")
-        return read_image(path)
     if isinstance(image, Tensor):
         return _tensor_to_array(image)
-    if isinstance(image, np.ndarray):
-        return numpy_to_rgb(image)
-    return as_rgb(image)  # a PIL image, or a clear error
+    return as_rgb(image)  # path, PIL image or array: the image policy, or a clear error
 
 
 def _tensor_to_array(t: Tensor) -> np.ndarray:

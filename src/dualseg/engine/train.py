@@ -28,6 +28,7 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +63,13 @@ from dualseg.engine.distributed import (
 )
 from dualseg.engine.losses import SegmentationLoss
 from dualseg.engine.optim import build_optimizer, build_scheduler
+from dualseg.engine.preflight import (
+    check_training_data,
+    label_mapping,
+    scored_classes_note,
+    warn_missing_tensorboard,
+)
+from dualseg.engine.rundir import CheckpointClock, checkpoint_interval, prepare_run_dir
 from dualseg.engine.runlog import Interrupt, Progress, RunLog
 from dualseg.errors import ConfigError, DataError, DualsegError
 
@@ -206,6 +214,7 @@ def _build_datasets(cfg: Config) -> tuple[Any, Any | None]:
         raise ConfigError("no dataset: set data.root in the config or pass --data.root PATH")
     transform = train_transform(d)
     common = {"layout": d.layout, "preset": d.preset, "label_format": d.label_format}
+    common.update(label_mapping(d))
     train_ds = build_dataset(
         d.root,
         split=d.train_split,
@@ -307,7 +316,7 @@ def _val_record(iteration: int, metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- fit
-def fit(cfg: Config, *, resume: str | None = None) -> dict[str, Any]:
+def fit(cfg: Config, *, resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Train ``cfg`` (under ``torchrun``: one process per GPU); returns a summary dict.
 
     ``resume``: a checkpoint path, or ``"auto"`` for ``<out_dir>/last.pt`` when it exists.
@@ -315,11 +324,16 @@ def fit(cfg: Config, *, resume: str | None = None) -> dict[str, Any]:
     "out_dir"}`` where ``stop_reason`` is ``"max_iters"``, ``"patience"`` or ``"interrupted"``
     (with ``"signal"``).
 
-    Reads like torchvision's reference ``main()``: build -> resume -> loop -> summary.
+    A ``train.out_dir`` that already holds a run is refused unless ``resume`` is given or
+    ``overwrite=True`` (which removes the old run's files first).
+
+    Reads like torchvision's reference ``main()``: pre-flight -> build -> resume -> loop ->
+    summary.
     """
     validate_config(cfg)  # also for a Config built in Python rather than parsed
     env = init_distributed(cfg.train.device)
     try:
+        _preflight(cfg, env, resume, overwrite)  # run folder, dataset scan, tensorboard
         run = _build(cfg, env, resume)  # data, model, loss, optimizer, schedule
         _resume(run)  # weights, optimizer, schedule, sampler, progress, RNG states
         _start(run)  # DDP / compile, run folder, log
@@ -358,6 +372,7 @@ class _Run:
     consumed: int = 0  # samples of this epoch already trained on (this rank)
     stop_reason: str = "max_iters"
     started: float = 0.0
+    clock: CheckpointClock | None = None  # when last.pt is due (iterations, minutes)
 
     @property
     def out_dir(self) -> Path:
@@ -366,6 +381,19 @@ class _Run:
     @property
     def paths(self) -> dict[str, Path]:
         return {"last": self.out_dir / ckpt_io.LAST_NAME, "best": self.out_dir / ckpt_io.BEST_NAME}
+
+
+def _preflight(cfg: Config, env: DistEnv, resume: str | None, overwrite: bool) -> None:
+    """Before any work: refuse (or clear, with ``overwrite``) a folder holding another run and
+    remove stale temporaries; scan the dataset (``data.check``); warn about TensorBoard."""
+    t = cfg.train
+    prepare_run_dir(
+        t.out_dir, resuming=resume is not None, overwrite=overwrite, is_main=env.is_main
+    )
+    check_training_data(
+        cfg.data, progress=t.progress and env.is_main and sys.stderr.isatty(), warn=env.is_main
+    )
+    warn_missing_tensorboard(t.tensorboard and env.is_main)
 
 
 def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
@@ -480,6 +508,7 @@ def _loop(run: _Run) -> None:
     t = run.cfg.train
     run.consumed = run.sampler.offset
     run.started = time.perf_counter()
+    run.clock = CheckpointClock(checkpoint_interval(t.ckpt_every, t.val_every), t.ckpt_minutes)
     assert run.log is not None and run.train_model is not None
     try:
         with run.interrupt:
@@ -571,9 +600,10 @@ def _on_step(run: _Run, s: StepStats) -> bool:
             f"evaluations (best {progress.best_monitored:.4f})"
         )
     stopping = done or run.stop_reason != "max_iters"
-    ckpt_every = t.ckpt_every or t.val_every or t.max_iters
-    if stopping or s.iteration % ckpt_every == 0 or evaluated:
+    assert run.clock is not None
+    if stopping or run.clock.due(s.iteration) or evaluated:
         _save(run, "last", at=s.iteration)
+        run.clock.saved()
     if is_best:
         _save(run, "best", at=s.iteration)
     return stopping
@@ -604,7 +634,9 @@ def _validate(run: _Run, at: int) -> bool:
     progress = run.progress
     progress.last_val = {"iteration": at, **metrics}
     assert run.log is not None
-    run.log.write(_val_record(at, metrics), echo=f"[{at}] val mIoU {100 * metrics['miou']:.1f}%")
+    note = scored_classes_note(metrics, run.meta.class_names)
+    echo = f"[{at}] val mIoU {100 * metrics['miou']:.1f}%{note}"
+    run.log.write(_val_record(at, metrics), echo=echo)
     if metrics["miou"] > progress.best_miou:
         progress.best_miou, progress.best_iteration = float(metrics["miou"]), at
         return True

@@ -38,6 +38,7 @@ from dualseg.export.runners import (
     META_PREFIX,
     REFINER_FORMAT,
     TORCHSCRIPT_META,
+    import_extra,
     refiner_sidecar_path,
 )
 from dualseg.io import atomic_write_bytes, atomic_write_json
@@ -205,7 +206,9 @@ def export_onnx(
     exporter: str = "legacy",
 ) -> Path:
     """Export ``wrapper`` (image -> map) to an ONNX file with ``info`` in its metadata_props."""
-    import onnx
+    onnx = import_extra("onnx")
+    if exporter == "dynamo":
+        import_extra("onnxscript")  # torch.onnx's dynamo exporter builds the model with it
 
     if exporter not in EXPORTERS:
         raise ConfigError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")

@@ -8,6 +8,7 @@ is a zip archive, so no torch is needed to read it). :func:`_open_runner` gives 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import zipfile
@@ -18,13 +19,27 @@ from typing import Any
 
 import numpy as np
 
-from dualseg.errors import CheckpointError
+from dualseg.errors import CheckpointError, DualsegError
 from dualseg.imaging import as_rgb
 
 EXPORT_FORMAT = "dualseg-export/1"
 REFINER_FORMAT = "dualseg-refiner-export/1"
 META_PREFIX = "dualseg."
 TORCHSCRIPT_META = "dualseg.json"
+
+
+def import_extra(module: str) -> Any:
+    """Import an optional package of the ``export`` extra (``onnx``, ``onnxruntime``,
+    ``onnxscript``); missing, it is one :class:`DualsegError` line naming the extra."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        if (err.name or "").split(".")[0] != module:
+            raise  # the package is there but broken: its own error says more
+        raise DualsegError(
+            f"the optional package {module!r} is not installed; it comes with the 'export' "
+            "extra: pip install 'dualseg[export]'"
+        ) from err
 
 
 @dataclass(frozen=True)
@@ -66,7 +81,7 @@ def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
                 )
             info = json.loads(z.read(names[0]))
     else:
-        import onnxruntime as ort
+        ort = import_extra("onnxruntime")
 
         try:
             meta = ort.InferenceSession(
@@ -104,7 +119,7 @@ class _OnnxRunner:
     """``image batch float32 [B,3,H,W] -> output float32`` through onnxruntime."""
 
     def __init__(self, path: Path, providers: Sequence[str] | None, threads: int | None) -> None:
-        import onnxruntime as ort
+        ort = import_extra("onnxruntime")
 
         opts = ort.SessionOptions()
         if threads:

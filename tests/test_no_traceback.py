@@ -1,0 +1,94 @@
+"""Every command, run as ``python -m dualseg`` with a bad input: exit 1 or 2, no traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from reliability_helpers import save
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_command_with_a_bad_input_prints_no_traceback(tmp_path: Path) -> None:
+    text_file = tmp_path / "notes.txt"
+    text_file.write_text("not a checkpoint, not an image\n")
+    missing = str(tmp_path / "missing")
+    image = save(tmp_path / "img.png", np.zeros((16, 16, 3), np.uint8))
+    commands = {
+        "train": ["train", "--data.root", missing, "--train.out_dir", str(tmp_path / "run")],
+        "eval": ["eval", "--checkpoint", f"{missing}.pt", "--data", missing],
+        "predict": ["predict", f"{missing}.png", "-c", f"{missing}.pt", "--out", str(image)],
+        "demo": ["demo", "--out", str(image / "x")],
+        "refine fit": ["refine", "fit", "--data", missing, "--steps", "0"],
+        "refine apply": ["refine", "apply", str(image), "-r", "r.pt", "--base", "x", "-o", "."],
+        "export": ["export", "-c", f"{missing}.pt", "--out", str(text_file / "m.onnx")],
+        "serve": ["serve", "-c", f"{missing}.pt", "--port", "70000"],
+        "data check": ["data", "check", missing],
+        "augment": ["augment", missing, str(text_file), "--count", "1"],
+        "train config key": ["train", "--trian.max_iters", "3"],
+    }
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    # One interpreter runs them all (torch is imported once): DRIVER calls dualseg.cli.main as
+    # `python -m dualseg` does and prints an escaping exception's traceback, as Python would.
+    results = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", DRIVER, json.dumps(commands)],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        ).stdout
+    )
+    assert set(results) == set(commands)
+    for name, (code, out, err) in results.items():
+        assert code in (1, 2), (name, code, err)
+        assert "Traceback" not in err + out, (name, err)
+        lines = err.strip().splitlines()
+        assert lines and lines[-1].startswith("dualseg"), (name, err)
+        if code == 1:  # a user error: exactly one line
+            assert len(lines) == 1, (name, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["img.png", "notes.txt"]
+
+
+def test_python_m_dualseg_turns_a_bad_input_into_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dualseg", "train", "--trian.max_iters", "3"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "dualseg train: error: unknown flag --trian.max_iters; did you mean --train.max_iters?"
+    ]
+
+
+DRIVER = """
+import contextlib, io, json, sys, traceback
+from dualseg.cli import main
+
+results = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results[name] = (code, out.getvalue(), err.getvalue())
+print(json.dumps(results))
+"""
