@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
+import re
 
 import numpy as np
 import pytest
@@ -11,7 +13,8 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from serve_fakes import BrightnessSegmenter, gradient_png
 
-from dualseg.serve.app import create_app
+from dualseg.errors import ConfigError
+from dualseg.serve.app import create_app, upsample_probs
 
 
 def _decode(b64: str) -> np.ndarray:
@@ -55,10 +58,17 @@ def test_segment_raw_body_and_label_only(client):
     assert _decode(body["label_png"]).shape == (48, 64)
 
 
-def test_non_image_is_rejected_with_400(client):
+def test_non_image_is_rejected_with_400_naming_the_file_not_a_buffer(client):
     r = client.post("/api/segment", files={"file": ("notes.png", b"hello, not a png", "image/png")})
     assert r.status_code == 400
-    assert "not a readable image" in r.json()["detail"]
+    detail = r.json()["detail"]
+    assert detail.startswith("notes.png is not an image") and "PNG, JPEG" in detail
+    assert "BytesIO" not in detail and " at 0x" not in detail and "\n" not in detail
+    cut = gradient_png()[:120]  # a PNG header, then nothing: fails while decoding
+    raw = client.post("/api/segment", content=cut, headers={"Content-Type": "image/png"})
+    assert raw.status_code == 400
+    assert raw.json()["detail"].startswith("the upload is an unreadable or truncated image")
+    assert "BytesIO" not in raw.json()["detail"]
 
 
 def test_text_part_is_rejected_with_415(client):
@@ -152,3 +162,111 @@ def test_fake_segmenter_is_not_trivial():
         np.asarray(Image.open(io.BytesIO(gradient_png())).convert("RGB"))
     )
     assert set(np.unique(probs.argmax(0))) == {0, 1, 2}
+
+
+def _png(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("headers", "why"),
+    [
+        ({}, "has no content type"),  # httpx sends none for raw bytes
+        ({"Content-Type": "image/svg+xml"}, "a vector drawing"),
+        ({"Content-Type": "text/plain"}, "not an image"),
+    ],
+)
+def test_raw_body_without_an_image_type_is_415_even_with_png_bytes(client, headers, why):
+    r = client.post("/api/segment", content=gradient_png(), headers=headers)
+    assert r.status_code == 415
+    assert why in r.json()["detail"] and "image/png" in r.json()["detail"]
+
+
+def test_svg_part_is_415_and_octet_stream_part_is_read_by_content(client):
+    png = gradient_png()
+    r = client.post("/api/segment", files={"file": ("a.svg", png, "image/svg+xml")})
+    assert r.status_code == 415 and "vector drawing" in r.json()["detail"]
+    # what browsers send for a file whose extension they do not know
+    r = client.post("/api/segment", files={"file": ("a.data", png, "application/octet-stream")})
+    assert r.status_code == 200, r.text
+
+
+def test_transparent_upload_is_refused_opaque_alpha_is_dropped(client, segmenter):
+    rgba = np.zeros((32, 40, 4), np.uint8)
+    rgba[..., :3] = np.linspace(0, 255, 40, dtype=np.uint8)[None, :, None]
+    rgba[..., 3] = 255
+    r = client.post("/api/segment", files={"file": ("opaque.png", _png(rgba), "image/png")})
+    assert r.status_code == 200, r.text
+    expected = segmenter.predict_proba(rgba[..., :3]).argmax(0)
+    np.testing.assert_array_equal(_decode(r.json()["label_png"]), expected)
+    rgba[:4, :4, 3] = 0  # a transparent corner: the colour under it is undefined
+    r = client.post("/api/segment", files={"file": ("glass.png", _png(rgba), "image/png")})
+    assert r.status_code == 400
+    detail = r.json()["detail"]
+    assert detail.startswith("glass.png: has transparent pixels") and "flatten it" in detail
+
+
+class ShapeRecorder(BrightnessSegmenter):
+    """Records the image sizes the app asks it to segment."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def predict_proba(self, image: np.ndarray) -> np.ndarray:
+        self.seen.append(image.shape[:2])
+        return super().predict_proba(image)
+
+
+def test_large_image_is_inferred_at_the_working_size_and_answered_at_its_own(refiner):
+    seg = ShapeRecorder()
+    client = TestClient(create_app(seg, refiner=refiner, work_megapixels=0.001))  # 1,000 px
+    png = gradient_png(60, 80)  # 4,800 px: inferred downscaled
+    body = client.post("/api/segment", files={"file": ("big.png", png, "image/png")}).json()
+    ((h, w),) = seg.seen
+    assert h * w <= 1000 and abs(w / h - 80 / 60) < 0.1
+    assert (body["working_height"], body["working_width"]) == (h, w)
+    assert (body["height"], body["width"]) == (60, 80)
+    label = _decode(body["label_png"])
+    assert label.shape == (60, 80) and _decode(body["color_png"]).shape == (60, 80, 3)
+    full = BrightnessSegmenter().predict_proba(
+        np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+    )
+    assert (label == full.argmax(0)).mean() > 0.9  # the same classes, up to their edges
+    refined = _decode(body["refined"]["label_png"])
+    assert refined.shape == (60, 80) and (refined[0] == 0).all()  # the refiner's top row, upsampled
+    assert body["refined"]["changed_pixels"] == int((refined != label).sum()) > 0
+    # at or under the working size: the model sees the image itself
+    seg.seen.clear()
+    client.post("/api/segment", files={"file": ("small.png", gradient_png(20, 30), "image/png")})
+    assert seg.seen == [(20, 30)]
+
+
+def test_one_log_line_per_request(client, caplog):
+    with caplog.at_level(logging.INFO, logger="dualseg.serve"):
+        client.get("/api/info")
+        client.post("/api/segment", content=b"x", headers={"Content-Type": "text/plain"})
+    lines = [r.getMessage() for r in caplog.records if r.name == "dualseg.serve"]
+    assert len(lines) == 2
+    assert re.fullmatch(r"GET /api/info 200 \d+\.\d ms", lines[0])
+    assert re.fullmatch(r"POST /api/segment 415 \d+\.\d ms", lines[1])
+
+
+def test_unwritable_save_uploads_fails_when_the_app_is_made(tmp_path, segmenter):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"--save-uploads .*file.sub: cannot write there"):
+        create_app(segmenter, save_uploads=blocker / "sub")
+
+
+@pytest.mark.parametrize("classes", [1, 3, 150])  # 150: more channels than one OpenCV call takes
+def test_upsample_probs_is_the_engines_bilinear_resize(classes):
+    torch = pytest.importorskip("torch")
+    probs = np.random.default_rng(0).random((classes, 9, 13), dtype=np.float32)
+    ours = upsample_probs(probs, (31, 40))
+    theirs = torch.nn.functional.interpolate(
+        torch.from_numpy(probs)[None], size=(31, 40), mode="bilinear", align_corners=False
+    )[0].numpy()
+    assert ours.shape == (classes, 31, 40)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)

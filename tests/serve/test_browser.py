@@ -67,6 +67,8 @@ def test_upload_in_chromium_shows_segmentation(server_url, tmp_path):
             page = browser.new_page()
             page.goto(server_url + "/")
             page.wait_for_selector("#legend li")  # /api/info answered: 3 classes listed
+            for img in ("#input-img", "#result-color", "#result-overlay"):  # no broken icons
+                assert not page.is_visible(img)
             page.set_input_files("#file", str(image))
             for img in ("#result-color", "#result-overlay", "#result-changed"):
                 page.wait_for_function(
@@ -79,5 +81,24 @@ def test_upload_in_chromium_shows_segmentation(server_url, tmp_path):
             assert "inference" in page.inner_text("#timings")
             assert page.locator("#legend li.present").count() == 3
             assert "Changed pixels" in page.inner_text("#changed-caption")
+            assert any(c.isdigit() for c in page.inner_text("#changed-caption"))
+            # an upload that fails: the previous result is cleared, the reason shown
+            bad = tmp_path / "notes.png"
+            bad.write_bytes(b"hello, not a png")
+            page.set_input_files("#file", str(bad))
+            page.wait_for_selector("#status.error", timeout=20_000)
+            status = page.inner_text("#status")
+            assert "error 400" in status and "notes.png is not an image" in status
+            assert "BytesIO" not in status
+            assert page.locator("#legend li").count() == 3
+            assert page.locator("#legend li.present").count() == 0
+            assert page.inner_text("#changed-caption") == "Changed pixels (magenta)"
+            assert not page.is_visible("#refined-fig") and not page.is_visible("#changed-fig")
+            assert page.inner_text("#timings") == ""
+            for img in ("#input-img", "#result-color", "#result-overlay"):
+                page.wait_for_function(
+                    "(sel) => !document.querySelector(sel).hasAttribute('src')", arg=img
+                )
+                assert not page.is_visible(img)
         finally:
             browser.close()

@@ -2,50 +2,31 @@
 
 from __future__ import annotations
 
+import socket
+import sys
+
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from serve_fakes import gradient_png
+from serve_fakes import NAMES, gradient_png
 
 from dualseg.cli import main
-from dualseg.engine.checkpoint import save_checkpoint
+from dualseg.commands import serve as serve_command
 from dualseg.errors import CheckpointError
-from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner, RefinerConfig, build_embedding_net
-
-NAMES = ["road", "car", "sky"]
-
-
-@pytest.fixture
-def files(tmp_path):
-    torch.manual_seed(0)
-    kwargs = {"num_classes": 3, "renet_hidden": 8}
-    model = build_model("dualseg_mobilenet_v2", weights=None, **kwargs)
-    ckpt = tmp_path / "tiny.pt"
-    save_checkpoint(
-        ckpt,
-        {
-            "arch": "dualseg_mobilenet_v2",
-            "model_kwargs": kwargs,
-            "model": model.state_dict(),
-            "class_names": NAMES,
-            "palette": [[128, 64, 128], [0, 0, 142], [70, 130, 180]],
-        },
-    )
-    cfg = RefinerConfig(embed_dim=8, radius=2)
-    net = build_embedding_net(cfg.backbone, embed_dim=cfg.embed_dim)
-    refiner = BoundaryRefiner(
-        net, torch.randn(3, 8), torch.ones(3, dtype=torch.bool), class_names=NAMES, config=cfg
-    )
-    return ckpt, refiner.save(tmp_path / "refiner.pt")
 
 
 @pytest.fixture
 def captured(monkeypatch):
+    """uvicorn.run records its arguments instead of serving; the port check records its
+    address (whether a port is free on the test machine is not what these tests test)."""
     import uvicorn
 
     calls = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.update(app=app, **kw))
+    monkeypatch.setattr(
+        serve_command, "check_port", lambda host, port: calls.update(checked=(host, port))
+    )
     return calls
 
 
@@ -71,8 +52,93 @@ def test_serve_flags_and_warnings(files, captured, capsys, tmp_path):
     assert main(args) == 0
     assert captured["host"] == "0.0.0.0" and captured["port"] == 8123
     assert "no login" in capsys.readouterr().err
+    assert captured["checked"] == ("0.0.0.0", 8123)
     info = TestClient(captured["app"]).get("/api/info").json()
     assert info["max_megapixels"] == 0.5 and info["max_upload_bytes"] == 2**20
+    assert (info["work_megapixels"], info["workers"], info["queue_size"]) == (1.0, 2, 8)
+
+
+def test_serve_load_flags_reach_the_app(files, captured):
+    ckpt, _ = files
+    args = ["serve", "-c", str(ckpt), "--work-megapixels", "0.001", "--workers", "3"]
+    assert main([*args, "--queue-size", "0"]) == 0
+    client = TestClient(captured["app"])
+    info = client.get("/api/info").json()
+    assert (info["work_megapixels"], info["workers"], info["queue_size"]) == (0.001, 3, 0)
+    body = client.post(
+        "/api/segment", content=gradient_png(40, 50), headers={"Content-Type": "image/png"}
+    ).json()
+    assert (body["width"], body["height"]) == (50, 40)
+    assert body["working_width"] * body["working_height"] <= 1000 < 40 * 50
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--work-megapixels", "-1", "--work-megapixels must be >= 0"),
+        ("--workers", "0", "--workers must be >= 1"),
+        ("--queue-size", "-1", "--queue-size >= 0"),
+    ],
+)
+def test_serve_refuses_bad_load_flags(files, captured, capsys, flag, value, message):
+    ckpt, _ = files
+    assert main(["serve", "-c", str(ckpt), flag, value]) == 1
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert "app" not in captured
+
+
+def test_unwritable_save_uploads_is_one_line_before_loading(files, captured, capsys, tmp_path):
+    ckpt, _ = files
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    target = blocker / "uploads"
+    missing_ckpt = tmp_path / "never-read.pt"  # the folder is checked before the model loads
+    assert main(["serve", "-c", str(missing_ckpt), "--save-uploads", str(target)]) == 1
+    out = capsys.readouterr()
+    assert f"--save-uploads {target}: cannot write there" in out.err
+    assert len(out.err.strip().splitlines()) == 1 and "Traceback" not in out.err
+    assert "http://" not in out.out and "app" not in captured
+    assert blocker.read_text() == "not a folder"
+    # a writable one is created up front and left clean (no probe file)
+    fresh = tmp_path / "new" / "uploads"
+    assert main(["serve", "-c", str(ckpt), "--save-uploads", str(fresh)]) == 0
+    assert fresh.is_dir() and list(fresh.iterdir()) == []
+
+
+def test_port_in_use_is_one_line_without_the_banner(files, capsys, monkeypatch):
+    import uvicorn
+
+    ckpt, _ = files
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("uvicorn.run was called"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", "-c", str(ckpt), "--port", str(port)]) == 1
+    out = capsys.readouterr()
+    assert f"cannot listen on 127.0.0.1:{port}" in out.err and "--port" in out.err
+    assert len(out.err.strip().splitlines()) == 1
+    assert "http://" not in out.out
+
+
+def test_serve_help_and_message_without_the_serve_extra(files, capsys, monkeypatch):
+    # Hide fastapi as if it were not installed (None in sys.modules makes its import fail),
+    # and forget the app module so that it is imported afresh.
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+    monkeypatch.delitem(sys.modules, "dualseg.serve.app", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--help"])
+    assert exit_.value.code == 0
+    assert "--work-megapixels" in capsys.readouterr().out
+    ckpt, _ = files
+    assert main(["serve", "-c", str(ckpt)]) == 1
+    err = capsys.readouterr().err
+    assert "'fastapi' is not installed" in err and "pip install 'dualseg[serve]'" in err
+    assert len(err.strip().splitlines()) == 1
+    # the Python API says the same
+    with pytest.raises(ModuleNotFoundError, match=r"dualseg\[serve\]"):
+        import dualseg.serve.app  # noqa: F401
 
 
 def test_serve_refuses_mismatched_refiner(files, captured, tmp_path):
@@ -91,3 +157,23 @@ def test_serve_refuses_mismatched_refiner(files, captured, tmp_path):
         serve_main(["-c", str(ckpt), "--refiner", str(other)])
     assert main(["serve", "-c", str(ckpt), "--refiner", str(other)]) == 1  # one-line error
     assert "app" not in captured
+
+
+def test_serve_logs_one_line_per_request_on_stderr(files, monkeypatch, capsys):
+    import uvicorn
+
+    ckpt, _ = files
+    monkeypatch.setattr(serve_command, "check_port", lambda host, port: None)
+
+    # "serving" = two requests made while uvicorn.run would be running
+    def serve(app, **_):
+        client = TestClient(app)
+        client.get("/api/info")
+        client.post("/api/segment", content=b"x", headers={"Content-Type": "text/plain"})
+
+    monkeypatch.setattr(uvicorn, "run", serve)
+    assert main(["serve", "-c", str(ckpt)]) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 2
+    assert lines[0].endswith(" ms") and " GET /api/info 200 " in lines[0]
+    assert " POST /api/segment 415 " in lines[1]

@@ -66,7 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from dualseg.export.export import export_checkpoint, export_refiner, verify_export
+    from dualseg.export.runtime import import_extra
     from dualseg.io import check_writable
+
+    if args.format == "onnx":  # missing extras: one line now, not after the export
+        import_extra("onnx")
+        if not args.no_verify:
+            import_extra("onnxruntime")
 
     out = check_writable(args.out, kind="file", what="--out")
     size = tuple(args.size) if args.size else ((64, 64) if args.dynamic else (512, 512))

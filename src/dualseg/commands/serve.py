@@ -9,13 +9,27 @@ Binds to 127.0.0.1 (this machine only) unless --host says otherwise; the page ha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
+import logging
+import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dualseg.errors import ConfigError
-from dualseg.serve.app import DEFAULT_MAX_MEGAPIXELS, DEFAULT_MAX_UPLOAD_MB
+from dualseg.errors import ConfigError, DualsegError
+from dualseg.serve.defaults import (
+    DEFAULT_MAX_MEGAPIXELS,
+    DEFAULT_MAX_UPLOAD_MB,
+    DEFAULT_QUEUE_SIZE,
+    DEFAULT_WORK_MEGAPIXELS,
+    DEFAULT_WORKERS,
+    EXTRA_HINT,
+)
+
+# The modules of the 'serve' extra (pyproject.toml), and those they bring.
+SERVE_MODULES = ("fastapi", "uvicorn", "python_multipart", "starlette", "pydantic")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,6 +61,26 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"refuse larger uploads ({DEFAULT_MAX_UPLOAD_MB:g})",
     )
     p.add_argument(
+        "--work-megapixels",
+        type=float,
+        default=DEFAULT_WORK_MEGAPIXELS,
+        help="infer larger images downscaled to this many megapixels, then bring the result "
+        f"back to the image's size; 0: always at full size ({DEFAULT_WORK_MEGAPIXELS:g})",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=DEFAULT_WORKERS,
+        help=f"images segmented at the same time, on threads ({DEFAULT_WORKERS})",
+    )
+    p.add_argument(
+        "--queue-size",
+        type=int,
+        default=DEFAULT_QUEUE_SIZE,
+        help="requests that may wait for a worker; more get 503 with Retry-After "
+        f"({DEFAULT_QUEUE_SIZE})",
+    )
+    p.add_argument(
         "--save-uploads",
         metavar="DIR",
         help="keep every uploaded file in DIR (default: uploads stay in memory only)",
@@ -64,15 +98,78 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def check_port(host: str, port: int) -> None:
+    """Bind ``host:port`` once, as uvicorn will, so that a taken port is one line, not a
+    traceback after the banner. Raises :class:`ConfigError`."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as err:
+        raise ConfigError(f"--host {host}: cannot resolve it ({err.strerror or err})") from err
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            sock.bind(address)
+        except OSError as err:
+            raise ConfigError(
+                f"cannot listen on {host}:{port} ({err.strerror or err}); stop the program "
+                "using it or choose another --port"
+            ) from err
+
+
+def _import_serve() -> tuple[Any, Any]:
+    """``(uvicorn, create_app)``; a missing 'serve' extra is one line naming it."""
+    try:
+        import uvicorn
+
+        from dualseg.serve.app import create_app
+    except ImportError as err:
+        if (err.name or "").split(".")[0] not in SERVE_MODULES:
+            raise
+        raise DualsegError(
+            f"the optional package {err.name!r} is not installed; dualseg serve needs the "
+            f"'serve' extra: {EXTRA_HINT}"
+        ) from err
+    return uvicorn, create_app
+
+
+@contextlib.contextmanager
+def _request_log_on_stderr() -> Iterator[None]:
+    """While serving: one line per request (``dualseg.serve`` logger: method, path, status,
+    ms) on stderr; the logger is left as it was afterwards."""
+    logger = logging.getLogger("dualseg.serve")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_megapixels <= 0 or args.max_upload_mb <= 0:
         raise ConfigError("--max-megapixels and --max-upload-mb must be positive")
+    if args.work_megapixels < 0:
+        raise ConfigError(
+            f"--work-megapixels must be >= 0 (0: full size), got {args.work_megapixels}"
+        )
+    if args.workers < 1 or args.queue_size < 0:
+        raise ConfigError(
+            f"--workers must be >= 1 and --queue-size >= 0, got {args.workers}, {args.queue_size}"
+        )
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
-    import uvicorn
+    uvicorn, create_app = _import_serve()
+    from dualseg.serve.app import prepare_upload_folder
 
-    from dualseg.serve.app import create_app
+    if args.save_uploads is not None:  # before loading anything: fail in a second
+        prepare_upload_folder(args.save_uploads)
+    check_port(args.host, args.port)
 
     if args.onnx:
         from dualseg.export.runtime import OnnxSegmenter
@@ -96,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         refiner=refiner,
         max_megapixels=args.max_megapixels,
         max_upload_bytes=int(args.max_upload_mb * 2**20),
+        work_megapixels=args.work_megapixels,
+        workers=args.workers,
+        queue_size=args.queue_size,
         save_uploads=args.save_uploads,
         model_name=name,
     )
@@ -107,5 +207,6 @@ def main(argv: list[str] | None = None) -> int:
         )
     shown = f"[{args.host}]" if ":" in args.host else args.host
     print(f"dualseg serve: http://{shown}:{args.port}/  (API docs: /docs; Ctrl+C stops)")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    with _request_log_on_stderr():
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -5,15 +5,27 @@ indices with 255 for ignore. Inputs are converted only where the conversion is u
 grayscale -> RGB, palette -> RGB, fully opaque RGBA/LA -> RGB/L, 16-bit -> 8-bit (images, by
 /257), gray-looking RGB label -> index. Anything else (transparency, float images, colour
 labels read as indices, ...) is an error that says how to fix it.
+
+**The image policy** (:func:`image_to_rgb`) is the one rule for every picture dualseg is given:
+files (``read_image``: datasets, ``dualseg predict``), uploaded bytes (:func:`decode_image`:
+``dualseg serve``), PIL images and arrays passed to ``Segmenter.predict*``:
+
+- the EXIF orientation is applied (as browsers, OpenCV's ``imread`` and image viewers do), so
+  the result lines up with the picture as it is shown;
+- an alpha channel that is fully opaque is dropped; **an image with transparent pixels is
+  refused** (one line: flatten it onto a background first). dualseg never guesses the colour
+  under a transparent pixel, because any background it picked would change the prediction;
+- palette, grayscale, 1-bit, CMYK/YCbCr/LAB/HSV and 16-bit images become 8-bit RGB.
 """
 
 from __future__ import annotations
 
+import io
 import warnings
 from pathlib import Path
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from dualseg.data.presets import IGNORE_INDEX, DatasetMeta
 from dualseg.errors import DataError
@@ -21,6 +33,13 @@ from dualseg.errors import DataError
 LABEL_FORMATS = ("index", "color")
 _SIXTEEN_BIT = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
 _PIL_TO_RGB = {"P", "CMYK", "YCbCr", "LAB", "HSV"}
+# Raster formats accepted from bytes (uploads): Pillow's other openers (EPS through Ghostscript,
+# PDF, icons, ...) are no photos to segment, and some run external programs.
+UPLOAD_FORMATS = ("PNG", "JPEG", "BMP", "TIFF", "WEBP", "GIF", "PPM")
+
+
+class ImageTooLargeError(DataError):
+    """An image has more pixels than the caller's limit (checked from its header)."""
 
 
 def _open(path: Path) -> Image.Image:
@@ -38,44 +57,115 @@ def _open(path: Path) -> Image.Image:
     return im
 
 
-def _drop_opaque_alpha(path: Path, arr: np.ndarray) -> np.ndarray:
-    # arr HxWx2 (LA) or HxWx4 (RGBA): the alpha channel carries no information only if opaque.
-    if arr[..., -1].min() != 255:
+def drop_opaque_alpha(array: np.ndarray, source: str | Path) -> np.ndarray:
+    """``HxWx2`` (LA) / ``HxWx4`` (RGBA) -> without its alpha channel, if every pixel is opaque.
+
+    Part of the image policy (module docstring): transparent pixels raise :class:`DataError`
+    naming ``source``. Opaque is 1.0 for float arrays, the maximum of an unsigned dtype (255
+    for uint8), else 255.
+    """
+    if np.issubdtype(array.dtype, np.floating):
+        opaque: float = 1.0
+    elif np.issubdtype(array.dtype, np.unsignedinteger):
+        opaque = float(np.iinfo(array.dtype).max)
+    else:
+        opaque = 255.0
+    if array.size and array[..., -1].min() < opaque:
         raise DataError(
-            f"{path}: has transparent pixels (alpha < 255), so its colours are ambiguous; "
-            "flatten it onto a background and save it without alpha"
+            f"{source}: has transparent pixels (alpha < {opaque:g}), so the colour under them is "
+            "undefined; flatten it onto a background (or save it without alpha) and try again"
         )
-    return arr[..., :-1]
+    return array[..., :-1]
+
+
+def _drop_opaque_alpha(path: Path, arr: np.ndarray) -> np.ndarray:  # label reading's spelling
+    return drop_opaque_alpha(arr, path)
 
 
 def read_image(path: str | Path) -> np.ndarray:
-    """An image file as ``uint8 HxWx3`` RGB. Raises :class:`DataError` naming the file."""
+    """An image file as ``uint8 HxWx3`` RGB (:func:`image_to_rgb`). Raises :class:`DataError`
+    naming the file."""
     path = Path(path)
-    im = _open(path)
+    return image_to_rgb(_open(path), path)
+
+
+def decode_image(
+    data: bytes, *, source: str = "the upload", max_pixels: float | None = None
+) -> np.ndarray:
+    """Image file bytes (an upload) as ``uint8 HxWx3`` RGB through :func:`image_to_rgb`.
+
+    Only :data:`UPLOAD_FORMATS` are opened. ``max_pixels``: larger images raise
+    :class:`ImageTooLargeError` from the header, before decoding. Other problems raise
+    :class:`DataError` naming ``source``.
+    """
+    if not data:
+        raise DataError(f"{source} is empty; choose an image file")
+    formats = ", ".join(UPLOAD_FORMATS)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            im = Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS)  # reads the header only
+            w, h = im.size
+            if max_pixels is not None and w * h > max_pixels:
+                raise ImageTooLargeError(
+                    f"{source} ({w}x{h} = {w * h / 1e6:.1f} megapixels) is over the limit of "
+                    f"{max_pixels / 1e6:g} megapixels; downscale it"
+                )
+            im.load()
+    except DataError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise ImageTooLargeError(f"{source}: {err}") from err
+    except UnidentifiedImageError as err:  # its message is the repr of the BytesIO: not shown
+        raise DataError(
+            f"{source} is not an image in a supported format ({formats}); upload one of those"
+        ) from err
+    except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, ... for bad data
+        raise DataError(
+            f"{source} is an unreadable or truncated image ({err}); re-export or replace it"
+        ) from err
+    return image_to_rgb(im, source)
+
+
+def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:
+    """The image policy (module docstring): a decoded PIL image as ``uint8 HxWx3`` RGB.
+
+    EXIF orientation applied; opaque alpha dropped, transparency refused; errors name
+    ``source``.
+    """
+    try:
+        im = ImageOps.exif_transpose(im)
+    except Exception as err:  # a malformed EXIF block: Pillow raises various types
+        raise DataError(
+            f"{source}: unreadable EXIF orientation ({err}); re-save the image without EXIF"
+        ) from err
     mode = im.mode
     if mode == "P":
         im = im.convert("RGBA" if "transparency" in im.info else "RGB")
         mode = im.mode
     elif mode in _PIL_TO_RGB:
         im, mode = im.convert("RGB"), "RGB"
+    elif mode == "PA":
+        im, mode = im.convert("RGBA"), "RGBA"
     if mode == "1":
         im, mode = im.convert("L"), "L"
     arr = np.array(im)  # a writable copy: np.asarray of a PIL image is read-only
     if mode in _SIXTEEN_BIT:
         if arr.min() < 0 or arr.max() > 65535:
-            raise DataError(f"{path}: 32-bit image values outside 0..65535; save it as 8-bit RGB")
+            raise DataError(f"{source}: 32-bit image values outside 0..65535; save it as 8-bit RGB")
         arr = ((arr.astype(np.float32) / 257.0) + 0.5).astype(np.uint8)
         mode = "L"
     if mode == "LA":
-        arr, mode = _drop_opaque_alpha(path, arr)[..., 0], "L"
+        arr, mode = drop_opaque_alpha(arr, source)[..., 0], "L"
     elif mode == "RGBA":
-        arr, mode = _drop_opaque_alpha(path, arr), "RGB"
+        arr, mode = drop_opaque_alpha(arr, source), "RGB"
     if mode == "L":
         return np.ascontiguousarray(np.repeat(arr[:, :, None], 3, axis=2))
     if mode == "RGB":
         return np.ascontiguousarray(arr)
     raise DataError(
-        f"{path}: unsupported image mode {im.mode!r}; save it as 8-bit RGB (or grayscale) PNG/JPEG"
+        f"{source}: unsupported image mode {im.mode!r}; save it as 8-bit RGB (or grayscale) "
+        "PNG/JPEG"
     )
 
 

@@ -45,7 +45,7 @@ def as_rgb_array(image: ImageLike) -> np.ndarray:
 
     - path (str / PathLike): read with :func:`dualseg.data.read_image`;
     - PIL image: converted to RGB;
-    - numpy: ``HxWx3`` (or ``HxW`` gray, ``HxWx4`` RGBA) uint8, or float in [0, 1];
+    - numpy: ``HxWx3`` (or ``HxW`` gray, opaque ``HxWx4`` RGBA) uint8, or float in [0, 1];
     - tensor: ``[3,H,W]`` / ``[1,3,H,W]`` float in [0, 1] (torchvision ``to_tensor``
       convention) or uint8 ``[3,H,W]`` / ``[H,W,3]``. Already-normalized tensors are rejected:
       call ``segmenter.model`` directly for those.
@@ -66,7 +66,9 @@ def as_rgb_array(image: ImageLike) -> np.ndarray:
     except ImportError:  # pragma: no cover - pillow is a dependency
         Image = None
     if Image is not None and isinstance(image, Image.Image):
-        return np.asarray(image.convert("RGB"))
+        from dualseg.data.readers import image_to_rgb  # the image policy (EXIF, alpha, modes)
+
+        return image_to_rgb(image, "the PIL image")
     raise DataError(
         f"cannot segment a {type(image).__name__}: pass a file path, a PIL image, an HxWx3 "
         "uint8 numpy array or a [3,H,W] tensor"
@@ -101,7 +103,10 @@ def _numpy_to_rgb(a: np.ndarray) -> np.ndarray:
         a = np.repeat(a[:, :, None], 3, axis=2)
     if a.ndim != 3 or a.shape[2] not in (3, 4):
         raise DataError(f"expected an HxWx3 RGB image array, got shape {a.shape}")
-    a = a[:, :, :3]
+    if a.shape[2] == 4:  # the image policy: opaque alpha is dropped, transparency refused
+        from dualseg.data.readers import drop_opaque_alpha
+
+        a = drop_opaque_alpha(a, "the image array")
     if np.issubdtype(a.dtype, np.floating):
         if a.size and (a.min() < -1e-3 or a.max() > 1 + 1e-3):
             raise DataError("float image arrays must hold RGB values in [0, 1]; or pass uint8")

@@ -205,7 +205,11 @@ def export_onnx(
     exporter: str = "legacy",
 ) -> Path:
     """Export ``wrapper`` (image -> map) to an ONNX file with ``info`` in its metadata_props."""
-    import onnx
+    from dualseg.export.runtime import import_extra
+
+    onnx = import_extra("onnx")
+    if exporter == "dynamo":
+        import_extra("onnxscript")  # torch.onnx's dynamo exporter builds the model with it
 
     if exporter not in EXPORTERS:
         raise ConfigError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")

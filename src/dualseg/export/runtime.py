@@ -18,6 +18,7 @@ TorchScript file is a zip archive).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import zipfile
@@ -28,13 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from dualseg.errors import CheckpointError, ConfigError, DataError
+from dualseg.errors import CheckpointError, ConfigError, DataError, DualsegError
 
 __all__ = [
     "ExportMeta",
     "ExportedRefiner",
     "ExportedSegmenter",
     "OnnxSegmenter",
+    "import_extra",
     "load_exported_refiner",
     "load_refiner",
     "read_export_info",
@@ -62,6 +64,20 @@ class ExportMeta:
         return len(self.class_names)
 
 
+def import_extra(module: str) -> Any:
+    """Import an optional package of the ``export`` extra (``onnx``, ``onnxruntime``,
+    ``onnxscript``); missing, it is one :class:`DualsegError` line naming the extra."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        if (err.name or "").split(".")[0] != module:
+            raise  # the package is there but broken: its own error says more
+        raise DualsegError(
+            f"the optional package {module!r} is not installed; it comes with the 'export' "
+            "extra: pip install 'dualseg[export]'"
+        ) from err
+
+
 def refiner_sidecar_path(model_path: str | os.PathLike[str]) -> Path:
     """The JSON beside an exported embedding model: ``refiner.onnx`` -> ``refiner.json``."""
     return Path(model_path).with_suffix(".json")
@@ -86,7 +102,7 @@ def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
                 )
             info = json.loads(z.read(names[0]))
     else:
-        import onnxruntime as ort
+        ort = import_extra("onnxruntime")
 
         try:
             meta = ort.InferenceSession(
@@ -116,7 +132,7 @@ class _OnnxRunner:
     """``image batch float32 [B,3,H,W] -> output float32`` through onnxruntime."""
 
     def __init__(self, path: Path, providers: Sequence[str] | None, threads: int | None) -> None:
-        import onnxruntime as ort
+        ort = import_extra("onnxruntime")
 
         opts = ort.SessionOptions()
         if threads:

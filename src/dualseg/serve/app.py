@@ -15,43 +15,77 @@ over 1 MiB to a temporary file, so the body is parsed here with python-multipart
 keep files in memory) — unless ``save_uploads`` names a folder. The body is counted while it
 streams in: an upload over ``max_upload_bytes`` is refused (413) before it is fully read, and
 an image over ``max_megapixels`` is refused (413) from its header, before it is decoded.
+Images are decoded by :func:`dualseg.data.readers.decode_image`: the image policy that the CLI
+and the Python API follow too (EXIF orientation applied, transparent images refused with 400).
+
+Decoding, inference and encoding run off the event loop on ``workers`` threads; at most
+``queue_size`` requests wait for one, further ones get 503 with a ``Retry-After`` header. An
+image over ``work_megapixels`` is inferred downscaled to that many pixels and its result brought
+back to the image's size (probabilities bilinearly; the response's ``working_width`` /
+``working_height`` say so). Every request is logged as one line (method, path, status, ms) on
+the ``dualseg.serve`` logger.
 
 ``segmenter`` is anything with ``.meta`` (``class_names``, ``palette``, ``ignore_index``) and
 ``.predict_proba(rgb uint8 HxWx3) -> float [C,H,W]``: the engine's ``Segmenter`` or the
-onnxruntime ``OnnxSegmenter``. ``refiner`` (optional) is a method-B ``BoundaryRefiner`` or an
-exported one (``dualseg.export.runtime.load_exported_refiner``); see :func:`refine_one`.
+onnxruntime ``OnnxSegmenter``; it and the refiner are called from several threads at once.
+``refiner`` (optional) is a method-B ``BoundaryRefiner`` or an exported one
+(``dualseg.export.runtime.load_exported_refiner``); see :func:`refine_one`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import io
+import logging
+import math
 import re
+import tempfile
 import threading
 import time
-import warnings
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
+import cv2
 import numpy as np
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.responses import FileResponse
-from fastapi.staticfiles import StaticFiles
-from PIL import Image, ImageOps, UnidentifiedImageError
-from pydantic import BaseModel, Field
-from python_multipart.multipart import FormParser, parse_options_header
-from starlette.concurrency import run_in_threadpool
+from PIL import Image
 
+from dualseg.data.readers import ImageTooLargeError, decode_image
+from dualseg.errors import ConfigError, DataError
 from dualseg.io import atomic_write_bytes
+from dualseg.serve.defaults import (
+    DEFAULT_MAX_MEGAPIXELS,
+    DEFAULT_MAX_UPLOAD_MB,
+    DEFAULT_QUEUE_SIZE,
+    DEFAULT_WORK_MEGAPIXELS,
+    DEFAULT_WORKERS,
+    EXTRA_HINT,
+)
 from dualseg.viz import colorize, overlay
 
+try:
+    from fastapi import FastAPI, HTTPException, Request, Response
+    from fastapi.responses import FileResponse
+    from fastapi.staticfiles import StaticFiles
+    from pydantic import BaseModel, Field
+    from python_multipart.multipart import FormParser, parse_options_header
+except ImportError as _err:  # the optional extra is missing: say which one
+    raise ModuleNotFoundError(
+        f"dualseg.serve needs the optional package {_err.name!r}: {EXTRA_HINT}", name=_err.name
+    ) from _err
+
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-DEFAULT_MAX_MEGAPIXELS = 20.0
-DEFAULT_MAX_UPLOAD_MB = 25.0
 CHANGED_COLOR = (255, 0, 255)  # magenta: refined pixels that differ from the base prediction
-# Part/body content types accepted besides image/*: what browsers and curl send for unknown files.
-_GENERIC_TYPES = {"application/octet-stream", ""}
+# Accepted upload types: raster image/* types, and what browsers and curl send for a file of an
+# unknown extension. The bytes are then opened by their content (data.readers.UPLOAD_FORMATS).
+_GENERIC_TYPE = "application/octet-stream"
+_VECTOR_TYPES = {"image/svg+xml"}  # image/* types that are drawings, not pictures
+log = logging.getLogger("dualseg.serve")
+T = TypeVar("T")
 
 
 class Segments(Protocol):
@@ -75,6 +109,8 @@ class RefinedResult(BaseModel):
 class SegmentResponse(BaseModel):
     width: int
     height: int
+    working_width: int = Field(description="width the model ran at (< width: downscaled)")
+    working_height: int = Field(description="height the model ran at (< height: downscaled)")
     num_classes: int
     class_names: list[str]
     palette: list[list[int]] = Field(description="one [r, g, b] per class")
@@ -96,6 +132,10 @@ class InfoResponse(BaseModel):
     refiner: bool
     max_megapixels: float
     max_upload_bytes: int
+    work_megapixels: float = Field(description="larger images are inferred downscaled (0: never)")
+    workers: int
+    queue_size: int
+    busy: int = Field(description="requests being segmented or waiting for a worker now")
     model: str
 
 
@@ -113,9 +153,13 @@ _UPLOAD_BODY = {
     },
 }
 _ERRORS = {
-    400: {"description": "the upload is not a decodable image, or the form lacks 'file'"},
+    400: {
+        "description": "the upload is not a decodable image, has transparent pixels, or the "
+        "form lacks 'file'"
+    },
     413: {"description": "upload larger than max_upload_bytes, or image over max_megapixels"},
-    415: {"description": "content type is neither multipart/form-data nor image/*"},
+    415: {"description": "content type missing, or neither multipart/form-data nor image/*"},
+    503: {"description": "all workers busy and the queue full; retry after Retry-After seconds"},
 }
 
 
@@ -146,6 +190,23 @@ def _too_large(what: str, limit: str, fix: str) -> HTTPException:
     return HTTPException(status_code=413, detail=f"{what} is over the limit of {limit}; {fix}")
 
 
+def _check_image_type(ctype: str, what: str) -> None:
+    """415 unless ``ctype`` is a raster ``image/*`` type or ``application/octet-stream``."""
+    if ctype == _GENERIC_TYPE or (ctype.startswith("image/") and ctype not in _VECTOR_TYPES):
+        return
+    if not ctype:
+        why = "has no content type"
+    elif ctype in _VECTOR_TYPES:
+        why = f"is {ctype!r}, a vector drawing (export it as PNG first)"
+    else:
+        why = f"has content type {ctype!r}, not an image"
+    raise HTTPException(
+        status_code=415,
+        detail=f"{what} {why}; send multipart/form-data with the image in the field 'file', or "
+        "the raw image as the body with its image/* content type (e.g. image/png)",
+    )
+
+
 class _UploadReader:
     """Streams a request body into memory, counting bytes; returns the image bytes."""
 
@@ -161,15 +222,8 @@ class _UploadReader:
             raise self._over()
         if ctype_s == "multipart/form-data":
             return await self._read_form(request, params.get(b"boundary"))
-        if ctype_s.startswith("image/") or ctype_s in _GENERIC_TYPES:
-            return await self._read_raw(request), ""
-        raise HTTPException(
-            status_code=415,
-            detail=(
-                f"unsupported content type {ctype_s!r}: send the image as multipart/form-data "
-                "(field 'file') or as the raw body with an image/* content type"
-            ),
-        )
+        _check_image_type(ctype_s, "the request body")
+        return await self._read_raw(request), ""
 
     def _over(self) -> HTTPException:
         mb = self.max_bytes / 2**20
@@ -219,14 +273,10 @@ class _UploadReader:
             raise HTTPException(
                 status_code=400, detail="no file in the form: send the image in the field 'file'"
             )
-        ptype = (getattr(part, "content_type", None) or "").split(";")[0].strip().lower()
+        ptype = getattr(part, "content_type", None) or b""
+        ptype = ptype.decode("latin-1") if isinstance(ptype, bytes) else str(ptype)
         name = (part.file_name or b"").decode("utf-8", "replace")
-        if not (ptype.startswith("image/") or ptype in _GENERIC_TYPES):
-            raise HTTPException(
-                status_code=415,
-                detail=f"{name or 'the upload'} has content type {ptype!r}, not an image; "
-                "upload a PNG, JPEG, BMP, TIFF or WebP image",
-            )
+        _check_image_type(ptype.split(";")[0].strip().lower(), name or "the uploaded file")
         part.file_object.seek(0)
         return part.file_object.read(), name
 
@@ -244,34 +294,95 @@ def save_upload(folder: Path, data: bytes, name: str) -> Path:
     return path
 
 
-def decode_image(data: bytes, *, name: str, max_megapixels: float) -> np.ndarray:
-    """Image bytes -> uint8 ``HxWx3`` RGB (EXIF orientation applied), size checked first."""
-    label = name or "the upload"
-    if not data:
-        raise HTTPException(status_code=400, detail=f"{label} is empty; choose an image file")
+def prepare_upload_folder(folder: str | Path) -> Path:
+    """Create ``folder`` (``--save-uploads``) and prove it writable now, not at the first upload.
+
+    Raises :class:`ConfigError` naming the path.
+    """
+    folder = Path(folder)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data))  # reads the header only
-            w, h = im.size
-            if w * h > max_megapixels * 1e6:
-                raise _too_large(
-                    f"{label} ({w}x{h} = {w * h / 1e6:.1f} megapixels)",
-                    f"{max_megapixels:g} megapixels",
-                    "downscale it or restart the server with a larger --max-megapixels",
-                )
-            im = ImageOps.exif_transpose(im).convert("RGB")  # decodes
-    except HTTPException:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-        raise _too_large(label, "Pillow's decompression-bomb guard", str(err)) from err
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as err:
-        raise HTTPException(
-            status_code=400,
-            detail=f"{label} is not a readable image ({err}); upload a PNG, JPEG, BMP, TIFF "
-            "or WebP image",
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".dualseg-write-test-"):
+            pass
+    except OSError as err:
+        raise ConfigError(
+            f"--save-uploads {folder}: cannot write there ({err.strerror or err}); choose a "
+            "writable folder"
         ) from err
-    return np.array(im)  # writable: torch.from_numpy needs it
+    return folder
+
+
+def working_size(height: int, width: int, max_pixels: float) -> tuple[int, int]:
+    """``(h, w)`` an image is inferred at: its own size, or scaled down (aspect kept) to at most
+    ``max_pixels`` pixels. ``max_pixels <= 0``: always its own size."""
+    if max_pixels <= 0 or height * width <= max_pixels:
+        return height, width
+    scale = math.sqrt(max_pixels / (height * width))
+    return max(1, math.floor(height * scale)), max(1, math.floor(width * scale))
+
+
+def _resize(array: np.ndarray, hw: tuple[int, int], interpolation: int) -> np.ndarray:
+    """``HxW[xC]`` -> ``h x w [xC]`` with OpenCV."""
+    return cv2.resize(array, (hw[1], hw[0]), interpolation=interpolation)
+
+
+_CV_CHANNELS = 64  # OpenCV resizes at most this many channels in one call here (safe bound)
+
+
+def upsample_probs(probs: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
+    """``[C,h,w]`` -> ``[C,H,W]`` bilinear (half-pixel centres, as the engine's S4 tail)."""
+    if probs.shape[1:] == hw:
+        return probs
+    hwc = np.ascontiguousarray(probs.transpose(1, 2, 0))
+    parts = [
+        _resize(hwc[..., i : i + _CV_CHANNELS], hw, cv2.INTER_LINEAR).reshape(*hw, -1)
+        for i in range(0, hwc.shape[2], _CV_CHANNELS)
+    ]
+    return np.concatenate(parts, axis=2).transpose(2, 0, 1)
+
+
+class _Workers:
+    """A fixed pool of inference threads with a bounded number of waiting jobs.
+
+    ``run(fn, ...)`` awaits ``fn`` on a worker; when ``workers + queue_size`` jobs are already
+    running or waiting it raises 503 at once, with a ``Retry-After`` estimated from the recent
+    job durations.
+    """
+
+    def __init__(self, workers: int, queue_size: int) -> None:
+        self.workers, self.queue_size = workers, queue_size
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="dualseg-serve")
+        self._lock = threading.Lock()  # TestClient may drive the app from several loops
+        self._pending = 0
+        self._mean_s = 1.0  # running mean of a job's duration, for Retry-After
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            if self._pending >= self.workers + self.queue_size:
+                wait = math.ceil(self._mean_s * (self._pending / self.workers))
+                raise HTTPException(
+                    status_code=503,
+                    detail=f"the server is busy: {self._pending} requests are running or "
+                    f"waiting (--workers {self.workers}, --queue-size {self.queue_size}); "
+                    f"retry in {wait} s",
+                    headers={"Retry-After": str(max(1, wait))},
+                )
+            self._pending += 1
+        t = time.perf_counter()
+        try:
+            return await asyncio.wrap_future(self._executor.submit(fn, *args))
+        finally:
+            with self._lock:
+                self._pending -= 1
+                self._mean_s = 0.8 * self._mean_s + 0.2 * (time.perf_counter() - t)
+
+    @property
+    def pending(self) -> int:
+        """Jobs running or waiting now."""
+        return self._pending
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 # ----------------------------------------------------------------------------- the app
@@ -281,25 +392,53 @@ def create_app(
     refiner: Any | None = None,
     max_megapixels: float = DEFAULT_MAX_MEGAPIXELS,
     max_upload_bytes: int = int(DEFAULT_MAX_UPLOAD_MB * 2**20),
+    work_megapixels: float = DEFAULT_WORK_MEGAPIXELS,
+    workers: int = DEFAULT_WORKERS,
+    queue_size: int = DEFAULT_QUEUE_SIZE,
     save_uploads: str | Path | None = None,
     model_name: str = "",
 ) -> FastAPI:
-    """The FastAPI app of ``dualseg serve`` (see the module docstring)."""
+    """The FastAPI app of ``dualseg serve`` (see the module docstring).
+
+    ``save_uploads`` is created and checked writable here (:class:`ConfigError` if not).
+    """
+    if workers < 1 or queue_size < 0 or work_megapixels < 0:
+        raise ConfigError(
+            "workers must be >= 1, queue_size >= 0 and work_megapixels >= 0; got "
+            f"{workers}, {queue_size}, {work_megapixels}"
+        )
     meta = segmenter.meta
     class_names = [str(c) for c in meta.class_names]
     palette = [[int(v) for v in rgb] for rgb in meta.palette]
     ignore_index = int(getattr(meta, "ignore_index", 255))
-    save_dir = Path(save_uploads) if save_uploads is not None else None
+    save_dir = prepare_upload_folder(save_uploads) if save_uploads is not None else None
     reader = _UploadReader(int(max_upload_bytes))
-    lock = threading.Lock()  # one inference at a time: a local page, bounded memory
+    pool = _Workers(workers, queue_size)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        pool.shutdown()
 
     app = FastAPI(
         title="dualseg",
         version=_version(),
         description="Semantic segmentation of uploaded images (method A network, optional "
         "method B boundary refiner). Runs locally; uploads are kept in memory only.",
+        lifespan=lifespan,
     )
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.middleware("http")
+    async def log_request(request: Request, call_next: Callable[[Request], Any]) -> Response:
+        t = time.perf_counter()
+        status = 500  # an exception escaping the app is answered with 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            log.info("%s %s %d %.1f ms", request.method, request.url.path, status, _ms(t))
 
     @app.get("/", include_in_schema=False)
     def index() -> FileResponse:
@@ -314,44 +453,73 @@ def create_app(
             refiner=refiner is not None,
             max_megapixels=max_megapixels,
             max_upload_bytes=reader.max_bytes,
+            work_megapixels=work_megapixels,
+            workers=workers,
+            queue_size=queue_size,
+            busy=pool.pending,
             model=model_name,
         )
 
-    def segment_array(image: np.ndarray, with_images: bool) -> dict[str, Any]:
+    def infer(image: np.ndarray) -> tuple[np.ndarray, Any, dict[str, float]]:
+        """``(labels HxW, (refined HxW, changed HxW) or None, timings)`` at the image's size,
+        computed at :func:`working_size`."""
+        h, w = image.shape[:2]
+        work = working_size(h, w, work_megapixels * 1e6)
+        small = image if work == (h, w) else _resize(image, work, cv2.INTER_AREA)
         timings: dict[str, float] = {}
         t = time.perf_counter()
-        with lock:
-            probs = np.asarray(segmenter.predict_proba(image), dtype=np.float32)
-        label = probs.argmax(0).astype(np.uint8)
+        probs = np.asarray(segmenter.predict_proba(small), dtype=np.float32)
+        label = upsample_probs(probs, (h, w)).argmax(0).astype(np.uint8)
         timings["inference"] = _ms(t)
-        refined = None
-        if refiner is not None:
-            t = time.perf_counter()
-            with lock:
-                r_label, changed = refine_one(refiner, image, probs)
-            r_label = np.asarray(r_label).astype(np.uint8)
-            timings["refine"] = _ms(t)
+        if refiner is None:
+            return label, None, timings
         t = time.perf_counter()
+        r_small, changed = refine_one(refiner, small, probs)
+        if work != (h, w):  # changed pixels take the refined label, the others keep the base
+            up = _resize(r_small.astype(np.uint8), (h, w), cv2.INTER_NEAREST)
+            changed = _resize(changed.astype(np.uint8), (h, w), cv2.INTER_NEAREST).astype(bool)
+            r_label = np.where(changed, up, label)
+        else:
+            r_label = r_small.astype(np.uint8)
+        timings["refine"] = _ms(t)
+        return label, (r_label, r_label != label), timings
+
+    def segment_upload(data: bytes, name: str, with_images: bool) -> dict[str, Any]:
+        """Decode, segment and encode one upload (runs on a worker thread)."""
+        if save_dir is not None:
+            save_upload(save_dir, data, name)
+        t = time.perf_counter()
+        image = decode_image(data, source=name or "the upload", max_pixels=max_megapixels * 1e6)
+        decode_ms = _ms(t)
+        label, refined_pair, timings = infer(image)
+        t = time.perf_counter()
+        h, w = image.shape[:2]
+        work_h, work_w = working_size(h, w, work_megapixels * 1e6)
         out: dict[str, Any] = {
+            "width": w,
+            "height": h,
+            "working_width": work_w,
+            "working_height": work_h,
             "label_png": png_base64(label),
             "class_pixels": np.bincount(label.ravel(), minlength=len(class_names))[
                 : len(class_names)
             ].tolist(),
+            "refined": None,
         }
         if with_images:
             out["color_png"] = png_base64(colorize(label, palette, ignore_index=ignore_index))
             out["overlay_png"] = png_base64(
                 overlay(image, label, palette, ignore_index=ignore_index)
             )
-        if refiner is not None:
+        if refined_pair is not None:
+            r_label, changed = refined_pair
             refined = {"label_png": png_base64(r_label), "changed_pixels": int(changed.sum())}
             if with_images:
                 r_color = colorize(r_label, palette, ignore_index=ignore_index)
                 refined["color_png"] = png_base64(r_color)
                 refined["changed_png"] = png_base64(highlight_changes(r_color, changed))
-        out["refined"] = refined
-        timings["encode"] = _ms(t)
-        out["timings_ms"] = timings
+            out["refined"] = refined
+        out["timings_ms"] = {"decode": decode_ms, **timings, "encode": _ms(t)}
         return out
 
     @app.post(
@@ -369,24 +537,18 @@ def create_app(
         """
         t0 = time.perf_counter()
         data, name = await reader.read(request)
-        if save_dir is not None:
-            save_upload(save_dir, data, name)
-        t = time.perf_counter()
-        image = await run_in_threadpool(
-            decode_image, data, name=name, max_megapixels=max_megapixels
-        )
-        decode_ms = _ms(t)
-        result = await run_in_threadpool(segment_array, image, images)
-        timings = {"decode": decode_ms, **result.pop("timings_ms"), "total": _ms(t0)}
-        h, w = image.shape[:2]
+        try:
+            result = await pool.run(segment_upload, data, name, images)
+        except ImageTooLargeError as err:
+            raise HTTPException(
+                status_code=413,
+                detail=f"{err}, or restart the server with a larger --max-megapixels",
+            ) from err
+        except DataError as err:  # the image policy's one-line reason
+            raise HTTPException(status_code=400, detail=str(err)) from err
+        result["timings_ms"]["total"] = _ms(t0)
         return SegmentResponse(
-            width=w,
-            height=h,
-            num_classes=len(class_names),
-            class_names=class_names,
-            palette=palette,
-            timings_ms=timings,
-            **result,
+            num_classes=len(class_names), class_names=class_names, palette=palette, **result
         )
 
     return app

@@ -1,0 +1,89 @@
+"""``dualseg serve`` under load: inference runs on a bounded pool of worker threads.
+
+A fake slow model blocks on images wider than 100 px until the test releases it, so the order of
+events is fixed by the test, not by timing (timeouts are only generous safety nets).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+from serve_fakes import BrightnessSegmenter, gradient_png
+
+from dualseg.serve.app import create_app
+
+PNG = {"Content-Type": "image/png"}
+
+
+class SlowSegmenter(BrightnessSegmenter):
+    """Images wider than 100 px wait for ``release``: a big image that takes long."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+
+    def predict_proba(self, image: np.ndarray) -> np.ndarray:
+        if image.shape[1] > 100:
+            self.started.set()
+            assert self.release.wait(timeout=60), "the test never released the slow model"
+        return super().predict_proba(image)
+
+
+@pytest.fixture
+def slow() -> Iterator[SlowSegmenter]:
+    seg = SlowSegmenter()
+    yield seg
+    seg.release.set()  # never leave a worker blocked, whatever the test did
+
+
+def _wait_busy(client: TestClient, busy: int) -> None:
+    """Until /api/info reports ``busy`` requests in the pool (the event loop stays free)."""
+    deadline = time.monotonic() + 30
+    while client.get("/api/info").json()["busy"] != busy:
+        assert time.monotonic() < deadline, f"the pool never held {busy} requests"
+        time.sleep(0.01)
+
+
+def test_small_request_is_answered_while_a_big_one_is_processed(slow):
+    with TestClient(create_app(slow)) as client, ThreadPoolExecutor(1) as background:
+        big = background.submit(
+            client.post, "/api/segment", content=gradient_png(48, 128), headers=PNG
+        )
+        assert slow.started.wait(timeout=30)
+        small = client.post("/api/segment", content=gradient_png(24, 32), headers=PNG)
+        assert small.status_code == 200 and small.json()["width"] == 32
+        assert not big.done()  # the big one is still being segmented
+        slow.release.set()
+        response = big.result(timeout=60)
+        assert response.status_code == 200 and response.json()["width"] == 128
+
+
+def test_full_queue_is_503_with_retry_after_and_frees_up(slow):
+    app = create_app(slow, workers=1, queue_size=1)
+    with TestClient(app) as client, ThreadPoolExecutor(2) as background:
+        running = background.submit(
+            client.post, "/api/segment", content=gradient_png(48, 128), headers=PNG
+        )
+        assert slow.started.wait(timeout=30)
+        waiting = background.submit(
+            client.post, "/api/segment", content=gradient_png(24, 32), headers=PNG
+        )
+        _wait_busy(client, 2)  # one running, one waiting: the queue is full
+        refused = client.post("/api/segment", content=gradient_png(24, 32), headers=PNG)
+        assert refused.status_code == 503
+        assert int(refused.headers["Retry-After"]) >= 1
+        detail = refused.json()["detail"]
+        assert detail.startswith("the server is busy") and "--queue-size 1" in detail
+        assert not waiting.done()  # queued behind the slow one, not refused
+        slow.release.set()
+        assert running.result(timeout=60).status_code == 200
+        assert waiting.result(timeout=60).status_code == 200
+        _wait_busy(client, 0)
+        again = client.post("/api/segment", content=gradient_png(24, 32), headers=PNG)
+        assert again.status_code == 200
