@@ -2,7 +2,9 @@
 
 Internally every label map uses **255 for "ignore"** (loss and metrics skip it). A preset names
 the raw label values of its source that mean "ignore" (``source_ignore``, e.g. CamVid's 11) and
-the colours that mean "ignore" in colour-coded label images (``void_colors``).
+the colours that mean "ignore" in colour-coded label images (``void_colors``). ADE20K stores
+"other" as 0 and its 150 classes as 1..150: ``reduce_zero_label`` maps raw 0 to 255 and raw
+``v`` to class ``v - 1`` (mmsegmentation's option of that name).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from dualseg.errors import DataError
 
@@ -28,6 +32,7 @@ class DatasetMeta:
     ignore_index: int = IGNORE_INDEX  # always 255 internally
     source_ignore: tuple[int, ...] = ()  # raw label values mapped to 255 (CamVid: (11,))
     void_colors: tuple[Color, ...] = field(default=())  # colours decoded to 255 (colour labels)
+    reduce_zero_label: bool = False  # raw 0 -> 255, raw v -> v - 1 (ADE20K)
 
     def __post_init__(self) -> None:
         if len(self.palette) != len(self.class_names):
@@ -47,6 +52,16 @@ class DatasetMeta:
     def num_classes(self) -> int:
         return len(self.class_names)
 
+    def raw_lut(self) -> np.ndarray:
+        """uint8 ``[256]``: raw label value -> class index or 255 (``source_ignore``,
+        ``reduce_zero_label``). Values it maps past the classes are invalid labels."""
+        lut = np.arange(256, dtype=np.int64)
+        if self.reduce_zero_label:
+            lut = np.where(lut == 0, IGNORE_INDEX, lut - 1)
+            lut[IGNORE_INDEX] = IGNORE_INDEX  # a 255 already written as ignore stays ignore
+        lut[list(self.source_ignore)] = IGNORE_INDEX
+        return lut.astype(np.uint8)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form (checkpoints, ``meta.json``)."""
         return asdict(self)
@@ -61,6 +76,7 @@ class DatasetMeta:
                 ignore_index=int(d.get("ignore_index", IGNORE_INDEX)),
                 source_ignore=tuple(int(v) for v in d.get("source_ignore", ())),
                 void_colors=tuple(tuple(int(v) for v in c) for c in d.get("void_colors", ())),  # type: ignore[misc]
+                reduce_zero_label=bool(d.get("reduce_zero_label", False)),
             )
         except (KeyError, TypeError, ValueError) as err:
             raise DataError(
@@ -218,13 +234,41 @@ SYNTHETIC = DatasetMeta(
     void_colors=((0, 0, 0),),
 )
 
-PRESETS: dict[str, DatasetMeta] = {m.name: m for m in (CAMVID, VOC, CITYSCAPES, SYNTHETIC)}
+# ADE20K's 150 benchmark class names in label order (spaces in names written as "_").
+_ADE20K_NAMES = (
+    "wall building sky floor tree ceiling road bed windowpane grass cabinet sidewalk person "
+    "earth door table mountain plant curtain chair car water painting sofa shelf house sea "
+    "mirror rug field armchair seat fence desk rock wardrobe lamp bathtub railing cushion "
+    "base box column signboard chest_of_drawers counter sand sink skyscraper fireplace "
+    "refrigerator grandstand path stairs runway case pool_table pillow screen_door stairway "
+    "river bridge bookcase blind coffee_table toilet flower book hill bench countertop stove "
+    "palm kitchen_island computer swivel_chair boat bar arcade_machine hovel bus towel light "
+    "truck tower chandelier awning streetlight booth television_receiver airplane dirt_track "
+    "apparel pole land bannister escalator ottoman bottle buffet poster stage van ship "
+    "fountain conveyer_belt canopy washer plaything swimming_pool stool barrel basket "
+    "waterfall tent bag minibike cradle oven ball food step tank trade_name microwave pot "
+    "animal bicycle lake dishwasher screen blanket sculpture hood sconce vase traffic_light "
+    "tray ashcan fan pier crt_screen plate monitor bulletin_board shower radiator glass "
+    "clock flag"
+)
+
+# ADE20K / SceneParsing (ADEChallengeData2016): the 150 benchmark classes, in label order 1..150
+# (raw 0 = "other", ignored). The palette is generated (VOC's bit pattern), one colour per class.
+ADE20K = DatasetMeta(
+    name="ade20k",
+    class_names=tuple(_ADE20K_NAMES.split()),
+    palette=_voc_palette(151)[1:],
+    reduce_zero_label=True,
+)
+
+PRESETS: dict[str, DatasetMeta] = {m.name: m for m in (CAMVID, VOC, CITYSCAPES, SYNTHETIC, ADE20K)}
 
 META_FILE = "meta.json"  # optional dataset description beside a list-file or folder dataset
 
 
 def get_preset(name: str) -> DatasetMeta:
-    """The preset called ``name`` (``camvid``, ``voc``, ``cityscapes``, ``synthetic``)."""
+    """The preset called ``name`` (``camvid``, ``voc``, ``cityscapes``, ``synthetic``,
+    ``ade20k``)."""
     try:
         return PRESETS[name]
     except KeyError:
@@ -251,4 +295,4 @@ def load_meta_file(path: str | Path) -> DatasetMeta:
 
 def without_source_ignore(meta: DatasetMeta) -> DatasetMeta:
     """The same classes for label maps that already hold 255 for ignore (written by dualseg)."""
-    return replace(meta, source_ignore=())
+    return replace(meta, source_ignore=(), reduce_zero_label=False)

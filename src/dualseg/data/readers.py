@@ -145,18 +145,17 @@ def _check_values(path: Path, raw: np.ndarray, meta: DatasetMeta) -> np.ndarray:
                 "matching preset"
             )
         raw = raw.astype(np.uint8)
-    lut = np.arange(256, dtype=np.uint8)
-    lut[list(meta.source_ignore)] = IGNORE_INDEX
+    lut = meta.raw_lut()  # source_ignore -> 255; ADE20K-style reduce_zero_label
     label = lut[raw]
-    counts = np.bincount(label.ravel(), minlength=256)
-    counts[: meta.num_classes] = 0
-    counts[IGNORE_INDEX] = 0
+    counts = np.bincount(raw.ravel(), minlength=256)  # per raw value
+    counts[(lut < meta.num_classes) | (lut == IGNORE_INDEX)] = 0
     if counts.any():
         bad = np.flatnonzero(counts).tolist()
+        first = 1 if meta.reduce_zero_label else 0
         raise DataError(
             f"{path}: label values {bad[:8]}{' ...' if len(bad) > 8 else ''} "
             f"({int(counts.sum())} pixels) are neither a class of {meta.name!r} "
-            f"(0..{meta.num_classes - 1}) nor ignore (255"
+            f"({first}..{meta.num_classes - 1 + first}) nor ignore (255"
             + "".join(f", {v}" for v in meta.source_ignore)
             + "); choose the matching preset, list the value in source_ignore, or fix the label"
         )

@@ -42,8 +42,10 @@ __all__ = [
 class DataConfig:
     """Dataset, augmentation (spec S1) and loader settings."""
 
-    root: str | None = None  # dataset folder (list files train.txt / val.txt or auto layout)
-    preset: str | None = None  # "camvid", "voc", "cityscapes", "synthetic" (None: auto)
+    # dataset folder (list files train.txt / val.txt or auto layout); a list [A, B] mixes
+    # several datasets of one class set
+    root: tuple[str, ...] | str | None = None
+    preset: str | None = None  # "camvid", "voc", "cityscapes", "ade20k", "synthetic" (None: auto)
     layout: str = "auto"
     label_format: str = "index"
     train_split: str = "train"
@@ -103,6 +105,12 @@ class OptimConfig:
     warmup_iters: int = 0  # linear warm-up from warmup_factor·l_0 to l_0
     warmup_factor: float = 0.1
     head_lr_mult: float = 1.0  # 10.0: the head (everything but the backbones) learns 10× faster
+    # Beyond S32, off by default (null: the S32 loss). Class weights of the cross-entropy: one per
+    # class, or "median_frequency" (SegNet: median(f)/f_c from the training labels).
+    class_weights: tuple[float, ...] | Literal["median_frequency"] | None = None
+    # OHEM (mmseg OHEMPixelSampler): only pixels whose true-class probability < ohem_thresh count
+    ohem_thresh: float | None = None
+    ohem_min_kept: int = 100000  # OHEM: keep at least this many pixels per image (mmseg default)
 
 
 @dataclass(frozen=True)
@@ -246,6 +254,8 @@ def validate(cfg: Config) -> None:
         (o.warmup_iters >= 0, "optim.warmup_iters must be >= 0"),
         (0.0 < o.warmup_factor <= 1.0, "optim.warmup_factor must be in (0, 1]"),
         (o.head_lr_mult > 0, "optim.head_lr_mult must be > 0"),
+        (o.ohem_thresh is None or 0 < o.ohem_thresh <= 1, "optim.ohem_thresh must be in (0, 1]"),
+        (o.ohem_min_kept >= 0, "optim.ohem_min_kept must be >= 0"),
         (d.batch_size > 0 and d.val_batch_size > 0, "data.batch_size must be > 0"),
         (d.num_workers >= 0, "data.num_workers must be >= 0"),
         (min(d.crop_size) > 0, "data.crop_size must be positive (H, W)"),

@@ -56,7 +56,7 @@ from dualseg.engine.distributed import (
     cleanup_distributed,
     init_distributed,
 )
-from dualseg.engine.losses import SegmentationLoss
+from dualseg.engine.losses import SegmentationLoss, class_weights_for
 from dualseg.engine.optim import build_optimizer, build_scheduler
 from dualseg.errors import ConfigError, DataError, DualsegError
 from dualseg.io import atomic_write_text
@@ -483,6 +483,9 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
         weight_decay=cfg.optim.weight_decay,
         l2_lambda=cfg.optim.l2_lambda,
         ignore_index=meta.ignore_index,
+        class_weights=class_weights_for(cfg.optim.class_weights, num_classes, train_ds),
+        ohem_thresh=cfg.optim.ohem_thresh,
+        ohem_min_kept=cfg.optim.ohem_min_kept,
     )
     o = cfg.optim
     optimizer = build_optimizer(
