@@ -59,7 +59,14 @@ def test_cli_mixes_two_roots(data, tmp_path, capsys):
     argv = ["--config", str(TINY), "--data.root", f"[{data}, {other}]", "--data.val_split", "null"]
     argv += ["--data.crop_size", "[32,32]", "--train.out_dir", str(out), "--train.max_iters", "1"]
     argv += ["--train.val_every", "0", "--optim.class_weights", "median_frequency"]
-    assert train_main(argv) == 0
+    assert train_main([*argv, "--quiet"]) == 0
     resolved = load_config(out / "config.yaml")
     assert resolved.data.root == (str(data), str(other))
     assert resolved.optim.class_weights == "median_frequency"
+    # --quiet: no log lines, only the human summary; the machine one is in summary.json
+    text = capsys.readouterr().out
+    assert text.startswith("training done: 1 iterations") and "loss" not in text
+    assert "no validation ran" in text and f"run folder: {out}" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["iteration"] == 1 and summary["stop_reason"] == "max_iters"
+    assert resolved.train.quiet  # recorded: a resume from this config stays quiet

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
+from dualseg.commands.common import add_quiet_arg, mode_of
+from dualseg.console import ProgressMode, argparse_kwargs, track
 from dualseg.data.datasets import LAYOUTS, detect_layout, discover, resolve_meta
 from dualseg.data.presets import IGNORE_INDEX, PRESETS, DatasetMeta
 from dualseg.data.readers import LABEL_FORMATS, read_image, read_label
@@ -51,7 +52,7 @@ def check_dataset(
     layout: str = "auto",
     preset: str | DatasetMeta | None = None,
     label_format: str = "index",
-    progress: bool = False,
+    progress: ProgressMode = "off",
 ) -> CheckReport:
     """Read every pair of ``splits`` (default: those of train/val/test that exist)."""
     root = Path(root)
@@ -71,9 +72,7 @@ def check_dataset(
         report.pairs[split] = len(found.samples)
         if not found.samples and not found.problems:
             report.problems.append(f"{found.source or root}: split {split!r} is empty; add pairs")
-        for img_path, label_path in tqdm(
-            found.samples, desc=f"check {split}", disable=not progress
-        ):
+        for img_path, label_path in track(found.samples, desc=f"check {split}", mode=progress):
             report.problems += _check_pair(img_path, label_path, report, label_format)
     return report
 
@@ -131,10 +130,17 @@ def format_report(report: CheckReport) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dualseg data", description="dataset tools")
+    usage = argparse_kwargs(
+        "dualseg data check ../shared/data/camvid --preset camvid",
+        "dualseg data check data/ADEChallengeData2016 --split train --json report.json",
+    )
+    parser = argparse.ArgumentParser(prog="dualseg data", description="dataset tools", **usage)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser(
-        "check", help="report every problem in a dataset plus a per-class pixel histogram"
+        "check",
+        help="report every problem in a dataset plus a per-class pixel histogram",
+        description="Read every pair of every split, list all problems, count pixels per class.",
+        **usage,
     )
     check.add_argument("root", type=Path, help="dataset folder (or a list file)")
     check.add_argument("--layout", choices=LAYOUTS, default="auto")
@@ -148,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     check.add_argument("--label-format", choices=LABEL_FORMATS, default="index")
     check.add_argument("--json", type=Path, help="also write the report as JSON to this file")
+    add_quiet_arg(check)
     args = parser.parse_args(argv)
 
     report = check_dataset(
@@ -156,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         layout=args.layout,
         preset=args.preset,
         label_format=args.label_format,
-        progress=True,
+        progress=mode_of(args),
     )
     print(format_report(report))
     if args.json:

@@ -2,6 +2,7 @@
 
     dualseg export --checkpoint runs/demo/last.pt --format onnx --out model.onnx --dynamic
     dualseg export --refiner runs/demo/refiner.pt --format onnx --out refiner.onnx --dynamic
+    dualseg export --checkpoint runs/demo/last.pt --format pretrained --out demo-model/
 
 After writing, the exported file is run once (onnxruntime on CPU, or the TorchScript module)
 on the example input and compared with PyTorch; the largest difference is printed.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dualseg.console import argparse_kwargs
 from dualseg.errors import ConfigError
 
 
@@ -19,7 +21,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dualseg export",
         description="Export a trained network to ONNX or TorchScript, with class names, palette "
-        "and normalization in the file's metadata.",
+        "and normalization in the file's metadata, or as a pretrained folder (safetensors).",
+        **argparse_kwargs(
+            "dualseg export -c runs/camvid/best.pt --format onnx --out model.onnx --dynamic",
+            "dualseg export -c runs/camvid/best.pt --format pretrained --out camvid-model/",
+        ),
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", "-c", help="a dualseg checkpoint (.pt): method A's network")

@@ -5,8 +5,10 @@
     dualseg train --resume runs/camvid_mobilenet_v2/last.pt --train.max_iters 30000
     torchrun --nproc_per_node=2 -m dualseg train --config configs/camvid_resnet101.yaml
 
-Every field of :mod:`dualseg.engine.config` is a flag (``dualseg train --help`` lists them).
-``--resume PATH`` without ``--config`` reads the run's ``config.yaml`` beside ``PATH`` first.
+Every field of :mod:`dualseg.engine.config` is a flag (``dualseg train --help`` lists them,
+each with its description). ``--resume PATH`` without ``--config`` reads the run's
+``config.yaml`` beside ``PATH`` first. At the end a short summary is printed (``--json``: one
+JSON line instead) and written to ``<train.out_dir>/summary.json``.
 Exit status: 0 when the run finished (max iterations or patience), 130 after SIGINT and 143
 after SIGTERM (a checkpoint was saved first; ``--resume auto`` continues).
 """
@@ -16,27 +18,62 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dualseg.engine.config import parse_args
+    from dualseg.engine.config import parse_command
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg, resume = parse_args(argv)  # --help and bad flags exit here, before torch is imported
+    # --help and bad flags exit here, before torch is imported
+    cfg, resume, flags = parse_command(argv)
     if resume not in (None, "auto") and not any(a.startswith("--config") for a in argv):
         # `dualseg train --resume runs/x/last.pt`: the run's own resolved config, then flags.
         run_config = Path(resume).parent / "config.yaml"
         if run_config.is_file():
-            cfg, resume = parse_args(["--config", str(run_config), *argv])
+            cfg, resume, flags = parse_command(["--config", str(run_config), *argv])
 
     from dualseg.engine.train import fit
+    from dualseg.io import atomic_write_json
 
+    started = time.perf_counter()
     summary = fit(cfg, resume=resume)
+    summary["seconds"] = round(time.perf_counter() - started, 1)
     if summary.get("rank", 0) == 0:
-        print(json.dumps(summary))
+        atomic_write_json(Path(summary["out_dir"]) / "summary.json", summary)
+        print(json.dumps(summary) if flags["json"] else format_summary(summary))
     if summary["stop_reason"] == "interrupted":
         return 128 + int(summary.get("signal", signal.SIGINT))
     return 0
+
+
+STOP_REASONS = {
+    "max_iters": "reached train.max_iters",
+    "patience": "stopped early: no improvement for train.patience evaluations",
+    "interrupted": "interrupted; continue with --resume auto",
+}
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The few lines a person reads at the end of a run (``fit``'s summary dict)."""
+    out = summary["out_dir"]
+    lines = [
+        f"training done: {summary['iteration']} iterations in {summary.get('seconds', 0):.0f} s "
+        f"({STOP_REASONS.get(summary['stop_reason'], summary['stop_reason'])})"
+    ]
+    if summary.get("best_miou") is not None:
+        lines.append(
+            f"best validation mIoU {100 * summary['best_miou']:.1f}% at iteration "
+            f"{summary['best_iteration']}: {summary['best']}"
+        )
+    else:
+        lines.append("no validation ran (data.val_split is null)")
+    lines.append(f"last checkpoint: {summary['last']}")
+    lines.append(f"run folder: {out} (config.yaml, metrics.jsonl, curves.png, summary.json)")
+    best = summary.get("best") or summary["last"]
+    lines.append(f"next: dualseg eval -c {best} --data DATA_ROOT")
+    return "\n".join(lines)

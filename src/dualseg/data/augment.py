@@ -22,6 +22,7 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from tqdm import tqdm
 
+from dualseg.console import argparse_kwargs
 from dualseg.data.datasets import LAYOUTS, SegmentationDataset, build_dataset
 from dualseg.data.presets import META_FILE, PRESETS, without_source_ignore
 from dualseg.data.readers import LABEL_FORMATS
@@ -197,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="dualseg augment",
         description="Write COUNT augmented image/label pairs of SRC plus a list file into DST "
         "(random scale, crop, flip, blur, colour jitter). Re-running resumes.",
+        **argparse_kwargs(
+            "dualseg augment ../shared/data/camvid data/camvid_aug --preset camvid --count 10000",
+        ),
     )
     p.add_argument("src", type=Path, help="source dataset folder (or list file)")
     p.add_argument("dst", type=Path, help="output folder")

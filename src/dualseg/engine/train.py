@@ -225,6 +225,7 @@ class _RunLog:
 
     def __init__(self, cfg: Config, env: DistEnv, out_dir: Path, start: int) -> None:
         self.enabled = env.is_main
+        self.quiet = cfg.train.quiet  # metrics.jsonl and TensorBoard only
         self.path = out_dir / "metrics.jsonl"
         self.tb = None
         self.bar = None
@@ -238,7 +239,7 @@ class _RunLog:
                 self.tb = SummaryWriter(str(out_dir), purge_step=start or None)
             except ImportError:  # tensorboard not installed: JSONL and PNG only
                 self.tb = None
-        if cfg.train.progress and sys.stderr.isatty():
+        if cfg.train.progress and not self.quiet and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=cfg.train.max_iters, initial=start, desc="train", unit="it")
@@ -278,7 +279,7 @@ class _RunLog:
                 self.bar.set_postfix({k: f"{v:.4f}" for k, v in postfix.items()}, refresh=False)
 
     def message(self, text: str) -> None:
-        if not self.enabled:
+        if not self.enabled or self.quiet:
             return
         if self.bar is not None:
             self.bar.write(text)
@@ -458,6 +459,8 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None) -> dict[str, Any]:
     t = cfg.train
     out_dir = Path(t.out_dir)
     device = env.device
+    if t.threads > 0:
+        torch.set_num_threads(t.threads)
     _seed_everything(t.seed, t.deterministic, device)
 
     train_ds, val_ds = _build_datasets(cfg)
