@@ -227,3 +227,31 @@ def test_export_format_pretrained_cli(ckpt, tmp_path, capsys, rgb) -> None:
     loaded = BoundaryRefiner.load(out)
     images, probs = torch.randn(1, 3, 32, 32), torch.randn(1, 3, 32, 32).softmax(1)
     assert torch.equal(loaded.refine(images, probs), refiner.refine(images, probs))
+
+
+def test_predict_and_eval_take_a_pretrained_folder_and_follow_the_progress_rule(
+    folder, ckpt, tmp_path, capsys, rgb
+) -> None:
+    from PIL import Image
+
+    from dualseg.data import make_synthetic_dataset
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(2):
+        Image.fromarray(rgb).save(images / f"{i}.png")
+    out = tmp_path / "pred"
+    assert cli_main(["predict", str(images), "-c", str(folder), "-o", str(out)]) == 0
+    err = capsys.readouterr().err  # not a terminal: a plain progress line, no bar
+    assert "predict: 2/2 (100%) img" in err and "\r" not in err
+    expected = dualseg.load_model(ckpt).predict(rgb)
+    assert np.array_equal(np.asarray(Image.open(out / "labels" / "0.png")), expected)
+    assert cli_main(["predict", str(images), "-c", str(folder), "-o", str(out), "--quiet"]) == 0
+    assert "predict:" not in capsys.readouterr().err
+
+    data = make_synthetic_dataset(tmp_path / "syn", n_train=1, n_val=2, size=(48, 64))
+    args = ["eval", "-c", str(folder), "--data", str(data), "--out", str(tmp_path / "ev")]
+    assert cli_main([*args, "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "eval: 2/2 (100%) batch" in captured.err and "mIoU" in captured.out
+    assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["num_images"] == 2
