@@ -131,8 +131,7 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
         "overlays (overlay/) and the changed pixels (changed/) per input image.",
         **argparse_kwargs(
             "dualseg refine apply photos/ -r runs/camvid/refiner.pt -b runs/camvid/best.pt -o out/",
-            "dualseg refine apply photos/ -r hf://org/camvid-model -b hf://org/camvid-model "
-            "-o out/",
+            "dualseg refine apply photos/ -r hf://org/camvid-model -b probs/ -o out/ --quiet",
         ),
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or globs")
