@@ -174,3 +174,9 @@ def test_class_weights_for_median_frequency_reads_the_training_labels(tmp_path) 
     assert class_weights_for((1, 2, 3), 3).tolist() == [1.0, 2.0, 3.0]
     with pytest.raises(ConfigError, match=r"has 2 values .* 3 classes"):
         class_weights_for((1, 2), 3)
+
+
+def test_ohem_without_min_kept_is_a_clear_error() -> None:
+    logits, target = torch.randn(1, 2, 3, 3), torch.zeros(1, 3, 3, dtype=torch.long)
+    with pytest.raises(ConfigError, match="ohem_thresh needs ohem_min_kept"):
+        cross_entropy_loss(logits, target, ohem_thresh=0.7)

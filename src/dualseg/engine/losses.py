@@ -76,18 +76,21 @@ def cross_entropy_loss(
     ignore_index: int = 255,
     class_weights: Tensor | None = None,
     ohem_thresh: float | None = None,
-    ohem_min_kept: int = 0,
+    ohem_min_kept: int | None = None,
 ) -> Tensor:
     """L1: mean pixel cross-entropy over the non-ignored pixels (0 when all are ignored).
 
     ``logits`` ``[B,C,H,W]`` (resized bilinearly when not at label size), ``target`` ``[B,H,W]``.
     ``class_weights`` ``[C]``: the weighted mean Σ w_y·CE / Σ w_y. ``ohem_thresh``: only the
-    pixels :func:`ohem_keep_mask` keeps count. Defaults: the plain S32 mean.
+    pixels :func:`ohem_keep_mask` keeps count (then ``ohem_min_kept`` is required; the config's
+    ``optim.ohem_min_kept`` holds the default). Defaults: the plain S32 mean.
     """
     if logits.shape[-2:] != target.shape[-2:]:
         logits = F.interpolate(logits, size=target.shape[-2:], mode="bilinear", align_corners=False)
     logits = logits.float()
     if ohem_thresh is not None:
+        if ohem_min_kept is None:
+            raise ConfigError("ohem_thresh needs ohem_min_kept too (see optim.ohem_min_kept)")
         keep = ohem_keep_mask(
             logits, target, thresh=ohem_thresh, min_kept=ohem_min_kept, ignore_index=ignore_index
         )
@@ -191,7 +194,7 @@ class SegmentationLoss:
         ignore_index: int = 255,
         class_weights: Tensor | Sequence[float] | None = None,
         ohem_thresh: float | None = None,
-        ohem_min_kept: int = 0,
+        ohem_min_kept: int | None = None,
     ) -> None:
         self.weights = decay_weights(model)
         self.weight_decay = weight_decay
