@@ -167,7 +167,10 @@ def field_docs(cls: type) -> dict[str, str]:
     import textwrap
     import tokenize
 
-    source = textwrap.dedent(inspect.getsource(cls))
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source files (a frozen install): help without descriptions
+        return {}
     comments = {
         tok.start[0]: tok.string.lstrip("#").strip()
         for tok in tokenize.generate_tokens(io.StringIO(source).readline)
