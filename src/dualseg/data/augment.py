@@ -20,8 +20,8 @@ import numpy as np
 from PIL import Image
 from torchvision import tv_tensors
 from torchvision.transforms import v2
-from tqdm import tqdm
 
+from dualseg.console import Progress, ProgressMode, argparse_kwargs, progress_mode
 from dualseg.data.datasets import LAYOUTS, SegmentationDataset, build_dataset
 from dualseg.data.presets import META_FILE, PRESETS, without_source_ignore
 from dualseg.data.readers import LABEL_FORMATS
@@ -129,9 +129,12 @@ def augment_dataset(
     seed: int = 0,
     image_format: str = "png",
     list_name: str = "train.txt",
-    progress: bool = True,
+    progress: bool | ProgressMode = True,
 ) -> tuple[int, int]:
-    """Write ``count`` augmented pairs of ``src`` into ``dst``; return (written, skipped)."""
+    """Write ``count`` augmented pairs of ``src`` into ``dst``; return (written, skipped).
+
+    ``progress``: a :mod:`dualseg.console` mode (``"bar"``, ``"lines"``, ``"off"``); ``True``
+    picks by the terminal, ``False`` is ``"off"``."""
     if count < 1:
         raise DataError(f"--count must be >= 1, got {count}")
     if image_format not in IMAGE_FORMATS:
@@ -154,7 +157,8 @@ def augment_dataset(
     _claim(dst, settings)
     augmenter = Augmenter(dataset, dst, settings)
     written = 0
-    bar = tqdm(total=count, desc="augment", unit="pair", disable=not progress)
+    mode = progress if isinstance(progress, str) else progress_mode(quiet=not progress)
+    bar = Progress(total=count, desc="augment", unit="pair", mode=mode)
     if workers <= 1:
         for i in range(count):
             written += augmenter(i)
@@ -197,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="dualseg augment",
         description="Write COUNT augmented image/label pairs of SRC plus a list file into DST "
         "(random scale, crop, flip, blur, colour jitter). Re-running resumes.",
+        **argparse_kwargs(
+            "dualseg augment ../shared/data/camvid data/camvid_aug --preset camvid --count 10000",
+        ),
     )
     p.add_argument("src", type=Path, help="source dataset folder (or list file)")
     p.add_argument("dst", type=Path, help="output folder")
@@ -222,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--image-format", choices=sorted(IMAGE_FORMATS), default="png")
     p.add_argument("--list-name", default="train.txt", help="list file written into DST")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress output")
     a = p.parse_args(argv)
     written, skipped = augment_dataset(
         a.src,
@@ -240,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=a.seed,
         image_format=a.image_format,
         list_name=a.list_name,
+        progress=not a.quiet,
     )
     print(f"{a.dst}: {written} pairs written, {skipped} already present; list {a.list_name}")
     return 0

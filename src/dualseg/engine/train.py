@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
+from dualseg.console import progress_mode
 from dualseg.engine import checkpoint as ckpt_io
 from dualseg.engine.config import Config, DataConfig, config_to_dict, model_kwargs, save_config
 from dualseg.engine.config import validate as validate_config
@@ -56,7 +57,7 @@ from dualseg.engine.distributed import (
     cleanup_distributed,
     init_distributed,
 )
-from dualseg.engine.losses import SegmentationLoss
+from dualseg.engine.losses import SegmentationLoss, class_weights_for
 from dualseg.engine.optim import build_optimizer, build_scheduler
 from dualseg.engine.preflight import (
     check_training_data,
@@ -232,6 +233,7 @@ class _RunLog:
 
     def __init__(self, cfg: Config, env: DistEnv, out_dir: Path, start: int) -> None:
         self.enabled = env.is_main
+        self.quiet = cfg.train.quiet  # metrics.jsonl and TensorBoard only
         self.path = out_dir / "metrics.jsonl"
         self.tb = None
         self.bar = None
@@ -245,7 +247,7 @@ class _RunLog:
                 self.tb = SummaryWriter(str(out_dir), purge_step=start or None)
             except ImportError:  # tensorboard not installed: JSONL and PNG only
                 self.tb = None
-        if cfg.train.progress and sys.stderr.isatty():
+        if cfg.train.progress and not self.quiet and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=cfg.train.max_iters, initial=start, desc="train", unit="it")
@@ -285,7 +287,7 @@ class _RunLog:
                 self.bar.set_postfix({k: f"{v:.4f}" for k, v in postfix.items()}, refresh=False)
 
     def message(self, text: str) -> None:
-        if not self.enabled:
+        if not self.enabled or self.quiet:
             return
         if self.bar is not None:
             self.bar.write(text)
@@ -469,10 +471,11 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None, overwrite: bool) -> dict
     t = cfg.train
     out_dir = Path(t.out_dir)
     device = env.device
+    if t.threads > 0:
+        torch.set_num_threads(t.threads)
     prepare_run_dir(out_dir, resuming=resume is not None, overwrite=overwrite, is_main=env.is_main)
-    check_training_data(
-        cfg.data, progress=t.progress and env.is_main and sys.stderr.isatty(), warn=env.is_main
-    )
+    shown = env.is_main and t.progress and not t.quiet
+    check_training_data(cfg.data, progress=progress_mode(quiet=not shown), warn=env.is_main)
     warn_missing_tensorboard(t.tensorboard and env.is_main)
     _seed_everything(t.seed, t.deterministic, device)
 
@@ -499,6 +502,9 @@ def _fit(cfg: Config, env: DistEnv, resume: str | None, overwrite: bool) -> dict
         weight_decay=cfg.optim.weight_decay,
         l2_lambda=cfg.optim.l2_lambda,
         ignore_index=meta.ignore_index,
+        class_weights=class_weights_for(cfg.optim.class_weights, num_classes, train_ds),
+        ohem_thresh=cfg.optim.ohem_thresh,
+        ohem_min_kept=cfg.optim.ohem_min_kept,
     )
     o = cfg.optim
     optimizer = build_optimizer(
