@@ -91,7 +91,9 @@ class Progress:
     def __enter__(self) -> Progress:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is not None and self.mode == "lines":
+            self.mode = "off"  # a failure: its one error line, not a last progress line
         self.close()
 
 
