@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="map raw label values to class ids, e.g. 255:1 (default: ROOT/meta.json's)",
     )
     p.add_argument(
-        "--out", "-o", default=None, help="folder for metrics.json (<checkpoint dir>/eval_SPLIT)"
+        "--out",
+        "-o",
+        default=None,
+        help="folder for metrics.json (<checkpoint dir>/eval_SPLIT; ./eval_SPLIT for hf://)",
     )
     p.add_argument("--save-predictions", metavar="DIR", default=None, help="write label PNGs")
     p.add_argument("--refiner", default=None, help="a method-B refiner file (dualseg refine fit)")
@@ -109,6 +112,16 @@ def prediction_writer(samples: list, out: Path, palette: Any, batch_size: int):
     return write
 
 
+def default_out(checkpoint: str, split: str) -> Path:
+    """``--out``'s default: ``eval_SPLIT`` beside the checkpoint file or pretrained folder; in
+    the current folder for ``hf://org/name`` (which has no folder of its own to sit beside)."""
+    from dualseg.engine.pretrained import is_hub_source
+
+    if is_hub_source(checkpoint):
+        return Path(f"eval_{split}")
+    return Path(checkpoint).parent / f"eval_{split}"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate as the command line describes; returns the metrics (also written to disk)."""
     import torch
@@ -124,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualseg.io import atomic_write_json, check_writable
     from dualseg.metrics import to_jsonable
 
-    out = Path(args.out) if args.out else Path(args.checkpoint).parent / f"eval_{args.split}"
+    out = Path(args.out) if args.out else default_out(args.checkpoint, args.split)
     check_writable(out, kind="dir", what="--out")
     if args.save_predictions:
         check_writable(args.save_predictions, kind="dir", what="--save-predictions")
