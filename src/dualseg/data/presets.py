@@ -102,7 +102,8 @@ class DatasetMeta:
         values += [self.ignore_value] if self.ignore_value not in (None, *values) else []
         values += [v for v in self.source_ignore if v not in values]
         values += [s for s, d in self.label_map if d == IGNORE_INDEX and s not in values]
-        return ", ".join(map(str, values)) or "none"
+        lut = self.lookup_table()  # a label_map entry may map one of them to a class
+        return ", ".join(str(v) for v in values if lut[v] == IGNORE_INDEX) or "none"
 
     def describe_mapping(self) -> str:
         """The whole raw-value mapping in a few words, for messages."""
