@@ -3,12 +3,22 @@ weight parameters (conv, linear, recurrent)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dualseg.engine.losses import SegmentationLoss, cross_entropy_loss, decay_weights
+from dualseg.engine.losses import (
+    SegmentationLoss,
+    class_weights_for,
+    cross_entropy_loss,
+    decay_weights,
+    median_frequency_weights,
+    ohem_keep_mask,
+)
+from dualseg.errors import ConfigError
 
 
 class Tiny(nn.Module):
@@ -104,3 +114,117 @@ def test_default_lambda_gradient_equals_weight_decay() -> None:
     loss.backward()
     assert torch.allclose(model.conv.weight.grad, 1e-4 * model.conv.weight.detach())
     assert model.conv.bias.grad is None and model.bn.weight.grad is None
+
+
+# ---------------------------------------------------------------- beyond S32: weights and OHEM
+def _two_class_logits(p_true: list[float], target: list[int]) -> torch.Tensor:
+    """[1,2,1,N] logits whose softmax gives each pixel probability p_true of its target class."""
+    p = torch.tensor(p_true, dtype=torch.float64)
+    p0 = torch.where(torch.tensor(target) == 1, 1 - p, p)
+    return torch.stack([p0.log(), (1 - p0).log()])[None, :, None, :].float()
+
+
+def test_defaults_are_the_s32_loss() -> None:
+    logits, target = torch.randn(2, 3, 4, 5), torch.randint(0, 3, (2, 4, 5))
+    target[1, 0] = 255
+    _, parts = SegmentationLoss(Tiny())(logits, target)
+    valid = target != 255
+    per_pixel = F.cross_entropy(logits, target.clamp_max(2), reduction="none")
+    s32 = per_pixel[valid].sum() / target.numel()  # the batch_pixels reading
+    assert parts["l1"].item() == pytest.approx(s32.item(), rel=1e-6)
+
+
+def test_class_weighted_cross_entropy_exact_value() -> None:
+    # pixels: class 0 with p=3/4, class 1 with p=1/2, class 1 with p=1/4, one ignored
+    logits = _two_class_logits([0.75, 0.5, 0.25, 0.9], [0, 1, 1, 0])
+    target = torch.tensor([[[0, 1, 1, 255]]])
+    weights = torch.tensor([1.0, 3.0])
+    got = cross_entropy_loss(logits, target, class_weights=weights, reduction="valid_pixels")
+    weighted_sum = 1 * math.log(4 / 3) + 3 * math.log(2) + 3 * math.log(4)
+    assert got.item() == pytest.approx(weighted_sum / (1 + 3 + 3), rel=1e-6)
+    # batch_pixels (the default): the weighted sum over all B·N = 4 pixels
+    got = cross_entropy_loss(logits, target, class_weights=weights)
+    assert got.item() == pytest.approx(weighted_sum / 4, rel=1e-6)
+    # equal weights: the plain mean
+    ones = cross_entropy_loss(
+        logits, target, class_weights=torch.tensor([2.0, 2.0]), reduction="valid_pixels"
+    )
+    plain = cross_entropy_loss(logits, target, reduction="valid_pixels")
+    assert ones.item() == pytest.approx(plain.item(), rel=1e-6)
+
+
+def test_ohem_keeps_pixels_below_threshold_and_at_least_min_kept() -> None:
+    p = [0.9, 0.6, 0.3, 0.1, 0.5]
+    logits = _two_class_logits(p, [0, 1, 0, 1, 0])
+    target = torch.tensor([[[0, 1, 0, 1, 255]]])  # the last pixel is ignored
+    ce = [-math.log(v) for v in p]
+
+    keep = ohem_keep_mask(logits, target, thresh=0.7, min_kept=1)
+    assert keep.tolist() == [[[False, True, True, True, False]]]
+    got = cross_entropy_loss(
+        logits, target, ohem_thresh=0.7, ohem_min_kept=1, reduction="valid_pixels"
+    )
+    assert got.item() == pytest.approx((ce[1] + ce[2] + ce[3]) / 3, rel=1e-6)
+    # batch_pixels: the dropped pixels add 0 and still count in B·N = 5
+    got = cross_entropy_loss(logits, target, ohem_thresh=0.7, ohem_min_kept=1)
+    assert got.item() == pytest.approx((ce[1] + ce[2] + ce[3]) / 5, rel=1e-6)
+
+    # thresh 0.5 alone keeps 2 pixels; min_kept 3 raises the threshold to the 4th smallest p
+    keep = ohem_keep_mask(logits, target, thresh=0.5, min_kept=3)
+    assert keep.tolist() == [[[False, True, True, True, False]]]
+    keep = ohem_keep_mask(logits, target, thresh=0.5, min_kept=0)
+    assert keep.tolist() == [[[False, False, True, True, False]]]
+    # min_kept at least the valid pixel count: every valid pixel counts (the plain mean)
+    got = cross_entropy_loss(
+        logits, target, ohem_thresh=0.5, ohem_min_kept=4, reduction="valid_pixels"
+    )
+    assert got.item() == pytest.approx(sum(ce[:4]) / 4, rel=1e-6)
+    # min_kept is per image (mmseg): two copies of the image double it
+    both = ohem_keep_mask(logits.repeat(2, 1, 1, 1), target.repeat(2, 1, 1), thresh=0.5,
+                          min_kept=1)  # fmt: skip
+    assert both.sum() == 4  # 2 per image below 0.5; k = 2 is reached already
+    # OHEM with class weights: the weighted mean over the kept pixels
+    w = torch.tensor([1.0, 2.0])
+    got = cross_entropy_loss(
+        logits, target, class_weights=w, ohem_thresh=0.7, ohem_min_kept=0, reduction="valid_pixels"
+    )
+    assert got.item() == pytest.approx((2 * ce[1] + 1 * ce[2] + 2 * ce[3]) / 5, rel=1e-6)
+
+
+def test_median_frequency_weights_exact_values() -> None:
+    # class 0 in images totalling 100 labelled px (40 of them), class 1: 10 of 50, class 2: 5
+    # of 100, class 3 never appears
+    w = median_frequency_weights([40, 10, 5, 0], [100, 50, 100, 0])
+    freqs = [0.4, 0.2, 0.05]  # median 0.2
+    assert w.tolist() == pytest.approx([0.2 / f for f in freqs] + [0.0])
+
+
+def test_class_weights_for_median_frequency_reads_the_training_labels(tmp_path) -> None:
+    import numpy as np
+    from PIL import Image
+
+    from dualseg.data import DatasetMeta, build_dataset
+
+    meta = DatasetMeta("t", ("a", "b", "c"), ((0, 0, 0), (1, 1, 1), (2, 2, 2)))
+    labels = [np.array([[0, 0, 0, 1]], np.uint8), np.array([[0, 2, 255, 2]], np.uint8)]
+    lines = []
+    for i, lab in enumerate(labels):
+        Image.fromarray(np.zeros((1, 4, 3), np.uint8)).save(tmp_path / f"i{i}.png")
+        Image.fromarray(lab).save(tmp_path / f"l{i}.png")
+        lines.append(f"i{i}.png l{i}.png\n")
+    (tmp_path / "train.txt").write_text("".join(lines))
+    ds = build_dataset(tmp_path, preset=meta)
+    # f_a = 4 / (4 + 3), f_b = 1 / 4, f_c = 2 / 3 (ignored pixels do not count); median f_c
+    w = class_weights_for("median_frequency", 3, ds)
+    f = [4 / 7, 1 / 4, 2 / 3]
+    assert w.tolist() == pytest.approx([4 / 7 / x for x in f])  # median of f is 4/7
+    assert class_weights_for(None, 3, ds) is None
+    assert class_weights_for((1, 2, 3), 3).tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ConfigError, match=r"has 2 values .* 3 classes"):
+        class_weights_for((1, 2), 3)
+
+
+def test_ohem_without_min_kept_is_a_clear_error() -> None:
+    logits, target = torch.randn(1, 2, 3, 3), torch.zeros(1, 3, 3, dtype=torch.long)
+    with pytest.raises(ConfigError, match="ohem_thresh needs ohem_min_kept"):
+        cross_entropy_loss(logits, target, ohem_thresh=0.7)

@@ -42,7 +42,7 @@ def test_cli_run_writes_the_run_folder(data: Path, tmp_path: Path, capsys) -> No
     out = tmp_path / "run"
     argv = ["--config", str(TINY), "--data.root", str(data), "--data.crop_size", "[32,32]"]
     argv += ["--train.out_dir", str(out), "--optim.lr", "0.02", "--train.max_iters", "4"]
-    argv += ["--train.val_every", "2", "--train.tensorboard", "true"]
+    argv += ["--train.val_every", "2", "--train.tensorboard", "true", "--json"]
     assert train_main(argv) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["iteration"] == 4 and summary["stop_reason"] == "max_iters"

@@ -91,5 +91,13 @@ def test_calibration_note_when_refinement_did_not_help(tmp_path: Path) -> None:
     refiner.save(tmp_path / "r.pt")
     loaded = BoundaryRefiner.load(tmp_path / "r.pt")
     assert "did not help" in loaded.calibration_note() and "'dev'" in loaded.calibration_note()
+    # a pretrained folder (refiner.json + refiner.safetensors) keeps the sweep too
+    refiner.calibration["rows"] = [
+        {"gate_margin": None, "miou": 0.5, "pixel_acc": 0.8, "boundary_f1": 0.4, "changed": 0.1},
+        {"gate_margin": 0.0, "miou": 0.6, "pixel_acc": 0.9, "boundary_f1": 0.5, "changed": 0.0},
+    ]
+    folder = BoundaryRefiner.load(refiner.save_pretrained(tmp_path / "folder"))
+    assert folder.calibration == refiner.calibration
+    assert folder.config.gate_margin == 0.0 and "'dev'" in folder.calibration_note()
     loaded.config = RefinerConfig(embed_dim=4, gate_margin=0.2)
     assert loaded.calibration_note() is None

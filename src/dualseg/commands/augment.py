@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dualseg.commands.common import add_quiet_arg
+from dualseg.console import argparse_kwargs
 from dualseg.data.augment import IMAGE_FORMATS, augment_dataset
 from dualseg.data.datasets import LAYOUTS
 from dualseg.data.presets import PRESETS
@@ -20,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="dualseg augment",
         description="Write COUNT augmented image/label pairs of SRC plus a list file into DST "
         "(random scale, crop, flip, blur, colour jitter). Re-running resumes.",
+        **argparse_kwargs(
+            "dualseg augment ../shared/data/camvid data/camvid_aug --preset camvid --count 10000",
+        ),
     )
     p.add_argument("src", type=Path, help="source dataset folder (or list file)")
     p.add_argument("dst", type=Path, help="output folder")
@@ -55,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--image-format", choices=sorted(IMAGE_FORMATS), default="png")
     p.add_argument("--list-name", default="train.txt", help="list file written into DST")
+    add_quiet_arg(p)
     a = p.parse_args(argv)
     written, skipped = augment_dataset(
         a.src,
@@ -73,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=a.seed,
         image_format=a.image_format,
         list_name=a.list_name,
+        progress=not a.quiet,
     )
     print(f"{a.dst}: {written} pairs written, {skipped} already present; list {a.list_name}")
     return 0

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dualseg.commands.common import add_quiet_arg, mode_of
+from dualseg.console import argparse_kwargs
 from dualseg.data.check import CheckReport, check_dataset, format_report
 from dualseg.data.datasets import LAYOUTS
 from dualseg.data.presets import PRESETS, parse_label_map
@@ -32,10 +34,17 @@ def parse_ignore_index(text: str) -> int | str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dualseg data", description="dataset tools")
+    usage = argparse_kwargs(
+        "dualseg data check ../shared/data/camvid --preset camvid",
+        "dualseg data check data/ADEChallengeData2016 --split train --json report.json",
+    )
+    parser = argparse.ArgumentParser(prog="dualseg data", description="dataset tools", **usage)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser(
-        "check", help="report every problem in a dataset plus a per-class pixel histogram"
+        "check",
+        help="report every problem in a dataset plus a per-class pixel histogram",
+        description="Read every pair of every split, list all problems, count pixels per class.",
+        **usage,
     )
     check.add_argument("root", type=Path, help="dataset folder (or a list file)")
     check.add_argument("--layout", choices=LAYOUTS, default="auto")
@@ -63,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the raw label value meaning ignore; none: no value (default: the dataset's, 255)",
     )
     check.add_argument("--json", type=Path, help="also write the report as JSON to this file")
+    add_quiet_arg(check)
     args = parser.parse_args(argv)
     if args.json:
         check_writable(args.json, what="--json")
@@ -75,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         label_format=args.label_format,
         label_map=args.label_map,
         ignore_value=args.ignore_index,
-        progress=True,
+        progress=mode_of(args),
     )
     print(format_report(report))
     if args.json:

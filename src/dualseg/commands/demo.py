@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dualseg.console import argparse_kwargs
 from dualseg.engine.config import DataConfig
 from dualseg.errors import ConfigError, DualsegError, WeightsNotFoundError
 
@@ -36,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dualseg demo",
         description="Train, evaluate and visualize a small dual-branch network on a built-in "
         "synthetic street dataset (offline, a few CPU minutes), or on --data PATH.",
+        **argparse_kwargs(
+            "dualseg demo",
+            "dualseg demo --data ../shared/data/camvid --preset camvid --iters 500 --out runs/cv",
+        ),
     )
     p.add_argument("--out", default="runs/demo", help="output folder (runs/demo)")
     p.add_argument("--data", default=None, help="a real dataset root instead of synthetic data")

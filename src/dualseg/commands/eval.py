@@ -24,7 +24,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dualseg.commands.common import add_quiet_arg, add_runtime_args, apply_runtime, mode_of
 from dualseg.commands.predict import add_inference_arguments, inference_options
+from dualseg.console import argparse_kwargs, track
 from dualseg.errors import CheckpointError, DualsegError
 
 
@@ -33,8 +35,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dualseg eval",
         description="Evaluate a checkpoint: mIoU, per-class IoU, pixel accuracy, "
         "boundary F1 and trimap mIoU; writes metrics.json.",
+        **argparse_kwargs(
+            "dualseg eval -c runs/camvid/best.pt --data ../shared/data/camvid --split test",
+            "dualseg eval -c runs/camvid/best.pt --data ROOT --refiner runs/camvid/refiner.pt",
+        ),
     )
-    p.add_argument("--checkpoint", "-c", required=True, help="a dualseg checkpoint (.pt)")
+    p.add_argument(
+        "--checkpoint",
+        "-c",
+        required=True,
+        help="a dualseg checkpoint (.pt), a pretrained folder or hf://org/name",
+    )
     p.add_argument("--data", "-d", required=True, help="dataset root folder")
     p.add_argument("--split", default="val", help="split to evaluate (val)")
     p.add_argument(
@@ -43,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--preset",
         default=None,
-        help="dataset preset (camvid, voc, cityscapes, synthetic); default: ROOT/meta.json, "
-        "else the classes stored in the checkpoint",
+        help="dataset preset (camvid, voc, cityscapes, ade20k, synthetic); default: "
+        "ROOT/meta.json, else the classes stored in the checkpoint",
     )
     p.add_argument("--label-format", default="index", help="index | color (index)")
     p.add_argument(
@@ -54,15 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="map raw label values to class ids, e.g. 255:1 (default: ROOT/meta.json's)",
     )
     p.add_argument(
-        "--out", "-o", default=None, help="folder for metrics.json (<checkpoint dir>/eval_SPLIT)"
+        "--out",
+        "-o",
+        default=None,
+        help="folder for metrics.json (<checkpoint dir>/eval_SPLIT; ./eval_SPLIT for hf://)",
     )
     p.add_argument("--save-predictions", metavar="DIR", default=None, help="write label PNGs")
     p.add_argument("--refiner", default=None, help="a method-B refiner file (dualseg refine fit)")
     p.add_argument("--batch-size", type=int, default=1, help="images per batch (1)")
     p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (0)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto)")
-    p.add_argument("--amp", action="store_true", help="bf16 autocast (CUDA)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    add_runtime_args(p)
+    add_quiet_arg(p)
     p.add_argument("--boundary-tolerance", type=int, default=3, help="boundary F1 tolerance px (3)")
     p.add_argument("--trimap-width", type=int, default=5, help="trimap band width px (5)")
     add_inference_arguments(p)
@@ -105,6 +118,16 @@ def prediction_writer(samples: list, out: Path, palette: Any, batch_size: int):
     return write
 
 
+def default_out(checkpoint: str, split: str) -> Path:
+    """``--out``'s default: ``eval_SPLIT`` beside the checkpoint file or pretrained folder; in
+    the current folder for ``hf://org/name`` (which has no folder of its own to sit beside)."""
+    from dualseg.engine.pretrained import is_hub_source
+
+    if is_hub_source(checkpoint):
+        return Path(f"eval_{split}")
+    return Path(checkpoint).parent / f"eval_{split}"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate as the command line describes; returns the metrics (also written to disk)."""
     import torch
@@ -113,25 +136,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualseg.data.datasets import dataset_meta
     from dualseg.data.presets import parse_label_map, require_same_classes
     from dualseg.data.transforms import build_eval_transform
-    from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+    from dualseg.engine.checkpoint import build_model_from_checkpoint
     from dualseg.engine.evaluate import evaluate, format_metrics
-    from dualseg.engine.predict import resolve_device
     from dualseg.engine.preflight import scored_classes_note
+    from dualseg.engine.pretrained import load_state
     from dualseg.io import atomic_write_json, check_writable
     from dualseg.metrics import to_jsonable
 
     if args.batch_size < 1:
         raise DualsegError(f"--batch-size must be >= 1, got {args.batch_size}")
     opts = inference_options(args)
-    out = Path(args.out) if args.out else Path(args.checkpoint).parent / f"eval_{args.split}"
+    out = Path(args.out) if args.out else default_out(args.checkpoint, args.split)
     check_writable(out, kind="dir", what="--out")
     if args.save_predictions:
         check_writable(args.save_predictions, kind="dir", what="--save-predictions")
     label_map = parse_label_map(args.label_map) if args.label_map else None
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    device = resolve_device(args.device)
-    ckpt = load_checkpoint(args.checkpoint)
+    device = apply_runtime(args)
+    ckpt = load_state(args.checkpoint)  # a .pt file, a pretrained folder or hf://org/name
     model, meta = build_model_from_checkpoint(ckpt, device=device)
     own = (
         get_preset(args.preset)
@@ -181,9 +202,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         hook = prediction_writer(
             dataset.samples, Path(args.save_predictions), dataset.meta.palette, args.batch_size
         )
+    mode = mode_of(args)
     metrics = evaluate(
         model,
-        loader,
+        loader if mode == "bar" else track(loader, desc="eval", unit="batch", mode=mode),
         num_classes=dataset.meta.num_classes,
         ignore_index=dataset.meta.ignore_index,
         device=device,
@@ -192,7 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         refiner=refiner,
         amp=args.amp,
         on_batch=hook,
-        progress=sys.stderr.isatty(),
+        progress=mode == "bar",
         mode=opts.mode,
         window=opts.window,
         stride=opts.stride,

@@ -2,6 +2,7 @@
 
     dualseg export --checkpoint runs/demo/last.pt --format onnx --out model.onnx --dynamic
     dualseg export --refiner runs/demo/refiner.pt --format onnx --out refiner.onnx --dynamic
+    dualseg export --checkpoint runs/demo/last.pt --format pretrained --out demo-model/
 
 After writing, the exported file is run once (onnxruntime on CPU, or the TorchScript module)
 on the example input and compared with PyTorch; the largest difference is printed.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+from dualseg.console import argparse_kwargs
 from dualseg.errors import ConfigError
 
 
@@ -18,7 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dualseg export",
         description="Export a trained network to ONNX or TorchScript, with class names, palette "
-        "and normalization in the file's metadata.",
+        "and normalization in the file's metadata, or as a pretrained folder (safetensors).",
+        **argparse_kwargs(
+            "dualseg export -c runs/camvid/best.pt --format onnx --out model.onnx --dynamic",
+            "dualseg export -c runs/camvid/best.pt --format pretrained --out camvid-model/",
+        ),
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", "-c", help="a dualseg checkpoint (.pt): method A's network")
@@ -27,8 +33,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="a method-B refiner file: exports its embedding model, plus <out stem>.json with "
         "prototypes and configuration",
     )
-    p.add_argument("--format", choices=("onnx", "torchscript"), default="onnx", help="(onnx)")
-    p.add_argument("--out", "-o", required=True, help="output file (.onnx / .pt)")
+    p.add_argument(
+        "--format",
+        choices=("onnx", "torchscript", "pretrained"),
+        default="onnx",
+        help="onnx, torchscript, or pretrained: a folder with config.json + model.safetensors "
+        "(refiner.json + refiner.safetensors for --refiner) that dualseg.load_model reads and "
+        "the Hugging Face Hub hosts as is (onnx)",
+    )
+    p.add_argument("--out", "-o", required=True, help="output file (.onnx / .pt) or folder")
+    p.add_argument(
+        "--overwrite", action="store_true", help="--format pretrained: replace files in --out"
+    )
     p.add_argument(
         "--dynamic",
         action="store_true",
@@ -65,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.format == "pretrained":
+        return _export_pretrained(args)
     from dualseg.export.export import export_checkpoint, export_refiner, verify_export
     from dualseg.export.runtime import import_extra
     from dualseg.io import check_writable
@@ -95,4 +113,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_verify:
         diff = verify_export(path, checkpoint=args.checkpoint, refiner=args.refiner, size=size)
         print(f"max |exported - pytorch| on a {size[0]}x{size[1]} input: {diff:.2e}")
+    return 0
+
+
+def _export_pretrained(args: argparse.Namespace) -> int:
+    """``--format pretrained``: a folder ``dualseg.load_model`` / ``BoundaryRefiner.load`` read."""
+    if args.checkpoint:
+        from dualseg.engine.pretrained import save_pretrained_from_checkpoint
+
+        out = save_pretrained_from_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
+        print(f"exported {args.checkpoint} -> {out}/ (config.json + model.safetensors)")
+        print(f"load it with dualseg.load_model({str(out)!r}) or --checkpoint {out}")
+    else:
+        from dualseg.refine import BoundaryRefiner
+
+        refiner = BoundaryRefiner.load(args.refiner)
+        out = refiner.save_pretrained(args.out, overwrite=args.overwrite)
+        print(f"exported {args.refiner} -> {out}/ (refiner.json + refiner.safetensors)")
     return 0

@@ -30,6 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from dualseg.commands.common import add_quiet_arg, add_runtime_args, apply_runtime, mode_of
+from dualseg.console import Progress, argparse_kwargs
 from dualseg.errors import ConfigError, DataError, DualsegError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -125,10 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dualseg predict",
         description="Segment images with a trained checkpoint: label PNG, colour PNG, overlay "
         "(and optionally class probabilities) per image, at the original resolution.",
+        **argparse_kwargs(
+            "dualseg predict street.png photos/ -c runs/camvid/best.pt -o out/",
+            "dualseg predict 'photos/*.jpg' -c hf://org/camvid-model -o out/ --probs",
+        ),
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or globs")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", "-c", help="a dualseg checkpoint (.pt)")
+    src.add_argument(
+        "--checkpoint",
+        "-c",
+        help="a dualseg checkpoint (.pt), a pretrained folder or hf://org/name",
+    )
     src.add_argument("--onnx", help="an exported ONNX model ('dualseg export'), run by onnxruntime")
     p.add_argument("--out", "-o", required=True, help="output folder")
     add_dataset_check_options(p)
@@ -136,9 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--probs", action="store_true", help="also save class probabilities (probs/<name>.npz)"
     )
     p.add_argument("--batch-size", type=int, default=4, help="images per forward pass (4)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto)")
-    p.add_argument("--amp", action="store_true", help="bf16 autocast (CUDA)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    add_runtime_args(p)
+    add_quiet_arg(p)
     p.add_argument("--alpha", type=float, default=0.5, help="overlay opacity of the colours (0.5)")
     add_inference_arguments(p)
     return p
@@ -265,14 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     from dualseg.io import check_writable
 
     out = check_writable(args.out, kind="dir", what="--out")
-    from tqdm.auto import tqdm
-
     from dualseg.engine.predict import as_rgb_array, load_model
 
-    if args.threads > 0:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    device = apply_runtime(args)
     opts = inference_options(args)
     images = collect_images(args.inputs)
     if args.onnx:
@@ -286,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
 
         seg = OnnxSegmenter(args.onnx)
     else:
-        seg = load_model(args.checkpoint, device=args.device, amp=args.amp)
+        seg = load_model(args.checkpoint, device=device, amp=args.amp)
     if seg.num_classes > 255:
         raise DualsegError(
             f"{args.checkpoint or args.onnx} has {seg.num_classes} classes; "
@@ -294,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     check_dataset_classes(args, seg.class_names, f"the model {args.checkpoint or args.onnx}")
     failures: list[str] = []
-    bar = tqdm(total=len(images), desc="predict", unit="img", disable=not sys.stderr.isatty())
+    bar = Progress(total=len(images), desc="predict", unit="img", mode=mode_of(args))
     # Read a few batches' worth at a time: images of equal size share a forward pass.
     chunk = args.batch_size * 4
     for start in range(0, len(images), chunk):

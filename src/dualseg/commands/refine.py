@@ -16,7 +16,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from dualseg.commands.common import (
+    add_quiet_arg,
+    add_runtime_args,
+    apply_runtime,
+    autocast,
+    mode_of,
+)
 from dualseg.commands.predict import add_dataset_check_options
+from dualseg.console import argparse_kwargs, track
 from dualseg.data.transforms import SCALE_RANGE
 from dualseg.errors import ConfigError, DataError, DualsegError
 
@@ -28,10 +36,10 @@ def load_refiner(path: str | os.PathLike[str], *, device: Any = "cpu") -> Any:
     from dualseg.export.runtime import is_exported_torchscript, load_exported_refiner
     from dualseg.refine import BoundaryRefiner
 
-    path = Path(path)
-    if path.suffix.lower() in (".json", ".onnx") or is_exported_torchscript(path):
-        return load_exported_refiner(path)
-    return BoundaryRefiner.load(path, device=device)
+    p = Path(path)
+    if p.suffix.lower() in (".json", ".onnx") or is_exported_torchscript(p):
+        return load_exported_refiner(p)
+    return BoundaryRefiner.load(path, device=device)  # as given: Path() would break hf://
 
 
 def _config_defaults():
@@ -47,6 +55,11 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         help="train the re-optimization model and compute class prototypes",
         description="Method B training (steps 1-5): triplet metric learning on the near-boundary "
         "pixels of DATA, then the mean embedding of each class. Writes one refiner file.",
+        **argparse_kwargs(
+            "dualseg refine fit --data ../shared/data/camvid --preset camvid "
+            "--base runs/camvid/best.pt --out runs/camvid/refiner.pt",
+            "dualseg refine fit --data ROOT --base probs/ --steps 500 --device cuda --amp",
+        ),
     )
     p.add_argument("--data", required=True, help="dataset root (any layout build_dataset reads)")
     p.add_argument(
@@ -131,14 +144,15 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         default=0,
         help="use only the first N training images for the prototypes (0: all)",
     )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto)")
+    add_runtime_args(p)
     p.add_argument("--workers", type=int, default=0, help="data loader workers (0)")
     p.add_argument(
         "--checkpoint", help="training-state file, for --resume (default: OUT with .train.pt)"
     )
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between saves (200)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_quiet_arg(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (see --quiet)")
     p.add_argument(
         "--log-every", type=int, default=50, help="print a loss line every N steps (50; 0: off)"
     )
@@ -150,6 +164,10 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
         help="refine a base model's segmentation of images",
         description="Method B inference (P1-P5): label PNGs (labels/), colour PNGs (color/), "
         "overlays (overlay/) and the changed pixels (changed/) per input image.",
+        **argparse_kwargs(
+            "dualseg refine apply photos/ -r runs/camvid/refiner.pt -b runs/camvid/best.pt -o out/",
+            "dualseg refine apply photos/ -r hf://org/camvid-model -b probs/ -o out/ --quiet",
+        ),
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or globs")
     p.add_argument(
@@ -160,13 +178,17 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
         "its .onnx/.json pair or TorchScript .pt)",
     )
     p.add_argument(
-        "--base", required=True, help="dualseg checkpoint or 'dualseg predict --probs' folder"
+        "--base",
+        "-b",
+        required=True,
+        help="dualseg checkpoint or 'dualseg predict --probs' folder",
     )
     p.add_argument("--out", "-o", required=True, help="output folder")
     add_dataset_check_options(p)
     p.add_argument("--top-n", type=int, help="override the refiner's Top-N")
     p.add_argument("--radius", type=int, help="override the refiner's near-boundary radius")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto)")
+    add_runtime_args(p)
+    add_quiet_arg(p)
     p.add_argument("--alpha", type=float, default=0.5, help="overlay opacity (0.5)")
     from dualseg.commands.predict import add_inference_arguments
 
@@ -177,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dualseg refine",
         description="Method B: boundary re-optimization of any segmentation model.",
+        **argparse_kwargs(
+            "dualseg refine fit --data ROOT --base runs/camvid/best.pt --out refiner.pt",
+            "dualseg refine apply photos/ -r refiner.pt -b runs/camvid/best.pt -o out/",
+        ),
     )
     sub = p.add_subparsers(dest="command", metavar="{fit,apply}")
     sub.required = True
@@ -194,7 +220,6 @@ def main(argv: list[str] | None = None) -> int:
 def fit_main(args: argparse.Namespace) -> int:
     from dualseg.data import build_dataset, build_eval_transform, build_train_transform
     from dualseg.data.presets import require_same_classes
-    from dualseg.engine.predict import resolve_device
     from dualseg.io import check_writable
     from dualseg.refine.base import load_base
     from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig
@@ -230,7 +255,8 @@ def fit_main(args: argparse.Namespace) -> int:
         backbone_source=args.backbone_source,
         gate_margin=args.gate_margin,
     )
-    device = resolve_device(args.device)
+    device = apply_runtime(args)
+    mode = "off" if args.no_progress else mode_of(args)
     train_tf = build_train_transform(
         crop_size=tuple(args.crop_size), scale_range=tuple(args.scale_range)
     )
@@ -265,21 +291,22 @@ def fit_main(args: argparse.Namespace) -> int:
         weights = args.weights  # ImageNet first only when a file is given explicitly
         init_from = base.module  # type: ignore[union-attr]
 
-    refiner = BoundaryRefiner.fit(
-        train,
-        class_names=class_names,
-        config=cfg,
-        prototype_dataset=protos,
-        weights=weights,
-        init_from=init_from,
-        device=device,
-        num_workers=args.workers,
-        checkpoint=checkpoint,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-        progress=not args.no_progress and sys.stderr.isatty(),
-        log_every=args.log_every,
-    )
+    with autocast(args, device):
+        refiner = BoundaryRefiner.fit(
+            train,
+            class_names=class_names,
+            config=cfg,
+            prototype_dataset=protos,
+            weights=weights,
+            init_from=init_from,
+            device=device,
+            num_workers=args.workers,
+            checkpoint=checkpoint,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+            progress=mode == "bar",
+            log_every=0 if mode == "off" else args.log_every,
+        )
     if args.calibrate_split:
         calibrate(refiner, base, args, device)
     refiner.save(out)
@@ -339,8 +366,6 @@ def calibrate(refiner: Any, base: Any, args: argparse.Namespace, device: Any) ->
 
 # ---------------------------------------------------------------------- apply
 def apply_main(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
-
     from dualseg.commands.predict import (
         check_dataset_classes,
         collect_images,
@@ -349,14 +374,14 @@ def apply_main(args: argparse.Namespace) -> int:
     )
     from dualseg.engine.checkpoint import default_palette
     from dualseg.engine.inference import infer_logits
-    from dualseg.engine.predict import as_rgb_array, resolve_device
+    from dualseg.engine.predict import as_rgb_array
     from dualseg.imaging import normalize
     from dualseg.io import atomic_save_image, check_writable
     from dualseg.refine.base import load_base
 
     opts = inference_options(args)
     out = check_writable(args.out, kind="dir", what="--out")
-    device = resolve_device(args.device)
+    device = apply_runtime(args)
     refiner = load_refiner(args.refiner, device=device)
     check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
     note = getattr(refiner, "calibration_note", lambda: None)()
@@ -379,14 +404,14 @@ def apply_main(args: argparse.Namespace) -> int:
     images = collect_images(args.inputs)
     changed_total = pixels_total = 0
     failures: list[str] = []
-    for path, name in tqdm(images, desc="refine", unit="img", disable=not sys.stderr.isatty()):
+    for path, name in track(images, desc="refine", unit="img", mode=mode_of(args)):
         try:
             rgb = as_rgb_array(path)
         except DualsegError as err:
             failures.append(str(err))
             continue
         x = torch.from_numpy(normalize([rgb])).to(device)
-        with torch.no_grad():
+        with torch.no_grad(), autocast(args, device):
             scores = infer_logits(
                 lambda t, name=name: base.scores(t, [name] * t.shape[0]),
                 x,
@@ -397,9 +422,10 @@ def apply_main(args: argparse.Namespace) -> int:
                 tta_flip=opts.tta_flip,
                 tile_batch=opts.tile_batch,
             )
-        if augmented:  # the averaged probabilities (their log came back)
-            scores = scores.softmax(1)
-        labels, changed = refiner.refine(x, scores, return_changed=True)
+            scores = scores.float()
+            if augmented:  # the averaged probabilities (their log came back)
+                scores = scores.softmax(1)
+            labels, changed = refiner.refine(x, scores, return_changed=True)
         label = labels[0].cpu().numpy()
         write_outputs(out, name, rgb, label, palette, alpha=args.alpha)
         atomic_save_image(

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dualseg.commands.common import add_runtime_args, apply_runtime
+from dualseg.console import argparse_kwargs
 from dualseg.errors import ConfigError, DualsegError
 from dualseg.serve.defaults import (
     DEFAULT_MAX_MEGAPIXELS,
@@ -37,9 +39,17 @@ def build_parser() -> argparse.ArgumentParser:
         prog="dualseg serve",
         description="Serve a local web page (drop an image, see its segmentation) and a JSON "
         "API (POST /api/segment; schema at /docs and /openapi.json).",
+        **argparse_kwargs(
+            "dualseg serve -c runs/camvid/best.pt --refiner runs/camvid/refiner.pt",
+            "dualseg serve --onnx model.onnx --port 8080",
+        ),
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", "-c", help="a dualseg checkpoint (.pt)")
+    src.add_argument(
+        "--checkpoint",
+        "-c",
+        help="a dualseg checkpoint (.pt), a pretrained folder or hf://org/name",
+    )
     src.add_argument("--onnx", help="an exported model (dualseg export --format onnx)")
     p.add_argument(
         "--refiner",
@@ -85,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="keep every uploaded file in DIR (default: uploads stay in memory only)",
     )
-    p.add_argument("--device", default="cpu", help="cpu | cuda | auto, for --checkpoint (cpu)")
+    add_runtime_args(p, device="cpu")
     return p
 
 
@@ -171,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare_upload_folder(args.save_uploads)
     check_port(args.host, args.port)
 
+    device = apply_runtime(args)
     if args.onnx:
         from dualseg.export.runtime import OnnxSegmenter
 
@@ -179,14 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from dualseg.engine.predict import load_model
 
-        segmenter = load_model(args.checkpoint, device=args.device)
+        segmenter = load_model(args.checkpoint, device=device, amp=args.amp)
         name = f"{Path(args.checkpoint).name} ({type(segmenter.model).__name__})"
     refiner = None
     if args.refiner:
         from dualseg.commands.refine import load_refiner
-        from dualseg.engine.predict import resolve_device
 
-        refiner = load_refiner(args.refiner, device=resolve_device(args.device))
+        refiner = load_refiner(args.refiner, device=device)
         refiner.check_classes(segmenter.class_names, segmenter.num_classes)
     app = create_app(
         segmenter,

@@ -6,10 +6,12 @@
     dualseg train --config configs/camvid_mobilenet_v2.yaml --overwrite   # replace the old run
     torchrun --nproc_per_node=2 -m dualseg train --config configs/camvid_resnet101.yaml
 
-Every field of :mod:`dualseg.engine.config` is a flag (``dualseg train --help`` lists them).
-``--resume PATH`` without ``--config`` reads the run's ``config.yaml`` beside ``PATH`` first.
-An ``out_dir`` that already holds a run is refused unless ``--resume`` or ``--overwrite`` is
-given. Before step 1 every pair is scanned (``--data.check false`` skips it).
+Every field of :mod:`dualseg.engine.config` is a flag (``dualseg train --help`` lists them,
+each with its description). ``--resume PATH`` without ``--config`` reads the run's
+``config.yaml`` beside ``PATH`` first. An ``out_dir`` that already holds a run is refused
+unless ``--resume`` or ``--overwrite`` is given. Before step 1 every pair is scanned
+(``--data.check false`` skips it). At the end a short summary is printed (``--json``: one
+JSON line instead) and written to ``<train.out_dir>/summary.json``.
 Exit status: 0 when the run finished (max iterations or patience), 130 after SIGINT and 143
 after SIGTERM (a checkpoint was saved first; ``--resume auto`` continues).
 """
@@ -19,28 +21,62 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dualseg.engine.config import parse_run_args
+    from dualseg.engine.config import parse_command
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # --help exits here and bad flags raise ConfigError, before torch is imported
-    cfg, resume, overwrite = parse_run_args(argv)
+    cfg, resume, flags = parse_command(argv)
     if resume not in (None, "auto") and not any(a.startswith("--config") for a in argv):
         # `dualseg train --resume runs/x/last.pt`: the run's own resolved config, then flags.
         run_config = Path(resume).parent / "config.yaml"
         if run_config.is_file():
-            cfg, resume, overwrite = parse_run_args(["--config", str(run_config), *argv])
+            cfg, resume, flags = parse_command(["--config", str(run_config), *argv])
 
     from dualseg.engine.train import fit
+    from dualseg.io import atomic_write_json
 
-    summary = fit(cfg, resume=resume, overwrite=overwrite)
+    started = time.perf_counter()
+    summary = fit(cfg, resume=resume, overwrite=flags["overwrite"])
+    summary["seconds"] = round(time.perf_counter() - started, 1)
     if summary.get("rank", 0) == 0:
-        print(json.dumps(summary))
+        atomic_write_json(Path(summary["out_dir"]) / "summary.json", summary)
+        print(json.dumps(summary) if flags["json"] else format_summary(summary))
     if summary["stop_reason"] == "interrupted":
         return 128 + int(summary.get("signal", signal.SIGINT))
     return 0
+
+
+STOP_REASONS = {
+    "max_iters": "reached train.max_iters",
+    "patience": "stopped early: no improvement for train.patience evaluations",
+    "interrupted": "interrupted; continue with --resume auto",
+}
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The few lines a person reads at the end of a run (``fit``'s summary dict)."""
+    out = summary["out_dir"]
+    lines = [
+        f"training done: {summary['iteration']} iterations in {summary.get('seconds', 0):.0f} s "
+        f"({STOP_REASONS.get(summary['stop_reason'], summary['stop_reason'])})"
+    ]
+    if summary.get("best_miou") is not None:
+        lines.append(
+            f"best validation mIoU {100 * summary['best_miou']:.1f}% at iteration "
+            f"{summary['best_iteration']}: {summary['best']}"
+        )
+    else:
+        lines.append("no validation ran (data.val_split is null)")
+    lines.append(f"last checkpoint: {summary['last']}")
+    lines.append(f"run folder: {out} (config.yaml, metrics.jsonl, curves.png, summary.json)")
+    best = summary.get("best") or summary["last"]
+    lines.append(f"next: dualseg eval -c {best} --data DATA_ROOT")
+    return "\n".join(lines)

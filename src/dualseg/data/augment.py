@@ -19,8 +19,8 @@ import numpy as np
 from PIL import Image
 from torchvision import tv_tensors
 from torchvision.transforms import v2
-from tqdm import tqdm
 
+from dualseg.console import Progress, ProgressMode, progress_mode
 from dualseg.data.datasets import SegmentationDataset, build_dataset
 from dualseg.data.presets import META_FILE, without_source_ignore
 from dualseg.data.transforms import (
@@ -135,9 +135,12 @@ def augment_dataset(
     seed: int = 0,
     image_format: str = "png",
     list_name: str = "train.txt",
-    progress: bool = True,
+    progress: bool | ProgressMode = True,
 ) -> tuple[int, int]:
-    """Write ``count`` augmented pairs of ``src`` into ``dst``; return (written, skipped)."""
+    """Write ``count`` augmented pairs of ``src`` into ``dst``; return (written, skipped).
+
+    ``progress``: a :mod:`dualseg.console` mode (``"bar"``, ``"lines"``, ``"off"``); ``True``
+    picks by the terminal, ``False`` is ``"off"``."""
     if count < 1:
         raise DataError(f"--count must be >= 1, got {count}")
     if image_format not in IMAGE_FORMATS:
@@ -160,7 +163,8 @@ def augment_dataset(
     _claim(dst, settings)
     augmenter = Augmenter(dataset, dst, settings)
     written = 0
-    bar = tqdm(total=count, desc="augment", unit="pair", disable=not progress)
+    mode = progress if isinstance(progress, str) else progress_mode(quiet=not progress)
+    bar = Progress(total=count, desc="augment", unit="pair", mode=mode)
     if workers <= 1:
         for i in range(count):
             written += augmenter(i)

@@ -9,15 +9,21 @@ looks like a 0/255 binary mask read with 255 as "ignore", and a class absent fro
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
-from dualseg.data.datasets import available_splits, detect_layout, discover, resolve_meta
+from dualseg.console import ProgressMode, track
+from dualseg.data.datasets import (
+    available_splits,
+    detect_layout,
+    discover,
+    one_class_set,
+    resolve_meta,
+)
 from dualseg.data.presets import IGNORE_INDEX, META_FILE, DatasetMeta, IgnoreSetting
 from dualseg.data.readers import read_image, read_label
 from dualseg.errors import DataError
@@ -64,9 +70,11 @@ def check_dataset(
     label_format: str = "index",
     label_map: Mapping[int, int] | None = None,
     ignore_value: IgnoreSetting = "auto",
-    progress: bool = False,
+    progress: ProgressMode = "off",
 ) -> CheckReport:
-    """Read every pair of ``splits`` (default: those of train/val/test that exist)."""
+    """Read every pair of ``splits`` (default: those of train/val/test that exist).
+
+    ``progress``: a :mod:`dualseg.console` mode (``"bar"``, ``"lines"``, ``"off"``)."""
     root = Path(root)
     if layout == "auto":
         layout = _detect_any_split(root, splits or DEFAULT_SPLITS)
@@ -95,9 +103,7 @@ def check_dataset(
         if not found.samples and not found.problems:
             report.problems.append(f"{found.source or root}: split {split!r} is empty; add pairs")
         hist = report.split_histograms.setdefault(split, _empty_histogram())
-        for img_path, label_path in tqdm(
-            found.samples, desc=f"check {split}", disable=not progress
-        ):
+        for img_path, label_path in track(found.samples, desc=f"check {split}", mode=progress):
             report.problems += _check_pair(img_path, label_path, meta, label_format, hist)
         report.histogram += hist
     report.problems = _class_problems(report) + report.problems
@@ -172,6 +178,29 @@ def _class_problems(report: CheckReport) -> list[str]:
         )
         problems.append(report.absent_classes)
     return problems
+
+
+def combine_reports(reports: Sequence[CheckReport]) -> CheckReport:
+    """One report over the roots of one mixed dataset (``data.root: [A, B]``): pairs,
+    histograms and file problems added up, the dataset-level problems found again over all of
+    them (a class absent from one root but present in another is not absent). Roots with
+    different classes raise the :class:`DataError` that ``build_dataset`` gives."""
+    if len(reports) == 1:
+        return reports[0]
+    first = reports[0]
+    meta = one_class_set([(r.root, r.meta) for r in reports])
+    combined = CheckReport(first.root, first.layout, meta)
+    for r in reports:
+        for split, n in r.pairs.items():
+            combined.pairs[split] = combined.pairs.get(split, 0) + n
+        own = {r.absent_classes, f"{r.root}: {r.binary_mask}"}
+        combined.problems += [p for p in r.problems if p not in own]
+        combined.histogram += r.histogram
+        for split, hist in r.split_histograms.items():
+            combined.split_histograms.setdefault(split, _empty_histogram())
+            combined.split_histograms[split] += hist
+    combined.problems = _class_problems(combined) + combined.problems
+    return combined
 
 
 def require_trainable(report: CheckReport, train_split: str) -> None:

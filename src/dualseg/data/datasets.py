@@ -9,12 +9,18 @@ Layouts (``layout=`` or detected by ``"auto"``):
 - ``voc``: ``JPEGImages/``, ``SegmentationClass/``, ``ImageSets/Segmentation/{split}.txt``.
 - ``cityscapes``: ``leftImg8bit/{split}/*/*_leftImg8bit.png`` with
   ``gtFine/{split}/*/*_gtFine_labelTrainIds.png``.
+- ``ade20k``: ``ADEChallengeData2016/images/{training,validation}/*.jpg`` with
+  ``annotations/{training,validation}/*.png`` (ROOT may be the ``ADEChallengeData2016`` folder
+  or its parent; splits ``train`` / ``val`` name ``training`` / ``validation``).
+
+``build_dataset`` also takes several roots (a list): their pairs are concatenated into one
+dataset, provided every root has the same classes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -34,7 +40,7 @@ from dualseg.data.readers import LABEL_FORMATS, read_image, read_label
 from dualseg.data.transforms import JointTransform, build_eval_transform, sample_seed, seeded
 from dualseg.errors import DataError
 
-LAYOUTS = ("auto", "list", "folder", "voc", "cityscapes")
+LAYOUTS = ("auto", "list", "folder", "voc", "cityscapes", "ade20k")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
 Pair = tuple[Path, Path]
 
@@ -166,11 +172,41 @@ def _scan_cityscapes(root: Path, split: str) -> Discovery:
     return found
 
 
+ADE_FOLDER = "ADEChallengeData2016"
+ADE_SPLITS = {"train": "training", "val": "validation"}  # dualseg's split names -> ADE20K's
+
+
+def _ade_root(root: Path) -> Path:
+    return root / ADE_FOLDER if (root / ADE_FOLDER).is_dir() else root
+
+
+def _scan_ade20k(root: Path, split: str) -> Discovery:
+    root = _ade_root(root)
+    name = ADE_SPLITS.get(split, split)
+    img_dir, ann_dir = root / "images" / name, root / "annotations" / name
+    found = Discovery("ade20k", source=img_dir)
+    if not img_dir.is_dir() or not ann_dir.is_dir():
+        found.split_missing = True
+        found.problems.append(
+            f"{img_dir}: ADE20K images/{name} and annotations/{name} not found; pass the "
+            f"{ADE_FOLDER} folder (or its parent) and --split train or val"
+        )
+        return found
+    labels = _images_by_stem(ann_dir)
+    for stem, img in _images_by_stem(img_dir).items():
+        if stem in labels:
+            found.samples.append((img, labels[stem]))
+        else:
+            found.problems.append(f"{img}: no annotation {ann_dir / stem}.png; add it")
+    return found
+
+
 SCANNERS = {
     "list": _scan_list,
     "folder": _scan_folder,
     "voc": _scan_voc,
     "cityscapes": _scan_cityscapes,
+    "ade20k": _scan_ade20k,
 }
 
 
@@ -181,6 +217,9 @@ def _detect(root: Path, split: str) -> str | None:
         return "voc"
     if (root / "leftImg8bit").is_dir() and (root / "gtFine").is_dir():
         return "cityscapes"
+    ade = _ade_root(root)
+    if (ade / "images" / "training").is_dir() and (ade / "annotations").is_dir():
+        return "ade20k"
     if _folder_pair_dirs(root, split) is not None:
         return "folder"
     return None
@@ -194,7 +233,7 @@ def available_splits(root: str | Path, layout: str = "auto") -> list[str]:
     names = {"train", "val", "test", "trainval"}
     names |= {p.stem for p in root.glob("*.txt")}
     names |= {p.stem for p in root.glob("ImageSets/Segmentation/*.txt")}
-    for sub in (root, root / "images", root / "leftImg8bit"):
+    for sub in (root, root / "images", root / "leftImg8bit", _ade_root(root) / "images"):
         if sub.is_dir():
             names |= {d.name for d in sub.iterdir() if d.is_dir() and not d.name.startswith(".")}
     found = []
@@ -202,6 +241,8 @@ def available_splits(root: str | Path, layout: str = "auto") -> list[str]:
         kind = _detect(root, name) if layout == "auto" else layout
         if kind is None or kind not in SCANNERS:
             continue
+        if kind == "ade20k" and name in ADE_SPLITS.values():
+            continue  # ADE20K's own folder names: listed as train / val
         flat = _folder_pair_dirs(root, "")
         if kind == "folder" and _folder_pair_dirs(root, name) in (None, flat):
             continue  # a flat images/ folder is no split of its own
@@ -234,7 +275,8 @@ def detect_layout(root: str | Path, split: str = "train") -> str:
         raise missing
     raise DataError(
         f"{root}: cannot tell the dataset layout for split {split!r}: expected {split}.txt "
-        "(list), images/ + labels/ (folder), JPEGImages/ (voc) or leftImg8bit/ (cityscapes); "
+        "(list), images/ + labels/ (folder), JPEGImages/ (voc), leftImg8bit/ (cityscapes) or "
+        f"{ADE_FOLDER}/images/training (ade20k); "
         f"pass layout= one of {LAYOUTS[1:]}"
     )
 
@@ -272,7 +314,7 @@ def _own_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -
     meta_file = (root.parent if root.is_file() else root) / META_FILE
     if meta_file.is_file():
         return load_meta_file(meta_file)
-    if layout in PRESETS:  # voc, cityscapes
+    if layout in PRESETS:  # voc, cityscapes, ade20k
         return PRESETS[layout]
     raise DataError(
         f"{root}: which classes does this dataset have? pass preset= one of {sorted(PRESETS)} "
@@ -283,7 +325,8 @@ def _own_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -
 def dataset_meta(
     root: str | Path, *, layout: str = "auto", split: str = "train"
 ) -> DatasetMeta | None:
-    """The classes ``root`` describes itself (ROOT/meta.json, or the VOC / Cityscapes layout);
+    """The classes ``root`` describes itself (ROOT/meta.json, or the VOC / Cityscapes / ADE20K
+    layout);
     ``None`` when it does not say (a bad meta.json is still an error)."""
     root = Path(root)
     meta_file = (root.parent if root.is_file() else root) / META_FILE
@@ -364,8 +407,11 @@ class SegmentationDataset(torch.utils.data.Dataset):
         )
 
 
+Roots = str | Path | Sequence[str | Path]
+
+
 def build_dataset(
-    root: str | Path,
+    root: Roots,
     *,
     split: str = "train",
     layout: str = "auto",
@@ -379,29 +425,75 @@ def build_dataset(
 ) -> SegmentationDataset:
     """Scan ``root`` and return its ``split`` as a :class:`SegmentationDataset`.
 
+    ``root`` may be a list of roots: their pairs are concatenated (in order) into one dataset;
+    all roots must have the same classes (else a :class:`DataError` naming both class lists).
     Raises one :class:`DataError` naming the first bad file (and how many more there are) when
     listed files are missing; ``transform=None`` means :func:`build_eval_transform`.
     ``label_map`` / ``ignore_value`` override the dataset's label mapping
     (:func:`dualseg.data.presets.with_label_mapping`).
     """
-    found = discover(root, split=split, layout=layout)
-    if found.split_missing:
-        missing = _missing_split(Path(root), split, layout)
-        if missing is not None:
-            raise missing
-    if found.problems:
-        more = len(found.problems) - 1
-        raise DataError(
-            found.problems[0]
-            + (f" (and {more} more problems; run 'dualseg data check {root}')" if more else "")
-        )
-    meta = resolve_meta(root, found.layout, preset, label_map=label_map, ignore_value=ignore_value)
+    roots = [root] if isinstance(root, str | Path) else list(root)
+    if not roots:
+        raise DataError("no dataset root given; pass at least one folder")
+    samples: list[Pair] = []
+    metas: list[tuple[Path, DatasetMeta]] = []
+    source: str | Path = roots[0]
+    for r in roots:
+        found = discover(r, split=split, layout=layout)
+        if found.split_missing:
+            missing = _missing_split(Path(r), split, layout)
+            if missing is not None:
+                raise missing
+        if found.problems:
+            more = len(found.problems) - 1
+            raise DataError(
+                found.problems[0]
+                + (f" (and {more} more problems; run 'dualseg data check {r}')" if more else "")
+            )
+        meta = resolve_meta(r, found.layout, preset, label_map=label_map, ignore_value=ignore_value)
+        metas.append((Path(r), meta))
+        samples += found.samples
+        source = (found.source or r) if len(roots) == 1 else ", ".join(map(str, roots))
     return SegmentationDataset(
-        found.samples,
-        meta,
+        samples,
+        one_class_set(metas),
         transform=transform,
         label_format=label_format,
         samples_per_epoch=samples_per_epoch,
         seed=seed,
-        source=found.source or root,
+        source=source,
     )
+
+
+def one_class_set(metas: list[tuple[Path, DatasetMeta]]) -> DatasetMeta:
+    """The roots' shared description; a :class:`DataError` when two differ."""
+    (first_root, first), *rest = metas
+    for root, meta in rest:
+        if meta.class_names != first.class_names:
+            raise DataError(
+                f"cannot mix datasets with different classes: {first_root} has "
+                f"{list(first.class_names)} but {root} has {list(meta.class_names)}; remap "
+                "the labels to one class set (or pass the same preset=) before mixing them"
+            )
+        if replace(meta, name=first.name, palette=first.palette) != first:
+            raise DataError(
+                f"cannot mix {first_root} and {root}: same classes, but their raw labels differ "
+                f"(label mapping {first.describe_mapping()} vs {meta.describe_mapping()}); "
+                "give both the same mapping (meta.json, --data.label_map) or convert one first"
+            )
+    return first
+
+
+def label_histogram(dataset: SegmentationDataset) -> tuple[np.ndarray, np.ndarray]:
+    """Per class, over ``dataset``'s label files (no augmentation): the labelled pixels, and
+    the labelled pixels of the images in which the class appears (int64 ``[C]`` each) — the
+    two counts of median frequency balancing."""
+    c = dataset.meta.num_classes
+    counts = np.zeros(c, np.int64)
+    image_pixels = np.zeros(c, np.int64)
+    for _, label_path in dataset.samples:
+        label = read_label(label_path, dataset.meta, label_format=dataset.label_format)
+        hist = np.bincount(label.ravel(), minlength=256)[:c]
+        counts += hist
+        image_pixels += (hist > 0) * hist.sum()
+    return counts, image_pixels

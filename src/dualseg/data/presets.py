@@ -1,8 +1,11 @@
 """Dataset descriptions: class names, palette and label mapping (``DatasetMeta``, ``PRESETS``).
 
 Internally every label map uses **255 for "ignore"** (loss and metrics skip it). How the raw
-values of a dataset's label files become class ids is the dataset's own setting:
+values of a dataset's label files become class ids is the dataset's own setting, one lookup
+table (:meth:`DatasetMeta.lookup_table`) built from:
 
+- ``reduce_zero_label``: raw 0 means "ignore" and raw ``v`` is class ``v - 1`` (ADE20K stores
+  "other" as 0 and its 150 classes as 1..150; mmsegmentation's option of that name);
 - ``ignore_value``: the raw value that means "ignore" (default 255; ``None``: no value does, so
   a raw 255 is an error unless ``label_map`` maps it);
 - ``source_ignore``: further raw values that mean "ignore" (CamVid: 11);
@@ -10,8 +13,9 @@ values of a dataset's label files become class ids is the dataset's own setting:
 - ``void_colors``: the colours that mean "ignore" in colour-coded label images.
 
 A dataset describes them in ``ROOT/meta.json`` (keys ``name``, ``class_names``, ``palette``,
-``ignore_index``, ``source_ignore``, ``label_map`` as ``{"255": 1}``, ``void_colors``); the
-presets keep their own; ``with_label_mapping`` applies command-line overrides.
+``ignore_index``, ``source_ignore``, ``label_map`` as ``{"255": 1}``, ``reduce_zero_label``,
+``void_colors``); the presets keep their own; ``with_label_mapping`` applies command-line
+overrides.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
+
+import numpy as np
 
 from dualseg.errors import DataError
 
@@ -40,6 +46,7 @@ class DatasetMeta:
     void_colors: tuple[Color, ...] = field(default=())  # colours decoded to 255 (colour labels)
     ignore_value: int | None = IGNORE_INDEX  # the raw value meaning ignore (None: none)
     label_map: tuple[tuple[int, int], ...] = ()  # (raw value, class id or 255), applied last
+    reduce_zero_label: bool = False  # raw 0 -> 255, raw v -> class v - 1 (ADE20K)
 
     def __post_init__(self) -> None:
         if len(self.palette) != len(self.class_names):
@@ -65,12 +72,18 @@ class DatasetMeta:
                 f"0..255 and label_map targets a class id 0..{self.num_classes - 1} or 255"
             )
 
-    def lookup_table(self) -> Any:
-        """``int16 [256]``: raw label value -> class id, 255 (ignore) or -1 (invalid)."""
-        import numpy as np
+    def lookup_table(self) -> np.ndarray:
+        """``int16 [256]``: raw label value -> class id, 255 (ignore) or -1 (invalid).
 
+        The one label mapping of a dataset, in this order: raw values ``first..first+C-1`` are
+        the classes (``first`` is 1 with ``reduce_zero_label``, which also ignores raw 0, else
+        0); ``ignore_value`` and ``source_ignore`` mean ignore; ``label_map`` entries win.
+        """
         lut = np.full(256, -1, dtype=np.int16)
-        lut[: self.num_classes] = np.arange(self.num_classes)
+        first = self.first_class_value
+        lut[first : first + self.num_classes] = np.arange(self.num_classes)
+        if self.reduce_zero_label:
+            lut[0] = IGNORE_INDEX
         if self.ignore_value is not None:
             lut[self.ignore_value] = IGNORE_INDEX
         lut[list(self.source_ignore)] = IGNORE_INDEX
@@ -78,12 +91,28 @@ class DatasetMeta:
             lut[src] = dst
         return lut
 
+    @property
+    def first_class_value(self) -> int:
+        """The raw value of class 0: 1 with ``reduce_zero_label`` (ADE20K), else 0."""
+        return 1 if self.reduce_zero_label else 0
+
     def describe_ignore(self) -> str:
         """The raw values that mean ignore, for messages: ``"255, 11"`` or ``"none"``."""
-        values = [self.ignore_value] if self.ignore_value is not None else []
+        values = [0] if self.reduce_zero_label else []
+        values += [self.ignore_value] if self.ignore_value not in (None, *values) else []
         values += [v for v in self.source_ignore if v not in values]
         values += [s for s, d in self.label_map if d == IGNORE_INDEX and s not in values]
-        return ", ".join(map(str, values)) or "none"
+        lut = self.lookup_table()  # a label_map entry may map one of them to a class
+        return ", ".join(str(v) for v in values if lut[v] == IGNORE_INDEX) or "none"
+
+    def describe_mapping(self) -> str:
+        """The whole raw-value mapping in a few words, for messages."""
+        first = self.first_class_value
+        parts = [f"classes {first}..{first + self.num_classes - 1}"]
+        parts.append(f"ignore {self.describe_ignore()}")
+        if self.label_map:
+            parts.append("label_map " + ",".join(f"{s}:{d}" for s, d in self.label_map))
+        return ", ".join(parts)
 
     @property
     def num_classes(self) -> int:
@@ -99,6 +128,7 @@ class DatasetMeta:
             "source_ignore": list(self.source_ignore),
             "label_map": {str(s): d for s, d in self.label_map},
             "void_colors": [list(c) for c in self.void_colors],
+            "reduce_zero_label": self.reduce_zero_label,
         }
 
     @classmethod
@@ -114,6 +144,7 @@ class DatasetMeta:
                 void_colors=tuple(tuple(int(v) for v in c) for c in d.get("void_colors", ())),  # type: ignore[misc]
                 ignore_value=None if ignore is None else int(ignore),
                 label_map=_label_map_items(d.get("label_map") or {}),
+                reduce_zero_label=bool(d.get("reduce_zero_label", False)),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise DataError(
@@ -271,13 +302,41 @@ SYNTHETIC = DatasetMeta(
     void_colors=((0, 0, 0),),
 )
 
-PRESETS: dict[str, DatasetMeta] = {m.name: m for m in (CAMVID, VOC, CITYSCAPES, SYNTHETIC)}
+# ADE20K's 150 benchmark class names in label order (spaces in names written as "_").
+_ADE20K_NAMES = (
+    "wall building sky floor tree ceiling road bed windowpane grass cabinet sidewalk person "
+    "earth door table mountain plant curtain chair car water painting sofa shelf house sea "
+    "mirror rug field armchair seat fence desk rock wardrobe lamp bathtub railing cushion "
+    "base box column signboard chest_of_drawers counter sand sink skyscraper fireplace "
+    "refrigerator grandstand path stairs runway case pool_table pillow screen_door stairway "
+    "river bridge bookcase blind coffee_table toilet flower book hill bench countertop stove "
+    "palm kitchen_island computer swivel_chair boat bar arcade_machine hovel bus towel light "
+    "truck tower chandelier awning streetlight booth television_receiver airplane dirt_track "
+    "apparel pole land bannister escalator ottoman bottle buffet poster stage van ship "
+    "fountain conveyer_belt canopy washer plaything swimming_pool stool barrel basket "
+    "waterfall tent bag minibike cradle oven ball food step tank trade_name microwave pot "
+    "animal bicycle lake dishwasher screen blanket sculpture hood sconce vase traffic_light "
+    "tray ashcan fan pier crt_screen plate monitor bulletin_board shower radiator glass "
+    "clock flag"
+)
+
+# ADE20K / SceneParsing (ADEChallengeData2016): the 150 benchmark classes, in label order 1..150
+# (raw 0 = "other", ignored). The palette is generated (VOC's bit pattern), one colour per class.
+ADE20K = DatasetMeta(
+    name="ade20k",
+    class_names=tuple(_ADE20K_NAMES.split()),
+    palette=_voc_palette(151)[1:],
+    reduce_zero_label=True,
+)
+
+PRESETS: dict[str, DatasetMeta] = {m.name: m for m in (CAMVID, VOC, CITYSCAPES, SYNTHETIC, ADE20K)}
 
 META_FILE = "meta.json"  # optional dataset description beside a list-file or folder dataset
 
 
 def get_preset(name: str) -> DatasetMeta:
-    """The preset called ``name`` (``camvid``, ``voc``, ``cityscapes``, ``synthetic``)."""
+    """The preset called ``name`` (``camvid``, ``voc``, ``cityscapes``, ``synthetic``,
+    ``ade20k``)."""
     try:
         return PRESETS[name]
     except KeyError:
@@ -304,7 +363,9 @@ def load_meta_file(path: str | Path) -> DatasetMeta:
 
 def without_source_ignore(meta: DatasetMeta) -> DatasetMeta:
     """The same classes for label maps that already hold 255 for ignore (written by dualseg)."""
-    return replace(meta, source_ignore=(), ignore_value=IGNORE_INDEX, label_map=())
+    return replace(
+        meta, source_ignore=(), ignore_value=IGNORE_INDEX, label_map=(), reduce_zero_label=False
+    )
 
 
 def _label_map_items(mapping: Mapping[Any, Any]) -> tuple[tuple[int, int], ...]:

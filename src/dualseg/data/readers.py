@@ -106,14 +106,16 @@ def decode_color_label(rgb: np.ndarray, meta: DatasetMeta, *, path: str | Path =
 
 
 def _check_values(path: Path, raw: np.ndarray, meta: DatasetMeta) -> np.ndarray:
-    """Raw values -> class ids through the dataset's mapping; any other value is an error."""
+    """Raw values -> class ids through the dataset's mapping (:meth:`DatasetMeta.lookup_table`);
+    any other value is an error."""
+    first = meta.first_class_value
     if raw.dtype != np.uint8:
         if raw.size and (raw.min() < 0 or raw.max() > 255):
             bad = np.unique(raw[(raw < 0) | (raw > 255)])[:8].tolist()
             raise DataError(
                 f"{path}: label values {bad} are neither a class of {meta.name!r} "
-                f"(0..{meta.num_classes - 1}) nor ignore ({meta.describe_ignore()}); fix the "
-                "label or choose the matching preset"
+                f"({first}..{first + meta.num_classes - 1}) nor ignore "
+                f"({meta.describe_ignore()}); fix the label or choose the matching preset"
             )
         raw = raw.astype(np.uint8)
     mapped = meta.lookup_table()[raw]
@@ -124,9 +126,9 @@ def _check_values(path: Path, raw: np.ndarray, meta: DatasetMeta) -> np.ndarray:
         raise DataError(
             f"{path}: label values {bad[:8]}{' ...' if len(bad) > 8 else ''} "
             f"({int(counts.sum())} pixels) are neither a class of {meta.name!r} "
-            f"(0..{meta.num_classes - 1}) nor ignore ({meta.describe_ignore()}); choose the "
-            f'matching preset, map them with --label-map RAW:CLASS (meta.json: "label_map"), '
-            "or fix the label"
+            f"({first}..{first + meta.num_classes - 1}) nor ignore ({meta.describe_ignore()}); "
+            "choose the matching preset, map them with --label-map RAW:CLASS (meta.json: "
+            '"label_map"), or fix the label'
         )
     return mapped.astype(np.uint8)
 
@@ -134,8 +136,9 @@ def _check_values(path: Path, raw: np.ndarray, meta: DatasetMeta) -> np.ndarray:
 def read_label(path: str | Path, meta: DatasetMeta, *, label_format: str = "index") -> np.ndarray:
     """A label file as ``uint8 HxW`` class indices, 255 = ignore.
 
-    ``label_format="index"``: pixel values are class indices (``meta.source_ignore`` values map
-    to 255). ``"color"``: pixels are palette colours, decoded through ``meta.palette``.
+    ``label_format="index"``: pixel values are raw values, mapped to classes / 255 by the
+    dataset's lookup table (:meth:`DatasetMeta.lookup_table`). ``"color"``: pixels are palette
+    colours, decoded through ``meta.palette``.
     """
     if label_format not in LABEL_FORMATS:
         raise DataError(f"unknown label_format {label_format!r}; use one of {LABEL_FORMATS}")

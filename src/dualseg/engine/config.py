@@ -35,7 +35,7 @@ __all__ = [
     "config_to_dict",
     "load_config",
     "model_kwargs",
-    "parse_run_args",
+    "parse_command",
     "save_config",
     "train_transform",
 ]
@@ -45,29 +45,32 @@ __all__ = [
 class DataConfig:
     """Dataset, augmentation (spec S1) and loader settings."""
 
-    root: str | None = None  # dataset folder (list files train.txt / val.txt or auto layout)
-    preset: str | None = None  # "camvid", "voc", "cityscapes", "synthetic" (None: auto)
-    layout: str = "auto"
-    label_format: str = "index"
-    train_split: str = "train"
-    val_split: str | None = "val"  # None: no validation (then monitor train_loss)
+    # dataset folder (list files train.txt / val.txt or auto layout); a list [A, B] mixes
+    # several datasets of one class set
+    root: tuple[str, ...] | str | None = None
+    preset: str | None = None  # "camvid", "voc", "cityscapes", "ade20k", "synthetic" (None: auto)
+    layout: str = "auto"  # auto | list | folder | voc | cityscapes | ade20k
+    label_format: str = "index"  # index: pixel values are classes; color: palette colours
+    train_split: str = "train"  # split to train on (list file / folder name)
+    val_split: str | None = "val"  # split to validate on (null: none; then monitor train_loss)
     crop_size: tuple[int, int] = (360, 480)  # (H, W) of training crops
-    scale_range: tuple[float, float] = SCALE_RANGE
-    hflip_prob: float = HFLIP_PROB
-    blur_prob: float = BLUR_PROB  # S1 "filtering" (Gaussian blur probability)
-    jitter: float = JITTER[0]  # S1 colour jitter strength: brightness, contrast, saturation
-    samples_per_epoch: int | None = None  # S1: on-the-fly augmentation, e.g. 10000
-    batch_size: int = 8  # per process (per GPU under torchrun)
-    val_batch_size: int = 2
-    num_workers: int = 4
-    pin_memory: bool = True  # used on CUDA only
-    persistent_workers: bool = True  # used when num_workers > 0
-    # Label mapping (see dualseg.data.presets): None / "auto" keep the dataset's own setting
-    # (ROOT/meta.json or the preset). label_map "255:1" maps raw 255 to class 1 (0/255 masks);
-    # ignore_index: the raw value meaning ignore, null: no value means ignore.
-    label_map: str | None = None  # "RAW:CLASS[,RAW:CLASS...]"
+    scale_range: tuple[float, float] = SCALE_RANGE  # S1 random scale factors (min, max)
+    hflip_prob: float = HFLIP_PROB  # S1 horizontal flip probability
+    blur_prob: float = BLUR_PROB  # S1 "filtering": Gaussian blur probability
+    # S1 colour jitter strength (brightness, contrast, saturation)
+    jitter: float = JITTER[0]
+    samples_per_epoch: int | None = None  # S1 on-the-fly augmentation (null: dataset size)
+    batch_size: int = 8  # training images per batch, per process (per GPU under torchrun)
+    val_batch_size: int = 2  # images per validation batch
+    num_workers: int = 4  # DataLoader worker processes (0: load in the main process)
+    pin_memory: bool = True  # pinned host memory for faster copies (CUDA only)
+    persistent_workers: bool = True  # keep loader workers between epochs (num_workers > 0)
+    # raw label value -> class, "RAW:CLASS[,RAW:CLASS...]", e.g. "255:1" for 0/255 masks
+    # (null: the dataset's own mapping, from ROOT/meta.json or the preset; docs/data.md)
+    label_map: str | None = None
+    # the raw label value meaning ignore, 0..255 (auto: the dataset's own; null: none)
     ignore_index: int | Literal["auto"] | None = "auto"
-    check: bool = True  # scan every pair before step 1 (the `dualseg data check` scan)
+    check: bool = True  # scan every image/label pair before step 1 (as `dualseg data check`)
 
 
 @dataclass(frozen=True)
@@ -78,76 +81,87 @@ class ModelConfig:
     (``renet_layers`` for ``deeplabv3_*``) never gets in the way.
     """
 
-    arch: str = "dualseg_resnet101"
+    arch: str = "dualseg_resnet101"  # network name (dualseg.models.MODELS; docs/models.md)
     weights: str | None = "imagenet"  # "imagenet", a backbone file path, or None (random init)
     allow_download: bool = False  # "imagenet" may download from torchvision when online
-    output_stride: int | None = None  # 8
-    gray_branch: bool | None = None  # True: RGB + grayscale branches
-    gray_conv_init: str | None = None  # "sum": 1-channel first conv = summed RGB kernels
-    fusion: str | None = None  # "scalar": two learnable branch weights
-    coord_channels: bool | None = None  # True
-    coord_radius: str | None = None  # "scaled"
-    renet_layers: int | None = None  # 2
-    renet_hidden: int | None = None  # 150
-    renet_patch: int | None = None  # 1
-    renet_init: str | None = None  # S31 GRU init: "scaled" U(±bound) or "standard" U(0, 1)
-    renet_init_bound: float | None = None  # the "scaled" bound; None: 1/√H
-    aspp_rates: tuple[int, ...] | None = None  # (4, 6, 8, 12)
-    aspp_style: str | None = None  # "v2": per-rate class scores, summed
-    aspp_init_std: float | None = None  # 0.01 (1.0: the literal standard Gaussian)
-    upsample_order: str | None = None  # S44: "softmax_first" (the claim) or "logits_first"
-    deeplab_rates: tuple[int, ...] | None = None  # deeplabv3_* only
-    timm_model: str | None = None  # dualseg_timm only
+    output_stride: int | None = None  # backbone output stride (null: 8)
+    gray_branch: bool | None = None  # RGB + grayscale branches (null: true); false: RGB only
+    gray_conv_init: str | None = None  # null: "sum", 1-channel first conv = summed RGB kernels
+    fusion: str | None = None  # null: "scalar", two learnable branch weights
+    coord_channels: bool | None = None  # add i, j, r coordinate channels (null: true)
+    coord_radius: str | None = None  # how r is computed (null: "scaled", from scaled i, j)
+    renet_layers: int | None = None  # ReNet (GRU sweep) modules per branch, 0-2 (null: 2)
+    renet_hidden: int | None = None  # GRU units per direction (null: 150)
+    renet_patch: int | None = None  # ReNet patch size (null: 1)
+    # S31 GRU weight init (null: "scaled", U(±bound)); "standard": U(0, 1)
+    renet_init: str | None = None
+    renet_init_bound: float | None = None  # the "scaled" init's bound (null: 1/√hidden)
+    aspp_rates: tuple[int, ...] | None = None  # ASPP dilation rates (null: [4, 6, 8, 12])
+    aspp_style: str | None = None  # null: "v2", per-rate class scores, summed
+    aspp_init_std: float | None = None  # std of the ASPP weight init (null: 0.01)
+    # S44 order of upsampling and softmax (null: "softmax_first", the claim; or "logits_first")
+    upsample_order: str | None = None
+    deeplab_rates: tuple[int, ...] | None = None  # ASPP rates of the deeplabv3_* peers only
+    timm_model: str | None = None  # the timm backbone of dualseg_timm only
 
 
 @dataclass(frozen=True)
 class OptimConfig:
     """SGD + poly LR (claim 5) and the explicit L2 term of the objective (S32)."""
 
-    lr: float = 0.01  # l_0
-    momentum: float = 0.9
-    nesterov: bool = False
-    # S32 Reading: L2 = λ/(2·B·N)·Σw² over conv/linear weights, λ = weight_decay·B·N by default,
+    lr: float = 0.01  # initial learning rate l_0
+    momentum: float = 0.9  # SGD momentum
+    nesterov: bool = False  # Nesterov momentum
+    # S32 Reading: L2 = λ/(2·B·N)·Σw² over conv/linear/GRU weights, λ = weight_decay·B·N by default,
     # so the penalty's gradient equals weight decay `weight_decay`. `l2_lambda` sets λ itself.
     weight_decay: float = 1e-4
-    l2_lambda: float | None = None
-    poly_power: float = 0.9  # l_t = l_0·(1 − t/T)^power
+    l2_lambda: float | None = None  # λ of the L2 term itself (null: weight_decay·B·N)
+    poly_power: float = 0.9  # poly LR schedule: l_t = l_0·(1 − t/T)^power
     warmup_iters: int = 0  # linear warm-up from warmup_factor·l_0 to l_0
-    warmup_factor: float = 0.1
-    head_lr_mult: float = 1.0  # 10.0: the head (everything but the backbones) learns 10× faster
-    # S32: L1 averaged over the B·N pixels of the batch (the claim), or "valid_pixels" (the
-    # labelled ones only); the L2 term covers recurrent (GRU) weight matrices unless false.
+    warmup_factor: float = 0.1  # LR factor at the start of the warm-up
+    head_lr_mult: float = 1.0  # LR multiplier of the head (everything but the backbones)
+    # S32 L1 divisor: batch_pixels, all B·N pixels of the batch (the claim); valid_pixels: the
+    # labelled ones only
     l1_reduction: Literal["batch_pixels", "valid_pixels"] = "batch_pixels"
-    l2_recurrent: bool = True
+    l2_recurrent: bool = True  # the L2 term covers the recurrent (GRU) weight matrices too
+    # Beyond S32, off by default (null: the S32 loss). Class weights of the cross-entropy: one per
+    # class, or "median_frequency" (SegNet: median(f)/f_c from the training labels).
+    class_weights: tuple[float, ...] | Literal["median_frequency"] | None = None
+    # OHEM (mmseg OHEMPixelSampler): only pixels whose true-class probability < ohem_thresh count
+    ohem_thresh: float | None = None
+    ohem_min_kept: int = 100000  # OHEM: keep at least this many pixels per image (mmseg default)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """The loop: length, validation, stopping (S33), checkpoints, speed, logging."""
 
-    out_dir: str = "runs/train"
-    max_iters: int = 40000  # T of the poly schedule
+    out_dir: str = "runs/train"  # run folder: config, checkpoints, metrics, curves
+    max_iters: int = 40000  # training iterations (T of the poly schedule)
     val_every: int = 1000  # K: validate (and checkpoint) every K iterations; 0: at the end only
-    ckpt_every: int | None = None  # None: = val_every (1000 when val_every is 0)
-    ckpt_minutes: float | None = 10.0  # also save last.pt this often (wall clock); None: off
-    log_every: int = 20
-    # S33 "until the objective stops decreasing": the quantity watched for patience; "auto" is
-    # val_loss when there is a validation split, else the smoothed train_loss.
+    # save last.pt every N iterations (null: = val_every; 1000 when val_every is 0)
+    ckpt_every: int | None = None
+    ckpt_minutes: float | None = 10.0  # also save last.pt this often, wall clock (null: off)
+    log_every: int = 20  # write a metrics.jsonl record (and a log line) every N iterations
+    # what patience watches (S33, "until the objective stops decreasing"); auto: val_loss with
+    # a validation split, else the smoothed train_loss
     monitor: Literal["auto", "val_loss", "val_miou", "train_loss"] = "auto"
-    patience: int | None = 5  # evaluations without improvement before stopping; null: off
-    min_delta: float = 0.0
+    patience: int | None = 5  # evaluations without improvement before stopping (null: off)
+    min_delta: float = 0.0  # smallest change that counts as an improvement
     loss_smoothing: float = 0.9  # EMA factor of the smoothed training loss
-    seed: int = 0
-    deterministic: bool = False
-    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1"
-    # auto: bf16 (else fp16) on CUDA, none on CPU; bf16 on CPU is opt-in (native on AVX-512
-    # BF16 / AMX CPUs, emulated and far slower elsewhere: a warning says so)
+    seed: int = 0  # seed of every random stream (init, sampling, augmentation)
+    deterministic: bool = False  # deterministic kernels (bit-identical resume on CPU)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: CUDA when available)
+    # mixed precision: auto (bf16, else fp16, on CUDA; none on CPU) | none | bf16 | fp16; bf16
+    # on CPU is opt-in (native on AVX-512 BF16 / AMX CPUs, emulated and far slower elsewhere)
     amp: Literal["auto", "none", "bf16", "fp16"] = "auto"
-    channels_last: bool = True  # CUDA only
+    channels_last: bool = True  # channels-last memory format (CUDA only)
     compile: bool = False  # torch.compile the training model
     sync_bn: bool = False  # SyncBatchNorm under DDP (GPUs only; ignored on CPU)
-    progress: bool = True  # tqdm bar (rank 0, TTY only)
+    progress: bool = True  # tqdm bar on a terminal (rank 0); in a log: a line every log_every
     tensorboard: bool = True  # event files when tensorboard is installed
+    threads: int = 0  # torch CPU threads (0: torch's default, one per core)
+    quiet: bool = False  # no progress bar and no log lines (metrics.jsonl is still written)
 
 
 @dataclass(frozen=True)
@@ -158,14 +172,63 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig}
+
+TRAIN_EXAMPLES = (
+    "dualseg train --config configs/camvid_mobilenet_v2.yaml --optim.lr 0.01 --train.max_iters 100",
+    "dualseg train --config configs/tiny_synthetic.yaml --data.root '[data/a, data/b]' "
+    "--optim.class_weights median_frequency",
+    "dualseg train --config configs/camvid_mobilenet_v2.yaml --resume auto",
+)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """One line per field of a config dataclass: the comment lines right above it, then the
+    comment beside it — the config's own documentation, which ``dualseg train --help`` shows."""
+    import ast
+    import inspect
+    import io
+    import textwrap
+    import tokenize
+
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source files (a frozen install): help without descriptions
+        return {}
+    comments = {
+        tok.start[0]: tok.string.lstrip("#").strip()
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    }
+    docs: dict[str, str] = {}
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    previous_end = body[0].lineno - 1
+    for node in body:
+        end = node.end_lineno or node.lineno
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            lines = range(previous_end + 1, end + 1)
+            docs[node.target.id] = " ".join(comments[n] for n in lines if n in comments)
+        previous_end = end
+    return docs
+
+
 def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> Any:
-    """The ``dualseg train`` parser: ``--config FILE`` plus one flag per field."""
-    from jsonargparse import ActionConfigFile, ActionYesNo, ArgumentParser
+    """The ``dualseg train`` parser: ``--config FILE`` plus one flag per field, each with its
+    one-line description (:func:`field_docs`), and examples at the end."""
+    from jsonargparse import ActionConfigFile, ActionYesNo, ArgumentParser, DefaultHelpFormatter
+
+    from dualseg.console import ExamplesHelpFormatter, examples
+
+    class Formatter(ExamplesHelpFormatter, DefaultHelpFormatter):
+        pass
 
     parser = ArgumentParser(
         prog=prog,
         description="Train a segmentation model (spec S3). Values come from --config YAML "
-        "files, then from flags (--section.field value), later ones winning.",
+        "files, then from flags (--section.field value), later ones winning. Each section is "
+        "a block of the YAML file (docs/training.md).",
+        epilog=examples(*TRAIN_EXAMPLES),
+        formatter_class=Formatter,
         exit_on_error=exit_on_error,
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config file")
@@ -182,6 +245,23 @@ def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> 
         default=False,
         help="replace the run already in train.out_dir (without it, such a run is refused)",
     )
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress output (the same as --train.quiet true)"
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="print the final summary as one JSON line instead of sentences (OUT/summary.json "
+        "is written either way)",
+    )
+    docs = {f"{s}.{k}": v for s, cls in SECTIONS.items() for k, v in field_docs(cls).items()}
+    for action in parser._actions:  # jsonargparse has no public setter for a field's help
+        if action.dest in docs:
+            action.help = docs[action.dest]
+    for key, cls in SECTIONS.items():
+        group = parser.groups.get(key)
+        if group is not None:
+            group.title = f"{key} ({(cls.__doc__ or '').strip().splitlines()[0]})"
     return parser
 
 
@@ -189,19 +269,22 @@ def _instantiate(parser: Any, ns: Any) -> Config:
     init = parser.instantiate(ns) if hasattr(parser, "instantiate") else None
     if init is None:  # jsonargparse < 4.49
         init = parser.instantiate_classes(ns)
-    cfg = Config(data=init.data, model=init.model, optim=init.optim, train=init.train)
+    train = init.train
+    if getattr(ns, "quiet", False):
+        train = dataclasses.replace(train, quiet=True)
+    cfg = Config(data=init.data, model=init.model, optim=init.optim, train=train)
     validate(cfg)
     return cfg
 
 
 def parse_args(argv: list[str] | None) -> tuple[Config, str | None]:
     """Parse ``dualseg train`` arguments into a validated :class:`Config` and ``--resume``."""
-    cfg, resume, _ = parse_run_args(argv)
+    cfg, resume, _ = parse_command(argv)
     return cfg, resume
 
 
-def parse_run_args(argv: list[str] | None) -> tuple[Config, str | None, bool]:
-    """Parse ``dualseg train`` arguments: the :class:`Config`, ``--resume``, ``--overwrite``.
+def parse_command(argv: list[str] | None) -> tuple[Config, str | None, dict[str, bool]]:
+    """:func:`parse_args` plus the command's own flags: ``{"overwrite": bool, "json": bool}``.
 
     A bad flag or config key raises one :class:`ConfigError` naming it and the closest valid
     key (no usage dump); ``--help`` prints the help and exits as usual.
@@ -214,7 +297,8 @@ def parse_run_args(argv: list[str] | None) -> tuple[Config, str | None, bool]:
         ns = parser.parse_args(argv)
     except Exception as err:  # jsonargparse's ArgumentError (or a YAML / type error)
         raise ConfigError(_explain_parse_error(str(err), parser)) from None
-    return _instantiate(parser, ns), ns.resume, bool(ns.overwrite)
+    flags = {"overwrite": bool(ns.overwrite), "json": bool(ns.json)}
+    return _instantiate(parser, ns), ns.resume, flags
 
 
 def _valid_keys(parser: Any) -> list[str]:
@@ -324,6 +408,7 @@ def validate(cfg: Config) -> None:
         (t.val_every >= 0, "train.val_every must be >= 0 (0: validate at the end only)"),
         (t.ckpt_every is None or t.ckpt_every > 0, "train.ckpt_every must be > 0 or null"),
         (t.log_every > 0, "train.log_every must be > 0"),
+        (t.threads >= 0, "train.threads must be >= 0 (0: torch's default)"),
         (t.patience is None or t.patience > 0, "train.patience must be > 0 or null"),
         (0.0 <= t.loss_smoothing < 1.0, "train.loss_smoothing must be in [0, 1)"),
         (o.lr > 0, "optim.lr must be > 0"),
@@ -334,6 +419,8 @@ def validate(cfg: Config) -> None:
         (o.warmup_iters >= 0, "optim.warmup_iters must be >= 0"),
         (0.0 < o.warmup_factor <= 1.0, "optim.warmup_factor must be in (0, 1]"),
         (o.head_lr_mult > 0, "optim.head_lr_mult must be > 0"),
+        (o.ohem_thresh is None or 0 < o.ohem_thresh <= 1, "optim.ohem_thresh must be in (0, 1]"),
+        (o.ohem_min_kept >= 0, "optim.ohem_min_kept must be >= 0"),
         (d.batch_size > 0 and d.val_batch_size > 0, "data.batch_size must be > 0"),
         (d.num_workers >= 0, "data.num_workers must be >= 0"),
         (min(d.crop_size) > 0, "data.crop_size must be positive (H, W)"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
@@ -94,6 +95,10 @@ class Segmenter(Predictor):
         self.model = model.to(self.device).eval()
         self.meta = meta
         self.amp = amp
+        # build_model(arch, **model_kwargs) rebuilds ``model`` (set by load_model; for
+        # save_pretrained). None: a model built elsewhere.
+        self.arch: str | None = None
+        self.model_kwargs: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -192,6 +197,30 @@ class Segmenter(Predictor):
                 out[i] = (labels[k].numpy(), probs_np[k]) if return_probs else labels[k].numpy()
         return out
 
+    def save_pretrained(self, folder: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+        """Write ``folder/config.json`` + ``folder/model.safetensors``; ``load_model(folder)``
+        reads it back (see :mod:`dualseg.engine.pretrained`)."""
+        from dualseg.engine.pretrained import save_pretrained
+        from dualseg.errors import ConfigError
+        from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
+
+        if self.arch is None or self.model_kwargs is None:
+            raise ConfigError(
+                "this Segmenter's model was not built by dualseg.load_model, so its arch and "
+                "options are unknown; call dualseg.engine.pretrained.save_pretrained(model, "
+                "folder, arch=..., model_kwargs=..., meta=...)"
+            )
+        return save_pretrained(
+            self.model,
+            folder,
+            arch=self.arch,
+            model_kwargs=self.model_kwargs,
+            meta=self.meta,
+            mean=IMAGENET_MEAN,
+            std=IMAGENET_STD,
+            overwrite=overwrite,
+        )
+
     # ------------------------------------------------------------------ internals
     def to_tensor(self, array: np.ndarray) -> Tensor:
         """uint8 ``HxWx3`` -> normalized float ``[1,3,H,W]`` on the segmenter's device."""
@@ -232,14 +261,24 @@ class Segmenter(Predictor):
 def load_model(
     path: str | os.PathLike[str], *, device: str | torch.device | None = "cpu", amp: bool = False
 ) -> Segmenter:
-    """Load a dualseg checkpoint as a :class:`Segmenter` (``dualseg.load_model``).
+    """Load a trained model as a :class:`Segmenter` (``dualseg.load_model``).
+
+    ``path``: a dualseg checkpoint (``last.pt`` / ``best.pt``), a pretrained folder
+    (``config.json`` + ``model.safetensors``, written by ``Segmenter.save_pretrained`` or
+    ``dualseg export --format pretrained``), or ``hf://org/name[@revision]`` (the same folder on
+    the Hugging Face Hub; needs ``pip install 'dualseg[hub]'``).
 
     >>> seg = dualseg.load_model("runs/demo/last.pt")      # doctest: +SKIP
     >>> labels = seg.predict("street.png")                  # HxW uint8 at the image's size
     """
-    from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+    from dualseg.engine.checkpoint import build_model_from_checkpoint
+    from dualseg.engine.pretrained import check_normalization, load_state
+    from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 
     dev = resolve_device(device)
-    ckpt = load_checkpoint(path, map_location="cpu")
+    ckpt = load_state(path)
+    check_normalization(ckpt, IMAGENET_MEAN, IMAGENET_STD)
     model, meta = build_model_from_checkpoint(ckpt, device=dev)
-    return Segmenter(model, meta, device=dev, amp=amp)
+    seg = Segmenter(model, meta, device=dev, amp=amp)
+    seg.arch, seg.model_kwargs = str(ckpt["arch"]), dict(ckpt["model_kwargs"])
+    return seg

@@ -1,8 +1,9 @@
 """Checks ``fit`` runs before its first step, and notes it adds to what it reports.
 
 - :func:`check_training_data`: the ``dualseg data check`` scan of the training and validation
-  splits (:mod:`dualseg.data.check`), so bad data fails in seconds, not at iteration 30,000;
-  it also refuses training labels with fewer than two classes. ``data.check false`` skips it.
+  splits (:mod:`dualseg.data.check`; every root of a list), so bad data fails in seconds,
+  not at iteration 30,000; it also refuses training labels with fewer than two classes.
+  ``data.check false`` skips it.
 - :func:`label_mapping`: the ``build_dataset`` arguments of ``data.label_map`` /
   ``data.ignore_index``.
 - :func:`scored_classes_note`: says so when a score is the mean over a single class.
@@ -17,6 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from dualseg.console import ProgressMode
 from dualseg.engine.config import DataConfig
 
 __all__ = [
@@ -37,25 +39,34 @@ def label_mapping(d: DataConfig) -> dict[str, Any]:
     }
 
 
-def check_training_data(d: DataConfig, *, progress: bool = False, warn: bool = True) -> None:
-    """Scan every pair of ``d``'s training and validation splits; one ``DataError`` if bad.
+def check_training_data(
+    d: DataConfig, *, progress: ProgressMode = "off", warn: bool = True
+) -> None:
+    """Scan every pair of ``d``'s training and validation splits (of every root when
+    ``data.root`` is a list); one ``DataError`` if bad.
 
-    Classes with no pixels in these splits are a one-line warning (``warn``), not a refusal.
+    ``progress``: a :mod:`dualseg.console` mode. Classes with no pixels in these splits are a
+    one-line warning (``warn``), not a refusal.
     """
     if not d.check or not d.root:
         return
-    from dualseg.data.check import check_dataset, require_trainable
+    from dualseg.data.check import check_dataset, combine_reports, require_trainable
 
     splits = tuple(dict.fromkeys(s for s in (d.train_split, d.val_split) if s))
-    report = check_dataset(
-        d.root,
-        splits=splits,
-        layout=d.layout,
-        preset=d.preset,
-        label_format=d.label_format,
-        progress=progress,
-        **label_mapping(d),
-    )
+    roots = [d.root] if isinstance(d.root, str) else list(d.root)
+    reports = [
+        check_dataset(
+            root,
+            splits=splits,
+            layout=d.layout,
+            preset=d.preset,
+            label_format=d.label_format,
+            progress=progress,
+            **label_mapping(d),
+        )
+        for root in roots
+    ]
+    report = combine_reports(reports)
     require_trainable(report, d.train_split)
     if report.absent_classes and warn:
         print(f"dualseg train: warning: {report.absent_classes}", file=sys.stderr)

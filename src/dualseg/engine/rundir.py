@@ -29,8 +29,9 @@ __all__ = [
     "run_files",
 ]
 
-# The files a run writes into its folder (TensorBoard's events.out.* come on top).
-RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "config.yaml", "curves.png")
+# The files a run writes into its folder (TensorBoard's events.out.* come on top); summary.json
+# is written by `dualseg train` at the end.
+RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "config.yaml", "curves.png", "summary.json")
 EVENTS_GLOB = "events.out.tfevents.*"
 FALLBACK_CKPT_EVERY = 1000  # iterations between checkpoints when neither interval is set
 

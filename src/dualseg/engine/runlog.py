@@ -93,6 +93,7 @@ class RunLog:
 
     def __init__(self, cfg: Config, env: DistEnv, out_dir: Path, start: int) -> None:
         self.enabled = env.is_main
+        self.quiet = cfg.train.quiet  # metrics.jsonl and TensorBoard only
         self.path = out_dir / "metrics.jsonl"
         self.tb = None
         self.bar = None
@@ -106,7 +107,7 @@ class RunLog:
                 self.tb = SummaryWriter(str(out_dir), purge_step=start or None)
             except ImportError:  # tensorboard not installed: JSONL and PNG only
                 self.tb = None
-        if cfg.train.progress and sys.stderr.isatty():
+        if cfg.train.progress and not self.quiet and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=cfg.train.max_iters, initial=start, desc="train", unit="it")
@@ -146,7 +147,7 @@ class RunLog:
                 self.bar.set_postfix({k: f"{v:.4f}" for k, v in postfix.items()}, refresh=False)
 
     def message(self, text: str) -> None:
-        if not self.enabled:
+        if not self.enabled or self.quiet:
             return
         if self.bar is not None:
             self.bar.write(text)

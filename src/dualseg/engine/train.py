@@ -28,7 +28,6 @@ import logging
 import math
 import os
 import random
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
+from dualseg.console import progress_mode
 from dualseg.engine import checkpoint as ckpt_io
 from dualseg.engine.config import (
     Config,
@@ -61,7 +61,7 @@ from dualseg.engine.distributed import (
     cleanup_distributed,
     init_distributed,
 )
-from dualseg.engine.losses import SegmentationLoss
+from dualseg.engine.losses import SegmentationLoss, class_weights_for
 from dualseg.engine.optim import build_optimizer, build_scheduler
 from dualseg.engine.preflight import (
     check_training_data,
@@ -387,12 +387,13 @@ def _preflight(cfg: Config, env: DistEnv, resume: str | None, overwrite: bool) -
     """Before any work: refuse (or clear, with ``overwrite``) a folder holding another run and
     remove stale temporaries; scan the dataset (``data.check``); warn about TensorBoard."""
     t = cfg.train
+    if t.threads > 0:
+        torch.set_num_threads(t.threads)
     prepare_run_dir(
         t.out_dir, resuming=resume is not None, overwrite=overwrite, is_main=env.is_main
     )
-    check_training_data(
-        cfg.data, progress=t.progress and env.is_main and sys.stderr.isatty(), warn=env.is_main
-    )
+    shown = env.is_main and t.progress and not t.quiet
+    check_training_data(cfg.data, progress=progress_mode(quiet=not shown), warn=env.is_main)
     warn_missing_tensorboard(t.tensorboard and env.is_main)
 
 
@@ -427,6 +428,9 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
         ignore_index=meta.ignore_index,
         l1_reduction=o.l1_reduction,
         l2_recurrent=o.l2_recurrent,
+        class_weights=class_weights_for(o.class_weights, meta.num_classes, train_ds),
+        ohem_thresh=o.ohem_thresh,
+        ohem_min_kept=o.ohem_min_kept,
     )
     optimizer = build_optimizer(
         model, lr=o.lr, momentum=o.momentum, nesterov=o.nesterov, head_lr_mult=o.head_lr_mult

@@ -76,10 +76,12 @@ class ModuleBase:
 def checkpoint_base(
     path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
 ) -> ModuleBase:
-    """A dualseg checkpoint as a base model (its class names and palette come along)."""
-    from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+    """A dualseg checkpoint, pretrained folder or ``hf://org/name`` as a base model (its class
+    names and palette come along)."""
+    from dualseg.engine.checkpoint import build_model_from_checkpoint
+    from dualseg.engine.pretrained import load_state
 
-    ckpt = load_checkpoint(path, map_location="cpu")
+    ckpt = load_state(path)
     model, meta = build_model_from_checkpoint(ckpt, device=device)
     base = ModuleBase(model, class_names=meta.class_names, palette=meta.palette, device=device)
     base.arch = str(ckpt["arch"])  # type: ignore[attr-defined]
@@ -143,11 +145,16 @@ def load_base(
     device: str | torch.device = "cpu",
     class_names: Sequence[str] | None = None,
 ) -> BaseModel:
-    """Any accepted base (module, checkpoint file, probability folder) as a :class:`BaseModel`."""
+    """Any accepted base (module, checkpoint file, pretrained folder or ``hf://``, probability
+    folder) as a :class:`BaseModel`."""
     if isinstance(base, nn.Module):
         return ModuleBase(base, class_names=class_names, device=device)
     if hasattr(base, "scores"):
         return base  # type: ignore[return-value]
+    from dualseg.engine.pretrained import is_hub_source, is_pretrained_folder
+
+    if is_hub_source(base) or is_pretrained_folder(base):  # type: ignore[arg-type]
+        return checkpoint_base(base, device=device)  # type: ignore[arg-type]
     path = Path(base)  # type: ignore[arg-type]
     if path.is_dir():
         return ProbsFolderBase(path)

@@ -265,6 +265,13 @@ class BoundaryRefiner:
         atomic_torch_save(state, path)
         return path
 
+    def save_pretrained(self, folder: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+        """Write ``folder/refiner.json`` + ``folder/refiner.safetensors`` (weights only; see
+        :mod:`dualseg.refine.pretrained`); :meth:`load` reads the folder back."""
+        from dualseg.refine.pretrained import save_folder
+
+        return save_folder(self, folder, overwrite=overwrite)
+
     @classmethod
     def load(
         cls,
@@ -273,8 +280,13 @@ class BoundaryRefiner:
         device: str | torch.device = "cpu",
         net: EmbeddingNet | None = None,
     ) -> BoundaryRefiner:
-        """Load a refiner file (``weights_only=True``). ``net``: an embedding model to load the
+        """Load a refiner file (``weights_only=True``), a refiner folder (``refiner.json`` +
+        ``refiner.safetensors``) or ``hf://org/name``. ``net``: an embedding model to load the
         weights into, for a custom model (default: rebuilt from the stored configuration)."""
+        from dualseg.refine import pretrained
+
+        if pretrained.is_folder_source(path):
+            return pretrained.load_folder(path, device=device, net=net)
         state = load_state(path, FORMAT, "refiner")
         config = RefinerConfig.from_dict(state["config"])
         if net is None:

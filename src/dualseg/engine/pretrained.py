@@ -1,0 +1,301 @@
+"""Shareable model folders: ``config.json`` + ``model.safetensors`` (the Hugging Face layout).
+
+A *pretrained folder* holds what is needed to use a trained network, and nothing that can run
+code when loaded::
+
+    config.json          format, arch, build options (model_kwargs), class names, palette,
+                         ignore index, dataset name, input normalization, (metrics)
+    model.safetensors    the network's weights only (safetensors: a header plus raw tensors)
+
+The same layout, fetched through ``huggingface_hub``, answers ``hf://org/name`` (optionally
+``hf://org/name@revision``); ``HF_HUB_OFFLINE=1`` reads only the local cache. The method-B
+refiner adds ``refiner.json`` + ``refiner.safetensors`` to the same folder
+(:mod:`dualseg.refine.pretrained`).
+
+    >>> seg = dualseg.load_model("runs/camvid/best.pt")        # doctest: +SKIP
+    >>> seg.save_pretrained("camvid-mobilenet")                 # doctest: +SKIP
+    >>> seg = dualseg.load_model("camvid-mobilenet")            # or "hf://org/camvid-mobilenet"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+
+from dualseg.errors import CheckpointError, ConfigError
+from dualseg.io import atomic_write_bytes, atomic_write_json
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dualseg.data import DatasetMeta
+
+__all__ = [
+    "CONFIG_NAME",
+    "FORMAT",
+    "HF_PREFIX",
+    "WEIGHTS_NAME",
+    "check_normalization",
+    "is_hub_source",
+    "is_pretrained_folder",
+    "load_state",
+    "read_json",
+    "read_pretrained",
+    "read_safetensors",
+    "refuse_existing",
+    "resolve_source",
+    "save_pretrained",
+    "save_pretrained_from_checkpoint",
+    "write_safetensors",
+]
+
+FORMAT = "dualseg-pretrained/1"
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+HF_PREFIX = "hf://"
+HUB_EXTRA = "pip install 'dualseg[hub]'"
+
+
+# --------------------------------------------------------------------------- files
+def write_safetensors(path: Path, tensors: Mapping[str, Tensor]) -> None:
+    """Tensors -> one safetensors file, atomically (contiguous CPU copies, no shared storage)."""
+    from safetensors.torch import save
+
+    plain = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
+    atomic_write_bytes(path, save(plain, metadata={"format": "pt"}))
+
+
+def read_safetensors(path: Path, *, what: str) -> dict[str, Tensor]:
+    """A safetensors file as a dict of CPU tensors; one :class:`CheckpointError` per failure."""
+    from safetensors.torch import load
+
+    if not path.is_file():
+        raise CheckpointError(f"{path}: {what} weights not found; the folder is incomplete")
+    try:
+        return load(path.read_bytes())
+    except Exception as err:  # safetensors raises its own SafetensorError (not exported stably)
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(
+            f"{path} is corrupt or not a safetensors file ({first}); save or download it again"
+        ) from err
+
+
+def read_json(path: Path, *, fmt: str, what: str) -> dict[str, Any]:
+    """A folder's JSON description, checked for ``format == fmt``."""
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path}: {what} description not found; the folder is incomplete (it needs "
+            f"{path.name} beside the .safetensors file)"
+        )
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(
+            f"{path} is corrupt ({err}); save or download the folder again"
+        ) from err
+    if not isinstance(d, dict) or d.get("format") != fmt:
+        found = d.get("format") if isinstance(d, dict) else type(d).__name__
+        raise CheckpointError(
+            f"{path} is not a dualseg {what} (format {found!r}, expected {fmt!r})"
+        )
+    return d
+
+
+# --------------------------------------------------------------------------- sources
+def is_hub_source(source: str | os.PathLike[str]) -> bool:
+    """``hf://org/name`` (``Path`` turns ``//`` into ``/``, so ``hf:/org/name`` counts too)."""
+    return str(source).startswith("hf:/")
+
+
+def is_pretrained_folder(path: str | os.PathLike[str], name: str = CONFIG_NAME) -> bool:
+    return Path(path).is_dir() and (Path(path) / name).is_file()
+
+
+def resolve_source(source: str | os.PathLike[str], *, files: Sequence[str]) -> Path:
+    """A local folder for ``source``: the folder itself, or ``hf://org/name[@rev]`` downloaded
+    (only ``files``) into the Hugging Face cache — or read from it under ``HF_HUB_OFFLINE=1``."""
+    if not is_hub_source(source):
+        return Path(source)
+    spec = str(source).removeprefix("hf:").lstrip("/")
+    repo_id, _, revision = spec.partition("@")
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise ConfigError(f"{source}: expected hf://ORG/NAME or hf://ORG/NAME@REVISION")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ConfigError(
+            f"loading {source} needs the huggingface_hub package: {HUB_EXTRA}"
+        ) from None
+    try:
+        folder = snapshot_download(
+            repo_id, revision=revision or None, allow_patterns=list(files), library_name="dualseg"
+        )
+    except Exception as err:  # offline and not cached, unknown repo, network, ...
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        hint = (
+            "it is not in the local cache and HF_HUB_OFFLINE is set; unset it or download it"
+            if offline
+            else "check the name and your connection"
+        )
+        raise CheckpointError(
+            f"cannot fetch {source} ({type(err).__name__}: {first}); {hint}"
+        ) from err
+    return Path(folder)
+
+
+# --------------------------------------------------------------------------- save
+def save_pretrained(
+    model: nn.Module,
+    folder: str | os.PathLike[str],
+    *,
+    arch: str,
+    model_kwargs: Mapping[str, Any],
+    meta: DatasetMeta,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write ``model`` as a pretrained folder (``config.json`` + ``model.safetensors``).
+
+    ``arch`` / ``model_kwargs`` rebuild the network (``build_model(arch, **model_kwargs)``);
+    ``meta`` gives class names and palette; ``mean`` / ``std`` the input normalization (default
+    ImageNet's, what dualseg trains with). An existing folder's files are kept unless
+    ``overwrite=True``.
+    """
+    from dualseg._version import __version__
+    from dualseg.engine.checkpoint import to_plain
+    from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
+
+    folder = Path(folder)
+    refuse_existing(folder, (CONFIG_NAME, WEIGHTS_NAME), overwrite)
+    kwargs = {k: v for k, v in dict(model_kwargs).items() if k != "weights"}
+    config = {
+        "format": FORMAT,
+        "dualseg_version": __version__,
+        "arch": arch,
+        "model_kwargs": to_plain(kwargs),
+        "num_classes": meta.num_classes,
+        "class_names": list(meta.class_names),
+        "palette": [list(c) for c in meta.palette],
+        "ignore_index": meta.ignore_index,
+        "dataset": meta.name,
+        "normalization": {
+            "input": "RGB scaled to [0, 1], then (x - mean) / std per channel",
+            "mean": list(mean or IMAGENET_MEAN),
+            "std": list(std or IMAGENET_STD),
+        },
+    }
+    if metrics:
+        config["metrics"] = {
+            k: v for k, v in dict(metrics).items() if isinstance(v, int | float | str)
+        }
+    # weights first, config last: a folder with a config.json is complete
+    write_safetensors(folder / WEIGHTS_NAME, model.state_dict())
+    atomic_write_json(folder / CONFIG_NAME, config)
+    return folder
+
+
+def refuse_existing(folder: Path, names: Sequence[str], overwrite: bool) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{folder} is a file; save_pretrained needs a folder path")
+    present = [n for n in names if (folder / n).exists()]
+    if present and not overwrite:
+        raise ConfigError(
+            f"{folder} already holds {', '.join(present)}; choose another folder, delete them, "
+            "or pass overwrite=True (CLI: --overwrite)"
+        )
+
+
+def save_pretrained_from_checkpoint(
+    checkpoint: str | os.PathLike[str], folder: str | os.PathLike[str], *, overwrite: bool = False
+) -> Path:
+    """A training checkpoint (``last.pt`` / ``best.pt``, or any :func:`load_state` source) -> a
+    pretrained folder."""
+    from dualseg.engine.checkpoint import build_model_from_checkpoint
+
+    ckpt = load_state(checkpoint)
+    model, meta = build_model_from_checkpoint(ckpt, device="cpu")
+    metrics = dict(ckpt.get("metrics") or {})
+    return save_pretrained(
+        model,
+        folder,
+        arch=str(ckpt["arch"]),
+        model_kwargs=ckpt["model_kwargs"],
+        meta=meta,
+        metrics={k: metrics[k] for k in ("iteration", "miou") if k in metrics},
+        overwrite=overwrite,
+    )
+
+
+# --------------------------------------------------------------------------- load
+def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
+    """A pretrained folder (or ``hf://``) as a checkpoint-like dict: ``arch``, ``model_kwargs``,
+    ``model`` (state dict), ``class_names``, ``palette``, ``ignore_index``, ``normalization``.
+
+    :func:`dualseg.engine.checkpoint.build_model_from_checkpoint` rebuilds the network from it.
+    """
+    folder = resolve_source(source, files=(CONFIG_NAME, WEIGHTS_NAME))
+    if not folder.is_dir():
+        raise CheckpointError(
+            f"{source}: no such folder (a pretrained folder holds {CONFIG_NAME} and "
+            f"{WEIGHTS_NAME}; write one with save_pretrained or 'dualseg export --format "
+            "pretrained')"
+        )
+    config = read_json(folder / CONFIG_NAME, fmt=FORMAT, what="pretrained model")
+    missing = [k for k in ("arch", "model_kwargs", "class_names", "palette") if k not in config]
+    if missing:
+        raise CheckpointError(f"{folder / CONFIG_NAME} lacks {missing}; save the folder again")
+    state = read_safetensors(folder / WEIGHTS_NAME, what="model")
+    return {
+        "format": FORMAT,
+        "arch": config["arch"],
+        "model_kwargs": dict(config["model_kwargs"]),
+        "model": state,
+        "class_names": list(config["class_names"]),
+        "palette": [list(c) for c in config["palette"]],
+        "ignore_index": int(config.get("ignore_index", 255)),
+        "config": {"data": {"preset": config.get("dataset")}},
+        "normalization": dict(config.get("normalization") or {}),
+        "metrics": dict(config.get("metrics") or {}),
+        "_path": str(folder / WEIGHTS_NAME),
+    }
+
+
+def load_state(source: str | os.PathLike[str]) -> dict[str, Any]:
+    """Any model source as a checkpoint-like dict: a ``.pt`` checkpoint file, a pretrained
+    folder, or ``hf://org/name``. A training run folder (``last.pt`` but no ``config.json``)
+    gets an error naming the checkpoint to pass."""
+    from dualseg.engine.checkpoint import BEST_NAME, LAST_NAME, load_checkpoint
+
+    path = Path(source)
+    if is_hub_source(source) or is_pretrained_folder(path):
+        return read_pretrained(source)
+    if path.is_dir():
+        has = [n for n in (BEST_NAME, LAST_NAME) if (path / n).is_file()]
+        hint = f"pass {path / has[0]}" if has else f"it has no {CONFIG_NAME}"
+        raise CheckpointError(
+            f"{path} is a folder but not a pretrained folder ({hint}; a pretrained folder holds "
+            f"{CONFIG_NAME} and {WEIGHTS_NAME})"
+        )
+    return load_checkpoint(path)
+
+
+def check_normalization(
+    state: Mapping[str, Any], mean: Sequence[float], std: Sequence[float]
+) -> None:
+    """Refuse a folder whose input normalization differs from what the caller applies."""
+    norm = state.get("normalization") or {}
+    want = {"mean": list(mean), "std": list(std)}
+    for key, value in want.items():
+        have = norm.get(key)
+        if have is not None and [round(float(v), 6) for v in have] != [round(v, 6) for v in value]:
+            raise CheckpointError(
+                f"{state.get('_path')}: the model expects input normalization {key}={have}, "
+                f"dualseg applies {value}; convert the model or normalize the input yourself "
+                "and call .model directly"
+            )

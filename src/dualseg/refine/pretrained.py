@@ -1,0 +1,118 @@
+"""The method-B refiner as a shareable folder: ``refiner.json`` + ``refiner.safetensors``.
+
+Same rules as a model's pretrained folder (:mod:`dualseg.engine.pretrained`): weights only, so
+loading runs no code; ``hf://org/name`` resolves through ``huggingface_hub``. A model and its
+refiner can share one folder (``config.json``, ``model.safetensors``, ``refiner.json``,
+``refiner.safetensors``).
+
+``refiner.safetensors`` holds the embedding network's state dict under ``net.<key>`` plus
+``prototypes`` ``[K,C]`` float32 and ``present`` ``[K]`` (uint8: class has a prototype);
+``refiner.json`` holds ``format``, the :class:`~dualseg.refine.refiner.RefinerConfig`, the
+class names, the ignore index and the fit-time gate calibration (``refine fit
+--calibrate-split``; ``null`` without one).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from dualseg.engine.pretrained import (
+    is_hub_source,
+    read_json,
+    read_safetensors,
+    refuse_existing,
+    resolve_source,
+    write_safetensors,
+)
+from dualseg.errors import CheckpointError
+from dualseg.io import atomic_write_json
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dualseg.refine.embedding import EmbeddingNet
+    from dualseg.refine.refiner import BoundaryRefiner
+
+__all__ = [
+    "REFINER_CONFIG",
+    "REFINER_FORMAT",
+    "REFINER_WEIGHTS",
+    "is_folder_source",
+    "load_folder",
+    "save_folder",
+]
+
+REFINER_FORMAT = "dualseg-refiner-pretrained/1"
+REFINER_CONFIG = "refiner.json"
+REFINER_WEIGHTS = "refiner.safetensors"
+
+
+def is_folder_source(source: str | os.PathLike[str]) -> bool:
+    """A folder path or ``hf://org/name`` (rather than a one-file refiner ``.pt``)."""
+    return is_hub_source(source) or Path(source).is_dir()
+
+
+def save_folder(
+    refiner: BoundaryRefiner, folder: str | os.PathLike[str], *, overwrite: bool = False
+) -> Path:
+    """Write ``refiner`` into ``folder`` (weights first, ``refiner.json`` last)."""
+    from dualseg._version import __version__
+
+    folder = Path(folder)
+    refuse_existing(folder, (REFINER_CONFIG, REFINER_WEIGHTS), overwrite)
+    tensors = {f"net.{k}": v for k, v in refiner.net.state_dict().items()}
+    tensors["prototypes"] = refiner.prototypes.float()
+    tensors["present"] = refiner.present.to(torch.uint8)
+    write_safetensors(folder / REFINER_WEIGHTS, tensors)
+    atomic_write_json(
+        folder / REFINER_CONFIG,
+        {
+            "format": REFINER_FORMAT,
+            "dualseg_version": __version__,
+            "config": refiner.config.to_dict(),
+            "class_names": list(refiner.class_names),
+            "ignore_index": refiner.ignore_index,
+            "calibration": refiner.calibration,
+        },
+    )
+    return folder
+
+
+def load_folder(
+    source: str | os.PathLike[str],
+    *,
+    device: str | torch.device = "cpu",
+    net: EmbeddingNet | None = None,
+) -> BoundaryRefiner:
+    """A refiner folder (or ``hf://org/name``) as a :class:`BoundaryRefiner` on ``device``."""
+    from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig
+
+    folder = resolve_source(source, files=(REFINER_CONFIG, REFINER_WEIGHTS))
+    meta = read_json(folder / REFINER_CONFIG, fmt=REFINER_FORMAT, what="refiner")
+    tensors = read_safetensors(folder / REFINER_WEIGHTS, what="refiner")
+    missing = [k for k in ("prototypes", "present") if k not in tensors]
+    if missing or "config" not in meta or "class_names" not in meta:
+        raise CheckpointError(f"{folder}: incomplete refiner folder; save it again")
+    config = RefinerConfig.from_dict(meta["config"])
+    if net is None:
+        net = config.embedding_net()
+    state = {k.removeprefix("net."): v for k, v in tensors.items() if k.startswith("net.")}
+    try:
+        net.load_state_dict(state)
+    except RuntimeError as err:
+        raise CheckpointError(
+            f"{folder / REFINER_WEIGHTS}: the embedding weights do not fit the model "
+            f"({str(err).splitlines()[0]})"
+        ) from err
+    refiner = BoundaryRefiner(
+        net,
+        tensors["prototypes"],
+        tensors["present"].bool(),
+        class_names=meta["class_names"],
+        config=config,
+        ignore_index=int(meta.get("ignore_index", 255)),
+    )
+    refiner.calibration = meta.get("calibration")
+    return refiner.to(device)

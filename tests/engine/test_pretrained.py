@@ -1,0 +1,258 @@
+"""Pretrained folders: save_pretrained / load_model(folder | hf://), refiner folders, export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dualseg
+from dualseg.cli import main as cli_main
+from dualseg.data import get_preset
+from dualseg.engine.checkpoint import save_checkpoint
+from dualseg.engine.pretrained import CONFIG_NAME, WEIGHTS_NAME, read_pretrained
+from dualseg.errors import CheckpointError, ConfigError
+from dualseg.models import build_model
+from dualseg.refine import BoundaryRefiner, RefinerConfig, build_embedding_net
+
+META = get_preset("synthetic")
+KWARGS = {"num_classes": META.num_classes, "output_stride": 16, "renet_hidden": 8}
+SRC = Path(dualseg.__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = build_model("dualseg_mobilenet_v2", **KWARGS)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    state = {
+        "arch": "dualseg_mobilenet_v2",
+        "model_kwargs": dict(KWARGS),
+        "model": model.state_dict(),
+        "class_names": list(META.class_names),
+        "palette": [list(c) for c in META.palette],
+        "ignore_index": 255,
+        "config": {"data": {"preset": "synthetic"}},
+        "metrics": {"iteration": 7, "miou": 0.25},
+    }
+    return save_checkpoint(tmp_path_factory.mktemp("ckpt") / "best.pt", state)
+
+
+@pytest.fixture(scope="module")
+def folder(ckpt, tmp_path_factory) -> Path:
+    return dualseg.load_model(ckpt).save_pretrained(tmp_path_factory.mktemp("pre") / "m")
+
+
+@pytest.fixture
+def rgb() -> np.ndarray:
+    return np.random.default_rng(0).integers(0, 256, (33, 41, 3), dtype=np.uint8)
+
+
+def test_folder_round_trip_gives_identical_predictions(ckpt, folder, rgb) -> None:
+    assert sorted(p.name for p in folder.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    assert config["arch"] == "dualseg_mobilenet_v2" and config["model_kwargs"] == KWARGS
+    assert config["class_names"] == list(META.class_names)
+    assert config["palette"] == [list(c) for c in META.palette]
+    assert config["normalization"]["mean"] == [0.485, 0.456, 0.406]
+    a, b = dualseg.load_model(ckpt), dualseg.load_model(folder)
+    assert b.class_names == a.class_names and b.meta.palette == a.meta.palette
+    assert np.array_equal(a.predict_proba(rgb), b.predict_proba(rgb))
+    # the weights file is plain safetensors: readable without dualseg, tensors only
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / WEIGHTS_NAME))
+    ref = a.model.state_dict()
+    assert weights.keys() == ref.keys() and all(torch.equal(weights[k], ref[k]) for k in ref)
+
+
+def test_save_refuses_to_overwrite_and_bad_folders_are_one_line_errors(folder, tmp_path) -> None:
+    seg = dualseg.load_model(folder)
+    with pytest.raises(ConfigError, match=r"already holds config\.json"):
+        seg.save_pretrained(folder)
+    seg.save_pretrained(folder, overwrite=True)  # explicit: allowed
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / CONFIG_NAME).write_text((folder / CONFIG_NAME).read_text())
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: model weights not found"):
+        dualseg.load_model(broken)
+    (broken / WEIGHTS_NAME).write_bytes(b"\x10\x00\x00\x00not safetensors at all")
+    with pytest.raises(CheckpointError, match="corrupt or not a safetensors file") as err:
+        dualseg.load_model(broken)
+    assert "\n" not in str(err.value)
+    (broken / CONFIG_NAME).write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"config\.json is corrupt"):
+        dualseg.load_model(broken)
+    (broken / CONFIG_NAME).write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(CheckpointError, match="not a dualseg pretrained model"):
+        dualseg.load_model(broken)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "last.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"not a pretrained folder \(pass .*last\.pt"):
+        dualseg.load_model(run)
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    config["normalization"]["mean"] = [0.5, 0.5, 0.5]
+    (broken / CONFIG_NAME).write_text(json.dumps(config))
+    (broken / WEIGHTS_NAME).write_bytes((folder / WEIGHTS_NAME).read_bytes())
+    with pytest.raises(CheckpointError, match="expects input normalization mean"):
+        dualseg.load_model(broken)
+
+
+def test_missing_huggingface_hub_names_the_extra(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'dualseg\[hub\]'"):
+        dualseg.load_model("hf://org/name")
+    with pytest.raises(ConfigError, match=r"pip install 'dualseg\[hub\]'"):
+        BoundaryRefiner.load("hf://org/name")
+
+
+def _hub_cache(home: Path, repo: str, files: dict[str, bytes]) -> str:
+    """The huggingface_hub cache layout: refs/main -> snapshots/<commit>/<files>."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    base = home / "hub" / f"models--{repo.replace('/', '--')}"
+    snap = base / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (base / "refs").mkdir()
+    (base / "refs" / "main").write_text(commit)
+    for name, data in files.items():
+        (snap / name).write_bytes(data)
+    return commit
+
+
+def _refiner() -> BoundaryRefiner:
+    """A small refiner with the embedding net its config describes (random weights)."""
+    torch.manual_seed(0)
+    cfg = RefinerConfig(embed_dim=4, output_stride=16, top_n=2, radius=2)
+    net = build_embedding_net(
+        cfg.backbone, embed_dim=4, output_stride=16, aspp_rates=cfg.aspp_rates
+    )
+    present = torch.tensor([True, False, True])
+    return BoundaryRefiner(net, torch.randn(3, 4), present, class_names="abc", config=cfg)
+
+
+def test_refiner_folder_round_trip(tmp_path) -> None:
+    refiner = _refiner()
+    out = refiner.save_pretrained(tmp_path / "r")
+    assert sorted(p.name for p in out.iterdir()) == ["refiner.json", "refiner.safetensors"]
+    loaded = BoundaryRefiner.load(out)
+    assert loaded.class_names == ("a", "b", "c") and loaded.config == refiner.config
+    assert loaded.calibration is None  # fit without --calibrate-split
+    assert torch.equal(loaded.prototypes, refiner.prototypes)
+    assert torch.equal(loaded.present, refiner.present)
+    images = torch.randn(1, 3, 16, 16)
+    probs = torch.randn(1, 3, 16, 16).softmax(1)
+    assert torch.equal(loaded.refine(images, probs), refiner.refine(images, probs))
+    with pytest.raises(ConfigError, match=r"already holds refiner\.json"):
+        refiner.save_pretrained(out)
+    (out / "refiner.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="corrupt or not a safetensors file"):
+        BoundaryRefiner.load(out)
+    (out / "refiner.json").unlink()
+    with pytest.raises(CheckpointError, match=r"refiner\.json: refiner description not found"):
+        BoundaryRefiner.load(out)
+
+
+def test_hf_source_reads_the_local_hub_cache_offline(folder, tmp_path, rgb) -> None:
+    """hf://org/name through huggingface_hub, offline, from a cache laid out as the hub does."""
+    pytest.importorskip("huggingface_hub")
+    refiner_dir = _refiner().save_pretrained(tmp_path / "r")
+    files = {n: (folder / n).read_bytes() for n in (CONFIG_NAME, WEIGHTS_NAME)}
+    files.update({p.name: p.read_bytes() for p in refiner_dir.iterdir()})
+    home = tmp_path / "hf_home"
+    _hub_cache(home, "someorg/camvid-tiny", files)
+    expected = dualseg.load_model(folder).predict(rgb)
+    np.save(tmp_path / "rgb.npy", rgb)
+    script = f"""
+import numpy as np
+import dualseg
+from dualseg.refine import BoundaryRefiner
+seg = dualseg.load_model("hf://someorg/camvid-tiny")
+np.save({str(tmp_path / "out.npy")!r}, seg.predict(np.load({str(tmp_path / "rgb.npy")!r})))
+ref = BoundaryRefiner.load("hf://someorg/camvid-tiny")
+print("refiner", ref.class_names)
+try:
+    dualseg.load_model("hf://someorg/not-cached")
+except dualseg.errors.CheckpointError as err:
+    print("error:", err)
+"""
+    env = {
+        **os.environ,
+        "HF_HOME": str(home),
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(SRC),
+        "OMP_NUM_THREADS": "1",
+    }
+    env.pop("HF_HUB_CACHE", None)
+    res = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=240
+    )
+    assert res.returncode == 0, res.stderr
+    assert np.array_equal(np.load(tmp_path / "out.npy"), expected)
+    assert "refiner ('a', 'b', 'c')" in res.stdout
+    assert "error: cannot fetch hf://someorg/not-cached" in res.stdout
+    assert "HF_HUB_OFFLINE is set" in res.stdout
+
+
+def test_export_format_pretrained_cli(ckpt, tmp_path, capsys, rgb) -> None:
+    out = tmp_path / "exported"
+    assert cli_main(["export", "--checkpoint", str(ckpt), "--format", "pretrained", "--out",
+                     str(out)]) == 0  # fmt: skip
+    assert "config.json + model.safetensors" in capsys.readouterr().out
+    state = read_pretrained(out)
+    assert state["metrics"] == {"iteration": 7, "miou": 0.25}
+    a, b = dualseg.load_model(ckpt), dualseg.load_model(out)
+    assert np.array_equal(a.predict(rgb), b.predict(rgb))
+    # a second export into the same folder is refused (one line), --overwrite allows it
+    args = ["export", "-c", str(ckpt), "--format", "pretrained", "--out", str(out)]
+    assert cli_main(args) == 1
+    assert "already holds" in capsys.readouterr().err
+    assert cli_main([*args, "--overwrite"]) == 0
+
+    refiner = _refiner()
+    refiner_file = refiner.save(tmp_path / "refiner.pt")
+    args = ["export", "--refiner", str(refiner_file), "--format", "pretrained", "--out", str(out)]
+    assert cli_main(args) == 0  # the refiner joins the model in the same folder
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [CONFIG_NAME, WEIGHTS_NAME, "refiner.json", "refiner.safetensors"]
+    )
+    loaded = BoundaryRefiner.load(out)
+    images, probs = torch.randn(1, 3, 32, 32), torch.randn(1, 3, 32, 32).softmax(1)
+    assert torch.equal(loaded.refine(images, probs), refiner.refine(images, probs))
+
+
+def test_predict_and_eval_take_a_pretrained_folder_and_follow_the_progress_rule(
+    folder, ckpt, tmp_path, capsys, rgb
+) -> None:
+    from PIL import Image
+
+    from dualseg.data import make_synthetic_dataset
+
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(2):
+        Image.fromarray(rgb).save(images / f"{i}.png")
+    out = tmp_path / "pred"
+    assert cli_main(["predict", str(images), "-c", str(folder), "-o", str(out)]) == 0
+    err = capsys.readouterr().err  # not a terminal: a plain progress line, no bar
+    assert "predict: 2/2 (100%) img" in err and "\r" not in err
+    expected = dualseg.load_model(ckpt).predict(rgb)
+    assert np.array_equal(np.asarray(Image.open(out / "labels" / "0.png")), expected)
+    assert cli_main(["predict", str(images), "-c", str(folder), "-o", str(out), "--quiet"]) == 0
+    assert "predict:" not in capsys.readouterr().err
+
+    data = make_synthetic_dataset(tmp_path / "syn", n_train=1, n_val=2, size=(48, 64))
+    args = ["eval", "-c", str(folder), "--data", str(data), "--out", str(tmp_path / "ev")]
+    assert cli_main([*args, "--threads", "1"]) == 0
+    captured = capsys.readouterr()
+    assert "eval: 2/2 (100%) batch" in captured.err and "mIoU" in captured.out
+    assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["num_images"] == 2

@@ -1,0 +1,72 @@
+"""Training options beyond S32 (class weights, OHEM) and mixed dataset roots, through fit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dualseg.commands.train import main as train_main
+from dualseg.data import make_synthetic_dataset
+from dualseg.engine.config import load_config
+from dualseg.engine.train import fit
+from dualseg.errors import ConfigError
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_synthetic.yaml"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four synthetic training pairs (no validation needed here)."""
+    return make_synthetic_dataset(tmp_path_factory.mktemp("s"), n_train=4, n_val=1, size=(36, 44))
+
+
+def _first_l1(out: Path) -> float:
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    return next(r["l1"] for r in records if "l1" in r)
+
+
+def _run(data, out: Path, **optim) -> float:
+    cfg = load_config(
+        TINY,
+        data={"root": str(data), "crop_size": [32, 32], "val_split": None},
+        optim=optim,
+        train={"out_dir": str(out), "max_iters": 1, "val_every": 0},
+    )
+    fit(cfg)
+    return _first_l1(out)
+
+
+def test_class_weights_and_ohem_change_the_first_loss_and_default_stays_s32(data, tmp_path):
+    plain = _run(data, tmp_path / "plain")
+    weighted = _run(data, tmp_path / "mf", class_weights="median_frequency")
+    assert weighted > 0 and weighted != pytest.approx(plain, rel=1e-4)
+    # a threshold no pixel is below, no minimum: no pixel counts, L1 is exactly 0
+    assert _run(data, tmp_path / "none", ohem_thresh=1e-9, ohem_min_kept=0) == 0.0
+    # at least every pixel kept: the plain mean again
+    everything = _run(data, tmp_path / "all", ohem_thresh=1e-9, ohem_min_kept=10**6)
+    assert everything == pytest.approx(plain, rel=1e-5)
+    with pytest.raises(ConfigError, match="has 2 values"):
+        _run(data, tmp_path / "bad", class_weights=[1.0, 2.0])
+    with pytest.raises(ConfigError, match="ohem_thresh must be in"):
+        _run(data, tmp_path / "bad2", ohem_thresh=1.5)
+
+
+def test_cli_mixes_two_roots(data, tmp_path, capsys):
+    other = make_synthetic_dataset(tmp_path / "other", n_train=2, n_val=1, size=(36, 44), seed=1)
+    out = tmp_path / "run"
+    argv = ["--config", str(TINY), "--data.root", f"[{data}, {other}]", "--data.val_split", "null"]
+    argv += ["--data.crop_size", "[32,32]", "--train.out_dir", str(out), "--train.max_iters", "1"]
+    argv += ["--train.val_every", "0", "--optim.class_weights", "median_frequency"]
+    assert train_main([*argv, "--quiet"]) == 0
+    resolved = load_config(out / "config.yaml")
+    assert resolved.data.root == (str(data), str(other))
+    assert resolved.optim.class_weights == "median_frequency"
+    # --quiet: no log lines, only the human summary; the machine one is in summary.json
+    text = capsys.readouterr().out
+    assert text.startswith("training done: 1 iterations") and "loss" not in text
+    assert "no validation ran" in text and f"run folder: {out}" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["iteration"] == 1 and summary["stop_reason"] == "max_iters"
+    assert resolved.train.quiet  # recorded: a resume from this config stays quiet
