@@ -252,8 +252,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if note:
         print(f"note: mIoU {100 * metrics['miou']:.1f}%{note}")
     sys.stdout.flush()  # the scores are on screen before anything can fail writing them
-    figures = write_figures(out, metrics, names)
+    # metrics.json first: a folder that cannot be written gets no figures without their scores
     atomic_write_json(out / "metrics.json", to_jsonable(record))
+    figures = write_figures(out, metrics, names)
     print(f"metrics -> {out / 'metrics.json'}; figures -> {', '.join(p.name for p in figures)}")
     return metrics
 
