@@ -102,6 +102,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weights", default="imagenet", help="'imagenet', a file, or 'none'")
     p.add_argument("--refine-steps", type=int, default=3000, help="method B triplet steps")
     p.add_argument("--refine-input-scale", type=float, default=RefinerConfig.input_scale)
+    p.add_argument(
+        "--refine-backbone-source",
+        choices=("independent", "base-frozen", "base-finetune"),
+        default=RefinerConfig.backbone_source,
+        help="method B step 3: one independent refiner for all bases, or one per base on its "
+        "own backbone",
+    )
     p.add_argument("--timing-images", type=int, default=10, help="images timed per model")
     p.add_argument("--panels", type=int, default=3, help="qualitative panels to write")
     p.add_argument("--eval-limit", type=int, help="evaluate only the first N images (smoke runs)")
@@ -298,11 +305,13 @@ def time_inference(
     device: torch.device,
     refiner: BoundaryRefiner | None = None,
 ) -> float:
-    """Median seconds per image (batch 1, full resolution), base model (+ refiner)."""
+    """Median seconds per image (batch 1, full resolution), base model (+ refiner); the first
+    two images warm up (fewer when the split is tiny)."""
     times = []
+    warmup = min(2, len(loader) - 1)
     with torch.inference_mode():
         for i, (x, _) in enumerate(loader):
-            if i >= n + 2:
+            if i >= n + warmup:
                 break
             x = x.to(device)
             if device.type == "cuda":
@@ -315,7 +324,7 @@ def time_inference(
                 logits.argmax(1)
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            if i >= 2:
+            if i >= warmup:
                 times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -442,6 +451,103 @@ def save_learning_curves(train: dict[str, Any], path: Path) -> None:
     fig.savefig(path)
 
 
+def fit_refiners(
+    args: argparse.Namespace,
+    out: Path,
+    models: dict[str, torch.nn.Module],
+    meta: Any,
+    device: torch.device,
+    results: dict[str, Any],
+) -> tuple[dict[str, BoundaryRefiner], dict[str, BoundaryRefiner]]:
+    """Method B for each base in ``REFINED``: ``(refiners, gated)``.
+
+    ``--refine-backbone-source independent`` fits one refiner (ground truth only) for every
+    base; ``base-frozen`` / ``base-finetune`` one per base on that base's backbone. Under the
+    plateau protocol the fit reads train_fit (dev held out), and the gate τ is chosen per base
+    on dev (:mod:`dualseg.refine.calibrate`): ``gated`` holds those copies. Fitted refiners are
+    kept in ``--out`` and reused with ``--reuse``.
+    """
+    import dataclasses
+
+    from dualseg.data.transforms import build_train_transform
+    from dualseg.refine.calibrate import choose_gate, sweep_gate
+
+    bases = [n for n in REFINED if n in models]
+    if args.refine_steps <= 0 or not bases:
+        return {}, {}
+    plateau = args.protocol == "plateau"
+    root, split = (out / "data", "train_fit") if plateau else (Path(args.data), "train")
+    train_ds = build_dataset(
+        root,
+        split=split,
+        preset="camvid",
+        transform=build_train_transform(crop_size=tuple(args.crop), scale_range=tuple(args.scale)),
+    )
+    protos = limit(build_dataset(root, split=split, preset="camvid"), args.prototype_limit)
+    shared = args.refine_backbone_source == "independent"
+    refiners: dict[str, BoundaryRefiner] = {}
+    for name in bases:
+        key = "all" if shared else name
+        if key in refiners:
+            refiners[name] = refiners[key]
+            continue
+        path = out / f"refiner_{key}.pt"
+        if args.reuse and path.is_file():
+            refiners[name] = refiners[key] = BoundaryRefiner.load(path, device=device)
+            continue
+        t0 = time.time()
+        refiner = BoundaryRefiner.fit(
+            train_ds,
+            class_names=meta.class_names,
+            config=RefinerConfig(
+                steps=args.refine_steps,
+                input_scale=args.refine_input_scale,
+                batch_size=args.batch_size,
+                seed=args.seed,
+                backbone_source=args.refine_backbone_source,
+            ),
+            prototype_dataset=protos,
+            weights=None if args.weights == "none" or not shared else args.weights,
+            init_from=None if shared else models[name],
+            device=device,
+            num_workers=args.workers,
+            progress=False,
+            log_every=250,
+        )
+        refiner.save(path)
+        results["train"][f"method_b_{key}"] = {
+            "steps": args.refine_steps,
+            "backbone_source": args.refine_backbone_source,
+            "seconds": time.time() - t0,
+        }
+        refiners[name] = refiners[key] = refiner
+    refiners = {n: r for n, r in refiners.items() if n in bases}
+    gated: dict[str, BoundaryRefiner] = {}
+    if plateau:
+        _, dev = eval_loader(args.data, str(out / "data" / "dev.txt"), args.eval_limit)
+        for name in bases:
+            model, refiner = models[name], refiners[name]
+            rows = sweep_gate(
+                refiner,
+                lambda x, m=model: m(x).softmax(1),
+                dev,
+                num_classes=meta.num_classes,
+                device=device,
+            )
+            tau = choose_gate(rows)
+            results.setdefault("gate_sweep_dev", {})[name] = {"chosen": tau, "rows": rows}
+            print(f"[{name}] gate chosen on dev: {tau}", flush=True)
+            copy = BoundaryRefiner(
+                refiner.net,
+                refiner.prototypes,
+                refiner.present,
+                class_names=refiner.class_names,
+                config=dataclasses.replace(refiner.config, gate_margin=tau),
+            )
+            gated[name] = copy
+    return refiners, gated
+
+
 def save_panels(
     models: dict[str, Any],
     refiner: BoundaryRefiner | None,
@@ -564,68 +670,44 @@ def main(argv: list[str] | None = None) -> int:
         model, meta = build_model_from_checkpoint(ckpt, device=device)
         models[name] = model.eval()
 
-    # ---- 2. method B: one refiner, fitted on the training set ---------------------------
-    refiner = None
-    if args.refine_steps > 0 and any(n in models for n in REFINED):
-        from dualseg.data.transforms import build_train_transform
-
-        train_ds = build_dataset(
-            args.data,
-            split="train",
-            preset="camvid",
-            transform=build_train_transform(
-                crop_size=tuple(args.crop), scale_range=tuple(args.scale)
-            ),
-        )
-        t0 = time.time()
-        refiner = BoundaryRefiner.fit(
-            train_ds,
-            class_names=meta.class_names,
-            config=RefinerConfig(
-                steps=args.refine_steps,
-                input_scale=args.refine_input_scale,
-                batch_size=args.batch_size,
-                seed=args.seed,
-            ),
-            prototype_dataset=limit(
-                build_dataset(args.data, split="train", preset="camvid"), args.prototype_limit
-            ),
-            weights=None if args.weights == "none" else args.weights,
-            device=device,
-            num_workers=args.workers,
-        )
-        refiner.save(out / "refiner.pt")
-        results["train"]["method_b"] = {"steps": args.refine_steps, "seconds": time.time() - t0}
+    # ---- 2. method B: fitted on the training set (plateau: on train_fit, dev held out) ------
+    refiners, gated = fit_refiners(args, out, models, meta, device, results)
 
     # ---- 3. evaluate at full resolution ----------------------------------------------------
     for split_path in [None, *args.eval_split]:
         split, loader = eval_loader(args.data, split_path, args.eval_limit)
         rows: dict[str, Any] = {}
         for name, model in models.items():
-            use_refiner = refiner if name in REFINED else None
-            m = evaluate(
-                model,
-                loader,
-                num_classes=meta.num_classes,
-                device=device,
-                refiner=use_refiner,
-                amp=device.type == "cuda",
-            )
-            rows[name] = {
-                "label": LABELS[name],
-                **summarize(m),
-                "ms_per_image": 1000 * time_inference(model, loader, args.timing_images, device),
-            }
-            if use_refiner is not None:
+            ms = 1000 * time_inference(model, loader, args.timing_images, device)
+            variants = [(name, LABELS[name], None)]
+            if name in refiners:
+                variants.append((f"{name}+B", LABELS[name] + " + method B", refiners[name]))
+            if name in gated:
+                tau = gated[name].config.gate_margin
+                label = LABELS[name] + f" + method B, gate {tau:g} (chosen on dev)"
+                variants.append((f"{name}+B_gated", label, gated[name]))
+            for key, label, refiner in variants:
+                m = evaluate(
+                    model,
+                    loader,
+                    num_classes=meta.num_classes,
+                    device=device,
+                    refiner=refiner,
+                    amp=device.type == "cuda",
+                )
+                if refiner is None:
+                    rows[key] = {"label": label, **summarize(m), "ms_per_image": ms}
+                    print(f"[{split}] {label}: mIoU {100 * m['miou']:.1f}", flush=True)
+                    continue
                 ms_b = 1000 * time_inference(model, loader, args.timing_images, device, refiner)
-                rows[f"{name}+B"] = {
-                    "label": LABELS[name] + " + method B",
+                rows[key] = {
+                    "label": label,
                     **summarize(m["refined"]),
                     "ms_per_image": ms_b,
-                    "extra_time_ratio": ms_b / rows[name]["ms_per_image"] - 1.0,
+                    "extra_time_ratio": ms_b / ms - 1.0,
                     "refine": m["refine"],
                 }
-            print(f"[{split}] {LABELS[name]}: mIoU {100 * m['miou']:.1f}", flush=True)
+                print(f"[{split}] {label}: mIoU {100 * m['refined']['miou']:.1f}", flush=True)
         results["splits"][split] = rows
 
     # ---- 4. report ------------------------------------------------------------------------
@@ -638,7 +720,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.protocol == "plateau":
         save_learning_curves(results["train"], out / "learning_curves.png")
     _, val_loader = eval_loader(args.data, None, args.eval_limit)
-    results["panels"] = save_panels(models, refiner, val_loader, meta, args.panels, out, device)
+    panel_refiner = refiners.get("dualseg")
+    results["panels"] = save_panels(
+        models, panel_refiner, val_loader, meta, args.panels, out, device
+    )
     atomic_write_json(out / "results.json", results)
     print(table)
     print(f"total {results['total_seconds'] / 60:.1f} min; results in {out}")
