@@ -644,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         t0 = time.time()
-        summary = fit(cfg)
+        summary = fit(cfg, overwrite=True)  # not --reuse: this model is trained afresh
         results["train"][name] = {
             "iterations": summary["iteration"],
             "seconds": time.time() - t0,
