@@ -177,3 +177,34 @@ def test_serve_logs_one_line_per_request_on_stderr(files, monkeypatch, capsys):
     assert len(lines) == 2
     assert lines[0].endswith(" ms") and " GET /api/info 200 " in lines[0]
     assert " POST /api/segment 415 " in lines[1]
+
+
+def test_serve_runs_the_model_with_tta_and_slide(files, captured, monkeypatch):
+    from dualseg.engine.predict import Segmenter
+
+    seen = []
+    real = Segmenter.predict_proba
+
+    def spy(self, image, **options):
+        seen.append(options)
+        return real(self, image, **options)
+
+    monkeypatch.setattr(Segmenter, "predict_proba", spy)
+    ckpt, refiner = files
+    args = ["serve", "-c", str(ckpt), "--refiner", str(refiner), "--tta-flip"]
+    args += ["--tta-scales", "0.5", "1.0", "--mode", "slide", "--window", "32", "32"]
+    assert main(args) == 0
+    client = TestClient(captured["app"])
+    png = gradient_png(40, 48)
+    body = client.post("/api/segment", files={"file": ("a.png", png, "image/png")}).json()
+    assert body["width"] == 48 and "refined" in body
+    assert seen and seen[-1]["tta_flip"] is True and tuple(seen[-1]["tta_scales"]) == (0.5, 1.0)
+    assert seen[-1]["mode"] == "slide" and tuple(seen[-1]["window"]) == (32, 32)
+
+
+def test_serve_refuses_tta_for_an_onnx_model(tmp_path, capsys):
+    fake = tmp_path / "m.onnx"
+    fake.write_bytes(b"not onnx")
+    assert main(["serve", "--onnx", str(fake), "--tta-flip"]) == 1
+    err = capsys.readouterr().err
+    assert "need --checkpoint" in err and "Traceback" not in err

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dualseg.commands.common import add_runtime_args, apply_runtime
+from dualseg.commands.predict import add_inference_arguments, inference_options
 from dualseg.console import argparse_kwargs
 from dualseg.errors import ConfigError, DualsegError
 from dualseg.serve.defaults import (
@@ -96,7 +97,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep every uploaded file in DIR (default: uploads stay in memory only)",
     )
     add_runtime_args(p, device="cpu")
+    add_inference_arguments(p)
     return p
+
+
+class InferenceSegmenter:
+    """A ``Segmenter`` whose ``predict_proba`` always runs with the command's sliding-window /
+    test-time-augmentation options (the page and the API then serve those probabilities, and
+    the refiner gets them). Everything else is the wrapped segmenter's."""
+
+    def __init__(self, segmenter: Any, options: Any) -> None:
+        self._segmenter, self._options = segmenter, options
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._segmenter, name)
+
+    def predict_proba(self, image: Any) -> Any:
+        o = self._options
+        return self._segmenter.predict_proba(
+            image,
+            mode=o.mode,
+            window=o.window,
+            stride=o.stride,
+            tta_scales=o.tta_scales,
+            tta_flip=o.tta_flip,
+            tile_batch=o.tile_batch,
+        )
 
 
 def _is_loopback(host: str) -> bool:
@@ -174,6 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    opts = inference_options(args)
+    augmented = opts.mode != "whole" or opts.uses_tta
+    if augmented and args.onnx:
+        raise ConfigError(
+            "--mode slide and --tta-* need --checkpoint: an --onnx model runs whole images only"
+        )
     uvicorn, create_app = _import_serve()
     from dualseg.serve.app import prepare_upload_folder
 
@@ -192,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
 
         segmenter = load_model(args.checkpoint, device=device, amp=args.amp)
         name = f"{Path(args.checkpoint).name} ({type(segmenter.model).__name__})"
+        if augmented:
+            segmenter = InferenceSegmenter(segmenter, opts)
     refiner = None
     if args.refiner:
         from dualseg.commands.refine import load_refiner
