@@ -127,3 +127,14 @@ def test_panel_shows_method_b_with_changed_pixels_marked(tmp_path) -> None:
     plain(0, torch.zeros(2, 3, 8, 12), pred, pred, None)
     plain.finish()
     assert Image.open(tmp_path / "plain" / "panel.png").size[0] == 4 * 12 + 3 * viz.GAP
+
+
+def test_demo_takes_the_shared_amp_and_quiet_flags(tmp_path) -> None:
+    from dualseg.data import get_preset
+
+    meta = get_preset("synthetic")
+    args = demo.build_parser().parse_args(["--amp", "--quiet", "--out", str(tmp_path)])
+    cfg = demo._train_config(args, tmp_path, meta, None)
+    assert cfg.train.amp == "auto" and cfg.train.quiet and not cfg.train.progress  # bf16 on CUDA
+    plain = demo._train_config(demo.build_parser().parse_args([]), tmp_path, meta, None)
+    assert plain.train.amp == "none" and not plain.train.quiet

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dualseg.commands.common import add_quiet_arg
 from dualseg.console import argparse_kwargs
 from dualseg.engine.config import DataConfig
 from dualseg.errors import ConfigError, DualsegError, WeightsNotFoundError
@@ -92,6 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="torch CPU threads (1: robust on a shared machine; 0: torch's default, one per core)",
     )
+    p.add_argument("--amp", action="store_true", help="bf16 autocast on CUDA (off; CPU: ignored)")
+    add_quiet_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n-show", type=int, default=4, help="held-out images in the panel (4)")
     p.add_argument(
@@ -318,6 +321,9 @@ def _train_config(args: argparse.Namespace, root: Path, meta: Any, weights: str 
             log_every=max(1, min(20, args.iters // 10)),
             seed=args.seed,
             device=args.device,
+            amp="auto" if args.amp else "none",  # auto: bf16 on CUDA, none on CPU
+            progress=not args.quiet,
+            quiet=args.quiet,
             tensorboard=False,
         ),
     )
@@ -429,7 +435,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     val_loader = torch.utils.data.DataLoader(
         val_set, batch_size=cfg.data.val_batch_size, shuffle=False, num_workers=args.workers
     )
-    eval_kwargs = {"num_classes": meta.num_classes, "ignore_index": 255, "device": device}
+    eval_kwargs = {
+        "num_classes": meta.num_classes,
+        "ignore_index": 255,
+        "device": device,
+        "amp": args.amp and device.type == "cuda",
+    }
 
     t0 = time.perf_counter()
     segmenter = load_model(ckpt_path, device=device)
