@@ -485,18 +485,17 @@ def fit_refiners(
     )
     protos = limit(build_dataset(root, split=split, preset="camvid"), args.prototype_limit)
     shared = args.refine_backbone_source == "independent"
-    refiners: dict[str, BoundaryRefiner] = {}
+    fitted: dict[str, BoundaryRefiner] = {}  # "all" (independent) or one per base
     for name in bases:
         key = "all" if shared else name
-        if key in refiners:
-            refiners[name] = refiners[key]
-            continue
         path = out / f"refiner_{key}.pt"
+        if key in fitted:
+            continue
         if args.reuse and path.is_file():
-            refiners[name] = refiners[key] = BoundaryRefiner.load(path, device=device)
+            fitted[key] = BoundaryRefiner.load(path, device=device)
             continue
         t0 = time.time()
-        refiner = BoundaryRefiner.fit(
+        fitted[key] = BoundaryRefiner.fit(
             train_ds,
             class_names=meta.class_names,
             config=RefinerConfig(
@@ -514,14 +513,13 @@ def fit_refiners(
             progress=False,
             log_every=250,
         )
-        refiner.save(path)
+        fitted[key].save(path)
         results["train"][f"method_b_{key}"] = {
             "steps": args.refine_steps,
             "backbone_source": args.refine_backbone_source,
             "seconds": time.time() - t0,
         }
-        refiners[name] = refiners[key] = refiner
-    refiners = {n: r for n, r in refiners.items() if n in bases}
+    refiners = {name: fitted["all" if shared else name] for name in bases}
     gated: dict[str, BoundaryRefiner] = {}
     if plateau:
         _, dev = eval_loader(args.data, str(out / "data" / "dev.txt"), args.eval_limit)
