@@ -578,10 +578,10 @@ def _on_step(run: _Run, s: StepStats) -> bool:
     done = s.iteration >= t.max_iters
     is_best = False
     evaluated = (t.val_every > 0 and s.iteration % t.val_every == 0) or done
+    watched = monitored(t.monitor, has_val=run.val_loader is not None)
     if evaluated:
         if run.val_loader is not None:
             is_best = _validate(run, s.iteration)
-        watched = monitored(t.monitor, has_val=run.val_loader is not None)
         if watched == "val_miou":
             progress.update_monitor(
                 progress.last_val["miou"], higher_is_better=True, min_delta=t.min_delta
@@ -599,8 +599,7 @@ def _on_step(run: _Run, s: StepStats) -> bool:
     elif t.patience is not None and progress.bad_evals >= t.patience:
         run.stop_reason = "patience"
         log.message(
-            f"[{s.iteration}] stopping: {monitored(t.monitor, has_val=run.val_loader is not None)}"
-            f" has not improved for {t.patience} "
+            f"[{s.iteration}] stopping: {watched} has not improved for {t.patience} "
             f"evaluations (best {progress.best_monitored:.4f})"
         )
     stopping = done or run.stop_reason != "max_iters"
