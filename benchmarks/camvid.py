@@ -463,14 +463,15 @@ def fit_refiners(
 
     ``--refine-backbone-source independent`` fits one refiner (ground truth only) for every
     base; ``base-frozen`` / ``base-finetune`` one per base on that base's backbone. Under the
-    plateau protocol the fit reads train_fit (dev held out), and the gate τ is chosen per base
+    plateau protocol the fit reads train_fit (dev held out), and the decision options (gate τ,
+    prior weight, probability floor) are chosen per base
     on dev (:mod:`dualseg.refine.calibrate`): ``gated`` holds those copies. Fitted refiners are
     kept in ``--out`` and reused with ``--reuse``.
     """
     import dataclasses
 
     from dualseg.data.transforms import build_train_transform
-    from dualseg.refine.calibrate import choose_gate, sweep_gate
+    from dualseg.refine.calibrate import choose_decision, sweep_decision
 
     bases = [n for n in REFINED if n in models]
     if args.refine_steps <= 0 or not bases:
@@ -525,22 +526,22 @@ def fit_refiners(
         _, dev = eval_loader(args.data, str(out / "data" / "dev.txt"), args.eval_limit)
         for name in bases:
             model, refiner = models[name], refiners[name]
-            rows = sweep_gate(
+            rows = sweep_decision(
                 refiner,
                 lambda x, m=model: m(x).softmax(1),
                 dev,
                 num_classes=meta.num_classes,
                 device=device,
             )
-            tau = choose_gate(rows)
-            results.setdefault("gate_sweep_dev", {})[name] = {"chosen": tau, "rows": rows}
-            print(f"[{name}] gate chosen on dev: {tau}", flush=True)
+            chosen = choose_decision(rows)
+            results.setdefault("decision_sweep_dev", {})[name] = {"chosen": chosen, "rows": rows}
+            print(f"[{name}] decision chosen on dev: {chosen}", flush=True)
             copy = BoundaryRefiner(
                 refiner.net,
                 refiner.prototypes,
                 refiner.present,
                 class_names=refiner.class_names,
-                config=dataclasses.replace(refiner.config, gate_margin=tau),
+                config=dataclasses.replace(refiner.config, **chosen),
             )
             gated[name] = copy
     return refiners, gated
@@ -580,6 +581,17 @@ def save_panels(
             save_panel(path, images, titles, class_names=meta.class_names, palette=meta.palette)
             written.append(path.name)
     return written
+
+
+def decision_label(cfg: RefinerConfig) -> str:
+    """How a dev-chosen decision reads in a table: 'gate 0.1, prior 2 (chosen on dev)'."""
+    if cfg.gate_margin == 0:
+        return "gate 0: never relabel (chosen on dev)"
+    parts = [] if cfg.gate_margin is None else [f"gate {cfg.gate_margin:g}"]
+    parts += [f"prior {cfg.prior_weight:g}"] if cfg.prior_weight else []
+    parts += [f"floor {cfg.min_prob:g}"] if cfg.min_prob else []
+    parts += [f"P1 blur {cfg.p1_blur_sigma:g}"] if cfg.p1_blur_sigma else []
+    return ", ".join(parts or ["the claim's rule"]) + " (chosen on dev)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -681,8 +693,7 @@ def main(argv: list[str] | None = None) -> int:
             if name in refiners:
                 variants.append((f"{name}+B", LABELS[name] + " + method B", refiners[name]))
             if name in gated:
-                tau = gated[name].config.gate_margin
-                label = LABELS[name] + f" + method B, gate {tau:g} (chosen on dev)"
+                label = LABELS[name] + f" + method B, {decision_label(gated[name].config)}"
                 variants.append((f"{name}+B_gated", label, gated[name]))
             for key, label, refiner in variants:
                 m = evaluate(

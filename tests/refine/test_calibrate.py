@@ -1,76 +1,149 @@
-"""Gated method B (beyond the claim): the τ sweep scores each gate exactly, and the choice
-never falls below the base on the images that chose it."""
+"""Method B's decision readings beyond the claim (gate, prior weight, probability floor): each
+decides exactly as documented, the sweep scores each setting exactly, and the choice never
+falls below the base on the images that chose it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dualseg.refine.calibrate import choose_gate, gate_mask, sweep_gate
+from dualseg.refine.calibrate import choose_decision, decision_grid, sweep_decision
+from dualseg.refine.decision import Candidates, decide, gate_mask, prototype_scale
 
 
-class RelabelEverything:
-    """A stand-in refiner: every pixel of the left half becomes class ``to``."""
-
-    def __init__(self, to: int) -> None:
-        self.to = to
-
-    def refine(self, images, probs, *, return_changed=False):
-        pred = probs.max(1).indices
-        new = pred.clone()
-        new[..., : pred.shape[-1] // 2] = self.to
-        return (new, new != pred) if return_changed else new
-
-
-def probs_with_margin(margins: torch.Tensor) -> torch.Tensor:
-    """Two-class probabilities [1,2,H,W] favouring class 1 by ``margins`` (top1 - top2)."""
-    p1 = (1 + margins) / 2
-    return torch.stack([1 - p1, p1])[None]
-
-
-def test_gate_mask_is_top1_minus_top2_below_tau() -> None:
-    margins = torch.tensor([[0.0, 0.1, 0.3, 0.9]])
-    probs = probs_with_margin(margins)
-    assert gate_mask(probs, 0.2).tolist() == [[[True, True, False, False]]]
-    assert gate_mask(probs, 0.0).sum() == 0  # τ = 0 never relabels
-    assert gate_mask(probs, None).all()  # the claim: no gate
-
-
-def test_sweep_scores_each_gate_and_choice_is_never_below_the_base() -> None:
-    # Base predicts class 1 everywhere. Ground truth: class 0 on the left half exactly where
-    # the base is unsure (margin 0.1), class 1 where it is sure (margin 0.8).
-    margins = torch.tensor([[0.1, 0.1, 0.8, 0.8], [0.8, 0.8, 0.8, 0.8]]).repeat(2, 1)
-    label = torch.ones(4, 4, dtype=torch.long)
-    label[0, :2] = label[2, :2] = 0
-    probs = probs_with_margin(margins)
-    batches = [(torch.zeros(1, 3, 4, 4), label[None])]
-    rows = sweep_gate(
-        RelabelEverything(0), lambda x: probs, batches, num_classes=2, gates=(0.0, 0.2, None)
+def candidates(pred: torch.Tensor, edge: torch.Tensor, labels, distance, probs) -> Candidates:
+    """Candidates for hand-written decisions: ``labels``/``distance``/``probs`` are [M,N]."""
+    p = torch.tensor(probs, dtype=torch.float32)
+    return Candidates(
+        pred=pred,
+        edge=edge,
+        labels=torch.tensor(labels),
+        distance=torch.tensor(distance, dtype=torch.float32),
+        log_prob=p.log(),
+        margin=p[:, 0] - p[:, 1],
     )
-    by_gate = {r["gate_margin"]: r for r in rows}
-    assert by_gate[0.0]["miou"] == by_gate["base"]["miou"] and by_gate[0.0]["changed"] == 0
-    # τ = 0.2 fixes exactly the 4 unsure pixels: perfect.
-    assert by_gate[0.2]["miou"] == pytest.approx(1.0) and by_gate[0.2]["changed"] == 4 / 16
-    # no gate also relabels the sure left-half pixels (4 more), breaking them
-    assert by_gate[None]["changed"] == 8 / 16 and by_gate[None]["miou"] < 1.0
-    assert choose_gate(rows) == 0.2
+
+
+def three_pixels() -> Candidates:
+    # pixel 0: base sure of 0 (0.9 vs 0.05), prototype of 1 nearer
+    # pixel 1: base unsure (0.5 vs 0.45), prototype of 1 much nearer
+    # pixel 2: base sure of 0, candidate 2 is improbable (0.02) but nearest
+    pred = torch.zeros(1, 1, 3, dtype=torch.long)
+    edge = torch.ones(1, 1, 3, dtype=torch.bool)
+    return candidates(
+        pred,
+        edge,
+        labels=[[0, 1], [0, 1], [0, 2]],
+        distance=[[1.0, 0.5], [1.0, 0.0], [1.0, 0.2]],
+        probs=[[0.9, 0.05], [0.5, 0.45], [0.9, 0.02]],
+    )
+
+
+def test_the_claim_takes_the_nearest_candidate_everywhere() -> None:
+    out, changed = decide(three_pixels())
+    assert out.tolist() == [[[1, 1, 2]]] and changed.all()
+
+
+def test_prior_weight_moves_from_nearest_prototype_to_the_base() -> None:
+    c = three_pixels()
+    # λ = 0.5: pixel 0: 1.0 + 0.5·0.105 = 1.05 vs 0.5 + 0.5·3.0 = 2.0 -> keeps 0;
+    # pixel 1: 1.35 vs 0.40 -> 1; pixel 2: 1.05 vs 0.2 + 0.5·3.9 = 2.16 -> keeps 0
+    assert decide(c, prior_weight=0.5)[0].tolist() == [[[0, 1, 0]]]
+    assert decide(c, prior_weight=100.0)[0].tolist() == [[[0, 0, 0]]]  # the base
+
+
+def test_gate_and_floor() -> None:
+    c = three_pixels()
+    assert decide(c, gate_margin=0.2)[0].tolist() == [[[0, 1, 0]]]  # only the unsure pixel
+    assert decide(c, gate_margin=0.0)[1].sum() == 0  # τ = 0 never relabels
+    assert decide(c, min_prob=0.03)[0].tolist() == [[[1, 1, 0]]]  # candidate 2 (0.02) dropped
+
+
+def test_a_pixel_without_prototypes_keeps_the_base_label() -> None:
+    pred = torch.tensor([[[3]]])
+    c = candidates(pred, pred == 3, [[3, 1]], [[float("inf")] * 2], [[0.6, 0.3]])
+    assert decide(c)[0].tolist() == [[[3]]]
+
+
+def test_prototype_scale_makes_prior_weight_independent_of_the_embedding_scale() -> None:
+    protos = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0], [9.0, 9.0]])
+    present = torch.tensor([True, True, True, False])
+    # mean squared distance over the 3 present pairs: (1 + 4 + 5) / 3
+    assert prototype_scale(protos, present) == pytest.approx(10 / 3)
+    assert prototype_scale(3 * protos, present) == pytest.approx(9 * 10 / 3)
+    assert prototype_scale(protos[:1], present[:1]) == 1.0
+
+
+def test_gate_mask_is_top1_minus_top2_below_tau_and_reads_logits() -> None:
+    p1 = (1 + torch.tensor([[0.0, 0.1, 0.3, 0.9]])) / 2
+    probs = torch.stack([1 - p1, p1])[None]
+    assert gate_mask(probs, 0.2).tolist() == [[[True, True, False, False]]]
+    assert gate_mask(probs, None).all()
+    assert torch.equal(gate_mask(probs.log(), 0.2), gate_mask(probs, 0.2))
+
+
+class Fixed:
+    """A stand-in refiner whose candidates are given."""
+
+    def __init__(self, c: Candidates) -> None:
+        self.c = c
+        self.sigmas: list[float | None] = []
+
+    def candidates(self, images, probs, *, p1_blur_sigma=None):
+        self.sigmas.append(p1_blur_sigma)
+        return self.c
+
+
+def test_sweep_scores_each_setting_and_chooses_the_best() -> None:
+    c = three_pixels()
+    label = torch.tensor([[[0, 1, 0]]])  # right: keep 0, relabel the unsure pixel, keep 0
+    batches = [(torch.zeros(1, 3, 1, 3), label)]
+    grid = decision_grid(
+        gates=(0.0, 0.2, None), priors=(0.0, 0.5), min_probs=(0.0,), blur_sigmas=(0.0,)
+    )
+    assert len(grid) == 5  # τ = 0 once
+    rows = sweep_decision(
+        Fixed(c), lambda x: torch.zeros(1, 3, 1, 3), batches, num_classes=3, grid=grid
+    )
+    by = {(r["gate_margin"], r.get("prior_weight")): r for r in rows}
+    assert by[("base", None)]["pixel_acc"] == pytest.approx(2 / 3)
+    assert by[(None, 0.0)]["pixel_acc"] == pytest.approx(1 / 3)  # the claim breaks two
+    assert by[(0.2, 0.0)]["pixel_acc"] == by[(None, 0.5)]["pixel_acc"] == pytest.approx(1.0)
+    assert by[(0.0, 0.0)]["changed"] == 0
+    # two perfect rows, both changing one pixel of three: the first of them wins the tie
+    assert choose_decision(rows) == {
+        "gate_margin": 0.2,
+        "prior_weight": 0.0,
+        "min_prob": 0.0,
+        "p1_blur_sigma": 0.0,
+    }
 
 
 def test_choice_falls_back_to_never_relabelling_when_refinement_only_hurts() -> None:
-    label = torch.ones(1, 4, 4, dtype=torch.long)  # the base (class 1 everywhere) is right
-    probs = probs_with_margin(torch.full((4, 4), 0.1))
-    rows = sweep_gate(
-        RelabelEverything(0),
-        lambda x: probs,
-        [(torch.zeros(1, 3, 4, 4), label)],
-        num_classes=2,
-        gates=(0.0, 0.5, None),
+    label = torch.zeros(1, 1, 3, dtype=torch.long)  # the base (class 0 everywhere) is right
+    refiner = Fixed(three_pixels())
+    rows = sweep_decision(
+        refiner,
+        lambda x: torch.zeros(1, 3, 1, 3),
+        [(torch.zeros(1, 3, 1, 3), label)],
+        num_classes=3,
+        grid=decision_grid(gates=(0.0, 0.5, None), priors=(0.0,), min_probs=(0.0,)),
     )
-    assert choose_gate(rows) == 0.0
+    # the default blur sweep (none and 1 px): the candidates are asked for once per blur
+    assert sorted(refiner.sigmas) == [0.0, 1.0]
+    assert {r.get("p1_blur_sigma") for r in rows} == {None, 0.0, 1.0}  # None: the base row
+    assert choose_decision(rows)["gate_margin"] == 0.0
     base = next(r for r in rows if r["gate_margin"] == "base")
     assert next(r for r in rows if r["gate_margin"] == 0.0)["miou"] == base["miou"]
 
 
-def test_gate_mask_reads_logits_as_their_softmax() -> None:
-    probs = probs_with_margin(torch.tensor([[0.05, 0.6]]))
-    assert torch.equal(gate_mask(probs.log(), 0.2), gate_mask(probs, 0.2))
+def test_p1_filter_blurs_and_zero_is_the_identity() -> None:
+    from dualseg.refine.embedding import p1_filter
+
+    x = torch.zeros(1, 3, 9, 9)
+    x[..., 4, 4] = 1.0
+    assert p1_filter(x, 0.0) is x
+    y = p1_filter(x, 1.0)
+    assert y[..., 4, 4].max() < 0.2 and y.sum() == pytest.approx(3.0, rel=1e-4)
+    flat = torch.full((1, 3, 9, 9), 0.7)
+    assert torch.allclose(p1_filter(flat, 1.5), flat)

@@ -12,6 +12,7 @@ from dualseg.data import build_dataset, make_synthetic_dataset
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint, save_checkpoint
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner
+from dualseg.refine.formats import TRAIN_FORMAT, load_state
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +57,20 @@ def test_base_frozen_backbone_is_the_base_models_and_the_gate_is_calibrated(
     theirs = model.backbone.state_dict()
     for key, value in refiner.net.backbone.state_dict().items():
         assert torch.equal(value, theirs[key]), key
-    # the sweep chose a gate on the held-out split and kept its table
+    # the sweep chose the decision on the held-out split and kept its table
     cal = refiner.calibration
     assert cal["split"] == "val" and cal["images"] == 2
-    assert refiner.config.gate_margin in [r["gate_margin"] for r in cal["rows"]]
     best = max(r["miou"] for r in cal["rows"] if r["gate_margin"] != "base")
-    chosen = next(r for r in cal["rows"] if r["gate_margin"] == refiner.config.gate_margin)
-    assert chosen["miou"] == best
-    assert "chosen gate_margin" in capsys.readouterr().out
+    cfg = refiner.config
+    chosen = [
+        r
+        for r in cal["rows"]
+        if (r["gate_margin"], r.get("prior_weight"), r.get("min_prob"))
+        == (cfg.gate_margin, cfg.prior_weight, cfg.min_prob)
+    ]
+    assert len(chosen) == 1 and chosen[0]["miou"] == best
+    out = capsys.readouterr().out
+    assert "decision sweep on val" in out and "chosen: " in out
 
 
 def test_base_readings_need_a_base_checkpoint(setup: tuple[Path, Path], tmp_path: Path) -> None:
@@ -101,3 +108,25 @@ def test_calibration_note_when_refinement_did_not_help(tmp_path: Path) -> None:
     assert folder.config.gate_margin == 0.0 and "'dev'" in folder.calibration_note()
     loaded.config = RefinerConfig(embed_dim=4, gate_margin=0.2)
     assert loaded.calibration_note() is None
+
+
+def test_time_budget_stops_the_triplet_steps_early_and_resume_goes_on(
+    setup: tuple[Path, Path], tmp_path: Path
+) -> None:
+    data, _ = setup
+    out, ckpt = tmp_path / "r.pt", tmp_path / "r.train.pt"
+    argv = ["fit", "--data", str(data), "--out", str(out), "--embed-dim", "8", "--steps", "5"]
+    argv += ["--batch-size", "2", "--crop-size", "32", "32", "--num-triplets", "64"]
+    argv += ["--radius", "2", "--no-progress", "--log-every", "0", "--init-backbone", "none"]
+    argv += ["--checkpoint", str(ckpt)]
+    # a budget far below one step's time: exactly one step is made, and recorded as made
+    assert refine_main([*argv, "--time-budget", "1e-6"]) == 0
+    assert BoundaryRefiner.load(out).config.steps == 1
+    state = load_state(ckpt, TRAIN_FORMAT, "checkpoint")
+    assert state["step"] == 1 and [h["step"] for h in state["history"]] == [1]
+    # resumed without a budget, it makes the remaining steps
+    out.unlink()
+    assert refine_main([*argv, "--resume"]) == 0
+    state = load_state(ckpt, TRAIN_FORMAT, "checkpoint")
+    assert [h["step"] for h in state["history"]] == [1, 2, 3, 4, 5]
+    assert BoundaryRefiner.load(out).config.steps == 5

@@ -105,9 +105,32 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         "below this (default: no gate, the claim)",
     )
     p.add_argument(
+        "--prior-weight",
+        type=float,
+        default=d.prior_weight,
+        help="beyond the claim: add this times the base's negative log-probability to each "
+        "candidate's squared distance (in units of the mean squared distance between "
+        f"prototypes; {d.prior_weight:g}: the claim, nearest prototype)",
+    )
+    p.add_argument(
+        "--min-prob",
+        type=float,
+        default=d.min_prob,
+        help="beyond the claim: a Top-N candidate other than the base's top-1 needs at least "
+        f"this base probability ({d.min_prob:g}: the claim)",
+    )
+    p.add_argument(
+        "--p1-blur-sigma",
+        type=float,
+        default=d.p1_blur_sigma,
+        help="P1's filtering: Gaussian blur (px) of the image the embedding model sees at "
+        f"inference ({d.p1_blur_sigma:g}: none, normalization only)",
+    )
+    p.add_argument(
         "--calibrate-split",
         help="a labelled split of --data held out of --split (e.g. a list file's name): sweep "
-        "the gate on it with --base, keep the best (0 = never relabel when nothing helps)",
+        "gate, prior weight, probability floor and P1 blur on it with --base, keep the best "
+        "(gate 0 = never relabel, when nothing helps)",
     )
     p.add_argument("--weights", help="ImageNet weight file for the backbone (default: resolved)")
     p.add_argument("--embed-dim", type=int, default=d.embed_dim, help=f"C ({d.embed_dim})")
@@ -132,6 +155,12 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-triplets", type=int, default=d.num_triplets, help=f"({d.num_triplets})")
     p.add_argument("--reduction", default=d.reduction, help="all | violating (all)")
     p.add_argument("--steps", type=int, default=d.steps, help=f"training steps ({d.steps})")
+    p.add_argument(
+        "--time-budget",
+        type=float,
+        metavar="MINUTES",
+        help="stop the triplet steps after this many minutes, even before --steps (default: none)",
+    )
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"({d.batch_size})")
     p.add_argument("--optimizer", default=d.optimizer, help="adamw | sgd (adamw)")
     p.add_argument("--lr", type=float, default=d.lr, help=f"({d.lr})")
@@ -254,6 +283,9 @@ def fit_main(args: argparse.Namespace) -> int:
         seed=args.seed,
         backbone_source=args.backbone_source,
         gate_margin=args.gate_margin,
+        prior_weight=args.prior_weight,
+        min_prob=args.min_prob,
+        p1_blur_sigma=args.p1_blur_sigma,
     )
     device = apply_runtime(args)
     mode = "off" if args.no_progress else mode_of(args)
@@ -304,6 +336,7 @@ def fit_main(args: argparse.Namespace) -> int:
             checkpoint=checkpoint,
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,
+            time_budget_s=None if args.time_budget is None else 60 * args.time_budget,
             progress=mode == "bar",
             log_every=0 if mode == "off" else args.log_every,
         )
@@ -326,10 +359,11 @@ def fit_main(args: argparse.Namespace) -> int:
 
 
 def calibrate(refiner: Any, base: Any, args: argparse.Namespace, device: Any) -> None:
-    """Choose the gate τ on ``--calibrate-split`` (labelled, held out of the fit split), store
-    it in the refiner with the sweep's table, and print the table."""
+    """Choose the decision options (gate τ, prior weight λ, probability floor) on
+    ``--calibrate-split`` (labelled, held out of the fit split), store them in the refiner
+    with the sweep's table, and print the best rows."""
     from dualseg.data import build_dataset, build_eval_transform
-    from dualseg.refine.calibrate import choose_gate, sweep_gate
+    from dualseg.refine.calibrate import choose_decision, sweep_decision
 
     held_out = build_dataset(
         args.data,
@@ -339,9 +373,7 @@ def calibrate(refiner: Any, base: Any, args: argparse.Namespace, device: Any) ->
         transform=build_eval_transform(),
     )
     loader = torch.utils.data.DataLoader(held_out, batch_size=1)
-    ungated = dataclasses.replace(refiner.config, gate_margin=None)
-    refiner.config = ungated
-    rows = sweep_gate(
+    rows = sweep_decision(
         refiner,
         lambda x: base.scores(x, []).softmax(1),
         loader,
@@ -349,19 +381,41 @@ def calibrate(refiner: Any, base: Any, args: argparse.Namespace, device: Any) ->
         ignore_index=held_out.meta.ignore_index,
         device=device,
     )
-    tau = choose_gate(rows)
-    refiner.config = dataclasses.replace(ungated, gate_margin=tau)
+    chosen = choose_decision(rows)
+    refiner.config = dataclasses.replace(refiner.config, **chosen)
     refiner.calibration = {"split": args.calibrate_split, "images": len(held_out), "rows": rows}
-    print(f"gate sweep on {args.calibrate_split} ({len(held_out)} held-out images):")
-    for r in rows:
+    print(f"decision sweep on {args.calibrate_split} ({len(held_out)} held-out images):")
+    print(format_sweep(rows))
+    if chosen["gate_margin"] == 0:
+        print("chosen: gate_margin 0, never relabel (refinement did not help this base)")
+    else:
+        print("chosen: " + ", ".join(f"{k} {v}" for k, v in chosen.items()))
+
+
+def format_sweep(rows: list[dict[str, Any]], *, best: int = 5) -> str:
+    """The base row, the claim's row and the ``best`` rows by mIoU, one line each."""
+    claim = {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0, "p1_blur_sigma": 0.0}
+    base = [r for r in rows if r["gate_margin"] == "base"]
+    claims = [r for r in rows if all(r.get(k) == v for k, v in claim.items())]
+    rest = sorted((r for r in rows if r not in base), key=lambda r: (-r["miou"], r["changed"]))
+    lines = []
+    for r in [*base, *claims, *[r for r in rest[:best] if r not in claims]]:
         g = r["gate_margin"]
-        name = g if isinstance(g, str) else ("none (claim)" if g is None else f"{g:g}")
-        print(
-            f"  gate {name:>12}: mIoU {100 * r['miou']:.1f}  boundary F1 "
+        if g == "base":
+            name = "base model"
+        elif r in claims:
+            name = "the claim (no gate)"
+        else:
+            gate = "none" if g is None else f"{g:g}"
+            name = (
+                f"gate {gate}, prior {r['prior_weight']:g}, floor {r['min_prob']:g}, "
+                f"blur {r.get('p1_blur_sigma', 0.0):g}"
+            )
+        lines.append(
+            f"  {name:>32}: mIoU {100 * r['miou']:.1f}  boundary F1 "
             f"{100 * r['boundary_f1']:.1f}  changed {100 * r['changed']:.2f}%"
         )
-    verdict = "never relabel (refinement did not help this base)" if tau == 0 else f"{tau}"
-    print(f"chosen gate_margin: {verdict}")
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------- apply

@@ -97,6 +97,8 @@ class ExportedRefiner:
     def _refine_batch(self, x: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         import torch
 
+        from dualseg.refine.decision import prototype_scale
+        from dualseg.refine.embedding import p1_filter
         from dualseg.refine.refiner import prototype_scores, relabel  # BoundaryRefiner's P2-P5
 
         if probs.ndim != 4 or x.shape[0] != probs.shape[0] or x.shape[-2:] != probs.shape[-2:]:
@@ -107,12 +109,18 @@ class ExportedRefiner:
         self.check_classes(None, probs.shape[1])
         protos = torch.from_numpy(self.prototypes)
 
+        sigma = self.config.p1_blur_sigma
+        if sigma > 0:  # P1's filtering, as BoundaryRefiner's
+            x = p1_filter(torch.from_numpy(np.ascontiguousarray(x, np.float32)), sigma).numpy()
+
         def scores(keep: Any) -> Any:  # the exported model, one image a run (static exports)
             feats = [self.runner(x[b : b + 1]) for b in np.flatnonzero(keep.numpy())]
             return prototype_scores(torch.from_numpy(np.concatenate(feats, 0)), protos)
 
         p = torch.from_numpy(np.ascontiguousarray(probs, np.float32))
-        out, changed = relabel(p, scores, torch.from_numpy(self.present), self.config)
+        present = torch.from_numpy(self.present)
+        scale = prototype_scale(protos, present)
+        out, changed = relabel(p, scores, present, self.config, scale=scale)
         return out.numpy(), changed.numpy()
 
 

@@ -1,17 +1,20 @@
-"""Method B's decision rule, chosen on held-out labelled images (beyond the claim).
+"""Method B's decision options, chosen on held-out labelled images (beyond the claim).
 
 The claim (P5) relabels every near-boundary pixel with the nearest of its Top-N prototypes,
 whatever the base model's confidence; on a strong base that overrides pixels the base had right.
-``gate_margin`` τ relabels only where the base's top-1 minus top-2 probability is below τ
-(``None``: no gate, the claim). :func:`sweep_gate` scores a grid of τ on labelled images in one
-pass — the base model and the embedding run once per image, each τ is a mask on their outputs —
-and :func:`choose_gate` picks the τ with the best mIoU. τ = 0 never relabels, so the choice is
-never below the base *on the images that chose it*; choose on images held out of the training
-split, and report on another split.
+:mod:`dualseg.refine.decision` offers three readings beyond it — a gate τ on the base's top-1
+minus top-2 probability, a weight λ on the base's log-probability beside the distance, a
+probability floor for the candidates — and P1's filter (a blur of the embedding's input).
+:func:`sweep_decision` scores a grid of them on labelled images in one pass — the base model
+runs once per image and the embedding once per blur, each setting is a cheap decision on their
+outputs — and :func:`choose_decision` picks the best mIoU. τ = 0 never relabels, so the choice
+is never below the base *on the images that chose it*; choose on images held out of the
+training split, and report on another split.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
@@ -20,55 +23,75 @@ import torch
 from torch import Tensor
 
 from dualseg.metrics import BoundaryMetrics, ConfusionMatrix
+from dualseg.refine.decision import Candidates, decide
 
-__all__ = ["DEFAULT_GATES", "choose_gate", "gate_mask", "sweep_gate"]
+__all__ = [
+    "DEFAULT_BLUR_SIGMAS",
+    "DEFAULT_GATES",
+    "DEFAULT_MIN_PROBS",
+    "DEFAULT_PRIORS",
+    "choose_decision",
+    "decision_grid",
+    "sweep_decision",
+]
 
-# τ grid of the sweep; None is the claim (no gate).
+# The grid of the sweep; gate None, prior 0 and floor 0 together are the claim.
 DEFAULT_GATES: tuple[float | None, ...] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, None)
+DEFAULT_PRIORS: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+DEFAULT_MIN_PROBS: tuple[float, ...] = (0.0, 0.05, 0.2)
+DEFAULT_BLUR_SIGMAS: tuple[float, ...] = (0.0, 1.0)  # P1's filter; each runs the embedding
+
+DECISION_KEYS = ("gate_margin", "prior_weight", "min_prob", "p1_blur_sigma")
 
 
 class _Refines(Protocol):
-    def refine(self, images: Tensor, probs: Tensor, *, return_changed: bool = False) -> Any: ...
+    def candidates(
+        self, images: Tensor, probs: Tensor, *, p1_blur_sigma: float | None = None
+    ) -> Candidates: ...
 
 
-def gate_mask(probs: Tensor, gate_margin: float | None) -> Tensor:
-    """Pixels where the base is unsure enough to be relabelled: top-1 − top-2 < τ, ``[B,H,W]``.
-
-    ``probs`` ``[B,C,H,W]``: probabilities, or logits (turned into probabilities by a softmax
-    first: the margin is one of probabilities); ``None`` lets every pixel through (the claim).
-    """
-    if gate_margin is None:
-        return torch.ones(probs.shape[0], *probs.shape[2:], dtype=torch.bool, device=probs.device)
-    if probs.shape[1] < 2:
-        return torch.zeros(probs.shape[0], *probs.shape[2:], dtype=torch.bool, device=probs.device)
-    sums = probs.sum(1)
-    if probs.min() < 0 or not torch.allclose(sums, torch.ones_like(sums), atol=1e-3):
-        probs = probs.softmax(1)  # logits
-    top2 = probs.topk(2, dim=1).values  # [B,2,H,W]
-    return (top2[:, 0] - top2[:, 1]) < gate_margin
+def decision_grid(
+    gates: Sequence[float | None] = DEFAULT_GATES,
+    priors: Sequence[float] = DEFAULT_PRIORS,
+    min_probs: Sequence[float] = DEFAULT_MIN_PROBS,
+    blur_sigmas: Sequence[float] = DEFAULT_BLUR_SIGMAS,
+) -> list[dict[str, Any]]:
+    """Every combination, except that τ = 0 (which changes nothing) appears once."""
+    grid = []
+    for gate, prior, floor, sigma in itertools.product(gates, priors, min_probs, blur_sigmas):
+        first = (prior, floor, sigma) == (priors[0], min_probs[0], blur_sigmas[0])
+        if gate == 0 and not first:
+            continue
+        grid.append(
+            {"gate_margin": gate, "prior_weight": prior, "min_prob": floor, "p1_blur_sigma": sigma}
+        )
+    return grid
 
 
 @torch.no_grad()
-def sweep_gate(
+def sweep_decision(
     refiner: _Refines,
     base: Callable[[Tensor], Tensor],
     batches: Iterable[tuple[Tensor, Tensor]],
     *,
     num_classes: int,
-    gates: Sequence[float | None] = DEFAULT_GATES,
+    grid: Sequence[dict[str, Any]] | None = None,
     ignore_index: int = 255,
     device: str | torch.device = "cpu",
 ) -> list[dict[str, Any]]:
-    """Score the base model and the refiner gated at each τ on labelled ``batches``.
+    """Score the base model and the refiner at each decision setting on labelled ``batches``.
 
-    ``refiner`` must be ungated (``gate_margin=None``): each τ is applied here.
-    ``base(images)`` returns class probabilities ``[B,C,H,W]`` at image size; ``batches``
-    yields ``(images [B,3,H,W] normalized, labels [B,H,W])``. Returns one row per τ (and a
-    ``"base"`` row first): ``{"gate_margin", "miou", "boundary_f1", "pixel_acc", "changed"}``
-    with the fraction of labelled pixels changed.
+    ``refiner.candidates(images, probs)`` gives the undecided P2-P5 outputs
+    (:class:`~dualseg.refine.decision.Candidates`); the refiner's own decision options are not
+    used. ``base(images)`` returns class probabilities ``[B,C,H,W]`` at image size; ``batches``
+    yields ``(images [B,3,H,W] normalized, labels [B,H,W])``. ``grid``: settings as from
+    :func:`decision_grid` (its default). Returns a ``"base"`` row (``gate_margin == "base"``)
+    and one row per setting: the setting's keys and ``"miou"``, ``"boundary_f1"``,
+    ``"pixel_acc"``, ``"changed"`` (the fraction of labelled pixels changed).
     """
     dev = torch.device(device)
-    keys: list[Any] = ["base", *gates]
+    settings = list(decision_grid() if grid is None else grid)
+    keys: list[Any] = ["base", *range(len(settings))]
     conf = {k: ConfusionMatrix(num_classes, ignore_index=ignore_index, device=dev) for k in keys}
     bnd = {k: BoundaryMetrics(num_classes, ignore_index=ignore_index, device=dev) for k in keys}
     changed = dict.fromkeys(keys, 0)
@@ -76,22 +99,28 @@ def sweep_gate(
     for images, labels in batches:
         images, labels = images.to(dev), labels.to(dev)
         probs = base(images).float()
+        sigmas = {s.get("p1_blur_sigma", 0.0) for s in settings}
+        cands = {sigma: refiner.candidates(images, probs, p1_blur_sigma=sigma) for sigma in sigmas}
         pred = probs.max(1).indices
-        new, moved = refiner.refine(images, probs, return_changed=True)
-        new, moved = new.to(dev), moved.to(dev)
         valid = labels != ignore_index
         labelled += int(valid.sum())
         for k in keys:
-            out = pred if k == "base" else torch.where(moved & gate_mask(probs, k), new, pred)
+            if k == "base":
+                out = pred
+            else:
+                setting = dict(settings[k])
+                c = cands[setting.pop("p1_blur_sigma", 0.0)]
+                out = decide(c, **setting)[0].to(dev)
             conf[k].update(out, labels)
             bnd[k].update(out, labels)
             changed[k] += int(((out != pred) & valid).sum())
     rows = []
     for k in keys:
         scores = conf[k].compute()
+        setting = {"gate_margin": "base"} if k == "base" else dict(settings[k])
         rows.append(
             {
-                "gate_margin": k,
+                **setting,
                 "miou": float(scores["miou"]),
                 "pixel_acc": float(scores["pixel_acc"]),
                 "boundary_f1": float(bnd[k].compute()["boundary_f1"]),
@@ -101,18 +130,18 @@ def sweep_gate(
     return rows
 
 
-def choose_gate(rows: Sequence[dict[str, Any]], *, key: str = "miou") -> float | None:
-    """The τ of the best row by ``key`` (mIoU); on a tie the smaller τ, changing fewer pixels.
-
-    The ``"base"`` row is not a candidate, but τ = 0 (which changes nothing) is, when swept.
-    """
+def choose_decision(rows: Sequence[dict[str, Any]], *, key: str = "miou") -> dict[str, Any]:
+    """The decision options of the best row by ``key`` (mIoU); on a tie the row changing fewer
+    pixels. The ``"base"`` row is not a candidate, but τ = 0 (which changes nothing) is, when
+    swept. Returns ``{"gate_margin", "prior_weight", "min_prob", "p1_blur_sigma"}``."""
     candidates = [r for r in rows if r["gate_margin"] != "base"]
     if not candidates:
-        raise ValueError("no gated rows to choose from")
+        raise ValueError("no decision rows to choose from")
 
     def order(r: dict[str, Any]) -> tuple[float, float]:
-        tau = r["gate_margin"]
         score = r[key] if math.isfinite(r[key]) else -math.inf
-        return (-score, math.inf if tau is None else tau)
+        return (-score, r["changed"])
 
-    return min(candidates, key=order)["gate_margin"]
+    best = min(candidates, key=order)
+    claim = {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0, "p1_blur_sigma": 0.0}
+    return claim | {k: best[k] for k in DECISION_KEYS if k in best}

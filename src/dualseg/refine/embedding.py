@@ -10,6 +10,7 @@ same bilinear weights as the full upsampling (no ``[B,C,H,W]`` tensor at input s
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 
@@ -86,6 +87,19 @@ class EmbeddingNet(nn.Module):
             features, grid, mode="bilinear", padding_mode="border", align_corners=False
         )
         return out[:, :, 0, :].permute(0, 2, 1)[idx[:, 0], slot]  # [M,C]
+
+
+def p1_filter(images: Tensor, sigma: float) -> Tensor:
+    """P1's filtering of the (normalized) input images ``[B,3,H,W]``: a Gaussian blur of
+    standard deviation ``sigma`` px (kernel ±3σ, reflected borders); ``sigma == 0`` returns
+    the images unfiltered. Blur commutes with the per-channel normalization, so it may come
+    after it."""
+    if sigma <= 0:
+        return images
+    from torchvision.transforms.v2 import functional as TF
+
+    k = 2 * math.ceil(3 * sigma) + 1
+    return TF.gaussian_blur(images, kernel_size=[k, k], sigma=[sigma, sigma])
 
 
 def embed_features(net: EmbeddingNet, images: Tensor, input_scale: float = 1.0) -> Tensor:

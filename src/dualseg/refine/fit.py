@@ -1,4 +1,5 @@
-"""Training the embedding model (method B, step 4): a fixed number of triplet-hinge steps.
+"""Training the embedding model (method B, step 4): a fixed number of triplet-hinge steps
+(or fewer, within a time budget).
 
 Batches are drawn by (seed, pass over the data), so a resumed run (``checkpoint`` +
 ``resume=True``) draws exactly the batches it would have drawn; the training state is one file
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dualseg.errors import CheckpointError, DataError
+from dualseg.errors import CheckpointError, ConfigError, DataError
 from dualseg.io import atomic_torch_save
 from dualseg.refine.embedding import EmbeddingNet
 from dualseg.refine.formats import TRAIN_FORMAT, load_state
@@ -83,11 +85,17 @@ def train_embedding(
     progress: bool = True,
     log_every: int = 0,
     ignore_index: int = 255,
+    time_budget_s: float | None = None,
 ) -> list[dict[str, float]]:
     """Step 4: ``cfg.steps`` optimizer steps of the sampled triplet hinge. Returns the history
     (one dict per step: step, loss, violating, margin, num_triplets, pixels). ``log_every``:
-    also print one line every that many steps (for logs without a progress bar)."""
+    also print one line every that many steps (for logs without a progress bar).
+    ``time_budget_s``: stop after the step that passes this many seconds of this call, fewer
+    steps than ``cfg.steps`` (the checkpoint records the step reached, so ``resume`` goes on)."""
     from tqdm.auto import tqdm
+
+    if time_budget_s is not None and time_budget_s <= 0:
+        raise ConfigError(f"the time budget must be > 0 minutes, got {time_budget_s / 60:g}")
 
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise DataError("the refiner's training dataset is empty; check --data and --split")
@@ -130,6 +138,8 @@ def train_embedding(
         num_workers=num_workers,
     )
     net.train()
+    started = time.monotonic()
+    reached = start
     bar = tqdm(loader, total=cfg.steps, initial=start, desc="refine fit", disable=not progress)
     for step, (images, labels) in enumerate(bar, start=start):
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
@@ -145,10 +155,20 @@ def train_embedding(
                 f"[{step + 1}/{cfg.steps}] triplet loss {stats['loss']:.4f}, violating "
                 f"{100 * stats['violating']:.1f}%, margin {stats['margin']:.3f}"
             )
-        if (step + 1) % max(1, checkpoint_every) == 0:
-            save(step + 1)
+        reached = step + 1
+        if reached % max(1, checkpoint_every) == 0:
+            save(reached)
+        if time_budget_s is not None and time.monotonic() - started >= time_budget_s:
+            if reached < cfg.steps:
+                log.warning(
+                    "refiner time budget (%.1f min) reached at step %d of %d",
+                    time_budget_s / 60,
+                    reached,
+                    cfg.steps,
+                )
+            break
     bar.close()
-    if cfg.steps > start:
-        save(cfg.steps)
+    if reached > start:
+        save(reached)
     net.eval()
     return history

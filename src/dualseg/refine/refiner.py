@@ -31,13 +31,14 @@ from dualseg.engine.predict import as_rgb_array
 from dualseg.errors import CheckpointError, ConfigError, DataError
 from dualseg.imaging import normalize
 from dualseg.io import atomic_torch_save
-from dualseg.refine.boundary import EDGE_METHODS, near_boundary_mask
-from dualseg.refine.calibrate import gate_mask
+from dualseg.refine.boundary import EDGE_METHODS
+from dualseg.refine.decision import Candidates, decide, gather_candidates, prototype_scale
 from dualseg.refine.embedding import (
     EmbeddingNet,
     build_embedding_net,
     embed_features,
     init_backbone_from,
+    p1_filter,
 )
 from dualseg.refine.fit import OPTIMIZERS, train_embedding
 from dualseg.refine.formats import FORMAT, load_state
@@ -64,16 +65,21 @@ class RefinerConfig:
     ``edge_method`` (see :mod:`dualseg.refine.boundary`). Triplets (step 4): ``margin`` Δ,
     ``num_triplets`` per step, ``reduction``, ``steps`` (the preset repetition count),
     ``optimizer`` / ``lr`` / ``weight_decay`` / ``momentum``, ``batch_size``, ``seed``.
-    Inference (P3): ``top_n``.
+    Inference: ``p1_blur_sigma`` (P1's filtering, a Gaussian blur of the image the embedding
+    model sees; the claim names no filter, 0: none, normalization only), ``top_n`` (P3).
 
     Step 3 readings (the claim re-optimizes *based on an existing model*): ``backbone_source``
     ``"independent"`` (its own backbone, ImageNet-initialized; the default), ``"base-frozen"``
     (the base model's backbone weights, frozen: only the ASPP head learns, on the base's own
     features) or ``"base-finetune"`` (the base's backbone weights, trained on). The ``base-*``
     readings need the base model at fit time (``init_from``), and ``backbone`` must be its
-    backbone. Decision (beyond the claim): ``gate_margin`` τ relabels only pixels where the
-    base's top-1 minus top-2 probability is below τ (``None``: every near-boundary pixel, the
-    claim); :mod:`dualseg.refine.calibrate` chooses τ on held-out labelled images.
+    backbone. Decision (beyond the claim, :mod:`dualseg.refine.decision`): ``gate_margin`` τ
+    relabels only pixels where the base's top-1 minus top-2 probability is below τ (``None``:
+    every near-boundary pixel, the claim); ``prior_weight`` λ adds λ × the base's negative
+    log-probability to each candidate's squared distance (in units of the mean squared distance
+    between prototypes; 0: the claim); ``min_prob`` drops Top-N candidates below that base
+    probability (0: the claim). :mod:`dualseg.refine.calibrate` chooses them on held-out
+    labelled images.
     """
 
     backbone: str = "mobilenet_v2"
@@ -96,6 +102,9 @@ class RefinerConfig:
     seed: int = 0
     backbone_source: str = "independent"
     gate_margin: float | None = None
+    prior_weight: float = 0.0
+    min_prob: float = 0.0
+    p1_blur_sigma: float = 0.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -119,6 +128,9 @@ class RefinerConfig:
                 self.gate_margin is None or 0 <= self.gate_margin <= 1,
                 f"gate_margin must be in [0, 1] or None, got {self.gate_margin}",
             ),
+            (self.prior_weight >= 0, f"prior_weight must be >= 0, got {self.prior_weight}"),
+            (0 <= self.min_prob < 1, f"min_prob must be in [0, 1), got {self.min_prob}"),
+            (self.p1_blur_sigma >= 0, f"p1_blur_sigma must be >= 0, got {self.p1_blur_sigma}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -222,7 +234,12 @@ class BoundaryRefiner:
         labels, changed = labels[0].cpu().numpy(), changed[0].cpu().numpy()
         return (labels, changed) if return_changed else labels
 
-    def _refine_batch(self, images: Tensor, probs: Tensor, return_changed: bool) -> Any:
+    def candidates(
+        self, images: Tensor, probs: Tensor, *, p1_blur_sigma: float | None = None
+    ) -> Candidates:
+        """P1-P4 and P5's distances for a batch (``images [B,3,H,W]`` normalized, ``probs
+        [B,C,H,W]``), before any decision: what :mod:`dualseg.refine.calibrate` sweeps.
+        ``p1_blur_sigma`` overrides the configuration's."""
         if (
             probs.dim() != 4
             or images.shape[0] != probs.shape[0]
@@ -234,16 +251,21 @@ class BoundaryRefiner:
                 "(bilinear) before refining"
             )
         self.check_classes(None, probs.shape[1])
-        out_device = probs.device
         images = images.to(self.device)
+        sigma = self.config.p1_blur_sigma if p1_blur_sigma is None else p1_blur_sigma
 
         def scores(keep: Tensor) -> Tensor:  # the embedding model on the images with a band
-            feats = embed_features(self.net, images[keep].float(), self.config.input_scale)
+            x = p1_filter(images[keep].float(), sigma)  # P1 (normalization came before)
+            feats = embed_features(self.net, x, self.config.input_scale)
             return prototype_scores(feats, self.prototypes)
 
-        out, changed = relabel(probs.to(self.device).float(), scores, self.present, self.config)
-        out = out.to(out_device)
-        return (out, changed.to(out_device)) if return_changed else out
+        scale = prototype_scale(self.prototypes, self.present)
+        return collect(probs.to(self.device).float(), scores, self.present, self.config, scale)
+
+    def _refine_batch(self, images: Tensor, probs: Tensor, return_changed: bool) -> Any:
+        out, changed = decide_as(self.candidates(images, probs), self.config)
+        out = out.to(probs.device)
+        return (out, changed.to(probs.device)) if return_changed else out
 
     # ------------------------------------------------------------------ artifact
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -339,6 +361,7 @@ class BoundaryRefiner:
         progress: bool = True,
         log_every: int = 0,
         ignore_index: int = 255,
+        time_budget_s: float | None = None,
     ) -> BoundaryRefiner:
         """Train the embedding model with triplets, then compute the class prototypes.
 
@@ -348,7 +371,9 @@ class BoundaryRefiner:
         (``"imagenet"``, a file, or ``None``); ``init_from`` then copies the base model's
         backbone tensors over it (:func:`init_backbone_from`). ``checkpoint``: a training-state
         file written every ``checkpoint_every`` steps and at the end; ``resume=True`` continues
-        from it. The loss history is in ``refiner.history``.
+        from it. ``time_budget_s``: stop the triplet steps once this many seconds have passed
+        (the refiner's ``config.steps`` then records the steps made). The loss history is in
+        ``refiner.history``.
         """
         cfg = config or RefinerConfig()
         dev = torch.device(device)
@@ -378,7 +403,10 @@ class BoundaryRefiner:
             progress=progress,
             log_every=log_every,
             ignore_index=ignore_index,
+            time_budget_s=time_budget_s,
         )
+        if history and history[-1]["step"] < cfg.steps:  # the time budget stopped it early
+            cfg = dataclasses.replace(cfg, steps=int(history[-1]["step"]))
         protos, present = stream_prototypes(
             net,
             prototype_dataset if prototype_dataset is not None else dataset,
@@ -436,38 +464,52 @@ def prototype_scores(feats: Tensor, prototypes: Tensor) -> Tensor:
     return scores + p.pow(2).sum(1)[None, :, None, None]
 
 
+def collect(
+    probs: Tensor,
+    scores: Callable[[Tensor], Tensor],
+    present: Tensor,
+    config: RefinerConfig,
+    scale: float = 1.0,
+) -> Candidates:
+    """P2-P4 and P5's distances with ``config``'s Top-N and mask options."""
+    return gather_candidates(
+        probs,
+        scores,
+        present,
+        top_n=config.top_n,
+        radius=config.radius,
+        edge_method=config.edge_method,
+        scale=scale,
+    )
+
+
+def decide_as(c: Candidates, config: RefinerConfig) -> tuple[Tensor, Tensor]:
+    """P5 with ``config``'s decision options (the claim by default)."""
+    return decide(
+        c,
+        gate_margin=config.gate_margin,
+        prior_weight=config.prior_weight,
+        min_prob=config.min_prob,
+    )
+
+
 def relabel(
-    probs: Tensor, scores: Callable[[Tensor], Tensor], present: Tensor, config: RefinerConfig
+    probs: Tensor,
+    scores: Callable[[Tensor], Tensor],
+    present: Tensor,
+    config: RefinerConfig,
+    *,
+    scale: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     """P2-P5 on class scores ``probs [B,C,H,W]``: ``(labels [B,H,W] int64, changed bool)``.
 
     ``scores(keep)`` returns :func:`prototype_scores` ``[b,K,h,w]`` of the images that ``keep``
     (bool ``[B]``) selects: those with near-boundary pixels, so the embedding model runs only
     on them. ``BoundaryRefiner`` runs its ``EmbeddingNet`` there, the exported refiner its
-    onnxruntime / TorchScript model.
+    onnxruntime / TorchScript model. ``scale``: :func:`~dualseg.refine.decision.prototype_scale`
+    of the prototypes, the unit of ``config.prior_weight``.
     """
-    # P2's Pred is the argmax, first index on ties like argmax (topk's first is not: on
-    # equal scores it picks another class). max(1) returns the same indices and is ~4x
-    # faster than argmax(1) over the strided class dim on the CPU.
-    pred = probs.max(1).indices  # [B,H,W]
-    n = min(config.top_n, probs.shape[1])
-    top = probs.topk(n, dim=1).indices  # [B,N,H,W] P3
-    edge = near_boundary_mask(
-        pred, radius=config.radius, ignore_index=None, method=config.edge_method
-    )  # [B,H,W] P4
-    if config.gate_margin is not None:  # beyond the claim: only where the base is unsure
-        edge &= gate_mask(probs, config.gate_margin)
-    out = pred.clone()
-    if edge.any():  # P5 at the edge pixels: the Top-N label whose prototype is nearest
-        keep = edge.flatten(1).any(1)
-        s = EmbeddingNet.sample(scores(keep), edge[keep])  # [M,K], in edge.nonzero() order
-        b, y, x = edge.nonzero().unbind(1)
-        cand = top[b, :, y, x]  # [M,N] candidate labels, the same order
-        sc = s.gather(1, cand).masked_fill(~present[cand], float("inf"))
-        best = cand.gather(1, sc.argmin(1, keepdim=True)).squeeze(1)
-        # no candidate with a prototype: keep the base label (the Top-1 candidate)
-        out[edge] = torch.where(torch.isfinite(sc.min(1).values), best, cand[:, 0])
-    return out, out != pred
+    return decide_as(collect(probs, scores, present, config, scale), config)
 
 
 def _as_tensor(x: Any) -> Tensor:

@@ -1,0 +1,159 @@
+"""Method B's decision at near-boundary pixels (P3-P5), and the readings beyond the claim.
+
+The claim (P5): each near-boundary pixel of Pred takes the Top-N label whose prototype is
+nearest to the pixel's embedding, whatever the base model's confidence. On a strong base that
+overrides pixels the base had right, so three readings beyond the claim are options (each off
+by default, chosen on held-out images by :mod:`dualseg.refine.calibrate`):
+
+- ``gate_margin`` τ: relabel only where the base's top-1 minus top-2 probability is below τ
+  (τ = 0 never relabels);
+- ``prior_weight`` λ: the candidate's score is its squared distance (in units of the mean
+  squared distance between prototypes, so λ means the same for every embedding) plus
+  λ × the base's negative log-probability of it — nearest prototype at λ = 0, the base's
+  argmax as λ grows;
+- ``min_prob``: a Top-N candidate other than the base's top-1 needs at least this probability.
+
+The work is split so a sweep is cheap: :func:`gather_candidates` runs the embedding once and
+returns everything every decision needs at the M near-boundary pixels; :func:`decide` turns it
+into labels for one setting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from dualseg.refine.boundary import near_boundary_mask
+from dualseg.refine.embedding import EmbeddingNet
+
+__all__ = [
+    "Candidates",
+    "as_probabilities",
+    "decide",
+    "gate_mask",
+    "gather_candidates",
+    "prototype_scale",
+]
+
+
+def as_probabilities(probs: Tensor) -> Tensor:
+    """``probs [B,C,H,W]`` as probabilities: logits (negative values, or rows not summing to
+    one) go through a softmax, probabilities are returned as they are."""
+    sums = probs.sum(1)
+    if probs.min() < 0 or not torch.allclose(sums, torch.ones_like(sums), atol=1e-3):
+        return probs.softmax(1)
+    return probs
+
+
+def gate_mask(probs: Tensor, gate_margin: float | None) -> Tensor:
+    """Pixels where the base is unsure enough to be relabelled: top-1 − top-2 < τ, ``[B,H,W]``.
+
+    ``probs`` ``[B,C,H,W]``: probabilities, or logits (the margin is one of probabilities);
+    ``None`` lets every pixel through (the claim).
+    """
+    if gate_margin is None:
+        return torch.ones(probs.shape[0], *probs.shape[2:], dtype=torch.bool, device=probs.device)
+    if probs.shape[1] < 2:
+        return torch.zeros(probs.shape[0], *probs.shape[2:], dtype=torch.bool, device=probs.device)
+    top2 = as_probabilities(probs).topk(2, dim=1).values  # [B,2,H,W]
+    return (top2[:, 0] - top2[:, 1]) < gate_margin
+
+
+def prototype_scale(prototypes: Tensor, present: Tensor) -> float:
+    """The mean squared Euclidean distance between two present prototypes (1.0 with fewer than
+    two): the unit of ``prior_weight``, so that λ does not depend on the embedding's scale."""
+    p = prototypes[present.to(prototypes.device)].double()
+    if p.shape[0] < 2:
+        return 1.0
+    d2 = torch.cdist(p, p).pow(2)
+    k = p.shape[0]
+    scale = float(d2.sum() / (k * (k - 1)))
+    return scale if scale > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """What every decision needs at the M near-boundary pixels (``edge.nonzero()`` order)."""
+
+    pred: Tensor  # [B,H,W] int64, the base's argmax (P2)
+    edge: Tensor  # [B,H,W] bool, near-boundary pixels of Pred (P4), not gated
+    labels: Tensor  # [M,N] int64, the Top-N labels (P3), most probable first
+    distance: Tensor  # [M,N] squared distance to the label's prototype, less |e|^2, in units
+    #                   of the prototype scale; +inf where the label has no prototype
+    log_prob: Tensor  # [M,N] the base's log-probability of each candidate
+    margin: Tensor  # [M] the base's top-1 minus top-2 probability
+
+
+def gather_candidates(
+    probs: Tensor,
+    scores: Callable[[Tensor], Tensor],
+    present: Tensor,
+    *,
+    top_n: int,
+    radius: int,
+    edge_method: str,
+    scale: float = 1.0,
+) -> Candidates:
+    """P2-P4 and P5's distances on class scores ``probs [B,C,H,W]`` (probabilities or logits).
+
+    ``scores(keep)`` returns ``prototype_scores`` ``[b,K,h,w]`` of the images that ``keep``
+    (bool ``[B]``) selects: those with near-boundary pixels, so the embedding runs only there.
+    """
+    p = as_probabilities(probs.float())
+    # P2's Pred is the argmax, first index on ties like argmax (topk's first is not: on
+    # equal scores it picks another class). max(1) returns the same indices and is ~4x
+    # faster than argmax(1) over the strided class dim on the CPU.
+    pred = p.max(1).indices  # [B,H,W]
+    n = min(top_n, p.shape[1])
+    top_p, top = p.topk(n, dim=1)  # [B,N,H,W] P3
+    edge = near_boundary_mask(pred, radius=radius, ignore_index=None, method=edge_method)  # P4
+    b, y, x = edge.nonzero().unbind(1)
+    cand = top[b, :, y, x]  # [M,N]
+    cand_p = top_p[b, :, y, x]  # [M,N]
+    second = top_p[b, 1, y, x] if n > 1 else torch.zeros_like(cand_p[:, 0])
+    if edge.any():
+        keep = edge.flatten(1).any(1)
+        s = EmbeddingNet.sample(scores(keep), edge[keep])  # [M,K], in edge.nonzero() order
+        dist = (s.gather(1, cand) / scale).masked_fill(~present.to(cand.device)[cand], float("inf"))
+    else:
+        dist = torch.zeros(cand.shape, dtype=torch.float32, device=cand.device)
+    return Candidates(
+        pred=pred,
+        edge=edge,
+        labels=cand,
+        distance=dist,
+        log_prob=cand_p.clamp_min(1e-12).log(),
+        margin=cand_p[:, 0] - second,
+    )
+
+
+def decide(
+    c: Candidates,
+    *,
+    gate_margin: float | None = None,
+    prior_weight: float = 0.0,
+    min_prob: float = 0.0,
+) -> tuple[Tensor, Tensor]:
+    """P5 with the readings above: ``(labels [B,H,W] int64, changed bool [B,H,W])``.
+
+    The defaults are the claim: every near-boundary pixel takes its nearest Top-N prototype.
+    A pixel none of whose candidates has a prototype keeps the base's label.
+    """
+    score = c.distance
+    if prior_weight > 0:
+        score = score - prior_weight * c.log_prob
+    if min_prob > 0:
+        weak = c.log_prob < torch.log(torch.tensor(min_prob))
+        weak[:, 0] = False  # the base's own label is always a candidate
+        score = score.masked_fill(weak, float("inf"))
+    best = c.labels.gather(1, score.argmin(1, keepdim=True)).squeeze(1)
+    base = c.pred[c.edge]  # [M], Pred (on ties the first index, maybe not labels[:, 0])
+    new = torch.where(torch.isfinite(score.min(1).values), best, base)
+    if gate_margin is not None:  # beyond the claim: only where the base is unsure
+        new = torch.where(c.margin < gate_margin, new, base)
+    out = c.pred.clone()
+    out[c.edge] = new
+    return out, out != c.pred
