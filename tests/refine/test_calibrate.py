@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dualseg.refine.calibrate import choose_decision, decision_grid, sweep_decision
-from dualseg.refine.decision import Candidates, decide, gate_mask, prototype_scale
+from dualseg.refine.decision import Candidates, decide, gather_candidates, prototype_scale
 
 
 def candidates(pred: torch.Tensor, edge: torch.Tensor, labels, distance, probs) -> Candidates:
@@ -74,12 +74,34 @@ def test_prototype_scale_makes_prior_weight_independent_of_the_embedding_scale()
     assert prototype_scale(protos[:1], present[:1]) == 1.0
 
 
-def test_gate_mask_is_top1_minus_top2_below_tau_and_reads_logits() -> None:
-    p1 = (1 + torch.tensor([[0.0, 0.1, 0.3, 0.9]])) / 2
-    probs = torch.stack([1 - p1, p1])[None]
-    assert gate_mask(probs, 0.2).tolist() == [[[True, True, False, False]]]
-    assert gate_mask(probs, None).all()
-    assert torch.equal(gate_mask(probs.log(), 0.2), gate_mask(probs, 0.2))
+def test_candidates_read_logits_as_their_softmax() -> None:
+    # two classes, margins top1 - top2 of 0, 0.1, 0.3, 0.9; class 0 on the left, 1 on the right
+    margins = torch.tensor([[0.0, 0.1, 0.3, 0.9]])
+    p1 = (1 + margins) / 2
+    probs = torch.stack([1 - p1, p1])[None]  # [1,2,1,4]: class 1 everywhere
+    probs[0, :, 0, :2] = probs[0, :, 0, :2].flip(0)  # class 0 on the left half
+    present = torch.ones(2, dtype=torch.bool)
+    # prototype scores: the other class is nearer everywhere, so every let-through pixel moves
+    other = torch.tensor([[[[1.0, 1.0, 0.0, 0.0]], [[0.0, 0.0, 1.0, 1.0]]]])  # [1,2,1,4]
+
+    def gather(p: torch.Tensor) -> Candidates:
+        return gather_candidates(
+            p,
+            lambda keep: other[keep],
+            present,
+            top_n=2,
+            radius=2,
+            edge_method="neighbour",
+        )
+
+    from_probs, from_logits = gather(probs), gather(probs.log())
+    assert from_probs.edge.all() and from_probs.pred.tolist() == [[[0, 0, 1, 1]]]
+    assert torch.allclose(from_probs.margin, margins[0], atol=1e-6)
+    assert torch.allclose(from_logits.margin, from_probs.margin, atol=1e-6)
+    assert torch.allclose(from_logits.log_prob, from_probs.log_prob, atol=1e-6)
+    assert torch.equal(from_logits.labels, from_probs.labels)
+    # the gate reads that margin: τ = 0.2 lets through the two unsure pixels only
+    assert decide(from_probs, gate_margin=0.2)[1].tolist() == [[[True, True, False, False]]]
 
 
 class Fixed:

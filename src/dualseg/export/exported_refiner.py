@@ -110,11 +110,15 @@ class ExportedRefiner:
         protos = torch.from_numpy(self.prototypes)
 
         sigma = self.config.p1_blur_sigma
-        if sigma > 0:  # P1's filtering, as BoundaryRefiner's
-            x = p1_filter(torch.from_numpy(np.ascontiguousarray(x, np.float32)), sigma).numpy()
+
+        def filtered(b: int) -> np.ndarray:  # P1's filtering, as BoundaryRefiner's
+            if sigma <= 0:
+                return x[b : b + 1]
+            one = torch.from_numpy(np.ascontiguousarray(x[b : b + 1], np.float32))
+            return p1_filter(one, sigma).numpy()
 
         def scores(keep: Any) -> Any:  # the exported model, one image a run (static exports)
-            feats = [self.runner(x[b : b + 1]) for b in np.flatnonzero(keep.numpy())]
+            feats = [self.runner(filtered(b)) for b in np.flatnonzero(keep.numpy())]
             return prototype_scores(torch.from_numpy(np.concatenate(feats, 0)), protos)
 
         p = torch.from_numpy(np.ascontiguousarray(probs, np.float32))

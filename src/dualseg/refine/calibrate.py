@@ -96,12 +96,12 @@ def sweep_decision(
     bnd = {k: BoundaryMetrics(num_classes, ignore_index=ignore_index, device=dev) for k in keys}
     changed = dict.fromkeys(keys, 0)
     labelled = 0
+    sigmas = {s.get("p1_blur_sigma", 0.0) for s in settings}  # one embedding run each
     for images, labels in batches:
         images, labels = images.to(dev), labels.to(dev)
         probs = base(images).float()
-        sigmas = {s.get("p1_blur_sigma", 0.0) for s in settings}
         cands = {sigma: refiner.candidates(images, probs, p1_blur_sigma=sigma) for sigma in sigmas}
-        pred = probs.max(1).indices
+        pred = next(iter(cands.values())).pred.to(dev)  # Pred, as every decision reads it
         valid = labels != ignore_index
         labelled += int(valid.sum())
         for k in keys:

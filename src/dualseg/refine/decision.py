@@ -33,7 +33,6 @@ __all__ = [
     "Candidates",
     "as_probabilities",
     "decide",
-    "gate_mask",
     "gather_candidates",
     "prototype_scale",
 ]
@@ -46,20 +45,6 @@ def as_probabilities(probs: Tensor) -> Tensor:
     if probs.min() < 0 or not torch.allclose(sums, torch.ones_like(sums), atol=1e-3):
         return probs.softmax(1)
     return probs
-
-
-def gate_mask(probs: Tensor, gate_margin: float | None) -> Tensor:
-    """Pixels where the base is unsure enough to be relabelled: top-1 − top-2 < τ, ``[B,H,W]``.
-
-    ``probs`` ``[B,C,H,W]``: probabilities, or logits (the margin is one of probabilities);
-    ``None`` lets every pixel through (the claim).
-    """
-    if gate_margin is None:
-        return torch.ones(probs.shape[0], *probs.shape[2:], dtype=torch.bool, device=probs.device)
-    if probs.shape[1] < 2:
-        return torch.zeros(probs.shape[0], *probs.shape[2:], dtype=torch.bool, device=probs.device)
-    top2 = as_probabilities(probs).topk(2, dim=1).values  # [B,2,H,W]
-    return (top2[:, 0] - top2[:, 1]) < gate_margin
 
 
 def prototype_scale(prototypes: Tensor, present: Tensor) -> float:
