@@ -11,40 +11,19 @@ import torch
 from PIL import Image
 
 import dualseg
+from checkpoint_helpers import SYNTHETIC as META
+from checkpoint_helpers import SYNTHETIC_KWARGS as KWARGS
+from checkpoint_helpers import write_synthetic_checkpoint
 from dualseg.cli import main as cli_main
 from dualseg.commands.predict import PROBS_KEYS, collect_images
-from dualseg.data import get_preset, make_synthetic_dataset
-from dualseg.engine.checkpoint import save_checkpoint
+from dualseg.data import make_synthetic_dataset
 from dualseg.engine.predict import Segmenter, as_rgb_array, load_model
 from dualseg.errors import CheckpointError, DataError
-from dualseg.models import build_model
-
-META = get_preset("synthetic")
-KWARGS = {"num_classes": META.num_classes, "output_stride": 16, "renet_hidden": 8}
-
-
-def _checkpoint(path: Path, **overrides) -> Path:
-    torch.manual_seed(0)
-    model = build_model("dualseg_mobilenet_v2", **KWARGS)
-    with torch.no_grad():  # make the random model predict several classes, not one
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    state = {
-        "arch": "dualseg_mobilenet_v2",
-        "model_kwargs": dict(KWARGS),
-        "model": model.state_dict(),
-        "class_names": list(META.class_names),
-        "palette": [list(c) for c in META.palette],
-        "ignore_index": 255,
-        "config": {"data": {"preset": "synthetic"}},
-    }
-    state.update(overrides)
-    return save_checkpoint(path, state)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    return _checkpoint(tmp_path_factory.mktemp("ckpt") / "model.pt")
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("ckpt") / "model.pt")
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +97,7 @@ def test_corrupt_and_incompatible_checkpoints(ckpt, tmp_path) -> None:
     truncated.write_bytes(ckpt.read_bytes()[:1000])
     with pytest.raises(CheckpointError, match="corrupt"):
         load_model(truncated)
-    wrong = _checkpoint(
+    wrong = write_synthetic_checkpoint(
         tmp_path / "wrong.pt", model_kwargs={**KWARGS, "num_classes": 11}
     )  # weights of 8 classes, claims 11
     with pytest.raises(CheckpointError, match="does not match"):

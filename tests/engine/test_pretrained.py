@@ -13,37 +13,21 @@ import pytest
 import torch
 
 import dualseg
+from checkpoint_helpers import SYNTHETIC as META
+from checkpoint_helpers import SYNTHETIC_KWARGS as KWARGS
+from checkpoint_helpers import write_synthetic_checkpoint
 from dualseg.cli import main as cli_main
-from dualseg.data import get_preset
-from dualseg.engine.checkpoint import save_checkpoint
 from dualseg.engine.pretrained import CONFIG_NAME, WEIGHTS_NAME, read_pretrained
 from dualseg.errors import CheckpointError, ConfigError
-from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner, RefinerConfig, build_embedding_net
 
-META = get_preset("synthetic")
-KWARGS = {"num_classes": META.num_classes, "output_stride": 16, "renet_hidden": 8}
 SRC = Path(dualseg.__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    model = build_model("dualseg_mobilenet_v2", **KWARGS)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    state = {
-        "arch": "dualseg_mobilenet_v2",
-        "model_kwargs": dict(KWARGS),
-        "model": model.state_dict(),
-        "class_names": list(META.class_names),
-        "palette": [list(c) for c in META.palette],
-        "ignore_index": 255,
-        "config": {"data": {"preset": "synthetic"}},
-        "metrics": {"iteration": 7, "miou": 0.25},
-    }
-    return save_checkpoint(tmp_path_factory.mktemp("ckpt") / "best.pt", state)
+    path = tmp_path_factory.mktemp("ckpt") / "best.pt"
+    return write_synthetic_checkpoint(path, metrics={"iteration": 7, "miou": 0.25})
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ import pytest
 import torch
 from PIL import Image
 
+from checkpoint_helpers import write_peer_checkpoint
 from dualseg.commands.predict import main as predict_main
 from dualseg.commands.refine import main as refine_main
 from dualseg.data import build_dataset, read_image
-from dualseg.engine.checkpoint import save_checkpoint
+from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
 from dualseg.engine.evaluate import evaluate
-from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner
 
 SIZE = (80, 60)  # W, H: CamVid's 480x360 scaled by 1/6, to keep the test tiny
@@ -38,17 +38,8 @@ def test_fit_apply_and_metrics_on_camvid_subset(camvid_root: Path, tmp_path: Pat
     _subset(camvid_root, data, "train", 4)
     _subset(camvid_root, data, "val", 2)
     names = build_dataset(data, split="val", preset="camvid").meta.class_names
-    model = build_model("deeplabv3_mobilenet_v2", num_classes=len(names))
-    base = tmp_path / "base.pt"
-    save_checkpoint(
-        base,
-        {
-            "arch": "deeplabv3_mobilenet_v2",
-            "model_kwargs": {"num_classes": len(names)},
-            "model": model.state_dict(),
-            "class_names": list(names),
-        },
-    )
+    base = write_peer_checkpoint(tmp_path / "base.pt", names)
+    model, _ = build_model_from_checkpoint(load_checkpoint(base))
 
     refiner_path = tmp_path / "refiner.pt"
     fit = ["fit", "--data", str(data), "--preset", "camvid", "--base", str(base)]

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint_helpers import write_peer_checkpoint
 from dualseg.commands.refine import main as refine_main
 from dualseg.data import build_dataset, make_synthetic_dataset
-from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint, save_checkpoint
-from dualseg.models import build_model
+from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.formats import TRAIN_FORMAT, load_state
 
@@ -20,18 +20,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("refine_readings")
     data = make_synthetic_dataset(root / "data", n_train=4, n_val=2, size=(48, 64), seed=0)
     names = build_dataset(data, split="val").meta.class_names
-    torch.manual_seed(0)
-    model = build_model("deeplabv3_mobilenet_v2", num_classes=len(names))
-    base = root / "base.pt"
-    save_checkpoint(
-        base,
-        {
-            "arch": "deeplabv3_mobilenet_v2",
-            "model_kwargs": {"num_classes": len(names)},
-            "model": model.state_dict(),
-            "class_names": list(names),
-        },
-    )
+    base = write_peer_checkpoint(root / "base.pt", names)
     return data, base
 
 

@@ -1,0 +1,52 @@
+"""Helpers that write tiny checkpoints into a test's tmp_path (seeded: the same model each call)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dualseg.data import get_preset
+from dualseg.engine.checkpoint import save_checkpoint
+from dualseg.models import build_model
+
+SYNTHETIC = get_preset("synthetic")
+SYNTHETIC_KWARGS = {"num_classes": SYNTHETIC.num_classes, "output_stride": 16, "renet_hidden": 8}
+
+
+def write_synthetic_checkpoint(path: Path, **overrides: Any) -> Path:
+    """A random ``dualseg_mobilenet_v2`` for the synthetic preset, its weights jittered so that
+    it predicts several classes, not one; ``overrides`` replace entries of the state."""
+    torch.manual_seed(0)
+    model = build_model("dualseg_mobilenet_v2", **SYNTHETIC_KWARGS)
+    with torch.no_grad():  # make the random model predict several classes, not one
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    state = {
+        "arch": "dualseg_mobilenet_v2",
+        "model_kwargs": dict(SYNTHETIC_KWARGS),
+        "model": model.state_dict(),
+        "class_names": list(SYNTHETIC.class_names),
+        "palette": [list(c) for c in SYNTHETIC.palette],
+        "ignore_index": 255,
+        "config": {"data": {"preset": "synthetic"}},
+    }
+    state.update(overrides)
+    return save_checkpoint(path, state)
+
+
+def write_peer_checkpoint(path: Path, class_names: Sequence[str]) -> Path:
+    """A random DeepLabV3-MobileNetV2 (the peer) predicting ``class_names``: a base model."""
+    torch.manual_seed(0)
+    model = build_model("deeplabv3_mobilenet_v2", num_classes=len(class_names))
+    return save_checkpoint(
+        path,
+        {
+            "arch": "deeplabv3_mobilenet_v2",
+            "model_kwargs": {"num_classes": len(class_names)},
+            "model": model.state_dict(),
+            "class_names": list(class_names),
+        },
+    )
