@@ -65,8 +65,9 @@ def kmeans(x: Tensor, k: int, iters: int, gen: torch.Generator) -> Tensor:
     for _ in range(iters):
         assign = torch.cdist(x, centres).argmin(1)
         sums = torch.zeros_like(centres).index_add_(0, assign, x)
-        counts = torch.bincount(assign, minlength=k).clamp(min=1).unsqueeze(1)
-        centres = torch.where(counts > 0, sums / counts, centres)
+        counts = torch.bincount(assign, minlength=k).unsqueeze(1)
+        # an empty cluster keeps its centre (dividing by its zero count would move it to 0)
+        centres = torch.where(counts > 0, sums / counts.clamp(min=1), centres)
     return centres
 
 
