@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-
-# the tiny random checkpoint of test_predict (8 synthetic classes)
-from test_predict import KWARGS, META, _checkpoint
 from torch import nn
 
+# the tiny random checkpoint of test_predict (8 synthetic classes)
+from checkpoint_helpers import SYNTHETIC as META
+from checkpoint_helpers import SYNTHETIC_KWARGS as KWARGS
+from checkpoint_helpers import write_synthetic_checkpoint
 from dualseg.cli import main as cli_main
 from dualseg.data import build_dataset, build_eval_transform, make_synthetic_dataset
 from dualseg.engine.evaluate import evaluate
@@ -33,7 +34,7 @@ def ckpt(tmp_path_factory) -> Path:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
     path = tmp_path_factory.mktemp("ckpt") / "model.pt"
-    return _checkpoint(path, model=model.state_dict())
+    return write_synthetic_checkpoint(path, model=model.state_dict())
 
 
 @pytest.fixture(scope="module")
