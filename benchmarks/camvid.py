@@ -58,6 +58,7 @@ from dualseg.engine.train import fit
 from dualseg.io import atomic_write_json, atomic_write_text
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner
+from dualseg.refine.decision import describe_decision
 from dualseg.refine.refiner import RefinerConfig
 
 # name -> (architecture, build_model options); the ablations switch one part of method A off.
@@ -585,13 +586,8 @@ def save_panels(
 
 def decision_label(cfg: RefinerConfig) -> str:
     """How a dev-chosen decision reads in a table: 'gate 0.1, prior 2 (chosen on dev)'."""
-    if cfg.gate_margin == 0:
-        return "gate 0: never relabel (chosen on dev)"
-    parts = [] if cfg.gate_margin is None else [f"gate {cfg.gate_margin:g}"]
-    parts += [f"prior {cfg.prior_weight:g}"] if cfg.prior_weight else []
-    parts += [f"floor {cfg.min_prob:g}"] if cfg.min_prob else []
-    parts += [f"P1 blur {cfg.p1_blur_sigma:g}"] if cfg.p1_blur_sigma else []
-    return ", ".join(parts or ["the claim's rule"]) + " (chosen on dev)"
+    readings = ("gate_margin", "prior_weight", "min_prob", "p1_blur_sigma")
+    return describe_decision(**{k: getattr(cfg, k) for k in readings}) + " (chosen on dev)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dualseg.commands.refine import format_sweep
 from dualseg.refine.calibrate import choose_decision, decision_grid, sweep_decision
-from dualseg.refine.decision import Candidates, decide, gather_candidates, prototype_scale
+from dualseg.refine.decision import (
+    Candidates,
+    decide,
+    describe_decision,
+    gather_candidates,
+    prototype_scale,
+)
 
 
 def candidates(pred: torch.Tensor, edge: torch.Tensor, labels, distance, probs) -> Candidates:
@@ -169,3 +176,37 @@ def test_p1_filter_blurs_and_zero_is_the_identity() -> None:
     assert y[..., 4, 4].max() < 0.2 and y.sum() == pytest.approx(3.0, rel=1e-4)
     flat = torch.full((1, 3, 9, 9), 0.7)
     assert torch.allclose(p1_filter(flat, 1.5), flat)
+
+
+def test_decision_settings_read_the_same_in_every_report() -> None:
+    assert describe_decision() == "the claim's rule"
+    assert describe_decision(gate_margin=0.0) == "gate 0: never relabel"
+    words = describe_decision(gate_margin=0.1, prior_weight=0.5, min_prob=0.2, p1_blur_sigma=1.0)
+    assert words == "gate 0.1, prior 0.5, floor 0.2, P1 blur 1"
+    rows = [
+        {"gate_margin": "base", "miou": 0.5, "boundary_f1": 0.3, "changed": 0.0},
+        {
+            "gate_margin": None,
+            "prior_weight": 0.0,
+            "min_prob": 0.0,
+            "miou": 0.4,
+            "boundary_f1": 0.2,
+            "changed": 0.1,
+        },
+        {
+            "gate_margin": 0.1,
+            "prior_weight": 0.5,
+            "min_prob": 0.2,
+            "p1_blur_sigma": 1.0,
+            "miou": 0.6,
+            "boundary_f1": 0.35,
+            "changed": 0.01,
+        },
+    ]
+    lines = format_sweep(rows).splitlines()
+    assert [line.split(":")[0].strip() for line in lines] == [
+        "base model",
+        "the claim's rule",
+        words,
+    ]
+    assert "mIoU 60.0" in lines[2] and "changed 1.00%" in lines[2]

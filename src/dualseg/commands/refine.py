@@ -394,23 +394,19 @@ def calibrate(refiner: Any, base: Any, args: argparse.Namespace, device: Any) ->
 
 def format_sweep(rows: list[dict[str, Any]], *, best: int = 5) -> str:
     """The base row, the claim's row and the ``best`` rows by mIoU, one line each."""
+    from dualseg.refine.decision import describe_decision
+
     claim = {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0, "p1_blur_sigma": 0.0}
+
+    def setting(r: dict[str, Any]) -> dict[str, Any]:  # a reading missing from a row: default
+        return {k: r.get(k, v) for k, v in claim.items()}
+
     base = [r for r in rows if r["gate_margin"] == "base"]
-    claims = [r for r in rows if all(r.get(k) == v for k, v in claim.items())]
+    claims = [r for r in rows if r not in base and setting(r) == claim]
     rest = sorted((r for r in rows if r not in base), key=lambda r: (-r["miou"], r["changed"]))
     lines = []
     for r in [*base, *claims, *[r for r in rest[:best] if r not in claims]]:
-        g = r["gate_margin"]
-        if g == "base":
-            name = "base model"
-        elif r in claims:
-            name = "the claim (no gate)"
-        else:
-            gate = "none" if g is None else f"{g:g}"
-            name = (
-                f"gate {gate}, prior {r['prior_weight']:g}, floor {r['min_prob']:g}, "
-                f"blur {r.get('p1_blur_sigma', 0.0):g}"
-            )
+        name = "base model" if r in base else describe_decision(**setting(r))
         lines.append(
             f"  {name:>32}: mIoU {100 * r['miou']:.1f}  boundary F1 "
             f"{100 * r['boundary_f1']:.1f}  changed {100 * r['changed']:.2f}%"

@@ -33,6 +33,7 @@ __all__ = [
     "Candidates",
     "as_probabilities",
     "decide",
+    "describe_decision",
     "gather_candidates",
     "prototype_scale",
 ]
@@ -142,3 +143,22 @@ def decide(
     out = c.pred.clone()
     out[c.edge] = new
     return out, out != c.pred
+
+
+def describe_decision(
+    *,
+    gate_margin: float | None = None,
+    prior_weight: float = 0.0,
+    min_prob: float = 0.0,
+    p1_blur_sigma: float = 0.0,
+) -> str:
+    """A decision setting in words: its readings beyond the claim, or "the claim's rule".
+
+    One wording for every report (``refine fit --calibrate-split``, the CamVid benchmark)."""
+    if gate_margin == 0:
+        return "gate 0: never relabel"
+    parts = [] if gate_margin is None else [f"gate {gate_margin:g}"]
+    parts += [f"prior {prior_weight:g}"] if prior_weight else []
+    parts += [f"floor {min_prob:g}"] if min_prob else []
+    parts += [f"P1 blur {p1_blur_sigma:g}"] if p1_blur_sigma else []
+    return ", ".join(parts) or "the claim's rule"
