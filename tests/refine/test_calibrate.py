@@ -111,6 +111,28 @@ def test_candidates_read_logits_as_their_softmax() -> None:
     assert decide(from_probs, gate_margin=0.2)[1].tolist() == [[[True, True, False, False]]]
 
 
+def test_candidates_equal_the_dense_top_n_at_each_near_boundary_pixel() -> None:
+    # P3 computed only at the near-boundary pixels equals Top-N of the whole map read there
+    torch.manual_seed(0)
+    logits = torch.nn.functional.interpolate(torch.randn(2, 6, 4, 5) * 3, size=(24, 30))
+    scores = torch.rand(2, 6, 24, 30)
+    present = torch.tensor([True, True, False, True, True, True])
+    c = gather_candidates(
+        logits, lambda keep: scores[keep], present, top_n=3, radius=1, edge_method="neighbour"
+    )
+    assert 0 < int(c.edge.sum()) < c.edge.numel()
+    b, y, x = c.edge.nonzero().unbind(1)
+    top_p, top = logits.softmax(1).topk(3, dim=1)
+    assert torch.equal(c.pred, logits.argmax(1))
+    assert torch.equal(c.labels, top[b, :, y, x])
+    assert torch.allclose(c.log_prob, top_p[b, :, y, x].log(), atol=1e-5)
+    assert torch.allclose(c.margin, top_p[b, 0, y, x] - top_p[b, 1, y, x], atol=1e-6)
+    dist = scores[b, :, y, x].gather(1, c.labels)
+    absent = ~present[c.labels]
+    assert torch.isinf(c.distance[absent]).all()
+    assert torch.allclose(c.distance[~absent], dist[~absent], atol=1e-6)
+
+
 class Fixed:
     """A stand-in refiner whose candidates are given."""
 

@@ -31,7 +31,7 @@ from dualseg.refine.embedding import EmbeddingNet
 
 __all__ = [
     "Candidates",
-    "as_probabilities",
+    "are_probabilities",
     "decide",
     "describe_decision",
     "gather_candidates",
@@ -39,13 +39,11 @@ __all__ = [
 ]
 
 
-def as_probabilities(probs: Tensor) -> Tensor:
-    """``probs [B,C,H,W]`` as probabilities: logits (negative values, or rows not summing to
-    one) go through a softmax, probabilities are returned as they are."""
-    sums = probs.sum(1)
-    if probs.min() < 0 or not torch.allclose(sums, torch.ones_like(sums), atol=1e-3):
-        return probs.softmax(1)
-    return probs
+def are_probabilities(scores: Tensor) -> bool:
+    """Whether class scores ``[B,C,H,W]`` are probabilities (non-negative, summing to one over
+    C); otherwise they are read as logits."""
+    sums = scores.sum(1)
+    return bool(scores.min() >= 0) and torch.allclose(sums, torch.ones_like(sums), atol=1e-3)
 
 
 def prototype_scale(prototypes: Tensor, present: Tensor) -> float:
@@ -88,18 +86,19 @@ def gather_candidates(
     ``scores(keep)`` returns ``prototype_scores`` ``[b,K,h,w]`` of the images that ``keep``
     (bool ``[B]``) selects: those with near-boundary pixels, so the embedding runs only there.
     """
-    p = as_probabilities(probs.float())
+    p = probs.float()
     # P2's Pred is the argmax, first index on ties like argmax (topk's first is not: on
     # equal scores it picks another class). max(1) returns the same indices and is ~4x
     # faster than argmax(1) over the strided class dim on the CPU.
     pred = p.max(1).indices  # [B,H,W]
-    n = min(top_n, p.shape[1])
-    top_p, top = p.topk(n, dim=1)  # [B,N,H,W] P3
     edge = near_boundary_mask(pred, radius=radius, ignore_index=None, method=edge_method)  # P4
-    b, y, x = edge.nonzero().unbind(1)
-    cand = top[b, :, y, x]  # [M,N]
-    cand_p = top_p[b, :, y, x]  # [M,N]
-    second = top_p[b, 1, y, x] if n > 1 else torch.zeros_like(cand_p[:, 0])
+    # P3's Top-N and the probabilities are needed only at the M near-boundary pixels: read
+    # their score rows once (a top-k over the whole map costs more than the rest together).
+    rows = p.permute(0, 2, 3, 1)[edge]  # [M,C], edge.nonzero() order
+    n = min(top_n, p.shape[1])
+    cand = rows.topk(n, dim=1).indices  # [M,N] P3, most probable first (softmax keeps order)
+    cand_p = (rows if are_probabilities(p) else rows.softmax(1)).gather(1, cand)  # [M,N]
+    second = cand_p[:, 1] if n > 1 else torch.zeros_like(cand_p[:, 0])
     if edge.any():
         keep = edge.flatten(1).any(1)
         s = EmbeddingNet.sample(scores(keep), edge[keep])  # [M,K], in edge.nonzero() order
