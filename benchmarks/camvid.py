@@ -110,6 +110,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="method B step 3: one independent refiner for all bases, or one per base on its "
         "own backbone",
     )
+    p.add_argument(
+        "--refine-mining",
+        choices=("random", "semi-hard"),
+        default=RefinerConfig.mining,
+        help="method B step 4: the false example of each triplet (random: the claim)",
+    )
     p.add_argument("--timing-images", type=int, default=10, help="images timed per model")
     p.add_argument("--panels", type=int, default=3, help="qualitative panels to write")
     p.add_argument("--eval-limit", type=int, help="evaluate only the first N images (smoke runs)")
@@ -506,6 +512,7 @@ def fit_refiners(
                 batch_size=args.batch_size,
                 seed=args.seed,
                 backbone_source=args.refine_backbone_source,
+                mining=args.refine_mining,
             ),
             prototype_dataset=protos,
             weights=None if args.weights == "none" or not shared else args.weights,
@@ -519,6 +526,7 @@ def fit_refiners(
         results["train"][f"method_b_{key}"] = {
             "steps": args.refine_steps,
             "backbone_source": args.refine_backbone_source,
+            "mining": args.refine_mining,
             "seconds": time.time() - t0,
         }
     refiners = {name: fitted["all" if shared else name] for name in bases}

@@ -38,9 +38,11 @@ def test_base_frozen_backbone_is_the_base_models_and_the_gate_is_calibrated(
     data, base = setup
     out = tmp_path / "refiner.pt"
     argv = [*fit_args(data, base, out), "--backbone-source", "base-frozen"]
+    argv += ["--mining", "semi-hard", "--mining-pool", "4"]
     assert refine_main([*argv, "--calibrate-split", "val"]) == 0
     refiner = BoundaryRefiner.load(out)
     assert refiner.config.backbone_source == "base-frozen"
+    assert (refiner.config.mining, refiner.config.mining_pool) == ("semi-hard", 4)
     # frozen: the embedding's backbone still holds the base model's backbone weights
     model, _ = build_model_from_checkpoint(load_checkpoint(base))
     theirs = model.backbone.state_dict()

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
+from dualseg.errors import ConfigError
 from dualseg.refine import EmbeddingNet, RefinerConfig, sample_triplets, triplet_loss, triplet_step
+from dualseg.refine.triplet import mine_negatives
 
 
 def test_triplet_loss_equals_slow_reference() -> None:
@@ -32,14 +35,15 @@ def test_triplet_loss_equals_slow_reference() -> None:
     assert sample_triplets(torch.tensor([2, 2, 2, 2]), 10) is None  # one class: no triplet
 
 
-def test_steps_on_separable_toy_problem_drive_violations_to_zero() -> None:
+@pytest.mark.parametrize("mining", ["random", "semi-hard"])
+def test_steps_on_separable_toy_problem_drive_violations_to_zero(mining: str) -> None:
     # 4 vertical stripes of 4 classes; each class has its own colour plus noise
     gen = torch.Generator().manual_seed(0)
     labels = torch.arange(4).repeat_interleave(8).expand(4, 32, 32).clone()  # [B,H,W]
     colours = torch.randn(4, 3, generator=gen)
     images = colours[labels].permute(0, 3, 1, 2) + 0.3 * torch.randn(4, 3, 32, 32, generator=gen)
     net = EmbeddingNet(nn.Sequential(nn.Conv2d(3, 16, 1), nn.ReLU()), nn.Conv2d(16, 8, 1), 8)
-    cfg = RefinerConfig(radius=2, margin=1.0, num_triplets=512, lr=0.02)
+    cfg = RefinerConfig(radius=2, margin=1.0, num_triplets=512, lr=0.02, mining=mining)
     opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
     history = [
         triplet_step(net, opt, images, labels, cfg, torch.Generator().manual_seed(s))
@@ -48,3 +52,43 @@ def test_steps_on_separable_toy_problem_drive_violations_to_zero() -> None:
     assert history[0]["violating"] > 0.3
     assert history[-1]["violating"] < 0.05
     assert history[-1]["margin"] > history[0]["margin"]
+
+
+def test_a_pool_of_negatives_are_all_false_examples_and_one_negative_is_the_plain_draw() -> None:
+    labels = torch.randint(0, 3, (50,), generator=torch.Generator().manual_seed(0))
+    t1, t2, pool = sample_triplets(
+        labels, 100, negatives=6, generator=torch.Generator().manual_seed(3)
+    )
+    assert pool.shape == (100, 6)
+    assert (labels[pool] != labels[t1][:, None]).all() and (labels[t1] == labels[t2]).all()
+    assert len(set(pool.flatten().tolist())) > 10  # the pool is drawn, not one index repeated
+    # one negative per anchor reads the random stream as before: the same triplets
+    plain = sample_triplets(labels, 100, generator=torch.Generator().manual_seed(3))
+    single = sample_triplets(labels, 100, negatives=1, generator=torch.Generator().manual_seed(3))
+    assert all(torch.equal(a, b) for a, b in zip(plain, single))
+    with pytest.raises(ConfigError, match="negatives"):
+        sample_triplets(labels, 10, negatives=0)
+
+
+def test_semi_hard_takes_the_nearest_negative_beyond_the_positive_else_the_farthest() -> None:
+    # 1-D embeddings: anchor at 0, positive at 1 (d_pos = 1)
+    emb = torch.tensor([[0.0], [1.0], [0.5], [1.5], [3.0], [0.2], [0.8]])
+    t1, t2 = torch.tensor([0, 0]), torch.tensor([1, 1])
+    pool = torch.tensor([[2, 4, 3], [5, 6, 2]])  # row 1: every negative nearer than the positive
+    assert mine_negatives(emb, t1, t2, pool, "semi-hard").tolist() == [3, 6]
+    assert mine_negatives(emb, t1, t2, pool, "random").tolist() == [2, 5]
+    with pytest.raises(ConfigError, match="mining"):
+        mine_negatives(emb, t1, t2, pool, "hardest")
+    with pytest.raises(ConfigError, match="mining"):
+        RefinerConfig(mining="hard")
+
+
+def test_semi_hard_triplets_violate_more_than_random_ones_on_the_same_embedding() -> None:
+    # a half-trained embedding: most random negatives are already easy, semi-hard ones are not
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.arange(5).repeat_interleave(60)
+    emb = torch.randn(5, 4, generator=gen)[labels] * 1.5 + 0.6 * torch.randn(300, 4, generator=gen)
+    kw = {"margin": 1.0, "num_triplets": 2000}
+    _, rand = triplet_loss(emb, labels, mining="random", generator=gen.manual_seed(1), **kw)
+    _, semi = triplet_loss(emb, labels, mining="semi-hard", generator=gen.manual_seed(1), **kw)
+    assert semi["violating"] > rand["violating"] + 0.1 and semi["margin"] < rand["margin"]

@@ -154,6 +154,17 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--margin", type=float, default=d.margin, help=f"triplet margin Δ ({d.margin})")
     p.add_argument("--num-triplets", type=int, default=d.num_triplets, help=f"({d.num_triplets})")
     p.add_argument("--reduction", default=d.reduction, help="all | violating (all)")
+    p.add_argument(
+        "--mining",
+        default=d.mining,
+        help=f"false example F0: random (the claim) | semi-hard, among --mining-pool ({d.mining})",
+    )
+    p.add_argument(
+        "--mining-pool",
+        type=int,
+        default=d.mining_pool,
+        help=f"false examples per anchor for --mining semi-hard ({d.mining_pool})",
+    )
     p.add_argument("--steps", type=int, default=d.steps, help=f"training steps ({d.steps})")
     p.add_argument(
         "--time-budget",
@@ -274,6 +285,8 @@ def fit_main(args: argparse.Namespace) -> int:
         margin=args.margin,
         num_triplets=args.num_triplets,
         reduction=args.reduction,
+        mining=args.mining,
+        mining_pool=args.mining_pool,
         steps=args.steps,
         batch_size=args.batch_size,
         optimizer=args.optimizer,

@@ -43,7 +43,7 @@ from dualseg.refine.embedding import (
 from dualseg.refine.fit import OPTIMIZERS, train_embedding
 from dualseg.refine.formats import FORMAT, load_state
 from dualseg.refine.prototypes import stream_prototypes
-from dualseg.refine.triplet import REDUCTIONS, triplet_step
+from dualseg.refine.triplet import MINING, REDUCTIONS, triplet_step
 
 BACKBONE_SOURCES = ("independent", "base-frozen", "base-finetune")
 
@@ -63,7 +63,9 @@ class RefinerConfig:
     steps; at 1e-3, 36% after 1,500).
     Mask (step 2 / P4): ``radius`` (dilation, px),
     ``edge_method`` (see :mod:`dualseg.refine.boundary`). Triplets (step 4): ``margin`` Δ,
-    ``num_triplets`` per step, ``reduction``, ``steps`` (the preset repetition count),
+    ``num_triplets`` per step, ``reduction``, ``mining`` (which false example: ``"random"``,
+    the claim's reading, or ``"semi-hard"`` among ``mining_pool`` per anchor; see
+    :mod:`dualseg.refine.triplet`), ``steps`` (the preset repetition count),
     ``optimizer`` / ``lr`` / ``weight_decay`` / ``momentum``, ``batch_size``, ``seed``.
     Inference: ``p1_blur_sigma`` (P1's filtering, a Gaussian blur of the image the embedding
     model sees; the claim names no filter, 0: none, normalization only), ``top_n`` (P3).
@@ -93,6 +95,8 @@ class RefinerConfig:
     margin: float = 1.0
     num_triplets: int = 4096
     reduction: str = "all"
+    mining: str = "random"
+    mining_pool: int = 8
     steps: int = 2000
     batch_size: int = 8
     optimizer: str = "adamw"
@@ -119,6 +123,8 @@ class RefinerConfig:
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),
             (self.edge_method in EDGE_METHODS, f"edge_method must be one of {EDGE_METHODS}"),
             (self.reduction in REDUCTIONS, f"reduction must be one of {REDUCTIONS}"),
+            (self.mining in MINING, f"mining must be one of {MINING}"),
+            (self.mining_pool >= 1, f"mining_pool must be >= 1, got {self.mining_pool}"),
             (self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}"),
             (
                 self.backbone_source in BACKBONE_SOURCES,

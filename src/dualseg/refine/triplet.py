@@ -9,6 +9,13 @@ nothing — the claim's skip.
 Sampling is vectorized: pixels are sorted by label, so each class occupies one contiguous run
 ``[start_j, start_j + count_j)``; positives are drawn inside the anchor's run (never the anchor
 itself), negatives from the complement of that run.
+
+Mining (which false example F0; the claim says only "a false example"): ``"random"`` (the
+Reading: F0 uniform among the other labels' pixels) or ``"semi-hard"`` (FaceNet's rule, beyond
+the claim): of ``pool`` random false examples, the nearest one still farther from T1 than T2
+is; when all are nearer, the farthest of them. Random negatives are mostly easy once training
+has begun (zero loss, the claim's skip); semi-hard ones keep the triplets informative without
+the collapse that always taking the hardest negative causes.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from dualseg.refine.refiner import RefinerConfig
 
 REDUCTIONS = ("all", "violating")
+MINING = ("random", "semi-hard")
 
 
 class TripletStats(TypedDict):
@@ -36,15 +44,23 @@ class TripletStats(TypedDict):
 
 
 def sample_triplets(
-    labels: Tensor, num_triplets: int, *, generator: torch.Generator | None = None
+    labels: Tensor,
+    num_triplets: int,
+    *,
+    negatives: int = 1,
+    generator: torch.Generator | None = None,
 ) -> tuple[Tensor, Tensor, Tensor] | None:
-    """Indices ``(t1, t2, f0)`` into ``labels`` ``[N]``, each ``[num_triplets]`` long.
+    """Indices ``(t1, t2, f0)`` into ``labels`` ``[N]``: ``t1``, ``t2`` ``[num_triplets]``,
+    ``f0`` ``[num_triplets]`` (``negatives=1``) or ``[num_triplets, negatives]`` (a pool of
+    false examples per anchor, for mining).
 
     ``labels[t1] == labels[t2] != labels[f0]`` and ``t1 != t2``. Anchors are drawn uniformly
     among the samples of classes that have at least two samples (a class with a single sample
     cannot give T1 and T2 and is skipped). ``None`` when no triplet exists (fewer than two
     classes, or no class with two samples): the caller's step is then a no-op.
     """
+    if negatives < 1:
+        raise ConfigError(f"negatives must be >= 1, got {negatives}")
     n = labels.numel()
     if n < 3 or num_triplets <= 0:
         return None
@@ -74,10 +90,34 @@ def sample_triplets(
     k = randint(count - 1)
     own = anchor - start
     positive = start + k + (k >= own).long()
-    # negative: one of the n - count samples outside the run
-    r = randint(n - count)
-    negative = torch.where(r < start, r, r + count)
-    return order[anchor], order[positive], order[negative]
+    # negative(s): one of the n - count samples outside the run, `negatives` times
+    outside = (n - count)[:, None].expand(-1, negatives)
+    start = start[:, None]
+    r = randint(outside)
+    negative = torch.where(r < start, r, r + count[:, None])  # [T, negatives]
+    f0 = order[negative]
+    return order[anchor], order[positive], (f0[:, 0] if negatives == 1 else f0)
+
+
+def mine_negatives(emb: Tensor, t1: Tensor, t2: Tensor, pool: Tensor, mining: str) -> Tensor:
+    """F0 ``[T]`` from a pool of false examples ``pool [T,K]`` (module docstring, "Mining").
+
+    ``"random"`` takes each pool's first (a uniform draw); ``"semi-hard"`` the nearest negative
+    farther from T1 than T2, else the farthest. Distances are read without autograd: the
+    choice is not differentiated.
+    """
+    if mining not in MINING:
+        raise ConfigError(f"unknown triplet mining {mining!r}; choose one of {MINING}")
+    if mining == "random" or pool.shape[1] == 1:
+        return pool[:, 0]
+    with torch.no_grad():
+        a = emb[t1]  # [T,C]
+        d_pos = _euclidean(a, emb[t2])  # [T]
+        d_neg = _euclidean(a[:, None], emb[pool])  # [T,K]
+        farther = d_neg > d_pos[:, None]
+        semi_hard = d_neg.masked_fill(~farther, float("inf")).argmin(1)
+        pick = torch.where(farther.any(1), semi_hard, d_neg.argmax(1))
+    return pool.gather(1, pick[:, None]).squeeze(1)
 
 
 def triplet_hinge(
@@ -103,24 +143,30 @@ def triplet_loss(
     margin: float = 1.0,
     num_triplets: int = 4096,
     reduction: str = "all",
+    mining: str = "random",
+    pool: int = 8,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, TripletStats]:
     """Sampled triplet hinge loss over near-boundary embeddings ``emb [N,C]``, ``labels [N]``.
 
     ``reduction="all"`` averages over all sampled triplets (zero-loss ones add zeros);
     ``"violating"`` averages over the violating ones only (the claim's skip taken literally:
-    only corrected triplets count). With no possible triplet the loss is an exact zero that
-    still belongs to the graph, so ``backward()`` is a no-op.
+    only corrected triplets count). ``mining`` chooses F0 among ``pool`` false examples per
+    anchor (``"random"``: one uniform draw). With no possible triplet the loss is an exact zero
+    that still belongs to the graph, so ``backward()`` is a no-op.
     """
     if reduction not in REDUCTIONS:
         raise ConfigError(f"unknown triplet reduction {reduction!r}; choose one of {REDUCTIONS}")
     if margin < 0:
         raise ConfigError(f"triplet margin must be >= 0, got {margin}")
     zero = emb.sum() * 0.0
-    triplets = sample_triplets(labels, num_triplets, generator=generator)
+    negatives = pool if mining == "semi-hard" else 1
+    triplets = sample_triplets(labels, num_triplets, negatives=negatives, generator=generator)
     if triplets is None:
         return zero, TripletStats(num_triplets=0, violating=0.0, margin=0.0, loss=0.0)
-    hinge, gap = triplet_hinge(emb, *triplets, margin)
+    t1, t2, f0 = triplets
+    f0 = mine_negatives(emb, t1, t2, f0.view(t1.numel(), -1), mining)
+    hinge, gap = triplet_hinge(emb, t1, t2, f0, margin)
     return reduce_hinge(hinge, gap, reduction)
 
 
@@ -156,7 +202,10 @@ def triplet_step(
         labels, radius=cfg.radius, ignore_index=ignore_index, method=cfg.edge_method
     )
     pix_labels = labels[edge]  # [M]
-    triplets = sample_triplets(pix_labels, cfg.num_triplets, generator=generator)
+    negatives = cfg.mining_pool if cfg.mining == "semi-hard" else 1
+    triplets = sample_triplets(
+        pix_labels, cfg.num_triplets, negatives=negatives, generator=generator
+    )
     if triplets is None:
         return {
             "loss": 0.0,
@@ -165,12 +214,14 @@ def triplet_step(
             "num_triplets": 0,
             "pixels": int(edge.sum()),
         }
-    used, inverse = torch.unique(torch.cat(triplets), return_inverse=True)
+    t = triplets[0].numel()
+    used, inverse = torch.unique(torch.cat([x.flatten() for x in triplets]), return_inverse=True)
     where = edge.nonzero()[used]  # [U,3]
     sub = torch.zeros_like(edge)
     sub[where[:, 0], where[:, 1], where[:, 2]] = True  # nonzero() order == sorted `used` order
     emb = EmbeddingNet.sample(embed_features(net, images, cfg.input_scale), sub)  # [U,C]
-    t1, t2, f0 = inverse.split(triplets[0].numel())
+    t1, t2, pool = inverse[:t], inverse[t : 2 * t], inverse[2 * t :].view(t, -1)
+    f0 = mine_negatives(emb, t1, t2, pool, cfg.mining)
     hinge, gap = triplet_hinge(emb, t1, t2, f0, cfg.margin)
     loss, stats = reduce_hinge(hinge, gap, cfg.reduction)
     opt.zero_grad(set_to_none=True)
