@@ -139,7 +139,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     plateau.add_argument("--protocol", choices=("budget", "plateau"), default="budget")
     plateau.add_argument("--max-iters", type=int, default=2000, help="T of the poly schedule")
     plateau.add_argument("--val-every", type=int, default=200, help="dev validation interval")
-    plateau.add_argument("--patience", type=int, default=3, help="validations without gain")
+    plateau.add_argument(
+        "--patience",
+        type=int,
+        default=3,
+        help="validations without gain (0: no early stop, the whole poly schedule to T: the "
+        "schedule check compares T with 2T run this way)",
+    )
     plateau.add_argument("--min-delta", type=float, default=0.5, help="mIoU points")
     plateau.add_argument(
         "--dev-fraction",
@@ -218,7 +224,7 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
                 max_iters=args.max_iters,
                 val_every=args.val_every,
                 monitor="val_miou",
-                patience=args.patience,
+                patience=args.patience or None,  # 0: off
                 min_delta=args.min_delta / 100.0,
                 seed=args.seed,
                 device=args.device,
