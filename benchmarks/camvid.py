@@ -685,7 +685,9 @@ def main(argv: list[str] | None = None) -> int:
     models: dict[str, torch.nn.Module] = {}
     meta = None
     for name in args.models:
-        kept = "best.pt" if args.protocol == "plateau" else "last.pt"  # plateau: best on dev
+        # plateau: the best on dev; with early stopping off (--patience 0), the end of the
+        # schedule, which is what the schedule check compares
+        kept = "best.pt" if args.protocol == "plateau" and args.patience else "last.pt"
         ckpt = load_checkpoint(out / "runs" / name / kept)
         model, meta = build_model_from_checkpoint(ckpt, device=device)
         models[name] = model.eval()
