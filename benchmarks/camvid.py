@@ -58,6 +58,7 @@ from dualseg.engine.train import fit
 from dualseg.io import atomic_write_json, atomic_write_text
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner
+from dualseg.refine.calibrate import DECISION_KEYS
 from dualseg.refine.decision import describe_decision
 from dualseg.refine.refiner import RefinerConfig
 
@@ -600,8 +601,7 @@ def save_panels(
 
 def decision_label(cfg: RefinerConfig) -> str:
     """How a dev-chosen decision reads in a table: 'gate 0.1, prior 2 (chosen on dev)'."""
-    readings = ("gate_margin", "prior_weight", "min_prob", "p1_blur_sigma")
-    return describe_decision(**{k: getattr(cfg, k) for k in readings}) + " (chosen on dev)"
+    return describe_decision(**{k: getattr(cfg, k) for k in DECISION_KEYS}) + " (chosen on dev)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -407,15 +407,14 @@ def calibrate(refiner: Any, base: Any, args: argparse.Namespace, device: Any) ->
 
 def format_sweep(rows: list[dict[str, Any]], *, best: int = 5) -> str:
     """The base row, the claim's row and the ``best`` rows by mIoU, one line each."""
+    from dualseg.refine.calibrate import CLAIM_DECISION
     from dualseg.refine.decision import describe_decision
 
-    claim = {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0, "p1_blur_sigma": 0.0}
-
     def setting(r: dict[str, Any]) -> dict[str, Any]:  # a reading missing from a row: default
-        return {k: r.get(k, v) for k, v in claim.items()}
+        return {k: r.get(k, v) for k, v in CLAIM_DECISION.items()}
 
     base = [r for r in rows if r["gate_margin"] == "base"]
-    claims = [r for r in rows if r not in base and setting(r) == claim]
+    claims = [r for r in rows if r not in base and setting(r) == CLAIM_DECISION]
     rest = sorted((r for r in rows if r not in base), key=lambda r: (-r["miou"], r["changed"]))
     lines = []
     for r in [*base, *claims, *[r for r in rest[:best] if r not in claims]]:

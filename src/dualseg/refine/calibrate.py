@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import torch
@@ -26,6 +27,8 @@ from dualseg.metrics import BoundaryMetrics, ConfusionMatrix
 from dualseg.refine.decision import Candidates, decide
 
 __all__ = [
+    "CLAIM_DECISION",
+    "DECISION_KEYS",
     "DEFAULT_BLUR_SIGMAS",
     "DEFAULT_GATES",
     "DEFAULT_MIN_PROBS",
@@ -41,7 +44,11 @@ DEFAULT_PRIORS: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 DEFAULT_MIN_PROBS: tuple[float, ...] = (0.0, 0.05, 0.2)
 DEFAULT_BLUR_SIGMAS: tuple[float, ...] = (0.0, 1.0)  # P1's filter; each runs the embedding
 
-DECISION_KEYS = ("gate_margin", "prior_weight", "min_prob", "p1_blur_sigma")
+# The claim's decision (every near-boundary pixel, nearest prototype, no filter) as a setting
+CLAIM_DECISION: Mapping[str, Any] = MappingProxyType(
+    {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0, "p1_blur_sigma": 0.0}
+)
+DECISION_KEYS = tuple(CLAIM_DECISION)
 
 
 class _Refines(Protocol):
@@ -143,5 +150,4 @@ def choose_decision(rows: Sequence[dict[str, Any]], *, key: str = "miou") -> dic
         return (-score, r["changed"])
 
     best = min(candidates, key=order)
-    claim = {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0, "p1_blur_sigma": 0.0}
-    return claim | {k: best[k] for k in DECISION_KEYS if k in best}
+    return CLAIM_DECISION | {k: best[k] for k in DECISION_KEYS if k in best}
