@@ -99,6 +99,11 @@ def sample_triplets(
     return order[anchor], order[positive], (f0[:, 0] if negatives == 1 else f0)
 
 
+def pool_size(mining: str, pool: int) -> int:
+    """False examples drawn per anchor: ``pool`` for semi-hard mining, else one (the claim)."""
+    return pool if mining == "semi-hard" else 1
+
+
 def mine_negatives(emb: Tensor, t1: Tensor, t2: Tensor, pool: Tensor, mining: str) -> Tensor:
     """F0 ``[T]`` from a pool of false examples ``pool [T,K]`` (module docstring, "Mining").
 
@@ -160,7 +165,7 @@ def triplet_loss(
     if margin < 0:
         raise ConfigError(f"triplet margin must be >= 0, got {margin}")
     zero = emb.sum() * 0.0
-    negatives = pool if mining == "semi-hard" else 1
+    negatives = pool_size(mining, pool)
     triplets = sample_triplets(labels, num_triplets, negatives=negatives, generator=generator)
     if triplets is None:
         return zero, TripletStats(num_triplets=0, violating=0.0, margin=0.0, loss=0.0)
@@ -202,7 +207,7 @@ def triplet_step(
         labels, radius=cfg.radius, ignore_index=ignore_index, method=cfg.edge_method
     )
     pix_labels = labels[edge]  # [M]
-    negatives = cfg.mining_pool if cfg.mining == "semi-hard" else 1
+    negatives = pool_size(cfg.mining, cfg.mining_pool)
     triplets = sample_triplets(
         pix_labels, cfg.num_triplets, negatives=negatives, generator=generator
     )
