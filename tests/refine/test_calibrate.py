@@ -11,6 +11,7 @@ from dualseg.commands.refine import format_sweep
 from dualseg.refine.calibrate import choose_decision, decision_grid, sweep_decision
 from dualseg.refine.decision import (
     Candidates,
+    are_probabilities,
     decide,
     describe_decision,
     gather_candidates,
@@ -232,3 +233,12 @@ def test_decision_settings_read_the_same_in_every_report() -> None:
         words,
     ]
     assert "mIoU 60.0" in lines[2] and "changed 1.00%" in lines[2]
+
+
+def test_are_probabilities_reads_maps_and_rows_alike() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5], [0.1, 0.2, 0.3]])  # [M,C] rows
+    assert not are_probabilities(logits)
+    assert are_probabilities(logits.softmax(1))
+    assert are_probabilities(logits.softmax(1).T[None, :, :, None])  # [1,C,M,1] map
+    assert not are_probabilities(logits.abs())  # non-negative, but not summing to one
+    assert are_probabilities(torch.zeros(0, 3))  # no near-boundary rows: nothing to convert
