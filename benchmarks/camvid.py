@@ -8,6 +8,9 @@ Trains, with the same data, augmentation, budget and evaluation (issue 6):
 4. ``no_coord``       method A without coordinate channels          (ablation)
 5. ``no_renet``       method A without ReNet layers                 (ablation)
 
+and, on request (``--models aspp_v3``), method A with claim 3's other reading of its ASPP
+(torchvision's DeepLab-v3 ASPP in place of the DeepLab-v2 sum of atrous class scores).
+
 then fits method B once and applies it on top of (1) and (2). Method B's embedding model learns
 from ground-truth labels only (triplets on near-boundary pixels of the training set); the base
 model enters at inference alone (P2-P5), so one fitted refiner serves every base model.
@@ -69,6 +72,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "single_branch": ("dualseg_mobilenet_v2", {"gray_branch": False}),
     "no_coord": ("dualseg_mobilenet_v2", {"coord_channels": False}),
     "no_renet": ("dualseg_mobilenet_v2", {"renet_layers": 0}),
+    "aspp_v3": ("dualseg_mobilenet_v2", {"aspp_style": "v3"}),
 }
 LABELS = {
     "dualseg": "method A (dualseg_mobilenet_v2)",
@@ -76,7 +80,9 @@ LABELS = {
     "single_branch": "A, single branch (RGB only)",
     "no_coord": "A, no coordinate channels",
     "no_renet": "A, no ReNet layers",
+    "aspp_v3": "A, DeepLab-v3 ASPP (claim 3's other reading)",
 }
+STANDARD = ("dualseg", "peer", "single_branch", "no_coord", "no_renet")  # the default run
 REFINED = ("dualseg", "peer")  # base models that method B is applied to
 
 
@@ -91,7 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="PATH",
         help="a further split to evaluate: a list file (e.g. camvid/test.txt) or a folder",
     )
-    p.add_argument("--models", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--models", nargs="+", default=list(STANDARD), choices=list(VARIANTS))
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--budget-minutes", type=float, default=15.0, help="per model")
     budget.add_argument("--budget-iters", type=int, help="per model (overrides minutes)")
