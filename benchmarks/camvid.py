@@ -55,7 +55,15 @@ import torch
 
 from dualseg.data import build_dataset
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
-from dualseg.engine.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from dualseg.engine.config import (
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+    config_to_dict,
+    load_config,
+)
 from dualseg.engine.evaluate import evaluate
 from dualseg.engine.train import fit
 from dualseg.io import atomic_write_json, atomic_write_text
@@ -84,6 +92,42 @@ LABELS = {
 }
 STANDARD = ("dualseg", "peer", "single_branch", "no_coord", "no_renet")  # the default run
 REFINED = ("dualseg", "peer")  # base models that method B is applied to
+# the fields this script's flags set: a run reused with --reuse must have been trained with them
+RECIPE = (
+    ("model", "arch"),
+    ("model", "weights"),
+    ("model", "output_stride"),
+    ("model", "gray_branch"),
+    ("model", "coord_channels"),
+    ("model", "renet_layers"),
+    ("model", "aspp_style"),
+    ("optim", "lr"),
+    ("optim", "head_lr_mult"),
+    ("optim", "warmup_iters"),
+    ("train", "max_iters"),
+    ("train", "seed"),
+    ("data", "crop_size"),
+    ("data", "scale_range"),
+    ("data", "batch_size"),
+)
+
+
+def reuse_mismatch(cfg: Config, run_dir: Path, *, calibrated_iters: bool = False) -> str | None:
+    """The first :data:`RECIPE` field in which the finished run in ``run_dir`` (its
+    ``config.yaml``) differs from ``cfg``, in words; ``None`` when they agree. Without this a
+    run trained with other flags would be reported under this call's. ``calibrated_iters``:
+    the equal-time protocol sets ``max_iters`` per model at run time, so it is not compared."""
+    saved = config_to_dict(load_config(run_dir / "config.yaml"))
+    wanted = config_to_dict(cfg)
+    for section, key in RECIPE:
+        if calibrated_iters and (section, key) == ("train", "max_iters"):
+            continue
+        if saved[section][key] != wanted[section][key]:
+            return (
+                f"{run_dir} was trained with {section}.{key} = {saved[section][key]!r}, this call "
+                f"asks {wanted[section][key]!r}: rerun with that run's flags, or use another --out"
+            )
+    return None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -134,7 +178,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--reuse",
         action="store_true",
-        help="skip training a model whose run in --out finished (its train.json exists)",
+        help="skip training a model whose run in --out finished (its train.json exists); a run "
+        "trained with other flags (model, LR recipe, T, seed, crops, batch) is refused",
     )
     p.add_argument(
         "--train-only", action="store_true", help="stop after training (method B and eval later)"
@@ -636,12 +681,21 @@ def main(argv: list[str] | None = None) -> int:
     # ---- 1. train every variant with the same budget ------------------------------------
     for name in args.models:
         record = out / "runs" / name / "train.json"
-        if args.reuse and record.is_file():
+        cfg = base_config(args, name, out)
+        reused = args.reuse and record.is_file()
+        # a finished run reused, or an interrupted one resumed (plateau), must be this recipe's
+        if (reused or args.protocol == "plateau") and (record.parent / "config.yaml").is_file():
+            mismatch = reuse_mismatch(
+                cfg, record.parent, calibrated_iters=reused and args.protocol != "plateau"
+            )
+            if mismatch:
+                print(f"error: {mismatch}", file=sys.stderr)
+                return 2
+        if reused:
             results["train"][name] = json.loads(record.read_text())
             reused_seconds += results["train"][name]["seconds"]
             print(f"[{name}] reusing the finished run in {record.parent}", flush=True)
             continue
-        cfg = base_config(args, name, out)
         if args.protocol == "plateau":
             print(f"[{name}] training {cfg.model.arch} {VARIANTS[name][1]} to plateau", flush=True)
             t0 = time.time()

@@ -1,0 +1,45 @@
+"""benchmarks/camvid.py: a run reused with ``--reuse`` must have been trained with this call's
+flags, else its figures would be reported under the wrong recipe."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from dualseg.engine.config import save_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def camvid():
+    spec = importlib.util.spec_from_file_location("bench_camvid", ROOT / "benchmarks/camvid.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def config(camvid, tmp_path: Path, *flags: str, protocol: str = "plateau"):
+    args = camvid.parse_args(
+        ["--data", str(tmp_path / "camvid"), "--out", str(tmp_path), "--protocol", protocol, *flags]
+    )
+    return camvid.base_config(args, "peer", tmp_path)
+
+
+def test_reuse_refuses_a_run_trained_with_other_flags(camvid, tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "peer"
+    run.mkdir(parents=True)
+    save_config(
+        config(camvid, tmp_path, "--head-lr-mult", "1", "--max-iters", "300"), run / "config.yaml"
+    )
+    same = config(camvid, tmp_path, "--head-lr-mult", "1", "--max-iters", "300")
+    assert camvid.reuse_mismatch(same, run) is None
+    other = config(camvid, tmp_path, "--head-lr-mult", "10", "--max-iters", "300")
+    message = camvid.reuse_mismatch(other, run)
+    assert "optim.head_lr_mult = 1.0" in message and "asks 10.0" in message
+    longer = config(camvid, tmp_path, "--head-lr-mult", "1", "--max-iters", "600")
+    assert "train.max_iters = 300" in camvid.reuse_mismatch(longer, run)
+    # the equal-time protocol calibrates max_iters per model: not compared there
+    assert camvid.reuse_mismatch(longer, run, calibrated_iters=True) is None
