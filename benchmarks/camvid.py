@@ -66,6 +66,7 @@ from dualseg.engine.config import (
 )
 from dualseg.engine.evaluate import evaluate
 from dualseg.engine.train import fit
+from dualseg.errors import ConfigError, DataError, DualsegError
 from dualseg.io import atomic_write_json, atomic_write_text
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner
@@ -110,6 +111,22 @@ RECIPE = (
     ("data", "scale_range"),
     ("data", "batch_size"),
 )
+
+
+REFINER_RECIPE = ("steps", "input_scale", "batch_size", "seed", "backbone_source", "mining")
+
+
+def refiner_mismatch(saved: RefinerConfig, wanted: RefinerConfig, path: Path) -> str | None:
+    """As :func:`reuse_mismatch`, for a refiner reused with ``--reuse``: the first
+    :data:`REFINER_RECIPE` option in which the refiner in ``path`` differs from this call's."""
+    for key in REFINER_RECIPE:
+        have, want = getattr(saved, key), getattr(wanted, key)
+        if have != want:
+            return (
+                f"{path} was fit with {key} = {have!r}, this call asks {want!r}: rerun with "
+                "that refiner's --refine-* flags, or use another --out"
+            )
+    return None
 
 
 def reuse_mismatch(cfg: Config, run_dir: Path, *, calibrated_iters: bool = False) -> str | None:
@@ -551,6 +568,14 @@ def fit_refiners(
     )
     protos = limit(build_dataset(root, split=split, preset="camvid"), args.prototype_limit)
     shared = args.refine_backbone_source == "independent"
+    wanted = RefinerConfig(
+        steps=args.refine_steps,
+        input_scale=args.refine_input_scale,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        backbone_source=args.refine_backbone_source,
+        mining=args.refine_mining,
+    )
     fitted: dict[str, BoundaryRefiner] = {}  # "all" (independent) or one per base
     for name in bases:
         key = "all" if shared else name
@@ -559,19 +584,15 @@ def fit_refiners(
             continue
         if args.reuse and path.is_file():
             fitted[key] = BoundaryRefiner.load(path, device=device)
+            mismatch = refiner_mismatch(fitted[key].config, wanted, path)
+            if mismatch:
+                raise ConfigError(mismatch)
             continue
         t0 = time.time()
         fitted[key] = BoundaryRefiner.fit(
             train_ds,
             class_names=meta.class_names,
-            config=RefinerConfig(
-                steps=args.refine_steps,
-                input_scale=args.refine_input_scale,
-                batch_size=args.batch_size,
-                seed=args.seed,
-                backbone_source=args.refine_backbone_source,
-                mining=args.refine_mining,
-            ),
+            config=wanted,
             prototype_dataset=protos,
             weights=None if args.weights == "none" or not shared else args.weights,
             init_from=None if shared else models[name],
@@ -657,6 +678,12 @@ def decision_label(cfg: RefinerConfig) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    lists = [Path(args.data) / f"{split}.txt" for split in ("train", "val")]
+    if not all(p.is_file() for p in lists):
+        raise DataError(
+            f"{args.data}: no {' / '.join(p.name for p in lists if not p.is_file())} there; "
+            "pass the CamVid folder with train.txt and val.txt (--data ../shared/data/camvid)"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.protocol == "plateau":
@@ -689,8 +716,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg, record.parent, calibrated_iters=reused and args.protocol != "plateau"
             )
             if mismatch:
-                print(f"error: {mismatch}", file=sys.stderr)
-                return 2
+                raise ConfigError(mismatch)
         if reused:
             results["train"][name] = json.loads(record.read_text())
             reused_seconds += results["train"][name]["seconds"]
@@ -812,4 +838,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except DualsegError as err:  # a user error (data, flags, a reused run): one line
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

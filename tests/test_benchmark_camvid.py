@@ -43,3 +43,23 @@ def test_reuse_refuses_a_run_trained_with_other_flags(camvid, tmp_path: Path) ->
     assert "train.max_iters = 300" in camvid.reuse_mismatch(longer, run)
     # the equal-time protocol calibrates max_iters per model: not compared there
     assert camvid.reuse_mismatch(longer, run, calibrated_iters=True) is None
+
+
+def test_reuse_refuses_a_refiner_fit_with_other_flags(camvid, tmp_path: Path) -> None:
+    from dualseg.refine.refiner import RefinerConfig
+
+    saved = RefinerConfig(steps=2000, input_scale=0.5, backbone_source="base-frozen")
+    path = tmp_path / "refiner_peer.pt"
+    assert camvid.refiner_mismatch(saved, saved, path) is None
+    wanted = RefinerConfig(steps=2000, input_scale=1.0, backbone_source="base-frozen")
+    assert "input_scale = 0.5, this call asks 1.0" in camvid.refiner_mismatch(saved, wanted, path)
+
+
+def test_a_folder_without_the_list_files_is_one_data_error(camvid, tmp_path: Path) -> None:
+    from dualseg.errors import DataError
+
+    (tmp_path / "camvid").mkdir()
+    (tmp_path / "camvid" / "train.txt").write_text("a.png b.png\n")
+    with pytest.raises(DataError, match=r"no val\.txt there"):
+        camvid.main(["--data", str(tmp_path / "camvid"), "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()  # nothing written before the check
