@@ -145,7 +145,9 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
 
 
-def test_resume_checks_the_model_and_follows_the_new_schedule(data: Path, tmp_path: Path) -> None:
+def test_resume_checks_the_model_and_follows_the_new_schedule(
+    data: Path, tmp_path: Path, capsys
+) -> None:
     fit(tiny(data, tmp_path / "a", max_iters=2, val_every=0))
     data_section = {"root": str(data), "crop_size": [32, 32]}
     other = load_config(
@@ -157,6 +159,10 @@ def test_resume_checks_the_model_and_follows_the_new_schedule(data: Path, tmp_pa
     # Extending the run from the command line (the run's config.yaml is read back): iteration 3
     # uses the new poly schedule (T = 4), not the LR the old schedule (T = 2) ended on.
     assert train_main(["--resume", str(tmp_path / "a" / "last.pt"), "--train.max_iters", "4"]) == 0
+    # the change is said, not silent
+    assert (
+        "settings changed since that checkpoint: train.max_iters: 2 -> 4" in capsys.readouterr().out
+    )
     assert load_checkpoint(tmp_path / "a" / "last.pt")["iteration"] == 4
     records = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     lrs = {r["iteration"]: r["lr"] for r in records if "lr" in r}

@@ -44,6 +44,7 @@ from dualseg.console import progress_mode
 from dualseg.engine import checkpoint as ckpt_io
 from dualseg.engine.config import (
     Config,
+    config_changes,
     config_to_dict,
     model_kwargs,
     save_config,
@@ -502,6 +503,9 @@ def _start(run: _Run) -> None:
         run.log.message(
             f"resumed from {run.resume_path} at iteration {run.iteration} (epoch {run.epoch})"
         )
+        changes = config_changes(run.state.get("config") or {}, run.cfg)
+        if changes:  # allowed (e.g. a longer schedule), but never silent
+            run.log.message("settings changed since that checkpoint: " + "; ".join(changes))
     elif run.resume == "auto":
         run.log.message(f"no checkpoint in {run.out_dir}; starting a new run")
 
