@@ -386,29 +386,37 @@ def time_inference(
     n: int,
     device: torch.device,
     refiner: BoundaryRefiner | None = None,
-) -> float:
-    """Median seconds per image (batch 1, full resolution), base model (+ refiner); the first
-    two images warm up (fewer when the split is tiny)."""
-    times = []
+) -> tuple[float, float]:
+    """Median seconds per image (batch 1, full resolution) of the base model, and of the
+    ``refiner``'s refinement timed on the same images right after each forward (0.0 without):
+    the two are measured under the same load, so their ratio holds on a busy machine (two
+    separate passes minutes apart once gave a negative "extra time"). The first two images
+    warm up (fewer when the split is tiny)."""
+    base, extra = [], []
     warmup = min(2, len(loader) - 1)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     with torch.inference_mode():
         for i, (x, _) in enumerate(loader):
             if i >= n + warmup:
                 break
             x = x.to(device)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             logits = model(x)
+            logits.argmax(1)
+            sync()
+            t1 = time.perf_counter()
             if refiner is not None:
-                refiner.refine(x, logits.softmax(1))
-            else:
-                logits.argmax(1)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+                refiner.refine(x, logits)  # logits: softmax only at the near-boundary rows
+                sync()
             if i >= warmup:
-                times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+                base.append(t1 - t0)
+                extra.append(time.perf_counter() - t1)
+    return statistics.median(base), statistics.median(extra) if refiner is not None else 0.0
 
 
 def curve_stats(log: Path) -> dict[str, Any]:
@@ -786,7 +794,7 @@ def main(argv: list[str] | None = None) -> int:
         split, loader = eval_loader(args.data, split_path, args.eval_limit)
         rows: dict[str, Any] = {}
         for name, model in models.items():
-            ms = 1000 * time_inference(model, loader, args.timing_images, device)
+            ms = 1000 * time_inference(model, loader, args.timing_images, device)[0]
             variants = [(name, LABELS[name], None)]
             if name in refiners:
                 variants.append((f"{name}+B", LABELS[name] + " + method B", refiners[name]))
@@ -806,12 +814,14 @@ def main(argv: list[str] | None = None) -> int:
                     rows[key] = {"label": label, **summarize(m), "ms_per_image": ms}
                     print(f"[{split}] {label}: mIoU {100 * m['miou']:.1f}", flush=True)
                     continue
-                ms_b = 1000 * time_inference(model, loader, args.timing_images, device, refiner)
+                base_s, refine_s = time_inference(
+                    model, loader, args.timing_images, device, refiner
+                )
                 rows[key] = {
                     "label": label,
                     **summarize(m["refined"]),
-                    "ms_per_image": ms_b,
-                    "extra_time_ratio": ms_b / ms - 1.0,
+                    "ms_per_image": 1000 * (base_s + refine_s),
+                    "extra_time_ratio": refine_s / base_s,  # paired, under the same load
                     "refine": m["refine"],
                 }
                 print(f"[{split}] {label}: mIoU {100 * m['refined']['miou']:.1f}", flush=True)

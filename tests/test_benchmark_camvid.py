@@ -63,3 +63,24 @@ def test_a_folder_without_the_list_files_is_one_data_error(camvid, tmp_path: Pat
     with pytest.raises(DataError, match=r"no val\.txt there"):
         camvid.main(["--data", str(tmp_path / "camvid"), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()  # nothing written before the check
+
+
+def test_refinement_is_timed_on_the_same_images_right_after_the_base(camvid) -> None:
+    import torch
+
+    class Refiner:  # records what it is given: the base's logits for each image
+        def __init__(self) -> None:
+            self.seen: list[torch.Tensor] = []
+
+        def refine(self, images: torch.Tensor, scores: torch.Tensor) -> None:
+            self.seen.append(scores)
+
+    model = torch.nn.Conv2d(3, 4, 1).eval()
+    loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(6)]
+    base_s, extra_s = camvid.time_inference(model, loader, 3, torch.device("cpu"))
+    assert base_s > 0 and extra_s == 0.0  # no refiner: nothing extra
+    refiner = Refiner()
+    camvid.time_inference(model, loader, 3, torch.device("cpu"), refiner)
+    assert len(refiner.seen) == 5  # 2 warm-up + 3 timed, each right after its own forward
+    with torch.no_grad():
+        assert torch.equal(refiner.seen[0], model(loader[0][0]))
