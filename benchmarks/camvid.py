@@ -61,6 +61,7 @@ from dualseg.engine.config import (
     ModelConfig,
     OptimConfig,
     TrainConfig,
+    config_changes,
     config_to_dict,
     load_config,
 )
@@ -95,21 +96,21 @@ STANDARD = ("dualseg", "peer", "single_branch", "no_coord", "no_renet")  # the d
 REFINED = ("dualseg", "peer")  # base models that method B is applied to
 # the fields this script's flags set: a run reused with --reuse must have been trained with them
 RECIPE = (
-    ("model", "arch"),
-    ("model", "weights"),
-    ("model", "output_stride"),
-    ("model", "gray_branch"),
-    ("model", "coord_channels"),
-    ("model", "renet_layers"),
-    ("model", "aspp_style"),
-    ("optim", "lr"),
-    ("optim", "head_lr_mult"),
-    ("optim", "warmup_iters"),
-    ("train", "max_iters"),
-    ("train", "seed"),
-    ("data", "crop_size"),
-    ("data", "scale_range"),
-    ("data", "batch_size"),
+    "model.arch",
+    "model.weights",
+    "model.output_stride",
+    "model.gray_branch",
+    "model.coord_channels",
+    "model.renet_layers",
+    "model.aspp_style",
+    "optim.lr",
+    "optim.head_lr_mult",
+    "optim.warmup_iters",
+    "train.max_iters",
+    "train.seed",
+    "data.crop_size",
+    "data.scale_range",
+    "data.batch_size",
 )
 
 
@@ -134,15 +135,13 @@ def reuse_mismatch(cfg: Config, run_dir: Path, *, calibrated_iters: bool = False
     ``config.yaml``) differs from ``cfg``, in words; ``None`` when they agree. Without this a
     run trained with other flags would be reported under this call's. ``calibrated_iters``:
     the equal-time protocol sets ``max_iters`` per model at run time, so it is not compared."""
-    saved = config_to_dict(load_config(run_dir / "config.yaml"))
-    wanted = config_to_dict(cfg)
-    for section, key in RECIPE:
-        if calibrated_iters and (section, key) == ("train", "max_iters"):
-            continue
-        if saved[section][key] != wanted[section][key]:
+    changed = config_changes(config_to_dict(load_config(run_dir / "config.yaml")), cfg)
+    for field in RECIPE:
+        if field in changed and not (calibrated_iters and field == "train.max_iters"):
+            have, want = changed[field]
             return (
-                f"{run_dir} was trained with {section}.{key} = {saved[section][key]!r}, this call "
-                f"asks {wanted[section][key]!r}: rerun with that run's flags, or use another --out"
+                f"{run_dir} was trained with {field} = {have!r}, this call asks {want!r}: "
+                "rerun with that run's flags, or use another --out"
             )
     return None
 

@@ -366,16 +366,17 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     return plain(dataclasses.asdict(cfg))
 
 
-def config_changes(old: dict[str, Any], new: Config) -> list[str]:
-    """``"section.field: old -> new"`` for each field of ``new`` that differs from the plain
-    dict ``old`` (a checkpoint's ``config``): what a resume changes, said rather than silent.
-    A field ``old`` lacks (a run written before it existed) is not reported."""
-    changes = []
+def config_changes(old: dict[str, Any], new: Config) -> dict[str, tuple[Any, Any]]:
+    """``{"section.field": (old value, new value)}`` for each field of ``new`` that differs from
+    the plain dict ``old`` (a checkpoint's ``config``, a run's ``config.yaml``), in field order:
+    what a resume changes, said rather than silent. A field ``old`` lacks (a run written before
+    it existed) is not reported."""
+    changes = {}
     for section, fields in config_to_dict(new).items():
         before = old.get(section) or {}
         for key, value in fields.items():
             if key in before and before[key] != value:
-                changes.append(f"{section}.{key}: {before[key]!r} -> {value!r}")
+                changes[f"{section}.{key}"] = (before[key], value)
     return changes
 
 

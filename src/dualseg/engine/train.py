@@ -505,7 +505,8 @@ def _start(run: _Run) -> None:
         )
         changes = config_changes(run.state.get("config") or {}, run.cfg)
         if changes:  # allowed (e.g. a longer schedule), but never silent
-            run.log.message("settings changed since that checkpoint: " + "; ".join(changes))
+            said = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+            run.log.message(f"settings changed since that checkpoint: {said}")
     elif run.resume == "auto":
         run.log.message(f"no checkpoint in {run.out_dir}; starting a new run")
 
