@@ -8,8 +8,10 @@ Trains, with the same data, augmentation, budget and evaluation (issue 6):
 4. ``no_coord``       method A without coordinate channels          (ablation)
 5. ``no_renet``       method A without ReNet layers                 (ablation)
 
-and, on request (``--models aspp_v3``), method A with claim 3's other reading of its ASPP
-(torchvision's DeepLab-v3 ASPP in place of the DeepLab-v2 sum of atrous class scores).
+and, on request (``--models aspp_v3 no_renet_v3 logits_first``), method A with claim 3's other
+reading of its ASPP (torchvision's DeepLab-v3 ASPP in place of the DeepLab-v2 sum of atrous
+class scores), the same without ReNet layers, and method A with its logits upsampled before the
+softmax (S44's other order).
 
 then fits method B once and applies it on top of (1) and (2). Method B's embedding model learns
 from ground-truth labels only (triplets on near-boundary pixels of the training set); the base
@@ -83,6 +85,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "no_coord": ("dualseg_mobilenet_v2", {"coord_channels": False}),
     "no_renet": ("dualseg_mobilenet_v2", {"renet_layers": 0}),
     "aspp_v3": ("dualseg_mobilenet_v2", {"aspp_style": "v3"}),
+    "no_renet_v3": ("dualseg_mobilenet_v2", {"renet_layers": 0, "aspp_style": "v3"}),
+    "logits_first": ("dualseg_mobilenet_v2", {"upsample_order": "logits_first"}),
 }
 LABELS = {
     "dualseg": "method A (dualseg_mobilenet_v2)",
@@ -91,6 +95,8 @@ LABELS = {
     "no_coord": "A, no coordinate channels",
     "no_renet": "A, no ReNet layers",
     "aspp_v3": "A, DeepLab-v3 ASPP (claim 3's other reading)",
+    "no_renet_v3": "A, no ReNet layers, DeepLab-v3 ASPP",
+    "logits_first": "A, logits upsampled before the softmax (S44's other order)",
 }
 STANDARD = ("dualseg", "peer", "single_branch", "no_coord", "no_renet")  # the default run
 REFINED = ("dualseg", "peer")  # base models that method B is applied to
@@ -103,6 +109,7 @@ RECIPE = (
     "model.coord_channels",
     "model.renet_layers",
     "model.aspp_style",
+    "model.upsample_order",
     "optim.lr",
     "optim.head_lr_mult",
     "optim.warmup_iters",
