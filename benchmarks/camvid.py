@@ -121,7 +121,15 @@ RECIPE = (
 )
 
 
-REFINER_RECIPE = ("steps", "input_scale", "batch_size", "seed", "backbone_source", "mining")
+REFINER_RECIPE = (
+    "steps",
+    "input_scale",
+    "embed_dim",
+    "batch_size",
+    "seed",
+    "backbone_source",
+    "mining",
+)
 
 
 def refiner_mismatch(saved: RefinerConfig, wanted: RefinerConfig, path: Path) -> str | None:
@@ -177,6 +185,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weights", default="imagenet", help="'imagenet', a file, or 'none'")
     p.add_argument("--refine-steps", type=int, default=3000, help="method B triplet steps")
     p.add_argument("--refine-input-scale", type=float, default=RefinerConfig.input_scale)
+    p.add_argument(
+        "--refine-embed-dim",
+        type=int,
+        default=RefinerConfig.embed_dim,
+        help="method B step 3: the embedding's channels C (its ASPP head's cost grows with C)",
+    )
     p.add_argument(
         "--refine-backbone-source",
         choices=("independent", "base-frozen", "base-finetune"),
@@ -585,6 +599,7 @@ def fit_refiners(
     wanted = RefinerConfig(
         steps=args.refine_steps,
         input_scale=args.refine_input_scale,
+        embed_dim=args.refine_embed_dim,
         batch_size=args.batch_size,
         seed=args.seed,
         backbone_source=args.refine_backbone_source,
