@@ -43,6 +43,7 @@ Outputs in ``--out``: ``results.json``, ``results.md`` (markdown table), ``per_c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -76,6 +77,7 @@ from dualseg.refine import BoundaryRefiner
 from dualseg.refine.calibrate import DECISION_KEYS
 from dualseg.refine.decision import describe_decision
 from dualseg.refine.refiner import RefinerConfig
+from dualseg.refine.shared import can_share
 
 # name -> (architecture, build_model options); the ablations switch one part of method A off.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -419,7 +421,9 @@ def time_inference(
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    with torch.inference_mode():
+    # a refiner on the base's own frozen backbone at scale 1 reads the base's features
+    shared = refiner.shared_features(model) if refiner is not None else contextlib.nullcontext()
+    with torch.inference_mode(), shared:
         for i, (x, _) in enumerate(loader):
             if i >= n + warmup:
                 break
@@ -431,7 +435,8 @@ def time_inference(
             sync()
             t1 = time.perf_counter()
             if refiner is not None:
-                refiner.refine(x, logits)  # logits: softmax only at the near-boundary rows
+                # logits: softmax only at the near-boundary rows
+                refiner.refine(x, logits, features=shared.take())
                 sync()
             if i >= warmup:
                 base.append(t1 - t0)
@@ -643,13 +648,15 @@ def fit_refiners(
         _, dev = eval_loader(args.data, str(out / "data" / "dev.txt"), args.eval_limit)
         for name in bases:
             model, refiner = models[name], refiners[name]
-            rows = sweep_decision(
-                refiner,
-                lambda x, m=model: m(x).softmax(1),
-                dev,
-                num_classes=meta.num_classes,
-                device=device,
-            )
+            with refiner.shared_features(model) as kept:  # as evaluate() will read them
+                rows = sweep_decision(
+                    refiner,
+                    lambda x, m=model: m(x).softmax(1),
+                    dev,
+                    num_classes=meta.num_classes,
+                    device=device,
+                    shared=kept,
+                )
             chosen = choose_decision(rows)
             results.setdefault("decision_sweep_dev", {})[name] = {"chosen": chosen, "rows": rows}
             print(f"[{name}] decision chosen on dev: {chosen}", flush=True)
@@ -843,6 +850,8 @@ def main(argv: list[str] | None = None) -> int:
                     **summarize(m["refined"]),
                     "ms_per_image": 1000 * (base_s + refine_s),
                     "extra_time_ratio": refine_s / base_s,  # paired, under the same load
+                    # whether the refiner read the base's backbone output instead of its own
+                    "shares_base_features": can_share(refiner.config, refiner.net.backbone, model),
                     "refine": m["refine"],
                 }
                 print(f"[{split}] {label}: mIoU {100 * m['refined']['miou']:.1f}", flush=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from dualseg.engine.config import save_config
+from dualseg.refine.shared import SharedFeatures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,8 +73,12 @@ def test_refinement_is_timed_on_the_same_images_right_after_the_base(camvid) -> 
         def __init__(self) -> None:
             self.seen: list[torch.Tensor] = []
 
-        def refine(self, images: torch.Tensor, scores: torch.Tensor) -> None:
+        def refine(self, images: torch.Tensor, scores: torch.Tensor, features: object) -> None:
+            assert features is None  # a plain Conv2d has no backbone to share
             self.seen.append(scores)
+
+        def shared_features(self, model: torch.nn.Module) -> SharedFeatures:
+            return SharedFeatures(model)
 
     model = torch.nn.Conv2d(3, 4, 1).eval()
     loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(6)]

@@ -7,6 +7,7 @@ dualseg refine apply --refiner refiner.pt --base CKPT_OR_PROBS_DIR INPUTS... --o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import sys
@@ -386,14 +387,18 @@ def calibrate(refiner: Any, base: Any, args: argparse.Namespace, device: Any) ->
         transform=build_eval_transform(),
     )
     loader = torch.utils.data.DataLoader(held_out, batch_size=1)
-    rows = sweep_decision(
-        refiner,
-        lambda x: base.scores(x, []).softmax(1),
-        loader,
-        num_classes=refiner.num_classes,
-        ignore_index=held_out.meta.ignore_index,
-        device=device,
-    )
+    module = getattr(base, "module", None)  # a model's backbone output is read, not rerun
+    kept = refiner.shared_features(module) if module is not None else contextlib.nullcontext()
+    with kept as shared:
+        rows = sweep_decision(
+            refiner,
+            lambda x: base.scores(x, []).softmax(1),
+            loader,
+            num_classes=refiner.num_classes,
+            ignore_index=held_out.meta.ignore_index,
+            device=device,
+            shared=shared,
+        )
     chosen = choose_decision(rows)
     refiner.config = dataclasses.replace(refiner.config, **chosen)
     refiner.calibration = {"split": args.calibrate_split, "images": len(held_out), "rows": rows}
@@ -466,35 +471,39 @@ def apply_main(args: argparse.Namespace) -> int:
     images = collect_images(args.inputs)
     changed_total = pixels_total = 0
     failures: list[str] = []
-    for path, name in track(images, desc="refine", unit="img", mode=mode_of(args)):
-        try:
-            rgb = as_rgb_array(path)
-        except DualsegError as err:
-            failures.append(str(err))
-            continue
-        x = torch.from_numpy(normalize([rgb])).to(device)
-        with torch.no_grad(), autocast(args, device):
-            scores = infer_logits(
-                lambda t, name=name: base.scores(t, [name] * t.shape[0]),
-                x,
-                mode=opts.mode,
-                window=opts.window,
-                stride=opts.stride,
-                tta_scales=opts.tta_scales,
-                tta_flip=opts.tta_flip,
-                tile_batch=opts.tile_batch,
+    module = getattr(base, "module", None)  # a model: its backbone output is read, not rerun
+    kept = refiner.shared_features(module) if module is not None else contextlib.nullcontext()
+    with kept as shared:
+        for path, name in track(images, desc="refine", unit="img", mode=mode_of(args)):
+            try:
+                rgb = as_rgb_array(path)
+            except DualsegError as err:
+                failures.append(str(err))
+                continue
+            x = torch.from_numpy(normalize([rgb])).to(device)
+            with torch.no_grad(), autocast(args, device):
+                scores = infer_logits(
+                    lambda t, name=name: base.scores(t, [name] * t.shape[0]),
+                    x,
+                    mode=opts.mode,
+                    window=opts.window,
+                    stride=opts.stride,
+                    tta_scales=opts.tta_scales,
+                    tta_flip=opts.tta_flip,
+                    tile_batch=opts.tile_batch,
+                )
+                scores = scores.float()
+                if augmented:  # the averaged probabilities (their log came back)
+                    scores = scores.softmax(1)
+                features = shared.take() if shared is not None else None
+                labels, changed = refiner.refine(x, scores, return_changed=True, features=features)
+            label = labels[0].cpu().numpy()
+            write_outputs(out, name, rgb, label, palette, alpha=args.alpha)
+            atomic_save_image(
+                out / "changed" / f"{name}.png", changed[0].cpu().numpy().astype(np.uint8) * 255
             )
-            scores = scores.float()
-            if augmented:  # the averaged probabilities (their log came back)
-                scores = scores.softmax(1)
-            labels, changed = refiner.refine(x, scores, return_changed=True)
-        label = labels[0].cpu().numpy()
-        write_outputs(out, name, rgb, label, palette, alpha=args.alpha)
-        atomic_save_image(
-            out / "changed" / f"{name}.png", changed[0].cpu().numpy().astype(np.uint8) * 255
-        )
-        changed_total += int(changed.sum())
-        pixels_total += changed.numel()
+            changed_total += int(changed.sum())
+            pixels_total += changed.numel()
     done = len(images) - len(failures)
     frac = 100 * changed_total / pixels_total if pixels_total else 0.0
     print(f"refined {done} image(s): {changed_total} pixels changed ({frac:.3f}%) -> {out}")

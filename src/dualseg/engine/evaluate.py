@@ -32,8 +32,18 @@ __all__ = ["Refiner", "evaluate", "format_metrics"]
 _INFER = InferenceOptions()  # the inference defaults (written once, in engine/inference.py)
 
 
+class SharedFeatures(Protocol):
+    """A context keeping the base's backbone output (``dualseg.refine.shared``)."""
+
+    def __enter__(self) -> Any: ...
+    def __exit__(self, *exc: object) -> Any: ...
+    def take(self) -> Any: ...
+
+
 class Refiner(Protocol):
-    """What ``evaluate`` needs from a method-B refiner (``dualseg.refine.BoundaryRefiner``)."""
+    """What ``evaluate`` needs from a method-B refiner (``dualseg.refine.BoundaryRefiner``).
+    A refiner may also offer ``shared_features(model) -> SharedFeatures``; ``evaluate`` then
+    passes what it kept to ``refine(..., features=...)`` (the base's backbone output)."""
 
     def refine(
         self, images: Tensor, probs: Tensor, return_changed: bool = True
@@ -187,7 +197,10 @@ def evaluate(
 
         batches = tqdm(loader, desc="eval", leave=False)
 
-    with _eval_mode(model):
+    # a refiner on the base's own frozen backbone reads the features the base computed
+    share = getattr(refiner, "shared_features", None)
+    shared: SharedFeatures | None = share(model) if share is not None else None
+    with _eval_mode(model), shared if shared is not None else contextlib.nullcontext():
         for index, (images, labels) in enumerate(batches):
             images = images.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True).long()
@@ -218,7 +231,14 @@ def evaluate(
             new = None
             if refiner is not None and refined is not None:
                 with refine_timer.time(images.shape[0]):
-                    new, changed = refiner.refine(images, logits.softmax(1), return_changed=True)
+                    probs = logits.softmax(1)
+                    if shared is not None:
+                        kept = shared.take()
+                        new, changed = refiner.refine(  # type: ignore[call-arg]
+                            images, probs, return_changed=True, features=kept
+                        )
+                    else:
+                        new, changed = refiner.refine(images, probs, return_changed=True)
                 new = new.to(device).long()
                 changed = changed.to(device).bool()
                 refined.update(new, labels)

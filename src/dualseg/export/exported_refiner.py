@@ -71,14 +71,30 @@ class ExportedRefiner:
 
         check_classes(self.class_names, base_names, num_classes, what=what)
 
-    def refine(self, images: Any, probs: Any, *, return_changed: bool = False) -> Any:
+    def shared_features(self, model: Any) -> Any:
+        """As ``BoundaryRefiner.shared_features``, a context that keeps nothing: the exported
+        model runs the whole embedding, its backbone included, so it cannot read the base's
+        backbone output."""
+        from dualseg.refine.shared import SharedFeatures
+
+        return SharedFeatures(model, active=False)
+
+    def refine(
+        self, images: Any, probs: Any, *, return_changed: bool = False, features: Any = None
+    ) -> Any:
         """Refined labels, as ``BoundaryRefiner.refine``.
 
         Batch form: ``images`` float ``[B,3,H,W]`` normalized (numpy or tensor), ``probs``
         ``[B,C,H,W]`` -> int64 ``[B,H,W]`` (a tensor when ``probs`` is one). Single-image
         form: ``images`` uint8 ``HxWx3`` / path / PIL image, ``probs`` ``[C,H,W]`` -> numpy
         ``HxW`` int64. With ``return_changed``: ``(labels, changed bool mask)``.
+        ``features`` must be ``None`` (see :meth:`shared_features`).
         """
+        if features is not None:
+            raise ConfigError(
+                "an exported refiner runs its own backbone and cannot read the base model's "
+                "features; pass features=None, or use the refiner file from 'dualseg refine fit'"
+            )
         p = _numpy(probs)
         x = _numpy(images) if _is_batch(images) else None
         if x is None:

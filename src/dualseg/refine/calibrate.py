@@ -53,8 +53,17 @@ DECISION_KEYS = tuple(CLAIM_DECISION)
 
 class _Refines(Protocol):
     def candidates(
-        self, images: Tensor, probs: Tensor, *, p1_blur_sigma: float | None = None
+        self,
+        images: Tensor,
+        probs: Tensor,
+        *,
+        p1_blur_sigma: float | None = None,
+        features: Any = None,
     ) -> Candidates: ...
+
+
+class _Keeps(Protocol):
+    def take(self) -> Any: ...
 
 
 def decision_grid(
@@ -85,6 +94,7 @@ def sweep_decision(
     grid: Sequence[dict[str, Any]] | None = None,
     ignore_index: int = 255,
     device: str | torch.device = "cpu",
+    shared: _Keeps | None = None,
 ) -> list[dict[str, Any]]:
     """Score the base model and the refiner at each decision setting on labelled ``batches``.
 
@@ -95,6 +105,10 @@ def sweep_decision(
     :func:`decision_grid` (its default). Returns a ``"base"`` row (``gate_margin == "base"``)
     and one row per setting: the setting's keys and ``"miou"``, ``"boundary_f1"``,
     ``"pixel_acc"``, ``"changed"`` (the fraction of labelled pixels changed).
+
+    ``shared``: the refiner's ``shared_features(model)`` context, entered around the sweep,
+    for the ``model`` that ``base`` runs: the settings without P1 blur then read the base's
+    own backbone output, as ``evaluate`` will with the chosen refiner.
     """
     dev = torch.device(device)
     settings = list(decision_grid() if grid is None else grid)
@@ -107,7 +121,13 @@ def sweep_decision(
     for images, labels in batches:
         images, labels = images.to(dev), labels.to(dev)
         probs = base(images).float()
-        cands = {sigma: refiner.candidates(images, probs, p1_blur_sigma=sigma) for sigma in sigmas}
+        kept = shared.take() if shared is not None else None
+        cands = {
+            sigma: refiner.candidates(images, probs, p1_blur_sigma=sigma)
+            if kept is None or sigma != 0
+            else refiner.candidates(images, probs, p1_blur_sigma=0.0, features=kept)
+            for sigma in sigmas
+        }
         pred = next(iter(cands.values())).pred.to(dev)  # Pred, as every decision reads it
         valid = labels != ignore_index
         labelled += int(valid.sum())

@@ -83,11 +83,14 @@ def gather_candidates(
     radius: int,
     edge_method: str,
     scale: float = 1.0,
+    covered: tuple[int, int] | None = None,
 ) -> Candidates:
     """P2-P4 and P5's distances on class scores ``probs [B,C,H,W]`` (probabilities or logits).
 
     ``scores(keep)`` returns ``prototype_scores`` ``[b,K,h,w]`` of the images that ``keep``
     (bool ``[B]``) selects: those with near-boundary pixels, so the embedding runs only there.
+    ``covered``: the input size ``(H', W')`` those maps cover when it is not the image's — a
+    base model's input padded at the bottom and right (``None``: the image, ``(H, W)``).
     """
     p = probs.float()
     # P2's Pred is the argmax, first index on ties like argmax (topk's first is not: on
@@ -105,7 +108,11 @@ def gather_candidates(
     second = cand_p[:, 1] if n > 1 else torch.zeros_like(cand_p[:, 0])
     if edge.any():
         keep = edge.flatten(1).any(1)
-        s = EmbeddingNet.sample(scores(keep), edge[keep])  # [M,K], in edge.nonzero() order
+        at = edge[keep]
+        if covered is not None and covered != tuple(at.shape[-2:]):  # padded: same pixel order
+            pad_h, pad_w = covered[0] - at.shape[-2], covered[1] - at.shape[-1]
+            at = torch.nn.functional.pad(at, (0, pad_w, 0, pad_h))
+        s = EmbeddingNet.sample(scores(keep), at)  # [M,K], in edge.nonzero() order
         dist = (s.gather(1, cand) / scale).masked_fill(~present.to(cand.device)[cand], float("inf"))
     else:
         dist = torch.zeros(cand.shape, dtype=torch.float32, device=cand.device)

@@ -43,6 +43,7 @@ from dualseg.refine.embedding import (
 from dualseg.refine.fit import OPTIMIZERS, train_embedding
 from dualseg.refine.formats import FORMAT, load_state
 from dualseg.refine.prototypes import stream_prototypes
+from dualseg.refine.shared import SharedFeatures, can_share
 from dualseg.refine.triplet import MINING, REDUCTIONS, triplet_step
 
 BACKBONE_SOURCES = ("independent", "base-frozen", "base-finetune")
@@ -220,7 +221,12 @@ class BoundaryRefiner:
     # ------------------------------------------------------------------ inference (P2-P5)
     @torch.no_grad()
     def refine(
-        self, images: Any, probs: Any, *, return_changed: bool = False
+        self,
+        images: Any,
+        probs: Any,
+        *,
+        return_changed: bool = False,
+        features: tuple[Tensor, tuple[int, int]] | None = None,
     ) -> Tensor | np.ndarray | tuple[Any, Any]:
         """Refined label map(s).
 
@@ -229,9 +235,12 @@ class BoundaryRefiner:
         ``changed`` mask with ``return_changed``). Single-image form: ``images`` a uint8
         ``HxWx3`` array / file path / PIL image, ``probs`` ``[C,H,W]`` (numpy or tensor) ->
         numpy ``HxW`` int64 (and a bool ``HxW`` changed mask).
+
+        ``features`` (batch form): the base's backbone output, from :meth:`shared_features`
+        (``None``: the refiner runs its own backbone).
         """
         if isinstance(images, Tensor) and images.dim() == 4:
-            return self._refine_batch(images, _as_tensor(probs), return_changed)
+            return self._refine_batch(images, _as_tensor(probs), return_changed, features)
         x = torch.from_numpy(normalize([as_rgb_array(images)]))
         p = _as_tensor(probs)
         if p.dim() == 3:
@@ -241,11 +250,18 @@ class BoundaryRefiner:
         return (labels, changed) if return_changed else labels
 
     def candidates(
-        self, images: Tensor, probs: Tensor, *, p1_blur_sigma: float | None = None
+        self,
+        images: Tensor,
+        probs: Tensor,
+        *,
+        p1_blur_sigma: float | None = None,
+        features: tuple[Tensor, tuple[int, int]] | None = None,
     ) -> Candidates:
         """P1-P4 and P5's distances for a batch (``images [B,3,H,W]`` normalized, ``probs
         [B,C,H,W]``), before any decision: what :mod:`dualseg.refine.calibrate` sweeps.
-        ``p1_blur_sigma`` overrides the configuration's."""
+        ``p1_blur_sigma`` overrides the configuration's. ``features``: the base's backbone
+        output and the input size it covers, from :meth:`shared_features` — read in place of
+        running the refiner's backbone."""
         if (
             probs.dim() != 4
             or images.shape[0] != probs.shape[0]
@@ -260,16 +276,45 @@ class BoundaryRefiner:
         images = images.to(self.device)
         sigma = self.config.p1_blur_sigma if p1_blur_sigma is None else p1_blur_sigma
 
+        if features is not None and sigma != 0:
+            raise ConfigError(
+                "shared base features carry no P1 blur: refine with p1_blur_sigma 0, or "
+                "without the base's features"
+            )
+
         def scores(keep: Tensor) -> Tensor:  # the embedding model on the images with a band
+            if features is not None:  # the base's own backbone output: only the head runs
+                local = features[0][keep].to(self.device).float()  # may come from autocast
+                return prototype_scores(self.net.fuse(local), self.prototypes)
             x = p1_filter(images[keep].float(), sigma)  # P1 (normalization came before)
             feats = embed_features(self.net, x, self.config.input_scale)
             return prototype_scores(feats, self.prototypes)
 
         scale = prototype_scale(self.prototypes, self.present)
-        return collect(probs.to(self.device).float(), scores, self.present, self.config, scale)
+        covered = features[1] if features is not None else None
+        return collect(
+            probs.to(self.device).float(), scores, self.present, self.config, scale, covered
+        )
 
-    def _refine_batch(self, images: Tensor, probs: Tensor, return_changed: bool) -> Any:
-        out, changed = decide_as(self.candidates(images, probs), self.config)
+    def shared_features(self, model: nn.Module) -> SharedFeatures:
+        """A context that keeps ``model``'s backbone output for :meth:`refine`'s
+        ``features`` (see :mod:`dualseg.refine.shared`); it keeps nothing when this refiner
+        cannot share the base's features, so callers need no check of their own::
+
+            with refiner.shared_features(model) as shared:
+                logits = model(images)
+                labels = refiner.refine(images, logits, features=shared.take())
+        """
+        return SharedFeatures(model, can_share(self.config, self.net.backbone, model))
+
+    def _refine_batch(
+        self,
+        images: Tensor,
+        probs: Tensor,
+        return_changed: bool,
+        features: tuple[Tensor, tuple[int, int]] | None = None,
+    ) -> Any:
+        out, changed = decide_as(self.candidates(images, probs, features=features), self.config)
         out = out.to(probs.device)
         return (out, changed.to(probs.device)) if return_changed else out
 
@@ -476,6 +521,7 @@ def collect(
     present: Tensor,
     config: RefinerConfig,
     scale: float = 1.0,
+    covered: tuple[int, int] | None = None,
 ) -> Candidates:
     """P2-P4 and P5's distances with ``config``'s Top-N and mask options."""
     return gather_candidates(
@@ -486,6 +532,7 @@ def collect(
         radius=config.radius,
         edge_method=config.edge_method,
         scale=scale,
+        covered=covered,
     )
 
 

@@ -1,0 +1,103 @@
+"""Method B on the features the base model has already computed (the same labels, faster).
+
+A ``backbone_source="base-frozen"`` refiner at ``input_scale`` 1 without P1 blur runs the base
+model's own backbone, with the base's weights, on the very image the base has just segmented:
+the base's forward has already computed those features. :class:`SharedFeatures` hooks the
+base's backbone for the length of a ``with`` block and keeps its output; the refiner's ASPP
+head then reads it instead of running the backbone a second time (issue 15: the embedding's
+backbone was most of method B's extra inference time).
+
+When it applies, and why it is safe (:func:`can_share`): the refiner's configuration must be
+the one above, and the base's backbone must hold exactly the refiner's backbone weights (the
+base it was fit on; a refiner fit on another base, or a base trained on since, falls back to
+the refiner's own backbone). A forward that ran the backbone more than once (test-time
+augmentation, sliding windows) shares nothing either.
+
+One difference from the refiner's own pass: dualseg's models pad their input at the bottom and
+right to a multiple of the output stride, so the shared features cover the padded image
+(``covered``), and the refiner samples them there; on an image whose sides are multiples of
+the stride the two paths give the same embedding.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["SharedFeatures", "base_backbone", "can_share"]
+
+
+def base_backbone(model: nn.Module) -> nn.Module | None:
+    """The module of ``model`` whose output a ``base-frozen`` refiner's embedding starts from:
+    ``model.backbone`` (the DeepLabV3 peer) or the RGB branch's (method A); ``None`` for a
+    model of another layout."""
+    rgb = getattr(model, "rgb", None)
+    module = getattr(rgb, "backbone", None) if rgb is not None else getattr(model, "backbone", None)
+    return module if isinstance(module, nn.Module) else None
+
+
+def _same_weights(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    if sa.keys() != sb.keys():
+        return False
+    return all(sa[k].shape == sb[k].shape and torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
+
+
+def can_share(refiner_config: object, refiner_backbone: nn.Module, model: nn.Module) -> bool:
+    """Whether the refiner (its configuration and backbone) may read ``model``'s backbone output
+    in place of running its own backbone: ``base-frozen``, input scale 1, no P1 blur, and the
+    same backbone weights."""
+    if (
+        getattr(refiner_config, "backbone_source", None) != "base-frozen"
+        or getattr(refiner_config, "input_scale", None) != 1.0
+        or getattr(refiner_config, "p1_blur_sigma", None) != 0
+    ):
+        return False
+    backbone = base_backbone(model)
+    return backbone is not None and _same_weights(backbone, refiner_backbone)
+
+
+class SharedFeatures:
+    """``with SharedFeatures(model, active) as shared: logits = model(x); f = shared.take()``.
+
+    While the block runs, a forward hook on ``model``'s backbone keeps its output. ``take()``
+    returns ``(features [B,C,h,w], covered (H', W'))`` — the backbone's output and the size of
+    the (padded) input it covered — when the backbone ran exactly once since the last
+    ``take()``, else ``None``; either way it forgets what it kept. ``active=False`` (the
+    refiner cannot share, :func:`can_share`) hooks nothing and always gives ``None``.
+    """
+
+    def __init__(self, model: nn.Module, active: bool = True) -> None:
+        self.module = base_backbone(model) if active else None
+        self._kept: list[tuple[Tensor, tuple[int, int]]] = []
+        self._handle: RemovableHandle | None = None
+
+    def _hook(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
+        x = args[0] if args else None
+        if isinstance(output, Tensor) and isinstance(x, Tensor):
+            self._kept.append((output.detach(), (int(x.shape[-2]), int(x.shape[-1]))))
+        else:  # not a plain feature map: never share
+            self._kept.extend([None, None])  # type: ignore[list-item]
+
+    def __enter__(self) -> SharedFeatures:
+        if self.module is not None:
+            self._handle = self.module.register_forward_hook(self._hook)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self._kept.clear()
+
+    def take(self) -> tuple[Tensor, tuple[int, int]] | None:
+        kept, self._kept = self._kept, []
+        return kept[0] if len(kept) == 1 else None

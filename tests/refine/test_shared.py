@@ -1,0 +1,202 @@
+"""Method B on the base's own backbone output (dualseg.refine.shared): same labels, one backbone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dualseg.models import build_model
+from dualseg.refine import BoundaryRefiner, RefinerConfig
+from dualseg.refine.decision import prototype_scale
+from dualseg.refine.embedding import init_backbone_from
+from dualseg.refine.refiner import prototype_scores
+from dualseg.refine.shared import SharedFeatures, base_backbone
+
+K = 4
+
+
+def refiner_on(model: torch.nn.Module, **options: object) -> BoundaryRefiner:
+    options = {"embed_dim": 8, "backbone_source": "base-frozen", "input_scale": 1.0, **options}
+    cfg = RefinerConfig(radius=2, **options)
+    net = cfg.embedding_net()
+    backbone = base_backbone(model)
+    assert backbone is not None
+    assert init_backbone_from(net.backbone, model) == len(net.backbone.state_dict())
+    g = torch.Generator().manual_seed(0)
+    protos = torch.randn(K, 8, generator=g)
+    return BoundaryRefiner(
+        net, protos, torch.ones(K, dtype=torch.bool), class_names=list("abcd"), config=cfg
+    )
+
+
+@torch.no_grad()
+def with_statistics(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in eval mode with BatchNorm statistics of random images: untrained, its
+    eval-mode features would vanish (about 1e-9 after MobileNetV2's 17 blocks), and every
+    embedding would look alike."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.momentum = None  # a cumulative average: one pass gives that batch's statistics
+    model.train()(torch.randn(4, 3, 64, 96, generator=torch.Generator().manual_seed(3)))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def peer() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return with_statistics(build_model("deeplabv3_mobilenet_v2", num_classes=K, output_stride=16))
+
+
+def images(h: int, w: int) -> torch.Tensor:
+    return torch.randn(2, 3, h, w, generator=torch.Generator().manual_seed(1))
+
+
+def class_scores(h: int, w: int) -> torch.Tensor:
+    """Scores with regions and boundaries (an untrained base predicts one class everywhere)."""
+    coarse = torch.randn(2, K, 4, 6, generator=torch.Generator().manual_seed(2)) * 4
+    return F.interpolate(coarse, size=(h, w), mode="bilinear", align_corners=False)
+
+
+@torch.no_grad()
+def test_shared_features_give_the_refiners_own_labels(peer: torch.nn.Module) -> None:
+    refiner = refiner_on(peer)
+    x = images(64, 96)  # sides multiples of the stride: no padding, the same embedding
+    with refiner.shared_features(peer) as shared:
+        peer(x)
+        features = shared.take()
+    assert features is not None and features[1] == (64, 96)
+    logits = class_scores(64, 96)
+    own = refiner.candidates(x, logits)
+    mine = refiner.candidates(x, logits, features=features)
+    assert own.edge.any()
+    torch.testing.assert_close(mine.distance, own.distance, rtol=1e-5, atol=1e-5)
+    labels, changed = refiner.refine(x, logits, return_changed=True, features=features)
+    ref_labels, ref_changed = refiner.refine(x, logits, return_changed=True)
+    assert torch.equal(labels, ref_labels) and torch.equal(changed, ref_changed)
+
+
+@torch.no_grad()
+def test_padded_input_is_sampled_where_the_base_saw_it(peer: torch.nn.Module) -> None:
+    refiner = refiner_on(peer)
+    x = images(56, 90)  # the base pads to 64x96 at stride 16
+    with refiner.shared_features(peer) as shared:
+        peer(x)
+        features = shared.take()
+    assert features is not None and features[1] == (64, 96)
+    assert features[0].std() > 0.01  # features that vary: a wrong geometry would show
+    logits = class_scores(56, 90)
+    assert logits.shape[-2:] == x.shape[-2:]
+    c = refiner.candidates(x, logits, features=features)
+    # the score map upsampled to the padded size, then cropped: the base's own geometry
+    scores = prototype_scores(refiner.net.fuse(features[0]), refiner.prototypes)
+    full = F.interpolate(scores, size=(64, 96), mode="bilinear", align_corners=False)
+    assert c.edge.any()
+    rows = full[..., :56, :90].permute(0, 2, 3, 1)[c.edge]  # [M,K]
+    expected = rows.gather(1, c.labels) / prototype_scale(refiner.prototypes, refiner.present)
+    torch.testing.assert_close(c.distance, expected, rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_nothing_is_shared_where_it_would_change_the_answer(peer: torch.nn.Module) -> None:
+    x = images(64, 96)
+    blur = refiner_on(peer, p1_blur_sigma=1.0)  # P1 filters the refiner's input, not the base's
+    half = refiner_on(peer, input_scale=0.5)  # the base saw the image at scale 1
+    other = with_statistics(build_model("deeplabv3_mobilenet_v2", num_classes=K, output_stride=16))
+    fit_elsewhere = refiner_on(other)  # fit on another base: other backbone weights
+    for refiner in (blur, half, fit_elsewhere):
+        with refiner.shared_features(peer) as shared:
+            peer(x)
+            assert shared.take() is None
+    ok = refiner_on(peer)
+    with ok.shared_features(peer) as shared:
+        peer(x)
+        peer(x.flip(-1))  # two forwards (test-time augmentation): which one? share neither
+        assert shared.take() is None
+        peer(x)
+        assert shared.take() is not None  # take() forgets: the next forward shares again
+    peer(x)  # outside the block the hook is gone
+    assert shared.take() is None
+    with pytest.raises(Exception, match="P1 blur"), ok.shared_features(peer) as shared:
+        logits = peer(x)
+        ok.candidates(x, logits, features=shared.take(), p1_blur_sigma=1.0)
+
+
+@torch.no_grad()
+def test_method_a_shares_its_rgb_branch() -> None:
+    torch.manual_seed(0)
+    model = with_statistics(
+        build_model("dualseg_mobilenet_v2", num_classes=K, output_stride=16, renet_hidden=8)
+    )
+    refiner = refiner_on(model)
+    x = images(64, 96)
+    with refiner.shared_features(model) as shared:
+        model(x)
+        features = shared.take()  # the RGB branch's backbone, not the grey one
+    assert features is not None
+    logits = class_scores(64, 96)
+    labels = refiner.refine(x, logits, features=features)
+    assert torch.equal(labels, refiner.refine(x, logits))
+
+
+class OwnBackbone:
+    """The same refiner without the shared path: what ``evaluate`` gave before."""
+
+    def __init__(self, refiner: BoundaryRefiner) -> None:
+        self.inner = refiner
+
+    def refine(self, images, probs, return_changed=True):
+        return self.inner.refine(images, probs, return_changed=return_changed)
+
+
+def test_evaluate_reads_the_base_features_with_the_same_result(peer: torch.nn.Module) -> None:
+    from dualseg.engine.evaluate import evaluate
+
+    refiner = refiner_on(peer)
+    x = images(64, 96)
+    with torch.no_grad():
+        labels = peer(x).argmax(1).flip(-1)  # ground truth that differs from the base
+    loader = [(x, labels)]
+    seen: list[object] = []
+    take = SharedFeatures.take
+
+    def spy(self):
+        kept = take(self)
+        seen.append(kept)
+        return kept
+
+    options = {"num_classes": K, "device": "cpu"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SharedFeatures, "take", spy)
+        shared = evaluate(peer, loader, refiner=refiner, **options)
+    own = evaluate(peer, loader, refiner=OwnBackbone(refiner), **options)
+    assert len(seen) == 1 and seen[0] is not None  # the base's features were passed on
+    assert shared["refine"]["changed"] > 0
+    for key in ("changed", "fixed", "broke"):
+        assert shared["refine"][key] == own["refine"][key], key
+    assert shared["refined"]["miou"] == own["refined"]["miou"]
+
+
+def test_decision_sweep_reads_the_base_features_as_evaluate_will(peer: torch.nn.Module) -> None:
+    from dualseg.refine.calibrate import decision_grid, sweep_decision
+
+    refiner = refiner_on(peer)
+    x = images(64, 96)
+    with torch.no_grad():
+        labels = peer(x).argmax(1).flip(-1)
+    grid = decision_grid(gates=(None, 0.5), priors=(0.0,), min_probs=(0.0,), blur_sigmas=(0, 1))
+    options = {"num_classes": K, "grid": grid}
+    base = lambda t: peer(t).softmax(1)  # noqa: E731
+    own = sweep_decision(refiner, base, [(x, labels)], **options)
+    taken: list[object] = []
+    with refiner.shared_features(peer) as shared:
+
+        class Spy:
+            def take(self) -> object:
+                taken.append(shared.take())
+                return taken[-1]
+
+        rows = sweep_decision(refiner, base, [(x, labels)], shared=Spy(), **options)
+    assert len(taken) == 1 and taken[0] is not None
+    assert rows == own  # no padding at 64x96: the same embedding either way
+    assert any(r["changed"] > 0 for r in rows if r["gate_margin"] != "base")
