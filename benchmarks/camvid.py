@@ -573,14 +573,17 @@ def fit_refiners(
     meta: Any,
     device: torch.device,
     results: dict[str, Any],
-) -> tuple[dict[str, BoundaryRefiner], dict[str, BoundaryRefiner]]:
+) -> tuple[dict[str, BoundaryRefiner], dict[str, dict[str, BoundaryRefiner]]]:
     """Method B for each base in ``REFINED``: ``(refiners, gated)``.
 
     ``--refine-backbone-source independent`` fits one refiner (ground truth only) for every
     base; ``base-frozen`` / ``base-finetune`` one per base on that base's backbone. Under the
     plateau protocol the fit reads train_fit (dev held out), and the decision options (gate τ,
     prior weight, probability floor) are chosen per base
-    on dev (:mod:`dualseg.refine.calibrate`): ``gated`` holds those copies. Fitted refiners are
+    on dev (:mod:`dualseg.refine.calibrate`): ``gated[name]["B_gated"]`` holds that copy, and
+    ``gated[name]["B_shared"]`` the best setting without P1 blur when the refiner reads the
+    base's own backbone output (:mod:`dualseg.refine.shared`) and the first choice blurs
+    (which would make it run its own backbone again). Fitted refiners are
     kept in ``--out`` and reused with ``--reuse``.
     """
     import dataclasses
@@ -643,7 +646,7 @@ def fit_refiners(
             "seconds": time.time() - t0,
         }
     refiners = {name: fitted["all" if shared else name] for name in bases}
-    gated: dict[str, BoundaryRefiner] = {}
+    gated: dict[str, dict[str, BoundaryRefiner]] = {}
     if plateau:
         _, dev = eval_loader(args.data, str(out / "data" / "dev.txt"), args.eval_limit)
         for name in bases:
@@ -658,16 +661,27 @@ def fit_refiners(
                     shared=kept,
                 )
             chosen = choose_decision(rows)
-            results.setdefault("decision_sweep_dev", {})[name] = {"chosen": chosen, "rows": rows}
+            sweep = {"chosen": chosen, "rows": rows}
             print(f"[{name}] decision chosen on dev: {chosen}", flush=True)
-            copy = BoundaryRefiner(
-                refiner.net,
-                refiner.prototypes,
-                refiner.present,
-                class_names=refiner.class_names,
-                config=dataclasses.replace(refiner.config, **chosen),
-            )
-            gated[name] = copy
+
+            def with_decision(options: dict[str, Any], r: BoundaryRefiner = refiner) -> Any:
+                return BoundaryRefiner(
+                    r.net,
+                    r.prototypes,
+                    r.present,
+                    class_names=r.class_names,
+                    config=dataclasses.replace(r.config, **options),
+                )
+
+            gated[name] = {"B_gated": with_decision(chosen)}
+            # P1 blur makes the refiner run its own backbone; where it could read the base's
+            # features instead, also keep the best setting that does (the cheap one)
+            if kept.module is not None and chosen["p1_blur_sigma"]:
+                fast = choose_decision([r for r in rows if r.get("p1_blur_sigma", 0) == 0])
+                sweep["chosen_reading_base_features"] = fast
+                gated[name]["B_shared"] = with_decision(fast)
+                print(f"[{name}] ... among those reading the base's features: {fast}", flush=True)
+            results.setdefault("decision_sweep_dev", {})[name] = sweep
     return refiners, gated
 
 
@@ -826,9 +840,11 @@ def main(argv: list[str] | None = None) -> int:
             variants = [(name, LABELS[name], None)]
             if name in refiners:
                 variants.append((f"{name}+B", LABELS[name] + " + method B", refiners[name]))
-            if name in gated:
-                label = LABELS[name] + f" + method B, {decision_label(gated[name].config)}"
-                variants.append((f"{name}+B_gated", label, gated[name]))
+            for kind, copy in gated.get(name, {}).items():
+                label = LABELS[name] + f" + method B, {decision_label(copy.config)}"
+                if kind == "B_shared":
+                    label = label[: -len(")")] + " among the settings reading the base's features)"
+                variants.append((f"{name}+{kind}", label, copy))
             for key, label, refiner in variants:
                 m = evaluate(
                     model,
