@@ -102,9 +102,10 @@ def test_nothing_is_shared_where_it_would_change_the_answer(peer: torch.nn.Modul
     x = images(64, 96)
     blur = refiner_on(peer, p1_blur_sigma=1.0)  # P1 filters the refiner's input, not the base's
     half = refiner_on(peer, input_scale=0.5)  # the base saw the image at scale 1
+    stride8 = refiner_on(peer, output_stride=8)  # the same weights, dilated otherwise
     other = with_statistics(build_model("deeplabv3_mobilenet_v2", num_classes=K, output_stride=16))
     fit_elsewhere = refiner_on(other)  # fit on another base: other backbone weights
-    for refiner in (blur, half, fit_elsewhere):
+    for refiner in (blur, half, stride8, fit_elsewhere):
         with refiner.shared_features(peer) as shared:
             peer(x)
             assert shared.take() is None

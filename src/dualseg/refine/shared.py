@@ -8,9 +8,9 @@ head then reads it instead of running the backbone a second time (issue 15: the 
 backbone was most of method B's extra inference time).
 
 When it applies, and why it is safe (:func:`can_share`): the refiner's configuration must be
-the one above, and the base's backbone must hold exactly the refiner's backbone weights (the
-base it was fit on; a refiner fit on another base, or a base trained on since, falls back to
-the refiner's own backbone). A forward that ran the backbone more than once (test-time
+the one above, at the base's output stride, and the base's backbone must hold exactly the
+refiner's backbone weights (the base it was fit on; a refiner fit on another base, or a base
+trained on since, falls back to the refiner's own backbone). A forward that ran the backbone more than once (test-time
 augmentation, sliding windows) shares nothing either.
 
 One difference from the refiner's own pass: dualseg's models pad their input at the bottom and
@@ -48,12 +48,14 @@ def _same_weights(a: nn.Module, b: nn.Module) -> bool:
 
 def can_share(refiner_config: object, refiner_backbone: nn.Module, model: nn.Module) -> bool:
     """Whether the refiner (its configuration and backbone) may read ``model``'s backbone output
-    in place of running its own backbone: ``base-frozen``, input scale 1, no P1 blur, and the
-    same backbone weights."""
+    in place of running its own backbone: ``base-frozen``, input scale 1, no P1 blur, the
+    base's output stride (the same weights at another stride dilate differently) and the same
+    backbone weights."""
     if (
         getattr(refiner_config, "backbone_source", None) != "base-frozen"
         or getattr(refiner_config, "input_scale", None) != 1.0
         or getattr(refiner_config, "p1_blur_sigma", None) != 0
+        or getattr(refiner_config, "output_stride", None) != getattr(model, "output_stride", None)
     ):
         return False
     backbone = base_backbone(model)
