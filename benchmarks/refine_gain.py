@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         row["refine"] = m["refine"]
         row["iou_gain"] = {  # per class, IoU points (None: class absent from the split)
             name: None if math.isnan(b) or math.isnan(r) else 100 * (r - b)
-            for name, b, r in zip(meta.class_names, m["iou"].tolist(), m["refined"]["iou"].tolist())
+            for name, b, r in zip(meta.class_names, m["iou"], m["refined"]["iou"])
         }
         row.update(time_ratio(model, refiner, val, device, args.time_images))
         report["bases"][ckpt_path] = row
