@@ -10,8 +10,8 @@ backbone was most of method B's extra inference time).
 When it applies, and why it is safe (:func:`can_share`): the refiner's configuration must be
 the one above, at the base's output stride, and the base's backbone must hold exactly the
 refiner's backbone weights (the base it was fit on; a refiner fit on another base, or a base
-trained on since, falls back to the refiner's own backbone). A forward that ran the backbone more than once (test-time
-augmentation, sliding windows) shares nothing either.
+trained on since, falls back to the refiner's own backbone). A forward that ran the backbone
+more than once (test-time augmentation, sliding windows) shares nothing either.
 
 One difference from the refiner's own pass: dualseg's models pad their input at the bottom and
 right to a multiple of the output stride, so the shared features cover the padded image
@@ -74,15 +74,16 @@ class SharedFeatures:
 
     def __init__(self, model: nn.Module, active: bool = True) -> None:
         self.module = base_backbone(model) if active else None
-        self._kept: list[tuple[Tensor, tuple[int, int]]] = []
+        # one entry per backbone call since the last take(); None: not a plain feature map
+        self._kept: list[tuple[Tensor, tuple[int, int]] | None] = []
         self._handle: RemovableHandle | None = None
 
     def _hook(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         x = args[0] if args else None
         if isinstance(output, Tensor) and isinstance(x, Tensor):
-            self._kept.append((output.detach(), (int(x.shape[-2]), int(x.shape[-1]))))
-        else:  # not a plain feature map: never share
-            self._kept.extend([None, None])  # type: ignore[list-item]
+            self._kept.append((output.detach(), (x.shape[-2], x.shape[-1])))
+        else:
+            self._kept.append(None)  # not a plain feature map: this call cannot be shared
 
     def __enter__(self) -> SharedFeatures:
         if self.module is not None:
