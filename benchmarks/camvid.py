@@ -548,13 +548,14 @@ def save_learning_curves(train: dict[str, Any], path: Path) -> None:
     fig = Figure(figsize=(11, 4), dpi=100)
     FigureCanvasAgg(fig)
     by_iter, by_time = fig.subplots(1, 2, sharey=True)
-    for name, rec in train.items():
-        curve = rec.get("dev_curve")
-        if not curve:
-            continue
+    colours = [f"C{i}" for i in range(10)]
+    curves = [(name, rec["dev_curve"]) for name, rec in train.items() if rec.get("dev_curve")]
+    for i, (name, curve) in enumerate(curves):
         it, minutes, miou = zip(*curve)
-        by_iter.plot(it, [100 * v for v in miou], marker=".", label=LABELS.get(name, name))
-        by_time.plot(minutes, [100 * v for v in miou], marker=".", label=LABELS.get(name, name))
+        # ten colours, then dashed: no two runs drawn alike
+        style = {"color": colours[i % 10], "linestyle": "-" if i < 10 else "--", "marker": "."}
+        by_iter.plot(it, [100 * v for v in miou], label=LABELS.get(name, name), **style)
+        by_time.plot(minutes, [100 * v for v in miou], label=LABELS.get(name, name), **style)
     by_iter.set_xlabel("iteration")
     by_time.set_xlabel("training wall-clock minutes (2-core CPU)")
     by_iter.set_ylabel("dev mIoU (%) — dev: held out of CamVid train")
