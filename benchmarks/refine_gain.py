@@ -105,7 +105,7 @@ def time_ratio(model, refiner, dataset, device: torch.device, n: int) -> dict[st
     paired image by image. A refiner that can read the base's own backbone output
     (``dualseg.refine.shared``) is timed that way, and on its own backbone beside it."""
     base_t, refine_t, own_t = [], [], []
-    features = None
+    shared_n = 0  # timed images refined on the base's features
     with refiner.shared_features(model) as shared:
         for i in range(min(n + 1, len(dataset))):  # the first image warms up
             image = dataset[i][0][None].to(device)
@@ -126,10 +126,11 @@ def time_ratio(model, refiner, dataset, device: torch.device, n: int) -> dict[st
                 base_t.append(t1 - t0)
                 refine_t.append(t2 - t1)
                 own_t.append(t3 - t2)
+                shared_n += features is not None
     b, r = statistics.median(base_t), statistics.median(refine_t)
     out: dict[str, Any] = {"base_s": b, "refine_s": r, "extra_time_ratio": r / b}
-    out["shares_base_features"] = features is not None
-    if features is not None:
+    out["shares_base_features"] = shared_n == len(base_t)  # every timed image
+    if shared_n == len(base_t):
         own = statistics.median(own_t)
         out |= {"refine_own_backbone_s": own, "extra_time_ratio_own_backbone": own / b}
     return out

@@ -135,6 +135,8 @@ def test_method_a_shares_its_rgb_branch() -> None:
         model(x)
         features = shared.take()  # the RGB branch's backbone, not the grey one
     assert features is not None
+    with torch.no_grad():
+        torch.testing.assert_close(features[0], model.rgb.backbone(x))
     logits = class_scores(64, 96)
     labels = refiner.refine(x, logits, features=features)
     assert torch.equal(labels, refiner.refine(x, logits))
@@ -201,3 +203,62 @@ def test_decision_sweep_reads_the_base_features_as_evaluate_will(peer: torch.nn.
     assert len(taken) == 1 and taken[0] is not None
     assert rows == own  # no padding at 64x96: the same embedding either way
     assert any(r["changed"] > 0 for r in rows if r["gate_margin"] != "base")
+
+
+@torch.no_grad()
+def test_features_of_other_images_are_not_used(peer: torch.nn.Module) -> None:
+    refiner = refiner_on(peer)
+    x = images(64, 96)
+    with refiner.shared_features(peer) as shared:
+        peer(x)
+        kept = shared.take()
+    assert kept is not None
+    logits = class_scores(64, 96)
+    own = refiner.candidates(x, logits)
+    feats, covered = kept
+    for wrong in (
+        (feats[:1], covered),  # one image's features for a batch of two
+        (F.interpolate(feats, scale_factor=1.5), (96, 144)),  # a resized input (TTA)
+        (feats.bfloat16(), covered),  # autocast's half precision
+    ):
+        c = refiner.candidates(x, logits, features=wrong)  # the refiner's own backbone instead
+        torch.testing.assert_close(c.distance, own.distance)
+
+
+@torch.no_grad()
+def test_an_image_without_boundaries_beside_one_with_them(peer: torch.nn.Module) -> None:
+    refiner = refiner_on(peer)
+    x = images(64, 96)
+    logits = class_scores(64, 96)
+    logits[1] = 0
+    logits[1, 2] = 1  # the second image is one class: no near-boundary pixel
+    with refiner.shared_features(peer) as shared:
+        peer(x)
+        kept = shared.take()
+    mine = refiner.candidates(x, logits, features=kept)
+    own = refiner.candidates(x, logits)
+    assert mine.edge[0].any() and not mine.edge[1].any()
+    torch.testing.assert_close(mine.distance, own.distance, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "inference",
+    [
+        {"tta_scales": (1.5,)},  # one forward, but of a resized image
+        {"mode": "slide", "window": (32, 48), "stride": (32, 48), "tile_batch": 16},  # tiles
+        {"tta_flip": True},  # two forwards
+    ],
+)
+def test_evaluate_does_not_share_an_augmented_forward(
+    peer: torch.nn.Module, inference: dict
+) -> None:
+    from dualseg.engine.evaluate import evaluate
+
+    refiner = refiner_on(peer)
+    x = images(64, 96)
+    with torch.no_grad():
+        labels = peer(x).argmax(1).flip(-1)
+    options = {"num_classes": K, "device": "cpu", **inference}
+    shared = evaluate(peer, [(x, labels)], refiner=refiner, **options)
+    own = evaluate(peer, [(x, labels)], refiner=OwnBackbone(refiner), **options)
+    assert shared["refine"] == {**own["refine"], "ms_per_image": shared["refine"]["ms_per_image"]}

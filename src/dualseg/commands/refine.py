@@ -471,7 +471,8 @@ def apply_main(args: argparse.Namespace) -> int:
     images = collect_images(args.inputs)
     changed_total = pixels_total = 0
     failures: list[str] = []
-    module = getattr(base, "module", None)  # a model: its backbone output is read, not rerun
+    # a model on a plain forward: its backbone output is read, not rerun
+    module = getattr(base, "module", None) if not augmented and not args.amp else None
     kept = refiner.shared_features(module) if module is not None else contextlib.nullcontext()
     with kept as shared:
         for path, name in track(images, desc="refine", unit="img", mode=mode_of(args)):

@@ -199,7 +199,8 @@ def evaluate(
 
     # a refiner on the base's own frozen backbone reads the features the base computed
     share = getattr(refiner, "shared_features", None)
-    shared: SharedFeatures | None = share(model) if share is not None else None
+    plain = mode == "whole" and tuple(tta_scales) == (1.0,) and not tta_flip and not amp
+    shared: SharedFeatures | None = share(model) if share is not None and plain else None
     with _eval_mode(model), shared if shared is not None else contextlib.nullcontext():
         for index, (images, labels) in enumerate(batches):
             images = images.to(device, non_blocking=True)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dualseg.errors import DataError
 from dualseg.refine.boundary import near_boundary_mask
 from dualseg.refine.embedding import EmbeddingNet
 
@@ -111,6 +112,11 @@ def gather_candidates(
         at = edge[keep]
         if covered is not None and covered != tuple(at.shape[-2:]):  # padded: same pixel order
             pad_h, pad_w = covered[0] - at.shape[-2], covered[1] - at.shape[-1]
+            if pad_h < 0 or pad_w < 0:
+                raise DataError(
+                    f"score maps covering {covered} cannot hold images of {tuple(at.shape[-2:])}"
+                    "; pass the base's features for these very images, or none"
+                )
             at = torch.nn.functional.pad(at, (0, pad_w, 0, pad_h))
         s = EmbeddingNet.sample(scores(keep), at)  # [M,K], in edge.nonzero() order
         dist = (s.gather(1, cand) / scale).masked_fill(~present.to(cand.device)[cand], float("inf"))

@@ -43,7 +43,7 @@ from dualseg.refine.embedding import (
 from dualseg.refine.fit import OPTIMIZERS, train_embedding
 from dualseg.refine.formats import FORMAT, load_state
 from dualseg.refine.prototypes import stream_prototypes
-from dualseg.refine.shared import SharedFeatures, can_share
+from dualseg.refine.shared import SharedFeatures, can_share, matching
 from dualseg.refine.triplet import MINING, REDUCTIONS, triplet_step
 
 BACKBONE_SOURCES = ("independent", "base-frozen", "base-finetune")
@@ -281,10 +281,12 @@ class BoundaryRefiner:
                 "shared base features carry no P1 blur: refine with p1_blur_sigma 0, or "
                 "without the base's features"
             )
+        # not this batch's own backbone output (resized, tiled, half precision): run our own
+        features = matching(features, images, self.config.output_stride)
 
         def scores(keep: Tensor) -> Tensor:  # the embedding model on the images with a band
             if features is not None:  # the base's own backbone output: only the head runs
-                local = features[0][keep].to(self.device).float()  # may come from autocast
+                local = features[0].to(self.device)[keep]
                 return prototype_scores(self.net.fuse(local), self.prototypes)
             x = p1_filter(images[keep].float(), sigma)  # P1 (normalization came before)
             feats = embed_features(self.net, x, self.config.input_scale)

@@ -13,6 +13,11 @@ refiner's backbone weights (the base it was fit on; a refiner fit on another bas
 trained on since, falls back to the refiner's own backbone). A forward that ran the backbone
 more than once (test-time augmentation, sliding windows) shares nothing either.
 
+Callers share only on a plain whole-image forward (no test-time augmentation, no sliding
+window, no autocast), and :func:`matching` checks each batch once more: one float32 map per
+image, covering that image padded by less than a stride; anything else runs the refiner's own
+backbone.
+
 One difference from the refiner's own pass: dualseg's models pad their input at the bottom and
 right to a multiple of the output stride, so the shared features cover the padded image
 (``covered``), and the refiner samples them there; on an image whose sides are multiples of
@@ -27,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["SharedFeatures", "base_backbone", "can_share"]
+__all__ = ["SharedFeatures", "base_backbone", "can_share", "matching"]
 
 
 def base_backbone(model: nn.Module) -> nn.Module | None:
@@ -60,6 +65,24 @@ def can_share(refiner_config: object, refiner_backbone: nn.Module, model: nn.Mod
         return False
     backbone = base_backbone(model)
     return backbone is not None and _same_weights(backbone, refiner_backbone)
+
+
+def matching(
+    kept: tuple[Tensor, tuple[int, int]] | None, images: Tensor, output_stride: int
+) -> tuple[Tensor, tuple[int, int]] | None:
+    """``kept`` when it can be the base's backbone output for exactly ``images``: one map per
+    image, in float32 (autocast's half precision is not what the refiner's own pass computes),
+    covering the images padded at the bottom and right by less than one stride (a resized or
+    tiled input covers something else); else ``None``."""
+    if kept is None:
+        return None
+    feats, (h, w) = kept
+    H, W = images.shape[-2:]
+    if feats.dim() != 4 or feats.shape[0] != images.shape[0] or feats.dtype != torch.float32:
+        return None
+    if not (0 <= h - H < output_stride and 0 <= w - W < output_stride):
+        return None
+    return kept
 
 
 class SharedFeatures:
