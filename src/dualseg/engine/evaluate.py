@@ -199,7 +199,11 @@ def evaluate(
 
     # a refiner on the base's own frozen backbone reads the features the base computed
     share = getattr(refiner, "shared_features", None)
-    plain = mode == "whole" and tuple(tta_scales) == (1.0,) and not tta_flip and not amp
+    plain = (  # one whole-image forward per batch, in float32: what the refiner would compute
+        mode == "whole"
+        and not amp
+        and not InferenceOptions(tta_scales=tuple(tta_scales), tta_flip=tta_flip).uses_tta
+    )
     shared: SharedFeatures | None = share(model) if share is not None and plain else None
     with _eval_mode(model), shared if shared is not None else contextlib.nullcontext():
         for index, (images, labels) in enumerate(batches):

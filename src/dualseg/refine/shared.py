@@ -10,13 +10,11 @@ backbone was most of method B's extra inference time).
 When it applies, and why it is safe (:func:`can_share`): the refiner's configuration must be
 the one above, at the base's output stride, and the base's backbone must hold exactly the
 refiner's backbone weights (the base it was fit on; a refiner fit on another base, or a base
-trained on since, falls back to the refiner's own backbone). A forward that ran the backbone
-more than once (test-time augmentation, sliding windows) shares nothing either.
-
-Callers share only on a plain whole-image forward (no test-time augmentation, no sliding
-window, no autocast), and :func:`matching` checks each batch once more: one float32 map per
-image, covering that image padded by less than a stride; anything else runs the refiner's own
-backbone.
+trained on since, falls back to the refiner's own backbone). Callers share only on a plain
+whole-image forward (no test-time augmentation, no sliding window, no autocast); a forward
+that ran the backbone more than once shares nothing, and :func:`matching` checks each batch
+once more: one float32 map per image, covering that image padded by less than a stride.
+Anything else runs the refiner's own backbone.
 
 One difference from the refiner's own pass: dualseg's models pad their input at the bottom and
 right to a multiple of the output stride, so the shared features cover the padded image
