@@ -126,6 +126,7 @@ RECIPE = (
 REFINER_RECIPE = (
     "steps",
     "input_scale",
+    "output_stride",
     "embed_dim",
     "batch_size",
     "seed",
@@ -187,6 +188,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weights", default="imagenet", help="'imagenet', a file, or 'none'")
     p.add_argument("--refine-steps", type=int, default=3000, help="method B triplet steps")
     p.add_argument("--refine-input-scale", type=float, default=RefinerConfig.input_scale)
+    p.add_argument(
+        "--refine-output-stride",
+        type=int,
+        choices=(8, 16),
+        default=RefinerConfig.output_stride,
+        help="method B step 3: the embedding's output stride (8: 4x the positions, and no "
+        "reading of a stride-16 base's features)",
+    )
     p.add_argument(
         "--refine-embed-dim",
         type=int,
@@ -608,6 +617,7 @@ def fit_refiners(
     wanted = RefinerConfig(
         steps=args.refine_steps,
         input_scale=args.refine_input_scale,
+        output_stride=args.refine_output_stride,
         embed_dim=args.refine_embed_dim,
         batch_size=args.batch_size,
         seed=args.seed,

@@ -54,6 +54,12 @@ def test_reuse_refuses_a_refiner_fit_with_other_flags(camvid, tmp_path: Path) ->
     assert camvid.refiner_mismatch(saved, saved, path) is None
     wanted = RefinerConfig(steps=2000, input_scale=1.0, backbone_source="base-frozen")
     assert "input_scale = 0.5, this call asks 1.0" in camvid.refiner_mismatch(saved, wanted, path)
+    finer = RefinerConfig(
+        steps=2000, input_scale=0.5, output_stride=8, backbone_source="base-frozen"
+    )
+    assert "output_stride = 16, this call asks 8" in camvid.refiner_mismatch(saved, finer, path)
+    args = camvid.parse_args(["--data", "d", "--refine-output-stride", "8"])
+    assert args.refine_output_stride == 8
 
 
 def test_a_folder_without_the_list_files_is_one_data_error(camvid, tmp_path: Path) -> None:
