@@ -77,7 +77,6 @@ from dualseg.refine import BoundaryRefiner
 from dualseg.refine.calibrate import DECISION_KEYS
 from dualseg.refine.decision import describe_decision
 from dualseg.refine.refiner import RefinerConfig
-from dualseg.refine.shared import can_share
 
 # name -> (architecture, build_model options); the ablations switch one part of method A off.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -417,13 +416,15 @@ def time_inference(
     n: int,
     device: torch.device,
     refiner: BoundaryRefiner | None = None,
-) -> tuple[float, float]:
+) -> tuple[float, float, bool]:
     """Median seconds per image (batch 1, full resolution) of the base model, and of the
     ``refiner``'s refinement timed on the same images right after each forward (0.0 without):
     the two are measured under the same load, so their ratio holds on a busy machine (two
     separate passes minutes apart once gave a negative "extra time"). The first two images
-    warm up (fewer when the split is tiny)."""
+    warm up (fewer when the split is tiny). Third: whether every timed refinement read the
+    base's backbone output (``dualseg.refine.shared``) instead of running its own."""
     base, extra = [], []
+    shared_n = 0
     warmup = min(2, len(loader) - 1)
 
     def sync() -> None:
@@ -445,12 +446,15 @@ def time_inference(
             t1 = time.perf_counter()
             if refiner is not None:
                 # logits: softmax only at the near-boundary rows
-                refiner.refine(x, logits, features=shared.take())
+                features = shared.take()
+                refiner.refine(x, logits, features=features)
                 sync()
+                shared_n += i >= warmup and features is not None
             if i >= warmup:
                 base.append(t1 - t0)
                 extra.append(time.perf_counter() - t1)
-    return statistics.median(base), statistics.median(extra) if refiner is not None else 0.0
+    extra_s = statistics.median(extra) if refiner is not None else 0.0
+    return statistics.median(base), extra_s, refiner is not None and shared_n == len(base)
 
 
 def curve_stats(log: Path) -> dict[str, Any]:
@@ -869,7 +873,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows[key] = {"label": label, **summarize(m), "ms_per_image": ms}
                     print(f"[{split}] {label}: mIoU {100 * m['miou']:.1f}", flush=True)
                     continue
-                base_s, refine_s = time_inference(
+                base_s, refine_s, timed_shared = time_inference(
                     model, loader, args.timing_images, device, refiner
                 )
                 rows[key] = {
@@ -877,8 +881,10 @@ def main(argv: list[str] | None = None) -> int:
                     **summarize(m["refined"]),
                     "ms_per_image": 1000 * (base_s + refine_s),
                     "extra_time_ratio": refine_s / base_s,  # paired, under the same load
-                    # whether the refiner read the base's backbone output instead of its own
-                    "shares_base_features": can_share(refiner.config, refiner.net.backbone, model),
+                    # whether the refiner read the base's backbone output instead of running
+                    # its own, on every image evaluated and timed
+                    "shares_base_features": timed_shared
+                    and m["refine"]["shared_images"] == m["num_images"],
                     "refine": m["refine"],
                 }
                 print(f"[{split}] {label}: mIoU {100 * m['refined']['miou']:.1f}", flush=True)

@@ -88,10 +88,41 @@ def test_refinement_is_timed_on_the_same_images_right_after_the_base(camvid) -> 
 
     model = torch.nn.Conv2d(3, 4, 1).eval()
     loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(6)]
-    base_s, extra_s = camvid.time_inference(model, loader, 3, torch.device("cpu"))
-    assert base_s > 0 and extra_s == 0.0  # no refiner: nothing extra
+    base_s, extra_s, shared = camvid.time_inference(model, loader, 3, torch.device("cpu"))
+    assert base_s > 0 and extra_s == 0.0 and not shared  # no refiner: nothing extra
     refiner = Refiner()
-    camvid.time_inference(model, loader, 3, torch.device("cpu"), refiner)
+    assert not camvid.time_inference(model, loader, 3, torch.device("cpu"), refiner)[2]
     assert len(refiner.seen) == 5  # 2 warm-up + 3 timed, each right after its own forward
     with torch.no_grad():
         assert torch.equal(refiner.seen[0], model(loader[0][0]))
+
+
+def test_timing_says_whether_the_refiner_read_the_base_features(camvid) -> None:
+    import torch
+
+    class Base(torch.nn.Module):  # a model with a backbone: its output can be shared
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = torch.nn.Conv2d(3, 4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.backbone(x)
+
+    class Refiner:
+        def __init__(self, active: bool) -> None:
+            self.active, self.given = active, []
+
+        def refine(self, images: torch.Tensor, scores: torch.Tensor, features: object) -> None:
+            self.given.append(features)
+
+        def shared_features(self, model: torch.nn.Module) -> SharedFeatures:
+            return SharedFeatures(model, active=self.active)
+
+    model = Base().eval()
+    loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(5)]
+    sharing = Refiner(active=True)
+    assert camvid.time_inference(model, loader, 3, torch.device("cpu"), sharing)[2]
+    assert all(f is not None for f in sharing.given)
+    own = Refiner(active=False)  # e.g. a refiner at another stride: runs its own backbone
+    assert not camvid.time_inference(model, loader, 3, torch.device("cpu"), own)[2]
+    assert own.given == [None] * 5

@@ -153,7 +153,7 @@ class OwnBackbone:
 
 
 def test_evaluate_reads_the_base_features_with_the_same_result(peer: torch.nn.Module) -> None:
-    from dualseg.engine.evaluate import evaluate
+    from dualseg.engine.evaluate import evaluate, format_metrics
 
     refiner = refiner_on(peer)
     x = images(64, 96)
@@ -174,6 +174,9 @@ def test_evaluate_reads_the_base_features_with_the_same_result(peer: torch.nn.Mo
         shared = evaluate(peer, loader, refiner=refiner, **options)
     own = evaluate(peer, loader, refiner=OwnBackbone(refiner), **options)
     assert len(seen) == 1 and seen[0] is not None  # the base's features were passed on
+    assert shared["refine"]["shared_images"] == len(x) and own["refine"]["shared_images"] == 0
+    assert "on the base's features for 2 of 2 images" in format_metrics(shared)
+    assert "base's features" not in format_metrics(own)
     assert shared["refine"]["changed"] > 0
     for key in ("changed", "fixed", "broke"):
         assert shared["refine"][key] == own["refine"][key], key
@@ -262,3 +265,4 @@ def test_evaluate_does_not_share_an_augmented_forward(
     shared = evaluate(peer, [(x, labels)], refiner=refiner, **options)
     own = evaluate(peer, [(x, labels)], refiner=OwnBackbone(refiner), **options)
     assert shared["refine"] == {**own["refine"], "ms_per_image": shared["refine"]["ms_per_image"]}
+    assert shared["refine"]["shared_images"] == 0  # reported as the refiner's own pass

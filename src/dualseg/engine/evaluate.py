@@ -187,7 +187,8 @@ def evaluate(
         else None
     )
     # pixels (labelled), changed, fixed, broke, images
-    counts = torch.zeros(5, dtype=torch.int64, device=device)
+    # labelled pixels, changed, fixed, broke, images, images refined on the base's features
+    counts = torch.zeros(6, dtype=torch.int64, device=device)
     timer, refine_timer = _Timer(device), _Timer(device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)  # cross-entropy, summed
 
@@ -242,6 +243,7 @@ def evaluate(
                         new, changed = refiner.refine(  # type: ignore[call-arg]
                             images, probs, return_changed=True, features=kept
                         )
+                        counts[5] += images.shape[0] if kept is not None else 0
                     else:
                         new, changed = refiner.refine(images, probs, return_changed=True)
                 new = new.to(device).long()
@@ -280,6 +282,8 @@ def evaluate(
             "fixed": fixed,
             "broke": broke,
             "ms_per_image": refine_timer.median(),
+            # images whose refiner read the base's backbone output instead of running its own
+            "shared_images": int(counts[5]),
         }
     return result
 
@@ -319,5 +323,8 @@ def format_metrics(
         r_ms = (metrics.get("refine") or {}).get("ms_per_image")
         if r_ms is not None and math.isfinite(r_ms):
             line += f", refinement: {r_ms:.1f} ms/image"
+            shared = metrics["refine"].get("shared_images", 0)
+            if shared:  # the refiner ran only its head, on the base's backbone output
+                line += f" (on the base's features for {shared} of {metrics['num_images']} images)"
         lines.append(line)
     return "\n".join(lines)
