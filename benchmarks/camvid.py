@@ -74,7 +74,7 @@ from dualseg.errors import ConfigError, DataError, DualsegError
 from dualseg.io import atomic_write_json, atomic_write_text
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner
-from dualseg.refine.calibrate import DECISION_KEYS
+from dualseg.refine.calibrate import DECISION_KEYS, METRICS
 from dualseg.refine.decision import describe_decision
 from dualseg.refine.refiner import RefinerConfig
 
@@ -207,6 +207,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=RefinerConfig.backbone_source,
         help="method B step 3: one independent refiner for all bases, or one per base on its "
         "own backbone",
+    )
+    p.add_argument(
+        "--refine-decision-metric",
+        choices=METRICS,
+        default=METRICS[0],
+        help="what the dev sweep of method B's decision maximizes (boundary_f1: for the edges)",
     )
     p.add_argument(
         "--refine-mining",
@@ -675,8 +681,9 @@ def fit_refiners(
                     device=device,
                     shared=kept,
                 )
-            chosen = choose_decision(rows)
-            sweep = {"chosen": chosen, "rows": rows}
+            metric = args.refine_decision_metric
+            chosen = choose_decision(rows, metric=metric)
+            sweep = {"metric": metric, "chosen": chosen, "rows": rows}
             print(f"[{name}] decision chosen on dev: {chosen}", flush=True)
 
             def with_decision(options: dict[str, Any], r: BoundaryRefiner = refiner) -> Any:
@@ -692,7 +699,8 @@ def fit_refiners(
             # P1 blur makes the refiner run its own backbone; where it could read the base's
             # features instead, also keep the best setting that does (the cheap one)
             if kept.module is not None and chosen["p1_blur_sigma"]:
-                fast = choose_decision([r for r in rows if r.get("p1_blur_sigma", 0) == 0])
+                unblurred = [r for r in rows if r.get("p1_blur_sigma", 0) == 0]
+                fast = choose_decision(unblurred, metric=metric)
                 sweep["chosen_reading_base_features"] = fast
                 gated[name]["B_shared"] = with_decision(fast)
                 print(f"[{name}] ... among those reading the base's features: {fast}", flush=True)
@@ -736,9 +744,12 @@ def save_panels(
     return written
 
 
-def decision_label(cfg: RefinerConfig) -> str:
-    """How a dev-chosen decision reads in a table: 'gate 0.1, prior 2 (chosen on dev)'."""
-    return describe_decision(**{k: getattr(cfg, k) for k in DECISION_KEYS}) + " (chosen on dev)"
+def decision_label(cfg: RefinerConfig, metric: str = METRICS[0]) -> str:
+    """How a dev-chosen decision reads in a table: 'gate 0.1, prior 2 (chosen on dev)', with
+    '... by boundary F1' where the sweep maximized that instead of mIoU."""
+    by = "" if metric == METRICS[0] else " by " + {"boundary_f1": "boundary F1"}[metric]
+    words = describe_decision(**{k: getattr(cfg, k) for k in DECISION_KEYS})
+    return f"{words} (chosen on dev{by})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -856,7 +867,9 @@ def main(argv: list[str] | None = None) -> int:
             if name in refiners:
                 variants.append((f"{name}+B", LABELS[name] + " + method B", refiners[name]))
             for kind, copy in gated.get(name, {}).items():
-                label = LABELS[name] + f" + method B, {decision_label(copy.config)}"
+                label = LABELS[name] + (
+                    f" + method B, {decision_label(copy.config, args.refine_decision_metric)}"
+                )
                 if kind == "B_shared":
                     label = label[: -len(")")] + " among the settings reading the base's features)"
                 variants.append((f"{name}+{kind}", label, copy))

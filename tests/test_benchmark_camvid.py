@@ -126,3 +126,15 @@ def test_timing_says_whether_the_refiner_read_the_base_features(camvid) -> None:
     own = Refiner(active=False)  # e.g. a refiner at another stride: runs its own backbone
     assert not camvid.time_inference(model, loader, 3, torch.device("cpu"), own)[2]
     assert own.given == [None] * 5
+
+
+def test_a_decision_chosen_by_boundary_f1_says_so(camvid) -> None:
+    from dualseg.refine.refiner import RefinerConfig
+
+    cfg = RefinerConfig(gate_margin=0.1, prior_weight=0.5)
+    assert camvid.decision_label(cfg) == "gate 0.1, prior 0.5 (chosen on dev)"
+    by_edges = camvid.decision_label(cfg, "boundary_f1")
+    assert by_edges == "gate 0.1, prior 0.5 (chosen on dev by boundary F1)"
+    args = camvid.parse_args(["--data", "d", "--refine-decision-metric", "boundary_f1"])
+    assert args.refine_decision_metric == "boundary_f1"
+    assert camvid.parse_args(["--data", "d"]).refine_decision_metric == "miou"

@@ -201,6 +201,32 @@ def test_p1_filter_blurs_and_zero_is_the_identity() -> None:
     assert torch.allclose(p1_filter(flat, 1.5), flat)
 
 
+def test_the_choice_maximizes_the_metric_asked_for() -> None:
+    def row(gate: float, miou: float, bf1: float, changed: float) -> dict:
+        options = {"prior_weight": 0.0, "min_prob": 0.0, "p1_blur_sigma": 0.0}
+        return {
+            "gate_margin": gate,
+            **options,
+            "miou": miou,
+            "boundary_f1": bf1,
+            "changed": changed,
+        }
+
+    rows = [
+        {"gate_margin": "base", "miou": 0.9, "boundary_f1": 0.9, "changed": 0.0},  # never chosen
+        row(0.0, 0.50, 0.30, 0.0),
+        row(0.1, 0.52, 0.31, 0.01),  # the best mIoU
+        row(0.5, 0.51, 0.36, 0.05),  # the best boundary F1, at some cost in mIoU
+    ]
+    assert choose_decision(rows)["gate_margin"] == 0.1
+    assert choose_decision(rows, metric="boundary_f1")["gate_margin"] == 0.5
+    with pytest.raises(ValueError, match="metric must be one of"):
+        choose_decision(rows, metric="pixel_acc")
+    # the sweep's report lists the best rows by the metric that chose
+    by_edges = format_sweep(rows, metric="boundary_f1", best=1).splitlines()
+    assert len(by_edges) == 2 and "gate 0.5" in by_edges[1]
+
+
 def test_decision_settings_read_the_same_in_every_report() -> None:
     assert describe_decision() == "the claim's rule"
     assert describe_decision(gate_margin=0.0) == "gate 0: never relabel"
@@ -226,7 +252,7 @@ def test_decision_settings_read_the_same_in_every_report() -> None:
             "changed": 0.01,
         },
     ]
-    lines = format_sweep(rows).splitlines()
+    lines = format_sweep(rows, metric="miou").splitlines()
     assert [line.split(":")[0].strip() for line in lines] == [
         "base model",
         "the claim's rule",

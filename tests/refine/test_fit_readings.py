@@ -39,7 +39,8 @@ def test_base_frozen_backbone_is_the_base_models_and_the_gate_is_calibrated(
     out = tmp_path / "refiner.pt"
     argv = [*fit_args(data, base, out), "--backbone-source", "base-frozen"]
     argv += ["--mining", "semi-hard", "--mining-pool", "4"]
-    assert refine_main([*argv, "--calibrate-split", "val"]) == 0
+    argv += ["--calibrate-split", "val", "--calibrate-metric", "boundary_f1"]
+    assert refine_main(argv) == 0
     refiner = BoundaryRefiner.load(out)
     assert refiner.config.backbone_source == "base-frozen"
     assert (refiner.config.mining, refiner.config.mining_pool) == ("semi-hard", 4)
@@ -48,18 +49,19 @@ def test_base_frozen_backbone_is_the_base_models_and_the_gate_is_calibrated(
     theirs = model.backbone.state_dict()
     for key, value in refiner.net.backbone.state_dict().items():
         assert torch.equal(value, theirs[key]), key
-    # the sweep chose the decision on the held-out split and kept its table
+    # the sweep chose the decision on the held-out split, by the metric asked for, and kept
+    # its table
     cal = refiner.calibration
-    assert cal["split"] == "val" and cal["images"] == 2
-    best = max(r["miou"] for r in cal["rows"] if r["gate_margin"] != "base")
+    assert (cal["split"], cal["images"], cal["metric"]) == ("val", 2, "boundary_f1")
+    best = max(r["boundary_f1"] for r in cal["rows"] if r["gate_margin"] != "base")
     cfg = refiner.config
     chosen = [
         r
         for r in cal["rows"]
-        if (r["gate_margin"], r.get("prior_weight"), r.get("min_prob"))
-        == (cfg.gate_margin, cfg.prior_weight, cfg.min_prob)
+        if (r["gate_margin"], r.get("prior_weight"), r.get("min_prob"), r.get("p1_blur_sigma"))
+        == (cfg.gate_margin, cfg.prior_weight, cfg.min_prob, cfg.p1_blur_sigma)
     ]
-    assert len(chosen) == 1 and chosen[0]["miou"] == best
+    assert len(chosen) == 1 and chosen[0]["boundary_f1"] == best
     out = capsys.readouterr().out
     assert "decision sweep on val" in out and "chosen: " in out
 

@@ -7,9 +7,10 @@ minus top-2 probability, a weight λ on the base's log-probability beside the di
 probability floor for the candidates — and P1's filter (a blur of the embedding's input).
 :func:`sweep_decision` scores a grid of them on labelled images in one pass — the base model
 runs once per image and the embedding once per blur, each setting is a cheap decision on their
-outputs — and :func:`choose_decision` picks the best mIoU. τ = 0 never relabels, so the choice
-is never below the base *on the images that chose it*; choose on images held out of the
-training split, and report on another split.
+outputs — and :func:`choose_decision` picks the best mIoU (or, ``metric="boundary_f1"``, the
+best boundary F1, for users who refine for the edges). τ = 0 never relabels, so the choice is
+never below the base in that metric *on the images that chose it*; choose on images held out of
+the training split, and report on another split.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "DEFAULT_GATES",
     "DEFAULT_MIN_PROBS",
     "DEFAULT_PRIORS",
+    "METRICS",
     "choose_decision",
     "decision_grid",
     "sweep_decision",
@@ -49,6 +51,8 @@ CLAIM_DECISION: Mapping[str, Any] = MappingProxyType(
     {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0, "p1_blur_sigma": 0.0}
 )
 DECISION_KEYS = tuple(CLAIM_DECISION)
+# what choose_decision may maximize (scored on every row of the sweep); the first is the default
+METRICS: tuple[str, ...] = ("miou", "boundary_f1")
 
 
 class _Refines(Protocol):
@@ -157,16 +161,19 @@ def sweep_decision(
     return rows
 
 
-def choose_decision(rows: Sequence[dict[str, Any]], *, key: str = "miou") -> dict[str, Any]:
-    """The decision options of the best row by ``key`` (mIoU); on a tie the row changing fewer
-    pixels. The ``"base"`` row is not a candidate, but τ = 0 (which changes nothing) is, when
-    swept. Returns ``{"gate_margin", "prior_weight", "min_prob", "p1_blur_sigma"}``."""
+def choose_decision(rows: Sequence[dict[str, Any]], *, metric: str = METRICS[0]) -> dict[str, Any]:
+    """The decision options of the best row by ``metric`` (one of :data:`METRICS`: mIoU, or
+    boundary F1); on a tie the row changing fewer pixels. The ``"base"`` row is not a
+    candidate, but τ = 0 (which changes nothing) is, when swept. Returns
+    ``{"gate_margin", "prior_weight", "min_prob", "p1_blur_sigma"}``."""
+    if metric not in METRICS:
+        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     candidates = [r for r in rows if r["gate_margin"] != "base"]
     if not candidates:
         raise ValueError("no decision rows to choose from")
 
     def order(r: dict[str, Any]) -> tuple[float, float]:
-        score = r[key] if math.isfinite(r[key]) else -math.inf
+        score = r[metric] if math.isfinite(r[metric]) else -math.inf
         return (-score, r["changed"])
 
     best = min(candidates, key=order)
