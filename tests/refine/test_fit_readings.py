@@ -90,7 +90,10 @@ def test_calibration_note_when_refinement_did_not_help(tmp_path: Path) -> None:
     refiner.calibration = {"split": "dev", "images": 3, "rows": []}
     refiner.save(tmp_path / "r.pt")
     loaded = BoundaryRefiner.load(tmp_path / "r.pt")
-    assert "did not help" in loaded.calibration_note() and "'dev'" in loaded.calibration_note()
+    assert "did not help the base" in loaded.calibration_note()  # a refiner fit before metric
+    assert "'dev'" in loaded.calibration_note()
+    loaded.calibration = {**refiner.calibration, "metric": "boundary_f1"}
+    assert "did not help (boundary_f1) the base" in loaded.calibration_note()
     # a pretrained folder (refiner.json + refiner.safetensors) keeps the sweep too
     refiner.calibration["rows"] = [
         {"gate_margin": None, "miou": 0.5, "pixel_acc": 0.8, "boundary_f1": 0.4, "changed": 0.1},

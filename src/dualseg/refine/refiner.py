@@ -388,10 +388,12 @@ class BoundaryRefiner:
         the base model it was calibrated on (then the chosen gate 0 changes no pixel)."""
         if self.calibration is None or self.config.gate_margin != 0:
             return None
+        metric = self.calibration.get("metric", "miou")  # absent from refiners fit before it
+        by = "" if metric == "miou" else f" ({metric})"
         return (
             f"this refiner's held-out check ({self.calibration['images']} images of split "
-            f"{self.calibration['split']!r}) found that refinement did not help the base model "
-            "it was fit for: its gate_margin is 0 and it changes no pixel"
+            f"{self.calibration['split']!r}) found that refinement did not help{by} the base "
+            "model it was fit for: its gate_margin is 0 and it changes no pixel"
         )
 
     # ------------------------------------------------------------------ training (steps 1-5)
