@@ -130,3 +130,29 @@ def test_sample_seed_is_keyword_only_and_fits_every_generator() -> None:
     assert sample_seed(1, index=2, epoch=3) != sample_seed(1, index=3, epoch=2)
     s = max(seeds)
     random.seed(s), np.random.seed(s), torch.manual_seed(s)
+
+
+@pytest.mark.parametrize("name", ["gpu", "cuda:x", "cuda:-1", ""])
+def test_resolve_device_refuses_an_unknown_device_in_one_line(name: str) -> None:
+    from dualseg.engine.distributed import resolve_device
+    from dualseg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"use auto, cpu, cuda or cuda:N") as info:
+        resolve_device(name)
+    assert repr(name) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_resolve_device_accepts_cpu_and_auto() -> None:
+    from dualseg.engine.distributed import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type in ("cpu", "cuda")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="no-GPU refusal")
+def test_resolve_device_cuda_without_a_gpu_says_use_the_cpu() -> None:
+    from dualseg.engine.distributed import resolve_device
+    from dualseg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no GPU is visible"):
+        resolve_device("cuda:0")

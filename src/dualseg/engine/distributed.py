@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from dualseg.data.transforms import sample_seed
+from dualseg.errors import ConfigError
 
 __all__ = [
     "DistEnv",
@@ -71,10 +72,14 @@ def resolve_device(
     ``cuda:local_rank``; anything else as given (every command's ``--device``)."""
     if name is None or name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(
+            f"device {str(name)!r} is not a device; use auto, cpu, cuda or cuda:N "
+            "(--device, or --train.device for training)"
+        ) from None
     if device.type == "cuda":
-        from dualseg.errors import ConfigError
-
         if not torch.cuda.is_available():
             raise ConfigError(
                 f"device {str(name)!r} asked for but no GPU is visible; use the CPU "
@@ -82,6 +87,11 @@ def resolve_device(
             )
         if device.index is None:
             device = torch.device("cuda", local_rank)
+        elif device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device {str(name)!r}: only {torch.cuda.device_count()} GPU(s) visible "
+                f"(cuda:0 to cuda:{torch.cuda.device_count() - 1}); use one of them or auto"
+            )
     return device
 
 
