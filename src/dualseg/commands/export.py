@@ -11,9 +11,12 @@ on the example input and compared with PyTorch; the largest difference is printe
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 from dualseg.console import argparse_kwargs
 from dualseg.errors import ConfigError
+from dualseg.export.runners import refiner_sidecar_path
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", "-o", required=True, help="output file (.onnx / .pt) or folder")
     p.add_argument(
-        "--overwrite", action="store_true", help="--format pretrained: replace files in --out"
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out (with --refiner, also its <out stem>.json; --format "
+        "pretrained: the files in the --out folder); never the checkpoint or refiner exported",
     )
     p.add_argument(
         "--dynamic",
@@ -79,8 +85,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _same_path(a: Path, b: Path) -> bool:
+    """``a`` and ``b`` name the same file or folder (symlinks, ``..`` and hard links too)."""
+    try:
+        if a.exists() and b.exists():
+            return os.path.samefile(a, b)
+        return a.resolve() == b.resolve()
+    except OSError:
+        return False
+
+
+def check_outputs(args: argparse.Namespace) -> list[Path]:
+    """The paths the export will write, refused (one line) when one of them is the checkpoint
+    or refiner being exported, or, without ``--overwrite``, when one already exists.
+
+    Nothing is written before this check: an export never replaces its own input, and never
+    replaces an earlier export unless asked to.
+    """
+    source = args.checkpoint or args.refiner
+    flag = "--checkpoint" if args.checkpoint else "--refiner"
+    out = Path(args.out)
+    if args.format == "pretrained":
+        targets = [out]  # save_pretrained refuses existing files in the folder itself
+    elif args.refiner:
+        sidecar = refiner_sidecar_path(out)
+        if _same_path(out, sidecar):
+            raise ConfigError(
+                f"--out {out}: the refiner's sidecar is <out stem>.json, which would replace "
+                "the exported model; name the model .onnx or .pt"
+            )
+        targets = [out, sidecar]
+    else:
+        targets = [out]
+    if source and "://" not in str(source):
+        for target in targets:
+            if _same_path(target, Path(source)):
+                raise ConfigError(
+                    f"--out {args.out} would overwrite {flag} {source}, the file being "
+                    f"exported; choose another --out"
+                )
+    if args.format != "pretrained" and not args.overwrite:
+        present = [str(t) for t in targets if t.exists()]
+        if present:
+            raise ConfigError(
+                f"{' and '.join(present)} already exist{'s' if len(present) == 1 else ''}; "
+                "choose another --out, delete it, or pass --overwrite to replace it"
+            )
+    return targets
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_outputs(args)
     if args.format == "pretrained":
         return _export_pretrained(args)
     from dualseg.export.export import export_checkpoint, export_refiner, verify_export

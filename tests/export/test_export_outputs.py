@@ -1,0 +1,92 @@
+"""``dualseg export`` never replaces its own input, and replaces an earlier export only with
+``--overwrite``, for every format; each refusal is one line and writes nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dualseg.cli import main
+from dualseg.refine import BoundaryRefiner, RefinerConfig, build_embedding_net
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _refused(argv: list[str], capsys) -> str:
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.fixture
+def ckpt(checkpoint, tmp_path) -> Path:
+    """A private copy of the session checkpoint (a failing test must not damage the shared one)."""
+    return Path(shutil.copy(checkpoint, tmp_path / "last.pt"))
+
+
+@pytest.fixture
+def refiner_file(tmp_path) -> Path:
+    torch.manual_seed(0)
+    cfg = RefinerConfig(embed_dim=4)
+    net = build_embedding_net(cfg.backbone, embed_dim=cfg.embed_dim)
+    refiner = BoundaryRefiner(
+        net, torch.eye(3, 4), torch.ones(3, dtype=torch.bool), class_names="abc", config=cfg
+    )
+    return refiner.save(tmp_path / "refiner.pt")
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "torchscript", "pretrained"])
+def test_export_onto_its_own_checkpoint_is_refused(ckpt, capsys, fmt) -> None:
+    before = _digest(ckpt)
+    line = _refused(["export", "-c", str(ckpt), "--format", fmt, "--out", str(ckpt)], capsys)
+    assert f"would overwrite --checkpoint {ckpt}" in line and "choose another --out" in line
+    assert _digest(ckpt) == before
+    # --overwrite does not change that, nor does a path spelled differently
+    other = ckpt.parent / "sub" / ".." / ckpt.name
+    args = ["export", "-c", str(ckpt), "--format", fmt, "--out", str(other), "--overwrite"]
+    assert "would overwrite --checkpoint" in _refused(args, capsys)
+    assert _digest(ckpt) == before and sorted(p.name for p in ckpt.parent.iterdir()) == ["last.pt"]
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "torchscript"])
+def test_export_onto_its_own_refiner_or_its_sidecar_is_refused(refiner_file, capsys, fmt):
+    before = _digest(refiner_file)
+    args = ["export", "--refiner", str(refiner_file), "--format", fmt, "--out", str(refiner_file)]
+    assert "would overwrite --refiner" in _refused([*args, "--overwrite"], capsys)
+    json_out = refiner_file.with_name("emb.json")  # the sidecar would replace the model
+    args = ["export", "--refiner", str(refiner_file), "--format", fmt, "--out", str(json_out)]
+    assert "sidecar" in _refused(args, capsys)
+    assert _digest(refiner_file) == before
+    assert [p.name for p in refiner_file.parent.iterdir()] == ["refiner.pt"]
+
+
+@pytest.mark.parametrize(("fmt", "suffix"), [("onnx", ".onnx"), ("torchscript", ".pt")])
+def test_existing_out_needs_overwrite(ckpt, tmp_path, capsys, fmt, suffix) -> None:
+    out = tmp_path / f"model{suffix}"
+    out.write_bytes(b"an earlier export")
+    args = ["export", "-c", str(ckpt), "--format", fmt, "--out", str(out), "--size", "32", "32"]
+    line = _refused(args, capsys)
+    assert str(out) in line and "--overwrite" in line
+    assert out.read_bytes() == b"an earlier export"
+    assert main([*args, "--overwrite", "--no-verify"]) == 0
+    assert out.read_bytes() != b"an earlier export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", out.name]  # no temp file
+
+
+def test_existing_refiner_sidecar_needs_overwrite(refiner_file, tmp_path, capsys) -> None:
+    out, sidecar = tmp_path / "emb.pt", tmp_path / "emb.json"
+    sidecar.write_text("{}")
+    args = ["export", "--refiner", str(refiner_file), "--format", "torchscript", "--out", str(out)]
+    line = _refused([*args, "--size", "32", "32"], capsys)
+    assert str(sidecar) in line and "--overwrite" in line
+    assert not out.exists() and sidecar.read_text() == "{}"
+    assert main([*args, "--size", "32", "32", "--overwrite", "--no-verify"]) == 0
+    assert out.exists() and sidecar.read_text() != "{}"
