@@ -475,3 +475,11 @@ def test_neighbour_transitions_is_one_code_for_numpy_and_torch() -> None:
             if 0 <= yy < 9 and 0 <= xx < 11 and lab[b, yy, xx] != lab[b, y, x]:
                 expect[b, y, x] = True
     np.testing.assert_array_equal(neighbour_transitions(lab), expect)
+
+
+@pytest.mark.parametrize(("tol", "width"), [(-1, 5), (3, -2)])
+def test_boundary_metrics_refuse_negative_widths_as_a_config_error(tol: int, width: int) -> None:
+    from dualseg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--boundary-tolerance, --trimap-width"):
+        BoundaryMetrics(3, tolerance=tol, trimap_width=width)

@@ -42,6 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dualseg.errors import ConfigError
+
 __all__ = [
     "BoundaryMetrics",
     "ConfusionMatrix",
@@ -316,8 +318,9 @@ class BoundaryMetrics:
         if not 1 <= num_classes < 32768:  # boundary maps are int16
             raise ValueError(f"num_classes must be in [1, 32768), got {num_classes}")
         if tolerance < 0 or trimap_width < 0:
-            raise ValueError(
-                f"tolerance and trimap_width must be >= 0, got {tolerance} and {trimap_width}"
+            raise ConfigError(
+                f"boundary tolerance and trimap width must be >= 0 px, got {tolerance} and "
+                f"{trimap_width} (dualseg eval: --boundary-tolerance, --trimap-width)"
             )
         self.num_classes = num_classes
         self.tolerance = int(tolerance)
