@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dualseg.commands.common import add_quiet_arg
+from dualseg.commands.common import add_quiet_arg, nonnegative_int
 from dualseg.console import argparse_kwargs
 from dualseg.data.augment import IMAGE_FORMATS, augment_dataset
 from dualseg.data.datasets import LAYOUTS
@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("src", type=Path, help="source dataset folder (or list file)")
     p.add_argument("dst", type=Path, help="output folder")
     p.add_argument("--count", type=int, default=10_000, help="pairs to write (default 10000)")
-    p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument(
+        "--workers", type=nonnegative_int, default=1, help="worker processes (default 1)"
+    )
     p.add_argument("--split", default="train")
     p.add_argument("--layout", choices=LAYOUTS, default="auto")
     p.add_argument("--preset", choices=sorted(PRESETS), help="class set of SRC")

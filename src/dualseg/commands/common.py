@@ -12,9 +12,40 @@ from typing import Any
 
 from dualseg.console import ProgressMode, progress_mode
 
-__all__ = ["add_quiet_arg", "add_runtime_args", "apply_runtime", "autocast", "mode_of"]
+__all__ = [
+    "add_quiet_arg",
+    "add_runtime_args",
+    "apply_runtime",
+    "autocast",
+    "fraction",
+    "mode_of",
+    "nonnegative_int",
+]
 
 DEVICE_HELP = "auto | cpu | cuda | cuda:N (auto: CUDA when available)"
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 0 (``--workers``, pixel widths), refused at parsing."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse ``type=``: a number in [0, 1] (``--alpha``), refused at parsing, so that no
+    output is written before a bad value is noticed."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # also NaN
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
 
 
 def add_runtime_args(p: argparse.ArgumentParser, *, device: str = "auto") -> None:

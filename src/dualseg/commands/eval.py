@@ -24,7 +24,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dualseg.commands.common import add_quiet_arg, add_runtime_args, apply_runtime, mode_of
+from dualseg.commands.common import (
+    add_quiet_arg,
+    add_runtime_args,
+    apply_runtime,
+    mode_of,
+    nonnegative_int,
+)
 from dualseg.commands.predict import add_inference_arguments, inference_options
 from dualseg.console import argparse_kwargs, track
 from dualseg.errors import CheckpointError, DualsegError
@@ -73,11 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-predictions", metavar="DIR", default=None, help="write label PNGs")
     p.add_argument("--refiner", default=None, help="a method-B refiner file (dualseg refine fit)")
     p.add_argument("--batch-size", type=int, default=1, help="images per batch (1)")
-    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (0)")
+    p.add_argument(
+        "--workers", type=nonnegative_int, default=0, help="DataLoader worker processes (0)"
+    )
     add_runtime_args(p)
     add_quiet_arg(p)
-    p.add_argument("--boundary-tolerance", type=int, default=3, help="boundary F1 tolerance px (3)")
-    p.add_argument("--trimap-width", type=int, default=5, help="trimap band width px (5)")
+    p.add_argument(
+        "--boundary-tolerance",
+        type=nonnegative_int,
+        default=3,
+        help="boundary F1 tolerance px (3)",
+    )
+    p.add_argument(
+        "--trimap-width", type=nonnegative_int, default=5, help="trimap band width px (5)"
+    )
     add_inference_arguments(p)
     return p
 

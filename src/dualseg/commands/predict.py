@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dualseg.commands.common import add_quiet_arg, add_runtime_args, apply_runtime, mode_of
+from dualseg.commands.common import (
+    add_quiet_arg,
+    add_runtime_args,
+    apply_runtime,
+    fraction,
+    mode_of,
+)
 from dualseg.console import Progress, argparse_kwargs
 from dualseg.errors import ConfigError, DataError, DualsegError
 
@@ -148,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=4, help="images per forward pass (4)")
     add_runtime_args(p)
     add_quiet_arg(p)
-    p.add_argument("--alpha", type=float, default=0.5, help="overlay opacity of the colours (0.5)")
+    p.add_argument(
+        "--alpha", type=fraction, default=0.5, help="overlay opacity of the colours, 0-1 (0.5)"
+    )
     add_inference_arguments(p)
     return p
 

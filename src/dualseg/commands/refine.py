@@ -22,7 +22,9 @@ from dualseg.commands.common import (
     add_runtime_args,
     apply_runtime,
     autocast,
+    fraction,
     mode_of,
+    nonnegative_int,
 )
 from dualseg.commands.predict import add_dataset_check_options
 from dualseg.console import argparse_kwargs, track
@@ -195,7 +197,7 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         help="use only the first N training images for the prototypes (0: all)",
     )
     add_runtime_args(p)
-    p.add_argument("--workers", type=int, default=0, help="data loader workers (0)")
+    p.add_argument("--workers", type=nonnegative_int, default=0, help="data loader workers (0)")
     p.add_argument(
         "--checkpoint", help="training-state file, for --resume (default: OUT with .train.pt)"
     )
@@ -239,7 +241,7 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--radius", type=int, help="override the refiner's near-boundary radius")
     add_runtime_args(p)
     add_quiet_arg(p)
-    p.add_argument("--alpha", type=float, default=0.5, help="overlay opacity (0.5)")
+    p.add_argument("--alpha", type=fraction, default=0.5, help="overlay opacity, 0-1 (0.5)")
     from dualseg.commands.predict import add_inference_arguments
 
     add_inference_arguments(p)  # how a checkpoint base runs; the refiner gets its (TTA) scores

@@ -1,0 +1,87 @@
+"""Out-of-range numbers are refused while the command line is parsed: exit status 2, a last
+line naming the flag and the value, and nothing loaded or written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from checkpoint_helpers import write_synthetic_checkpoint
+from dualseg.cli import main as cli_main
+from dualseg.data import make_synthetic_dataset
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("args")
+    image = root / "image.png"
+    Image.fromarray(np.zeros((32, 48, 3), np.uint8)).save(image)
+    return {
+        "ckpt": write_synthetic_checkpoint(root / "model.pt"),
+        "data": Path(make_synthetic_dataset(root / "syn", n_train=1, n_val=1, size=(32, 48))),
+        "image": image,
+    }
+
+
+def _refused_at_parsing(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as info:
+        cli_main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [("--boundary-tolerance", "-1"), ("--trimap-width", "-2"), ("--workers", "-1")],
+)
+def test_eval_refuses_negative_widths_and_workers(files, tmp_path, capsys, flag, value) -> None:
+    out = tmp_path / "eval"
+    argv = ["eval", "-c", str(files["ckpt"]), "--data", str(files["data"]), "-o", str(out)]
+    line = _refused_at_parsing([*argv, flag, value], capsys)
+    assert line.startswith("dualseg eval: error: ")
+    assert f"argument {flag}: must be >= 0, got {value}" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("value", ["5", "-0.1", "nan", "half"])
+def test_predict_refuses_an_alpha_outside_0_1_before_writing(files, tmp_path, capsys, value):
+    out = tmp_path / "pred"
+    argv = ["predict", str(files["image"]), "-c", str(files["ckpt"]), "-o", str(out)]
+    line = _refused_at_parsing([*argv, "--alpha", value], capsys)
+    assert line.startswith("dualseg predict: error: argument --alpha: ")
+    assert "[0, 1]" in line and value in line
+    assert not out.exists()
+
+
+def test_predict_accepts_alpha_0_and_1(files, tmp_path) -> None:
+    out = tmp_path / "pred"
+    argv = ["predict", str(files["image"]), "-c", str(files["ckpt"]), "-o", str(out), "-q"]
+    assert cli_main([*argv, "--alpha", "1"]) == 0
+    assert (out / "overlay" / "image.png").is_file()
+
+
+def test_refine_apply_refuses_a_negative_alpha_before_writing(files, tmp_path, capsys) -> None:
+    out = tmp_path / "apply"
+    argv = ["refine", "apply", str(files["image"]), "-r", "r.pt", "-b", str(files["ckpt"])]
+    line = _refused_at_parsing([*argv, "-o", str(out), "--alpha", "-1"], capsys)
+    assert "argument --alpha: must be in [0, 1], got -1" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["refine", "fit", "--data", "missing", "--workers", "-1"],
+        ["augment", "missing", "dst", "--count", "1", "--workers", "-1"],
+    ],
+)
+def test_other_workers_flags_refuse_negatives(tmp_path, capsys, monkeypatch, argv) -> None:
+    monkeypatch.chdir(tmp_path)
+    line = _refused_at_parsing(argv, capsys)
+    assert "argument --workers: must be >= 0, got -1" in line
+    assert list(tmp_path.iterdir()) == []
