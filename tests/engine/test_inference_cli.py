@@ -229,3 +229,19 @@ def test_pointwise_model_slide_equals_whole_through_evaluate() -> None:
     whole = evaluate(model, [(x, y)], num_classes=4)
     slide = evaluate(model, [(x, y)], num_classes=4, mode="slide", window=(16, 16))
     assert slide["confusion_matrix"] == whole["confusion_matrix"]
+
+
+def test_eval_of_mixed_size_images_in_one_batch_says_use_batch_size_1(
+    ckpt, tmp_path, capsys
+) -> None:
+    root = make_synthetic_dataset(tmp_path / "syn", n_train=1, n_val=2, size=(32, 48), seed=0)
+    for sub in ("images", "labels"):  # the second validation image is twice as large
+        path = Path(root) / sub / "val_00001.png"
+        Image.open(path).resize((96, 64), Image.NEAREST).save(path)
+    args = ["eval", "-c", str(ckpt), "--data", str(root), "--out", str(tmp_path / "eval")]
+    assert cli_main([*args, "--batch-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "48x32 and 96x64 px" in err and "use --batch-size 1" in err
+    assert not (tmp_path / "eval").exists()
+    assert cli_main([*args, "--batch-size", "1", "--quiet"]) == 0  # one at a time: fine

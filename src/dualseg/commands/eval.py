@@ -148,6 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from dualseg.data import PRESETS, build_dataset, get_preset
+    from dualseg.data.collate import SameSizeCollate
     from dualseg.data.datasets import dataset_meta
     from dualseg.data.presets import parse_label_map, require_same_classes
     from dualseg.data.transforms import build_eval_transform
@@ -208,6 +209,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shuffle=False,
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
+        # images of different sizes in one batch: one line saying --batch-size 1, no traceback
+        collate_fn=SameSizeCollate("use --batch-size 1 (eval runs each image at its own size)"),
     )
     refiner = (
         _load_refiner(args.refiner, dataset.meta.class_names, device) if args.refiner else None
