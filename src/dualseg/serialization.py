@@ -46,6 +46,9 @@ def safe_torch_load(
         raise CheckpointError(f"{what} not found: {path} (check the path{where})")
     if path.is_dir():
         raise CheckpointError(f"{path} is a folder, not a {what} file{where}")
+    torchscript = _torchscript_kind(path)
+    if torchscript is not None:  # torch.load would warn, then fail on weights_only
+        raise CheckpointError(_torchscript_message(path, torchscript, what, fix))
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
@@ -70,3 +73,46 @@ def safe_torch_load(
         raise CheckpointError(
             f"{path} is corrupt or truncated and cannot be read ({first}); {fix}"
         ) from None
+
+
+def _torchscript_kind(path: Path) -> str | None:
+    """For a TorchScript archive (``torch.jit.save``): the ``kind`` of a ``dualseg export``
+    ("segmenter", "embedding"), ``""`` for another TorchScript file; else None.
+
+    Read from the zip's names (a TorchScript archive has ``constants.pkl`` and ``code/``, a
+    ``torch.save`` file has neither), without torch.
+    """
+    import json
+
+    from dualseg.export.runners import TORCHSCRIPT_META  # lazy: export imports this module
+
+    try:
+        if not zipfile.is_zipfile(path):
+            return None
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+            if not any(n.endswith("constants.pkl") for n in names):
+                return None
+            meta = [n for n in names if n.endswith(f"extra/{TORCHSCRIPT_META}")]
+            if not meta:
+                return ""
+            info = json.loads(z.read(meta[0]).decode("utf-8"))
+            return str(info.get("kind") or "segmenter") if isinstance(info, dict) else ""
+    except (OSError, zipfile.BadZipFile, ValueError, KeyError):
+        return None  # unreadable: torch.load reports it below
+
+
+def _torchscript_message(path: Path, kind: str, what: str, fix: str) -> str:
+    if kind == "embedding":
+        return (
+            f"{path} is a TorchScript export of a method-B refiner ('dualseg export "
+            f"--refiner'), not a {what}; pass it to 'dualseg refine apply --refiner', or load "
+            "it with dualseg.export.runtime.load_exported_refiner"
+        )
+    if kind:
+        return (
+            f"{path} is a TorchScript export ('dualseg export --format torchscript'), not a "
+            f"{what}; load it with dualseg.export.runtime.ExportedSegmenter, export to ONNX "
+            "for 'dualseg predict --onnx', or pass the .pt checkpoint it was exported from"
+        )
+    return f"{path} is a TorchScript module (torch.jit.save), not a {what}; {fix}"

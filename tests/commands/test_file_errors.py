@@ -90,3 +90,30 @@ def test_unsafe_checkpoint_is_refused_without_suggesting_weights_only_false(file
     assert str(files["unsafe"]) in line and "not a dualseg checkpoint" in line
     assert "argparse.Namespace" in line and "model.state_dict()" in line
     assert "weights_only=False" not in line and "likely succeed" not in line
+
+
+def test_torchscript_export_as_checkpoint_says_what_it_is(files, tmp_path, capsys) -> None:
+    import warnings
+
+    from dualseg.export.export import export_model
+
+    model = build_model("dualseg_mobilenet_v2", **KWARGS)
+    exported = export_model(
+        model, tmp_path / "m.pt", class_names=list("abc"), format="torchscript",
+        example_size=(32, 32),
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no torch UserWarning about TorchScript archives
+        line = _run(_predict(files, exported), capsys)
+    assert str(exported) in line and "is a TorchScript export" in line
+    assert "ExportedSegmenter" in line and "predict --onnx" in line
+    assert "weights_only" not in line and "corrupt" not in line
+    assert not files["out"].exists()
+
+
+def test_plain_torchscript_module_as_checkpoint(files, tmp_path, capsys) -> None:
+    path = tmp_path / "scripted.pt"
+    torch.jit.save(torch.jit.script(nn.Conv2d(3, 3, 1)), str(path))
+    line = _run(_predict(files, path), capsys)
+    assert "is a TorchScript module (torch.jit.save), not a checkpoint" in line
+    assert "weights_only" not in line
