@@ -27,7 +27,7 @@ from dualseg.commands.common import (
 from dualseg.commands.predict import add_dataset_check_options
 from dualseg.console import argparse_kwargs, track
 from dualseg.data.transforms import SCALE_RANGE
-from dualseg.errors import ConfigError, DataError, DualsegError
+from dualseg.errors import ConfigError, DataError, DualsegError, RunExistsError
 
 
 def load_refiner(path: str | os.PathLike[str], *, device: Any = "cpu") -> Any:
@@ -200,7 +200,17 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         "--checkpoint", help="training-state file, for --resume (default: OUT with .train.pt)"
     )
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between saves (200)")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from --checkpoint (when there is none yet: a new fit, said in one line)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out and its --checkpoint with a new fit from step 0 "
+        "(without it, or --resume, an existing one is refused)",
+    )
     add_quiet_arg(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (see --quiet)")
     p.add_argument(
@@ -282,6 +292,7 @@ def fit_main(args: argparse.Namespace) -> int:
     out = check_writable(args.out, kind="file", what="--out")
     checkpoint = Path(args.checkpoint) if args.checkpoint else out.with_suffix(".train.pt")
     check_writable(checkpoint, kind="file", what="--checkpoint")
+    check_earlier_fit(out, checkpoint, resume=args.resume, overwrite=args.overwrite)
 
     cfg = RefinerConfig(
         backbone=args.backbone,
@@ -379,6 +390,44 @@ def fit_main(args: argparse.Namespace) -> int:
         + f") -> {out}"
     )
     return 0
+
+
+def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to replace an earlier fit by accident: an existing ``out`` (refiner) or
+    ``checkpoint`` (its training state) needs ``resume`` or ``overwrite``. ``resume`` with no
+    training state starts a new fit, said in one line, unless that would replace ``out``."""
+    if overwrite and resume:
+        raise ConfigError(
+            "--resume continues the earlier fit and --overwrite replaces it with a new one: "
+            "pass one of them"
+        )
+    if overwrite:
+        return
+    if resume:
+        if checkpoint.is_file():
+            return
+        if out.exists():
+            raise RunExistsError(
+                f"--resume: no training state {checkpoint} to continue {out} from, and a new "
+                "fit would replace it; pass --overwrite to fit a new refiner in its place, "
+                "--checkpoint FILE for its state, or another --out"
+            )
+        print(
+            f"dualseg refine fit: note: --resume: no training state {checkpoint} yet; "
+            "starting a new fit from step 0",
+            file=sys.stderr,
+        )
+        return
+    if out.exists():
+        raise RunExistsError(
+            f"--out {out} already holds a refiner; replace it with --overwrite, continue its "
+            "training with --resume, or choose another --out"
+        )
+    if checkpoint.exists():
+        raise RunExistsError(
+            f"{checkpoint} holds the training state of an earlier fit; continue it with "
+            "--resume, start over with --overwrite, or choose another --out / --checkpoint"
+        )
 
 
 def calibrate(refiner: Any, base: Any, args: argparse.Namespace, device: Any) -> None:
