@@ -187,3 +187,40 @@ def test_resume_without_a_training_state_says_so(
     err = one_line(capsys)
     assert str(out) in err and "--overwrite" in err
     assert out.read_bytes() == kept
+
+
+def test_the_calibrate_split_is_checked_before_the_fit(
+    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch
+) -> None:
+    import shutil
+
+    from dualseg.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("BoundaryRefiner.fit ran before the calibrate split was checked")
+
+    monkeypatch.setattr(BoundaryRefiner, "fit", staticmethod(never))
+    data, base = setup
+    out = tmp_path / "r.pt"
+    argv = ["refine", *fit_args(data, base, out)]
+    # a split that does not exist: named by its own flag
+    assert main([*argv, "--layout", "list", "--calibrate-split", "dev"]) == 1
+    err = one_line(capsys)
+    assert "no split 'dev'" in err and "as --calibrate-split" in err and "--split" not in err
+    # (with layout auto, the dataset's flat images/ folder stands in for a missing split: all
+    # 6 images, the 4 training ones among them)
+    assert main([*argv, "--calibrate-split", "dev"]) == 1
+    assert "4 of the 6 --calibrate-split dev images are also in --split train" in one_line(capsys)
+    # the training split itself is no held-out split
+    assert main([*argv, "--calibrate-split", "train"]) == 1
+    err = one_line(capsys)
+    assert "--calibrate-split train" in err and "--split" in err and "held out" in err
+    # nor is a split that holds training images
+    copy = shutil.copytree(data, tmp_path / "data")
+    both = (copy / "train.txt").read_text() + (copy / "val.txt").read_text()
+    (copy / "trainval.txt").write_text(both)
+    argv = ["refine", *fit_args(copy, base, out), "--layout", "list"]
+    assert main([*argv, "--calibrate-split", "trainval"]) == 1
+    err = one_line(capsys)
+    assert "4 of the 6 --calibrate-split trainval images" in err
+    assert not out.exists() and not (tmp_path / "r.train.pt").exists()

@@ -289,6 +289,14 @@ def fit_main(args: argparse.Namespace) -> int:
             f"--steps must be >= 1 (got {args.steps}): a refiner with no training steps "
             "would re-label pixels with an untrained embedding"
         )
+    if args.calibrate_split and args.base is None:
+        raise ConfigError("--calibrate-split scores the refiner on top of a base model: add --base")
+    if args.calibrate_split and args.calibrate_split == args.split:
+        raise ConfigError(
+            f"--calibrate-split {args.calibrate_split} is the --split the refiner is fitted on; "
+            "the decision options must be chosen on labelled images held out of the fit: "
+            "name another split (e.g. fit on train_fit, calibrate on dev)"
+        )
     out = check_writable(args.out, kind="file", what="--out")
     checkpoint = Path(args.checkpoint) if args.checkpoint else out.with_suffix(".train.pt")
     check_writable(checkpoint, kind="file", what="--checkpoint")
@@ -328,6 +336,7 @@ def fit_main(args: argparse.Namespace) -> int:
     )
     common = {"split": args.split, "layout": args.layout, "preset": args.preset}
     train = build_dataset(args.data, transform=train_tf, seed=args.seed, **common)
+    held_out = calibration_dataset(args, train) if args.calibrate_split else None
     protos = build_dataset(args.data, transform=build_eval_transform(), **common)
     if args.proto_images > 0:
         protos = torch.utils.data.Subset(protos, range(min(args.proto_images, len(protos))))
@@ -348,8 +357,6 @@ def fit_main(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--init-backbone base / --backbone-source base-* need --base to be a dualseg checkpoint"
         )
-    if args.calibrate_split and base is None:
-        raise ConfigError("--calibrate-split scores the refiner on top of a base model: add --base")
 
     weights = None if args.init_backbone == "none" else (args.weights or "imagenet")
     init_from = None
@@ -374,8 +381,8 @@ def fit_main(args: argparse.Namespace) -> int:
             progress=mode == "bar",
             log_every=0 if mode == "off" else args.log_every,
         )
-    if args.calibrate_split:
-        calibrate(refiner, base, args, device)
+    if held_out is not None:
+        calibrate(refiner, base, args, device, held_out=held_out)
     refiner.save(out)
     last = refiner.history[-1] if refiner.history else None
     if last is not None:
@@ -430,20 +437,51 @@ def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: b
         )
 
 
-def calibrate(refiner: Any, base: Any, args: argparse.Namespace, device: Any) -> None:
-    """Choose the decision options (gate τ, prior weight λ, probability floor) on
-    ``--calibrate-split`` (labelled, held out of the fit split), store them in the refiner
-    with the sweep's table, and print the best rows."""
+def calibration_dataset(args: argparse.Namespace, train: Any) -> Any:
+    """The ``--calibrate-split`` dataset, built (and checked) before the fit: it must exist
+    and hold none of the ``--split`` images the refiner is fitted on."""
+    import re
+
     from dualseg.data import build_dataset, build_eval_transform
+
+    try:
+        held_out = build_dataset(
+            args.data,
+            split=args.calibrate_split,
+            layout=args.layout,
+            preset=args.preset,
+            transform=build_eval_transform(),
+        )
+    except DataError as err:  # the dataset's messages name --split: here it is this flag
+        raise DataError(re.sub(r"--split\b", "--calibrate-split", str(err))) from None
+    fitted = {Path(image).resolve() for image, _ in getattr(train, "samples", [])}
+    shared = [image for image, _ in getattr(held_out, "samples", [])]
+    shared = [image for image in shared if Path(image).resolve() in fitted]
+    if shared:
+        raise ConfigError(
+            f"{len(shared)} of the {len(held_out)} --calibrate-split {args.calibrate_split} "
+            f"images are also in --split {args.split} (e.g. {shared[0]}); the decision "
+            "options must be chosen on images held out of the fit"
+        )
+    return held_out
+
+
+def calibrate(
+    refiner: Any,
+    base: Any,
+    args: argparse.Namespace,
+    device: Any,
+    *,
+    held_out: Any | None = None,
+) -> None:
+    """Choose the decision options (gate τ, prior weight λ, probability floor) on
+    ``--calibrate-split`` (labelled, held out of the fit split; ``held_out``: that dataset,
+    already built), store them in the refiner with the sweep's table, and print the best
+    rows."""
     from dualseg.refine.calibrate import choose_decision, sweep_decision
 
-    held_out = build_dataset(
-        args.data,
-        split=args.calibrate_split,
-        layout=args.layout,
-        preset=args.preset,
-        transform=build_eval_transform(),
-    )
+    if held_out is None:
+        held_out = calibration_dataset(args, [])
     loader = torch.utils.data.DataLoader(held_out, batch_size=1)
     module = getattr(base, "module", None)  # a model's backbone output is read, not rerun
     kept = refiner.shared_features(module) if module is not None else contextlib.nullcontext()
