@@ -12,7 +12,7 @@ from dualseg.cli import main
 from dualseg.data import DatasetMeta
 from dualseg.engine.config import DataConfig
 from dualseg.engine.preflight import check_training_data
-from dualseg.engine.rundir import prepare_run_dir
+from dualseg.engine.rundir import check_run_dir, prepare_run_dir
 from dualseg.errors import DataError, RunExistsError
 from reliability_helpers import BINARY, FOUR, class_maps, save, write_checkpoint, write_dataset
 
@@ -69,6 +69,9 @@ def test_summary_json_is_part_of_a_run(tmp_path) -> None:
     (run / "summary.json").write_text("{}")
     with pytest.raises(RunExistsError, match=r"summary\.json"):
         prepare_run_dir(run, resuming=False, overwrite=False)
+    # the check alone never removes anything, even with overwrite
+    assert check_run_dir(run, resuming=False, overwrite=True) == [run / "summary.json"]
+    assert (run / "summary.json").exists()
     prepare_run_dir(run, resuming=False, overwrite=True)
     assert not (run / "summary.json").exists()
 

@@ -248,6 +248,28 @@ def test_train_into_an_existing_run_needs_resume_or_overwrite(four_data, tmp_pat
     assert load_checkpoint(out / "last.pt")["iteration"] == 1
 
 
+def test_overwrite_keeps_the_old_run_until_the_new_one_passed_its_checks(
+    four_data, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    assert main(train_argv(four_data, out)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"last.pt", "config.yaml", "metrics.jsonl"} <= set(before)
+    capsys.readouterr()
+    # an unknown architecture: a config check, with the names to choose from
+    assert main(train_argv(four_data, out, "--overwrite", "--model.arch", "foo")) == 1
+    err = one_line(capsys)
+    assert "model.arch" in err and "'foo'" in err and "dualseg_mobilenet_v2" in err
+    # a batch size the two training images cannot fill: found while building the loaders
+    assert main(train_argv(four_data, out, "--overwrite", "--data.batch_size", "8")) == 1
+    assert "data.batch_size=8" in one_line(capsys)
+    # bad label values: found by the data scan
+    save(four_data / "trainannot" / "1.png", np.full((32, 32), 9, np.uint8))
+    assert main(train_argv(four_data, out, "--overwrite")) == 1
+    assert "label values [9]" in one_line(capsys)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_checkpoints_on_a_time_interval_without_validation(four_data, tmp_path, monkeypatch):
     from dualseg.data import SegmentationDataset
     from dualseg.engine.config import load_config

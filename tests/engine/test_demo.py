@@ -138,3 +138,59 @@ def test_demo_takes_the_shared_amp_and_quiet_flags(tmp_path) -> None:
     assert cfg.train.amp == "auto" and cfg.train.quiet and not cfg.train.progress  # bf16 on CUDA
     plain = demo._train_config(demo.build_parser().parse_args([]), tmp_path, meta, None)
     assert plain.train.amp == "none" and not plain.train.quiet
+
+
+def _tiny_demo(out, *extra: str) -> list[str]:
+    """A seconds-long demo run into ``out`` (no method B, random init)."""
+    argv = ["demo", "--out", str(out), "--size", "32", "48", "--n-train", "4", "--n-val", "2"]
+    argv += ["--iters", "1", "--batch-size", "2", "--renet-hidden", "4", "--renet-layers", "0"]
+    return [*argv, "--weights", "none", "--no-refine", "--n-show", "1", "--quiet", *extra]
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_demo_refuses_a_folder_holding_another_run_and_checks_first(tmp_path, capsys) -> None:
+    from dualseg.cli import main
+
+    run = tmp_path / "run"  # a training run that `dualseg train` wrote, not the demo
+    run.mkdir()
+    for name in ("last.pt", "best.pt", "config.yaml", "metrics.jsonl"):
+        (run / name).write_bytes(name.encode())
+    before = _files(run)
+    # a cheap check fails first, before the folder is looked at or touched
+    assert main(_tiny_demo(run, "--batch-size", "8")) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--batch-size 8" in err and "--n-train 4" in err
+    # the other run is refused, named, with the way out
+    assert main(_tiny_demo(run)) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "last.pt" in err and "--overwrite" in err
+    assert _files(run) == before
+    # a cheap check also comes before a fresh folder is created
+    assert main(_tiny_demo(tmp_path / "fresh", "--iters", "0")) == 1
+    assert "--iters" in capsys.readouterr().err and not (tmp_path / "fresh").exists()
+    assert "--overwrite" in demo.build_parser().format_help()
+
+
+@pytest.mark.slow
+def test_demo_reruns_into_its_own_folder_and_overwrite_replaces_another_run(
+    tmp_path, capsys
+) -> None:
+    from dualseg.cli import main
+
+    out = tmp_path / "demo"
+    assert main(_tiny_demo(out)) == 0
+    assert (out / demo.DEMO_MARKER).is_file() and (out / "metrics.json").is_file()
+    assert main(_tiny_demo(out, "--iters", "2")) == 0  # its own previous output: replaced
+    assert json.loads((out / "metrics.json").read_text())["train"]["iters"] == 2
+    # a demo folder written before the marker existed is recognised by its metrics.json
+    (out / demo.DEMO_MARKER).unlink()
+    assert demo.is_demo_folder(out)
+    # --overwrite replaces a training run
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "last.pt").write_bytes(b"another run")
+    assert main(_tiny_demo(run, "--overwrite")) == 0
+    assert (run / "last.pt").read_bytes() != b"another run"

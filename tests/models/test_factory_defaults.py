@@ -15,6 +15,15 @@ from dualseg.models.factory import build_deeplabv3, build_dualseg
 PLUMBING = {"arch", "weights", "allow_download"}
 
 
+def test_the_config_checks_know_every_model_name() -> None:
+    from dualseg.engine.config import ARCH_NAMES, Config, ModelConfig, validate
+    from dualseg.models import MODELS
+
+    assert tuple(MODELS) == ARCH_NAMES  # config.py cannot import the (torch) models package
+    with pytest.raises(ConfigError, match=r"model\.arch.*'foo'.*dualseg_resnet18"):
+        validate(Config(model=ModelConfig(arch="foo")))
+
+
 def test_builders_take_every_value_from_build_model() -> None:
     for builder in (build_dualseg, build_deeplabv3):
         params = list(inspect.signature(builder).parameters.values())[1:]  # after the backbone

@@ -126,3 +126,101 @@ def test_time_budget_stops_the_triplet_steps_early_and_resume_goes_on(
     state = load_state(ckpt, TRAIN_FORMAT, "checkpoint")
     assert [h["step"] for h in state["history"]] == [1, 2, 3, 4, 5]
     assert BoundaryRefiner.load(out).config.steps == 5
+
+
+def one_line(capsys: pytest.CaptureFixture) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    return err
+
+
+def test_an_existing_refiner_needs_overwrite_or_resume(
+    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from dualseg.cli import main
+
+    data, base = setup
+    out, state = tmp_path / "r.pt", tmp_path / "r.train.pt"
+    argv = ["refine", *fit_args(data, base, out)]
+    assert main(argv) == 0 and out.is_file() and state.is_file()
+    kept = (out.read_bytes(), state.read_bytes())
+    capsys.readouterr()
+    assert main(argv) == 1
+    err = one_line(capsys)
+    assert str(out) in err and "--overwrite" in err and "--resume" in err
+    # the training state alone is an earlier fit too
+    moved = out.rename(tmp_path / "elsewhere.pt")
+    assert main(argv) == 1
+    err = one_line(capsys)
+    assert str(state) in err and "--resume" in err and "--overwrite" in err
+    moved.rename(out)
+    assert (out.read_bytes(), state.read_bytes()) == kept
+    # --overwrite fits a new refiner from step 0 (not a resumed one) in their place
+    assert main([*argv, "--overwrite", "--steps", "3"]) == 0
+    history = load_state(state, TRAIN_FORMAT, "checkpoint")["history"]
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert BoundaryRefiner.load(out).config.steps == 3
+    # --resume continues the state; both flags at once are refused
+    assert main([*argv, "--resume", "--steps", "4"]) == 0
+    assert load_state(state, TRAIN_FORMAT, "checkpoint")["step"] == 4
+    capsys.readouterr()
+    assert main([*argv, "--resume", "--overwrite"]) == 1
+    assert "pass one of them" in one_line(capsys)
+
+
+def test_resume_without_a_training_state_says_so(
+    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from dualseg.cli import main
+
+    data, base = setup
+    out = tmp_path / "r.pt"
+    argv = ["refine", *fit_args(data, base, out), "--resume"]
+    # nothing to continue and nothing to lose: a new fit, and one line saying so
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"no training state {tmp_path / 'r.train.pt'}" in err and "step 0" in err
+    # a refiner without its state: --resume cannot continue it, and would replace it
+    (tmp_path / "r.train.pt").unlink()
+    kept = out.read_bytes()
+    assert main(argv) == 1
+    err = one_line(capsys)
+    assert str(out) in err and "--overwrite" in err
+    assert out.read_bytes() == kept
+
+
+def test_the_calibrate_split_is_checked_before_the_fit(
+    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch
+) -> None:
+    import shutil
+
+    from dualseg.cli import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("BoundaryRefiner.fit ran before the calibrate split was checked")
+
+    monkeypatch.setattr(BoundaryRefiner, "fit", staticmethod(never))
+    data, base = setup
+    out = tmp_path / "r.pt"
+    argv = ["refine", *fit_args(data, base, out)]
+    # a split that does not exist: named by its own flag
+    assert main([*argv, "--layout", "list", "--calibrate-split", "dev"]) == 1
+    err = one_line(capsys)
+    assert "no split 'dev'" in err and "as --calibrate-split" in err and "--split" not in err
+    # (with layout auto, the dataset's flat images/ folder stands in for a missing split: all
+    # 6 images, the 4 training ones among them)
+    assert main([*argv, "--calibrate-split", "dev"]) == 1
+    assert "4 of the 6 --calibrate-split dev images are also in --split train" in one_line(capsys)
+    # the training split itself is no held-out split
+    assert main([*argv, "--calibrate-split", "train"]) == 1
+    err = one_line(capsys)
+    assert "--calibrate-split train" in err and "--split" in err and "held out" in err
+    # nor is a split that holds training images
+    copy = shutil.copytree(data, tmp_path / "data")
+    both = (copy / "train.txt").read_text() + (copy / "val.txt").read_text()
+    (copy / "trainval.txt").write_text(both)
+    argv = ["refine", *fit_args(copy, base, out), "--layout", "list"]
+    assert main([*argv, "--calibrate-split", "trainval"]) == 1
+    err = one_line(capsys)
+    assert "4 of the 6 --calibrate-split trainval images" in err
+    assert not out.exists() and not (tmp_path / "r.train.pt").exists()

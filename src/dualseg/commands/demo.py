@@ -10,6 +10,11 @@
 4. method B (boundary refinement) before/after (:func:`_run_refinement`);
 5. write predictions, overlays, a panel figure, curves and ``metrics.json`` to ``runs/demo/``
    and print a short summary.
+
+The output folder is the demo's own: it writes :data:`DEMO_MARKER` there first, and a re-run
+replaces what an earlier demo wrote. A folder holding files the demo did not write but would
+replace (a ``dualseg train`` run, ``metrics.json``, ``refiner.pt``) is refused unless
+``--overwrite`` is given; the checks that need no data come before the folder is touched.
 """
 
 from __future__ import annotations
@@ -28,9 +33,13 @@ from torch import Tensor, nn
 from dualseg.commands.common import add_quiet_arg
 from dualseg.console import argparse_kwargs
 from dualseg.engine.config import DataConfig
-from dualseg.errors import ConfigError, DualsegError, WeightsNotFoundError
+from dualseg.errors import ConfigError, DualsegError, RunExistsError, WeightsNotFoundError
 
 DEFAULT_ARCH = "dualseg_mobilenet_v2"
+# written into --out before anything else: what marks the folder as the demo's own
+DEMO_MARKER = "demo.json"
+# besides a training run's files (dualseg.engine.rundir.RUN_FILES): files the demo replaces
+DEMO_FILES = ("metrics.json", "refiner.pt", "panel.png")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
             "dualseg demo --data ../shared/data/camvid --preset camvid --iters 500 --out runs/cv",
         ),
     )
-    p.add_argument("--out", default="runs/demo", help="output folder (runs/demo)")
+    p.add_argument(
+        "--out",
+        default="runs/demo",
+        help="output folder (runs/demo); a re-run replaces the demo's own earlier output there",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace what --out holds even when the demo did not write it (a training run, "
+        "metrics.json, refiner.pt); without it such a folder is refused",
+    )
     p.add_argument("--data", default=None, help="a real dataset root instead of synthetic data")
     p.add_argument("--preset", default=None, help="classes of --data (camvid, voc, cityscapes)")
     p.add_argument("--layout", default="auto", help="layout of --data (auto)")
@@ -397,6 +416,80 @@ class _VisualWriter:
         return figures
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The checks that need no data (one :class:`ConfigError` each); nothing is written."""
+    from dualseg.engine.config import ARCH_NAMES
+    from dualseg.engine.config import validate as validate_config
+
+    positive = {
+        "--iters": args.iters,
+        "--batch-size": args.batch_size,
+        "--n-train": args.n_train,
+        "--n-val": args.n_val,
+    }
+    if not args.no_refine:
+        positive["--refine-steps"] = args.refine_steps
+    for flag, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1 (got {value})")
+    if args.data is None and args.n_train < args.batch_size:
+        raise ConfigError(
+            f"--batch-size {args.batch_size} needs at least as many training images, but "
+            f"--n-train {args.n_train} draws fewer; lower --batch-size or raise --n-train"
+        )
+    if args.arch not in ARCH_NAMES:
+        raise ConfigError(
+            f"--arch {args.arch!r} is unknown; choose one of: {', '.join(ARCH_NAMES)}"
+        )
+    named = argparse.Namespace(name=args.preset or "synthetic")
+    validate_config(_train_config(args, Path(args.out) / "data", named, None))
+
+
+def is_demo_folder(out: Path) -> bool:
+    """Whether ``out`` is the demo's own: it holds :data:`DEMO_MARKER`, or (written before the
+    marker existed) a demo's ``metrics.json``."""
+    import json
+
+    if (out / DEMO_MARKER).is_file():
+        return True
+    try:
+        record = json.loads((out / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and {"baselines", "dataset", "metrics"} <= set(record)
+
+
+def check_out_dir(out: Path, *, overwrite: bool) -> None:
+    """Refuse an ``--out`` the demo cannot write, or one holding files it did not write but
+    would replace (unless ``overwrite``); nothing is changed."""
+    from dualseg.engine.rundir import run_files
+    from dualseg.io import check_writable
+
+    check_writable(out, kind="dir", what="--out")
+    if overwrite or not out.is_dir() or is_demo_folder(out):
+        return
+    foreign = [p.name for p in run_files(out)]
+    foreign += [name for name in DEMO_FILES if (out / name).exists()]
+    if foreign:
+        names = ", ".join(foreign[:4]) + (" ..." if len(foreign) > 4 else "")
+        raise RunExistsError(
+            f"--out {out} holds files dualseg demo did not write ({names}), which the demo "
+            "would replace; choose another --out, or pass --overwrite to replace them"
+        )
+
+
+def mark_demo_folder(out: Path) -> None:
+    """Create ``out`` and write :data:`DEMO_MARKER` into it (atomically)."""
+    from dualseg._version import __version__
+    from dualseg.io import atomic_write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    note = "this folder is dualseg demo's output; a re-run of the demo replaces it"
+    atomic_write_json(
+        out / DEMO_MARKER, {"written_by": "dualseg demo", "version": __version__, "note": note}
+    )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the demo as the command line describes; returns what ``metrics.json`` holds."""
     from dualseg.data import build_dataset
@@ -411,8 +504,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_args(args)  # before the folder is looked at or touched
+    check_out_dir(out, overwrite=args.overwrite)
     device = resolve_device(args.device)
+    mark_demo_folder(out)
 
     root, meta = _prepare_data(args, out)
     t_data = time.perf_counter() - start
@@ -420,7 +515,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = _train_config(args, root, meta, weights)
 
     t0 = time.perf_counter()
-    result = fit(cfg, overwrite=True)  # the demo folder is the demo's own: re-runs replace it
+    # the folder is the demo's own (or --overwrite was given): a re-run replaces its run
+    result = fit(cfg, overwrite=True)
     t_train = time.perf_counter() - t0
     ckpt_path = Path(result["best"] or result["last"])
 

@@ -29,7 +29,7 @@ from dualseg.commands.common import (
 from dualseg.commands.predict import add_dataset_check_options
 from dualseg.console import argparse_kwargs, track
 from dualseg.data.transforms import SCALE_RANGE
-from dualseg.errors import ConfigError, DataError, DualsegError
+from dualseg.errors import ConfigError, DataError, DualsegError, RunExistsError
 
 
 def load_refiner(path: str | os.PathLike[str], *, device: Any = "cpu") -> Any:
@@ -202,7 +202,17 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         "--checkpoint", help="training-state file, for --resume (default: OUT with .train.pt)"
     )
     p.add_argument("--checkpoint-every", type=int, default=200, help="steps between saves (200)")
-    p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from --checkpoint (when there is none yet: a new fit, said in one line)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out and its --checkpoint with a new fit from step 0 "
+        "(without it, or --resume, an existing one is refused)",
+    )
     add_quiet_arg(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (see --quiet)")
     p.add_argument(
@@ -281,9 +291,18 @@ def fit_main(args: argparse.Namespace) -> int:
             f"--steps must be >= 1 (got {args.steps}): a refiner with no training steps "
             "would re-label pixels with an untrained embedding"
         )
+    if args.calibrate_split and args.base is None:
+        raise ConfigError("--calibrate-split scores the refiner on top of a base model: add --base")
+    if args.calibrate_split and args.calibrate_split == args.split:
+        raise ConfigError(
+            f"--calibrate-split {args.calibrate_split} is the --split the refiner is fitted on; "
+            "the decision options must be chosen on labelled images held out of the fit: "
+            "name another split (e.g. fit on train_fit, calibrate on dev)"
+        )
     out = check_writable(args.out, kind="file", what="--out")
     checkpoint = Path(args.checkpoint) if args.checkpoint else out.with_suffix(".train.pt")
     check_writable(checkpoint, kind="file", what="--checkpoint")
+    check_earlier_fit(out, checkpoint, resume=args.resume, overwrite=args.overwrite)
 
     cfg = RefinerConfig(
         backbone=args.backbone,
@@ -319,6 +338,7 @@ def fit_main(args: argparse.Namespace) -> int:
     )
     common = {"split": args.split, "layout": args.layout, "preset": args.preset}
     train = build_dataset(args.data, transform=train_tf, seed=args.seed, **common)
+    held_out = calibration_dataset(args, train) if args.calibrate_split else None
     protos = build_dataset(args.data, transform=build_eval_transform(), **common)
     if args.proto_images > 0:
         protos = torch.utils.data.Subset(protos, range(min(args.proto_images, len(protos))))
@@ -339,8 +359,6 @@ def fit_main(args: argparse.Namespace) -> int:
         raise ConfigError(
             "--init-backbone base / --backbone-source base-* need --base to be a dualseg checkpoint"
         )
-    if args.calibrate_split and base is None:
-        raise ConfigError("--calibrate-split scores the refiner on top of a base model: add --base")
 
     weights = None if args.init_backbone == "none" else (args.weights or "imagenet")
     init_from = None
@@ -365,8 +383,8 @@ def fit_main(args: argparse.Namespace) -> int:
             progress=mode == "bar",
             log_every=0 if mode == "off" else args.log_every,
         )
-    if args.calibrate_split:
-        calibrate(refiner, base, args, device)
+    if held_out is not None:
+        calibrate(refiner, base, args, device, held_out=held_out)
     refiner.save(out)
     last = refiner.history[-1] if refiner.history else None
     if last is not None:
@@ -383,20 +401,89 @@ def fit_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def calibrate(refiner: Any, base: Any, args: argparse.Namespace, device: Any) -> None:
-    """Choose the decision options (gate τ, prior weight λ, probability floor) on
-    ``--calibrate-split`` (labelled, held out of the fit split), store them in the refiner
-    with the sweep's table, and print the best rows."""
+def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to replace an earlier fit by accident: an existing ``out`` (refiner) or
+    ``checkpoint`` (its training state) needs ``resume`` or ``overwrite``. ``resume`` with no
+    training state starts a new fit, said in one line, unless that would replace ``out``."""
+    if overwrite and resume:
+        raise ConfigError(
+            "--resume continues the earlier fit and --overwrite replaces it with a new one: "
+            "pass one of them"
+        )
+    if overwrite:
+        return
+    if resume:
+        if checkpoint.is_file():
+            return
+        if out.exists():
+            raise RunExistsError(
+                f"--resume: no training state {checkpoint} to continue {out} from, and a new "
+                "fit would replace it; pass --overwrite to fit a new refiner in its place, "
+                "--checkpoint FILE for its state, or another --out"
+            )
+        print(
+            f"dualseg refine fit: note: --resume: no training state {checkpoint} yet; "
+            "starting a new fit from step 0",
+            file=sys.stderr,
+        )
+        return
+    if out.exists():
+        raise RunExistsError(
+            f"--out {out} already holds a refiner; replace it with --overwrite, continue its "
+            "training with --resume, or choose another --out"
+        )
+    if checkpoint.exists():
+        raise RunExistsError(
+            f"{checkpoint} holds the training state of an earlier fit; continue it with "
+            "--resume, start over with --overwrite, or choose another --out / --checkpoint"
+        )
+
+
+def calibration_dataset(args: argparse.Namespace, train: Any) -> Any:
+    """The ``--calibrate-split`` dataset, built (and checked) before the fit: it must exist
+    and hold none of the ``--split`` images the refiner is fitted on."""
+    import re
+
     from dualseg.data import build_dataset, build_eval_transform
+
+    try:
+        held_out = build_dataset(
+            args.data,
+            split=args.calibrate_split,
+            layout=args.layout,
+            preset=args.preset,
+            transform=build_eval_transform(),
+        )
+    except DataError as err:  # the dataset's messages name --split: here it is this flag
+        raise DataError(re.sub(r"--split\b", "--calibrate-split", str(err))) from None
+    fitted = {Path(image).resolve() for image, _ in getattr(train, "samples", [])}
+    shared = [image for image, _ in getattr(held_out, "samples", [])]
+    shared = [image for image in shared if Path(image).resolve() in fitted]
+    if shared:
+        raise ConfigError(
+            f"{len(shared)} of the {len(held_out)} --calibrate-split {args.calibrate_split} "
+            f"images are also in --split {args.split} (e.g. {shared[0]}); the decision "
+            "options must be chosen on images held out of the fit"
+        )
+    return held_out
+
+
+def calibrate(
+    refiner: Any,
+    base: Any,
+    args: argparse.Namespace,
+    device: Any,
+    *,
+    held_out: Any | None = None,
+) -> None:
+    """Choose the decision options (gate τ, prior weight λ, probability floor) on
+    ``--calibrate-split`` (labelled, held out of the fit split; ``held_out``: that dataset,
+    already built), store them in the refiner with the sweep's table, and print the best
+    rows."""
     from dualseg.refine.calibrate import choose_decision, sweep_decision
 
-    held_out = build_dataset(
-        args.data,
-        split=args.calibrate_split,
-        layout=args.layout,
-        preset=args.preset,
-        transform=build_eval_transform(),
-    )
+    if held_out is None:
+        held_out = calibration_dataset(args, [])
     loader = torch.utils.data.DataLoader(held_out, batch_size=1)
     module = getattr(base, "module", None)  # a model's backbone output is read, not rerun
     kept = refiner.shared_features(module) if module is not None else contextlib.nullcontext()

@@ -25,6 +25,7 @@ from dualseg.errors import ConfigError
 from dualseg.io import atomic_write_text
 
 __all__ = [
+    "ARCH_NAMES",
     "Config",
     "DataConfig",
     "ModelConfig",
@@ -39,6 +40,22 @@ __all__ = [
     "save_config",
     "train_transform",
 ]
+
+
+# The names of dualseg.models.MODELS, for the config checks: that package imports torch, which
+# this module must not (``dualseg train --help`` stays light). A test keeps the two equal.
+ARCH_NAMES = (
+    "dualseg_resnet18",
+    "dualseg_resnet34",
+    "dualseg_resnet50",
+    "dualseg_resnet101",
+    "dualseg_mobilenet_v2",
+    "dualseg_timm",
+    "deeplabv3_resnet18",
+    "deeplabv3_resnet50",
+    "deeplabv3_resnet101",
+    "deeplabv3_mobilenet_v2",
+)
 
 
 @dataclass(frozen=True)
@@ -418,6 +435,11 @@ def validate(cfg: Config) -> None:
     """Reject values that would fail late or silently (one clear ConfigError each)."""
     t, o, d = cfg.train, cfg.optim, cfg.data
     checks = [
+        (
+            cfg.model.arch in ARCH_NAMES,
+            f"model.arch: unknown model {cfg.model.arch!r}; choose one of: "
+            + ", ".join(ARCH_NAMES),
+        ),
         (t.max_iters > 0, "train.max_iters must be > 0"),
         (t.val_every >= 0, "train.val_every must be >= 0 (0: validate at the end only)"),
         (t.ckpt_every is None or t.ckpt_every > 0, "train.ckpt_every must be > 0 or null"),

@@ -1,9 +1,14 @@
 """The run folder of ``fit``: never replace a run by accident, clean up after kills, save often.
 
-- :func:`prepare_run_dir`: refuse a folder that already holds a run unless the caller resumes
-  it or asked to overwrite it (then the old run's files are removed first, so no stale
-  ``best.pt`` survives); check that it is writable; remove temporaries a killed checkpoint
-  write left behind (``.last.pt.*.tmp``, see :func:`dualseg.io.atomic_open`).
+- :func:`check_run_dir`: refuse a folder that already holds a run unless the caller resumes
+  it or asked to overwrite it; check that it is writable. It changes nothing, so ``fit`` runs
+  it first, before any other work.
+- :func:`prepare_run_dir`: the same checks, then, on the main process, the cleaning: with
+  ``overwrite`` the old run's files are removed (so no stale ``best.pt`` survives), and the
+  temporaries a killed checkpoint write left behind (``.last.pt.*.tmp``, see
+  :func:`dualseg.io.atomic_open`). ``fit`` runs it right before its first write, once the
+  data, the model and everything else that can fail on user input have passed, so a failed
+  ``--overwrite`` keeps the old run.
 - :class:`CheckpointClock`: when ``last.pt`` is due — every ``ckpt_every`` iterations and, by
   default, every ``ckpt_minutes`` of wall clock — so a kill loses little even with
   ``val_every 0``.
@@ -23,6 +28,7 @@ __all__ = [
     "FALLBACK_CKPT_EVERY",
     "RUN_FILES",
     "CheckpointClock",
+    "check_run_dir",
     "checkpoint_interval",
     "prepare_run_dir",
     "remove_stale_temporaries",
@@ -51,10 +57,8 @@ def remove_stale_temporaries(out_dir: Path) -> list[Path]:
     return stale
 
 
-def prepare_run_dir(
-    out_dir: str | Path, *, resuming: bool, overwrite: bool, is_main: bool = True
-) -> None:
-    """Check ``out_dir`` before any work; on the main process, clean it as requested.
+def check_run_dir(out_dir: str | Path, *, resuming: bool, overwrite: bool) -> list[Path]:
+    """Check ``out_dir`` without changing it; return the files of the run it holds.
 
     Raises :class:`RunExistsError` when it holds a run and neither ``resuming`` nor
     ``overwrite`` is set, :class:`dualseg.errors.OutputError` when it cannot be written.
@@ -68,6 +72,19 @@ def prepare_run_dir(
             f"{out_dir} already holds a run ({names}); continue it with --resume auto, "
             "replace it with --overwrite, or choose another --train.out_dir"
         )
+    return previous
+
+
+def prepare_run_dir(
+    out_dir: str | Path, *, resuming: bool, overwrite: bool, is_main: bool = True
+) -> None:
+    """:func:`check_run_dir`, then, on the main process, clean ``out_dir`` as requested: the
+    old run's files with ``overwrite`` (not when resuming), and stale temporaries.
+
+    Call it right before the first write, after everything that can fail on user input.
+    """
+    out_dir = Path(out_dir)
+    previous = check_run_dir(out_dir, resuming=resuming, overwrite=overwrite)
     if not is_main:
         return
     if overwrite and not resuming:

@@ -70,7 +70,12 @@ from dualseg.engine.preflight import (
     scored_classes_note,
     warn_missing_tensorboard,
 )
-from dualseg.engine.rundir import CheckpointClock, checkpoint_interval, prepare_run_dir
+from dualseg.engine.rundir import (
+    CheckpointClock,
+    check_run_dir,
+    checkpoint_interval,
+    prepare_run_dir,
+)
 from dualseg.engine.runlog import Interrupt, Progress, RunLog
 from dualseg.errors import ConfigError, DataError, DualsegError
 
@@ -326,7 +331,9 @@ def fit(cfg: Config, *, resume: str | None = None, overwrite: bool = False) -> d
     (with ``"signal"``).
 
     A ``train.out_dir`` that already holds a run is refused unless ``resume`` is given or
-    ``overwrite=True`` (which removes the old run's files first).
+    ``overwrite=True``, which removes the old run's files right before the first write: after
+    the data scan, the datasets, the model and the optimizer were built, so a run that fails
+    on its input keeps the old one.
 
     Reads like torchvision's reference ``main()``: pre-flight -> build -> resume -> loop ->
     summary.
@@ -334,10 +341,10 @@ def fit(cfg: Config, *, resume: str | None = None, overwrite: bool = False) -> d
     validate_config(cfg)  # also for a Config built in Python rather than parsed
     env = init_distributed(cfg.train.device)
     try:
-        _preflight(cfg, env, resume, overwrite)  # run folder, dataset scan, tensorboard
+        _preflight(cfg, env, resume, overwrite)  # run folder check, dataset scan, tensorboard
         run = _build(cfg, env, resume)  # data, model, loss, optimizer, schedule
         _resume(run)  # weights, optimizer, schedule, sampler, progress, RNG states
-        _start(run)  # DDP / compile, run folder, log
+        _start(run, overwrite)  # DDP / compile, run folder (cleared with overwrite), log
         _loop(run)  # epochs until max_iters, patience or a signal
         return _summary(run)
     finally:
@@ -385,14 +392,12 @@ class _Run:
 
 
 def _preflight(cfg: Config, env: DistEnv, resume: str | None, overwrite: bool) -> None:
-    """Before any work: refuse (or clear, with ``overwrite``) a folder holding another run and
-    remove stale temporaries; scan the dataset (``data.check``); warn about TensorBoard."""
+    """Before any work, changing nothing: refuse a folder holding another run (unless
+    resuming or ``overwrite``); scan the dataset (``data.check``); warn about TensorBoard."""
     t = cfg.train
     if t.threads > 0:
         torch.set_num_threads(t.threads)
-    prepare_run_dir(
-        t.out_dir, resuming=resume is not None, overwrite=overwrite, is_main=env.is_main
-    )
+    check_run_dir(t.out_dir, resuming=resume is not None, overwrite=overwrite)
     shown = env.is_main and t.progress and not t.quiet
     check_training_data(cfg.data, progress=progress_mode(quiet=not shown), warn=env.is_main)
     warn_missing_tensorboard(t.tensorboard and env.is_main)
@@ -484,8 +489,9 @@ def _resume(run: _Run) -> None:
     ckpt_io.restore_rng_state(state["rng"])
 
 
-def _start(run: _Run) -> None:
-    """Wrap the model for training (DDP, compile); create the run folder, config and log."""
+def _start(run: _Run, overwrite: bool = False) -> None:
+    """Wrap the model for training (DDP, compile); clear the run folder (``overwrite``: the
+    old run's files; stale temporaries), create it, write the config and open the log."""
     t, env = run.cfg.train, run.env
     train_model: nn.Module = run.model
     if env.distributed:
@@ -495,6 +501,11 @@ def _start(run: _Run) -> None:
         train_model = torch.compile(train_model)
     run.train_model = train_model
 
+    # The first write: only now, with everything that can fail on user input done, does an
+    # --overwrite remove the old run's files.
+    prepare_run_dir(
+        run.out_dir, resuming=run.resume is not None, overwrite=overwrite, is_main=env.is_main
+    )
     if env.is_main:
         run.out_dir.mkdir(parents=True, exist_ok=True)
         save_config(run.cfg, run.out_dir / "config.yaml")
