@@ -96,6 +96,25 @@ def test_meta_json_gives_classes_and_missing_preset_is_explained(list_root):
     assert get_preset("camvid").num_classes == 11 and get_preset("camvid").source_ignore == (11,)
 
 
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"class_names": "abcd"}, "class_names must be a list of strings"),
+        ({"class_names": ["a", "b", "a", "d"]}, "class_names lists 'a' twice"),
+        ({"palette": [[200, 0, 0], [0, 300, 0], [0, 0, 200], [1, 1, 1]]}, r"palette\[1\]"),
+        ({"palette": [[200, 0, 0], [0, -1, 0], [0, 0, 200], [1, 1, 1]]}, r"palette\[1\]"),
+        ({"palette": [[200, 0], [0, 0, 0], [0, 0, 200], [1, 1, 1]]}, r"palette\[0\]"),
+        ({"void_colors": [[0, 0, 256]]}, r"void_colors\[0\] must be \[r, g, b\]"),
+    ],
+)
+def test_bad_meta_json_is_one_line_naming_the_file(list_root, change, expected):
+    (list_root / "meta.json").write_text(json.dumps({**TINY.to_dict(), **change}))
+    with pytest.raises(DataError, match=expected) as err:
+        build_dataset(list_root)
+    message = str(err.value)
+    assert message.startswith(str(list_root / "meta.json")) and "\n" not in message
+
+
 def test_missing_listed_file(list_root):
     missing = list_root / "train" / "1.png"
     missing.unlink()
