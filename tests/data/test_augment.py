@@ -69,3 +69,11 @@ def test_other_settings_in_the_same_folder_are_refused(src, tmp_path):
     with pytest.raises(DataError, match="seed") as err:
         augment_dataset(src, dst, count=2, seed=1, progress=False)
     assert str(dst) in str(err.value)
+
+
+def test_a_stale_settings_file_without_pairs_does_not_block_a_run(src, tmp_path):
+    dst = tmp_path / "aug"
+    dst.mkdir()
+    (dst / "augment.json").write_text(json.dumps({"scale_range": [2.0, 0.5]}))  # a failed run's
+    assert augment_dataset(src, dst, count=2, progress=False) == (2, 0)
+    assert json.loads((dst / "augment.json").read_text())["scale_range"] == [0.5, 2.0]

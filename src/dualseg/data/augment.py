@@ -29,6 +29,7 @@ from dualseg.data.transforms import (
     JITTER,
     SCALE_RANGE,
     build_augment_pipeline,
+    check_augment_settings,
     sample_seed,
     seeded,
 )
@@ -37,6 +38,10 @@ from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text,
 
 SETTINGS_FILE = "augment.json"
 IMAGE_FORMATS = {"png": "PNG", "jpg": "JPEG"}
+AUGMENT_FLAGS = {  # how `dualseg augment` names each setting, for its messages
+    k: "--" + k.replace("_", "-")
+    for k in ("crop_size", "scale_range", "hflip_prob", "blur_prob", "jitter")
+}
 
 
 class Augmenter:
@@ -145,6 +150,14 @@ def augment_dataset(
         raise DataError(f"--count must be >= 1, got {count}")
     if image_format not in IMAGE_FORMATS:
         raise DataError(f"image format {image_format!r}: use one of {sorted(IMAGE_FORMATS)}")
+    check_augment_settings(  # before anything is written: a bad value leaves no augment.json
+        crop_size=crop_size,
+        scale_range=scale_range,
+        hflip_prob=hflip_prob,
+        blur_prob=blur_prob,
+        jitter=jitter,
+        names=AUGMENT_FLAGS,
+    )
     dst = check_writable(dst, kind="dir", what="DST")
     dataset = build_dataset(
         src, split=split, layout=layout, preset=preset, label_format=label_format
@@ -184,10 +197,20 @@ def augment_dataset(
     return written, count - written
 
 
+def _has_pairs(dst: Path) -> bool:
+    """Whether ``dst`` holds any output file (an ``images/`` or ``labels/`` file)."""
+    for sub in ("images", "labels"):
+        folder = dst / sub
+        if folder.is_dir() and any(p.is_file() for p in folder.iterdir()):
+            return True
+    return False
+
+
 def _claim(dst: Path, settings: dict) -> None:
-    """Refuse to mix outputs of different settings in one folder (resume needs equal settings)."""
+    """Refuse to mix outputs of different settings in one folder (resume needs equal settings);
+    an ``augment.json`` with no pairs written beside it is stale and is replaced."""
     path = dst / SETTINGS_FILE
-    if path.is_file():
+    if path.is_file() and _has_pairs(dst):
         try:
             old = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
