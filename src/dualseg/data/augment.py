@@ -162,6 +162,7 @@ def augment_dataset(
     dataset = build_dataset(
         src, split=split, layout=layout, preset=preset, label_format=label_format
     )
+    _check_destination(Path(src), dst, dataset, list_name)
     settings = {
         "src": str(Path(src).resolve()),
         "split": split,
@@ -197,13 +198,49 @@ def augment_dataset(
     return written, count - written
 
 
+def _check_destination(src: Path, dst: Path, dataset: SegmentationDataset, list_name: str) -> None:
+    """Refuse a ``dst`` whose writing would overwrite a dataset: the source itself, a folder
+    whose ``images/`` / ``labels/`` / list file / meta.json are the source's, or a folder
+    holding a dataset that ``dualseg augment`` did not write (no ``augment.json``)."""
+    src_dir = (src.parent if src.is_file() else src).resolve()
+    here = dst.resolve()
+    if here == src_dir:
+        raise DataError(
+            f"DST {dst} is the source dataset {src}: augmenting in place would overwrite its "
+            f"{list_name} and {META_FILE}; choose a new folder for the augmented pairs"
+        )
+    written_dirs = {here / "images", here / "labels"}
+    written_files = {here / list_name, here / META_FILE, here / SETTINGS_FILE}
+    source_files = [p for pair in dataset.samples for p in pair]
+    source_files += [src_dir / META_FILE, src.resolve()]
+    for path in source_files:
+        path = path.resolve()
+        if path in written_files or path.parent in written_dirs:
+            raise DataError(
+                f"DST {dst} would overwrite files of the source dataset {src} ({path}); "
+                "choose a folder outside the source dataset"
+            )
+    if (here / SETTINGS_FILE).is_file():
+        return  # a previous augment run's output: resumed (or refused) by _claim
+    found = [p.name for p in (here / list_name, here / META_FILE) if p.is_file()]
+    if here.is_dir():
+        found += sorted(p.name for p in here.glob("*.txt") if p.name not in found)
+    found += [f"{sub}/" for sub in ("images", "labels") if _has_files(here / sub)]
+    if found:
+        raise DataError(
+            f"DST {dst} holds a dataset that dualseg augment did not write ({', '.join(found)}; "
+            f"no {SETTINGS_FILE}); writing there would overwrite or mix into it: choose an empty "
+            "or new folder"
+        )
+
+
+def _has_files(folder: Path) -> bool:
+    return folder.is_dir() and any(p.is_file() for p in folder.iterdir())
+
+
 def _has_pairs(dst: Path) -> bool:
     """Whether ``dst`` holds any output file (an ``images/`` or ``labels/`` file)."""
-    for sub in ("images", "labels"):
-        folder = dst / sub
-        if folder.is_dir() and any(p.is_file() for p in folder.iterdir()):
-            return True
-    return False
+    return _has_files(dst / "images") or _has_files(dst / "labels")
 
 
 def _claim(dst: Path, settings: dict) -> None:
