@@ -91,6 +91,8 @@ def test_the_source_or_another_dataset_as_destination_is_refused(src, tmp_path):
         assert str(src) in str(e.value) and "choose a new folder" in str(e.value)
     with pytest.raises(DataError, match="is the source dataset"):
         augment_dataset(src, src / "train" / "..", count=2, progress=False)
+    with pytest.raises(DataError, match="is inside the source dataset"):  # a new split of SRC
+        augment_dataset(src, src / "aug", count=2, progress=False)
     other = tmp_path / "other"  # a dataset dualseg augment did not write
     other.mkdir()
     (other / "train.txt").write_bytes((src / "train.txt").read_bytes())
@@ -99,8 +101,9 @@ def test_the_source_or_another_dataset_as_destination_is_refused(src, tmp_path):
         augment_dataset(src, other, count=2, progress=False)
     assert str(other) in str(e.value) and "train.txt, meta.json" in str(e.value)
     # a list whose pairs live in DST/images, DST/labels: writing there would overwrite them
-    lst = tmp_path / "shared.txt"
-    lst.write_text("pool/images/0.png pool/labels/0.png\n")
+    lst = tmp_path / "lists" / "shared.txt"
+    lst.parent.mkdir()
+    lst.write_text("../pool/images/0.png ../pool/labels/0.png\n")
     for sub, name in (("images", "train"), ("labels", "trainannot")):
         (tmp_path / "pool" / sub).mkdir(parents=True)
         (tmp_path / "pool" / sub / "0.png").write_bytes((src / name / "0.png").read_bytes())

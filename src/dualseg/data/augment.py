@@ -199,8 +199,9 @@ def augment_dataset(
 
 
 def _check_destination(src: Path, dst: Path, dataset: SegmentationDataset, list_name: str) -> None:
-    """Refuse a ``dst`` whose writing would overwrite a dataset: the source itself, a folder
-    whose ``images/`` / ``labels/`` / list file / meta.json are the source's, or a folder
+    """Refuse a ``dst`` whose writing would overwrite or change a dataset: the source itself or
+    a folder inside it, a folder whose ``images/`` / ``labels/`` / list file / meta.json are
+    the source's, or a folder
     holding a dataset that ``dualseg augment`` did not write (no ``augment.json``)."""
     src_dir = (src.parent if src.is_file() else src).resolve()
     here = dst.resolve()
@@ -208,6 +209,12 @@ def _check_destination(src: Path, dst: Path, dataset: SegmentationDataset, list_
         raise DataError(
             f"DST {dst} is the source dataset {src}: augmenting in place would overwrite its "
             f"{list_name} and {META_FILE}; choose a new folder for the augmented pairs"
+        )
+    if src_dir in here.parents:
+        raise DataError(
+            f"DST {dst} is inside the source dataset {src}: its images/ and labels/ would "
+            "become part of the source's layout (a split folder of its own); choose a folder "
+            "outside the source dataset"
         )
     written_dirs = {here / "images", here / "labels"}
     written_files = {here / list_name, here / META_FILE, here / SETTINGS_FILE}
