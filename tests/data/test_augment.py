@@ -69,3 +69,46 @@ def test_other_settings_in_the_same_folder_are_refused(src, tmp_path):
     with pytest.raises(DataError, match="seed") as err:
         augment_dataset(src, dst, count=2, seed=1, progress=False)
     assert str(dst) in str(err.value)
+
+
+def test_a_stale_settings_file_without_pairs_does_not_block_a_run(src, tmp_path):
+    dst = tmp_path / "aug"
+    dst.mkdir()
+    (dst / "augment.json").write_text(json.dumps({"scale_range": [2.0, 0.5]}))  # a failed run's
+    assert augment_dataset(src, dst, count=2, progress=False) == (2, 0)
+    assert json.loads((dst / "augment.json").read_text())["scale_range"] == [0.5, 2.0]
+
+
+def _snapshot(root):
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_the_source_or_another_dataset_as_destination_is_refused(src, tmp_path):
+    before = _snapshot(src)
+    for source in (src, src / "train.txt"):  # a folder or its list file, DST the same folder
+        with pytest.raises(DataError, match="is the source dataset") as e:
+            main([str(source), str(src), "--count", "2"])
+        assert str(src) in str(e.value) and "choose a new folder" in str(e.value)
+    with pytest.raises(DataError, match="is the source dataset"):
+        augment_dataset(src, src / "train" / "..", count=2, progress=False)
+    with pytest.raises(DataError, match="is inside the source dataset"):  # a new split of SRC
+        augment_dataset(src, src / "aug", count=2, progress=False)
+    other = tmp_path / "other"  # a dataset dualseg augment did not write
+    other.mkdir()
+    (other / "train.txt").write_bytes((src / "train.txt").read_bytes())
+    (other / "meta.json").write_bytes((src / "meta.json").read_bytes())
+    with pytest.raises(DataError, match=r"holds a dataset that dualseg augment did not write") as e:
+        augment_dataset(src, other, count=2, progress=False)
+    assert str(other) in str(e.value) and "train.txt, meta.json" in str(e.value)
+    # a list whose pairs live in DST/images, DST/labels: writing there would overwrite them
+    lst = tmp_path / "lists" / "shared.txt"
+    lst.parent.mkdir()
+    lst.write_text("../pool/images/0.png ../pool/labels/0.png\n")
+    for sub, name in (("images", "train"), ("labels", "trainannot")):
+        (tmp_path / "pool" / sub).mkdir(parents=True)
+        (tmp_path / "pool" / sub / "0.png").write_bytes((src / name / "0.png").read_bytes())
+    with pytest.raises(DataError, match="would overwrite files of the source dataset"):
+        augment_dataset(lst, tmp_path / "pool", count=1, preset=TINY, progress=False)
+    assert _snapshot(src) == before and sorted(p.name for p in other.iterdir()) == [
+        "meta.json", "train.txt"
+    ]  # fmt: skip

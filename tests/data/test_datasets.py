@@ -10,12 +10,14 @@ import torch
 from datahelpers import TINY, random_pair, save
 
 from dualseg.data import (
+    available_splits,
     build_dataset,
     build_train_transform,
     detect_layout,
     get_preset,
     read_image,
 )
+from dualseg.data.check import check_dataset
 from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from dualseg.errors import DataError
 
@@ -96,6 +98,25 @@ def test_meta_json_gives_classes_and_missing_preset_is_explained(list_root):
     assert get_preset("camvid").num_classes == 11 and get_preset("camvid").source_ignore == (11,)
 
 
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"class_names": "abcd"}, "class_names must be a list of strings"),
+        ({"class_names": ["a", "b", "a", "d"]}, "class_names lists 'a' twice"),
+        ({"palette": [[200, 0, 0], [0, 300, 0], [0, 0, 200], [1, 1, 1]]}, r"palette\[1\]"),
+        ({"palette": [[200, 0, 0], [0, -1, 0], [0, 0, 200], [1, 1, 1]]}, r"palette\[1\]"),
+        ({"palette": [[200, 0], [0, 0, 0], [0, 0, 200], [1, 1, 1]]}, r"palette\[0\]"),
+        ({"void_colors": [[0, 0, 256]]}, r"void_colors\[0\] must be \[r, g, b\]"),
+    ],
+)
+def test_bad_meta_json_is_one_line_naming_the_file(list_root, change, expected):
+    (list_root / "meta.json").write_text(json.dumps({**TINY.to_dict(), **change}))
+    with pytest.raises(DataError, match=expected) as err:
+        build_dataset(list_root)
+    message = str(err.value)
+    assert message.startswith(str(list_root / "meta.json")) and "\n" not in message
+
+
 def test_missing_listed_file(list_root):
     missing = list_root / "train" / "1.png"
     missing.unlink()
@@ -165,3 +186,51 @@ def test_stream_is_independent_of_dataloader_workers(list_root):
         return [torch.cat([x.flatten(), y.flatten().float()]) for x, y in loader]
 
     assert all(torch.equal(a, b) for a, b in zip(batches(0), batches(2), strict=True))
+
+
+def _flat_root(root, stems=("a", "b", "c", "d")):
+    """A flat images/ + labels/ folder (no list files, no split folders)."""
+    rng = np.random.default_rng(5)
+    for stem in stems:
+        image, label = random_pair(rng)
+        save(root / "images" / f"{stem}.png", image)
+        save(root / "labels" / f"{stem}.png", label)
+    return root
+
+
+def test_a_split_the_root_lacks_is_not_the_flat_folder(tmp_path):
+    # list files over a flat images/ folder (what make_synthetic_dataset and augment write)
+    root = _flat_root(tmp_path / "lists")
+    (root / "train.txt").write_text("images/a.png labels/a.png\nimages/b.png labels/b.png\n")
+    (root / "val.txt").write_text("images/c.png labels/c.png\n")
+    assert len(build_dataset(root, split="val", preset=TINY)) == 1
+    missing = r"has no split 'test' \(splits found: train, val\)"
+    with pytest.raises(DataError, match=missing):
+        build_dataset(root, split="test", preset=TINY)
+    with pytest.raises(DataError, match=missing):
+        detect_layout(root, "test")
+    with pytest.raises(DataError, match=missing):
+        check_dataset(root, splits=("test",), preset=TINY)
+    assert available_splits(root) == ["train", "val"]
+    # split subfolders beside an images/ folder: images/train only
+    split_inside = tmp_path / "inside"
+    for sub in ("images", "labels"):
+        (split_inside / sub / "train").mkdir(parents=True)
+    _flat_root(split_inside / "x")  # x/images + x/labels: a split "x" too
+    for stem in ("a", "b"):
+        for sub in ("images", "labels"):
+            (split_inside / "x" / sub / f"{stem}.png").rename(
+                split_inside / sub / "train" / f"{stem}.png"
+            )
+    assert len(build_dataset(split_inside, split="train", preset=TINY)) == 2
+    with pytest.raises(DataError, match=r"has no split 'val' \(splits found: train, x\)"):
+        build_dataset(split_inside, split="val", preset=TINY)
+
+
+def test_a_truly_flat_folder_serves_any_split(tmp_path):
+    root = _flat_root(tmp_path / "flat")
+    (root / "README.txt").write_text("four pairs, drawn at random\n")  # not a list file
+    for split in ("train", "val", "test"):
+        assert len(build_dataset(root, split=split, preset=TINY)) == 4
+    report = check_dataset(root, preset=TINY)
+    assert not report.problems and report.pairs == {"train": 4}

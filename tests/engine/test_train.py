@@ -20,7 +20,7 @@ from dualseg.data import SegmentationDataset, make_synthetic_dataset
 from dualseg.engine.checkpoint import load_checkpoint
 from dualseg.engine.config import Config, load_config
 from dualseg.engine.train import TrainingDivergedError, fit
-from dualseg.errors import CheckpointError
+from dualseg.errors import CheckpointError, ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_synthetic.yaml"
@@ -207,3 +207,18 @@ def test_sigkill_and_resume_is_bit_identical(data: Path, tmp_path: Path) -> None
     # The log of the resumed run has each iteration once (lines past the checkpoint dropped).
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records if "loss" in r] == list(range(1, 9))
+
+
+def test_a_val_split_that_is_the_training_images_is_refused(data: Path, tmp_path: Path) -> None:
+    flat = tmp_path / "flat"  # images/ + labels/ only: the flat folder serves every split
+    for sub in ("images", "labels"):
+        (flat / sub).mkdir(parents=True)
+        for p in sorted((data / sub).glob("train_*.png")):
+            (flat / sub / p.name).write_bytes(p.read_bytes())
+    (flat / "meta.json").write_bytes((data / "meta.json").read_bytes())
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"data\.val_split 'val' resolves to the training images"):
+        fit(tiny(flat, out, max_iters=1, val_every=0))
+    assert not out.exists()
+    summary = fit(tiny(flat, out, data_cfg={"val_split": None}, max_iters=1, val_every=0))
+    assert summary["iteration"] == 1

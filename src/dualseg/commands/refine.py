@@ -280,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---------------------------------------------------------------------- fit
 def fit_main(args: argparse.Namespace) -> int:
+    from dualseg.augment_defaults import check_augment_settings
     from dualseg.data import build_dataset, build_eval_transform, build_train_transform
     from dualseg.data.presets import require_same_classes
     from dualseg.io import check_writable
@@ -291,6 +292,11 @@ def fit_main(args: argparse.Namespace) -> int:
             f"--steps must be >= 1 (got {args.steps}): a refiner with no training steps "
             "would re-label pixels with an untrained embedding"
         )
+    check_augment_settings(
+        crop_size=tuple(args.crop_size),
+        scale_range=tuple(args.scale_range),
+        names={"crop_size": "--crop-size", "scale_range": "--scale-range"},
+    )
     if args.calibrate_split and args.base is None:
         raise ConfigError("--calibrate-split scores the refiner on top of a base model: add --base")
     if args.calibrate_split and args.calibrate_split == args.split:

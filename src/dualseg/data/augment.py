@@ -29,6 +29,7 @@ from dualseg.data.transforms import (
     JITTER,
     SCALE_RANGE,
     build_augment_pipeline,
+    check_augment_settings,
     sample_seed,
     seeded,
 )
@@ -37,6 +38,10 @@ from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text,
 
 SETTINGS_FILE = "augment.json"
 IMAGE_FORMATS = {"png": "PNG", "jpg": "JPEG"}
+AUGMENT_FLAGS = {  # how `dualseg augment` names each setting, for its messages
+    k: "--" + k.replace("_", "-")
+    for k in ("crop_size", "scale_range", "hflip_prob", "blur_prob", "jitter")
+}
 
 
 class Augmenter:
@@ -145,10 +150,19 @@ def augment_dataset(
         raise DataError(f"--count must be >= 1, got {count}")
     if image_format not in IMAGE_FORMATS:
         raise DataError(f"image format {image_format!r}: use one of {sorted(IMAGE_FORMATS)}")
+    check_augment_settings(  # before anything is written: a bad value leaves no augment.json
+        crop_size=crop_size,
+        scale_range=scale_range,
+        hflip_prob=hflip_prob,
+        blur_prob=blur_prob,
+        jitter=jitter,
+        names=AUGMENT_FLAGS,
+    )
     dst = check_writable(dst, kind="dir", what="DST")
     dataset = build_dataset(
         src, split=split, layout=layout, preset=preset, label_format=label_format
     )
+    _check_destination(Path(src), dst, dataset, list_name)
     settings = {
         "src": str(Path(src).resolve()),
         "split": split,
@@ -184,10 +198,63 @@ def augment_dataset(
     return written, count - written
 
 
+def _check_destination(src: Path, dst: Path, dataset: SegmentationDataset, list_name: str) -> None:
+    """Refuse a ``dst`` whose writing would overwrite or change a dataset: the source itself or
+    a folder inside it, a folder whose ``images/`` / ``labels/`` / list file / meta.json are
+    the source's, or a folder
+    holding a dataset that ``dualseg augment`` did not write (no ``augment.json``)."""
+    src_dir = (src.parent if src.is_file() else src).resolve()
+    here = dst.resolve()
+    if here == src_dir:
+        raise DataError(
+            f"DST {dst} is the source dataset {src}: augmenting in place would overwrite its "
+            f"{list_name} and {META_FILE}; choose a new folder for the augmented pairs"
+        )
+    if src_dir in here.parents:
+        raise DataError(
+            f"DST {dst} is inside the source dataset {src}: its images/ and labels/ would "
+            "become part of the source's layout (a split folder of its own); choose a folder "
+            "outside the source dataset"
+        )
+    written_dirs = {here / "images", here / "labels"}
+    written_files = {here / list_name, here / META_FILE, here / SETTINGS_FILE}
+    source_files = [p for pair in dataset.samples for p in pair]
+    source_files += [src_dir / META_FILE, src.resolve()]
+    for path in source_files:
+        path = path.resolve()
+        if path in written_files or path.parent in written_dirs:
+            raise DataError(
+                f"DST {dst} would overwrite files of the source dataset {src} ({path}); "
+                "choose a folder outside the source dataset"
+            )
+    if (here / SETTINGS_FILE).is_file():
+        return  # a previous augment run's output: resumed (or refused) by _claim
+    found = [p.name for p in (here / list_name, here / META_FILE) if p.is_file()]
+    if here.is_dir():
+        found += sorted(p.name for p in here.glob("*.txt") if p.name not in found)
+    found += [f"{sub}/" for sub in ("images", "labels") if _has_files(here / sub)]
+    if found:
+        raise DataError(
+            f"DST {dst} holds a dataset that dualseg augment did not write ({', '.join(found)}; "
+            f"no {SETTINGS_FILE}); writing there would overwrite or mix into it: choose an empty "
+            "or new folder"
+        )
+
+
+def _has_files(folder: Path) -> bool:
+    return folder.is_dir() and any(p.is_file() for p in folder.iterdir())
+
+
+def _has_pairs(dst: Path) -> bool:
+    """Whether ``dst`` holds any output file (an ``images/`` or ``labels/`` file)."""
+    return _has_files(dst / "images") or _has_files(dst / "labels")
+
+
 def _claim(dst: Path, settings: dict) -> None:
-    """Refuse to mix outputs of different settings in one folder (resume needs equal settings)."""
+    """Refuse to mix outputs of different settings in one folder (resume needs equal settings);
+    an ``augment.json`` with no pairs written beside it is stale and is replaced."""
     path = dst / SETTINGS_FILE
-    if path.is_file():
+    if path.is_file() and _has_pairs(dst):
         try:
             old = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):

@@ -5,7 +5,9 @@ Layouts (``layout=`` or detected by ``"auto"``):
 - ``list``: a text file with ``image_path label_path`` per line, relative to the file's folder
   (``ROOT/{split}.txt``, or ``root`` is the list file itself) — the CamVid/SegNet format.
 - ``folder``: ``images/`` and ``labels/`` (or ``masks/``) matched by file stem; searched as
-  ``ROOT/{split}/images``, ``ROOT/images/{split}``, then a flat ``ROOT/images`` (any split).
+  ``ROOT/{split}/images``, ``ROOT/images/{split}``, then a flat ``ROOT/images`` (any split,
+  unless ROOT names splits of its own: list files or split subfolders; then a split it lacks
+  is a "has no split" error listing those it has).
 - ``voc``: ``JPEGImages/``, ``SegmentationClass/``, ``ImageSets/Segmentation/{split}.txt``.
 - ``cityscapes``: ``leftImg8bit/{split}/*/*_leftImg8bit.png`` with
   ``gtFine/{split}/*/*_gtFine_labelTrainIds.png``.
@@ -98,8 +100,57 @@ def _images_by_stem(folder: Path) -> dict[str, Path]:
     }
 
 
-def _folder_pair_dirs(root: Path, split: str) -> tuple[Path, Path] | None:
+def _label_dir(images: Path) -> Path | None:
+    """``labels/`` (or ``masks/``) beside ``images/``, with the same subfolder, if present."""
+    base, sub = images.parent, ""
+    if images.name != "images":  # ROOT/images/{split}
+        base, sub = images.parent.parent, images.name
+    for name in ("labels", "masks"):
+        if (base / name / sub).is_dir():
+            return base / name / sub
+    return None
+
+
+def _is_list_file(path: Path) -> bool:
+    """Whether ``path``'s first entry is an ``image_path label_path`` line (a split's list)."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    parts = line.split()
+                    return len(parts) == 2 and all(
+                        Path(x).suffix.lower() in IMAGE_SUFFIXES for x in parts
+                    )
+    except (OSError, UnicodeDecodeError):
+        return False
+    return False
+
+
+def _declares_splits(root: Path, *, lists: bool = True) -> bool:
+    """Whether ``root`` names splits of its own beside a flat ``images/`` folder: split
+    subfolders (``ROOT/{s}/images``, ``ROOT/images/{s}`` with their labels) or, with
+    ``lists``, list files (``ROOT/*.txt`` of ``image label`` lines). Then the flat folder is
+    no stand-in for a split it does not have."""
+    if not root.is_dir():
+        return False
+    for d in root.iterdir():
+        if d.is_dir() and (d / "images").is_dir() and _label_dir(d / "images") is not None:
+            return True
+    if (root / "images").is_dir():
+        for d in (root / "images").iterdir():
+            if d.is_dir() and not d.name.startswith(".") and _label_dir(d) is not None:
+                return True
+    return lists and any(_is_list_file(p) for p in root.glob("*.txt"))
+
+
+def _folder_pair_dirs(root: Path, split: str, *, lists: bool = True) -> tuple[Path, Path] | None:
+    """``(images, labels)`` of ``split``: ``ROOT/{split}/images``, ``ROOT/images/{split}``,
+    else the flat ``ROOT/images`` — which serves any split only when ``root`` declares none
+    (:func:`_declares_splits`; ``split=""`` asks for the flat pair itself)."""
     for base, sub in ((root / split, ""), (root, split), (root, "")):
+        if split and base == root and not sub and _declares_splits(root, lists=lists):
+            return None
         images = base / "images" / sub
         for name in ("labels", "masks"):
             labels = base / name / sub
@@ -110,7 +161,8 @@ def _folder_pair_dirs(root: Path, split: str) -> tuple[Path, Path] | None:
 
 def _scan_folder(root: Path, split: str) -> Discovery:
     found = Discovery("folder", source=root)
-    dirs = _folder_pair_dirs(root, split)
+    # list files name splits of the list layout; the folder layout's own are its subfolders
+    dirs = _folder_pair_dirs(root, split, lists=False)
     if dirs is None:
         found.split_missing = True
         found.problems.append(

@@ -138,19 +138,49 @@ class DatasetMeta:
             ignore = d.get("ignore_index", IGNORE_INDEX)
             return cls(
                 name=str(d["name"]),
-                class_names=tuple(str(c) for c in d["class_names"]),
-                palette=tuple(tuple(int(v) for v in c) for c in d["palette"]),  # type: ignore[misc]
+                class_names=_class_names(d["class_names"]),
+                palette=_colors(d["palette"], "palette"),
                 source_ignore=tuple(int(v) for v in d.get("source_ignore", ())),
-                void_colors=tuple(tuple(int(v) for v in c) for c in d.get("void_colors", ())),  # type: ignore[misc]
+                void_colors=_colors(d.get("void_colors", ()), "void_colors"),
                 ignore_value=None if ignore is None else int(ignore),
                 label_map=_label_map_items(d.get("label_map") or {}),
                 reduce_zero_label=bool(d.get("reduce_zero_label", False)),
             )
+        except DataError:
+            raise
         except (KeyError, TypeError, ValueError, AttributeError) as err:
             raise DataError(
                 f"invalid dataset description ({err!r}); it needs 'name', 'class_names' and "
                 "'palette' (one [r, g, b] per class); 'label_map' is {\"raw\": class_id}"
             ) from err
+
+
+def _class_names(value: Any) -> tuple[str, ...]:
+    """meta.json's ``class_names``: a list of unique strings (a bare string is no list)."""
+    if not isinstance(value, list | tuple) or not all(isinstance(c, str) for c in value):
+        raise DataError(
+            f'class_names must be a list of strings, got {value!r}; write e.g. ["road", "car"]'
+        )
+    seen: set[str] = set()
+    for name in value:
+        if name in seen:
+            raise DataError(f"class_names lists {name!r} twice; give each class a unique name")
+        seen.add(name)
+    return tuple(value)
+
+
+def _colors(value: Any, key: str) -> tuple[Color, ...]:
+    """meta.json's ``palette`` / ``void_colors``: a list of [r, g, b], 3 integers 0..255 each."""
+    if not isinstance(value, list | tuple):
+        raise DataError(f"{key} must be a list of [r, g, b] colours, got {value!r}")
+    for i, c in enumerate(value):
+        ok = isinstance(c, list | tuple) and len(c) == 3
+        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255 for v in c)
+        if not ok:
+            raise DataError(
+                f"{key}[{i}] must be [r, g, b] with 3 integers 0..255, got {c!r}; fix the colour"
+            )
+    return tuple((c[0], c[1], c[2]) for c in value)
 
 
 def _voc_palette(n: int) -> tuple[Color, ...]:

@@ -28,6 +28,7 @@ from dualseg.augment_defaults import (  # spec S1 defaults, written once
     HFLIP_PROB,
     JITTER,
     SCALE_RANGE,
+    check_augment_settings,
 )
 from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD  # defined once, torch-free
 
@@ -39,9 +40,8 @@ class RandomScale(v2.Transform):
 
     def __init__(self, scale_range: tuple[float, float] = (0.5, 2.0)) -> None:
         super().__init__()
+        check_augment_settings(scale_range=scale_range)  # ConfigError, a ValueError
         lo, hi = scale_range
-        if not 0 < lo <= hi:
-            raise ValueError(f"scale_range must satisfy 0 < min <= max, got {scale_range}")
         self.scale_range = (float(lo), float(hi))
 
     def make_params(self, flat_inputs: list[Any]) -> dict[str, Any]:
@@ -124,8 +124,16 @@ def build_augment_pipeline(
     Order: random scale -> random crop (padded when smaller: image with ``image_fill``, label
     with ``ignore_index``) -> horizontal flip -> Gaussian blur (probability ``blur_prob``) ->
     colour jitter (brightness, contrast, saturation, hue). Labels: nearest, never blurred or
-    jittered. ``dualseg augment`` uses this to write uint8 pairs.
+    jittered. ``dualseg augment`` uses this to write uint8 pairs. A setting out of its range
+    is a one-line :class:`~dualseg.errors.ConfigError` (:func:`check_augment_settings`).
     """
+    check_augment_settings(
+        crop_size=tuple(crop_size),
+        scale_range=scale_range,
+        hflip_prob=hflip_prob,
+        blur_prob=blur_prob,
+        jitter=tuple(jitter),
+    )
     ops: list[v2.Transform] = []
     if scale_range != (1.0, 1.0):
         ops.append(RandomScale(scale_range))

@@ -20,7 +20,13 @@ from typing import Any, Literal
 
 import yaml
 
-from dualseg.augment_defaults import BLUR_PROB, HFLIP_PROB, JITTER, SCALE_RANGE
+from dualseg.augment_defaults import (
+    BLUR_PROB,
+    HFLIP_PROB,
+    JITTER,
+    SCALE_RANGE,
+    check_augment_settings,
+)
 from dualseg.errors import ConfigError
 from dualseg.io import atomic_write_text
 
@@ -473,6 +479,15 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    augment = ("crop_size", "scale_range", "hflip_prob", "blur_prob", "jitter")
+    check_augment_settings(
+        crop_size=tuple(d.crop_size),
+        scale_range=tuple(d.scale_range),
+        hflip_prob=d.hflip_prob,
+        blur_prob=d.blur_prob,
+        jitter=d.jitter,
+        names={k: f"data.{k}" for k in augment},
+    )
     if d.label_map is not None:
         from dualseg.data.presets import parse_label_map
 

@@ -230,6 +230,12 @@ def _build_datasets(cfg: Config) -> tuple[Any, Any | None]:
         **common,
     )
     val_ds = build_dataset(d.root, split=d.val_split, **common) if d.val_split else None
+    if val_ds is not None and sorted(val_ds.samples) == sorted(train_ds.samples):
+        raise ConfigError(
+            f"data.val_split {d.val_split!r} resolves to the training images (split "
+            f"{d.train_split!r} of {d.root}): validating on them would say nothing; add a "
+            "val split or set data.val_split to null (--data.val_split null)"
+        )
     return train_ds, val_ds
 
 
