@@ -222,3 +222,26 @@ def test_a_val_split_that_is_the_training_images_is_refused(data: Path, tmp_path
     assert not out.exists()
     summary = fit(tiny(flat, out, data_cfg={"val_split": None}, max_iters=1, val_every=0))
     assert summary["iteration"] == 1
+
+
+def test_validation_images_of_two_sizes_in_one_batch_are_one_line(
+    data: Path, tmp_path: Path
+) -> None:
+    from PIL import Image
+
+    from dualseg.errors import DataError
+
+    mixed = tmp_path / "mixed"
+    for sub in ("images", "labels"):
+        (mixed / sub).mkdir(parents=True)
+        for p in sorted((data / sub).glob("*.png")):
+            (mixed / sub / p.name).write_bytes(p.read_bytes())
+    for name in ("meta.json", "train.txt", "val.txt"):
+        if (data / name).exists():
+            (mixed / name).write_bytes((data / name).read_bytes())
+    for sub, resample in (("images", Image.BILINEAR), ("labels", Image.NEAREST)):
+        p = mixed / sub / "val_00001.png"
+        Image.open(p).resize((52, 40), resample).save(p)  # the second val image: another size
+    cfg = tiny(mixed, tmp_path / "run", data_cfg={"val_batch_size": 2}, max_iters=2, val_every=1)
+    with pytest.raises(DataError, match=r"differ in size .*set --data\.val_batch_size 1"):
+        fit(cfg)

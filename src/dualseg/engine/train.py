@@ -41,6 +41,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
 from dualseg.console import progress_mode
+from dualseg.data.collate import SameSizeCollate
 from dualseg.engine import checkpoint as ckpt_io
 from dualseg.engine.config import (
     Config,
@@ -279,6 +280,8 @@ def _build_loaders(
             pin_memory=pin,
             persistent_workers=workers > 0 and d.persistent_workers,
             generator=torch.Generator().manual_seed(cfg.train.seed),
+            # validation images keep their own size: a batch of two sizes is one line
+            collate_fn=SameSizeCollate("set --data.val_batch_size 1"),
         )
     return train_loader, sampler, val_loader
 
