@@ -452,7 +452,7 @@ def time_inference(
             t1 = time.perf_counter()
             if refiner is not None:
                 # logits: softmax only at the near-boundary rows
-                features = shared.take()
+                features = shared.take(x)  # None where they do not match x
                 refiner.refine(x, logits, features=features)
                 sync()
                 shared_n += i >= warmup and features is not None

@@ -114,7 +114,7 @@ def time_ratio(model, refiner, dataset, device: torch.device, n: int) -> dict[st
             probs = model(image).softmax(1)
             _sync(device)
             t1 = time.perf_counter()
-            features = shared.take()
+            features = shared.take(image)  # None where they do not match the image
             refiner.refine(image, probs, features=features)
             _sync(device)
             t2 = time.perf_counter()

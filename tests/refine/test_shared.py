@@ -163,8 +163,8 @@ def test_evaluate_reads_the_base_features_with_the_same_result(peer: torch.nn.Mo
     seen: list[object] = []
     take = SharedFeatures.take
 
-    def spy(self):
-        kept = take(self)
+    def spy(self, images=None):
+        kept = take(self, images)
         seen.append(kept)
         return kept
 
@@ -226,6 +226,14 @@ def test_features_of_other_images_are_not_used(peer: torch.nn.Module) -> None:
     ):
         c = refiner.candidates(x, logits, features=wrong)  # the refiner's own backbone instead
         torch.testing.assert_close(c.distance, own.distance)
+    # take(images) hands over only what matches them, so a count of shared images is true
+    with refiner.shared_features(peer) as shared:
+        peer(x)
+        assert shared.take(x) is not None
+        peer(x)
+        assert shared.take(x[:1]) is None  # a batch of two for one image
+        peer(x)
+        assert shared.take(F.interpolate(x, scale_factor=0.5)) is None  # another input size
 
 
 @torch.no_grad()

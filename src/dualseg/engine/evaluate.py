@@ -37,7 +37,7 @@ class SharedFeatures(Protocol):
 
     def __enter__(self) -> Any: ...
     def __exit__(self, *exc: object) -> Any: ...
-    def take(self) -> Any: ...
+    def take(self, images: Tensor | None = None) -> Any: ...
 
 
 class Refiner(Protocol):
@@ -239,7 +239,7 @@ def evaluate(
                 with refine_timer.time(images.shape[0]):
                     probs = logits.softmax(1)
                     if shared is not None:
-                        kept = shared.take()
+                        kept = shared.take(images)  # None where they do not match
                         new, changed = refiner.refine(  # type: ignore[call-arg]
                             images, probs, return_changed=True, features=kept
                         )

@@ -511,10 +511,10 @@ def _start(run: _Run, overwrite: bool = False) -> None:
     run.train_model = train_model
 
     # The first write: only now, with everything that can fail on user input done, does an
-    # --overwrite remove the old run's files.
-    prepare_run_dir(
-        run.out_dir, resuming=run.resume is not None, overwrite=overwrite, is_main=env.is_main
-    )
+    # --overwrite remove the old run's files. The main process only: the others checked the
+    # folder in _preflight, and checking again here would race with its first write below.
+    if env.is_main:
+        prepare_run_dir(run.out_dir, resuming=run.resume is not None, overwrite=overwrite)
     if env.is_main:
         run.out_dir.mkdir(parents=True, exist_ok=True)
         save_config(run.cfg, run.out_dir / "config.yaml")

@@ -307,7 +307,8 @@ class BoundaryRefiner:
                 logits = model(images)
                 labels = refiner.refine(images, logits, features=shared.take())
         """
-        return SharedFeatures(model, can_share(self.config, self.net.backbone, model))
+        active = can_share(self.config, self.net.backbone, model)
+        return SharedFeatures(model, active, self.config.output_stride)
 
     def _refine_batch(
         self,

@@ -93,8 +93,12 @@ class SharedFeatures:
     refiner cannot share, :func:`can_share`) hooks nothing and always gives ``None``.
     """
 
-    def __init__(self, model: nn.Module, active: bool = True) -> None:
+    def __init__(
+        self, model: nn.Module, active: bool = True, output_stride: int | None = None
+    ) -> None:
         self.module = base_backbone(model) if active else None
+        # with it, take(images) keeps only features that :func:`matching` accepts for them
+        self.output_stride = output_stride
         # one entry per backbone call since the last take(); None: not a plain feature map
         self._kept: list[tuple[Tensor, tuple[int, int]] | None] = []
         self._handle: RemovableHandle | None = None
@@ -122,6 +126,12 @@ class SharedFeatures:
             self._handle = None
         self._kept.clear()
 
-    def take(self) -> tuple[Tensor, tuple[int, int]] | None:
+    def take(self, images: Tensor | None = None) -> tuple[Tensor, tuple[int, int]] | None:
+        """What the backbone's one call since the last ``take()`` gave (else ``None``); with
+        ``images`` and an ``output_stride``, only if it can stand for exactly those images
+        (:func:`matching`), so that a caller counting shared images counts the used ones."""
         kept, self._kept = self._kept, []
-        return kept[0] if len(kept) == 1 else None
+        one = kept[0] if len(kept) == 1 else None
+        if images is not None and self.output_stride is not None:
+            return matching(one, images, self.output_stride)
+        return one
