@@ -19,6 +19,10 @@ from dualseg.errors import CheckpointError
 
 __all__ = ["safe_torch_load"]
 
+# the metadata file inside a dualseg TorchScript export (its ``_extra_files``); here, below
+# dualseg.export, so that a checkpoint loader can tell such a file from a checkpoint
+TORCHSCRIPT_META = "dualseg.json"
+
 PLAIN_WEIGHTS_HINT = (
     "for plain weights save a state dict (torch.save(model.state_dict(), path)) and pass that "
     "file as weights"
@@ -83,8 +87,6 @@ def _torchscript_kind(path: Path) -> str | None:
     ``torch.save`` file has neither), without torch.
     """
     import json
-
-    from dualseg.export.runners import TORCHSCRIPT_META  # lazy: export imports this module
 
     try:
         if not zipfile.is_zipfile(path):

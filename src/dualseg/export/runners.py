@@ -21,11 +21,11 @@ import numpy as np
 
 from dualseg.errors import CheckpointError, DualsegError
 from dualseg.imaging import as_rgb
+from dualseg.serialization import TORCHSCRIPT_META
 
 EXPORT_FORMAT = "dualseg-export/1"
 REFINER_FORMAT = "dualseg-refiner-export/1"
 META_PREFIX = "dualseg."
-TORCHSCRIPT_META = "dualseg.json"
 
 
 def import_extra(module: str) -> Any:
