@@ -90,3 +90,16 @@ def test_existing_refiner_sidecar_needs_overwrite(refiner_file, tmp_path, capsys
     assert not out.exists() and sidecar.read_text() == "{}"
     assert main([*args, "--size", "32", "32", "--overwrite", "--no-verify"]) == 0
     assert out.exists() and sidecar.read_text() != "{}"
+
+
+def test_a_pretrained_folders_refiner_json_is_never_a_sidecar(refiner_file, tmp_path, capsys):
+    folder = tmp_path / "camvid-model"
+    folder.mkdir()
+    (folder / "refiner.json").write_text("{}")  # a pretrained refiner: json + safetensors
+    (folder / "refiner.safetensors").write_bytes(b"weights")
+    out = folder / "refiner.onnx"
+    args = ["export", "--refiner", str(refiner_file), "--format", "onnx", "--out", str(out)]
+    for extra in ([], ["--overwrite"]):  # not even with --overwrite
+        line = _refused([*args, *extra], capsys)
+        assert "pretrained folder" in line and "--overwrite" not in line
+    assert (folder / "refiner.json").read_text() == "{}" and not out.exists()

@@ -114,6 +114,13 @@ def check_outputs(args: argparse.Namespace) -> list[Path]:
                 f"--out {out}: the refiner's sidecar is <out stem>.json, which would replace "
                 "the exported model; name the model .onnx or .pt"
             )
+        if sidecar.exists() and (sidecar.parent / "refiner.safetensors").exists():
+            # a pretrained folder's refiner.json: --overwrite would break that folder
+            raise ConfigError(
+                f"--out {out}: its sidecar {sidecar} is the refiner.json of the pretrained "
+                f"folder {sidecar.parent}; name the export otherwise (e.g. "
+                f"{sidecar.parent / ('exported_' + out.name)})"
+            )
         targets = [out, sidecar]
     else:
         targets = [out]
