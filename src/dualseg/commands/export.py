@@ -108,16 +108,18 @@ def check_outputs(args: argparse.Namespace) -> list[Path]:
     if args.format == "pretrained":
         targets = [out]  # save_pretrained refuses existing files in the folder itself
     elif args.refiner:
+        from dualseg.refine.pretrained import REFINER_CONFIG, REFINER_WEIGHTS
+
         sidecar = refiner_sidecar_path(out)
         if _same_path(out, sidecar):
             raise ConfigError(
                 f"--out {out}: the refiner's sidecar is <out stem>.json, which would replace "
                 "the exported model; name the model .onnx or .pt"
             )
-        if sidecar.exists() and (sidecar.parent / "refiner.safetensors").exists():
+        if sidecar.exists() and (sidecar.parent / REFINER_WEIGHTS).exists():
             # a pretrained folder's refiner.json: --overwrite would break that folder
             raise ConfigError(
-                f"--out {out}: its sidecar {sidecar} is the refiner.json of the pretrained "
+                f"--out {out}: its sidecar {sidecar} is the {REFINER_CONFIG} of the pretrained "
                 f"folder {sidecar.parent}; name the export otherwise (e.g. "
                 f"{sidecar.parent / ('exported_' + out.name)})"
             )

@@ -480,16 +480,14 @@ def calibrate(
     args: argparse.Namespace,
     device: Any,
     *,
-    held_out: Any | None = None,
+    held_out: Any,
 ) -> None:
     """Choose the decision options (gate τ, prior weight λ, probability floor) on
-    ``--calibrate-split`` (labelled, held out of the fit split; ``held_out``: that dataset,
-    already built), store them in the refiner with the sweep's table, and print the best
-    rows."""
+    ``--calibrate-split`` (``held_out``: that dataset, built and checked before the fit by
+    :func:`calibration_dataset`), store them in the refiner with the sweep's table, and print
+    the best rows."""
     from dualseg.refine.calibrate import choose_decision, sweep_decision
 
-    if held_out is None:
-        held_out = calibration_dataset(args, [])
     loader = torch.utils.data.DataLoader(held_out, batch_size=1)
     module = getattr(base, "module", None)  # a model's backbone output is read, not rerun
     kept = refiner.shared_features(module) if module is not None else contextlib.nullcontext()
