@@ -194,3 +194,30 @@ def test_demo_reruns_into_its_own_folder_and_overwrite_replaces_another_run(
     (run / "last.pt").write_bytes(b"another run")
     assert main(_tiny_demo(run, "--overwrite")) == 0
     assert (run / "last.pt").read_bytes() != b"another run"
+
+
+def _write_pairs(folder, n: int) -> None:
+    (folder / "images").mkdir(parents=True)
+    (folder / "labels").mkdir()
+    for i in range(n):
+        Image.fromarray(np.full((8, 12, 3), 30 * i, np.uint8)).save(folder / "images" / f"{i}.png")
+        Image.fromarray(np.zeros((8, 12), np.uint8)).save(folder / "labels" / f"{i}.png")
+
+
+def test_demo_refuses_data_whose_val_split_is_its_training_images(tmp_path, capsys) -> None:
+    from dualseg.cli import main
+
+    flat = tmp_path / "flat"  # images/ and labels/ only: that folder serves every split
+    _write_pairs(flat, 3)
+    out = tmp_path / "out"
+    for extra in ((), ("--val-every", "1")):  # scored after training, or validated within it
+        assert main(_tiny_demo(out, "--data", str(flat), "--preset", "camvid", *extra)) == 1
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and str(flat) in err and "--val-split" in err
+        assert not out.exists()  # refused before the folder is created
+    # separate train and val splits pass the check
+    split = tmp_path / "split"
+    _write_pairs(split / "train", 3)
+    _write_pairs(split / "val", 2)
+    args = demo.build_parser().parse_args(["--data", str(split), "--preset", "camvid"])
+    demo.check_splits_differ(split, get_preset("camvid"), args)

@@ -301,6 +301,23 @@ def _prepare_data(args: argparse.Namespace, out: Path) -> tuple[Path, Any]:
     return Path(root), get_preset("synthetic")
 
 
+def check_splits_differ(root: Path, meta: Any, args: argparse.Namespace) -> None:
+    """Refuse ``--data`` whose val split is its training images (a flat ``images/`` folder
+    serves every split): the demo's scores would be on the images it trained on."""
+    from dualseg.data import build_dataset
+
+    def samples(split: str) -> list[tuple[str, str]]:
+        return sorted(build_dataset(root, split=split, layout=args.layout, preset=meta).samples)
+
+    if samples(args.val_split) == samples(args.train_split):
+        raise ConfigError(
+            f"--data {root}: split {args.val_split!r} is the same images as split "
+            f"{args.train_split!r} (a flat images/ folder serves every split), so the demo "
+            "would score what it trained on; give it a root with train and val splits "
+            "(ROOT/train/images and ROOT/val/images, or list files) and --val-split NAME"
+        )
+
+
 def _train_config(args: argparse.Namespace, root: Path, meta: Any, weights: str | None) -> Any:
     from dualseg.engine.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
 
@@ -507,9 +524,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_args(args)  # before the folder is looked at or touched
     check_out_dir(out, overwrite=args.overwrite)
     device = resolve_device(args.device)
+    if args.data is not None:  # nothing to generate: the splits are checked before out is touched
+        root, meta = _prepare_data(args, out)
+        check_splits_differ(root, meta, args)
     mark_demo_folder(out)
-
-    root, meta = _prepare_data(args, out)
+    if args.data is None:
+        root, meta = _prepare_data(args, out)
     t_data = time.perf_counter() - start
     weights = _resolve_weights(args.arch, args.weights)
     cfg = _train_config(args, root, meta, weights)
