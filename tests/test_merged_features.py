@@ -72,7 +72,9 @@ def test_summary_json_is_part_of_a_run(tmp_path) -> None:
     # the check alone never removes anything, even with overwrite
     assert check_run_dir(run, resuming=False, overwrite=True) == [run / "summary.json"]
     assert (run / "summary.json").exists()
-    prepare_run_dir(run, resuming=False, overwrite=True)
+    # set aside with the rest of the run until the new run's first checkpoint
+    replaced = prepare_run_dir(run, resuming=False, overwrite=True)
+    assert replaced is not None and (replaced / "summary.json").exists()
     assert not (run / "summary.json").exists()
 
 

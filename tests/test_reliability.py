@@ -270,6 +270,41 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_passed_its_checks(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_overwrite_that_fails_in_training_puts_the_old_run_back(four_data, tmp_path, capsys):
+    from dualseg.engine.rundir import REPLACED_DIR
+
+    out = tmp_path / "run"
+    assert main(train_argv(four_data, out)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    # bad label values the (switched off) data scan would have found: met in the first batch,
+    # after the old run was set aside and the new one had written its config
+    save(four_data / "trainannot" / "1.png", np.full((32, 32), 9, np.uint8))
+    save(four_data / "trainannot" / "0.png", np.full((32, 32), 9, np.uint8))
+    argv = train_argv(four_data, out, "--overwrite", "--data.check", "false")
+    assert main(argv) == 1
+    assert "label values [9]" in one_line(capsys)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no .replaced/ left
+
+    # an --overwrite killed before its first checkpoint leaves the old run set aside: the
+    # folder still holds a run, and the next --overwrite replaces the killed attempt's files
+    (out / REPLACED_DIR).mkdir()
+    for name in before:
+        (out / name).rename(out / REPLACED_DIR / name)
+    assert main(train_argv(four_data, out)) == 1
+    assert REPLACED_DIR in one_line(capsys)
+    (out / "config.yaml").write_text("the killed attempt's")
+    assert main(argv) == 1  # still failing in training: the set-aside run comes back
+    capsys.readouterr()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # a new run that reaches its first checkpoint replaces the old one for good
+    save(four_data / "trainannot" / "1.png", np.ones((32, 32), np.uint8))
+    save(four_data / "trainannot" / "0.png", np.ones((32, 32), np.uint8))
+    assert main(argv) == 0
+    assert not (out / REPLACED_DIR).exists()
+    assert (out / "last.pt").read_bytes() != before["last.pt"]
+
+
 def test_checkpoints_on_a_time_interval_without_validation(four_data, tmp_path, monkeypatch):
     from dualseg.data import SegmentationDataset
     from dualseg.engine.config import load_config

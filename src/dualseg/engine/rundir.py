@@ -4,11 +4,15 @@
   it or asked to overwrite it; check that it is writable. It changes nothing, so ``fit`` runs
   it first, before any other work.
 - :func:`prepare_run_dir`: the same checks, then, on the main process, the cleaning: with
-  ``overwrite`` the old run's files are removed (so no stale ``best.pt`` survives), and the
-  temporaries a killed checkpoint write left behind (``.last.pt.*.tmp``, see
-  :func:`dualseg.io.atomic_open`). ``fit`` runs it right before its first write, once the
-  data, the model and everything else that can fail on user input have passed, so a failed
-  ``--overwrite`` keeps the old run.
+  ``overwrite`` the old run's files are set aside in :data:`REPLACED_DIR` (so no stale
+  ``best.pt`` mixes with the new run), and the temporaries a killed checkpoint write left
+  behind (``.last.pt.*.tmp``, see :func:`dualseg.io.atomic_open`) are removed. ``fit`` runs it
+  right before its first write, once the data, the model and everything else that can fail on
+  user input have passed.
+- :func:`restore_replaced` / :func:`discard_replaced`: the set-aside run comes back when the
+  new one fails before its first checkpoint (a bad label met in training with
+  ``data.check false``, out of memory, a NaN at the first step), and is deleted once the new
+  one has a checkpoint: an ``--overwrite`` never leaves a folder with neither run.
 - :class:`CheckpointClock`: when ``last.pt`` is due — every ``ckpt_every`` iterations and, by
   default, every ``ckpt_minutes`` of wall clock — so a kill loses little even with
   ``val_every 0``.
@@ -17,6 +21,8 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,12 +32,15 @@ from dualseg.io import check_writable
 
 __all__ = [
     "FALLBACK_CKPT_EVERY",
+    "REPLACED_DIR",
     "RUN_FILES",
     "CheckpointClock",
     "check_run_dir",
     "checkpoint_interval",
+    "discard_replaced",
     "prepare_run_dir",
     "remove_stale_temporaries",
+    "restore_replaced",
     "run_files",
 ]
 
@@ -40,6 +49,8 @@ __all__ = [
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "config.yaml", "curves.png", "summary.json")
 EVENTS_GLOB = "events.out.tfevents.*"
 FALLBACK_CKPT_EVERY = 1000  # iterations between checkpoints when neither interval is set
+# an --overwrite's old run waits here (renamed, same filesystem) for the new run's first checkpoint
+REPLACED_DIR = ".replaced"
 
 
 def run_files(out_dir: Path) -> list[Path]:
@@ -66,8 +77,12 @@ def check_run_dir(out_dir: str | Path, *, resuming: bool, overwrite: bool) -> li
     out_dir = Path(out_dir)
     check_writable(out_dir, kind="dir", what="train.out_dir")
     previous = run_files(out_dir) if out_dir.is_dir() else []
-    if previous and not resuming and not overwrite:
-        names = ", ".join(p.name for p in previous[:4]) + (" ..." if len(previous) > 4 else "")
+    # a run an --overwrite set aside (REPLACED_DIR) is a run too, until a checkpoint replaces it
+    shown = list(previous)
+    if (out_dir / REPLACED_DIR).is_dir():
+        shown.append(out_dir / REPLACED_DIR)
+    if shown and not resuming and not overwrite:
+        names = ", ".join(p.name for p in shown[:4]) + (" ..." if len(shown) > 4 else "")
         raise RunExistsError(
             f"{out_dir} already holds a run ({names}); continue it with --resume auto, "
             "replace it with --overwrite, or choose another --train.out_dir"
@@ -77,22 +92,59 @@ def check_run_dir(out_dir: str | Path, *, resuming: bool, overwrite: bool) -> li
 
 def prepare_run_dir(
     out_dir: str | Path, *, resuming: bool, overwrite: bool, is_main: bool = True
-) -> None:
-    """:func:`check_run_dir`, then, on the main process, clean ``out_dir`` as requested: the
-    old run's files with ``overwrite`` (not when resuming), and stale temporaries.
+) -> Path | None:
+    """:func:`check_run_dir`, then, on the main process, clean ``out_dir`` as requested: with
+    ``overwrite`` (not when resuming) the old run's files move into ``out_dir/REPLACED_DIR``,
+    whose path is returned (None when nothing is set aside there); stale temporaries are
+    removed.
 
-    Call it right before the first write, after everything that can fail on user input.
+    Call it right before the first write, after everything that can fail on user input; then
+    :func:`discard_replaced` after the new run's first checkpoint, or :func:`restore_replaced`
+    when it fails before one.
     """
     out_dir = Path(out_dir)
     previous = check_run_dir(out_dir, resuming=resuming, overwrite=overwrite)
     if not is_main:
-        return
+        return None
+    replaced = out_dir / REPLACED_DIR
     if overwrite and not resuming:
-        for path in previous:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
+        replaced = _set_aside(out_dir, previous)
+    elif not replaced.is_dir():  # resuming beside one killed before its first checkpoint: kept
+        replaced = None
     if out_dir.is_dir():
         remove_stale_temporaries(out_dir)
+    return replaced
+
+
+def _set_aside(out_dir: Path, previous: list[Path]) -> Path | None:
+    backup = out_dir / REPLACED_DIR
+    if backup.is_dir():
+        # an earlier --overwrite was killed before its first checkpoint: the run set aside
+        # then is the one to keep, and the files beside it are that attempt's
+        for path in previous:
+            path.unlink(missing_ok=True)
+        return backup
+    if not previous:
+        return None
+    backup.mkdir()
+    for path in previous:
+        os.replace(path, backup / path.name)
+    return backup
+
+
+def restore_replaced(out_dir: str | Path, replaced: Path) -> None:
+    """Put the run :func:`prepare_run_dir` set aside back, removing the failed new run's files."""
+    out_dir = Path(out_dir)
+    for path in run_files(out_dir):
+        path.unlink(missing_ok=True)
+    for path in replaced.iterdir():
+        os.replace(path, out_dir / path.name)
+    replaced.rmdir()
+
+
+def discard_replaced(replaced: Path) -> None:
+    """Delete the run set aside by an ``--overwrite``: the new run has its first checkpoint."""
+    shutil.rmtree(replaced, ignore_errors=True)
 
 
 def checkpoint_interval(ckpt_every: int | None, val_every: int) -> int:

@@ -75,7 +75,9 @@ from dualseg.engine.rundir import (
     CheckpointClock,
     check_run_dir,
     checkpoint_interval,
+    discard_replaced,
     prepare_run_dir,
+    restore_replaced,
 )
 from dualseg.engine.runlog import Interrupt, Progress, RunLog
 from dualseg.errors import ConfigError, DataError, DualsegError
@@ -340,9 +342,9 @@ def fit(cfg: Config, *, resume: str | None = None, overwrite: bool = False) -> d
     (with ``"signal"``).
 
     A ``train.out_dir`` that already holds a run is refused unless ``resume`` is given or
-    ``overwrite=True``, which removes the old run's files right before the first write: after
-    the data scan, the datasets, the model and the optimizer were built, so a run that fails
-    on its input keeps the old one.
+    ``overwrite=True``, which sets the old run's files aside right before the first write
+    (after the data scan, the datasets, the model and the optimizer were built) and deletes
+    them at the new run's first checkpoint; a run that fails before that puts them back.
 
     Reads like torchvision's reference ``main()``: pre-flight -> build -> resume -> loop ->
     summary.
@@ -353,8 +355,13 @@ def fit(cfg: Config, *, resume: str | None = None, overwrite: bool = False) -> d
         _preflight(cfg, env, resume, overwrite)  # run folder check, dataset scan, tensorboard
         run = _build(cfg, env, resume)  # data, model, loss, optimizer, schedule
         _resume(run)  # weights, optimizer, schedule, sampler, progress, RNG states
-        _start(run, overwrite)  # DDP / compile, run folder (cleared with overwrite), log
-        _loop(run)  # epochs until max_iters, patience or a signal
+        try:
+            _start(run, overwrite)  # DDP / compile, run folder (old run set aside), log
+            _loop(run)  # epochs until max_iters, patience or a signal
+        except BaseException:
+            if run.replaced is not None:  # failed before its first checkpoint: the old run back
+                restore_replaced(run.out_dir, run.replaced)
+            raise
         return _summary(run)
     finally:
         cleanup_distributed()
@@ -390,6 +397,7 @@ class _Run:
     stop_reason: str = "max_iters"
     started: float = 0.0
     clock: CheckpointClock | None = None  # when last.pt is due (iterations, minutes)
+    replaced: Path | None = None  # the run an --overwrite set aside, until the first checkpoint
 
     @property
     def out_dir(self) -> Path:
@@ -500,7 +508,7 @@ def _resume(run: _Run) -> None:
 
 def _start(run: _Run, overwrite: bool = False) -> None:
     """Wrap the model for training (DDP, compile); clear the run folder (``overwrite``: the
-    old run's files; stale temporaries), create it, write the config and open the log."""
+    old run's files set aside; stale temporaries), create it, write the config, open the log."""
     t, env = run.cfg.train, run.env
     train_model: nn.Module = run.model
     if env.distributed:
@@ -511,10 +519,12 @@ def _start(run: _Run, overwrite: bool = False) -> None:
     run.train_model = train_model
 
     # The first write: only now, with everything that can fail on user input done, does an
-    # --overwrite remove the old run's files. The main process only: the others checked the
+    # --overwrite set the old run's files aside. The main process only: the others checked the
     # folder in _preflight, and checking again here would race with its first write below.
     if env.is_main:
-        prepare_run_dir(run.out_dir, resuming=run.resume is not None, overwrite=overwrite)
+        run.replaced = prepare_run_dir(
+            run.out_dir, resuming=run.resume is not None, overwrite=overwrite
+        )
     if env.is_main:
         run.out_dir.mkdir(parents=True, exist_ok=True)
         save_config(run.cfg, run.out_dir / "config.yaml")
@@ -697,6 +707,9 @@ def _save(run: _Run, kind: str, *, at: int) -> None:
             "progress": run.progress.state_dict(),
         },
     )
+    if run.replaced is not None:  # the new run can now be resumed: the old one goes
+        discard_replaced(run.replaced)
+        run.replaced = None
 
 
 def _summary(run: _Run) -> dict[str, Any]:
