@@ -70,3 +70,15 @@ def test_cli_mixes_two_roots(data, tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["iteration"] == 1 and summary["stop_reason"] == "max_iters"
     assert resolved.train.quiet  # recorded: a resume from this config stays quiet
+
+
+def test_weights_none_spelled_as_a_word_says_how_to_write_random_init(tmp_path, capsys):
+    from dualseg.engine.config import validate
+
+    for word in ("none", "None", "random"):
+        with pytest.raises(ConfigError, match=r"--model\.weights null"):
+            load_config(TINY, model={"weights": word})
+    validate(load_config(TINY, model={"weights": None}))  # null: random init, accepted
+    named = tmp_path / "none"  # a weights file that happens to be called so is still a file
+    named.write_bytes(b"")
+    validate(load_config(TINY, model={"weights": str(named)}))

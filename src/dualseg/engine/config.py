@@ -446,6 +446,13 @@ def validate(cfg: Config) -> None:
             f"model.arch: unknown model {cfg.model.arch!r}; choose one of: "
             + ", ".join(ARCH_NAMES),
         ),
+        (
+            cfg.model.weights is None
+            or cfg.model.weights.lower() not in ("none", "random")
+            or Path(cfg.model.weights).is_file(),
+            f"model.weights {cfg.model.weights!r} is no file; for random initialization give "
+            "null (--model.weights null), for ImageNet weights 'imagenet'",
+        ),
         (t.max_iters > 0, "train.max_iters must be > 0"),
         (t.val_every >= 0, "train.val_every must be >= 0 (0: validate at the end only)"),
         (t.ckpt_every is None or t.ckpt_every > 0, "train.ckpt_every must be > 0 or null"),
