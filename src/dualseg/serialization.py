@@ -17,7 +17,7 @@ from typing import Any
 
 from dualseg.errors import CheckpointError
 
-__all__ = ["safe_torch_load"]
+__all__ = ["TORCHSCRIPT_META", "read_torchscript_meta", "safe_torch_load"]
 
 # the metadata file inside a dualseg TorchScript export (its ``_extra_files``); here, below
 # dualseg.export, so that a checkpoint loader can tell such a file from a checkpoint
@@ -79,9 +79,10 @@ def safe_torch_load(
         ) from None
 
 
-def _torchscript_kind(path: Path) -> str | None:
-    """For a TorchScript archive (``torch.jit.save``): the ``kind`` of a ``dualseg export``
-    ("segmenter", "embedding"), ``""`` for another TorchScript file; else None.
+def read_torchscript_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """For a TorchScript archive (``torch.jit.save``): the metadata dict ``dualseg export``
+    stored in it (:data:`TORCHSCRIPT_META`), ``{}`` for another TorchScript file; None for a
+    file that is no (readable) TorchScript archive.
 
     Read from the zip's names (a TorchScript archive has ``constants.pkl`` and ``code/``, a
     ``torch.save`` file has neither), without torch.
@@ -97,11 +98,20 @@ def _torchscript_kind(path: Path) -> str | None:
                 return None
             meta = [n for n in names if n.endswith(f"extra/{TORCHSCRIPT_META}")]
             if not meta:
-                return ""
+                return {}
             info = json.loads(z.read(meta[0]).decode("utf-8"))
-            return str(info.get("kind") or "segmenter") if isinstance(info, dict) else ""
+            return info if isinstance(info, dict) else {}
     except (OSError, zipfile.BadZipFile, ValueError, KeyError):
-        return None  # unreadable: torch.load reports it below
+        return None  # unreadable: the caller's loader reports it
+
+
+def _torchscript_kind(path: Path) -> str | None:
+    """The ``kind`` of a ``dualseg export`` TorchScript archive ("segmenter", "embedding"),
+    ``""`` for another TorchScript file, None for a file that is none."""
+    info = read_torchscript_meta(path)
+    if info is None:
+        return None
+    return str(info.get("kind") or "segmenter") if info else ""
 
 
 def _torchscript_message(path: Path, kind: str, what: str, fix: str) -> str:

@@ -37,11 +37,11 @@ from dualseg.export.runners import (
     EXPORT_FORMAT,
     META_PREFIX,
     REFINER_FORMAT,
-    TORCHSCRIPT_META,
     import_extra,
     refiner_sidecar_path,
 )
 from dualseg.io import atomic_write_bytes, atomic_write_json
+from dualseg.serialization import TORCHSCRIPT_META
 
 __all__ = [
     "FORMATS",

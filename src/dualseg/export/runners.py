@@ -21,7 +21,7 @@ import numpy as np
 
 from dualseg.errors import CheckpointError, DualsegError
 from dualseg.imaging import as_rgb
-from dualseg.serialization import TORCHSCRIPT_META
+from dualseg.serialization import read_torchscript_meta
 
 EXPORT_FORMAT = "dualseg-export/1"
 REFINER_FORMAT = "dualseg-refiner-export/1"
@@ -63,6 +63,7 @@ def refiner_sidecar_path(model_path: str | os.PathLike[str]) -> Path:
 
 
 def _is_torchscript(path: Path) -> bool:
+    """A zip archive: TorchScript (ONNX files are protobuf); never handed to onnxruntime."""
     return zipfile.is_zipfile(path)
 
 
@@ -72,14 +73,12 @@ def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"exported model not found: {path} (check the path)")
     if _is_torchscript(path):
-        with zipfile.ZipFile(path) as z:
-            names = [n for n in z.namelist() if n.endswith(f"extra/{TORCHSCRIPT_META}")]
-            if not names:
-                raise CheckpointError(
-                    f"{path} is a TorchScript file without dualseg metadata; export it with "
-                    "'dualseg export'"
-                )
-            info = json.loads(z.read(names[0]))
+        info = read_torchscript_meta(path)
+        if not info:
+            raise CheckpointError(
+                f"{path} is a TorchScript file without dualseg metadata (or a zip archive of "
+                "another kind); export it with 'dualseg export'"
+            )
     else:
         ort = import_extra("onnxruntime")
 
@@ -108,10 +107,7 @@ def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def is_exported_torchscript(path: Path) -> bool:
     """True for a TorchScript file written by ``dualseg export`` (it carries dualseg metadata)."""
-    if not (path.is_file() and zipfile.is_zipfile(path)):
-        return False
-    with zipfile.ZipFile(path) as z:
-        return any(n.endswith(f"extra/{TORCHSCRIPT_META}") for n in z.namelist())
+    return path.is_file() and bool(read_torchscript_meta(path))
 
 
 # ----------------------------------------------------------------------------- runners

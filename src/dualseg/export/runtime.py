@@ -28,13 +28,13 @@ from dualseg.export.runners import (
     EXPORT_FORMAT,
     META_PREFIX,
     REFINER_FORMAT,
-    TORCHSCRIPT_META,
     ExportMeta,
     import_extra,
     is_exported_torchscript,
     read_export_info,
     refiner_sidecar_path,
 )
+from dualseg.serialization import TORCHSCRIPT_META
 
 __all__ = [
     "EXPORT_FORMAT",
