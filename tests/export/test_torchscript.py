@@ -61,3 +61,14 @@ def test_exported_segmenter_runs_torchscript(scripted, torch_model):
     np.testing.assert_allclose(got, Segmenter(model, meta).predict_proba(image), atol=1e-4)
     with pytest.raises(CheckpointError, match="TorchScript file"):
         OnnxSegmenter(scripted)
+
+
+def test_read_export_info_tells_a_checkpoint_and_a_foreign_torchscript_apart(tmp_path) -> None:
+    ckpt = tmp_path / "ckpt.pt"  # torch.save: a zip archive, but not TorchScript
+    torch.save({"model": {"w": torch.zeros(1)}}, ckpt)
+    with pytest.raises(CheckpointError, match=r"is no exported model .*-c"):
+        read_export_info(ckpt)
+    foreign = tmp_path / "foreign.pt"  # TorchScript that dualseg export did not write
+    torch.jit.save(torch.jit.script(torch.nn.ReLU()), foreign)
+    with pytest.raises(CheckpointError, match="without dualseg metadata"):
+        read_export_info(foreign)

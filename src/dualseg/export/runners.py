@@ -74,10 +74,15 @@ def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"exported model not found: {path} (check the path)")
     if _is_torchscript(path):
         info = read_torchscript_meta(path)
+        if info is None:  # a zip, but no TorchScript archive: a torch.save checkpoint, say
+            raise CheckpointError(
+                f"{path} is no exported model (a zip archive that is not TorchScript, e.g. a "
+                "checkpoint: load that with -c, or export it with 'dualseg export')"
+            )
         if not info:
             raise CheckpointError(
-                f"{path} is a TorchScript file without dualseg metadata (or a zip archive of "
-                "another kind); export it with 'dualseg export'"
+                f"{path} is a TorchScript file without dualseg metadata; export it with "
+                "'dualseg export'"
             )
     else:
         ort = import_extra("onnxruntime")
