@@ -50,6 +50,12 @@ def safe_torch_load(
         raise CheckpointError(f"{what} not found: {path} (check the path{where})")
     if path.is_dir():
         raise CheckpointError(f"{path} is a folder, not a {what} file{where}")
+    if path.suffix.lower() == ".onnx":  # torch.load would call the protobuf corrupt
+        raise CheckpointError(
+            f"{path} is an ONNX export ('dualseg export'), not a dualseg {what}: pass the "
+            f"{what} it was exported from (predict and serve run an exported model with "
+            "--onnx; refine apply and serve take an exported refiner as --refiner)"
+        )
     torchscript = _torchscript_kind(path)
     if torchscript is not None:  # torch.load would warn, then fail on weights_only
         raise CheckpointError(_torchscript_message(path, torchscript, what, fix))

@@ -117,3 +117,26 @@ def test_plain_torchscript_module_as_checkpoint(files, tmp_path, capsys) -> None
     line = _run(_predict(files, path), capsys)
     assert "is a TorchScript module (torch.jit.save), not a checkpoint" in line
     assert "weights_only" not in line
+
+
+def test_onnx_export_as_checkpoint_points_to_onnx(files, tmp_path, capsys) -> None:
+    exported = tmp_path / "model.onnx"  # named as an export: never handed to torch.load
+    exported.write_bytes(b"\x08\x07\x12\x07pytorch")
+    line = _run(_predict(files, exported), capsys)
+    assert str(exported) in line and "is an ONNX export" in line and "--onnx" in line
+    assert "corrupt" not in line
+    assert not files["out"].exists()
+
+
+def test_export_takes_a_pretrained_folder(files, tmp_path) -> None:
+    pytest.importorskip("onnxruntime")
+    folder = tmp_path / "pretrained"
+    assert cli_main(["export", "-c", str(files["ckpt"]), "--format", "pretrained",
+                     "-o", str(folder)]) == 0  # fmt: skip
+    out = tmp_path / "m.onnx"
+    argv = ["export", "-c", str(folder), "--format", "onnx", "-o", str(out), "--size", "32", "32"]
+    assert cli_main(argv) == 0
+    from dualseg.export.runtime import read_export_info
+
+    info = read_export_info(out)
+    assert info["kind"] == "segmenter" and len(info["class_names"]) == KWARGS["num_classes"]

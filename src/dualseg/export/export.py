@@ -370,10 +370,12 @@ def export_checkpoint(
     opset: int | None = None,
     exporter: str = "legacy",
 ) -> Path:
-    """Export a dualseg checkpoint's network (class names, palette, arch in the metadata)."""
-    from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+    """Export a dualseg checkpoint's network (class names, palette, arch in the metadata);
+    ``checkpoint``: a ``.pt`` checkpoint, a pretrained folder or ``hf://org/name``."""
+    from dualseg.engine.checkpoint import build_model_from_checkpoint
+    from dualseg.engine.pretrained import load_state
 
-    ckpt = load_checkpoint(checkpoint)
+    ckpt = load_state(checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device="cpu")
     return export_model(
         model,
@@ -480,9 +482,10 @@ def verify_export(
 
     info = read_export_info(path)
     if checkpoint is not None:
-        from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+        from dualseg.engine.checkpoint import build_model_from_checkpoint
+        from dualseg.engine.pretrained import load_state
 
-        model, _ = build_model_from_checkpoint(load_checkpoint(checkpoint), device="cpu")
+        model, _ = build_model_from_checkpoint(load_state(checkpoint), device="cpu")
         wrapper = segmenter_wrapper(model, info["output"])
     elif refiner is not None:
         if not hasattr(refiner, "net"):
