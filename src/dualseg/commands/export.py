@@ -30,7 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", "-c", help="a dualseg checkpoint (.pt): method A's network")
+    src.add_argument(
+        "--checkpoint",
+        "-c",
+        help="a model to export: a dualseg checkpoint (.pt), a pretrained folder or hf://org/name",
+    )
     src.add_argument(
         "--refiner",
         help="a method-B refiner file: exports its embedding model, plus <out stem>.json with "
