@@ -99,9 +99,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"({STOP_REASONS.get(summary['stop_reason'], summary['stop_reason'])})"
     ]
     if summary.get("best_miou") is not None:
+        # None: the best is still the one of another folder's run this one resumed from
+        where = summary["best"] or "the best.pt of the run resumed from (none here yet)"
         lines.append(
             f"best validation mIoU {100 * summary['best_miou']:.1f}% at iteration "
-            f"{summary['best_iteration']}: {summary['best']}"
+            f"{summary['best_iteration']}: {where}"
         )
     else:
         lines.append("no validation ran (data.val_split is null)")
