@@ -68,12 +68,12 @@ def test_summary_json_is_part_of_a_run(tmp_path) -> None:
     run.mkdir()
     (run / "summary.json").write_text("{}")
     with pytest.raises(RunExistsError, match=r"summary\.json"):
-        prepare_run_dir(run, resuming=False, overwrite=False)
+        prepare_run_dir(run, resume=None, overwrite=False)
     # the check alone never removes anything, even with overwrite
-    assert check_run_dir(run, resuming=False, overwrite=True) == [run / "summary.json"]
+    assert check_run_dir(run, resume=None, overwrite=True) == [run / "summary.json"]
     assert (run / "summary.json").exists()
     # set aside with the rest of the run until the new run's first checkpoint
-    replaced = prepare_run_dir(run, resuming=False, overwrite=True)
+    replaced = prepare_run_dir(run, resume=None, overwrite=True)
     assert replaced is not None and (replaced / "summary.json").exists()
     assert not (run / "summary.json").exists()
 

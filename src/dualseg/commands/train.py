@@ -8,10 +8,12 @@
 
 Every field of :mod:`dualseg.engine.config` is a flag (``dualseg train --help`` lists them,
 each with its description). ``--resume PATH`` without ``--config`` reads the run's
-``config.yaml`` beside ``PATH`` first. An ``out_dir`` that already holds a run is refused
-unless ``--resume`` or ``--overwrite`` is given. Before step 1 every pair is scanned
-(``--data.check false`` skips it). At the end a short summary is printed (``--json``: one
-JSON line instead) and written to ``<train.out_dir>/summary.json``.
+``config.yaml`` beside ``PATH`` first, else the config stored in the checkpoint. An
+``out_dir`` that already holds a run is refused unless ``--resume`` continues that run
+(``auto`` with its ``last.pt``, or its own ``last.pt`` / ``best.pt``) or ``--overwrite`` is
+given. Before step 1 every pair is scanned (``--data.check false`` skips it). At the end a
+short summary is printed (``--json``: one JSON line instead) and written to
+``<train.out_dir>/summary.json``.
 Exit status: 0 when the run finished (max iterations or patience), 130 after SIGINT and 143
 after SIGTERM (a checkpoint was saved first; ``--resume auto`` continues).
 """
@@ -36,9 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg, resume, flags = parse_command(argv)
     if resume not in (None, "auto") and not any(a.startswith("--config") for a in argv):
         # `dualseg train --resume runs/x/last.pt`: the run's own resolved config, then flags.
-        run_config = Path(resume).parent / "config.yaml"
-        if run_config.is_file():
-            cfg, resume, flags = parse_command(["--config", str(run_config), *argv])
+        base = resume_base_config(Path(resume))
+        cfg, resume, flags = parse_command(["--config", base, *argv])
 
     from dualseg.engine.train import fit
     from dualseg.io import atomic_write_json
@@ -52,6 +53,35 @@ def main(argv: list[str] | None = None) -> int:
     if summary["stop_reason"] == "interrupted":
         return 128 + int(summary.get("signal", signal.SIGINT))
     return 0
+
+
+def resume_base_config(checkpoint: Path) -> str:
+    """The ``--config`` of ``--resume CHECKPOINT`` without ``--config``: the run's
+    ``config.yaml`` beside the checkpoint, else the config stored in the checkpoint (as YAML
+    text, which ``--config`` reads too); one line asking for ``--config`` when it has none."""
+    run_config = checkpoint.parent / "config.yaml"
+    if run_config.is_file():
+        return str(run_config)
+    import yaml
+
+    from dualseg.engine.checkpoint import load_checkpoint
+    from dualseg.engine.config import config_from_dict
+    from dualseg.errors import ConfigError
+
+    stored = load_checkpoint(checkpoint).get("config")
+    if not isinstance(stored, dict) or not stored:
+        raise ConfigError(
+            f"{checkpoint} stores no config and has no config.yaml beside it: pass the run's "
+            "config with --config FILE"
+        )
+    sections = {k: v for k, v in stored.items() if k in ("data", "model", "optim", "train")}
+    try:
+        config_from_dict(sections)
+    except ConfigError as err:
+        raise ConfigError(
+            f"the config stored in {checkpoint} does not load ({err}): pass one with --config FILE"
+        ) from None
+    return yaml.safe_dump(sections, sort_keys=False)
 
 
 STOP_REASONS = {
@@ -69,9 +99,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"({STOP_REASONS.get(summary['stop_reason'], summary['stop_reason'])})"
     ]
     if summary.get("best_miou") is not None:
+        # None: the best is still the one of another folder's run this one resumed from
+        where = summary["best"] or "the best.pt of the run resumed from (none here yet)"
         lines.append(
             f"best validation mIoU {100 * summary['best_miou']:.1f}% at iteration "
-            f"{summary['best_iteration']}: {summary['best']}"
+            f"{summary['best_iteration']}: {where}"
         )
     else:
         lines.append("no validation ran (data.val_split is null)")

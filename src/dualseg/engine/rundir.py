@@ -1,11 +1,13 @@
 """The run folder of ``fit``: never replace a run by accident, clean up after kills, save often.
 
-- :func:`check_run_dir`: refuse a folder that already holds a run unless the caller resumes
-  it or asked to overwrite it; check that it is writable. It changes nothing, so ``fit`` runs
-  it first, before any other work.
+- :func:`check_run_dir`: refuse a folder that already holds a run unless the caller continues
+  that very run (``--resume auto`` finding its ``last.pt``, or ``--resume`` of its own
+  ``last.pt`` / ``best.pt``: :func:`continues_run`) or asked to overwrite it; check that it is
+  writable. It changes nothing, so ``fit`` runs it first, before any other work.
 - :func:`prepare_run_dir`: the same checks, then, on the main process, the cleaning: with
-  ``overwrite`` the old run's files are set aside in :data:`REPLACED_DIR` (so no stale
-  ``best.pt`` mixes with the new run), and the temporaries a killed checkpoint write left
+  ``overwrite`` (unless continuing the folder's own run) the old run's files are set aside in
+  :data:`REPLACED_DIR` (so no stale ``best.pt`` mixes with the new run — also when the new run
+  resumes another run's checkpoint), and the temporaries a killed checkpoint write left
   behind (``.last.pt.*.tmp``, see :func:`dualseg.io.atomic_open`) are removed. ``fit`` runs it
   right before its first write, once the data, the model and everything else that can fail on
   user input have passed.
@@ -37,6 +39,7 @@ __all__ = [
     "CheckpointClock",
     "check_run_dir",
     "checkpoint_interval",
+    "continues_run",
     "discard_replaced",
     "prepare_run_dir",
     "remove_stale_temporaries",
@@ -47,6 +50,8 @@ __all__ = [
 # The files a run writes into its folder (TensorBoard's events.out.* come on top); summary.json
 # is written by `dualseg train` at the end.
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "config.yaml", "curves.png", "summary.json")
+LAST, BEST = RUN_FILES[:2]  # the run's checkpoints (dualseg.engine.checkpoint.LAST_NAME, BEST_NAME)
+AUTO = "auto"  # --resume auto: the folder's own last.pt when there is one, else a new run
 EVENTS_GLOB = "events.out.tfevents.*"
 FALLBACK_CKPT_EVERY = 1000  # iterations between checkpoints when neither interval is set
 # an --overwrite's old run waits here (renamed, same filesystem) for the new run's first checkpoint
@@ -68,11 +73,29 @@ def remove_stale_temporaries(out_dir: Path) -> list[Path]:
     return stale
 
 
-def check_run_dir(out_dir: str | Path, *, resuming: bool, overwrite: bool) -> list[Path]:
+def continues_run(out_dir: str | Path, resume: str | os.PathLike[str] | None) -> bool:
+    """Whether ``--resume resume`` continues the run in ``out_dir``: ``"auto"`` with a
+    ``last.pt`` there, or a path that is the folder's own ``last.pt`` or ``best.pt`` (resolved:
+    links and ``..`` do not matter)."""
+    out_dir = Path(out_dir)
+    if resume is None:
+        return False
+    if resume == AUTO:
+        return (out_dir / LAST).is_file()
+    own = {(out_dir / name).resolve() for name in (LAST, BEST)}
+    return Path(resume).resolve() in own
+
+
+def check_run_dir(
+    out_dir: str | Path, *, resume: str | os.PathLike[str] | None, overwrite: bool
+) -> list[Path]:
     """Check ``out_dir`` without changing it; return the files of the run it holds.
 
-    Raises :class:`RunExistsError` when it holds a run and neither ``resuming`` nor
-    ``overwrite`` is set, :class:`dualseg.errors.OutputError` when it cannot be written.
+    ``resume``: ``None``, ``"auto"`` or a checkpoint path (``fit``'s). Raises
+    :class:`RunExistsError` when ``out_dir`` holds a run, ``overwrite`` is not set and
+    ``resume`` does not continue that run (:func:`continues_run`): no resume; ``--resume auto``
+    in a folder without ``last.pt``; another run's checkpoint. Raises
+    :class:`dualseg.errors.OutputError` when it cannot be written.
     """
     out_dir = Path(out_dir)
     check_writable(out_dir, kind="dir", what="train.out_dir")
@@ -81,35 +104,52 @@ def check_run_dir(out_dir: str | Path, *, resuming: bool, overwrite: bool) -> li
     shown = list(previous)
     if (out_dir / REPLACED_DIR).is_dir():
         shown.append(out_dir / REPLACED_DIR)
-    if shown and not resuming and not overwrite:
-        names = ", ".join(p.name for p in shown[:4]) + (" ..." if len(shown) > 4 else "")
+    if not shown or overwrite or continues_run(out_dir, resume):
+        return previous
+    names = ", ".join(p.name for p in shown[:4]) + (" ..." if len(shown) > 4 else "")
+    if resume is None:
         raise RunExistsError(
             f"{out_dir} already holds a run ({names}); continue it with --resume auto, "
             "replace it with --overwrite, or choose another --train.out_dir"
         )
-    return previous
+    if resume == AUTO:
+        best = out_dir / BEST
+        hint = f"resume from its {BEST} with --resume {best}, " if best.is_file() else ""
+        raise RunExistsError(
+            f"{out_dir} holds a run without {LAST} ({names}), so --resume auto has nothing to "
+            f"continue: {hint}replace the run with --overwrite, or choose another --train.out_dir"
+        )
+    raise RunExistsError(
+        f"{out_dir} holds another run ({names}) than the checkpoint {resume}: to resume {resume} "
+        f"choose another --train.out_dir, or replace {out_dir}'s run with --overwrite"
+    )
 
 
 def prepare_run_dir(
-    out_dir: str | Path, *, resuming: bool, overwrite: bool, is_main: bool = True
+    out_dir: str | Path,
+    *,
+    resume: str | os.PathLike[str] | None,
+    overwrite: bool,
+    is_main: bool = True,
 ) -> Path | None:
     """:func:`check_run_dir`, then, on the main process, clean ``out_dir`` as requested: with
-    ``overwrite`` (not when resuming) the old run's files move into ``out_dir/REPLACED_DIR``,
-    whose path is returned (None when nothing is set aside there); stale temporaries are
-    removed.
+    ``overwrite``, unless ``resume`` continues the folder's own run (:func:`continues_run`:
+    then ``overwrite`` changes nothing), the old run's files move into
+    ``out_dir/REPLACED_DIR``, whose path is returned (None when nothing is set aside there) —
+    also when the new run resumes another run's checkpoint; stale temporaries are removed.
 
-    Call it right before the first write, after everything that can fail on user input; then
-    :func:`discard_replaced` after the new run's first checkpoint, or :func:`restore_replaced`
-    when it fails before one.
+    Call it right before the first write, after everything that can fail on user input
+    (``fit`` has loaded the checkpoint by then); then :func:`discard_replaced` after the new
+    run's first checkpoint, or :func:`restore_replaced` when it fails before one.
     """
     out_dir = Path(out_dir)
-    previous = check_run_dir(out_dir, resuming=resuming, overwrite=overwrite)
+    previous = check_run_dir(out_dir, resume=resume, overwrite=overwrite)
     if not is_main:
         return None
     replaced = out_dir / REPLACED_DIR
-    if overwrite and not resuming:
+    if overwrite and not continues_run(out_dir, resume):
         replaced = _set_aside(out_dir, previous)
-    elif not replaced.is_dir():  # resuming beside one killed before its first checkpoint: kept
+    elif not replaced.is_dir():  # continuing beside one killed before its first checkpoint: kept
         replaced = None
     if out_dir.is_dir():
         remove_stale_temporaries(out_dir)

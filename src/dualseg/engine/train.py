@@ -341,10 +341,12 @@ def fit(cfg: Config, *, resume: str | None = None, overwrite: bool = False) -> d
     "out_dir"}`` where ``stop_reason`` is ``"max_iters"``, ``"patience"`` or ``"interrupted"``
     (with ``"signal"``).
 
-    A ``train.out_dir`` that already holds a run is refused unless ``resume`` is given or
-    ``overwrite=True``, which sets the old run's files aside right before the first write
-    (after the data scan, the datasets, the model and the optimizer were built) and deletes
-    them at the new run's first checkpoint; a run that fails before that puts them back.
+    A ``train.out_dir`` that already holds a run is refused unless ``resume`` continues that
+    run (``"auto"`` finding its ``last.pt``, or the path of its own ``last.pt`` / ``best.pt``)
+    or ``overwrite=True``, which sets the old run's files aside right before the first write
+    (after the data scan, the datasets, the model and the optimizer were built; also when
+    resuming another folder's checkpoint) and deletes them at the new run's first checkpoint;
+    a run that fails before that puts them back.
 
     Reads like torchvision's reference ``main()``: pre-flight -> build -> resume -> loop ->
     summary.
@@ -409,12 +411,13 @@ class _Run:
 
 
 def _preflight(cfg: Config, env: DistEnv, resume: str | None, overwrite: bool) -> None:
-    """Before any work, changing nothing: refuse a folder holding another run (unless
-    resuming or ``overwrite``); scan the dataset (``data.check``); warn about TensorBoard."""
+    """Before any work, changing nothing: refuse a folder holding a run that ``resume`` does
+    not continue (unless ``overwrite``); scan the dataset (``data.check``); warn about
+    TensorBoard."""
     t = cfg.train
     if t.threads > 0:
         torch.set_num_threads(t.threads)
-    check_run_dir(t.out_dir, resuming=resume is not None, overwrite=overwrite)
+    check_run_dir(t.out_dir, resume=resume, overwrite=overwrite)
     shown = env.is_main and t.progress and not t.quiet
     check_training_data(cfg.data, progress=progress_mode(quiet=not shown), warn=env.is_main)
     warn_missing_tensorboard(t.tensorboard and env.is_main)
@@ -522,9 +525,7 @@ def _start(run: _Run, overwrite: bool = False) -> None:
     # --overwrite set the old run's files aside. The main process only: the others checked the
     # folder in _preflight, and checking again here would race with its first write below.
     if env.is_main:
-        run.replaced = prepare_run_dir(
-            run.out_dir, resuming=run.resume is not None, overwrite=overwrite
-        )
+        run.replaced = prepare_run_dir(run.out_dir, resume=run.resume, overwrite=overwrite)
     if env.is_main:
         run.out_dir.mkdir(parents=True, exist_ok=True)
         save_config(run.cfg, run.out_dir / "config.yaml")
