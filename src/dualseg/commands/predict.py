@@ -307,17 +307,16 @@ def main(argv: list[str] | None = None) -> int:
 
     device = apply_runtime(args)
     opts = inference_options(args)
+    if args.onnx and (opts.mode != "whole" or opts.uses_tta):
+        raise ConfigError(
+            "--mode slide and --tta-* need --checkpoint: an --onnx model runs whole images "
+            "only (drop those options, or pass the checkpoint)"
+        )
     images = collect_images(args.inputs, skip=[out / f for f in OUTPUT_FOLDERS])
     files = [(f, ".npz" if f == "probs" else ".png") for f in OUTPUT_FOLDERS]
     check_image_outputs(args, out, images, files if args.probs else files[:-1])
     if args.onnx:
         from dualseg.export.runtime import OnnxSegmenter
-
-        if opts.mode != "whole" or opts.uses_tta:
-            raise ConfigError(
-                "--mode slide and --tta-* need --checkpoint: an --onnx model runs whole images "
-                "only (drop those options, or pass the checkpoint)"
-            )
 
         seg = OnnxSegmenter(args.onnx)
     else:
