@@ -1,6 +1,11 @@
 """Flags shared by the commands that run a model: ``--device``, ``--threads``, ``--amp``,
 ``--quiet`` — added by one helper so that every command spells and means them the same way.
 
+Also the output safety shared by ``predict``, ``eval --save-predictions``, ``refine apply`` and
+``data check --json``: :func:`check_outputs` refuses, before any work, an output file that
+already exists (unless ``--overwrite``) and one that is an input image or a dataset file
+(always); :func:`unique_names` gives images that share a file name distinct output names.
+
 ``dualseg train`` has the same three as config fields (``--train.device``, ``--train.threads``,
 ``--train.amp``), since a run's YAML records them.
 """
@@ -8,18 +13,25 @@
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from dualseg.console import ProgressMode, progress_mode
 
 __all__ = [
+    "add_overwrite_arg",
     "add_quiet_arg",
     "add_runtime_args",
     "apply_runtime",
     "autocast",
+    "check_outputs",
+    "dataset_files",
     "fraction",
     "mode_of",
     "nonnegative_int",
+    "unique_names",
 ]
 
 DEVICE_HELP = "auto | cpu | cuda | cuda:N (auto: CUDA when available)"
@@ -99,3 +111,96 @@ def autocast(args: argparse.Namespace, device: Any) -> Any:
     if args.amp and device.type == "cuda":
         return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def add_overwrite_arg(p: argparse.ArgumentParser, *, what: str = "output files") -> None:
+    """``--overwrite`` (off): replace ``what`` that already exist; see :func:`check_outputs`."""
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help=f"replace {what} that already exist (off: an existing one is refused before any "
+        "work); an input image or a dataset file is never replaced",
+    )
+
+
+def unique_names(found: Sequence[tuple[Path, str]]) -> list[tuple[Path, str]]:
+    """``(path, name)`` pairs with names made distinct: distinct files that share a name get a
+    numeric suffix (``x``, ``x_1``, ...); a file listed again keeps its first name."""
+    by_file: dict[Path, str] = {}
+    used: set[str] = set()
+    out = []
+    for path, name in found:
+        key = path.resolve()
+        if key not in by_file:
+            unique, k = name, 1
+            while unique in used:
+                unique, k = f"{name}_{k}", k + 1
+            used.add(unique)
+            by_file[key] = unique
+        out.append((path, by_file[key]))
+    return out
+
+
+def dataset_files(root: str | os.PathLike[str], *, layout: str = "auto") -> Iterator[Path]:
+    """The files of the dataset at ``root`` (any split): its list files, images, labels and
+    ``meta.json`` — what an output must never replace. A generator: nothing is scanned unless
+    it is read."""
+    from dualseg.data.datasets import available_splits, discover
+    from dualseg.errors import DataError
+
+    root = Path(root)
+    yield root if root.is_file() else root / "meta.json"
+    for split in dict.fromkeys([*available_splits(root, layout), "train", "val", "test"]):
+        try:
+            found = discover(root, split=split, layout=layout)
+        except DataError:
+            continue
+        if found.source is not None and found.source.is_file():
+            yield found.source
+        for image, label in found.samples:
+            yield image
+            yield label
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def check_outputs(
+    outputs: Iterable[Path],
+    *,
+    overwrite: bool,
+    protected: Iterable[tuple[str, Iterable[Path]]] = (),
+    what: str = "--out",
+) -> None:
+    """Refuse (:class:`~dualseg.errors.OutputError`, one line) before any work when one of
+    ``outputs`` already exists: always when it is one of the ``protected`` files (groups of
+    ``(description, paths)``, e.g. ``("an input image", images)``; the same file by another
+    path counts too), otherwise unless ``overwrite``. ``what`` names the option that chose the
+    place (``--out``). The protected files are read only when some output exists."""
+    from dualseg.errors import OutputError
+
+    existing = [Path(p) for p in outputs if os.path.lexists(p)]
+    if not existing:
+        return
+    ids = {_file_id(p): p for p in existing} if protected else {}
+    ids.pop(None, None)
+    for description, paths in protected:
+        for source in paths:
+            hit = ids.get(_file_id(Path(source)))
+            if hit is not None:
+                same = "" if os.path.abspath(hit) == os.path.abspath(source) else f" ({source})"
+                raise OutputError(
+                    f"{what}: {hit} is {description}{same}; it is never written over, not even "
+                    f"with --overwrite: choose another {what}"
+                )
+    if not overwrite:
+        more = f" (and {len(existing) - 1} more output files)" if len(existing) > 1 else ""
+        raise OutputError(
+            f"{what}: {existing[0]} already exists{more}; pass --overwrite to replace, "
+            f"or choose another {what}"
+        )

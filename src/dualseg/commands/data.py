@@ -4,6 +4,10 @@ Unlike loading (which stops at the first bad file), the check reads every pair o
 and lists all problems, then prints a per-class pixel histogram (the scan itself lives in
 :mod:`dualseg.data.check`; ``dualseg train`` runs the same scan before its first step). Exit
 status 1 when anything is wrong, so it can guard a training script.
+
+``--json FILE`` also writes the report (atomically); an existing FILE is refused before the
+scan unless ``--overwrite``, and a file of the dataset (list file, image, label, meta.json)
+always is.
 """
 
 from __future__ import annotations
@@ -11,7 +15,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dualseg.commands.common import add_quiet_arg, mode_of
+from dualseg.commands.common import (
+    add_overwrite_arg,
+    add_quiet_arg,
+    check_outputs,
+    dataset_files,
+    mode_of,
+)
 from dualseg.console import argparse_kwargs
 from dualseg.data.check import CheckReport, check_dataset, format_report
 from dualseg.data.datasets import LAYOUTS
@@ -72,10 +82,19 @@ def main(argv: list[str] | None = None) -> int:
         help="the raw label value meaning ignore; none: no value (default: the dataset's, 255)",
     )
     check.add_argument("--json", type=Path, help="also write the report as JSON to this file")
+    add_overwrite_arg(check, what="the --json file")
     add_quiet_arg(check)
     args = parser.parse_args(argv)
     if args.json:
         check_writable(args.json, what="--json")
+        check_outputs(
+            [args.json],
+            overwrite=args.overwrite,
+            protected=[
+                (f"a file of the dataset {args.root}", dataset_files(args.root, layout=args.layout))
+            ],
+            what="--json",
+        )
 
     report = check_dataset(
         args.root,

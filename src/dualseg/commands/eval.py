@@ -8,7 +8,10 @@ percent) and the median inference time per image, and writes into ``OUT``:
     per_class_iou.png         per-class IoU bars (base and refined side by side with --refiner)
     confusion_matrix_refined.png   with --refiner
 
-``--save-predictions DIR`` writes each image's label and colour PNGs; ``--refiner R``
+``--save-predictions DIR`` writes each image's label and colour PNGs (``DIR/labels/<name>.png``,
+``DIR/color/<name>.png``; ``<name>`` is the image's stem, with ``_1``, ``_2`` ... for images
+that share one); files there that already exist are refused before any work unless
+``--overwrite``, and a file of the dataset never is written over. ``--refiner R``
 (method B) adds the refined scores side by side. ``--mode slide`` and ``--tta-*`` choose how
 the model runs (:mod:`dualseg.engine.inference`); the refiner gets the averaged scores.
 
@@ -25,11 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from dualseg.commands.common import (
+    add_overwrite_arg,
     add_quiet_arg,
     add_runtime_args,
     apply_runtime,
+    check_outputs,
+    dataset_files,
     mode_of,
     nonnegative_int,
+    unique_names,
 )
 from dualseg.commands.predict import add_inference_arguments, inference_options
 from dualseg.console import argparse_kwargs, track
@@ -76,7 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="folder for metrics.json (<checkpoint dir>/eval_SPLIT; ./eval_SPLIT for hf://)",
     )
-    p.add_argument("--save-predictions", metavar="DIR", default=None, help="write label PNGs")
+    p.add_argument(
+        "--save-predictions",
+        metavar="DIR",
+        default=None,
+        help="write label and colour PNGs (DIR/labels/<name>.png, DIR/color/<name>.png)",
+    )
+    add_overwrite_arg(p, what="--save-predictions files")
     p.add_argument("--refiner", default=None, help="a method-B refiner file (dualseg refine fit)")
     p.add_argument("--batch-size", type=int, default=1, help="images per batch (1)")
     p.add_argument(
@@ -108,18 +121,51 @@ def _load_refiner(path: str, class_names: tuple[str, ...], device: Any) -> Any:
     return refiner
 
 
+def prediction_names(samples: list) -> list[str]:
+    """The output name of each ``(image_path, label_path)`` sample: the image's stem, with a
+    numeric suffix for distinct images that share one (as ``dualseg predict`` names them)."""
+    return [name for _, name in unique_names([(Path(img), Path(img).stem) for img, _ in samples])]
+
+
+def prediction_files(out: Path, names: list[str], *, refined: bool) -> list[Path]:
+    """Every file :func:`prediction_writer` writes for these names."""
+    kinds = ("", "refined_") if refined else ("",)
+    return [out / f"{k}{f}" / f"{n}.png" for n in names for k in kinds for f in ("labels", "color")]
+
+
+def check_prediction_outputs(args: argparse.Namespace) -> None:
+    """``--save-predictions``: refuse, before any work, files that exist (unless
+    ``--overwrite``) and any file of the ``--data`` dataset (always)."""
+    from dualseg.data.datasets import discover
+
+    samples = discover(args.data, split=args.split, layout=args.layout).samples
+    check_outputs(
+        prediction_files(
+            Path(args.save_predictions), prediction_names(samples), refined=bool(args.refiner)
+        ),
+        overwrite=args.overwrite,
+        protected=[
+            (f"a file of the dataset {args.data}", dataset_files(args.data, layout=args.layout))
+        ],
+        what="--save-predictions",
+    )
+
+
 def prediction_writer(samples: list, out: Path, palette: Any, batch_size: int):
     """``evaluate(on_batch=...)`` hook writing ``labels/`` and ``color/`` PNGs per sample.
 
     ``samples`` are the dataset's ``(image_path, label_path)`` pairs in loader order (the eval
-    loader is not shuffled), so batch ``i`` row ``k`` is sample ``i * batch_size + k``.
+    loader is not shuffled), so batch ``i`` row ``k`` is sample ``i * batch_size + k``; each is
+    written under its :func:`prediction_names` name.
     """
     from dualseg import viz
     from dualseg.io import atomic_save_image
 
+    names = prediction_names(samples)
+
     def write(index, images, labels, pred, refined) -> None:
         for k in range(pred.shape[0]):
-            name = Path(samples[index * batch_size + k][0]).stem
+            name = names[index * batch_size + k]
             for kind, lab in (
                 ("", pred[k]),
                 ("refined_", refined[k] if refined is not None else None),
@@ -166,6 +212,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_writable(out, kind="dir", what="--out")
     if args.save_predictions:
         check_writable(args.save_predictions, kind="dir", what="--save-predictions")
+        check_prediction_outputs(args)
     label_map = parse_label_map(args.label_map) if args.label_map else None
     device = apply_runtime(args)
     ckpt = load_state(args.checkpoint)  # a .pt file, a pretrained folder or hf://org/name

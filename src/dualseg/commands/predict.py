@@ -12,8 +12,11 @@ For each input image ``<name>`` it writes, at the image's original resolution::
 ``--probs`` the saved probabilities are the averaged ones.
 
 ``<name>`` is the file stem; images found inside a folder keep their path relative to it (so
-``a/x.png`` and ``b/x.png`` do not collide). Every file is written atomically; ``OUT`` is
-checked before the model is loaded (an existing file or an unwritable place is refused).
+``a/x.png`` and ``b/x.png`` do not collide; other repeats get ``_1``, ``_2`` ...). Files under
+``OUT``'s own folders (``labels/``, ``color/`` ...) are never inputs, so a second run does not
+segment the first one's outputs. Every file is written atomically; ``OUT`` is checked before
+the model is loaded: an unwritable place, and an output file that already exists, are refused
+(``--overwrite`` replaces the latter, but never an input image or a ``--data`` dataset file).
 ``--data ROOT`` names the dataset the images come from: a model whose classes differ from the
 ones ROOT describes (``meta.json``, ``--preset``) is refused with both lists.
 """
@@ -31,11 +34,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from dualseg.commands.common import (
+    add_overwrite_arg,
     add_quiet_arg,
     add_runtime_args,
     apply_runtime,
+    check_outputs,
+    dataset_files,
     fraction,
     mode_of,
+    unique_names,
 )
 from dualseg.console import Progress, argparse_kwargs
 from dualseg.errors import ConfigError, DataError, DualsegError
@@ -44,6 +51,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from dualseg.engine.inference import InferenceOptions
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
+# The folders of OUT that predict writes (refine apply adds "changed"); never read as inputs.
+OUTPUT_FOLDERS = ("labels", "color", "overlay", "probs")
 
 # Keys of each --probs npz file. Method B (`dualseg refine apply --base <folder>`) reads these
 # as the output of a base model.
@@ -147,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     src.add_argument("--onnx", help="an exported ONNX model ('dualseg export'), run by onnxruntime")
     p.add_argument("--out", "-o", required=True, help="output folder")
+    add_overwrite_arg(p, what="output files in --out")
     add_dataset_check_options(p)
     p.add_argument(
         "--probs", action="store_true", help="also save class probabilities (probs/<name>.npz)"
@@ -189,30 +199,34 @@ def check_dataset_classes(args: argparse.Namespace, class_names: Sequence[str], 
     require_same_classes(tuple(class_names), own.class_names, model=model, data=where)
 
 
-def collect_images(inputs: Sequence[str]) -> list[tuple[Path, str]]:
+def collect_images(inputs: Sequence[str], *, skip: Sequence[Path] = ()) -> list[tuple[Path, str]]:
     """Expand files, folders (recursively) and globs into ``(path, output name)`` pairs.
 
-    Raises :class:`DataError` for an input that matches nothing, listing all such inputs.
+    Files that folders and globs find under one of the ``skip`` folders (the output folders
+    of ``--out``) are left out; a file named as such is kept. Raises :class:`DataError` for an
+    input that matches nothing, listing all such inputs.
     """
+    skipped = [s.resolve() for s in skip]
+
+    def wanted(f: Path) -> bool:
+        if not f.is_file() or f.suffix.lower() not in IMAGE_EXTENSIONS:
+            return False
+        real = f.resolve()
+        return not any(real.is_relative_to(s) for s in skipped)
+
     found: list[tuple[Path, str]] = []
     missing: list[str] = []
     for item in inputs:
         path = Path(item)
         if path.is_dir():
-            files = sorted(
-                f for f in path.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS
-            )
+            files = sorted(f for f in path.rglob("*") if wanted(f))
             if not files:
                 missing.append(f"{item} (a folder with no {'/'.join(IMAGE_EXTENSIONS)} images)")
             found += [(f, f.relative_to(path).with_suffix("").as_posix()) for f in files]
         elif path.is_file():
             found.append((path, path.stem))
         elif glob.has_magic(item):
-            files = sorted(
-                Path(f)
-                for f in glob.glob(item, recursive=True)
-                if Path(f).is_file() and Path(f).suffix.lower() in IMAGE_EXTENSIONS
-            )
+            files = sorted(Path(f) for f in glob.glob(item, recursive=True) if wanted(Path(f)))
             if not files:
                 missing.append(f"{item} (no image matches this pattern)")
             found += [(f, f.stem) for f in files]
@@ -225,20 +239,27 @@ def collect_images(inputs: Sequence[str]) -> list[tuple[Path, str]]:
 
 def _unique_names(found: list[tuple[Path, str]]) -> list[tuple[Path, str]]:
     """Drop repeated files; give distinct files that share a name a numeric suffix."""
-    seen_paths: set[Path] = set()
-    used: set[str] = set()
-    out = []
-    for path, name in found:
-        key = path.resolve()
-        if key in seen_paths:
-            continue
-        seen_paths.add(key)
-        unique, k = name, 1
-        while unique in used:
-            unique, k = f"{name}_{k}", k + 1
-        used.add(unique)
-        out.append((path, unique))
-    return out
+    kept: dict[str, tuple[Path, str]] = {}
+    for path, name in unique_names(found):
+        kept.setdefault(name, (path, name))
+    return list(kept.values())
+
+
+def check_image_outputs(
+    args: argparse.Namespace,
+    out: Path,
+    images: Sequence[tuple[Path, str]],
+    files: Sequence[tuple[str, str]],
+) -> None:
+    """Refuse, before any work, outputs ``out/<folder>/<name><suffix>`` (``files``: ``(folder,
+    suffix)`` pairs, e.g. ``("labels", ".png")``) that exist (unless ``--overwrite``) or are
+    an input image or a file of the ``--data`` dataset (always); see
+    :func:`dualseg.commands.common.check_outputs`."""
+    outputs = [out / folder / f"{name}{suffix}" for _, name in images for folder, suffix in files]
+    protected = [("an input image", [path for path, _ in images])]
+    if args.data:
+        protected.append((f"a file of the dataset {args.data}", dataset_files(args.data)))
+    check_outputs(outputs, overwrite=args.overwrite, protected=protected)
 
 
 def save_probs(path: Path, probs: np.ndarray, class_names: Iterable[str], source: str) -> None:
@@ -286,15 +307,16 @@ def main(argv: list[str] | None = None) -> int:
 
     device = apply_runtime(args)
     opts = inference_options(args)
-    images = collect_images(args.inputs)
+    if args.onnx and (opts.mode != "whole" or opts.uses_tta):
+        raise ConfigError(
+            "--mode slide and --tta-* need --checkpoint: an --onnx model runs whole images "
+            "only (drop those options, or pass the checkpoint)"
+        )
+    images = collect_images(args.inputs, skip=[out / f for f in OUTPUT_FOLDERS])
+    files = [(f, ".npz" if f == "probs" else ".png") for f in OUTPUT_FOLDERS]
+    check_image_outputs(args, out, images, files if args.probs else files[:-1])
     if args.onnx:
         from dualseg.export.runtime import OnnxSegmenter
-
-        if opts.mode != "whole" or opts.uses_tta:
-            raise ConfigError(
-                "--mode slide and --tta-* need --checkpoint: an --onnx model runs whole images "
-                "only (drop those options, or pass the checkpoint)"
-            )
 
         seg = OnnxSegmenter(args.onnx)
     else:

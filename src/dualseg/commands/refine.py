@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from dualseg.commands.common import (
+    add_overwrite_arg,
     add_quiet_arg,
     add_runtime_args,
     apply_runtime,
@@ -246,6 +247,7 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
         help="dualseg checkpoint or 'dualseg predict --probs' folder",
     )
     p.add_argument("--out", "-o", required=True, help="output folder")
+    add_overwrite_arg(p, what="output files in --out")
     add_dataset_check_options(p)
     p.add_argument("--top-n", type=int, help="override the refiner's Top-N")
     p.add_argument("--radius", type=int, help="override the refiner's near-boundary radius")
@@ -542,7 +544,9 @@ def format_sweep(rows: list[dict[str, Any]], *, metric: str, best: int = 5) -> s
 # ---------------------------------------------------------------------- apply
 def apply_main(args: argparse.Namespace) -> int:
     from dualseg.commands.predict import (
+        OUTPUT_FOLDERS,
         check_dataset_classes,
+        check_image_outputs,
         collect_images,
         inference_options,
         write_outputs,
@@ -556,6 +560,9 @@ def apply_main(args: argparse.Namespace) -> int:
 
     opts = inference_options(args)
     out = check_writable(args.out, kind="dir", what="--out")
+    images = collect_images(args.inputs, skip=[out / f for f in (*OUTPUT_FOLDERS, "changed")])
+    kinds = ("labels", "color", "overlay", "changed")
+    check_image_outputs(args, out, images, [(f, ".png") for f in kinds])
     device = apply_runtime(args)
     refiner = load_refiner(args.refiner, device=device)
     check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
@@ -576,7 +583,6 @@ def apply_main(args: argparse.Namespace) -> int:
             "and the same options"
         )
     palette = base.palette or default_palette(refiner.num_classes)
-    images = collect_images(args.inputs)
     changed_total = pixels_total = 0
     failures: list[str] = []
     # a model on a plain forward: its backbone output is read, not rerun
