@@ -231,7 +231,8 @@ def test_predict_and_eval_take_a_pretrained_folder_and_follow_the_progress_rule(
     assert "predict: 2/2 (100%) img" in err and "\r" not in err
     expected = dualseg.load_model(ckpt).predict(rgb)
     assert np.array_equal(np.asarray(Image.open(out / "labels" / "0.png")), expected)
-    assert cli_main(["predict", str(images), "-c", str(folder), "-o", str(out), "--quiet"]) == 0
+    again = ["predict", str(images), "-c", str(folder), "-o", str(out), "--quiet", "--overwrite"]
+    assert cli_main(again) == 0
     assert "predict:" not in capsys.readouterr().err
 
     data = make_synthetic_dataset(tmp_path / "syn", n_train=1, n_val=2, size=(48, 64))
