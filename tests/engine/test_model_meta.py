@@ -204,6 +204,15 @@ def test_probability_maps_are_matched_by_their_source(two_x: tuple[Path, Path, P
         base.scores(images, ["x"])
 
 
+def test_same_named_images_of_a_folder_input_still_match_by_name(tmp_path: Path) -> None:
+    """predict photos/ names photos/A/x.png "A/x" and photos/B/x.png "B/x": no ambiguity."""
+    probs = tmp_path / "probs"
+    save_probs(probs / "A" / "x.npz", _probs(0), "abc", "photos/A/x.png")
+    save_probs(probs / "B" / "x.npz", _probs(1), "abc", "photos/B/x.png")
+    scores = ProbsFolderBase(probs).scores(torch.zeros(2, 3, 8, 8), ["A/x", "B/x"])
+    assert scores.argmax(1).flatten(1).max(1).values.tolist() == [0, 1]
+
+
 def test_a_map_stored_for_another_image_is_refused(two_x: tuple[Path, Path, Path]) -> None:
     a, b, probs = two_x
     (probs / "probs" / "x_1.npz").unlink()  # only A/x.png's map is left

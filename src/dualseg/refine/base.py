@@ -154,10 +154,16 @@ class ProbsFolderBase:
                     f"{source}; pass the probability folder predicted for this image "
                     "('dualseg predict --probs' on the same inputs)"
                 )
-        else:
-            file_name = Path(self.sources.get(name) or f"{name}.png").name
-            sharing = sorted(n for n, s in self.sources.items() if s and Path(s).name == file_name)
-            if len(sharing) > 1 and name in sharing:
+        elif self.sources.get(name):
+            # predict names a second x.png "x_1": such a pair is ambiguous by name alone
+            file_name = Path(self.sources[name] or "").name
+            sharing = sorted(
+                n
+                for n, s in self.sources.items()
+                if n == name
+                or (s and Path(s).name == file_name and (_numbered(n, name) or _numbered(name, n)))
+            )
+            if len(sharing) > 1:
                 raise DataError(
                     f"{self.folder}: {', '.join(f'{n}.npz' for n in sharing)} all hold "
                     f"probabilities of images named {file_name}; the image {name!r} cannot be "
@@ -192,6 +198,11 @@ class ProbsFolderBase:
                 )
             out.append(probs)
         return torch.stack(out).to(images.device)
+
+
+def _numbered(name: str, stem: str) -> bool:
+    """``name`` is ``stem`` with predict's ``_<k>`` de-duplication suffix."""
+    return name.startswith(f"{stem}_") and name[len(stem) + 1 :].isdigit()
 
 
 def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
