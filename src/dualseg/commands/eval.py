@@ -201,7 +201,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualseg.engine.checkpoint import build_model_from_checkpoint
     from dualseg.engine.evaluate import evaluate, format_metrics
     from dualseg.engine.preflight import scored_classes_note
-    from dualseg.engine.pretrained import load_state
+    from dualseg.engine.pretrained import check_normalization, load_state
     from dualseg.io import atomic_write_json, check_writable
     from dualseg.metrics import to_jsonable
 
@@ -216,6 +216,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     label_map = parse_label_map(args.label_map) if args.label_map else None
     device = apply_runtime(args)
     ckpt = load_state(args.checkpoint)  # a .pt file, a pretrained folder or hf://org/name
+    check_normalization(ckpt)  # the eval transform applies dualseg's (ImageNet) normalization
     model, meta = build_model_from_checkpoint(ckpt, device=device)
     own = (
         get_preset(args.preset)

@@ -178,14 +178,19 @@ def load_checkpoint(
 # --------------------------------------------------------------------------- compatibility
 def checkpoint_num_classes(ckpt: Mapping[str, Any]) -> int:
     """The checkpoint's class count (from ``model_kwargs``, else from its class names)."""
-    kwargs = ckpt.get("model_kwargs") or {}
-    if "num_classes" in kwargs:
+    kwargs = ckpt.get("model_kwargs")
+    if isinstance(kwargs, Mapping) and "num_classes" in kwargs:
         return int(kwargs["num_classes"])
     return len(ckpt.get("class_names") or ())
 
 
 def _name(ckpt: Mapping[str, Any]) -> str:
     return str(ckpt.get("_path", "checkpoint"))
+
+
+def _meta_name(ckpt: Mapping[str, Any]) -> str:
+    """The file holding the description (a pretrained folder's ``config.json``, else the .pt)."""
+    return str(ckpt.get("_meta_path") or _name(ckpt))
 
 
 def check_compatible(
@@ -247,6 +252,13 @@ def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
     n = checkpoint_num_classes(ckpt)
     names = tuple(ckpt.get("class_names") or (f"class_{i}" for i in range(n)))
     palette = ckpt.get("palette") or default_palette(n)
+    counts = {"class names": len(names), "palette colours": len(palette)}
+    wrong = [f"{count} {what}" for what, count in counts.items() if count != n]
+    if wrong:
+        raise CheckpointError(
+            f"{_meta_name(ckpt)} describes {' and '.join(wrong)} for a model of {n} classes; "
+            "save the model again with one class name and one colour per class"
+        )
     config = ckpt.get("config") or {}
     data_cfg = config.get("data") if isinstance(config, Mapping) else None
     name = (data_cfg or {}).get("preset") or "checkpoint"
@@ -256,6 +268,31 @@ def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
         palette=tuple(tuple(int(c) for c in rgb) for rgb in palette),
         ignore_index=int(ckpt.get("ignore_index", 255)),
     )
+
+
+def model_kwargs_of(ckpt: Mapping[str, Any]) -> dict[str, Any]:
+    """``ckpt["model_kwargs"]`` as a dict of :func:`dualseg.models.build_model` options; a
+    non-dict or an option this dualseg does not know (a newer version's) is a
+    :class:`CheckpointError` naming the file and the keys."""
+    import inspect
+
+    from dualseg.models import build_model
+
+    kwargs = ckpt.get("model_kwargs")
+    if not isinstance(kwargs, Mapping):
+        raise CheckpointError(
+            f"{_meta_name(ckpt)}: model_kwargs must be a dict of model options, got "
+            f"{type(kwargs).__name__}; save the model again"
+        )
+    known = set(inspect.signature(build_model).parameters) - {"name"}
+    unknown = sorted(str(k) for k in kwargs if k not in known)
+    if unknown:
+        raise CheckpointError(
+            f"{_meta_name(ckpt)}: model_kwargs holds option(s) {', '.join(unknown)} that this "
+            "dualseg does not know (written by a newer version?); upgrade dualseg or save the "
+            "model with this version"
+        )
+    return dict(kwargs)
 
 
 def build_model_from_checkpoint(
@@ -272,18 +309,19 @@ def build_model_from_checkpoint(
     """
     from dualseg.models import MODELS, build_model
 
+    kwargs = model_kwargs_of(ckpt)
     check_compatible(ckpt, arch=arch, num_classes=num_classes)
+    meta = meta_from_checkpoint(ckpt)  # before the build: a bad description fails fast
     name = ckpt["arch"]
     if name not in MODELS:
         raise CheckpointError(
             f"{_name(ckpt)} names architecture {name!r}, which this dualseg does not know "
             f"(known: {', '.join(sorted(MODELS))})"
         )
-    kwargs = dict(ckpt["model_kwargs"])
     kwargs["weights"] = None  # the checkpoint carries the weights; never resolve files here
     model = build_model(name, **kwargs)  # lists of older checkpoints: build_model takes them
     load_model_state(model, ckpt)
-    return model.to(device).eval(), meta_from_checkpoint(ckpt)
+    return model.to(device).eval(), meta
 
 
 def find_resume_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:

@@ -74,8 +74,11 @@ class InferenceOptions:
                 f"{self.window[0]} {self.window[1]}: pixels between tiles would get no "
                 "prediction; use a stride of at most the window"
             )
-        if not self.tta_scales or min(self.tta_scales) <= 0:
-            raise ConfigError(f"--tta-scales must be positive factors, got {self.tta_scales}")
+        if not self.tta_scales or not all(math.isfinite(s) and s > 0 for s in self.tta_scales):
+            raise ConfigError(
+                f"--tta-scales must be finite positive factors (e.g. 0.75 1.0 1.25), got "
+                f"{' '.join(str(s) for s in self.tta_scales) or 'none'}"
+            )
         if self.tile_batch < 1:
             raise ConfigError(f"--tile-batch must be >= 1, got {self.tile_batch}")
 

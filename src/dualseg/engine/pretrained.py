@@ -221,12 +221,15 @@ def save_pretrained_from_checkpoint(
     ckpt = load_state(checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device="cpu")
     metrics = dict(ckpt.get("metrics") or {})
+    norm = ckpt.get("normalization") or {}  # a pretrained folder's own; a .pt: the default
     return save_pretrained(
         model,
         folder,
         arch=str(ckpt["arch"]),
         model_kwargs=ckpt["model_kwargs"],
         meta=meta,
+        mean=norm.get("mean"),
+        std=norm.get("std"),
         metrics={k: metrics[k] for k in ("iteration", "miou") if k in metrics},
         overwrite=overwrite,
     )
@@ -250,19 +253,26 @@ def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
     missing = [k for k in ("arch", "model_kwargs", "class_names", "palette") if k not in config]
     if missing:
         raise CheckpointError(f"{folder / CONFIG_NAME} lacks {missing}; save the folder again")
+    norm = config.get("normalization") or {}
+    if not isinstance(norm, dict):
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME}: normalization must be a dict with mean and std, got "
+            f"{type(norm).__name__}; save the folder again"
+        )
     state = read_safetensors(folder / WEIGHTS_NAME, what="model")
     return {
         "format": FORMAT,
         "arch": config["arch"],
-        "model_kwargs": dict(config["model_kwargs"]),
+        "model_kwargs": config["model_kwargs"],  # checked by build_model_from_checkpoint
         "model": state,
         "class_names": list(config["class_names"]),
         "palette": [list(c) for c in config["palette"]],
         "ignore_index": int(config.get("ignore_index", 255)),
         "config": {"data": {"preset": config.get("dataset")}},
-        "normalization": dict(config.get("normalization") or {}),
+        "normalization": dict(norm),
         "metrics": dict(config.get("metrics") or {}),
         "_path": str(folder / WEIGHTS_NAME),
+        "_meta_path": str(folder / CONFIG_NAME),  # what errors about the description name
     }
 
 
@@ -286,16 +296,33 @@ def load_state(source: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def check_normalization(
-    state: Mapping[str, Any], mean: Sequence[float], std: Sequence[float]
+    state: Mapping[str, Any],
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
 ) -> None:
-    """Refuse a folder whose input normalization differs from what the caller applies."""
+    """Refuse a model whose stored input normalization differs from what the caller applies
+    (``mean`` / ``std``; default ImageNet's, what every dualseg command applies). Every path
+    that runs a loaded model on dualseg-normalized images calls it: ``load_model``, ``eval``,
+    the method-B base (``refine fit / apply --base``)."""
+    from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
+
     norm = state.get("normalization") or {}
-    want = {"mean": list(mean), "std": list(std)}
+    want = {"mean": list(mean or IMAGENET_MEAN), "std": list(std or IMAGENET_STD)}
+    where = state.get("_meta_path") or state.get("_path")
     for key, value in want.items():
         have = norm.get(key)
-        if have is not None and [round(float(v), 6) for v in have] != [round(v, 6) for v in value]:
+        if have is None:
+            continue
+        try:
+            stored = [round(float(v), 6) for v in have]
+        except (TypeError, ValueError):
             raise CheckpointError(
-                f"{state.get('_path')}: the model expects input normalization {key}={have}, "
-                f"dualseg applies {value}; convert the model or normalize the input yourself "
-                "and call .model directly"
+                f"{where}: normalization {key} must be a list of numbers, got {have!r}; save "
+                "the model again"
+            ) from None
+        if stored != [round(float(v), 6) for v in value]:
+            raise CheckpointError(
+                f"{where}: the model expects input "
+                f"normalization {key}={have}, dualseg applies {value}; convert the model, or "
+                "normalize the input yourself and call the network (Segmenter.model) directly"
             )

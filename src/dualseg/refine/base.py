@@ -8,8 +8,9 @@
   (one ``<name>.npz`` per image, keys ``probs`` float16 ``[C,H,W]``, ``class_names``,
   ``source``), looked up by the image's output name.
 
-All share ``scores(images, names) -> [B,C,H,W]`` (logits or probabilities at the image size;
-only their order is used) and ``class_names`` (``None`` when unknown).
+All share ``scores(images, names, sources=None) -> [B,C,H,W]`` (logits or probabilities at
+the image size; only their order is used; ``sources``: the images' paths, which a probability
+folder checks its maps against) and ``class_names`` (``None`` when unknown).
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ class BaseModel(Protocol):
     class_names: tuple[str, ...] | None
     palette: tuple[tuple[int, int, int], ...] | None
 
-    def scores(self, images: Tensor, names: Sequence[str]) -> Tensor: ...
+    def scores(
+        self, images: Tensor, names: Sequence[str], sources: Sequence[str] | None = None
+    ) -> Tensor: ...
 
 
 class ModuleBase:
@@ -51,7 +54,10 @@ class ModuleBase:
         self.palette = tuple(tuple(c) for c in palette) if palette is not None else None
 
     @torch.no_grad()
-    def scores(self, images: Tensor, names: Sequence[str] = ()) -> Tensor:
+    def scores(
+        self, images: Tensor, names: Sequence[str] = (), sources: Sequence[str] | None = None
+    ) -> Tensor:
+        """Logits at the image size; ``names`` / ``sources`` are not needed by a model."""
         out = self.module(images.to(self.device))
         if isinstance(out, dict):
             if "out" not in out:
@@ -79,9 +85,10 @@ def checkpoint_base(
     """A dualseg checkpoint, pretrained folder or ``hf://org/name`` as a base model (its class
     names and palette come along)."""
     from dualseg.engine.checkpoint import build_model_from_checkpoint
-    from dualseg.engine.pretrained import load_state
+    from dualseg.engine.pretrained import check_normalization, load_state
 
     ckpt = load_state(path)
+    check_normalization(ckpt)  # the refiner feeds it ImageNet-normalized images
     model, meta = build_model_from_checkpoint(ckpt, device=device)
     base = ModuleBase(model, class_names=meta.class_names, palette=meta.palette, device=device)
     base.arch = str(ckpt["arch"])  # type: ignore[attr-defined]
@@ -90,7 +97,14 @@ def checkpoint_base(
 
 class ProbsFolderBase:
     """Saved probability maps (``dualseg predict --probs``): ``<folder>/<name>.npz`` or
-    ``<folder>/probs/<name>.npz``."""
+    ``<folder>/probs/<name>.npz``.
+
+    Every file's ``class_names`` must agree (checked when the folder is opened). Given the
+    images' paths (``scores(..., sources=...)``), a map is found by its stored ``source``
+    (two images named ``x.png`` from different folders are ``x.npz`` and ``x_1.npz``), and a
+    map stored for another image is refused; by name alone, a name that several images share
+    is refused rather than guessed.
+    """
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         folder = Path(folder)
@@ -101,30 +115,77 @@ class ProbsFolderBase:
                 f"{folder}: no .npz probability maps found; write them with "
                 "'dualseg predict --probs ... --out DIR' and pass DIR"
             )
-        first = self._read(files[0])
-        self.class_names = (
-            tuple(str(n) for n in first["class_names"]) if "class_names" in first else None
-        )
+        self.sources: dict[str, str | None] = {}  # output name -> stored source image path
+        names: dict[Path, tuple[str, ...] | None] = {}
+        for path in files:
+            data = self._read(path, keys=("class_names", "source"))
+            name = path.relative_to(self.folder).with_suffix("").as_posix()
+            self.sources[name] = str(data["source"]) if "source" in data else None
+            names[path] = (
+                tuple(str(n) for n in data["class_names"]) if "class_names" in data else None
+            )
+        self.class_names = names[files[0]]
+        odd = [p for p, n in names.items() if n != self.class_names]
+        if odd:
+            raise DataError(
+                f"{odd[0]} holds classes {names[odd[0]]} but {files[0]} holds "
+                f"{self.class_names}: the folder mixes probabilities of different models; "
+                "keep one model's 'dualseg predict --probs' output per folder"
+            )
         self.palette = None
 
-    def _read(self, path: Path) -> dict[str, np.ndarray]:
+    def _read(self, path: Path, keys: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         try:
             with np.load(path, allow_pickle=False) as z:
-                return {k: z[k] for k in z.files}
-        except (OSError, ValueError) as err:
+                return {k: z[k] for k in z.files if keys is None or k in keys}
+        except (OSError, ValueError, KeyError) as err:
             raise DataError(f"{path}: not a readable probability file ({err})") from err
 
-    def scores(self, images: Tensor, names: Sequence[str]) -> Tensor:
-        if len(names) != images.shape[0]:
+    def _find(self, name: str, source: str | None) -> Path:
+        """The map of image ``name`` (at path ``source`` when known)."""
+        if source is not None:
+            by_source = [n for n, s in self.sources.items() if s and same_file(s, source)]
+            if len(by_source) == 1:
+                return self.folder / f"{by_source[0]}.npz"
+            stored = self.sources.get(name)
+            if stored and not same_file(stored, source):
+                raise DataError(
+                    f"{self.folder / name}.npz holds the probabilities of {stored}, not of "
+                    f"{source}; pass the probability folder predicted for this image "
+                    "('dualseg predict --probs' on the same inputs)"
+                )
+        elif self.sources.get(name):
+            # predict names a second x.png "x_1": such a pair is ambiguous by name alone
+            file_name = Path(self.sources[name] or "").name
+            sharing = sorted(
+                n
+                for n, s in self.sources.items()
+                if n == name
+                or (s and Path(s).name == file_name and (_numbered(n, name) or _numbered(name, n)))
+            )
+            if len(sharing) > 1:
+                raise DataError(
+                    f"{self.folder}: {', '.join(f'{n}.npz' for n in sharing)} all hold "
+                    f"probabilities of images named {file_name}; the image {name!r} cannot be "
+                    "matched by name: give the images' paths (sources) or refine one folder "
+                    "at a time"
+                )
+        path = self.folder / f"{name}.npz"
+        if not path.is_file():
+            raise DataError(
+                f"no probabilities for image {source or name!r}: {path} is missing (run "
+                "'dualseg predict --probs' on the same inputs)"
+            )
+        return path
+
+    def scores(
+        self, images: Tensor, names: Sequence[str], sources: Sequence[str] | None = None
+    ) -> Tensor:
+        if len(names) != images.shape[0] or (sources is not None and len(sources) != len(names)):
             raise DataError("a probability folder needs the name of every image")
         out = []
-        for name in names:
-            path = self.folder / f"{name}.npz"
-            if not path.is_file():
-                raise DataError(
-                    f"no probabilities for image {name!r}: {path} is missing (run 'dualseg "
-                    "predict --probs' on the same inputs)"
-                )
+        for i, name in enumerate(names):
+            path = self._find(name, None if sources is None else str(sources[i]))
             data = self._read(path)
             if "probs" not in data or data["probs"].ndim != 3:
                 raise DataError(f"{path}: expected key 'probs' holding [C,H,W] probabilities")
@@ -137,6 +198,22 @@ class ProbsFolderBase:
                 )
             out.append(probs)
         return torch.stack(out).to(images.device)
+
+
+def _numbered(name: str, stem: str) -> bool:
+    """``name`` is ``stem`` with predict's ``_<k>`` de-duplication suffix."""
+    return name.startswith(f"{stem}_") and name[len(stem) + 1 :].isdigit()
+
+
+def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether two image paths name the same file: the same file on disk when both exist
+    here, else one path a trailing part of the other (``predict`` may have run elsewhere)."""
+    pa, pb = Path(a), Path(b)
+    if pa.exists() and pb.exists():
+        return os.path.samefile(pa, pb)
+    short, long = sorted((pa.parts, pb.parts), key=len)
+    short = tuple(p for p in short if p not in (".", ""))
+    return bool(short) and long[len(long) - len(short) :] == short
 
 
 def load_base(

@@ -8,8 +8,9 @@ refiner can share one folder (``config.json``, ``model.safetensors``, ``refiner.
 ``refiner.safetensors`` holds the embedding network's state dict under ``net.<key>`` plus
 ``prototypes`` ``[K,C]`` float32 and ``present`` ``[K]`` (uint8: class has a prototype);
 ``refiner.json`` holds ``format``, the :class:`~dualseg.refine.refiner.RefinerConfig`, the
-class names, the ignore index and the fit-time gate calibration (``refine fit
---calibrate-split``; ``null`` without one).
+class names, the ignore index, the fit-time gate calibration (``refine fit
+--calibrate-split``; ``null`` without one) and the class colours (``palette``; ``null`` in
+folders saved before it was stored).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def save_folder(
             "class_names": list(refiner.class_names),
             "ignore_index": refiner.ignore_index,
             "calibration": refiner.calibration,
+            "palette": None if refiner.palette is None else [list(c) for c in refiner.palette],
         },
     )
     return folder
@@ -113,6 +115,7 @@ def load_folder(
         class_names=meta["class_names"],
         config=config,
         ignore_index=int(meta.get("ignore_index", 255)),
+        palette=meta.get("palette"),
     )
     refiner.calibration = meta.get("calibration")
     return refiner.to(device)

@@ -176,6 +176,7 @@ class BoundaryRefiner:
         class_names: Sequence[str],
         config: RefinerConfig | None = None,
         ignore_index: int = 255,
+        palette: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self.config = config or RefinerConfig(embed_dim=int(prototypes.shape[1]))
         self.class_names = tuple(str(n) for n in class_names)
@@ -183,6 +184,8 @@ class BoundaryRefiner:
             raise ConfigError(
                 f"{prototypes.shape[0]} prototypes for {len(self.class_names)} class names"
             )
+        # the dataset's class colours (None: refiners saved before they were stored)
+        self.palette = as_palette(palette, len(self.class_names))
         self.net = net.eval()
         self.prototypes = prototypes.float()
         self.present = present.bool()
@@ -336,6 +339,7 @@ class BoundaryRefiner:
             "class_names": list(self.class_names),
             "ignore_index": self.ignore_index,
             "calibration": self.calibration,
+            "palette": None if self.palette is None else [list(c) for c in self.palette],
         }
         path = Path(path)
         atomic_torch_save(state, path)
@@ -380,6 +384,7 @@ class BoundaryRefiner:
             class_names=state["class_names"],
             config=config,
             ignore_index=int(state.get("ignore_index", 255)),
+            palette=state.get("palette"),
         )
         refiner.calibration = state.get("calibration")
         return refiner.to(device)
@@ -418,6 +423,7 @@ class BoundaryRefiner:
         log_every: int = 0,
         ignore_index: int = 255,
         time_budget_s: float | None = None,
+        palette: Sequence[Sequence[int]] | None = None,
     ) -> BoundaryRefiner:
         """Train the embedding model with triplets, then compute the class prototypes.
 
@@ -428,7 +434,9 @@ class BoundaryRefiner:
         backbone tensors over it (:func:`init_backbone_from`). ``checkpoint``: a training-state
         file written every ``checkpoint_every`` steps and at the end; ``resume=True`` continues
         from it. ``time_budget_s``: stop the triplet steps once this many seconds have passed
-        (the refiner's ``config.steps`` then records the steps made). The loss history is in
+        (the refiner's ``config.steps`` then records the steps made). ``palette``: the class
+        colours stored with the refiner (``refine apply`` draws with them when the base has
+        none); default the dataset's ``meta.palette`` when it has one. The loss history is in
         ``refiner.history``.
         """
         cfg = config or RefinerConfig()
@@ -478,14 +486,36 @@ class BoundaryRefiner:
         missing = [n for n, p in zip(class_names, present.tolist()) if not p]
         if missing:
             log.warning("no near-boundary pixels for %s: these classes get no prototype", missing)
+        if palette is None:
+            palette = getattr(getattr(dataset, "meta", None), "palette", None)
         refiner = cls(
-            net, protos, present, class_names=class_names, config=cfg, ignore_index=ignore_index
+            net,
+            protos,
+            present,
+            class_names=class_names,
+            config=cfg,
+            ignore_index=ignore_index,
+            palette=palette,
         )
         refiner.history = history
         return refiner
 
 
 # ---------------------------------------------------------------------- P2-P5, shared
+def as_palette(
+    palette: Sequence[Sequence[int]] | None, num_classes: int
+) -> tuple[tuple[int, int, int], ...] | None:
+    """A stored palette as RGB tuples, one per class (``None`` stays ``None``)."""
+    if palette is None:
+        return None
+    rgb = tuple(tuple(int(v) for v in c) for c in palette)
+    if len(rgb) != num_classes or any(len(c) != 3 for c in rgb):
+        raise ConfigError(
+            f"a refiner palette needs one RGB colour per class ({num_classes}), got {len(rgb)}"
+        )
+    return rgb  # type: ignore[return-value]
+
+
 def check_classes(
     names: Sequence[str], base_names: Sequence[str] | None, num_classes: int, *, what: str
 ) -> None:
