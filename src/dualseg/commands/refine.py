@@ -582,7 +582,10 @@ def apply_main(args: argparse.Namespace) -> int:
             "probabilities; pass a checkpoint, or save them with 'dualseg predict --probs' "
             "and the same options"
         )
-    palette = base.palette or default_palette(refiner.num_classes)
+    # the base's colours, else those refine fit stored (an exported refiner has none)
+    palette = (
+        base.palette or getattr(refiner, "palette", None) or default_palette(refiner.num_classes)
+    )
     changed_total = pixels_total = 0
     failures: list[str] = []
     # a model on a plain forward: its backbone output is read, not rerun
@@ -598,7 +601,9 @@ def apply_main(args: argparse.Namespace) -> int:
             x = torch.from_numpy(normalize([rgb])).to(device)
             with torch.no_grad(), autocast(args, device):
                 scores = infer_logits(
-                    lambda t, name=name: base.scores(t, [name] * t.shape[0]),
+                    lambda t, name=name, path=path: base.scores(
+                        t, [name] * t.shape[0], sources=[str(path)] * t.shape[0]
+                    ),
                     x,
                     mode=opts.mode,
                     window=opts.window,
