@@ -97,11 +97,21 @@ def test_corrupt_and_incompatible_checkpoints(ckpt, tmp_path) -> None:
     truncated.write_bytes(ckpt.read_bytes()[:1000])
     with pytest.raises(CheckpointError, match="corrupt"):
         load_model(truncated)
+    eleven = {
+        "class_names": [f"c{i}" for i in range(11)],
+        "palette": [[i, i, i] for i in range(11)],
+    }
     wrong = write_synthetic_checkpoint(
-        tmp_path / "wrong.pt", model_kwargs={**KWARGS, "num_classes": 11}
-    )  # weights of 8 classes, claims 11
+        tmp_path / "wrong.pt", model_kwargs={**KWARGS, "num_classes": 11}, **eleven
+    )  # weights of 8 classes, claims 11 (names and colours of 11)
     with pytest.raises(CheckpointError, match="does not match"):
         load_model(wrong)
+    # names and colours of 8 for a model of 11: said before the weights are looked at
+    short = write_synthetic_checkpoint(
+        tmp_path / "short.pt", model_kwargs={**KWARGS, "num_classes": 11}
+    )
+    with pytest.raises(CheckpointError, match="8 class names .* a model of 11 classes"):
+        load_model(short)
     assert cli_main(["predict", "--checkpoint", str(truncated), str(tmp_path), "-o", "x"]) == 1
 
 
