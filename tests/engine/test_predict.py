@@ -110,7 +110,7 @@ def test_corrupt_and_incompatible_checkpoints(ckpt, tmp_path) -> None:
     short = write_synthetic_checkpoint(
         tmp_path / "short.pt", model_kwargs={**KWARGS, "num_classes": 11}
     )
-    with pytest.raises(CheckpointError, match="8 class names .* a model of 11 classes"):
+    with pytest.raises(CheckpointError, match=r"8 class names .* a model of 11 classes"):
         load_model(short)
     assert cli_main(["predict", "--checkpoint", str(truncated), str(tmp_path), "-o", "x"]) == 1
 
