@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from dualseg.data import DatasetMeta
@@ -86,3 +87,18 @@ def write_checkpoint(path: Path, class_names: tuple[str, ...]) -> Path:
 def tree(root: Path) -> list[str]:
     """Every path under ``root`` (to assert that nothing was written)."""
     return sorted(str(p.relative_to(root)) for p in root.rglob("*")) if root.exists() else []
+
+
+def one_line(capsys: pytest.CaptureFixture[str]) -> str:
+    """The one stderr line a refused command printed: no traceback, no second line."""
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "Traceback" not in err, err
+    return err
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``dualseg argv``, expect exit status 1, and return its one stderr line."""
+    from dualseg.cli import main
+
+    assert main(argv) == 1
+    return one_line(capsys)

@@ -18,6 +18,7 @@ import pytest
 from checkpoint_helpers import write_synthetic_checkpoint
 from dualseg.cli import main as cli_main
 from dualseg.data import make_synthetic_dataset
+from reliability_helpers import refused
 
 
 @pytest.fixture(scope="module")
@@ -25,15 +26,6 @@ def setup(tmp_path_factory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("safety")
     data = make_synthetic_dataset(base / "data", n_train=1, n_val=2, size=(64, 64))
     return {"data": data, "ckpt": write_synthetic_checkpoint(base / "model.pt")}
-
-
-def _refused(argv: list[str], capsys) -> str:
-    assert cli_main(argv) == 1
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def _snapshot(root: Path) -> dict[str, bytes]:
@@ -52,7 +44,7 @@ def _eval(setup, data: Path, preds: Path, *extra: str) -> list[str]:
 def test_eval_never_writes_over_the_ground_truth(setup, tmp_path, capsys, overwrite) -> None:
     data = setup["data"]
     before = _snapshot(data)
-    line = _refused(_eval(setup, data, data, *overwrite), capsys)
+    line = refused(_eval(setup, data, data, *overwrite), capsys)
     assert "a file of the dataset" in line and "--overwrite" in line
     assert str(data / "labels") in line  # names the label file it would have replaced
     assert _snapshot(data) == before
@@ -83,7 +75,7 @@ def test_eval_predictions_keep_repeated_names_and_need_overwrite(setup, tmp_path
     # a second run is refused before any work, naming the first existing file and the flag
     (preds / "labels" / "x.png").write_bytes(b"mine")
     before = _snapshot(preds)
-    line = _refused(_eval(setup, data, preds), capsys)
+    line = refused(_eval(setup, data, preds), capsys)
     assert str(preds / "labels" / "x.png") in line and "--overwrite" in line
     assert _snapshot(preds) == before
     assert cli_main(_eval(setup, data, preds, "--overwrite")) == 0
@@ -103,7 +95,7 @@ def test_predict_twice_into_its_input_folder(setup, tmp_path, capsys) -> None:
     assert cli_main(_predict(setup, [photos], out)) == 0
     first = _snapshot(out)
     assert sorted(first) == ["color/x.png", "labels/x.png", "overlay/x.png"]
-    line = _refused(_predict(setup, [photos], out), capsys)
+    line = refused(_predict(setup, [photos], out), capsys)
     assert str(out / "labels" / "x.png") in line and "--overwrite" in line
     assert _snapshot(out) == first
     # with --overwrite: the same outputs again, its own earlier outputs are not inputs
@@ -119,13 +111,13 @@ def test_predict_never_writes_over_an_input_or_the_dataset(setup, tmp_path, caps
     image = folder / "labels" / "x.png"
     shutil.copy(next((setup["data"] / "images").iterdir()), image)
     before = image.read_bytes()
-    line = _refused(_predict(setup, [image], folder, "--overwrite"), capsys)
+    line = refused(_predict(setup, [image], folder, "--overwrite"), capsys)
     assert "an input image" in line and str(image) in line and "--overwrite" in line
     assert image.read_bytes() == before
     # --data ROOT -o ROOT on ROOT/images: the outputs would be ROOT's labels
     data = setup["data"]
     snap = _snapshot(data)
-    line = _refused(
+    line = refused(
         _predict(setup, [data / "images"], data, "--data", str(data), "--overwrite"), capsys
     )
     assert "a file of the dataset" in line and str(data / "labels") in line
@@ -141,7 +133,7 @@ def test_refine_apply_checks_outputs_before_loading_anything(setup, tmp_path, ca
     # the refiner and base do not exist: the output check comes first
     argv = ["refine", "apply", str(image), "-r", str(tmp_path / "none.pt"),
             "-b", str(tmp_path / "none2.pt"), "-o", str(out), "--device", "cpu"]  # fmt: skip
-    line = _refused(argv, capsys)
+    line = refused(argv, capsys)
     assert str(out / "changed" / "x.png") in line and "--overwrite" in line
     assert (out / "changed" / "x.png").read_bytes() == b"earlier"
     # an input image that is also an output path: refused even with --overwrite
@@ -149,7 +141,7 @@ def test_refine_apply_checks_outputs_before_loading_anything(setup, tmp_path, ca
     shutil.copy(image, tmp_path / "labels" / "x.png")
     argv = [argv[0], argv[1], str(tmp_path / "labels" / "x.png"), *argv[3:7], "-o",
             str(tmp_path), "--overwrite"]  # fmt: skip
-    line = _refused(argv, capsys)
+    line = refused(argv, capsys)
     assert "an input image" in line and str(tmp_path / "labels" / "x.png") in line
     assert (tmp_path / "labels" / "x.png").read_bytes() == image.read_bytes()
 
@@ -158,7 +150,7 @@ def test_data_check_json_never_replaces_a_dataset_file(setup, tmp_path, capsys) 
     data = setup["data"]
     snap = _snapshot(data)
     for target in ("train.txt", "meta.json"):
-        line = _refused(
+        line = refused(
             ["data", "check", str(data), "--json", str(data / target), "--overwrite"], capsys
         )
         assert str(data / target) in line and "a file of the dataset" in line
@@ -166,7 +158,7 @@ def test_data_check_json_never_replaces_a_dataset_file(setup, tmp_path, capsys) 
     assert _snapshot(data) == snap
     report = tmp_path / "report.json"
     report.write_text("keep me")
-    line = _refused(["data", "check", str(data), "--json", str(report)], capsys)
+    line = refused(["data", "check", str(data), "--json", str(report)], capsys)
     assert str(report) in line and "--overwrite" in line
     assert report.read_text() == "keep me"
     assert cli_main(["data", "check", str(data), "--json", str(report), "--overwrite"]) == 0

@@ -21,6 +21,7 @@ from reliability_helpers import (
     FOUR,
     binary_masks,
     class_maps,
+    one_line,
     save,
     tree,
     write_checkpoint,
@@ -29,13 +30,6 @@ from reliability_helpers import (
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny_synthetic.yaml"
-
-
-def one_line(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0, err
-    assert "Traceback" not in err
-    return err
 
 
 def train_argv(root: Path, out: Path, *extra: str) -> list[str]:

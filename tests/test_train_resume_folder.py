@@ -15,7 +15,7 @@ import yaml
 from dualseg.cli import main
 from dualseg.engine.checkpoint import load_checkpoint
 from dualseg.engine.rundir import REPLACED_DIR
-from reliability_helpers import FOUR, class_maps, write_checkpoint, write_dataset
+from reliability_helpers import FOUR, class_maps, one_line, write_checkpoint, write_dataset
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny_synthetic.yaml"
 
@@ -33,12 +33,6 @@ def new_run_argv(root: Path, out: Path, *extra: str) -> list[str]:
 
 def files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
-
-
-def one_line(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "Traceback" not in err, err
-    return err
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from dualseg.cli import main as cli_main
 from dualseg.engine.checkpoint import FORMAT, save_checkpoint
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner, EmbeddingNet, RefinerConfig
+from reliability_helpers import refused
 
 KWARGS = {"num_classes": 3, "output_stride": 16, "renet_hidden": 8}
 
@@ -52,27 +53,18 @@ def files(tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def _run(argv: list[str], capsys) -> str:
-    assert cli_main(argv) == 1
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
-
-
 def _predict(files, checkpoint: Path) -> list[str]:
     return ["predict", str(files["image"]), "--checkpoint", str(checkpoint),
             "--out", str(files["out"]), "--device", "cpu"]  # fmt: skip
 
 
 def test_text_file_as_checkpoint(files, capsys) -> None:
-    line = _run(_predict(files, files["text"]), capsys)
+    line = refused(_predict(files, files["text"]), capsys)
     assert str(files["text"]) in line and "not a PyTorch checkpoint file" in line
 
 
 def test_refiner_as_checkpoint_says_pass_it_as_refiner(files, capsys) -> None:
-    line = _run(_predict(files, files["refiner"]), capsys)
+    line = refused(_predict(files, files["refiner"]), capsys)
     assert str(files["refiner"]) in line and "method-B refiner" in line
     assert "pass it as --refiner" in line
 
@@ -80,13 +72,13 @@ def test_refiner_as_checkpoint_says_pass_it_as_refiner(files, capsys) -> None:
 def test_checkpoint_as_refiner_says_pass_it_as_checkpoint(files, capsys) -> None:
     argv = ["refine", "apply", "--refiner", str(files["ckpt"]), "--base", str(files["ckpt"]),
             str(files["image"]), "--out", str(files["out"]), "--device", "cpu"]  # fmt: skip
-    line = _run(argv, capsys)
+    line = refused(argv, capsys)
     assert str(files["ckpt"]) in line and "model checkpoint" in line
     assert "pass it as --checkpoint" in line
 
 
 def test_unsafe_checkpoint_is_refused_without_suggesting_weights_only_false(files, capsys):
-    line = _run(_predict(files, files["unsafe"]), capsys)
+    line = refused(_predict(files, files["unsafe"]), capsys)
     assert str(files["unsafe"]) in line and "not a dualseg checkpoint" in line
     assert "argparse.Namespace" in line and "model.state_dict()" in line
     assert "weights_only=False" not in line and "likely succeed" not in line
@@ -104,7 +96,7 @@ def test_torchscript_export_as_checkpoint_says_what_it_is(files, tmp_path, capsy
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no torch UserWarning about TorchScript archives
-        line = _run(_predict(files, exported), capsys)
+        line = refused(_predict(files, exported), capsys)
     assert str(exported) in line and "is a TorchScript export" in line
     assert "ExportedSegmenter" in line and "predict --onnx" in line
     assert "weights_only" not in line and "corrupt" not in line
@@ -114,7 +106,7 @@ def test_torchscript_export_as_checkpoint_says_what_it_is(files, tmp_path, capsy
 def test_plain_torchscript_module_as_checkpoint(files, tmp_path, capsys) -> None:
     path = tmp_path / "scripted.pt"
     torch.jit.save(torch.jit.script(nn.Conv2d(3, 3, 1)), str(path))
-    line = _run(_predict(files, path), capsys)
+    line = refused(_predict(files, path), capsys)
     assert "is a TorchScript module (torch.jit.save), not a checkpoint" in line
     assert "weights_only" not in line
 
@@ -122,7 +114,7 @@ def test_plain_torchscript_module_as_checkpoint(files, tmp_path, capsys) -> None
 def test_onnx_export_as_checkpoint_points_to_onnx(files, tmp_path, capsys) -> None:
     exported = tmp_path / "model.onnx"  # named as an export: never handed to torch.load
     exported.write_bytes(b"\x08\x07\x12\x07pytorch")
-    line = _run(_predict(files, exported), capsys)
+    line = refused(_predict(files, exported), capsys)
     assert str(exported) in line and "is an ONNX export" in line and "--onnx" in line
     assert "corrupt" not in line
     assert not files["out"].exists()

@@ -26,6 +26,7 @@ from dualseg.errors import CheckpointError, ConfigError, DataError
 from dualseg.io import atomic_save_image
 from dualseg.refine import BoundaryRefiner, RefinerConfig, build_embedding_net
 from dualseg.refine.base import ProbsFolderBase, load_base
+from reliability_helpers import one_line
 
 HALF = [0.5, 0.5, 0.5]
 QUARTER = [0.25, 0.25, 0.25]
@@ -54,8 +55,7 @@ def odd_norm(ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str], *needles: str) -> str:
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "Traceback" not in err, err
+    err = one_line(capsys)
     for needle in needles:
         assert needle in err, err
     return err
