@@ -170,6 +170,24 @@ def test_resume_checks_the_model_and_follows_the_new_schedule(
     assert lrs[3] == pytest.approx(0.01 * (1 - 2 / 4) ** 0.9)
 
 
+def test_resume_with_other_optimizer_settings(data: Path, tmp_path: Path, capsys) -> None:
+    """A resume follows the config's momentum (as its LR), and a head_lr_mult that regroups
+    the parameters is refused in one line, not torch's ValueError."""
+    from tests.reliability_helpers import refused
+
+    fit(tiny(data, tmp_path / "a", max_iters=2, val_every=0))
+    last = str(tmp_path / "a" / "last.pt")
+    argv = ["train", "--resume", last, "--train.max_iters", "3", "--train.quiet", "true"]
+    capsys.readouterr()  # the first run's progress lines
+    err = refused([*argv, "--optim.head_lr_mult", "10"], capsys)
+    assert "last.pt" in err and "head_lr_mult" in err
+    assert load_checkpoint(tmp_path / "a" / "last.pt")["iteration"] == 2  # nothing trained
+
+    assert train_main([*argv[1:], "--optim.momentum", "0.5", "--optim.nesterov", "true"]) == 0
+    groups = load_checkpoint(tmp_path / "a" / "last.pt")["optimizer"]["param_groups"]
+    assert [(g["momentum"], g["nesterov"]) for g in groups] == [(0.5, True)] * len(groups)
+
+
 @pytest.mark.slow
 def test_sigkill_and_resume_is_bit_identical(data: Path, tmp_path: Path) -> None:
     """Kill a CPU run with SIGKILL after a checkpoint, resume it: same final weights."""

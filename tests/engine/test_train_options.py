@@ -82,3 +82,14 @@ def test_weights_none_spelled_as_a_word_says_how_to_write_random_init(tmp_path, 
     named = tmp_path / "none"  # a weights file that happens to be called so is still a file
     named.write_bytes(b"")
     validate(load_config(TINY, model={"weights": str(named)}))
+
+
+def test_a_nan_evaluation_is_not_the_best_and_spends_no_patience() -> None:
+    from dualseg.engine.runlog import Progress
+
+    p = Progress()
+    assert not p.update_monitor(float("nan"), higher_is_better=True, min_delta=0.0)
+    assert p.best_monitored is None and p.bad_evals == 0
+    assert p.update_monitor(0.3, higher_is_better=True, min_delta=0.0)  # a real value: the best
+    assert not p.update_monitor(float("nan"), higher_is_better=True, min_delta=0.0)
+    assert p.best_monitored == 0.3 and p.bad_evals == 0

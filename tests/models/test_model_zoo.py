@@ -77,6 +77,26 @@ def test_forward_backward_and_predict(name: str, models: dict, tmp_path: Path) -
         assert torch.allclose(fresh(x[:1]), model(x[:1]), atol=1e-5)
 
 
+@pytest.mark.parametrize("name", RUN_ON_CPU)
+def test_channels_last_computes_the_same(name: str) -> None:
+    # train.channels_last (on CPU too, since it runs the convolutions through oneDNN): the
+    # memory format must change the speed only, not the outputs or the gradients
+    # eval(): BatchNorm statistics frozen and dropout off, so the two steps are comparable;
+    # gradients flow all the same
+    torch.manual_seed(0)
+    model = build_model(name, num_classes=NUM_CLASSES).eval()
+    torch.manual_seed(0)
+    twin = build_model(name, num_classes=NUM_CLASSES).eval().to(memory_format=torch.channels_last)
+    x = torch.randn(2, 3, 48, 64)
+    out = model(x)
+    out_cl = twin(x.contiguous(memory_format=torch.channels_last))
+    torch.testing.assert_close(out_cl, out, atol=1e-5, rtol=1e-4)
+    out.square().mean().backward()
+    out_cl.square().mean().backward()
+    for (key, p), p_cl in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p_cl.grad, p.grad, atol=1e-5, rtol=1e-3, msg=key)
+
+
 @pytest.mark.parametrize("size", [(33, 47), (97, 131)])
 @pytest.mark.parametrize("name", ["dualseg_mobilenet_v2", "deeplabv3_mobilenet_v2"])
 def test_odd_input_sizes(name: str, size: tuple[int, int], models: dict) -> None:

@@ -178,7 +178,7 @@ class TrainConfig:
     # mixed precision: auto (bf16, else fp16, on CUDA; none on CPU) | none | bf16 | fp16; bf16
     # on CPU is opt-in (native on AVX-512 BF16 / AMX CPUs, emulated and far slower elsewhere)
     amp: Literal["auto", "none", "bf16", "fp16"] = "auto"
-    channels_last: bool = True  # channels-last memory format (CUDA only)
+    channels_last: bool = True  # channels-last memory format (GPU and CPU: oneDNN convolutions)
     compile: bool = False  # torch.compile the training model
     sync_bn: bool = False  # SyncBatchNorm under DDP (GPUs only; ignored on CPU)
     progress: bool = True  # tqdm bar on a terminal (rank 0); in a log: a line every log_every

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -74,7 +75,11 @@ class Progress:
             setattr(self, key, value)
 
     def update_monitor(self, value: float, *, higher_is_better: bool, min_delta: float) -> bool:
-        """Record one evaluation of the monitored quantity; True when it improved."""
+        """Record one evaluation of the monitored quantity; True when it improved. A NaN (a
+        validation split without one labelled pixel) is no evaluation: it neither becomes the
+        best (every later value would then count as no gain) nor spends patience."""
+        if math.isnan(value):
+            return False
         best = self.best_monitored
         improved = (
             best is None

@@ -80,7 +80,7 @@ from dualseg.engine.rundir import (
     restore_replaced,
 )
 from dualseg.engine.runlog import Interrupt, Progress, RunLog
-from dualseg.errors import ConfigError, DataError, DualsegError
+from dualseg.errors import CheckpointError, ConfigError, DataError, DualsegError
 
 __all__ = ["TrainingDivergedError", "fit", "train_one_epoch", "train_transform"]
 
@@ -444,7 +444,7 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
     amp_dtype = _amp_dtype(t.amp, device)
-    channels_last = t.channels_last and device.type == "cuda"
+    channels_last = t.channels_last
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     criterion = SegmentationLoss(
@@ -497,9 +497,20 @@ def _resume(run: _Run) -> None:
         return
     ckpt_io.load_model_state(run.model, state)
     base_lrs = list(run.scheduler.base_lrs)  # from this run's config
+    saved = [len(g["params"]) for g in state["optimizer"].get("param_groups", [])]
+    here = [len(g["params"]) for g in run.optimizer.param_groups]
+    if saved != here:  # torch would raise a bare ValueError
+        raise CheckpointError(
+            f"{run.resume_path}: its optimizer's parameter groups hold {saved} parameters, this "
+            f"run's {here} (optim.head_lr_mult={run.cfg.optim.head_lr_mult:g}: other than 1 "
+            "splits backbone and head); resume with the checkpoint's optim.head_lr_mult, or "
+            "start a new run (another --train.out_dir, or --overwrite)"
+        )
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     _apply_schedule(run.optimizer, run.scheduler, base_lrs)
+    for group in run.optimizer.param_groups:  # this run's config, as for the LR
+        group["momentum"], group["nesterov"] = run.cfg.optim.momentum, run.cfg.optim.nesterov
     if run.scaler is not None and state.get("scaler"):
         run.scaler.load_state_dict(state["scaler"])
     run.sampler.load_state_dict(state["sampler"])
@@ -667,7 +678,9 @@ def _validate(run: _Run, at: int) -> bool:
         num_classes=run.meta.num_classes,
         ignore_index=run.meta.ignore_index,
         device=run.env.device,
-        amp=run.amp_dtype is not None,
+        # bf16 autocast when training runs in bf16; an fp16 run validates in fp32 (a GPU
+        # without bf16 is why auto picked fp16)
+        amp=run.amp_dtype == torch.bfloat16,
         distributed=run.env.distributed,
     )
     progress = run.progress
