@@ -54,3 +54,13 @@ def test_imaging_never_imports_torch() -> None:
 def test_as_rgb_names_a_missing_file(tmp_path) -> None:
     with pytest.raises(DataError, match=r"nope\.png"):
         as_rgb(tmp_path / "nope.png")
+
+
+def test_label_pngs_hold_every_class(tmp_path) -> None:
+    """Label PNGs are 8-bit up to 256 classes and 16-bit beyond: class 300 stays 300."""
+    from dualseg.io import atomic_save_image, label_png
+
+    label = np.array([[0, 255], [256, 300]])
+    atomic_save_image(tmp_path / "wide.png", label_png(label, 301))
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "wide.png")), label)
+    assert label_png(label[:1], 256).dtype == np.uint8

@@ -92,6 +92,14 @@ def atomic_save_image(path: str | os.PathLike[str], array: Any) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def label_png(label: Any, num_classes: int) -> Any:
+    """A label map as the array its PNG holds: 8-bit for up to 256 classes, else 16-bit (an
+    8-bit cast would wrap class 256 to 0 without a word)."""
+    import numpy as np
+
+    return np.asarray(label).astype(np.uint8 if num_classes <= 256 else np.uint16)
+
+
 def _json_default(obj: Any) -> Any:
     # numpy / torch scalars and arrays, Paths, tuples-as-lists: JSON without surprises.
     if isinstance(obj, Path):

@@ -345,18 +345,19 @@ class BoundaryMetrics:
     @torch.no_grad()
     def update(self, pred: Tensor, target: Tensor) -> None:
         """Add a batch of label maps ``[B, H, W]`` (or one ``[H, W]``)."""
-        _check_labels(pred, target, self.num_classes, self.ignore_index)
+        if self._follow_input and self.state.device != target.device:
+            self.state = self.state.to(target.device)
+        dev, c, ign = self.state.device, self.num_classes, self.ignore_index
+        pred, target = pred.to(dev), target.to(dev)  # as ConfusionMatrix: one device first
+        _check_labels(pred, target, c, ign)
         if pred.dim() == 2:
             pred, target = pred[None], target[None]
         if pred.dim() != 3:
             raise ValueError(
                 f"expected label maps [B, H, W] or [H, W], got shape {tuple(pred.shape)}"
             )
-        if self._follow_input and self.state.device != target.device:
-            self.state = self.state.to(target.device)
-        dev, c, ign = self.state.device, self.num_classes, self.ignore_index
-        target = target.to(dev, torch.int32)
-        pred = pred.to(dev, torch.int32)
+        target = target.to(torch.int32)
+        pred = pred.to(torch.int32)
         ignored = target == ign
         gt_bd = boundary_map(target, ign)
         band = _dilate(gt_bd >= 0, self.trimap_width)

@@ -159,7 +159,7 @@ def prediction_writer(samples: list, out: Path, palette: Any, batch_size: int):
     written under its :func:`prediction_names` name.
     """
     from dualseg import viz
-    from dualseg.io import atomic_save_image
+    from dualseg.io import atomic_save_image, label_png
 
     names = prediction_names(samples)
 
@@ -172,7 +172,7 @@ def prediction_writer(samples: list, out: Path, palette: Any, batch_size: int):
             ):
                 if lab is None:
                     continue
-                arr = lab.to("cpu").numpy().astype("uint8")
+                arr = label_png(lab.to("cpu").numpy(), len(palette))
                 atomic_save_image(out / f"{kind}labels" / f"{name}.png", arr)
                 atomic_save_image(out / f"{kind}color" / f"{name}.png", viz.colorize(arr, palette))
 

@@ -287,9 +287,9 @@ def write_outputs(
 ) -> None:
     """``labels/``, ``color/`` and ``overlay/`` PNGs of one image (atomic writes)."""
     from dualseg import viz
-    from dualseg.io import atomic_save_image
+    from dualseg.io import atomic_save_image, label_png
 
-    atomic_save_image(out / "labels" / f"{name}.png", label.astype(np.uint8))
+    atomic_save_image(out / "labels" / f"{name}.png", label_png(label, len(palette)))
     atomic_save_image(out / "color" / f"{name}.png", viz.colorize(label, palette))
     atomic_save_image(
         out / "overlay" / f"{name}.png", viz.overlay(image, label, palette, alpha=alpha)
