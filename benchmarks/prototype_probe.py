@@ -35,7 +35,7 @@ from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoi
 from dualseg.io import atomic_write_json
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.boundary import near_boundary_mask
-from dualseg.refine.embedding import EmbeddingNet, embed_features, p1_filter
+from dualseg.refine.embedding import EmbeddingNet, embed_features, embedding_cover, p1_filter
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -90,9 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     model.eval()
     num_classes = meta.num_classes
 
-    def embed(images: Tensor) -> Tensor:
+    def embed(images: Tensor, edge: Tensor) -> Tensor:  # [M,C] at the edge pixels
         x = p1_filter(images, cfg.p1_blur_sigma)
-        return embed_features(refiner.net, x, cfg.input_scale)
+        feats = embed_features(refiner.net, x, cfg.input_scale, cfg.output_stride)
+        covered = embedding_cover(images.shape[-2:], cfg.input_scale, cfg.output_stride)
+        return EmbeddingNet.sample(feats, edge, covered)
 
     # ---- prototypes from the fit split: a random sample of ground-truth boundary pixels -----
     fit = list_split(args.fit, args.preset)
@@ -104,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         if not edge.any():
             continue
-        emb = EmbeddingNet.sample(embed(image[None]), edge)  # [M,C]
+        emb = embed(image[None], edge)  # [M,C]
         labels = label[None][edge]
         for c in labels.unique().tolist():
             rows = emb[labels == c]
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         b, y, x = edge.nonzero().unbind(1)
         top = probs.topk(min(cfg.top_n, num_classes), dim=1).indices[b, :, y, x]  # [M,N]
         truth = label[None][edge]
-        emb = EmbeddingNet.sample(embed(image[None]), edge)  # [M,C]
+        emb = embed(image[None], edge)  # [M,C]
         total += truth.numel()
         right["base"] += int((pred[edge] == truth).sum())
         for k in args.ks:

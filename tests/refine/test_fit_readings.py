@@ -225,3 +225,51 @@ def test_the_calibrate_split_is_checked_before_the_fit(
     err = one_line(capsys)
     assert "4 of the 6 --calibrate-split trainval images" in err
     assert not out.exists() and not (tmp_path / "r.train.pt").exists()
+
+
+def test_calibration_reads_a_probability_folder_base(
+    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """--base as 'predict --probs' maps: the sweep reads each held-out image's own map (as
+    probabilities, not softmaxed again); a map missing for a held-out image is refused before
+    the fit, not after it."""
+    from dualseg.cli import main
+
+    data, base = setup
+    val = [str(image) for image, _ in build_dataset(data, split="val").samples]
+    probs = tmp_path / "probs"
+    assert (
+        main(["predict", "--checkpoint", str(base), "--probs", *val[:1], "--out", str(probs)]) == 0
+    )
+    out = tmp_path / "refiner.pt"
+    argv = [*fit_args(data, probs, out), "--calibrate-split", "val"]
+    capsys.readouterr()
+    assert main(["refine", *argv]) == 1
+    err = capsys.readouterr().err
+    assert "no probabilities for image" in err and Path(val[1]).stem in err
+    assert not out.exists() and not list(tmp_path.glob("refiner.train*"))  # nothing fitted
+
+    assert (
+        main(
+            [
+                "predict",
+                "--checkpoint",
+                str(base),
+                "--probs",
+                *val,
+                "--out",
+                str(probs),
+                "--overwrite",
+            ]
+        )
+        == 0
+    )
+    assert refine_main(argv) == 0
+    cal = BoundaryRefiner.load(out).calibration
+    assert (cal["split"], cal["images"]) == ("val", 2)
+    # the base row scores the folder's maps as they are: the checkpoint's own prediction
+    from_model = tmp_path / "from_model.pt"
+    assert refine_main([*fit_args(data, base, from_model), "--calibrate-split", "val"]) == 0
+    ref = BoundaryRefiner.load(from_model).calibration
+    assert cal["rows"][0]["gate_margin"] == ref["rows"][0]["gate_margin"] == "base"
+    assert cal["rows"][0]["miou"] == pytest.approx(ref["rows"][0]["miou"])

@@ -26,7 +26,9 @@ def test_streamed_prototypes_equal_naive_means() -> None:
     net = EmbeddingNet(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.Identity(), 4).eval()
     images = torch.randn(3, 3, 20, 24)
     masks = torch.randint(0, 3, (3, 20, 24))
-    protos, present = stream_prototypes(net, list(zip(images, masks)), 4, radius=1, progress=False)
+    protos, present = stream_prototypes(
+        net, list(zip(images, masks)), 4, radius=1, input_scale=1.0, output_stride=2, progress=False
+    )
     with torch.no_grad():
         full = F.interpolate(net.features(images), size=(20, 24), mode="bilinear")
     edge = near_boundary_mask(masks, radius=1)

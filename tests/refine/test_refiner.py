@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dualseg.errors import CheckpointError, DataError
@@ -118,14 +119,14 @@ def test_nearest_prototype_equals_brute_force_on_the_upsampled_embedding() -> No
         protos,
         present,
         class_names="abcdef",
-        config=RefinerConfig(embed_dim=8, top_n=3, radius=3, input_scale=1.0),
+        config=RefinerConfig(embed_dim=8, top_n=3, radius=3, input_scale=1.0, output_stride=4),
     )
     images = torch.randn(2, 3, h, w)
     probs = torch.randn(2, k, h, w).softmax(1)
     labels, changed = refiner.refine(images, probs, return_changed=True)
 
-    with torch.no_grad():
-        emb = net(images)  # [B,C,H,W], the full bilinear upsampling
+    with torch.no_grad():  # the full bilinear upsampling of the input padded to the stride
+        emb = net(F.pad(images, (0, 3, 0, 3)))[..., :h, :w]  # [B,C,H,W]: 40x48 cropped
     d = torch.cdist(emb.permute(0, 2, 3, 1).reshape(-1, 8), protos).view(2, h, w, k)
     d = d.masked_fill(~present, float("inf"))
     top = probs.topk(3, dim=1).indices.permute(0, 2, 3, 1)  # [B,H,W,N]

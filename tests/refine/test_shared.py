@@ -274,3 +274,23 @@ def test_evaluate_does_not_share_an_augmented_forward(
     own = evaluate(peer, [(x, labels)], refiner=OwnBackbone(refiner), **options)
     assert shared["refine"] == {**own["refine"], "ms_per_image": shared["refine"]["ms_per_image"]}
     assert shared["refine"]["shared_images"] == 0  # reported as the refiner's own pass
+
+
+def test_the_base_backbone_is_taken_whole_or_refused() -> None:
+    """base-frozen / base-finetune read the base's own network: a ResNet-18 embedding matches
+    the first blocks of a ResNet-34 base by name, and a ResNet-34 one finds only a ResNet-18's
+    blocks: both are another network, refused (strict); the same backbone is copied whole."""
+    from dualseg.errors import ConfigError
+
+    cfg18 = RefinerConfig(embed_dim=8, backbone="resnet18")
+    cfg34 = RefinerConfig(embed_dim=8, backbone="resnet34")
+    base18 = build_model("deeplabv3_resnet18", num_classes=K)
+    base34 = build_model("dualseg_resnet34", num_classes=K)  # its RGB branch is read
+    with pytest.raises(ConfigError, match=r"120 of the embedding backbone's 120 .* holds 216"):
+        init_backbone_from(cfg18.embedding_net().backbone, base34, strict=True)
+    with pytest.raises(ConfigError, match=r"120 of the embedding backbone's 216 .* holds 120"):
+        init_backbone_from(cfg34.embedding_net().backbone, base18, strict=True)
+    net = cfg18.embedding_net()
+    assert init_backbone_from(net.backbone, base18, strict=True) == 120
+    for key, value in net.backbone.state_dict().items():
+        assert torch.equal(value, base18.backbone.state_dict()[key]), key

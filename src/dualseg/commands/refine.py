@@ -26,6 +26,7 @@ from dualseg.commands.common import (
     fraction,
     mode_of,
     nonnegative_int,
+    unique_names,
 )
 from dualseg.commands.predict import add_dataset_check_options
 from dualseg.console import argparse_kwargs, track
@@ -286,7 +287,7 @@ def fit_main(args: argparse.Namespace) -> int:
     from dualseg.data import build_dataset, build_eval_transform, build_train_transform
     from dualseg.data.presets import require_same_classes
     from dualseg.io import check_writable
-    from dualseg.refine.base import load_base
+    from dualseg.refine.base import ProbsFolderBase, load_base
     from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig
 
     if args.steps < 1:
@@ -362,6 +363,9 @@ def fit_main(args: argparse.Namespace) -> int:
                 model=f"the base model {args.base}",
                 data=f"{args.data}",
             )
+    if held_out is not None and isinstance(base, ProbsFolderBase):  # before the fit, not after
+        files = held_out_names(held_out)
+        base.require([name for _, name in files], [str(path) for path, _ in files])
     from_base = args.init_backbone == "base" or args.backbone_source != "independent"
     if from_base and not hasattr(base, "module"):
         raise ConfigError(
@@ -476,6 +480,12 @@ def calibration_dataset(args: argparse.Namespace, train: Any) -> Any:
     return held_out
 
 
+def held_out_names(held_out: Any) -> list[tuple[Path, str]]:
+    """``(image path, name)`` of every ``--calibrate-split`` image, named as ``dualseg predict``
+    names its outputs (file stem, ``_<k>`` for repeats): how a probability folder is read."""
+    return unique_names([(Path(image), Path(image).stem) for image, _ in held_out.samples])
+
+
 def calibrate(
     refiner: Any,
     base: Any,
@@ -490,14 +500,26 @@ def calibrate(
     the best rows."""
     from dualseg.refine.calibrate import choose_decision, sweep_decision
 
-    loader = torch.utils.data.DataLoader(held_out, batch_size=1)
+    files = held_out_names(held_out)
+    at: list[tuple[Path, str]] = []  # the image the sweep scores now: a folder base needs it
+
+    def batches() -> Any:
+        for i in range(len(held_out)):
+            image, label = held_out[i]
+            at[:] = files[i : i + 1]
+            yield image[None], label[None]
+
+    def base_scores(x: torch.Tensor) -> torch.Tensor:  # logits or probabilities: both read
+        ((path, name),) = at
+        return base.scores(x, [name], sources=[str(path)])
+
     module = getattr(base, "module", None)  # a model's backbone output is read, not rerun
     kept = refiner.shared_features(module) if module is not None else contextlib.nullcontext()
     with kept as shared:
         rows = sweep_decision(
             refiner,
-            lambda x: base.scores(x, []).softmax(1),
-            loader,
+            base_scores,
+            batches(),
             num_classes=refiner.num_classes,
             ignore_index=held_out.meta.ignore_index,
             device=device,

@@ -129,9 +129,11 @@ def segmenter_wrapper(model: nn.Module, output: str = "logits") -> ExportWrapper
 
 def embedding_wrapper(refiner: Any) -> ExportWrapper:
     """What a method-B export holds: ``refiner.net.features`` of the image resized by the
-    refiner's ``input_scale`` (``embed_features`` of ``dualseg.refine.refiner``)."""
+    refiner's ``input_scale`` and padded to its output stride (``embed_features`` of
+    ``dualseg.refine.embedding``)."""
     return ExportWrapper(
         _Features(refiner.net.eval()),
+        pad_multiple=refiner.config.output_stride,
         output="features",
         crop=False,
         input_scale=refiner.config.input_scale,
@@ -409,7 +411,7 @@ def export_refiner(
 
     ``refiner``: a ``BoundaryRefiner`` or the path of a refiner file. The exported network maps
     an image to the low-resolution embedding ``[B,C,h,w]`` (the image resized by the refiner's
-    ``input_scale`` first), exactly ``embed_features`` of the refiner; the sidecar
+    ``input_scale`` and padded to its stride first), exactly ``embed_features``; the sidecar
     (``<path stem>.json``) holds prototypes, the present-class mask, class names and the
     configuration. Load the pair with ``dualseg.export.runtime.load_exported_refiner``.
     Returns ``(model path, sidecar path)``.

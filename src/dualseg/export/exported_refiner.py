@@ -114,7 +114,7 @@ class ExportedRefiner:
         import torch
 
         from dualseg.refine.decision import prototype_scale
-        from dualseg.refine.embedding import p1_filter
+        from dualseg.refine.embedding import embedding_cover, p1_filter
         from dualseg.refine.refiner import prototype_scores, relabel  # BoundaryRefiner's P2-P5
 
         if probs.ndim != 4 or x.shape[0] != probs.shape[0] or x.shape[-2:] != probs.shape[-2:]:
@@ -140,7 +140,9 @@ class ExportedRefiner:
         p = torch.from_numpy(np.ascontiguousarray(probs, np.float32))
         present = torch.from_numpy(self.present)
         scale = prototype_scale(protos, present)
-        out, changed = relabel(p, scores, present, self.config, scale=scale)
+        cfg = self.config
+        covered = embedding_cover(x.shape[-2:], cfg.input_scale, cfg.output_stride)
+        out, changed = relabel(p, scores, present, cfg, scale=scale, covered=covered)
         return out.numpy(), changed.numpy()
 
 

@@ -178,6 +178,12 @@ class ProbsFolderBase:
             )
         return path
 
+    def require(self, names: Sequence[str], sources: Sequence[str]) -> None:
+        """Raise the :class:`DataError` that :meth:`scores` would for the first of these images
+        without a map here (so a command can refuse before hours of work, not after)."""
+        for name, source in zip(names, sources):
+            self._find(name, str(source))
+
     def scores(
         self, images: Tensor, names: Sequence[str], sources: Sequence[str] | None = None
     ) -> Tensor:

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dualseg.errors import DataError
 from dualseg.refine.boundary import near_boundary_mask
 from dualseg.refine.embedding import EmbeddingNet
 
@@ -84,14 +83,15 @@ def gather_candidates(
     radius: int,
     edge_method: str,
     scale: float = 1.0,
-    covered: tuple[int, int] | None = None,
+    covered: tuple[float, float] | None = None,
 ) -> Candidates:
     """P2-P4 and P5's distances on class scores ``probs [B,C,H,W]`` (probabilities or logits).
 
     ``scores(keep)`` returns ``prototype_scores`` ``[b,K,h,w]`` of the images that ``keep``
     (bool ``[B]``) selects: those with near-boundary pixels, so the embedding runs only there.
-    ``covered``: the input size ``(H', W')`` those maps cover when it is not the image's — a
-    base model's input padded at the bottom and right (``None``: the image, ``(H, W)``).
+    ``covered``: the size ``(H', W')``, in image pixels, those maps span when it is not the
+    image's — an input padded at the bottom and right to a multiple of the stride, the base
+    model's or the embedding model's own (``None``: the image, ``(H, W)``).
     """
     p = probs.float()
     # P2's Pred is the argmax, first index on ties like argmax (topk's first is not: on
@@ -109,16 +109,7 @@ def gather_candidates(
     second = cand_p[:, 1] if n > 1 else torch.zeros_like(cand_p[:, 0])
     if edge.any():
         keep = edge.flatten(1).any(1)
-        at = edge[keep]
-        if covered is not None and covered != tuple(at.shape[-2:]):  # padded: same pixel order
-            pad_h, pad_w = covered[0] - at.shape[-2], covered[1] - at.shape[-1]
-            if pad_h < 0 or pad_w < 0:
-                raise DataError(
-                    f"score maps covering {covered} cannot hold images of {tuple(at.shape[-2:])}"
-                    "; pass the base's features for these very images, or none"
-                )
-            at = torch.nn.functional.pad(at, (0, pad_w, 0, pad_h))
-        s = EmbeddingNet.sample(scores(keep), at)  # [M,K], in edge.nonzero() order
+        s = EmbeddingNet.sample(scores(keep), edge[keep], covered)  # [M,K], edge.nonzero() order
         dist = (s.gather(1, cand) / scale).masked_fill(~present.to(cand.device)[cand], float("inf"))
     else:
         dist = torch.zeros(cand.shape, dtype=torch.float32, device=cand.device)

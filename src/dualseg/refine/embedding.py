@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dualseg.errors import ConfigError
+
 log = logging.getLogger(__name__)
 
 
@@ -63,12 +65,18 @@ class EmbeddingNet(nn.Module):
         return F.interpolate(f, size=x.shape[-2:], mode="bilinear", align_corners=False)
 
     @staticmethod
-    def sample(features: Tensor, mask: Tensor) -> Tensor:
+    def sample(
+        features: Tensor, mask: Tensor, covered: tuple[float, float] | None = None
+    ) -> Tensor:
         """Embeddings ``[M,C]`` of the ``mask`` pixels (``[B,H,W]`` bool, input size), in
         ``mask.nonzero()`` order — equal to ``upsample(features)[b, :, y, x]`` for each pixel.
+
+        ``covered``: the size ``(H', W')``, in the mask's pixels, that ``features`` span when it
+        is not the mask's own (an input padded at the bottom and right to a multiple of the
+        stride spans more: :func:`embedding_cover`); ``None``: ``(H, W)``.
         """
         b, c = features.shape[:2]
-        H, W = mask.shape[-2:]
+        H, W = covered if covered is not None else mask.shape[-2:]
         idx = mask.nonzero()  # [M,3] (b, y, x)
         if idx.numel() == 0:
             return features.new_zeros(0, c)
@@ -102,13 +110,37 @@ def p1_filter(images: Tensor, sigma: float) -> Tensor:
     return TF.gaussian_blur(images, kernel_size=[k, k], sigma=[sigma, sigma])
 
 
-def embed_features(net: EmbeddingNet, images: Tensor, input_scale: float = 1.0) -> Tensor:
-    """Low-resolution embedding of ``images``, optionally of a resized copy (``input_scale``)."""
+def embed_features(
+    net: EmbeddingNet, images: Tensor, input_scale: float, output_stride: int
+) -> Tensor:
+    """Low-resolution embedding of ``images``, optionally of a resized copy (``input_scale``),
+    padded at the bottom and right to a multiple of ``output_stride`` as dualseg's models pad
+    their input: the map then spans :func:`embedding_cover` pixels of the image, on a grid
+    aligned with the image's (an unpadded 360-row image at stride 16 gives 23 rows that span
+    368, and sampling them as if they spanned 360 drifts by up to half a stride)."""
     if input_scale != 1.0:
         images = F.interpolate(
             images, scale_factor=input_scale, mode="bilinear", align_corners=False
         )
+    k = output_stride
+    if k > 1:
+        h, w = images.shape[-2:]
+        images = F.pad(images, (0, (k - w % k) % k, 0, (k - h % k) % k))
     return net.features(images)
+
+
+def embedding_cover(
+    size: tuple[int, int], input_scale: float, output_stride: int
+) -> tuple[float, float]:
+    """The size, in pixels of an image of ``size``, that :func:`embed_features`' map spans:
+    the resized image (``floor(H·s)`` rows, as ``F.interpolate`` makes) padded to a multiple
+    of the stride, mapped back by ``1/s`` (the coordinate map ``interpolate`` uses)."""
+    k = max(1, output_stride)
+    spans = []
+    for n in size:
+        m = math.floor(n * input_scale) if input_scale != 1.0 else n
+        spans.append(math.ceil(m / k) * k / input_scale)
+    return spans[0], spans[1]
 
 
 def build_embedding_net(
@@ -132,22 +164,38 @@ def build_embedding_net(
     return EmbeddingNet(net, fuse, embed_dim, freeze_backbone=freeze_backbone)
 
 
-def init_backbone_from(backbone: nn.Module, source: nn.Module | Mapping[str, Tensor]) -> int:
+def init_backbone_from(
+    backbone: nn.Module, source: nn.Module | Mapping[str, Tensor], *, strict: bool = False
+) -> int:
     """Copy a base model's backbone weights into ``backbone``; returns how many tensors matched.
 
     Works on names, not on a fixed layout: a backbone tensor ``layer1.0.conv1.weight`` takes the
     base model's tensor whose name ends with ``.layer1.0.conv1.weight`` and has the same shape
     (the RGB branch first for method A's dual-branch network, then the first match in order).
+    ``strict``: the copy must be the base's whole backbone, tensor for tensor — every tensor of
+    ``backbone`` found, and the base holding no more under the prefixes they came from (a
+    ResNet-18 matches the first blocks of a ResNet-34 by name) — else a :class:`ConfigError`.
     """
     state = source.state_dict() if isinstance(source, nn.Module) else dict(source)
     names = sorted(state, key=lambda k: (0 if "rgb" in k.lower() else 1, k))
     target = backbone.state_dict()
     copied: dict[str, Tensor] = {}
+    prefixes: set[str] = set()
     for key, value in target.items():
         for cand in names:
             if (cand == key or cand.endswith("." + key)) and state[cand].shape == value.shape:
                 copied[key] = state[cand]
+                prefixes.add(cand[: len(cand) - len(key)])
                 break
+    if strict:
+        theirs = sum(1 for k in state if any(k.startswith(p) for p in prefixes))
+        if len(copied) < len(target) or theirs > len(copied):
+            raise ConfigError(
+                f"the base model's backbone is not the embedding's: {len(copied)} of the "
+                f"embedding backbone's {len(target)} tensors found in the base, which holds "
+                f"{theirs} there; pass the base model's backbone name (--backbone), or use "
+                "ImageNet initialization"
+            )
     backbone.load_state_dict(copied, strict=False)
     log.info("backbone initialized from the base model: %d of %d tensors", len(copied), len(target))
     return len(copied)

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from dualseg.refine.boundary import near_boundary_mask
-from dualseg.refine.embedding import EmbeddingNet, embed_features
+from dualseg.refine.embedding import EmbeddingNet, embed_features, embedding_cover
 
 
 class PrototypeAccumulator:
@@ -52,7 +52,8 @@ def stream_prototypes(
     *,
     radius: int = 5,
     edge_method: str = "canny",
-    input_scale: float = 1.0,
+    input_scale: float,
+    output_stride: int,
     ignore_index: int = 255,
     device: str | torch.device = "cpu",
     num_workers: int = 0,
@@ -70,6 +71,7 @@ def stream_prototypes(
             labels, radius=radius, ignore_index=ignore_index, method=edge_method
         )
         if edge.any():
-            feats = embed_features(net, images, input_scale)
-            acc.update(EmbeddingNet.sample(feats, edge), labels[edge])
+            feats = embed_features(net, images, input_scale, output_stride)
+            covered = embedding_cover(images.shape[-2:], input_scale, output_stride)
+            acc.update(EmbeddingNet.sample(feats, edge, covered), labels[edge])
     return acc.compute()

@@ -37,6 +37,7 @@ from dualseg.refine.embedding import (
     EmbeddingNet,
     build_embedding_net,
     embed_features,
+    embedding_cover,
     init_backbone_from,
     p1_filter,
 )
@@ -277,7 +278,8 @@ class BoundaryRefiner:
             )
         self.check_classes(None, probs.shape[1])
         images = images.to(self.device)
-        sigma = self.config.p1_blur_sigma if p1_blur_sigma is None else p1_blur_sigma
+        cfg = self.config
+        sigma = cfg.p1_blur_sigma if p1_blur_sigma is None else p1_blur_sigma
 
         if features is not None and sigma != 0:
             raise ConfigError(
@@ -292,11 +294,14 @@ class BoundaryRefiner:
                 local = features[0].to(self.device)[keep]
                 return prototype_scores(self.net.fuse(local), self.prototypes)
             x = p1_filter(images[keep].float(), sigma)  # P1 (normalization came before)
-            feats = embed_features(self.net, x, self.config.input_scale)
+            feats = embed_features(self.net, x, cfg.input_scale, cfg.output_stride)
             return prototype_scores(feats, self.prototypes)
 
         scale = prototype_scale(self.prototypes, self.present)
-        covered = features[1] if features is not None else None
+        if features is not None:  # the base's padded input
+            covered: tuple[float, float] = features[1]
+        else:
+            covered = embedding_cover(images.shape[-2:], cfg.input_scale, cfg.output_stride)
         return collect(
             probs.to(self.device).float(), scores, self.present, self.config, scale, covered
         )
@@ -448,11 +453,8 @@ class BoundaryRefiner:
             )
         if net is None:
             net = cfg.embedding_net(weights=weights)
-            if init_from is not None and init_backbone_from(net.backbone, init_from) == 0:
-                raise ConfigError(
-                    f"no tensor of the base model fits backbone {cfg.backbone!r}; use the base "
-                    "model's backbone name, or ImageNet initialization"
-                )
+            if init_from is not None:  # the base's whole backbone, or refused
+                init_backbone_from(net.backbone, init_from, strict=True)
         net.to(dev)
         history = train_embedding(
             net,
@@ -478,6 +480,7 @@ class BoundaryRefiner:
             radius=cfg.radius,
             edge_method=cfg.edge_method,
             input_scale=cfg.input_scale,
+            output_stride=cfg.output_stride,
             ignore_index=ignore_index,
             device=dev,
             num_workers=num_workers,
@@ -556,7 +559,7 @@ def collect(
     present: Tensor,
     config: RefinerConfig,
     scale: float = 1.0,
-    covered: tuple[int, int] | None = None,
+    covered: tuple[float, float] | None = None,
 ) -> Candidates:
     """P2-P4 and P5's distances with ``config``'s Top-N and mask options."""
     return gather_candidates(
@@ -588,6 +591,7 @@ def relabel(
     config: RefinerConfig,
     *,
     scale: float = 1.0,
+    covered: tuple[float, float] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """P2-P5 on class scores ``probs [B,C,H,W]``: ``(labels [B,H,W] int64, changed bool)``.
 
@@ -595,9 +599,10 @@ def relabel(
     (bool ``[B]``) selects: those with near-boundary pixels, so the embedding model runs only
     on them. ``BoundaryRefiner`` runs its ``EmbeddingNet`` there, the exported refiner its
     onnxruntime / TorchScript model. ``scale``: :func:`~dualseg.refine.decision.prototype_scale`
-    of the prototypes, the unit of ``config.prior_weight``.
+    of the prototypes, the unit of ``config.prior_weight``. ``covered``: the size, in image
+    pixels, the score maps span (:func:`~dualseg.refine.embedding.embedding_cover`).
     """
-    return decide_as(collect(probs, scores, present, config, scale), config)
+    return decide_as(collect(probs, scores, present, config, scale, covered), config)
 
 
 def _as_tensor(x: Any) -> Tensor:
