@@ -11,6 +11,7 @@ from checkpoint_helpers import write_peer_checkpoint
 from dualseg.commands.refine import main as refine_main
 from dualseg.data import build_dataset, make_synthetic_dataset
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+from dualseg.errors import CheckpointError
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.formats import TRAIN_FORMAT, load_state
 
@@ -126,6 +127,9 @@ def test_time_budget_stops_the_triplet_steps_early_and_resume_goes_on(
     state = load_state(ckpt, TRAIN_FORMAT, "checkpoint")
     assert [h["step"] for h in state["history"]] == [1, 2, 3, 4, 5]
     assert BoundaryRefiner.load(out).config.steps == 5
+    # fewer steps than made already: refused, not recorded as a 3-step refiner of 5 steps
+    with pytest.raises(CheckpointError, match=r"trained 5 steps already.*--steps 5 or more"):
+        refine_main([*argv[:-2], "--steps", "3", "--checkpoint", str(ckpt), "--resume"])
 
 
 def one_line(capsys: pytest.CaptureFixture) -> str:

@@ -111,6 +111,11 @@ def train_embedding(
                 f"{ckpt_path} was written with another configuration or class set; resume with "
                 "the same options (only --steps may change), or delete it to start over"
             )
+        if int(state["step"]) > cfg.steps:
+            raise CheckpointError(
+                f"{ckpt_path} has trained {int(state['step'])} steps already, more than "
+                f"--steps {cfg.steps}; resume with --steps {int(state['step'])} or more"
+            )
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start, history = int(state["step"]), list(state["history"])
