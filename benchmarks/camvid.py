@@ -116,6 +116,7 @@ RECIPE = (
     "optim.warmup_iters",
     "train.max_iters",
     "train.seed",
+    "train.amp",
     "data.crop_size",
     "data.scale_range",
     "data.batch_size",
@@ -261,6 +262,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     plateau.add_argument("--output-stride", type=int, help="every model's (default: its own)")
     plateau.add_argument("--head-lr-mult", type=float, default=1.0, help="LR × for the head")
     plateau.add_argument("--warmup-iters", type=int, default=0)
+    plateau.add_argument(
+        "--amp",
+        choices=("none", "bf16"),
+        default="none",
+        help="training precision: none (fp32, the published protocol) or bf16 autocast (the "
+        "train.amp check: CPUs with AVX-512 BF16/AMX, or a GPU); evaluation stays fp32",
+    )
     return p.parse_args(argv)
 
 
@@ -333,6 +341,7 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
                 min_delta=args.min_delta / 100.0,
                 seed=args.seed,
                 device=args.device,
+                amp=args.amp,
                 progress=False,
                 tensorboard=False,
             ),

@@ -94,12 +94,17 @@ def test_s33_default_stops_when_the_validation_loss_stops_decreasing(
     assert all(r["val_loss"] > 0 for r in records if "val_miou" in r)  # watched, and logged
 
 
-def test_cpu_amp_choices() -> None:
+def test_cpu_amp_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dualseg.engine import train
     from dualseg.engine.train import _amp_dtype
     from dualseg.errors import ConfigError
 
     cpu = torch.device("cpu")
-    assert _amp_dtype("auto", cpu) is None  # fp32 on CPU unless bf16 is asked for
+    # auto: bf16 where the CPU computes it natively (AVX-512 BF16 / AMX), else fp32
+    for native, expected in ((True, torch.bfloat16), (False, None)):
+        monkeypatch.setattr(train, "cpu_has_native_bf16", lambda native=native: native)
+        assert _amp_dtype("auto", cpu) is expected
+        assert _amp_dtype("none", cpu) is None
     assert _amp_dtype("bf16", cpu) is torch.bfloat16  # opt-in (warns without native bf16)
     with pytest.raises(ConfigError, match="fp16 needs a GPU"):
         _amp_dtype("fp16", cpu)

@@ -175,8 +175,8 @@ class TrainConfig:
     seed: int = 0  # seed of every random stream (init, sampling, augmentation)
     deterministic: bool = False  # deterministic kernels (bit-identical resume on CPU)
     device: str = "auto"  # auto | cpu | cuda | cuda:N (auto: CUDA when available)
-    # mixed precision: auto (bf16, else fp16, on CUDA; none on CPU) | none | bf16 | fp16; bf16
-    # on CPU is opt-in (native on AVX-512 BF16 / AMX CPUs, emulated and far slower elsewhere)
+    # mixed precision: auto (bf16, else fp16, on CUDA; on CPU bf16 where it is native: AVX-512
+    # BF16 / AMX, else none) | none | bf16 | fp16 (bf16 on other CPUs is emulated, far slower)
     amp: Literal["auto", "none", "bf16", "fp16"] = "auto"
     channels_last: bool = True  # channels-last memory format (GPU and CPU: oneDNN convolutions)
     compile: bool = False  # torch.compile the training model
