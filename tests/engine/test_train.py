@@ -110,6 +110,13 @@ def test_cpu_amp_choices(monkeypatch: pytest.MonkeyPatch) -> None:
         _amp_dtype("fp16", cpu)
 
 
+def test_autocast_training_says_so(data: Path, tmp_path: Path, capsys) -> None:
+    fit(tiny(data, tmp_path / "bf16", max_iters=1, val_every=0, amp="bf16"))
+    assert "training in bf16 autocast on cpu (train.amp bf16;" in capsys.readouterr().out
+    fit(tiny(data, tmp_path / "fp32", max_iters=1, val_every=0, amp="none"))
+    assert "training in" not in capsys.readouterr().out
+
+
 def _patch_samples(monkeypatch: pytest.MonkeyPatch, at: int, action) -> None:
     """Run ``action(sample)`` on the ``at``-th training sample read (1-based)."""
     real = SegmentationDataset.__getitem__

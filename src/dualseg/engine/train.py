@@ -553,6 +553,12 @@ def _start(run: _Run, overwrite: bool = False) -> None:
             run.log.message(f"settings changed since that checkpoint: {said}")
     elif run.resume == "auto":
         run.log.message(f"no checkpoint in {run.out_dir}; starting a new run")
+    if run.amp_dtype is not None:  # auto may pick it on a CPU: never silently
+        kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}[run.amp_dtype]
+        run.log.message(
+            f"training in {kind} autocast on {run.env.device.type} (train.amp {t.amp}; "
+            "--train.amp none for fp32)"
+        )
 
 
 def _loop(run: _Run) -> None:
