@@ -234,3 +234,26 @@ def test_a_truly_flat_folder_serves_any_split(tmp_path):
         assert len(build_dataset(root, split=split, preset=TINY)) == 4
     report = check_dataset(root, preset=TINY)
     assert not report.problems and report.pairs == {"train": 4}
+
+
+def test_list_files_with_a_bom_or_another_encoding(list_root):
+    listed = list_root / "train.txt"
+    text = listed.read_text(encoding="utf-8")
+    listed.write_bytes(b"\xef\xbb\xbf" + text.encode())  # Windows Notepad's UTF-8
+    assert len(build_dataset(list_root, preset=TINY).samples) == 3
+    listed.write_bytes("caf\xe9.png caf\xe9.png\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"train.txt: not UTF-8 text .*save the list file as UTF-8"):
+        build_dataset(list_root, preset=TINY)
+
+
+def test_files_sharing_a_stem_are_a_problem_not_a_guess(tmp_path):
+    rng = np.random.default_rng(5)
+    for stem in ("a", "b"):
+        image, label = random_pair(rng)
+        save(tmp_path / "images" / f"{stem}.png", image)
+        save(tmp_path / "labels" / f"{stem}.png", label)
+    save(tmp_path / "images" / "a.jpg", random_pair(rng)[0])  # which image is a.png's?
+    report = check_dataset(tmp_path, preset=TINY)
+    assert any("a.jpg, a.png share the name 'a'" in p for p in report.problems), report.problems
+    with pytest.raises(DataError, match="share the name 'a'"):
+        build_dataset(tmp_path, preset=TINY)

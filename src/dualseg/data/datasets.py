@@ -58,9 +58,19 @@ class Discovery:
     split_missing: bool = False  # the split's list file / folder does not exist at all
 
 
+def _list_lines(list_file: Path) -> list[str]:
+    """A list file's lines: UTF-8, a leading byte-order mark (Windows Notepad's) dropped."""
+    try:
+        return list_file.read_text(encoding="utf-8-sig").splitlines()
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"{list_file}: not UTF-8 text (byte {err.start}); save the list file as UTF-8"
+        ) from None
+
+
 def _read_list(list_file: Path, found: Discovery) -> None:
     base = list_file.parent
-    for n, line in enumerate(list_file.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(_list_lines(list_file), start=1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -92,12 +102,20 @@ def _scan_list(root: Path, split: str) -> Discovery:
     return found
 
 
-def _images_by_stem(folder: Path) -> dict[str, Path]:
-    return {
-        p.stem: p
-        for p in sorted(folder.iterdir())
-        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")
-    }
+def _images_by_stem(folder: Path, problems: list[str]) -> dict[str, Path]:
+    """The folder's image files by stem; files sharing a stem (``a.jpg`` and ``a.png``) cannot
+    be paired by name: each such stem is a problem, and none of its files is used."""
+    by_stem: dict[str, list[Path]] = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."):
+            by_stem.setdefault(p.stem, []).append(p)
+    for stem, paths in by_stem.items():
+        if len(paths) > 1:
+            problems.append(
+                f"{folder}: {', '.join(p.name for p in paths)} share the name {stem!r}, so "
+                "which one pairs is ambiguous; keep one of them"
+            )
+    return {stem: paths[0] for stem, paths in by_stem.items() if len(paths) == 1}
 
 
 def _label_dir(images: Path) -> Path | None:
@@ -114,7 +132,7 @@ def _label_dir(images: Path) -> Path | None:
 def _is_list_file(path: Path) -> bool:
     """Whether ``path``'s first entry is an ``image_path label_path`` line (a split's list)."""
     try:
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding="utf-8-sig") as f:
             for line in f:
                 line = line.strip()
                 if line and not line.startswith("#"):
@@ -170,7 +188,7 @@ def _scan_folder(root: Path, split: str) -> Discovery:
             f"{root}/images/{split}, {root}); arrange the files so or pass --layout"
         )
         return found
-    images, labels = map(_images_by_stem, dirs)
+    images, labels = (_images_by_stem(d, found.problems) for d in dirs)
     found.source = dirs[0]
     for stem, img in images.items():
         if stem in labels:
@@ -191,7 +209,7 @@ def _scan_voc(root: Path, split: str) -> Discovery:
         found.split_missing = True
         found.problems.append(f"{list_file}: VOC split file not found; check ROOT and --split")
         return found
-    for n, line in enumerate(list_file.read_text(encoding="utf-8").splitlines(), start=1):
+    for n, line in enumerate(_list_lines(list_file), start=1):
         stem = line.strip()
         if not stem:
             continue
@@ -244,8 +262,8 @@ def _scan_ade20k(root: Path, split: str) -> Discovery:
             f"{ADE_FOLDER} folder (or its parent) and --split train or val"
         )
         return found
-    labels = _images_by_stem(ann_dir)
-    for stem, img in _images_by_stem(img_dir).items():
+    labels = _images_by_stem(ann_dir, found.problems)
+    for stem, img in _images_by_stem(img_dir, found.problems).items():
         if stem in labels:
             found.samples.append((img, labels[stem]))
         else:
