@@ -39,3 +39,35 @@ def test_own_pass_reads_each_pixel_where_it_is(size: tuple[int, int], input_scal
     read = EmbeddingNet.sample(feats, mask, covered)  # [M,2]
     where = mask.nonzero()[:, 1:].float()
     torch.testing.assert_close(read, where, atol=0.3, rtol=0)
+
+
+@pytest.mark.parametrize("input_scale", [1.0, 0.5])
+def test_a_static_export_is_read_where_each_pixel_is(input_scale: float) -> None:
+    """A static ONNX export resizes every image to its own size first (the runner does); the
+    exported refiner then samples the span of that size, scaled back to the image."""
+    from dualseg.export.export import ExportWrapper
+    from dualseg.export.exported_refiner import runner_span
+    from dualseg.export.runners import _resize_chw_batch
+
+    stride, static = 16, (256, 320)
+    wrapper = ExportWrapper(
+        coordinate_probe(stride), pad_multiple=stride, output="features", crop=False,
+        input_scale=input_scale,
+    )  # fmt: skip
+
+    class StaticRunner:  # what OnnxRunner does for a static export, with the probe inside
+        static_hw = static
+
+        def __call__(self, x):
+            with torch.no_grad():
+                return wrapper(torch.from_numpy(_resize_chw_batch(x, static))).numpy()
+
+    H, W = 360, 480
+    ys, xs = torch.meshgrid(torch.arange(float(H)), torch.arange(float(W)), indexing="ij")
+    image = torch.stack([ys, xs])[None]
+    feats = torch.from_numpy(StaticRunner()(image.numpy()))
+    covered = runner_span(StaticRunner(), (H, W), input_scale, stride)
+    mask = torch.zeros(1, H, W, dtype=torch.bool)
+    mask[0, 40:300, 40:420] = True  # inside the first and last full cells' centres
+    read = EmbeddingNet.sample(feats, mask, covered)  # the resized image keeps the coordinates
+    torch.testing.assert_close(read, mask.nonzero()[:, 1:].float(), atol=0.5, rtol=0)

@@ -114,7 +114,7 @@ class ExportedRefiner:
         import torch
 
         from dualseg.refine.decision import prototype_scale
-        from dualseg.refine.embedding import embedding_cover, p1_filter
+        from dualseg.refine.embedding import p1_filter
         from dualseg.refine.refiner import prototype_scores, relabel  # BoundaryRefiner's P2-P5
 
         if probs.ndim != 4 or x.shape[0] != probs.shape[0] or x.shape[-2:] != probs.shape[-2:]:
@@ -141,9 +141,24 @@ class ExportedRefiner:
         present = torch.from_numpy(self.present)
         scale = prototype_scale(protos, present)
         cfg = self.config
-        covered = embedding_cover(x.shape[-2:], cfg.input_scale, cfg.output_stride)
+        covered = runner_span(self.runner, x.shape[-2:], cfg.input_scale, cfg.output_stride)
         out, changed = relabel(p, scores, present, cfg, scale=scale, covered=covered)
         return out.numpy(), changed.numpy()
+
+
+def runner_span(
+    runner: Any, size: tuple[int, int], input_scale: float, output_stride: int
+) -> tuple[float, float]:
+    """The size, in pixels of an image of ``size``, that ``runner``'s embedding map spans
+    (:func:`~dualseg.refine.embedding.embedding_cover`); a static ONNX export first resizes
+    every image to its own ``static_hw``, so there it is that size's span, scaled back."""
+    from dualseg.refine.embedding import embedding_cover
+
+    static = getattr(runner, "static_hw", None)
+    if static is None:
+        return embedding_cover(tuple(size), input_scale, output_stride)
+    ch, cw = embedding_cover(tuple(static), input_scale, output_stride)
+    return ch * size[0] / static[0], cw * size[1] / static[1]
 
 
 def _numpy(x: Any) -> np.ndarray:
