@@ -49,6 +49,11 @@ _BACKGROUND = (255, 255, 255)
 _TEXT = (0, 0, 0)
 
 
+def default_palette(n: int) -> list[tuple[int, int, int]]:
+    """Distinct-enough colours for ``n`` classes when no palette is stored."""
+    return [((37 * i) % 256, (97 * i) % 256, (173 * i) % 256) for i in range(n)]
+
+
 def _numpy(x: Any) -> np.ndarray:
     if hasattr(x, "detach"):  # torch tensor
         x = x.detach().cpu().numpy()

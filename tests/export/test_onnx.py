@@ -86,3 +86,30 @@ def test_foreign_onnx_is_rejected(tmp_path):
     (tmp_path / "junk.onnx").write_bytes(b"not a model")
     with pytest.raises(CheckpointError, match="not a readable ONNX model"):
         read_export_info(tmp_path / "junk.onnx")
+
+
+def test_an_export_without_a_palette_predicts_in_default_colours(torch_model, tmp_path):
+    """export_model(palette=None): the export stores distinct default colours, and a file that
+    holds none (written so before) is read with them, not an empty palette that breaks
+    predict and serve."""
+    from dualseg.export.exported_segmenter import ExportedSegmenter
+    from dualseg.viz import colorize, default_palette
+
+    model, meta = torch_model
+    path = export_model(model, tmp_path / "nopal.onnx", class_names=meta.class_names)
+    n = len(meta.class_names)
+    assert read_export_info(path)["palette"] == [list(c) for c in default_palette(n)]
+    seg = ExportedSegmenter(path)
+    assert len(seg.meta.palette) == n
+    labels = seg.predict(np.zeros((40, 56, 3), np.uint8))
+    assert colorize(labels, seg.meta.palette).shape == (40, 56, 3)
+
+    import onnx
+
+    old = onnx.load(str(path))  # as such a file was written before: an empty palette
+    for entry in old.metadata_props:
+        if entry.key == "dualseg.palette":
+            entry.value = "[]"
+    onnx.save(old, str(tmp_path / "old.onnx"))
+    assert read_export_info(tmp_path / "old.onnx")["palette"] == []
+    assert ExportedSegmenter(tmp_path / "old.onnx").meta.palette == tuple(default_palette(n))

@@ -573,12 +573,12 @@ def apply_main(args: argparse.Namespace) -> int:
         inference_options,
         write_outputs,
     )
-    from dualseg.engine.checkpoint import default_palette
     from dualseg.engine.inference import infer_logits
     from dualseg.engine.predict import as_rgb_array
     from dualseg.imaging import normalize
     from dualseg.io import atomic_save_image, check_writable
     from dualseg.refine.base import load_base
+    from dualseg.viz import default_palette
 
     opts = inference_options(args)
     out = check_writable(args.out, kind="dir", what="--out")

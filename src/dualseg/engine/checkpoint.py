@@ -30,6 +30,7 @@ from torch import nn
 from dualseg.errors import CheckpointError
 from dualseg.io import atomic_torch_save
 from dualseg.serialization import safe_torch_load
+from dualseg.viz import default_palette
 
 if TYPE_CHECKING:  # pragma: no cover
     from dualseg.data import DatasetMeta
@@ -238,11 +239,6 @@ def load_model_state(model: nn.Module, ckpt: Mapping[str, Any]) -> None:
             f"({'; '.join(problems)}); use a checkpoint of this architecture and class count"
         )
     model.load_state_dict(ckpt["model"])
-
-
-def default_palette(n: int) -> list[tuple[int, int, int]]:
-    """Distinct-enough colours for ``n`` classes when no palette is stored."""
-    return [((37 * i) % 256, (97 * i) % 256, (173 * i) % 256) for i in range(n)]
 
 
 def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:

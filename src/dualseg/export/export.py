@@ -42,6 +42,7 @@ from dualseg.export.runners import (
 )
 from dualseg.io import atomic_write_bytes, atomic_write_json
 from dualseg.serialization import TORCHSCRIPT_META
+from dualseg.viz import default_palette
 
 __all__ = [
     "FORMATS",
@@ -171,7 +172,9 @@ def export_info(
         "arch": arch,
         "model_kwargs": dict(model_kwargs or {}),
         "class_names": [str(c) for c in class_names],
-        "palette": [[int(v) for v in rgb] for rgb in (palette or [])],
+        "palette": [
+            [int(v) for v in rgb] for rgb in (palette or default_palette(len(class_names)))
+        ],
         "ignore_index": int(ignore_index),
         "dataset": dataset,
         "mean": list(mean or IMAGENET_MEAN),

@@ -25,6 +25,7 @@ from dualseg.export.runners import (
 )
 from dualseg.imaging import normalize
 from dualseg.predictor import Predictor, size_batches
+from dualseg.viz import default_palette
 
 
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
@@ -75,10 +76,14 @@ class ExportedSegmenter(Predictor):
                 f"{self.path} holds a {self.info.get('kind')!r} model, not a segmentation "
                 "network; load an exported refiner with load_exported_refiner"
             )
+        names = tuple(self.info["class_names"])
+        palette = self.info.get("palette") or []
+        if len(palette) != len(names):  # none stored (an export_model call without one)
+            palette = default_palette(len(names))
         self.meta = ExportMeta(
             name=str(self.info.get("dataset") or "exported"),
-            class_names=tuple(self.info["class_names"]),
-            palette=tuple(tuple(int(v) for v in c) for c in self.info["palette"]),  # type: ignore[misc]
+            class_names=names,
+            palette=tuple(tuple(int(v) for v in c) for c in palette),  # type: ignore[misc]
             ignore_index=int(self.info.get("ignore_index", 255)),
         )
         self.mean = np.asarray(self.info["mean"], np.float32).reshape(1, 3, 1, 1)
