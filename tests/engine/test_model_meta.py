@@ -102,6 +102,26 @@ def test_reexport_keeps_the_normalization(
         dualseg.load_model(out)  # the guard survives the re-export
 
 
+def test_onnx_export_carries_the_normalization(odd_norm: Path, tmp_path: Path) -> None:
+    """The exported runtime normalizes with the model's own statistics, not ImageNet's."""
+    from dualseg.engine.pretrained import load_state
+    from dualseg.export.exported_segmenter import ExportedSegmenter
+    from dualseg.export.runners import read_export_info
+
+    onnx = tmp_path / "m.onnx"
+    argv = ["export", "-c", str(odd_norm), "--format", "onnx", "-o", str(onnx), "--dynamic"]
+    assert cli_main(argv) == 0
+    info = read_export_info(onnx)
+    assert info["mean"] == HALF and info["std"] == QUARTER
+
+    model, _ = build_model_from_checkpoint(load_state(odd_norm))
+    rgb = np.random.default_rng(0).integers(0, 256, (40, 56, 3), dtype=np.uint8)
+    x = (torch.from_numpy(rgb).permute(2, 0, 1)[None].float() / 255 - HALF[0]) / QUARTER[0]
+    with torch.no_grad():
+        want = model.eval()(x).softmax(1)[0].numpy()
+    np.testing.assert_allclose(ExportedSegmenter(onnx).predict_proba(rgb), want, atol=1e-4)
+
+
 def test_a_checkpoint_reexports_with_the_default_normalization(ckpt: Path, tmp_path: Path) -> None:
     out = tmp_path / "from_pt"
     assert cli_main(["export", "-c", str(ckpt), "--format", "pretrained", "-o", str(out)]) == 0

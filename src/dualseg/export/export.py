@@ -339,11 +339,15 @@ def export_model(
     model_kwargs: Mapping[str, Any] | None = None,
     dataset: str = "",
     ignore_index: int = 255,
+    mean: Sequence[float] | None = None,
+    std: Sequence[float] | None = None,
 ) -> Path:
     """Export a segmentation network (``model(x) -> logits [B,C,H,W]``) with its metadata.
 
     ``dynamic=False`` fixes batch 1 and ``example_size`` ``(H, W)``; the onnxruntime predictor
-    then resizes each image to that size and the result back (bilinear).
+    then resizes each image to that size and the result back (bilinear). ``mean`` / ``std``:
+    the input normalization the model was trained with (default ImageNet's), which the
+    runtime applies.
     """
     wrapper = segmenter_wrapper(model, output)
     info = export_info(
@@ -357,6 +361,8 @@ def export_model(
         input_size=None if dynamic else tuple(example_size),
         dataset=dataset,
         ignore_index=ignore_index,
+        mean=mean,
+        std=std,
     )
     return _write(
         wrapper, path, info, format=format, example_size=example_size, dynamic=dynamic,
@@ -382,6 +388,7 @@ def export_checkpoint(
 
     ckpt = load_state(checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device="cpu")
+    norm = ckpt.get("normalization") or {}
     return export_model(
         model,
         path,
@@ -397,6 +404,8 @@ def export_checkpoint(
         model_kwargs=ckpt.get("model_kwargs") or {},
         dataset=meta.name,
         ignore_index=meta.ignore_index,
+        mean=norm.get("mean"),  # the model's own (a pretrained folder may store another)
+        std=norm.get("std"),
     )
 
 
