@@ -83,6 +83,20 @@ def test_palette_mode_label_reads_indices_not_colours(tmp_path):
     assert read_label(tmp_path / "voc.png", get_preset("voc")).tolist() == label.tolist()
 
 
+def test_palette_label_drawn_in_the_class_colours_at_other_indices_is_refused(tmp_path):
+    """An editor's colour label saved as a palette image: its colours are CamVid's, its indices
+    arbitrary. Read as indices it would be silently wrong; it is refused, and reads as colours."""
+    camvid = get_preset("camvid")
+    truth = np.array([[3, 3, 0, 0], [8, 8, 1, 5]], np.uint8)
+    rgb = np.asarray(camvid.palette, np.uint8)[truth]
+    path = tmp_path / "quantized.png"
+    Image.fromarray(rgb).quantize(8).save(path)  # palette order: whatever quantize picks
+    assert Image.open(path).mode == "P"
+    with pytest.raises(DataError, match=r"colour-coded label; pass --label-format color"):
+        read_label(path, camvid)
+    assert read_label(path, camvid, label_format="color").tolist() == truth.tolist()
+
+
 def test_sixteen_bit_and_gray_rgb_labels_converted(tmp_path):
     Image.fromarray(np.array([[0, 3, 255]], np.uint16)).save(tmp_path / "l16.png")
     assert read_label(tmp_path / "l16.png", TINY).tolist() == [[0, 3, 255]]

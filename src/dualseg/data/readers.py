@@ -133,6 +133,32 @@ def _check_values(path: Path, raw: np.ndarray, meta: DatasetMeta) -> np.ndarray:
     return mapped.astype(np.uint8)
 
 
+def _check_palette_indices(path: Path, im: Image.Image, raw: np.ndarray, meta: DatasetMeta) -> None:
+    """Refuse a palette (P-mode) label whose colours are all the dataset's colours but at other
+    indices: an image editor's colour-coded label, whose indices mean nothing (VOC's, drawn in
+    the VOC palette at the VOC indices, pass)."""
+    flat = im.getpalette()
+    if not flat or not meta.palette:
+        return
+    pal = np.asarray(flat, np.int64).reshape(-1, 3)
+    used = [int(i) for i in np.unique(raw) if i < len(pal)]
+    colours = [tuple(int(v) for v in pal[i]) for i in used]
+    of_class = {tuple(c): k for k, c in enumerate(meta.palette)}
+    void = {tuple(c) for c in meta.void_colors}
+    if not all(c in of_class or c in void for c in colours):
+        return  # a palette of its own: the indices are the labels
+    table = meta.lookup_table()
+    for i, c in zip(used, colours):
+        k = int(table[i])
+        if 0 <= k < meta.num_classes and of_class.get(c) != k:
+            drawn = f"class {meta.class_names[of_class[c]]!r}" if c in of_class else "void"
+            raise DataError(
+                f"{path}: a palette image drawn in the {meta.name!r} colours at other indices "
+                f"(index {i}, class {meta.class_names[k]!r}, is drawn in {drawn}'s colour "
+                f"{c}): a colour-coded label; pass --label-format color to read its colours"
+            )
+
+
 def read_label(path: str | Path, meta: DatasetMeta, *, label_format: str = "index") -> np.ndarray:
     """A label file as ``uint8 HxW`` class indices, 255 = ignore.
 
@@ -145,7 +171,10 @@ def read_label(path: str | Path, meta: DatasetMeta, *, label_format: str = "inde
     path = Path(path)
     im = open_image(path)
     if label_format == "index":
-        return _check_values(path, _label_array(path, im), meta)
+        raw = _label_array(path, im)
+        if im.mode == "P":
+            _check_palette_indices(path, im, raw, meta)
+        return _check_values(path, raw, meta)
     if im.mode not in {"RGB", "RGBA", "P", "L"}:
         raise DataError(
             f"{path}: unsupported mode {im.mode!r} for a colour label; save it as 8-bit RGB PNG"
