@@ -21,9 +21,12 @@ def _run(path, x: torch.Tensor) -> np.ndarray:
     return sess.run(None, {"image": x.numpy()})[0]
 
 
-@pytest.mark.parametrize("shape", [(1, 3, 64, 64), (2, 3, 64, 96), (1, 3, 50, 70)])
+@pytest.mark.parametrize(
+    "shape", [(1, 3, 64, 64), (2, 3, 64, 96), (1, 3, 50, 70), (1, 3, 8, 72), (1, 3, 40, 5)]
+)
 def test_dynamic_onnx_matches_pytorch(onnx_dynamic, torch_model, shape):
-    # 50x70 is not a multiple of the output stride: the export's own padding must be traced.
+    # 50x70 is not a multiple of the output stride: the export's own padding must be traced;
+    # 8x72 and 40x5 give feature maps of one row or column (the coordinate channels' centre)
     model, _ = torch_model
     x = torch.randn(*shape)
     with torch.no_grad():

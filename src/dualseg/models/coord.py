@@ -29,9 +29,11 @@ class CoordChannels(nn.Module):
 
     @staticmethod
     def _axis(n: int, like: Tensor) -> Tensor:
-        if n == 1:  # linspace(-1, 1, 1) would give -1; a single row/column sits at the centre
-            return like.new_zeros(1)
-        return torch.linspace(-1.0, 1.0, n, device=like.device, dtype=like.dtype)
+        """``linspace(-1, 1, n)``, and 0 for a single row/column (it sits at the centre), in
+        tensor arithmetic only: an export traced at one size keeps no Python branch on n."""
+        k = torch.arange(n, device=like.device, dtype=like.dtype)
+        last = k[-1:]  # n - 1, as a tensor
+        return (2 * k - last) / last.clamp(min=1)
 
     def forward(self, x: Tensor) -> Tensor:
         b, _, e, f = x.shape
