@@ -125,20 +125,28 @@ def add_overwrite_arg(p: argparse.ArgumentParser, *, what: str = "output files")
 
 def unique_names(found: Sequence[tuple[Path, str]]) -> list[tuple[Path, str]]:
     """``(path, name)`` pairs with names made distinct: distinct files that share a name get a
-    numeric suffix (``x``, ``x_1``, ...); a file listed again keeps its first name."""
+    numeric suffix (``x``, ``x_1``, ...); a file listed again keeps its first name.
+
+    Every file whose own name is free keeps it (``x.jpg``, ``x.png`` and ``x_1.png`` give
+    ``x``, ``x_2`` and ``x_1``: the suffix never takes another file's name), and names are
+    compared case-insensitively (``X.png`` and ``x.png`` would be one file on macOS or
+    Windows)."""
     by_file: dict[Path, str] = {}
     used: set[str] = set()
-    out = []
-    for path, name in found:
+    for path, name in found:  # first: each free name to the first file that has it
+        key = path.resolve()
+        if key not in by_file and name.casefold() not in used:
+            by_file[key] = name
+            used.add(name.casefold())
+    for path, name in found:  # then the others, numbered past every name taken
         key = path.resolve()
         if key not in by_file:
-            unique, k = name, 1
-            while unique in used:
-                unique, k = f"{name}_{k}", k + 1
-            used.add(unique)
-            by_file[key] = unique
-        out.append((path, by_file[key]))
-    return out
+            k = 1
+            while f"{name}_{k}".casefold() in used:
+                k += 1
+            by_file[key] = f"{name}_{k}"
+            used.add(by_file[key].casefold())
+    return [(path, by_file[path.resolve()]) for path, _ in found]
 
 
 def dataset_files(root: str | os.PathLike[str], *, layout: str = "auto") -> Iterator[Path]:
