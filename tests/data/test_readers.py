@@ -129,3 +129,13 @@ def test_unsupported_label_mode(tmp_path):
     with pytest.raises(DataError, match="unsupported label mode") as err:
         read_label(path, TINY)
     assert str(path) in str(err.value)
+
+
+def test_sixteen_bit_colour_label_is_refused_not_read_as_zeros(tmp_path):
+    import cv2
+
+    label = np.zeros((4, 6, 3), np.uint16)
+    label[:, 3:] = 3  # class 3 in every channel: Pillow keeps the high byte, 0
+    cv2.imwrite(str(tmp_path / "l48.png"), label)
+    with pytest.raises(DataError, match="16-bit-per-channel colour PNG"):
+        read_label(tmp_path / "l48.png", TINY)

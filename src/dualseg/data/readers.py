@@ -159,6 +159,18 @@ def _check_palette_indices(path: Path, im: Image.Image, raw: np.ndarray, meta: D
             )
 
 
+def _png_colour_depth(path: Path) -> int | None:
+    """Bits per channel of a PNG file (its IHDR chunk), else ``None``."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(26)
+    except OSError:
+        return None
+    if len(head) < 26 or head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
+        return None
+    return head[24]
+
+
 def read_label(path: str | Path, meta: DatasetMeta, *, label_format: str = "index") -> np.ndarray:
     """A label file as ``uint8 HxW`` class indices, 255 = ignore.
 
@@ -170,6 +182,12 @@ def read_label(path: str | Path, meta: DatasetMeta, *, label_format: str = "inde
         raise DataError(f"unknown label_format {label_format!r}; use one of {LABEL_FORMATS}")
     path = Path(path)
     im = open_image(path)
+    if im.mode in {"RGB", "RGBA"} and _png_colour_depth(path) == 16:
+        raise DataError(
+            f"{path}: a 16-bit-per-channel colour PNG, of which only the high byte can be read "
+            "(values under 256 would all read as 0); save the label as an 8-bit colour PNG, "
+            "or as single-channel (8- or 16-bit) class indices"
+        )
     if label_format == "index":
         raw = _label_array(path, im)
         if im.mode == "P":
