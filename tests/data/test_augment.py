@@ -55,6 +55,17 @@ def test_resume_skips_valid_outputs_and_redoes_broken_ones(src, tmp_path):
     assert read_label(label, TINY).shape == (16, 24)
 
 
+def test_a_truncated_jpeg_is_written_again(src, tmp_path):
+    from dualseg.data import read_image
+
+    dst = tmp_path / "aug"
+    assert augment_dataset(src, dst, count=2, image_format="jpg", progress=False) == (2, 0)
+    image = dst / "images" / "000001.jpg"
+    image.write_bytes(image.read_bytes()[: image.stat().st_size * 2 // 3])  # cut short
+    assert augment_dataset(src, dst, count=2, image_format="jpg", progress=False) == (1, 1)
+    assert read_image(image).shape[:2] == (16, 24)
+
+
 def test_workers_give_the_same_files(src, tmp_path):
     augment_dataset(src, tmp_path / "one", count=4, progress=False)
     augment_dataset(src, tmp_path / "two", count=4, workers=2, progress=False)
@@ -69,6 +80,17 @@ def test_other_settings_in_the_same_folder_are_refused(src, tmp_path):
     with pytest.raises(DataError, match="seed") as err:
         augment_dataset(src, dst, count=2, seed=1, progress=False)
     assert str(dst) in str(err.value)
+
+
+def test_a_resume_with_another_label_mapping_is_refused(src, tmp_path):
+    """The labels' coding is part of the settings: pairs mapped two ways never share a folder."""
+    dst = tmp_path / "aug"
+    augment_dataset(src, dst, count=2, progress=False)
+    augment_dataset(src, dst, count=3, progress=False)  # the same settings: resumes
+    meta = {**TINY.to_dict(), "label_map": {"3": 0}}
+    (src / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match="meta"):
+        augment_dataset(src, dst, count=4, progress=False)
 
 
 def test_a_stale_settings_file_without_pairs_does_not_block_a_run(src, tmp_path):

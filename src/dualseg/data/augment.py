@@ -101,7 +101,10 @@ def _valid(path: Path) -> bool:
         return False
     try:
         with Image.open(path) as im:
-            im.verify()  # checks structure and checksums without a full decode
+            if im.format == "PNG":
+                im.verify()  # structure and checksums, without a full decode
+            else:
+                im.load()  # JPEG and the rest: verify() checks nothing, a truncated file passes
     except Exception:
         return False
     return True
@@ -173,6 +176,10 @@ def augment_dataset(
         "jitter": list(jitter),
         "seed": seed,
         "image_format": image_format,
+        # how the labels were read: another mapping would mix two codings in one folder
+        "layout": layout,
+        "label_format": label_format,
+        "meta": dataset.meta.to_dict(),
     }
     _claim(dst, settings)
     augmenter = Augmenter(dataset, dst, settings)
@@ -254,6 +261,7 @@ def _claim(dst: Path, settings: dict) -> None:
     """Refuse to mix outputs of different settings in one folder (resume needs equal settings);
     an ``augment.json`` with no pairs written beside it is stale and is replaced."""
     path = dst / SETTINGS_FILE
+    settings = json.loads(json.dumps(settings))  # as it reads back from the file
     if path.is_file() and _has_pairs(dst):
         try:
             old = json.loads(path.read_text(encoding="utf-8"))
