@@ -270,3 +270,13 @@ def test_upsample_probs_is_the_engines_bilinear_resize(classes):
     )[0].numpy()
     assert ours.shape == (classes, 31, 40)
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
+
+
+def test_a_model_with_more_classes_than_a_label_map_holds_is_refused() -> None:
+    from types import SimpleNamespace
+
+    wide = SimpleNamespace(
+        meta=SimpleNamespace(class_names=[f"c{i}" for i in range(300)], palette=[(0, 0, 0)] * 300)
+    )
+    with pytest.raises(ConfigError, match="300 classes"):
+        create_app(wide)

@@ -409,6 +409,11 @@ def create_app(
         )
     meta = segmenter.meta
     class_names = [str(c) for c in meta.class_names]
+    if len(class_names) > 255:  # the label maps it returns are 8-bit, as predict's PNGs
+        raise ConfigError(
+            f"the model has {len(class_names)} classes; dualseg serve returns 8-bit label "
+            "maps, which hold at most 255"
+        )
     palette = [[int(v) for v in rgb] for rgb in meta.palette]
     ignore_index = int(getattr(meta, "ignore_index", 255))
     save_dir = prepare_upload_folder(save_uploads) if save_uploads is not None else None
