@@ -280,3 +280,17 @@ def test_a_model_with_more_classes_than_a_label_map_holds_is_refused() -> None:
     )
     with pytest.raises(ConfigError, match="300 classes"):
         create_app(wide)
+
+
+def test_a_file_part_without_a_content_type_is_read(client):
+    """Python's requests sends files={'file': open(p, 'rb')} with no type on the part."""
+    body = (
+        b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="ramp"\r\n\r\n'
+        + gradient_png()
+        + b"\r\n--XyZ--\r\n"
+    )
+    headers = {"Content-Type": "multipart/form-data; boundary=XyZ"}
+    assert client.post("/api/segment", content=body, headers=headers).status_code == 200
+    junk = body.replace(gradient_png(), b"not an image at all")
+    r = client.post("/api/segment", content=junk, headers=headers)
+    assert r.status_code == 400  # decoded, and refused as no image

@@ -276,7 +276,10 @@ class _UploadReader:
         ptype = getattr(part, "content_type", None) or b""
         ptype = ptype.decode("latin-1") if isinstance(ptype, bytes) else str(ptype)
         name = (part.file_name or b"").decode("utf-8", "replace")
-        _check_image_type(ptype.split(";")[0].strip().lower(), name or "the uploaded file")
+        # a file part without a type (what Python's requests sends) is taken as octet-stream:
+        # the bytes are decoded as an image anyway, and refused if they are none
+        ptype = ptype.split(";")[0].strip().lower() or _GENERIC_TYPE
+        _check_image_type(ptype, name or "the uploaded file")
         part.file_object.seek(0)
         return part.file_object.read(), name
 
