@@ -257,3 +257,20 @@ def test_files_sharing_a_stem_are_a_problem_not_a_guess(tmp_path):
     assert any("a.jpg, a.png share the name 'a'" in p for p in report.problems), report.problems
     with pytest.raises(DataError, match="share the name 'a'"):
         build_dataset(tmp_path, preset=TINY)
+
+
+def test_a_size_mismatch_from_exif_orientation_says_so(tmp_path):
+    """A phone photo stored sideways with EXIF orientation 6 reads upright (30x40); its label,
+    drawn on the stored 40x30 pixels, does not turn: the message names the cause."""
+    from PIL import Image
+
+    rng = np.random.default_rng(6)
+    image = Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8))
+    exif = image.getexif()
+    exif[0x0112] = 6
+    (tmp_path / "images").mkdir()
+    image.save(tmp_path / "images" / "a.jpg", exif=exif)
+    save(tmp_path / "labels" / "a.png", np.zeros((30, 40), np.uint8))
+    ds = build_dataset(tmp_path, preset=TINY)
+    with pytest.raises(DataError, match="turned upright by its EXIF orientation"):
+        ds[0]

@@ -23,6 +23,7 @@ from dualseg.data.datasets import (
     discover,
     one_class_set,
     resolve_meta,
+    size_mismatch,
 )
 from dualseg.data.presets import IGNORE_INDEX, META_FILE, DatasetMeta, IgnoreSetting
 from dualseg.data.readers import read_image, read_label
@@ -133,10 +134,7 @@ def _check_pair(
     except DataError as err:
         problems.append(str(err))
     if image is not None and label is not None and image.shape[:2] != label.shape:
-        problems.append(
-            f"{label_path}: label size {label.shape[1]}x{label.shape[0]} differs from image "
-            f"{img_path} size {image.shape[1]}x{image.shape[0]} (WxH); fix the pair"
-        )
+        problems.append(size_mismatch(img_path, image.shape[:2], label_path, label.shape))
     if label is not None:
         hist += np.bincount(label.ravel(), minlength=256)
     return problems

@@ -68,6 +68,31 @@ def _list_lines(list_file: Path) -> list[str]:
         ) from None
 
 
+def size_mismatch(
+    img_path: Path, image_hw: tuple[int, ...], label_path: Path, label_hw: tuple[int, ...]
+) -> str:
+    """The message for a pair whose sizes differ; an image turned by its EXIF orientation (a
+    phone photo: the image is read upright, the label as stored) is named as the cause."""
+    (h, w), (lh, lw) = image_hw, label_hw
+    said = f"{label_path}: label size {lw}x{lh} differs from image {img_path} size {w}x{h} (WxH)"
+    if (lh, lw) == (w, h) and _exif_orientation(img_path) in {5, 6, 7, 8}:
+        return (
+            f"{said}: the image is turned upright by its EXIF orientation and the label is not; "
+            "save the image upright without the EXIF orientation (or rotate the label to match)"
+        )
+    return f"{said}; resize the label with nearest-neighbour or fix the pairing"
+
+
+def _exif_orientation(path: Path) -> int | None:
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            return im.getexif().get(0x0112)
+    except Exception:  # unreadable: the reader has said so already
+        return None
+
+
 def _read_list(list_file: Path, found: Discovery) -> None:
     base = list_file.parent
     for n, line in enumerate(_list_lines(list_file), start=1):
@@ -455,11 +480,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
         image = read_image(img_path)
         label = read_label(label_path, self.meta, label_format=self.label_format)
         if image.shape[:2] != label.shape:
-            raise DataError(
-                f"{label_path}: label size {label.shape[1]}x{label.shape[0]} differs from image "
-                f"{img_path} size {image.shape[1]}x{image.shape[0]} (WxH); resize the label with "
-                "nearest-neighbour or fix the pairing"
-            )
+            raise DataError(size_mismatch(img_path, image.shape[:2], label_path, label.shape))
         return image, label
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
