@@ -35,7 +35,7 @@ from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoi
 from dualseg.io import atomic_write_json
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.boundary import near_boundary_mask
-from dualseg.refine.embedding import EmbeddingNet, embed_features, embedding_cover, p1_filter
+from dualseg.refine.embedding import embed_pixels, p1_filter
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def embed(images: Tensor, edge: Tensor) -> Tensor:  # [M,C] at the edge pixels
         x = p1_filter(images, cfg.p1_blur_sigma)
-        feats = embed_features(refiner.net, x, cfg.input_scale, cfg.output_stride)
-        covered = embedding_cover(images.shape[-2:], cfg.input_scale, cfg.output_stride)
-        return EmbeddingNet.sample(feats, edge, covered)
+        return embed_pixels(refiner.net, x, edge, cfg.input_scale, cfg.output_stride)
 
     # ---- prototypes from the fit split: a random sample of ground-truth boundary pixels -----
     fit = list_split(args.fit, args.preset)

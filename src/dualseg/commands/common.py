@@ -131,22 +131,21 @@ def unique_names(found: Sequence[tuple[Path, str]]) -> list[tuple[Path, str]]:
     ``x``, ``x_2`` and ``x_1``: the suffix never takes another file's name), and names are
     compared case-insensitively (``X.png`` and ``x.png`` would be one file on macOS or
     Windows)."""
+    keys = [path.resolve() for path, _ in found]
     by_file: dict[Path, str] = {}
     used: set[str] = set()
-    for path, name in found:  # first: each free name to the first file that has it
-        key = path.resolve()
+    for key, (_, name) in zip(keys, found):  # first: each free name to the first file with it
         if key not in by_file and name.casefold() not in used:
             by_file[key] = name
             used.add(name.casefold())
-    for path, name in found:  # then the others, numbered past every name taken
-        key = path.resolve()
+    for key, (_, name) in zip(keys, found):  # then the others, numbered past every name taken
         if key not in by_file:
             k = 1
             while f"{name}_{k}".casefold() in used:
                 k += 1
             by_file[key] = f"{name}_{k}"
             used.add(by_file[key].casefold())
-    return [(path, by_file[path.resolve()]) for path, _ in found]
+    return [(path, by_file[key]) for key, (path, _) in zip(keys, found)]
 
 
 def dataset_files(root: str | os.PathLike[str], *, layout: str = "auto") -> Iterator[Path]:

@@ -118,15 +118,23 @@ def embed_features(
     their input: the map then spans :func:`embedding_cover` pixels of the image, on a grid
     aligned with the image's (an unpadded 360-row image at stride 16 gives 23 rows that span
     368, and sampling them as if they spanned 360 drifts by up to half a stride)."""
+    from dualseg.models.base import pad_to_multiple
+
     if input_scale != 1.0:
         images = F.interpolate(
             images, scale_factor=input_scale, mode="bilinear", align_corners=False
         )
-    k = output_stride
-    if k > 1:
-        h, w = images.shape[-2:]
-        images = F.pad(images, (0, (k - w % k) % k, 0, (k - h % k) % k))
-    return net.features(images)
+    return net.features(pad_to_multiple(images, output_stride))
+
+
+def embed_pixels(
+    net: EmbeddingNet, images: Tensor, mask: Tensor, input_scale: float, output_stride: int
+) -> Tensor:
+    """Embeddings ``[M,C]`` of the ``mask`` pixels of ``images`` (``mask.nonzero()`` order):
+    :func:`embed_features` sampled over the span it covers (:func:`embedding_cover`)."""
+    feats = embed_features(net, images, input_scale, output_stride)
+    covered = embedding_cover(images.shape[-2:], input_scale, output_stride)
+    return EmbeddingNet.sample(feats, mask, covered)
 
 
 def embedding_cover(

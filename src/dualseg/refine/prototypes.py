@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from dualseg.refine.boundary import near_boundary_mask
-from dualseg.refine.embedding import EmbeddingNet, embed_features, embedding_cover
+from dualseg.refine.embedding import EmbeddingNet, embed_pixels
 
 
 class PrototypeAccumulator:
@@ -71,7 +71,5 @@ def stream_prototypes(
             labels, radius=radius, ignore_index=ignore_index, method=edge_method
         )
         if edge.any():
-            feats = embed_features(net, images, input_scale, output_stride)
-            covered = embedding_cover(images.shape[-2:], input_scale, output_stride)
-            acc.update(EmbeddingNet.sample(feats, edge, covered), labels[edge])
+            acc.update(embed_pixels(net, images, edge, input_scale, output_stride), labels[edge])
     return acc.compute()

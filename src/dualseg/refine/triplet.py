@@ -27,7 +27,7 @@ from torch import Tensor
 
 from dualseg.errors import ConfigError
 from dualseg.refine.boundary import near_boundary_mask
-from dualseg.refine.embedding import EmbeddingNet, embed_features, embedding_cover
+from dualseg.refine.embedding import EmbeddingNet, embed_pixels
 
 if TYPE_CHECKING:  # pragma: no cover
     from dualseg.refine.refiner import RefinerConfig
@@ -224,9 +224,7 @@ def triplet_step(
     where = edge.nonzero()[used]  # [U,3]
     sub = torch.zeros_like(edge)
     sub[where[:, 0], where[:, 1], where[:, 2]] = True  # nonzero() order == sorted `used` order
-    feats = embed_features(net, images, cfg.input_scale, cfg.output_stride)
-    covered = embedding_cover(images.shape[-2:], cfg.input_scale, cfg.output_stride)
-    emb = EmbeddingNet.sample(feats, sub, covered)  # [U,C]
+    emb = embed_pixels(net, images, sub, cfg.input_scale, cfg.output_stride)  # [U,C]
     t1, t2, pool = inverse[:t], inverse[t : 2 * t], inverse[2 * t :].view(t, -1)
     f0 = mine_negatives(emb, t1, t2, pool, cfg.mining)
     hinge, gap = triplet_hinge(emb, t1, t2, f0, cfg.margin)
