@@ -52,6 +52,7 @@ from dualseg.engine.config import (
     train_transform,
 )
 from dualseg.engine.config import validate as validate_config
+from dualseg.engine.cpu_bf16 import depthwise_in_fp32
 from dualseg.engine.distributed import (
     DistEnv,
     ResumableSampler,
@@ -449,6 +450,8 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
     channels_last = t.channels_last
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if device.type == "cpu" and amp_dtype == torch.bfloat16:
+        depthwise_in_fp32(model)  # oneDNN's bf16 kernel for them is wrong when dilated, and slow
     criterion = SegmentationLoss(
         model,
         weight_decay=o.weight_decay,

@@ -1,0 +1,141 @@
+"""Training-step time of method A and its peer under the CPU levers, timed in turns.
+
+Settings: fp32 (contiguous memory), fp32 + channels-last, bf16 autocast + channels-last with
+every convolution in bf16 (the trainer before ``dualseg.engine.cpu_bf16``), and the trainer's
+bf16 + channels-last with depthwise convolutions in fp32. Also the weight-gradient error of each
+bf16 setting against fp32, worst over the dilated depthwise convolutions (the kernel that
+``cpu_bf16`` avoids) and over all other convolutions, on the same batch.
+
+    python benchmarks/cpu_levers.py --output-stride 16 8 --threads 1 --json levers.json
+
+A training step: forward in train mode, cross-entropy against random labels at the input size,
+backward (no optimizer step). Median of ``--reps``, the settings taking turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from model_speed import interleaved_medians
+from torch import nn
+
+from dualseg.engine.cpu_bf16 import depthwise_in_fp32, is_depthwise
+from dualseg.io import atomic_write_text
+from dualseg.models import build_model
+
+SETTINGS = {  # name: (channels_last, bf16, depthwise in fp32)
+    "fp32": (False, False, False),
+    "fp32+cl": (True, False, False),
+    "bf16+cl, all bf16": (True, True, False),
+    "bf16+cl, depthwise fp32 (trainer)": (True, True, True),
+}
+
+
+def prepared(name: str, output_stride: int, setting: tuple[bool, bool, bool]) -> nn.Module:
+    torch.manual_seed(0)  # the same weights in every setting
+    model = build_model(name, num_classes=11, weights="imagenet", output_stride=output_stride)
+    channels_last, _, fp32_depthwise = setting
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if fp32_depthwise:
+        depthwise_in_fp32(model)
+    return model.train()
+
+
+def step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool) -> Callable[[], None]:
+    def run() -> None:
+        model.zero_grad(set_to_none=True)
+        amp = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+        with amp:
+            logits = model(x)
+        nn.functional.cross_entropy(logits.float(), y).backward()
+
+    return run
+
+
+def grad_errors(model: nn.Module, reference: nn.Module) -> dict[str, dict[str, float]]:
+    """Relative error (norm) of each conv weight gradient against ``reference``'s: median and
+    worst over the dilated depthwise convolutions and over the other convolutions (NaN: inf)."""
+    errors: dict[str, list[float]] = {"dilated_depthwise": [], "other_convs": []}
+    ref = dict(reference.named_modules())
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Conv2d) or m.weight.grad is None:
+            continue
+        e = ref[name].weight.grad
+        err = float((m.weight.grad - e).norm() / e.norm().clamp_min(1e-12))
+        kind = "dilated_depthwise" if is_depthwise(m) and max(m.dilation) > 1 else "other_convs"
+        errors[kind].append(err if math.isfinite(err) else math.inf)
+    return {
+        k: {"median": statistics.median(v), "max": max(v)} if v else {} for k, v in errors.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--models", nargs="+", default=["dualseg_mobilenet_v2", "deeplabv3_mobilenet_v2"]
+    )
+    p.add_argument("--output-stride", nargs="+", type=int, default=[16, 8], choices=(8, 16))
+    p.add_argument("--size", nargs=2, type=int, default=[192, 256], metavar=("H", "W"))
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    torch.manual_seed(0)
+    x = torch.randn(args.batch, 3, *args.size)
+    y = torch.randint(0, 11, (args.batch, *args.size))
+    rows = []
+    print(f"{args.batch}x{args.size[0]}x{args.size[1]}, {args.threads} thread(s)")
+    for os_ in args.output_stride:
+        for name in args.models:
+            models = {s: prepared(name, os_, v) for s, v in SETTINGS.items()}
+            fns = []
+            for s, m in models.items():
+                cl, bf16, _ = SETTINGS[s]
+                xs = x.contiguous(memory_format=torch.channels_last) if cl else x
+                fns.append(step_fn(m, xs, y, bf16))
+            times = interleaved_medians(fns, torch.device("cpu"), args.reps, args.warmup)
+            base = times[0]
+            for m, fn in zip(models.values(), fns):  # one more step on the same batch, each
+                for d in m.modules():  # setting, without dropout (its masks differ by dtype)
+                    if isinstance(d, nn.Dropout):
+                        d.eval()
+                fn()
+            for (s, m), t in zip(models.items(), times):
+                row = {"model": name, "output_stride": os_, "setting": s, "train_ms": 1e3 * t}
+                row["vs_fp32"] = t / base
+                if SETTINGS[s][1]:
+                    row["grad_error"] = grad_errors(m, models["fp32"])
+                rows.append(row)
+                err = row.get("grad_error", {})
+                d, o = err.get("dilated_depthwise", {}), err.get("other_convs", {})
+                print(
+                    f"os{os_} {name:24} {s:34} {1e3 * t:7.0f} ms  {t / base:.2f}x"
+                    + (
+                        f"  grad err (median / max) dilated depthwise {d['median']:.2g} / "
+                        f"{d['max']:.2g}, other convs {o['median']:.2g} / {o['max']:.2g}"
+                        if d
+                        else ""
+                    ),
+                    flush=True,
+                )
+    if args.json:
+        meta = {"torch": torch.__version__, "cpu": platform.processor(), "args": vars(args)}
+        atomic_write_text(Path(args.json), json.dumps({"meta": meta, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
