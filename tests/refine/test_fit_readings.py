@@ -172,6 +172,35 @@ def test_an_existing_refiner_needs_overwrite_or_resume(
     assert "pass one of them" in one_line(capsys)
 
 
+def test_resume_on_other_data_crops_or_base_is_refused(
+    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    from dualseg.cli import main
+
+    data, base = setup
+    out, state = tmp_path / "r.pt", tmp_path / "r.train.pt"
+    argv = ["refine", *fit_args(data, base, out), "--backbone-source", "base-frozen"]
+    assert main(argv) == 0
+    kept = state.read_bytes()
+    other_base = tmp_path / "other.pt"
+    other_base.write_bytes(base.read_bytes())
+    capsys.readouterr()
+    changes = {  # a flag changed on --resume: what the one-line refusal names
+        ("--crop-size", "24", "24"): "crop_size",
+        ("--scale-range", "0.5", "1.0"): "scale_range",
+        ("--base", str(other_base)): "base",
+        ("--split", "val"): "split",
+    }
+    for change, key in changes.items():
+        assert main([*argv, *change, "--resume", "--steps", "3"]) == 1, change
+        err = one_line(capsys)
+        assert str(state) in err and f"{key}:" in err and "same ones" in err, err
+        assert state.read_bytes() == kept  # nothing trained on the other inputs
+    # the same inputs resume
+    assert main([*argv, "--resume", "--steps", "3"]) == 0
+    assert load_state(state, TRAIN_FORMAT, "checkpoint")["step"] == 3
+
+
 def test_resume_without_a_training_state_says_so(
     setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -394,6 +394,7 @@ def fit_main(args: argparse.Namespace) -> int:
             time_budget_s=None if args.time_budget is None else 60 * args.time_budget,
             progress=mode == "bar",
             log_every=0 if mode == "off" else args.log_every,
+            fit_inputs=fit_inputs(args, from_base=from_base),
         )
     if held_out is not None:
         calibrate(refiner, base, args, device, held_out=held_out)
@@ -411,6 +412,23 @@ def fit_main(args: argparse.Namespace) -> int:
         + f") -> {out}"
     )
     return 0
+
+
+def fit_inputs(args: argparse.Namespace, *, from_base: bool) -> dict[str, Any]:
+    """What a fit depends on beyond its RefinerConfig: a ``--resume`` must give the same."""
+    return {
+        "data": str(Path(args.data).resolve()),
+        "split": args.split,
+        "layout": args.layout,
+        "preset": args.preset,
+        "crop_size": list(args.crop_size),
+        "scale_range": list(args.scale_range),
+        "proto_images": args.proto_images,
+        "init_backbone": args.init_backbone,
+        "weights": None if args.weights is None else str(args.weights),
+        # the backbone a base-* fit starts from (an independent fit reads only ground truth)
+        "base": str(Path(args.base).resolve()) if from_base else None,
+    }
 
 
 def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: bool) -> None:

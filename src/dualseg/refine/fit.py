@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +71,22 @@ class _EpochView(torch.utils.data.Dataset):
         return self.dataset[index]
 
 
+def _require_same_inputs(
+    path: Path, saved: Mapping[str, Any] | None, given: dict[str, Any]
+) -> None:
+    """Refuse a resume whose data, augmentation or base differ from the checkpoint's."""
+    if saved is None:  # written before the inputs were recorded: nothing to check against
+        log.warning("%s does not record its data and base; resuming without checking them", path)
+        return
+    changed = [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]
+    if changed:
+        what = "; ".join(f"{k}: {saved.get(k)!r} then, {given.get(k)!r} now" for k in changed)
+        raise CheckpointError(
+            f"{path} was fitted on other inputs ({what}); resume with the same ones, or "
+            "delete it to start over"
+        )
+
+
 def train_embedding(
     net: EmbeddingNet,
     dataset: torch.utils.data.Dataset,
@@ -86,12 +102,15 @@ def train_embedding(
     log_every: int = 0,
     ignore_index: int = 255,
     time_budget_s: float | None = None,
+    fit_inputs: Mapping[str, Any] | None = None,
 ) -> list[dict[str, float]]:
     """Step 4: ``cfg.steps`` optimizer steps of the sampled triplet hinge. Returns the history
     (one dict per step: step, loss, violating, margin, num_triplets, pixels). ``log_every``:
     also print one line every that many steps (for logs without a progress bar).
     ``time_budget_s``: stop after the step that passes this many seconds of this call, fewer
-    steps than ``cfg.steps`` (the checkpoint records the step reached, so ``resume`` goes on)."""
+    steps than ``cfg.steps`` (the checkpoint records the step reached, so ``resume`` goes on).
+    ``fit_inputs``: what else the run depends on (data, split, augmentation, base model: plain
+    JSON values), recorded in the checkpoint; a resume with other values is refused."""
     from tqdm.auto import tqdm
 
     if time_budget_s is not None and time_budget_s <= 0:
@@ -116,6 +135,7 @@ def train_embedding(
                 f"{ckpt_path} has trained {int(state['step'])} steps already, more than "
                 f"--steps {cfg.steps}; resume with --steps {int(state['step'])} or more"
             )
+        _require_same_inputs(ckpt_path, state.get("fit_inputs"), dict(fit_inputs or {}))
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start, history = int(state["step"]), list(state["history"])
@@ -133,6 +153,7 @@ def train_embedding(
                 "config": cfg.to_dict(),
                 "class_names": list(class_names),
                 "history": history,
+                "fit_inputs": dict(fit_inputs or {}),
             },
             ckpt_path,
         )

@@ -429,6 +429,7 @@ class BoundaryRefiner:
         ignore_index: int = 255,
         time_budget_s: float | None = None,
         palette: Sequence[Sequence[int]] | None = None,
+        fit_inputs: Mapping[str, Any] | None = None,
     ) -> BoundaryRefiner:
         """Train the embedding model with triplets, then compute the class prototypes.
 
@@ -441,7 +442,9 @@ class BoundaryRefiner:
         from it. ``time_budget_s``: stop the triplet steps once this many seconds have passed
         (the refiner's ``config.steps`` then records the steps made). ``palette``: the class
         colours stored with the refiner (``refine apply`` draws with them when the base has
-        none); default the dataset's ``meta.palette`` when it has one. The loss history is in
+        none); default the dataset's ``meta.palette`` when it has one. ``fit_inputs``: plain
+        values naming the data, augmentation and base the fit depends on, recorded in the
+        training state so that a resume with other ones is refused. The loss history is in
         ``refiner.history``.
         """
         cfg = config or RefinerConfig()
@@ -470,6 +473,7 @@ class BoundaryRefiner:
             log_every=log_every,
             ignore_index=ignore_index,
             time_budget_s=time_budget_s,
+            fit_inputs=fit_inputs,
         )
         if history and history[-1]["step"] < cfg.steps:  # the time budget stopped it early
             cfg = dataclasses.replace(cfg, steps=int(history[-1]["step"]))
