@@ -569,29 +569,41 @@ def save_curves(out: Path, names: list[str], path: Path) -> None:
 
 
 def save_learning_curves(train: dict[str, Any], path: Path) -> None:
-    """Dev mIoU against iterations and against training minutes, every model in one figure."""
+    """Dev mIoU against iterations and against training minutes, every model in one figure.
+
+    A record with ``"time_axis": False`` is drawn against iterations only (its minutes are not
+    comparable, e.g. a run paused part of the time)."""
+    from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4), dpi=100)
+    curves = [(name, rec) for name, rec in train.items() if rec.get("dev_curve")]
+    fig = Figure(figsize=(13, 4.6) if len(curves) > 8 else (11, 4), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     by_iter, by_time = fig.subplots(1, 2, sharey=True)
-    colours = [f"C{i}" for i in range(10)]
-    curves = [(name, rec["dev_curve"]) for name, rec in train.items() if rec.get("dev_curve")]
-    for i, (name, curve) in enumerate(curves):
-        it, minutes, miou = zip(*curve)
-        # ten colours, then dashed: no two runs drawn alike
-        style = {"color": colours[i % 10], "linestyle": "-" if i < 10 else "--", "marker": "."}
-        by_iter.plot(it, [100 * v for v in miou], label=LABELS.get(name, name), **style)
-        by_time.plot(minutes, [100 * v for v in miou], label=LABELS.get(name, name), **style)
+    colours = colormaps["tab20"].colors if len(curves) > 10 else [f"C{i}" for i in range(10)]
+    for i, (name, rec) in enumerate(curves):
+        it, minutes, miou = zip(*rec["dev_curve"])
+        # 10 or 20 colours, then dashed: no two runs drawn alike
+        style = {
+            "color": colours[i % len(colours)],
+            "linestyle": "-" if i < len(colours) else "--",
+            "marker": ".",
+        }
+        label = LABELS.get(name, name)
+        by_iter.plot(it, [100 * v for v in miou], label=label, **style)
+        if rec.get("time_axis", True):
+            by_time.plot(minutes, [100 * v for v in miou], label=label, **style)
     by_iter.set_xlabel("iteration")
     by_time.set_xlabel("training wall-clock minutes (2-core CPU)")
     by_iter.set_ylabel("dev mIoU (%) — dev: held out of CamVid train")
-    by_iter.legend(fontsize=7)
+    if len(curves) > 8:
+        fig.legend(*by_iter.get_legend_handles_labels(), loc="outside right", fontsize=7)
+    else:
+        by_iter.legend(fontsize=7)
     by_iter.grid(alpha=0.3)
     by_time.grid(alpha=0.3)
     fig.suptitle("Learning curves (plateau protocol)")
-    fig.tight_layout()
     fig.savefig(path)
 
 

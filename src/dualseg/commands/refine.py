@@ -355,7 +355,7 @@ def fit_main(args: argparse.Namespace) -> int:
 
     base = None
     if args.base is not None:
-        base = load_base(args.base, device="cpu")
+        base = load_base(args.base, device=device)  # the calibration sweep runs it there
         if base.class_names is not None:
             require_same_classes(
                 tuple(base.class_names),
