@@ -72,10 +72,30 @@ def grad_errors(model: nn.Module, reference: nn.Module) -> dict[str, dict[str, f
         e = ref[name].weight.grad
         err = float((m.weight.grad - e).norm() / e.norm().clamp_min(1e-12))
         kind = "dilated_depthwise" if is_depthwise(m) and max(m.dilation) > 1 else "other_convs"
-        errors[kind].append(err if math.isfinite(err) else math.inf)
+        errors[kind].append(err if math.isfinite(err) else math.inf)  # NaN as inf
     return {
         k: {"median": statistics.median(v), "max": max(v)} if v else {} for k, v in errors.items()
     }
+
+
+def cpu_name() -> str:
+    """The processor's model name (Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def finite(obj: object) -> object:
+    """``obj`` with inf as the string "inf": strict JSON."""
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite(v) for v in obj]
+    return "inf" if isinstance(obj, float) and math.isinf(obj) else obj
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     if args.json:
-        meta = {"torch": torch.__version__, "cpu": platform.processor(), "args": vars(args)}
-        atomic_write_text(Path(args.json), json.dumps({"meta": meta, "rows": rows}, indent=1))
+        meta = {"torch": torch.__version__, "cpu": cpu_name(), "args": vars(args)}
+        text = json.dumps(finite({"meta": meta, "rows": rows}), indent=1, allow_nan=False)
+        atomic_write_text(Path(args.json), text)
     return 0
 
 

@@ -306,3 +306,18 @@ def test_calibration_reads_a_probability_folder_base(
     ref = BoundaryRefiner.load(from_model).calibration
     assert cal["rows"][0]["gate_margin"] == ref["rows"][0]["gate_margin"] == "base"
     assert cal["rows"][0]["miou"] == pytest.approx(ref["rows"][0]["miou"])
+
+
+def test_inputs_are_compared_only_when_both_sides_record_them(tmp_path: Path, caplog) -> None:
+    from dualseg.refine.fit import _require_same_inputs
+
+    path = tmp_path / "r.train.pt"
+    given = {"data": "/d", "crop_size": [32, 32]}
+    _require_same_inputs(path, None, None)  # a Python fit resuming a Python fit
+    _require_same_inputs(path, given, None)  # a Python fit resuming a CLI fit: nothing to check
+    with caplog.at_level("WARNING"):
+        _require_same_inputs(path, None, given)  # a file from before they were recorded
+    assert "does not record its data and base" in caplog.text
+    _require_same_inputs(path, given, dict(given))
+    with pytest.raises(CheckpointError, match=r"crop_size: \[32, 32\] then, \[24, 24\] now"):
+        _require_same_inputs(path, given, {**given, "crop_size": [24, 24]})

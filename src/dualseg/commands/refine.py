@@ -415,7 +415,15 @@ def fit_main(args: argparse.Namespace) -> int:
 
 
 def fit_inputs(args: argparse.Namespace, *, from_base: bool) -> dict[str, Any]:
-    """What a fit depends on beyond its RefinerConfig: a ``--resume`` must give the same."""
+    """What the triplet steps of a fit read beyond its RefinerConfig — the data stream, and the
+    base a ``base-*`` fit is built on (by its path or hub name) — so that a ``--resume`` must
+    give the same. The backbone initialization and ``--proto-images`` are left out: a resume
+    loads the whole network from its state, and the prototypes are computed after it."""
+    from dualseg.engine.pretrained import is_hub_source
+
+    base = None
+    if from_base:
+        base = args.base if is_hub_source(args.base) else str(Path(args.base).resolve())
     return {
         "data": str(Path(args.data).resolve()),
         "split": args.split,
@@ -423,11 +431,7 @@ def fit_inputs(args: argparse.Namespace, *, from_base: bool) -> dict[str, Any]:
         "preset": args.preset,
         "crop_size": list(args.crop_size),
         "scale_range": list(args.scale_range),
-        "proto_images": args.proto_images,
-        "init_backbone": args.init_backbone,
-        "weights": None if args.weights is None else str(args.weights),
-        # the backbone a base-* fit starts from (an independent fit reads only ground truth)
-        "base": str(Path(args.base).resolve()) if from_base else None,
+        "base": base,
     }
 
 

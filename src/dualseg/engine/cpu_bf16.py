@@ -1,7 +1,7 @@
 """Depthwise convolutions in fp32 when a model trains in bf16 autocast on CPU.
 
-Two measured reasons (torch 2.14.1, oneDNN, AVX-512 BF16; ``tests/engine/test_cpu_bf16.py``
-checks the first):
+Two measured reasons (torch 2.14.1, oneDNN, an Intel Xeon with AMX-BF16 and AVX-512 BF16;
+``tests/engine/test_cpu_bf16.py`` checks the first):
 
 - **A wrong kernel.** Under bf16 autocast in channels-last memory format, the weight gradient
   of a *dilated* depthwise convolution comes out as garbage — relative errors of 1.2–1.8, or

@@ -133,6 +133,10 @@ def train_one_epoch(
     ranks (one small ``all_reduce``), checked for NaN/inf *before* the optimizer applies the
     update, and passed to ``on_step`` — which does logging, validation and checkpoints and
     returns True to stop. Returns the iteration count reached.
+
+    On CPU with ``amp_dtype=torch.bfloat16``, pass a model prepared with
+    :func:`dualseg.engine.cpu_bf16.depthwise_in_fp32` (as :func:`fit` does): oneDNN's bf16
+    weight gradient of dilated depthwise convolutions is wrong.
     """
     model.train()
     iteration = start_iteration

@@ -72,11 +72,14 @@ class _EpochView(torch.utils.data.Dataset):
 
 
 def _require_same_inputs(
-    path: Path, saved: Mapping[str, Any] | None, given: dict[str, Any]
+    path: Path, saved: Mapping[str, Any] | None, given: Mapping[str, Any] | None
 ) -> None:
-    """Refuse a resume whose data, augmentation or base differ from the checkpoint's."""
-    if saved is None:  # written before the inputs were recorded: nothing to check against
-        log.warning("%s does not record its data and base; resuming without checking them", path)
+    """Refuse a resume whose data, augmentation or base differ from the checkpoint's; when
+    either side records none (a file written before they were recorded, or a fit from Python
+    without ``fit_inputs``), there is nothing to compare."""
+    if saved is None or given is None:
+        if saved is None and given is not None:
+            log.warning("%s does not record its data and base; resuming without checking", path)
         return
     changed = [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]
     if changed:
@@ -135,7 +138,7 @@ def train_embedding(
                 f"{ckpt_path} has trained {int(state['step'])} steps already, more than "
                 f"--steps {cfg.steps}; resume with --steps {int(state['step'])} or more"
             )
-        _require_same_inputs(ckpt_path, state.get("fit_inputs"), dict(fit_inputs or {}))
+        _require_same_inputs(ckpt_path, state.get("fit_inputs"), fit_inputs)
         net.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start, history = int(state["step"]), list(state["history"])
@@ -153,7 +156,7 @@ def train_embedding(
                 "config": cfg.to_dict(),
                 "class_names": list(class_names),
                 "history": history,
-                "fit_inputs": dict(fit_inputs or {}),
+                "fit_inputs": None if fit_inputs is None else dict(fit_inputs),
             },
             ckpt_path,
         )
