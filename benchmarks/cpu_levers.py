@@ -3,8 +3,9 @@
 Settings: fp32 (contiguous memory), fp32 + channels-last, bf16 autocast + channels-last with
 every convolution in bf16 (the trainer before ``dualseg.engine.cpu_bf16``), and the trainer's
 bf16 + channels-last with depthwise convolutions in fp32. Also the weight-gradient error of each
-bf16 setting against fp32, worst over the dilated depthwise convolutions (the kernel that
-``cpu_bf16`` avoids) and over all other convolutions, on the same batch.
+bf16 setting against fp32, median and worst over the dilated depthwise convolutions (the
+kernel that ``cpu_bf16`` avoids) and over all other convolutions, on the same batch; a
+non-finite error (inf or NaN) is written as null.
 
     python benchmarks/cpu_levers.py --output-stride 16 8 --threads 1 --json levers.json
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from dualseg.engine.cpu_bf16 import depthwise_in_fp32, is_depthwise
 from dualseg.io import atomic_write_text
+from dualseg.metrics import to_jsonable
 from dualseg.models import build_model
 
 SETTINGS = {  # name: (channels_last, bf16, depthwise in fp32)
@@ -89,15 +91,6 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def finite(obj: object) -> object:
-    """``obj`` with inf as the string "inf": strict JSON."""
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [finite(v) for v in obj]
-    return "inf" if isinstance(obj, float) and math.isinf(obj) else obj
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -153,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
     if args.json:
         meta = {"torch": torch.__version__, "cpu": cpu_name(), "args": vars(args)}
-        text = json.dumps(finite({"meta": meta, "rows": rows}), indent=1, allow_nan=False)
+        text = json.dumps(to_jsonable({"meta": meta, "rows": rows}), indent=1, allow_nan=False)
         atomic_write_text(Path(args.json), text)
     return 0
 
