@@ -136,8 +136,11 @@ def test_demo_takes_the_shared_amp_and_quiet_flags(tmp_path) -> None:
     args = demo.build_parser().parse_args(["--amp", "--quiet", "--out", str(tmp_path)])
     cfg = demo._train_config(args, tmp_path, meta, None)
     assert cfg.train.amp == "auto" and cfg.train.quiet and not cfg.train.progress  # bf16 on CUDA
-    plain = demo._train_config(demo.build_parser().parse_args([]), tmp_path, meta, None)
-    assert plain.train.amp == "none" and not plain.train.quiet
+    # by default the demo trains as `dualseg train` does (auto); --no-amp keeps fp32
+    default = demo._train_config(demo.build_parser().parse_args([]), tmp_path, meta, None)
+    assert default.train.amp == "auto" and not default.train.quiet
+    fp32 = demo._train_config(demo.build_parser().parse_args(["--no-amp"]), tmp_path, meta, None)
+    assert fp32.train.amp == "none"
 
 
 def _tiny_demo(out, *extra: str) -> list[str]:

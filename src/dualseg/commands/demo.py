@@ -112,7 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="torch CPU threads (1: robust on a shared machine; 0: torch's default, one per core)",
     )
-    p.add_argument("--amp", action="store_true", help="bf16 autocast on CUDA (off; CPU: ignored)")
+    p.add_argument(
+        "--amp",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="training follows train.amp auto (bf16 autocast on CUDA and on CPUs with AVX-512 "
+        "BF16/AMX) unless --no-amp; --amp also evaluates in bf16 on CUDA (evaluation: fp32)",
+    )
     add_quiet_arg(p)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--n-show", type=int, default=4, help="held-out images in the panel (4)")
@@ -357,7 +363,8 @@ def _train_config(args: argparse.Namespace, root: Path, meta: Any, weights: str 
             log_every=max(1, min(20, args.iters // 10)),
             seed=args.seed,
             device=args.device,
-            amp="auto" if args.amp else "none",  # auto: bf16 on CUDA, none on CPU
+            # as `dualseg train`: bf16 where the device computes it natively (docs/training.md)
+            amp="none" if args.amp is False else "auto",
             progress=not args.quiet,
             quiet=args.quiet,
             tensorboard=False,
@@ -555,7 +562,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_classes": meta.num_classes,
         "ignore_index": 255,
         "device": device,
-        "amp": args.amp and device.type == "cuda",
+        "amp": bool(args.amp) and device.type == "cuda",
     }
 
     t0 = time.perf_counter()
