@@ -232,6 +232,12 @@ def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, Tensor]:
         what="weights file",
         fix="it must be a state dict saved with torch.save — re-download or re-export it",
     )
+    fmt = str(obj.get("format", "")) if isinstance(obj, Mapping) else ""
+    if fmt.startswith("dualseg"):  # a whole dualseg model (or refiner), not backbone weights
+        raise CheckpointError(
+            f"weights file {p} is a dualseg file ({fmt}), not backbone weights: continue its "
+            "training with dualseg train --resume, or evaluate it with dualseg eval"
+        )
     if isinstance(obj, Mapping):
         for key in ("state_dict", "model"):
             if isinstance(obj.get(key), Mapping):

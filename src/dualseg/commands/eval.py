@@ -11,7 +11,8 @@ percent) and the median inference time per image, and writes into ``OUT``:
 ``--save-predictions DIR`` writes each image's label and colour PNGs (``DIR/labels/<name>.png``,
 ``DIR/color/<name>.png``; ``<name>`` is the image's stem, with ``_1``, ``_2`` ... for images
 that share one); files there that already exist are refused before any work unless
-``--overwrite``, and a file of the dataset never is written over. ``--refiner R``
+``--overwrite``, and a file of the dataset never is written over. An earlier evaluation in
+``OUT`` (its ``metrics.json`` and figures) is refused the same way. ``--refiner R``
 (method B) adds the refined scores side by side. ``--mode slide`` and ``--tta-*`` choose how
 the model runs (:mod:`dualseg.engine.inference`); the refiner gets the averaged scores.
 
@@ -89,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="write label and colour PNGs (DIR/labels/<name>.png, DIR/color/<name>.png)",
     )
-    add_overwrite_arg(p, what="--save-predictions files")
+    add_overwrite_arg(p, what="an earlier evaluation in OUT, and --save-predictions files")
     p.add_argument("--refiner", default=None, help="a method-B refiner file (dualseg refine fit)")
     p.add_argument("--batch-size", type=int, default=1, help="images per batch (1)")
     p.add_argument(
@@ -213,6 +214,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.save_predictions:
         check_writable(args.save_predictions, kind="dir", what="--save-predictions")
         check_prediction_outputs(args)
+    # an earlier evaluation's scores and figures in OUT are a result: replaced only when asked
+    check_outputs([out / name for name in EVAL_FILES], overwrite=args.overwrite, what="--out")
     label_map = parse_label_map(args.label_map) if args.label_map else None
     device = apply_runtime(args)
     ckpt = load_state(args.checkpoint)  # a .pt file, a pretrained folder or hf://org/name
@@ -335,6 +338,14 @@ def _describe(opts: Any) -> str:
         scales = ",".join(f"{s:g}" for s in opts.tta_scales)
         text += f", TTA scales {scales}" + (" + flip" if opts.tta_flip else "")
     return text
+
+
+EVAL_FILES = (
+    "metrics.json",
+    "confusion_matrix.png",
+    "per_class_iou.png",
+    "confusion_matrix_refined.png",
+)
 
 
 def write_figures(out: Path, metrics: dict[str, Any], class_names: Any) -> list[Path]:

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from dualseg.console import argparse_kwargs
-from dualseg.errors import ConfigError
+from dualseg.errors import ConfigError, DualsegError
 from dualseg.export.runners import refiner_sidecar_path
 
 
@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
         "dynamic sizes) or dynamo (static exports only) (legacy)",
     )
     p.add_argument("--no-verify", action="store_true", help="skip the PyTorch comparison")
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=1e-3,
+        help="largest |exported - pytorch| the comparison accepts; above it the export is "
+        "removed and the command fails (1e-3)",
+    )
     return p
 
 
@@ -163,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
 
     out = check_writable(args.out, kind="file", what="--out")
     size = tuple(args.size) if args.size else ((64, 64) if args.dynamic else (512, 512))
+    if not args.tolerance >= 0:
+        raise ConfigError(f"--tolerance must be >= 0, got {args.tolerance}")
     if min(size) < 8:
         raise ConfigError(f"--size must be at least 8x8, got {size[0]}x{size[1]}")
     options = dict(
@@ -182,6 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_verify:
         diff = verify_export(path, checkpoint=args.checkpoint, refiner=args.refiner, size=size)
         print(f"max |exported - pytorch| on a {size[0]}x{size[1]} input: {diff:.2e}")
+        if not diff <= args.tolerance:  # NaN fails too
+            written = [path] if args.checkpoint else [path, sidecar]
+            for file in written:
+                file.unlink(missing_ok=True)
+            raise DualsegError(
+                f"the export differs from PyTorch by {diff:.2e}, above --tolerance "
+                f"{args.tolerance:g}, so it was removed ({', '.join(map(str, written))}); try "
+                "another --opset or --exporter, or pass a larger --tolerance if that is expected"
+            )
     return 0
 
 

@@ -253,12 +253,14 @@ def check_image_outputs(
 ) -> None:
     """Refuse, before any work, outputs ``out/<folder>/<name><suffix>`` (``files``: ``(folder,
     suffix)`` pairs, e.g. ``("labels", ".png")``) that exist (unless ``--overwrite``) or are
-    an input image or a file of the ``--data`` dataset (always); see
+    an input image or a file of the ``--data`` dataset or of a dataset at ``out`` (always); see
     :func:`dualseg.commands.common.check_outputs`."""
     outputs = [out / folder / f"{name}{suffix}" for _, name in images for folder, suffix in files]
     protected = [("an input image", [path for path, _ in images])]
     if args.data:
         protected.append((f"a file of the dataset {args.data}", dataset_files(args.data)))
+    # --out may itself be a dataset (its labels/ folder is where predictions go): its files too
+    protected.append((f"a file of the dataset {out}", dataset_files(out)))
     check_outputs(outputs, overwrite=args.overwrite, protected=protected)
 
 

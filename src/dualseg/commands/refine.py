@@ -23,6 +23,8 @@ from dualseg.commands.common import (
     add_runtime_args,
     apply_runtime,
     autocast,
+    check_outputs,
+    dataset_files,
     fraction,
     mode_of,
     nonnegative_int,
@@ -31,7 +33,7 @@ from dualseg.commands.common import (
 from dualseg.commands.predict import add_dataset_check_options
 from dualseg.console import argparse_kwargs, track
 from dualseg.data.transforms import SCALE_RANGE
-from dualseg.errors import ConfigError, DataError, DualsegError, RunExistsError
+from dualseg.errors import ConfigError, DataError, DualsegError, OutputError, RunExistsError
 
 
 def load_refiner(path: str | os.PathLike[str], *, device: Any = "cpu") -> Any:
@@ -311,6 +313,7 @@ def fit_main(args: argparse.Namespace) -> int:
     out = check_writable(args.out, kind="file", what="--out")
     checkpoint = Path(args.checkpoint) if args.checkpoint else out.with_suffix(".train.pt")
     check_writable(checkpoint, kind="file", what="--checkpoint")
+    check_fit_files(out, checkpoint, base=args.base, data=args.data)
     check_earlier_fit(out, checkpoint, resume=args.resume, overwrite=args.overwrite)
 
     cfg = RefinerConfig(
@@ -433,6 +436,45 @@ def fit_inputs(args: argparse.Namespace, *, from_base: bool) -> dict[str, Any]:
         "scale_range": list(args.scale_range),
         "base": base,
     }
+
+
+def _file_format(path: Path) -> str | None:
+    """The ``format`` key of the torch file at ``path`` (``None``: no readable dualseg file)."""
+    from dualseg.serialization import safe_torch_load
+
+    try:
+        state = safe_torch_load(path, what="file", fix="")
+    except DualsegError:
+        return None
+    return str(state.get("format")) if isinstance(state, dict) else None
+
+
+def check_fit_files(out: Path, checkpoint: Path, *, base: str | None, data: str) -> None:
+    """Refuse, even with ``--overwrite``, an ``--out`` or ``--checkpoint`` that is the
+    ``--base`` model, a file of the ``--data`` dataset, or an existing file of another kind
+    than the one ``refine fit`` writes there (a refiner; its training state)."""
+    from dualseg.engine.checkpoint import FORMAT as MODEL_FORMAT
+    from dualseg.refine.formats import FORMAT, TRAIN_FORMAT
+
+    protected = [(f"a file of the dataset {data}", dataset_files(data))]
+    if base is not None and Path(base).is_file():
+        protected.insert(0, ("the --base model", [Path(base)]))
+    kinds = (
+        (out, "--out", FORMAT, "a method-B refiner"),
+        (checkpoint, "--checkpoint", TRAIN_FORMAT, "the training state of a refine fit"),
+    )
+    for path, what, fmt, kind in kinds:
+        check_outputs([path], overwrite=True, protected=protected, what=what)
+        if not path.is_file():
+            continue
+        found = _file_format(path)
+        if found != fmt:
+            model = " (a dualseg model checkpoint: pass it as --base)"
+            model = model if found == MODEL_FORMAT else ""
+            raise OutputError(
+                f"{what} {path} exists and is not {kind}{model}; refine fit never writes over "
+                f"another kind of file, not even with --overwrite: choose another {what}"
+            )
 
 
 def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: bool) -> None:

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import ipaddress
 import logging
+import math
 import socket
 import sys
 from collections.abc import Iterator
@@ -188,6 +189,12 @@ def _request_log_on_stderr() -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    limits = (args.max_megapixels, args.max_upload_mb, args.work_megapixels)
+    if not all(math.isfinite(v) for v in limits):
+        raise ConfigError(
+            "--max-megapixels, --max-upload-mb and --work-megapixels must be finite numbers, "
+            f"got {limits[0]}, {limits[1]}, {limits[2]}"
+        )
     if args.max_megapixels <= 0 or args.max_upload_mb <= 0:
         raise ConfigError("--max-megapixels and --max-upload-mb must be positive")
     if args.work_megapixels < 0:

@@ -161,6 +161,19 @@ def augment_dataset(
         jitter=jitter,
         names=AUGMENT_FLAGS,
     )
+    if (
+        Path(list_name).name != list_name
+        or not list_name.endswith(".txt")
+        or list_name
+        in (
+            META_FILE,
+            SETTINGS_FILE,
+        )
+    ):
+        raise DataError(
+            f"--list-name {list_name!r}: give a bare file name ending in .txt (e.g. train.txt); "
+            "the list file is written into DST, beside images/ and labels/"
+        )
     dst = check_writable(dst, kind="dir", what="DST")
     dataset = build_dataset(
         src, split=split, layout=layout, preset=preset, label_format=label_format
@@ -182,6 +195,12 @@ def augment_dataset(
         "meta": dataset.meta.to_dict(),
     }
     _claim(dst, settings)
+    earlier = _pair_count(dst)
+    if earlier > count:  # the list file would leave pairs on disk that no list names
+        raise DataError(
+            f"DST {dst} holds {earlier} pairs of an earlier run with these settings, more than "
+            f"--count {count}: pass --count {earlier} or more to resume it, or choose a new DST"
+        )
     augmenter = Augmenter(dataset, dst, settings)
     written = 0
     mode = progress if isinstance(progress, str) else progress_mode(quiet=not progress)
@@ -250,6 +269,12 @@ def _check_destination(src: Path, dst: Path, dataset: SegmentationDataset, list_
 
 def _has_files(folder: Path) -> bool:
     return folder.is_dir() and any(p.is_file() for p in folder.iterdir())
+
+
+def _pair_count(dst: Path) -> int:
+    """How many pairs ``dst/labels`` holds (the label is written after its image)."""
+    labels = dst / "labels"
+    return sum(1 for p in labels.glob("*.png") if p.stem.isdigit()) if labels.is_dir() else 0
 
 
 def _has_pairs(dst: Path) -> bool:

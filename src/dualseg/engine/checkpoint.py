@@ -159,6 +159,12 @@ def load_checkpoint(
         ):
             hint = " — it looks like a bare state dict; pass it as model weights instead"
         raise CheckpointError(f"{path} is not a dualseg checkpoint (no 'format' key){hint}")
+    if str(ckpt["format"]).startswith("dualseg-refiner-train"):
+        raise CheckpointError(
+            f"{path} is the training state of 'dualseg refine fit', not a model checkpoint: "
+            "continue that fit with 'refine fit --resume', or use the refiner it wrote "
+            "(its --out) as --refiner"
+        )
     if str(ckpt["format"]).startswith("dualseg-refiner"):
         raise CheckpointError(
             f"{path} is a method-B refiner, not a model checkpoint: pass it as --refiner "

@@ -289,9 +289,19 @@ def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> 
 
 
 def _instantiate(parser: Any, ns: Any) -> Config:
-    init = parser.instantiate(ns) if hasattr(parser, "instantiate") else None
-    if init is None:  # jsonargparse < 4.49
-        init = parser.instantiate_classes(ns)
+    try:
+        init = parser.instantiate(ns) if hasattr(parser, "instantiate") else None
+        if init is None:  # jsonargparse < 4.49
+            init = parser.instantiate_classes(ns)
+    except (TypeError, ValueError) as err:  # e.g. a YAML section that is a number or a list
+        for key in SECTIONS:
+            value = getattr(ns, key, None)
+            if value is not None and not hasattr(value, "items") and not hasattr(value, "__dict__"):
+                raise ConfigError(
+                    f"config section {key!r} must be a mapping of keys to values, got "
+                    f"{value!r}; see dualseg train --help"
+                ) from None
+        raise ConfigError(f"invalid config: {' '.join(str(err).split())}") from None
     train = init.train
     if getattr(ns, "quiet", False):
         train = dataclasses.replace(train, quiet=True)
@@ -371,6 +381,11 @@ def load_config(path: str | Path, **overrides: dict[str, Any]) -> Config:
         d = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError) as err:
         raise ConfigError(f"cannot read config {path}: {err}") from err
+    if not isinstance(d, dict):
+        raise ConfigError(
+            f"{path} is not a dualseg config: its top level must map sections (data, model, "
+            f"optim, train) to their keys, got {type(d).__name__}"
+        )
     for section, values in overrides.items():
         d.setdefault(section, {}).update(values)
     return config_from_dict(d)
@@ -502,3 +517,21 @@ def validate(cfg: Config) -> None:
             parse_label_map(d.label_map)
         except ValueError as err:
             raise ConfigError(f"data.label_map: {err}") from None
+    _check_model_builds(cfg.model)
+
+
+def _check_model_builds(m: ModelConfig) -> None:
+    """Build the model once on the meta device (no memory, no weights, no random numbers
+    drawn), so that a bad ``model.*`` value fails here, in one line naming it, before any
+    output is written."""
+    import torch
+
+    from dualseg.models import build_model
+
+    if m.arch not in ARCH_NAMES:
+        return  # already refused above
+    try:
+        with torch.device("meta"):
+            build_model(m.arch, weights=None, **model_kwargs(m, num_classes=2))
+    except ConfigError as err:
+        raise ConfigError(f"model ({m.arch}): {err}") from None

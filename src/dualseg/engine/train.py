@@ -445,6 +445,7 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
     state = ckpt_io.load_checkpoint(resume_path) if resume_path is not None else None
     if state is not None:
         ckpt_io.check_compatible(state, arch=cfg.model.arch, num_classes=meta.num_classes)
+        _check_resumable(state, resume_path, t.max_iters)
 
     model = _build_model(cfg, meta.num_classes, pretrained=state is None)
     if env.distributed and t.sync_bn and device.type == "cuda":  # SyncBatchNorm is GPU-only
@@ -496,6 +497,26 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
         amp_dtype=amp_dtype,
         channels_last=channels_last,
     )
+
+
+RESUME_KEYS = ("optimizer", "scheduler", "sampler", "iteration", "epoch", "rng")
+
+
+def _check_resumable(state: dict, path: Path | None, max_iters: int) -> None:
+    """A resume needs a training checkpoint (not weights alone) that has iterations left."""
+    missing = [k for k in RESUME_KEYS if k not in state]
+    if missing:
+        raise CheckpointError(
+            f"{path} holds model weights without the training state a resume needs "
+            f"(no {', '.join(missing)}): resume from a checkpoint that dualseg train wrote "
+            "(the run's last.pt)"
+        )
+    done = int(state["iteration"])
+    if max_iters < done:  # the run would end at once, its config.yaml saying max_iters
+        raise ConfigError(
+            f"{path} is at iteration {done}, past train.max_iters {max_iters}: pass "
+            f"--train.max_iters {done} or more to resume it, or evaluate it with dualseg eval"
+        )
 
 
 def _resume(run: _Run) -> None:

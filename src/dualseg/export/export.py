@@ -219,8 +219,12 @@ def export_onnx(
         raise ConfigError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")
     least = DYNAMO_MIN_OPSET if exporter == "dynamo" else DEFAULT_OPSET
     opset = least if opset is None else opset
-    if opset < least:
-        raise ConfigError(f"opset must be >= {least} with the {exporter} exporter, got {opset}")
+    most = _max_opset(exporter)
+    if not least <= opset <= most:
+        raise ConfigError(
+            f"opset must be in {least}..{most} with the {exporter} exporter (this torch), "
+            f"got {opset}"
+        )
     if exporter == "dynamo" and dynamic:
         raise ConfigError(
             "the dynamo exporter cannot export the ReNet GRU sweeps with dynamic sizes in this "
@@ -476,6 +480,14 @@ class _Features(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net.features(x)
+
+
+def _max_opset(exporter: str) -> int:
+    """The newest ONNX opset this torch's ``exporter`` writes."""
+    from torch.onnx import _constants
+
+    name = "ONNX_MAX_OPSET" if exporter == "dynamo" else "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET"
+    return int(getattr(_constants, name, getattr(_constants, "ONNX_MAX_OPSET", 17)))
 
 
 def verify_export(

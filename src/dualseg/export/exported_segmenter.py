@@ -25,6 +25,7 @@ from dualseg.export.runners import (
 )
 from dualseg.imaging import normalize
 from dualseg.predictor import Predictor, size_batches
+from dualseg.serialization import read_torchscript_meta
 from dualseg.viz import default_palette
 
 
@@ -65,7 +66,12 @@ class ExportedSegmenter(Predictor):
         threads: int | None = None,
     ) -> None:
         self.path = Path(path)
-        if not self.accepts_torchscript and self.path.is_file() and _is_torchscript(self.path):
+        if (
+            not self.accepts_torchscript
+            and self.path.is_file()
+            and _is_torchscript(self.path)
+            and read_torchscript_meta(self.path) is not None  # a checkpoint is a zip too
+        ):
             raise CheckpointError(
                 f"{path} is a TorchScript file; use ExportedSegmenter for it, or export ONNX "
                 "with 'dualseg export --format onnx'"

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from torch import Tensor, nn
 from torchvision.models.segmentation.deeplabv3 import ASPP as _TorchvisionASPP
 
+from dualseg.errors import ConfigError
+
 
 class ASPP(nn.Module):
     """DeepLab-v2 ASPP (claim 3 Reading): parallel 3×3 atrous convolutions, one per rate
@@ -27,8 +29,8 @@ class ASPP(nn.Module):
     ) -> None:
         super().__init__()
         self.rates = tuple(int(r) for r in rates)
-        if not self.rates:
-            raise ValueError("ASPP needs at least one rate")
+        if not self.rates or min(self.rates) < 1:
+            raise ConfigError(f"ASPP rates must be one or more dilations >= 1, got {list(rates)}")
         self.init_std = init_std
         self.convs = nn.ModuleList(
             nn.Conv2d(in_channels, out_channels, 3, padding=r, dilation=r) for r in self.rates

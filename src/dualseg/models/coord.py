@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from dualseg.errors import ConfigError
+
 RADII = ("scaled", "index", "centred")
 
 
@@ -24,7 +26,7 @@ class CoordChannels(nn.Module):
     def __init__(self, radius: str = "scaled") -> None:
         super().__init__()
         if radius not in RADII:
-            raise ValueError(f"radius must be one of {', '.join(RADII)}, got {radius!r}")
+            raise ConfigError(f"radius must be one of {', '.join(RADII)}, got {radius!r}")
         self.radius = radius
 
     @staticmethod

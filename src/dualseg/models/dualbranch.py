@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from dualseg.errors import ConfigError
 from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 from dualseg.models.aspp import ASPP, ASPPv3Head
 from dualseg.models.base import SegmentationModel, pad_to_multiple, upsample_crop
@@ -52,7 +53,7 @@ class Branch(nn.Module):
     ) -> None:
         super().__init__()
         if renet_layers not in (0, 1, 2):
-            raise ValueError(f"renet_layers must be 0, 1 or 2, got {renet_layers}")
+            raise ConfigError(f"renet_layers must be 0, 1 or 2, got {renet_layers}")
         self.backbone = backbone
         context: OrderedDict[str, nn.Module] = OrderedDict()
         channels = backbone_channels
@@ -70,7 +71,7 @@ class Branch(nn.Module):
         elif aspp_style == "v3":
             self.aspp = ASPPv3Head(channels, num_classes, aspp_rates)
         else:
-            raise ValueError(f"aspp_style must be 'v2' or 'v3', got {aspp_style!r}")
+            raise ConfigError(f"aspp_style must be 'v2' or 'v3', got {aspp_style!r}")
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.backbone(x)  # [B, C_bb, H/os, W/os] local features
@@ -87,7 +88,7 @@ class Fusion(nn.Module):
         super().__init__()
         shapes = {"scalar": (2, 1), "per_class": (2, num_classes), "fixed": (2, 1)}
         if mode not in shapes:
-            raise ValueError(f"fusion must be one of {', '.join(shapes)}, got {mode!r}")
+            raise ConfigError(f"fusion must be one of {', '.join(shapes)}, got {mode!r}")
         self.mode = mode
         init = torch.full(shapes[mode], 0.5)
         if mode == "fixed":
@@ -133,7 +134,7 @@ class DualBranchNet(SegmentationModel):
     ) -> None:
         super().__init__()
         if upsample_order not in UPSAMPLE_ORDERS:
-            raise ValueError(
+            raise ConfigError(
                 f"upsample_order must be one of {UPSAMPLE_ORDERS}, got {upsample_order!r}"
             )
         self.num_classes, self.output_stride = num_classes, output_stride

@@ -189,6 +189,11 @@ def build_model(
     # JSON round trips (older checkpoints, YAML) turn tuples into lists: tuples from here on
     aspp_rates = tuple(int(r) for r in aspp_rates)
     deeplab_rates = None if deeplab_rates is None else tuple(int(r) for r in deeplab_rates)
+    for option, rates in (("aspp_rates", aspp_rates), ("deeplab_rates", deeplab_rates)):
+        if rates is not None and (not rates or min(rates) < 1):
+            raise ConfigError(f"{option} must be one or more dilations >= 1, got {list(rates)}")
+    if gray_conv_init not in ("sum", "mean"):
+        raise ConfigError(f"gray_conv_init must be 'sum' or 'mean', got {gray_conv_init!r}")
     weights = os.fspath(weights) if isinstance(weights, os.PathLike) else weights
     builder = MODELS[name]
     if builder.func is build_deeplabv3:

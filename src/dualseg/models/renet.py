@@ -7,6 +7,8 @@ import math
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dualseg.errors import ConfigError
+
 
 class ReNetLayer(nn.Module):
     """Two bidirectional GRU sweeps (claim 2): rows, then columns of the rows' output.
@@ -40,12 +42,14 @@ class ReNetLayer(nn.Module):
         init_bound: float | None = None,
     ) -> None:
         super().__init__()
+        if hidden < 1:
+            raise ConfigError(f"ReNet hidden (GRU units per direction) must be >= 1, got {hidden}")
         if patch < 1:
-            raise ValueError(f"patch must be >= 1, got {patch}")
+            raise ConfigError(f"ReNet patch must be >= 1, got {patch}")
         if init not in ("scaled", "standard"):
-            raise ValueError(f"init must be 'scaled' or 'standard', got {init!r}")
+            raise ConfigError(f"ReNet init must be 'scaled' or 'standard', got {init!r}")
         if init_bound is not None and (init != "scaled" or init_bound <= 0):
-            raise ValueError("init_bound must be > 0 and applies to init='scaled' only")
+            raise ConfigError("ReNet init_bound must be > 0 and applies to init='scaled' only")
         self.hidden, self.patch = hidden, patch
         self.init, self.init_bound = init, init_bound
         self.out_channels = 2 * hidden

@@ -32,6 +32,11 @@ def load_state(path: str | os.PathLike[str], fmt: str, what: str) -> dict[str, A
             f"{path} is a dualseg model checkpoint, not a method-B {what}: pass it as "
             "--checkpoint (refine: --base), and a 'dualseg refine fit' file as --refiner"
         )
+    if found == TRAIN_FORMAT and fmt == FORMAT:
+        raise CheckpointError(
+            f"{path} is the training state of 'dualseg refine fit', not a refiner: pass the "
+            "refiner that fit wrote (its --out), or continue the fit with 'refine fit --resume'"
+        )
     if found != fmt:
         raise CheckpointError(
             f"{path} is not a dualseg {what} (format {found!r}, expected {fmt!r})"

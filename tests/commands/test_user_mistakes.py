@@ -1,0 +1,196 @@
+"""Mistakes a user makes on the command line: one line naming the value and the fix, nothing
+written over that should not be (a dataset, a model, an earlier result), no traceback."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint_helpers import write_synthetic_checkpoint
+from dualseg.cli import error_line
+from dualseg.cli import main as cli_main
+from dualseg.data import make_synthetic_dataset
+from dualseg.errors import DataError
+from reliability_helpers import refused, tree
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_synthetic.yaml"
+
+
+def _md5(path: Path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mistakes")
+    data = make_synthetic_dataset(root / "data", n_train=2, n_val=2, size=(32, 48))
+    return {"root": root, "data": data, "ckpt": write_synthetic_checkpoint(root / "model.pt")}
+
+
+def _train(files, out: Path, *extra: str) -> list[str]:
+    return ["train", "--config", str(TINY), "--data.root", str(files["data"]), "--quiet",
+            "--data.crop_size", "[32, 32]", "--train.out_dir", str(out), *extra]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--model.renet_layers", "5", "renet_layers"),
+        ("--model.renet_hidden", "0", "hidden"),
+        ("--model.fusion", "foo", "fusion"),
+        ("--model.coord_radius", "foo", "radius"),
+        ("--model.upsample_order", "foo", "upsample_order"),
+        ("--model.aspp_rates", "[0, 2]", "aspp_rates"),
+        ("--model.gray_conv_init", "foo", "gray_conv_init"),
+        ("--model.renet_patch", "0", "patch"),
+    ],
+)
+def test_a_bad_model_value_is_one_line_before_any_output(files, capsys, flag, value, named):
+    out = files["root"] / f"run_{named}"
+    line = refused(_train(files, out, flag, value), capsys)
+    assert named in line and value.strip("[]").split(",")[0] in line
+    assert not out.exists()
+
+
+def test_a_config_section_that_is_not_a_mapping_is_one_line(files, capsys) -> None:
+    bad = files["root"] / "scalar.yaml"
+    bad.write_text("data: 5\n")
+    line = refused(["train", "--config", str(bad)], capsys)
+    assert "'data'" in line and "mapping" in line
+
+
+def test_resume_needs_a_training_checkpoint_with_iterations_left(files, capsys) -> None:
+    # weights alone (what write_synthetic_checkpoint writes) cannot be resumed
+    line = refused(_train(files, files["root"] / "r1", "--resume", str(files["ckpt"])), capsys)
+    assert "training state" in line and "last.pt" in line
+    run = files["root"] / "r2"
+    assert cli_main(_train(files, run, "--train.max_iters", "2")) == 0
+    config = (run / "config.yaml").read_text()
+    line = refused(
+        _train(files, run, "--resume", str(run / "last.pt"), "--train.max_iters", "1"), capsys
+    )
+    assert "iteration 2" in line and "--train.max_iters 2" in line
+    assert (run / "config.yaml").read_text() == config  # the run's record is unchanged
+
+
+def test_a_dualseg_checkpoint_as_backbone_weights_says_what_it_is(files, capsys) -> None:
+    line = refused(
+        _train(files, files["root"] / "w", "--model.weights", str(files["ckpt"])), capsys
+    )
+    assert "not backbone weights" in line and "--resume" in line
+
+
+def test_predict_never_writes_over_the_labels_of_a_dataset_at_out(files, capsys, tmp_path):
+    data = make_synthetic_dataset(tmp_path / "d", n_train=1, n_val=1, size=(32, 48))
+    label = sorted((data / "labels").iterdir())[0]
+    before = _md5(label)
+    argv = ["predict", str(data / "images"), "-c", str(files["ckpt"]), "-o", str(data)]
+    line = refused([*argv, "--overwrite", "--device", "cpu", "-q"], capsys)
+    assert "a file of the dataset" in line and "not even with --overwrite" in line
+    assert _md5(label) == before
+
+
+def test_eval_keeps_an_earlier_evaluation_unless_overwrite(files, capsys) -> None:
+    out = files["root"] / "eval"
+    argv = ["eval", "-c", str(files["ckpt"]), "--data", str(files["data"]), "-o", str(out),
+            "--device", "cpu", "-q"]  # fmt: skip
+    assert cli_main(argv) == 0
+    first = _md5(out / "metrics.json")
+    capsys.readouterr()
+    line = refused(argv, capsys)
+    assert "metrics.json" in line and "--overwrite" in line
+    assert _md5(out / "metrics.json") == first
+    assert cli_main([*argv, "--overwrite"]) == 0
+
+
+def _fit(files, *extra: str) -> list[str]:
+    return ["refine", "fit", "--data", str(files["data"]), "--base", str(files["ckpt"]),
+            "--init-backbone", "none", "--steps", "1", "--device", "cpu", "-q", *extra]  # fmt: skip
+
+
+def test_refine_fit_never_writes_over_the_base_a_model_or_the_dataset(files, capsys) -> None:
+    model = files["root"] / "other_model.pt"
+    model.write_bytes(files["ckpt"].read_bytes())
+    kept = {p: _md5(p) for p in (files["ckpt"], model, files["data"] / "meta.json")}
+    out = str(files["root"] / "r.pt")
+    line = refused(_fit(files, "--out", str(files["ckpt"]), "--overwrite"), capsys)
+    assert "--base model" in line
+    line = refused(_fit(files, "--out", out, "--checkpoint", str(model), "--overwrite"), capsys)
+    assert "model checkpoint: pass it as --base" in line
+    line = refused(_fit(files, "--out", str(files["data"] / "meta.json"), "--overwrite"), capsys)
+    assert "a file of the dataset" in line
+    assert {p: _md5(p) for p in kept} == kept
+    assert not Path(out).exists()
+
+
+def test_a_refiner_training_state_is_named_as_such(files, capsys, tmp_path) -> None:
+    state = tmp_path / "r.train.pt"
+    torch.save({"format": "dualseg-refiner-train/1", "step": 1}, state)
+    image = sorted((files["data"] / "images").iterdir())[0]
+    line = refused(["predict", str(image), "-c", str(state), "-o", str(tmp_path / "o")], capsys)
+    assert "training state of 'dualseg refine fit'" in line
+    line = refused(
+        ["refine", "apply", str(image), "-r", str(state), "-b", str(files["ckpt"]),
+         "-o", str(tmp_path / "a")], capsys,
+    )  # fmt: skip
+    assert "training state of 'dualseg refine fit'" in line and "--resume" in line
+
+
+def test_predict_onnx_with_a_checkpoint_does_not_call_it_torchscript(files, capsys, tmp_path):
+    image = sorted((files["data"] / "images").iterdir())[0]
+    line = refused(
+        ["predict", str(image), "--onnx", str(files["ckpt"]), "-o", str(tmp_path / "o")], capsys
+    )
+    assert "TorchScript file" not in line and "-c" in line
+
+
+def test_export_refuses_an_opset_this_torch_cannot_write(files, capsys, tmp_path) -> None:
+    pytest.importorskip("onnx")
+    out = tmp_path / "m.onnx"
+    argv = ["export", "-c", str(files["ckpt"]), "--out", str(out), "--size", "32", "32"]
+    line = refused([*argv, "--opset", "99"], capsys)
+    assert "opset must be in" in line and "99" in line
+    assert refused([*argv, "--tolerance", "-1"], capsys).endswith("got -1.0")
+    assert not out.exists()
+
+
+def test_export_removes_an_export_that_fails_its_verification(files, capsys, tmp_path, monkeypatch):
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    import dualseg.export.export as export_module
+
+    monkeypatch.setattr(export_module, "verify_export", lambda *a, **k: 0.5)
+    out = tmp_path / "m.onnx"
+    argv = ["export", "-c", str(files["ckpt"]), "--out", str(out), "--size", "32", "32"]
+    line = refused(argv, capsys)
+    assert "above --tolerance" in line and "removed" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flag", ["--max-upload-mb", "--max-megapixels", "--work-megapixels"])
+def test_serve_refuses_limits_that_are_not_finite(files, capsys, flag) -> None:
+    line = refused(["serve", "-c", str(files["ckpt"]), flag, "nan"], capsys)
+    assert "finite" in line
+
+
+def test_augment_checks_the_list_name_and_a_smaller_count(files, capsys, tmp_path) -> None:
+    argv = ["augment", str(files["data"]), str(tmp_path / "aug"), "--crop-size", "16", "16", "-q"]
+    for name in ("../escaped.txt", "augment.json", "list"):
+        line = refused([*argv, "--count", "2", "--list-name", name], capsys)
+        assert "--list-name" in line and ".txt" in line
+    assert tree(tmp_path) == []
+    assert cli_main([*argv, "--count", "3"]) == 0
+    line = refused([*argv, "--count", "2"], capsys)
+    assert "holds 3 pairs" in line and "--count 3" in line
+    assert len((tmp_path / "aug" / "train.txt").read_text().splitlines()) == 3
+
+
+def test_train_messages_name_a_flag_once() -> None:
+    err = DataError("set the layout (--layout, --data.layout; or a meta.json)")
+    assert (
+        error_line("train", err)
+        == "dualseg train: error: set the layout (--data.layout; or a meta.json)"
+    )
