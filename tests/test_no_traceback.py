@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from reliability_helpers import save
 
@@ -92,3 +94,31 @@ for name, argv in json.loads(sys.argv[1]).items():
     results[name] = (code, out.getvalue(), err.getvalue())
 print(json.dumps(results))
 """
+
+
+def test_environment_failures_without_a_file_name_are_one_line(monkeypatch, capsys) -> None:
+    from dualseg import cli
+    from dualseg.commands import data as data_command
+
+    def fail_with(err: BaseException):
+        def main(argv):
+            raise err
+
+        return main
+
+    full = OSError(errno.ENOSPC, "No space left on device")  # a write, no file name
+    monkeypatch.setattr(data_command, "main", fail_with(full))
+    assert cli.main(["data", "check", "x"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "dualseg data: error: No space left on device; check the path, its permissions and "
+        "the free space"
+    )
+    torch_save = RuntimeError("[enforce fail] PytorchStreamWriter failed writing file data/0")
+    monkeypatch.setattr(data_command, "main", fail_with(torch_save))
+    assert cli.main(["data", "check", "x"]) == 1
+    assert "writing a torch file failed" in capsys.readouterr().err
+    # anything else is a bug, and its traceback is what a report needs
+    monkeypatch.setattr(data_command, "main", fail_with(RuntimeError("shape mismatch")))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        cli.main(["data", "check", "x"])

@@ -88,12 +88,22 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         # A file-system failure no up-front check foresaw (disk full, a folder made read-only
         # mid-run, a path that is a file): the user's environment, not a bug, so one line too.
-        if err.filename is None:
-            raise
+        if err.filename is None and err.errno is None:
+            raise  # no file, no system error code: not the environment, a bug to see whole
         reason = err.strerror or type(err).__name__
+        where = f"{err.filename}: " if err.filename is not None else ""
         print(
-            f"dualseg {name}: error: {err.filename}: {reason}; check the path, its permissions "
+            f"dualseg {name}: error: {where}{reason}; check the path, its permissions "
             "and the free space",
+            file=sys.stderr,
+        )
+        return 1
+    except RuntimeError as err:
+        if "PytorchStreamWriter failed" not in str(err):  # torch.save's disk-full / I/O error
+            raise
+        print(
+            f"dualseg {name}: error: writing a torch file failed ({' '.join(str(err).split())}); "
+            "check the free space and the permissions of the output folder",
             file=sys.stderr,
         )
         return 1
