@@ -234,9 +234,14 @@ def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     )
     fmt = str(obj.get("format", "")) if isinstance(obj, Mapping) else ""
     if fmt.startswith("dualseg"):  # a whole dualseg model (or refiner), not backbone weights
+        use = (
+            "a method-B file: pass it as --refiner"
+            if fmt.startswith("dualseg-refiner")
+            else "a whole model: resume its training (dualseg train --resume), or fit a refiner "
+            "on its backbone (refine fit --base it --init-backbone base)"
+        )
         raise CheckpointError(
-            f"weights file {p} is a dualseg file ({fmt}), not backbone weights: continue its "
-            "training with dualseg train --resume, or evaluate it with dualseg eval"
+            f"weights file {p} is a dualseg file ({fmt}), not backbone weights; {use}"
         )
     if isinstance(obj, Mapping):
         for key in ("state_dict", "model"):

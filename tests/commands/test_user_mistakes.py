@@ -39,19 +39,19 @@ def _train(files, out: Path, *extra: str) -> list[str]:
     ("flag", "value", "named"),
     [
         ("--model.renet_layers", "5", "renet_layers"),
-        ("--model.renet_hidden", "0", "hidden"),
+        ("--model.renet_hidden", "0", "renet_hidden"),
         ("--model.fusion", "foo", "fusion"),
-        ("--model.coord_radius", "foo", "radius"),
+        ("--model.coord_radius", "foo", "coord_radius"),
         ("--model.upsample_order", "foo", "upsample_order"),
         ("--model.aspp_rates", "[0, 2]", "aspp_rates"),
         ("--model.gray_conv_init", "foo", "gray_conv_init"),
-        ("--model.renet_patch", "0", "patch"),
+        ("--model.renet_patch", "0", "renet_patch"),
     ],
 )
 def test_a_bad_model_value_is_one_line_before_any_output(files, capsys, flag, value, named):
     out = files["root"] / f"run_{named}"
     line = refused(_train(files, out, flag, value), capsys)
-    assert named in line and value.strip("[]").split(",")[0] in line
+    assert f"model.{named}" in line and value.strip("[]").split(",")[0] in line
     assert not out.exists()
 
 
@@ -80,7 +80,7 @@ def test_a_dualseg_checkpoint_as_backbone_weights_says_what_it_is(files, capsys)
     line = refused(
         _train(files, files["root"] / "w", "--model.weights", str(files["ckpt"])), capsys
     )
-    assert "not backbone weights" in line and "--resume" in line
+    assert "not backbone weights" in line and "--resume" in line and "--init-backbone" in line
 
 
 def test_predict_never_writes_over_the_labels_of_a_dataset_at_out(files, capsys, tmp_path):
@@ -91,6 +91,13 @@ def test_predict_never_writes_over_the_labels_of_a_dataset_at_out(files, capsys,
     line = refused([*argv, "--overwrite", "--device", "cpu", "-q"], capsys)
     assert "a file of the dataset" in line and "not even with --overwrite" in line
     assert _md5(label) == before
+    # an images/ folder with labels/ that an earlier run wrote: that output may be replaced
+    photos = tmp_path / "photos"
+    (photos / "images").mkdir(parents=True)
+    (photos / "images" / "x.png").write_bytes(sorted((data / "images").iterdir())[0].read_bytes())
+    argv = ["predict", str(photos / "images"), "-c", str(files["ckpt"]), "-o", str(photos), "-q"]
+    assert cli_main([*argv, "--device", "cpu"]) == 0
+    assert cli_main([*argv, "--device", "cpu", "--overwrite"]) == 0
 
 
 def test_eval_keeps_an_earlier_evaluation_unless_overwrite(files, capsys) -> None:
@@ -104,6 +111,11 @@ def test_eval_keeps_an_earlier_evaluation_unless_overwrite(files, capsys) -> Non
     assert "metrics.json" in line and "--overwrite" in line
     assert _md5(out / "metrics.json") == first
     assert cli_main([*argv, "--overwrite"]) == 0
+    # the default folder: a sliding-window evaluation sits beside the plain one
+    plain = ["eval", "-c", str(files["ckpt"]), "--data", str(files["data"]), "--device", "cpu"]
+    assert cli_main([*plain, "-q"]) == 0 and cli_main([*plain, "-q", "--mode", "slide"]) == 0
+    assert (files["ckpt"].parent / "eval_val" / "metrics.json").is_file()
+    assert (files["ckpt"].parent / "eval_val_slide" / "metrics.json").is_file()
 
 
 def _fit(files, *extra: str) -> list[str]:
@@ -124,6 +136,10 @@ def test_refine_fit_never_writes_over_the_base_a_model_or_the_dataset(files, cap
     assert "a file of the dataset" in line
     assert {p: _md5(p) for p in kept} == kept
     assert not Path(out).exists()
+    text = files["root"] / "notes.txt"
+    text.write_text("my notes")
+    line = refused(_fit(files, "--out", str(text), "--overwrite"), capsys)
+    assert "is not a method-B refiner" in line and text.read_text() == "my notes"
 
 
 def test_a_refiner_training_state_is_named_as_such(files, capsys, tmp_path) -> None:
@@ -168,6 +184,9 @@ def test_export_removes_an_export_that_fails_its_verification(files, capsys, tmp
     line = refused(argv, capsys)
     assert "above --tolerance" in line and "removed" in line
     assert not out.exists()
+    out.write_bytes(b"an earlier export")
+    line = refused([*argv, "--overwrite"], capsys)
+    assert out.read_bytes() == b"an earlier export" and sorted(tmp_path.iterdir()) == [out]
 
 
 @pytest.mark.parametrize("flag", ["--max-upload-mb", "--max-megapixels", "--work-megapixels"])
@@ -184,7 +203,10 @@ def test_augment_checks_the_list_name_and_a_smaller_count(files, capsys, tmp_pat
     assert tree(tmp_path) == []
     assert cli_main([*argv, "--count", "3"]) == 0
     line = refused([*argv, "--count", "2"], capsys)
-    assert "holds 3 pairs" in line and "--count 3" in line
+    assert "up to number 2" in line and "--count 3" in line
+    (tmp_path / "aug" / "labels" / "000000.png").unlink()  # a gap, as an interrupted run leaves
+    line = refused([*argv, "--count", "2"], capsys)
+    assert "--count 3" in line
     assert len((tmp_path / "aug" / "train.txt").read_text().splitlines()) == 3
 
 

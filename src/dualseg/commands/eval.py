@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         "-o",
         default=None,
-        help="folder for metrics.json (<checkpoint dir>/eval_SPLIT; ./eval_SPLIT for hf://)",
+        help="folder for metrics.json (<checkpoint dir>/eval_SPLIT, + _refined / _slide / _tta "
+        "for those evaluations; ./eval_SPLIT for hf://)",
     )
     p.add_argument(
         "--save-predictions",
@@ -180,14 +181,23 @@ def prediction_writer(samples: list, out: Path, palette: Any, batch_size: int):
     return write
 
 
-def default_out(checkpoint: str, split: str) -> Path:
-    """``--out``'s default: ``eval_SPLIT`` beside the checkpoint file or pretrained folder; in
-    the current folder for ``hf://org/name`` (which has no folder of its own to sit beside)."""
+def default_out(checkpoint: str, split: str, *, variant: str = "") -> Path:
+    """``--out``'s default: ``eval_SPLIT`` (+ ``variant``, e.g. ``_refined_tta``) beside the
+    checkpoint file or pretrained folder; in the current folder for ``hf://org/name`` (which
+    has no folder of its own to sit beside)."""
     from dualseg.engine.pretrained import is_hub_source
 
-    if is_hub_source(checkpoint):
-        return Path(f"eval_{split}")
-    return Path(checkpoint).parent / f"eval_{split}"
+    name = f"eval_{split}{variant}"
+    return Path(name) if is_hub_source(checkpoint) else Path(checkpoint).parent / name
+
+
+def out_variant(args: argparse.Namespace, opts: Any) -> str:
+    """What the default ``--out`` adds for an evaluation other than the plain one, so that
+    ``eval`` and ``eval --refiner R`` (or ``--mode slide``, TTA) of one checkpoint keep both."""
+    parts = ["_refined"] if args.refiner else []
+    parts += ["_slide"] if opts.mode == "slide" else []
+    parts += ["_tta"] if opts.uses_tta else []
+    return "".join(parts)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -209,7 +219,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.batch_size < 1:
         raise DualsegError(f"--batch-size must be >= 1, got {args.batch_size}")
     opts = inference_options(args)
-    out = Path(args.out) if args.out else default_out(args.checkpoint, args.split)
+    out = (
+        Path(args.out)
+        if args.out
+        else default_out(args.checkpoint, args.split, variant=out_variant(args, opts))
+    )
     check_writable(out, kind="dir", what="--out")
     if args.save_predictions:
         check_writable(args.save_predictions, kind="dir", what="--save-predictions")

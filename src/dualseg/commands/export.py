@@ -11,8 +11,11 @@ on the example input and compared with PyTorch; the largest difference is printe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from dualseg.console import argparse_kwargs
 from dualseg.errors import ConfigError, DualsegError
@@ -154,12 +157,30 @@ def check_outputs(args: argparse.Namespace) -> list[Path]:
     return targets
 
 
+@contextlib.contextmanager
+def _replaced_only_when_verified(targets: list[Path]) -> Iterator[None]:
+    """Set aside the earlier files at ``targets`` (an ``--overwrite``) while the new export is
+    written and verified; put them back, and remove the new ones, if anything fails."""
+    kept = {t: t.with_name(f".{t.name}.previous") for t in targets if t.exists()}
+    for target, aside in kept.items():
+        os.replace(target, aside)
+    try:
+        yield
+    except BaseException:
+        for target in targets:
+            target.unlink(missing_ok=True)
+        for target, aside in kept.items():
+            os.replace(aside, target)
+        raise
+    for aside in kept.values():
+        aside.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    check_outputs(args)
+    targets = check_outputs(args)
     if args.format == "pretrained":
         return _export_pretrained(args)
-    from dualseg.export.export import export_checkpoint, export_refiner, verify_export
     from dualseg.export.runtime import import_extra
     from dualseg.io import check_writable
 
@@ -181,6 +202,16 @@ def main(argv: list[str] | None = None) -> int:
         opset=args.opset,
         exporter=args.exporter,
     )
+    with _replaced_only_when_verified(targets):
+        _export_and_verify(args, out, size, options)
+    return 0
+
+
+def _export_and_verify(
+    args: argparse.Namespace, out: Path, size: tuple[int, int], options: dict[str, Any]
+) -> None:
+    from dualseg.export.export import export_checkpoint, export_refiner, verify_export
+
     if args.checkpoint:
         path = export_checkpoint(args.checkpoint, out, output=args.output, **options)
         print(f"exported {args.checkpoint} -> {path} ({args.format}, {args.output}, "
@@ -191,16 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_verify:
         diff = verify_export(path, checkpoint=args.checkpoint, refiner=args.refiner, size=size)
         print(f"max |exported - pytorch| on a {size[0]}x{size[1]} input: {diff:.2e}")
-        if not diff <= args.tolerance:  # NaN fails too
-            written = [path] if args.checkpoint else [path, sidecar]
-            for file in written:
-                file.unlink(missing_ok=True)
+        if not diff <= args.tolerance:  # NaN fails too: the new files go, earlier ones stay
             raise DualsegError(
                 f"the export differs from PyTorch by {diff:.2e}, above --tolerance "
-                f"{args.tolerance:g}, so it was removed ({', '.join(map(str, written))}); try "
-                "another --opset or --exporter, or pass a larger --tolerance if that is expected"
+                f"{args.tolerance:g}, so it was removed (any earlier export at --out is kept); "
+                "try another --opset or --exporter, or pass a larger --tolerance if that is "
+                "expected"
             )
-    return 0
 
 
 def _export_pretrained(args: argparse.Namespace) -> int:

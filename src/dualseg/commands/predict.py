@@ -259,8 +259,11 @@ def check_image_outputs(
     protected = [("an input image", [path for path, _ in images])]
     if args.data:
         protected.append((f"a file of the dataset {args.data}", dataset_files(args.data)))
-    # --out may itself be a dataset (its labels/ folder is where predictions go): its files too
-    protected.append((f"a file of the dataset {out}", dataset_files(out)))
+    # --out may itself be a dataset (its labels/ folder is where predictions go): its files too.
+    # Only one that says so (meta.json or a list file): an images/ folder that an earlier run
+    # wrote labels/ beside is that run's output, which --overwrite may replace.
+    if (out / "meta.json").is_file() or any(out.glob("*.txt")):
+        protected.append((f"a file of the dataset {out}", dataset_files(out)))
     check_outputs(outputs, overwrite=args.overwrite, protected=protected)
 
 

@@ -313,7 +313,7 @@ def fit_main(args: argparse.Namespace) -> int:
     out = check_writable(args.out, kind="file", what="--out")
     checkpoint = Path(args.checkpoint) if args.checkpoint else out.with_suffix(".train.pt")
     check_writable(checkpoint, kind="file", what="--checkpoint")
-    check_fit_files(out, checkpoint, base=args.base, data=args.data)
+    check_fit_files(out, checkpoint, base=args.base, data=args.data, layout=args.layout)
     check_earlier_fit(out, checkpoint, resume=args.resume, overwrite=args.overwrite)
 
     cfg = RefinerConfig(
@@ -439,24 +439,30 @@ def fit_inputs(args: argparse.Namespace, *, from_base: bool) -> dict[str, Any]:
 
 
 def _file_format(path: Path) -> str | None:
-    """The ``format`` key of the torch file at ``path`` (``None``: no readable dualseg file)."""
+    """The ``format`` key of the torch file at ``path``; ``""`` for an empty or unreadable
+    zip (a torch file cut short: a leftover that ``--overwrite`` may replace); ``None`` for
+    any other file."""
     from dualseg.serialization import safe_torch_load
 
+    with open(path, "rb") as f:
+        head = f.read(4)
     try:
         state = safe_torch_load(path, what="file", fix="")
     except DualsegError:
-        return None
+        return "" if head in (b"", b"PK\x03\x04") else None
     return str(state.get("format")) if isinstance(state, dict) else None
 
 
-def check_fit_files(out: Path, checkpoint: Path, *, base: str | None, data: str) -> None:
+def check_fit_files(
+    out: Path, checkpoint: Path, *, base: str | None, data: str, layout: str = "auto"
+) -> None:
     """Refuse, even with ``--overwrite``, an ``--out`` or ``--checkpoint`` that is the
     ``--base`` model, a file of the ``--data`` dataset, or an existing file of another kind
     than the one ``refine fit`` writes there (a refiner; its training state)."""
     from dualseg.engine.checkpoint import FORMAT as MODEL_FORMAT
     from dualseg.refine.formats import FORMAT, TRAIN_FORMAT
 
-    protected = [(f"a file of the dataset {data}", dataset_files(data))]
+    protected = [(f"a file of the dataset {data}", dataset_files(data, layout=layout))]
     if base is not None and Path(base).is_file():
         protected.insert(0, ("the --base model", [Path(base)]))
     kinds = (
@@ -468,7 +474,7 @@ def check_fit_files(out: Path, checkpoint: Path, *, base: str | None, data: str)
         if not path.is_file():
             continue
         found = _file_format(path)
-        if found != fmt:
+        if found not in (fmt, ""):
             model = " (a dualseg model checkpoint: pass it as --base)"
             model = model if found == MODEL_FORMAT else ""
             raise OutputError(

@@ -198,8 +198,9 @@ def augment_dataset(
     earlier = _pair_count(dst)
     if earlier > count:  # the list file would leave pairs on disk that no list names
         raise DataError(
-            f"DST {dst} holds {earlier} pairs of an earlier run with these settings, more than "
-            f"--count {count}: pass --count {earlier} or more to resume it, or choose a new DST"
+            f"DST {dst} holds pairs up to number {earlier - 1} from an earlier run with these "
+            f"settings, beyond --count {count}: pass --count {earlier} or more to resume it, or "
+            "choose a new DST"
         )
     augmenter = Augmenter(dataset, dst, settings)
     written = 0
@@ -272,9 +273,16 @@ def _has_files(folder: Path) -> bool:
 
 
 def _pair_count(dst: Path) -> int:
-    """How many pairs ``dst/labels`` holds (the label is written after its image)."""
-    labels = dst / "labels"
-    return sum(1 for p in labels.glob("*.png") if p.stem.isdigit()) if labels.is_dir() else 0
+    """One past the highest pair number in ``dst/images`` or ``dst/labels`` (0 when empty):
+    the ``--count`` that names them all (an interrupted run of several workers leaves gaps)."""
+    numbers = [
+        int(p.stem)
+        for folder in (dst / "images", dst / "labels")
+        if folder.is_dir()
+        for p in folder.iterdir()
+        if p.stem.isdigit()
+    ]
+    return max(numbers) + 1 if numbers else 0
 
 
 def _has_pairs(dst: Path) -> bool:

@@ -387,7 +387,9 @@ def load_config(path: str | Path, **overrides: dict[str, Any]) -> Config:
             f"optim, train) to their keys, got {type(d).__name__}"
         )
     for section, values in overrides.items():
-        d.setdefault(section, {}).update(values)
+        if not isinstance(d.setdefault(section, {}), dict):
+            raise ConfigError(f"{path}: section {section!r} must be a mapping of keys to values")
+        d[section].update(values)
     return config_from_dict(d)
 
 
@@ -534,4 +536,14 @@ def _check_model_builds(m: ModelConfig) -> None:
         with torch.device("meta"):
             build_model(m.arch, weights=None, **model_kwargs(m, num_classes=2))
     except ConfigError as err:
-        raise ConfigError(f"model ({m.arch}): {err}") from None
+        text = str(err)
+        named = text.split(" ", 1)[0] in {f.name for f in dataclasses.fields(ModelConfig)}
+        raise ConfigError(f"{'model.' if named else ''}{text} ({m.arch})") from None
+    except (RuntimeError, TypeError, AssertionError) as err:  # timm's own refusals
+        if m.arch != "dualseg_timm":
+            raise
+        raise ConfigError(
+            f"model.timm_model {m.timm_model!r}: timm cannot build it as a dilated feature "
+            f"extractor ({' '.join(str(err).split())}); choose a CNN that takes output_stride, "
+            "e.g. efficientnet_lite0"
+        ) from None

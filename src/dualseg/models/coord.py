@@ -26,7 +26,7 @@ class CoordChannels(nn.Module):
     def __init__(self, radius: str = "scaled") -> None:
         super().__init__()
         if radius not in RADII:
-            raise ConfigError(f"radius must be one of {', '.join(RADII)}, got {radius!r}")
+            raise ConfigError(f"coord_radius must be one of {', '.join(RADII)}, got {radius!r}")
         self.radius = radius
 
     @staticmethod

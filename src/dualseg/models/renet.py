@@ -43,13 +43,16 @@ class ReNetLayer(nn.Module):
     ) -> None:
         super().__init__()
         if hidden < 1:
-            raise ConfigError(f"ReNet hidden (GRU units per direction) must be >= 1, got {hidden}")
+            raise ConfigError(f"renet_hidden (GRU units per direction) must be >= 1, got {hidden}")
         if patch < 1:
-            raise ConfigError(f"ReNet patch must be >= 1, got {patch}")
+            raise ConfigError(f"renet_patch must be >= 1, got {patch}")
         if init not in ("scaled", "standard"):
-            raise ConfigError(f"ReNet init must be 'scaled' or 'standard', got {init!r}")
+            raise ConfigError(f"renet_init must be 'scaled' or 'standard', got {init!r}")
         if init_bound is not None and (init != "scaled" or init_bound <= 0):
-            raise ConfigError("ReNet init_bound must be > 0 and applies to init='scaled' only")
+            raise ConfigError(
+                "renet_init_bound must be > 0 and applies to renet_init='scaled' only, got "
+                f"{init_bound} with {init!r}"
+            )
         self.hidden, self.patch = hidden, patch
         self.init, self.init_bound = init, init_bound
         self.out_channels = 2 * hidden
