@@ -1,10 +1,12 @@
 """Training-step time of method A and its peer under the CPU levers, timed in turns.
 
 Settings: fp32 (contiguous memory), fp32 + channels-last, bf16 autocast + channels-last with
-every convolution in bf16 (the trainer before ``dualseg.engine.cpu_bf16``), and the trainer's
-bf16 + channels-last with depthwise convolutions in fp32. Also the weight-gradient error of each
-bf16 setting against fp32, median and worst over the dilated depthwise convolutions (the
-kernel that ``cpu_bf16`` avoids) and over all other convolutions, on the same batch; a
+every convolution in bf16 (the trainer before ``dualseg.engine.cpu_bf16``), the same with the
+depthwise convolutions in fp32 (commit 5bb0235's trainer), and the trainer's
+(``cpu_bf16.convs_in_fp32``: depthwise ones and dilated ones whose input channels are not a
+multiple of 16 in fp32). Also the weight-gradient error of each bf16 setting against fp32,
+median and worst over the dilated depthwise convolutions, the dilated dense ones off a multiple
+of 16 (the kernels ``cpu_bf16`` avoids) and all other convolutions, on the same batch; a
 non-finite error (inf or NaN) is written as null.
 
     python benchmarks/cpu_levers.py --output-stride 16 8 --threads 1 --json levers.json
@@ -28,27 +30,32 @@ import torch
 from model_speed import interleaved_medians
 from torch import nn
 
-from dualseg.engine.cpu_bf16 import depthwise_in_fp32, is_depthwise
+from dualseg.engine.cpu_bf16 import Fp32Conv2d, convs_in_fp32, is_depthwise, needs_fp32
 from dualseg.io import atomic_write_text
 from dualseg.metrics import to_jsonable
 from dualseg.models import build_model
 
-SETTINGS = {  # name: (channels_last, bf16, depthwise in fp32)
-    "fp32": (False, False, False),
-    "fp32+cl": (True, False, False),
-    "bf16+cl, all bf16": (True, True, False),
-    "bf16+cl, depthwise fp32 (trainer)": (True, True, True),
+SETTINGS = {  # name: (channels_last, bf16, which convolutions run in fp32)
+    "fp32": (False, False, None),
+    "fp32+cl": (True, False, None),
+    "bf16+cl, all bf16": (True, True, None),
+    "bf16+cl, depthwise fp32": (True, True, "depthwise"),
+    "bf16+cl, cpu_bf16 fp32 convs (trainer)": (True, True, "trainer"),
 }
 
 
-def prepared(name: str, output_stride: int, setting: tuple[bool, bool, bool]) -> nn.Module:
+def prepared(name: str, output_stride: int, setting: tuple[bool, bool, str | None]) -> nn.Module:
     torch.manual_seed(0)  # the same weights in every setting
     model = build_model(name, num_classes=11, weights="imagenet", output_stride=output_stride)
-    channels_last, _, fp32_depthwise = setting
+    channels_last, _, fp32 = setting
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    if fp32_depthwise:
-        depthwise_in_fp32(model)
+    if fp32 == "trainer":
+        convs_in_fp32(model)  # what fit does: depthwise + dilated with channels off 16
+    elif fp32 == "depthwise":  # the trainer of commit 5bb0235 (depthwise only)
+        for m in model.modules():
+            if is_depthwise(m) and type(m) is nn.Conv2d:
+                m.__class__ = Fp32Conv2d
     return model.train()
 
 
@@ -66,14 +73,22 @@ def step_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool) -> C
 def grad_errors(model: nn.Module, reference: nn.Module) -> dict[str, dict[str, float]]:
     """Relative error (norm) of each conv weight gradient against ``reference``'s: median and
     worst over the dilated depthwise convolutions and over the other convolutions (NaN: inf)."""
-    errors: dict[str, list[float]] = {"dilated_depthwise": [], "other_convs": []}
+    errors: dict[str, list[float]] = {
+        "dilated_depthwise": [],
+        "dilated_dense_off16": [],  # dilated, input channels not a multiple of 16
+        "other_convs": [],
+    }
     ref = dict(reference.named_modules())
     for name, m in model.named_modules():
         if not isinstance(m, nn.Conv2d) or m.weight.grad is None:
             continue
         e = ref[name].weight.grad
         err = float((m.weight.grad - e).norm() / e.norm().clamp_min(1e-12))
-        kind = "dilated_depthwise" if is_depthwise(m) and max(m.dilation) > 1 else "other_convs"
+        dilated = max(m.dilation) > 1 and max(m.kernel_size) > 1
+        if is_depthwise(m):
+            kind = "dilated_depthwise" if dilated else "other_convs"
+        else:
+            kind = "dilated_dense_off16" if needs_fp32(m) else "other_convs"
         errors[kind].append(err if math.isfinite(err) else math.inf)  # NaN as inf
     return {
         k: {"median": statistics.median(v), "max": max(v)} if v else {} for k, v in errors.items()
@@ -132,16 +147,14 @@ def main(argv: list[str] | None = None) -> int:
                 if SETTINGS[s][1]:
                     row["grad_error"] = grad_errors(m, models["fp32"])
                 rows.append(row)
-                err = row.get("grad_error", {})
-                d, o = err.get("dilated_depthwise", {}), err.get("other_convs", {})
+                errs = ", ".join(
+                    f"{kind} {e['median']:.2g} / {e['max']:.2g}"
+                    for kind, e in row.get("grad_error", {}).items()
+                    if e
+                )
                 print(
-                    f"os{os_} {name:24} {s:34} {1e3 * t:7.0f} ms  {t / base:.2f}x"
-                    + (
-                        f"  grad err (median / max) dilated depthwise {d['median']:.2g} / "
-                        f"{d['max']:.2g}, other convs {o['median']:.2g} / {o['max']:.2g}"
-                        if d
-                        else ""
-                    ),
+                    f"os{os_} {name:24} {s:40} {1e3 * t:7.0f} ms  {t / base:.2f}x"
+                    + (f"  grad err (median / max): {errs}" if errs else ""),
                     flush=True,
                 )
     if args.json:

@@ -10,7 +10,7 @@ from torch import nn
 
 from dualseg.data import make_synthetic_dataset
 from dualseg.engine.config import load_config
-from dualseg.engine.cpu_bf16 import Fp32DepthwiseConv2d, depthwise_in_fp32
+from dualseg.engine.cpu_bf16 import Fp32Conv2d, convs_in_fp32
 from dualseg.engine.distributed import init_distributed
 from dualseg.engine.train import _build
 
@@ -46,8 +46,8 @@ def test_dilated_depthwise_gradients_are_right_in_bf16_channels_last(channels, s
     upstream = torch.randn(1, channels, *size)
     expected = _grads(block, x, upstream, amp=False)
 
-    assert depthwise_in_fp32(block) == 1
-    assert type(block[1]) is Fp32DepthwiseConv2d and type(block[0]) is nn.Conv2d
+    assert convs_in_fp32(block) == 1
+    assert type(block[1]) is Fp32Conv2d and type(block[0]) is nn.Conv2d
     block = block.to(memory_format=torch.channels_last)
     got = _grads(block, x.contiguous(memory_format=torch.channels_last), upstream, amp=True)
     for g, e in zip(got, expected, strict=True):
@@ -56,13 +56,34 @@ def test_dilated_depthwise_gradients_are_right_in_bf16_channels_last(channels, s
         assert (g - e).norm() / e.norm() < 0.02
 
 
+def test_dilated_dense_convolutions_off_a_multiple_of_16_run_in_fp32() -> None:
+    # method A's ASPP on its 300 ReNet channels: NaN weight gradients in bf16 channels-last on
+    # an AMD EPYC with AVX-512 BF16 (right on an Intel Xeon with AMX), at 23x30 and larger
+    torch.manual_seed(0)
+    conv = nn.Conv2d(300, 11, 3, padding=4, dilation=4)
+    x, upstream = torch.randn(2, 300, 24, 32), torch.randn(2, 11, 24, 32)
+    expected = _grads(conv, x, upstream, amp=False)
+    assert convs_in_fp32(conv) == 1 and type(conv) is Fp32Conv2d
+    conv = conv.to(memory_format=torch.channels_last)
+    got = _grads(conv, x.contiguous(memory_format=torch.channels_last), upstream, amp=True)
+    for g, e in zip(got, expected, strict=True):
+        assert (g - e).norm() / e.norm() < 1e-5  # fp32 throughout
+    # the kernels that were right keep bf16: a multiple of 16, no dilation, a 1x1
+    kept = [
+        nn.Conv2d(320, 11, 3, padding=4, dilation=4),
+        nn.Conv2d(300, 11, 3, padding=1),
+        nn.Conv2d(300, 11, 1, dilation=2),
+    ]
+    assert convs_in_fp32(nn.Sequential(*kept)) == 0
+
+
 def test_the_swap_keeps_parameters_and_state_dict() -> None:
     block = _block(8, dilation=4)
     params = list(block.parameters())
     keys = list(block.state_dict())
-    depthwise_in_fp32(block)
+    convs_in_fp32(block)
     assert list(block.parameters()) == params and list(block.state_dict()) == keys
-    assert depthwise_in_fp32(block) == 0  # already swapped
+    assert convs_in_fp32(block) == 0  # already swapped
     x = torch.randn(2, 8, 10, 12)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert block[1](x.bfloat16()).dtype == torch.float32
@@ -74,9 +95,12 @@ def test_training_in_cpu_bf16_swaps_the_depthwise_convolutions(tmp_path, amp, sw
     cfg = load_config(
         TINY,
         data={"root": str(data), "crop_size": [32, 32]},
+        model={"renet_hidden": 10},  # the ASPP reads 2 x 10 ReNet channels: not a multiple of 16
         train={"out_dir": str(tmp_path / "run"), "amp": amp},
     )
     model = _build(cfg, init_distributed("cpu"), None).model
     depthwise = [m for m in model.modules() if isinstance(m, nn.Conv2d) and m.groups > 1]
     assert depthwise  # MobileNetV2: one per block
-    assert all((type(m) is Fp32DepthwiseConv2d) is swapped for m in depthwise)
+    assert all((type(m) is Fp32Conv2d) is swapped for m in depthwise)
+    aspp = [m for name, m in model.named_modules() if ".aspp.convs." in name]
+    assert aspp and all((type(m) is Fp32Conv2d) is swapped for m in aspp)

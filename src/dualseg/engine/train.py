@@ -52,7 +52,7 @@ from dualseg.engine.config import (
     train_transform,
 )
 from dualseg.engine.config import validate as validate_config
-from dualseg.engine.cpu_bf16 import depthwise_in_fp32
+from dualseg.engine.cpu_bf16 import convs_in_fp32
 from dualseg.engine.distributed import (
     DistEnv,
     ResumableSampler,
@@ -135,8 +135,9 @@ def train_one_epoch(
     returns True to stop. Returns the iteration count reached.
 
     On CPU with ``amp_dtype=torch.bfloat16``, pass a model prepared with
-    :func:`dualseg.engine.cpu_bf16.depthwise_in_fp32` (as :func:`fit` does): oneDNN's bf16
-    weight gradient of dilated depthwise convolutions is wrong.
+    :func:`dualseg.engine.cpu_bf16.convs_in_fp32` (as :func:`fit` does): oneDNN's bf16
+    weight gradient of dilated depthwise convolutions, and on some CPUs of dilated ones with
+    input channels that are not a multiple of 16, is wrong.
     """
     model.train()
     iteration = start_iteration
@@ -456,7 +457,7 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     if device.type == "cpu" and amp_dtype == torch.bfloat16:
-        depthwise_in_fp32(model)  # oneDNN's bf16 kernel for them is wrong when dilated, and slow
+        convs_in_fp32(model)  # oneDNN's bf16 weight gradient of some is wrong (cpu_bf16)
     criterion = SegmentationLoss(
         model,
         weight_decay=o.weight_decay,
