@@ -23,6 +23,7 @@ CURVES = {  # label: (results file, model); fp32 + contiguous unless the label s
     "peer, T=3,000": ("results_peer_T3000_full.json", "peer"),
     "peer, T=6,000 (paused part of the time)": ("results_peer_T6000_full.json", "peer"),
     "peer, T=3,000, bf16 + channels-last": ("fast_peer_T3000.json", "peer"),
+    "peer, T=3,000, bf16, stride 8 (paused 8 min)": ("stride_peer_os8_T3000.json", "peer"),
     "peer, T=1,500, head LR 1x": ("recipe_peer_head_lr_1.json", "peer"),
     "A, T=1,500": ("results_dualseg.json", "dualseg"),
     "A, T=1,932 (control)": ("results_dualseg_control.json", "dualseg"),
@@ -37,7 +38,10 @@ CURVES = {  # label: (results file, model); fp32 + contiguous unless the label s
     "A without ReNet, v3 ASPP, T=1,500": ("results_no_renet_v3.json", "no_renet_v3"),
     "A, logits upsampled first, T=1,500": ("results_logits_first.json", "logits_first"),
 }
-NO_TIME_AXIS = {"peer, T=6,000 (paused part of the time)"}  # its minutes are not comparable
+NO_TIME_AXIS = {  # their minutes are not comparable
+    "peer, T=6,000 (paused part of the time)",
+    "peer, T=3,000, bf16, stride 8 (paused 8 min)",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
