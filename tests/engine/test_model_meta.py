@@ -173,9 +173,9 @@ def test_model_kwargs_of_a_newer_version_or_not_a_dict_are_one_line_errors(
 
 
 # ------------------------------------------------------------------ 4. TTA scales
-@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 0.0, -1.0])
-def test_tta_scales_must_be_finite_and_positive(bad: float) -> None:
-    with pytest.raises(ConfigError, match="--tta-scales must be finite positive"):
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 0.0, -1.0, 0.001, 20.0])
+def test_tta_scales_must_be_finite_and_in_range(bad: float) -> None:
+    with pytest.raises(ConfigError, match=r"--tta-scales must be factors from 0\.1 to 8"):
         InferenceOptions(tta_scales=(1.0, bad))
     model = torch.nn.Conv2d(3, 2, 1)
     with pytest.raises(ConfigError, match="--tta-scales"):
@@ -189,7 +189,7 @@ def test_predict_tta_scales_nan_is_one_line(
     atomic_save_image(image, np.zeros((16, 16, 3), np.uint8))
     argv = ["predict", str(image), "-c", str(ckpt), "-o", str(tmp_path / "out")]
     assert cli_main([*argv, "--device", "cpu", "--tta-scales", "1", "nan"]) == 1
-    _one_line_error(capsys, "--tta-scales must be finite positive", "nan")
+    _one_line_error(capsys, "--tta-scales must be factors from 0.1 to 8", "nan")
 
 
 # ------------------------------------------------------------------ 5. probability folders

@@ -42,6 +42,9 @@ MODES = ("whole", "slide")
 Model = Callable[[Tensor], Tensor]
 
 
+TTA_SCALE_RANGE = (0.1, 8.0)  # TTA resize factors accepted (mmseg uses 0.5-1.75)
+
+
 @dataclass(frozen=True)
 class InferenceOptions:
     """How to run a model on an image; the defaults are dualseg's defaults.
@@ -74,9 +77,11 @@ class InferenceOptions:
                 f"{self.window[0]} {self.window[1]}: pixels between tiles would get no "
                 "prediction; use a stride of at most the window"
             )
-        if not self.tta_scales or not all(math.isfinite(s) and s > 0 for s in self.tta_scales):
+        lo, hi = TTA_SCALE_RANGE
+        if not self.tta_scales or not all(lo <= s <= hi for s in self.tta_scales):  # NaN too
             raise ConfigError(
-                f"--tta-scales must be finite positive factors (e.g. 0.75 1.0 1.25), got "
+                f"--tta-scales must be factors from {lo:g} to {hi:g} (e.g. 0.75 1.0 1.25; "
+                "smaller ones shrink an image to a few pixels), got "
                 f"{' '.join(str(s) for s in self.tta_scales) or 'none'}"
             )
         if self.tile_batch < 1:
