@@ -201,6 +201,8 @@ def numpy_to_rgb(a: np.ndarray) -> np.ndarray:
     if a.shape[2] == 4:  # the image policy: opaque alpha is dropped, transparency refused
         a = drop_opaque_alpha(a, "the image array")
     if np.issubdtype(a.dtype, np.floating):
+        if a.size and not np.isfinite(a).all():
+            raise DataError("the image array holds NaN or inf values; pass RGB in [0, 1] or uint8")
         if a.size and (a.min() < -1e-3 or a.max() > 1 + 1e-3):
             raise DataError("float image arrays must hold RGB values in [0, 1]; or pass uint8")
         a = np.round(np.clip(a, 0.0, 1.0) * 255)

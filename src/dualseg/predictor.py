@@ -15,6 +15,23 @@ from typing import Any
 import numpy as np
 
 
+def require_image_list(images: Any) -> None:
+    """Refuse one image where ``predict_batch`` takes several: iterating it would read its
+    rows (an array), channels (a tensor) or characters (a path) as images."""
+    import os
+
+    from dualseg.errors import DataError
+
+    one = isinstance(images, str | bytes | os.PathLike) or type(images).__module__.startswith(
+        "PIL."
+    )
+    if one or (hasattr(images, "ndim") and getattr(images, "ndim", 4) <= 3):
+        raise DataError(
+            "predict_batch takes a list of images (paths, PIL images, arrays or tensors), got "
+            f"one {type(images).__name__}: wrap it in a list, or call predict"
+        )
+
+
 class Predictor:
     """``predict(image) -> HxW`` labels, ``predict_proba(image) -> float32 [C,H,W]``."""
 

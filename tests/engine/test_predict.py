@@ -187,3 +187,51 @@ def test_cli_eval_class_count_mismatch(ckpt, synthetic, capsys) -> None:
     code = cli_main(["eval", "-c", str(ckpt), "--data", str(synthetic), "--preset", "camvid"])
     assert code == 1
     assert "8 classes" in capsys.readouterr().err
+
+
+def test_predict_batch_refuses_one_image_where_a_list_goes(seg, rgb, tmp_path) -> None:
+    path = tmp_path / "x.png"
+    Image.fromarray(rgb).save(path)
+    one_tensor = torch.from_numpy(rgb).permute(2, 0, 1)
+    for image in (rgb, str(path), path, Image.fromarray(rgb), one_tensor):
+        with pytest.raises(DataError, match="takes a list of images"):
+            seg.predict_batch(image)
+    batch = np.stack([rgb, rgb])  # [B,H,W,3]: a batch, each image one item
+    assert [m.shape for m in seg.predict_batch(batch)] == [rgb.shape[:2]] * 2
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.bool, torch.int64])
+def test_integer_image_tensors_other_than_uint8_are_refused(rgb, dtype) -> None:
+    t = torch.from_numpy(rgb).permute(2, 0, 1).to(dtype)  # a cast to uint8 would wrap
+    with pytest.raises(DataError, match=f"must be uint8.*got {dtype}"):
+        as_rgb_array(t)
+
+
+def test_nan_images_are_refused(rgb) -> None:
+    a = rgb.astype(np.float32) / 255
+    a[0, 0, 0] = np.nan
+    with pytest.raises(DataError, match="NaN"):
+        as_rgb_array(a)
+    with pytest.raises(DataError, match="NaN"):
+        as_rgb_array(torch.from_numpy(a).permute(2, 0, 1))
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "8", True])
+def test_build_model_checks_num_classes(bad) -> None:
+    from dualseg.errors import ConfigError
+    from dualseg.models import build_model
+
+    with pytest.raises(ConfigError, match="num_classes must be an int >= 1"):
+        build_model("dualseg_mobilenet_v2", num_classes=bad, renet_hidden=8)
+
+
+def test_save_pretrained_refuses_the_hub_and_a_file_as_a_parent(seg, tmp_path, monkeypatch):
+    from dualseg.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="not the Hub"):
+        seg.save_pretrained("hf://org/name")
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ConfigError, match="afile is a file"):
+        seg.save_pretrained(tmp_path / "afile" / "sub")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

@@ -147,3 +147,12 @@ def test_tied_scores_keep_the_argmax_outside_the_band() -> None:
     band = near_boundary_mask(pred, radius=2, ignore_index=None)
     assert torch.equal(labels[~band], pred[~band])
     assert torch.equal(changed, labels != pred)
+
+
+def test_the_batch_form_refuses_raw_pixels_and_warns_on_unnormalized_images() -> None:
+    refiner, probs, _, _ = _case()
+    raw = torch.full((1, 3, 32, 32), 128, dtype=torch.uint8)
+    with pytest.raises(DataError, match=r"ImageNet-normalized float images, got torch\.uint8"):
+        refiner.refine(raw, probs)
+    with pytest.warns(UserWarning, match="looks like RGB before ImageNet normalization"):
+        refiner.refine(torch.rand(1, 3, 32, 32), probs)

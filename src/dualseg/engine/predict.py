@@ -24,7 +24,7 @@ from dualseg.engine.distributed import resolve_device
 from dualseg.engine.inference import InferenceOptions
 from dualseg.errors import DataError
 from dualseg.imaging import as_rgb, normalize, numpy_to_rgb
-from dualseg.predictor import Predictor, size_batches
+from dualseg.predictor import Predictor, require_image_list, size_batches
 
 if TYPE_CHECKING:  # pragma: no cover
     from PIL.Image import Image as PILImage
@@ -66,6 +66,8 @@ def _tensor_to_array(t: Tensor) -> np.ndarray:
     elif t.shape[-1] not in (1, 3):
         raise DataError(f"expected an image tensor [3,H,W] or [H,W,3], got {tuple(t.shape)}")
     if t.is_floating_point():
+        if t.numel() and not bool(torch.isfinite(t).all()):
+            raise DataError("image tensor holds NaN or inf values; pass RGB in [0, 1] or uint8")
         lo, hi = float(t.min()), float(t.max())
         if lo < -1e-3 or hi > 1 + 1e-3:
             raise DataError(
@@ -73,6 +75,11 @@ def _tensor_to_array(t: Tensor) -> np.ndarray:
                 "(torchvision to_tensor) or uint8 — for normalized input call .model directly"
             )
         t = (t * 255).round()
+    elif t.dtype != torch.uint8:  # a cast would wrap other integers modulo 256
+        raise DataError(
+            f"image tensors must be uint8 (or float in [0, 1]), got {t.dtype}; convert with "
+            "t.float() / 255 if it holds 0..255"
+        )
     return numpy_to_rgb(t.to(torch.uint8).numpy())
 
 
@@ -178,6 +185,7 @@ class Segmenter(Predictor):
         Returns, in input order, label maps — or ``(label, probs)`` pairs with
         ``return_probs=True``. Inference options as :meth:`predict`.
         """
+        require_image_list(images)
         arrays = [as_rgb_array(im) for im in images]
         out: list[Any] = [None] * len(arrays)
         for indices, probs in self._run(

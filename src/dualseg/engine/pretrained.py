@@ -201,8 +201,16 @@ def save_pretrained(
 
 
 def refuse_existing(folder: Path, names: Sequence[str], overwrite: bool) -> None:
+    if str(folder).startswith("hf:"):  # Path("hf://org/name") is the local folder hf:/org/name
+        raise ConfigError(
+            f"save_pretrained writes a local folder, not the Hub ({folder}): save to a folder, "
+            "then upload it with huggingface_hub.upload_folder"
+        )
     if folder.exists() and not folder.is_dir():
         raise ConfigError(f"{folder} is a file; save_pretrained needs a folder path")
+    parent = next((p for p in folder.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"{parent} is a file; save_pretrained needs a folder path")
     present = [n for n in names if (folder / n).exists()]
     if present and not overwrite:
         raise ConfigError(

@@ -24,7 +24,7 @@ from dualseg.export.runners import (
     read_export_info,
 )
 from dualseg.imaging import normalize
-from dualseg.predictor import Predictor, size_batches
+from dualseg.predictor import Predictor, require_image_list, size_batches
 from dualseg.serialization import read_torchscript_meta
 from dualseg.viz import default_palette
 
@@ -113,6 +113,7 @@ class ExportedSegmenter(Predictor):
         self, images: Sequence[Any], *, batch_size: int = 8, return_probs: bool = False
     ) -> list[Any]:
         """Labels (or ``(labels, probs)`` pairs) for several images, in input order."""
+        require_image_list(images)
         arrays = [_as_rgb(im) for im in images]
         out: list[Any] = [None] * len(arrays)
         for indices, probs in self._run(arrays, max(1, batch_size)):

@@ -186,6 +186,8 @@ def build_model(
     """
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise ConfigError(f"num_classes must be an int >= 1, got {num_classes!r}")
     # JSON round trips (older checkpoints, YAML) turn tuples into lists: tuples from here on
     aspp_rates = tuple(int(r) for r in aspp_rates)
     deeplab_rates = None if deeplab_rates is None else tuple(int(r) for r in deeplab_rates)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,6 +245,7 @@ class BoundaryRefiner:
         (``None``: the refiner runs its own backbone).
         """
         if isinstance(images, Tensor) and images.dim() == 4:
+            _check_normalized_batch(images)
             return self._refine_batch(images, _as_tensor(probs), return_changed, features)
         x = torch.from_numpy(normalize([as_rgb_array(images)]))
         p = _as_tensor(probs)
@@ -506,6 +508,26 @@ class BoundaryRefiner:
         )
         refiner.history = history
         return refiner
+
+
+def _check_normalized_batch(images: Tensor) -> None:
+    """The batch form reads ImageNet-normalized floats: refuse integer images (raw pixels) and
+    warn on floats all in [0, 1] (``to_tensor`` output, which normalization would take below
+    0 wherever a channel is darker than its ImageNet mean)."""
+    if not images.is_floating_point():
+        raise DataError(
+            f"refine(images [B,3,H,W]) takes ImageNet-normalized float images, got {images.dtype}"
+            "; pass one image as an HxWx3 uint8 array, a path or a PIL image instead, or "
+            "normalize the batch (dualseg.imaging.normalize)"
+        )
+    lo, hi = (float(images.min()), float(images.max())) if images.numel() else (0.0, 0.0)
+    if lo >= 0.0 and 0.0 < hi <= 1.0:
+        warnings.warn(
+            "refine(images [B,3,H,W]): every value lies in [0, 1], which looks like RGB before "
+            "ImageNet normalization; the batch form expects normalized images "
+            "(dualseg.imaging.normalize)",
+            stacklevel=3,
+        )
 
 
 # ---------------------------------------------------------------------- P2-P5, shared
