@@ -156,3 +156,21 @@ def test_the_batch_form_refuses_raw_pixels_and_warns_on_unnormalized_images() ->
         refiner.refine(raw, probs)
     with pytest.warns(UserWarning, match="looks like RGB before ImageNet normalization"):
         refiner.refine(torch.rand(1, 3, 32, 32), probs)
+
+
+def test_save_replaces_a_refiner_and_refuses_any_other_file(tmp_path: Path) -> None:
+    from checkpoint_helpers import write_synthetic_checkpoint
+    from dualseg.errors import OutputError
+
+    refiner, _, _, _ = _case()
+    first = refiner.save(tmp_path / "r.pt")
+    assert refiner.save(first) == first  # its own earlier file: replaced
+    model = write_synthetic_checkpoint(tmp_path / "model.pt")
+    before = model.read_bytes()
+    with pytest.raises(OutputError, match=r"not a method-B refiner \(dualseg-checkpoint"):
+        refiner.save(model)
+    assert model.read_bytes() == before
+    with pytest.raises(OutputError, match="is a folder"):
+        refiner.save(tmp_path)
+    (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04 cut short")  # an interrupted save
+    refiner.save(tmp_path / "cut.pt")

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from dualseg.engine.predict import as_rgb_array
-from dualseg.errors import CheckpointError, ConfigError, DataError
+from dualseg.errors import CheckpointError, ConfigError, DataError, DualsegError, OutputError
 from dualseg.imaging import normalize
 from dualseg.io import atomic_torch_save
 from dualseg.refine.boundary import EDGE_METHODS
@@ -333,8 +333,13 @@ class BoundaryRefiner:
 
     # ------------------------------------------------------------------ artifact
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the refiner (weights, prototypes, config, class names) atomically to one file."""
+        """Write the refiner (weights, prototypes, config, class names) atomically to one file.
+
+        An earlier refiner file there is replaced; a folder, or a file of any other kind (a
+        model checkpoint, say), is refused."""
         from dualseg._version import __version__
+
+        _check_refiner_target(Path(path))
 
         state = {
             "format": FORMAT,
@@ -508,6 +513,30 @@ class BoundaryRefiner:
         )
         refiner.history = history
         return refiner
+
+
+def _check_refiner_target(target: Path) -> None:
+    """Refuse to :meth:`BoundaryRefiner.save` onto a folder or onto a file that is neither a
+    refiner nor an empty or cut-short torch file (a leftover of an interrupted save)."""
+    from dualseg.serialization import safe_torch_load
+
+    if target.is_dir():
+        raise OutputError(f"{target} is a folder; save writes one file (save_pretrained: a folder)")
+    if not target.is_file() or target.stat().st_size == 0:
+        return
+    try:
+        found = safe_torch_load(target, what="file", fix="")
+    except DualsegError:
+        with open(target, "rb") as f:
+            if f.read(4) == b"PK\x03\x04":
+                return  # a torch file cut short
+        found = None
+    kind = found.get("format") if isinstance(found, dict) else None
+    if kind != FORMAT:
+        raise OutputError(
+            f"{target} exists and is not a method-B refiner ({kind or 'another kind of file'}); "
+            "save never writes over it: choose another path"
+        )
 
 
 def _check_normalized_batch(images: Tensor) -> None:
