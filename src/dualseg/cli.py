@@ -45,7 +45,6 @@ def error_line(command: str, err: BaseException) -> str:
     text = user_message(err)
     if command == "train":
         text = _TRAIN_FLAG_RE.sub(lambda m: _TRAIN_FLAGS[m[1]], text)
-        text = re.sub(r"(--[\w.]+), \1\b", r"\1", text)  # "--layout, --data.layout" met
     return f"dualseg {command}: error: {text}"
 
 

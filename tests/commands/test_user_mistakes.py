@@ -10,10 +10,8 @@ import pytest
 import torch
 
 from checkpoint_helpers import write_synthetic_checkpoint
-from dualseg.cli import error_line
 from dualseg.cli import main as cli_main
 from dualseg.data import make_synthetic_dataset
-from dualseg.errors import DataError
 from reliability_helpers import refused, tree
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_synthetic.yaml"
@@ -210,9 +208,13 @@ def test_augment_checks_the_list_name_and_a_smaller_count(files, capsys, tmp_pat
     assert len((tmp_path / "aug" / "train.txt").read_text().splitlines()) == 3
 
 
-def test_train_messages_name_a_flag_once() -> None:
-    err = DataError("set the layout (--layout, --data.layout; or a meta.json)")
-    assert (
-        error_line("train", err)
-        == "dualseg train: error: set the layout (--data.layout; or a meta.json)"
+def test_train_messages_name_a_flag_once(tmp_path, capsys) -> None:
+    # the data layer names --layout; each command's error line names its own spelling, once
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    line = refused(
+        ["train", "--data.root", str(empty), "--train.out_dir", str(tmp_path / "r")], capsys
     )
+    assert line.count("--data.layout") == 1 and "--layout" not in line.replace("--data.layout", "")
+    line = refused(["data", "check", str(empty)], capsys)
+    assert line.count("--layout") == 1 and "--data.layout" not in line

@@ -372,7 +372,7 @@ def detect_layout(root: str | Path, split: str = "train") -> str:
         f"{root}: cannot tell the dataset layout for split {split!r}: expected {split}.txt "
         "(list), images/ + labels/ (folder), JPEGImages/ (voc), leftImg8bit/ (cityscapes) or "
         f"{ADE_FOLDER}/images/training (ade20k); "
-        f"set the layout (--layout, --data.layout; layout= in Python) to one of {LAYOUTS[1:]}"
+        f"set the layout (--layout; layout= in Python) to one of {LAYOUTS[1:]}"
     )
 
 
