@@ -17,7 +17,7 @@ from typing import Any
 
 from dualseg.errors import CheckpointError
 
-__all__ = ["TORCHSCRIPT_META", "read_torchscript_meta", "safe_torch_load"]
+__all__ = ["TORCHSCRIPT_META", "read_torchscript_meta", "safe_torch_load", "torch_file_format"]
 
 # the metadata file inside a dualseg TorchScript export (its ``_extra_files``); here, below
 # dualseg.export, so that a checkpoint loader can tell such a file from a checkpoint
@@ -83,6 +83,20 @@ def safe_torch_load(
         raise CheckpointError(
             f"{path} is corrupt or truncated and cannot be read ({first}); {fix}"
         ) from None
+
+
+def torch_file_format(path: str | os.PathLike[str]) -> str | None:
+    """What an existing file at ``path`` is, for a writer deciding whether it may replace it:
+    the ``format`` of a dualseg torch file; ``""`` for an empty file or a torch zip that cannot
+    be read (one cut short: the leftover of an interrupted write); None for anything else."""
+    path = Path(path)
+    try:
+        state = safe_torch_load(path, what="file", fix="")
+    except CheckpointError:
+        with open(path, "rb") as f:
+            return "" if f.read(4) in (b"", b"PK\x03\x04") else None
+    found = state.get("format") if isinstance(state, dict) else None
+    return None if found is None else str(found)
 
 
 def read_torchscript_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None:

@@ -438,21 +438,6 @@ def fit_inputs(args: argparse.Namespace, *, from_base: bool) -> dict[str, Any]:
     }
 
 
-def _file_format(path: Path) -> str | None:
-    """The ``format`` key of the torch file at ``path``; ``""`` for an empty or unreadable
-    zip (a torch file cut short: a leftover that ``--overwrite`` may replace); ``None`` for
-    any other file."""
-    from dualseg.serialization import safe_torch_load
-
-    with open(path, "rb") as f:
-        head = f.read(4)
-    try:
-        state = safe_torch_load(path, what="file", fix="")
-    except DualsegError:
-        return "" if head in (b"", b"PK\x03\x04") else None
-    return str(state.get("format")) if isinstance(state, dict) else None
-
-
 def check_fit_files(
     out: Path, checkpoint: Path, *, base: str | None, data: str, layout: str = "auto"
 ) -> None:
@@ -461,6 +446,7 @@ def check_fit_files(
     than the one ``refine fit`` writes there (a refiner; its training state)."""
     from dualseg.engine.checkpoint import FORMAT as MODEL_FORMAT
     from dualseg.refine.formats import FORMAT, TRAIN_FORMAT
+    from dualseg.serialization import torch_file_format
 
     protected = [(f"a file of the dataset {data}", dataset_files(data, layout=layout))]
     if base is not None and Path(base).is_file():
@@ -473,7 +459,7 @@ def check_fit_files(
         check_outputs([path], overwrite=True, protected=protected, what=what)
         if not path.is_file():
             continue
-        found = _file_format(path)
+        found = torch_file_format(path)
         if found not in (fmt, ""):
             model = " (a dualseg model checkpoint: pass it as --base)"
             model = model if found == MODEL_FORMAT else ""

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from dualseg.engine.predict import as_rgb_array
-from dualseg.errors import CheckpointError, ConfigError, DataError, DualsegError, OutputError
+from dualseg.errors import CheckpointError, ConfigError, DataError, OutputError
 from dualseg.imaging import normalize
 from dualseg.io import atomic_torch_save
 from dualseg.refine.boundary import EDGE_METHODS
@@ -518,21 +518,14 @@ class BoundaryRefiner:
 def _check_refiner_target(target: Path) -> None:
     """Refuse to :meth:`BoundaryRefiner.save` onto a folder or onto a file that is neither a
     refiner nor an empty or cut-short torch file (a leftover of an interrupted save)."""
-    from dualseg.serialization import safe_torch_load
+    from dualseg.serialization import torch_file_format
 
     if target.is_dir():
         raise OutputError(f"{target} is a folder; save writes one file (save_pretrained: a folder)")
-    if not target.is_file() or target.stat().st_size == 0:
+    if not target.is_file():
         return
-    try:
-        found = safe_torch_load(target, what="file", fix="")
-    except DualsegError:
-        with open(target, "rb") as f:
-            if f.read(4) == b"PK\x03\x04":
-                return  # a torch file cut short
-        found = None
-    kind = found.get("format") if isinstance(found, dict) else None
-    if kind != FORMAT:
+    kind = torch_file_format(target)
+    if kind not in (FORMAT, ""):
         raise OutputError(
             f"{target} exists and is not a method-B refiner ({kind or 'another kind of file'}); "
             "save never writes over it: choose another path"
