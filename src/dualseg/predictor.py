@@ -25,7 +25,7 @@ def require_image_list(images: Any) -> None:
     one = isinstance(images, str | bytes | os.PathLike) or type(images).__module__.startswith(
         "PIL."
     )
-    if one or (hasattr(images, "ndim") and getattr(images, "ndim", 4) <= 3):
+    if one or getattr(images, "ndim", 4) <= 3:  # an array or tensor of one image
         raise DataError(
             "predict_batch takes a list of images (paths, PIL images, arrays or tensors), got "
             f"one {type(images).__name__}: wrap it in a list, or call predict"

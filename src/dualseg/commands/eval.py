@@ -354,12 +354,8 @@ def _describe(opts: Any) -> str:
     return text
 
 
-EVAL_FILES = (
-    "metrics.json",
-    "confusion_matrix.png",
-    "per_class_iou.png",
-    "confusion_matrix_refined.png",
-)
+FIGURES = ("confusion_matrix.png", "per_class_iou.png", "confusion_matrix_refined.png")
+EVAL_FILES = ("metrics.json", *FIGURES)  # what an evaluation writes into OUT
 
 
 def write_figures(out: Path, metrics: dict[str, Any], class_names: Any) -> list[Path]:
@@ -367,13 +363,13 @@ def write_figures(out: Path, metrics: dict[str, Any], class_names: Any) -> list[
     with a refiner) in ``out``; returns the paths written."""
     from dualseg import viz
 
-    written = [out / "confusion_matrix.png", out / "per_class_iou.png"]
+    written = [out / FIGURES[0], out / FIGURES[1]]
     viz.save_confusion_matrix(written[0], metrics["confusion_matrix"], class_names)
     series = {"model": metrics["iou"]}
     refined = metrics.get("refined")
     if refined is not None:
         series["model + method B"] = refined["iou"]
-        written.append(out / "confusion_matrix_refined.png")
+        written.append(out / FIGURES[2])
         viz.save_confusion_matrix(
             written[-1],
             refined["confusion_matrix"],

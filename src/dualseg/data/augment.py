@@ -161,15 +161,7 @@ def augment_dataset(
         jitter=jitter,
         names=AUGMENT_FLAGS,
     )
-    if (
-        Path(list_name).name != list_name
-        or not list_name.endswith(".txt")
-        or list_name
-        in (
-            META_FILE,
-            SETTINGS_FILE,
-        )
-    ):
+    if Path(list_name).name != list_name or not list_name.endswith(".txt"):  # not meta.json
         raise DataError(
             f"--list-name {list_name!r}: give a bare file name ending in .txt (e.g. train.txt); "
             "the list file is written into DST, beside images/ and labels/"
