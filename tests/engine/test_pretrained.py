@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +91,21 @@ def test_save_refuses_to_overwrite_and_bad_folders_are_one_line_errors(folder, t
     (broken / WEIGHTS_NAME).write_bytes((folder / WEIGHTS_NAME).read_bytes())
     with pytest.raises(CheckpointError, match="expects input normalization mean"):
         dualseg.load_model(broken)
+
+
+def test_overwriting_a_model_beside_its_refiner_warns_and_keeps_the_refiner(ckpt, tmp_path) -> None:
+    seg = dualseg.load_model(ckpt)
+    out = seg.save_pretrained(tmp_path / "m")
+    _refiner().save_pretrained(out)
+    with pytest.warns(UserWarning, match=r"keeps refiner\.json \+ refiner\.safetensors.*refit"):
+        seg.save_pretrained(out, overwrite=True)
+    assert (out / "refiner.json").exists()  # the user's to delete, never silently lost
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    _refiner().save_pretrained(fresh)  # a refiner saved first, then its model: nothing replaced
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        seg.save_pretrained(fresh)
 
 
 def test_missing_huggingface_hub_names_the_extra(monkeypatch) -> None:

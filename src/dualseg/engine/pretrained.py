@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +56,9 @@ __all__ = [
 FORMAT = "dualseg-pretrained/1"
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# the method-B refiner's files in the same folder (written by dualseg.refine.pretrained)
+REFINER_CONFIG = "refiner.json"
+REFINER_WEIGHTS = "refiner.safetensors"
 HF_PREFIX = "hf://"
 HUB_EXTRA = "pip install 'dualseg[hub]'"
 
@@ -173,6 +177,16 @@ def save_pretrained(
 
     folder = Path(folder)
     refuse_existing(folder, (CONFIG_NAME, WEIGHTS_NAME), overwrite)
+    stale = [n for n in (REFINER_CONFIG, REFINER_WEIGHTS) if (folder / n).exists()]
+    if stale and (folder / WEIGHTS_NAME).exists():
+        # the refiner beside the model being replaced was fit (and its decision calibrated)
+        # for that model; keeping it is the user's call, but never a silent one
+        warnings.warn(
+            f"{folder} keeps {' + '.join(stale)}, the method-B refiner fit for the model "
+            "written there before; refit it for this model (dualseg refine fit) or delete it",
+            UserWarning,
+            stacklevel=2,
+        )
     kwargs = {k: v for k, v in dict(model_kwargs).items() if k != "weights"}
     config = {
         "format": FORMAT,

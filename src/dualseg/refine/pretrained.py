@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from dualseg.engine.pretrained import (
+    REFINER_CONFIG,
+    REFINER_WEIGHTS,
     is_hub_source,
     read_json,
     read_safetensors,
@@ -46,8 +48,6 @@ __all__ = [
 ]
 
 REFINER_FORMAT = "dualseg-refiner-pretrained/1"
-REFINER_CONFIG = "refiner.json"
-REFINER_WEIGHTS = "refiner.safetensors"
 
 
 def is_folder_source(source: str | os.PathLike[str]) -> bool:
