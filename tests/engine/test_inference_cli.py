@@ -245,3 +245,53 @@ def test_eval_of_mixed_size_images_in_one_batch_says_use_batch_size_1(
     assert "48x32 and 96x64 px" in err and "use --batch-size 1" in err
     assert not (tmp_path / "eval").exists()
     assert cli_main([*args, "--batch-size", "1", "--quiet"]) == 0  # one at a time: fine
+
+
+def test_eval_reads_labels_as_the_checkpoint_was_trained(synthetic, tmp_path, capsys) -> None:
+    """A model trained with --data.label_map / --data.ignore_index is scored on the classes it
+    learnt: eval takes both from the checkpoint unless a flag says otherwise, with a note."""
+    import shutil
+
+    root = tmp_path / "raw"
+    shutil.copytree(synthetic, root)
+    truth = []
+    for path in sorted((root / "labels").glob("val_*.png")):
+        label = np.array(Image.open(path))
+        truth.append(label.copy())
+        label[label == 2] = 200  # class 2 stored as raw 200, as training mapped it
+        Image.fromarray(label).save(path)
+    gt = np.concatenate([t.ravel() for t in truth])
+    assert (gt == 2).any() and (gt == 7).any()
+    ckpt = write_synthetic_checkpoint(
+        tmp_path / "mapped.pt",
+        config={"data": {"preset": "synthetic", "label_map": "200:2", "ignore_index": 7}},
+    )
+    out = tmp_path / "eval"
+    argv = ["eval", "-c", str(ckpt), "--data", str(root), "--out", str(out), "--quiet"]
+    assert cli_main(argv) == 0
+    assert "data.label_map 200:2, data.ignore_index 7" in capsys.readouterr().err
+    rows = np.array(json.loads((out / "metrics.json").read_text())["confusion_matrix"]).sum(1)
+    assert rows[2] == (gt == 2).sum()  # raw 200 scored as class 2
+    assert rows[7] == 0  # raw 7 ignored, as in training
+    # a flag wins: without the map, raw 200 is no class of the model's, one line
+    assert cli_main([*argv, "--overwrite", "--label-map", "none", "--ignore-index", "auto"]) == 1
+    assert "200" in capsys.readouterr().err
+
+
+def test_overwrite_leaves_no_earlier_output_beside_the_new_ones(ckpt, synthetic, tmp_path) -> None:
+    """--overwrite replaces a run: what the new run does not write (predict's probs without
+    --probs, eval's refined confusion matrix without --refiner) goes, not another model's."""
+    image = next((synthetic / "images").glob("val_*.png"))
+    out = tmp_path / "pred"
+    base = ["predict", str(image), "-c", str(ckpt), "-o", str(out), "--quiet"]
+    assert cli_main([*base, "--probs"]) == 0
+    assert (out / "probs" / f"{image.stem}.npz").exists()
+    assert cli_main([*base, "--overwrite"]) == 0
+    assert not (out / "probs" / f"{image.stem}.npz").exists()
+    ev = tmp_path / "eval"
+    argv = ["eval", "-c", str(ckpt), "--data", str(synthetic), "--out", str(ev), "--quiet"]
+    assert cli_main([*argv, "--refiner", str(_tiny_refiner(tmp_path / "r.pt"))]) == 0
+    assert (ev / "confusion_matrix_refined.png").exists()
+    assert cli_main([*argv, "--overwrite"]) == 0
+    assert not (ev / "confusion_matrix_refined.png").exists()
+    assert (ev / "confusion_matrix.png").exists() and (ev / "per_class_iou.png").exists()

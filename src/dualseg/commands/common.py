@@ -31,6 +31,7 @@ __all__ = [
     "fraction",
     "mode_of",
     "nonnegative_int",
+    "parse_ignore_index",
     "unique_names",
 ]
 
@@ -46,6 +47,17 @@ def nonnegative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def parse_ignore_index(text: str) -> int | str | None:
+    """``--ignore-index``: a raw label value 0..255, ``none`` / ``null`` (no value) or ``auto``."""
+    if text.lower() in {"none", "null"}:
+        return None
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) > 255:
+        raise argparse.ArgumentTypeError(f"expected 0..255, none or auto, got {text!r}")
+    return int(text)
 
 
 def fraction(text: str) -> float:

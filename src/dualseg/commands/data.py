@@ -21,6 +21,7 @@ from dualseg.commands.common import (
     check_outputs,
     dataset_files,
     mode_of,
+    parse_ignore_index,
 )
 from dualseg.console import argparse_kwargs
 from dualseg.data.check import CheckReport, check_dataset, format_report
@@ -30,17 +31,6 @@ from dualseg.data.readers import LABEL_FORMATS
 from dualseg.io import atomic_write_json, check_writable
 
 __all__ = ["CheckReport", "check_dataset", "format_report", "main", "parse_ignore_index"]
-
-
-def parse_ignore_index(text: str) -> int | str | None:
-    """``--ignore-index``: a raw label value 0..255, ``none`` / ``null`` (no value) or ``auto``."""
-    if text.lower() in {"none", "null"}:
-        return None
-    if text == "auto":
-        return text
-    if not text.isdigit() or int(text) > 255:
-        raise argparse.ArgumentTypeError(f"expected 0..255, none or auto, got {text!r}")
-    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,11 +37,17 @@ from dualseg.commands.common import (
     dataset_files,
     mode_of,
     nonnegative_int,
+    parse_ignore_index,
     unique_names,
 )
 from dualseg.commands.predict import add_inference_arguments, inference_options
 from dualseg.console import argparse_kwargs, track
+from dualseg.data.readers import LABEL_FORMATS
 from dualseg.errors import CheckpointError, DualsegError
+
+# --ignore-index's default: the checkpoint's training value. Not a string (argparse would
+# pass a string default through the flag's parser) and none of the flag's values.
+FROM_CHECKPOINT = object()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,12 +77,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="dataset preset (camvid, voc, cityscapes, ade20k, synthetic); default: "
         "ROOT/meta.json, else the classes stored in the checkpoint",
     )
-    p.add_argument("--label-format", default="index", help="index | color (index)")
+    p.add_argument(
+        "--label-format",
+        choices=LABEL_FORMATS,
+        default=None,
+        help="index | color (default: the checkpoint's training data.label_format, else index)",
+    )
     p.add_argument(
         "--label-map",
         default=None,
-        metavar="RAW:CLASS[,...]",
-        help="map raw label values to class ids, e.g. 255:1 (default: ROOT/meta.json's)",
+        metavar="RAW:CLASS[,...]|none",
+        help="map raw label values to class ids, e.g. 255:1, on top of ROOT/meta.json's "
+        "(default: the checkpoint's training data.label_map; none: no extra map)",
+    )
+    p.add_argument(
+        "--ignore-index",
+        type=parse_ignore_index,
+        default=FROM_CHECKPOINT,
+        metavar="RAW|none|auto",
+        help="the raw label value meaning ignore; none: no value; auto: the dataset's "
+        "(default: the checkpoint's training data.ignore_index, else auto)",
     )
     p.add_argument(
         "--out",
@@ -121,6 +141,38 @@ def _load_refiner(path: str, class_names: tuple[str, ...], device: Any) -> Any:
         print(f"dualseg eval: note: {note}", file=sys.stderr)
     refiner.check_classes(class_names, len(class_names), what=f"the checkpoint (refiner {path})")
     return refiner
+
+
+def label_settings(
+    args: argparse.Namespace, ckpt: dict[str, Any]
+) -> tuple[str, dict[int, int] | None, Any, list[str]]:
+    """How eval reads the labels: ``(label_format, label_map, ignore_value, from_checkpoint)``.
+
+    Each flag not given takes the value the checkpoint was trained with (its stored
+    ``config.data``), so a model trained on 0/255 masks with ``--data.label_map 255:1`` is
+    scored on the same classes it learnt; ``from_checkpoint`` lists what was taken, for a note.
+    A pretrained folder stores no training config: the dataset's own mapping applies.
+    """
+    from dualseg.data.presets import parse_label_map
+
+    data = (ckpt.get("config") or {}).get("data") or {}
+    taken: list[str] = []
+    label_format = args.label_format
+    if label_format is None:
+        label_format = data.get("label_format") or "index"
+        if label_format != "index":
+            taken.append(f"data.label_format {label_format}")
+    text = args.label_map
+    if text is None and data.get("label_map"):
+        text = str(data["label_map"])
+        taken.append(f"data.label_map {text}")
+    label_map = None if text is None or text.lower() == "none" else parse_label_map(text)
+    ignore = args.ignore_index
+    if ignore is FROM_CHECKPOINT:
+        ignore = data.get("ignore_index", "auto")
+        if ignore != "auto":
+            taken.append(f"data.ignore_index {'none' if ignore is None else ignore}")
+    return label_format, label_map, ignore, taken
 
 
 def prediction_names(samples: list) -> list[str]:
@@ -230,9 +282,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         check_prediction_outputs(args)
     # an earlier evaluation's scores and figures in OUT are a result: replaced only when asked
     check_outputs([out / name for name in EVAL_FILES], overwrite=args.overwrite, what="--out")
-    label_map = parse_label_map(args.label_map) if args.label_map else None
+    if args.label_map and args.label_map.lower() != "none":
+        parse_label_map(args.label_map)  # a bad value: one line before the model loads
     device = apply_runtime(args)
     ckpt = load_state(args.checkpoint)  # a .pt file, a pretrained folder or hf://org/name
+    label_format, label_map, ignore_value, taken = label_settings(args, ckpt)
+    if taken:
+        print(
+            f"dualseg eval: note: labels read as {args.checkpoint} was trained: "
+            f"{', '.join(taken)} (--label-format / --label-map / --ignore-index change it)",
+            file=sys.stderr,
+        )
     check_normalization(ckpt)  # the eval transform applies dualseg's (ImageNet) normalization
     model, meta = build_model_from_checkpoint(ckpt, device=device)
     own = (
@@ -256,8 +316,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         layout=args.layout,
         preset=meta,
         transform=build_eval_transform(),
-        label_format=args.label_format,
+        label_format=label_format,
         label_map=label_map,
+        ignore_value=ignore_value,
     )
     n_model = int(ckpt["model_kwargs"].get("num_classes", meta.num_classes))
     if dataset.meta.num_classes != n_model:
@@ -338,6 +399,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # metrics.json first: a folder that cannot be written gets no figures without their scores
     atomic_write_json(out / "metrics.json", to_jsonable(record))
     figures = write_figures(out, metrics, names)
+    for stale in {out / name for name in FIGURES} - set(figures):
+        stale.unlink(missing_ok=True)  # an earlier evaluation's (--overwrite), not this one's
     print(f"metrics -> {out / 'metrics.json'}; figures -> {', '.join(p.name for p in figures)}")
     return metrics
 

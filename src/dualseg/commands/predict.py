@@ -364,6 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             write_outputs(out, name, array, label, seg.meta.palette, alpha=args.alpha)
             if probs is not None:
                 save_probs(out / "probs" / f"{name}.npz", probs, seg.class_names, str(path))
+            else:  # an earlier --probs run's scores (--overwrite): another model's, now stale
+                (out / "probs" / f"{name}.npz").unlink(missing_ok=True)
             bar.update(1)
     bar.close()
     done = len(images) - len(failures)
