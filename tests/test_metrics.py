@@ -483,3 +483,14 @@ def test_boundary_metrics_refuse_negative_widths_as_a_config_error(tol: int, wid
 
     with pytest.raises(ConfigError, match=r"--boundary-tolerance, --trimap-width"):
         BoundaryMetrics(3, tolerance=tol, trimap_width=width)
+
+
+def test_an_ignore_index_that_is_a_class_id_is_refused_and_one_outside_works() -> None:
+    # 300 classes with the default ignore 255 would drop class 255's ground truth silently
+    with pytest.raises(ValueError, match="ignore_index 255 is also a class id of 300"):
+        ConfusionMatrix(300)
+    with pytest.raises(ValueError, match="ignore_index 0 is also a class id"):
+        BoundaryMetrics(3, ignore_index=0)
+    cm = ConfusionMatrix(300, ignore_index=-1)
+    cm.update(torch.tensor([[255, 255, 10, -1]]), torch.tensor([[255, 255, 10, -1]]))
+    assert int(cm.mat.sum()) == 3 and cm.compute()["miou"] == 1.0

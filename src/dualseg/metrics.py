@@ -131,6 +131,16 @@ def _nanmean(x: Tensor) -> float:
     return float(x[keep].mean()) if bool(keep.any()) else math.nan
 
 
+def _check_ignore_index(ignore_index: int, num_classes: int) -> None:
+    # an ignore index that is also a class id would drop that class's ground truth while its
+    # predictions still count as false positives: a silently wrong score
+    if 0 <= ignore_index < num_classes:
+        raise ValueError(
+            f"ignore_index {ignore_index} is also a class id of {num_classes} classes; pass an "
+            f"ignore_index outside [0, {num_classes}), e.g. -1 or {max(255, num_classes)}"
+        )
+
+
 class ConfusionMatrix:
     """Streaming confusion matrix: per-class IoU, mIoU, pixel / mean class accuracy, fwIoU.
 
@@ -149,6 +159,7 @@ class ConfusionMatrix:
     ) -> None:
         if num_classes < 1:
             raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        _check_ignore_index(ignore_index, num_classes)
         self.num_classes = num_classes
         self.ignore_index = ignore_index
         self._follow_input = device is None
@@ -317,6 +328,7 @@ class BoundaryMetrics:
     ) -> None:
         if not 1 <= num_classes < 32768:  # boundary maps are int16
             raise ValueError(f"num_classes must be in [1, 32768), got {num_classes}")
+        _check_ignore_index(ignore_index, num_classes)
         if tolerance < 0 or trimap_width < 0:
             raise ConfigError(
                 f"boundary tolerance and trimap width must be >= 0 px, got {tolerance} and "

@@ -295,3 +295,25 @@ def test_overwrite_leaves_no_earlier_output_beside_the_new_ones(ckpt, synthetic,
     assert cli_main([*argv, "--overwrite"]) == 0
     assert not (ev / "confusion_matrix_refined.png").exists()
     assert (ev / "confusion_matrix.png").exists() and (ev / "per_class_iou.png").exists()
+
+
+class _TieBreaker:
+    """A fake refiner that relabels nothing but, like the real one, takes its base labels from
+    the probabilities: at an exact tie its argmax is the first class."""
+
+    def refine(self, images, probs, return_changed=True):
+        labels = probs.argmax(1)
+        return labels, torch.zeros_like(labels, dtype=torch.bool)
+
+
+def test_where_the_refiner_relabels_nothing_the_scored_base_labels_are_kept() -> None:
+    class Tie(nn.Module):  # logits 1e-8 apart: argmax class 1, softmax ties them at class 0
+        def forward(self, x):
+            logits = torch.zeros(x.shape[0], 2, *x.shape[-2:])
+            logits[:, 1] = 1e-8
+            return logits
+
+    labels = torch.ones(1, 8, 8, dtype=torch.long)
+    m = evaluate(Tie(), [(torch.zeros(1, 3, 8, 8), labels)], num_classes=2, refiner=_TieBreaker())
+    assert m["miou"] == 1.0 and m["refined"]["miou"] == 1.0
+    assert m["refine"]["changed"] == 0

@@ -246,8 +246,12 @@ def evaluate(
                         counts[5] += images.shape[0] if kept is not None else 0
                     else:
                         new, changed = refiner.refine(images, probs, return_changed=True)
-                new = new.to(device).long()
+                # the refiner takes its own base labels from the probabilities; where it does
+                # not relabel, keep exactly the labels scored as the base (argmax of logits and
+                # of softmax differ at float ties), so fixed/broke add up against both matrices
                 changed = changed.to(device).bool()
+                new = torch.where(changed, new.to(device).long(), pred)
+                changed = new != pred
                 refined.update(new, labels)
                 valid = labels != ignore_index
                 was_right = pred == labels

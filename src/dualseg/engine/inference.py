@@ -51,7 +51,7 @@ class InferenceOptions:
 
     ``mode``: ``"whole"`` | ``"slide"``. ``window``: tile size ``(H, W)`` in pixels for
     ``slide``. ``stride``: tile step ``(H, W)``; ``None`` = two thirds of the window, rounded
-    up (mmseg's 512 / 341). ``tta_scales``: resize factors averaged by TTA (``(1.0,)``: no
+    up (512 -> 342). ``tta_scales``: resize factors averaged by TTA (``(1.0,)``: no
     multi-scale). ``tta_flip``: also average the left-right mirrored image. ``tile_batch``:
     tiles per forward pass in ``slide`` mode.
     """

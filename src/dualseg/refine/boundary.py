@@ -92,7 +92,9 @@ def near_boundary_mask(
     ignore_index: int | None = 255,
     method: str = "canny",
 ) -> Tensor | np.ndarray:
-    """Bool mask of pixels within ``radius`` px of a label boundary.
+    """Bool mask of pixels near a label boundary: the boundary dilated with OpenCV's elliptical
+    ``(2·radius+1)``-square kernel (which reaches a little past a Euclidean ``radius``: up to
+    5.4 px at radius 5; the metrics' trimap band is the exact disk).
 
     ``labels``: ``[H,W]`` or ``[B,H,W]`` integers (tensor on any device, or numpy). Returns the
     same kind and shape, dtype bool (a tensor stays on its device). Ignore pixels are False.
