@@ -42,6 +42,7 @@ __all__ = [
     "as_rgb",
     "decode_image",
     "drop_opaque_alpha",
+    "exif_orientation",
     "image_to_rgb",
     "normalize",
     "numpy_to_rgb",
@@ -144,6 +145,21 @@ def decode_image(
             f"{source} is an unreadable or truncated image ({err}); re-export or replace it"
         ) from err
     return image_to_rgb(im, source)
+
+
+_ORIENTATION_TAG = 0x0112
+
+
+def exif_orientation(im: Image.Image, source: str | Path) -> int:
+    """The EXIF orientation (2..8) that :func:`image_to_rgb` applies to ``im``, or 1 when it
+    applies none (no tag, or a value Pillow's ``exif_transpose`` ignores)."""
+    try:
+        value = im.getexif().get(_ORIENTATION_TAG, 1)
+    except Exception as err:  # a malformed EXIF block: Pillow raises various types
+        raise DataError(
+            f"{source}: unreadable EXIF orientation ({err}); re-save the image without EXIF"
+        ) from err
+    return value if isinstance(value, int) and 2 <= value <= 8 else 1
 
 
 def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:

@@ -91,3 +91,28 @@ def test_roots_with_different_classes_are_refused_naming_both(tmp_path):
         build_dataset([a, b])
     with pytest.raises(DataError, match="no dataset root"):
         build_dataset([])
+
+
+def _colour_root(root, palette, void=((0, 0, 0),)):
+    """A root of one colour-coded pair, all of class 0 drawn in ``palette[0]``."""
+    meta = {**TINY.to_dict(), "palette": palette, "void_colors": [list(c) for c in void]}
+    (root / "images").mkdir(parents=True)
+    save(root / "images" / "x.png", np.zeros((4, 4, 3), np.uint8))
+    save(root / "labels" / "x.png", np.full((4, 4, 3), palette[0], np.uint8))
+    (root / "meta.json").write_text(json.dumps(meta))
+    return root
+
+
+def test_colour_roots_with_other_palettes_are_refused_naming_both(tmp_path):
+    """Decoded through the first root's palette, B's class-0 colour would read as class 1."""
+    pal = [list(c) for c in TINY.palette]
+    a = _colour_root(tmp_path / "a", pal)
+    b = _colour_root(tmp_path / "b", [pal[1], pal[0], *pal[2:]])
+    with pytest.raises(DataError, match="their palettes differ") as err:
+        build_dataset([a, b], label_format="color")
+    assert str(a) in str(err.value) and str(b) in str(err.value)
+    c = _colour_root(tmp_path / "c", pal, void=((9, 9, 9),))
+    with pytest.raises(DataError, match="their void colours differ"):
+        build_dataset([a, c], label_format="color")
+    same = build_dataset([a, _colour_root(tmp_path / "d", pal)], label_format="color")
+    assert [int(same.load_pair(i)[1].max()) for i in range(2)] == [0, 0]

@@ -101,6 +101,15 @@ def test_a_stale_settings_file_without_pairs_does_not_block_a_run(src, tmp_path)
     assert json.loads((dst / "augment.json").read_text())["scale_range"] == [0.5, 2.0]
 
 
+def test_a_settings_file_not_in_utf8_is_one_line(src, tmp_path):
+    dst = tmp_path / "aug"
+    augment_dataset(src, dst, count=2, progress=False)
+    (dst / "augment.json").write_bytes(b'{"seed": "\xff"}')
+    with pytest.raises(DataError, match=r"augment\.json: not UTF-8 JSON") as err:
+        augment_dataset(src, dst, count=2, progress=False)
+    assert "\n" not in str(err.value)
+
+
 def _snapshot(root):
     return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 

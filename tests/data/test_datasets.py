@@ -107,6 +107,15 @@ def test_meta_json_gives_classes_and_missing_preset_is_explained(list_root):
         ({"palette": [[200, 0, 0], [0, -1, 0], [0, 0, 200], [1, 1, 1]]}, r"palette\[1\]"),
         ({"palette": [[200, 0], [0, 0, 0], [0, 0, 200], [1, 1, 1]]}, r"palette\[0\]"),
         ({"void_colors": [[0, 0, 256]]}, r"void_colors\[0\] must be \[r, g, b\]"),
+        ({"reduce_zero_label": "false"}, "reduce_zero_label must be true or false"),
+        ({"reduce_zero_label": 0}, "reduce_zero_label must be true or false"),
+        ({"label_map": {"255": 1.9}}, r"label_map\['255'\] must be an integer, got 1.9"),
+        ({"label_map": {"255": True}}, r"label_map\['255'\] must be an integer, got True"),
+        ({"label_map": {"2.5": 1}}, "label_map key '2.5' must be an integer"),
+        ({"label_map": [[255, 1]]}, "label_map must be an object"),
+        ({"ignore_index": 254.9}, "ignore_index must be an integer, got 254.9"),
+        ({"ignore_index": True}, "ignore_index must be an integer, got True"),
+        ({"source_ignore": ["9"]}, "source_ignore must be an integer, got '9'"),
     ],
 )
 def test_bad_meta_json_is_one_line_naming_the_file(list_root, change, expected):
@@ -115,6 +124,43 @@ def test_bad_meta_json_is_one_line_naming_the_file(list_root, change, expected):
         build_dataset(list_root)
     message = str(err.value)
     assert message.startswith(str(list_root / "meta.json")) and "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (
+            {"palette": [[200, 0, 0], [0, 200, 0], [200, 0, 0], [1, 1, 1]]},
+            r"classes 'a' and 'c' share the palette colour \(200, 0, 0\)",
+        ),
+        ({"void_colors": [[0, 200, 0]]}, r"void colour \(0, 200, 0\) is also class 'b'"),
+    ],
+)
+def test_a_colour_meaning_two_things_is_refused_only_where_colours_are_decoded(
+    list_root, change, expected
+):
+    from dualseg.data.readers import decode_color_label
+
+    (list_root / "meta.json").write_text(json.dumps({**TINY.to_dict(), **change}))
+    meta = build_dataset(list_root).meta  # index labels: the palette only draws
+    with pytest.raises(DataError, match=expected):
+        decode_color_label(np.zeros((2, 2, 3), np.uint8), meta)
+
+
+def test_meta_json_integers_and_booleans_are_read_as_written(list_root):
+    meta = {**TINY.to_dict(), "label_map": {"255": 1, 7: 2}, "reduce_zero_label": False}
+    (list_root / "meta.json").write_text(json.dumps({**meta, "ignore_index": None}))
+    read = build_dataset(list_root).meta
+    assert read.label_map == ((7, 2), (255, 1)) and read.ignore_value is None
+    assert read.reduce_zero_label is False
+
+
+def test_a_meta_json_not_in_utf8_is_one_line(list_root):
+    (list_root / "meta.json").write_bytes(
+        json.dumps(TINY.to_dict()).replace("a", "\xe9").encode("latin-1")
+    )
+    with pytest.raises(DataError, match=r"not UTF-8 .*save the dataset description as UTF-8 JSON"):
+        build_dataset(list_root)
 
 
 def test_missing_listed_file(list_root):
@@ -259,18 +305,54 @@ def test_files_sharing_a_stem_are_a_problem_not_a_guess(tmp_path):
         build_dataset(tmp_path, preset=TINY)
 
 
-def test_a_size_mismatch_from_exif_orientation_says_so(tmp_path):
-    """A phone photo stored sideways with EXIF orientation 6 reads upright (30x40); its label,
-    drawn on the stored 40x30 pixels, does not turn: the message names the cause."""
+def _exif_pair(root, orientation, label_orientation=None, shape=(30, 40)):
+    """A folder dataset of one pair: the image stored with EXIF ``orientation``, its label
+    drawn on the stored pixels (optionally carrying ``label_orientation`` too)."""
     from PIL import Image
 
     rng = np.random.default_rng(6)
-    image = Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8))
+    (root / "images").mkdir(parents=True)
+    (root / "labels").mkdir()
+    image = Image.fromarray(rng.integers(0, 256, (*shape, 3), dtype=np.uint8))
     exif = image.getexif()
-    exif[0x0112] = 6
-    (tmp_path / "images").mkdir()
-    image.save(tmp_path / "images" / "a.jpg", exif=exif)
-    save(tmp_path / "labels" / "a.png", np.zeros((30, 40), np.uint8))
+    exif[0x0112] = orientation
+    image.save(root / "images" / "a.jpg", exif=exif)
+    label = np.zeros(shape, np.uint8)
+    label[: shape[0] // 2, : shape[1] // 3] = 2  # a corner block: a turn moves it
+    labels = Image.fromarray(label)
+    if label_orientation is not None:
+        exif = labels.getexif()
+        exif[0x0112] = label_orientation
+        labels.save(root / "labels" / "a.png", exif=exif)
+    else:
+        labels.save(root / "labels" / "a.png")
+    return root / "images" / "a.jpg", label
+
+
+@pytest.mark.parametrize("orientation", [3, 2, 6])
+def test_an_exif_orientation_the_label_lacks_is_refused(tmp_path, orientation):
+    """The image is read upright, its label as stored: 180 degrees or a mirror keep the size,
+    so this was silently misaligned; now loading and data check name the image file."""
+    img_path, _ = _exif_pair(tmp_path, orientation)
     ds = build_dataset(tmp_path, preset=TINY)
-    with pytest.raises(DataError, match="turned upright by its EXIF orientation"):
+    expected = f"its EXIF orientation {orientation} would .* relative to its label"
+    with pytest.raises(DataError, match=expected) as err:
         ds[0]
+    assert str(err.value).startswith(str(img_path)) and "which has none" in str(err.value)
+    report = check_dataset(tmp_path, preset=TINY)
+    assert [p for p in report.problems if "EXIF orientation" in p] == [str(err.value)]
+
+
+def test_a_label_with_its_images_exif_orientation_is_turned_alike(tmp_path):
+    _exif_pair(tmp_path / "same", 3, label_orientation=3)
+    _, label = build_dataset(tmp_path / "same", preset=TINY).load_pair(0)
+    _, stored = _exif_pair(tmp_path / "stored", 1)
+    assert np.array_equal(label, stored[::-1, ::-1])  # turned 180 degrees, as its image
+    report = check_dataset(tmp_path / "same", preset=TINY)
+    assert report.problems == [report.absent_classes]  # classes 1 and 3: no EXIF problem
+    _exif_pair(tmp_path / "other", 3, label_orientation=6)
+    with pytest.raises(DataError, match=r"orientation 3 .* \(which has orientation 6\)"):
+        build_dataset(tmp_path / "other", preset=TINY).load_pair(0)
+    _exif_pair(tmp_path / "label_only", 1, label_orientation=3)
+    with pytest.raises(DataError, match=r"labels/a\.png: its EXIF orientation 3 .* has none"):
+        build_dataset(tmp_path / "label_only", preset=TINY).load_pair(0)

@@ -137,5 +137,36 @@ def test_sixteen_bit_colour_label_is_refused_not_read_as_zeros(tmp_path):
     label = np.zeros((4, 6, 3), np.uint16)
     label[:, 3:] = 3  # class 3 in every channel: Pillow keeps the high byte, 0
     cv2.imwrite(str(tmp_path / "l48.png"), label)
-    with pytest.raises(DataError, match="16-bit-per-channel colour PNG"):
+    with pytest.raises(DataError, match="16-bit-per-channel PNG label"):
         read_label(tmp_path / "l48.png", TINY)
+
+
+def test_sixteen_bit_rgb_tiff_label_is_refused_not_read_as_zeros(tmp_path):
+    """Pillow reads a 48-bit RGB TIFF as 8-bit RGB (the high bytes): class 3 would read as 0."""
+    import cv2
+
+    label = np.zeros((4, 6, 3), np.uint16)
+    label[:, 3:] = 3
+    path = tmp_path / "l48.tif"
+    cv2.imwrite(str(path), label)
+    assert Image.open(path).mode == "RGB"
+    with pytest.raises(DataError, match="16-bit-per-channel TIFF label") as err:
+        read_label(path, TINY)
+    assert str(path) in str(err.value)
+    # the image of such a pair is fine: the high byte is its 8-bit value
+    assert read_image(path).shape == (4, 6, 3)
+
+
+def test_lossy_labels_are_refused_lossless_webp_is_read(tmp_path):
+    label = np.zeros((16, 16), np.uint8)
+    label[:, 8:] = 3
+    jpeg = save(tmp_path / "l.jpg", label)
+    with pytest.raises(DataError, match=r"lossy JPEG label.*lossless \(PNG\)") as err:
+        read_label(jpeg, TINY)
+    assert str(jpeg) in str(err.value)
+    assert read_image(jpeg).shape == (16, 16, 3)  # JPEG images are fine
+    Image.fromarray(label).convert("RGB").save(tmp_path / "lossy.webp", quality=90)
+    with pytest.raises(DataError, match="lossy WEBP label"):
+        read_label(tmp_path / "lossy.webp", TINY)
+    Image.fromarray(label).convert("RGB").save(tmp_path / "lossless.webp", lossless=True)
+    assert np.array_equal(read_label(tmp_path / "lossless.webp", TINY), label)

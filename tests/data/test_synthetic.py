@@ -25,6 +25,13 @@ def test_deterministic_files_and_reuse(tmp_path):
     assert image.shape == (3, 48, 64) and int(label.max()) < 8
 
 
+def test_a_stamp_not_in_utf8_is_regenerated(tmp_path):
+    a = make_synthetic_dataset(tmp_path / "a", n_train=1, n_val=1, size=(24, 32))
+    (a / "synthetic.json").write_bytes(b'{"seed": "\xff"}')  # a damaged stamp: not UTF-8
+    assert make_synthetic_dataset(a, n_train=1, n_val=1, size=(24, 32)) == a
+    assert len(build_dataset(a)) == 1 and b"\xff" not in (a / "synthetic.json").read_bytes()
+
+
 def test_every_class_appears_poles_are_thin_colour_is_not_enough():
     meta = get_preset("synthetic")
     scenes = [draw_scene(np.random.default_rng([0, 0, i]), (96, 128)) for i in range(24)]

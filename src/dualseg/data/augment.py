@@ -290,6 +290,12 @@ def _claim(dst: Path, settings: dict) -> None:
     if path.is_file() and _has_pairs(dst):
         try:
             old = json.loads(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            # not the UTF-8 JSON this command writes: which settings made the pairs is unknown
+            raise DataError(
+                f"{path}: not UTF-8 JSON, so the settings of the pairs in {dst} are unknown; "
+                "re-create them: empty the folder (or choose an empty DST) and run again"
+            ) from None
         except (OSError, json.JSONDecodeError):
             old = None
         if old != settings:

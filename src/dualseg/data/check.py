@@ -26,7 +26,7 @@ from dualseg.data.datasets import (
     size_mismatch,
 )
 from dualseg.data.presets import IGNORE_INDEX, META_FILE, DatasetMeta, IgnoreSetting
-from dualseg.data.readers import read_image, read_label
+from dualseg.data.readers import inspect_pair
 from dualseg.errors import DataError
 
 DEFAULT_SPLITS = ("train", "val", "test")
@@ -49,6 +49,7 @@ class CheckReport:
     split_histograms: dict[str, np.ndarray] = field(default_factory=dict)
     binary_mask: str | None = None  # "looks like a 0/255 binary mask: ..." (its fix), if so
     absent_classes: str | None = None  # the "class(es) ... have no pixels" problem, if found
+    label_format: str = "index"  # how the labels were read ("color": palettes must agree)
 
     def to_dict(self) -> dict[str, Any]:
         names = {**dict(enumerate(self.meta.class_names)), IGNORE_INDEX: "ignore"}
@@ -83,7 +84,7 @@ def check_dataset(
         found = {s: discover(root, split=s, layout=layout) for s in DEFAULT_SPLITS}
         splits = tuple(s for s, f in found.items() if not f.split_missing) or ("train",)
     meta = resolve_meta(root, layout, preset, label_map=label_map, ignore_value=ignore_value)
-    report = CheckReport(root, layout, meta)
+    report = CheckReport(root, layout, meta, label_format=label_format)
     sources: dict[Path, str] = {}
     for split in splits:
         found = discover(root, split=split, layout=layout)
@@ -124,15 +125,7 @@ def _detect_any_split(root: Path, splits: tuple[str, ...]) -> str:
 def _check_pair(
     img_path: Path, label_path: Path, meta: DatasetMeta, label_format: str, hist: np.ndarray
 ) -> list[str]:
-    problems, image, label = [], None, None
-    try:
-        image = read_image(img_path)
-    except DataError as err:
-        problems.append(str(err))
-    try:
-        label = read_label(label_path, meta, label_format=label_format)
-    except DataError as err:
-        problems.append(str(err))
+    image, label, problems = inspect_pair(img_path, label_path, meta, label_format=label_format)
     if image is not None and label is not None and image.shape[:2] != label.shape:
         problems.append(size_mismatch(img_path, image.shape[:2], label_path, label.shape))
     if label is not None:
@@ -186,8 +179,8 @@ def combine_reports(reports: Sequence[CheckReport]) -> CheckReport:
     if len(reports) == 1:
         return reports[0]
     first = reports[0]
-    meta = one_class_set([(r.root, r.meta) for r in reports])
-    combined = CheckReport(first.root, first.layout, meta)
+    meta = one_class_set([(r.root, r.meta) for r in reports], label_format=first.label_format)
+    combined = CheckReport(first.root, first.layout, meta, label_format=first.label_format)
     for r in reports:
         for split, n in r.pairs.items():
             combined.pairs[split] = combined.pairs.get(split, 0) + n

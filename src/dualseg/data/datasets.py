@@ -38,7 +38,7 @@ from dualseg.data.presets import (
     load_meta_file,
     with_label_mapping,
 )
-from dualseg.data.readers import LABEL_FORMATS, read_image, read_label
+from dualseg.data.readers import LABEL_FORMATS, read_label, read_pair
 from dualseg.data.transforms import JointTransform, build_eval_transform, sample_seed, seeded
 from dualseg.errors import DataError
 
@@ -71,26 +71,13 @@ def _list_lines(list_file: Path) -> list[str]:
 def size_mismatch(
     img_path: Path, image_hw: tuple[int, ...], label_path: Path, label_hw: tuple[int, ...]
 ) -> str:
-    """The message for a pair whose sizes differ; an image turned by its EXIF orientation (a
-    phone photo: the image is read upright, the label as stored) is named as the cause."""
+    """The message for a pair whose sizes differ (an EXIF orientation that would turn the image
+    and not its label is refused before, by :func:`dualseg.data.readers.read_pair`)."""
     (h, w), (lh, lw) = image_hw, label_hw
-    said = f"{label_path}: label size {lw}x{lh} differs from image {img_path} size {w}x{h} (WxH)"
-    if (lh, lw) == (w, h) and _exif_orientation(img_path) in {5, 6, 7, 8}:
-        return (
-            f"{said}: the image is turned upright by its EXIF orientation and the label is not; "
-            "save the image upright without the EXIF orientation (or rotate the label to match)"
-        )
-    return f"{said}; resize the label with nearest-neighbour or fix the pairing"
-
-
-def _exif_orientation(path: Path) -> int | None:
-    from PIL import Image
-
-    try:
-        with Image.open(path) as im:
-            return im.getexif().get(0x0112)
-    except Exception:  # unreadable: the reader has said so already
-        return None
+    return (
+        f"{label_path}: label size {lw}x{lh} differs from image {img_path} size {w}x{h} (WxH); "
+        "resize the label with nearest-neighbour or fix the pairing"
+    )
 
 
 def _read_list(list_file: Path, found: Discovery) -> None:
@@ -477,8 +464,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
     def load_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The raw pair ``(uint8 HxWx3, uint8 HxW with 255 = ignore)`` of sample ``index``."""
         img_path, label_path = self.samples[index % len(self.samples)]
-        image = read_image(img_path)
-        label = read_label(label_path, self.meta, label_format=self.label_format)
+        image, label = read_pair(img_path, label_path, self.meta, label_format=self.label_format)
         if image.shape[:2] != label.shape:
             raise DataError(size_mismatch(img_path, image.shape[:2], label_path, label.shape))
         return image, label
@@ -547,7 +533,7 @@ def build_dataset(
         source = (found.source or r) if len(roots) == 1 else ", ".join(map(str, roots))
     return SegmentationDataset(
         samples,
-        one_class_set(metas),
+        one_class_set(metas, label_format=label_format),
         transform=transform,
         label_format=label_format,
         samples_per_epoch=samples_per_epoch,
@@ -556,8 +542,11 @@ def build_dataset(
     )
 
 
-def one_class_set(metas: list[tuple[Path, DatasetMeta]]) -> DatasetMeta:
-    """The roots' shared description; a :class:`DataError` when two differ."""
+def one_class_set(
+    metas: list[tuple[Path, DatasetMeta]], *, label_format: str = "index"
+) -> DatasetMeta:
+    """The roots' shared description; a :class:`DataError` when two differ (in their palettes
+    too, for colour-coded labels: every root is decoded through the first one's)."""
     (first_root, first), *rest = metas
     for root, meta in rest:
         if meta.class_names != first.class_names:
@@ -565,6 +554,17 @@ def one_class_set(metas: list[tuple[Path, DatasetMeta]]) -> DatasetMeta:
                 f"cannot mix datasets with different classes: {first_root} has "
                 f"{list(first.class_names)} but {root} has {list(meta.class_names)}; remap "
                 "the labels to one class set (or pass the same preset=) before mixing them"
+            )
+        if label_format == "color" and (meta.palette, meta.void_colors) != (
+            first.palette,
+            first.void_colors,
+        ):
+            what = "palettes" if meta.palette != first.palette else "void colours"
+            raise DataError(
+                f"cannot mix {first_root} and {root} with colour-coded labels: same classes, "
+                f"but their {what} differ, so one root's colours would decode as the other's "
+                "classes; give both the same palette and void_colors (meta.json) or convert "
+                "one's labels first"
             )
         if replace(meta, name=first.name, palette=first.palette) != first:
             raise DataError(

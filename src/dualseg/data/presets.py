@@ -72,6 +72,26 @@ class DatasetMeta:
                 f"0..255 and label_map targets a class id 0..{self.num_classes - 1} or 255"
             )
 
+    def require_distinct_colours(self) -> None:
+        """Each colour means one thing, which decoding colour labels needs (it would otherwise
+        silently pick one of two classes, or class and void, for it). Index labels use the
+        palette only to draw, where a shared colour is the user's choice: not checked then."""
+        owner: dict[Color, str] = {}
+        for name, colour in zip(self.class_names, self.palette):
+            if tuple(colour) in owner:
+                raise DataError(
+                    f"dataset {self.name!r}: classes {owner[tuple(colour)]!r} and {name!r} "
+                    f"share the palette colour {tuple(colour)}; give each class its own colour"
+                )
+            owner[tuple(colour)] = name
+        for colour in self.void_colors:
+            if tuple(colour) in owner:
+                raise DataError(
+                    f"dataset {self.name!r}: void colour {tuple(colour)} is also class "
+                    f"{owner[tuple(colour)]!r}'s palette colour; remove it from void_colors or "
+                    "recolour the class"
+                )
+
     def lookup_table(self) -> np.ndarray:
         """``int16 [256]``: raw label value -> class id, 255 (ignore) or -1 (invalid).
 
@@ -140,11 +160,11 @@ class DatasetMeta:
                 name=str(d["name"]),
                 class_names=_class_names(d["class_names"]),
                 palette=_colors(d["palette"], "palette"),
-                source_ignore=tuple(int(v) for v in d.get("source_ignore", ())),
+                source_ignore=tuple(_int(v, "source_ignore") for v in d.get("source_ignore", ())),
                 void_colors=_colors(d.get("void_colors", ()), "void_colors"),
-                ignore_value=None if ignore is None else int(ignore),
-                label_map=_label_map_items(d.get("label_map") or {}),
-                reduce_zero_label=bool(d.get("reduce_zero_label", False)),
+                ignore_value=None if ignore is None else _int(ignore, "ignore_index"),
+                label_map=_label_map_items(_meta_label_map(d.get("label_map") or {})),
+                reduce_zero_label=_bool(d.get("reduce_zero_label", False), "reduce_zero_label"),
             )
         except DataError:
             raise
@@ -153,6 +173,32 @@ class DatasetMeta:
                 f"invalid dataset description ({err!r}); it needs 'name', 'class_names' and "
                 "'palette' (one [r, g, b] per class); 'label_map' is {\"raw\": class_id}"
             ) from err
+
+
+def _int(value: Any, key: str) -> int:
+    """A JSON integer: ``int()`` would take 1.9 as 1, ``true`` as 1 and ``"7"`` as 7."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise DataError(f"{key} must be an integer, got {value!r}; write e.g. 255")
+    return value
+
+
+def _bool(value: Any, key: str) -> bool:
+    """A JSON boolean: ``bool("false")`` is True."""
+    if not isinstance(value, bool):
+        raise DataError(f"{key} must be true or false (a JSON boolean), got {value!r}")
+    return value
+
+
+def _meta_label_map(value: Any) -> dict[int, int]:
+    """meta.json's ``label_map``: ``{"raw": class_id}``, raw a decimal string (JSON keys are
+    strings; an int from Python), class_id an integer."""
+    if not isinstance(value, Mapping):
+        raise DataError(f'label_map must be an object like {{"255": 1}}, got {value!r}')
+    mapping: dict[int, int] = {}
+    for key, dst in value.items():
+        raw = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        mapping[_int(raw, f"label_map key {key!r}")] = _int(dst, f"label_map[{key!r}]")
+    return mapping
 
 
 def _class_names(value: Any) -> tuple[str, ...]:
@@ -381,6 +427,10 @@ def load_meta_file(path: str | Path) -> DatasetMeta:
     path = Path(path)
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"{path}: not UTF-8 (byte {err.start}); save the dataset description as UTF-8 JSON"
+        ) from None
     except (OSError, json.JSONDecodeError) as err:
         raise DataError(
             f"{path}: cannot read dataset description ({err}); fix or delete it"

@@ -4,7 +4,8 @@
 indices with 255 for ignore. Inputs are converted only where the conversion is unambiguous:
 grayscale -> RGB, palette -> RGB, fully opaque RGBA/LA -> RGB/L, 16-bit -> 8-bit (images, by
 /257), gray-looking RGB label -> index. Anything else (transparency, float images, colour
-labels read as indices, ...) is an error that says how to fix it.
+labels read as indices, lossy JPEG labels, more than 8 bits per colour channel, an image whose
+EXIF orientation its label lacks (:func:`read_pair`), ...) is an error that says how to fix it.
 
 Pictures follow **the image policy** of :mod:`dualseg.imaging` (``image_to_rgb``: EXIF
 orientation applied, opaque alpha dropped, transparency refused), the one rule for files
@@ -14,9 +15,10 @@ orientation applied, opaque alpha dropped, transparency refused), the one rule f
 from __future__ import annotations
 
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from dualseg.data.presets import IGNORE_INDEX, DatasetMeta
 from dualseg.errors import DataError
@@ -26,6 +28,7 @@ from dualseg.imaging import (
     ImageTooLargeError,
     decode_image,
     drop_opaque_alpha,
+    exif_orientation,
     image_to_rgb,
     open_image,
     read_image,
@@ -39,11 +42,15 @@ __all__ = [
     "decode_image",
     "drop_opaque_alpha",
     "image_to_rgb",
+    "inspect_pair",
     "read_image",
     "read_label",
+    "read_pair",
 ]
 
 LABEL_FORMATS = ("index", "color")
+# Modes Pillow reads with 8 bits per channel, whatever the file stores.
+_EIGHT_BIT_MODES = {"L", "LA", "P", "RGB", "RGBA"}
 
 
 def _drop_opaque_alpha(path: Path, arr: np.ndarray) -> np.ndarray:  # label reading's spelling
@@ -82,6 +89,7 @@ def decode_color_label(rgb: np.ndarray, meta: DatasetMeta, *, path: str | Path =
 
     ``meta.void_colors`` decode to 255; any other colour is an error naming ``path``.
     """
+    meta.require_distinct_colours()
     colors = np.asarray(list(meta.palette) + list(meta.void_colors), dtype=np.int64)
     values = np.asarray(
         list(range(meta.num_classes)) + [IGNORE_INDEX] * len(meta.void_colors), dtype=np.uint8
@@ -171,23 +179,86 @@ def _png_colour_depth(path: Path) -> int | None:
     return head[24]
 
 
+def _bits_per_sample(path: Path, im: Image.Image) -> int | None:
+    """Bits per channel as stored, where the format says (PNG's IHDR, TIFF's BitsPerSample
+    tag 258), else ``None``."""
+    if im.format == "TIFF":
+        bits = getattr(im, "tag_v2", {}).get(258)
+        if isinstance(bits, tuple):  # one entry per channel
+            return max(bits, default=None)
+        return bits if isinstance(bits, int) else None
+    return _png_colour_depth(path)
+
+
+def _webp_is_lossy(path: Path) -> bool:
+    """Whether a WebP file holds a lossy (``VP8 ``) bitstream: its RIFF chunks are walked
+    (frames of an animation too); only the chunk headers are read."""
+    try:
+        with path.open("rb") as f:
+            if f.read(12)[8:] != b"WEBP":
+                return False
+            return _riff_has_lossy_chunk(f, end=None)
+    except OSError:
+        return False
+
+
+def _riff_has_lossy_chunk(f: BinaryIO, end: int | None) -> bool:
+    while end is None or f.tell() < end:
+        head = f.read(8)
+        if len(head) < 8:
+            return False
+        kind, size = head[:4], int.from_bytes(head[4:], "little")
+        if kind == b"VP8 ":
+            return True
+        start = f.tell()
+        if kind == b"ANMF":  # an animation frame: 16 bytes of placement, then its chunks
+            f.seek(16, 1)
+            if _riff_has_lossy_chunk(f, end=start + size):
+                return True
+        f.seek(start + size + (size & 1))  # chunks are padded to an even size
+    return False
+
+
+def _refuse_lossy_or_deep(path: Path, im: Image.Image) -> None:
+    """Label files whose stored values cannot be read back exactly: a lossy format (JPEG's
+    artifacts invent class ids along every edge) or more than 8 bits per channel in a mode
+    Pillow reads as 8-bit (it keeps the high byte: values under 256 read as 0)."""
+    if im.format in {"JPEG", "MPO"} or (im.format == "WEBP" and _webp_is_lossy(path)):
+        raise DataError(
+            f"{path}: a lossy {im.format} label, whose compression artifacts change class ids "
+            "along every edge; labels must be lossless (PNG): re-export them from the source"
+        )
+    bits = _bits_per_sample(path, im)
+    if bits is not None and bits > 8 and im.mode in _EIGHT_BIT_MODES:
+        raise DataError(
+            f"{path}: a {bits}-bit-per-channel {im.format} label with {len(im.getbands())} "
+            "channels, of which only the high byte can be read (values under 256 would all "
+            "read as 0); save the label as an 8-bit colour PNG, or as single-channel (8- or "
+            "16-bit) class indices"
+        )
+
+
 def read_label(path: str | Path, meta: DatasetMeta, *, label_format: str = "index") -> np.ndarray:
     """A label file as ``uint8 HxW`` class indices, 255 = ignore.
 
     ``label_format="index"``: pixel values are raw values, mapped to classes / 255 by the
     dataset's lookup table (:meth:`DatasetMeta.lookup_table`). ``"color"``: pixels are palette
-    colours, decoded through ``meta.palette``.
+    colours, decoded through ``meta.palette``. Labels are read as stored (no EXIF orientation:
+    :func:`read_pair` reads a label with its image).
     """
     if label_format not in LABEL_FORMATS:
         raise DataError(f"unknown label_format {label_format!r}; use one of {LABEL_FORMATS}")
     path = Path(path)
-    im = open_image(path)
-    if im.mode in {"RGB", "RGBA"} and _png_colour_depth(path) == 16:
-        raise DataError(
-            f"{path}: a 16-bit-per-channel colour PNG, of which only the high byte can be read "
-            "(values under 256 would all read as 0); save the label as an 8-bit colour PNG, "
-            "or as single-channel (8- or 16-bit) class indices"
-        )
+    return _decode_label(path, open_image(path), meta, label_format)
+
+
+def _decode_label(
+    path: Path, im: Image.Image, meta: DatasetMeta, label_format: str, *, turn: bool = False
+) -> np.ndarray:
+    """``read_label`` of an opened file; ``turn``: apply its EXIF orientation (its image's)."""
+    _refuse_lossy_or_deep(path, im)  # before turning: the turned copy has no format
+    if turn:
+        im = ImageOps.exif_transpose(im)
     if label_format == "index":
         raw = _label_array(path, im)
         if im.mode == "P":
@@ -203,3 +274,74 @@ def read_label(path: str | Path, meta: DatasetMeta, *, label_format: str = "inde
     if arr.shape[2] == 4:
         arr = _drop_opaque_alpha(path, arr)
     return decode_color_label(arr, meta, path=path)
+
+
+# What an EXIF orientation does to a picture on reading (exif_transpose), for messages.
+_TURNS = {
+    2: "mirror it left-right",
+    3: "rotate it 180 degrees",
+    4: "flip it upside down",
+    5: "transpose it",
+    6: "rotate it 90 degrees clockwise",
+    7: "transverse it",
+    8: "rotate it 90 degrees counter-clockwise",
+}
+
+
+def _orientation_mismatch(img_path: Path, turn: int, label_path: Path, label_turn: int) -> str:
+    if turn == 1:  # only the label has one
+        return (
+            f"{label_path}: its EXIF orientation {label_turn} would {_TURNS[label_turn]} "
+            f"relative to its image {img_path} (which has none); strip the tag from the label"
+        )
+    other = "none" if label_turn == 1 else f"orientation {label_turn}"
+    return (
+        f"{img_path}: its EXIF orientation {turn} would {_TURNS[turn]} relative to its label "
+        f"{label_path} (which has {other}); strip the tag (if the label was drawn on the stored "
+        "pixels), or rotate the label to match and give it the same tag"
+    )
+
+
+def inspect_pair(
+    img_path: str | Path, label_path: str | Path, meta: DatasetMeta, *, label_format: str = "index"
+) -> tuple[np.ndarray | None, np.ndarray | None, list[str]]:
+    """``(image, label, problems)`` of one pair: what :func:`read_pair` reads, and every
+    problem found on the way (``None`` for a file that failed), so ``dualseg data check`` can
+    list them all. Each file is opened and decoded once."""
+    img_path, label_path = Path(img_path), Path(label_path)
+    if label_format not in LABEL_FORMATS:
+        raise DataError(f"unknown label_format {label_format!r}; use one of {LABEL_FORMATS}")
+    problems: list[str] = []
+    image = label = None
+    turn: int | None = None
+    try:
+        im = open_image(img_path)
+        turn = exif_orientation(im, img_path)
+        image = image_to_rgb(im, img_path)
+    except DataError as err:
+        problems.append(str(err))
+    try:
+        lab = open_image(label_path)
+        label_turn = exif_orientation(lab, label_path)
+        if turn is not None and label_turn != turn:
+            # The image is read upright (the image policy), a label as stored: with other
+            # orientations the two would silently not line up (180° keeps the size).
+            problems.append(_orientation_mismatch(img_path, turn, label_path, label_turn))
+        else:  # the same tag on both: turned alike, they stay aligned
+            label = _decode_label(label_path, lab, meta, label_format, turn=label_turn != 1)
+    except DataError as err:
+        problems.append(str(err))
+    return image, label, problems
+
+
+def read_pair(
+    img_path: str | Path, label_path: str | Path, meta: DatasetMeta, *, label_format: str = "index"
+) -> tuple[np.ndarray, np.ndarray]:
+    """An image and its label (:func:`read_image`, :func:`read_label`), read so that they line
+    up: the label must carry the image's EXIF orientation, if any (then both are turned);
+    otherwise a :class:`DataError` naming the file. Sizes are the caller's to compare."""
+    image, label, problems = inspect_pair(img_path, label_path, meta, label_format=label_format)
+    if problems:
+        raise DataError(problems[0])
+    assert image is not None and label is not None  # no problem: both were read
+    return image, label

@@ -217,10 +217,10 @@ def make_synthetic_dataset(
     stamp = root / STAMP_FILE
     if stamp.is_file():
         try:
-            if json.loads(stamp.read_text()) == settings:
+            if json.loads(stamp.read_text(encoding="utf-8")) == settings:
                 return root
-        except (OSError, json.JSONDecodeError):
-            pass  # unreadable stamp: regenerate
+        except (OSError, ValueError):  # JSONDecodeError, UnicodeDecodeError (not UTF-8)
+            pass  # an unreadable stamp (a generated file): regenerate
         stamp.unlink()
     for split_id, (split, n) in enumerate((("train", n_train), ("val", n_val))):
         lines = []
