@@ -848,6 +848,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         t0 = time.time()
         summary = fit(cfg, overwrite=True)  # not --reuse: this model is trained afresh
+        if summary["stop_reason"] == "interrupted":  # short of its budget: not a finished run
+            print(f"[{name}] interrupted; rerun the command to train it again", flush=True)
+            return 130
         results["train"][name] = {
             "iterations": summary["iteration"],
             "seconds": time.time() - t0,

@@ -138,3 +138,21 @@ def test_a_decision_chosen_by_boundary_f1_says_so(camvid) -> None:
     args = camvid.parse_args(["--data", "d", "--refine-decision-metric", "boundary_f1"])
     assert args.refine_decision_metric == "boundary_f1"
     assert camvid.parse_args(["--data", "d"]).refine_decision_metric == "miou"
+
+
+def test_an_interrupted_budget_run_is_not_recorded_as_finished(
+    camvid, tmp_path: Path, monkeypatch
+) -> None:
+    """Ctrl-C inside fit ends it early with stop_reason "interrupted": no train.json then, or a
+    later --reuse would take the partial run as one trained to its budget."""
+    data = tmp_path / "camvid"
+    data.mkdir()
+    for split in ("train", "val"):
+        (data / f"{split}.txt").write_text("a.png b.png\n")
+    monkeypatch.setattr(
+        camvid, "fit", lambda cfg, **kw: {"stop_reason": "interrupted", "iteration": 3}
+    )
+    argv = ["--data", str(data), "--out", str(tmp_path / "out"), "--models", "peer",
+            "--protocol", "budget", "--budget-iters", "8", "--train-only"]  # fmt: skip
+    assert camvid.main(argv) == 130
+    assert not (tmp_path / "out" / "runs" / "peer" / "train.json").exists()

@@ -75,6 +75,23 @@ def test_resume_of_another_runs_checkpoint_never_takes_over_a_run(data, tmp_path
     assert load_checkpoint(run_a / "last.pt")["iteration"] == 1
 
 
+def test_resume_from_an_older_best_pt_of_the_folder_needs_overwrite(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(new_run_argv(data, out, "--train.val_every", "1")) == 0  # best.pt at 1
+    longer = ("--resume", "auto", "--train.max_iters", "3", "--train.val_every", "0")
+    assert main(new_run_argv(data, out, *longer)) == 0  # last.pt at 3, no validation since
+    assert load_checkpoint(out / "best.pt")["iteration"] == 1
+    before = files(out)
+    capsys.readouterr()
+    rewind = ("--resume", str(out / "best.pt"), "--train.max_iters", "3")
+    assert main(new_run_argv(data, out, *rewind)) == 1
+    err = one_line(capsys)
+    assert "would rewind" in err and "iteration 3" in err and "--overwrite" in err
+    assert files(out) == before
+    assert main(new_run_argv(data, out, *rewind, "--overwrite")) == 0  # asked: it goes back
+    assert load_checkpoint(out / "last.pt")["iteration"] == 3
+
+
 def test_resume_auto_in_a_run_without_last_pt_is_refused(data, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(new_run_argv(data, out)) == 0
@@ -123,3 +140,13 @@ def test_resume_without_config_starts_from_the_checkpoints_own_config(data, tmp_
     err = one_line(capsys)
     assert str(bare) in err and "--config" in err
     assert not (tmp_path / "other").exists()
+
+
+def test_resume_auto_without_config_reads_the_folders_config(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(new_run_argv(data, out, "--optim.lr", "0.02")) == 0
+    capsys.readouterr()
+    assert main(run_argv(out, "--resume", "auto", "--train.max_iters", "2")) == 0
+    assert f"resumed from {out / 'last.pt'} at iteration 1" in capsys.readouterr().out
+    state = load_checkpoint(out / "last.pt")
+    assert state["iteration"] == 2 and state["config"]["optim"]["lr"] == 0.02

@@ -82,6 +82,49 @@ def test_patience_on_smoothed_training_loss(data: Path, tmp_path: Path) -> None:
     assert not (tmp_path / "best.pt").exists()  # no validation split, no best checkpoint
 
 
+def test_a_run_stopped_on_patience_resumes_to_the_same_stop(data: Path, tmp_path: Path) -> None:
+    settings = {"max_iters": 50, "val_every": 1, "monitor": "train_loss", "patience": 2}
+    cfg = tiny(data, tmp_path, data_cfg={"val_split": None}, min_delta=1e3, **settings)
+    assert fit(cfg)["iteration"] == 3
+    before = (tmp_path / "last.pt").read_bytes()
+    again = fit(cfg, resume="auto")  # same patience: it stopped, and stays stopped
+    assert again["stop_reason"] == "patience" and again["iteration"] == 3
+    assert (tmp_path / "last.pt").read_bytes() == before
+    longer = tiny(data, tmp_path, data_cfg={"val_split": None}, min_delta=1e3,
+                  **{**settings, "patience": 4})  # fmt: skip
+    assert fit(longer, resume="auto")["iteration"] == 5  # raised: it trains on
+
+
+def test_a_setting_changed_on_resume_is_said_even_when_quiet_and_logged(
+    data: Path, tmp_path: Path, capsys
+) -> None:
+    argv = ["--config", str(TINY), "--data.root", str(data), "--data.crop_size", "[32,32]",
+            "--train.out_dir", str(tmp_path), "--train.max_iters", "2", "--quiet"]  # fmt: skip
+    assert train_main(argv) == 0
+    capsys.readouterr()
+    assert train_main([*argv, "--resume", "auto", "--train.max_iters", "3"]) == 0
+    assert "settings changed since that checkpoint: train.max_iters: 2 -> 3" in (
+        capsys.readouterr().err
+    )
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (resumed,) = [r for r in records if "changed" in r]
+    assert resumed["iteration"] == 2 and resumed["changed"] == {"train.max_iters": [2, 3]}
+
+
+def test_best_pt_is_written_before_the_last_pt_that_records_it(
+    data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dualseg.engine import train
+
+    order: list[str] = []
+    save = train._save
+    monkeypatch.setattr(
+        train, "_save", lambda run, kind, at: (order.append(kind), save(run, kind, at=at))
+    )
+    fit(tiny(data, tmp_path, max_iters=2, val_every=2))
+    assert order == ["best", "last"]  # a crash between them leaves the previous last.pt
+
+
 def test_s33_default_stops_when_the_validation_loss_stops_decreasing(
     data: Path, tmp_path: Path
 ) -> None:

@@ -40,6 +40,11 @@ def main(argv: list[str] | None = None) -> int:
         # `dualseg train --resume runs/x/last.pt`: the run's own resolved config, then flags.
         base = resume_base_config(Path(resume))
         cfg, resume, flags = parse_command(["--config", base, *argv])
+    elif resume == "auto" and not any(a.startswith("--config") for a in argv):
+        # `dualseg train --resume auto --train.out_dir runs/x`: that run's own config, if any
+        run_config = Path(cfg.train.out_dir) / "config.yaml"
+        if run_config.is_file():
+            cfg, resume, flags = parse_command(["--config", str(run_config), *argv])
 
     from dualseg.engine.train import fit
     from dualseg.io import atomic_write_json
@@ -49,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     summary["seconds"] = round(time.perf_counter() - started, 1)
     if summary.get("rank", 0) == 0:
         atomic_write_json(Path(summary["out_dir"]) / "summary.json", summary)
-        print(json.dumps(summary) if flags["json"] else format_summary(summary))
+        has_val = bool(cfg.data.val_split)
+        print(json.dumps(summary) if flags["json"] else format_summary(summary, has_val=has_val))
     if summary["stop_reason"] == "interrupted":
         return 128 + int(summary.get("signal", signal.SIGINT))
     return 0
@@ -91,8 +97,9 @@ STOP_REASONS = {
 }
 
 
-def format_summary(summary: dict[str, Any]) -> str:
-    """The few lines a person reads at the end of a run (``fit``'s summary dict)."""
+def format_summary(summary: dict[str, Any], *, has_val: bool = True) -> str:
+    """The few lines a person reads at the end of a run (``fit``'s summary dict); ``has_val``:
+    whether the run has a validation split (``data.val_split``)."""
     out = summary["out_dir"]
     lines = [
         f"training done: {summary['iteration']} iterations in {summary.get('seconds', 0):.0f} s "
@@ -105,6 +112,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"best validation mIoU {100 * summary['best_miou']:.1f}% at iteration "
             f"{summary['best_iteration']}: {where}"
         )
+    elif has_val:  # e.g. interrupted before the first train.val_every
+        lines.append("no validation yet")
     else:
         lines.append("no validation ran (data.val_split is null)")
     lines.append(f"last checkpoint: {summary['last']}")

@@ -159,6 +159,16 @@ class RunLog:
         else:
             print(text, flush=True)
 
+    def notice(self, text: str) -> None:
+        """A line the user must see even with ``train.quiet`` (then on stderr): what changed
+        about the run itself, never progress."""
+        if not self.enabled:
+            return
+        if self.quiet:
+            print(text, file=sys.stderr, flush=True)
+        else:
+            self.message(text)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()

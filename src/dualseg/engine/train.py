@@ -81,7 +81,7 @@ from dualseg.engine.rundir import (
     restore_replaced,
 )
 from dualseg.engine.runlog import Interrupt, Progress, RunLog
-from dualseg.errors import CheckpointError, ConfigError, DataError, DualsegError
+from dualseg.errors import CheckpointError, ConfigError, DataError, DualsegError, RunExistsError
 
 __all__ = ["TrainingDivergedError", "fit", "train_one_epoch", "train_transform"]
 
@@ -426,9 +426,30 @@ def _preflight(cfg: Config, env: DistEnv, resume: str | None, overwrite: bool) -
     if t.threads > 0:
         torch.set_num_threads(t.threads)
     check_run_dir(t.out_dir, resume=resume, overwrite=overwrite)
+    if not overwrite:
+        _refuse_rewind(Path(t.out_dir), resume)
     shown = env.is_main and t.progress and not t.quiet
     check_training_data(cfg.data, progress=progress_mode(quiet=not shown), warn=env.is_main)
     warn_missing_tensorboard(t.tensorboard and env.is_main)
+
+
+def _refuse_rewind(out_dir: Path, resume: str | None) -> None:
+    """Resuming a folder from its own ``best.pt`` rewinds the run: its later ``last.pt`` and
+    ``metrics.jsonl`` records would be replaced. Only with ``--overwrite``."""
+    best, last = out_dir / ckpt_io.BEST_NAME, out_dir / ckpt_io.LAST_NAME
+    if resume in (None, "auto") or not last.is_file():
+        return
+    if Path(resume).resolve() != best.resolve():
+        return
+    at_best = int(ckpt_io.load_checkpoint(best).get("iteration", 0))
+    at_last = int(ckpt_io.load_checkpoint(last).get("iteration", 0))
+    if at_last > at_best:
+        raise RunExistsError(
+            f"--resume {resume} (iteration {at_best}) would rewind the run in {out_dir}: its "
+            f"{ckpt_io.LAST_NAME} (iteration {at_last}) and later log records would be "
+            f"replaced; resume from {last}, pass --overwrite to go back to iteration {at_best}, "
+            "or choose another --train.out_dir"
+        )
 
 
 def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
@@ -577,9 +598,16 @@ def _start(run: _Run, overwrite: bool = False) -> None:
             f"resumed from {run.resume_path} at iteration {run.iteration} (epoch {run.epoch})"
         )
         changes = config_changes(run.state.get("config") or {}, run.cfg)
-        if changes:  # allowed (e.g. a longer schedule), but never silent
+        if changes:  # allowed (e.g. a longer schedule), but never silent, and kept in the log
             said = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
-            run.log.message(f"settings changed since that checkpoint: {said}")
+            run.log.notice(f"settings changed since that checkpoint: {said}")
+            run.log.write(
+                {
+                    "iteration": run.iteration,
+                    "resumed_from": str(run.resume_path),
+                    "changed": {k: [a, b] for k, (a, b) in changes.items()},
+                }
+            )
     elif run.resume == "auto":
         run.log.message(f"no checkpoint in {run.out_dir}; starting a new run")
     if run.amp_dtype is not None:  # auto may pick it on a CPU: never silently
@@ -598,6 +626,16 @@ def _loop(run: _Run) -> None:
     run.started = time.perf_counter()
     run.clock = CheckpointClock(checkpoint_interval(t.ckpt_every, t.val_every), t.ckpt_minutes)
     assert run.log is not None and run.train_model is not None
+    watched = monitored(t.monitor, has_val=run.val_loader is not None)
+    if run.state is not None and t.patience is not None and run.progress.bad_evals >= t.patience:
+        # the checkpoint's run had stopped on patience: resuming it with the same patience
+        # ends it again, rather than training on until one lucky validation resets the count
+        run.stop_reason = "patience"
+        run.log.notice(
+            f"{run.resume_path} had stopped: {watched} had not improved for "
+            f"{run.progress.bad_evals} evaluations (train.patience {t.patience}); raise "
+            "--train.patience (or set it to null) to train on"
+        )
     try:
         with run.interrupt:
             while run.iteration < t.max_iters and run.stop_reason == "max_iters":
@@ -688,11 +726,14 @@ def _on_step(run: _Run, s: StepStats) -> bool:
         )
     stopping = done or run.stop_reason != "max_iters"
     assert run.clock is not None
+    # best.pt before last.pt: last.pt records this model as the best, so a crash between the
+    # two writes must leave the previous last.pt (whose resume redoes this validation), never
+    # a last.pt vouching for a best.pt that was not written
+    if is_best:
+        _save(run, "best", at=s.iteration)
     if stopping or run.clock.due(s.iteration) or evaluated:
         _save(run, "last", at=s.iteration)
         run.clock.saved()
-    if is_best:
-        _save(run, "best", at=s.iteration)
     return stopping
 
 
