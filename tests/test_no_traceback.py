@@ -122,3 +122,19 @@ def test_environment_failures_without_a_file_name_are_one_line(monkeypatch, caps
     monkeypatch.setattr(data_command, "main", fail_with(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="shape mismatch"):
         cli.main(["data", "check", "x"])
+
+
+def test_a_failed_atomic_write_names_its_file_and_leaves_none(monkeypatch, tmp_path) -> None:
+    import os
+
+    from dualseg.io import atomic_write_text
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")  # fsync names no file
+
+    monkeypatch.setattr(os, "fsync", full)
+    target = tmp_path / "metrics.json"
+    with pytest.raises(OSError, match="No space left") as err:
+        atomic_write_text(target, "{}")
+    assert err.value.filename == str(target) and err.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []  # no target, no temporary

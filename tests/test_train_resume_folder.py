@@ -150,3 +150,14 @@ def test_resume_auto_without_config_reads_the_folders_config(data, tmp_path, cap
     assert f"resumed from {out / 'last.pt'} at iteration 1" in capsys.readouterr().out
     state = load_checkpoint(out / "last.pt")
     assert state["iteration"] == 2 and state["config"]["optim"]["lr"] == 0.02
+
+
+def test_a_resume_that_no_longer_fits_names_the_changed_setting(data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(new_run_argv(data, out)) == 0
+    capsys.readouterr()
+    hidden = load_checkpoint(out / "last.pt")["model_kwargs"]["renet_hidden"]
+    argv = run_argv(out, "--resume", "auto", "--train.max_iters", "2")
+    assert main([*argv, "--model.renet_hidden", str(hidden * 2)]) == 1
+    err = one_line(capsys)
+    assert f"model.renet_hidden: {hidden} -> {hidden * 2}" in err and "--overwrite" in err

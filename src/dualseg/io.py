@@ -40,6 +40,13 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if err.filename is None and err.errno is not None:
+            # write / fsync failures (disk full) name no file: name the one being written
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

@@ -547,16 +547,34 @@ def _resume(run: _Run) -> None:
     state = run.state
     if state is None:
         return
-    ckpt_io.load_model_state(run.model, state)
+    # the model and optimizer settings changed since the checkpoint: what a mismatch names
+    changed = {
+        k: v
+        for k, v in config_changes(state.get("config") or {}, run.cfg).items()
+        if k.startswith(("model.", "optim."))
+    }
+    said = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+    try:
+        ckpt_io.load_model_state(run.model, state)
+    except CheckpointError as err:
+        if not said:
+            raise
+        raise CheckpointError(
+            f"{err} (changed since that checkpoint: {said}; resume with the checkpoint's "
+            "values, or start a new run: another --train.out_dir, or --overwrite)"
+        ) from None
     base_lrs = list(run.scheduler.base_lrs)  # from this run's config
     saved = [len(g["params"]) for g in state["optimizer"].get("param_groups", [])]
     here = [len(g["params"]) for g in run.optimizer.param_groups]
     if saved != here:  # torch would raise a bare ValueError
+        why = said or (
+            f"optim.head_lr_mult={run.cfg.optim.head_lr_mult:g}: other than 1 splits backbone "
+            "and head"
+        )
         raise CheckpointError(
             f"{run.resume_path}: its optimizer's parameter groups hold {saved} parameters, this "
-            f"run's {here} (optim.head_lr_mult={run.cfg.optim.head_lr_mult:g}: other than 1 "
-            "splits backbone and head); resume with the checkpoint's optim.head_lr_mult, or "
-            "start a new run (another --train.out_dir, or --overwrite)"
+            f"run's {here} ({why}); resume with the checkpoint's settings, or start a new run "
+            "(another --train.out_dir, or --overwrite)"
         )
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
