@@ -63,6 +63,11 @@ class ImageTooLargeError(DataError):
     """An image has more pixels than the caller's limit (checked from its header)."""
 
 
+# Pillow refuses images over this many pixels itself (its decompression-bomb guard, a
+# process-wide setting dualseg leaves alone): no caller's limit can reach past it.
+PILLOW_MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 0
+
+
 def open_image(path: str | Path) -> Image.Image:
     """A decoded PIL image of the file ``path``; :class:`DataError` naming it when missing,
     unreadable, truncated or a decompression bomb."""
@@ -135,7 +140,10 @@ def decode_image(
     except DataError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-        raise ImageTooLargeError(f"{source}: {err}") from err
+        raise ImageTooLargeError(
+            f"{source} is over Pillow's decompression-bomb limit of "
+            f"{PILLOW_MAX_PIXELS / 1e6:.1f} megapixels; downscale it"
+        ) from err
     except UnidentifiedImageError as err:  # its message is the repr of the BytesIO: not shown
         raise DataError(
             f"{source} is not an image in a supported format ({formats}); upload one of those"
@@ -177,6 +185,11 @@ def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:
     mode = im.mode
     if mode == "P":
         im = im.convert("RGBA" if "transparency" in im.info else "RGB")
+        mode = im.mode
+    elif mode in ("L", "RGB") and "transparency" in im.info:
+        # a PNG colour key (tRNS): pixels of that value are transparent, as a browser shows
+        # them; as alpha, drop_opaque_alpha below refuses them when any pixel uses the key
+        im = im.convert("LA" if mode == "L" else "RGBA")
         mode = im.mode
     elif mode in _PIL_TO_RGB:
         im, mode = im.convert("RGB"), "RGB"

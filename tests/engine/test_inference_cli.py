@@ -288,6 +288,14 @@ def test_overwrite_leaves_no_earlier_output_beside_the_new_ones(ckpt, synthetic,
     assert (out / "probs" / f"{image.stem}.npz").exists()
     assert cli_main([*base, "--overwrite"]) == 0
     assert not (out / "probs" / f"{image.stem}.npz").exists()
+    before = (out / "labels" / f"{image.stem}.png").exists()
+    broken = tmp_path / "in" / image.name  # the same name, now unreadable: skipped
+    broken.parent.mkdir()
+    broken.write_bytes(b"not a png")
+    assert before and cli_main([*base[:1], str(broken), *base[2:], "--overwrite"]) == 1
+    assert not [
+        p for f in ("labels", "color", "overlay") for p in (out / f).glob(f"{image.stem}.*")
+    ]
     ev = tmp_path / "eval"
     argv = ["eval", "-c", str(ckpt), "--data", str(synthetic), "--out", str(ev), "--quiet"]
     assert cli_main([*argv, "--refiner", str(_tiny_refiner(tmp_path / "r.pt"))]) == 0

@@ -35,6 +35,14 @@ class BrightnessSegmenter:
 class TopRowRefiner:
     """Single-image form of BoundaryRefiner.refine: relabels the first row as class 0."""
 
+    def __init__(self, class_names: tuple[str, ...] = ("dark", "mid", "bright")) -> None:
+        self.class_names = class_names
+
+    def check_classes(self, base_names, num_classes, *, what="the base model"):
+        from dualseg.refine.refiner import check_classes
+
+        check_classes(self.class_names, base_names, num_classes, what=what)
+
     def refine(self, image, probs, *, return_changed=False):
         assert image.dtype == np.uint8 and image.shape[:2] == probs.shape[1:]
         labels = probs.argmax(0)

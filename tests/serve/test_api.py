@@ -294,3 +294,29 @@ def test_a_file_part_without_a_content_type_is_read(client):
     junk = body.replace(gradient_png(), b"not an image at all")
     r = client.post("/api/segment", content=junk, headers=headers)
     assert r.status_code == 400  # decoded, and refused as no image
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_a_png_colour_key_transparency_is_refused_like_alpha(client, mode):
+    """tRNS: a browser shows the key colour as transparent; the colour under it is undefined."""
+    image = Image.new(mode, (32, 40), (9, 9, 9) if mode == "RGB" else 9)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", transparency=(9, 9, 9) if mode == "RGB" else 9)
+    r = client.post("/api/segment", files={"file": ("key.png", buf.getvalue(), "image/png")})
+    assert r.status_code == 400 and "transparent pixels" in r.json()["detail"]
+    buf = io.BytesIO()  # a key colour no pixel uses: opaque, segmented
+    image.save(buf, format="PNG", transparency=(1, 2, 3) if mode == "RGB" else 1)
+    r = client.post("/api/segment", files={"file": ("key.png", buf.getvalue(), "image/png")})
+    assert r.status_code == 200, r.text
+
+
+def test_create_app_refuses_a_refiner_of_other_classes_and_limits_past_pillows(segmenter):
+    from serve_fakes import TopRowRefiner
+
+    from dualseg.errors import CheckpointError
+    from dualseg.imaging import PILLOW_MAX_PIXELS
+
+    with pytest.raises(CheckpointError, match="differ"):
+        create_app(segmenter, refiner=TopRowRefiner(("bright", "mid", "dark")))
+    with pytest.raises(ConfigError, match="decompression-bomb limit"):
+        create_app(segmenter, max_megapixels=2 * PILLOW_MAX_PIXELS / 1e6)

@@ -343,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
                 part.append((path, name, as_rgb_array(path)))
             except DualsegError as err:
                 failures.append(str(err))
+                for folder, suffix in files if args.overwrite else []:
+                    # an earlier run's outputs of this image: another model's, now stale
+                    (out / folder / f"{name}{suffix}").unlink(missing_ok=True)
                 bar.update(1)
         arrays = [a for _, _, a in part]
         if args.onnx:
@@ -364,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             write_outputs(out, name, array, label, seg.meta.palette, alpha=args.alpha)
             if probs is not None:
                 save_probs(out / "probs" / f"{name}.npz", probs, seg.class_names, str(path))
-            else:  # an earlier --probs run's scores (--overwrite): another model's, now stale
+            elif args.overwrite:  # an earlier --probs run's scores: another model's, now stale
                 (out / "probs" / f"{name}.npz").unlink(missing_ok=True)
             bar.update(1)
     bar.close()

@@ -237,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.refiner:
         from dualseg.commands.refine import load_refiner
 
-        refiner = load_refiner(args.refiner, device=device)
-        refiner.check_classes(segmenter.class_names, segmenter.num_classes)
+        refiner = load_refiner(args.refiner, device=device)  # create_app checks its classes
     app = create_app(
         segmenter,
         refiner=refiner,

@@ -55,7 +55,7 @@ import numpy as np
 from PIL import Image
 
 from dualseg.errors import ConfigError, DataError
-from dualseg.imaging import ImageTooLargeError, decode_image
+from dualseg.imaging import PILLOW_MAX_PIXELS, ImageTooLargeError, decode_image
 from dualseg.io import atomic_write_bytes
 from dualseg.serve.defaults import (
     DEFAULT_MAX_MEGAPIXELS,
@@ -410,8 +410,16 @@ def create_app(
             "workers must be >= 1, queue_size >= 0 and work_megapixels >= 0; got "
             f"{workers}, {queue_size}, {work_megapixels}"
         )
+    if PILLOW_MAX_PIXELS and max_megapixels * 1e6 > PILLOW_MAX_PIXELS:
+        raise ConfigError(
+            f"max_megapixels {max_megapixels:g} is over Pillow's decompression-bomb limit of "
+            f"{PILLOW_MAX_PIXELS / 1e6:.1f} megapixels, which refuses larger images anyway; "
+            f"choose at most {int(PILLOW_MAX_PIXELS / 1e5) / 10:g} (CLI: --max-megapixels)"
+        )
     meta = segmenter.meta
     class_names = [str(c) for c in meta.class_names]
+    if refiner is not None:  # a refiner of another class order would relabel silently
+        refiner.check_classes(tuple(class_names), len(class_names), what="the model")
     if len(class_names) > 255:  # the label maps it returns are 8-bit, as predict's PNGs
         raise ConfigError(
             f"the model has {len(class_names)} classes; dualseg serve returns 8-bit label "
@@ -548,10 +556,9 @@ def create_app(
         try:
             result = await pool.run(segment_upload, data, name, images)
         except ImageTooLargeError as err:
-            raise HTTPException(
-                status_code=413,
-                detail=f"{err}, or restart the server with a larger --max-megapixels",
-            ) from err
+            raisable = max_megapixels * 1e6 < PILLOW_MAX_PIXELS and "Pillow's" not in str(err)
+            hint = ", or restart the server with a larger --max-megapixels" if raisable else ""
+            raise HTTPException(status_code=413, detail=f"{err}{hint}") from err
         except DataError as err:  # the image policy's one-line reason
             raise HTTPException(status_code=400, detail=str(err)) from err
         result["timings_ms"]["total"] = _ms(t0)
