@@ -325,3 +325,16 @@ def test_where_the_refiner_relabels_nothing_the_scored_base_labels_are_kept() ->
     m = evaluate(Tie(), [(torch.zeros(1, 3, 8, 8), labels)], num_classes=2, refiner=_TieBreaker())
     assert m["miou"] == 1.0 and m["refined"]["miou"] == 1.0
     assert m["refine"]["changed"] == 0
+
+
+def test_eval_warns_when_the_refiner_was_calibrated_on_the_evaluated_split(
+    ckpt, synthetic, tmp_path, capsys
+) -> None:
+    from dualseg.refine import BoundaryRefiner
+
+    refiner = BoundaryRefiner.load(_tiny_refiner(tmp_path / "r.pt"))
+    refiner.calibration = {"split": "val", "images": 2, "metric": "miou", "rows": []}
+    path = refiner.save(tmp_path / "calibrated.pt")
+    argv = ["eval", "-c", str(ckpt), "--data", str(synthetic), "--refiner", str(path), "--quiet"]
+    assert cli_main([*argv, "--out", str(tmp_path / "ev")]) == 0
+    assert "chosen on split 'val', the split evaluated here" in capsys.readouterr().err

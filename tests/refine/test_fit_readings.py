@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,15 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return data, base
 
 
+@pytest.fixture(scope="module")
+def dev_data(setup: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The setup data with a dev split (the val images listed as dev.txt): the decision is
+    calibrated on a split carved for it, never on one named as an evaluation split."""
+    data = Path(shutil.copytree(setup[0], tmp_path_factory.mktemp("dev") / "data"))
+    (data / "dev.txt").write_text((data / "val.txt").read_text())
+    return data
+
+
 def fit_args(data: Path, base: Path, out: Path) -> list[str]:
     args = ["fit", "--data", str(data), "--base", str(base), "--out", str(out)]
     args += ["--embed-dim", "8", "--steps", "2", "--batch-size", "2", "--crop-size", "32", "32"]
@@ -34,13 +44,13 @@ def fit_args(data: Path, base: Path, out: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_base_frozen_backbone_is_the_base_models_and_the_gate_is_calibrated(
-    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+    setup: tuple[Path, Path], dev_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    data, base = setup
+    data, base = dev_data, setup[1]
     out = tmp_path / "refiner.pt"
     argv = [*fit_args(data, base, out), "--backbone-source", "base-frozen"]
     argv += ["--mining", "semi-hard", "--mining-pool", "4"]
-    argv += ["--calibrate-split", "val", "--calibrate-metric", "boundary_f1"]
+    argv += ["--calibrate-split", "dev", "--calibrate-metric", "boundary_f1"]
     assert refine_main(argv) == 0
     refiner = BoundaryRefiner.load(out)
     assert refiner.config.backbone_source == "base-frozen"
@@ -53,7 +63,7 @@ def test_base_frozen_backbone_is_the_base_models_and_the_gate_is_calibrated(
     # the sweep chose the decision on the held-out split, by the metric asked for, and kept
     # its table
     cal = refiner.calibration
-    assert (cal["split"], cal["images"], cal["metric"]) == ("val", 2, "boundary_f1")
+    assert (cal["split"], cal["images"], cal["metric"]) == ("dev", 2, "boundary_f1")
     best = max(r["boundary_f1"] for r in cal["rows"] if r["gate_margin"] != "base")
     cfg = refiner.config
     chosen = [
@@ -64,7 +74,7 @@ def test_base_frozen_backbone_is_the_base_models_and_the_gate_is_calibrated(
     ]
     assert len(chosen) == 1 and chosen[0]["boundary_f1"] == best
     out = capsys.readouterr().out
-    assert "decision sweep on val" in out and "chosen: " in out
+    assert "decision sweep on dev" in out and "chosen: " in out
 
 
 def test_base_readings_need_a_base_checkpoint(setup: tuple[Path, Path], tmp_path: Path) -> None:
@@ -73,7 +83,7 @@ def test_base_readings_need_a_base_checkpoint(setup: tuple[Path, Path], tmp_path
     with pytest.raises(Exception, match="base"):
         refine_main([*argv, "--backbone-source", "base-frozen"])
     with pytest.raises(Exception, match="--base"):
-        refine_main([*argv, "--calibrate-split", "val"])
+        refine_main([*argv, "--calibrate-split", "dev"])
 
 
 def test_calibration_note_when_refinement_did_not_help(tmp_path: Path) -> None:
@@ -261,21 +271,21 @@ def test_the_calibrate_split_is_checked_before_the_fit(
 
 
 def test_calibration_reads_a_probability_folder_base(
-    setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+    setup: tuple[Path, Path], dev_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """--base as 'predict --probs' maps: the sweep reads each held-out image's own map (as
     probabilities, not softmaxed again); a map missing for a held-out image is refused before
     the fit, not after it."""
     from dualseg.cli import main
 
-    data, base = setup
-    val = [str(image) for image, _ in build_dataset(data, split="val").samples]
+    data, base = dev_data, setup[1]
+    val = [str(image) for image, _ in build_dataset(data, split="dev").samples]
     probs = tmp_path / "probs"
     assert (
         main(["predict", "--checkpoint", str(base), "--probs", *val[:1], "--out", str(probs)]) == 0
     )
     out = tmp_path / "refiner.pt"
-    argv = [*fit_args(data, probs, out), "--calibrate-split", "val"]
+    argv = [*fit_args(data, probs, out), "--calibrate-split", "dev"]
     capsys.readouterr()
     assert main(["refine", *argv]) == 1
     err = capsys.readouterr().err
@@ -299,10 +309,10 @@ def test_calibration_reads_a_probability_folder_base(
     )
     assert refine_main(argv) == 0
     cal = BoundaryRefiner.load(out).calibration
-    assert (cal["split"], cal["images"]) == ("val", 2)
+    assert (cal["split"], cal["images"]) == ("dev", 2)
     # the base row scores the folder's maps as they are: the checkpoint's own prediction
     from_model = tmp_path / "from_model.pt"
-    assert refine_main([*fit_args(data, base, from_model), "--calibrate-split", "val"]) == 0
+    assert refine_main([*fit_args(data, base, from_model), "--calibrate-split", "dev"]) == 0
     ref = BoundaryRefiner.load(from_model).calibration
     assert cal["rows"][0]["gate_margin"] == ref["rows"][0]["gate_margin"] == "base"
     assert cal["rows"][0]["miou"] == pytest.approx(ref["rows"][0]["miou"])

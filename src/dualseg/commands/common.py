@@ -21,6 +21,7 @@ from typing import Any
 from dualseg.console import ProgressMode, progress_mode
 
 __all__ = [
+    "add_label_args",
     "add_overwrite_arg",
     "add_quiet_arg",
     "add_runtime_args",
@@ -29,6 +30,7 @@ __all__ = [
     "check_outputs",
     "dataset_files",
     "fraction",
+    "label_settings",
     "mode_of",
     "nonnegative_int",
     "parse_ignore_index",
@@ -58,6 +60,72 @@ def parse_ignore_index(text: str) -> int | str | None:
     if not text.isdigit() or int(text) > 255:
         raise argparse.ArgumentTypeError(f"expected 0..255, none or auto, got {text!r}")
     return int(text)
+
+
+# --ignore-index's default in commands that score a trained model: the model's training value.
+# Not a string (argparse would pass a string default through the flag's parser), none of the
+# flag's values.
+FROM_TRAINING = object()
+
+
+def add_label_args(p: argparse.ArgumentParser, *, source: str) -> None:
+    """``--label-format``, ``--label-map`` and ``--ignore-index`` for a command that reads
+    labels for a trained model (``source``: e.g. "the checkpoint"); each not given takes the
+    model's training value (:func:`label_settings`)."""
+    from dualseg.data.readers import LABEL_FORMATS
+
+    p.add_argument(
+        "--label-format",
+        choices=LABEL_FORMATS,
+        default=None,
+        help=f"index | color (default: {source}'s training data.label_format, else index)",
+    )
+    p.add_argument(
+        "--label-map",
+        default=None,
+        metavar="RAW:CLASS[,...]|none",
+        help="map raw label values to class ids, e.g. 255:1, on top of ROOT/meta.json's "
+        f"(default: {source}'s training data.label_map; none: no extra map)",
+    )
+    p.add_argument(
+        "--ignore-index",
+        type=parse_ignore_index,
+        default=FROM_TRAINING,
+        metavar="RAW|none|auto",
+        help="the raw label value meaning ignore; none: no value; auto: the dataset's "
+        f"(default: {source}'s training data.ignore_index, else auto)",
+    )
+
+
+def label_settings(
+    args: argparse.Namespace, trained: dict[str, Any]
+) -> tuple[str, dict[int, int] | None, Any, list[str]]:
+    """How to read the labels: ``(label_format, label_map, ignore_value, taken)``.
+
+    ``trained``: the ``data`` section of the model's training config (empty when unknown, e.g.
+    a pretrained folder). Each of :func:`add_label_args`' flags not given takes the value the
+    model was trained with, so a model trained on 0/255 masks with ``--data.label_map 255:1``
+    is scored on the classes it learnt; ``taken`` lists what was taken, for a note.
+    """
+    from dualseg.data.presets import parse_label_map
+
+    taken: list[str] = []
+    label_format = args.label_format
+    if label_format is None:
+        label_format = trained.get("label_format") or "index"
+        if label_format != "index":
+            taken.append(f"data.label_format {label_format}")
+    text = args.label_map
+    if text is None and trained.get("label_map"):
+        text = str(trained["label_map"])
+        taken.append(f"data.label_map {text}")
+    label_map = None if text is None or text.lower() == "none" else parse_label_map(text)
+    ignore = args.ignore_index
+    if ignore is FROM_TRAINING:
+        ignore = trained.get("ignore_index", "auto")
+        if ignore != "auto":
+            taken.append(f"data.ignore_index {'none' if ignore is None else ignore}")
+    return label_format, label_map, ignore, taken
 
 
 def fraction(text: str) -> float:

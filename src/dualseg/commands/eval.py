@@ -29,25 +29,21 @@ from pathlib import Path
 from typing import Any
 
 from dualseg.commands.common import (
+    add_label_args,
     add_overwrite_arg,
     add_quiet_arg,
     add_runtime_args,
     apply_runtime,
     check_outputs,
     dataset_files,
+    label_settings,
     mode_of,
     nonnegative_int,
-    parse_ignore_index,
     unique_names,
 )
 from dualseg.commands.predict import add_inference_arguments, inference_options
 from dualseg.console import argparse_kwargs, track
-from dualseg.data.readers import LABEL_FORMATS
 from dualseg.errors import CheckpointError, DualsegError
-
-# --ignore-index's default: the checkpoint's training value. Not a string (argparse would
-# pass a string default through the flag's parser) and none of the flag's values.
-FROM_CHECKPOINT = object()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,27 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="dataset preset (camvid, voc, cityscapes, ade20k, synthetic); default: "
         "ROOT/meta.json, else the classes stored in the checkpoint",
     )
-    p.add_argument(
-        "--label-format",
-        choices=LABEL_FORMATS,
-        default=None,
-        help="index | color (default: the checkpoint's training data.label_format, else index)",
-    )
-    p.add_argument(
-        "--label-map",
-        default=None,
-        metavar="RAW:CLASS[,...]|none",
-        help="map raw label values to class ids, e.g. 255:1, on top of ROOT/meta.json's "
-        "(default: the checkpoint's training data.label_map; none: no extra map)",
-    )
-    p.add_argument(
-        "--ignore-index",
-        type=parse_ignore_index,
-        default=FROM_CHECKPOINT,
-        metavar="RAW|none|auto",
-        help="the raw label value meaning ignore; none: no value; auto: the dataset's "
-        "(default: the checkpoint's training data.ignore_index, else auto)",
-    )
+    add_label_args(p, source="the checkpoint")
     p.add_argument(
         "--out",
         "-o",
@@ -132,47 +108,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_refiner(path: str, class_names: tuple[str, ...], device: Any) -> Any:
+def _load_refiner(path: str, class_names: tuple[str, ...], device: Any, split: str) -> Any:
     from dualseg.refine import BoundaryRefiner
 
     refiner = BoundaryRefiner.load(path, device=device)
     note = refiner.calibration_note()
     if note:
         print(f"dualseg eval: note: {note}", file=sys.stderr)
+    if (refiner.calibration or {}).get("split") == split:
+        print(
+            f"dualseg eval: warning: {path}'s decision options were chosen on split {split!r}, "
+            "the split evaluated here: its refined scores are optimistic; evaluate on another "
+            "split, or calibrate on one carved from train",
+            file=sys.stderr,
+        )
     refiner.check_classes(class_names, len(class_names), what=f"the checkpoint (refiner {path})")
     return refiner
-
-
-def label_settings(
-    args: argparse.Namespace, ckpt: dict[str, Any]
-) -> tuple[str, dict[int, int] | None, Any, list[str]]:
-    """How eval reads the labels: ``(label_format, label_map, ignore_value, from_checkpoint)``.
-
-    Each flag not given takes the value the checkpoint was trained with (its stored
-    ``config.data``), so a model trained on 0/255 masks with ``--data.label_map 255:1`` is
-    scored on the same classes it learnt; ``from_checkpoint`` lists what was taken, for a note.
-    A pretrained folder stores no training config: the dataset's own mapping applies.
-    """
-    from dualseg.data.presets import parse_label_map
-
-    data = (ckpt.get("config") or {}).get("data") or {}
-    taken: list[str] = []
-    label_format = args.label_format
-    if label_format is None:
-        label_format = data.get("label_format") or "index"
-        if label_format != "index":
-            taken.append(f"data.label_format {label_format}")
-    text = args.label_map
-    if text is None and data.get("label_map"):
-        text = str(data["label_map"])
-        taken.append(f"data.label_map {text}")
-    label_map = None if text is None or text.lower() == "none" else parse_label_map(text)
-    ignore = args.ignore_index
-    if ignore is FROM_CHECKPOINT:
-        ignore = data.get("ignore_index", "auto")
-        if ignore != "auto":
-            taken.append(f"data.ignore_index {'none' if ignore is None else ignore}")
-    return label_format, label_map, ignore, taken
 
 
 def prediction_names(samples: list) -> list[str]:
@@ -286,7 +237,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         parse_label_map(args.label_map)  # a bad value: one line before the model loads
     device = apply_runtime(args)
     ckpt = load_state(args.checkpoint)  # a .pt file, a pretrained folder or hf://org/name
-    label_format, label_map, ignore_value, taken = label_settings(args, ckpt)
+    trained = (ckpt.get("config") or {}).get("data") or {}
+    label_format, label_map, ignore_value, taken = label_settings(args, trained)
     if taken:
         print(
             f"dualseg eval: note: labels read as {args.checkpoint} was trained: "
@@ -339,7 +291,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         collate_fn=SameSizeCollate("use --batch-size 1 (eval runs each image at its own size)"),
     )
     refiner = (
-        _load_refiner(args.refiner, dataset.meta.class_names, device) if args.refiner else None
+        _load_refiner(args.refiner, dataset.meta.class_names, device, args.split)
+        if args.refiner
+        else None
     )
     hook = None
     if args.save_predictions:

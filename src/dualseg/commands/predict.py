@@ -366,7 +366,9 @@ def main(argv: list[str] | None = None) -> int:
             label, probs = res if args.probs else (res, None)
             write_outputs(out, name, array, label, seg.meta.palette, alpha=args.alpha)
             if probs is not None:
-                save_probs(out / "probs" / f"{name}.npz", probs, seg.class_names, str(path))
+                # the resolved path: refine apply matches it from any working folder
+                source = str(Path(path).resolve())
+                save_probs(out / "probs" / f"{name}.npz", probs, seg.class_names, source)
             elif args.overwrite:  # an earlier --probs run's scores: another model's, now stale
                 (out / "probs" / f"{name}.npz").unlink(missing_ok=True)
             bar.update(1)

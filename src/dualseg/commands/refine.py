@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from dualseg.commands.common import (
+    add_label_args,
     add_overwrite_arg,
     add_quiet_arg,
     add_runtime_args,
@@ -26,6 +27,7 @@ from dualseg.commands.common import (
     check_outputs,
     dataset_files,
     fraction,
+    label_settings,
     mode_of,
     nonnegative_int,
     unique_names,
@@ -80,6 +82,7 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--split", default="train", help="split to fit on (train)")
     p.add_argument("--layout", default="auto", help="dataset layout (auto)")
     p.add_argument("--preset", help="class preset: camvid, voc, cityscapes, synthetic")
+    add_label_args(p, source="the --base checkpoint")
     p.add_argument(
         "--crop-size", type=int, nargs=2, default=(256, 256), metavar=("H", "W"), help="(256 256)"
     )
@@ -284,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------------- fit
+# split names that are for reporting: never where method B's decision options are chosen
+EVALUATION_SPLITS = ("val", "test")
+
+
 def fit_main(args: argparse.Namespace) -> int:
     from dualseg.augment_defaults import check_augment_settings
     from dualseg.data import build_dataset, build_eval_transform, build_train_transform
@@ -304,6 +311,12 @@ def fit_main(args: argparse.Namespace) -> int:
     )
     if args.calibrate_split and args.base is None:
         raise ConfigError("--calibrate-split scores the refiner on top of a base model: add --base")
+    if args.calibrate_split in EVALUATION_SPLITS:
+        raise ConfigError(
+            f"--calibrate-split {args.calibrate_split} is an evaluation split: choosing the "
+            "decision options on it would report them on the images they were tuned on; carve "
+            "a split from train (a list file, e.g. dev.txt) and calibrate on that"
+        )
     if args.calibrate_split and args.calibrate_split == args.split:
         raise ConfigError(
             f"--calibrate-split {args.calibrate_split} is the --split the refiner is fitted on; "
@@ -313,6 +326,11 @@ def fit_main(args: argparse.Namespace) -> int:
     out = check_writable(args.out, kind="file", what="--out")
     checkpoint = Path(args.checkpoint) if args.checkpoint else out.with_suffix(".train.pt")
     check_writable(checkpoint, kind="file", what="--checkpoint")
+    if out.resolve() == checkpoint.resolve():  # found at the first save, after the whole fit
+        raise ConfigError(
+            f"--checkpoint {checkpoint} is --out: the training state and the refiner need two "
+            "files; drop --checkpoint (default: <out>.train.pt) or name another"
+        )
     check_fit_files(out, checkpoint, base=args.base, data=args.data, layout=args.layout)
     check_earlier_fit(out, checkpoint, resume=args.resume, overwrite=args.overwrite)
 
@@ -348,24 +366,34 @@ def fit_main(args: argparse.Namespace) -> int:
     train_tf = build_train_transform(
         crop_size=tuple(args.crop_size), scale_range=tuple(args.scale_range)
     )
+    base = None if args.base is None else load_base(args.base, device=device)
+    # the labels read as the base was trained (its checkpoint's data.label_map ...), as eval
+    # reads them: a refiner fit under another mapping would learn other classes than it refines
+    label_format, label_map, ignore_value, taken = label_settings(
+        args, getattr(base, "trained_data", None) or {}
+    )
+    if taken:
+        print(
+            f"dualseg refine fit: note: labels read as {args.base} was trained: "
+            f"{', '.join(taken)} (--label-format / --label-map / --ignore-index change it)",
+            file=sys.stderr,
+        )
     common = {"split": args.split, "layout": args.layout, "preset": args.preset}
-    train = build_dataset(args.data, transform=train_tf, seed=args.seed, **common)
-    held_out = calibration_dataset(args, train) if args.calibrate_split else None
-    protos = build_dataset(args.data, transform=build_eval_transform(), **common)
+    labels = {"label_format": label_format, "label_map": label_map, "ignore_value": ignore_value}
+    train = build_dataset(args.data, transform=train_tf, seed=args.seed, **common, **labels)
+    held_out = calibration_dataset(args, train, labels) if args.calibrate_split else None
+    protos = build_dataset(args.data, transform=build_eval_transform(), **common, **labels)
     if args.proto_images > 0:
         protos = torch.utils.data.Subset(protos, range(min(args.proto_images, len(protos))))
     class_names = train.meta.class_names
 
-    base = None
-    if args.base is not None:
-        base = load_base(args.base, device=device)  # the calibration sweep runs it there
-        if base.class_names is not None:
-            require_same_classes(
-                tuple(base.class_names),
-                tuple(class_names),
-                model=f"the base model {args.base}",
-                data=f"{args.data}",
-            )
+    if base is not None and base.class_names is not None:
+        require_same_classes(
+            tuple(base.class_names),
+            tuple(class_names),
+            model=f"the base model {args.base}",
+            data=f"{args.data}",
+        )
     if held_out is not None and isinstance(base, ProbsFolderBase):  # before the fit, not after
         files = held_out_names(held_out)
         base.require([name for _, name in files], [str(path) for path, _ in files])
@@ -479,6 +507,9 @@ def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: b
             "pass one of them"
         )
     if overwrite:
+        # the earlier fit's training state: a new fit stopped before its first save would
+        # otherwise leave it, and a later --resume would continue the fit this one replaced
+        checkpoint.unlink(missing_ok=True)
         return
     if resume:
         if checkpoint.is_file():
@@ -507,9 +538,10 @@ def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: b
         )
 
 
-def calibration_dataset(args: argparse.Namespace, train: Any) -> Any:
-    """The ``--calibrate-split`` dataset, built (and checked) before the fit: it must exist
-    and hold none of the ``--split`` images the refiner is fitted on."""
+def calibration_dataset(args: argparse.Namespace, train: Any, labels: dict[str, Any]) -> Any:
+    """The ``--calibrate-split`` dataset (labels read as ``labels`` says, as the fit's), built
+    (and checked) before the fit: it must exist and hold none of the ``--split`` images the
+    refiner is fitted on."""
     import re
 
     from dualseg.data import build_dataset, build_eval_transform
@@ -521,6 +553,7 @@ def calibration_dataset(args: argparse.Namespace, train: Any) -> Any:
             layout=args.layout,
             preset=args.preset,
             transform=build_eval_transform(),
+            **labels,
         )
     except DataError as err:  # the dataset's messages name --split: here it is this flag
         raise DataError(re.sub(r"--split\b", "--calibrate-split", str(err))) from None
@@ -653,6 +686,8 @@ def apply_main(args: argparse.Namespace) -> int:
     base = load_base(args.base, device=device)
     if base.class_names is not None:
         refiner.check_classes(base.class_names, len(base.class_names), what=str(args.base))
+    if hasattr(base, "require"):  # a probability folder: every image's map, before any output
+        base.require([name for _, name in images], [str(path) for path, _ in images])
     augmented = opts.mode != "whole" or opts.uses_tta
     if augmented and not hasattr(base, "module"):
         raise ConfigError(

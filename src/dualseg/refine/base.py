@@ -92,6 +92,9 @@ def checkpoint_base(
     model, meta = build_model_from_checkpoint(ckpt, device=device)
     base = ModuleBase(model, class_names=meta.class_names, palette=meta.palette, device=device)
     base.arch = str(ckpt["arch"])  # type: ignore[attr-defined]
+    # how its training read the labels (label_map, ignore_index, ...): refine fit reads the
+    # refiner's training labels the same way; a pretrained folder stores none
+    base.trained_data = dict((ckpt.get("config") or {}).get("data") or {})  # type: ignore[attr-defined]
     return base
 
 

@@ -482,6 +482,13 @@ class BoundaryRefiner:
             time_budget_s=time_budget_s,
             fit_inputs=fit_inputs,
         )
+        if history and not any(h.get("num_triplets", 1) for h in history):
+            # an untrained embedding would relabel pixels: the reason steps=0 is refused
+            raise DataError(
+                f"no triplet could be drawn in {len(history)} steps: no training image has "
+                "near-boundary pixels of two classes; check the labels and their mapping "
+                "(meta.json, --label-map, --ignore-index) and --radius"
+            )
         if history and history[-1]["step"] < cfg.steps:  # the time budget stopped it early
             cfg = dataclasses.replace(cfg, steps=int(history[-1]["step"]))
         protos, present = stream_prototypes(
@@ -498,6 +505,12 @@ class BoundaryRefiner:
             progress=progress,
         )
         missing = [n for n, p in zip(class_names, present.tolist()) if not p]
+        if len(class_names) - len(missing) < 2:  # nothing to choose between
+            raise DataError(
+                f"only {len(class_names) - len(missing)} class(es) have near-boundary pixels in "
+                "the prototype images; method B chooses among at least two: check the labels "
+                "and their mapping (meta.json, --label-map, --ignore-index)"
+            )
         if missing:
             log.warning("no near-boundary pixels for %s: these classes get no prototype", missing)
         if palette is None:

@@ -1,0 +1,109 @@
+"""Method B's commands refuse what would give a silently wrong refiner or lose work: the
+decision calibrated on an evaluation split, labels read otherwise than the base was trained,
+a fit that never drew a triplet, a state file that is the refiner, an apply that would stop
+half-way, an --overwrite fit that a later --resume would mix with the fit it replaced."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from checkpoint_helpers import write_synthetic_checkpoint
+from dualseg.cli import main
+from dualseg.data import make_synthetic_dataset
+from reliability_helpers import one_line
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("trust") / "data"
+    return Path(make_synthetic_dataset(root, n_train=4, n_val=2, size=(48, 64), seed=0))
+
+
+@pytest.fixture(scope="module")
+def base(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_synthetic_checkpoint(tmp_path_factory.mktemp("base") / "base.pt")
+
+
+def fit(data: Path, base: Path | None, out: Path, *extra: str) -> list[str]:
+    argv = ["refine", "fit", "--data", str(data), "--out", str(out), "--embed-dim", "8"]
+    argv += ["--steps", "2", "--batch-size", "2", "--crop-size", "32", "32", "--radius", "2"]
+    argv += ["--num-triplets", "32", "--device", "cpu", "--no-progress", "--log-every", "0"]
+    return [*argv, "--init-backbone", "none", *(["--base", str(base)] if base else []), *extra]
+
+
+def test_the_decision_is_never_calibrated_on_an_evaluation_split(data, base, tmp_path, capsys):
+    out = tmp_path / "r.pt"
+    for split in ("val", "test"):
+        assert main(fit(data, base, out, "--calibrate-split", split)) == 1
+        err = one_line(capsys)
+        assert f"--calibrate-split {split} is an evaluation split" in err and "train" in err
+    assert not out.exists()
+
+
+def test_a_state_file_that_is_the_refiner_is_refused_before_the_fit(data, tmp_path, capsys):
+    out = tmp_path / "r.pt"
+    assert main(fit(data, None, out, "--checkpoint", str(out))) == 1
+    assert "--checkpoint" in one_line(capsys) and not out.exists()
+
+
+def test_labels_are_read_as_the_base_was_trained(data, tmp_path, capsys):
+    """A base trained with --data.label_map 200:2: the fit reads class 2 from raw 200 too;
+    without that mapping the raw 200 pixels are no class, refused in one line."""
+    root = Path(shutil.copytree(data, tmp_path / "raw"))
+    for path in (root / "labels").glob("*.png"):
+        label = np.array(Image.open(path))
+        label[label == 2] = 200
+        Image.fromarray(label).save(path)
+    config = {"data": {"preset": "synthetic", "label_map": "200:2"}}
+    mapped = write_synthetic_checkpoint(tmp_path / "mapped.pt", config=config)
+    out = tmp_path / "r.pt"
+    assert main(fit(root, mapped, out)) == 0
+    err = capsys.readouterr().err
+    assert "labels read as" in err and "data.label_map 200:2" in err
+    assert main(fit(root, mapped, tmp_path / "raw.pt", "--label-map", "none")) == 1
+    assert "200" in one_line(capsys)
+
+
+def test_a_fit_that_never_draws_a_triplet_is_refused(data, tmp_path, capsys):
+    flat = Path(shutil.copytree(data, tmp_path / "flat"))
+    for path in (flat / "labels").glob("*.png"):  # one class everywhere: no boundary
+        Image.fromarray(np.zeros_like(np.array(Image.open(path)))).save(path)
+    out = tmp_path / "r.pt"
+    assert main(fit(flat, None, out)) == 1
+    assert "no triplet could be drawn in 2 steps" in one_line(capsys)
+    assert not out.exists()
+
+
+def test_overwrite_drops_the_replaced_fits_training_state(data, tmp_path):
+    from dualseg.commands.refine import check_earlier_fit
+
+    out = tmp_path / "r.pt"
+    assert main(fit(data, None, out)) == 0
+    state = tmp_path / "r.train.pt"
+    assert state.is_file()
+    # before an --overwrite fit starts: were it stopped before its first save, a later --resume
+    # must not find (and continue) the state of the fit it replaced
+    check_earlier_fit(out, state, resume=False, overwrite=True)
+    assert not state.exists() and out.is_file()  # the old refiner stays until the new one
+
+
+def test_apply_with_a_probability_folder_checks_every_image_first(data, base, tmp_path, capsys):
+    images = sorted((data / "images").glob("val_*.png"))
+    probs = tmp_path / "probs"
+    assert main(["predict", str(images[0]), "-c", str(base), "--probs", "-o", str(probs)]) == 0
+    refiner = tmp_path / "r.pt"
+    assert main(fit(data, None, refiner)) == 0
+    capsys.readouterr()
+    out = tmp_path / "applied"
+    argv = ["refine", "apply", "--refiner", str(refiner), "--base", str(probs), "--out", str(out)]
+    assert main([*argv, *map(str, images)]) == 1
+    assert "no probabilities for image" in one_line(capsys)
+    assert not out.exists() or not any(out.rglob("*.png"))  # nothing half-written
+    # the stored source is the resolved path: found from any working folder
+    stored = np.load(probs / "probs" / f"{images[0].stem}.npz")["source"]
+    assert Path(str(stored)).is_absolute()
