@@ -107,3 +107,25 @@ def test_apply_with_a_probability_folder_checks_every_image_first(data, base, tm
     # the stored source is the resolved path: found from any working folder
     stored = np.load(probs / "probs" / f"{images[0].stem}.npz")["source"]
     assert Path(str(stored)).is_absolute()
+
+
+def test_a_refiner_calibrated_on_another_base_is_said(data, base, tmp_path, capsys):
+    import torch
+
+    from dualseg.engine.checkpoint import load_checkpoint, save_checkpoint
+
+    dev = Path(shutil.copytree(data, tmp_path / "dev"))
+    (dev / "dev.txt").write_text((dev / "val.txt").read_text())
+    refiner = tmp_path / "r.pt"
+    assert main(fit(dev, base, refiner, "--calibrate-split", "dev")) == 0
+    state = {k: v for k, v in load_checkpoint(base).items() if not k.startswith("_")}
+    state["model"] = {
+        k: v + 0.01 if torch.is_floating_point(v) else v for k, v in state["model"].items()
+    }
+    other = save_checkpoint(tmp_path / "other.pt", state)
+    capsys.readouterr()
+    argv = ["eval", "--data", str(dev), "--refiner", str(refiner), "--quiet"]
+    assert main([*argv, "-c", str(base), "--out", str(tmp_path / "e1")]) == 0
+    assert "another base model" not in capsys.readouterr().err
+    assert main([*argv, "-c", str(other), "--out", str(tmp_path / "e2")]) == 0
+    assert "were chosen on another base model than this one" in capsys.readouterr().err

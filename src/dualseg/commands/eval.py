@@ -108,10 +108,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load_refiner(path: str, class_names: tuple[str, ...], device: Any, split: str) -> Any:
+def _load_refiner(
+    path: str, class_names: tuple[str, ...], device: Any, split: str, model: Any
+) -> Any:
     from dualseg.refine import BoundaryRefiner
+    from dualseg.refine.base import OTHER_BASE, other_calibration_base
 
     refiner = BoundaryRefiner.load(path, device=device)
+    if other_calibration_base(refiner, model):
+        print(f"dualseg eval: warning: {OTHER_BASE.format(refiner=path)}", file=sys.stderr)
     note = refiner.calibration_note()
     if note:
         print(f"dualseg eval: note: {note}", file=sys.stderr)
@@ -291,7 +296,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         collate_fn=SameSizeCollate("use --batch-size 1 (eval runs each image at its own size)"),
     )
     refiner = (
-        _load_refiner(args.refiner, dataset.meta.class_names, device, args.split)
+        _load_refiner(args.refiner, dataset.meta.class_names, device, args.split, model)
         if args.refiner
         else None
     )

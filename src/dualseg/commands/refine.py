@@ -587,6 +587,7 @@ def calibrate(
     ``--calibrate-split`` (``held_out``: that dataset, built and checked before the fit by
     :func:`calibration_dataset`), store them in the refiner with the sweep's table, and print
     the best rows."""
+    from dualseg.refine.base import model_fingerprint
     from dualseg.refine.calibrate import choose_decision, sweep_decision
 
     files = held_out_names(held_out)
@@ -622,6 +623,8 @@ def calibrate(
         "images": len(held_out),
         "metric": metric,
         "rows": rows,
+        # the base these options were chosen for (a model's; a probability folder: unknown)
+        "base_fingerprint": None if module is None else model_fingerprint(module),
     }
     print(f"decision sweep on {args.calibrate_split} ({len(held_out)} held-out images):")
     print(format_sweep(rows, metric=metric))
@@ -666,7 +669,7 @@ def apply_main(args: argparse.Namespace) -> int:
     from dualseg.engine.predict import as_rgb_array
     from dualseg.imaging import normalize
     from dualseg.io import atomic_save_image, check_writable
-    from dualseg.refine.base import load_base
+    from dualseg.refine.base import OTHER_BASE, load_base, other_calibration_base
     from dualseg.viz import default_palette
 
     opts = inference_options(args)
@@ -686,6 +689,11 @@ def apply_main(args: argparse.Namespace) -> int:
     base = load_base(args.base, device=device)
     if base.class_names is not None:
         refiner.check_classes(base.class_names, len(base.class_names), what=str(args.base))
+    if other_calibration_base(refiner, getattr(base, "module", None)):
+        print(
+            f"dualseg refine apply: warning: {OTHER_BASE.format(refiner=args.refiner)}",
+            file=sys.stderr,
+        )
     if hasattr(base, "require"):  # a probability folder: every image's map, before any output
         base.require([name for _, name in images], [str(path) for path, _ in images])
     augmented = opts.mode != "whole" or opts.uses_tta

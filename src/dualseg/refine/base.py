@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -77,6 +77,33 @@ class ModuleBase:
                 out.float(), size=images.shape[-2:], mode="bilinear", align_corners=False
             )
         return out.float()
+
+
+def model_fingerprint(module: nn.Module) -> str:
+    """A short hash of a model's weights (names, shapes and values): which base a refiner's
+    decision options were calibrated on, so that applying them to another is said."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for key, tensor in module.state_dict().items():
+        digest.update(f"{key}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()[:16]
+
+
+# what eval --refiner and refine apply say of a refiner calibrated on another base model
+OTHER_BASE = (
+    "{refiner}'s decision options (gate, prior, floor) were chosen on another base model than "
+    "this one; refit it with --base this model and --calibrate-split for options that fit it"
+)
+
+
+def other_calibration_base(refiner: Any, module: nn.Module | None) -> bool:
+    """Whether ``refiner``'s decision options were calibrated on a base model other than
+    ``module`` (False when unknown: no calibration, a probability-folder base, an older
+    refiner)."""
+    calibrated = (getattr(refiner, "calibration", None) or {}).get("base_fingerprint")
+    return bool(calibrated) and module is not None and calibrated != model_fingerprint(module)
 
 
 def checkpoint_base(
