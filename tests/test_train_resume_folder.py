@@ -90,6 +90,10 @@ def test_resume_from_an_older_best_pt_of_the_folder_needs_overwrite(data, tmp_pa
     assert files(out) == before
     assert main(new_run_argv(data, out, *rewind, "--overwrite")) == 0  # asked: it goes back
     assert load_checkpoint(out / "last.pt")["iteration"] == 3
+    # a broken last.pt: best.pt is the way back, with nothing to rewind over
+    (out / "last.pt").write_bytes((out / "last.pt").read_bytes()[:1000])
+    assert main(new_run_argv(data, out, *rewind)) == 0
+    assert load_checkpoint(out / "last.pt")["iteration"] == 3
 
 
 def test_resume_auto_in_a_run_without_last_pt_is_refused(data, tmp_path, capsys):

@@ -63,9 +63,11 @@ class ImageTooLargeError(DataError):
     """An image has more pixels than the caller's limit (checked from its header)."""
 
 
-# Pillow refuses images over this many pixels itself (its decompression-bomb guard, a
-# process-wide setting dualseg leaves alone): no caller's limit can reach past it.
-PILLOW_MAX_PIXELS = Image.MAX_IMAGE_PIXELS or 0
+def pillow_max_pixels() -> int:
+    """The pixel count past which Pillow refuses an image itself (its decompression-bomb guard,
+    ``PIL.Image.MAX_IMAGE_PIXELS``, a process-wide setting dualseg reads, never sets; 0: off):
+    no caller's limit can reach past it."""
+    return int(Image.MAX_IMAGE_PIXELS or 0)
 
 
 def open_image(path: str | Path) -> Image.Image:
@@ -142,7 +144,7 @@ def decode_image(
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         raise ImageTooLargeError(
             f"{source} is over Pillow's decompression-bomb limit of "
-            f"{PILLOW_MAX_PIXELS / 1e6:.1f} megapixels; downscale it"
+            f"{pillow_max_pixels() / 1e6:.1f} megapixels; downscale it"
         ) from err
     except UnidentifiedImageError as err:  # its message is the repr of the BytesIO: not shown
         raise DataError(
@@ -170,6 +172,17 @@ def exif_orientation(im: Image.Image, source: str | Path) -> int:
     return value if isinstance(value, int) and 2 <= value <= 8 else 1
 
 
+def _key_fits_8_bits(im: Image.Image) -> bool:
+    """Whether an L/RGB image's colour key is in the 8-bit pixels' own scale: a 16-bit PNG
+    read as RGB keeps a 16-bit key, a 2- or 4-bit grayscale PNG its unscaled key."""
+    key = im.info["transparency"]
+    values = key if isinstance(key, tuple) else (key,)
+    if not all(isinstance(v, int) and 0 <= v <= 255 for v in values):
+        return False
+    bits = im.info.get("bits")  # not always set; a low-bit grayscale PNG says so in IHDR
+    return bits in (None, 8)
+
+
 def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:
     """The image policy (module docstring): a decoded PIL image as ``uint8 HxWx3`` RGB.
 
@@ -186,11 +199,18 @@ def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:
     if mode == "P":
         im = im.convert("RGBA" if "transparency" in im.info else "RGB")
         mode = im.mode
-    elif mode in ("L", "RGB") and "transparency" in im.info:
+    elif "transparency" in im.info and mode in ("L", "RGB") and _key_fits_8_bits(im):
         # a PNG colour key (tRNS): pixels of that value are transparent, as a browser shows
         # them; as alpha, drop_opaque_alpha below refuses them when any pixel uses the key
         im = im.convert("LA" if mode == "L" else "RGBA")
         mode = im.mode
+    elif "transparency" in im.info and mode != "P":
+        # a key Pillow cannot match against the pixels it returns (16-bit, 1-/2-/4-bit
+        # grayscale): which pixels are transparent is unknown, so the image is refused
+        raise DataError(
+            f"{source}: has a transparency colour key (PNG tRNS) at {mode} that cannot be read "
+            "reliably; flatten it onto a background (or drop the key) and save it as 8-bit RGB"
+        )
     elif mode in _PIL_TO_RGB:
         im, mode = im.convert("RGB"), "RGB"
     elif mode == "PA":

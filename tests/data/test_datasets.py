@@ -343,6 +343,20 @@ def test_an_exif_orientation_the_label_lacks_is_refused(tmp_path, orientation):
     assert [p for p in report.problems if "EXIF orientation" in p] == [str(err.value)]
 
 
+def test_a_label_drawn_on_the_upright_photo_is_read_as_drawn(tmp_path):
+    """Labelling tools draw on the photo as shown: a tag-less label of the upright image's
+    size (orientation 6 turns 30x40 into 40x30) is aligned with the image as read."""
+    from PIL import Image
+
+    _exif_pair(tmp_path, 6)
+    upright = np.zeros((40, 30), np.uint8)
+    upright[:20, :10] = 2
+    Image.fromarray(upright).save(tmp_path / "labels" / "a.png")
+    image, label = build_dataset(tmp_path, preset=TINY).load_pair(0)
+    assert image.shape[:2] == (40, 30) and np.array_equal(label, upright)
+    assert not [p for p in check_dataset(tmp_path, preset=TINY).problems if "EXIF" in p]
+
+
 def test_a_label_with_its_images_exif_orientation_is_turned_alike(tmp_path):
     _exif_pair(tmp_path / "same", 3, label_orientation=3)
     _, label = build_dataset(tmp_path / "same", preset=TINY).load_pair(0)

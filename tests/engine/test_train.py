@@ -95,6 +95,19 @@ def test_a_run_stopped_on_patience_resumes_to_the_same_stop(data: Path, tmp_path
     assert fit(longer, resume="auto")["iteration"] == 5  # raised: it trains on
 
 
+def test_a_run_that_did_not_stop_on_patience_trains_on_when_patience_is_set(
+    data: Path, tmp_path: Path
+) -> None:
+    settings = {"val_every": 1, "monitor": "train_loss", "min_delta": 1e3}
+    free = tiny(data, tmp_path, data_cfg={"val_split": None}, max_iters=4, patience=None,
+                **settings)  # fmt: skip
+    assert fit(free)["stop_reason"] == "max_iters"  # 3 evaluations without improvement
+    watched = tiny(data, tmp_path, data_cfg={"val_split": None}, max_iters=8, patience=2,
+                   **settings)  # fmt: skip
+    again = fit(watched, resume="auto")  # patience counts from here, it did not stop before
+    assert again["stop_reason"] == "patience" and again["iteration"] == 4 + 1
+
+
 def test_a_setting_changed_on_resume_is_said_even_when_quiet_and_logged(
     data: Path, tmp_path: Path, capsys
 ) -> None:

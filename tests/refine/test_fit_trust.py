@@ -67,6 +67,10 @@ def test_labels_are_read_as_the_base_was_trained(data, tmp_path, capsys):
     assert "labels read as" in err and "data.label_map 200:2" in err
     assert main(fit(root, mapped, tmp_path / "raw.pt", "--label-map", "none")) == 1
     assert "200" in one_line(capsys)
+    # a resume reads the labels as the fit it continues did, or is refused
+    again = fit(root, mapped, out, "--resume", "--steps", "3", "--label-map", "200:2,7:0")
+    assert main(again) == 1
+    assert "labels:" in one_line(capsys)
 
 
 def test_a_fit_that_never_draws_a_triplet_is_refused(data, tmp_path, capsys):
@@ -79,17 +83,22 @@ def test_a_fit_that_never_draws_a_triplet_is_refused(data, tmp_path, capsys):
     assert not out.exists()
 
 
-def test_overwrite_drops_the_replaced_fits_training_state(data, tmp_path):
-    from dualseg.commands.refine import check_earlier_fit
-
+def test_overwrite_drops_the_replaced_fits_state_only_once_every_input_is_checked(
+    data, tmp_path, capsys
+):
     out = tmp_path / "r.pt"
     assert main(fit(data, None, out)) == 0
     state = tmp_path / "r.train.pt"
-    assert state.is_file()
-    # before an --overwrite fit starts: were it stopped before its first save, a later --resume
-    # must not find (and continue) the state of the fit it replaced
-    check_earlier_fit(out, state, resume=False, overwrite=True)
-    assert not state.exists() and out.is_file()  # the old refiner stays until the new one
+    kept = state.read_bytes()
+    # a typo found before the fit: the earlier fit's state is still there to resume
+    assert main(fit(data, None, out, "--overwrite", "--label-map", "3-2")) == 1
+    assert "label map entry" in one_line(capsys) and state.read_bytes() == kept
+    # once the new fit starts, the replaced fit's state is gone (a stop before the new fit's
+    # first save leaves none for a later --resume to continue): here it is the new fit's
+    from dualseg.refine.formats import TRAIN_FORMAT, load_state
+
+    assert main(fit(data, None, out, "--overwrite", "--steps", "1")) == 0
+    assert load_state(state, TRAIN_FORMAT, "state")["step"] == 1
 
 
 def test_apply_with_a_probability_folder_checks_every_image_first(data, base, tmp_path, capsys):

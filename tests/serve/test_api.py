@@ -314,9 +314,32 @@ def test_create_app_refuses_a_refiner_of_other_classes_and_limits_past_pillows(s
     from serve_fakes import TopRowRefiner
 
     from dualseg.errors import CheckpointError
-    from dualseg.imaging import PILLOW_MAX_PIXELS
+    from dualseg.imaging import pillow_max_pixels
 
     with pytest.raises(CheckpointError, match="differ"):
         create_app(segmenter, refiner=TopRowRefiner(("bright", "mid", "dark")))
     with pytest.raises(ConfigError, match="decompression-bomb limit"):
-        create_app(segmenter, max_megapixels=2 * PILLOW_MAX_PIXELS / 1e6)
+        create_app(segmenter, max_megapixels=2 * pillow_max_pixels() / 1e6)
+
+
+def test_a_colour_key_that_cannot_be_matched_is_refused(client):
+    """A 16-bit RGB PNG's tRNS key is 16-bit while Pillow returns 8-bit pixels: unknowable."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + body))
+        return struct.pack(">I", len(body)) + kind + body + crc
+
+    w, h = 8, 6
+    raw = b"".join(b"\x00" + b"\x12\x34" * 3 * w for _ in range(h))  # every pixel the key
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+    png += chunk(b"tRNS", struct.pack(">HHH", 0x1234, 0x1234, 0x1234))
+    png += chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+    r = client.post("/api/segment", files={"file": ("deep.png", png, "image/png")})
+    assert r.status_code == 400 and "transparency colour key" in r.json()["detail"]
+
+
+def test_pillows_limit_is_read_when_the_app_is_made(segmenter, monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 300_000_000)  # a user raised it
+    create_app(segmenter, max_megapixels=150)

@@ -66,6 +66,7 @@ def parse_ignore_index(text: str) -> int | str | None:
 # Not a string (argparse would pass a string default through the flag's parser), none of the
 # flag's values.
 FROM_TRAINING = object()
+NO_MAP = ("none", "null")  # --label-map spellings of "no extra map" (as --ignore-index's)
 
 
 def add_label_args(p: argparse.ArgumentParser, *, source: str) -> None:
@@ -119,7 +120,7 @@ def label_settings(
     if text is None and trained.get("label_map"):
         text = str(trained["label_map"])
         taken.append(f"data.label_map {text}")
-    label_map = None if text is None or text.lower() == "none" else parse_label_map(text)
+    label_map = None if text is None or text.lower() in NO_MAP else parse_label_map(text)
     ignore = args.ignore_index
     if ignore is FROM_TRAINING:
         ignore = trained.get("ignore_index", "auto")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dualseg.commands.common import (
+    NO_MAP,
     add_label_args,
     add_overwrite_arg,
     add_quiet_arg,
@@ -238,7 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         check_prediction_outputs(args)
     # an earlier evaluation's scores and figures in OUT are a result: replaced only when asked
     check_outputs([out / name for name in EVAL_FILES], overwrite=args.overwrite, what="--out")
-    if args.label_map and args.label_map.lower() != "none":
+    if args.label_map and args.label_map.lower() not in NO_MAP:
         parse_label_map(args.label_map)  # a bad value: one line before the model loads
     device = apply_runtime(args)
     ckpt = load_state(args.checkpoint)  # a .pt file, a pretrained folder or hf://org/name

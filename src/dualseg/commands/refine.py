@@ -409,6 +409,10 @@ def fit_main(args: argparse.Namespace) -> int:
         weights = args.weights  # ImageNet first only when a file is given explicitly
         init_from = base.module  # type: ignore[union-attr]
 
+    if args.overwrite:
+        # every input checked: the earlier fit's training state goes now, or a new fit stopped
+        # before its first save would leave it for a later --resume to continue
+        checkpoint.unlink(missing_ok=True)
     with autocast(args, device):
         refiner = BoundaryRefiner.fit(
             train,
@@ -425,7 +429,7 @@ def fit_main(args: argparse.Namespace) -> int:
             time_budget_s=None if args.time_budget is None else 60 * args.time_budget,
             progress=mode == "bar",
             log_every=0 if mode == "off" else args.log_every,
-            fit_inputs=fit_inputs(args, from_base=from_base),
+            fit_inputs=fit_inputs(args, from_base=from_base, labels=labels),
         )
     if held_out is not None:
         calibrate(refiner, base, args, device, held_out=held_out)
@@ -445,17 +449,22 @@ def fit_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def fit_inputs(args: argparse.Namespace, *, from_base: bool) -> dict[str, Any]:
-    """What the triplet steps of a fit read beyond its RefinerConfig — the data stream, and the
-    base a ``base-*`` fit is built on (by its path or hub name) — so that a ``--resume`` must
-    give the same. The backbone initialization and ``--proto-images`` are left out: a resume
-    loads the whole network from its state, and the prototypes are computed after it."""
+def fit_inputs(
+    args: argparse.Namespace, *, from_base: bool, labels: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What the triplet steps of a fit read beyond its RefinerConfig — the data stream, how
+    its labels are read, and the base a ``base-*`` fit is built on (by its path or hub name) —
+    so that a ``--resume`` must give the same. The backbone initialization and
+    ``--proto-images`` are left out: a resume loads the whole network from its state, and the
+    prototypes are computed after it. ``labels`` (``label_format`` / ``label_map`` /
+    ``ignore_value``) is recorded only when it differs from the dataset's own reading, which
+    is what a state written before it was recorded used."""
     from dualseg.engine.pretrained import is_hub_source
 
     base = None
     if from_base:
         base = args.base if is_hub_source(args.base) else str(Path(args.base).resolve())
-    return {
+    inputs: dict[str, Any] = {
         "data": str(Path(args.data).resolve()),
         "split": args.split,
         "layout": args.layout,
@@ -464,6 +473,15 @@ def fit_inputs(args: argparse.Namespace, *, from_base: bool) -> dict[str, Any]:
         "scale_range": list(args.scale_range),
         "base": base,
     }
+    if labels is not None:
+        fmt, mapping, ignore = labels["label_format"], labels["label_map"], labels["ignore_value"]
+        if (fmt, mapping or None, ignore) != ("index", None, "auto"):
+            inputs["labels"] = {
+                "label_format": fmt,
+                "label_map": sorted([int(k), int(v)] for k, v in (mapping or {}).items()),
+                "ignore_value": ignore,
+            }
+    return inputs
 
 
 def check_fit_files(
@@ -506,10 +524,7 @@ def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: b
             "--resume continues the earlier fit and --overwrite replaces it with a new one: "
             "pass one of them"
         )
-    if overwrite:
-        # the earlier fit's training state: a new fit stopped before its first save would
-        # otherwise leave it, and a later --resume would continue the fit this one replaced
-        checkpoint.unlink(missing_ok=True)
+    if overwrite:  # the earlier state goes when the new fit starts (fit_main), not before
         return
     if resume:
         if checkpoint.is_file():

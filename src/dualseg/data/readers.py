@@ -298,8 +298,25 @@ def _orientation_mismatch(img_path: Path, turn: int, label_path: Path, label_tur
     return (
         f"{img_path}: its EXIF orientation {turn} would {_TURNS[turn]} relative to its label "
         f"{label_path} (which has {other}); strip the tag (if the label was drawn on the stored "
-        "pixels), or rotate the label to match and give it the same tag"
+        "pixels), or save the image upright without the tag (if it was drawn on the image as "
+        "shown), or rotate the label to match and give it the same tag"
     )
+
+
+def drawn_upright(
+    im: Image.Image | None,
+    image: np.ndarray | None,
+    lab: Image.Image,
+    turn: int | None,
+    label_turn: int,
+) -> bool:
+    """Whether a label without an EXIF tag was drawn on its image as displayed (turned 90° by
+    orientation 5-8): its stored size is the upright image's and not the stored one's, which
+    only a non-square image can tell; 2-4 keep the size, so they never tell."""
+    if im is None or image is None or turn not in (5, 6, 7, 8) or label_turn != 1:
+        return False
+    upright, stored = image.shape[:2], (im.size[1], im.size[0])
+    return upright != stored and (lab.size[1], lab.size[0]) == upright
 
 
 def inspect_pair(
@@ -313,6 +330,7 @@ def inspect_pair(
         raise DataError(f"unknown label_format {label_format!r}; use one of {LABEL_FORMATS}")
     problems: list[str] = []
     image = label = None
+    im: Image.Image | None = None
     turn: int | None = None
     try:
         im = open_image(img_path)
@@ -323,7 +341,10 @@ def inspect_pair(
     try:
         lab = open_image(label_path)
         label_turn = exif_orientation(lab, label_path)
-        if turn is not None and label_turn != turn:
+        if drawn_upright(im, image, lab, turn, label_turn):
+            # a tool drew the label on the photo as shown (turned by its tag): the sizes say so
+            label = _decode_label(label_path, lab, meta, label_format)
+        elif turn is not None and label_turn != turn:
             # The image is read upright (the image policy), a label as stored: with other
             # orientations the two would silently not line up (180° keeps the size).
             problems.append(_orientation_mismatch(img_path, turn, label_path, label_turn))

@@ -442,7 +442,10 @@ def _refuse_rewind(out_dir: Path, resume: str | None) -> None:
     if Path(resume).resolve() != best.resolve():
         return
     at_best = int(ckpt_io.load_checkpoint(best).get("iteration", 0))
-    at_last = int(ckpt_io.load_checkpoint(last).get("iteration", 0))
+    try:
+        at_last = int(ckpt_io.load_checkpoint(last).get("iteration", 0))
+    except CheckpointError:  # a broken last.pt: best.pt is the way back, nothing to rewind
+        return
     if at_last > at_best:
         raise RunExistsError(
             f"--resume {resume} (iteration {at_best}) would rewind the run in {out_dir}: its "
@@ -645,7 +648,9 @@ def _loop(run: _Run) -> None:
     run.clock = CheckpointClock(checkpoint_interval(t.ckpt_every, t.val_every), t.ckpt_minutes)
     assert run.log is not None and run.train_model is not None
     watched = monitored(t.monitor, has_val=run.val_loader is not None)
-    if run.state is not None and t.patience is not None and run.progress.bad_evals >= t.patience:
+    stopped = run.state is not None and run.state.get("stop_reason") == "patience"
+    same_watch = stopped and run.state.get("monitor") == watched  # type: ignore[union-attr]
+    if same_watch and t.patience is not None and run.progress.bad_evals >= t.patience:
         # the checkpoint's run had stopped on patience: resuming it with the same patience
         # ends it again, rather than training on until one lucky validation resets the count
         run.stop_reason = "patience"
@@ -815,6 +820,10 @@ def _save(run: _Run, kind: str, *, at: int) -> None:
             "ignore_index": meta.ignore_index,
             "metrics": run.progress.last_val,
             "progress": run.progress.state_dict(),
+            # why it stopped, and what patience watched: a resume stops again only after a
+            # patience stop on the same monitor
+            "stop_reason": run.stop_reason,
+            "monitor": monitored(cfg.train.monitor, has_val=run.val_loader is not None),
         },
     )
     if run.replaced is not None:  # the new run can now be resumed: the old one goes

@@ -55,7 +55,7 @@ import numpy as np
 from PIL import Image
 
 from dualseg.errors import ConfigError, DataError
-from dualseg.imaging import PILLOW_MAX_PIXELS, ImageTooLargeError, decode_image
+from dualseg.imaging import ImageTooLargeError, decode_image, pillow_max_pixels
 from dualseg.io import atomic_write_bytes
 from dualseg.serve.defaults import (
     DEFAULT_MAX_MEGAPIXELS,
@@ -410,16 +410,24 @@ def create_app(
             "workers must be >= 1, queue_size >= 0 and work_megapixels >= 0; got "
             f"{workers}, {queue_size}, {work_megapixels}"
         )
-    if PILLOW_MAX_PIXELS and max_megapixels * 1e6 > PILLOW_MAX_PIXELS:
+    pillow_limit = pillow_max_pixels()
+    if pillow_limit and max_megapixels * 1e6 > pillow_limit:
         raise ConfigError(
             f"max_megapixels {max_megapixels:g} is over Pillow's decompression-bomb limit of "
-            f"{PILLOW_MAX_PIXELS / 1e6:.1f} megapixels, which refuses larger images anyway; "
-            f"choose at most {int(PILLOW_MAX_PIXELS / 1e5) / 10:g} (CLI: --max-megapixels)"
+            f"{pillow_limit / 1e6:.1f} megapixels, which refuses larger images anyway; choose "
+            f"at most {int(pillow_limit / 1e5) / 10:g} (CLI: --max-megapixels), or raise "
+            "PIL.Image.MAX_IMAGE_PIXELS first"
         )
     meta = segmenter.meta
     class_names = [str(c) for c in meta.class_names]
     if refiner is not None:  # a refiner of another class order would relabel silently
-        refiner.check_classes(tuple(class_names), len(class_names), what="the model")
+        if hasattr(refiner, "check_classes"):
+            refiner.check_classes(tuple(class_names), len(class_names), what="the model")
+        elif list(getattr(refiner, "class_names", class_names)) != class_names:
+            raise ConfigError(
+                f"the refiner's classes {list(refiner.class_names)} are not the model's "
+                f"{class_names}; use a refiner fit for this model"
+            )
     if len(class_names) > 255:  # the label maps it returns are 8-bit, as predict's PNGs
         raise ConfigError(
             f"the model has {len(class_names)} classes; dualseg serve returns 8-bit label "
@@ -556,7 +564,8 @@ def create_app(
         try:
             result = await pool.run(segment_upload, data, name, images)
         except ImageTooLargeError as err:
-            raisable = max_megapixels * 1e6 < PILLOW_MAX_PIXELS and "Pillow's" not in str(err)
+            below = not pillow_max_pixels() or max_megapixels * 1e6 < pillow_max_pixels()
+            raisable = below and "Pillow's" not in str(err)
             hint = ", or restart the server with a larger --max-megapixels" if raisable else ""
             raise HTTPException(status_code=413, detail=f"{err}{hint}") from err
         except DataError as err:  # the image policy's one-line reason
