@@ -163,6 +163,17 @@ def test_load_pretrained_adapts_and_reports(caplog: pytest.LogCaptureFixture) ->
         W.load_pretrained(dst, state, strict=True)
 
 
+@pytest.mark.parametrize(
+    ("file_in", "model_in"), [(1, 3), (4, 3), (32, 64)], ids=["grey-file", "rgbd-file", "inner"]
+)
+def test_only_an_rgb_stem_is_adapted(file_in: int, model_in: int) -> None:
+    """A grey or RGB-D file into an RGB model, or an inner layer of another width, is another
+    network's: reported as mismatched (strict refuses it), never tiled or cut to fit."""
+    src, dst = nn.Conv2d(file_in, 8, 3), nn.Conv2d(model_in, 8, 3)
+    with pytest.raises(CheckpointError, match="mismatched weight"):
+        W.load_pretrained(dst, src.state_dict(), strict=True)
+
+
 def test_adapt_conv_in_channels() -> None:
     w = torch.randn(4, 3, 3, 3)
     assert torch.equal(W.adapt_conv_in_channels(w, 3), w)
@@ -171,3 +182,10 @@ def test_adapt_conv_in_channels() -> None:
     four = W.adapt_conv_in_channels(w, 4)
     assert four.shape == (4, 4, 3, 3)
     assert torch.allclose(four[:, 3], w[:, 0] * 0.75)
+
+
+def test_a_weights_path_that_is_a_folder_or_empty_says_so(tmp_path: Path) -> None:
+    with pytest.raises(WeightsNotFoundError, match="is a folder, not a file"):
+        W.resolve_weights("resnet18", path=tmp_path)
+    with pytest.raises(WeightsNotFoundError, match="weights '' is empty"):
+        W.resolve_weights("resnet18", path="")

@@ -144,9 +144,16 @@ def resolve_weights(
     if path is not None:
         p = Path(path).expanduser()
         if not p.is_file():
+            what = (
+                "weights '' is empty"
+                if not str(path).strip()
+                else f"weights {p} is a folder, not a file"
+                if p.is_dir()
+                else f"weights file {p} does not exist"
+            )
             raise WeightsNotFoundError(
-                f"weights file {p} does not exist; pass the path of a state-dict file (.pth) "
-                f"for backbone {arch!r}, or weights='imagenet' to search the usual places"
+                f"{what}; pass the path of a state-dict file (.pth) for backbone {arch!r}, or "
+                "weights='imagenet' to search the usual places"
             )
         if verify_hash(p) is False:
             raise CheckpointError(
@@ -229,7 +236,7 @@ def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, Tensor]:
         raise WeightsNotFoundError(f"weights file {p} does not exist")
     obj = safe_torch_load(
         p,
-        what="weights file",
+        what="weights",
         fix="it must be a state dict saved with torch.save — re-download or re-export it",
     )
     fmt = str(obj.get("format", "")) if isinstance(obj, Mapping) else ""
@@ -302,8 +309,10 @@ def load_pretrained(
 ) -> LoadReport:
     """Copy ``state_dict`` into ``module`` and say loudly what did not fit.
 
-    4-D tensors that differ only in their input-channel count (first convolution of a 1-channel
-    grayscale branch) are adapted with :func:`adapt_conv_in_channels` (RGB kernels summed).
+    4-D tensors of 3 input channels (an RGB stem) that differ only in their input-channel count
+    (the first convolution of a 1-channel grayscale branch, or of an explicit ``in_channels``)
+    are adapted with :func:`adapt_conv_in_channels` (RGB kernels summed for one channel; other
+    counts are logged as a warning). Any other shape difference is a mismatch.
     Keys whose shapes still differ are skipped and reported. Missing and unexpected keys are
     logged (warning) and returned; ``ignore_unexpected`` lists key prefixes expected to be left
     over (e.g. an ImageNet classifier ``fc.``). ``strict=True`` raises
@@ -320,9 +329,13 @@ def load_pretrained(
             continue
         target = own[key]
         if value.shape != target.shape:
+            # only an RGB stem's kernels (3 input channels in the file) are adapted to this
+            # model's input: any other input-channel difference (an inner layer, a grey or
+            # RGB-D file into an RGB model) means the file is another network's
             if (
                 adapt_in_channels
                 and value.ndim == 4
+                and value.shape[1] == 3
                 and value.shape[0] == target.shape[0]
                 and value.shape[2:] == target.shape[2:]
             ):
@@ -339,6 +352,9 @@ def load_pretrained(
     module.load_state_dict(new_state, strict=False)
 
     label = name or type(module).__name__
+    tiled = [k for k in report.adapted if own[k].shape[1] != 1]
+    if tiled:  # the grey stem's sum is the spec's reading; tiling to N channels is a guess
+        log.warning("%s: RGB kernels tiled to other input channels: %s", label, _short(tiled))
     log.info(
         "%s: loaded %d tensors (%d adapted: %s)",
         label,

@@ -145,3 +145,20 @@ def test_state_dict_mismatch_is_a_clear_error(tmp_path: Path, model: nn.Module) 
     unknown = save_checkpoint(tmp_path / "e.pt", {**_state(model), "arch": "no_such_net"})
     with pytest.raises(CheckpointError, match="no_such_net"):
         build_model_from_checkpoint(load_checkpoint(unknown))
+
+
+def test_odd_model_kwargs_in_a_checkpoint_are_one_line_or_filled_in(tmp_path: Path) -> None:
+    from checkpoint_helpers import SYNTHETIC_KWARGS, write_synthetic_checkpoint
+    from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+    from dualseg.errors import CheckpointError
+
+    no_count = {k: v for k, v in SYNTHETIC_KWARGS.items() if k != "num_classes"}
+    path = write_synthetic_checkpoint(tmp_path / "a.pt", model_kwargs=no_count)
+    _, meta = build_model_from_checkpoint(load_checkpoint(path))  # the class list's count
+    assert meta.num_classes == SYNTHETIC_KWARGS["num_classes"]
+    bad = write_synthetic_checkpoint(
+        tmp_path / "b.pt", model_kwargs={**SYNTHETIC_KWARGS, "aspp_rates": 4}
+    )
+    with pytest.raises(CheckpointError, match=r"b\.pt: its model_kwargs do not build") as err:
+        build_model_from_checkpoint(load_checkpoint(bad))
+    assert "\n" not in str(err.value)

@@ -67,3 +67,34 @@ def test_claim_readings_reach_the_modules_by_name() -> None:
     assert max(p.abs().max().item() for p in bounded.gray.context.renet2.parameters()) <= 0.01
     with pytest.raises(ConfigError, match="upsample_order"):  # the peer keeps its own order
         build_model("deeplabv3_mobilenet_v2", num_classes=3, upsample_order="logits_first")
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "kind"),
+    [
+        ("coord_channels", "no", "true or false"),  # a non-empty string would be true
+        ("gray_branch", "false", "true or false"),
+        ("renet_layers", True, "an int"),
+        ("renet_hidden", 1.5, "an int"),
+        ("output_stride", "8", "an int"),
+        ("aspp_rates", 4, "a list of ints"),
+        ("aspp_rates", "4,6", "a list of ints"),
+        ("aspp_init_std", "0.01", "a number"),
+        ("fusion", 1, "a string"),
+    ],
+)
+def test_an_option_of_another_type_is_one_config_error(option, value, kind) -> None:
+    with pytest.raises(ConfigError, match=f"model option {option} must be {kind}, got"):
+        build_model("dualseg_mobilenet_v2", num_classes=3, **{option: value})
+
+
+def test_negative_std_and_zero_input_channels_are_refused() -> None:
+    for bad in ({"aspp_init_std": -1.0}, {"in_channels": 0}):
+        with pytest.raises(ConfigError, match="in_channels must be >= 1 and aspp_init_std >= 0"):
+            build_model("dualseg_mobilenet_v2", num_classes=3, **bad)
+
+
+def test_a_timm_model_timm_cannot_build_is_one_config_error() -> None:
+    pytest.importorskip("timm")
+    with pytest.raises(ConfigError, match="timm cannot build it as a dilated feature extractor"):
+        build_model("dualseg_timm", num_classes=3, timm_model="no_such_timm_model")

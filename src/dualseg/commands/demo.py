@@ -465,6 +465,13 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--arch {args.arch!r} is unknown; choose one of: {', '.join(ARCH_NAMES)}"
         )
+    if args.weights.lower() not in ("imagenet", "none") and not Path(args.weights).is_file():
+        # a file of weights: found before the demo writes its data, not by the training after
+        where = "is a folder, not a file" if Path(args.weights).is_dir() else "does not exist"
+        raise ConfigError(
+            f"--weights {args.weights} {where}; pass a backbone state-dict file (.pth), "
+            "imagenet or none"
+        )
     named = argparse.Namespace(name=args.preset or "synthetic")
     validate_config(_train_config(args, Path(args.out) / "data", named, None))
 

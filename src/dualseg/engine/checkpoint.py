@@ -321,7 +321,15 @@ def build_model_from_checkpoint(
             f"(known: {', '.join(sorted(MODELS))})"
         )
     kwargs["weights"] = None  # the checkpoint carries the weights; never resolve files here
-    model = build_model(name, **kwargs)  # lists of older checkpoints: build_model takes them
+    kwargs.setdefault("num_classes", meta.num_classes)  # a checkpoint naming only its classes
+    try:
+        model = build_model(name, **kwargs)  # lists of older checkpoints: build_model takes them
+    except (TypeError, ValueError) as err:  # a stored option of the wrong type or value
+        detail = " ".join(str(err).split())
+        raise CheckpointError(
+            f"{_name(ckpt)}: its model_kwargs do not build {name!r} ({detail}); it was written "
+            "by other code, or edited: save the model again with dualseg"
+        ) from None
     load_model_state(model, ckpt)
     return model.to(device).eval(), meta
 

@@ -539,11 +539,3 @@ def _check_model_builds(m: ModelConfig) -> None:
         text = str(err)
         named = text.split(" ", 1)[0] in {f.name for f in dataclasses.fields(ModelConfig)}
         raise ConfigError(f"{'model.' if named else ''}{text} ({m.arch})") from None
-    except (RuntimeError, TypeError, AssertionError) as err:  # timm's own refusals
-        if m.arch != "dualseg_timm":
-            raise
-        raise ConfigError(
-            f"model.timm_model {m.timm_model!r}: timm cannot build it as a dilated feature "
-            f"extractor ({' '.join(str(err).split())}); choose a CNN that takes output_stride, "
-            "e.g. efficientnet_lite0"
-        ) from None

@@ -109,14 +109,21 @@ class TimmBackbone(nn.Module):
             ) from exc
         _check_stride(output_stride)
         self.model_name = model_name
-        self.model = timm.create_model(
-            model_name,
-            pretrained=False,
-            features_only=True,
-            out_indices=(-1,),
-            output_stride=output_stride,
-            in_chans=in_channels,
-        )
+        try:
+            self.model = timm.create_model(
+                model_name,
+                pretrained=False,
+                features_only=True,
+                out_indices=(-1,),
+                output_stride=output_stride,
+                in_chans=in_channels,
+            )
+        except (RuntimeError, TypeError, AssertionError) as err:  # timm's own refusals
+            raise ConfigError(
+                f"model.timm_model {model_name!r}: timm cannot build it as a dilated feature "
+                f"extractor ({' '.join(str(err).split())}); choose a CNN that takes "
+                "output_stride, e.g. efficientnet_lite0"
+            ) from None
         self.out_channels = int(self.model.feature_info.channels()[-1])
 
     def forward(self, x: Tensor) -> Tensor:

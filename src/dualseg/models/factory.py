@@ -188,6 +188,12 @@ def build_model(
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ConfigError(f"num_classes must be an int >= 1, got {num_classes!r}")
+    _check_option_types({k: v for k, v in locals().items() if k in _TYPED_OPTIONS})
+    if in_channels < 1 or aspp_init_std < 0:
+        raise ConfigError(
+            f"in_channels must be >= 1 and aspp_init_std >= 0, got {in_channels!r} and "
+            f"{aspp_init_std!r}"
+        )
     # JSON round trips (older checkpoints, YAML) turn tuples into lists: tuples from here on
     aspp_rates = tuple(int(r) for r in aspp_rates)
     deeplab_rates = None if deeplab_rates is None else tuple(int(r) for r in deeplab_rates)
@@ -254,6 +260,43 @@ def build_model(
         upsample_order=upsample_order,
         timm_model=timm_model,
     )
+
+
+# build_model's options checked against the type of their default ("false" is no bool, 1.5
+# no int): a YAML/JSON or Python caller's value of another type would otherwise build another
+# model (a non-empty string is true) or fail deep inside a layer
+_TYPED_OPTIONS = (
+    "output_stride", "gray_branch", "coord_channels", "renet_layers", "renet_hidden",
+    "aspp_rates", "in_channels", "fusion", "coord_radius", "renet_patch", "renet_init",
+    "renet_init_bound", "aspp_style", "aspp_init_std", "upsample_order", "gray_conv_init",
+    "deeplab_rates", "timm_model", "allow_download",
+)  # fmt: skip
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_option_types(options: dict[str, Any]) -> None:
+    for option, value in options.items():
+        default = _default(option)
+        if value is None and default is None:
+            continue
+        if option in ("aspp_rates", "deeplab_rates"):
+            ok, kind = (
+                isinstance(value, list | tuple) and all(_is_int(r) for r in value),
+                "a list of ints",
+            )
+        elif option == "renet_init_bound" or isinstance(default, float):
+            ok, kind = _is_int(value) or isinstance(value, float), "a number"
+        elif isinstance(default, bool):
+            ok, kind = isinstance(value, bool), "true or false"
+        elif isinstance(default, int):
+            ok, kind = _is_int(value), "an int"
+        else:
+            ok, kind = isinstance(value, str), "a string"
+        if not ok:
+            raise ConfigError(f"model option {option} must be {kind}, got {value!r}")
 
 
 def _default(option: str) -> Any:
