@@ -98,3 +98,10 @@ def test_a_timm_model_timm_cannot_build_is_one_config_error() -> None:
     pytest.importorskip("timm")
     with pytest.raises(ConfigError, match="timm cannot build it as a dilated feature extractor"):
         build_model("dualseg_timm", num_classes=3, timm_model="no_such_timm_model")
+
+
+def test_an_option_another_option_switches_off_is_said() -> None:
+    with pytest.warns(UserWarning, match=r"renet_hidden=4 \(with renet_layers=0\) has no effect"):
+        build_model("dualseg_mobilenet_v2", num_classes=3, renet_layers=0, renet_hidden=4)
+    with pytest.warns(UserWarning, match=r"aspp_init_std=1\.0 \(with aspp_style='v3'\)"):
+        build_model("dualseg_mobilenet_v2", num_classes=3, aspp_style="v3", aspp_init_std=1.0)

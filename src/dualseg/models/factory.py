@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -237,6 +238,23 @@ def build_model(
     _keep_defaults(name, {"deeplab_rates": deeplab_rates})
     if name != "dualseg_timm":
         _keep_defaults(name, {"timm_model": timm_model})
+    moot = {  # options another option switches off: accepted (ablations pass them), said
+        "fusion": (fusion, not gray_branch, "gray_branch=False"),
+        "gray_conv_init": (gray_conv_init, not gray_branch, "gray_branch=False"),
+        "coord_radius": (coord_radius, not coord_channels, "coord_channels=False"),
+        "renet_hidden": (renet_hidden, renet_layers == 0, "renet_layers=0"),
+        "renet_patch": (renet_patch, renet_layers == 0, "renet_layers=0"),
+        "renet_init": (renet_init, renet_layers == 0, "renet_layers=0"),
+        "renet_init_bound": (renet_init_bound, renet_layers == 0, "renet_layers=0"),
+        "aspp_init_std": (aspp_init_std, aspp_style == "v3", "aspp_style='v3'"),
+    }
+    unused = [
+        f"{k}={v!r} (with {why})" for k, (v, off, why) in moot.items() if off and v != _default(k)
+    ]
+    if unused:
+        warnings.warn(
+            f"model {name!r}: {', '.join(unused)} has no effect", UserWarning, stacklevel=2
+        )
     return build_dualseg(
         *builder.args,
         num_classes=num_classes,
