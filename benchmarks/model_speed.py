@@ -11,6 +11,14 @@ step <= 1.5x the peer's.
 
     python benchmarks/model_speed.py --device cpu --batch 1 --reps 3 --models dualseg_mobilenet_v2
     python benchmarks/model_speed.py --device cuda --batch 1 8          # AMP (fp16) on by default
+    python benchmarks/model_speed.py --device cpu --batch 4 --size 192 256 --output-stride 16 \
+        --threads 1 --models dualseg_mobilenet_v2 --parts       # where each step's time goes
+
+``--parts``: each part's training step alone (forward + backward on the input it gets in the
+model: backbone, ReNet context, ASPP / DeepLab head), the rest of the step (input padding,
+grey conversion, fusion, softmax, upsampling) as the difference, and two lower bounds on
+dualseg's step over the peer's that hold without any change to the model: its two backbones
+alone, and those plus its ReNet layers at the same-run SGEMM rate (3 x their forward FLOPs).
 
 train*GF/s: 3 x forward FLOPs per training step / step time. Peak memory: CUDA
 ``max_memory_allocated`` during forward+backward; on CPU the bytes of the
@@ -224,6 +232,89 @@ def measure_pair(names: list[str], args: argparse.Namespace, device: torch.devic
     return [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]
 
 
+PARTS = {  # submodules of a dualseg model / of the peer, in forward order
+    "dualseg": (
+        "rgb.backbone",
+        "gray.backbone",
+        "rgb.context",
+        "gray.context",
+        "rgb.aspp",
+        "gray.aspp",
+    ),
+    "deeplabv3": ("backbone", "head"),
+}
+
+
+def part_inputs(model: nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> dict:
+    """The input each named submodule gets in ``model``'s forward on ``x``."""
+    inputs: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name in names:
+        module = model.get_submodule(name)
+        hook = functools.partial(lambda n, mod, args: inputs.setdefault(n, args[0]), name)
+        hooks.append(module.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        model(x)
+    for h in hooks:
+        h.remove()
+    return inputs
+
+
+def measure_parts(names: list[str], args: argparse.Namespace, device: torch.device, batch: int):
+    """Training-step time of each part of a dualseg model and of its peer, timed in turns with
+    the whole steps, plus the lower bounds on the step ratio (see the module docstring)."""
+    torch.manual_seed(0)
+    x = torch.randn(batch, 3, *args.size, device=device)
+    models = [
+        build_model(n, num_classes=args.num_classes, output_stride=args.output_stride)
+        .to(device)
+        .train()
+        for n in names
+    ]
+    for m in models:  # frozen BN statistics, as in measure_pair's training step
+        for bn in m.modules():
+            if isinstance(bn, nn.modules.batchnorm._BatchNorm):
+                bn.eval()
+
+    def step(fn: Callable[[torch.Tensor], torch.Tensor], inp: torch.Tensor, grad_in: bool):
+        def run() -> None:
+            i = inp.detach().requires_grad_(grad_in)  # a backbone's image needs no gradient
+            fn(i).float().square().mean().backward()
+
+        return run
+
+    labels, fns = [], []
+    for name, model in zip(names, models):
+        parts = PARTS["dualseg" if name.startswith("dualseg_") else "deeplabv3"]
+        inputs = part_inputs(model, x, parts)
+        labels.append((name, "step"))
+        fns.append(step(model, x, False))
+        for part in parts:
+            if part in inputs:  # gray.* is absent from the single-branch ablation
+                labels.append((name, part))
+                fns.append(step(model.get_submodule(part), inputs[part], "backbone" not in part))
+    times = dict(zip(labels, interleaved_medians(fns, device, args.reps, args.warmup)))
+    gemm = statistics.median(gemm_gflops(device) for _ in range(3))
+    rows = []
+    for name in names:
+        ms = {part: 1e3 * t for (n, part), t in times.items() if n == name}
+        ms["rest"] = ms["step"] - sum(v for k, v in ms.items() if k != "step")
+        rows.append({"model": name, "device": device.type, "batch": batch, "parts_ms": ms})
+    dual, peer = rows
+    backbones = sum(v for k, v in dual["parts_ms"].items() if k.endswith("backbone"))
+    renet = renet_flops(renet_inputs(models[0], x, nullcontext))
+    renet_ideal_ms = 1e3 * 3 * renet / (gemm * 1e9)
+    peer_step = peer["parts_ms"]["step"]
+    dual.update(
+        gemm_gflops=gemm,
+        renet_train_ms_at_gemm_rate=renet_ideal_ms,
+        step_ratio=dual["parts_ms"]["step"] / peer_step,
+        bound_backbones=backbones / peer_step,
+        bound_backbones_renet_at_gemm=(backbones + renet_ideal_ms) / peer_step,
+    )
+    return rows
+
+
 def peer_of(name: str) -> str | None:
     if not name.startswith("dualseg_"):
         return None
@@ -233,6 +324,23 @@ def peer_of(name: str) -> str | None:
 
 def fmt(row: dict, key: str, spec: str) -> str:
     return format(row[key], spec) if key in row else "-"
+
+
+def print_parts(rows: list[dict]) -> list[dict]:
+    for r in rows:
+        print(f"{r['device']:6} {r['batch']:>2} {r['model']:24} training step by part (ms):")
+        for part, ms in r["parts_ms"].items():
+            print(f"{'':10}{part:16} {ms:8.1f}", flush=True)
+    d = rows[0]
+    print(
+        f"  dualseg/peer step {d['step_ratio']:.2f}x; lower bounds without changing the model: "
+        f"its two backbones alone {d['bound_backbones']:.2f}x, plus its ReNet layers at the "
+        f"same-run SGEMM rate ({d['gemm_gflops']:.0f} GFLOP/s: "
+        f"{d['renet_train_ms_at_gemm_rate']:.0f} ms) {d['bound_backbones_renet_at_gemm']:.2f}x "
+        "(target <= 1.5)",
+        flush=True,
+    )
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch default)")
     p.add_argument("--no-amp", action="store_true", help="fp32 on CUDA")
     p.add_argument("--no-backward", action="store_true", help="forward only")
+    p.add_argument("--parts", action="store_true", help="time each part's training step")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--flops-file", help="JSON cache of counted FLOPs (read, then updated)")
     args = p.parse_args(argv)
@@ -264,13 +373,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{'GFLOP/s':>8} {'train*GF/s':>10} {'peak MB':>8} {'ReNet%':>6}"
     )
     print(f"input {args.size[0]}x{args.size[1]}, {torch.get_num_threads()} CPU threads")
-    print(header)
+    if not args.parts:
+        print(header)
     rows = []
     for dev in devices:
         device = torch.device(dev)
         for batch in args.batch:
             for name in args.models:
                 pair = [name] + ([peer_of(name)] if peer_of(name) else [])
+                if args.parts:
+                    if len(pair) == 2:
+                        rows += print_parts(measure_parts(pair, args, device, batch))
+                    continue
                 result = measure_pair(pair, args, device, batch)
                 rows += result
                 for r in result:
