@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import platform
 import statistics
@@ -74,6 +75,7 @@ from dualseg.errors import ConfigError, DataError, DualsegError
 from dualseg.io import atomic_write_json, atomic_write_text
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner
+from dualseg.refine.base import model_fingerprint
 from dualseg.refine.calibrate import DECISION_KEYS, METRICS
 from dualseg.refine.decision import describe_decision
 from dualseg.refine.refiner import RefinerConfig
@@ -121,6 +123,9 @@ RECIPE = (
     "data.scale_range",
     "data.batch_size",
 )
+# and the stopping rule, for a finished run reused: it decided where the run stopped and which
+# checkpoint is evaluated (an unfinished plateau run may go on under another rule, said)
+STOPPING = ("train.patience", "train.min_delta", "train.val_every")
 
 
 REFINER_RECIPE = (
@@ -148,13 +153,35 @@ def refiner_mismatch(saved: RefinerConfig, wanted: RefinerConfig, path: Path) ->
     return None
 
 
-def reuse_mismatch(cfg: Config, run_dir: Path, *, calibrated_iters: bool = False) -> str | None:
-    """The first :data:`RECIPE` field in which the finished run in ``run_dir`` (its
-    ``config.yaml``) differs from ``cfg``, in words; ``None`` when they agree. Without this a
-    run trained with other flags would be reported under this call's. ``calibrated_iters``:
-    the equal-time protocol sets ``max_iters`` per model at run time, so it is not compared."""
+def inputs_mismatch(record: Path, inputs: dict[str, Any], path: Path) -> str | None:
+    """As :func:`refiner_mismatch`, for what the refiner in ``path`` was fit on (its split,
+    the list's hash, ``--prototype-limit``, the base model's weights for ``base-*``), kept in
+    ``record`` beside it."""
+    if not record.is_file():
+        return (
+            f"{path} does not record what it was fit on (no {record.name}): delete it to fit "
+            "it again, or use another --out"
+        )
+    saved = json.loads(record.read_text())
+    for key, want in inputs.items():
+        if saved.get(key) != want:  # base, fit_list_sha256: hashes of weights / image lists
+            return (
+                f"{path} was fit with {key} = {saved.get(key)!r}, this call has {want!r}: "
+                "delete it to fit it again, or use another --out"
+            )
+    return None
+
+
+def reuse_mismatch(
+    cfg: Config, run_dir: Path, *, calibrated_iters: bool = False, finished: bool = False
+) -> str | None:
+    """The first :data:`RECIPE` field in which the run in ``run_dir`` (its ``config.yaml``)
+    differs from ``cfg``, in words; ``None`` when they agree. Without this a run trained with
+    other flags would be reported under this call's. ``finished``: the run is reused as it is,
+    so its :data:`STOPPING` rule must be this call's too. ``calibrated_iters``: the equal-time
+    protocol sets ``max_iters`` per model at run time, so it is not compared."""
     changed = config_changes(config_to_dict(load_config(run_dir / "config.yaml")), cfg)
-    for field in RECIPE:
+    for field in RECIPE + (STOPPING if finished else ()):
         if field in changed and not (calibrated_iters and field == "train.max_iters"):
             have, want = changed[field]
             return (
@@ -162,6 +189,14 @@ def reuse_mismatch(cfg: Config, run_dir: Path, *, calibrated_iters: bool = False
                 "rerun with that run's flags, or use another --out"
             )
     return None
+
+
+def evaluated_checkpoint(run_dir: Path) -> str:
+    """Which checkpoint of a trained run is evaluated, by the run's own stopping rule: with
+    early stopping (plateau protocol, ``--patience N``) the best on dev; without (``--patience
+    0``, and every budget run) the end of the schedule, which the schedule check compares."""
+    patience = load_config(run_dir / "config.yaml").train.patience
+    return "best.pt" if patience else "last.pt"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -276,9 +311,14 @@ def carve_dev_split(data: Path, out: Path, fraction: float) -> Path:
     """List files ``train_fit.txt`` / ``dev.txt`` / ``val.txt`` in ``out/data`` (absolute paths).
 
     Dev = the last ``fraction`` of each training sequence (CamVid names ``SEQ_frame.png``,
-    sorted by name), so dev frames are a contiguous stretch of video, not neighbours of
-    training frames; every choice of the protocol (when to stop, which recipe) is made on dev
-    and CamVid val is only reported.
+    sorted by name): a stretch of video at the end of each sequence, next to the frames trained
+    on only where it starts. Every choice of the protocol (when to stop, which recipe, method B's
+    decision) is made on dev and CamVid val is only reported. No image is shared with val, but
+    in sequence 0016E5 val's frames lie among the training frames, so dev's frames there are
+    the training frames nearest to val's in time.
+
+    A folder whose runs or refiners were trained on another carve (another ``--dev-fraction``
+    or ``train.txt``) is refused: reusing or resuming them would put trained-on images into dev.
     """
     from collections import defaultdict
 
@@ -296,8 +336,19 @@ def carve_dev_split(data: Path, out: Path, fraction: float) -> Path:
         dev += frames[-k:]
     root = out / "data"
     val = [absolute(ln) for ln in (data / "val.txt").read_text().splitlines() if ln.strip()]
-    for name, rows in (("train_fit", fit), ("dev", dev), ("val", val)):
-        atomic_write_text(root / f"{name}.txt", "\n".join(rows) + "\n")
+    lists = {"train_fit": fit, "dev": dev, "val": val}
+    texts = {name: "\n".join(rows) + "\n" for name, rows in lists.items()}
+    trained = [c.parent for c in out.glob("runs/*/config.yaml")] + [*out.glob("refiner_*.pt")]
+    for name in ("train_fit", "dev"):
+        path = root / f"{name}.txt"
+        if trained and path.is_file() and path.read_text() != texts[name]:
+            raise ConfigError(
+                f"{path} differs from the split this call carves (--dev-fraction {fraction:g} "
+                f"of {data / 'train.txt'}), and {trained[0]} was trained on it: rerun with "
+                "that run's --dev-fraction and --data, or use another --out"
+            )
+    for name, text in texts.items():
+        atomic_write_text(root / f"{name}.txt", text)
     return root
 
 
@@ -407,8 +458,11 @@ def calibrate_iters(cfg: Config, minutes: float, device: torch.device) -> tuple[
     return max(1, int(minutes * 60 / per_iter)), per_iter
 
 
-def eval_loader(root: str | Path, split_path: str | None, n: int | None) -> tuple[str, Any]:
-    """(name, loader) of CamVid val, or of a further split given as a list file or a folder."""
+def eval_loader(
+    root: str | Path, split_path: str | None, n: int | None, workers: int
+) -> tuple[str, Any]:
+    """(name, loader) of CamVid val, or of a further split given as a list file or a folder;
+    ``workers`` loader processes (``--workers``: they decode beside the timed forward)."""
     if split_path is None:
         ds, name = build_dataset(root, split="val", preset="camvid"), "val"
     else:
@@ -417,7 +471,7 @@ def eval_loader(root: str | Path, split_path: str | None, n: int | None) -> tupl
             ds, name = build_dataset(p.parent, split=p.stem, preset="camvid"), p.stem
         else:
             ds, name = build_dataset(p, preset="camvid"), p.name
-    return name, torch.utils.data.DataLoader(limit(ds, n), batch_size=1, num_workers=2)
+    return name, torch.utils.data.DataLoader(limit(ds, n), batch_size=1, num_workers=workers)
 
 
 def limit(ds: Any, n: int | None) -> Any:
@@ -475,24 +529,24 @@ def time_inference(
 def curve_stats(log: Path) -> dict[str, Any]:
     """Dev-mIoU learning curve of a run from its ``metrics.jsonl``, with training time.
 
-    ``time`` in the log restarts at 0 when a run is resumed, so time is accumulated piecewise;
-    it is wall-clock of the training process (steps and dev validations), in minutes.
+    ``time`` in the log is the training process's wall-clock (steps and dev validations) and
+    starts again at 0 when a run is resumed; the trainer marks each resume with a
+    ``resumed_from`` record (older logs only by the clock going back), so the pieces are added.
+    A validation record carries the time after that validation, so the total counts the last.
+    Minutes in the curve are those at each validation.
     """
     recs = [json.loads(ln) for ln in log.read_text().splitlines() if ln.strip()]
-    minutes_at: dict[int, float] = {}
     offset = last = 0.0
-    for r in recs:
-        if "time" in r:
-            if r["time"] < last:  # a resumed process: its clock starts again
-                offset += last
-            last = r["time"]
-            minutes_at[r["iteration"]] = (offset + last) / 60
     curve = []
     for r in recs:
+        if "resumed_from" in r:  # a new process: its clock starts again
+            offset, last = offset + last, 0.0
+        if "time" in r:
+            if r["time"] < last:  # a resume in a log written before the marker existed
+                offset += last
+            last = r["time"]
         if "val_miou" in r:
-            its = [i for i in minutes_at if i <= r["iteration"]]
-            minutes = minutes_at[max(its)] if its else 0.0
-            curve.append([r["iteration"], round(minutes, 2), r["val_miou"]])
+            curve.append([r["iteration"], round((offset + last) / 60, 2), r["val_miou"]])
     return {"train_seconds": offset + last, "dev_curve": curve}
 
 
@@ -656,14 +710,25 @@ def fit_refiners(
         mining=args.refine_mining,
     )
     fitted: dict[str, BoundaryRefiner] = {}  # "all" (independent) or one per base
+    listed = (root / f"{split}.txt").read_text()
     for name in bases:
         key = "all" if shared else name
         path = out / f"refiner_{key}.pt"
         if key in fitted:
             continue
+        # what the fit read besides its options: a refiner reused must have read the same
+        inputs = {
+            "fit_split": split,
+            "fit_list_sha256": hashlib.sha256(listed.encode()).hexdigest()[:16],
+            "prototype_limit": args.prototype_limit,
+            "base": None if shared else model_fingerprint(models[name]),
+        }
+        record = path.with_suffix(".inputs.json")
         if args.reuse and path.is_file():
             fitted[key] = BoundaryRefiner.load(path, device=device)
-            mismatch = refiner_mismatch(fitted[key].config, wanted, path)
+            mismatch = refiner_mismatch(fitted[key].config, wanted, path) or inputs_mismatch(
+                record, inputs, path
+            )
             if mismatch:
                 raise ConfigError(mismatch)
             continue
@@ -681,6 +746,7 @@ def fit_refiners(
             log_every=250,
         )
         fitted[key].save(path)
+        atomic_write_json(record, inputs)
         results["train"][f"method_b_{key}"] = {
             "steps": args.refine_steps,
             "backbone_source": args.refine_backbone_source,
@@ -690,7 +756,9 @@ def fit_refiners(
     refiners = {name: fitted["all" if shared else name] for name in bases}
     gated: dict[str, dict[str, BoundaryRefiner]] = {}
     if plateau:
-        _, dev = eval_loader(args.data, str(out / "data" / "dev.txt"), args.eval_limit)
+        _, dev = eval_loader(
+            args.data, str(out / "data" / "dev.txt"), args.eval_limit, args.workers
+        )
         for name in bases:
             model, refiner = models[name], refiners[name]
             with refiner.shared_features(model) as kept:  # as evaluate() will read them
@@ -810,7 +878,10 @@ def main(argv: list[str] | None = None) -> int:
         # a finished run reused, or an interrupted one resumed (plateau), must be this recipe's
         if (reused or args.protocol == "plateau") and (record.parent / "config.yaml").is_file():
             mismatch = reuse_mismatch(
-                cfg, record.parent, calibrated_iters=reused and args.protocol != "plateau"
+                cfg,
+                record.parent,
+                calibrated_iters=reused and args.protocol != "plateau",
+                finished=reused,
             )
             if mismatch:
                 raise ConfigError(mismatch)
@@ -871,10 +942,12 @@ def main(argv: list[str] | None = None) -> int:
     models: dict[str, torch.nn.Module] = {}
     meta = None
     for name in args.models:
-        # plateau: the best on dev; with early stopping off (--patience 0), the end of the
-        # schedule, which is what the schedule check compares
-        kept = "best.pt" if args.protocol == "plateau" and args.patience else "last.pt"
+        kept = evaluated_checkpoint(out / "runs" / name)
         ckpt = load_checkpoint(out / "runs" / name / kept)
+        results["train"][name]["evaluated"] = {
+            "checkpoint": kept,
+            "iteration": int(ckpt.get("iteration", 0)),
+        }
         model, meta = build_model_from_checkpoint(ckpt, device=device)
         models[name] = model.eval()
 
@@ -883,7 +956,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- 3. evaluate at full resolution ----------------------------------------------------
     for split_path in [None, *args.eval_split]:
-        split, loader = eval_loader(args.data, split_path, args.eval_limit)
+        split, loader = eval_loader(args.data, split_path, args.eval_limit, args.workers)
         rows: dict[str, Any] = {}
         for name, model in models.items():
             ms = 1000 * time_inference(model, loader, args.timing_images, device)[0]
@@ -904,7 +977,10 @@ def main(argv: list[str] | None = None) -> int:
                     num_classes=meta.num_classes,
                     device=device,
                     refiner=refiner,
-                    amp=device.type == "cuda",
+                    # fp32, as the dev sweep and the timing run: on CUDA bf16 would also turn
+                    # off the reading of the base's features, so the figures would come from
+                    # another computation than the one timed
+                    amp=False,
                 )
                 if refiner is None:
                     rows[key] = {"label": label, **summarize(m), "ms_per_image": ms}
@@ -916,7 +992,10 @@ def main(argv: list[str] | None = None) -> int:
                 rows[key] = {
                     "label": label,
                     **summarize(m["refined"]),
+                    # base + refinement, both timed in this row's own paired pass: compare rows
+                    # by extra_time_ratio, not by ms_per_image against the base row's pass
                     "ms_per_image": 1000 * (base_s + refine_s),
+                    "base_ms_per_image_paired": 1000 * base_s,
                     "extra_time_ratio": refine_s / base_s,  # paired, under the same load
                     # whether the refiner read the base's backbone output instead of running
                     # its own, on every image evaluated and timed
@@ -936,7 +1015,7 @@ def main(argv: list[str] | None = None) -> int:
     save_curves(out, list(models), out / "curves.png")
     if args.protocol == "plateau":
         save_learning_curves(results["train"], out / "learning_curves.png")
-    _, val_loader = eval_loader(args.data, None, args.eval_limit)
+    _, val_loader = eval_loader(args.data, None, args.eval_limit, args.workers)
     panel_refiner = refiners.get("dualseg")
     results["panels"] = save_panels(
         models, panel_refiner, val_loader, meta, args.panels, out, device

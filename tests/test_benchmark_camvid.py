@@ -156,3 +156,77 @@ def test_an_interrupted_budget_run_is_not_recorded_as_finished(
             "--protocol", "budget", "--budget-iters", "8", "--train-only"]  # fmt: skip
     assert camvid.main(argv) == 130
     assert not (tmp_path / "out" / "runs" / "peer" / "train.json").exists()
+
+
+def test_training_time_adds_the_pieces_of_a_resumed_run(camvid, tmp_path: Path) -> None:
+    """Each process's clock starts at 0: a ``resumed_from`` record (or, in older logs, the clock
+    going back) starts a new piece; the last validation's own time counts."""
+    import json
+
+    records = [
+        {"iteration": 1, "loss": 1.0, "time": 1.0},
+        {"iteration": 20, "loss": 1.0, "time": 10.0},
+        {"iteration": 20, "val_miou": 0.1, "time": 12.0},
+        {"iteration": 20, "resumed_from": "last.pt"},
+        {"iteration": 40, "loss": 1.0, "time": 13.0},  # later than 12 s: only the mark tells
+        {"iteration": 40, "val_miou": 0.2, "time": 15.0},
+        {"iteration": 60, "loss": 1.0, "time": 3.0},  # an old log's resume: the clock went back
+        {"iteration": 60, "val_miou": 0.3, "time": 6.0},
+    ]
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    stats = camvid.curve_stats(log)
+    assert stats["train_seconds"] == 12.0 + 15.0 + 6.0
+    assert stats["dev_curve"] == [[20, 0.2, 0.1], [40, 0.45, 0.2], [60, 0.55, 0.3]]
+
+
+def test_a_folder_trained_on_another_dev_carve_is_refused(camvid, tmp_path: Path) -> None:
+    from dualseg.errors import ConfigError
+
+    data = tmp_path / "camvid"
+    data.mkdir()
+    frames = [f"images/0001TP_{i:04d}.png labels/0001TP_{i:04d}.png" for i in range(16)]
+    (data / "train.txt").write_text("\n".join(frames) + "\n")
+    (data / "val.txt").write_text("images/0016E5_0001.png labels/0016E5_0001.png\n")
+    out = tmp_path / "out"
+    root = camvid.carve_dev_split(data, out, 0.125)
+    assert len((root / "dev.txt").read_text().split("\n")) - 1 == 2
+    camvid.carve_dev_split(data, out, 0.25)  # nothing trained on the first carve yet: redone
+    assert len((root / "dev.txt").read_text().split("\n")) - 1 == 4
+    (out / "runs" / "peer").mkdir(parents=True)
+    (out / "runs" / "peer" / "config.yaml").write_text("{}\n")
+    camvid.carve_dev_split(data, out, 0.25)  # the same carve: fine
+    refused = r"train_fit\.txt differs .*--dev-fraction 0\.5.*runs/peer was trained on it"
+    with pytest.raises(ConfigError, match=refused):
+        camvid.carve_dev_split(data, out, 0.5)
+    assert len((root / "dev.txt").read_text().split("\n")) - 1 == 4  # left as it was
+
+
+def test_a_reused_run_keeps_its_stopping_rule_and_says_what_was_evaluated(
+    camvid, tmp_path: Path
+) -> None:
+    run = tmp_path / "runs" / "peer"
+    run.mkdir(parents=True)
+    save_config(config(camvid, tmp_path, "--patience", "0"), run / "config.yaml")
+    assert camvid.evaluated_checkpoint(run) == "last.pt"  # the end of its schedule
+    other = config(camvid, tmp_path, "--patience", "3")
+    assert camvid.reuse_mismatch(other, run) is None  # resuming may go on under another rule
+    message = camvid.reuse_mismatch(other, run, finished=True)
+    assert "train.patience = None" in message and "asks 3" in message
+    save_config(other, run / "config.yaml")
+    assert camvid.evaluated_checkpoint(run) == "best.pt"  # the best on dev
+
+
+def test_a_reused_refiner_must_have_been_fit_on_the_same_inputs(camvid, tmp_path: Path) -> None:
+    import json
+
+    path = tmp_path / "refiner_peer.pt"
+    record = path.with_suffix(".inputs.json")
+    inputs = {"fit_split": "train_fit", "fit_list_sha256": "ab", "prototype_limit": None,
+              "base": "f00d"}  # fmt: skip
+    assert "does not record what it was fit on" in camvid.inputs_mismatch(record, inputs, path)
+    record.write_text(json.dumps(inputs))
+    assert camvid.inputs_mismatch(record, inputs, path) is None
+    for key, value in (("fit_split", "train"), ("prototype_limit", 3), ("base", "beef")):
+        message = camvid.inputs_mismatch(record, {**inputs, key: value}, path)
+        assert f"fit with {key} = " in message and "delete it to fit it again" in message

@@ -124,6 +124,22 @@ def test_a_setting_changed_on_resume_is_said_even_when_quiet_and_logged(
     assert resumed["iteration"] == 2 and resumed["changed"] == {"train.max_iters": [2, 3]}
 
 
+def test_every_resume_is_marked_in_the_log_and_validations_carry_the_clock(
+    data: Path, tmp_path: Path
+) -> None:
+    """``time`` restarts at 0 in a resumed process: readers add the pieces at each
+    ``resumed_from`` record, and a validation's own record says when it ended (else the last
+    validation's time is lost)."""
+    fit(tiny(data, tmp_path, max_iters=2, val_every=1))
+    fit(tiny(data, tmp_path, max_iters=3, val_every=1), resume="auto")
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if "resumed_from" in r] == [2]
+    vals = {r["iteration"]: r for r in records if "val_miou" in r}
+    assert sorted(vals) == [1, 2, 3] and all(r["time"] > 0 for r in vals.values())
+    step1 = next(r for r in records if r.get("iteration") == 1 and "loss" in r)
+    assert vals[1]["time"] >= step1["time"]  # taken after the validation
+
+
 def test_best_pt_is_written_before_the_last_pt_that_records_it(
     data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -619,16 +619,14 @@ def _start(run: _Run, overwrite: bool = False) -> None:
             f"resumed from {run.resume_path} at iteration {run.iteration} (epoch {run.epoch})"
         )
         changes = config_changes(run.state.get("config") or {}, run.cfg)
-        if changes:  # allowed (e.g. a longer schedule), but never silent, and kept in the log
+        # every resume is a record: its "time" clock starts again at 0 (readers of the log add
+        # the pieces), and a changed setting is allowed (e.g. a longer schedule) but kept
+        resumed: dict[str, Any] = {"iteration": run.iteration, "resumed_from": str(run.resume_path)}
+        if changes:
             said = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
             run.log.notice(f"settings changed since that checkpoint: {said}")
-            run.log.write(
-                {
-                    "iteration": run.iteration,
-                    "resumed_from": str(run.resume_path),
-                    "changed": {k: [a, b] for k, (a, b) in changes.items()},
-                }
-            )
+            resumed["changed"] = {k: [a, b] for k, (a, b) in changes.items()}
+        run.log.write(resumed)
     elif run.resume == "auto":
         run.log.message(f"no checkpoint in {run.out_dir}; starting a new run")
     if run.amp_dtype is not None:  # auto may pick it on a CPU: never silently
@@ -789,7 +787,9 @@ def _validate(run: _Run, at: int) -> bool:
     assert run.log is not None
     note = scored_classes_note(metrics, run.meta.class_names)
     echo = f"[{at}] val mIoU {100 * metrics['miou']:.1f}%{note}"
-    run.log.write(_val_record(at, metrics), echo=echo)
+    record = _val_record(at, metrics)
+    record["time"] = round(time.perf_counter() - run.started, 3)  # after the validation
+    run.log.write(record, echo=echo)
     if metrics["miou"] > progress.best_miou:
         progress.best_miou, progress.best_iteration = float(metrics["miou"]), at
         return True
