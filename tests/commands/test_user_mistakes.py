@@ -218,3 +218,77 @@ def test_train_messages_name_a_flag_once(tmp_path, capsys) -> None:
     assert line.count("--data.layout") == 1 and "--layout" not in line.replace("--data.layout", "")
     line = refused(["data", "check", str(empty)], capsys)
     assert line.count("--layout") == 1 and "--data.layout" not in line
+
+
+def test_a_config_key_left_blank_is_one_line_naming_it(files, capsys) -> None:
+    blank = files["root"] / "blank.yaml"
+    blank.write_text(TINY.read_text().replace("max_iters: 6", "max_iters:"))
+    assert "max_iters:\n" in blank.read_text()
+    out = files["root"] / "run_blank"
+    line = refused(_train(files, out, "--config", str(blank)), capsys)
+    assert "train.max_iters has no value" in line and "leave the key out" in line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--data.train_split", ""], "empty name"),
+        (["--data.val_split", " "], "empty name"),
+        (["--train.seed", "-1"], "train.seed must be in 0..2**32-1"),
+    ],
+)
+def test_an_empty_split_or_a_negative_seed_is_refused(files, capsys, flags, named) -> None:
+    out = files["root"] / f"run_{len(named)}"
+    assert named in refused(_train(files, out, *flags), capsys)
+    assert not out.exists()
+
+
+def test_an_empty_split_name_reads_no_split_in_any_command(files, capsys) -> None:
+    """ "" once read the flat images of every split: training and validation images mixed."""
+    out = files["root"] / "eval_empty"
+    argv = ["eval", "-c", str(files["ckpt"]), "--data", str(files["data"]), "--split", "",
+            "--out", str(out), "--quiet"]  # fmt: skip
+    assert "empty name" in refused(argv, capsys)
+    assert not (out / "metrics.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--val-split", "train"], "--val-split 'train' is the training split"),
+        (["--seed", "-1"], "--seed must be in"),
+        (["--threads", "-3"], "--threads must be >= 0"),
+        (["--workers", "-1"], "--workers must be >= 0"),
+        (["--refine-prototypes", "0"], "--refine-prototypes must be >= 1"),
+    ],
+)
+def test_demo_refuses_before_writing(files, capsys, flags, named) -> None:
+    out = files["root"] / f"demo_{flags[0].strip('-')}"
+    argv = ["demo", "--n-train", "2", "--n-val", "2", "--size", "32", "48", "--iters", "1",
+            "--batch-size", "2", "--weights", "none", "--quiet", "--out", str(out)]  # fmt: skip
+    argv += flags
+    assert named in refused(argv, capsys)
+    assert not out.exists()
+
+
+def test_a_raw_value_both_ignored_and_mapped_is_refused(files, capsys) -> None:
+    argv = ["data", "check", str(files["data"]), "--label-map", "255:1", "--ignore-index", "255",
+            "--quiet"]  # fmt: skip
+    assert "both the ignore value" in refused(argv, capsys)
+
+
+def test_refine_fit_refuses_bad_optimizer_values_and_intervals(files, capsys) -> None:
+    from dualseg.errors import ConfigError
+    from dualseg.refine.refiner import RefinerConfig
+
+    for bad in ({"weight_decay": -1.0}, {"momentum": -1.0}, {"seed": -1}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            RefinerConfig(**bad)
+    out = files["root"] / "rf" / "r.pt"
+    for flag in (["--checkpoint-every", "0"], ["--proto-images", "-5"], ["--log-every", "-3"]):
+        argv = ["refine", "fit", "--data", str(files["data"]), "--out", str(out), *flag]
+        with pytest.raises(SystemExit) as exc:
+            cli_main(argv)
+        assert exc.value.code == 2 and flag[0] in capsys.readouterr().err
+    assert not out.parent.exists()

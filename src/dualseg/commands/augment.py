@@ -32,10 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--workers", type=nonnegative_int, default=1, help="worker processes (default 1)"
     )
-    p.add_argument("--split", default="train")
-    p.add_argument("--layout", choices=LAYOUTS, default="auto")
+    p.add_argument("--split", default="train", help="split of SRC to augment (default train)")
+    p.add_argument("--layout", choices=LAYOUTS, default="auto", help="layout of SRC (auto)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="class set of SRC")
-    p.add_argument("--label-format", choices=LABEL_FORMATS, default="index")
+    p.add_argument(
+        "--label-format", choices=LABEL_FORMATS, default="index", help="labels of SRC (index)"
+    )
     p.add_argument(
         "--crop-size", type=int, nargs=2, metavar=("H", "W"), help="default: the source size"
     )
@@ -59,9 +61,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("BRIGHT", "CONTRAST", "SAT", "HUE"),
         help=f"colour jitter {JITTER}",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--image-format", choices=sorted(IMAGE_FORMATS), default="png")
-    p.add_argument("--list-name", default="train.txt", help="list file written into DST")
+    p.add_argument("--seed", type=int, default=0, help="seed of every pair's draw (0)")
+    p.add_argument(
+        "--image-format", choices=sorted(IMAGE_FORMATS), default="png", help="of images (png)"
+    )
+    p.add_argument(
+        "--list-name", default="train.txt", help="list file written into DST (train.txt)"
+    )
     add_quiet_arg(p)
     a = p.parse_args(argv)
     written, skipped = augment_dataset(

@@ -34,6 +34,7 @@ __all__ = [
     "mode_of",
     "nonnegative_int",
     "parse_ignore_index",
+    "positive_int",
     "unique_names",
 ]
 
@@ -48,6 +49,14 @@ def nonnegative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=``: an integer >= 1 (a step interval), refused at parsing."""
+    value = nonnegative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 

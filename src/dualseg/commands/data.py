@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         **usage,
     )
     check.add_argument("root", type=Path, help="dataset folder (or a list file)")
-    check.add_argument("--layout", choices=LAYOUTS, default="auto")
+    check.add_argument("--layout", choices=LAYOUTS, default="auto", help="(auto)")
     check.add_argument(
         "--split",
         action="append",

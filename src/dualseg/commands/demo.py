@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default=None, help="a real dataset root instead of synthetic data")
     p.add_argument("--preset", default=None, help="classes of --data (camvid, voc, cityscapes)")
     p.add_argument("--layout", default="auto", help="layout of --data (auto)")
-    p.add_argument("--train-split", default="train")
-    p.add_argument("--val-split", default="val")
+    p.add_argument("--train-split", default="train", help="split to train on (train)")
+    p.add_argument("--val-split", default="val", help="held-out split to score (val)")
     p.add_argument(
         "--size",
         type=int,
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "BF16/AMX) unless --no-amp; --amp also evaluates in bf16 on CUDA (evaluation: fp32)",
     )
     add_quiet_arg(p)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of data, init and training (0)")
     p.add_argument("--n-show", type=int, default=4, help="held-out images in the panel (4)")
     p.add_argument(
         "--no-refine", action="store_true", help="skip method B even when it is available"
@@ -453,9 +453,20 @@ def check_args(args: argparse.Namespace) -> None:
     }
     if not args.no_refine:
         positive["--refine-steps"] = args.refine_steps
+        positive["--refine-prototypes"] = args.refine_prototypes
     for flag, value in positive.items():
         if value < 1:
             raise ConfigError(f"{flag} must be >= 1 (got {value})")
+    for flag, value in {"--workers": args.workers, "--threads": args.threads}.items():
+        if value < 0:
+            raise ConfigError(f"{flag} must be >= 0 (got {value})")
+    if not 0 <= args.seed < 2**32:
+        raise ConfigError(f"--seed must be in 0..2**32-1 (got {args.seed})")
+    if args.val_split == args.train_split:
+        raise ConfigError(
+            f"--val-split {args.val_split!r} is the training split: the demo would score what "
+            "it trained on; give another split (--val-split val)"
+        )
     if args.data is None and args.n_train < args.batch_size:
         raise ConfigError(
             f"--batch-size {args.batch_size} needs at least as many training images, but "

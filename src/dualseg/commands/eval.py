@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Evaluate a checkpoint: mIoU, per-class IoU, pixel accuracy, "
         "boundary F1 and trimap mIoU; writes metrics.json.",
         **argparse_kwargs(
-            "dualseg eval -c runs/camvid/best.pt --data ../shared/data/camvid --split test",
+            "dualseg eval -c runs/camvid/best.pt --data ../shared/data/camvid --split val",
             "dualseg eval -c runs/camvid/best.pt --data ROOT --refiner runs/camvid/refiner.pt",
         ),
     )
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", "-d", required=True, help="dataset root folder")
     p.add_argument("--split", default="val", help="split to evaluate (val)")
     p.add_argument(
-        "--layout", default="auto", help="auto | list | folder | voc | cityscapes (auto)"
+        "--layout", default="auto", help="auto | list | folder | voc | cityscapes | ade20k (auto)"
     )
     p.add_argument(
         "--preset",

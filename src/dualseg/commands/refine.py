@@ -30,6 +30,7 @@ from dualseg.commands.common import (
     label_settings,
     mode_of,
     nonnegative_int,
+    positive_int,
     unique_names,
 )
 from dualseg.commands.predict import add_dataset_check_options
@@ -199,7 +200,7 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="(0)")
     p.add_argument(
         "--proto-images",
-        type=int,
+        type=nonnegative_int,
         default=0,
         help="use only the first N training images for the prototypes (0: all)",
     )
@@ -208,7 +209,9 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--checkpoint", help="training-state file, for --resume (default: OUT with .train.pt)"
     )
-    p.add_argument("--checkpoint-every", type=int, default=200, help="steps between saves (200)")
+    p.add_argument(
+        "--checkpoint-every", type=positive_int, default=200, help="steps between saves (200)"
+    )
     p.add_argument(
         "--resume",
         action="store_true",
@@ -223,7 +226,10 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     add_quiet_arg(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (see --quiet)")
     p.add_argument(
-        "--log-every", type=int, default=50, help="print a loss line every N steps (50; 0: off)"
+        "--log-every",
+        type=nonnegative_int,
+        default=50,
+        help="print a loss line every N steps (50; 0: off)",
     )
 
 

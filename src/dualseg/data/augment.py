@@ -151,6 +151,8 @@ def augment_dataset(
     picks by the terminal, ``False`` is ``"off"``."""
     if count < 1:
         raise DataError(f"--count must be >= 1, got {count}")
+    if not 0 <= seed < 2**32:
+        raise DataError(f"--seed must be in 0..2**32-1, got {seed}")
     if image_format not in IMAGE_FORMATS:
         raise DataError(f"image format {image_format!r}: use one of {sorted(IMAGE_FORMATS)}")
     check_augment_settings(  # before anything is written: a bad value leaves no augment.json

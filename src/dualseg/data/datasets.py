@@ -512,6 +512,8 @@ def build_dataset(
     roots = [root] if isinstance(root, str | Path) else list(root)
     if not roots:
         raise DataError("no dataset root given; pass at least one folder")
+    if not str(split).strip():  # "" would read the flat images/ + labels/ of every split
+        raise DataError(f"split {split!r} is an empty name; give one (e.g. train, val, test)")
     samples: list[Pair] = []
     metas: list[tuple[Path, DatasetMeta]] = []
     source: str | Path = roots[0]

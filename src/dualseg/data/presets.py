@@ -479,8 +479,15 @@ def with_label_mapping(
     ``ignore_value`` is ``"auto"`` (keep the dataset's), another raw ignore value (``None``:
     none)."""
     changes: dict[str, Any] = {}
-    if label_map:
-        merged = {**dict(meta.label_map), **{int(s): int(d) for s, d in label_map.items()}}
+    mapped = {int(s): int(d) for s, d in (label_map or {}).items()}
+    if ignore_value not in ("auto", None) and int(ignore_value) in mapped:
+        v = int(ignore_value)
+        raise DataError(
+            f"raw label {v} is both the ignore value (--ignore-index {v}) and mapped to class "
+            f"{mapped[v]} (--label-map {v}:{mapped[v]}): drop one of the two"
+        )
+    if mapped:
+        merged = {**dict(meta.label_map), **mapped}
         changes["label_map"] = _label_map_items(merged)
     if ignore_value != "auto":
         changes["ignore_value"] = None if ignore_value is None else int(ignore_value)

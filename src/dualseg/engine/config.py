@@ -454,10 +454,41 @@ def train_transform(d: DataConfig) -> Any:
     )
 
 
+def _check_no_missing_values(cfg: Config) -> None:
+    """A YAML key left blank reads as null: refuse it where the field takes no null (else a
+    TypeError surfaces deep inside, or null is written back into config.yaml)."""
+    import types
+    import typing
+
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            hint = hints[f.name]
+            nullable = hint is Any or (
+                typing.get_origin(hint) in (typing.Union, types.UnionType)
+                and type(None) in typing.get_args(hint)
+            )
+            if getattr(getattr(cfg, section), f.name) is None and not nullable:
+                missing = f.default is dataclasses.MISSING
+                default = f.default_factory() if missing else f.default  # type: ignore[misc]
+                raise ConfigError(
+                    f"{section}.{f.name} has no value (null, or a YAML key left blank): give "
+                    f"one (default {default!r}), or leave the key out"
+                )
+
+
 def validate(cfg: Config) -> None:
     """Reject values that would fail late or silently (one clear ConfigError each)."""
+    _check_no_missing_values(cfg)
     t, o, d = cfg.train, cfg.optim, cfg.data
     checks = [
+        (bool(t.out_dir.strip()), "train.out_dir is empty: give the run folder"),
+        (
+            bool(d.train_split.strip()) and (d.val_split is None or bool(d.val_split.strip())),
+            "data.train_split / data.val_split is an empty name: give a split (train, val, "
+            "a list file's stem), or null for no validation split",
+        ),
+        (0 <= t.seed < 2**32, f"train.seed must be in 0..2**32-1, got {t.seed}"),
         (
             cfg.model.arch in ARCH_NAMES,
             f"model.arch: unknown model {cfg.model.arch!r}; choose one of: "
