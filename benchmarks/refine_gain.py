@@ -30,6 +30,7 @@ from dualseg.data import build_dataset, build_eval_transform, build_train_transf
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
 from dualseg.engine.evaluate import evaluate
 from dualseg.engine.predict import resolve_device
+from dualseg.errors import DualsegError
 from dualseg.io import atomic_write_json
 from dualseg.refine import BoundaryRefiner, RefinerConfig
 
@@ -89,6 +90,14 @@ def fit_refiner(args: argparse.Namespace, device: torch.device) -> BoundaryRefin
         device=device,
         checkpoint=Path(args.refiner_out).with_suffix(".train.pt"),
         resume=True,
+        # a resume on other data, crops or base is refused, not continued silently
+        fit_inputs={
+            "data": str(Path(args.data).resolve()),
+            "preset": args.preset,
+            "crop_size": list(args.crop_size),
+            "init_from": str(Path(args.init_from).resolve()) if args.init_from else None,
+            "weights": None if init_from is not None else args.weights,
+        },
     )
     refiner.save(args.refiner_out)
     return refiner
@@ -106,8 +115,10 @@ def time_ratio(model, refiner, dataset, device: torch.device, n: int) -> dict[st
     (``dualseg.refine.shared``) is timed that way, and on its own backbone beside it."""
     base_t, refine_t, own_t = [], [], []
     shared_n = 0  # timed images refined on the base's features
+    count = min(n + 1, len(dataset))
+    warmup = 1 if count > 1 else 0  # the first image warms up, unless it is the only one
     with refiner.shared_features(model) as shared:
-        for i in range(min(n + 1, len(dataset))):  # the first image warms up
+        for i in range(count):
             image = dataset[i][0][None].to(device)
             _sync(device)
             t0 = time.perf_counter()
@@ -122,7 +133,7 @@ def time_ratio(model, refiner, dataset, device: torch.device, n: int) -> dict[st
                 refiner.refine(image, probs)
                 _sync(device)
             t3 = time.perf_counter()
-            if i:
+            if i >= warmup:
                 base_t.append(t1 - t0)
                 refine_t.append(t2 - t1)
                 own_t.append(t3 - t2)
@@ -138,6 +149,9 @@ def time_ratio(model, refiner, dataset, device: torch.device, n: int) -> dict[st
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.time_images < 1:
+        print(f"error: --time-images must be >= 1, got {args.time_images}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
@@ -204,4 +218,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except DualsegError as err:  # a user error (data, checkpoint, a resume on other inputs)
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
