@@ -292,3 +292,20 @@ def test_refine_fit_refuses_bad_optimizer_values_and_intervals(files, capsys) ->
             cli_main(argv)
         assert exc.value.code == 2 and flag[0] in capsys.readouterr().err
     assert not out.parent.exists()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "flags"),
+    [
+        ("pretrained", ["--output", "probs"]),
+        ("pretrained", ["--size", "64", "64"]),
+        ("torchscript", ["--opset", "17"]),
+        ("torchscript", ["--exporter", "dynamo"]),
+    ],
+)
+def test_an_export_option_the_format_does_not_read_is_refused(files, capsys, fmt, flags):
+    out = files["root"] / f"export_{fmt}_{flags[0].strip('-')}"
+    argv = ["export", "-c", str(files["ckpt"]), "--format", fmt, "--out", str(out), *flags]
+    line = refused(argv, capsys)
+    assert f"{flags[0]} does not apply to --format {fmt}" in line
+    assert not out.exists()

@@ -176,8 +176,32 @@ def _replaced_only_when_verified(targets: list[Path]) -> Iterator[None]:
         aside.unlink(missing_ok=True)
 
 
+# options that only some formats read: given to another, they would be dropped silently
+FORMAT_OPTIONS = {
+    "--dynamic": ("dynamic", ("onnx", "torchscript")),
+    "--output": ("output", ("onnx", "torchscript")),
+    "--size": ("size", ("onnx", "torchscript")),
+    "--no-verify": ("no_verify", ("onnx", "torchscript")),
+    "--tolerance": ("tolerance", ("onnx", "torchscript")),
+    "--opset": ("opset", ("onnx",)),
+    "--exporter": ("exporter", ("onnx",)),
+}
+
+
+def check_format_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse an option given with a ``--format`` that does not read it."""
+    for flag, (dest, formats) in FORMAT_OPTIONS.items():
+        if args.format not in formats and getattr(args, dest) != parser.get_default(dest):
+            raise ConfigError(
+                f"{flag} does not apply to --format {args.format} (only to "
+                f"{' / '.join(formats)}): drop it"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_format_options(args, parser)
     targets = check_outputs(args)
     if args.format == "pretrained":
         return _export_pretrained(args)
