@@ -309,3 +309,18 @@ def test_an_export_option_the_format_does_not_read_is_refused(files, capsys, fmt
     line = refused(argv, capsys)
     assert f"{flags[0]} does not apply to --format {fmt}" in line
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("train:\n  max_iters: 3\n   lr: [1\n", "is not valid YAML (line 3"),
+        ("", "is empty"),
+        ("trian:\n  max_iters: 3\n", "unknown config section trian; did you mean train?"),
+    ],
+)
+def test_a_bad_second_config_file_is_named(files, capsys, text, said) -> None:
+    bad = files["root"] / f"second_{len(text)}.yaml"
+    bad.write_text(text)
+    line = refused(_train(files, files["root"] / "run_second", "--config", str(bad)), capsys)
+    assert said in line and (bad.name in line or "section" in said)

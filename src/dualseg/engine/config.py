@@ -14,6 +14,7 @@ S33 ``train.patience`` / ``train.monitor``, claim 5 ``optim.poly_power``).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -329,9 +330,36 @@ def parse_command(argv: list[str] | None) -> tuple[Config, str | None, dict[str,
     try:
         ns = parser.parse_args(argv)
     except Exception as err:  # jsonargparse's ArgumentError (or a YAML / type error)
-        raise ConfigError(_explain_parse_error(str(err), parser)) from None
+        raise ConfigError(
+            _bad_config_file(argv) or _explain_parse_error(str(err), parser)
+        ) from None
     flags = {"overwrite": bool(ns.overwrite), "json": bool(ns.json)}
     return _instantiate(parser, ns), ns.resume, flags
+
+
+def _bad_config_file(argv: list[str]) -> str | None:
+    """The first ``--config`` file that is unreadable, not YAML, empty or not a mapping, in one
+    line naming it (jsonargparse's own message names no file, which matters with several)."""
+    paths = [b for a, b in itertools.pairwise(argv) if a == "--config"]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in paths:
+        try:
+            d = yaml.safe_load(Path(path).read_text())
+        except OSError as err:
+            return f"cannot read config {path}: {err.strerror or err}"
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            return f"{path} is not valid YAML{where}: {problem}; fix the file"
+        if d is None:
+            return f"{path} is empty: give at least one section (data, model, optim, train)"
+        if not isinstance(d, dict):
+            return (
+                f"{path} is not a dualseg config: its top level must map sections (data, "
+                f"model, optim, train) to their keys, got {type(d).__name__}"
+            )
+    return None
 
 
 def _valid_keys(parser: Any) -> list[str]:
@@ -355,6 +383,11 @@ def _explain_parse_error(message: str, parser: Any) -> str:
         key = unknown.group(1)
     elif group:
         key = f"--{group.group(1)}.{group.group(2)}"
+    section = re.search(r"Option '(\w+)\.[\w\-]+' is not accepted", message)
+    if key is None and section and section.group(1) not in SECTIONS:
+        close = difflib.get_close_matches(section.group(1), list(SECTIONS), n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]}?" if close else f"sections: {', '.join(SECTIONS)}"
+        return f"unknown config section {section.group(1)}; {hint}"
     if key is None:
         return f"invalid arguments: {message}; see dualseg train --help"
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
