@@ -261,6 +261,7 @@ def test_an_empty_split_name_reads_no_split_in_any_command(files, capsys) -> Non
         (["--threads", "-3"], "--threads must be >= 0"),
         (["--workers", "-1"], "--workers must be >= 0"),
         (["--refine-prototypes", "0"], "--refine-prototypes must be >= 1"),
+        (["--arch", "deeplabv3_mobilenet_v2", "--renet-layers", "7"], "--renet-layers applies"),
     ],
 )
 def test_demo_refuses_before_writing(files, capsys, flags, named) -> None:

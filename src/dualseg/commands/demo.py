@@ -462,6 +462,13 @@ def check_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag} must be >= 0 (got {value})")
     if not 0 <= args.seed < 2**32:
         raise ConfigError(f"--seed must be in 0..2**32-1 (got {args.seed})")
+    if not args.arch.startswith("dualseg_"):  # a peer has no ReNet: its flags would be dropped
+        parser = build_parser()
+        for flag, dest in (("--renet-hidden", "renet_hidden"), ("--renet-layers", "renet_layers")):
+            if getattr(args, dest) != parser.get_default(dest):
+                raise ConfigError(
+                    f"{flag} applies to method A (dualseg_*), not to --arch {args.arch}: drop it"
+                )
     if args.val_split == args.train_split:
         raise ConfigError(
             f"--val-split {args.val_split!r} is the training split: the demo would score what "
