@@ -24,6 +24,7 @@ CURVES = {  # label: (results file, model); fp32 + contiguous unless the label s
     "peer, T=6,000 (paused part of the time)": ("results_peer_T6000_full.json", "peer"),
     "peer, T=3,000, bf16 + channels-last": ("fast_peer_T3000.json", "peer"),
     "peer, T=3,000, bf16, stride 8 (paused 8 min)": ("stride_peer_os8_T3000.json", "peer"),
+    "peer, T=3,308, stride 8 (control; another CPU)": ("control_peer_os8_T3308_fp32.json", "peer"),
     "peer, T=1,500, head LR 1x": ("recipe_peer_head_lr_1.json", "peer"),
     "A, T=1,500": ("results_dualseg.json", "dualseg"),
     "A, T=1,932 (control)": ("results_dualseg_control.json", "dualseg"),
@@ -41,6 +42,7 @@ CURVES = {  # label: (results file, model); fp32 + contiguous unless the label s
 NO_TIME_AXIS = {  # their minutes are not comparable
     "peer, T=6,000 (paused part of the time)",
     "peer, T=3,000, bf16, stride 8 (paused 8 min)",
+    "peer, T=3,308, stride 8 (control; another CPU)",
 }
 
 
