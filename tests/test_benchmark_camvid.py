@@ -3,23 +3,18 @@ flags, else its figures would be reported under the wrong recipe."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
+from benchmark_helpers import load_benchmark
 from dualseg.engine.config import save_config
 from dualseg.refine.shared import SharedFeatures
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def camvid():
-    spec = importlib.util.spec_from_file_location("bench_camvid", ROOT / "benchmarks/camvid.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("camvid")
 
 
 def config(camvid, tmp_path: Path, *flags: str, protocol: str = "plateau"):

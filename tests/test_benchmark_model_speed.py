@@ -3,24 +3,16 @@ fed what it gets in the model, else the breakdown (and the bounds drawn from it)
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
+from benchmark_helpers import load_benchmark
 from dualseg.models import build_model
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def speed():
-    path = ROOT / "benchmarks/model_speed.py"
-    spec = importlib.util.spec_from_file_location("bench_model_speed", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("model_speed")
 
 
 @pytest.mark.parametrize(

@@ -2,23 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
+from benchmark_helpers import load_benchmark
 from dualseg.refine.shared import SharedFeatures
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def refine_gain():
-    spec = importlib.util.spec_from_file_location("bench_gain", ROOT / "benchmarks/refine_gain.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("refine_gain")
 
 
 class Refiner:
