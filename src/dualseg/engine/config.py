@@ -344,22 +344,35 @@ def _bad_config_file(argv: list[str]) -> str | None:
     paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
     for path in paths:
         try:
-            d = yaml.safe_load(Path(path).read_text())
-        except OSError as err:
-            return f"cannot read config {path}: {err.strerror or err}"
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-            return f"{path} is not valid YAML{where}: {problem}; fix the file"
-        if d is None:
-            return f"{path} is empty: give at least one section (data, model, optim, train)"
-        if not isinstance(d, dict):
-            return (
-                f"{path} is not a dualseg config: its top level must map sections (data, "
-                f"model, optim, train) to their keys, got {type(d).__name__}"
-            )
+            _read_config_file(path, empty_ok=False)
+        except ConfigError as err:
+            return str(err)
     return None
+
+
+def _read_config_file(path: str | Path, *, empty_ok: bool = True) -> dict[str, Any]:
+    """A YAML config file's top-level mapping (``{}`` for an empty one when ``empty_ok``), or
+    one :class:`ConfigError` naming the file: unreadable, not YAML (line and column), empty,
+    or not a mapping of sections."""
+    try:
+        d = yaml.safe_load(Path(path).read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err}") from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{path} is not valid YAML{where}: {problem}; fix the file") from None
+    if empty_ok and not d:  # an empty file (or a bare 0, [], ''): no keys, as before
+        return {}
+    if d is None:
+        raise ConfigError(f"{path} is empty: give at least one section (data, model, optim, train)")
+    if not isinstance(d, dict):
+        raise ConfigError(
+            f"{path} is not a dualseg config: its top level must map sections (data, model, "
+            f"optim, train) to their keys, got {type(d).__name__}"
+        )
+    return d
 
 
 def _valid_keys(parser: Any) -> list[str]:
@@ -410,15 +423,7 @@ def config_from_dict(d: dict[str, Any]) -> Config:
 
 def load_config(path: str | Path, **overrides: dict[str, Any]) -> Config:
     """Read a YAML config; ``overrides`` are per-section dicts, e.g. ``train={"max_iters": 5}``."""
-    try:
-        d = yaml.safe_load(Path(path).read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise ConfigError(f"cannot read config {path}: {err}") from err
-    if not isinstance(d, dict):
-        raise ConfigError(
-            f"{path} is not a dualseg config: its top level must map sections (data, model, "
-            f"optim, train) to their keys, got {type(d).__name__}"
-        )
+    d = _read_config_file(path)
     for section, values in overrides.items():
         if not isinstance(d.setdefault(section, {}), dict):
             raise ConfigError(f"{path}: section {section!r} must be a mapping of keys to values")
