@@ -143,14 +143,12 @@ REFINER_RECIPE = (
 def refiner_mismatch(saved: RefinerConfig, wanted: RefinerConfig, path: Path) -> str | None:
     """As :func:`reuse_mismatch`, for a refiner reused with ``--reuse``: the first
     :data:`REFINER_RECIPE` option in which the refiner in ``path`` differs from this call's."""
-    for key in REFINER_RECIPE:
-        have, want = getattr(saved, key), getattr(wanted, key)
-        if have != want:
-            return (
-                f"{path} was fit with {key} = {have!r}, this call asks {want!r}: rerun with "
-                "that refiner's --refine-* flags, or use another --out"
-            )
-    return None
+    return first_difference(
+        {k: getattr(saved, k) for k in REFINER_RECIPE},
+        {k: getattr(wanted, k) for k in REFINER_RECIPE},
+        path,
+        fix="rerun with that refiner's --refine-* flags, or use another --out",
+    )
 
 
 def inputs_mismatch(record: Path, inputs: dict[str, Any], path: Path) -> str | None:
@@ -162,13 +160,20 @@ def inputs_mismatch(record: Path, inputs: dict[str, Any], path: Path) -> str | N
             f"{path} does not record what it was fit on (no {record.name}): delete it to fit "
             "it again, or use another --out"
         )
-    saved = json.loads(record.read_text())
-    for key, want in inputs.items():
-        if saved.get(key) != want:  # base, fit_list_sha256: hashes of weights / image lists
-            return (
-                f"{path} was fit with {key} = {saved.get(key)!r}, this call has {want!r}: "
-                "delete it to fit it again, or use another --out"
-            )
+    saved = json.loads(record.read_text())  # base, fit_list_sha256: hashes of weights / lists
+    return first_difference(
+        saved, inputs, path, fix="delete it to fit it again, or use another --out"
+    )
+
+
+def first_difference(
+    saved: dict[str, Any], wanted: dict[str, Any], path: Path, *, fix: str
+) -> str | None:
+    """The first key of ``wanted`` whose value the refiner in ``path`` was fit with differs,
+    in words ending in ``fix``; ``None`` when all agree."""
+    for key, want in wanted.items():
+        if saved.get(key) != want:
+            return f"{path} was fit with {key} = {saved.get(key)!r}, this call asks {want!r}: {fix}"
     return None
 
 

@@ -445,21 +445,20 @@ def check_args(args: argparse.Namespace) -> None:
     from dualseg.engine.config import ARCH_NAMES
     from dualseg.engine.config import validate as validate_config
 
-    positive = {
-        "--iters": args.iters,
-        "--batch-size": args.batch_size,
-        "--n-train": args.n_train,
-        "--n-val": args.n_val,
+    lowest = {  # flag: (value, the lowest it may be)
+        "--iters": (args.iters, 1),
+        "--batch-size": (args.batch_size, 1),
+        "--n-train": (args.n_train, 1),
+        "--n-val": (args.n_val, 1),
+        "--workers": (args.workers, 0),
+        "--threads": (args.threads, 0),
     }
     if not args.no_refine:
-        positive["--refine-steps"] = args.refine_steps
-        positive["--refine-prototypes"] = args.refine_prototypes
-    for flag, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{flag} must be >= 1 (got {value})")
-    for flag, value in {"--workers": args.workers, "--threads": args.threads}.items():
-        if value < 0:
-            raise ConfigError(f"{flag} must be >= 0 (got {value})")
+        lowest["--refine-steps"] = (args.refine_steps, 1)
+        lowest["--refine-prototypes"] = (args.refine_prototypes, 1)
+    for flag, (value, low) in lowest.items():
+        if value < low:
+            raise ConfigError(f"{flag} must be >= {low} (got {value})")
     if not 0 <= args.seed < 2**32:
         raise ConfigError(f"--seed must be in 0..2**32-1 (got {args.seed})")
     if not args.arch.startswith("dualseg_"):  # a peer has no ReNet: its flags would be dropped
