@@ -34,6 +34,23 @@ def test_every_command_with_a_bad_input_prints_no_traceback(tmp_path: Path) -> N
         "data check": ["data", "check", missing],
         "augment": ["augment", missing, str(text_file), "--count", "1"],
         "train config key": ["train", "--trian.max_iters", "3"],
+        # argparse's own errors (a flag without its value, a bad number, an unknown subcommand)
+        "eval flag value": ["eval", "--checkpoint"],
+        "demo bad int": ["demo", "--iters", "x"],
+        "refine apply top-n": [
+            "refine",
+            "apply",
+            str(image),
+            "-r",
+            "r",
+            "-b",
+            "b",
+            "-o",
+            ".",
+            "--top-n",
+            "0",
+        ],
+        "data subcommand": ["data", "chek"],
     }
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     # One interpreter runs them all (torch is imported once): DRIVER calls dualseg.cli.main as
@@ -53,10 +70,17 @@ def test_every_command_with_a_bad_input_prints_no_traceback(tmp_path: Path) -> N
     for name, (code, out, err) in results.items():
         assert code in (1, 2), (name, code, err)
         assert "Traceback" not in err + out, (name, err)
-        lines = err.strip().splitlines()
-        assert lines and lines[-1].startswith("dualseg"), (name, err)
-        if code == 1:  # a user error: exactly one line
-            assert len(lines) == 1, (name, err)
+        # a user error, argparse's included: exactly one line (no usage block before it)
+        assert err.strip().splitlines() == [err.strip()], (name, err)
+        assert err.startswith(f"dualseg {name.split()[0]}"), (name, err)
+    assert results["eval flag value"][2].strip() == (
+        "dualseg eval: error: argument --checkpoint/-c: expected one argument; "
+        "see 'dualseg eval --help'"
+    )
+    assert results["refine apply top-n"][2].startswith(
+        "dualseg refine apply: error: argument --top-n: must be >= 1, got 0"
+    )
+    assert results["refine apply"][2].startswith("dualseg refine apply: error:")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["img.png", "notes.txt"]
 
 
@@ -111,7 +135,7 @@ def test_environment_failures_without_a_file_name_are_one_line(monkeypatch, caps
     assert cli.main(["data", "check", "x"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == (
-        "dualseg data: error: No space left on device; check the path, its permissions and "
+        "dualseg data check: error: No space left on device; check the path, its permissions and "
         "the free space"
     )
     torch_save = RuntimeError("[enforce fail] PytorchStreamWriter failed writing file data/0")

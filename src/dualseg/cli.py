@@ -25,6 +25,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("dualseg.commands.export", "export a checkpoint to ONNX or TorchScript"),
     "serve": ("dualseg.commands.serve", "local web page and JSON API for segmentation"),
 }
+# commands whose first argument picks a subcommand: their error lines name it too
+# ("dualseg refine apply: error: ..."), as argparse's own errors do
+SUBCOMMANDS: dict[str, tuple[str, ...]] = {"data": ("check",), "refine": ("fit", "apply")}
 
 
 # Messages from the data layer name the flags of most commands (``--label-format color``);
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dualseg: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
+    if rest and rest[0] in SUBCOMMANDS.get(name, ()):
+        name = f"{name} {rest[0]}"
     try:
         return int(module.main(rest) or 0)
     except KeyboardInterrupt:

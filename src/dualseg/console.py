@@ -12,10 +12,11 @@ import argparse
 import sys
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any, Literal, TextIO, TypeVar
+from typing import Any, Literal, NoReturn, TextIO, TypeVar
 
 __all__ = [
     "DEFAULT_EVERY_S",
+    "ArgumentParser",
     "ExamplesHelpFormatter",
     "Progress",
     "ProgressMode",
@@ -129,6 +130,16 @@ class ExamplesHelpFormatter(argparse.HelpFormatter):
             else:
                 lines.append(super()._fill_text(line, width, indent))
         return "\n".join(lines)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with the one-line user errors of every dualseg command: a wrong or missing flag
+    prints ``PROG: error: MESSAGE; see 'PROG --help'`` and exits 2, not the usage block then the
+    message (the usage of a command with thirty flags pushes the one line that matters out of
+    sight). Subcommand parsers inherit it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
 
 
 def examples(*lines: str) -> str:

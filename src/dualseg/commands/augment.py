@@ -5,11 +5,10 @@ The work is :func:`dualseg.data.augment.augment_dataset`; this module only parse
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from dualseg.commands.common import add_quiet_arg, nonnegative_int
-from dualseg.console import argparse_kwargs
+from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.data.augment import IMAGE_FORMATS, augment_dataset
 from dualseg.data.datasets import LAYOUTS
 from dualseg.data.presets import PRESETS
@@ -18,7 +17,7 @@ from dualseg.data.transforms import BLUR_PROB, HFLIP_PROB, JITTER, SCALE_RANGE
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="dualseg augment",
         description="Write COUNT augmented image/label pairs of SRC plus a list file into DST "
         "(random scale, crop, flip, blur, colour jitter). Re-running resumes.",

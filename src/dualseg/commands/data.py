@@ -12,7 +12,6 @@ always is.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from dualseg.commands.common import (
@@ -23,7 +22,7 @@ from dualseg.commands.common import (
     mode_of,
     parse_ignore_index,
 )
-from dualseg.console import argparse_kwargs
+from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.data.check import CheckReport, check_dataset, format_report
 from dualseg.data.datasets import LAYOUTS
 from dualseg.data.presets import PRESETS, parse_label_map
@@ -38,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         "dualseg data check ../shared/data/camvid --preset camvid",
         "dualseg data check data/ADEChallengeData2016 --split train --json report.json",
     )
-    parser = argparse.ArgumentParser(prog="dualseg data", description="dataset tools", **usage)
+    parser = ArgumentParser(prog="dualseg data", description="dataset tools", **usage)
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser(
         "check",

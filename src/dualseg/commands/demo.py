@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dualseg.commands.common import add_quiet_arg
-from dualseg.console import argparse_kwargs
+from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.engine.config import DataConfig
 from dualseg.errors import ConfigError, DualsegError, RunExistsError, WeightsNotFoundError
 
@@ -43,7 +43,7 @@ DEMO_FILES = ("metrics.json", "refiner.pt", "panel.png")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="dualseg demo",
         description="Train, evaluate and visualize a small dual-branch network on a built-in "
         "synthetic street dataset (offline, a few CPU minutes), or on --data PATH.",

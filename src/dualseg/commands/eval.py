@@ -43,12 +43,12 @@ from dualseg.commands.common import (
     unique_names,
 )
 from dualseg.commands.predict import add_inference_arguments, inference_options
-from dualseg.console import argparse_kwargs, track
+from dualseg.console import ArgumentParser, argparse_kwargs, track
 from dualseg.errors import CheckpointError, DualsegError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="dualseg eval",
         description="Evaluate a checkpoint: mIoU, per-class IoU, pixel accuracy, "
         "boundary F1 and trimap mIoU; writes metrics.json.",

@@ -17,13 +17,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dualseg.console import argparse_kwargs
+from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.errors import ConfigError, DualsegError
 from dualseg.export.runners import refiner_sidecar_path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="dualseg export",
         description="Export a trained network to ONNX or TorchScript, with class names, palette "
         "and normalization in the file's metadata, or as a pretrained folder (safetensors).",

@@ -44,7 +44,7 @@ from dualseg.commands.common import (
     mode_of,
     unique_names,
 )
-from dualseg.console import Progress, argparse_kwargs
+from dualseg.console import ArgumentParser, Progress, argparse_kwargs
 from dualseg.errors import ConfigError, DataError, DualsegError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -138,7 +138,7 @@ def inference_options(args: argparse.Namespace) -> InferenceOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="dualseg predict",
         description="Segment images with a trained checkpoint: label PNG, colour PNG, overlay "
         "(and optionally class probabilities) per image, at the original resolution.",

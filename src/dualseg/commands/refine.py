@@ -34,7 +34,7 @@ from dualseg.commands.common import (
     unique_names,
 )
 from dualseg.commands.predict import add_dataset_check_options
-from dualseg.console import argparse_kwargs, track
+from dualseg.console import ArgumentParser, argparse_kwargs, track
 from dualseg.data.transforms import SCALE_RANGE
 from dualseg.errors import ConfigError, DataError, DualsegError, OutputError, RunExistsError
 
@@ -167,10 +167,15 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         help=f"the embedding model sees the image resized by this factor ({d.input_scale})",
     )
     p.add_argument(
-        "--radius", type=int, default=d.radius, help=f"near-boundary radius ({d.radius})"
+        "--radius",
+        type=nonnegative_int,
+        default=d.radius,
+        help=f"near-boundary radius ({d.radius})",
     )
     p.add_argument("--edge-method", default=d.edge_method, help=f"({d.edge_method})")
-    p.add_argument("--top-n", type=int, default=d.top_n, help=f"Top-N at inference ({d.top_n})")
+    p.add_argument(
+        "--top-n", type=positive_int, default=d.top_n, help=f"Top-N at inference ({d.top_n})"
+    )
     p.add_argument("--margin", type=float, default=d.margin, help=f"triplet margin Δ ({d.margin})")
     p.add_argument("--num-triplets", type=int, default=d.num_triplets, help=f"({d.num_triplets})")
     p.add_argument("--reduction", default=d.reduction, help="all | violating (all)")
@@ -261,8 +266,10 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", "-o", required=True, help="output folder")
     add_overwrite_arg(p, what="output files in --out")
     add_dataset_check_options(p)
-    p.add_argument("--top-n", type=int, help="override the refiner's Top-N")
-    p.add_argument("--radius", type=int, help="override the refiner's near-boundary radius")
+    p.add_argument("--top-n", type=positive_int, help="override the refiner's Top-N")
+    p.add_argument(
+        "--radius", type=nonnegative_int, help="override the refiner's near-boundary radius"
+    )
     add_runtime_args(p)
     add_quiet_arg(p)
     p.add_argument("--alpha", type=fraction, default=0.5, help="overlay opacity, 0-1 (0.5)")
@@ -272,7 +279,7 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="dualseg refine",
         description="Method B: boundary re-optimization of any segmentation model.",
         **argparse_kwargs(

@@ -21,7 +21,7 @@ from typing import Any
 
 from dualseg.commands.common import add_runtime_args, apply_runtime
 from dualseg.commands.predict import add_inference_arguments, inference_options
-from dualseg.console import argparse_kwargs
+from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.errors import ConfigError, DualsegError
 from dualseg.serve.defaults import (
     DEFAULT_MAX_MEGAPIXELS,
@@ -37,7 +37,7 @@ SERVE_MODULES = ("fastapi", "uvicorn", "python_multipart", "starlette", "pydanti
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="dualseg serve",
         description="Serve a local web page (drop an image, see its segmentation) and a JSON "
         "API (POST /api/segment; schema at /docs and /openapi.json).",
