@@ -79,6 +79,7 @@ from dualseg.refine.base import model_fingerprint
 from dualseg.refine.calibrate import DECISION_KEYS, METRICS
 from dualseg.refine.decision import describe_decision
 from dualseg.refine.refiner import RefinerConfig
+from dualseg.viz import save_figure
 
 # name -> (architecture, build_model options); the ablations switch one part of method A off.
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -599,8 +600,7 @@ def save_bar_chart(results: dict[str, Any], class_names: list[str], path: Path) 
     ax.set_ylabel("IoU (%)")
     ax.set_title("CamVid val: per-class IoU")
     ax.legend(fontsize=7, ncols=2)
-    fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
 
 
 def save_curves(out: Path, names: list[str], path: Path) -> None:
@@ -623,8 +623,7 @@ def save_curves(out: Path, names: list[str], path: Path) -> None:
     ax.set_ylabel("training loss L = L1 + L2")
     ax.set_yscale("log")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
 
 
 def save_learning_curves(train: dict[str, Any], path: Path) -> None:
@@ -663,7 +662,7 @@ def save_learning_curves(train: dict[str, Any], path: Path) -> None:
     by_iter.grid(alpha=0.3)
     by_time.grid(alpha=0.3)
     fig.suptitle("Learning curves (plateau protocol)")
-    fig.savefig(path)
+    save_figure(fig, path, tight_layout=False)  # constrained layout
 
 
 def fit_refiners(

@@ -16,6 +16,7 @@ from dualseg.viz import (
     make_panel,
     overlay,
     save_curves,
+    save_figure,
     save_panel,
 )
 
@@ -143,6 +144,27 @@ def test_save_curves_writes_png(tmp_path) -> None:
     with pytest.raises(ValueError, match="at least one key"):
         save_curves(tmp_path / "x.png", history, [])
     assert not (tmp_path / "x.png").exists()
+
+
+def test_a_figure_that_fails_to_render_leaves_the_old_png(tmp_path, monkeypatch) -> None:
+    from matplotlib.figure import Figure
+
+    from dualseg.viz import curves_figure
+
+    path = tmp_path / "curves.png"
+    history = [{"iteration": i, "loss": 1.0 / (i + 1)} for i in range(5)]
+    save_figure(curves_figure(history, ["loss"]), path)
+    before = path.read_bytes()
+
+    def fail(self, *args, **kwargs):  # a render stopped halfway (an error, a full disk)
+        args[0].write(b"\x89PNG half")
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", fail)
+    with pytest.raises(OSError):
+        save_figure(curves_figure(history, ["loss"]), path)
+    assert path.read_bytes() == before  # the old picture, whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png"]  # no temporary file
 
 
 def test_docstring_examples() -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "save_class_iou",
     "save_confusion_matrix",
     "save_curves",
+    "save_figure",
     "save_panel",
 ]
 
@@ -278,8 +279,12 @@ def _figure(width: float, height: float) -> Any:
     return fig
 
 
-def _save_figure(fig: Any, path: str | os.PathLike[str]) -> None:
-    fig.tight_layout()
+def save_figure(fig: Any, path: str | os.PathLike[str], *, tight_layout: bool = True) -> None:
+    """Write a matplotlib figure to ``path`` as PNG, atomically (a stopped run leaves the old
+    file or none, never half a picture); ``tight_layout=False`` for a figure that lays itself
+    out (``layout="constrained"``)."""
+    if tight_layout:
+        fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     atomic_write_bytes(path, buf.getvalue())
@@ -362,7 +367,7 @@ def save_curves(
     fig = curves_figure(
         history, keys, x_key=x_key, title=title, ylabels=ylabels, scale=scale, names=names
     )
-    _save_figure(fig, path)
+    save_figure(fig, path)
 
 
 def _names_fit(class_names: Sequence[str], count: int) -> list[str]:
@@ -418,7 +423,7 @@ def save_confusion_matrix(
     title: str | None = None,
 ) -> None:
     """Write :func:`confusion_matrix_figure` to a PNG at ``path``, atomically."""
-    _save_figure(confusion_matrix_figure(matrix, class_names, title=title), path)
+    save_figure(confusion_matrix_figure(matrix, class_names, title=title), path)
 
 
 def class_iou_figure(
@@ -466,4 +471,4 @@ def save_class_iou(
     title: str | None = None,
 ) -> None:
     """Write :func:`class_iou_figure` to a PNG at ``path``, atomically."""
-    _save_figure(class_iou_figure(series, class_names, title=title), path)
+    save_figure(class_iou_figure(series, class_names, title=title), path)
