@@ -16,6 +16,7 @@ import torch
 
 from dualseg.cli import main
 from dualseg.engine.checkpoint import load_checkpoint
+from dualseg.errors import ConfigError
 from reliability_helpers import (
     BINARY,
     FOUR,
@@ -411,3 +412,15 @@ def test_unknown_config_key_is_one_line_with_the_closest_key(tmp_path, capsys) -
     bad.write_text("data:\n  batch_sise: 2\n")
     assert main(["train", "--config", str(bad)]) == 1
     assert "unknown config key data.batch_sise; did you mean data.batch_size?" in one_line(capsys)
+
+
+def test_load_config_refuses_a_key_written_twice(tmp_path) -> None:
+    from dualseg.engine.config import load_config
+
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(TINY.read_text() + "\noptim:\n  lr: 0.5\n")  # a second optim section
+    with pytest.raises(ConfigError, match=r"twice.yaml is not valid YAML .*'optim' is written"):
+        load_config(twice)
+    once = tmp_path / "once.yaml"
+    once.write_text("optim:\n  lr: 0.5\n  momentum: 0.8\n")
+    assert load_config(once).optim.lr == 0.5

@@ -327,12 +327,13 @@ def parse_command(argv: list[str] | None) -> tuple[Config, str | None, dict[str,
 
     parser = build_parser(exit_on_error=False)
     argv = list(sys.argv[1:] if argv is None else argv)
+    bad_file = _bad_config_file(argv)  # before jsonargparse, which lets a repeated key win
+    if bad_file:
+        raise ConfigError(bad_file)
     try:
         ns = parser.parse_args(argv)
     except Exception as err:  # jsonargparse's ArgumentError (or a YAML / type error)
-        raise ConfigError(
-            _bad_config_file(argv) or _explain_parse_error(str(err), parser)
-        ) from None
+        raise ConfigError(_explain_parse_error(str(err), parser)) from None
     flags = {"overwrite": bool(ns.overwrite), "json": bool(ns.json)}
     return _instantiate(parser, ns), ns.resume, flags
 
@@ -350,12 +351,34 @@ def _bad_config_file(argv: list[str]) -> str | None:
     return None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key written twice in one mapping: PyYAML (and so
+    jsonargparse) keeps the last silently, so ``lr: 0.1`` ten lines above ``lr: 0.01`` trained
+    with 0.01 whatever the reader of the file believed."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                where = (
+                    f"on line {line}" if seen[key] == line else f"(lines {seen[key]} and {line})"
+                )
+                raise yaml.MarkedYAMLError(
+                    problem=f"key {key!r} is written twice {where}",
+                    problem_mark=key_node.start_mark,
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_config_file(path: str | Path, *, empty_ok: bool = True) -> dict[str, Any]:
     """A YAML config file's top-level mapping (``{}`` for an empty one when ``empty_ok``), or
-    one :class:`ConfigError` naming the file: unreadable, not YAML (line and column), empty,
-    or not a mapping of sections."""
+    one :class:`ConfigError` naming the file: unreadable, not YAML (line and column), a key
+    written twice in one mapping, empty, or not a mapping of sections."""
     try:
-        d = yaml.safe_load(Path(path).read_text())
+        d = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
     except OSError as err:
         raise ConfigError(f"cannot read config {path}: {err}") from None
     except yaml.YAMLError as err:
