@@ -175,6 +175,13 @@ def test_training_time_adds_the_pieces_of_a_resumed_run(camvid, tmp_path: Path) 
     assert stats["dev_curve"] == [[20, 0.2, 0.1], [40, 0.45, 0.2], [60, 0.55, 0.3]]
 
 
+def test_the_total_counts_the_earlier_calls_of_a_resumed_run(camvid) -> None:
+    resumed = {"train_seconds": 5400.0, "seconds_this_call": 3600.5}  # 30 min before this call
+    assert camvid.earlier_calls_seconds(resumed) == pytest.approx(1799.5)
+    # one uninterrupted call: its clock (setup included) already holds all of it
+    assert camvid.earlier_calls_seconds({"train_seconds": 60.0, "seconds_this_call": 61.0}) == 0
+
+
 def test_a_folder_trained_on_another_dev_carve_is_refused(camvid, tmp_path: Path) -> None:
     from dualseg.errors import ConfigError
 
