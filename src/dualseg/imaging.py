@@ -16,7 +16,9 @@ files (:func:`read_image`: datasets, ``dualseg predict``), uploaded bytes (:func
 - an alpha channel that is fully opaque is dropped; **an image with transparent pixels is
   refused** (one line: flatten it onto a background first). dualseg never guesses the colour
   under a transparent pixel, because any background it picked would change the prediction;
-- palette, grayscale, 1-bit, CMYK/YCbCr/LAB/HSV and 16-bit images become 8-bit RGB.
+- palette, grayscale, 1-bit, CMYK/YCbCr/LAB/HSV and 16-bit images become 8-bit RGB; a 32-bit
+  integer image is read as 16-bit, and refused when all its values lie in 0..255 (its scale
+  is unknown then, and the wrong one gives a black picture).
 """
 
 from __future__ import annotations
@@ -221,6 +223,14 @@ def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:
     if mode in SIXTEEN_BIT_MODES:
         if arr.min() < 0 or arr.max() > 65535:
             raise DataError(f"{source}: 32-bit image values outside 0..65535; save it as 8-bit RGB")
+        if mode == "I" and 0 < arr.max() <= 255:
+            # 32-bit integers say nothing of their scale: 0..255 is 8-bit data stored wide
+            # (Image.fromarray of an int32 array) or a nearly black 16-bit picture, and reading
+            # it the wrong way turns a photo black; neither is guessed
+            raise DataError(
+                f"{source}: 32-bit integer image whose values all lie in 0..255: 8-bit or "
+                "16-bit data is unknown; save it as 8-bit RGB (or 16-bit grayscale PNG)"
+            )
         arr = ((arr.astype(np.float32) / 257.0) + 0.5).astype(np.uint8)
         mode = "L"
     if mode == "LA":

@@ -42,6 +42,21 @@ def test_sixteen_bit_image_scaled_to_eight_bit(tmp_path):
     assert read_image(tmp_path / "g16.png")[0, :, 0].tolist() == [0, 1, 255, 128]
 
 
+def test_a_32_bit_image_of_8_bit_values_is_refused_not_read_black(tmp_path):
+    wide = tmp_path / "wide.tif"  # what Image.fromarray(uint8_array.astype(np.int32)) saves
+    Image.fromarray(RGB[..., 0].astype(np.int32)).save(wide)
+    assert Image.open(wide).mode == "I"
+    with pytest.raises(DataError, match="8-bit or 16-bit data is unknown") as err:
+        read_image(wide)  # read as 16-bit, 0..255 / 257 is a black picture
+    assert str(wide) in str(err.value)
+    sixteen = tmp_path / "sixteen.tif"  # values above 255: 16-bit data, scaled as I;16 is
+    Image.fromarray(np.array([[0, 257, 65535]], np.int32)).save(sixteen)
+    assert read_image(sixteen)[0, :, 0].tolist() == [0, 1, 255]
+    black = tmp_path / "black.tif"  # all 0: black whatever the scale
+    Image.fromarray(np.zeros((2, 2), np.int32)).save(black)
+    assert read_image(black).max() == 0
+
+
 @pytest.mark.parametrize("kind", ["truncated", "not_an_image", "missing", "float_mode"])
 def test_bad_images_name_the_file(tmp_path, kind):
     path = tmp_path / "bad.png"
