@@ -207,6 +207,14 @@ def test_integer_image_tensors_other_than_uint8_are_refused(rgb, dtype) -> None:
         as_rgb_array(t)
 
 
+def test_a_tensor_that_reads_both_as_chw_and_hwc_is_refused() -> None:
+    strip = np.random.default_rng(0).integers(0, 256, (3, 40, 3), dtype=np.uint8)  # 3 rows
+    with pytest.raises(DataError, match=r"shape \(3, 40, 3\) reads both as \[C,H,W\]"):
+        as_rgb_array(torch.from_numpy(strip))  # a 40x3 CHW picture, or this 3x40 strip?
+    assert as_rgb_array(strip).shape == (3, 40, 3)  # numpy is HWC: no doubt, as suggested
+    assert as_rgb_array(torch.from_numpy(strip).permute(2, 0, 1)[:, :, :4]).shape == (3, 4, 3)
+
+
 def test_nan_images_are_refused(rgb) -> None:
     a = rgb.astype(np.float32) / 255
     a[0, 0, 0] = np.nan

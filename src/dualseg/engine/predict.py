@@ -47,8 +47,9 @@ def as_rgb_array(image: ImageLike) -> np.ndarray:
       EXIF orientation applied, opaque alpha dropped, transparency refused);
     - numpy: ``HxWx3`` (or ``HxW`` gray, opaque ``HxWx4`` RGBA) uint8, or float in [0, 1];
     - tensor: ``[3,H,W]`` / ``[1,3,H,W]`` float in [0, 1] (torchvision ``to_tensor``
-      convention) or uint8 ``[3,H,W]`` / ``[H,W,3]``. Already-normalized tensors are rejected:
-      call ``segmenter.model`` directly for those.
+      convention) or uint8 ``[3,H,W]`` / ``[H,W,3]`` (a shape that reads both ways, such as
+      ``[3,40,3]``, is refused). Already-normalized tensors are rejected: call
+      ``segmenter.model`` directly for those.
     """
     if isinstance(image, Tensor):
         return _tensor_to_array(image)
@@ -61,7 +62,12 @@ def _tensor_to_array(t: Tensor) -> np.ndarray:
         t = t[0]
     if t.dim() != 3:
         raise DataError(f"expected an image tensor [3,H,W], got shape {tuple(t.shape)}")
-    if t.shape[0] in (1, 3):  # CHW (torchvision's convention) unless clearly HWC
+    if t.shape[0] in (1, 3) and t.shape[-1] in (1, 3):  # e.g. [3, 640, 3]: 640x3 or 3x640?
+        raise DataError(
+            f"image tensor of shape {tuple(t.shape)} reads both as [C,H,W] and as [H,W,C]; pass "
+            "it as a numpy HxWx3 array (t.permute(1, 2, 0).numpy() if it is [3,H,W])"
+        )
+    if t.shape[0] in (1, 3):  # CHW (torchvision's convention)
         t = t.permute(1, 2, 0)
     elif t.shape[-1] not in (1, 3):
         raise DataError(f"expected an image tensor [3,H,W] or [H,W,3], got {tuple(t.shape)}")
