@@ -81,5 +81,6 @@ def test_summary_json_is_part_of_a_run(tmp_path) -> None:
 def test_eval_default_out_of_a_hub_model_is_in_the_current_folder() -> None:
     from dualseg.commands.eval import default_out
 
-    assert default_out("hf://org/name", "val") == Path("eval_val")
+    assert default_out("hf://org/name", "val") == Path("eval_val_name")
+    assert default_out("hf://org/name@v2", "val", variant="_tta") == Path("eval_val_name_tta")
     assert default_out("runs/x/best.pt", "test") == Path("runs/x/eval_test")

@@ -325,12 +325,12 @@ def test_checkpoints_on_a_time_interval_without_validation(four_data, tmp_path, 
 
 def test_eval_refuses_an_unwritable_folder_before_evaluating(four_ckpt, four_data, capsys):
     # the default output is beside the checkpoint; here a file blocks it
-    blocked = four_ckpt.parent / "eval_val"
+    blocked = four_ckpt.parent / "eval_val_four"
     blocked.write_text("a file where the folder goes")
     try:
         assert main(["eval", "-c", str(four_ckpt), "--data", str(four_data)]) == 1
         captured = capsys.readouterr()
-        assert "eval_val is an existing file" in captured.err and "mIoU" not in captured.out
+        assert "eval_val_four is an existing file" in captured.err and "mIoU" not in captured.out
     finally:
         blocked.unlink()
 

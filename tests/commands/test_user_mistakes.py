@@ -4,6 +4,7 @@ written over that should not be (a dataset, a model, an earlier result), no trac
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import pytest
@@ -112,8 +113,17 @@ def test_eval_keeps_an_earlier_evaluation_unless_overwrite(files, capsys) -> Non
     # the default folder: a sliding-window evaluation sits beside the plain one
     plain = ["eval", "-c", str(files["ckpt"]), "--data", str(files["data"]), "--device", "cpu"]
     assert cli_main([*plain, "-q"]) == 0 and cli_main([*plain, "-q", "--mode", "slide"]) == 0
-    assert (files["ckpt"].parent / "eval_val" / "metrics.json").is_file()
-    assert (files["ckpt"].parent / "eval_val_slide" / "metrics.json").is_file()
+    assert (files["ckpt"].parent / "eval_val_model" / "metrics.json").is_file()
+    assert (files["ckpt"].parent / "eval_val_model_slide" / "metrics.json").is_file()
+    # a run's best.pt and last.pt: each its own default folder, neither refused
+    run = files["root"] / "run_pair"
+    run.mkdir()
+    for name in ("best.pt", "last.pt"):
+        shutil.copy(files["ckpt"], run / name)
+        argv = ["eval", "-c", str(run / name), "--data", str(files["data"]), "--device", "cpu"]
+        assert cli_main([*argv, "-q"]) == 0
+    assert (run / "eval_val" / "metrics.json").is_file()
+    assert (run / "eval_val_last" / "metrics.json").is_file()
 
 
 def _fit(files, *extra: str) -> list[str]:

@@ -79,8 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         "-o",
         default=None,
-        help="folder for metrics.json (<checkpoint dir>/eval_SPLIT, + _refined / _slide / _tta "
-        "for those evaluations; ./eval_SPLIT for hf://)",
+        help="folder for metrics.json (<checkpoint dir>/eval_SPLIT for best.pt, eval_SPLIT_NAME "
+        "for another checkpoint, + _refined / _slide / _tta for those evaluations; "
+        "./eval_SPLIT_NAME for hf://org/NAME)",
     )
     p.add_argument(
         "--save-predictions",
@@ -191,13 +192,19 @@ def prediction_writer(samples: list, out: Path, palette: Any, batch_size: int):
 
 
 def default_out(checkpoint: str, split: str, *, variant: str = "") -> Path:
-    """``--out``'s default: ``eval_SPLIT`` (+ ``variant``, e.g. ``_refined_tta``) beside the
-    checkpoint file or pretrained folder; in the current folder for ``hf://org/name`` (which
-    has no folder of its own to sit beside)."""
+    """``--out``'s default: ``eval_SPLIT`` (+ ``variant``, e.g. ``_refined_tta``) beside a
+    run's ``best.pt``; ``eval_SPLIT_NAME`` beside any other checkpoint file or pretrained
+    folder (``last.pt``: ``eval_val_last``), so two checkpoints of one folder keep both
+    evaluations; in the current folder for ``hf://org/name`` (``eval_SPLIT_name``: it has no
+    folder of its own to sit beside)."""
     from dualseg.engine.pretrained import is_hub_source
 
-    name = f"eval_{split}{variant}"
-    return Path(name) if is_hub_source(checkpoint) else Path(checkpoint).parent / name
+    if is_hub_source(checkpoint):
+        repo = str(checkpoint).rstrip("/").rsplit("/", 1)[-1].split("@", 1)[0]
+        return Path(f"eval_{split}_{repo}{variant}")
+    path = Path(checkpoint)
+    tag = "" if path.name == "best.pt" else f"_{path.stem if path.is_file() else path.name}"
+    return path.parent / f"eval_{split}{tag}{variant}"
 
 
 def out_variant(args: argparse.Namespace, opts: Any) -> str:
