@@ -82,6 +82,7 @@ def open_image(path: str | Path) -> Image.Image:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             im = Image.open(path)
+            _scale_low_bit_key(im)
             im.load()  # decode now: truncated / corrupt files fail here, not later
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, ... for bad files
         raise DataError(
@@ -140,6 +141,7 @@ def decode_image(
                     f"{source} ({w}x{h} = {w * h / 1e6:.1f} megapixels) is over the limit of "
                     f"{max_pixels / 1e6:g} megapixels; downscale it"
                 )
+            _scale_low_bit_key(im)
             im.load()
     except DataError:
         raise
@@ -174,9 +176,21 @@ def exif_orientation(im: Image.Image, source: str | Path) -> int:
     return value if isinstance(value, int) and 2 <= value <= 8 else 1
 
 
+def _scale_low_bit_key(im: Image.Image) -> None:
+    """Bring a 2- or 4-bit grayscale PNG's colour key (tRNS) to the scale of its pixels,
+    reading the depth from the undecoded tile: Pillow scales such pixels to 0..255 (x85, x17)
+    but not the key, and forgets the depth once the image is decoded, so key 1 of a 2-bit
+    image would match no pixel and its transparent pixels would read as opaque."""
+    rawmode = im.tile[0].args if im.format == "PNG" and im.tile else None
+    key = im.info.get("transparency")
+    if isinstance(rawmode, str) and rawmode in ("L;2", "L;4") and isinstance(key, int):
+        im.info["transparency"] = key * (255 // (2 ** int(rawmode[2]) - 1))
+
+
 def _key_fits_8_bits(im: Image.Image) -> bool:
     """Whether an L/RGB image's colour key is in the 8-bit pixels' own scale: a 16-bit PNG
-    read as RGB keeps a 16-bit key, a 2- or 4-bit grayscale PNG its unscaled key."""
+    read as RGB keeps a 16-bit key (a 2- or 4-bit grayscale PNG's is scaled on opening,
+    :func:`_scale_low_bit_key`)."""
     key = im.info["transparency"]
     values = key if isinstance(key, tuple) else (key,)
     if not all(isinstance(v, int) and 0 <= v <= 255 for v in values):
@@ -191,6 +205,7 @@ def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:
     EXIF orientation applied; opaque alpha dropped, transparency refused; errors name
     ``source``.
     """
+    _scale_low_bit_key(im)  # a PIL image the caller opened and has not decoded yet
     try:
         im = ImageOps.exif_transpose(im)
     except Exception as err:  # a malformed EXIF block: Pillow raises various types
@@ -207,8 +222,9 @@ def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:
         im = im.convert("LA" if mode == "L" else "RGBA")
         mode = im.mode
     elif "transparency" in im.info and mode != "P":
-        # a key Pillow cannot match against the pixels it returns (16-bit, 1-/2-/4-bit
-        # grayscale): which pixels are transparent is unknown, so the image is refused
+        # a key Pillow cannot match against the pixels it returns (16-bit, 1-bit grayscale,
+        # a low-bit image decoded before dualseg saw it): which pixels are transparent is
+        # unknown, so the image is refused
         raise DataError(
             f"{source}: has a transparency colour key (PNG tRNS) at {mode} that cannot be read "
             "reliably; flatten it onto a background (or drop the key) and save it as 8-bit RGB"

@@ -185,3 +185,55 @@ def test_lossy_labels_are_refused_lossless_webp_is_read(tmp_path):
         read_label(tmp_path / "lossy.webp", TINY)
     Image.fromarray(label).convert("RGB").save(tmp_path / "lossless.webp", lossless=True)
     assert np.array_equal(read_label(tmp_path / "lossless.webp", TINY), label)
+
+
+def _low_bit_gray_png(path, bits: int, samples: np.ndarray, key: int | None = None):
+    """A 2- or 4-bit grayscale PNG (Pillow cannot write one), optionally with a tRNS key."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+        )
+
+    h, w = samples.shape
+    rows = b""
+    for row in samples:
+        text = "".join(format(int(v), f"0{bits}b") for v in row)
+        text += "0" * (-len(text) % 8)
+        rows += b"\x00" + int(text, 2).to_bytes(len(text) // 8, "big")
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, bits, 0, 0, 0, 0))
+    if key is not None:
+        png += chunk(b"tRNS", struct.pack(">H", key))
+    path.write_bytes(png + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return path
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_low_bit_gray_png_label_values_are_its_samples(tmp_path, bits):
+    samples = np.array([[0, 1, 2, 3], [3, 2, 1, 0]])
+    path = _low_bit_gray_png(tmp_path / "l.png", bits, samples)
+    assert Image.open(path).mode == "L"  # Pillow reads 0, 85, 170, 255 (2-bit) ...
+    # ... but a label's values are its samples, as for 1- and 16-bit labels: class 3 is no
+    # ignore, class 1 no 85
+    assert read_label(path, get_preset("camvid")).tolist() == samples.tolist()
+    assert read_image(path)[0, :, 0].tolist() == [v * (255 // (2**bits - 1)) for v in range(4)]
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_low_bit_gray_png_colour_key_is_matched_at_the_pixels_scale(tmp_path, bits):
+    from dualseg.imaging import as_rgb, decode_image
+
+    samples = np.array([[0, 1, 1, 0], [1, 0, 0, 1]])
+    used = _low_bit_gray_png(tmp_path / "used.png", bits, samples, key=1)
+    for read in (
+        lambda: read_image(used),
+        lambda: as_rgb(Image.open(used)),  # opened by the caller, not yet decoded
+        lambda: decode_image(used.read_bytes(), source="upload"),
+    ):
+        with pytest.raises(DataError, match="transparent pixels"):
+            read()  # the key's pixels are transparent (a browser shows them so)
+    unused = _low_bit_gray_png(tmp_path / "unused.png", bits, samples, key=2)
+    scale = 255 // (2**bits - 1)
+    assert read_image(unused)[0, :, 0].tolist() == [0, scale, scale, 0]

@@ -261,6 +261,11 @@ def _decode_label(
         im = ImageOps.exif_transpose(im)
     if label_format == "index":
         raw = _label_array(path, im)
+        if im.mode == "L" and (bits := _bits_per_sample(path, im)) in (2, 4):
+            # a 2- or 4-bit grayscale PNG: Pillow scales its samples to 0..255 (x85, x17), but
+            # a label's values are its stored samples, as for 1- and 16-bit labels: 0..3 are
+            # classes 0..3, not 0, 85, 170 and 255 (ignore)
+            raw = raw // (255 // (2**bits - 1))
         if im.mode == "P":
             _check_palette_indices(path, im, raw, meta)
         return _check_values(path, raw, meta)
