@@ -424,3 +424,9 @@ def test_load_config_refuses_a_key_written_twice(tmp_path) -> None:
     once = tmp_path / "once.yaml"
     once.write_text("optim:\n  lr: 0.5\n  momentum: 0.8\n")
     assert load_config(once).optim.lr == 0.5
+    # jsonargparse takes the YAML itself as --config too (train --resume passes it so)
+    from dualseg.engine.config import parse_command
+
+    with pytest.raises(ConfigError, match=r"the --config text .* 'lr' is written twice on line 1"):
+        parse_command(["--config", "{optim: {lr: 0.1, lr: 0.2}}"])
+    assert parse_command(["--config", once.read_text()])[0].optim.momentum == 0.8

@@ -341,11 +341,13 @@ def parse_command(argv: list[str] | None) -> tuple[Config, str | None, dict[str,
 def _bad_config_file(argv: list[str]) -> str | None:
     """The first ``--config`` file that is unreadable, not YAML, empty or not a mapping, in one
     line naming it (jsonargparse's own message names no file, which matters with several)."""
-    paths = [b for a, b in itertools.pairwise(argv) if a == "--config"]
-    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    for path in paths:
+    values = [b for a, b in itertools.pairwise(argv) if a == "--config"]
+    values += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for value in values:
+        # jsonargparse also takes the YAML itself (train --resume passes a checkpoint's so)
+        inline = "\n" in value or value.lstrip().startswith("{")
         try:
-            _read_config_file(path, empty_ok=False)
+            _read_config_file(value, empty_ok=False, inline=inline)
         except ConfigError as err:
             return str(err)
     return None
@@ -373,12 +375,18 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _read_config_file(path: str | Path, *, empty_ok: bool = True) -> dict[str, Any]:
+def _read_config_file(
+    path: str | Path, *, empty_ok: bool = True, inline: bool = False
+) -> dict[str, Any]:
     """A YAML config file's top-level mapping (``{}`` for an empty one when ``empty_ok``), or
     one :class:`ConfigError` naming the file: unreadable, not YAML (line and column), a key
-    written twice in one mapping, empty, or not a mapping of sections."""
+    written twice in one mapping, empty, or not a mapping of sections. ``inline``: ``path``
+    is the YAML text itself."""
     try:
-        d = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
+        text = str(path) if inline else Path(path).read_text()
+        if inline:
+            path = "the --config text"
+        d = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
     except OSError as err:
         raise ConfigError(f"cannot read config {path}: {err}") from None
     except yaml.YAMLError as err:
