@@ -257,3 +257,45 @@ def test_predict_and_eval_take_a_pretrained_folder_and_follow_the_progress_rule(
     captured = capsys.readouterr()
     assert "eval: 2/2 (100%) batch" in captured.err and "mIoU" in captured.out
     assert json.loads((tmp_path / "ev" / "metrics.json").read_text())["num_images"] == 2
+
+
+def test_a_folder_keeps_how_the_training_labels_were_read(tmp_path, capsys) -> None:
+    """A model trained with --data.label_map is scored on the classes it learnt from its
+    folder as from its checkpoint (the folder used to drop the map: another mIoU, no word)."""
+    from dualseg.data import make_synthetic_dataset
+
+    shuffled = "0:1,1:2,2:3,3:4,4:5,5:6,6:7,7:0"
+    data_cfg = {"preset": "synthetic", "label_map": shuffled, "ignore_index": 255}
+    ckpt = write_synthetic_checkpoint(tmp_path / "best.pt", config={"data": data_cfg})
+    out = tmp_path / "pre"
+    assert cli_main(["export", "-c", str(ckpt), "--format", "pretrained", "--out", str(out)]) == 0
+    config = json.loads((out / CONFIG_NAME).read_text())
+    assert config["training_labels"] == {"label_map": shuffled, "ignore_index": 255}
+    assert read_pretrained(out)["config"]["data"]["label_map"] == shuffled
+    again = tmp_path / "again"  # through the Python API too
+    dualseg.load_model(out).save_pretrained(again)
+    assert (
+        json.loads((again / CONFIG_NAME).read_text())["training_labels"]
+        == (config["training_labels"])
+    )
+
+    data = make_synthetic_dataset(tmp_path / "syn", n_train=1, n_val=2, size=(48, 64))
+    scores = []
+    for source in (ckpt, out):
+        ev = tmp_path / f"ev_{Path(source).name}"
+        argv = ["eval", "-c", str(source), "--data", str(data), "-o", str(ev), "--threads", "1"]
+        assert cli_main(argv) == 0
+        assert f"data.label_map {shuffled}" in capsys.readouterr().err  # the note
+        scores.append(json.loads((ev / "metrics.json").read_text())["miou"])
+    assert scores[0] == scores[1]
+
+
+def test_a_folder_with_unknown_training_label_keys_is_refused(folder, tmp_path) -> None:
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    config = json.loads((bad / CONFIG_NAME).read_text())
+    (bad / CONFIG_NAME).write_text(json.dumps({**config, "training_labels": {"labelmap": "1:2"}}))
+    with pytest.raises(CheckpointError, match="training_labels must map some of label_format"):
+        read_pretrained(bad)

@@ -112,10 +112,11 @@ def label_settings(
 ) -> tuple[str, dict[int, int] | None, Any, list[str]]:
     """How to read the labels: ``(label_format, label_map, ignore_value, taken)``.
 
-    ``trained``: the ``data`` section of the model's training config (empty when unknown, e.g.
-    a pretrained folder). Each of :func:`add_label_args`' flags not given takes the value the
-    model was trained with, so a model trained on 0/255 masks with ``--data.label_map 255:1``
-    is scored on the classes it learnt; ``taken`` lists what was taken, for a note.
+    ``trained``: the ``data`` section of the model's training config (a pretrained folder
+    keeps its label keys; empty when unknown, e.g. a torch module). Each of
+    :func:`add_label_args`' flags not given takes the value the model was trained with, so a
+    model trained on 0/255 masks with ``--data.label_map 255:1`` is scored on the classes it
+    learnt; ``taken`` lists what was taken, for a note.
     """
     from dualseg.data.presets import parse_label_map
 

@@ -112,6 +112,8 @@ class Segmenter(Predictor):
         # save_pretrained). None: a model built elsewhere.
         self.arch: str | None = None
         self.model_kwargs: dict[str, Any] | None = None
+        # how the training labels were read (data.label_map ...), for save_pretrained
+        self.training_labels: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return (
@@ -232,6 +234,7 @@ class Segmenter(Predictor):
             meta=self.meta,
             mean=IMAGENET_MEAN,
             std=IMAGENET_STD,
+            training_labels=self.training_labels,
             overwrite=overwrite,
         )
 
@@ -295,4 +298,5 @@ def load_model(
     model, meta = build_model_from_checkpoint(ckpt, device=dev)
     seg = Segmenter(model, meta, device=dev, amp=amp)
     seg.arch, seg.model_kwargs = str(ckpt["arch"]), dict(ckpt["model_kwargs"])
+    seg.training_labels = dict((ckpt.get("config") or {}).get("data") or {})
     return seg

@@ -152,6 +152,11 @@ def resolve_source(source: str | os.PathLike[str], *, files: Sequence[str]) -> P
 
 
 # --------------------------------------------------------------------------- save
+# the training config's data keys that say how its labels were read: a folder keeps them, so a
+# model trained with --data.label_map 255:1 is scored on the classes it learnt
+TRAINING_LABEL_KEYS = ("label_format", "label_map", "ignore_index")
+
+
 def save_pretrained(
     model: nn.Module,
     folder: str | os.PathLike[str],
@@ -162,14 +167,17 @@ def save_pretrained(
     mean: Sequence[float] | None = None,
     std: Sequence[float] | None = None,
     metrics: Mapping[str, Any] | None = None,
+    training_labels: Mapping[str, Any] | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write ``model`` as a pretrained folder (``config.json`` + ``model.safetensors``).
 
     ``arch`` / ``model_kwargs`` rebuild the network (``build_model(arch, **model_kwargs)``);
     ``meta`` gives class names and palette; ``mean`` / ``std`` the input normalization (default
-    ImageNet's, what dualseg trains with). An existing folder's files are kept unless
-    ``overwrite=True``.
+    ImageNet's, what dualseg trains with); ``training_labels`` how the training labels were
+    read (the training config's ``data.label_format`` / ``label_map`` / ``ignore_index``), so
+    that ``eval`` and ``refine fit`` of the folder read labels as the checkpoint's do. An
+    existing folder's files are kept unless ``overwrite=True``.
     """
     from dualseg._version import __version__
     from dualseg.engine.checkpoint import to_plain
@@ -204,6 +212,9 @@ def save_pretrained(
             "std": list(std or IMAGENET_STD),
         },
     }
+    labels = {k: v for k, v in dict(training_labels or {}).items() if k in TRAINING_LABEL_KEYS}
+    if labels:
+        config["training_labels"] = to_plain(labels)
     if metrics:
         config["metrics"] = {
             k: v for k, v in dict(metrics).items() if isinstance(v, int | float | str)
@@ -243,6 +254,7 @@ def save_pretrained_from_checkpoint(
     ckpt = load_state(checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device="cpu")
     metrics = dict(ckpt.get("metrics") or {})
+    trained = (ckpt.get("config") or {}).get("data") or {}
     norm = ckpt.get("normalization") or {}  # a pretrained folder's own; a .pt: the default
     return save_pretrained(
         model,
@@ -253,6 +265,7 @@ def save_pretrained_from_checkpoint(
         mean=norm.get("mean"),
         std=norm.get("std"),
         metrics={k: metrics[k] for k in ("iteration", "miou") if k in metrics},
+        training_labels=trained,
         overwrite=overwrite,
     )
 
@@ -281,6 +294,12 @@ def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
             f"{folder / CONFIG_NAME}: normalization must be a dict with mean and std, got "
             f"{type(norm).__name__}; save the folder again"
         )
+    labels = config.get("training_labels") or {}
+    if not isinstance(labels, dict) or not set(labels) <= set(TRAINING_LABEL_KEYS):
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME}: training_labels must map some of "
+            f"{', '.join(TRAINING_LABEL_KEYS)} to values, got {labels!r}; save the folder again"
+        )
     state = read_safetensors(folder / WEIGHTS_NAME, what="model")
     return {
         "format": FORMAT,
@@ -290,7 +309,7 @@ def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
         "class_names": list(config["class_names"]),
         "palette": [list(c) for c in config["palette"]],
         "ignore_index": int(config.get("ignore_index", 255)),
-        "config": {"data": {"preset": config.get("dataset")}},
+        "config": {"data": {"preset": config.get("dataset"), **labels}},
         "normalization": dict(norm),
         "metrics": dict(config.get("metrics") or {}),
         "_path": str(folder / WEIGHTS_NAME),
