@@ -102,7 +102,8 @@ def torch_file_format(path: str | os.PathLike[str]) -> str | None:
 def read_torchscript_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """For a TorchScript archive (``torch.jit.save``): the metadata dict ``dualseg export``
     stored in it (:data:`TORCHSCRIPT_META`), ``{}`` for another TorchScript file; None for a
-    file that is no (readable) TorchScript archive.
+    file that is no (readable) TorchScript archive; :class:`CheckpointError` when that
+    metadata is not JSON.
 
     Read from the zip's names (a TorchScript archive has ``constants.pkl`` and ``code/``, a
     ``torch.save`` file has neither), without torch.
@@ -119,10 +120,17 @@ def read_torchscript_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None
             meta = [n for n in names if n.endswith(f"extra/{TORCHSCRIPT_META}")]
             if not meta:
                 return {}
-            info = json.loads(z.read(meta[0]).decode("utf-8"))
-            return info if isinstance(info, dict) else {}
+            text = z.read(meta[0])
     except (OSError, zipfile.BadZipFile, ValueError, KeyError):
         return None  # unreadable: the caller's loader reports it
+    try:
+        info = json.loads(text.decode("utf-8"))
+    except ValueError:  # a TorchScript file whose dualseg metadata was damaged
+        raise CheckpointError(
+            f"{path}: its dualseg metadata (extra/{TORCHSCRIPT_META}) is not valid JSON; "
+            "re-export it with 'dualseg export'"
+        ) from None
+    return info if isinstance(info, dict) else {}
 
 
 def _torchscript_kind(path: Path) -> str | None:

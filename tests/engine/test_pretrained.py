@@ -299,3 +299,32 @@ def test_a_folder_with_unknown_training_label_keys_is_refused(folder, tmp_path) 
     (bad / CONFIG_NAME).write_text(json.dumps({**config, "training_labels": {"labelmap": "1:2"}}))
     with pytest.raises(CheckpointError, match="training_labels must map some of label_format"):
         read_pretrained(bad)
+
+
+@pytest.mark.parametrize(
+    ("entry", "value", "said"),
+    [
+        ("palette", [[1, 2]] * 8, "palette colours must be [r, g, b] in 0..255, got [1, 2]"),
+        ("palette", [["a", "b", "c"]] * 8, "palette colours must be [r, g, b]"),
+        ("palette", [[0, 0, 300]] * 8, "palette colours must be [r, g, b] in 0..255"),
+        ("ignore_index", "abc", "ignore_index must be an integer, got 'abc'"),
+        ("class_names", "skyroad", "class_names must be a list, got str"),
+        ("class_names", [1, 2, 3, 4, 5, 6, 7, 8], "class_names must be strings"),
+    ],
+)
+def test_a_damaged_config_json_is_one_line(folder, tmp_path, capsys, entry, value, said) -> None:
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(folder, bad)
+    config = json.loads((bad / CONFIG_NAME).read_text())
+    (bad / CONFIG_NAME).write_text(json.dumps({**config, entry: value}))
+    image = tmp_path / "in.png"
+    from PIL import Image
+
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(image)
+    out = tmp_path / "out"
+    assert cli_main(["predict", str(image), "-c", str(bad), "-o", str(out), "-q"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and said in err and str(bad / CONFIG_NAME) in err, err
+    assert not out.exists()

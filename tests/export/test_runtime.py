@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -97,3 +98,59 @@ def test_dualseg_predict_onnx(onnx_dynamic, tmp_path):
     label = np.asarray(Image.open(out / "labels" / "im0.png"))
     np.testing.assert_array_equal(label, OnnxSegmenter(onnx_dynamic).predict(_images()[0]))
     assert (out / "color" / "im1.png").is_file() and (out / "probs" / "im2.npz").is_file()
+
+
+def _with_metadata(source, target, **changes):
+    """A copy of an exported ONNX file with some ``dualseg.*`` metadata replaced (a raw JSON
+    text) or removed (None)."""
+    import onnx
+
+    model = onnx.load(str(source))
+    props = {p.key: p.value for p in model.metadata_props}
+    for key, text in changes.items():
+        if text is None:
+            props.pop(f"dualseg.{key}")
+        else:
+            props[f"dualseg.{key}"] = text
+    del model.metadata_props[:]
+    for key, value in props.items():
+        model.metadata_props.add(key=key, value=value)
+    onnx.save(model, str(target))
+    return target
+
+
+@pytest.mark.parametrize(
+    ("changes", "said"),
+    [
+        ({"class_names": None}, "class_names must be a non-empty list of class names"),
+        ({"class_names": '"skyroad"'}, "class_names must be a non-empty list"),
+        ({"mean": None}, "mean must be three numbers"),
+        ({"mean": "[0.5]"}, "mean must be three numbers"),
+        ({"std": "[0.2, 0.0, 0.2]"}, "std must be three positive numbers"),
+        ({"output": '"foo"'}, "output must be 'logits' or 'probs'"),
+        ({"palette": "[[1, 2]]"}, "palette must be a list of [r, g, b] colours"),
+        ({"ignore_index": '"abc"'}, "ignore_index must be an integer"),
+        ({"mean": "[0.5, "}, "dualseg.mean is not valid JSON"),
+    ],
+)
+def test_damaged_metadata_is_one_error_naming_the_entry(onnx_dynamic, tmp_path, changes, said):
+    bad = _with_metadata(onnx_dynamic, tmp_path / "bad.onnx", **changes)
+    with pytest.raises(CheckpointError, match=re.escape(said)) as err:
+        OnnxSegmenter(bad)
+    assert str(bad) in str(err.value) and "re-export" in str(err.value)
+
+
+def test_class_names_that_do_not_match_the_outputs_are_refused_before_any_output(
+    onnx_dynamic, tmp_path, capsys
+):
+    from dualseg.cli import main
+
+    bad = _with_metadata(onnx_dynamic, tmp_path / "two.onnx", class_names='["a", "b"]')
+    with pytest.raises(CheckpointError, match=r"outputs scores of shape \(1, \d+, 50, 70\) but"):
+        OnnxSegmenter(bad).predict(_images()[0])
+    image = tmp_path / "in.png"
+    Image.fromarray(_images()[0]).save(image)
+    out = tmp_path / "out"
+    assert main(["predict", "--onnx", str(bad), str(image), "-o", str(out), "-q"]) == 1
+    assert "names 2 classes; re-export" in capsys.readouterr().err
+    assert not any(p.is_file() for p in out.rglob("*"))  # no label PNG without its colour one

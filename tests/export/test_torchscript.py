@@ -72,3 +72,27 @@ def test_read_export_info_tells_a_checkpoint_and_a_foreign_torchscript_apart(tmp
     torch.jit.save(torch.jit.script(torch.nn.ReLU()), foreign)
     with pytest.raises(CheckpointError, match="without dualseg metadata"):
         read_export_info(foreign)
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (b'{"format": "dualseg-export/1", "class_names"', "is not valid JSON"),  # cut short
+        (None, "class_names must be a non-empty list"),  # the entry removed
+    ],
+)
+def test_damaged_torchscript_metadata_is_one_error(scripted, tmp_path, text, said) -> None:
+    import zipfile
+
+    bad = tmp_path / "bad.pt"
+    with zipfile.ZipFile(scripted) as src, zipfile.ZipFile(bad, "w") as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename.endswith(f"extra/{TORCHSCRIPT_META}"):
+                info = json.loads(data)
+                info.pop("class_names")
+                data = text if text is not None else json.dumps(info).encode()
+            dst.writestr(item, data)
+    with pytest.raises(CheckpointError, match=said) as err:
+        ExportedSegmenter(bad)
+    assert str(bad) in str(err.value)

@@ -17,6 +17,7 @@ the rest is needed to resume training.
 
 from __future__ import annotations
 
+import numbers
 import os
 import random
 from collections.abc import Mapping
@@ -247,19 +248,52 @@ def load_model_state(model: nn.Module, ckpt: Mapping[str, Any]) -> None:
     model.load_state_dict(ckpt["model"])
 
 
+def _is_colour(rgb: Any) -> bool:
+    return (
+        isinstance(rgb, list | tuple)
+        and len(rgb) == 3
+        and all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in rgb)
+        and all(0 <= c <= 255 for c in rgb)
+    )
+
+
 def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
     """The dataset description stored in a checkpoint (class names, palette, ignore index)."""
     from dualseg.data import DatasetMeta
 
     n = checkpoint_num_classes(ckpt)
-    names = tuple(ckpt.get("class_names") or (f"class_{i}" for i in range(n)))
-    palette = ckpt.get("palette") or default_palette(n)
+    names, palette = ckpt.get("class_names"), ckpt.get("palette")
+    for key, value in (("class_names", names), ("palette", palette)):
+        if value is not None and not isinstance(value, list | tuple):  # "road" is no list
+            raise CheckpointError(
+                f"{_meta_name(ckpt)}: {key} must be a list, got {type(value).__name__} "
+                f"{value!r:.40}; save the model again"
+            )
+    if names and not all(isinstance(c, str) for c in names):
+        raise CheckpointError(
+            f"{_meta_name(ckpt)}: class_names must be strings, got {list(names)!r:.60}; save "
+            "the model again"
+        )
+    names = tuple(names or (f"class_{i}" for i in range(n)))
+    palette = palette or default_palette(n)
     counts = {"class names": len(names), "palette colours": len(palette)}
     wrong = [f"{count} {what}" for what, count in counts.items() if count != n]
     if wrong:
         raise CheckpointError(
             f"{_meta_name(ckpt)} describes {' and '.join(wrong)} for a model of {n} classes; "
             "save the model again with one class name and one colour per class"
+        )
+    bad_colours = [rgb for rgb in palette if not _is_colour(rgb)]
+    if bad_colours:
+        raise CheckpointError(
+            f"{_meta_name(ckpt)}: palette colours must be [r, g, b] in 0..255, got "
+            f"{bad_colours[0]!r}; save the model again"
+        )
+    ignore = ckpt.get("ignore_index", 255)
+    if not isinstance(ignore, numbers.Integral) or isinstance(ignore, bool):
+        raise CheckpointError(
+            f"{_meta_name(ckpt)}: ignore_index must be an integer, got {ignore!r}; save the "
+            "model again"
         )
     config = ckpt.get("config") or {}
     data_cfg = config.get("data") if isinstance(config, Mapping) else None
@@ -268,7 +302,7 @@ def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
         name=str(name),
         class_names=names,
         palette=tuple(tuple(int(c) for c in rgb) for rgb in palette),
-        ignore_index=int(ckpt.get("ignore_index", 255)),
+        ignore_index=int(ignore),
     )
 
 

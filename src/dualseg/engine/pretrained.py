@@ -306,9 +306,9 @@ def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
         "arch": config["arch"],
         "model_kwargs": config["model_kwargs"],  # checked by build_model_from_checkpoint
         "model": state,
-        "class_names": list(config["class_names"]),
-        "palette": [list(c) for c in config["palette"]],
-        "ignore_index": int(config.get("ignore_index", 255)),
+        "class_names": config["class_names"],  # checked by meta_from_checkpoint
+        "palette": config["palette"],  # checked by meta_from_checkpoint
+        "ignore_index": config.get("ignore_index", 255),  # checked by meta_from_checkpoint
         "config": {"data": {"preset": config.get("dataset"), **labels}},
         "normalization": dict(norm),
         "metrics": dict(config.get("metrics") or {}),

@@ -45,6 +45,67 @@ def _resize(array: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     return out[:, :, None] if out.ndim == 2 else out
 
 
+def _check_segmenter_info(path: Path, info: dict[str, Any]) -> None:
+    """One :class:`CheckpointError` naming the metadata entry of an exported segmentation
+    network that is missing or malformed (a file edited by hand, or by another tool), before
+    any of it is used."""
+
+    def number_list(value: Any, n: int) -> bool:
+        return (
+            isinstance(value, list)
+            and len(value) == n
+            and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+        )
+
+    names, palette, size = info.get("class_names"), info.get("palette"), info.get("input_size")
+    checks = [
+        (
+            isinstance(names, list) and bool(names) and all(isinstance(c, str) for c in names),
+            "class_names",
+            "a non-empty list of class names",
+        ),
+        (number_list(info.get("mean"), 3), "mean", "three numbers (RGB)"),
+        (
+            number_list(info.get("std"), 3) and all(v > 0 for v in info["std"]),
+            "std",
+            "three positive numbers (RGB)",
+        ),
+        (info.get("output") in ("logits", "probs"), "output", "'logits' or 'probs'"),
+        (
+            palette is None
+            or (
+                isinstance(palette, list)
+                and all(
+                    number_list(c, 3) and all(isinstance(v, int) and 0 <= v <= 255 for v in c)
+                    for c in palette
+                )
+            ),
+            "palette",
+            "a list of [r, g, b] colours in 0..255",
+        ),
+        (
+            isinstance(info.get("ignore_index", 255), int)
+            and not isinstance(info.get("ignore_index", 255), bool),
+            "ignore_index",
+            "an integer",
+        ),
+        (
+            size is None
+            or (number_list(size, 2) and all(isinstance(v, int) and v >= 1 for v in size)),
+            "input_size",
+            "null or [height, width]",
+        ),
+    ]
+    for ok, key, expected in checks:
+        if not ok:
+            shown = repr(info.get(key, "<missing>"))
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            raise CheckpointError(
+                f"{path}: its metadata {key} must be {expected}, got {shown}; re-export it "
+                "with 'dualseg export'"
+            )
+
+
 # ----------------------------------------------------------------------------- segmenter
 class ExportedSegmenter(Predictor):
     """An exported method-A network (ONNX or TorchScript file) ready for raw images.
@@ -82,6 +143,7 @@ class ExportedSegmenter(Predictor):
                 f"{self.path} holds a {self.info.get('kind')!r} model, not a segmentation "
                 "network; load an exported refiner with load_exported_refiner"
             )
+        _check_segmenter_info(self.path, self.info)
         names = tuple(self.info["class_names"])
         palette = self.info.get("palette") or []
         if len(palette) != len(names):  # none stored (an export_model call without one)
@@ -133,6 +195,11 @@ class ExportedSegmenter(Predictor):
             yield chunk, self._probs(self.runner(self.to_input([arrays[i] for i in chunk])))
 
     def _probs(self, scores: np.ndarray) -> np.ndarray:
+        if scores.ndim != 4 or scores.shape[1] != self.num_classes:
+            raise CheckpointError(
+                f"{self.path} outputs scores of shape {tuple(scores.shape)} but its metadata "
+                f"names {self.num_classes} classes; re-export it with 'dualseg export'"
+            )
         scores = scores.astype(np.float32, copy=False)
         return scores if self.info["output"] == "probs" else _softmax(scores, axis=1)
 

@@ -96,12 +96,17 @@ def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
                 f"{path} is not a readable ONNX model ({str(err).splitlines()[0]}); "
                 "re-export it with 'dualseg export'"
             ) from err
-        props = meta.custom_metadata_map
-        info = {
-            k[len(META_PREFIX) :]: json.loads(v)
-            for k, v in props.items()
-            if k.startswith(META_PREFIX)
-        }
+        info = {}
+        for key, text in meta.custom_metadata_map.items():
+            if not key.startswith(META_PREFIX):
+                continue
+            try:
+                info[key[len(META_PREFIX) :]] = json.loads(text)
+            except ValueError:
+                raise CheckpointError(
+                    f"{path}: its metadata {key} is not valid JSON ({text[:40]!r}); re-export "
+                    "it with 'dualseg export'"
+                ) from None
     if info.get("format") != EXPORT_FORMAT:
         raise CheckpointError(
             f"{path} carries no dualseg export metadata (format {info.get('format')!r}, "
