@@ -50,6 +50,7 @@ __all__ = [
     "numpy_to_rgb",
     "open_image",
     "read_image",
+    "rgb_digest",
 ]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -302,6 +303,16 @@ def as_rgb(image: Any) -> np.ndarray:
         f"cannot segment a {type(image).__name__}: pass a file path, a PIL image, an HxWx3 "
         "uint8 numpy array or a [3,H,W] tensor"
     )
+
+
+def rgb_digest(rgb: np.ndarray) -> str:
+    """A SHA-1 of a decoded ``HxWx3`` uint8 picture (its size and pixels): the same picture
+    gives the same digest wherever its file lies (``predict --probs`` stores it, and method B
+    matches saved probabilities to their image by it)."""
+    import hashlib
+
+    rgb = np.ascontiguousarray(rgb, dtype=np.uint8)
+    return hashlib.sha1(repr(rgb.shape).encode() + rgb.tobytes()).hexdigest()
 
 
 def normalize(

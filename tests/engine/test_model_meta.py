@@ -224,6 +224,46 @@ def test_probability_maps_are_matched_by_their_source(two_x: tuple[Path, Path, P
         base.scores(images, ["x"])
 
 
+def test_a_map_whose_image_is_gone_matches_only_the_same_pixels(tmp_path, monkeypatch) -> None:
+    """predict --probs ran on A/x.png, which is gone; refine apply runs on B's x.png from B's
+    folder: the bare name must not match the stored .../A/x.png (it did: the refined labels
+    were A's), while the same picture moved elsewhere still does."""
+    from dualseg.imaging import rgb_digest
+
+    rng = np.random.default_rng(0)
+    pixels_a, pixels_b = (rng.integers(0, 256, (8, 8, 3), dtype=np.uint8) for _ in range(2))
+    gone = tmp_path / "A" / "x.png"
+    probs = tmp_path / "probs"
+    save_probs(probs / "x.npz", _probs(0), "abc", str(gone), image_sha1=rgb_digest(pixels_a))
+    atomic_save_image(tmp_path / "B" / "x.png", pixels_b)
+    atomic_save_image(tmp_path / "moved" / "x.png", pixels_a)
+    base, images = ProbsFolderBase(probs), torch.zeros(1, 3, 8, 8)
+    monkeypatch.chdir(tmp_path / "B")
+    with pytest.raises(DataError, match=r"holds the probabilities of .*A/x\.png, not of x\.png"):
+        base.scores(images, ["x"], sources=["x.png"])
+    monkeypatch.chdir(tmp_path / "moved")
+    assert base.scores(images, ["x"], sources=["x.png"]).argmax(1).unique().tolist() == [0]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "npy"])
+def test_an_unreadable_probability_file_is_one_error_naming_it(tmp_path, damage) -> None:
+    probs = tmp_path / "probs"
+    save_probs(probs / "x.npz", _probs(0), "abc", "x.png")
+    bad = probs / "y.npz"
+    whole = (probs / "x.npz").read_bytes()
+    if damage == "truncated":
+        bad.write_bytes(whole[: len(whole) // 2])
+    elif damage == "empty":
+        bad.write_bytes(b"")
+    else:  # a .npy renamed .npz
+        np.save(tmp_path / "y.npy", _probs(0))
+        bad.write_bytes((tmp_path / "y.npy").read_bytes())
+    with pytest.raises(
+        DataError, match=r"y\.npz: not a readable probability file .*predict --probs"
+    ):
+        ProbsFolderBase(probs)
+
+
 def test_same_named_images_of_a_folder_input_still_match_by_name(tmp_path: Path) -> None:
     """predict photos/ names photos/A/x.png "A/x" and photos/B/x.png "B/x": no ambiguity."""
     probs = tmp_path / "probs"

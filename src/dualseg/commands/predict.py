@@ -61,6 +61,8 @@ PROBS_KEYS = {
     "their mean over the augmentations)",
     "class_names": "str [C] class names, in channel order",
     "source": "str, the input image path",
+    "image_sha1": "str, dualseg.imaging.rgb_digest of the decoded input image (matches a map "
+    "to its image where the source path does not exist)",
 }
 
 
@@ -267,16 +269,24 @@ def check_image_outputs(
     check_outputs(outputs, overwrite=args.overwrite, protected=protected)
 
 
-def save_probs(path: Path, probs: np.ndarray, class_names: Iterable[str], source: str) -> None:
+def save_probs(
+    path: Path,
+    probs: np.ndarray,
+    class_names: Iterable[str],
+    source: str,
+    image_sha1: str | None = None,
+) -> None:
     """Write one ``--probs`` file (keys: :data:`PROBS_KEYS`), compressed and atomically."""
     from dualseg.io import atomic_write_bytes
 
     buf = io.BytesIO()
+    digest = {} if image_sha1 is None else {"image_sha1": np.asarray(image_sha1)}
     np.savez_compressed(
         buf,
         probs=probs.astype(np.float16),
         class_names=np.asarray(list(class_names), dtype=str),
         source=np.asarray(source),
+        **digest,
     )
     atomic_write_bytes(path, buf.getvalue())
 
@@ -309,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = check_writable(args.out, kind="dir", what="--out")
     from dualseg.engine.predict import as_rgb_array, load_model
+    from dualseg.imaging import rgb_digest
 
     device = apply_runtime(args)
     opts = inference_options(args)
@@ -368,7 +379,13 @@ def main(argv: list[str] | None = None) -> int:
             if probs is not None:
                 # the resolved path: refine apply matches it from any working folder
                 source = str(Path(path).resolve())
-                save_probs(out / "probs" / f"{name}.npz", probs, seg.class_names, source)
+                save_probs(
+                    out / "probs" / f"{name}.npz",
+                    probs,
+                    seg.class_names,
+                    source,
+                    image_sha1=rgb_digest(array),
+                )
             elif args.overwrite:  # an earlier --probs run's scores: another model's, now stale
                 (out / "probs" / f"{name}.npz").unlink(missing_ok=True)
             bar.update(1)

@@ -146,11 +146,14 @@ class ProbsFolderBase:
                 "'dualseg predict --probs ... --out DIR' and pass DIR"
             )
         self.sources: dict[str, str | None] = {}  # output name -> stored source image path
+        self.digests: dict[str, str] = {}  # output name -> its image's rgb_digest, if stored
         names: dict[Path, tuple[str, ...] | None] = {}
         for path in files:
-            data = self._read(path, keys=("class_names", "source"))
+            data = self._read(path, keys=("class_names", "source", "image_sha1"))
             name = path.relative_to(self.folder).with_suffix("").as_posix()
             self.sources[name] = str(data["source"]) if "source" in data else None
+            if "image_sha1" in data:
+                self.digests[name] = str(data["image_sha1"])
             names[path] = (
                 tuple(str(n) for n in data["class_names"]) if "class_names" in data else None
             )
@@ -168,17 +171,21 @@ class ProbsFolderBase:
         try:
             with np.load(path, allow_pickle=False) as z:
                 return {k: z[k] for k in z.files if keys is None or k in keys}
-        except (OSError, ValueError, KeyError) as err:
-            raise DataError(f"{path}: not a readable probability file ({err})") from err
+        except Exception as err:  # numpy raises zipfile.BadZipFile, EOFError, TypeError, ...
+            raise DataError(
+                f"{path}: not a readable probability file ({type(err).__name__}: {err}); write "
+                "it again with 'dualseg predict --probs'"
+            ) from err
 
     def _find(self, name: str, source: str | None) -> Path:
         """The map of image ``name`` (at path ``source`` when known)."""
         if source is not None:
-            by_source = [n for n, s in self.sources.items() if s and same_file(s, source)]
+            match = _SourceMatch(source)
+            by_source = [n for n, s in self.sources.items() if s and match(s, self.digests.get(n))]
             if len(by_source) == 1:
                 return self.folder / f"{by_source[0]}.npz"
             stored = self.sources.get(name)
-            if stored and not same_file(stored, source):
+            if stored and not match(stored, self.digests.get(name)):
                 raise DataError(
                     f"{self.folder / name}.npz holds the probabilities of {stored}, not of "
                     f"{source}; pass the probability folder predicted for this image "
@@ -234,6 +241,28 @@ class ProbsFolderBase:
                 )
             out.append(probs)
         return torch.stack(out).to(images.device)
+
+
+class _SourceMatch:
+    """Whether a stored map's image is the image at ``source``: the same file on disk when
+    both paths exist here; else, when the map stores its image's digest and ``source`` exists,
+    the same decoded pixels (a bare ``x.png`` must not match a stored ``.../A/x.png`` that is
+    gone); else, for maps without a digest (older dualseg), :func:`same_file`'s trailing-path
+    rule. ``source`` is read (once) only when a digest is compared."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self._digest: str | None = None
+
+    def __call__(self, stored: str, stored_digest: str | None) -> bool:
+        here = Path(self.source)
+        if stored_digest is None or Path(stored).exists() or not here.is_file():
+            return same_file(stored, self.source)
+        if self._digest is None:
+            from dualseg.imaging import read_image, rgb_digest
+
+            self._digest = rgb_digest(read_image(here))
+        return self._digest == stored_digest
 
 
 def _numbered(name: str, stem: str) -> bool:
