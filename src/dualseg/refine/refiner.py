@@ -465,7 +465,10 @@ class BoundaryRefiner:
                 "the base model (init_from; on the CLI --base CHECKPOINT)"
             )
         if net is None:
-            net = cfg.embedding_net(weights=weights)
+            from dualseg.data.transforms import seeded
+
+            with seeded(cfg.seed):  # the random head (and backbone) too: one seed, one refiner
+                net = cfg.embedding_net(weights=weights)
             if init_from is not None:  # the base's whole backbone, or refused
                 init_backbone_from(net.backbone, init_from, strict=True)
         net.to(dev)
