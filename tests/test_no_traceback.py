@@ -51,6 +51,8 @@ def test_every_command_with_a_bad_input_prints_no_traceback(tmp_path: Path) -> N
             "0",
         ],
         "data subcommand": ["data", "chek"],
+        # a (2r+1)^2 dilation kernel: r = 100000 asked OpenCV for 40 GB, a cv2.error traceback
+        "refine fit radius": ["refine", "fit", "--data", missing, "--radius", "100000"],
     }
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     # One interpreter runs them all (torch is imported once): DRIVER calls dualseg.cli.main as
@@ -81,6 +83,7 @@ def test_every_command_with_a_bad_input_prints_no_traceback(tmp_path: Path) -> N
         "dualseg refine apply: error: argument --top-n: must be >= 1, got 0"
     )
     assert results["refine apply"][2].startswith("dualseg refine apply: error:")
+    assert "argument --radius: must be at most 256 pixels" in results["refine fit radius"][2]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["img.png", "notes.txt"]
 
 

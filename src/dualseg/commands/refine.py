@@ -168,7 +168,7 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--radius",
-        type=nonnegative_int,
+        type=radius_arg,
         default=d.radius,
         help=f"near-boundary radius ({d.radius})",
     )
@@ -268,7 +268,7 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
     add_dataset_check_options(p)
     p.add_argument("--top-n", type=positive_int, help="override the refiner's Top-N")
     p.add_argument(
-        "--radius", type=nonnegative_int, help="override the refiner's near-boundary radius"
+        "--radius", type=radius_arg, help="override the refiner's near-boundary radius"
     )
     add_runtime_args(p)
     add_quiet_arg(p)
@@ -276,6 +276,16 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
     from dualseg.commands.predict import add_inference_arguments
 
     add_inference_arguments(p)  # how a checkpoint base runs; the refiner gets its (TTA) scores
+
+
+def radius_arg(text: str) -> int:
+    """argparse ``type=`` of ``--radius``: 0..MAX_RADIUS pixels, refused at parsing."""
+    from dualseg.refine.boundary import MAX_RADIUS
+
+    value = nonnegative_int(text)
+    if value > MAX_RADIUS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_RADIUS} pixels, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

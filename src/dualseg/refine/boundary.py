@@ -73,6 +73,11 @@ def _neighbour_transitions(label: np.ndarray) -> np.ndarray:
     return neighbour_transitions(label)  # ignore takes part: a class/void border is a boundary
 
 
+# The widest near-boundary band: its dilation kernel is (2r+1)^2 pixels, and at r = 100000
+# OpenCV asked for 40 GB; a band wider than 256 px covers whole images anyway.
+MAX_RADIUS = 256
+
+
 def _ellipse(radius: int) -> np.ndarray:
     return cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (2 * radius + 1, 2 * radius + 1))
 
@@ -101,8 +106,8 @@ def near_boundary_mask(
     The ignore label takes part in edge detection (a class/void border is a boundary), only its
     own pixels are dropped from the mask.
     """
-    if radius < 0:
-        raise ConfigError(f"near-boundary radius must be >= 0, got {radius}")
+    if not 0 <= radius <= MAX_RADIUS:
+        raise ConfigError(f"near-boundary radius must be in 0..{MAX_RADIUS}, got {radius}")
     is_tensor = isinstance(labels, Tensor)
     arr = labels.detach().cpu().numpy() if is_tensor else np.asarray(labels)
     if arr.ndim not in (2, 3):

@@ -32,7 +32,7 @@ from dualseg.engine.predict import as_rgb_array
 from dualseg.errors import CheckpointError, ConfigError, DataError, OutputError
 from dualseg.imaging import normalize
 from dualseg.io import atomic_torch_save
-from dualseg.refine.boundary import EDGE_METHODS
+from dualseg.refine.boundary import EDGE_METHODS, MAX_RADIUS
 from dualseg.refine.decision import Candidates, decide, gather_candidates, prototype_scale
 from dualseg.refine.embedding import (
     EmbeddingNet,
@@ -117,7 +117,10 @@ class RefinerConfig:
         checks = [
             (self.embed_dim >= 1, f"embed_dim must be >= 1, got {self.embed_dim}"),
             (0 < self.input_scale <= 4, f"input_scale must be in (0, 4], got {self.input_scale}"),
-            (self.radius >= 0, f"radius must be >= 0, got {self.radius}"),
+            (
+                0 <= self.radius <= MAX_RADIUS,
+                f"radius must be in 0..{MAX_RADIUS}, got {self.radius}",
+            ),
             (self.top_n >= 1, f"top_n must be >= 1, got {self.top_n}"),
             (self.margin >= 0, f"margin must be >= 0, got {self.margin}"),
             (self.num_triplets >= 1, f"num_triplets must be >= 1, got {self.num_triplets}"),
