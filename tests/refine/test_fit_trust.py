@@ -155,3 +155,36 @@ def test_the_same_seed_fits_the_same_refiner(data, base, tmp_path) -> None:
     same = [torch.equal(first["model"][k], again["model"][k]) for k in first["model"]]
     assert all(same) and torch.equal(first["prototypes"], again["prototypes"])
     assert not torch.equal(first["prototypes"], other["prototypes"])
+
+
+def test_apply_outputs_are_no_inputs_and_a_failed_image_leaves_no_stale_outputs(
+    data, base, tmp_path, capsys
+) -> None:
+    refiner = tmp_path / "r.pt"
+    assert main(fit(data, base, refiner)) == 0
+    inputs = tmp_path / "q"
+    inputs.mkdir()
+    for name in ("a", "b"):
+        shutil.copy(
+            data / "images" / f"val_0000{'0' if name == 'a' else '1'}.png", inputs / f"{name}.png"
+        )
+    out = inputs / "out"  # inside the inputs: its folders are never inputs
+    apply = ["refine", "apply", str(inputs), "-r", str(refiner), "-b", str(base), "-o", str(out)]
+    apply += ["--device", "cpu", "-q"]
+    assert main(apply) == 0
+    # predict into the same folder does not read refine apply's changed/ masks as images
+    predict = ["predict", str(inputs), "-c", str(base), "-o", str(out), "--overwrite", "-q"]
+    assert main(predict) == 0
+    assert sorted(
+        p.relative_to(out / "labels").as_posix() for p in (out / "labels").rglob("*.png")
+    ) == [
+        "a.png",
+        "b.png",
+    ]
+    # an image that can no longer be read: its earlier outputs go, they would look current
+    (inputs / "b.png").write_bytes((inputs / "b.png").read_bytes()[:100])
+    capsys.readouterr()
+    assert main([*apply, "--overwrite"]) == 1
+    assert "1 of 2 input image(s) could not be read" in capsys.readouterr().err
+    for folder in ("labels", "color", "overlay", "changed"):
+        assert (out / folder / "a.png").is_file() and not (out / folder / "b.png").exists()

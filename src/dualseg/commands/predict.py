@@ -53,6 +53,9 @@ if TYPE_CHECKING:  # pragma: no cover
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
 # The folders of OUT that predict writes (refine apply adds "changed"); never read as inputs.
 OUTPUT_FOLDERS = ("labels", "color", "overlay", "probs")
+# what predict and refine apply write into OUT (refine apply: "changed" too): never inputs,
+# whichever of the two wrote the folder given as input
+OWN_FOLDERS = (*OUTPUT_FOLDERS, "changed")
 
 # Keys of each --probs npz file. Method B (`dualseg refine apply --base <folder>`) reads these
 # as the output of a base model.
@@ -328,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             "--mode slide and --tta-* need --checkpoint: an --onnx model runs whole images "
             "only (drop those options, or pass the checkpoint)"
         )
-    images = collect_images(args.inputs, skip=[out / f for f in OUTPUT_FOLDERS])
+    images = collect_images(args.inputs, skip=[out / f for f in OWN_FOLDERS])
     files = [(f, ".npz" if f == "probs" else ".png") for f in OUTPUT_FOLDERS]
     check_image_outputs(args, out, images, files if args.probs else files[:-1])
     if args.onnx:

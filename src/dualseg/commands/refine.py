@@ -267,9 +267,7 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
     add_overwrite_arg(p, what="output files in --out")
     add_dataset_check_options(p)
     p.add_argument("--top-n", type=positive_int, help="override the refiner's Top-N")
-    p.add_argument(
-        "--radius", type=radius_arg, help="override the refiner's near-boundary radius"
-    )
+    p.add_argument("--radius", type=radius_arg, help="override the refiner's near-boundary radius")
     add_runtime_args(p)
     add_quiet_arg(p)
     p.add_argument("--alpha", type=fraction, default=0.5, help="overlay opacity, 0-1 (0.5)")
@@ -696,7 +694,7 @@ def format_sweep(rows: list[dict[str, Any]], *, metric: str, best: int = 5) -> s
 # ---------------------------------------------------------------------- apply
 def apply_main(args: argparse.Namespace) -> int:
     from dualseg.commands.predict import (
-        OUTPUT_FOLDERS,
+        OWN_FOLDERS,
         check_dataset_classes,
         check_image_outputs,
         collect_images,
@@ -712,7 +710,7 @@ def apply_main(args: argparse.Namespace) -> int:
 
     opts = inference_options(args)
     out = check_writable(args.out, kind="dir", what="--out")
-    images = collect_images(args.inputs, skip=[out / f for f in (*OUTPUT_FOLDERS, "changed")])
+    images = collect_images(args.inputs, skip=[out / f for f in OWN_FOLDERS])
     kinds = ("labels", "color", "overlay", "changed")
     check_image_outputs(args, out, images, [(f, ".png") for f in kinds])
     device = apply_runtime(args)
@@ -756,6 +754,9 @@ def apply_main(args: argparse.Namespace) -> int:
                 rgb = as_rgb_array(path)
             except DualsegError as err:
                 failures.append(str(err))
+                for folder in kinds if args.overwrite else ():
+                    # an earlier run's outputs of this image: another refiner's, now stale
+                    (out / folder / f"{name}.png").unlink(missing_ok=True)
                 continue
             x = torch.from_numpy(normalize([rgb])).to(device)
             with torch.no_grad(), autocast(args, device):
