@@ -338,3 +338,12 @@ def test_a_bad_second_config_file_is_named(files, capsys, text, said) -> None:
     bad.write_text(text)
     line = refused(_train(files, files["root"] / "run_second", "--config", str(bad)), capsys)
     assert said in line and (bad.name in line or "section" in said)
+
+
+@pytest.mark.parametrize("size", [["4", "64"], ["100000", "100000"]])
+def test_an_export_size_out_of_range_is_one_line(files, capsys, size) -> None:
+    out = files["root"] / f"size_{size[0]}.onnx"
+    argv = ["export", "-c", str(files["ckpt"]), "--format", "onnx", "--out", str(out), "--size"]
+    line = refused([*argv, *size], capsys)  # 100000x100000 ran out of memory: a traceback
+    assert f"--size must be between 8x8 and 8192x8192, got {size[0]}x{size[1]}" in line
+    assert not out.exists()

@@ -21,6 +21,8 @@ from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.errors import ConfigError, DualsegError
 from dualseg.export.runners import refiner_sidecar_path
 
+MAX_SIDE = 8192  # the largest --size side: a static export's fixed size, a trace's example
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
@@ -217,8 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     size = tuple(args.size) if args.size else ((64, 64) if args.dynamic else (512, 512))
     if not args.tolerance >= 0:
         raise ConfigError(f"--tolerance must be >= 0, got {args.tolerance}")
-    if min(size) < 8:
-        raise ConfigError(f"--size must be at least 8x8, got {size[0]}x{size[1]}")
+    if min(size) < 8 or max(size) > MAX_SIDE:
+        # past a few thousand pixels a side, tracing one image takes more memory than a
+        # machine has (100000x100000: a 120 GB input), and a traceback instead of this line
+        raise ConfigError(
+            f"--size must be between 8x8 and {MAX_SIDE}x{MAX_SIDE}, got {size[0]}x{size[1]}"
+        )
     options = dict(
         format=args.format,
         dynamic=args.dynamic,
