@@ -328,3 +328,20 @@ def test_a_damaged_config_json_is_one_line(folder, tmp_path, capsys, entry, valu
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and said in err and str(bad / CONFIG_NAME) in err, err
     assert not out.exists()
+
+
+def test_one_file_of_a_folder_or_a_folder_as_onnx_names_the_folder(folder, capsys) -> None:
+    image = folder.parent / "in.png"
+    from PIL import Image
+
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(image)
+    out = folder.parent / "never"
+    for name in (WEIGHTS_NAME, CONFIG_NAME):  # said "a bare state dict" / "corrupt" before
+        assert cli_main(["predict", str(image), "-c", str(folder / name), "-o", str(out)]) == 1
+        assert f"is one file of the pretrained folder {folder}; pass the folder" in (
+            capsys.readouterr().err
+        )
+    assert cli_main(["predict", str(image), "--onnx", str(folder), "-o", str(out)]) == 1
+    err = capsys.readouterr().err  # said "exported model not found" of a folder that exists
+    assert "is a pretrained folder, not an exported ONNX" in err and "(-c)" in err
+    assert not out.exists()

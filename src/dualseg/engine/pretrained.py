@@ -333,6 +333,10 @@ def load_state(source: str | os.PathLike[str]) -> dict[str, Any]:
             f"{path} is a folder but not a pretrained folder ({hint}; a pretrained folder holds "
             f"{CONFIG_NAME} and {WEIGHTS_NAME})"
         )
+    if path.name in (CONFIG_NAME, WEIGHTS_NAME) and is_pretrained_folder(path.parent):
+        raise CheckpointError(  # one file of a folder: neither is a checkpoint on its own
+            f"{path} is one file of the pretrained folder {path.parent}; pass the folder"
+        )
     return load_checkpoint(path)
 
 
