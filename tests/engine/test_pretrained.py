@@ -345,3 +345,12 @@ def test_one_file_of_a_folder_or_a_folder_as_onnx_names_the_folder(folder, capsy
     err = capsys.readouterr().err  # said "exported model not found" of a folder that exists
     assert "is a pretrained folder, not an exported ONNX" in err and "(-c)" in err
     assert not out.exists()
+
+
+def test_an_export_into_the_files_of_the_folder_being_exported_is_refused(folder, capsys) -> None:
+    before = (folder / WEIGHTS_NAME).read_bytes()
+    argv = ["export", "-c", str(folder), "--format", "onnx", "--out", str(folder / WEIGHTS_NAME)]
+    assert cli_main([*argv, "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert f"would overwrite --checkpoint {folder} ({WEIGHTS_NAME})" in err, err
+    assert (folder / WEIGHTS_NAME).read_bytes() == before

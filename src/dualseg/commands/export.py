@@ -144,10 +144,13 @@ def check_outputs(args: argparse.Namespace) -> list[Path]:
         targets = [out]
     if source and "://" not in str(source):
         for target in targets:
-            if _same_path(target, Path(source)):
+            # a pretrained folder being exported: none of its files is an output either
+            inside = Path(source).is_dir() and _same_path(target.parent, Path(source))
+            if _same_path(target, Path(source)) or (inside and target.exists()):
                 raise ConfigError(
-                    f"--out {args.out} would overwrite {flag} {source}, the file being "
-                    f"exported; choose another --out"
+                    f"--out {args.out} would overwrite {flag} {source}"
+                    f"{f' ({target.name})' if inside else ''}, the model being exported; "
+                    "choose another --out"
                 )
     if args.format != "pretrained" and not args.overwrite:
         present = [str(t) for t in targets if t.exists()]
