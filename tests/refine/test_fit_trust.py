@@ -188,3 +188,12 @@ def test_apply_outputs_are_no_inputs_and_a_failed_image_leaves_no_stale_outputs(
     assert "1 of 2 input image(s) could not be read" in capsys.readouterr().err
     for folder in ("labels", "color", "overlay", "changed"):
         assert (out / folder / "a.png").is_file() and not (out / folder / "b.png").exists()
+
+
+def test_a_collapsed_embedding_is_said(data, tmp_path, caplog) -> None:
+    """Two steps from random weights: all prototypes within 1e-6 of each other, and the
+    refiner relabelled a fifth of an image on rounding noise, without a word."""
+    with caplog.at_level("WARNING", logger="dualseg.refine.refiner"):
+        assert main(fit(data, None, tmp_path / "r.pt")) == 0
+    said = [r.getMessage() for r in caplog.records if "coincide" in r.getMessage()]
+    assert said and "the embedding has collapsed" in said[0] and "--steps" in said[0]

@@ -36,3 +36,19 @@ def test_streamed_prototypes_equal_naive_means() -> None:
     assert present.tolist() == [True, True, True, False]
     for k in range(3):
         torch.testing.assert_close(protos[k], feats[lab == k].mean(0), atol=1e-5, rtol=1e-5)
+
+
+def test_coinciding_prototypes_are_found_and_a_healthy_set_passes() -> None:
+    from dualseg.refine.refiner import coinciding_prototypes
+
+    names = ["road", "sky", "car", "tree"]
+    healthy = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.7, 0.7], [0.3, 0.1]])
+    present = torch.tensor([True, True, True, True])
+    assert coinciding_prototypes(healthy, present, names) == []
+    collapsed = healthy.clone()
+    collapsed[2] = collapsed[0] + 1e-7  # car's prototype on road's
+    collapsed[3] = collapsed[1]  # tree's on sky's
+    assert coinciding_prototypes(collapsed, present, names) == [("road", "car"), ("sky", "tree")]
+    # an absent class has no prototype to compare (a zero row, say)
+    absent = torch.tensor([True, True, False, False])
+    assert coinciding_prototypes(collapsed, absent, names) == []

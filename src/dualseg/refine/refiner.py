@@ -522,6 +522,15 @@ class BoundaryRefiner:
             )
         if missing:
             log.warning("no near-boundary pixels for %s: these classes get no prototype", missing)
+        same = coinciding_prototypes(protos, present, class_names)
+        if same:
+            log.warning(
+                "the prototypes of %s coincide (to 1e-4 of their length): the embedding has "
+                "collapsed, and this refiner would pick between these classes on rounding "
+                "noise; fit longer (--steps) or from ImageNet weights (--init-backbone imagenet)",
+                " and ".join("/".join(pair) for pair in same[:3])
+                + (f" and {len(same) - 3} more pairs" if len(same) > 3 else ""),
+            )
         if palette is None:
             palette = getattr(getattr(dataset, "meta", None), "palette", None)
         refiner = cls(
@@ -535,6 +544,26 @@ class BoundaryRefiner:
         )
         refiner.history = history
         return refiner
+
+
+def coinciding_prototypes(
+    prototypes: Tensor, present: Tensor, class_names: Sequence[str], *, rtol: float = 1e-4
+) -> list[tuple[str, str]]:
+    """The pairs of present classes whose prototypes lie within ``rtol`` of the prototypes'
+    mean length of each other: a collapsed embedding (a healthy one keeps its closest pair
+    about 0.1 of that length apart; a 3-step fit from random weights, 1e-6)."""
+    index = present.nonzero().flatten()
+    protos = prototypes[index].float()
+    if len(protos) < 2:
+        return []
+    scale = float(protos.norm(dim=1).mean())
+    close = torch.cdist(protos, protos) <= rtol * max(scale, 1e-12)
+    rows, cols = torch.triu_indices(len(protos), len(protos), 1)
+    return [
+        (class_names[int(index[i])], class_names[int(index[j])])
+        for i, j in zip(rows.tolist(), cols.tolist())
+        if close[i, j]
+    ]
 
 
 def _check_refiner_target(target: Path) -> None:
