@@ -1,6 +1,9 @@
 """Spec S1 augmentation defaults, written once (a leaf: the training config reads them
 without importing torch; ``dualseg.data.transforms`` re-exports them).
 
+Also the one bound on seeds (:func:`seed_error`), checked by the training config, ``dualseg
+augment``, ``dualseg demo`` and the refiner's options.
+
 Random scale + crop, horizontal flip, filtering (Gaussian blur) and colour jitter. Used by
 ``build_train_transform`` (``dualseg refine fit``), ``augment_dataset`` (``dualseg augment``)
 and the training config's ``data.*`` fields (``dualseg train``).
@@ -19,6 +22,17 @@ BLUR_SIGMA = (0.1, 2.0)
 JITTER = (0.3, 0.3, 0.3, 0.0)  # colour jitter: brightness, contrast, saturation, hue
 
 JITTER_PARTS = ("brightness", "contrast", "saturation", "hue")
+
+# the seed of every random draw (augmentation, sampling, initialization): numpy's legacy
+# generators take seeds in 0..2**32-1, so every seed option is checked against this one bound
+SEED_LIMIT = 2**32
+
+
+def seed_error(seed: int, name: str) -> str | None:
+    """The one-line error for the seed option ``name`` outside 0..2**32-1; None when valid."""
+    if 0 <= seed < SEED_LIMIT:
+        return None
+    return f"{name} must be in 0..{SEED_LIMIT - 1}, got {seed}"
 
 
 def _shown(name: str, value: object) -> str:

@@ -245,7 +245,7 @@ def test_a_config_key_left_blank_is_one_line_naming_it(files, capsys) -> None:
     [
         (["--data.train_split", ""], "empty name"),
         (["--data.val_split", " "], "empty name"),
-        (["--train.seed", "-1"], "train.seed must be in 0..2**32-1"),
+        (["--train.seed", "-1"], "train.seed must be in 0..4294967295"),
     ],
 )
 def test_an_empty_split_or_a_negative_seed_is_refused(files, capsys, flags, named) -> None:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dualseg.augment_defaults import seed_error
 from dualseg.commands.common import add_quiet_arg
 from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.engine.config import DataConfig
@@ -459,8 +460,8 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, (value, low) in lowest.items():
         if value < low:
             raise ConfigError(f"{flag} must be >= {low} (got {value})")
-    if not 0 <= args.seed < 2**32:
-        raise ConfigError(f"--seed must be in 0..2**32-1 (got {args.seed})")
+    if (problem := seed_error(args.seed, "--seed")) is not None:
+        raise ConfigError(problem)
     if not args.arch.startswith("dualseg_"):  # a peer has no ReNet: its flags would be dropped
         parser = build_parser()
         for flag, dest in (("--renet-hidden", "renet_hidden"), ("--renet-layers", "renet_layers")):

@@ -20,6 +20,7 @@ from PIL import Image
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
+from dualseg.augment_defaults import seed_error
 from dualseg.console import Progress, ProgressMode, progress_mode
 from dualseg.data.datasets import SegmentationDataset, build_dataset
 from dualseg.data.presets import META_FILE, without_source_ignore
@@ -151,8 +152,8 @@ def augment_dataset(
     picks by the terminal, ``False`` is ``"off"``."""
     if count < 1:
         raise DataError(f"--count must be >= 1, got {count}")
-    if not 0 <= seed < 2**32:
-        raise DataError(f"--seed must be in 0..2**32-1, got {seed}")
+    if (problem := seed_error(seed, "--seed")) is not None:
+        raise DataError(problem)
     if image_format not in IMAGE_FORMATS:
         raise DataError(f"image format {image_format!r}: use one of {sorted(IMAGE_FORMATS)}")
     check_augment_settings(  # before anything is written: a bad value leaves no augment.json

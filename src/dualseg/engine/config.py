@@ -27,6 +27,7 @@ from dualseg.augment_defaults import (
     JITTER,
     SCALE_RANGE,
     check_augment_settings,
+    seed_error,
 )
 from dualseg.errors import ConfigError
 from dualseg.io import atomic_write_text
@@ -557,7 +558,6 @@ def validate(cfg: Config) -> None:
             "data.train_split / data.val_split is an empty name: give a split (train, val, "
             "a list file's stem), or null for no validation split",
         ),
-        (0 <= t.seed < 2**32, f"train.seed must be in 0..2**32-1, got {t.seed}"),
         (
             cfg.model.arch in ARCH_NAMES,
             f"model.arch: unknown model {cfg.model.arch!r}; choose one of: "
@@ -600,6 +600,8 @@ def validate(cfg: Config) -> None:
             f"train.monitor={t.monitor} needs data.val_split; set --train.monitor train_loss",
         ),
     ]
+    if (problem := seed_error(t.seed, "train.seed")) is not None:
+        checks.insert(0, (False, problem))
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dualseg.augment_defaults import seed_error
 from dualseg.engine.predict import as_rgb_array
 from dualseg.errors import CheckpointError, ConfigError, DataError, OutputError
 from dualseg.imaging import normalize
@@ -129,7 +130,6 @@ class RefinerConfig:
             (self.lr > 0, f"lr must be > 0, got {self.lr}"),
             (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
-            (0 <= self.seed < 2**32, f"seed must be in 0..2**32-1, got {self.seed}"),
             (self.edge_method in EDGE_METHODS, f"edge_method must be one of {EDGE_METHODS}"),
             (self.reduction in REDUCTIONS, f"reduction must be one of {REDUCTIONS}"),
             (self.mining in MINING, f"mining must be one of {MINING}"),
@@ -147,6 +147,8 @@ class RefinerConfig:
             (0 <= self.min_prob < 1, f"min_prob must be in [0, 1), got {self.min_prob}"),
             (self.p1_blur_sigma >= 0, f"p1_blur_sigma must be >= 0, got {self.p1_blur_sigma}"),
         ]
+        if (problem := seed_error(self.seed, "seed")) is not None:
+            checks.insert(0, (False, problem))
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
