@@ -91,6 +91,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "aspp_v3": ("dualseg_mobilenet_v2", {"aspp_style": "v3"}),
     "no_renet_v3": ("dualseg_mobilenet_v2", {"renet_layers": 0, "aspp_style": "v3"}),
     "logits_first": ("dualseg_mobilenet_v2", {"upsample_order": "logits_first"}),
+    "renet_bn": ("dualseg_mobilenet_v2", {"renet_norm": "batch"}),
+    "renet_bn_v3": ("dualseg_mobilenet_v2", {"renet_norm": "batch", "aspp_style": "v3"}),
+    "renet_skip_v3": ("dualseg_mobilenet_v2", {"renet_skip": True, "aspp_style": "v3"}),
 }
 LABELS = {
     "dualseg": "method A (dualseg_mobilenet_v2)",
@@ -101,6 +104,9 @@ LABELS = {
     "aspp_v3": "A, DeepLab-v3 ASPP (claim 3's other reading)",
     "no_renet_v3": "A, no ReNet layers, DeepLab-v3 ASPP",
     "logits_first": "A, logits upsampled before the softmax (S44's other order)",
+    "renet_bn": "A, BatchNorm on the ReNet layers' input features",
+    "renet_bn_v3": "A, BatchNorm on the ReNet layers' input, DeepLab-v3 ASPP",
+    "renet_skip_v3": "A, backbone features beside the ReNet output, DeepLab-v3 ASPP",
 }
 STANDARD = ("dualseg", "peer", "single_branch", "no_coord", "no_renet")  # the default run
 REFINED = ("dualseg", "peer")  # base models that method B is applied to
@@ -112,11 +118,14 @@ RECIPE = (
     "model.gray_branch",
     "model.coord_channels",
     "model.renet_layers",
+    "model.renet_norm",
+    "model.renet_skip",
     "model.aspp_style",
     "model.upsample_order",
     "optim.lr",
     "optim.head_lr_mult",
     "optim.warmup_iters",
+    "optim.clip_grad_norm",
     "train.max_iters",
     "train.seed",
     "train.amp",
@@ -304,6 +313,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     plateau.add_argument("--head-lr-mult", type=float, default=1.0, help="LR × for the head")
     plateau.add_argument("--warmup-iters", type=int, default=0)
     plateau.add_argument(
+        "--clip-grad-norm",
+        type=float,
+        default=None,
+        help="largest total L2 norm of the gradient (default: no clipping)",
+    )
+    plateau.add_argument(
         "--amp",
         choices=("none", "bf16"),
         default="none",
@@ -387,7 +402,10 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
             ),
             model=ModelConfig(arch=arch, weights=weights, **options),
             optim=OptimConfig(
-                lr=args.lr, head_lr_mult=args.head_lr_mult, warmup_iters=args.warmup_iters
+                lr=args.lr,
+                head_lr_mult=args.head_lr_mult,
+                warmup_iters=args.warmup_iters,
+                clip_grad_norm=args.clip_grad_norm,
             ),
             train=TrainConfig(
                 out_dir=str(out / "runs" / name),

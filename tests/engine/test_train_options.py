@@ -93,3 +93,37 @@ def test_a_nan_evaluation_is_not_the_best_and_spends_no_patience() -> None:
     assert p.update_monitor(0.3, higher_is_better=True, min_delta=0.0)  # a real value: the best
     assert not p.update_monitor(float("nan"), higher_is_better=True, min_delta=0.0)
     assert p.best_monitored == 0.3 and p.bad_evals == 0
+
+
+@pytest.mark.parametrize("clip", [None, 1e-3])
+def test_clip_grad_norm_bounds_the_update_and_none_leaves_it(clip) -> None:
+    import torch
+    from torch import nn
+
+    from dualseg.engine.train import train_one_epoch
+
+    torch.manual_seed(0)
+    model = nn.Conv2d(3, 2, 1)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # plain SGD: update = -grad
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+
+    def criterion(logits, labels):
+        loss = nn.functional.cross_entropy(logits, labels)
+        return loss, {"l1": loss.detach(), "l2": torch.zeros(()), "loss": loss.detach()}
+
+    loader = [(10 * torch.randn(2, 3, 4, 4), torch.randint(0, 2, (2, 4, 4)))]
+    device = torch.device("cpu")
+    train_one_epoch(
+        model, loader, optimizer, scheduler, criterion, device=device, clip_grad_norm=clip
+    )
+    step = torch.sqrt(sum(((p - b) ** 2).sum() for p, b in zip(model.parameters(), before)))
+    if clip is None:
+        assert step.item() > 0.1  # the raw gradient of a badly scaled input is large
+    else:
+        assert step.item() == pytest.approx(clip, rel=1e-4)
+
+
+def test_clip_grad_norm_must_be_positive(data, tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"optim\.clip_grad_norm must be > 0"):
+        _run(data, tmp_path / "clip", clip_grad_norm=0.0)

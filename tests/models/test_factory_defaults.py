@@ -100,6 +100,59 @@ def test_a_timm_model_timm_cannot_build_is_one_config_error() -> None:
         build_model("dualseg_timm", num_classes=3, timm_model="no_such_timm_model")
 
 
+def test_renet_norm_puts_a_batchnorm_before_each_renet_layer_and_keeps_the_coordinates() -> None:
+    import torch
+    from torch import nn
+
+    plain = build_model("dualseg_mobilenet_v2", num_classes=3, renet_hidden=4)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in plain.rgb.context.modules())
+    net = build_model("dualseg_mobilenet_v2", num_classes=3, renet_hidden=4, renet_norm="batch")
+    context = net.gray.context
+    assert list(dict(context.named_children())) == [
+        "norm1", "coord1", "renet1", "norm2", "coord2", "renet2"
+    ]  # fmt: skip
+    assert context.norm1.num_features == 320 and context.norm2.num_features == 8
+    # the norm sees the features only: a faint input leaves it at unit scale, the three
+    # coordinate channels (claim 4) come after it unchanged
+    torch.manual_seed(0)
+    x = 0.01 * torch.randn(2, 320, 5, 7)
+    head = nn.Sequential(context.norm1, context.coord1).train()
+    out = head(x)
+    assert out.shape == (2, 323, 5, 7)
+    assert abs(out[:, :320].std().item() - 1.0) < 0.05
+    torch.testing.assert_close(out[:, 320:], context.coord1(x)[:, 320:])
+    assert net(torch.randn(1, 3, 32, 48)).shape == (1, 3, 32, 48)
+    with pytest.raises(ConfigError, match="renet_norm must be one of"):
+        build_model("dualseg_mobilenet_v2", num_classes=3, renet_norm="layer")
+    with pytest.raises(ConfigError, match="renet_norm"):  # the peer has no ReNet
+        build_model("deeplabv3_mobilenet_v2", num_classes=3, renet_norm="batch")
+
+
+def test_renet_skip_hands_the_aspp_the_backbone_features_beside_the_renet_output() -> None:
+    import torch
+
+    torch.manual_seed(0)
+    plain = build_model("dualseg_mobilenet_v2", num_classes=3, renet_hidden=4, aspp_style="v3")
+    skip = build_model(
+        "dualseg_mobilenet_v2", num_classes=3, renet_hidden=4, aspp_style="v3", renet_skip=True
+    )
+    assert plain.rgb.aspp[0].convs[0][0].in_channels == 8
+    assert skip.rgb.aspp[0].convs[0][0].in_channels == 320 + 8  # [backbone, ReNet] channels
+    # the claim's network inside: the same weights, the backbone's slice of every widened
+    # ASPP input weight zeroed, gives the same output as the network without the skip
+    state = {}
+    for key, value in plain.state_dict().items():
+        wide = skip.state_dict()[key]
+        if wide.shape != value.shape:
+            value = torch.cat([torch.zeros_like(wide[:, :320]), value], dim=1)
+        state[key] = value
+    skip.load_state_dict(state)
+    x = torch.randn(1, 3, 32, 48)
+    torch.testing.assert_close(skip.eval()(x), plain.eval()(x))
+    with pytest.warns(UserWarning, match=r"renet_skip=True \(with renet_layers=0\)"):
+        build_model("dualseg_mobilenet_v2", num_classes=3, renet_layers=0, renet_skip=True)
+
+
 def test_an_option_another_option_switches_off_is_said() -> None:
     with pytest.warns(UserWarning, match=r"renet_hidden=4 \(with renet_layers=0\) has no effect"):
         build_model("dualseg_mobilenet_v2", num_classes=3, renet_layers=0, renet_hidden=4)

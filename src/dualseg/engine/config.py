@@ -121,6 +121,12 @@ class ModelConfig:
     # S31 GRU weight init (null: "scaled", U(±bound)); "standard": U(0, 1)
     renet_init: str | None = None
     renet_init_bound: float | None = None  # the "scaled" init's bound (null: 1/√hidden)
+    # null: "none", the GRUs read the features as they are; "batch": a BatchNorm first (beyond
+    # the claims)
+    renet_norm: str | None = None
+    # null: false, the ASPP reads the ReNet output alone (the claims); true: the backbone's
+    # features beside it (beyond the claims)
+    renet_skip: bool | None = None
     aspp_rates: tuple[int, ...] | None = None  # ASPP dilation rates (null: [4, 6, 8, 12])
     aspp_style: str | None = None  # null: "v2", per-rate class scores, summed
     aspp_init_std: float | None = None  # std of the ASPP weight init (null: 0.01)
@@ -145,6 +151,9 @@ class OptimConfig:
     warmup_iters: int = 0  # linear warm-up from warmup_factor·l_0 to l_0
     warmup_factor: float = 0.1  # LR factor at the start of the warm-up
     head_lr_mult: float = 1.0  # LR multiplier of the head (everything but the backbones)
+    # beyond S33's plain SGD, off by default (null): rescale the gradient to this total L2 norm
+    # when it is larger (torch.nn.utils.clip_grad_norm_; mmsegmentation's grad_clip max_norm)
+    clip_grad_norm: float | None = None
     # S32 L1 divisor: batch_pixels, all B·N pixels of the batch (the claim); valid_pixels: the
     # labelled ones only
     l1_reduction: Literal["batch_pixels", "valid_pixels"] = "batch_pixels"
@@ -585,6 +594,10 @@ def validate(cfg: Config) -> None:
         (o.warmup_iters >= 0, "optim.warmup_iters must be >= 0"),
         (0.0 < o.warmup_factor <= 1.0, "optim.warmup_factor must be in (0, 1]"),
         (o.head_lr_mult > 0, "optim.head_lr_mult must be > 0"),
+        (
+            o.clip_grad_norm is None or o.clip_grad_norm > 0,
+            f"optim.clip_grad_norm must be > 0, or null for no clipping; got {o.clip_grad_norm}",
+        ),
         (o.ohem_thresh is None or 0 < o.ohem_thresh <= 1, "optim.ohem_thresh must be in (0, 1]"),
         (o.ohem_min_kept >= 0, "optim.ohem_min_kept must be >= 0"),
         (d.batch_size > 0 and d.val_batch_size > 0, "data.batch_size must be > 0"),

@@ -124,6 +124,7 @@ def train_one_epoch(
     amp_dtype: torch.dtype | None = None,
     scaler: torch.amp.GradScaler | None = None,
     channels_last: bool = False,
+    clip_grad_norm: float | None = None,
     interrupted: Callable[[], bool] = lambda: False,
     on_step: Callable[[StepStats], bool] | None = None,
 ) -> int:
@@ -132,7 +133,8 @@ def train_one_epoch(
     ``model`` may be DDP-wrapped or compiled. After each step the losses are averaged over
     ranks (one small ``all_reduce``), checked for NaN/inf *before* the optimizer applies the
     update, and passed to ``on_step`` — which does logging, validation and checkpoints and
-    returns True to stop. Returns the iteration count reached.
+    returns True to stop. Returns the iteration count reached. ``clip_grad_norm``: the largest
+    total L2 norm of the gradient (of the unscaled gradient under fp16), None for no clipping.
 
     On CPU with ``amp_dtype=torch.bfloat16``, pass a model prepared with
     :func:`dualseg.engine.cpu_bf16.convs_in_fp32` (as :func:`fit` does): oneDNN's bf16
@@ -168,6 +170,11 @@ def train_one_epoch(
                 f"L2={values[1]:.4g}); stopped before applying the update. Lower --optim.lr, "
                 "add --optim.warmup_iters, or use --train.amp none"
             )
+        if clip_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -675,6 +682,7 @@ def _loop(run: _Run) -> None:
                         amp_dtype=run.amp_dtype,
                         scaler=run.scaler,
                         channels_last=run.channels_last,
+                        clip_grad_norm=run.cfg.optim.clip_grad_norm,
                         interrupted=run.interrupt,
                         on_step=lambda s: _on_step(run, s),
                     )

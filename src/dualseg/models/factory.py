@@ -49,6 +49,8 @@ def build_dualseg(
     renet_patch: int,
     renet_init: str,
     renet_init_bound: float | None,
+    renet_norm: str,
+    renet_skip: bool,
     aspp_rates: tuple[int, ...],
     aspp_style: str,
     aspp_init_std: float,
@@ -91,6 +93,8 @@ def build_dualseg(
             renet_patch=renet_patch,
             renet_init=renet_init,
             renet_init_bound=renet_init_bound,
+            renet_norm=renet_norm,
+            renet_skip=renet_skip,
             aspp_rates=aspp_rates,
             aspp_style=aspp_style,
             aspp_init_std=aspp_init_std,
@@ -158,6 +162,8 @@ def build_model(
     renet_patch: int = 1,
     renet_init: str = "scaled",
     renet_init_bound: float | None = None,
+    renet_norm: str = "none",
+    renet_skip: bool = False,
     aspp_style: str = "v2",
     aspp_init_std: float = 0.01,
     upsample_order: str = "softmax_first",
@@ -178,9 +184,13 @@ def build_model(
     ``renet_patch=1``, ``aspp_rates=(4, 6, 8, 12)``, ``aspp_style="v2"`` (class scores
     summed), ``aspp_init_std=0.01`` (S31's Gaussian; 1.0 is the literal *standard* Gaussian),
     ``renet_init="scaled"`` with ``renet_init_bound=None`` (S31's uniform: U(±1/√H);
-    ``"standard"`` is the literal U(0, 1)), ``fusion="scalar"`` (two learnable weights, equal
-    at start), ``upsample_order="softmax_first"`` (S44: softmax, then bilinear upsampling; the
-    model returns log-probabilities), ``output_stride=8``. Ablations: ``gray_branch``,
+    ``"standard"`` is the literal U(0, 1)), ``renet_norm="none"`` (the claims' GRUs read the
+    features as they are; ``"batch"``: a BatchNorm first, beyond the claims),
+    ``renet_skip=False`` (the ASPP reads the ReNet output alone, as claimed; ``True``: the
+    backbone's features beside it, beyond the claims),
+    ``fusion="scalar"`` (two learnable weights, equal at start),
+    ``upsample_order="softmax_first"`` (S44: softmax, then bilinear upsampling; the model
+    returns log-probabilities), ``output_stride=8``. Ablations: ``gray_branch``,
     ``coord_channels``, ``renet_layers`` (0/1/2), ``aspp_rates``. Peer only:
     ``deeplab_rates``. ``dualseg_timm`` only: ``timm_model``. An option that does not apply to
     ``name`` must keep its default (ConfigError otherwise).
@@ -219,6 +229,8 @@ def build_model(
                 "renet_patch": renet_patch,
                 "renet_init": renet_init,
                 "renet_init_bound": renet_init_bound,
+                "renet_norm": renet_norm,
+                "renet_skip": renet_skip,
                 "aspp_rates": aspp_rates,
                 "aspp_style": aspp_style,
                 "aspp_init_std": aspp_init_std,
@@ -246,6 +258,8 @@ def build_model(
         "renet_patch": (renet_patch, renet_layers == 0, "renet_layers=0"),
         "renet_init": (renet_init, renet_layers == 0, "renet_layers=0"),
         "renet_init_bound": (renet_init_bound, renet_layers == 0, "renet_layers=0"),
+        "renet_norm": (renet_norm, renet_layers == 0, "renet_layers=0"),
+        "renet_skip": (renet_skip, renet_layers == 0, "renet_layers=0"),
         "aspp_init_std": (aspp_init_std, aspp_style == "v3", "aspp_style='v3'"),
     }
     unused = [
@@ -272,6 +286,8 @@ def build_model(
         renet_patch=renet_patch,
         renet_init=renet_init,
         renet_init_bound=renet_init_bound,
+        renet_norm=renet_norm,
+        renet_skip=renet_skip,
         aspp_rates=aspp_rates,
         aspp_style=aspp_style,
         aspp_init_std=aspp_init_std,
@@ -286,8 +302,8 @@ def build_model(
 _TYPED_OPTIONS = (
     "output_stride", "gray_branch", "coord_channels", "renet_layers", "renet_hidden",
     "aspp_rates", "in_channels", "fusion", "coord_radius", "renet_patch", "renet_init",
-    "renet_init_bound", "aspp_style", "aspp_init_std", "upsample_order", "gray_conv_init",
-    "deeplab_rates", "timm_model", "allow_download",
+    "renet_init_bound", "renet_norm", "renet_skip", "aspp_style", "aspp_init_std",
+    "upsample_order", "gray_conv_init", "deeplab_rates", "timm_model", "allow_download",
 )  # fmt: skip
 
 
