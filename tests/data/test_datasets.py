@@ -223,6 +223,20 @@ def test_samples_per_epoch_expands_with_fresh_augmentations(list_root):
     assert not torch.equal(ds[4][0], b[0])  # a new epoch -> new augmentations
 
 
+def test_an_epoch_shorter_than_the_dataset_still_reads_every_pair_equally(list_root):
+    ds = build_dataset(list_root, preset=TINY, samples_per_epoch=2)  # 3 pairs, 2 per epoch
+    read = []
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        read += [ds.pair_index(i) for i in range(len(ds))]
+    assert sorted(read) == [0, 0, 1, 1, 2, 2]  # each pair twice in 3 epochs (was: 0, 1 only)
+    ds.set_epoch(2)  # and the sample itself is the pair's pixels
+    torch.testing.assert_close(ds[0][1], build_dataset(list_root, preset=TINY)[1][1])
+    plain = build_dataset(list_root, preset=TINY)
+    plain.set_epoch(5)
+    assert [plain.pair_index(i) for i in range(3)] == [0, 1, 2]  # no expansion: index = pair
+
+
 def test_stream_is_independent_of_dataloader_workers(list_root):
     t = build_train_transform(crop_size=(16, 16))
     ds = build_dataset(list_root, preset=TINY, transform=t, samples_per_epoch=6, seed=3)

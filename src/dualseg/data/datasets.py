@@ -422,8 +422,11 @@ def dataset_meta(
 class SegmentationDataset(torch.utils.data.Dataset):
     """Image/label pairs -> ``(image float32 [3,H,W] normalized, label int64 [H,W])``.
 
-    ``samples_per_epoch`` expands the dataset on the fly (spec S1): index ``i`` reads pair
-    ``i % len(samples)`` with its own augmentation. Every index has its own seed, derived from
+    ``samples_per_epoch`` expands (or shrinks) the dataset on the fly (spec S1): index ``i`` of
+    epoch ``e`` reads pair ``(i + e·samples_per_epoch) % len(samples)`` with its own
+    augmentation, so the epochs walk on through the pairs and every pair is drawn, each as
+    often as any other to within one over the run (an epoch shorter than the dataset would
+    otherwise never read its last pairs). Every index has its own seed, derived from
     ``(seed, epoch, i)``, so the stream does not depend on DataLoader workers and a resumed run
     replays it; call :meth:`set_epoch` before each epoch for fresh augmentations (as with
     ``DistributedSampler``; with ``persistent_workers=True`` workers keep the epoch they forked
@@ -461,6 +464,11 @@ class SegmentationDataset(torch.utils.data.Dataset):
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
 
+    def pair_index(self, index: int) -> int:
+        """The pair that index ``index`` of the current epoch reads: the epochs go on through
+        the pairs where the last one stopped (``index`` itself without samples_per_epoch)."""
+        return (index + self.epoch * len(self)) % len(self.samples)
+
     def load_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The raw pair ``(uint8 HxWx3, uint8 HxW with 255 = ignore)`` of sample ``index``."""
         img_path, label_path = self.samples[index % len(self.samples)]
@@ -473,7 +481,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
         if not -len(self) <= index < len(self):
             raise IndexError(f"index {index} out of range for {len(self)} samples")
         index %= len(self)
-        image, label = self.load_pair(index)
+        image, label = self.load_pair(self.pair_index(index))
         with seeded(sample_seed(self.seed, index=index, epoch=self.epoch)):
             return self.transform(image, label)
 
