@@ -127,3 +127,28 @@ def test_clip_grad_norm_bounds_the_update_and_none_leaves_it(clip) -> None:
 def test_clip_grad_norm_must_be_positive(data, tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"optim\.clip_grad_norm must be > 0"):
         _run(data, tmp_path / "clip", clip_grad_norm=0.0)
+
+
+def test_resume_on_a_dataset_whose_classes_were_renamed_is_refused(data, tmp_path, capsys):
+    import shutil
+
+    root = Path(shutil.copytree(data, tmp_path / "data"))
+    out = tmp_path / "run"
+    argv = ["--config", str(TINY), "--data.root", str(root), "--data.val_split", "null"]
+    argv += ["--data.crop_size", "[32,32]", "--train.out_dir", str(out), "--train.max_iters", "1"]
+    assert train_main([*argv, "--data.preset", "null"]) == 0  # the classes of its meta.json
+    meta = json.loads((root / "meta.json").read_text())
+    meta["class_names"] = meta["class_names"][::-1]  # same count, every channel renamed
+    meta["palette"] = meta["palette"][::-1]
+    (root / "meta.json").write_text(json.dumps(meta))
+    before = (out / "last.pt").read_bytes()
+    capsys.readouterr()
+    from dualseg.cli import main as cli_main
+
+    assert cli_main(["train", "--resume", str(out / "last.pt"), "--train.max_iters", "2"]) != 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]  # after the data check's progress line
+    assert last.startswith("dualseg train: error:") and "does not fit this run" in last
+    assert "the dataset's: ['sign', 'pole'" in last
+    assert (out / "last.pt").read_bytes() == before  # nothing trained on the renamed classes

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numbers
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -202,15 +202,25 @@ def _meta_name(ckpt: Mapping[str, Any]) -> str:
 
 
 def check_compatible(
-    ckpt: Mapping[str, Any], *, arch: str | None = None, num_classes: int | None = None
+    ckpt: Mapping[str, Any],
+    *,
+    arch: str | None = None,
+    num_classes: int | None = None,
+    class_names: Sequence[str] | None = None,
 ) -> None:
-    """Raise :class:`CheckpointError` when ``ckpt`` is not of ``arch`` / ``num_classes``."""
+    """Raise :class:`CheckpointError` when ``ckpt`` is not of ``arch`` / ``num_classes`` /
+    ``class_names`` (the names in order: the same count under other names, or in another
+    order, would go on training each output channel as another class)."""
     problems = []
     if arch is not None and ckpt.get("arch") != arch:
         problems.append(f"architecture {ckpt.get('arch')!r} (expected {arch!r})")
     have = checkpoint_num_classes(ckpt)
     if num_classes is not None and have != num_classes:
         problems.append(f"{have} classes (expected {num_classes})")
+    saved = ckpt.get("class_names")
+    renamed = class_names is not None and saved and list(saved) != list(class_names)
+    if renamed and (num_classes is None or have == num_classes):  # a count mismatch says more
+        problems.append(f"the classes {list(saved)} (the dataset's: {list(class_names)})")
     if problems:
         raise CheckpointError(
             f"{_name(ckpt)} does not fit this run: it holds {' and '.join(problems)}; "

@@ -476,7 +476,12 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
     resume_path = _resolve_resume(resume, Path(t.out_dir))
     state = ckpt_io.load_checkpoint(resume_path) if resume_path is not None else None
     if state is not None:
-        ckpt_io.check_compatible(state, arch=cfg.model.arch, num_classes=meta.num_classes)
+        ckpt_io.check_compatible(
+            state,
+            arch=cfg.model.arch,
+            num_classes=meta.num_classes,
+            class_names=meta.class_names,
+        )
         _check_resumable(state, resume_path, t.max_iters)
 
     model = _build_model(cfg, meta.num_classes, pretrained=state is None)
