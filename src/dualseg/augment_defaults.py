@@ -23,6 +23,10 @@ JITTER = (0.3, 0.3, 0.3, 0.0)  # colour jitter: brightness, contrast, saturation
 
 JITTER_PARTS = ("brightness", "contrast", "saturation", "hue")
 
+# the largest crop side: a crop is allocated whole (padded past the image), and 100000 x 100000
+# asked for 120 GB before failing with an allocator traceback
+MAX_CROP_SIDE = 8192
+
 # the seed of every random draw (augmentation, sampling, initialization): numpy's legacy
 # generators take seeds in 0..2**32-1, so every seed option is checked against this one bound
 SEED_LIMIT = 2**32
@@ -76,9 +80,13 @@ def check_augment_settings(
     if crop_size is not None:
         whole = [isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in crop_size]
         if len(crop_size) != 2 or not all(
-            w and v >= 1 for w, v in zip(whole, crop_size, strict=True)
+            w and 1 <= v <= MAX_CROP_SIDE for w, v in zip(whole, crop_size, strict=True)
         ):
-            raise bad("crop_size", crop_size, "the crop size is H W, each at least 1 pixel")
+            raise bad(
+                "crop_size",
+                crop_size,
+                f"the crop size is H W, each from 1 to {MAX_CROP_SIDE} pixels",
+            )
     if len(scale_range) != 2 or not all(number(v) for v in scale_range):
         raise bad("scale_range", scale_range, "give two finite scale factors MIN MAX")
     lo, hi = scale_range

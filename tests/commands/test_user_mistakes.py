@@ -261,6 +261,20 @@ def test_an_empty_split_name_reads_no_split_in_any_command(files, capsys) -> Non
             "--out", str(out), "--quiet"]  # fmt: skip
     assert "empty name" in refused(argv, capsys)
     assert not (out / "metrics.json").exists()
+    # data check too: it counted every split's images as one split and exited 0
+    assert "empty name" in refused(["data", "check", str(files["data"]), "--split", ""], capsys)
+
+
+def test_a_crop_larger_than_any_image_side_is_refused_before_writing(files, capsys, tmp_path):
+    out = tmp_path / "aug"
+    argv = ["augment", str(files["data"]), str(out), "--count", "2", "-q"]
+    line = refused([*argv, "--crop-size", "100000", "100000"], capsys)  # 120 GB: a traceback
+    assert "--crop-size 100000 100000" in line and "from 1 to 8192 pixels" in line
+    assert not out.exists()
+    line = refused(
+        _train(files, files["root"] / "run_crop", "--data.crop_size", "[9000, 9]"), capsys
+    )
+    assert "data.crop_size" in line and "8192" in line
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ import numpy as np
 from dualseg.console import ProgressMode, track
 from dualseg.data.datasets import (
     available_splits,
+    check_split_name,
     detect_layout,
     discover,
     one_class_set,
@@ -78,6 +79,8 @@ def check_dataset(
 
     ``progress``: a :mod:`dualseg.console` mode (``"bar"``, ``"lines"``, ``"off"``)."""
     root = Path(root)
+    for split in splits or ():
+        check_split_name(split)
     if layout == "auto":
         layout = _detect_any_split(root, splits or DEFAULT_SPLITS)
     if splits is None:

@@ -419,6 +419,12 @@ def dataset_meta(
     return PRESETS.get(layout)
 
 
+def check_split_name(split: str) -> None:
+    """Refuse an empty split name: "" would read the flat images/ + labels/ of every split."""
+    if not str(split).strip():
+        raise DataError(f"split {split!r} is an empty name; give one (e.g. train, val, test)")
+
+
 class SegmentationDataset(torch.utils.data.Dataset):
     """Image/label pairs -> ``(image float32 [3,H,W] normalized, label int64 [H,W])``.
 
@@ -520,8 +526,7 @@ def build_dataset(
     roots = [root] if isinstance(root, str | Path) else list(root)
     if not roots:
         raise DataError("no dataset root given; pass at least one folder")
-    if not str(split).strip():  # "" would read the flat images/ + labels/ of every split
-        raise DataError(f"split {split!r} is an empty name; give one (e.g. train, val, test)")
+    check_split_name(split)
     samples: list[Pair] = []
     metas: list[tuple[Path, DatasetMeta]] = []
     source: str | Path = roots[0]
