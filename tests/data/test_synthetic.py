@@ -32,6 +32,31 @@ def test_a_stamp_not_in_utf8_is_regenerated(tmp_path):
     assert len(build_dataset(a)) == 1 and b"\xff" not in (a / "synthetic.json").read_bytes()
 
 
+def test_someone_elses_folder_is_refused_and_a_half_written_one_is_written_again(tmp_path):
+    import json
+
+    import pytest
+
+    from dualseg.errors import DataError
+
+    user = tmp_path / "user"
+    (user / "images").mkdir(parents=True)
+    (user / "train.txt").write_text("images/train_00000.png labels/train_00000.png\n")
+    (user / "meta.json").write_text('{"class_names": ["a", "b"]}')
+    with pytest.raises(DataError, match=r"did not write \(no synthetic\.json\)"):
+        make_synthetic_dataset(user, n_train=1, n_val=1, size=(24, 32))
+    assert (user / "meta.json").read_text() == '{"class_names": ["a", "b"]}'  # untouched
+    assert sorted(p.name for p in user.iterdir()) == ["images", "meta.json", "train.txt"]
+    # an interrupted call leaves its incomplete stamp: the folder is written anew, not reused
+    a = make_synthetic_dataset(tmp_path / "a", n_train=1, n_val=1, size=(24, 32))
+    stamp = json.loads((a / "synthetic.json").read_text())
+    (a / "synthetic.json").write_text(json.dumps({**stamp, "complete": False}))
+    (a / "val.txt").unlink()
+    assert make_synthetic_dataset(a, n_train=1, n_val=1, size=(24, 32)) == a
+    assert len(build_dataset(a, split="val")) == 1
+    assert json.loads((a / "synthetic.json").read_text()) == stamp
+
+
 def test_every_class_appears_poles_are_thin_colour_is_not_enough():
     meta = get_preset("synthetic")
     scenes = [draw_scene(np.random.default_rng([0, 0, i]), (96, 128)) for i in range(24)]

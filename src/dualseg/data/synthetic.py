@@ -21,6 +21,7 @@ import numpy as np
 from PIL import Image
 
 from dualseg.data.presets import META_FILE, SYNTHETIC
+from dualseg.errors import DataError
 from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 SKY, BUILDING, ROAD, SIDEWALK, VEGETATION, CAR, POLE, SIGN = range(8)
@@ -209,7 +210,10 @@ def make_synthetic_dataset(
 
     ``root/images/*.png``, ``root/labels/*.png``, ``root/train.txt``, ``root/val.txt`` and
     ``root/meta.json`` (the ``synthetic`` preset), so ``build_dataset(root)`` reads it. A
-    folder already holding a complete dataset made with the same arguments is reused as is.
+    folder already holding a complete dataset made with the same arguments is reused as is;
+    one made with other arguments, or left half-written, is written anew; any other folder
+    that is not empty is refused (it may be someone's dataset: its list files, meta.json and
+    same-named images would be overwritten).
     """
     root = Path(root)
     h, w = int(size[0]), int(size[1])
@@ -221,7 +225,14 @@ def make_synthetic_dataset(
                 return root
         except (OSError, ValueError):  # JSONDecodeError, UnicodeDecodeError (not UTF-8)
             pass  # an unreadable stamp (a generated file): regenerate
-        stamp.unlink()
+    elif root.is_dir() and any(root.iterdir()):
+        raise DataError(
+            f"{root} holds files that make_synthetic_dataset did not write (no {STAMP_FILE}); "
+            "give an empty or new folder"
+        )
+    # the stamp first, marked incomplete: an interrupted call leaves a folder that is ours to
+    # write again; the settings alone (complete) are written last
+    atomic_write_json(stamp, {**settings, "complete": False})
     for split_id, (split, n) in enumerate((("train", n_train), ("val", n_val))):
         lines = []
         for i in range(n):
