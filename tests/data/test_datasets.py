@@ -258,6 +258,18 @@ def _flat_root(root, stems=("a", "b", "c", "d")):
     return root
 
 
+def test_layout_folder_beside_list_files_naming_the_splits_is_refused(tmp_path):
+    # --layout folder read the flat images/ for every split: train held the val images too
+    root = _flat_root(tmp_path / "lists")
+    (root / "train.txt").write_text("images/a.png labels/a.png\nimages/b.png labels/b.png\n")
+    (root / "val.txt").write_text("images/c.png labels/c.png\n")
+    with pytest.raises(DataError, match=r"train\.txt, val\.txt\) name the splits.*--layout list"):
+        build_dataset(root, split="train", layout="folder", preset=TINY)
+    assert len(build_dataset(root, split="train", preset=TINY)) == 2  # auto: the list
+    plain = _flat_root(tmp_path / "plain")  # no list files: the flat folder serves any split
+    assert len(build_dataset(plain, split="train", layout="folder", preset=TINY)) == 4
+
+
 def test_a_split_the_root_lacks_is_not_the_flat_folder(tmp_path):
     # list files over a flat images/ folder (what make_synthetic_dataset and augment write)
     root = _flat_root(tmp_path / "lists")
