@@ -243,6 +243,22 @@ def test_train_into_an_existing_run_needs_resume_or_overwrite(four_data, tmp_pat
     assert load_checkpoint(out / "last.pt")["iteration"] == 1
 
 
+def test_a_run_that_stopped_before_its_first_checkpoint_is_not_sent_to_resume(
+    four_data, tmp_path, capsys
+):
+    # a start-up failure leaves config.yaml: --resume auto has nothing to continue, so the
+    # refusal must not suggest it (it did, and --resume auto then suggested --overwrite)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("data: {}\n")
+    assert main(train_argv(four_data, out)) == 1
+    err = one_line(capsys)
+    assert "stopped before its first checkpoint" in err and "--overwrite" in err
+    assert "--resume" not in err
+    assert main(train_argv(four_data, out, "--overwrite")) == 0
+    assert load_checkpoint(out / "last.pt")["iteration"] == 1
+
+
 def test_overwrite_keeps_the_old_run_until_the_new_one_passed_its_checks(
     four_data, tmp_path, capsys
 ):

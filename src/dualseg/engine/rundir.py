@@ -108,6 +108,12 @@ def check_run_dir(
         return previous
     names = ", ".join(p.name for p in shown[:4]) + (" ..." if len(shown) > 4 else "")
     if resume is None:
+        if not any((out_dir / name).is_file() for name in (LAST, BEST)):
+            # stopped before its first checkpoint (a failure at start-up): nothing to continue
+            raise RunExistsError(
+                f"{out_dir} holds a run that stopped before its first checkpoint ({names}); "
+                "replace it with --overwrite, or choose another --train.out_dir"
+            )
         raise RunExistsError(
             f"{out_dir} already holds a run ({names}); continue it with --resume auto, "
             "replace it with --overwrite, or choose another --train.out_dir"
