@@ -93,6 +93,22 @@ def test_a_resume_with_another_label_mapping_is_refused(src, tmp_path):
         augment_dataset(src, dst, count=4, progress=False)
 
 
+def test_a_resume_on_a_source_whose_pairs_changed_is_refused(src, tmp_path):
+    """Output i reads source pair i % N: a list that gained or reordered pairs would put two
+    orderings in one folder (pairs 0-3 of the old one, 4-7 of the new)."""
+    dst = tmp_path / "aug"
+    augment_dataset(src, dst, count=2, progress=False)
+    lines = (src / "train.txt").read_text().splitlines(keepends=True)
+    (src / "train.txt").write_text("".join(lines[::-1]))  # the same pairs, reordered
+    with pytest.raises(DataError, match="source_digest"):
+        augment_dataset(src, dst, count=4, progress=False)
+    (src / "train.txt").write_text("".join(lines[:-1]))  # one pair fewer
+    with pytest.raises(DataError, match="source_digest, source_pairs"):
+        augment_dataset(src, dst, count=4, progress=False)
+    (src / "train.txt").write_text("".join(lines))  # as it was: resumes
+    assert augment_dataset(src, dst, count=4, progress=False) == (2, 2)
+
+
 def test_a_stale_settings_file_without_pairs_does_not_block_a_run(src, tmp_path):
     dst = tmp_path / "aug"
     dst.mkdir()

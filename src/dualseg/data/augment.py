@@ -9,6 +9,7 @@ last, so ``build_dataset(DST)`` reads the result directly.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import multiprocessing as mp
@@ -188,6 +189,10 @@ def augment_dataset(
         "layout": layout,
         "label_format": label_format,
         "meta": dataset.meta.to_dict(),
+        # which pairs, in which order: output i reads source pair i % N, so a source that
+        # gained, lost or reordered pairs would mix two orderings in one folder
+        "source_pairs": len(dataset.samples),
+        "source_digest": _pairs_digest(dataset.samples),
     }
     _claim(dst, settings)
     earlier = _pair_count(dst)
@@ -261,6 +266,12 @@ def _check_destination(src: Path, dst: Path, dataset: SegmentationDataset, list_
             f"no {SETTINGS_FILE}); writing there would overwrite or mix into it: choose an empty "
             "or new folder"
         )
+
+
+def _pairs_digest(samples: list[tuple[Path, Path]]) -> str:
+    """SHA-1 of the source pairs' resolved paths, in order."""
+    text = "\n".join(f"{img.resolve()}\t{label.resolve()}" for img, label in samples)
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()
 
 
 def _has_files(folder: Path) -> bool:
