@@ -152,3 +152,27 @@ def test_resume_on_a_dataset_whose_classes_were_renamed_is_refused(data, tmp_pat
     assert last.startswith("dualseg train: error:") and "does not fit this run" in last
     assert "the dataset's: ['sign', 'pole'" in last
     assert (out / "last.pt").read_bytes() == before  # nothing trained on the renamed classes
+
+
+def test_resume_on_a_training_split_that_gained_pairs_says_so(data, tmp_path, capsys):
+    import shutil
+
+    from dualseg.cli import main as cli_main
+
+    root = Path(shutil.copytree(data, tmp_path / "data"))
+    out = tmp_path / "run"
+    argv = ["train", "--config", str(TINY), "--data.root", str(root), "--data.val_split", "null"]
+    argv += ["--data.crop_size", "[32,32]", "--train.out_dir", str(out), "--train.max_iters", "1"]
+    assert cli_main(argv) == 0
+    resume = ["train", "--resume", "auto", "--train.out_dir", str(out)]
+    assert cli_main([*resume, "--train.max_iters", "2"]) == 0  # the same data: nothing said
+    assert "training pairs" not in "".join(capsys.readouterr())
+    train_list = root / "train.txt"
+    val_lines = (root / "val.txt").read_text()
+    train_list.write_text(train_list.read_text() + val_lines)  # val images now in training
+    assert cli_main([*resume, "--train.max_iters", "3"]) == 0
+    err = "".join(capsys.readouterr())
+    assert "settings changed since that checkpoint" in err and "training pairs: '4 (" in err
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    changed = [r["changed"] for r in records if "changed" in r]
+    assert changed and "training pairs" in changed[-1]

@@ -24,6 +24,7 @@ Run folder (``train.out_dir``)::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -394,6 +395,7 @@ class _Run:
     resume_path: Path | None
     state: dict[str, Any] | None  # the checkpoint resumed from
     meta: Any  # DatasetMeta of the training set
+    train_data: dict[str, Any]  # which pairs the training split holds (train_data_record)
     train_loader: DataLoader
     sampler: ResumableSampler
     val_loader: DataLoader | None
@@ -523,6 +525,7 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
         resume_path=resume_path,
         state=state,
         meta=meta,
+        train_data=train_data_record(train_ds.samples),
         train_loader=train_loader,
         sampler=sampler,
         val_loader=val_loader,
@@ -605,6 +608,14 @@ def _resume(run: _Run) -> None:
     ckpt_io.restore_rng_state(state["rng"])
 
 
+def train_data_record(samples: list[tuple[Path, Path]]) -> dict[str, Any]:
+    """Which pairs a training split holds, kept in each checkpoint: their count and a digest of
+    their file names in order (names, not paths: a dataset moved elsewhere is the same data),
+    so a resume on a split that gained, lost or reordered pairs says so."""
+    names = "\n".join(f"{img.name}\t{label.name}" for img, label in samples)
+    return {"pairs": len(samples), "digest": hashlib.sha1(names.encode("utf-8")).hexdigest()}
+
+
 def _start(run: _Run, overwrite: bool = False) -> None:
     """Wrap the model for training (DDP, compile); clear the run folder (``overwrite``: the
     old run's files set aside; stale temporaries), create it, write the config, open the log."""
@@ -631,6 +642,13 @@ def _start(run: _Run, overwrite: bool = False) -> None:
             f"resumed from {run.resume_path} at iteration {run.iteration} (epoch {run.epoch})"
         )
         changes = config_changes(run.state.get("config") or {}, run.cfg)
+        saved = run.state.get("train_data")  # None in checkpoints written before it was kept
+        if saved is not None and saved != run.train_data:
+            # said, not refused: adding data and training on is a choice, but never a silent one
+            changes["training pairs"] = (
+                f"{saved.get('pairs')} ({saved.get('digest', '')[:8]})",
+                f"{run.train_data['pairs']} ({run.train_data['digest'][:8]})",
+            )
         # every resume is a record: its "time" clock starts again at 0 (readers of the log add
         # the pieces), and a changed setting is allowed (e.g. a longer schedule) but kept
         resumed: dict[str, Any] = {"iteration": run.iteration, "resumed_from": str(run.resume_path)}
@@ -831,6 +849,7 @@ def _save(run: _Run, kind: str, *, at: int) -> None:
             "class_names": list(meta.class_names),
             "palette": [list(c) for c in meta.palette],
             "ignore_index": meta.ignore_index,
+            "train_data": run.train_data,
             "metrics": run.progress.last_val,
             "progress": run.progress.state_dict(),
             # why it stopped, and what patience watched: a resume stops again only after a
