@@ -64,3 +64,22 @@ def test_label_pngs_hold_every_class(tmp_path) -> None:
     atomic_save_image(tmp_path / "wide.png", label_png(label, 301))
     assert np.array_equal(np.asarray(Image.open(tmp_path / "wide.png")), label)
     assert label_png(label[:1], 256).dtype == np.uint8
+
+
+def test_resize_bilinear_takes_any_channel_count_as_interpolate_does() -> None:
+    """OpenCV refuses more than 128 channels in one resize: a 150-class static export
+    (ADE20K) crashed on every image not at the export size."""
+    import torch
+
+    from dualseg.imaging import resize_bilinear
+
+    rng = np.random.default_rng(0)
+    scores = rng.random((6, 10, 150), dtype=np.float32)
+    out = resize_bilinear(scores, (9, 25))
+    ref = torch.nn.functional.interpolate(
+        torch.from_numpy(scores).permute(2, 0, 1)[None], size=(9, 25), mode="bilinear"
+    )[0].permute(1, 2, 0)
+    assert out.shape == (9, 25, 150)
+    np.testing.assert_allclose(out, ref.numpy(), atol=1e-5)
+    assert resize_bilinear(scores[:, :, 0], (9, 25)).shape == (9, 25, 1)  # HxW: one channel
+    assert resize_bilinear(scores, (6, 10)) is scores  # the size already: no copy

@@ -325,3 +325,28 @@ def normalize(
     m = np.asarray(mean, np.float32).reshape(1, -1, 1, 1)
     s = np.asarray(std, np.float32).reshape(1, -1, 1, 1)
     return (x - m) / s
+
+
+# OpenCV's resize takes at most 128 channels in one call (cv2.error beyond): a safe chunk
+CV_RESIZE_CHANNELS = 64
+
+
+def resize_bilinear(array: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """Bilinear resize of ``HxWxK`` (any K) to ``size = (H, W)`` with OpenCV (half-pixel
+    centres, like ``F.interpolate(align_corners=False)``), in chunks of channels: a model with
+    more than 128 classes (ADE20K's 150) is resized too."""
+    import cv2
+
+    if array.shape[:2] == tuple(size):
+        return array
+    h, w = int(size[0]), int(size[1])
+    array = array if array.ndim == 3 else array[:, :, None]
+    parts = [
+        cv2.resize(
+            np.ascontiguousarray(array[:, :, i : i + CV_RESIZE_CHANNELS]),
+            (w, h),
+            interpolation=cv2.INTER_LINEAR,
+        ).reshape(h, w, -1)
+        for i in range(0, array.shape[2], CV_RESIZE_CHANNELS)
+    ]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=2)

@@ -23,7 +23,7 @@ from dualseg.export.runners import (
     _open_runner,
     read_export_info,
 )
-from dualseg.imaging import normalize
+from dualseg.imaging import normalize, resize_bilinear
 from dualseg.predictor import Predictor, require_image_list, size_batches
 from dualseg.serialization import read_torchscript_meta
 from dualseg.viz import default_palette
@@ -32,17 +32,6 @@ from dualseg.viz import default_palette
 def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
     e = np.exp(x - x.max(axis=axis, keepdims=True))
     return e / e.sum(axis=axis, keepdims=True)
-
-
-def _resize(array: np.ndarray, size: tuple[int, int]) -> np.ndarray:
-    """Bilinear resize of ``HxWxK`` to ``size = (H, W)`` (half-pixel centres, like
-    ``F.interpolate(align_corners=False)``)."""
-    import cv2
-
-    if array.shape[:2] == tuple(size):
-        return array
-    out = cv2.resize(array, (size[1], size[0]), interpolation=cv2.INTER_LINEAR)
-    return out[:, :, None] if out.ndim == 2 else out
 
 
 def _check_segmenter_info(path: Path, info: dict[str, Any]) -> None:
@@ -187,8 +176,8 @@ class ExportedSegmenter(Predictor):
     def _run(self, arrays: list[np.ndarray], batch_size: int):
         if self.input_size is not None:  # static export: batch 1 at the exported size
             for i, a in enumerate(arrays):
-                scores = self.runner(self.to_input([_resize(a, self.input_size)]))[0]
-                scores = _resize(scores.transpose(1, 2, 0), a.shape[:2]).transpose(2, 0, 1)
+                scores = self.runner(self.to_input([resize_bilinear(a, self.input_size)]))[0]
+                scores = resize_bilinear(scores.transpose(1, 2, 0), a.shape[:2]).transpose(2, 0, 1)
                 yield [i], self._probs(scores[None])
             return
         for chunk in size_batches(arrays, batch_size):

@@ -55,7 +55,12 @@ import numpy as np
 from PIL import Image
 
 from dualseg.errors import ConfigError, DataError
-from dualseg.imaging import ImageTooLargeError, decode_image, pillow_max_pixels
+from dualseg.imaging import (
+    ImageTooLargeError,
+    decode_image,
+    pillow_max_pixels,
+    resize_bilinear,
+)
 from dualseg.io import atomic_write_bytes
 from dualseg.serve.defaults import (
     DEFAULT_MAX_MEGAPIXELS,
@@ -329,19 +334,11 @@ def _resize(array: np.ndarray, hw: tuple[int, int], interpolation: int) -> np.nd
     return cv2.resize(array, (hw[1], hw[0]), interpolation=interpolation)
 
 
-_CV_CHANNELS = 64  # OpenCV resizes at most this many channels in one call here (safe bound)
-
-
 def upsample_probs(probs: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     """``[C,h,w]`` -> ``[C,H,W]`` bilinear (half-pixel centres, as the engine's S4 tail)."""
     if probs.shape[1:] == hw:
         return probs
-    hwc = np.ascontiguousarray(probs.transpose(1, 2, 0))
-    parts = [
-        _resize(hwc[..., i : i + _CV_CHANNELS], hw, cv2.INTER_LINEAR).reshape(*hw, -1)
-        for i in range(0, hwc.shape[2], _CV_CHANNELS)
-    ]
-    return np.concatenate(parts, axis=2).transpose(2, 0, 1)
+    return resize_bilinear(probs.transpose(1, 2, 0), hw).transpose(2, 0, 1)
 
 
 class _Workers:
