@@ -50,6 +50,19 @@ def test_eval_never_writes_over_the_ground_truth(setup, tmp_path, capsys, overwr
     assert _snapshot(data) == before
 
 
+def test_eval_overwrite_removes_an_earlier_refined_evaluations_predictions(setup, tmp_path):
+    preds = tmp_path / "preds"
+    stale = [preds / kind / "val_00000.png" for kind in ("refined_labels", "refined_color")]
+    for path in stale:  # as a first evaluation with --refiner left them
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"another model's refined output")
+    keep = preds / "refined_labels" / "notes.png"  # not a name this split writes: kept
+    keep.write_bytes(b"mine")
+    assert cli_main(_eval(setup, setup["data"], preds, "--overwrite")) == 0
+    assert (preds / "labels" / "val_00000.png").is_file()
+    assert not any(p.exists() for p in stale) and keep.read_bytes() == b"mine"
+
+
 def _repeat_dataset(setup, root: Path) -> Path:
     """A list dataset whose val images a/x.png and b/x.png share a name."""
     src = setup["data"]

@@ -151,16 +151,26 @@ def check_prediction_outputs(args: argparse.Namespace) -> None:
     from dualseg.data.datasets import discover
 
     samples = discover(args.data, split=args.split, layout=args.layout).samples
+    out, names = Path(args.save_predictions), prediction_names(samples)
+    protected = [
+        (f"a file of the dataset {args.data}", dataset_files(args.data, layout=args.layout))
+    ]
     check_outputs(
-        prediction_files(
-            Path(args.save_predictions), prediction_names(samples), refined=bool(args.refiner)
-        ),
+        prediction_files(out, names, refined=bool(args.refiner)),
         overwrite=args.overwrite,
-        protected=[
-            (f"a file of the dataset {args.data}", dataset_files(args.data, layout=args.layout))
-        ],
+        protected=protected,
         what="--save-predictions",
     )
+    if args.overwrite and not args.refiner:
+        # an earlier evaluation's refined_labels/ and refined_color/ files would stay beside
+        # this one's predictions, as if this model's refined output: removed (never a dataset
+        # file), as eval removes an earlier evaluation's figures
+        stale = [
+            p for p in prediction_files(out, names, refined=True) if p.parent.name[:8] == "refined_"
+        ]
+        check_outputs(stale, overwrite=True, protected=protected, what="--save-predictions")
+        for path in stale:
+            path.unlink(missing_ok=True)
 
 
 def prediction_writer(samples: list, out: Path, palette: Any, batch_size: int):
