@@ -270,6 +270,18 @@ def test_layout_folder_beside_list_files_naming_the_splits_is_refused(tmp_path):
     assert len(build_dataset(plain, split="train", layout="folder", preset=TINY)) == 4
 
 
+def test_a_preset_that_contradicts_the_datasets_meta_json_is_refused(list_root, tmp_path):
+    import json
+
+    from dualseg.data import make_synthetic_dataset
+
+    (list_root / "meta.json").write_text(json.dumps(TINY.to_dict()))
+    with pytest.raises(DataError, match=r"--preset synthetic has the classes \['sky'.*says"):
+        build_dataset(list_root, preset="synthetic")  # read as sky, building, ... silently
+    synthetic = make_synthetic_dataset(tmp_path / "syn", n_train=1, n_val=1, size=(24, 32))
+    assert len(build_dataset(synthetic, preset="synthetic")) == 1  # the same classes: fine
+
+
 def test_a_split_the_root_lacks_is_not_the_flat_folder(tmp_path):
     # list files over a flat images/ folder (what make_synthetic_dataset and augment write)
     root = _flat_root(tmp_path / "lists")

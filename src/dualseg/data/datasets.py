@@ -400,10 +400,20 @@ def resolve_meta(
 def _own_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -> DatasetMeta:
     if isinstance(preset, DatasetMeta):
         return preset
-    if preset is not None:
-        return get_preset(preset)
     root = Path(root)
     meta_file = (root.parent if root.is_file() else root) / META_FILE
+    if preset is not None:
+        named = get_preset(preset)
+        if meta_file.is_file():  # the dataset says which classes its label values are
+            own = load_meta_file(meta_file)
+            if tuple(own.class_names) != tuple(named.class_names):
+                raise DataError(
+                    f"--preset {preset} has the classes {list(named.class_names)} but "
+                    f"{meta_file} says {list(own.class_names)}: every label value would be "
+                    f"scored under another name; leave --preset out to read {meta_file}, or "
+                    "fix that file"
+                )
+        return named
     if meta_file.is_file():
         return load_meta_file(meta_file)
     if layout in PRESETS:  # voc, cityscapes, ade20k
