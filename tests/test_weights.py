@@ -174,6 +174,21 @@ def test_only_an_rgb_stem_is_adapted(file_in: int, model_in: int) -> None:
         W.load_pretrained(dst, src.state_dict(), strict=True)
 
 
+def test_a_file_without_batchnorm_step_counters_loads_strictly() -> None:
+    """Files saved before PyTorch 0.4.1 lack num_batches_tracked; nn.Module loads them."""
+    src, dst = (
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)),
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)),
+    )
+    old = {k: v for k, v in src.state_dict().items() if not k.endswith("num_batches_tracked")}
+    report = W.load_pretrained(dst, old, strict=True)
+    assert report.ok and report.missing == []
+    assert torch.equal(dst[1].running_var, src[1].running_var)
+    del old["1.running_var"]  # a real tensor missing is still refused
+    with pytest.raises(CheckpointError, match=r"1\.running_var"):
+        W.load_pretrained(dst, old, strict=True)
+
+
 def test_adapt_conv_in_channels() -> None:
     w = torch.randn(4, 3, 3, 3)
     assert torch.equal(W.adapt_conv_in_channels(w, 3), w)

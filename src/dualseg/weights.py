@@ -283,7 +283,10 @@ def adapt_conv_in_channels(weight: Tensor, in_channels: int, *, reduce: str = "s
 
     One channel (the grayscale branch, spec S2 Reading): the RGB kernels summed (``reduce="sum"``)
     or averaged (``"mean"``). Summing keeps the response to a gray image equal to the RGB
-    network's response to the same image given as three equal channels. Other counts: the
+    network's response to the same image given as three equal channels *before*
+    normalization; with ImageNet's per-channel mean and std (the grey input is normalized by
+    their BT.601 mixes) the two differ by a per-filter offset, about half the response on
+    ImageNet's MobileNetV2 stem, which fine-tuning absorbs. Other counts: the
     kernels repeated cyclically and rescaled by ``3 / in_channels`` (as timm does).
     """
     c = weight.shape[1]
@@ -348,7 +351,11 @@ def load_pretrained(
                 continue
         new_state[key] = value.to(dtype=target.dtype)
         report.loaded.append(key)
-    report.missing = [k for k in own if k not in new_state]
+    # files saved before PyTorch 0.4.1 have no BatchNorm step counter (nn.Module's own loading
+    # accepts them); it only counts steps, so it stays at 0
+    report.missing = [
+        k for k in own if k not in new_state and not k.endswith(".num_batches_tracked")
+    ]
     module.load_state_dict(new_state, strict=False)
 
     label = name or type(module).__name__
