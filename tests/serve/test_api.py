@@ -343,3 +343,13 @@ def test_a_colour_key_that_cannot_be_matched_is_refused(client):
 def test_pillows_limit_is_read_when_the_app_is_made(segmenter, monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 300_000_000)  # a user raised it
     create_app(segmenter, max_megapixels=150)
+
+
+def test_the_working_size_holds_the_pixel_bound_for_very_thin_images() -> None:
+    from dualseg.serve.app import working_size
+
+    assert working_size(1, 20_000_000, 1e6) == (1, 1_000_000)  # was (1, 4472135): 4.5x over
+    assert working_size(20_000_000, 2, 1e6) == (1_000_000, 1)
+    h, w = working_size(3000, 4000, 1e6)
+    assert h * w <= 1e6 and abs(h / w - 0.75) < 0.01  # ordinary images: aspect kept
+    assert working_size(30, 40, 1e6) == (30, 40) and working_size(30, 40, 0) == (30, 40)

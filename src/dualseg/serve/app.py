@@ -326,7 +326,13 @@ def working_size(height: int, width: int, max_pixels: float) -> tuple[int, int]:
     if max_pixels <= 0 or height * width <= max_pixels:
         return height, width
     scale = math.sqrt(max_pixels / (height * width))
-    return max(1, math.floor(height * scale)), max(1, math.floor(width * scale))
+    h, w = max(1, math.floor(height * scale)), max(1, math.floor(width * scale))
+    # a side clamped to 1 px (a very thin image) leaves the other to hold the bound alone
+    if h == 1:
+        w = max(1, min(width, math.floor(max_pixels)))
+    elif w == 1:
+        h = max(1, min(height, math.floor(max_pixels)))
+    return h, w
 
 
 def _resize(array: np.ndarray, hw: tuple[int, int], interpolation: int) -> np.ndarray:
