@@ -11,7 +11,10 @@ Trains, with the same data, augmentation, budget and evaluation (issue 6):
 and, on request (``--models aspp_v3 no_renet_v3 logits_first``), method A with claim 3's other
 reading of its ASPP (torchvision's DeepLab-v3 ASPP in place of the DeepLab-v2 sum of atrous
 class scores), the same without ReNet layers, and method A with its logits upsampled before the
-softmax (S44's other order).
+softmax (S44's other order); and two probes of why the ReNet layers cost method A accuracy
+(``--models renet_bn renet_bn_v3 renet_skip_v3``, model options beyond the claims): a BatchNorm on
+each ReNet layer's input features (``renet_norm``), with the v2 or the v3 ASPP, and the
+backbone's features handed to the v3 ASPP beside the ReNet output (``renet_skip``).
 
 then fits method B once and applies it on top of (1) and (2). Method B's embedding model learns
 from ground-truth labels only (triplets on near-boundary pixels of the training set); the base
