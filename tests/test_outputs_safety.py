@@ -63,6 +63,20 @@ def test_eval_overwrite_removes_an_earlier_refined_evaluations_predictions(setup
     assert not any(p.exists() for p in stale) and keep.read_bytes() == b"mine"
 
 
+def test_eval_with_a_preset_that_contradicts_the_datasets_meta_json_is_refused(
+    setup, tmp_path, capsys
+):
+    data = Path(shutil.copytree(setup["data"], tmp_path / "reversed"))
+    meta = json.loads((data / "meta.json").read_text())
+    (data / "meta.json").write_text(json.dumps({**meta, "class_names": meta["class_names"][::-1]}))
+    out = tmp_path / "ev"
+    argv = ["eval", "-c", str(setup["ckpt"]), "--data", str(data), "--split", "val",
+            "--preset", "synthetic", "--out", str(out), "--device", "cpu", "--quiet"]  # fmt: skip
+    line = refused(argv, capsys)  # it scored every class under another name, exit 0
+    assert "--preset synthetic has the classes" in line and "meta.json says" in line
+    assert not (out / "metrics.json").exists()
+
+
 def _repeat_dataset(setup, root: Path) -> Path:
     """A list dataset whose val images a/x.png and b/x.png share a name."""
     src = setup["data"]

@@ -280,6 +280,9 @@ def test_a_preset_that_contradicts_the_datasets_meta_json_is_refused(list_root, 
         build_dataset(list_root, preset="synthetic")  # read as sky, building, ... silently
     synthetic = make_synthetic_dataset(tmp_path / "syn", n_train=1, n_val=1, size=(24, 32))
     assert len(build_dataset(synthetic, preset="synthetic")) == 1  # the same classes: fine
+    # another tool's meta.json (no dualseg description) does not block the preset
+    (list_root / "meta.json").write_text('{"classes": [{"title": "sky"}], "tags": []}')
+    assert len(build_dataset(list_root, preset="synthetic")) == 3
 
 
 def test_a_split_the_root_lacks_is_not_the_flat_folder(tmp_path):

@@ -300,7 +300,9 @@ def _prepare_data(args: argparse.Namespace, out: Path) -> tuple[Path, Any]:
 
             layout = discover(args.data, split=args.train_split, layout=args.layout).layout
             return Path(args.data), resolve_meta(args.data, layout, None)
-        return Path(args.data), get_preset(args.preset)
+        from dualseg.data.datasets import preset_for
+
+        return Path(args.data), preset_for(args.data, args.preset)
     h, w = args.size
     root = make_synthetic_dataset(
         out / "data", n_train=args.n_train, n_val=args.n_val, size=(h, w), seed=args.seed

@@ -230,9 +230,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate as the command line describes; returns the metrics (also written to disk)."""
     import torch
 
-    from dualseg.data import PRESETS, build_dataset, get_preset
+    from dualseg.data import PRESETS, build_dataset
     from dualseg.data.collate import SameSizeCollate
-    from dualseg.data.datasets import dataset_meta
+    from dualseg.data.datasets import dataset_meta, preset_for
     from dualseg.data.presets import parse_label_map, require_same_classes
     from dualseg.data.transforms import build_eval_transform
     from dualseg.engine.checkpoint import build_model_from_checkpoint
@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_normalization(ckpt)  # the eval transform applies dualseg's (ImageNet) normalization
     model, meta = build_model_from_checkpoint(ckpt, device=device)
     own = (
-        get_preset(args.preset)
+        preset_for(args.data, args.preset)
         if args.preset
         else dataset_meta(args.data, layout=args.layout, split=args.split)
     )

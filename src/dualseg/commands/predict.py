@@ -191,10 +191,10 @@ def check_dataset_classes(args: argparse.Namespace, class_names: Sequence[str], 
     """Refuse (one line, both class lists) when ``--data``'s classes differ from the model's."""
     if not args.data and not args.preset:
         return
-    from dualseg.data.datasets import dataset_meta
-    from dualseg.data.presets import get_preset, require_same_classes
+    from dualseg.data.datasets import dataset_meta, preset_for
+    from dualseg.data.presets import require_same_classes
 
-    own = get_preset(args.preset) if args.preset else dataset_meta(args.data)
+    own = preset_for(args.data, args.preset) if args.preset else dataset_meta(args.data)
     if own is None:
         raise DataError(
             f"{args.data}: says nothing about its classes; add a meta.json (name, class_names, "

@@ -400,20 +400,10 @@ def resolve_meta(
 def _own_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -> DatasetMeta:
     if isinstance(preset, DatasetMeta):
         return preset
+    if preset is not None:
+        return preset_for(root, preset)
     root = Path(root)
     meta_file = (root.parent if root.is_file() else root) / META_FILE
-    if preset is not None:
-        named = get_preset(preset)
-        if meta_file.is_file():  # the dataset says which classes its label values are
-            own = load_meta_file(meta_file)
-            if tuple(own.class_names) != tuple(named.class_names):
-                raise DataError(
-                    f"--preset {preset} has the classes {list(named.class_names)} but "
-                    f"{meta_file} says {list(own.class_names)}: every label value would be "
-                    f"scored under another name; leave --preset out to read {meta_file}, or "
-                    "fix that file"
-                )
-        return named
     if meta_file.is_file():
         return load_meta_file(meta_file)
     if layout in PRESETS:  # voc, cityscapes, ade20k
@@ -422,6 +412,32 @@ def _own_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -
         f"{root}: which classes does this dataset have? pass preset= one of {sorted(PRESETS)} "
         f"(CLI: --preset), or describe them in {meta_file} (name, class_names, palette)"
     )
+
+
+def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
+    """The preset ``preset`` for the dataset at ``root``: refused (one line, both lists) when
+    ROOT/meta.json describes the dataset's classes under other names, since each label value
+    would be scored or trained under another class's name. A meta.json that is no dualseg
+    description (another tool's file) does not stand in the way: the preset is how to read
+    such a dataset."""
+    named = get_preset(preset)
+    if root is None:
+        return named
+    root = Path(root)
+    meta_file = (root.parent if root.is_file() else root) / META_FILE
+    if not meta_file.is_file():
+        return named
+    try:
+        own = load_meta_file(meta_file)
+    except DataError:
+        return named
+    if tuple(own.class_names) != tuple(named.class_names):
+        raise DataError(
+            f"--preset {preset} has the classes {list(named.class_names)} but {meta_file} says "
+            f"{list(own.class_names)}: every label value would be scored under another name; "
+            f"leave --preset out to read {meta_file}, or fix that file"
+        )
+    return named
 
 
 def dataset_meta(
