@@ -58,6 +58,10 @@ def test_eval_overwrite_removes_an_earlier_refined_evaluations_predictions(setup
         path.write_bytes(b"another model's refined output")
     keep = preds / "refined_labels" / "notes.png"  # not a name this split writes: kept
     keep.write_bytes(b"mine")
+    failing = _eval(setup, setup["data"], preds, "--overwrite")
+    failing[2] = str(tmp_path / "no_such_checkpoint.pt")
+    assert cli_main(failing) != 0  # a run that fails removes nothing
+    assert all(p.read_bytes() == b"another model's refined output" for p in stale)
     assert cli_main(_eval(setup, setup["data"], preds, "--overwrite")) == 0
     assert (preds / "labels" / "val_00000.png").is_file()
     assert not any(p.exists() for p in stale) and keep.read_bytes() == b"mine"

@@ -145,9 +145,11 @@ def prediction_files(out: Path, names: list[str], *, refined: bool) -> list[Path
     return [out / f"{k}{f}" / f"{n}.png" for n in names for k in kinds for f in ("labels", "color")]
 
 
-def check_prediction_outputs(args: argparse.Namespace) -> None:
+def check_prediction_outputs(args: argparse.Namespace) -> list[Path]:
     """``--save-predictions``: refuse, before any work, files that exist (unless
-    ``--overwrite``) and any file of the ``--data`` dataset (always)."""
+    ``--overwrite``) and any file of the ``--data`` dataset (always). Returns the earlier
+    evaluation's files this one replaces by leaving them out, to remove once it has written
+    its own."""
     from dualseg.data.datasets import discover
 
     samples = discover(args.data, split=args.split, layout=args.layout).samples
@@ -161,16 +163,16 @@ def check_prediction_outputs(args: argparse.Namespace) -> None:
         protected=protected,
         what="--save-predictions",
     )
-    if args.overwrite and not args.refiner:
-        # an earlier evaluation's refined_labels/ and refined_color/ files would stay beside
-        # this one's predictions, as if this model's refined output: removed (never a dataset
-        # file), as eval removes an earlier evaluation's figures
-        stale = [
-            p for p in prediction_files(out, names, refined=True) if p.parent.name[:8] == "refined_"
-        ]
-        check_outputs(stale, overwrite=True, protected=protected, what="--save-predictions")
-        for path in stale:
-            path.unlink(missing_ok=True)
+    if not (args.overwrite and not args.refiner):
+        return []
+    # an earlier evaluation's refined_labels/ and refined_color/ files would stay beside this
+    # one's predictions, as if this model's refined output: removed after it wrote its own
+    # (never a dataset file), as eval removes an earlier evaluation's figures
+    stale = [
+        p for p in prediction_files(out, names, refined=True) if p.parent.name[:8] == "refined_"
+    ]
+    check_outputs(stale, overwrite=True, protected=protected, what="--save-predictions")
+    return [p for p in stale if p.exists()]
 
 
 def prediction_writer(samples: list, out: Path, palette: Any, batch_size: int):
@@ -251,9 +253,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         else default_out(args.checkpoint, args.split, variant=out_variant(args, opts))
     )
     check_writable(out, kind="dir", what="--out")
+    stale_predictions: list[Path] = []
     if args.save_predictions:
         check_writable(args.save_predictions, kind="dir", what="--save-predictions")
-        check_prediction_outputs(args)
+        stale_predictions = check_prediction_outputs(args)
     # an earlier evaluation's scores and figures in OUT are a result: replaced only when asked
     check_outputs([out / name for name in EVAL_FILES], overwrite=args.overwrite, what="--out")
     if args.label_map and args.label_map.lower() not in NO_MAP:
@@ -378,6 +381,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     figures = write_figures(out, metrics, names)
     for stale in {out / name for name in FIGURES} - set(figures):
         stale.unlink(missing_ok=True)  # an earlier evaluation's (--overwrite), not this one's
+    for stale in stale_predictions:
+        stale.unlink(missing_ok=True)
     print(f"metrics -> {out / 'metrics.json'}; figures -> {', '.join(p.name for p in figures)}")
     return metrics
 
