@@ -109,6 +109,19 @@ def test_a_resume_on_a_source_whose_pairs_changed_is_refused(src, tmp_path):
     assert augment_dataset(src, dst, count=4, progress=False) == (2, 2)
 
 
+def test_an_output_written_before_the_source_record_resumes(src, tmp_path):
+    dst = tmp_path / "aug"
+    augment_dataset(src, dst, count=2, progress=False)
+    settings = json.loads((dst / "augment.json").read_text())
+    old = {k: v for k, v in settings.items() if not k.startswith("source_")}
+    (dst / "augment.json").write_text(json.dumps(old))  # as an earlier version wrote it
+    assert augment_dataset(src, dst, count=3, progress=False) == (1, 2)
+    assert json.loads((dst / "augment.json").read_text()) == settings  # now recorded
+    (dst / "augment.json").write_text(json.dumps({**old, "seed": 7}))  # other settings: refused
+    with pytest.raises(DataError, match="seed"):
+        augment_dataset(src, dst, count=3, progress=False)
+
+
 def test_a_stale_settings_file_without_pairs_does_not_block_a_run(src, tmp_path):
     dst = tmp_path / "aug"
     dst.mkdir()

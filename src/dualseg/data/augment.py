@@ -268,6 +268,9 @@ def _check_destination(src: Path, dst: Path, dataset: SegmentationDataset, list_
         )
 
 
+SOURCE_KEYS = ("source_pairs", "source_digest")  # augment.json's record of the source pairs
+
+
 def _pairs_digest(samples: list[tuple[Path, Path]]) -> str:
     """SHA-1 of the source pairs' resolved paths, in order."""
     text = "\n".join(f"{img.resolve()}\t{label.resolve()}" for img, label in samples)
@@ -312,6 +315,12 @@ def _claim(dst: Path, settings: dict) -> None:
             ) from None
         except (OSError, json.JSONDecodeError):
             old = None
+        if isinstance(old, dict) and not any(k in old for k in SOURCE_KEYS):
+            # written before augment.json kept which source pairs it read: the other settings
+            # decide, and the file gains the source's (what it read then cannot be known)
+            old = {**old, **{k: settings[k] for k in SOURCE_KEYS}}
+            if old == settings:
+                atomic_write_json(path, settings)
         if old != settings:
             changed = sorted(k for k in settings if not old or old.get(k) != settings[k])
             raise DataError(
