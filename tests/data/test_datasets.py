@@ -263,10 +263,13 @@ def test_layout_folder_beside_list_files_naming_the_splits_is_refused(tmp_path):
     root = _flat_root(tmp_path / "lists")
     (root / "train.txt").write_text("images/a.png labels/a.png\nimages/b.png labels/b.png\n")
     (root / "val.txt").write_text("images/c.png labels/c.png\n")
-    with pytest.raises(DataError, match=r"train\.txt, val\.txt\) name the splits.*--layout list"):
+    with pytest.raises(DataError, match=r"train\.txt lists split 'train'.*--layout list"):
         build_dataset(root, split="train", layout="folder", preset=TINY)
+    assert len(build_dataset(root, split="train", layout="list", preset=TINY)) == 2  # the fix
     assert len(build_dataset(root, split="train", preset=TINY)) == 2  # auto: the list
     plain = _flat_root(tmp_path / "plain")  # no list files: the flat folder serves any split
+    assert len(build_dataset(plain, split="train", layout="folder", preset=TINY)) == 4
+    (plain / "all.txt").write_text("images/a.png labels/a.png\n")  # a list of another name
     assert len(build_dataset(plain, split="train", layout="folder", preset=TINY)) == 4
 
 

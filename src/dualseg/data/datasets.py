@@ -200,14 +200,14 @@ def _scan_folder(root: Path, split: str) -> Discovery:
             f"{root}/images/{split}, {root}); arrange the files so or pass --layout"
         )
         return found
-    lists = sorted(p.name for p in root.glob("*.txt") if _is_list_file(p))
-    if split and dirs[0] == root / "images" and lists:
-        # the flat folder stands for every split: beside list files that name the splits, the
+    listed = root / f"{split}.txt"
+    if split and dirs[0] == root / "images" and _is_list_file(listed):
+        # the flat folder stands for every split: beside a list file naming this split, the
         # train split would read the val images too (documented: no stand-in then)
         found.split_missing = True
         found.problems.append(
-            f"{root}: its list files ({', '.join(lists)}) name the splits, and the flat "
-            f"images/ folder holds them all; read split {split!r} with --layout list (or auto)"
+            f"{root}: {listed.name} lists split {split!r}, and the flat images/ folder holds "
+            "every split's images; read it with --layout list (or auto)"
         )
         return found
     images, labels = (_images_by_stem(d, found.problems) for d in dirs)
