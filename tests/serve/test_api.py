@@ -353,3 +353,4 @@ def test_the_working_size_holds_the_pixel_bound_for_very_thin_images() -> None:
     h, w = working_size(3000, 4000, 1e6)
     assert h * w <= 1e6 and abs(h / w - 0.75) < 0.01  # ordinary images: aspect kept
     assert working_size(30, 40, 1e6) == (30, 40) and working_size(30, 40, 0) == (30, 40)
+    assert working_size(19, 1000, 190) == (1, 100)  # within the bound as it is: aspect kept

@@ -327,11 +327,11 @@ def working_size(height: int, width: int, max_pixels: float) -> tuple[int, int]:
         return height, width
     scale = math.sqrt(max_pixels / (height * width))
     h, w = max(1, math.floor(height * scale)), max(1, math.floor(width * scale))
-    # a side clamped to 1 px (a very thin image) leaves the other to hold the bound alone
-    if h == 1:
-        w = max(1, min(width, math.floor(max_pixels)))
-    elif w == 1:
-        h = max(1, min(height, math.floor(max_pixels)))
+    if h * w > max_pixels:  # a side clamped up to 1 px (a very thin image): the other gives way
+        if h == 1:
+            w = max(1, math.floor(max_pixels))
+        else:
+            h = max(1, math.floor(max_pixels))
     return h, w
 
 
