@@ -181,6 +181,20 @@ def test_demo_refuses_a_folder_holding_another_run_and_checks_first(tmp_path, ca
     assert not (tmp_path / "fresh").exists()
 
 
+def test_demo_refuses_a_new_out_whose_data_folder_is_someone_elses(tmp_path, capsys) -> None:
+    from dualseg.cli import main
+
+    out = tmp_path / "new"
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "train.txt").write_text("images/mine.png labels/mine.png\n")
+    assert main(_tiny_demo(out)) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "its data/ folder holds files dualseg demo did not write" in err
+    assert "--overwrite" in err and not (out / demo.DEMO_MARKER).exists()  # not marked as ours
+    assert (out / "data" / "train.txt").read_text() == "images/mine.png labels/mine.png\n"
+    assert sorted(p.name for p in out.iterdir()) == ["data"]
+
+
 @pytest.mark.slow
 def test_demo_reruns_into_its_own_folder_and_overwrite_replaces_another_run(
     tmp_path, capsys

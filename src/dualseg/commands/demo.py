@@ -34,7 +34,13 @@ from dualseg.augment_defaults import seed_error
 from dualseg.commands.common import add_quiet_arg
 from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.engine.config import DataConfig
-from dualseg.errors import ConfigError, DualsegError, RunExistsError, WeightsNotFoundError
+from dualseg.errors import (
+    ConfigError,
+    DataError,
+    DualsegError,
+    RunExistsError,
+    WeightsNotFoundError,
+)
 
 DEFAULT_ARCH = "dualseg_mobilenet_v2"
 # written into --out before anything else: what marks the folder as the demo's own
@@ -290,8 +296,9 @@ def _resolve_weights(arch: str, weights: str) -> str | None:
     return "imagenet"
 
 
-def _prepare_data(args: argparse.Namespace, out: Path) -> tuple[Path, Any]:
-    """The dataset root and its classes: synthetic (generated once, reused) or ``--data``."""
+def _prepare_data(args: argparse.Namespace, out: Path, *, own: bool = False) -> tuple[Path, Any]:
+    """The dataset root and its classes: synthetic (generated once, reused) or ``--data``.
+    ``own``: ``out`` is the demo's own folder (or ``--overwrite``), so is its ``data/``."""
     from dualseg.data import get_preset, make_synthetic_dataset
 
     if args.data is not None:
@@ -305,9 +312,24 @@ def _prepare_data(args: argparse.Namespace, out: Path) -> tuple[Path, Any]:
         return Path(args.data), preset_for(args.data, args.preset)
     h, w = args.size
     root = make_synthetic_dataset(
-        out / "data", n_train=args.n_train, n_val=args.n_val, size=(h, w), seed=args.seed
-    )
+        out / "data", n_train=args.n_train, n_val=args.n_val, size=(h, w), seed=args.seed,
+        replace=own,
+    )  # fmt: skip
     return Path(root), get_preset("synthetic")
+
+
+def check_data_folder(out: Path, *, own: bool) -> None:
+    """Refuse, before ``out`` is marked as the demo's, a new ``--out`` whose ``data/`` holds
+    files the synthetic generator did not write (someone's dataset: it would be overwritten)."""
+    from dualseg.data.synthetic import STAMP_FILE
+
+    data = out / "data"
+    if own or not data.is_dir() or (data / STAMP_FILE).is_file() or not any(data.iterdir()):
+        return
+    raise DataError(
+        f"--out {out}: its data/ folder holds files dualseg demo did not write (no "
+        f"{STAMP_FILE}); choose another --out, or pass --overwrite to replace them"
+    )
 
 
 def check_splits_differ(root: Path, meta: Any, args: argparse.Namespace) -> None:
@@ -557,13 +579,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     check_args(args)  # before the folder is looked at or touched
     check_out_dir(out, overwrite=args.overwrite)
+    own = args.overwrite or (out.is_dir() and is_demo_folder(out))  # before it is marked
     device = resolve_device(args.device)
     if args.data is not None:  # nothing to generate: the splits are checked before out is touched
         root, meta = _prepare_data(args, out)
         check_splits_differ(root, meta, args)
+    else:
+        check_data_folder(out, own=own)
     mark_demo_folder(out)
     if args.data is None:
-        root, meta = _prepare_data(args, out)
+        root, meta = _prepare_data(args, out, own=own)
     t_data = time.perf_counter() - start
     weights = _resolve_weights(args.arch, args.weights)
     cfg = _train_config(args, root, meta, weights)

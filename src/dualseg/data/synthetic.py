@@ -205,6 +205,7 @@ def make_synthetic_dataset(
     n_val: int,
     size: tuple[int, int] = (96, 128),
     seed: int = 0,
+    replace: bool = False,
 ) -> Path:
     """Write (or reuse) a synthetic street-scene dataset in the list-file layout; return ``root``.
 
@@ -213,7 +214,8 @@ def make_synthetic_dataset(
     folder already holding a complete dataset made with the same arguments is reused as is;
     one made with other arguments, or left half-written, is written anew; any other folder
     that is not empty is refused (it may be someone's dataset: its list files, meta.json and
-    same-named images would be overwritten).
+    same-named images would be overwritten) unless ``replace`` (the caller knows the folder is
+    its own, as ``dualseg demo`` does its ``--out``).
     """
     root = Path(root)
     h, w = int(size[0]), int(size[1])
@@ -225,7 +227,7 @@ def make_synthetic_dataset(
                 return root
         except (OSError, ValueError):  # JSONDecodeError, UnicodeDecodeError (not UTF-8)
             pass  # an unreadable stamp (a generated file): regenerate
-    elif root.is_dir() and any(root.iterdir()):
+    elif not replace and root.is_dir() and any(root.iterdir()):
         raise DataError(
             f"{root} holds files that make_synthetic_dataset did not write (no {STAMP_FILE}); "
             "give an empty or new folder"
