@@ -183,8 +183,16 @@ def test_cli_eval_writes_metrics_and_predictions(ckpt, synthetic, tmp_path, caps
     assert (preds / "color" / "val_00000.png").is_file()
 
 
-def test_cli_eval_class_count_mismatch(ckpt, synthetic, capsys) -> None:
+def test_cli_eval_class_count_mismatch(ckpt, synthetic, capsys, tmp_path) -> None:
+    import shutil
+
+    # the dataset's own meta.json names other classes than the preset: that comes first
     code = cli_main(["eval", "-c", str(ckpt), "--data", str(synthetic), "--preset", "camvid"])
+    assert code == 1
+    assert "--preset camvid has the classes" in capsys.readouterr().err
+    bare = Path(shutil.copytree(synthetic, tmp_path / "bare"))
+    (bare / "meta.json").unlink()  # no classes of its own: the preset's 11 against the 8
+    code = cli_main(["eval", "-c", str(ckpt), "--data", str(bare), "--preset", "camvid"])
     assert code == 1
     assert "8 classes" in capsys.readouterr().err
 
