@@ -321,10 +321,9 @@ def _prepare_data(args: argparse.Namespace, out: Path, *, own: bool = False) -> 
 def check_data_folder(out: Path, *, own: bool) -> None:
     """Refuse, before ``out`` is marked as the demo's, a new ``--out`` whose ``data/`` holds
     files the synthetic generator did not write (someone's dataset: it would be overwritten)."""
-    from dualseg.data.synthetic import STAMP_FILE
+    from dualseg.data.synthetic import STAMP_FILE, holds_foreign_files
 
-    data = out / "data"
-    if own or not data.is_dir() or (data / STAMP_FILE).is_file() or not any(data.iterdir()):
+    if own or not holds_foreign_files(out / "data"):
         return
     raise DataError(
         f"--out {out}: its data/ folder holds files dualseg demo did not write (no "

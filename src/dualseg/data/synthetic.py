@@ -25,7 +25,9 @@ from dualseg.errors import DataError
 from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 SKY, BUILDING, ROAD, SIDEWALK, VEGETATION, CAR, POLE, SIGN = range(8)
-STAMP_FILE = "synthetic.json"  # written last: its presence means "complete with these settings"
+# written first marked incomplete, then last with the settings alone: "complete with these"
+STAMP_FILE = "synthetic.json"
+
 FORMAT = "dualseg-synthetic/1"
 
 # Per-class texture: (fine-noise amplitude, low-frequency amplitude) in 0..255 units.
@@ -198,6 +200,12 @@ def _png(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
+def holds_foreign_files(root: Path) -> bool:
+    """Whether ``root`` is a non-empty folder without the generator's stamp: files someone
+    else wrote, which :func:`make_synthetic_dataset` refuses to write over."""
+    return not (root / STAMP_FILE).is_file() and root.is_dir() and any(root.iterdir())
+
+
 def make_synthetic_dataset(
     root: str | Path,
     *,
@@ -227,7 +235,7 @@ def make_synthetic_dataset(
                 return root
         except (OSError, ValueError):  # JSONDecodeError, UnicodeDecodeError (not UTF-8)
             pass  # an unreadable stamp (a generated file): regenerate
-    elif not replace and root.is_dir() and any(root.iterdir()):
+    elif not replace and holds_foreign_files(root):
         raise DataError(
             f"{root} holds files that make_synthetic_dataset did not write (no {STAMP_FILE}); "
             "give an empty or new folder"
