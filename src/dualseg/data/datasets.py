@@ -397,13 +397,18 @@ def resolve_meta(
     return with_label_mapping(meta, label_map=label_map, ignore_value=ignore_value)
 
 
+def _meta_file(root: Path) -> Path:
+    """ROOT/meta.json (beside the list file when ROOT is one)."""
+    return (root.parent if root.is_file() else root) / META_FILE
+
+
 def _own_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -> DatasetMeta:
     if isinstance(preset, DatasetMeta):
         return preset
     if preset is not None:
         return preset_for(root, preset)
     root = Path(root)
-    meta_file = (root.parent if root.is_file() else root) / META_FILE
+    meta_file = _meta_file(root)
     if meta_file.is_file():
         return load_meta_file(meta_file)
     if layout in PRESETS:  # voc, cityscapes, ade20k
@@ -424,7 +429,7 @@ def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
     if root is None:
         return named
     root = Path(root)
-    meta_file = (root.parent if root.is_file() else root) / META_FILE
+    meta_file = _meta_file(root)
     if not meta_file.is_file():
         return named
     try:
@@ -447,7 +452,7 @@ def dataset_meta(
     layout);
     ``None`` when it does not say (a bad meta.json is still an error)."""
     root = Path(root)
-    meta_file = (root.parent if root.is_file() else root) / META_FILE
+    meta_file = _meta_file(root)
     if meta_file.is_file():
         return load_meta_file(meta_file)
     if layout == "auto":
