@@ -169,7 +169,9 @@ def check_prediction_outputs(args: argparse.Namespace) -> list[Path]:
     # one's predictions, as if this model's refined output: removed after it wrote its own
     # (never a dataset file), as eval removes an earlier evaluation's figures
     stale = [
-        p for p in prediction_files(out, names, refined=True) if p.parent.name[:8] == "refined_"
+        p
+        for p in prediction_files(out, names, refined=True)
+        if p.parent.name.startswith("refined_")
     ]
     check_outputs(stale, overwrite=True, protected=protected, what="--save-predictions")
     return [p for p in stale if p.exists()]
