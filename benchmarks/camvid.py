@@ -150,6 +150,7 @@ REFINER_RECIPE = (
     "seed",
     "backbone_source",
     "mining",
+    "decoder_channels",
 )
 
 
@@ -273,6 +274,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("random", "semi-hard"),
         default=RefinerConfig.mining,
         help="method B step 4: the false example of each triplet (random: the claim)",
+    )
+    p.add_argument(
+        "--refine-decoder-channels",
+        type=int,
+        default=RefinerConfig.decoder_channels,
+        help="method B step 3, beyond the claim: 0 (the claim's embedding) or a DeepLabV3+ "
+        "decoder fusing the backbone's stride-4 features, projected to this many channels (48)",
     )
     p.add_argument("--timing-images", type=int, default=10, help="images timed per model")
     p.add_argument("--panels", type=int, default=3, help="qualitative panels to write")
@@ -740,6 +748,7 @@ def fit_refiners(
         seed=args.seed,
         backbone_source=args.refine_backbone_source,
         mining=args.refine_mining,
+        decoder_channels=args.refine_decoder_channels,
     )
     fitted: dict[str, BoundaryRefiner] = {}  # "all" (independent) or one per base
     listed = (root / f"{split}.txt").read_text()

@@ -56,6 +56,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--radius", type=int, default=RefinerConfig.radius)
     p.add_argument("--top-n", type=int, default=RefinerConfig.top_n)
     p.add_argument("--lr", type=float, default=RefinerConfig.lr)
+    p.add_argument(
+        "--decoder-channels",
+        type=int,
+        default=RefinerConfig.decoder_channels,
+        help="fit: a DeepLabV3+ decoder on the stride-4 features (0: none, the claim)",
+    )
     p.add_argument("--max-eval-images", type=int, default=0, help="0: the whole split")
     p.add_argument("--time-images", type=int, default=10)
     p.add_argument("--device", default="auto")
@@ -73,6 +79,7 @@ def fit_refiner(args: argparse.Namespace, device: torch.device) -> BoundaryRefin
         radius=args.radius,
         top_n=args.top_n,
         lr=args.lr,
+        decoder_channels=args.decoder_channels,
     )
     tf = build_train_transform(crop_size=tuple(args.crop_size))
     train = build_dataset(args.data, split="train", preset=args.preset, transform=tf)

@@ -218,7 +218,7 @@ def test_features_of_other_images_are_not_used(peer: torch.nn.Module) -> None:
     assert kept is not None
     logits = class_scores(64, 96)
     own = refiner.candidates(x, logits)
-    feats, covered = kept
+    feats, covered = kept.features, kept.covered
     for wrong in (
         (feats[:1], covered),  # one image's features for a batch of two
         (F.interpolate(feats, scale_factor=1.5), (96, 144)),  # a resized input (TTA)

@@ -161,6 +161,13 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         "--aspp-rates", type=int, nargs="+", default=list(d.aspp_rates), help="(4 6 8 12)"
     )
     p.add_argument(
+        "--decoder-channels",
+        type=int,
+        default=d.decoder_channels,
+        help="beyond the claim: a DeepLabV3+ decoder fusing the backbone's stride-4 features, "
+        f"projected to this many channels (48), into the embedding ({d.decoder_channels}: none)",
+    )
+    p.add_argument(
         "--input-scale",
         type=float,
         default=d.input_scale,
@@ -381,6 +388,7 @@ def fit_main(args: argparse.Namespace) -> int:
         prior_weight=args.prior_weight,
         min_prob=args.min_prob,
         p1_blur_sigma=args.p1_blur_sigma,
+        decoder_channels=args.decoder_channels,
     )
     device = apply_runtime(args)
     mode = "off" if args.no_progress else mode_of(args)

@@ -9,6 +9,7 @@ same bilinear weights as the full upsampling (no ``[B,C,H,W]`` tensor at input s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -32,14 +33,29 @@ class EmbeddingNet(nn.Module):
     ``freeze_backbone=True`` (method B with the base model's own backbone, frozen): the backbone
     keeps its weights and its normalization statistics (it stays in eval mode when the net is
     put in training mode) and runs without autograd; only ``fuse`` learns.
+
+    ``decoder`` (beyond the claim, :mod:`dualseg.refine.decoder`): also read the output of the
+    backbone's submodule ``low_level`` (its stride-4 features) and fuse it with ``fuse``'s
+    output; the embedding is then at stride 4.
     """
 
     def __init__(
-        self, backbone: nn.Module, fuse: nn.Module, embed_dim: int, *, freeze_backbone: bool = False
+        self,
+        backbone: nn.Module,
+        fuse: nn.Module,
+        embed_dim: int,
+        *,
+        freeze_backbone: bool = False,
+        decoder: nn.Module | None = None,
+        low_level: str | None = None,
     ) -> None:
         super().__init__()
+        if (decoder is None) != (low_level is None):
+            raise ConfigError("EmbeddingNet: pass decoder and low_level together, or neither")
         self.backbone = backbone
         self.fuse = fuse
+        self.decoder = decoder
+        self.low_level = low_level
         self.embed_dim = embed_dim
         self.freeze_backbone = freeze_backbone
         if freeze_backbone:
@@ -54,11 +70,33 @@ class EmbeddingNet(nn.Module):
 
     def features(self, x: Tensor) -> Tensor:
         """Low-resolution embedding ``[B,C,h,w]`` (before the upsampling)."""
-        if self.freeze_backbone:
-            with torch.no_grad():
+        local, low = self.backbone_features(x)
+        return self.head(local, low)
+
+    def backbone_features(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The backbone's output ``[B,L,H/s,W/s]`` and, with a decoder, its stride-4 features
+        (the ``low_level`` submodule's output, kept by a forward hook for this one call)."""
+        taps: list[Tensor] = []
+        handle = None
+        if self.low_level is not None:
+            tap = self.backbone.get_submodule(self.low_level)
+            handle = tap.register_forward_hook(lambda _m, _a, out: taps.append(out))
+        try:
+            with torch.no_grad() if self.freeze_backbone else contextlib.nullcontext():
                 local = self.backbone(x)
-            return self.fuse(local)
-        return self.fuse(self.backbone(x))
+        finally:
+            if handle is not None:
+                handle.remove()
+        return local, (taps[-1] if taps else None)
+
+    def head(self, local: Tensor, low: Tensor | None = None) -> Tensor:
+        """What learns on top of the backbone: ``fuse`` (ASPP), then the decoder if any."""
+        f = self.fuse(local)  # [B,C,H/s,W/s]
+        if self.decoder is not None:
+            if low is None:
+                raise ConfigError("this embedding's decoder needs the backbone's stride-4 features")
+            f = self.decoder(f, low)  # [B,C,H/4,W/4]
+        return f
 
     def forward(self, x: Tensor) -> Tensor:
         f = self.features(x)  # [B,C,h,w]
@@ -159,17 +197,32 @@ def build_embedding_net(
     aspp_rates: Sequence[int] = (4, 6, 8, 12),
     weights: str | os.PathLike[str] | None = None,
     freeze_backbone: bool = False,
+    decoder_channels: int = 0,
 ) -> EmbeddingNet:
     """Backbone from :func:`dualseg.models.build_backbone` + :class:`dualseg.models.ASPP`.
 
     ``weights``: ``None`` (random init), ``"imagenet"`` or a file, as for ``build_backbone``.
     ``freeze_backbone``: see :class:`EmbeddingNet` (freeze after loading the base's weights).
+    ``decoder_channels``: 0 (the claim: the ASPP output is the embedding) or the width of the
+    stride-4 projection of a :class:`~dualseg.refine.decoder.LowLevelDecoder` (48 in DeepLabV3+).
     """
     from dualseg.models import ASPP, build_backbone
+    from dualseg.refine.decoder import LowLevelDecoder, low_level_tap
 
+    if decoder_channels < 0:
+        raise ConfigError(f"decoder_channels must be >= 0, got {decoder_channels}")
+    low_level, low_channels = low_level_tap(backbone) if decoder_channels else (None, 0)
     net, channels = build_backbone(backbone, output_stride=output_stride, weights=weights)
     fuse = ASPP(channels, embed_dim, tuple(aspp_rates))
-    return EmbeddingNet(net, fuse, embed_dim, freeze_backbone=freeze_backbone)
+    decoder = LowLevelDecoder(low_channels, embed_dim, decoder_channels) if low_level else None
+    return EmbeddingNet(
+        net,
+        fuse,
+        embed_dim,
+        freeze_backbone=freeze_backbone,
+        decoder=decoder,
+        low_level=low_level,
+    )
 
 
 def init_backbone_from(

@@ -46,7 +46,7 @@ from dualseg.refine.embedding import (
 from dualseg.refine.fit import OPTIMIZERS, train_embedding
 from dualseg.refine.formats import FORMAT, load_state
 from dualseg.refine.prototypes import stream_prototypes
-from dualseg.refine.shared import SharedFeatures, can_share, matching
+from dualseg.refine.shared import BaseFeatures, SharedFeatures, can_share, matching
 from dualseg.refine.triplet import MINING, REDUCTIONS, triplet_step
 
 BACKBONE_SOURCES = ("independent", "base-frozen", "base-finetune")
@@ -85,7 +85,9 @@ class RefinerConfig:
     log-probability to each candidate's squared distance (in units of the mean squared distance
     between prototypes; 0: the claim); ``min_prob`` drops Top-N candidates below that base
     probability (0: the claim). :mod:`dualseg.refine.calibrate` chooses them on held-out
-    labelled images.
+    labelled images. ``decoder_channels`` (beyond the claim, :mod:`dualseg.refine.decoder`):
+    0, the claim's embedding (the ASPP output); else a DeepLabV3+ decoder fuses the backbone's
+    stride-4 features, projected to this many channels (48 in DeepLabV3+), into the embedding.
     """
 
     backbone: str = "mobilenet_v2"
@@ -113,6 +115,7 @@ class RefinerConfig:
     prior_weight: float = 0.0
     min_prob: float = 0.0
     p1_blur_sigma: float = 0.0
+    decoder_channels: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -146,6 +149,10 @@ class RefinerConfig:
             (self.prior_weight >= 0, f"prior_weight must be >= 0, got {self.prior_weight}"),
             (0 <= self.min_prob < 1, f"min_prob must be in [0, 1), got {self.min_prob}"),
             (self.p1_blur_sigma >= 0, f"p1_blur_sigma must be >= 0, got {self.p1_blur_sigma}"),
+            (
+                self.decoder_channels >= 0,
+                f"decoder_channels must be >= 0, got {self.decoder_channels}",
+            ),
         ]
         if (problem := seed_error(self.seed, "seed")) is not None:
             checks.insert(0, (False, problem))
@@ -162,6 +169,7 @@ class RefinerConfig:
             aspp_rates=self.aspp_rates,
             weights=weights,
             freeze_backbone=self.backbone_source == "base-frozen",
+            decoder_channels=self.decoder_channels,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -239,7 +247,7 @@ class BoundaryRefiner:
         probs: Any,
         *,
         return_changed: bool = False,
-        features: tuple[Tensor, tuple[int, int]] | None = None,
+        features: BaseFeatures | tuple[Tensor, tuple[int, int]] | None = None,
     ) -> Tensor | np.ndarray | tuple[Any, Any]:
         """Refined label map(s).
 
@@ -269,7 +277,7 @@ class BoundaryRefiner:
         probs: Tensor,
         *,
         p1_blur_sigma: float | None = None,
-        features: tuple[Tensor, tuple[int, int]] | None = None,
+        features: BaseFeatures | tuple[Tensor, tuple[int, int]] | None = None,
     ) -> Candidates:
         """P1-P4 and P5's distances for a batch (``images [B,3,H,W]`` normalized, ``probs
         [B,C,H,W]``), before any decision: what :mod:`dualseg.refine.calibrate` sweeps.
@@ -297,19 +305,22 @@ class BoundaryRefiner:
                 "without the base's features"
             )
         # not this batch's own backbone output (resized, tiled, half precision): run our own
-        features = matching(features, images, self.config.output_stride)
+        features = matching(
+            features, images, cfg.output_stride, needs_low=self.net.decoder is not None
+        )
 
         def scores(keep: Tensor) -> Tensor:  # the embedding model on the images with a band
             if features is not None:  # the base's own backbone output: only the head runs
-                local = features[0].to(self.device)[keep]
-                return prototype_scores(self.net.fuse(local), self.prototypes)
+                local = features.features.to(self.device)[keep]
+                low = None if features.low is None else features.low.to(self.device)[keep]
+                return prototype_scores(self.net.head(local, low), self.prototypes)
             x = p1_filter(images[keep].float(), sigma)  # P1 (normalization came before)
             feats = embed_features(self.net, x, cfg.input_scale, cfg.output_stride)
             return prototype_scores(feats, self.prototypes)
 
         scale = prototype_scale(self.prototypes, self.present)
         if features is not None:  # the base's padded input
-            covered: tuple[float, float] = features[1]
+            covered: tuple[float, float] = features.covered
         else:
             covered = embedding_cover(images.shape[-2:], cfg.input_scale, cfg.output_stride)
         return collect(
@@ -326,14 +337,14 @@ class BoundaryRefiner:
                 labels = refiner.refine(images, logits, features=shared.take())
         """
         active = can_share(self.config, self.net.backbone, model)
-        return SharedFeatures(model, active, self.config.output_stride)
+        return SharedFeatures(model, active, self.config.output_stride, self.net.low_level)
 
     def _refine_batch(
         self,
         images: Tensor,
         probs: Tensor,
         return_changed: bool,
-        features: tuple[Tensor, tuple[int, int]] | None = None,
+        features: BaseFeatures | tuple[Tensor, tuple[int, int]] | None = None,
     ) -> Any:
         out, changed = decide_as(self.candidates(images, probs, features=features), self.config)
         out = out.to(probs.device)

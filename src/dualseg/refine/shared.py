@@ -16,6 +16,10 @@ that ran the backbone more than once shares nothing, and :func:`matching` checks
 once more: one float32 map per image, covering that image padded by less than a stride.
 Anything else runs the refiner's own backbone.
 
+A refiner with a decoder (:mod:`dualseg.refine.decoder`) also reads the backbone's stride-4
+features: the context then hooks that block of the base's backbone too, and each kept entry
+carries both (:class:`BaseFeatures`).
+
 One difference from the refiner's own pass: dualseg's models pad their input at the bottom and
 right to a multiple of the output stride, so the shared features cover the padded image
 (``covered``), and the refiner samples them there; on an image whose sides are multiples of
@@ -25,12 +29,24 @@ the stride the two paths give the same embedding.
 from __future__ import annotations
 
 from types import TracebackType
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["SharedFeatures", "base_backbone", "can_share", "matching"]
+__all__ = ["BaseFeatures", "SharedFeatures", "base_backbone", "can_share", "matching"]
+
+
+class BaseFeatures(NamedTuple):
+    """What the base's forward computed that a refiner can read: the backbone output
+    ``features [B,L,h,w]``, the size ``covered`` of the (padded) input it covers, and ``low``
+    the backbone's stride-4 features ``[B,L',h',w']`` for a refiner with a decoder (else
+    ``None``)."""
+
+    features: Tensor
+    covered: tuple[int, int]
+    low: Tensor | None = None
 
 
 def base_backbone(model: nn.Module) -> nn.Module | None:
@@ -53,7 +69,7 @@ def can_share(refiner_config: object, refiner_backbone: nn.Module, model: nn.Mod
     """Whether the refiner (its configuration and backbone) may read ``model``'s backbone output
     in place of running its own backbone: ``base-frozen``, input scale 1, no P1 blur, the
     base's output stride (the same weights at another stride dilate differently) and the same
-    backbone weights."""
+    backbone weights (so a decoder's stride-4 tap is there too)."""
     if (
         getattr(refiner_config, "backbone_source", None) != "base-frozen"
         or getattr(refiner_config, "input_scale", None) != 1.0
@@ -66,53 +82,90 @@ def can_share(refiner_config: object, refiner_backbone: nn.Module, model: nn.Mod
 
 
 def matching(
-    kept: tuple[Tensor, tuple[int, int]] | None, images: Tensor, output_stride: int
-) -> tuple[Tensor, tuple[int, int]] | None:
+    kept: BaseFeatures | tuple[Tensor, tuple[int, int]] | None,
+    images: Tensor,
+    output_stride: int,
+    *,
+    needs_low: bool = False,
+) -> BaseFeatures | None:
     """``kept`` when it can be the base's backbone output for exactly ``images``: one map per
     image, in float32 (autocast's half precision is not what the refiner's own pass computes),
     covering the images padded at the bottom and right by less than one stride (a resized or
-    tiled input covers something else); else ``None``."""
+    tiled input covers something else), and with ``needs_low`` (a refiner with a decoder) the
+    stride-4 features of that same padded input; else ``None``."""
     if kept is None:
         return None
-    feats, (h, w) = kept
+    kept = BaseFeatures(*kept)
+    feats, (h, w), low = kept
     H, W = images.shape[-2:]
-    if feats.dim() != 4 or feats.shape[0] != images.shape[0] or feats.dtype != torch.float32:
+    if not _one_float_map_each(feats, images.shape[0]):
         return None
     if not (0 <= h - H < output_stride and 0 <= w - W < output_stride):
         return None
+    if needs_low and (
+        low is None
+        or not _one_float_map_each(low, images.shape[0])
+        or tuple(low.shape[-2:]) != (-(-h // 4), -(-w // 4))
+    ):
+        return None
     return kept
+
+
+def _one_float_map_each(t: Tensor, batch: int) -> bool:
+    return t.dim() == 4 and t.shape[0] == batch and t.dtype == torch.float32
 
 
 class SharedFeatures:
     """``with SharedFeatures(model, active) as shared: logits = model(x); f = shared.take()``.
 
     While the block runs, a forward hook on ``model``'s backbone keeps its output. ``take()``
-    returns ``(features [B,C,h,w], covered (H', W'))`` — the backbone's output and the size of
-    the (padded) input it covered — when the backbone ran exactly once since the last
-    ``take()``, else ``None``; either way it forgets what it kept. ``active=False`` (the
-    refiner cannot share, :func:`can_share`) hooks nothing and always gives ``None``.
+    returns :class:`BaseFeatures` ``(features [B,C,h,w], covered (H', W'), low)`` — the
+    backbone's output, the size of the (padded) input it covered and, with ``low_level`` (the
+    name of the backbone's stride-4 block, for a refiner with a decoder), that block's output —
+    when the backbone ran exactly once since the last ``take()``, else ``None``; either way it
+    forgets what it kept. ``active=False`` (the refiner cannot share, :func:`can_share`) hooks
+    nothing and always gives ``None``.
     """
 
     def __init__(
-        self, model: nn.Module, active: bool = True, output_stride: int | None = None
+        self,
+        model: nn.Module,
+        active: bool = True,
+        output_stride: int | None = None,
+        low_level: str | None = None,
     ) -> None:
         self.module = base_backbone(model) if active else None
+        self.tap = (
+            self.module.get_submodule(low_level)
+            if self.module is not None and low_level is not None
+            else None
+        )
         # with it, take(images) keeps only features that :func:`matching` accepts for them
         self.output_stride = output_stride
         # one entry per backbone call since the last take(); None: not a plain feature map
-        self._kept: list[tuple[Tensor, tuple[int, int]] | None] = []
-        self._handle: RemovableHandle | None = None
+        self._kept: list[BaseFeatures | None] = []
+        self._low: list[Tensor] = []  # the tap's output within the backbone call running
+        self._handles: list[RemovableHandle] = []
+
+    def _tap_hook(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
+        if isinstance(output, Tensor):
+            self._low.append(output.detach())
 
     def _hook(self, module: nn.Module, args: tuple[object, ...], output: object) -> None:
         x = args[0] if args else None
+        # the tap is a block inside the backbone: its hook ran during this very call
+        low = self._low[-1] if len(self._low) == 1 else None
+        self._low = []
         if isinstance(output, Tensor) and isinstance(x, Tensor):
-            self._kept.append((output.detach(), (x.shape[-2], x.shape[-1])))
+            self._kept.append(BaseFeatures(output.detach(), (x.shape[-2], x.shape[-1]), low))
         else:
             self._kept.append(None)  # not a plain feature map: this call cannot be shared
 
     def __enter__(self) -> SharedFeatures:
         if self.module is not None:
-            self._handle = self.module.register_forward_hook(self._hook)
+            self._handles.append(self.module.register_forward_hook(self._hook))
+        if self.tap is not None:
+            self._handles.append(self.tap.register_forward_hook(self._tap_hook))
         return self
 
     def __exit__(
@@ -121,17 +174,18 @@ class SharedFeatures:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
         self._kept.clear()
+        self._low = []
 
-    def take(self, images: Tensor | None = None) -> tuple[Tensor, tuple[int, int]] | None:
+    def take(self, images: Tensor | None = None) -> BaseFeatures | None:
         """What the backbone's one call since the last ``take()`` gave (else ``None``); with
         ``images`` and an ``output_stride``, only if it can stand for exactly those images
         (:func:`matching`), so that a caller counting shared images counts the used ones."""
         kept, self._kept = self._kept, []
         one = kept[0] if len(kept) == 1 else None
         if images is not None and self.output_stride is not None:
-            return matching(one, images, self.output_stride)
+            return matching(one, images, self.output_stride, needs_low=self.tap is not None)
         return one
