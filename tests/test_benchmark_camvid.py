@@ -55,6 +55,14 @@ def test_reuse_refuses_a_refiner_fit_with_other_flags(camvid, tmp_path: Path) ->
     assert "output_stride = 16, this call asks 8" in camvid.refiner_mismatch(saved, finer, path)
     args = camvid.parse_args(["--data", "d", "--refine-output-stride", "8"])
     assert args.refine_output_stride == 8
+    decoder = RefinerConfig(
+        steps=2000, input_scale=0.5, backbone_source="base-frozen", decoder_channels=48
+    )
+    assert "decoder_channels = 0, this call asks 48" in camvid.refiner_mismatch(
+        saved, decoder, path
+    )
+    args = camvid.parse_args(["--data", "d", "--refine-decoder-channels", "48"])
+    assert args.refine_decoder_channels == 48
 
 
 def test_a_folder_without_the_list_files_is_one_data_error(camvid, tmp_path: Path) -> None:

@@ -50,11 +50,13 @@ def test_base_frozen_backbone_is_the_base_models_and_the_gate_is_calibrated(
     out = tmp_path / "refiner.pt"
     argv = [*fit_args(data, base, out), "--backbone-source", "base-frozen"]
     argv += ["--mining", "semi-hard", "--mining-pool", "4"]
+    argv += ["--decoder-channels", "8"]  # beyond the claim: a stride-4 decoder
     argv += ["--calibrate-split", "dev", "--calibrate-metric", "boundary_f1"]
     assert refine_main(argv) == 0
     refiner = BoundaryRefiner.load(out)
     assert refiner.config.backbone_source == "base-frozen"
     assert (refiner.config.mining, refiner.config.mining_pool) == ("semi-hard", 4)
+    assert refiner.config.decoder_channels == 8 and refiner.net.decoder is not None
     # frozen: the embedding's backbone still holds the base model's backbone weights
     model, _ = build_model_from_checkpoint(load_checkpoint(base))
     theirs = model.backbone.state_dict()
