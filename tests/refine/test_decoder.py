@@ -93,6 +93,10 @@ def test_a_refiner_with_a_decoder_saves_loads_and_exports(tmp_path) -> None:
     want, changed = refiner.refine(image, probs, return_changed=True)
     assert changed.sum() > 0
     np.testing.assert_array_equal(loaded.refine(image, probs), want)
+    refiner.save_pretrained(tmp_path / "shared")  # refiner.json + refiner.safetensors
+    np.testing.assert_array_equal(
+        BoundaryRefiner.load(tmp_path / "shared").refine(image, probs), want
+    )
     out = tmp_path / "emb.onnx"
     assert main(["export", "--refiner", str(path), "--format", "onnx", "--out", str(out)]) == 0
     assert json.loads((tmp_path / "emb.json").read_text())["config"]["decoder_channels"] == 4
