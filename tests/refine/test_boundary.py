@@ -50,7 +50,7 @@ def test_every_transition_found_whatever_the_values() -> None:
 
 
 def test_rank_coding_equals_sorting_for_every_label_kind() -> None:
-    from dualseg.refine.boundary import _ranks
+    from dualseg.refine.boundary import _codes
 
     rng = np.random.default_rng(1)
     cases = [
@@ -58,10 +58,16 @@ def test_rank_coding_equals_sorting_for_every_label_kind() -> None:
         np.where(rng.random((40, 50)) < 0.2, 255, rng.integers(3, 9, (40, 50))).astype(np.int64),
         rng.integers(-5, 5, (30, 30)).astype(np.int32),  # negative: the sorting path
         rng.integers(0, 2**20, (30, 30)).astype(np.int64),  # huge values: the sorting path
+        rng.integers(0, 300, (40, 50)).astype(np.int64),  # > 256 labels: no grey codes
         np.full((8, 8), 7, dtype=np.uint8),
     ]
     for label in cases:
         values, inverse = np.unique(label, return_inverse=True)
-        count, ranks = _ranks(label)
+        count, codes = _codes(label)
         assert count == len(values)
-        assert np.array_equal(ranks, inverse.reshape(label.shape))
+        if count > 256:
+            assert codes is None
+            continue
+        step = 255 // max(count - 1, 1)  # ranks spread evenly over 0..255
+        assert codes is not None and codes.dtype == np.uint8
+        assert np.array_equal(codes, (inverse.reshape(label.shape) * step).astype(np.uint8))

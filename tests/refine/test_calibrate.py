@@ -95,7 +95,7 @@ def test_candidates_read_logits_as_their_softmax() -> None:
     def gather(p: torch.Tensor) -> Candidates:
         return gather_candidates(
             p,
-            lambda keep: other[keep],
+            lambda keep, _band: other[keep],
             present,
             top_n=2,
             radius=2,
@@ -119,7 +119,12 @@ def test_candidates_equal_the_dense_top_n_at_each_near_boundary_pixel() -> None:
     scores = torch.rand(2, 6, 24, 30)
     present = torch.tensor([True, True, False, True, True, True])
     c = gather_candidates(
-        logits, lambda keep: scores[keep], present, top_n=3, radius=1, edge_method="neighbour"
+        logits,
+        lambda keep, _band: scores[keep],
+        present,
+        top_n=3,
+        radius=1,
+        edge_method="neighbour",
     )
     assert 0 < int(c.edge.sum()) < c.edge.numel()
     b, y, x = c.edge.nonzero().unbind(1)
@@ -128,6 +133,19 @@ def test_candidates_equal_the_dense_top_n_at_each_near_boundary_pixel() -> None:
     assert torch.equal(c.labels, top[b, :, y, x])
     assert torch.allclose(c.log_prob, top_p[b, :, y, x].log(), atol=1e-5)
     assert torch.allclose(c.margin, top_p[b, 0, y, x] - top_p[b, 1, y, x], atol=1e-6)
+    # one image at a time (the single-image fast paths) gives each image's rows of the batch
+    for i in range(2):
+        one = gather_candidates(
+            logits[i : i + 1],
+            lambda keep, _band, i=i: scores[i : i + 1][keep],
+            present,
+            top_n=3,
+            radius=1,
+            edge_method="neighbour",
+        )
+        assert torch.equal(one.labels, c.labels[b == i])
+        assert torch.equal(one.distance, c.distance[b == i])
+        assert torch.equal(decide(one)[0][0], decide(c)[0][i])
     dist = scores[b, :, y, x].gather(1, c.labels)
     absent = ~present[c.labels]
     assert torch.isinf(c.distance[absent]).all()

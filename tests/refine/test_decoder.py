@@ -135,3 +135,72 @@ def test_a_refiner_with_a_decoder_reads_the_bases_features_with_the_same_labels(
     torch.testing.assert_close(changed, own_changed)
     # without the stride-4 features (a caller's plain pair) it runs its own backbone: same labels
     torch.testing.assert_close(refiner.refine(x, probs, features=kept[:2]), own)
+
+
+@pytest.mark.parametrize(
+    ("size", "cells", "covered"),
+    [
+        ((40, 56), (10, 14), None),  # stride 4, unpadded
+        ((37, 53), (10, 14), (40.0, 56.0)),  # padded to a multiple of the stride
+        ((30, 45), (16, 23), (32.0, 46.0)),  # an input scale: a non-integer cell size
+    ],
+)
+def test_sampled_cells_are_every_cell_the_bilinear_sample_reads(size, cells, covered) -> None:
+    from dualseg.refine.embedding import EmbeddingNet
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(2, *size, generator=g) < 0.01
+    mask[1] = False
+    mask[1, :, -1] = True  # the last column: the border clamp
+    feats = torch.randn(2, 5, *cells, generator=g)
+    at = EmbeddingNet.sampled_cells(mask, cells, covered)
+    assert at.shape == (2, *cells) and 0 < int(at.sum()) < at.numel() / 2
+    # a map that is right only at those cells (anything elsewhere) samples the same
+    spoiled = feats.masked_fill(~at[:, None], 1e6)
+    want = EmbeddingNet.sample(feats, mask, covered)
+    torch.testing.assert_close(EmbeddingNet.sample(spoiled, mask, covered), want)
+
+
+@torch.no_grad()
+def test_the_decoder_at_a_few_cells_equals_the_whole_map_there() -> None:
+    torch.manual_seed(0)
+    net = build_embedding_net("mobilenet_v2", embed_dim=8, output_stride=16, decoder_channels=6)
+    for m in net.modules():  # non-trivial statistics: the sparse path must use them alike
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 1.5)
+    net.eval()
+    local, low = net.backbone_features(torch.randn(2, 3, 64, 96))
+    at = torch.rand(2, 16, 24) < 0.2
+    at[0, 0, 0] = at[1, -1, -1] = True  # corners: the conv's zero padding
+    rows = net.head_at(local, low, at)  # [M,C]
+    dense = net.head(local, low)  # [B,C,16,24]
+    assert rows.shape == (int(at.sum()), 8)
+    torch.testing.assert_close(rows, dense.permute(0, 2, 3, 1)[at], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ConfigError, match="needs an embedding with a decoder"):
+        build_embedding_net("mobilenet_v2", embed_dim=8, output_stride=16).head_at(local, low, at)
+
+
+@torch.no_grad()
+def test_a_refiner_with_a_decoder_gives_the_labels_of_the_whole_embedding_map() -> None:
+    torch.manual_seed(0)
+    cfg = RefinerConfig(embed_dim=8, input_scale=1.0, radius=3, top_n=3, decoder_channels=4)
+    refiner = BoundaryRefiner(
+        cfg.embedding_net().eval(),
+        torch.randn(3, 8),
+        torch.ones(3, dtype=torch.bool),
+        class_names=list("abc"),
+        config=cfg,
+    )
+    image, probs = _case(1)
+    # a batch of three: the second image has no boundary, so only the others are embedded
+    x = torch.randn(3, 3, 40, 56)
+    p = torch.from_numpy(np.stack([probs, np.full_like(probs, 1 / 3), probs[:, ::-1].copy()]))
+    p[1, 0] += 0.1  # one class everywhere: no near-boundary pixel
+    got, changed = refiner.refine(image, probs, return_changed=True)
+    got_batch = refiner.refine(x, p)
+    net = refiner.net  # the same refiner, its embedding computed on the whole stride-4 map
+    net.head_at = lambda local, low, at: net.head(local, low).permute(0, 2, 3, 1)[at]
+    assert changed.sum() > 0
+    np.testing.assert_array_equal(got, refiner.refine(image, probs))
+    torch.testing.assert_close(got_batch, refiner.refine(x, p))

@@ -133,7 +133,7 @@ class ExportedRefiner:
             one = torch.from_numpy(np.ascontiguousarray(x[b : b + 1], np.float32))
             return p1_filter(one, sigma).numpy()
 
-        def scores(keep: Any) -> Any:  # the exported model, one image a run (static exports)
+        def scores(keep: Any, band: Any) -> Any:  # the exported model, one image a run
             feats = [self.runner(filtered(b)) for b in np.flatnonzero(keep.numpy())]
             return prototype_scores(torch.from_numpy(np.concatenate(feats, 0)), protos)
 

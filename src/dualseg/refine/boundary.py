@@ -45,28 +45,33 @@ def semantic_boundary(label: np.ndarray, *, method: str = "canny") -> np.ndarray
 
 
 def _canny(label: np.ndarray) -> np.ndarray:
-    count, ranks = _ranks(label)
+    count, code = _codes(label)
     if count < 2:
         return np.zeros(label.shape, dtype=bool)
-    if count > 256:  # more distinct labels than 8-bit grey levels: no Canny possible
+    if code is None:  # more distinct labels than 8-bit grey levels: no Canny possible
         return _neighbour_transitions(label)
-    step = 255 // (count - 1)  # smallest code step >= 1, so a Sobel response >= 4
-    code = (ranks * step).astype(np.uint8)
     return cv2.Canny(code, 1, 1, L2gradient=True) > 0
 
 
-def _ranks(label: np.ndarray) -> tuple[int, np.ndarray]:
-    """``(number of distinct labels, each pixel's label rank)``, ranks shaped like ``label``.
+def _codes(label: np.ndarray) -> tuple[int, np.ndarray | None]:
+    """``(number of distinct labels, uint8 grey codes)``: each pixel's label rank times the
+    smallest step >= 1 that spreads the ranks over 0..255 (so a Sobel response >= 4); codes
+    ``None`` with more than 256 labels.
 
-    Class maps hold small non-negative integers: a bincount + lookup table is ~10x faster
-    than ``np.unique``'s sort; anything else (negative, huge or float labels) takes the sort.
+    Class maps hold small non-negative integers: a bincount + lookup table of codes is ~10x
+    faster than ``np.unique``'s sort; anything else (negative, huge or float labels) sorts.
     """
     if label.dtype.kind in "ui" and label.size and label.min() >= 0 and label.max() < 65536:
         present = np.bincount(label.ravel()) > 0
-        lut = np.cumsum(present) - 1
-        return int(present.sum()), lut[label]
-    values, ranks = np.unique(label, return_inverse=True)
-    return len(values), ranks.reshape(label.shape)
+        count = int(present.sum())
+        rank = np.cumsum(present) - 1  # a lookup table: label -> rank
+    else:
+        values, inverse = np.unique(label, return_inverse=True)
+        count, rank, label = len(values), np.arange(len(values)), inverse.reshape(label.shape)
+    if count > 256:
+        return count, None
+    step = 255 // max(count - 1, 1)
+    return count, (rank * step).astype(np.uint8)[label]  # one lookup, straight to uint8
 
 
 def _neighbour_transitions(label: np.ndarray) -> np.ndarray:

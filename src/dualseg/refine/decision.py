@@ -45,8 +45,9 @@ def are_probabilities(scores: Tensor) -> bool:
     No scores at all count as probabilities (nothing to convert)."""
     if scores.numel() == 0:
         return True
-    sums = scores.sum(1)
-    return bool(scores.min() >= 0) and torch.allclose(sums, torch.ones_like(sums), atol=1e-3)
+    if bool(scores.min() < 0):
+        return False
+    return bool((scores.sum(1) - 1).abs().max() <= 1e-3)  # one pass: allclose makes copies
 
 
 def prototype_scale(prototypes: Tensor, present: Tensor) -> float:
@@ -72,6 +73,7 @@ class Candidates:
     #                   of the prototype scale; +inf where the label has no prototype
     log_prob: Tensor  # [M,N] the base's log-probability of each candidate
     margin: Tensor  # [M] the base's top-1 minus top-2 probability
+    index: Tensor | None = None  # [M] the edge pixels' flat indices into [B·H·W] (None: found)
 
 
 def gather_candidates(
@@ -87,8 +89,10 @@ def gather_candidates(
 ) -> Candidates:
     """P2-P4 and P5's distances on class scores ``probs [B,C,H,W]`` (probabilities or logits).
 
-    ``scores(keep)`` returns ``prototype_scores`` ``[b,K,h,w]`` of the images that ``keep``
-    (bool ``[B]``) selects: those with near-boundary pixels, so the embedding runs only there.
+    ``scores(keep, band)`` returns ``prototype_scores`` ``[b,K,h,w]`` of the images that
+    ``keep`` (bool ``[B]``) selects: those with near-boundary pixels, so the embedding runs only
+    there. ``band`` (bool ``[b,H,W]``) is their near-boundary pixels: the maps need to be exact
+    only at the cells sampled for them (``EmbeddingNet.sampled_cells``).
     ``covered``: the size ``(H', W')``, in image pixels, those maps span when it is not the
     image's — an input padded at the bottom and right to a multiple of the stride, the base
     model's or the embedding model's own (``None``: the image, ``(H, W)``).
@@ -101,15 +105,20 @@ def gather_candidates(
     edge = near_boundary_mask(pred, radius=radius, ignore_index=None, method=edge_method)  # P4
     # P3's Top-N and the probabilities are needed only at the M near-boundary pixels: read
     # their score rows once (a top-k over the whole map costs more than the rest together).
-    rows = p.permute(0, 2, 3, 1)[edge]  # [M,C], edge.nonzero() order
+    index = edge.reshape(-1).nonzero().squeeze(1)  # [M] flat, edge.nonzero() order
+    if p.shape[0] == 1:  # one image: a column gather of the [C,H·W] map (~30% faster)
+        rows = p[0].flatten(1).index_select(1, index).T
+    else:
+        rows = p.permute(0, 2, 3, 1)[edge]  # [M,C]
     n = min(top_n, p.shape[1])
     cand = rows.topk(n, dim=1).indices  # [M,N] P3, most probable first (softmax keeps order)
     # probabilities or logits, judged on the M rows read (the whole map costs ~5 ms more)
     cand_p = (rows if are_probabilities(rows) else rows.softmax(1)).gather(1, cand)  # [M,N]
     second = cand_p[:, 1] if n > 1 else torch.zeros_like(cand_p[:, 0])
-    if edge.any():
-        keep = edge.flatten(1).any(1)
-        s = EmbeddingNet.sample(scores(keep), edge[keep], covered)  # [M,K], edge.nonzero() order
+    if len(index):
+        keep = edge.flatten(1).any(1) if p.shape[0] > 1 else index.new_ones(1, dtype=torch.bool)
+        band = edge if bool(keep.all()) else edge[keep]
+        s = EmbeddingNet.sample(scores(keep, band), band, covered)  # [M,K], edge.nonzero() order
         dist = (s.gather(1, cand) / scale).masked_fill(~present.to(cand.device)[cand], float("inf"))
     else:
         dist = torch.zeros(cand.shape, dtype=torch.float32, device=cand.device)
@@ -120,6 +129,7 @@ def gather_candidates(
         distance=dist,
         log_prob=cand_p.clamp_min(1e-12).log(),
         margin=cand_p[:, 0] - second,
+        index=index,
     )
 
 
@@ -142,13 +152,15 @@ def decide(
         weak = c.log_prob < torch.log(torch.tensor(min_prob))
         weak[:, 0] = False  # the base's own label is always a candidate
         score = score.masked_fill(weak, float("inf"))
-    best = c.labels.gather(1, score.argmin(1, keepdim=True)).squeeze(1)
-    base = c.pred[c.edge]  # [M], Pred (on ties the first index, maybe not labels[:, 0])
-    new = torch.where(torch.isfinite(score.min(1).values), best, base)
+    low, at = score.min(1)  # min's index: the first minimum, as argmin's
+    best = c.labels.gather(1, at[:, None]).squeeze(1)
+    where = c.edge.reshape(-1).nonzero().squeeze(1) if c.index is None else c.index  # [M]
+    base = c.pred.reshape(-1)[where]  # [M], Pred (on ties the first index, maybe not labels[:, 0])
+    new = torch.where(torch.isfinite(low), best, base)
     if gate_margin is not None:  # beyond the claim: only where the base is unsure
         new = torch.where(c.margin < gate_margin, new, base)
-    out = c.pred.clone()
-    out[c.edge] = new
+    out = c.pred.clone(memory_format=torch.contiguous_format)
+    out.view(-1)[where] = new
     return out, out != c.pred
 
 

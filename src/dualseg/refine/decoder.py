@@ -65,3 +65,53 @@ class LowLevelDecoder(nn.Module):
         # high [B,C,h,w] at the output stride; low [B,L,H/4,W/4]
         high = F.interpolate(high, size=low.shape[-2:], mode="bilinear", align_corners=False)
         return self.fuse(torch.cat([high, self.project(low)], dim=1))  # [B,C,H/4,W/4]
+
+    def forward_at(self, high: Tensor, low: Tensor, at: Tensor) -> Tensor:
+        """``forward``'s output at the ``at`` cells alone (bool ``[B,H/4,W/4]``): ``[M,C]``
+        rows in ``at.nonzero()`` order, with BatchNorm's running statistics (inference).
+
+        At inference method B reads the embedding only near boundaries
+        (:meth:`~dualseg.refine.embedding.EmbeddingNet.sampled_cells`), and the 3×3 fuse conv
+        over the whole stride-4 map was the largest part of its cost. Here the conv's input is
+        made only at the cells it reads, and the conv is one matrix product over the M cells'
+        3×3 neighbourhoods, followed by the same BN, ReLU and 1×1 conv on ``[rows, channels]``.
+        """
+        n, _, h, w = low.shape
+        if at.shape != (n, h, w):  # a caller's bug, not a user's error
+            raise ValueError(f"cells {tuple(at.shape)} do not match features {tuple(low.shape)}")
+        # the conv's input at the cells it reads: `at` and their 8 neighbours ([R] rows)
+        near = F.max_pool2d(at[:, None].float(), 3, stride=1, padding=1)[:, 0] > 0
+        nb, ny, nx = near.nonzero(as_tuple=True)
+        # the upsampling stays dense: on the small ASPP map it costs less than 4 gathers
+        high = F.interpolate(high, size=(h, w), mode="bilinear", align_corners=False)
+        x = torch.cat([cells_of(high, nb, ny, nx), self._project_at(low, nb, ny, nx)], 1)
+        x = torch.cat([x, x.new_zeros(1, x.shape[1])])  # [R+1,C+P]: the last row is the zero pad
+        # row of x of each cell of the zero-padded map (the zero row where nothing was computed)
+        row = torch.full((n * (h + 2) * (w + 2),), len(nb), dtype=torch.long, device=low.device)
+        row[(nb * (h + 2) + ny + 1) * (w + 2) + nx + 1] = torch.arange(len(nb), device=low.device)
+        # each `at` cell's 3×3 window of the padded map, taps in (ky, kx) order
+        b, y, xx = at.nonzero(as_tuple=True)  # the M cells
+        corner = (b * (h + 2) + y) * (w + 2) + xx
+        taps = torch.tensor([dy * (w + 2) + dx for dy in range(3) for dx in range(3)])
+        patches = x[row[corner[:, None] + taps.to(corner.device)]].flatten(1)  # [M,9·(C+P)]
+        conv, bn, last = self.fuse[0], self.fuse[1], self.fuse[3]
+        out = patches @ conv.weight.permute(0, 2, 3, 1).flatten(1).T  # [M,C], the same order
+        out = F.batch_norm(out, bn.running_mean, bn.running_var, bn.weight, bn.bias, eps=bn.eps)
+        out = F.linear(out.relu_(), last.weight.flatten(1), last.bias)  # [M,C]
+        return out
+
+    def _project_at(self, low: Tensor, b: Tensor, y: Tensor, x: Tensor) -> Tensor:
+        """``self.project(low)`` (1×1 conv, BN with running statistics, ReLU) at the cells
+        ``(b, y, x)``: ``[R,P]``."""
+        conv, bn = self.project[0], self.project[1]
+        out = F.linear(cells_of(low, b, y, x), conv.weight.flatten(1))  # [R,P]
+        out = F.batch_norm(out, bn.running_mean, bn.running_var, bn.weight, bn.bias, eps=bn.eps)
+        return out.relu_()
+
+
+def cells_of(features: Tensor, b: Tensor, y: Tensor, x: Tensor) -> Tensor:
+    """``features[b, :, y, x]`` (``[B,C,h,w]``): ``[R,C]``, as one row gather of the
+    channels-last map (indexing with the channel slice in the middle is several times slower)."""
+    n, c, h, w = features.shape
+    rows = features.permute(0, 2, 3, 1).reshape(n * h * w, c)  # a view when channels-last
+    return rows[(b * h + y) * w + x]

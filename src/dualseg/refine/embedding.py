@@ -10,6 +10,7 @@ same bilinear weights as the full upsampling (no ``[B,C,H,W]`` tensor at input s
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -98,9 +99,31 @@ class EmbeddingNet(nn.Module):
             f = self.decoder(f, low)  # [B,C,H/4,W/4]
         return f
 
+    def head_at(self, local: Tensor, low: Tensor, at: Tensor) -> Tensor:
+        """:meth:`head`'s stride-4 embedding at the ``at`` cells alone (bool ``[B,H/4,W/4]``,
+        from :meth:`sampled_cells`): ``[M,C]`` rows in ``at.nonzero()`` order. Inference with a
+        decoder only (:meth:`~dualseg.refine.decoder.LowLevelDecoder.forward_at`)."""
+        if self.decoder is None:
+            raise ConfigError("head_at needs an embedding with a decoder; use head")
+        return self.decoder.forward_at(self.fuse(local), low, at)
+
     def forward(self, x: Tensor) -> Tensor:
         f = self.features(x)  # [B,C,h,w]
         return F.interpolate(f, size=x.shape[-2:], mode="bilinear", align_corners=False)
+
+    @staticmethod
+    def sampled_cells(
+        mask: Tensor, size: tuple[int, int], covered: tuple[float, float] | None = None
+    ) -> Tensor:
+        """The cells of a ``size`` map that :meth:`sample` reads for the ``mask`` pixels
+        (bool ``[B,h,w]``): each pixel's two bilinear neighbours along each axis, and the next
+        one where float rounding could move its source coordinate across a cell edge, so a map
+        that is exact there samples exactly."""
+        H, W = covered if covered is not None else mask.shape[-2:]
+        rows = _neighbour_matrix(mask.shape[-2], size[0], H, mask.device)  # [h,H]
+        cols = _neighbour_matrix(mask.shape[-1], size[1], W, mask.device)  # [w,W]
+        # a cell is read if some mask pixel of a row and a column that read it is set
+        return (rows @ mask.float() @ cols.T) > 0  # [B,h,w]
 
     @staticmethod
     def sample(
@@ -121,6 +144,12 @@ class EmbeddingNet(nn.Module):
         # align_corners=False: source coordinate (x + 0.5) * w / W - 0.5, clamped at the border
         gx = (idx[:, 2].to(features.dtype) + 0.5) / W * 2 - 1
         gy = (idx[:, 1].to(features.dtype) + 0.5) / H * 2 - 1
+        if b == 1:  # one image (the usual inference batch): its points are the one row
+            grid = torch.stack([gx, gy], dim=1)[None, None]  # [1,1,M,2]
+            out = F.grid_sample(
+                features, grid, mode="bilinear", padding_mode="border", align_corners=False
+            )
+            return out[0, :, 0, :].T  # [M,C]
         # one row of sample points per image: pad to the largest count, then drop the padding
         counts = torch.bincount(idx[:, 0], minlength=b)
         m = int(counts.max())
@@ -133,6 +162,22 @@ class EmbeddingNet(nn.Module):
             features, grid, mode="bilinear", padding_mode="border", align_corners=False
         )
         return out[:, :, 0, :].permute(0, 2, 1)[idx[:, 0], slot]  # [M,C]
+
+
+def _neighbour_matrix(n: int, cells: int, span: float, device: torch.device) -> Tensor:
+    """``[cells, n]`` float: 1 where pixel ``i`` of an axis of ``n`` pixels reads cell ``c`` of
+    a map of ``cells`` spanning ``span`` pixels, bilinearly as :meth:`EmbeddingNet.sample`
+    (align_corners=False, border clamp), with a 1e-4 margin either side of the coordinate."""
+    return _neighbour_matrix_cpu(n, cells, span).to(device)
+
+
+@functools.lru_cache(maxsize=16)  # one per image size seen: inference repeats a few sizes
+def _neighbour_matrix_cpu(n: int, cells: int, span: float) -> Tensor:
+    src = ((torch.arange(n, dtype=torch.float64) + 0.5) * (cells / span) - 0.5).clamp(0, cells - 1)
+    first = (src - 1e-4).floor().clamp(0, cells - 1)
+    last = ((src + 1e-4).floor() + 1).clamp(0, cells - 1)
+    c = torch.arange(cells, dtype=torch.float64)[:, None]
+    return ((c >= first) & (c <= last)).float()
 
 
 def p1_filter(images: Tensor, sigma: float) -> Tensor:
@@ -156,13 +201,21 @@ def embed_features(
     their input: the map then spans :func:`embedding_cover` pixels of the image, on a grid
     aligned with the image's (an unpadded 360-row image at stride 16 gives 23 rows that span
     368, and sampling them as if they spanned 360 drifts by up to half a stride)."""
+    return net.head(*embed_backbone(net, images, input_scale, output_stride))
+
+
+def embed_backbone(
+    net: EmbeddingNet, images: Tensor, input_scale: float, output_stride: int
+) -> tuple[Tensor, Tensor | None]:
+    """:meth:`EmbeddingNet.backbone_features` of the input :func:`embed_features` prepares
+    (resized, padded): what its ``head`` reads."""
     from dualseg.models.base import pad_to_multiple
 
     if input_scale != 1.0:
         images = F.interpolate(
             images, scale_factor=input_scale, mode="bilinear", align_corners=False
         )
-    return net.features(pad_to_multiple(images, output_stride))
+    return net.backbone_features(pad_to_multiple(images, output_stride))
 
 
 def embed_pixels(

@@ -38,7 +38,7 @@ from dualseg.refine.decision import Candidates, decide, gather_candidates, proto
 from dualseg.refine.embedding import (
     EmbeddingNet,
     build_embedding_net,
-    embed_features,
+    embed_backbone,
     embedding_cover,
     init_backbone_from,
     p1_filter,
@@ -309,20 +309,28 @@ class BoundaryRefiner:
             features, images, cfg.output_stride, needs_low=self.net.decoder is not None
         )
 
-        def scores(keep: Tensor) -> Tensor:  # the embedding model on the images with a band
-            if features is not None:  # the base's own backbone output: only the head runs
-                local = features.features.to(self.device)[keep]
-                low = None if features.low is None else features.low.to(self.device)[keep]
-                return prototype_scores(self.net.head(local, low), self.prototypes)
-            x = p1_filter(images[keep].float(), sigma)  # P1 (normalization came before)
-            feats = embed_features(self.net, x, cfg.input_scale, cfg.output_stride)
-            return prototype_scores(feats, self.prototypes)
-
         scale = prototype_scale(self.prototypes, self.present)
         if features is not None:  # the base's padded input
             covered: tuple[float, float] = features.covered
         else:
             covered = embedding_cover(images.shape[-2:], cfg.input_scale, cfg.output_stride)
+
+        def scores(keep: Tensor, band: Tensor) -> Tensor:  # the embedding on images with a band
+            if features is not None:  # the base's own backbone output: only the head runs
+                local = _rows(features.features.to(self.device), keep)
+                low = None if features.low is None else _rows(features.low.to(self.device), keep)
+            else:
+                x = p1_filter(_rows(images, keep).float(), sigma)  # P1 (after normalization)
+                local, low = embed_backbone(self.net, x, cfg.input_scale, cfg.output_stride)
+            if self.net.decoder is None:
+                return prototype_scores(self.net.head(local, low), self.prototypes)
+            # with a decoder: only the stride-4 cells the band's pixels sample, zeros elsewhere
+            at = EmbeddingNet.sampled_cells(band, low.shape[-2:], covered)
+            rows = self.net.head_at(local, low, at) @ (-2 * self.prototypes.T)  # [M,K]
+            out = rows.new_zeros(*at.shape, rows.shape[1])  # [b,h,w,K]
+            out[at] = rows + self.prototypes.pow(2).sum(1)  # prototype_scores, row by row
+            return out.permute(0, 3, 1, 2)  # [b,K,h,w]
+
         return collect(
             probs.to(self.device).float(), scores, self.present, self.config, scale, covered
         )
@@ -606,7 +614,7 @@ def _check_normalized_batch(images: Tensor) -> None:
             "; pass one image as an HxWx3 uint8 array, a path or a PIL image instead, or "
             "normalize the batch (dualseg.imaging.normalize)"
         )
-    lo, hi = (float(images.min()), float(images.max())) if images.numel() else (0.0, 0.0)
+    lo, hi = map(float, torch.aminmax(images)) if images.numel() else (0.0, 0.0)  # one pass
     if lo >= 0.0 and 0.0 < hi <= 1.0:
         warnings.warn(
             "refine(images [B,3,H,W]): every value lies in [0, 1], which looks like RGB before "
@@ -707,14 +715,20 @@ def relabel(
 ) -> tuple[Tensor, Tensor]:
     """P2-P5 on class scores ``probs [B,C,H,W]``: ``(labels [B,H,W] int64, changed bool)``.
 
-    ``scores(keep)`` returns :func:`prototype_scores` ``[b,K,h,w]`` of the images that ``keep``
-    (bool ``[B]``) selects: those with near-boundary pixels, so the embedding model runs only
-    on them. ``BoundaryRefiner`` runs its ``EmbeddingNet`` there, the exported refiner its
+    ``scores(keep, band)`` returns :func:`prototype_scores` ``[b,K,h,w]`` of the images that
+    ``keep`` (bool ``[B]``) selects: those with near-boundary pixels ``band``, so the embedding
+    model runs only on them (see :func:`~dualseg.refine.decision.gather_candidates`).
+    ``BoundaryRefiner`` runs its ``EmbeddingNet`` there, the exported refiner its
     onnxruntime / TorchScript model. ``scale``: :func:`~dualseg.refine.decision.prototype_scale`
     of the prototypes, the unit of ``config.prior_weight``. ``covered``: the size, in image
     pixels, the score maps span (:func:`~dualseg.refine.embedding.embedding_cover`).
     """
     return decide_as(collect(probs, scores, present, config, scale, covered), config)
+
+
+def _rows(x: Tensor, keep: Tensor) -> Tensor:
+    """``x[keep]`` (bool ``[B]``), without the copy when every image is kept."""
+    return x if bool(keep.all()) else x[keep]
 
 
 def _as_tensor(x: Any) -> Tensor:
