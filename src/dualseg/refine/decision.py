@@ -106,10 +106,8 @@ def gather_candidates(
     # P3's Top-N and the probabilities are needed only at the M near-boundary pixels: read
     # their score rows once (a top-k over the whole map costs more than the rest together).
     index = edge.reshape(-1).nonzero().squeeze(1)  # [M] flat, edge.nonzero() order
-    if p.shape[0] == 1:  # one image: a column gather of the [C,H·W] map (~30% faster)
-        rows = p[0].flatten(1).index_select(1, index).T
-    else:
-        rows = p.permute(0, 2, 3, 1)[edge]  # [M,C]
+    # [M,C]; one image: rows of its [H·W,C] view by the flat index, gathered contiguous (faster)
+    rows = p[0].flatten(1).T[index] if p.shape[0] == 1 else p.permute(0, 2, 3, 1)[edge]
     n = min(top_n, p.shape[1])
     cand = rows.topk(n, dim=1).indices  # [M,N] P3, most probable first (softmax keeps order)
     # probabilities or logits, judged on the M rows read (the whole map costs ~5 ms more)
@@ -119,7 +117,9 @@ def gather_candidates(
         keep = edge.flatten(1).any(1) if p.shape[0] > 1 else index.new_ones(1, dtype=torch.bool)
         band = edge if bool(keep.all()) else edge[keep]
         s = EmbeddingNet.sample(scores(keep, band), band, covered)  # [M,K], edge.nonzero() order
-        dist = (s.gather(1, cand) / scale).masked_fill(~present.to(cand.device)[cand], float("inf"))
+        if not bool(present.all()):  # a label without a prototype is never the nearest
+            s = s.masked_fill(~present.to(s.device), float("inf"))
+        dist = s.gather(1, cand) / scale  # [M,N]
     else:
         dist = torch.zeros(cand.shape, dtype=torch.float32, device=cand.device)
     return Candidates(
@@ -155,7 +155,7 @@ def decide(
     low, at = score.min(1)  # min's index: the first minimum, as argmin's
     best = c.labels.gather(1, at[:, None]).squeeze(1)
     where = c.edge.reshape(-1).nonzero().squeeze(1) if c.index is None else c.index  # [M]
-    base = c.pred.reshape(-1)[where]  # [M], Pred (on ties the first index, maybe not labels[:, 0])
+    base = c.pred.reshape(-1).index_select(0, where)  # [M], Pred (argmax: maybe not labels[:, 0])
     new = torch.where(torch.isfinite(low), best, base)
     if gate_margin is not None:  # beyond the claim: only where the base is unsure
         new = torch.where(c.margin < gate_margin, new, base)

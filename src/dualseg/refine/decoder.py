@@ -93,7 +93,9 @@ class LowLevelDecoder(nn.Module):
         b, y, xx = at.nonzero(as_tuple=True)  # the M cells
         corner = (b * (h + 2) + y) * (w + 2) + xx
         taps = torch.tensor([dy * (w + 2) + dx for dy in range(3) for dx in range(3)])
-        patches = x[row[corner[:, None] + taps.to(corner.device)]].flatten(1)  # [M,9·(C+P)]
+        window = row[corner[:, None] + taps.to(corner.device)].flatten()  # [M·9]
+        # index_select copies whole rows; x[2-D index] takes a slow path (up to ~3 ms here)
+        patches = x.index_select(0, window).view(len(corner), -1)  # [M,9·(C+P)]
         conv, bn, last = self.fuse[0], self.fuse[1], self.fuse[3]
         out = patches @ conv.weight.permute(0, 2, 3, 1).flatten(1).T  # [M,C], the same order
         out = F.batch_norm(out, bn.running_mean, bn.running_var, bn.weight, bn.bias, eps=bn.eps)
@@ -114,4 +116,4 @@ def cells_of(features: Tensor, b: Tensor, y: Tensor, x: Tensor) -> Tensor:
     channels-last map (indexing with the channel slice in the middle is several times slower)."""
     n, c, h, w = features.shape
     rows = features.permute(0, 2, 3, 1).reshape(n * h * w, c)  # a view when channels-last
-    return rows[(b * h + y) * w + x]
+    return rows.index_select(0, (b * h + y) * w + x)

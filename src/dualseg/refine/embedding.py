@@ -122,8 +122,12 @@ class EmbeddingNet(nn.Module):
         H, W = covered if covered is not None else mask.shape[-2:]
         rows = _neighbour_matrix(mask.shape[-2], size[0], H, mask.device)  # [h,H]
         cols = _neighbour_matrix(mask.shape[-1], size[1], W, mask.device)  # [w,W]
-        # a cell is read if some mask pixel of a row and a column that read it is set
-        return (rows @ mask.float() @ cols.T) > 0  # [B,h,w]
+        # a cell is read if some mask pixel of a row and a column that read it is set; two
+        # plain matrix products (a batched one costs more), rows first: fewer operations
+        b, n, m = mask.shape
+        per_row = rows @ mask.float().transpose(0, 1).reshape(n, b * m)  # [h,B·W]
+        per_row = per_row.view(-1, b, m).transpose(0, 1).reshape(-1, m)  # [B·h,W]
+        return (per_row @ cols.T).view(b, -1, cols.shape[0]) > 0  # [B,h,w]
 
     @staticmethod
     def sample(
