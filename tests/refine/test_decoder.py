@@ -142,7 +142,7 @@ def test_a_refiner_with_a_decoder_reads_the_bases_features_with_the_same_labels(
     [
         ((40, 56), (10, 14), None),  # stride 4, unpadded
         ((37, 53), (10, 14), (40.0, 56.0)),  # padded to a multiple of the stride
-        ((30, 45), (16, 23), (32.0, 46.0)),  # an input scale: a non-integer cell size
+        ((30, 45), (6, 9), (32.0, 48.0)),  # input scale 0.75: 5.33 px per cell
     ],
 )
 def test_sampled_cells_are_every_cell_the_bilinear_sample_reads(size, cells, covered) -> None:
@@ -177,14 +177,23 @@ def test_the_decoder_at_a_few_cells_equals_the_whole_map_there() -> None:
     dense = net.head(local, low)  # [B,C,16,24]
     assert rows.shape == (int(at.sum()), 8)
     torch.testing.assert_close(rows, dense.permute(0, 2, 3, 1)[at], atol=1e-5, rtol=1e-4)
-    with pytest.raises(ConfigError, match="needs an embedding with a decoder"):
+    none = torch.zeros_like(at)  # no cell at all: no rows, no error
+    assert net.head_at(local, low, none).shape == (0, 8)
+    with pytest.raises(ConfigError, match="needs a decoder"):
         build_embedding_net("mobilenet_v2", embed_dim=8, output_stride=16).head_at(local, low, at)
+    with pytest.raises(ConfigError, match="for inference"):  # BatchNorm's running statistics
+        net.train().head_at(local, low, at)
 
 
+@pytest.mark.parametrize(("size", "input_scale"), [((40, 56), 1.0), ((37, 53), 0.75)])
 @torch.no_grad()
-def test_a_refiner_with_a_decoder_gives_the_labels_of_the_whole_embedding_map() -> None:
+def test_a_refiner_with_a_decoder_gives_the_labels_of_the_whole_embedding_map(
+    monkeypatch, size, input_scale
+) -> None:
+    from dualseg.refine.embedding import EmbeddingNet
+
     torch.manual_seed(0)
-    cfg = RefinerConfig(embed_dim=8, input_scale=1.0, radius=3, top_n=3, decoder_channels=4)
+    cfg = RefinerConfig(embed_dim=8, input_scale=input_scale, radius=3, top_n=3, decoder_channels=4)
     refiner = BoundaryRefiner(
         cfg.embedding_net().eval(),
         torch.randn(3, 8),
@@ -192,15 +201,27 @@ def test_a_refiner_with_a_decoder_gives_the_labels_of_the_whole_embedding_map() 
         class_names=list("abc"),
         config=cfg,
     )
+    h, w = size
     image, probs = _case(1)
+    image, probs = image[:h, :w], np.ascontiguousarray(probs[:, :h, :w])
     # a batch of three: the second image has no boundary, so only the others are embedded
-    x = torch.randn(3, 3, 40, 56)
+    x = torch.randn(3, 3, h, w)
     p = torch.from_numpy(np.stack([probs, np.full_like(probs, 1 / 3), probs[:, ::-1].copy()]))
     p[1, 0] += 0.1  # one class everywhere: no near-boundary pixel
     got, changed = refiner.refine(image, probs, return_changed=True)
     got_batch = refiner.refine(x, p)
-    net = refiner.net  # the same refiner, its embedding computed on the whole stride-4 map
-    net.head_at = lambda local, low, at: net.head(local, low).permute(0, 2, 3, 1)[at]
+    got_distance = refiner.candidates(x, p).distance  # what every decision reads
     assert changed.sum() > 0
+    # the reference: every cell computed, by the whole-map head (no sampled cells, no forward_at)
+    monkeypatch.setattr(
+        EmbeddingNet,
+        "sampled_cells",
+        staticmethod(lambda m, size, covered=None: torch.ones(m.shape[0], *size, dtype=torch.bool)),
+    )
+    net = refiner.net
+    monkeypatch.setattr(
+        net, "head_at", lambda local, low, at: net.head(local, low).permute(0, 2, 3, 1)[at]
+    )
     np.testing.assert_array_equal(got, refiner.refine(image, probs))
     torch.testing.assert_close(got_batch, refiner.refine(x, p))
+    torch.testing.assert_close(got_distance, refiner.candidates(x, p).distance)

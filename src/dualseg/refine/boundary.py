@@ -56,7 +56,7 @@ def _canny(label: np.ndarray) -> np.ndarray:
 def _codes(label: np.ndarray) -> tuple[int, np.ndarray | None]:
     """``(number of distinct labels, uint8 grey codes)``: each pixel's label rank times the
     smallest step >= 1 that spreads the ranks over 0..255 (so a Sobel response >= 4); codes
-    ``None`` with more than 256 labels.
+    ``None`` with fewer than 2 or more than 256 labels.
 
     Class maps hold small non-negative integers: a bincount + lookup table of codes is ~10x
     faster than ``np.unique``'s sort; anything else (negative, huge or float labels) sorts.
@@ -68,7 +68,7 @@ def _codes(label: np.ndarray) -> tuple[int, np.ndarray | None]:
     else:
         values, inverse = np.unique(label, return_inverse=True)
         count, rank, label = len(values), np.arange(len(values)), inverse.reshape(label.shape)
-    if count > 256:
+    if count < 2 or count > 256:  # no boundary, or more labels than 8-bit grey levels
         return count, None
     step = 255 // max(count - 1, 1)
     return count, (rank * step).astype(np.uint8)[label]  # one lookup, straight to uint8

@@ -47,7 +47,7 @@ def are_probabilities(scores: Tensor) -> bool:
         return True
     if bool(scores.min() < 0):
         return False
-    return bool((scores.sum(1) - 1).abs().max() <= 1e-3)  # one pass: allclose makes copies
+    return bool((scores.sum(1) - 1).abs().max() <= 1e-3)  # allclose would make copies
 
 
 def prototype_scale(prototypes: Tensor, present: Tensor) -> float:
@@ -73,12 +73,12 @@ class Candidates:
     #                   of the prototype scale; +inf where the label has no prototype
     log_prob: Tensor  # [M,N] the base's log-probability of each candidate
     margin: Tensor  # [M] the base's top-1 minus top-2 probability
-    index: Tensor | None = None  # [M] the edge pixels' flat indices into [B·H·W] (None: found)
+    index: Tensor | None = None  # [M] edge's flat indices into [B·H·W] (None: from edge)
 
 
 def gather_candidates(
     probs: Tensor,
-    scores: Callable[[Tensor], Tensor],
+    scores: Callable[[Tensor, Tensor], Tensor],
     present: Tensor,
     *,
     top_n: int,
@@ -155,6 +155,8 @@ def decide(
     low, at = score.min(1)  # min's index: the first minimum, as argmin's
     best = c.labels.gather(1, at[:, None]).squeeze(1)
     where = c.edge.reshape(-1).nonzero().squeeze(1) if c.index is None else c.index  # [M]
+    if len(where) != len(c.labels):  # an index or edge replaced without the other
+        raise ValueError(f"{len(where)} near-boundary pixels but {len(c.labels)} candidate rows")
     base = c.pred.reshape(-1).index_select(0, where)  # [M], Pred (argmax: maybe not labels[:, 0])
     new = torch.where(torch.isfinite(low), best, base)
     if gate_margin is not None:  # beyond the claim: only where the base is unsure

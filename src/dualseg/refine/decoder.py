@@ -92,10 +92,12 @@ class LowLevelDecoder(nn.Module):
         # each `at` cell's 3×3 window of the padded map, taps in (ky, kx) order
         b, y, xx = at.nonzero(as_tuple=True)  # the M cells
         corner = (b * (h + 2) + y) * (w + 2) + xx
-        taps = torch.tensor([dy * (w + 2) + dx for dy in range(3) for dx in range(3)])
-        window = row[corner[:, None] + taps.to(corner.device)].flatten()  # [M·9]
+        taps = torch.tensor(
+            [dy * (w + 2) + dx for dy in range(3) for dx in range(3)], device=low.device
+        )
+        window = row[corner[:, None] + taps].flatten()  # [M·9]
         # index_select copies whole rows; x[2-D index] takes a slow path (up to ~3 ms here)
-        patches = x.index_select(0, window).view(len(corner), -1)  # [M,9·(C+P)]
+        patches = x.index_select(0, window).view(len(corner), 9 * x.shape[1])  # [M,9·(C+P)]
         conv, bn, last = self.fuse[0], self.fuse[1], self.fuse[3]
         out = patches @ conv.weight.permute(0, 2, 3, 1).flatten(1).T  # [M,C], the same order
         out = F.batch_norm(out, bn.running_mean, bn.running_var, bn.weight, bn.bias, eps=bn.eps)

@@ -103,8 +103,10 @@ class EmbeddingNet(nn.Module):
         """:meth:`head`'s stride-4 embedding at the ``at`` cells alone (bool ``[B,H/4,W/4]``,
         from :meth:`sampled_cells`): ``[M,C]`` rows in ``at.nonzero()`` order. Inference with a
         decoder only (:meth:`~dualseg.refine.decoder.LowLevelDecoder.forward_at`)."""
-        if self.decoder is None:
-            raise ConfigError("head_at needs an embedding with a decoder; use head")
+        if self.decoder is None or low is None:
+            raise ConfigError("head_at needs a decoder and the stride-4 features; use head")
+        if self.training:  # forward_at normalizes with the running statistics
+            raise ConfigError("head_at is for inference: call eval() first, or use head")
         return self.decoder.forward_at(self.fuse(local), low, at)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -115,10 +117,10 @@ class EmbeddingNet(nn.Module):
     def sampled_cells(
         mask: Tensor, size: tuple[int, int], covered: tuple[float, float] | None = None
     ) -> Tensor:
-        """The cells of a ``size`` map that :meth:`sample` reads for the ``mask`` pixels
-        (bool ``[B,h,w]``): each pixel's two bilinear neighbours along each axis, and the next
-        one where float rounding could move its source coordinate across a cell edge, so a map
-        that is exact there samples exactly."""
+        """The cells (bool ``[B,h,w]``) of a ``size`` map that :meth:`sample` reads for the
+        ``mask`` pixels (``[B,H,W]``, input size): each pixel's two bilinear neighbours along
+        each axis, and the next one where float rounding could move its source coordinate
+        across a cell edge, so a map that is exact there samples exactly."""
         H, W = covered if covered is not None else mask.shape[-2:]
         rows = _neighbour_matrix(mask.shape[-2], size[0], H, mask.device)  # [h,H]
         cols = _neighbour_matrix(mask.shape[-1], size[1], W, mask.device)  # [w,W]
@@ -168,20 +170,17 @@ class EmbeddingNet(nn.Module):
         return out[:, :, 0, :].permute(0, 2, 1)[idx[:, 0], slot]  # [M,C]
 
 
+@functools.lru_cache(maxsize=16)  # one per image size seen: inference repeats a few sizes
 def _neighbour_matrix(n: int, cells: int, span: float, device: torch.device) -> Tensor:
     """``[cells, n]`` float: 1 where pixel ``i`` of an axis of ``n`` pixels reads cell ``c`` of
     a map of ``cells`` spanning ``span`` pixels, bilinearly as :meth:`EmbeddingNet.sample`
-    (align_corners=False, border clamp), with a 1e-4 margin either side of the coordinate."""
-    return _neighbour_matrix_cpu(n, cells, span).to(device)
-
-
-@functools.lru_cache(maxsize=16)  # one per image size seen: inference repeats a few sizes
-def _neighbour_matrix_cpu(n: int, cells: int, span: float) -> Tensor:
+    (align_corners=False, border clamp), with a 1e-4 margin either side of the coordinate.
+    Cached: callers only read it."""
     src = ((torch.arange(n, dtype=torch.float64) + 0.5) * (cells / span) - 0.5).clamp(0, cells - 1)
     first = (src - 1e-4).floor().clamp(0, cells - 1)
     last = ((src + 1e-4).floor() + 1).clamp(0, cells - 1)
     c = torch.arange(cells, dtype=torch.float64)[:, None]
-    return ((c >= first) & (c <= last)).float()
+    return ((c >= first) & (c <= last)).float().to(device)
 
 
 def p1_filter(images: Tensor, sigma: float) -> Tensor:

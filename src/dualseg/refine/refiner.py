@@ -326,9 +326,9 @@ class BoundaryRefiner:
                 return prototype_scores(self.net.head(local, low), self.prototypes)
             # with a decoder: only the stride-4 cells the band's pixels sample, zeros elsewhere
             at = EmbeddingNet.sampled_cells(band, low.shape[-2:], covered)
-            rows = self.net.head_at(local, low, at) @ (-2 * self.prototypes.T)  # [M,K]
+            rows = prototype_row_scores(self.net.head_at(local, low, at), self.prototypes)
             out = rows.new_zeros(*at.shape, rows.shape[1])  # [b,h,w,K]
-            out[at] = rows + self.prototypes.pow(2).sum(1)  # prototype_scores, row by row
+            out[at] = rows
             return out.permute(0, 3, 1, 2)  # [b,K,h,w]
 
         return collect(
@@ -673,9 +673,15 @@ def prototype_scores(feats: Tensor, prototypes: Tensor) -> Tensor:
     return scores + p.pow(2).sum(1)[None, :, None, None]
 
 
+def prototype_row_scores(rows: Tensor, prototypes: Tensor) -> Tensor:
+    """:func:`prototype_scores` of embedding rows ``[M,C]``: ``[M,K]``."""
+    p = prototypes  # [K,C]
+    return rows.float() @ (-2 * p).T + p.pow(2).sum(1)
+
+
 def collect(
     probs: Tensor,
-    scores: Callable[[Tensor], Tensor],
+    scores: Callable[[Tensor, Tensor], Tensor],
     present: Tensor,
     config: RefinerConfig,
     scale: float = 1.0,
@@ -706,7 +712,7 @@ def decide_as(c: Candidates, config: RefinerConfig) -> tuple[Tensor, Tensor]:
 
 def relabel(
     probs: Tensor,
-    scores: Callable[[Tensor], Tensor],
+    scores: Callable[[Tensor, Tensor], Tensor],
     present: Tensor,
     config: RefinerConfig,
     *,
