@@ -35,6 +35,7 @@ __all__ = [
     "decide",
     "describe_decision",
     "gather_candidates",
+    "kept_rows",
     "prototype_scale",
 ]
 
@@ -48,6 +49,12 @@ def are_probabilities(scores: Tensor) -> bool:
     if bool(scores.min() < 0):
         return False
     return bool((scores.sum(1) - 1).abs().max() <= 1e-3)  # allclose would make copies
+
+
+def kept_rows(x: Tensor, keep: Tensor) -> Tensor:
+    """``x[keep]`` (``keep`` bool ``[B]``: the images with near-boundary pixels), without the
+    copy when every image is kept (a one-image batch, usually)."""
+    return x if bool(keep.all()) else x[keep]
 
 
 def prototype_scale(prototypes: Tensor, present: Tensor) -> float:
@@ -115,7 +122,7 @@ def gather_candidates(
     second = cand_p[:, 1] if n > 1 else torch.zeros_like(cand_p[:, 0])
     if len(index):
         keep = edge.flatten(1).any(1) if p.shape[0] > 1 else index.new_ones(1, dtype=torch.bool)
-        band = edge if bool(keep.all()) else edge[keep]
+        band = kept_rows(edge, keep)
         s = EmbeddingNet.sample(scores(keep, band), band, covered)  # [M,K], edge.nonzero() order
         if not bool(present.all()):  # a label without a prototype is never the nearest
             s = s.masked_fill(~present.to(s.device), float("inf"))

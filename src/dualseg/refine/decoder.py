@@ -100,17 +100,20 @@ class LowLevelDecoder(nn.Module):
         patches = x.index_select(0, window).view(len(corner), 9 * x.shape[1])  # [M,9·(C+P)]
         conv, bn, last = self.fuse[0], self.fuse[1], self.fuse[3]
         out = patches @ conv.weight.permute(0, 2, 3, 1).flatten(1).T  # [M,C], the same order
-        out = F.batch_norm(out, bn.running_mean, bn.running_var, bn.weight, bn.bias, eps=bn.eps)
-        out = F.linear(out.relu_(), last.weight.flatten(1), last.bias)  # [M,C]
-        return out
+        # BN, ReLU, the 1×1 conv as a linear map
+        return F.linear(_batch_norm_rows(out, bn).relu_(), last.weight.flatten(1), last.bias)
 
     def _project_at(self, low: Tensor, b: Tensor, y: Tensor, x: Tensor) -> Tensor:
         """``self.project(low)`` (1×1 conv, BN with running statistics, ReLU) at the cells
         ``(b, y, x)``: ``[R,P]``."""
         conv, bn = self.project[0], self.project[1]
         out = F.linear(cells_of(low, b, y, x), conv.weight.flatten(1))  # [R,P]
-        out = F.batch_norm(out, bn.running_mean, bn.running_var, bn.weight, bn.bias, eps=bn.eps)
-        return out.relu_()
+        return _batch_norm_rows(out, bn).relu_()
+
+
+def _batch_norm_rows(rows: Tensor, bn: nn.BatchNorm2d) -> Tensor:
+    """``bn`` with its running statistics on ``[rows, channels]`` (as at inference)."""
+    return F.batch_norm(rows, bn.running_mean, bn.running_var, bn.weight, bn.bias, eps=bn.eps)
 
 
 def cells_of(features: Tensor, b: Tensor, y: Tensor, x: Tensor) -> Tensor:

@@ -152,22 +152,18 @@ class EmbeddingNet(nn.Module):
         gy = (idx[:, 1].to(features.dtype) + 0.5) / H * 2 - 1
         if b == 1:  # one image (the usual inference batch): its points are the one row
             grid = torch.stack([gx, gy], dim=1)[None, None]  # [1,1,M,2]
-            out = F.grid_sample(
-                features, grid, mode="bilinear", padding_mode="border", align_corners=False
-            )
-            return out[0, :, 0, :].T  # [M,C]
-        # one row of sample points per image: pad to the largest count, then drop the padding
-        counts = torch.bincount(idx[:, 0], minlength=b)
-        m = int(counts.max())
-        offset = torch.cumsum(counts, 0) - counts
-        slot = torch.arange(idx.shape[0], device=idx.device) - offset[idx[:, 0]]
-        grid = features.new_zeros(b, 1, m, 2)
-        grid[idx[:, 0], 0, slot, 0] = gx
-        grid[idx[:, 0], 0, slot, 1] = gy
+        else:  # one row of sample points per image, padded to the largest count
+            counts = torch.bincount(idx[:, 0], minlength=b)
+            m = int(counts.max())
+            offset = torch.cumsum(counts, 0) - counts
+            slot = torch.arange(idx.shape[0], device=idx.device) - offset[idx[:, 0]]
+            grid = features.new_zeros(b, 1, m, 2)
+            grid[idx[:, 0], 0, slot, 0] = gx
+            grid[idx[:, 0], 0, slot, 1] = gy
         out = F.grid_sample(
             features, grid, mode="bilinear", padding_mode="border", align_corners=False
-        )
-        return out[:, :, 0, :].permute(0, 2, 1)[idx[:, 0], slot]  # [M,C]
+        )[:, :, 0, :].permute(0, 2, 1)  # [B,m,C]
+        return out[0] if b == 1 else out[idx[:, 0], slot]  # [M,C], without the padding
 
 
 @functools.lru_cache(maxsize=16)  # one per image size seen: inference repeats a few sizes

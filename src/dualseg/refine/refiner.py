@@ -34,7 +34,13 @@ from dualseg.errors import CheckpointError, ConfigError, DataError, OutputError
 from dualseg.imaging import normalize
 from dualseg.io import atomic_torch_save
 from dualseg.refine.boundary import EDGE_METHODS, MAX_RADIUS
-from dualseg.refine.decision import Candidates, decide, gather_candidates, prototype_scale
+from dualseg.refine.decision import (
+    Candidates,
+    decide,
+    gather_candidates,
+    kept_rows,
+    prototype_scale,
+)
 from dualseg.refine.embedding import (
     EmbeddingNet,
     build_embedding_net,
@@ -317,10 +323,11 @@ class BoundaryRefiner:
 
         def scores(keep: Tensor, band: Tensor) -> Tensor:  # the embedding on images with a band
             if features is not None:  # the base's own backbone output: only the head runs
-                local = _rows(features.features.to(self.device), keep)
-                low = None if features.low is None else _rows(features.low.to(self.device), keep)
+                local = kept_rows(features.features.to(self.device), keep)
+                low = features.low
+                low = None if low is None else kept_rows(low.to(self.device), keep)
             else:
-                x = p1_filter(_rows(images, keep).float(), sigma)  # P1 (after normalization)
+                x = p1_filter(kept_rows(images, keep).float(), sigma)  # P1 (after normalization)
                 local, low = embed_backbone(self.net, x, cfg.input_scale, cfg.output_stride)
             if self.net.decoder is None:
                 return prototype_scores(self.net.head(local, low), self.prototypes)
@@ -668,13 +675,11 @@ def prototype_scores(feats: Tensor, prototypes: Tensor) -> Tensor:
     low-resolution map of ``s`` (K channels) at a pixel equals ``s`` of the sampled
     embedding (C channels): the same labels, without reading C-dim vectors per pixel.
     """
-    p = prototypes  # [K,C]
-    scores = torch.einsum("bchw,kc->bkhw", feats.float(), -2 * p)
-    return scores + p.pow(2).sum(1)[None, :, None, None]
+    return prototype_row_scores(feats.movedim(1, -1), prototypes).movedim(-1, 1)
 
 
 def prototype_row_scores(rows: Tensor, prototypes: Tensor) -> Tensor:
-    """:func:`prototype_scores` of embedding rows ``[M,C]``: ``[M,K]``."""
+    """:func:`prototype_scores` of embeddings on the last dim (``[...,C]``): ``[...,K]``."""
     p = prototypes  # [K,C]
     return rows.float() @ (-2 * p).T + p.pow(2).sum(1)
 
@@ -730,11 +735,6 @@ def relabel(
     pixels, the score maps span (:func:`~dualseg.refine.embedding.embedding_cover`).
     """
     return decide_as(collect(probs, scores, present, config, scale, covered), config)
-
-
-def _rows(x: Tensor, keep: Tensor) -> Tensor:
-    """``x[keep]`` (bool ``[B]``), without the copy when every image is kept."""
-    return x if bool(keep.all()) else x[keep]
 
 
 def _as_tensor(x: Any) -> Tensor:
