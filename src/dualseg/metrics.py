@@ -295,6 +295,11 @@ def _dilate(mask: Tensor, radius: int) -> Tensor:
     return out
 
 
+# The widest boundary tolerance / trimap band: matching pads every label map by it on each
+# side, and at 100000 px that asked for 80 GB; a band wider than 256 px covers whole images.
+MAX_WIDTH = 256
+
+
 class BoundaryMetrics:
     """Streaming boundary F1 (tolerance ``t`` px) and trimap mIoU (band of ``w`` px).
 
@@ -329,10 +334,11 @@ class BoundaryMetrics:
         if not 1 <= num_classes < 32768:  # boundary maps are int16
             raise ValueError(f"num_classes must be in [1, 32768), got {num_classes}")
         _check_ignore_index(ignore_index, num_classes)
-        if tolerance < 0 or trimap_width < 0:
+        if not (0 <= tolerance <= MAX_WIDTH and 0 <= trimap_width <= MAX_WIDTH):
             raise ConfigError(
-                f"boundary tolerance and trimap width must be >= 0 px, got {tolerance} and "
-                f"{trimap_width} (dualseg eval: --boundary-tolerance, --trimap-width)"
+                f"boundary tolerance and trimap width must be 0..{MAX_WIDTH} px, got "
+                f"{tolerance} and {trimap_width} (dualseg eval: --boundary-tolerance, "
+                "--trimap-width)"
             )
         self.num_classes = num_classes
         self.tolerance = int(tolerance)

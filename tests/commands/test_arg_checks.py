@@ -48,6 +48,22 @@ def test_eval_refuses_negative_widths_and_workers(files, tmp_path, capsys, flag,
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flag", ["--boundary-tolerance", "--trimap-width"])
+def test_eval_refuses_a_band_wider_than_256_px(files, tmp_path, capsys, flag) -> None:
+    """100000 padded every label map by 100000 px: an 80 GB allocation and a traceback."""
+    from dualseg.errors import ConfigError
+    from dualseg.metrics import BoundaryMetrics
+
+    out = tmp_path / "eval"
+    argv = ["eval", "-c", str(files["ckpt"]), "--data", str(files["data"]), "-o", str(out)]
+    line = _refused_at_parsing([*argv, flag, "100000", "--device", "cpu", "-q"], capsys)
+    assert f"argument {flag}: must be at most 256 pixels, got 100000" in line
+    assert not out.exists()
+    assert cli_main([*argv, flag, "256", "--device", "cpu", "-q"]) == 0
+    with pytest.raises(ConfigError, match=r"0\.\.256 px"):
+        BoundaryMetrics(2, tolerance=257)
+
+
 @pytest.mark.parametrize("value", ["5", "-0.1", "nan", "half"])
 def test_predict_refuses_an_alpha_outside_0_1_before_writing(files, tmp_path, capsys, value):
     out = tmp_path / "pred"

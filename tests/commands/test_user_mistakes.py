@@ -4,6 +4,7 @@ written over that should not be (a dataset, a model, an earlier result), no trac
 from __future__ import annotations
 
 import hashlib
+import math
 import shutil
 from pathlib import Path
 
@@ -285,6 +286,7 @@ def test_a_crop_larger_than_any_image_side_is_refused_before_writing(files, caps
         (["--threads", "-3"], "--threads must be >= 0"),
         (["--workers", "-1"], "--workers must be >= 0"),
         (["--refine-prototypes", "0"], "--refine-prototypes must be >= 1"),
+        (["--lr", "inf"], "optim.lr must be > 0 and finite"),  # exit 0 and NaN weights
         (["--arch", "deeplabv3_mobilenet_v2", "--renet-layers", "7"], "--renet-layers applies"),
     ],
 )
@@ -307,7 +309,7 @@ def test_refine_fit_refuses_bad_optimizer_values_and_intervals(files, capsys) ->
     from dualseg.errors import ConfigError
     from dualseg.refine.refiner import RefinerConfig
 
-    for bad in ({"weight_decay": -1.0}, {"momentum": -1.0}, {"seed": -1}):
+    for bad in ({"weight_decay": -1.0}, {"momentum": -1.0}, {"seed": -1}, {"lr": math.inf}):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             RefinerConfig(**bad)
     out = files["root"] / "rf" / "r.pt"
@@ -352,6 +354,42 @@ def test_a_bad_second_config_file_is_named(files, capsys, text, said) -> None:
     bad.write_text(text)
     line = refused(_train(files, files["root"] / "run_second", "--config", str(bad)), capsys)
     assert said in line and (bad.name in line or "section" in said)
+
+
+def test_an_infinite_learning_rate_in_a_config_file_is_refused(files, capsys) -> None:
+    """YAML's .inf passed "lr > 0": a 1-iteration run ended "done" with every weight NaN."""
+    for key in ("lr", "head_lr_mult"):
+        config = files["root"] / f"inf_{key}.yaml"
+        config.write_text(f"optim:\n  {key}: .inf\n")
+        out = files["root"] / f"run_inf_{key}"
+        line = refused(
+            _train(files, out, "--config", str(config), "--train.max_iters", "1"), capsys
+        )
+        assert f"optim.{key} must be > 0 and finite" in line
+        assert not out.exists()
+    line = refused(_fit(files, "--lr", "inf", "--out", str(files["root"] / "inf.pt")), capsys)
+    assert "lr must be > 0 and finite, got inf" in line
+    assert not (files["root"] / "inf.pt").exists()
+
+
+@pytest.mark.parametrize("minutes", ["nan", "-1"])
+def test_refine_fit_refuses_a_time_budget_that_is_not_positive(files, capsys, minutes) -> None:
+    """NaN passed "<= 0" and was never reached: a fit of all --steps, the budget ignored."""
+    out = files["root"] / f"budget_{minutes}.pt"
+    line = refused(_fit(files, "--time-budget", minutes, "--out", str(out)), capsys)
+    assert f"the time budget must be > 0 minutes, got {minutes}" in line
+    assert not out.exists() and not out.with_suffix(".train.pt").exists()
+
+
+def test_an_image_or_a_checkpoint_as_config_is_one_line(files, capsys) -> None:
+    """Bytes that are not UTF-8 once escaped as a UnicodeDecodeError traceback."""
+    image = sorted((files["data"] / "images").iterdir())[0]
+    for wrong in (image, files["ckpt"]):
+        line = refused(["train", "--config", str(wrong)], capsys)
+        assert f"{wrong} is not a YAML text file" in line and "--config" in line
+        out = files["root"] / "run_binary_config"
+        line = refused(_train(files, out, "--config", str(wrong)), capsys)
+        assert f"{wrong} is not a YAML text file" in line and not out.exists()
 
 
 @pytest.mark.parametrize("size", [["4", "64"], ["100000", "100000"]])

@@ -99,15 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_quiet_arg(p)
     p.add_argument(
         "--boundary-tolerance",
-        type=nonnegative_int,
+        type=width_arg,
         default=3,
         help="boundary F1 tolerance px (3)",
     )
-    p.add_argument(
-        "--trimap-width", type=nonnegative_int, default=5, help="trimap band width px (5)"
-    )
+    p.add_argument("--trimap-width", type=width_arg, default=5, help="trimap band width px (5)")
     add_inference_arguments(p)
     return p
+
+
+def width_arg(text: str) -> int:
+    """argparse ``type=`` of ``--boundary-tolerance`` / ``--trimap-width``: 0..MAX_WIDTH px."""
+    from dualseg.metrics import MAX_WIDTH
+
+    value = nonnegative_int(text)
+    if value > MAX_WIDTH:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_WIDTH} pixels, got {value}")
+    return value
 
 
 def _load_refiner(

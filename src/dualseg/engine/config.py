@@ -399,6 +399,11 @@ def _read_config_file(
         d = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
     except OSError as err:
         raise ConfigError(f"cannot read config {path}: {err}") from None
+    except UnicodeDecodeError as err:  # an image, a checkpoint ... given as --config
+        raise ConfigError(
+            f"{path} is not a YAML text file (undecodable byte at offset {err.start}); pass a "
+            "config file (.yaml) as --config"
+        ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -586,14 +591,15 @@ def validate(cfg: Config) -> None:
         (t.threads >= 0, "train.threads must be >= 0 (0: torch's default)"),
         (t.patience is None or t.patience > 0, "train.patience must be > 0 or null"),
         (0.0 <= t.loss_smoothing < 1.0, "train.loss_smoothing must be in [0, 1)"),
-        (o.lr > 0, "optim.lr must be > 0"),
+        # inf passed a plain > 0: one step made every weight NaN, and the run still ended "done"
+        (0 < o.lr < float("inf"), "optim.lr must be > 0 and finite"),
         (0.0 <= o.momentum < 1.0, "optim.momentum must be in [0, 1)"),
         (o.weight_decay >= 0, "optim.weight_decay must be >= 0"),
         (o.l2_lambda is None or o.l2_lambda >= 0, "optim.l2_lambda must be >= 0"),
         (o.poly_power >= 0, "optim.poly_power must be >= 0"),
         (o.warmup_iters >= 0, "optim.warmup_iters must be >= 0"),
         (0.0 < o.warmup_factor <= 1.0, "optim.warmup_factor must be in (0, 1]"),
-        (o.head_lr_mult > 0, "optim.head_lr_mult must be > 0"),
+        (0 < o.head_lr_mult < float("inf"), "optim.head_lr_mult must be > 0 and finite"),
         (
             o.clip_grad_norm is None or o.clip_grad_norm > 0,
             f"optim.clip_grad_norm must be > 0, or null for no clipping; got {o.clip_grad_norm}",

@@ -116,7 +116,7 @@ def train_embedding(
     JSON values), recorded in the checkpoint; a resume with other values is refused."""
     from tqdm.auto import tqdm
 
-    if time_budget_s is not None and time_budget_s <= 0:
+    if time_budget_s is not None and not time_budget_s > 0:  # NaN: a budget never reached
         raise ConfigError(f"the time budget must be > 0 minutes, got {time_budget_s / 60:g}")
 
     if len(dataset) == 0:  # type: ignore[arg-type]

@@ -136,7 +136,7 @@ class RefinerConfig:
             (self.num_triplets >= 1, f"num_triplets must be >= 1, got {self.num_triplets}"),
             (self.steps >= 0, f"steps must be >= 0, got {self.steps}"),
             (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
-            (self.lr > 0, f"lr must be > 0, got {self.lr}"),
+            (0 < self.lr < float("inf"), f"lr must be > 0 and finite, got {self.lr}"),
             (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
             (self.edge_method in EDGE_METHODS, f"edge_method must be one of {EDGE_METHODS}"),
