@@ -103,3 +103,19 @@ def test_a_pretrained_folders_refiner_json_is_never_a_sidecar(refiner_file, tmp_
         line = _refused([*args, *extra], capsys)
         assert "pretrained folder" in line and "--overwrite" not in line
     assert (folder / "refiner.json").read_text() == "{}" and not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "name", "said"),
+    [
+        ("onnx", "model.pt", "name it {dir}/model.onnx"),  # later read as a corrupt .pt
+        ("onnx", "model", "name it {dir}/model.onnx"),
+        ("torchscript", "model.onnx", "name it {dir}/model.pt"),  # later taken for ONNX
+    ],
+)
+def test_an_out_named_for_another_format_is_refused(ckpt, tmp_path, capsys, fmt, name, said):
+    out = tmp_path / name
+    args = ["export", "-c", str(ckpt), "--format", fmt, "--out", str(out), "--size", "32", "32"]
+    line = _refused(args, capsys)
+    assert f"--out {out}: --format {fmt}" in line and said.format(dir=tmp_path) in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]

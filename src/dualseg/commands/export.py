@@ -203,11 +203,32 @@ def check_format_options(args: argparse.Namespace, parser: argparse.ArgumentPars
             )
 
 
+def check_suffix(args: argparse.Namespace) -> None:
+    """Refuse an ``--out`` whose suffix says another format: dualseg's readers take a ``.onnx``
+    file for ONNX by its name, so a TorchScript file named ``.onnx``, or an ONNX file named
+    ``.pt``, would be misread later with a confusing message."""
+    if args.format == "pretrained":
+        return
+    out = Path(args.out)
+    is_onnx = out.suffix.lower() == ".onnx"
+    if args.format == "onnx" and not is_onnx:
+        raise ConfigError(
+            f"--out {out}: --format onnx writes an ONNX file, which is read by its .onnx "
+            f"suffix; name it {out.with_suffix('.onnx')} (or pass --format torchscript)"
+        )
+    if args.format == "torchscript" and is_onnx:
+        raise ConfigError(
+            f"--out {out}: --format torchscript writes a TorchScript file, which a .onnx name "
+            f"would pass off as ONNX; name it {out.with_suffix('.pt')} (or pass --format onnx)"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_format_options(args, parser)
     targets = check_outputs(args)
+    check_suffix(args)
     if args.format == "pretrained":
         return _export_pretrained(args)
     from dualseg.export.runtime import import_extra
