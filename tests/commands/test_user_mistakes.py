@@ -164,6 +164,22 @@ def test_a_refiner_training_state_is_named_as_such(files, capsys, tmp_path) -> N
     assert "training state of 'dualseg refine fit'" in line and "--resume" in line
 
 
+def test_an_exported_segmentation_model_as_refiner_says_what_it_is(files, capsys, tmp_path):
+    """It once said the refiner's .json sidecar was missing, as if this were a refiner."""
+    exported = tmp_path / "model_ts.pt"
+    argv = ["export", "-c", str(files["ckpt"]), "--format", "torchscript", "--out", str(exported)]
+    assert cli_main([*argv, "--size", "32", "32"]) == 0
+    capsys.readouterr()
+    image = sorted((files["data"] / "images").iterdir())[0]
+    line = refused(
+        ["refine", "apply", str(image), "-r", str(exported), "-b", str(files["ckpt"]),
+         "-o", str(tmp_path / "a")], capsys,
+    )  # fmt: skip
+    assert f"{exported} is an exported segmentation model" in line and "not a refiner" in line
+    assert "sidecar" not in line and "dualseg refine fit" in line
+    assert not (tmp_path / "a").exists()
+
+
 def test_predict_onnx_with_a_checkpoint_does_not_call_it_torchscript(files, capsys, tmp_path):
     image = sorted((files["data"] / "images").iterdir())[0]
     line = refused(
@@ -285,6 +301,7 @@ def test_a_crop_larger_than_any_image_side_is_refused_before_writing(files, caps
         (["--seed", "-1"], "--seed must be in"),
         (["--threads", "-3"], "--threads must be >= 0"),
         (["--workers", "-1"], "--workers must be >= 0"),
+        (["--n-show", "-1"], "--n-show must be >= 0 (got -1)"),  # once: exit 0, no panel
         (["--refine-prototypes", "0"], "--refine-prototypes must be >= 1"),
         (["--lr", "inf"], "optim.lr must be > 0 and finite"),  # exit 0 and NaN weights
         (["--arch", "deeplabv3_mobilenet_v2", "--renet-layers", "7"], "--renet-layers applies"),
@@ -370,6 +387,31 @@ def test_an_infinite_learning_rate_in_a_config_file_is_refused(files, capsys) ->
     line = refused(_fit(files, "--lr", "inf", "--out", str(files["root"] / "inf.pt")), capsys)
     assert "lr must be > 0 and finite, got inf" in line
     assert not (files["root"] / "inf.pt").exists()
+
+
+def test_refine_fit_refuses_weights_it_would_not_read(files, capsys, tmp_path) -> None:
+    """--init-backbone none with --weights FILE once fitted from random weights, FILE unread."""
+    weights = tmp_path / "backbone.pth"
+    weights.write_bytes(b"never read")
+    out = tmp_path / "r.pt"
+    line = refused(_fit(files, "--weights", str(weights), "--out", str(out)), capsys)
+    assert f"--weights {weights} and --init-backbone none conflict" in line
+    assert "drop --weights" in line
+    assert not out.exists() and not out.with_suffix(".train.pt").exists()
+
+
+def test_refine_fit_refuses_an_embedding_too_wide_to_build(files, capsys, tmp_path) -> None:
+    """--embed-dim 100000 once ran out of memory building the ASPP head: a traceback."""
+    from dualseg.errors import ConfigError
+    from dualseg.refine.refiner import RefinerConfig
+
+    with pytest.raises(ConfigError, match=r"embed_dim must be in 1\.\.4096, got 4097"):
+        RefinerConfig(embed_dim=4097)
+    assert RefinerConfig(embed_dim=4096).embed_dim == 4096
+    out = tmp_path / "r.pt"
+    line = refused(_fit(files, "--embed-dim", "100000", "--out", str(out)), capsys)
+    assert "embed_dim must be in 1..4096, got 100000" in line
+    assert not out.exists() and not out.with_suffix(".train.pt").exists()
 
 
 @pytest.mark.parametrize("minutes", ["nan", "-1"])

@@ -53,3 +53,14 @@ def test_unusable_root_is_one_line_error_through_the_cli(tmp_path, capsys):
     assert dualseg_main(["data", "check", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "nope" in err and "not found" in err
+
+
+def test_a_list_file_as_root_is_its_own_split(list_root, capsys):
+    """data check data/val.txt once reported the val pairs as split 'train'."""
+    (list_root / "meta.json").write_text(json.dumps(TINY.to_dict()))
+    report = check_dataset(list_root / "val.txt")
+    assert report.problems == [] and report.pairs == {"val": 2}
+    assert set(report.split_histograms) == {"val"}
+    assert main(["check", str(list_root / "val.txt"), "--quiet"]) == 0
+    text = capsys.readouterr().out
+    assert "pairs: val 2\n" in text

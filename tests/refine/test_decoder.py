@@ -57,8 +57,9 @@ def test_on_a_frozen_backbone_only_the_aspp_and_the_decoder_learn() -> None:
 def test_wrong_decoder_options_are_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match="stride-4 tap"):
         build_embedding_net("timm:efficientnet_lite0", embed_dim=8, decoder_channels=48)
-    with pytest.raises(ConfigError, match="decoder_channels must be >= 0"):
-        RefinerConfig(decoder_channels=-1)
+    for wrong in (-1, 4097):  # 100000 would run out of memory building the decoder
+        with pytest.raises(ConfigError, match=rf"decoder_channels must be in 0\.\.4096 .*{wrong}"):
+            RefinerConfig(decoder_channels=wrong)
 
 
 def _case(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

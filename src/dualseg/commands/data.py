@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument(
         "--split",
         action="append",
-        help="split to check (repeatable; default: whichever of train/val/test exist)",
+        help="split to check (repeatable; default: whichever of train/val/test exist; a list file "
+        "as root: its name, val for val.txt)",
     )
     check.add_argument(
         "--preset", choices=sorted(PRESETS), help="class set (default: ROOT/meta.json or layout)"

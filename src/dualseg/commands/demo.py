@@ -128,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_quiet_arg(p)
     p.add_argument("--seed", type=int, default=0, help="seed of data, init and training (0)")
-    p.add_argument("--n-show", type=int, default=4, help="held-out images in the panel (4)")
+    p.add_argument(
+        "--n-show", type=int, default=4, help="held-out images in the panel (4; 0: no panel)"
+    )
     p.add_argument(
         "--no-refine", action="store_true", help="skip method B even when it is available"
     )
@@ -476,6 +478,7 @@ def check_args(args: argparse.Namespace) -> None:
         "--n-val": (args.n_val, 1),
         "--workers": (args.workers, 0),
         "--threads": (args.threads, 0),
+        "--n-show": (args.n_show, 0),
     }
     if not args.no_refine:
         lowest["--refine-steps"] = (args.refine_steps, 1)

@@ -337,6 +337,12 @@ def fit_main(args: argparse.Namespace) -> int:
         scale_range=tuple(args.scale_range),
         names={"crop_size": "--crop-size", "scale_range": "--scale-range"},
     )
+    if args.weights and args.init_backbone == "none":  # none never reads the file
+        raise ConfigError(
+            f"--weights {args.weights} and --init-backbone none conflict: none starts the "
+            "backbone from random weights and never reads the file; drop --weights, or drop "
+            "--init-backbone none to initialize the backbone from it"
+        )
     if args.calibrate_split and args.base is None:
         raise ConfigError("--calibrate-split scores the refiner on top of a base model: add --base")
     if args.calibrate_split in EVALUATION_SPLITS:

@@ -75,7 +75,8 @@ def check_dataset(
     ignore_value: IgnoreSetting = "auto",
     progress: ProgressMode = "off",
 ) -> CheckReport:
-    """Read every pair of ``splits`` (default: those of train/val/test that exist).
+    """Read every pair of ``splits`` (default: those of train/val/test that exist; for a
+    list file as ``root``, its own split, named by its stem).
 
     ``progress``: a :mod:`dualseg.console` mode (``"bar"``, ``"lines"``, ``"off"``)."""
     root = Path(root)
@@ -83,6 +84,8 @@ def check_dataset(
         check_split_name(split)
     if layout == "auto":
         layout = _detect_any_split(root, splits or DEFAULT_SPLITS)
+    if splits is None and layout == "list" and root.is_file():
+        splits = (root.stem,)  # a list file is one split, named by it: data/val.txt is val
     if splits is None:
         found = {s: discover(root, split=s, layout=layout) for s in DEFAULT_SPLITS}
         splits = tuple(s for s, f in found.items() if not f.split_missing) or ("train",)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from dualseg.errors import CheckpointError, ConfigError, DataError
+from dualseg.errors import CheckpointError, ConfigError, DataError, DualsegError
 from dualseg.export.runners import (
     REFINER_FORMAT,
     _as_rgb,
@@ -183,6 +183,12 @@ def load_exported_refiner(
     path = Path(path)
     sidecar_path = path if path.suffix.lower() == ".json" else refiner_sidecar_path(path)
     if not sidecar_path.is_file():
+        if sidecar_path != path and _export_kind(path) == "segmenter":
+            raise CheckpointError(
+                f"{path} is an exported segmentation model ('dualseg export'), not a refiner; "
+                "pass a refiner: the file 'dualseg refine fit' wrote (refiner.pt) or its export "
+                "('dualseg export --refiner refiner.pt')"
+            )
         raise CheckpointError(
             f"refiner sidecar not found: {sidecar_path} (export writes it beside the model: "
             "dualseg export --refiner R --out refiner.onnx)"
@@ -203,3 +209,12 @@ def load_exported_refiner(
     return ExportedRefiner(
         _open_runner(model_path, providers, threads), sidecar, source=str(sidecar_path)
     )
+
+
+def _export_kind(path: Path) -> str | None:
+    """The ``kind`` of a ``dualseg export`` file ("segmenter", "embedding"); None for a file
+    that is none (or cannot be read: its loader says why)."""
+    try:
+        return read_export_info(path).get("kind")
+    except DualsegError:
+        return None

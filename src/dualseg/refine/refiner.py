@@ -56,6 +56,9 @@ from dualseg.refine.shared import BaseFeatures, SharedFeatures, can_share, match
 from dualseg.refine.triplet import MINING, REDUCTIONS, triplet_step
 
 BACKBONE_SOURCES = ("independent", "base-frozen", "base-finetune")
+# C (and the decoder's projection): 16x the spec's 256; 100000 ran out of memory building
+# the ASPP head (a traceback)
+MAX_EMBED_DIM = 4096
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +128,10 @@ class RefinerConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.embed_dim >= 1, f"embed_dim must be >= 1, got {self.embed_dim}"),
+            (
+                1 <= self.embed_dim <= MAX_EMBED_DIM,
+                f"embed_dim must be in 1..{MAX_EMBED_DIM}, got {self.embed_dim}",
+            ),
             (0 < self.input_scale <= 4, f"input_scale must be in (0, 4], got {self.input_scale}"),
             (
                 0 <= self.radius <= MAX_RADIUS,
@@ -156,8 +162,9 @@ class RefinerConfig:
             (0 <= self.min_prob < 1, f"min_prob must be in [0, 1), got {self.min_prob}"),
             (self.p1_blur_sigma >= 0, f"p1_blur_sigma must be >= 0, got {self.p1_blur_sigma}"),
             (
-                self.decoder_channels >= 0,
-                f"decoder_channels must be >= 0, got {self.decoder_channels}",
+                0 <= self.decoder_channels <= MAX_EMBED_DIM,
+                f"decoder_channels must be in 0..{MAX_EMBED_DIM} (0: no decoder), got "
+                f"{self.decoder_channels}",
             ),
         ]
         if (problem := seed_error(self.seed, "seed")) is not None:
