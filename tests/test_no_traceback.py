@@ -165,3 +165,37 @@ def test_a_failed_atomic_write_names_its_file_and_leaves_none(monkeypatch, tmp_p
         atomic_write_text(target, "{}")
     assert err.value.filename == str(target) and err.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []  # no target, no temporary
+
+
+def test_output_piped_into_a_reader_that_stops_ends_quietly() -> None:
+    """`dualseg data check D | head -4` once ended "error: Broken pipe; check the path, its
+    permissions and the free space": the reader stopping is no error to report."""
+    code = (
+        "import sys\n"
+        "from dualseg import cli\n"
+        "from dualseg.commands import data\n"
+        "def main(argv):\n"
+        "    for i in range(200000):\n"  # far more than a pipe's buffer
+        "        print('line', i)\n"
+        "data.main = main\n"
+        "sys.exit(cli.main(['data', 'check', 'x']))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout.readline() == b"line 0\n"
+    proc.stdout.close()  # the reader goes, as head does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == "", err  # 128 + SIGPIPE, as a shell says
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_still_reported(monkeypatch, capsys) -> None:
+    from dualseg import cli
+    from dualseg.commands import data as data_command
+
+    def main(argv):
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")  # e.g. a child process's stdin
+
+    monkeypatch.setattr(data_command, "main", main)
+    assert cli.main(["data", "check", "x"]) == 1
+    assert "Broken pipe; check the path" in capsys.readouterr().err

@@ -8,6 +8,7 @@ command runs) and the call graph stays visible: command name -> module -> ``main
 from __future__ import annotations
 
 import importlib
+import os
 import re
 import sys
 
@@ -90,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         print(error_line(name, err), file=sys.stderr)
         return 1
     except OSError as err:
+        if isinstance(err, BrokenPipeError) and _stdout_closed():
+            return 141  # 128 + SIGPIPE: what a shell reports for `dualseg ... | head`
         # A file-system failure no up-front check foresaw (disk full, a folder made read-only
         # mid-run, a path that is a file): the user's environment, not a bug, so one line too.
         if err.filename is None and err.errno is None:
@@ -111,6 +114,27 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _stdout_closed() -> bool:
+    """True when standard output is a pipe whose reader has gone (``dualseg ... | head``).
+
+    Then stdout is pointed at /dev/null, so that Python's flush at exit does not fail again:
+    the reader has what it wanted, and a "check the free space" line would mislead."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poll = select.poll()  # the write end of a pipe without reader polls as POLLERR
+        poll.register(fd, select.POLLOUT)
+        if not any(events & select.POLLERR for _, events in poll.poll(0)):
+            return False
+    except (OSError, ValueError, AttributeError):  # stdout replaced (tests), closed, or no poll
+        return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+    return True
 
 
 if __name__ == "__main__":
