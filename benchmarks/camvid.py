@@ -662,11 +662,18 @@ def save_curves(out: Path, names: list[str], path: Path) -> None:
     save_figure(fig, path)
 
 
-def save_learning_curves(train: dict[str, Any], path: Path) -> None:
+def save_learning_curves(
+    train: dict[str, Any],
+    path: Path,
+    *,
+    time_label: str = "training wall-clock minutes (2-core CPU)",
+    title: str = "Learning curves (plateau protocol)",
+) -> None:
     """Dev mIoU against iterations and against training minutes, every model in one figure.
 
     A record with ``"time_axis": False`` is drawn against iterations only (its minutes are not
-    comparable, e.g. a run paused part of the time)."""
+    comparable, e.g. a run paused part of the time). ``time_label``: what the minutes of the
+    records' dev curves are."""
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -689,7 +696,7 @@ def save_learning_curves(train: dict[str, Any], path: Path) -> None:
         if rec.get("time_axis", True):
             by_time.plot(minutes, [100 * v for v in miou], label=label, **style)
     by_iter.set_xlabel("iteration")
-    by_time.set_xlabel("training wall-clock minutes (2-core CPU)")
+    by_time.set_xlabel(time_label)
     by_iter.set_ylabel("dev mIoU (%) — dev: held out of CamVid train")
     if len(curves) > 8:
         fig.legend(*by_iter.get_legend_handles_labels(), loc="outside right", fontsize=7)
@@ -697,7 +704,7 @@ def save_learning_curves(train: dict[str, Any], path: Path) -> None:
         by_iter.legend(fontsize=7)
     by_iter.grid(alpha=0.3)
     by_time.grid(alpha=0.3)
-    fig.suptitle("Learning curves (plateau protocol)")
+    fig.suptitle(title)
     save_figure(fig, path, tight_layout=False)  # constrained layout
 
 

@@ -1,0 +1,102 @@
+"""benchmarks/plateau_table.py: the plateau test, the figures it reads from a results file, and
+the training step it times being the engine's real step (else its cost column would be made up).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmark_helpers import BENCHMARKS, load_benchmark
+
+
+@pytest.fixture(scope="module")
+def pt():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(BENCHMARKS))  # it imports `camvid` beside it
+        yield load_benchmark("plateau_table")
+
+
+def test_plateau_is_the_issues_test(pt) -> None:
+    def curve(mious: list[float]) -> list[list[float]]:
+        return [[150 * (i + 1), float(i), m] for i, m in enumerate(mious)]
+
+    assert pt.plateaued(curve([0.40, 0.50, 0.52, 0.516, 0.518]))  # within 0.5 of the best
+    assert pt.plateaued(curve([0.40, 0.52, 0.50, 0.50, 0.516]))  # the last three hold 0.516
+    assert not pt.plateaued(curve([0.40, 0.52, 0.50, 0.50, 0.51]))  # 1 point below the best
+    assert not pt.plateaued(curve([0.40, 0.45]))  # too short to tell
+
+
+def test_accuracy_reads_the_end_of_the_schedule(pt, tmp_path: Path, monkeypatch) -> None:
+    dev = [[150, 1.0, 0.30], [300, 2.0, 0.42], [450, 3.0, 0.41], [600, 4.0, 0.418]]
+    result = {
+        "args": {"amp": "bf16", "output_stride": 16},
+        "train": {
+            "peer": {
+                "iterations": 600,
+                "evaluated": {"checkpoint": "last.pt", "iteration": 600},
+                "dev_curve": dev,
+                "best_dev_miou": 0.42,
+                "train_seconds": 120.0,
+            }
+        },
+        "splits": {
+            "val": {
+                "peer": {
+                    "miou": 0.5,
+                    "boundary_f1": 0.3,
+                    "trimap_miou": 0.4,
+                    "pixel_acc": 0.9,
+                    "ms_per_image": 99.0,
+                }
+            }
+        },
+    }
+    (tmp_path / "r.json").write_text(json.dumps(result))
+    monkeypatch.setattr(pt, "RESULTS", tmp_path)
+    a = pt.accuracy("peer", "r.json")
+    assert a["dev_miou_last"] == 0.418 and a["dev_miou_best"] == 0.42 and a["plateaued"]
+    assert a["val"] == {"miou": 0.5, "boundary_f1": 0.3, "trimap_miou": 0.4, "pixel_acc": 0.9}
+    assert a["wall_minutes_logged"] == 2.0 and a["iterations"] == 600
+
+
+def test_the_timed_training_step_trains(pt, monkeypatch) -> None:
+    """One call is one SGD step of the engine on the protocol's recipe: the weights move and
+    the LR schedule advances by one."""
+    monkeypatch.setattr(pt, "CROP", (32, 48))
+    monkeypatch.setattr(pt, "BATCH", 2)
+    model = pt.variant("peer")
+    monkeypatch.setattr(pt, "variant", lambda name: model)
+    step = pt.training_step("peer", None)
+    before = [p.detach().clone() for p in model.parameters()]
+    step()
+    moved = [not torch.equal(b, p) for b, p in zip(before, model.parameters())]
+    assert all(moved), "every parameter gets a gradient step"
+    assert model.training
+
+
+def test_table_ratios_are_against_the_peer(pt, monkeypatch) -> None:
+    monkeypatch.setattr(pt, "ROWS", {"peer": ("peer", "p.json"), "dualseg": ("A", "a.json")})
+    acc = {
+        "iterations": 3000,
+        "dev_miou_last": 0.5,
+        "plateaued": True,
+        "val": {"miou": 0.6, "boundary_f1": 0.4, "trimap_miou": 0.45, "pixel_acc": 0.9},
+        "wall_minutes_logged": 30.0,
+    }
+    summary = {
+        "accuracy": {"peer": acc, "dualseg": {**acc, "plateaued": False}},
+        "timing": {
+            "models": {
+                "peer": {"ms_per_image": 100.0, "train_step_ms": 400.0},
+                "dualseg": {"ms_per_image": 250.0, "train_step_ms": 1000.0},
+            }
+        },
+    }
+    lines = pt.table(summary).splitlines()
+    figures = "60.0 | 40.0 | 45.0 | 50.0"
+    assert f"| A | {figures} | no | 250 (2.50×) | 1000 ms (2.50×) | 50 | 30 |" in lines
+    assert f"| peer | {figures} | yes | 100 (1.00×) | 400 ms (1.00×) | 20 | 30 |" in lines
