@@ -1,8 +1,9 @@
 """Issue 14's plateau table: every model at its plateau, beside what it costs to run and to train.
 
 Accuracy comes from committed results of ``benchmarks/camvid.py --protocol plateau`` (``ROWS``:
-each model run to the end of T = 3,000 at output stride 16, bf16 + channels-last, one thread;
-T = 3,000 is the plateau by the schedule check: T = 6,000 moved the peer's val mIoU by +0.1).
+each model run to the end of T = 3,000 at output stride 16, bf16 + channels-last, one thread,
+but ``renet_skip_v3``, whose run went on at two threads after iteration 617; T = 3,000 is the
+val-mIoU plateau by the schedule check: T = 6,000 moved the peer's val mIoU by +0.1).
 Cost is timed here, every model in one run taking turns (interleaved medians), so that the
 columns compare on one machine under one load, whatever load each training ran beside:
 
@@ -88,6 +89,7 @@ def accuracy(name: str, file: str) -> dict[str, Any]:
         "val": {k: val[k] for k in ("miou", "boundary_f1", "trimap_miou", "pixel_acc")},
         "wall_minutes_logged": train["train_seconds"] / 60,
         "amp": result["args"]["amp"],
+        "threads": result["args"]["threads"],
         "output_stride": result["args"]["output_stride"],
     }
 

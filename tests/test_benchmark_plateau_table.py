@@ -33,7 +33,7 @@ def test_plateau_is_the_issues_test(pt) -> None:
 def test_accuracy_reads_the_end_of_the_schedule(pt, tmp_path: Path, monkeypatch) -> None:
     dev = [[150, 1.0, 0.30], [300, 2.0, 0.42], [450, 3.0, 0.41], [600, 4.0, 0.418]]
     result = {
-        "args": {"amp": "bf16", "output_stride": 16},
+        "args": {"amp": "bf16", "output_stride": 16, "threads": 1},
         "train": {
             "peer": {
                 "iterations": 600,
@@ -63,19 +63,32 @@ def test_accuracy_reads_the_end_of_the_schedule(pt, tmp_path: Path, monkeypatch)
     assert a["wall_minutes_logged"] == 2.0 and a["iterations"] == 600
 
 
-def test_the_timed_training_step_trains(pt, monkeypatch) -> None:
-    """One call is one SGD step of the engine on the protocol's recipe: the weights move and
-    the LR schedule advances by one."""
+@pytest.mark.parametrize("amp", ["none", "bf16"])
+def test_the_timed_training_step_trains(pt, monkeypatch, amp: str) -> None:
+    """One call is one SGD step of the engine on the protocol's recipe: the weights move, the
+    LR schedule advances by one, and with bf16 the convolutions run under autocast."""
+    from dualseg.engine.train import cpu_has_native_bf16
+
+    if amp == "bf16" and not cpu_has_native_bf16():
+        pytest.skip("the timing uses bf16 only on CPUs with native bf16")
+    amp_dtype = torch.bfloat16 if amp == "bf16" else None
     monkeypatch.setattr(pt, "CROP", (32, 48))
     monkeypatch.setattr(pt, "BATCH", 2)
     model = pt.variant("peer")
     monkeypatch.setattr(pt, "variant", lambda name: model)
-    step = pt.training_step("peer", None)
+    made = {}
+    build = pt.build_scheduler
+    monkeypatch.setattr(pt, "build_scheduler", lambda *a, **k: made.setdefault("s", build(*a, **k)))
+    dtypes = set()
+    conv = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d) and m.groups == 1)
+    conv.register_forward_hook(lambda mod, args, out: dtypes.add(out.dtype))
+    step = pt.training_step("peer", amp_dtype)
     before = [p.detach().clone() for p in model.parameters()]
     step()
     moved = [not torch.equal(b, p) for b, p in zip(before, model.parameters())]
     assert all(moved), "every parameter gets a gradient step"
-    assert model.training
+    assert made["s"].last_epoch == 1 and model.training
+    assert dtypes == {amp_dtype or torch.float32}
 
 
 def test_table_ratios_are_against_the_peer(pt, monkeypatch) -> None:

@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     if rest and rest[0] in SUBCOMMANDS.get(name, ()):
         name = f"{name} {rest[0]}"
     try:
-        return int(module.main(rest) or 0)
+        code = int(module.main(rest) or 0)
+        sys.stdout.flush()  # a reader gone before the last buffered line: caught below too
+        return code
     except KeyboardInterrupt:
         print("dualseg: interrupted", file=sys.stderr)
         return 130
@@ -125,9 +127,10 @@ def _stdout_closed() -> bool:
 
     try:
         fd = sys.stdout.fileno()
-        poll = select.poll()  # the write end of a pipe without reader polls as POLLERR
+        poll = select.poll()  # the write end of a pipe without reader: POLLERR (Linux)
         poll.register(fd, select.POLLOUT)
-        if not any(events & select.POLLERR for _, events in poll.poll(0)):
+        gone = select.POLLERR | select.POLLHUP
+        if not any(events & gone for _, events in poll.poll(0)):
             return False
     except (OSError, ValueError, AttributeError):  # stdout replaced (tests), closed, or no poll
         return False

@@ -428,7 +428,7 @@ def test_an_image_or_a_checkpoint_as_config_is_one_line(files, capsys) -> None:
     image = sorted((files["data"] / "images").iterdir())[0]
     for wrong in (image, files["ckpt"]):
         line = refused(["train", "--config", str(wrong)], capsys)
-        assert f"{wrong} is not a YAML text file" in line and "--config" in line
+        assert f"{wrong} is not a YAML text file" in line and "pass a config file" in line
         out = files["root"] / "run_binary_config"
         line = refused(_train(files, out, "--config", str(wrong)), capsys)
         assert f"{wrong} is not a YAML text file" in line and not out.exists()

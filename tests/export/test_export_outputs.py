@@ -110,6 +110,7 @@ def test_a_pretrained_folders_refiner_json_is_never_a_sidecar(refiner_file, tmp_
     [
         ("onnx", "model.pt", "name it {dir}/model.onnx"),  # later read as a corrupt .pt
         ("onnx", "model", "name it {dir}/model.onnx"),
+        ("onnx", "model.v2", "name it {dir}/model.v2.onnx"),
         ("torchscript", "model.onnx", "name it {dir}/model.pt"),  # later taken for ONNX
     ],
 )
@@ -118,4 +119,13 @@ def test_an_out_named_for_another_format_is_refused(ckpt, tmp_path, capsys, fmt,
     args = ["export", "-c", str(ckpt), "--format", fmt, "--out", str(out), "--size", "32", "32"]
     line = _refused(args, capsys)
     assert f"--out {out}: --format {fmt}" in line and said.format(dir=tmp_path) in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
+
+
+def test_a_folder_as_out_is_refused_in_one_line(ckpt, tmp_path, capsys, monkeypatch) -> None:
+    """--out . once reached the suffix check's Path.with_suffix: a ValueError traceback."""
+    monkeypatch.chdir(tmp_path)
+    for out in (".", str(tmp_path)):
+        args = ["export", "-c", str(ckpt), "--out", out, "--overwrite", "--size", "32", "32"]
+        assert "is an existing folder" in _refused(args, capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]

@@ -207,20 +207,28 @@ def check_suffix(args: argparse.Namespace) -> None:
     """Refuse an ``--out`` whose suffix says another format: dualseg's readers take a ``.onnx``
     file for ONNX by its name, so a TorchScript file named ``.onnx``, or an ONNX file named
     ``.pt``, would be misread later with a confusing message."""
-    if args.format == "pretrained":
-        return
     out = Path(args.out)
+    if args.format == "pretrained" or out.name in ("", ".", "..") or out.is_dir():
+        return  # a folder: check_writable refuses it with its own line
     is_onnx = out.suffix.lower() == ".onnx"
     if args.format == "onnx" and not is_onnx:
         raise ConfigError(
             f"--out {out}: --format onnx writes an ONNX file, which is read by its .onnx "
-            f"suffix; name it {out.with_suffix('.onnx')} (or pass --format torchscript)"
+            f"suffix; name it {_renamed(out, '.onnx')} (or pass --format torchscript)"
         )
     if args.format == "torchscript" and is_onnx:
         raise ConfigError(
             f"--out {out}: --format torchscript writes a TorchScript file, which a .onnx name "
-            f"would pass off as ONNX; name it {out.with_suffix('.pt')} (or pass --format onnx)"
+            f"would pass off as ONNX; name it {_renamed(out, '.pt')} (or pass --format onnx)"
         )
+
+
+def _renamed(out: Path, suffix: str) -> Path:
+    """``out`` with a model file's suffix replaced (model.pt -> model.onnx), or ``suffix``
+    appended to any other name (model.v2 -> model.v2.onnx)."""
+    if out.suffix.lower() in (".pt", ".pth", ".onnx"):
+        return out.with_suffix(suffix)
+    return out.with_name(out.name + suffix)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -337,7 +337,8 @@ def fit_main(args: argparse.Namespace) -> int:
         scale_range=tuple(args.scale_range),
         names={"crop_size": "--crop-size", "scale_range": "--scale-range"},
     )
-    if args.weights and args.init_backbone == "none":  # none never reads the file
+    if args.weights and args.init_backbone == "none" and args.backbone_source == "independent":
+        # none never reads the file (a base-* source reads it, then takes the base's backbone)
         raise ConfigError(
             f"--weights {args.weights} and --init-backbone none conflict: none starts the "
             "backbone from random weights and never reads the file; drop --weights, or drop "

@@ -393,7 +393,7 @@ def _read_config_file(
     written twice in one mapping, empty, or not a mapping of sections. ``inline``: ``path``
     is the YAML text itself."""
     try:
-        text = str(path) if inline else Path(path).read_text()
+        text = str(path) if inline else Path(path).read_text(encoding="utf-8")  # YAML's own
         if inline:
             path = "the --config text"
         d = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
@@ -401,8 +401,8 @@ def _read_config_file(
         raise ConfigError(f"cannot read config {path}: {err}") from None
     except UnicodeDecodeError as err:  # an image, a checkpoint ... given as --config
         raise ConfigError(
-            f"{path} is not a YAML text file (undecodable byte at offset {err.start}); pass a "
-            "config file (.yaml) as --config"
+            f"{path} is not a YAML text file (no UTF-8 at byte {err.start}); pass a config "
+            "file (.yaml)"
         ) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
