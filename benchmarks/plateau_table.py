@@ -56,6 +56,10 @@ ROWS = {  # variant of camvid.py: (label, results file in docs/results/plateau/)
     "single_branch": ("A without the grayscale branch", "plateau_single_branch_T3000.json"),
     "no_coord": ("A without coordinate channels", "plateau_no_coord_T3000.json"),
     "no_renet": ("A without ReNet layers", "plateau_no_renet_T3000.json"),
+    "aspp_v3": (
+        "A with the DeepLab-v3 ASPP (claim 3's other reading)",
+        "plateau_aspp_v3_T3000.json",
+    ),
     "renet_skip_v3": (
         "A, backbone features beside the ReNet output, v3 ASPP (beyond the claims)",
         "probe_renet_skip_v3_T3000.json",
