@@ -52,6 +52,15 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+def pixels_at_most(text: str, limit: int) -> int:
+    """An integer 0..``limit`` pixels (a band width, a radius), refused at parsing: the body of
+    the bounded pixel ``type=`` functions, which import their limit lazily."""
+    value = nonnegative_int(text)
+    if value > limit:
+        raise argparse.ArgumentTypeError(f"must be at most {limit} pixels, got {value}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse ``type=``: an integer >= 1 (a step interval), refused at parsing."""
     value = nonnegative_int(text)

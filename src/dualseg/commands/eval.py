@@ -40,6 +40,7 @@ from dualseg.commands.common import (
     label_settings,
     mode_of,
     nonnegative_int,
+    pixels_at_most,
     unique_names,
 )
 from dualseg.commands.predict import add_inference_arguments, inference_options
@@ -112,10 +113,7 @@ def width_arg(text: str) -> int:
     """argparse ``type=`` of ``--boundary-tolerance`` / ``--trimap-width``: 0..MAX_WIDTH px."""
     from dualseg.metrics import MAX_WIDTH
 
-    value = nonnegative_int(text)
-    if value > MAX_WIDTH:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_WIDTH} pixels, got {value}")
-    return value
+    return pixels_at_most(text, MAX_WIDTH)
 
 
 def _load_refiner(

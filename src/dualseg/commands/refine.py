@@ -30,6 +30,7 @@ from dualseg.commands.common import (
     label_settings,
     mode_of,
     nonnegative_int,
+    pixels_at_most,
     positive_int,
     unique_names,
 )
@@ -287,10 +288,7 @@ def radius_arg(text: str) -> int:
     """argparse ``type=`` of ``--radius``: 0..MAX_RADIUS pixels, refused at parsing."""
     from dualseg.refine.boundary import MAX_RADIUS
 
-    value = nonnegative_int(text)
-    if value > MAX_RADIUS:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_RADIUS} pixels, got {value}")
-    return value
+    return pixels_at_most(text, MAX_RADIUS)
 
 
 def build_parser() -> argparse.ArgumentParser:
