@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from camvid import VARIANTS, save_learning_curves
+from cpu_levers import cpu_name
+from model_speed import interleaved_medians
 
 from dualseg.engine.config import OptimConfig
 from dualseg.engine.cpu_bf16 import convs_in_fp32
@@ -98,20 +97,6 @@ def accuracy(name: str, file: str) -> dict[str, Any]:
     }
 
 
-def interleaved_medians(fns: list[Callable[[], object]], reps: int, warmup: int) -> list[float]:
-    """Median seconds of each function, the functions taking turns so load hits all alike."""
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(reps):
-        for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return [statistics.median(ts) for ts in times]
-
-
 def variant(name: str) -> torch.nn.Module:
     arch, options = VARIANTS[name]
     torch.manual_seed(0)  # the cost does not depend on the weights: no file is read
@@ -152,21 +137,12 @@ def training_step(name: str, amp_dtype: torch.dtype | None) -> Callable[[], None
     return run
 
 
-def cpu_name() -> str:
-    """The CPU's model name (Linux), else what the platform module knows."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
 def time_all(names: list[str], reps: int, warmup: int) -> dict[str, Any]:
     torch.set_num_threads(1)  # the protocol's: one thread per model
     amp_dtype = torch.bfloat16 if cpu_has_native_bf16() else None
-    infer = interleaved_medians([inference(n) for n in names], reps, warmup)
-    steps = interleaved_medians([training_step(n, amp_dtype) for n in names], reps, warmup)
+    cpu = torch.device("cpu")
+    infer = interleaved_medians([inference(n) for n in names], cpu, reps, warmup)
+    steps = interleaved_medians([training_step(n, amp_dtype) for n in names], cpu, reps, warmup)
     return {
         "machine": cpu_name(),
         "torch": torch.__version__,
@@ -234,18 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"plateau_table: no {', '.join(missing)} in {RESULTS}; run benchmarks/camvid.py first"
         )
+    accuracies = {n: accuracy(n, f) for n, (_, f) in ROWS.items()}
     if args.time:
-        summary = {
-            "accuracy": {n: accuracy(n, f) for n, (_, f) in ROWS.items()},
-            "timing": time_all(list(ROWS), args.reps, args.warmup),
-        }
+        summary = {"accuracy": accuracies, "timing": time_all(list(ROWS), args.reps, args.warmup)}
         atomic_write_json(args.summary, summary)
         print(f"wrote {args.summary}")
     elif not args.summary.is_file():
         raise SystemExit(f"plateau_table: no {args.summary}; run with --time first")
     else:
-        summary = json.loads(args.summary.read_text())
-        summary["accuracy"] = {n: accuracy(n, f) for n, (_, f) in ROWS.items()}
+        summary = {**json.loads(args.summary.read_text()), "accuracy": accuracies}
     print(table(summary))
     if args.figure is not None:
         save_figure(summary, args.figure)
