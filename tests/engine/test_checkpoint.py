@@ -162,3 +162,19 @@ def test_odd_model_kwargs_in_a_checkpoint_are_one_line_or_filled_in(tmp_path: Pa
     with pytest.raises(CheckpointError, match=r"b\.pt: its model_kwargs do not build") as err:
         build_model_from_checkpoint(load_checkpoint(bad))
     assert "\n" not in str(err.value)
+
+
+def test_a_checkpoint_with_nan_weights_is_refused_not_answered_with_class_0(
+    tmp_path: Path,
+) -> None:
+    from checkpoint_helpers import write_synthetic_checkpoint
+    from dualseg.engine.checkpoint import load_checkpoint
+    from dualseg.engine.predict import load_model
+
+    path = write_synthetic_checkpoint(tmp_path / "ok.pt")
+    state = load_checkpoint(path)
+    state["model"]["rgb.aspp.convs.0.weight"][0, 0, 0, 0] = float("inf")
+    broken = save_checkpoint(tmp_path / "diverged.pt", state)
+    with pytest.raises(CheckpointError, match=r"diverged\.pt holds NaN or infinite weights"):
+        load_model(broken)
+    load_model(path)  # the healthy one loads

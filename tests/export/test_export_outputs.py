@@ -129,3 +129,19 @@ def test_a_folder_as_out_is_refused_in_one_line(ckpt, tmp_path, capsys, monkeypa
         args = ["export", "-c", str(ckpt), "--out", out, "--overwrite", "--size", "32", "32"]
         assert "is an existing folder" in _refused(args, capsys)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
+
+
+def test_export_model_leaves_the_callers_model_as_it_was_and_checks_the_names(tmp_path) -> None:
+    """The Python export ran the caller's model into eval mode for good, and wrote a class-name
+    list of another length than the model's outputs (refused only when the file was loaded)."""
+    from dualseg.errors import ConfigError
+    from dualseg.export.export import export_model
+    from dualseg.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("deeplabv3_mobilenet_v2", num_classes=3).train()
+    with pytest.raises(ConfigError, match="2 class names for a model with 3 classes"):
+        export_model(model, tmp_path / "m.pt", class_names=["a", "b"], format="torchscript")
+    assert not (tmp_path / "m.pt").exists()
+    export_model(model, tmp_path / "m.pt", class_names="abc", format="torchscript")
+    assert model.training and (tmp_path / "m.pt").is_file()

@@ -138,3 +138,23 @@ def test_static_refiner_export_runs_on_other_sizes(refiner, tmp_path):
     top2 = np.argsort(-probs, axis=0)[:2]
     assert ((labels[None] == top2).any(0)).all()
     assert not changed[:, :10].any()  # far from the stripes' borders (x = 20, 38): untouched
+
+
+def test_exported_refiner_batch_form_checks_its_images_as_boundary_refiner(refiner, tmp_path):
+    """Raw 0-255 pixels in the batch form were read as normalized images, silently."""
+    from dualseg.errors import DataError
+
+    _, path = refiner
+    out = tmp_path / "emb.onnx"
+    assert main(["export", "--refiner", str(path), "--out", str(out), "--dynamic"]) == 0
+    exported = load_exported_refiner(out)
+    image, probs = _case()
+    raw = torch.from_numpy(image).permute(2, 0, 1)[None]  # uint8 [1,3,H,W]
+    p = torch.from_numpy(probs)[None]
+    for batch in (raw, raw.numpy()):
+        with pytest.raises(DataError, match="normalized float images, got"):
+            exported.refine(batch, p)
+    with pytest.raises(DataError, match=r"\[B,3,H,W\]"):
+        exported.refine(torch.zeros(1, 4, 40, 56), p)
+    with pytest.warns(UserWarning, match="looks like RGB before ImageNet normalization"):
+        exported.refine(raw.float() / 255, p)

@@ -146,3 +146,65 @@ def test_backbone_of_names_the_weights_to_resolve() -> None:
     assert backbone_of("dualseg_timm") == "efficientnet_lite0"
     with pytest.raises(ConfigError):
         backbone_of("unet")
+
+
+@pytest.mark.parametrize("name", RUN_ON_CPU)
+def test_predict_runs_in_eval_mode_whatever_the_mode(name: str, models: dict) -> None:
+    """predict / predict_proba answer one image the same alone or in a batch, leave the
+    BatchNorm statistics alone, and hand the model back in the mode it was in (train-mode
+    BatchNorm would mix the batch into each answer; DeepLabV3's pooling cannot run on one)."""
+    model = models[name].train()
+    stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    x = torch.randn(2, 3, 48, 64)
+    alone, batch = model.predict(x[:1]), model.predict(x)
+    assert torch.equal(alone[0], batch[0])
+    torch.testing.assert_close(model.predict_proba(x[:1])[0], model.predict_proba(x)[0])
+    assert model.training
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in stats.items())
+    model.eval()
+    model.predict(x[:1])
+    assert not model.training
+
+
+@pytest.mark.parametrize("name", RUN_ON_CPU)
+def test_forward_refuses_what_it_cannot_read(name: str, models: dict) -> None:
+    """One message that says the fix, not a convolution's shape error deep inside."""
+    model = models[name].eval()
+    x = torch.randn(1, 3, 32, 32)
+    cases = [
+        (TypeError, "normalized float pixels", (x * 255).to(torch.uint8)),  # raw pixels
+        (ValueError, "built for 3-channel input, got 4", torch.randn(1, 4, 32, 32)),
+        (ValueError, "built for 3-channel input, got 1", torch.randn(1, 1, 32, 32)),
+        (TypeError, r"\[B, 3, H, W\].*shape \(3, 32, 32\)", x[0]),
+        (TypeError, "got ndarray", x.numpy()),
+        (ValueError, "empty image batch", torch.randn(1, 3, 0, 32)),
+        (TypeError, "torch.float64 differs from the weights' torch.float32", x.double()),
+    ]
+    with torch.no_grad():
+        for error, message, bad in cases:
+            with pytest.raises(error, match=message):
+                model(bad)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts: not refused
+            assert model(x.bfloat16()).shape == (1, NUM_CLASSES, 32, 32)
+
+
+def test_deeplab_training_on_one_image_says_why() -> None:
+    model = build_model("deeplabv3_mobilenet_v2", num_classes=NUM_CLASSES).train()
+    with pytest.raises(ValueError, match="2 or more images per batch"):
+        model(torch.randn(1, 3, 32, 32))
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, NUM_CLASSES, 32, 32)
+
+
+def test_a_model_for_other_input_channels_is_refused_where_rgb_is_fed(tmp_path: Path) -> None:
+    from dualseg.data import DatasetMeta
+    from dualseg.engine.predict import Segmenter
+    from dualseg.export.export import export_model
+
+    model = build_model("deeplabv3_mobilenet_v2", num_classes=2, in_channels=1).eval()
+    assert model(torch.randn(1, 1, 32, 32)).shape == (1, 2, 32, 32)  # its own input works
+    meta = DatasetMeta(name="x", class_names=("a", "b"), palette=((0, 0, 0), (255, 255, 255)))
+    with pytest.raises(ConfigError, match="built for 1-channel input"):
+        Segmenter(model, meta)
+    with pytest.raises(ConfigError, match="built for 1-channel input"):
+        export_model(model, tmp_path / "m.onnx", class_names=["a", "b"])
+    assert not (tmp_path / "m.onnx").exists()

@@ -174,3 +174,49 @@ def test_save_replaces_a_refiner_and_refuses_any_other_file(tmp_path: Path) -> N
         refiner.save(tmp_path)
     (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04 cut short")  # an interrupted save
     refiner.save(tmp_path / "cut.pt")
+
+
+def test_broken_probabilities_and_weights_are_refused_not_relabelled(tmp_path: Path) -> None:
+    """NaN ranks as no class: a diverged base or refiner would relabel at random, silently."""
+    refiner, probs, _, _ = _case()
+    images = torch.zeros(1, 3, 32, 32)
+    broken = probs.clone()
+    broken[0, :, 5:15, 10:20] = float("nan")
+    with pytest.raises(DataError, match="NaN or infinite"):
+        refiner.refine(images, broken)
+    with pytest.raises(DataError, match="NaN or infinite"):
+        refiner.refine(images, probs.log().clamp_min(-float("inf")) * float("inf"))
+    path = refiner.save(tmp_path / "r.pt")
+    state = torch.load(path, weights_only=True)
+    state["prototypes"][1, 0] = float("nan")
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=r"r\.pt holds NaN or infinite values \(prototypes"):
+        BoundaryRefiner.load(path)
+
+
+def test_base_features_a_refiner_cannot_read_are_refused() -> None:
+    """Only a base-frozen refiner at input scale 1 embeds the base's backbone output; reading
+    it anyway gave other labels without an error."""
+    from dualseg.errors import ConfigError
+    from dualseg.refine import build_embedding_net
+
+    net = build_embedding_net("mobilenet_v2", embed_dim=8)
+    protos, present = torch.randn(2, 8), torch.ones(2, dtype=torch.bool)
+    images = torch.randn(1, 3, 32, 32)
+    probs = torch.zeros(1, 2, 32, 32)
+    probs[:, 0, :, :16], probs[:, 1, :, 16:] = 1, 1
+    feats = (torch.randn(1, 320, 4, 4), (32, 32))  # the stride-8 MobileNetV2 output
+    for config in (
+        RefinerConfig(embed_dim=8, p1_blur_sigma=0, backbone_source="independent", input_scale=1),
+        RefinerConfig(embed_dim=8, p1_blur_sigma=0, backbone_source="base-frozen", input_scale=0.5),
+    ):
+        refiner = BoundaryRefiner(net, protos, present, class_names="ab", config=config)
+        with pytest.raises(ConfigError, match="pass features=None"):
+            refiner.refine(images, probs, features=feats)
+    config = RefinerConfig(
+        embed_dim=8, p1_blur_sigma=0, backbone_source="base-frozen", input_scale=1, output_stride=8
+    )
+    refiner = BoundaryRefiner(net, protos, present, class_names="ab", config=config)
+    with pytest.raises(DataError, match="head reads 320 channels"):  # another backbone's
+        refiner.refine(images, probs, features=(torch.randn(1, 17, 4, 4), (32, 32)))
+    assert refiner.refine(images, probs, features=feats).shape == (1, 32, 32)

@@ -255,6 +255,14 @@ def load_model_state(model: nn.Module, ckpt: Mapping[str, Any]) -> None:
             f"{checkpoint_num_classes(ckpt)} classes, model {type(model).__name__} "
             f"({'; '.join(problems)}); use a checkpoint of this architecture and class count"
         )
+    bad = [k for k, v in ckpt["model"].items() if v.is_floating_point() and not v.isfinite().all()]
+    if bad:  # such a model answers class 0 everywhere, without an error anywhere after
+        more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise CheckpointError(
+            f"{_name(ckpt)} holds NaN or infinite weights ({', '.join(bad[:3])}{more}): the "
+            "training diverged before it was saved; use an earlier checkpoint, or retrain with "
+            "a lower optim.lr"
+        )
     model.load_state_dict(ckpt["model"])
 
 

@@ -24,6 +24,7 @@ from dualseg.engine.distributed import resolve_device
 from dualseg.engine.inference import InferenceOptions
 from dualseg.errors import DataError
 from dualseg.imaging import as_rgb, normalize, numpy_to_rgb
+from dualseg.models.base import require_rgb_input
 from dualseg.predictor import Predictor, require_image_list, size_batches
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,6 +105,7 @@ class Segmenter(Predictor):
         device: str | torch.device | None = "cpu",
         amp: bool = False,
     ) -> None:
+        require_rgb_input(model, "a Segmenter")
         self.device = resolve_device(device)
         self.model = model.to(self.device).eval()
         self.meta = meta

@@ -41,6 +41,7 @@ from dualseg.export.runners import (
     refiner_sidecar_path,
 )
 from dualseg.io import atomic_write_bytes, atomic_write_json
+from dualseg.models.base import require_rgb_input
 from dualseg.serialization import TORCHSCRIPT_META
 from dualseg.viz import default_palette
 
@@ -353,6 +354,14 @@ def export_model(
     the input normalization the model was trained with (default ImageNet's), which the
     runtime applies.
     """
+    require_rgb_input(model, "an export")
+    classes = getattr(model, "num_classes", None)
+    if isinstance(classes, int) and len(class_names) != classes:
+        raise ConfigError(
+            f"{len(class_names)} class names for a model with {classes} classes; give one "
+            "name per class"
+        )
+    was_training = model.training  # the export runs in eval mode; the caller's model stays
     wrapper = segmenter_wrapper(model, output)
     info = export_info(
         kind="segmenter",
@@ -368,10 +377,13 @@ def export_model(
         mean=mean,
         std=std,
     )
-    return _write(
-        wrapper, path, info, format=format, example_size=example_size, dynamic=dynamic,
-        opset=opset, exporter=exporter,
-    )  # fmt: skip
+    try:
+        return _write(
+            wrapper, path, info, format=format, example_size=example_size, dynamic=dynamic,
+            opset=opset, exporter=exporter,
+        )  # fmt: skip
+    finally:
+        model.train(was_training)
 
 
 def export_checkpoint(

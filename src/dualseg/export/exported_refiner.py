@@ -95,6 +95,10 @@ class ExportedRefiner:
                 "an exported refiner runs its own backbone and cannot read the base model's "
                 "features; pass features=None, or use the refiner file from 'dualseg refine fit'"
             )
+        if _is_batch(images):  # as BoundaryRefiner's batch form: normalized floats only
+            from dualseg.refine.refiner import check_normalized_batch
+
+            check_normalized_batch(images)
         p = _numpy(probs)
         x = _numpy(images) if _is_batch(images) else None
         if x is None:

@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from dualseg.errors import ConfigError
 
 
 def pad_to_multiple(x: Tensor, multiple: int) -> Tensor:
@@ -29,12 +34,86 @@ class SegmentationModel(nn.Module):
     """Base of every model: ``forward`` returns logits ``[B, C, H, W]`` at input size."""
 
     num_classes: int
+    in_channels: int = 3  # build_model sets it from its own argument
 
+    def check_input(self, x: Tensor) -> None:
+        """Refuse, with a message that says the fix, an input ``forward`` would otherwise fail
+        on deep inside a convolution: not ``[B, in_channels, H, W]``, not floating point (raw
+        uint8 pixels), empty, or of another dtype than the weights outside autocast. Skipped
+        while tracing, scripting, exporting or compiling: shapes are symbolic there."""
+        if (
+            torch.jit.is_tracing()
+            or torch.jit.is_scripting()
+            or torch.compiler.is_compiling()
+            or torch.onnx.is_in_onnx_export()
+        ):
+            return
+        if not isinstance(x, Tensor) or x.dim() != 4:
+            got = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
+            raise TypeError(
+                f"{type(self).__name__} takes a normalized image batch [B, {self.in_channels}, "
+                f"H, W] tensor, got {got}; for image files, PIL images or HxWx3 arrays use "
+                "dualseg.load_model(checkpoint).predict(image)"
+            )
+        if not x.is_floating_point():
+            raise TypeError(
+                f"{type(self).__name__} takes normalized float pixels, got {x.dtype}; "
+                "normalize them first (dualseg.imaging.normalize) or use "
+                "dualseg.load_model(checkpoint).predict(image), which does"
+            )
+        if x.shape[1] != self.in_channels:
+            raise ValueError(
+                f"{type(self).__name__} was built for {self.in_channels}-channel input, got "
+                f"{x.shape[1]} channels (batch shape {tuple(x.shape)})"
+            )
+        if x.shape[-2] == 0 or x.shape[-1] == 0:
+            raise ValueError(f"empty image batch: shape {tuple(x.shape)}")
+        weight = next(self.parameters(), None)
+        if (
+            weight is not None
+            and x.dtype != weight.dtype
+            and not torch.is_autocast_enabled(x.device.type)
+        ):
+            raise TypeError(
+                f"input dtype {x.dtype} differs from the weights' {weight.dtype}: cast the "
+                f"input (x.to({weight.dtype})) or the model (model.to({x.dtype})), or run "
+                "under torch.autocast"
+            )
+
+    @torch.no_grad()
     def predict_proba(self, x: Tensor) -> Tensor:
-        """Per-pixel class probabilities (softmax over classes), ``[B, C, H, W]``."""
-        return torch.softmax(self(x), dim=1)
+        """Per-pixel class probabilities (softmax over classes), ``[B, C, H, W]``: in eval mode
+        whatever mode the model is in (training-mode BatchNorm would make one image's answer
+        depend on the rest of its batch, and update the running statistics), then the mode is
+        restored. For gradients, call the model and take the softmax yourself."""
+        with _eval_mode(self):
+            return torch.softmax(self(x), dim=1)
 
     @torch.no_grad()
     def predict(self, x: Tensor) -> Tensor:
-        """Per-pixel class index (argmax), ``int64 [B, H, W]``."""
-        return self(x).argmax(dim=1)
+        """Per-pixel class index (argmax), ``int64 [B, H, W]``, in eval mode as
+        :meth:`predict_proba`."""
+        with _eval_mode(self):
+            return self(x).argmax(dim=1)
+
+
+def require_rgb_input(model: nn.Module, what: str) -> None:
+    """Refuse a model built for other than 3 input channels where ``what`` feeds it RGB images
+    (the image pipeline, an export's RGB example), before a convolution fails on it."""
+    channels = getattr(model, "in_channels", 3)
+    if channels != 3:
+        raise ConfigError(
+            f"{what} feeds RGB images, and this {type(model).__name__} was built for "
+            f"{channels}-channel input; call the model on your own [B, {channels}, H, W] "
+            "tensors instead"
+        )
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor, nn
 from torchvision.models.segmentation.deeplabv3 import DeepLabHead
 
@@ -27,9 +28,11 @@ class DeepLabV3(SegmentationModel):
         *,
         output_stride: int = 8,
         rates: Sequence[int] | None = None,
+        in_channels: int = 3,
     ) -> None:
         super().__init__()
         self.num_classes, self.output_stride = num_classes, output_stride
+        self.in_channels = in_channels
         if rates is None:
             rates = (12, 24, 36) if output_stride == 8 else (6, 12, 18)
         self.rates = tuple(int(r) for r in rates)
@@ -37,6 +40,14 @@ class DeepLabV3(SegmentationModel):
         self.head = DeepLabHead(backbone_channels, num_classes, self.rates)
 
     def forward(self, x: Tensor) -> Tensor:
+        self.check_input(x)
+        if self.training and x.shape[0] == 1 and not torch.jit.is_tracing():
+            # torchvision's image-pooling branch normalizes one value per channel: BatchNorm
+            # cannot train on it (its own error names neither the model nor the fix)
+            raise ValueError(
+                "DeepLabV3 in training mode needs 2 or more images per batch (its image-pooling "
+                "BatchNorm sees one value per channel); use a larger batch, or model.eval()"
+            )
         size = (x.shape[-2], x.shape[-1])
         x = pad_to_multiple(x, self.output_stride)
         scores = self.head(self.backbone(x))  # [B, C, H'/os, W'/os]

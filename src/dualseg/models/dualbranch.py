@@ -147,6 +147,7 @@ class DualBranchNet(SegmentationModel):
         upsample_order: str = "softmax_first",
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
+        in_channels: int = 3,
     ) -> None:
         super().__init__()
         if upsample_order not in UPSAMPLE_ORDERS:
@@ -154,7 +155,7 @@ class DualBranchNet(SegmentationModel):
                 f"upsample_order must be one of {UPSAMPLE_ORDERS}, got {upsample_order!r}"
             )
         self.num_classes, self.output_stride = num_classes, output_stride
-        self.upsample_order = upsample_order
+        self.upsample_order, self.in_channels = upsample_order, in_channels
         self.rgb, self.gray = rgb, gray
         self.fusion = Fusion(num_classes, fusion) if gray is not None else None
         for name, values in (("mean", mean), ("std", std), ("luma", BT601)):
@@ -172,6 +173,7 @@ class DualBranchNet(SegmentationModel):
         return (gray - self.gray_mean) / self.gray_std
 
     def forward(self, x: Tensor) -> Tensor:
+        self.check_input(x)
         size = (x.shape[-2], x.shape[-1])
         x = pad_to_multiple(x, self.output_stride)
         scores = self.rgb(x)  # [B, C, H'/os, W'/os]

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -107,6 +108,7 @@ def build_dualseg(
         output_stride=output_stride,
         fusion=fusion,
         upsample_order=upsample_order,
+        in_channels=in_channels,
     )
 
 
@@ -128,7 +130,14 @@ def build_deeplabv3(
         weights=weights,
         allow_download=allow_download,
     )
-    return DeepLabV3(body, channels, num_classes, output_stride=output_stride, rates=deeplab_rates)
+    return DeepLabV3(
+        body,
+        channels,
+        num_classes,
+        output_stride=output_stride,
+        rates=deeplab_rates,
+        in_channels=in_channels,
+    )
 
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
@@ -200,9 +209,9 @@ def build_model(
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ConfigError(f"num_classes must be an int >= 1, got {num_classes!r}")
     _check_option_types({k: v for k, v in locals().items() if k in _TYPED_OPTIONS})
-    if in_channels < 1 or aspp_init_std < 0:
+    if in_channels < 1 or not 0 <= aspp_init_std < math.inf:  # NaN fails here, not at init
         raise ConfigError(
-            f"in_channels must be >= 1 and aspp_init_std >= 0, got {in_channels!r} and "
+            f"in_channels must be >= 1 and aspp_init_std >= 0 and finite, got {in_channels!r} and "
             f"{aspp_init_std!r}"
         )
     # JSON round trips (older checkpoints, YAML) turn tuples into lists: tuples from here on
@@ -214,6 +223,10 @@ def build_model(
     if gray_conv_init not in ("sum", "mean"):
         raise ConfigError(f"gray_conv_init must be 'sum' or 'mean', got {gray_conv_init!r}")
     weights = os.fspath(weights) if isinstance(weights, os.PathLike) else weights
+    if weights is not None and not isinstance(weights, str | Mapping):
+        raise ConfigError(
+            f"weights must be None, 'imagenet', a file path or a state dict, got {weights!r}"
+        )
     builder = MODELS[name]
     if builder.func is build_deeplabv3:
         _keep_defaults(

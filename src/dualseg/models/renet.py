@@ -48,9 +48,10 @@ class ReNetLayer(nn.Module):
             raise ConfigError(f"renet_patch must be >= 1, got {patch}")
         if init not in ("scaled", "standard"):
             raise ConfigError(f"renet_init must be 'scaled' or 'standard', got {init!r}")
-        if init_bound is not None and (init != "scaled" or init_bound <= 0):
+        if init_bound is not None and (init != "scaled" or not 0 < init_bound < math.inf):
             raise ConfigError(
-                "renet_init_bound must be > 0 and applies to renet_init='scaled' only, got "
+                "renet_init_bound must be > 0 and finite, and applies to renet_init='scaled' "
+                "only, got "
                 f"{init_bound} with {init!r}"
             )
         self.hidden, self.patch = hidden, patch

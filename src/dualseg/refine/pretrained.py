@@ -89,11 +89,12 @@ def load_folder(
     net: EmbeddingNet | None = None,
 ) -> BoundaryRefiner:
     """A refiner folder (or ``hf://org/name``) as a :class:`BoundaryRefiner` on ``device``."""
-    from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig
+    from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig, check_finite_refiner
 
     folder = resolve_source(source, files=(REFINER_CONFIG, REFINER_WEIGHTS))
     meta = read_json(folder / REFINER_CONFIG, fmt=REFINER_FORMAT, what="refiner")
     tensors = read_safetensors(folder / REFINER_WEIGHTS, what="refiner")
+    check_finite_refiner(folder / REFINER_WEIGHTS, tensors)
     missing = [k for k in ("prototypes", "present") if k not in tensors]
     if missing or "config" not in meta or "class_names" not in meta:
         raise CheckpointError(f"{folder}: incomplete refiner folder; save it again")

@@ -274,7 +274,7 @@ class BoundaryRefiner:
         (``None``: the refiner runs its own backbone).
         """
         if isinstance(images, Tensor) and images.dim() == 4:
-            _check_normalized_batch(images)
+            check_normalized_batch(images)
             return self._refine_batch(images, _as_tensor(probs), return_changed, features)
         x = torch.from_numpy(normalize([as_rgb_array(images)]))
         p = _as_tensor(probs)
@@ -317,6 +317,8 @@ class BoundaryRefiner:
                 "shared base features carry no P1 blur: refine with p1_blur_sigma 0, or "
                 "without the base's features"
             )
+        if features is not None:
+            self._check_base_features(BaseFeatures(*features).features)
         # not this batch's own backbone output (resized, tiled, half precision): run our own
         features = matching(
             features, images, cfg.output_stride, needs_low=self.net.decoder is not None
@@ -348,6 +350,26 @@ class BoundaryRefiner:
         return collect(
             probs.to(self.device).float(), scores, self.present, self.config, scale, covered
         )
+
+    def _check_base_features(self, feats: Tensor) -> None:
+        """Refuse base features this refiner's head cannot stand on: only a ``base-frozen``
+        refiner at input scale 1 embeds the base's own backbone output (the rest would be
+        read without an error, and give other labels), and the channels must be its head's."""
+        cfg = self.config
+        if cfg.backbone_source != "base-frozen" or cfg.input_scale != 1.0:
+            raise ConfigError(
+                f"this refiner (backbone_source {cfg.backbone_source!r}, input_scale "
+                f"{cfg.input_scale:g}) embeds other features than the base's backbone output; "
+                "pass features=None, or take them with refiner.shared_features(model), which "
+                "keeps none a refiner cannot read"
+            )
+        conv = next((m for m in self.net.fuse.modules() if isinstance(m, nn.Conv2d)), None)
+        if conv is not None and (feats.dim() != 4 or feats.shape[1] != conv.in_channels):
+            raise DataError(
+                f"base features of shape {tuple(feats.shape)} do not fit this refiner, whose "
+                f"head reads {conv.in_channels} channels: they come from another backbone than "
+                "the one it was fit on; pass features=None"
+            )
 
     def shared_features(self, model: nn.Module) -> SharedFeatures:
         """A context that keeps ``model``'s backbone output for :meth:`refine`'s
@@ -421,6 +443,7 @@ class BoundaryRefiner:
         if pretrained.is_folder_source(path):
             return pretrained.load_folder(path, device=device, net=net)
         state = load_state(path, FORMAT, "refiner")
+        check_finite_refiner(path, {**state["model"], "prototypes": state["prototypes"]})
         config = RefinerConfig.from_dict(state["config"])
         if net is None:
             net = config.embedding_net()
@@ -618,10 +641,34 @@ def _check_refiner_target(target: Path) -> None:
         )
 
 
-def _check_normalized_batch(images: Tensor) -> None:
-    """The batch form reads ImageNet-normalized floats: refuse integer images (raw pixels) and
+def check_finite_refiner(source: str | os.PathLike[str], tensors: Mapping[str, Any]) -> None:
+    """Refuse a stored refiner with NaN or infinite weights or prototypes: its distances would
+    relabel near-boundary pixels at random, without an error anywhere after."""
+    bad = [
+        k
+        for k, v in tensors.items()
+        if isinstance(v, Tensor) and v.is_floating_point() and not v.isfinite().all()
+    ]
+    if bad:
+        raise CheckpointError(
+            f"{source} holds NaN or infinite values ({', '.join(bad[:3])}): its fit diverged; "
+            "fit it again (a lower --lr)"
+        )
+
+
+def check_normalized_batch(images: Tensor | np.ndarray) -> None:
+    """The batch form reads ImageNet-normalized floats ``[B,3,H,W]`` (a tensor, or a numpy
+    array for the exported refiner): refuse another shape and integer images (raw pixels), and
     warn on floats all in [0, 1] (``to_tensor`` output, which normalization would take below
     0 wherever a channel is darker than its ImageNet mean)."""
+    if isinstance(images, np.ndarray):
+        images = torch.from_numpy(np.ascontiguousarray(images))
+    if images.dim() != 4 or images.shape[1] != 3:
+        raise DataError(
+            f"refine(images) takes a batch [B,3,H,W] of normalized RGB images, got shape "
+            f"{tuple(images.shape)}; pass one image as an HxWx3 uint8 array, a path or a PIL "
+            "image instead"
+        )
     if not images.is_floating_point():
         raise DataError(
             f"refine(images [B,3,H,W]) takes ImageNet-normalized float images, got {images.dtype}"
@@ -699,7 +746,14 @@ def collect(
     scale: float = 1.0,
     covered: tuple[float, float] | None = None,
 ) -> Candidates:
-    """P2-P4 and P5's distances with ``config``'s Top-N and mask options."""
+    """P2-P4 and P5's distances with ``config``'s Top-N and mask options. Probabilities that
+    are not finite (a diverged base) are refused: NaN ranks as no class and would be relabelled
+    as class 0 or at random, silently."""
+    if not bool(probs.isfinite().all()):
+        raise DataError(
+            "the base model's class probabilities hold NaN or infinite values: its weights or "
+            "its input are broken (a diverged checkpoint?); refine the output of a working model"
+        )
     return gather_candidates(
         probs,
         scores,
