@@ -356,9 +356,16 @@ def load_pretrained(
     report.missing = [
         k for k in own if k not in new_state and not k.endswith(".num_batches_tracked")
     ]
+    label = name or type(module).__name__
+    # strict: refuse before anything is loaded or logged (the key lists are in the one line)
+    if strict and not report.ok:
+        raise CheckpointError(
+            f"weights do not fit {label}: missing {_short(report.missing)}, unexpected "
+            f"{_short(report.unexpected)}, mismatched {_short(report.mismatched)}; "
+            "check that the file belongs to this architecture"
+        )
     module.load_state_dict(new_state, strict=False)
 
-    label = name or type(module).__name__
     tiled = [k for k in report.adapted if own[k].shape[1] != 1]
     if tiled:  # the grey stem's sum is the spec's reading; tiling to N channels is a guess
         log.warning("%s: RGB kernels tiled to other input channels: %s", label, _short(tiled))
@@ -376,12 +383,6 @@ def load_pretrained(
     ):
         if keys:
             log.warning("%s: %d %s keys: %s", label, len(keys), what, _short(keys))
-    if strict and not report.ok:
-        raise CheckpointError(
-            f"weights do not fit {label}: missing {_short(report.missing)}, unexpected "
-            f"{_short(report.unexpected)}, mismatched {_short(report.mismatched)}; "
-            "check that the file belongs to this architecture"
-        )
     return report
 
 

@@ -441,3 +441,75 @@ def test_an_export_size_out_of_range_is_one_line(files, capsys, size) -> None:
     line = refused([*argv, *size], capsys)  # 100000x100000 ran out of memory: a traceback
     assert f"--size must be between 8x8 and 8192x8192, got {size[0]}x{size[1]}" in line
     assert not out.exists()
+
+
+def test_a_flag_a_later_config_sets_again_is_refused_not_dropped(files, capsys) -> None:
+    """jsonargparse lets the later --config win: --train.out_dir runs/new before --config
+    keep.yaml trained (with --overwrite: over) keep.yaml's run folder, not runs/new."""
+    keep = files["root"] / "keep.yaml"
+    kept_run = files["root"] / "kept_run"
+    keep.write_text(f"train:\n  out_dir: {kept_run}\n")
+    new = files["root"] / "new_run"
+    argv = ["train", "--config", str(TINY), "--data.root", str(files["data"]),
+            "--train.out_dir", str(new), "--overwrite", "--config", str(keep)]  # fmt: skip
+    line = refused(argv, capsys)
+    assert f"--train.out_dir comes before --config {keep}, which sets train.out_dir" in line
+    assert "put --config first" in line
+    assert not new.exists() and not kept_run.exists()
+    # a flag the later config leaves alone still counts: nothing to refuse
+    ok = files["root"] / "flag_first"
+    argv = ["train", "--optim.momentum", "0.8", "--config", str(TINY), "--quiet",
+            "--data.root", str(files["data"]), "--data.crop_size", "[32, 32]",
+            "--train.max_iters", "1", "--train.out_dir", str(ok)]  # fmt: skip
+    assert cli_main(argv) == 0 and (ok / "last.pt").is_file()
+    assert "momentum: 0.8" in (ok / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "value", "says"),
+    [
+        ("train", "min_delta", ".nan", "train.min_delta must be >= 0 and finite"),
+        ("train", "min_delta", "-1", "train.min_delta must be >= 0 and finite"),
+        ("optim", "weight_decay", ".inf", "optim.weight_decay must be >= 0 and finite"),
+        ("optim", "l2_lambda", ".inf", "optim.l2_lambda must be >= 0 and finite"),
+        ("optim", "poly_power", ".inf", "optim.poly_power must be >= 0 and finite"),
+        ("model", "renet_init_bound", ".nan", "renet_init_bound must be > 0 and finite"),
+        ("model", "aspp_init_std", ".nan", "aspp_init_std >= 0 and finite"),
+    ],
+)
+def test_yaml_infinities_and_nans_are_refused_before_any_output(
+    files, capsys, section, key, value, says
+) -> None:
+    """YAML's .nan / .inf pass a plain >= 0: NaN min_delta stopped an improving run early,
+    an infinite poly power trained at LR 0, an infinite L2 blamed the LR, a NaN init bound
+    was a traceback."""
+    extra = files["root"] / f"{key}_{value}.yaml"
+    extra.write_text(f"{section}:\n  {key}: {value}\n")
+    out = files["root"] / f"run_{key}_{value}"
+    line = refused(_train(files, out, "--config", str(extra)), capsys)
+    assert says in line and not out.exists()
+
+
+def test_nan_class_weights_are_refused_by_name(files, capsys) -> None:
+    out = files["root"] / "run_nan_weights"
+    weights = "[.nan, 1, 1, 1, 1, 1, 1, 1]"
+    line = refused(_train(files, out, "--optim.class_weights", weights), capsys)
+    assert "class_weights" in line and "NaN or infinite" in line
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("iteration", "abc"), ("optimizer", []), ("sampler", {}), ("rng", {}), ("config", "x")],
+)
+def test_resuming_from_a_damaged_training_checkpoint_is_one_line(files, capsys, key, value):
+    run = files["root"] / "damaged_src"
+    if not (run / "last.pt").is_file():
+        assert cli_main(_train(files, run, "--train.max_iters", "1")) == 0
+    state = torch.load(run / "last.pt", weights_only=True)
+    state[key] = value
+    damaged = files["root"] / f"damaged_{key}.pt"
+    torch.save(state, damaged)
+    out = files["root"] / f"resumed_{key}"
+    line = refused(_train(files, out, "--resume", str(damaged), "--train.max_iters", "2"), capsys)
+    assert f"{damaged} is a damaged training checkpoint" in line
+    assert not out.exists()

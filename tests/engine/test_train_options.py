@@ -176,3 +176,18 @@ def test_resume_on_a_training_split_that_gained_pairs_says_so(data, tmp_path, ca
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     changed = [r["changed"] for r in records if "changed" in r]
     assert changed and "training pairs" in changed[-1]
+
+
+def test_a_peer_cannot_train_on_batches_of_one_and_is_told_before_any_output() -> None:
+    """DeepLabV3's image-pooling BatchNorm sees one value per channel on one image: the run
+    ended in torchvision's traceback after writing its folder."""
+    import inspect
+
+    from dualseg.engine.config import validate
+    from dualseg.models import build_model
+
+    hidden = inspect.signature(build_model).parameters["renet_hidden"].default  # the peer's
+    peer = {"arch": "deeplabv3_mobilenet_v2", "renet_hidden": hidden}
+    validate(load_config(TINY, model=peer))
+    with pytest.raises(ConfigError, match=r"data\.batch_size 1 cannot train deeplabv3_"):
+        validate(load_config(TINY, model=peer, data={"batch_size": 1}))

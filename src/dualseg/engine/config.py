@@ -340,6 +340,8 @@ def parse_command(argv: list[str] | None) -> tuple[Config, str | None, dict[str,
     bad_file = _bad_config_file(argv)  # before jsonargparse, which lets a repeated key win
     if bad_file:
         raise ConfigError(bad_file)
+    if (overridden := _flag_overridden_by_a_later_config(argv)) is not None:
+        raise ConfigError(overridden)
     try:
         ns = parser.parse_args(argv)
     except Exception as err:  # jsonargparse's ArgumentError (or a YAML / type error)
@@ -360,6 +362,37 @@ def _bad_config_file(argv: list[str]) -> str | None:
             _read_config_file(value, empty_ok=False, inline=inline)
         except ConfigError as err:
             return str(err)
+    return None
+
+
+def _flag_overridden_by_a_later_config(argv: list[str]) -> str | None:
+    """A ``--section.field`` flag that a later ``--config`` sets again, in one line. The later
+    one wins (jsonargparse reads the arguments in order), so the flag was dropped without a
+    word: ``--train.out_dir runs/new --overwrite --config keep.yaml`` wrote over keep.yaml's
+    run folder, not runs/new."""
+    for j, arg in enumerate(argv):
+        if arg == "--config" and j + 1 < len(argv):
+            value = argv[j + 1]
+        elif arg.startswith("--config="):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
+        inline = "\n" in value or value.lstrip().startswith("{")
+        data = _read_config_file(value, empty_ok=True, inline=inline)
+        for flag in argv[:j]:
+            if not flag.startswith("--") or "." not in flag:
+                continue
+            key = flag[2:].split("=", 1)[0]
+            node: Any = data
+            for part in key.split("."):
+                if not isinstance(node, dict) or part not in node:
+                    break
+                node = node[part]
+            else:
+                return (
+                    f"--{key} comes before --config {value}, which sets {key} again and would "
+                    "win; put --config first, then the flags that change it"
+                )
     return None
 
 
@@ -565,6 +598,7 @@ def validate(cfg: Config) -> None:
     """Reject values that would fail late or silently (one clear ConfigError each)."""
     _check_no_missing_values(cfg)
     t, o, d = cfg.train, cfg.optim, cfg.data
+    inf = float("inf")
     checks = [
         (bool(t.out_dir.strip()), "train.out_dir is empty: give the run folder"),
         (
@@ -591,12 +625,15 @@ def validate(cfg: Config) -> None:
         (t.threads >= 0, "train.threads must be >= 0 (0: torch's default)"),
         (t.patience is None or t.patience > 0, "train.patience must be > 0 or null"),
         (0.0 <= t.loss_smoothing < 1.0, "train.loss_smoothing must be in [0, 1)"),
+        # NaN: no evaluation ever improves (an early stop while improving); < 0: every one does
+        (0 <= t.min_delta < inf, "train.min_delta must be >= 0 and finite"),
         # inf passed a plain > 0: one step made every weight NaN, and the run still ended "done"
         (0 < o.lr < float("inf"), "optim.lr must be > 0 and finite"),
         (0.0 <= o.momentum < 1.0, "optim.momentum must be in [0, 1)"),
-        (o.weight_decay >= 0, "optim.weight_decay must be >= 0"),
-        (o.l2_lambda is None or o.l2_lambda >= 0, "optim.l2_lambda must be >= 0"),
-        (o.poly_power >= 0, "optim.poly_power must be >= 0"),
+        # YAML's .inf / .nan pass a plain >= 0 (an infinite L2 or poly power stops training)
+        (0 <= o.weight_decay < inf, "optim.weight_decay must be >= 0 and finite"),
+        (o.l2_lambda is None or 0 <= o.l2_lambda < inf, "optim.l2_lambda must be >= 0 and finite"),
+        (0 <= o.poly_power < inf, "optim.poly_power must be >= 0 and finite"),
         (o.warmup_iters >= 0, "optim.warmup_iters must be >= 0"),
         (0.0 < o.warmup_factor <= 1.0, "optim.warmup_factor must be in (0, 1]"),
         (0 < o.head_lr_mult < float("inf"), "optim.head_lr_mult must be > 0 and finite"),
@@ -607,6 +644,11 @@ def validate(cfg: Config) -> None:
         (o.ohem_thresh is None or 0 < o.ohem_thresh <= 1, "optim.ohem_thresh must be in (0, 1]"),
         (o.ohem_min_kept >= 0, "optim.ohem_min_kept must be >= 0"),
         (d.batch_size > 0 and d.val_batch_size > 0, "data.batch_size must be > 0"),
+        (
+            d.batch_size != 1 or not cfg.model.arch.startswith("deeplabv3_"),
+            f"data.batch_size 1 cannot train {cfg.model.arch}: its image-pooling BatchNorm "
+            "needs 2 or more images per batch; set --data.batch_size 2 or more",
+        ),
         (d.num_workers >= 0, "data.num_workers must be >= 0"),
         (min(d.crop_size) > 0, "data.crop_size must be positive (H, W)"),
         (

@@ -191,6 +191,11 @@ def class_weights_for(
         counts, image_pixels = label_histogram(dataset)
         return median_frequency_weights(counts, image_pixels)
     weights = torch.tensor([float(w) for w in spec])
+    if not weights.isfinite().all():  # NaN or inf: the loss is non-finite at step 1
+        raise ConfigError(
+            f"class_weights {weights.tolist()} holds NaN or infinite values; give one finite, "
+            "non-negative weight per class"
+        )
     if weights.numel() != num_classes or (weights < 0).any() or weights.sum() <= 0:
         raise ConfigError(
             f"class_weights has {weights.numel()} values {weights.tolist()} but the dataset has "

@@ -551,7 +551,13 @@ def _check_resumable(state: dict, path: Path | None, max_iters: int) -> None:
             f"(no {', '.join(missing)}): resume from a checkpoint that dualseg train wrote "
             "(the run's last.pt)"
         )
-    done = int(state["iteration"])
+    try:
+        done = int(state["iteration"])
+    except (TypeError, ValueError):
+        raise CheckpointError(
+            f"{path} is a damaged training checkpoint (iteration {state['iteration']!r}); resume "
+            "from another checkpoint of the run (best.pt, or an earlier one)"
+        ) from None
     if max_iters < done:  # the run would end at once, its config.yaml saying max_iters
         raise ConfigError(
             f"{path} is at iteration {done}, past train.max_iters {max_iters}: pass "
@@ -561,10 +567,24 @@ def _check_resumable(state: dict, path: Path | None, max_iters: int) -> None:
 
 def _resume(run: _Run) -> None:
     """Continue the checkpoint's run exactly: weights, optimizer, this run's LR schedule at the
-    resumed iteration, AMP scaler, sampler position, loop progress and RNG states."""
-    state = run.state
-    if state is None:
+    resumed iteration, AMP scaler, sampler position, loop progress and RNG states. A state that
+    passed the checks yet does not restore (edited, or written by other code) is one
+    :class:`CheckpointError`; nothing is written before this point."""
+    if run.state is None:
         return
+    try:
+        _restore(run, run.state)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+        if isinstance(err, CheckpointError | ConfigError):
+            raise
+        detail = " ".join(f"{type(err).__name__}: {err}".split())
+        raise CheckpointError(
+            f"{run.resume_path} is a damaged training checkpoint ({detail}); resume from another "
+            "checkpoint of the run (best.pt, or an earlier one), or start a new run"
+        ) from None
+
+
+def _restore(run: _Run, state: dict) -> None:
     # the model and optimizer settings changed since the checkpoint: what a mismatch names
     changed = {
         k: v
