@@ -83,3 +83,41 @@ def test_resize_bilinear_takes_any_channel_count_as_interpolate_does() -> None:
     np.testing.assert_allclose(out, ref.numpy(), atol=1e-5)
     assert resize_bilinear(scores[:, :, 0], (9, 25)).shape == (9, 25, 1)  # HxW: one channel
     assert resize_bilinear(scores, (6, 10)) is scores  # the size already: no copy
+
+
+def test_a_multi_frame_file_is_refused_not_cut_to_its_first_frame(tmp_path) -> None:
+    from PIL import Image
+
+    from dualseg.errors import DataError
+    from dualseg.imaging import decode_image, read_image
+
+    pages = [Image.new("RGB", (8, 6), c) for c in ("red", "blue")]
+    path = tmp_path / "two.tif"
+    pages[0].save(path, save_all=True, append_images=pages[1:])
+    with pytest.raises(DataError, match=r"two\.tif: has 2 frames \(pages\)"):
+        read_image(path)
+    with pytest.raises(DataError, match="has 2 frames"):
+        decode_image(path.read_bytes(), source="two.tif")
+    pages[0].save(tmp_path / "one.tif")
+    assert read_image(tmp_path / "one.tif").shape == (6, 8, 3)
+
+
+def test_an_oversized_file_says_downscale_and_a_closed_image_says_closed(
+    tmp_path, monkeypatch
+) -> None:
+    from PIL import Image
+
+    from dualseg.errors import DataError
+    from dualseg.imaging import image_to_rgb, read_image
+
+    path = tmp_path / "big.png"
+    Image.new("RGB", (64, 64)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # 64x64 is over twice that: an error
+    with pytest.raises(DataError, match=r"big\.png: over Pillow's decompression-bomb limit.*"
+                       "downscale it"):  # fmt: skip
+        read_image(path)
+    monkeypatch.undo()
+    im = Image.open(path)
+    im.close()
+    with pytest.raises(DataError, match="unreadable, truncated or closed image"):
+        image_to_rgb(im, "the PIL image")

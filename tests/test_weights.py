@@ -162,9 +162,11 @@ def test_load_pretrained_adapts_and_reports(caplog: pytest.LogCaptureFixture) ->
     caplog.clear()
     fresh = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 6, 1))
     before = {k: v.clone() for k, v in fresh.state_dict().items()}
-    with caplog.at_level(logging.INFO, logger="dualseg.weights"):
-        with pytest.raises(CheckpointError, match=re.escape("head.bias")):
-            W.load_pretrained(fresh, state, strict=True)
+    with (
+        caplog.at_level(logging.INFO, logger="dualseg.weights"),
+        pytest.raises(CheckpointError, match=re.escape("head.bias")),
+    ):
+        W.load_pretrained(fresh, state, strict=True)
     # strict: one error holding the key lists, nothing logged before it, nothing loaded
     assert caplog.text == ""
     assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())

@@ -85,11 +85,28 @@ def open_image(path: str | Path) -> Image.Image:
             im = Image.open(path)
             _scale_low_bit_key(im)
             im.load()  # decode now: truncated / corrupt files fail here, not later
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
+        raise DataError(
+            f"{path}: over Pillow's decompression-bomb limit of "
+            f"{pillow_max_pixels() / 1e6:.1f} megapixels; downscale it"
+        ) from err
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, ... for bad files
         raise DataError(
             f"{path}: unreadable or truncated image ({err}); re-export or replace the file"
         ) from err
+    single_frame(im, path)
     return im
+
+
+def single_frame(im: Image.Image, source: str | Path) -> None:
+    """Refuse a multi-page TIFF or an animated GIF/WebP/PNG: only its first frame would be
+    read, silently."""
+    frames = int(getattr(im, "n_frames", 1) or 1)
+    if frames > 1:
+        raise DataError(
+            f"{source}: has {frames} frames (pages); dualseg reads single images: save the "
+            "frame to segment as its own file"
+        )
 
 
 def drop_opaque_alpha(array: np.ndarray, source: str | Path) -> np.ndarray:
@@ -144,6 +161,7 @@ def decode_image(
                 )
             _scale_low_bit_key(im)
             im.load()
+            single_frame(im, source)
     except DataError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
@@ -207,6 +225,12 @@ def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:
     ``source``.
     """
     _scale_low_bit_key(im)  # a PIL image the caller opened and has not decoded yet
+    try:
+        im.load()  # a caller's image: a truncated or closed one fails here, said as such
+    except Exception as err:
+        raise DataError(
+            f"{source}: unreadable, truncated or closed image ({err}); re-open or replace it"
+        ) from err
     try:
         im = ImageOps.exif_transpose(im)
     except Exception as err:  # a malformed EXIF block: Pillow raises various types

@@ -126,7 +126,11 @@ def check_writable(
     ``kind="dir"``: ``path`` is (or will become) a folder; an existing file there is an error.
     ``kind="file"``: ``path`` is (or will become) a file; an existing folder there is an error.
     Nothing is created: a probe file is made and removed in the deepest existing folder.
+    An empty or blank ``path`` (an unset shell variable) is refused: as a path it is the
+    current folder.
     """
+    if not os.fspath(path).strip():
+        raise OutputError(f"{what} is empty; name a {'folder' if kind == 'dir' else 'file'}")
     path = Path(path)
     if kind == "dir" and path.exists() and not path.is_dir():
         raise OutputError(f"{what} {path} is an existing file, not a folder; pass a folder path")

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from dualseg.errors import ConfigError
+
 
 def require_image_list(images: Any) -> None:
     """Refuse one image where ``predict_batch`` takes several: iterating it would read its
@@ -65,10 +67,12 @@ class Predictor:
 
 def size_batches(arrays: Sequence[np.ndarray], batch_size: int) -> Iterator[list[int]]:
     """Indices of ``arrays`` in batches of at most ``batch_size`` images of one size."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
     by_size: dict[tuple[int, ...], list[int]] = {}
     for i, a in enumerate(arrays):
         by_size.setdefault(a.shape[:2], []).append(i)
-    step = max(1, batch_size)
+    step = batch_size
     for indices in by_size.values():
         for start in range(0, len(indices), step):
             yield indices[start : start + step]

@@ -101,3 +101,28 @@ def test_other_workers_flags_refuse_negatives(tmp_path, capsys, monkeypatch, arg
     line = _refused_at_parsing(argv, capsys)
     assert "argument --workers: must be >= 0, got -1" in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_onnx_runtime_takes_threads_and_refuses_what_does_not_apply() -> None:
+    """--onnx ignored --device, --threads and --amp: onnxruntime ran on every core."""
+    import argparse
+
+    import torch
+
+    from dualseg.commands.common import onnx_runtime
+    from dualseg.errors import ConfigError
+
+    def args(**kw):
+        return argparse.Namespace(**{"amp": False, "threads": 0, "device": "auto", **kw})
+
+    cpu = torch.device("cpu")
+    assert onnx_runtime(args(threads=2), cpu) == {"providers": None, "threads": 2}
+    assert onnx_runtime(args(), cpu) == {"providers": None, "threads": None}
+    with pytest.raises(ConfigError, match="--amp applies to --checkpoint models only"):
+        onnx_runtime(args(amp=True), cpu)
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(ConfigError, match="needs onnxruntime-gpu"):
+            onnx_runtime(args(device="cuda"), torch.device("cuda", 0))
+        assert onnx_runtime(args(), torch.device("cuda", 0))["providers"] is None  # auto

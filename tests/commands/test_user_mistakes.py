@@ -31,8 +31,13 @@ def files(tmp_path_factory) -> dict[str, Path]:
 
 
 def _train(files, out: Path, *extra: str) -> list[str]:
-    return ["train", "--config", str(TINY), "--data.root", str(files["data"]), "--quiet",
-            "--data.crop_size", "[32, 32]", "--train.out_dir", str(out), *extra]  # fmt: skip
+    """``dualseg train`` on TINY; ``--config X`` pairs in ``extra`` go right after TINY's (a
+    flag before a --config that sets it again is refused)."""
+    configs = [a for i, a in enumerate(extra) if "--config" in extra[max(i - 1, 0) : i + 1]]
+    rest = [a for a in extra if a not in configs]
+    return ["train", "--config", str(TINY), *configs, "--data.root", str(files["data"]),
+            "--quiet", "--data.crop_size", "[32, 32]", "--train.out_dir", str(out),
+            *rest]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -513,3 +518,57 @@ def test_resuming_from_a_damaged_training_checkpoint_is_one_line(files, capsys, 
     line = refused(_train(files, out, "--resume", str(damaged), "--train.max_iters", "2"), capsys)
     assert f"{damaged} is a damaged training checkpoint" in line
     assert not out.exists()
+
+
+def _image(files) -> Path:
+    return files["data"] / "images" / "train_00000.png"
+
+
+def test_predict_refuses_an_empty_input_or_out(files, capsys, tmp_path, monkeypatch) -> None:
+    """An unset shell variable: "" as an input segmented the whole current folder, as --out it
+    wrote labels/, color/ and overlay/ there."""
+    monkeypatch.chdir(tmp_path)
+    ckpt = str(files["ckpt"])
+    line = refused(["predict", "", "-c", ckpt, "-o", str(tmp_path / "o")], capsys)
+    assert "an input is an empty path; name an image file, a folder or a glob" in line
+    line = refused(["predict", str(_image(files)), "-c", ckpt, "-o", " "], capsys)
+    assert "--out is empty; name a folder" in line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_predict_reads_the_folders_a_glob_matches_and_every_readable_suffix(files, tmp_path):
+    """A quoted 'in/*' dropped in/sub/ (the shell's expansion keeps it), and a folder scan
+    dropped .ppm / .gif files the readers open."""
+    from PIL import Image
+
+    src = tmp_path / "in"
+    (src / "sub").mkdir(parents=True)
+    shutil.copy(_image(files), src / "a.png")
+    Image.open(_image(files)).save(src / "sub" / "b.ppm")
+    out = tmp_path / "o"
+    assert (
+        cli_main(["predict", str(src / "*"), "-c", str(files["ckpt"]), "-o", str(out), "-q"]) == 0
+    )
+    labels = sorted(p.relative_to(out / "labels").as_posix() for p in (out / "labels").rglob("*"))
+    assert labels == ["a.png", "sub", "sub/b.png"]
+
+
+def test_predict_refuses_a_blocked_output_slot_before_writing_anything(files, capsys, tmp_path):
+    ckpt, image = str(files["ckpt"]), str(_image(files))
+    out = tmp_path / "o"
+    (out / "labels" / "train_00000.png").mkdir(parents=True)  # a folder where a file goes
+    line = refused(["predict", image, "-c", ckpt, "-o", str(out), "--overwrite"], capsys)
+    assert "labels/train_00000.png is a folder where an output file goes" in line
+    assert sorted(p.name for p in out.iterdir()) == ["labels"]
+    out = tmp_path / "o2"
+    out.mkdir()
+    (out / "color").write_text("x")  # a file where a folder goes
+    line = refused(["predict", image, "-c", ckpt, "-o", str(out)], capsys)
+    assert "o2/color is a file where an output folder goes" in line
+    assert sorted(p.name for p in out.iterdir()) == ["color"]
+
+
+def test_predict_data_that_does_not_exist_says_so(files, capsys, tmp_path) -> None:
+    argv = ["predict", str(_image(files)), "-c", str(files["ckpt"]), "-o", str(tmp_path / "o")]
+    line = refused([*argv, "--data", str(tmp_path / "nowhere")], capsys)
+    assert "nowhere: no such file or folder" in line

@@ -167,3 +167,27 @@ def test_flip_tta_is_a_no_op_for_a_pointwise_model_and_composes_with_slide() -> 
 def test_invalid_options_are_one_line_config_errors(options, message) -> None:
     with pytest.raises(ConfigError, match=message):
         infer_logits(_pointwise(), torch.zeros(1, 3, 8, 8), **options)
+
+
+def test_options_that_would_go_unused_or_be_cut_are_refused() -> None:
+    """The Python API ran window=(32, 32) in whole mode as if it were not there, cut 8.7 to 8
+    and took batch_size 0."""
+    import numpy as np
+
+    from dualseg.engine.inference import InferenceOptions, infer_logits
+    from dualseg.errors import ConfigError
+    from dualseg.predictor import size_batches
+
+    with pytest.raises(ConfigError, match="add mode='slide'"):
+        InferenceOptions(window=(32, 32))
+    with pytest.raises(ConfigError, match="add mode='slide'"):
+        InferenceOptions(stride=(16, 16))
+    InferenceOptions(mode="slide", window=(32, 32), stride=(16, 16))
+    model = torch.nn.Conv2d(3, 2, 1)
+    with pytest.raises(ConfigError, match=r"--window needs two positive integers H W, got \(8\.7"):
+        infer_logits(model, torch.zeros(1, 3, 8, 8), mode="slide", window=(8.7, 8.7))
+    arrays = [np.zeros((4, 4, 3), np.uint8)]
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ConfigError, match="batch_size must be an int >= 1"):
+            list(size_batches(arrays, bad))
+    assert list(size_batches(arrays, 2)) == [[0]]

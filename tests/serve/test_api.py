@@ -354,3 +354,20 @@ def test_the_working_size_holds_the_pixel_bound_for_very_thin_images() -> None:
     assert h * w <= 1e6 and abs(h / w - 0.75) < 0.01  # ordinary images: aspect kept
     assert working_size(30, 40, 1e6) == (30, 40) and working_size(30, 40, 0) == (30, 40)
     assert working_size(19, 1000, 190) == (1, 100)  # within the bound as it is: aspect kept
+
+
+def test_an_upload_that_cannot_be_saved_is_still_segmented(
+    tmp_path, segmenter, monkeypatch, caplog
+):
+    """A full disk under --save-uploads answered 500 with no reason, and no segmentation."""
+    import dualseg.serve.app as app_module
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(app_module, "save_upload", full)
+    client = TestClient(create_app(segmenter, save_uploads=tmp_path / "kept"))
+    with caplog.at_level(logging.WARNING, logger="dualseg.serve"):
+        r = client.post("/api/segment", files={"file": ("a.png", gradient_png(), "image/png")})
+    assert r.status_code == 200 and "label_png" in r.json()
+    assert "upload not saved (No space left on device)" in caplog.text

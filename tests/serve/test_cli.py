@@ -75,7 +75,9 @@ def test_serve_load_flags_reach_the_app(files, captured):
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
-        ("--work-megapixels", "-1", "--work-megapixels must be >= 0"),
+        ("--work-megapixels", "-1", "--work-megapixels must be 0 (full size) or >= 0.001"),
+        ("--work-megapixels", "1e-12", "--work-megapixels must be 0 (full size) or >= 0.001"),
+        ("--max-upload-mb", "1e-9", "--max-upload-mb >= 0.01, got 20 and 1e-09"),
         ("--workers", "0", "--workers must be >= 1"),
         ("--queue-size", "-1", "--queue-size >= 0"),
     ],

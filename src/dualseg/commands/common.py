@@ -173,6 +173,29 @@ def add_runtime_args(p: argparse.ArgumentParser, *, device: str = "auto") -> Non
     g.add_argument("--amp", action="store_true", help="bf16 autocast on CUDA (off; CPU: ignored)")
 
 
+def onnx_runtime(args: argparse.Namespace, device: Any) -> dict[str, Any]:
+    """``--device`` / ``--threads`` for an ``--onnx`` model (onnxruntime, not torch): CUDA's
+    provider when a GPU is named, the thread count as onnxruntime's intra-op threads. ``--amp``
+    (torch autocast) has no meaning there and is refused, as is a named GPU this onnxruntime
+    cannot use; ``auto`` takes what it can."""
+    from dualseg.errors import ConfigError
+
+    if args.amp:
+        raise ConfigError("--amp applies to --checkpoint models only: drop it with --onnx")
+    providers = None
+    if device.type == "cuda":
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" in ort.get_available_providers():
+            providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        elif args.device != "auto":
+            raise ConfigError(
+                f"--device {args.device} with --onnx needs onnxruntime-gpu (this onnxruntime "
+                "runs on the CPU only); pass --device cpu, or the checkpoint"
+            )
+    return {"providers": providers, "threads": args.threads or None}
+
+
 def add_quiet_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quiet",
@@ -291,9 +314,23 @@ def check_outputs(
     place (``--out``). The protected files are read only when some output exists."""
     from dualseg.errors import OutputError
 
-    existing = [Path(p) for p in outputs if os.path.lexists(p)]
+    outputs = [Path(p) for p in outputs]
+    for folder in {p.parent for p in outputs}:  # found mid-run otherwise, after some writes
+        blocker = next((f for f in (folder, *folder.parents) if os.path.lexists(f)), None)
+        if blocker is not None and not blocker.is_dir():
+            raise OutputError(
+                f"{what}: {blocker} is a file where an output folder goes; remove it or choose "
+                f"another {what}"
+            )
+    existing = [p for p in outputs if os.path.lexists(p)]
     if not existing:
         return
+    folders = [p for p in existing if p.is_dir()]
+    if folders:
+        raise OutputError(
+            f"{what}: {folders[0]} is a folder where an output file goes; remove it or choose "
+            f"another {what}"
+        )
     ids = {_file_id(p): p for p in existing} if protected else {}
     ids.pop(None, None)
     for description, paths in protected:

@@ -291,6 +291,12 @@ def _export_and_verify(
                 "try another --opset or --exporter, or pass a larger --tolerance if that is "
                 "expected"
             )
+    if not args.dynamic:  # the one size where it matches: everything else is resized
+        print(
+            f"note: a static export runs every image at {size[0]}x{size[1]} (resized there and "
+            "back), so at other sizes its labels differ from the checkpoint's; --dynamic runs "
+            "each image at its own size"
+        )
 
 
 def _export_pretrained(args: argparse.Namespace) -> int:

@@ -42,6 +42,7 @@ from dualseg.commands.common import (
     dataset_files,
     fraction,
     mode_of,
+    onnx_runtime,
     unique_names,
 )
 from dualseg.console import ArgumentParser, Progress, argparse_kwargs
@@ -50,7 +51,11 @@ from dualseg.errors import ConfigError, DataError, DualsegError
 if TYPE_CHECKING:  # pragma: no cover
     from dualseg.engine.inference import InferenceOptions
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")
+# what folder and glob inputs pick up: every format the image readers open (a file named
+# on the command line is read whatever its suffix)
+IMAGE_EXTENSIONS = (
+    ".png", ".jpg", ".jpeg", ".jfif", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".ppm", ".pgm",
+)  # fmt: skip
 # The folders of OUT that predict writes (refine apply adds "changed"); never read as inputs.
 OUTPUT_FOLDERS = ("labels", "color", "overlay", "probs")
 # what predict and refine apply write into OUT (refine apply: "changed" too): never inputs,
@@ -194,6 +199,8 @@ def check_dataset_classes(args: argparse.Namespace, class_names: Sequence[str], 
     from dualseg.data.datasets import dataset_meta, preset_for
     from dualseg.data.presets import require_same_classes
 
+    if args.data and not Path(args.data).exists():
+        raise DataError(f"--data {args.data}: no such file or folder; check the path")
     own = preset_for(args.data, args.preset) if args.preset else dataset_meta(args.data)
     if own is None:
         raise DataError(
@@ -222,6 +229,8 @@ def collect_images(inputs: Sequence[str], *, skip: Sequence[Path] = ()) -> list[
     found: list[tuple[Path, str]] = []
     missing: list[str] = []
     for item in inputs:
+        if not item.strip():  # an unset shell variable: as a path, the whole current folder
+            raise DataError("an input is an empty path; name an image file, a folder or a glob")
         path = Path(item)
         if path.is_dir():
             files = sorted(f for f in path.rglob("*") if wanted(f))
@@ -231,10 +240,17 @@ def collect_images(inputs: Sequence[str], *, skip: Sequence[Path] = ()) -> list[
         elif path.is_file():
             found.append((path, path.stem))
         elif glob.has_magic(item):
-            files = sorted(Path(f) for f in glob.glob(item, recursive=True) if wanted(Path(f)))
+            matches = sorted(Path(f) for f in glob.glob(item, recursive=True))
+            files = [(f, f.stem) for f in matches if wanted(f)]
+            for folder in (m for m in matches if m.is_dir()):  # as the shell's expansion gives
+                files += [
+                    (f, (folder.name / f.relative_to(folder)).with_suffix("").as_posix())
+                    for f in sorted(folder.rglob("*"))
+                    if wanted(f)
+                ]
             if not files:
                 missing.append(f"{item} (no image matches this pattern)")
-            found += [(f, f.stem) for f in files]
+            found += files
         else:
             missing.append(f"{item} (no such file or folder)")
     if missing:
@@ -337,9 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.onnx:
         from dualseg.export.runtime import OnnxSegmenter
 
-        seg = OnnxSegmenter(args.onnx)
+        seg = OnnxSegmenter(args.onnx, **onnx_runtime(args, device))
     else:
-        seg = load_model(args.checkpoint, device=device, amp=args.amp)
+        seg = load_model(args.checkpoint, device=device, amp=args.amp and device.type == "cuda")
     if seg.num_classes > 255:
         raise DualsegError(
             f"{args.checkpoint or args.onnx} has {seg.num_classes} classes; "

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dualseg.commands.common import add_runtime_args, apply_runtime
+from dualseg.commands.common import add_runtime_args, apply_runtime, onnx_runtime
 from dualseg.commands.predict import add_inference_arguments, inference_options
 from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.errors import ConfigError, DualsegError
@@ -187,6 +187,10 @@ def _request_log_on_stderr() -> Iterator[None]:
         logger.setLevel(level)
 
 
+MIN_MEGAPIXELS = 0.001  # about 32x32 pixels
+MIN_UPLOAD_MB = 0.01  # 10 KiB
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     limits = (args.max_megapixels, args.max_upload_mb, args.work_megapixels)
@@ -195,11 +199,16 @@ def main(argv: list[str] | None = None) -> int:
             "--max-megapixels, --max-upload-mb and --work-megapixels must be finite numbers, "
             f"got {limits[0]}, {limits[1]}, {limits[2]}"
         )
-    if args.max_megapixels <= 0 or args.max_upload_mb <= 0:
-        raise ConfigError("--max-megapixels and --max-upload-mb must be positive")
-    if args.work_megapixels < 0:
+    # below these every upload is refused, or segmented at a few pixels as one class
+    if args.max_megapixels < MIN_MEGAPIXELS or args.max_upload_mb < MIN_UPLOAD_MB:
         raise ConfigError(
-            f"--work-megapixels must be >= 0 (0: full size), got {args.work_megapixels}"
+            f"--max-megapixels must be >= {MIN_MEGAPIXELS:g} and --max-upload-mb >= "
+            f"{MIN_UPLOAD_MB:g}, got {args.max_megapixels:g} and {args.max_upload_mb:g}"
+        )
+    if args.work_megapixels != 0 and not args.work_megapixels >= MIN_MEGAPIXELS:
+        raise ConfigError(
+            f"--work-megapixels must be 0 (full size) or >= {MIN_MEGAPIXELS:g} (about 32x32), "
+            f"got {args.work_megapixels:g}"
         )
     if args.workers < 1 or args.queue_size < 0:
         raise ConfigError(
@@ -224,12 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.onnx:
         from dualseg.export.runtime import OnnxSegmenter
 
-        segmenter: Any = OnnxSegmenter(args.onnx)
+        segmenter: Any = OnnxSegmenter(args.onnx, **onnx_runtime(args, device))
         name = f"{Path(args.onnx).name} ({segmenter.info.get('arch') or 'onnx'})"
     else:
         from dualseg.engine.predict import load_model
 
-        segmenter = load_model(args.checkpoint, device=device, amp=args.amp)
+        segmenter = load_model(
+            args.checkpoint, device=device, amp=args.amp and device.type == "cuda"
+        )  # --amp: CUDA only, as its help says
         name = f"{Path(args.checkpoint).name} ({type(segmenter.model).__name__})"
         if augmented:
             segmenter = InferenceSegmenter(segmenter, opts)

@@ -92,6 +92,12 @@ def resolve_device(
                 f"device {str(name)!r}: only {torch.cuda.device_count()} GPU(s) visible "
                 f"(cuda:0 to cuda:{torch.cuda.device_count() - 1}); use one of them or auto"
             )
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {str(name)!r}: this PyTorch has no MPS; use auto or cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):  # meta, xla, xpu, ...: not run here
+        raise ConfigError(
+            f"device {str(name)!r} is not one dualseg runs on; use auto, cpu, cuda or cuda:N"
+        )
     return device
 
 

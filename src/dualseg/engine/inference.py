@@ -45,6 +45,17 @@ Model = Callable[[Tensor], Tensor]
 TTA_SCALE_RANGE = (0.1, 8.0)  # TTA resize factors accepted (mmseg uses 0.5-1.75)
 
 
+def _is_whole(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, int | float) and float(v).is_integer()
+
+
+def _pixels(name: str, values: Sequence[int]) -> tuple[int, int]:
+    """``values`` as two ints: a fraction (8.7) is refused, not cut."""
+    if len(values) != 2 or not all(_is_whole(v) and v >= 1 for v in values):
+        raise ConfigError(f"--{name} needs two positive integers H W, got {tuple(values)}")
+    return (int(values[0]), int(values[1]))
+
+
 @dataclass(frozen=True)
 class InferenceOptions:
     """How to run a model on an image; the defaults are dualseg's defaults.
@@ -69,8 +80,16 @@ class InferenceOptions:
         for name, value in (("window", self.window), ("stride", self.stride)):
             if value is None and name == "stride":
                 continue
-            if len(value) != 2 or min(int(v) for v in value) < 1:  # type: ignore[arg-type]
+            if (
+                len(value) != 2  # type: ignore[arg-type]
+                or not all(_is_whole(v) and v >= 1 for v in value)  # type: ignore[union-attr]
+            ):  # 8.7 was cut to 8 without a word
                 raise ConfigError(f"--{name} needs two positive integers H W, got {value}")
+        if self.mode == "whole" and (self.window != (512, 512) or self.stride is not None):
+            raise ConfigError(  # else silently unused: the whole image in one pass
+                "window / stride apply to sliding-window inference only: add mode='slide' "
+                "(--mode slide), or drop them"
+            )
         if self.stride is not None and any(s > w for s, w in zip(self.stride, self.window)):
             raise ConfigError(
                 f"--stride {self.stride[0]} {self.stride[1]} is larger than --window "
@@ -190,8 +209,8 @@ def infer_logits(
     """
     opts = InferenceOptions(
         mode=mode,
-        window=tuple(int(v) for v in window),  # type: ignore[arg-type]
-        stride=None if stride is None else tuple(int(s) for s in stride),  # type: ignore[arg-type]
+        window=_pixels("window", window),
+        stride=None if stride is None else _pixels("stride", stride),
         tta_scales=tuple(float(s) for s in tta_scales),
         tta_flip=bool(tta_flip),
         tile_batch=int(tile_batch),

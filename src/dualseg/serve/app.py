@@ -514,7 +514,10 @@ def create_app(
     def segment_upload(data: bytes, name: str, with_images: bool) -> dict[str, Any]:
         """Decode, segment and encode one upload (runs on a worker thread)."""
         if save_dir is not None:
-            save_upload(save_dir, data, name)
+            try:
+                save_upload(save_dir, data, name)
+            except OSError as err:  # a full disk: the client still gets its answer, said once
+                log.warning("--save-uploads %s: upload not saved (%s)", save_dir, err.strerror)
         t = time.perf_counter()
         image = decode_image(data, source=name or "the upload", max_pixels=max_megapixels * 1e6)
         decode_ms = _ms(t)
