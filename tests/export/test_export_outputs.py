@@ -145,3 +145,10 @@ def test_export_model_leaves_the_callers_model_as_it_was_and_checks_the_names(tm
     assert not (tmp_path / "m.pt").exists()
     export_model(model, tmp_path / "m.pt", class_names="abc", format="torchscript")
     assert model.training and (tmp_path / "m.pt").is_file()
+
+
+def test_output_probs_with_a_refiner_is_refused_not_ignored(refiner_file, capsys, tmp_path):
+    out = tmp_path / "emb.onnx"
+    argv = ["export", "--refiner", str(refiner_file), "--out", str(out), "--output", "probs"]
+    line = _refused(argv, capsys)
+    assert "--output probs applies to a --checkpoint export" in line and not out.exists()

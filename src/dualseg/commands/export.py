@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--output",
         choices=("logits", "probs"),
         default="logits",
-        help="what the exported network returns (logits); ignored for --refiner",
+        help="what the exported network returns (logits); --checkpoint exports only",
     )
     p.add_argument(
         "--size",
@@ -201,6 +201,11 @@ def check_format_options(args: argparse.Namespace, parser: argparse.ArgumentPars
                 f"{flag} does not apply to --format {args.format} (only to "
                 f"{' / '.join(formats)}): drop it"
             )
+    if args.refiner and args.output != parser.get_default("output"):
+        raise ConfigError(
+            f"--output {args.output} applies to a --checkpoint export (a refiner's export "
+            "returns its embedding): drop it"
+        )
 
 
 def check_suffix(args: argparse.Namespace) -> None:
