@@ -158,7 +158,10 @@ def load_checkpoint(
             and ckpt
             and all(isinstance(v, torch.Tensor) for v in ckpt.values())
         ):
-            hint = " — it looks like a bare state dict; pass it as model weights instead"
+            hint = (
+                " — it looks like a bare state dict: backbone weights go to training "
+                "(--model.weights FILE); a whole network's, to build_model(...) in Python"
+            )
         raise CheckpointError(f"{path} is not a dualseg checkpoint (no 'format' key){hint}")
     if str(ckpt["format"]).startswith("dualseg-refiner-train"):
         raise CheckpointError(

@@ -79,7 +79,8 @@ def _tensor_to_array(t: Tensor) -> np.ndarray:
         if lo < -1e-3 or hi > 1 + 1e-3:
             raise DataError(
                 f"float image tensor has values in [{lo:.2f}, {hi:.2f}]; pass RGB in [0, 1] "
-                "(torchvision to_tensor) or uint8 — for normalized input call .model directly"
+                "(torchvision to_tensor) or uint8; normalized input goes in a [B,3,H,W] batch "
+                "(segmenter.model(x), refiner.refine(x, probs))"
             )
         t = (t * 255).round()
     elif t.dtype != torch.uint8:  # a cast would wrap other integers modulo 256
