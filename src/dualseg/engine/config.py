@@ -259,8 +259,9 @@ def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> 
     parser = ArgumentParser(
         prog=prog,
         description="Train a segmentation model (spec S3). Values come from --config YAML "
-        "files, then from flags (--section.field value), later ones winning. Each section is "
-        "a block of the YAML file (docs/training.md).",
+        "files, then from flags (--section.field value), later ones winning; a flag that a "
+        "later --config sets again is refused (put --config first). Each section is a block "
+        "of the YAML file (docs/training.md).",
         epilog=examples(*TRAIN_EXAMPLES),
         formatter_class=Formatter,
         exit_on_error=exit_on_error,
