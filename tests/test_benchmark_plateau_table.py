@@ -33,7 +33,7 @@ def test_plateau_is_the_issues_test(pt) -> None:
 def test_accuracy_reads_the_end_of_the_schedule(pt, tmp_path: Path, monkeypatch) -> None:
     dev = [[150, 1.0, 0.30], [300, 2.0, 0.42], [450, 3.0, 0.41], [600, 4.0, 0.418]]
     result = {
-        "args": {"amp": "bf16", "output_stride": 16, "threads": 1},
+        "args": {"amp": "bf16", "output_stride": 16, "threads": 1, "seed": 0},
         "train": {
             "peer": {
                 "iterations": 600,
@@ -113,3 +113,46 @@ def test_table_ratios_are_against_the_peer(pt, monkeypatch) -> None:
     figures = "60.0 | 40.0 | 45.0 | 50.0"
     assert f"| A | {figures} | no | 250 (2.50×) | 1000 ms (2.50×) | 50 | 30 |" in lines
     assert f"| peer | {figures} | yes | 100 (1.00×) | 400 ms (1.00×) | 20 | 30 |" in lines
+
+
+def test_retraining_pairs_each_seed_of_a_with_the_same_seed_of_the_peer(
+    pt, tmp_path: Path, monkeypatch
+) -> None:
+    def result(name: str, seed: int, miou: float) -> dict:
+        return {
+            "args": {"amp": "bf16", "output_stride": 16, "threads": 1, "seed": seed},
+            "train": {
+                name: {
+                    "iterations": 3000,
+                    "evaluated": {"checkpoint": "last.pt", "iteration": 3000},
+                    "dev_curve": [[3000, 1.0, miou - 0.05]],
+                    "best_dev_miou": miou - 0.05,
+                    "train_seconds": 60.0,
+                }
+            },
+            "splits": {
+                "val": {
+                    name: {
+                        "miou": miou,
+                        "boundary_f1": miou / 2,
+                        "trimap_miou": miou - 0.1,
+                        "pixel_acc": 0.9,
+                    }
+                }
+            },
+        }
+
+    runs = {("peer", 0): 0.58, ("peer", 1): 0.60, ("dualseg", 0): 0.51, ("dualseg", 1): 0.54}
+    for (name, seed), miou in runs.items():
+        (tmp_path / f"{name}{seed}.json").write_text(json.dumps(result(name, seed, miou)))
+    monkeypatch.setattr(pt, "RESULTS", tmp_path)
+    monkeypatch.setattr(pt, "RETRAINED", {"peer": "peer1.json", "dualseg": "dualseg1.json"})
+    accuracies = {n: pt.accuracy(n, f"{n}0.json") for n in ("peer", "dualseg")}
+    spread = pt.retraining(accuracies)
+    assert spread["models"]["peer"]["seeds"] == [0, 1]
+    assert spread["models"]["dualseg"]["miou"] == [0.51, 0.54]
+    assert spread["a_minus_peer"]["miou"] == pytest.approx([-0.07, -0.06])
+    assert spread["a_minus_peer"]["boundary_f1"] == pytest.approx([-0.035, -0.03])
+    text = pt.retraining_table(spread)
+    assert "| method A − peer | -7.0 / -6.0 | -3.5 / -3.0 | -7.0 / -6.0 | -7.0 / -6.0 |" in text
+    assert "| 58.0 / 60.0 |" in text

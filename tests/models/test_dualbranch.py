@@ -107,3 +107,10 @@ def test_aspp_rates_style_and_output_stride_options() -> None:
     assert v3.fusion.weight.shape == (2, 3)
     with torch.no_grad():
         assert v3.eval()(torch.randn(1, 3, 32, 32)).shape == (1, 3, 32, 32)
+
+
+def test_a_double_precision_model_answers_in_double_precision() -> None:
+    model = build_model("dualseg_mobilenet_v2", num_classes=3, renet_hidden=4).eval().double()
+    with torch.no_grad():
+        out = model(torch.randn(1, 3, 32, 32, dtype=torch.float64))
+    assert out.dtype == torch.float64

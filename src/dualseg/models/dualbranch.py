@@ -182,6 +182,8 @@ class DualBranchNet(SegmentationModel):
         padded = (x.shape[-2], x.shape[-1])
         if self.upsample_order == "logits_first":
             return upsample_crop(scores, padded, size)
-        probs = upsample_crop(scores.float().softmax(1), padded, size)  # S44: softmax, upsample
+        if scores.dtype in (torch.float16, torch.bfloat16):  # autocast: softmax in fp32
+            scores = scores.float()
+        probs = upsample_crop(scores.softmax(1), padded, size)  # S44: softmax, upsample
         # A bilinear mix of positive values stays positive; the floor guards exp underflow.
         return probs.clamp_min(torch.finfo(probs.dtype).tiny).log()
