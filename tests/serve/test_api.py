@@ -143,6 +143,10 @@ def test_uploads_not_written_unless_asked(tmp_path, segmenter, monkeypatch):
     client.post("/api/segment", files={"file": ("a.png", png, "image/png")})
     (saved,) = keep.iterdir()
     assert saved.suffix == ".png" and saved.read_bytes() == png
+    saved.unlink()  # a raw body has no file name: the suffix comes from the image's header
+    client.post("/api/segment", content=png, headers={"Content-Type": "image/png"})
+    (saved,) = keep.iterdir()
+    assert saved.suffix == ".png" and saved.read_bytes() == png
 
 
 def test_page_info_and_openapi(client):

@@ -295,11 +295,22 @@ def save_upload(folder: Path, data: bytes, name: str) -> Path:
     The client's file name only contributes a short alphanumeric suffix (no path tricks).
     """
     suffix = Path(name).suffix.lower()
-    suffix = suffix if re.fullmatch(r"\.[a-z0-9]{1,5}", suffix) else ".bin"
+    if not re.fullmatch(r"\.[a-z0-9]{1,5}", suffix):  # a raw body has no name: its header says
+        suffix = _sniffed_suffix(data)
     digest = hashlib.sha256(data).hexdigest()[:16]
     path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{digest}{suffix}"
     atomic_write_bytes(path, data)
     return path
+
+
+def _sniffed_suffix(data: bytes) -> str:
+    """The image format the bytes' header names, as a file suffix (``.bin`` for none)."""
+    try:
+        with Image.open(io.BytesIO(data)) as im:  # the header only
+            fmt = (im.format or "").lower()
+    except Exception:  # not an image (decode_image says so to the client)
+        return ".bin"
+    return {"jpeg": ".jpg", "tiff": ".tif"}.get(fmt, f".{fmt}" if fmt else ".bin")
 
 
 def prepare_upload_folder(folder: str | Path) -> Path:
