@@ -572,3 +572,11 @@ def test_predict_data_that_does_not_exist_says_so(files, capsys, tmp_path) -> No
     argv = ["predict", str(_image(files)), "-c", str(files["ckpt"]), "-o", str(tmp_path / "o")]
     line = refused([*argv, "--data", str(tmp_path / "nowhere")], capsys)
     assert "nowhere: no such file or folder" in line
+
+
+def test_refine_fit_refuses_a_crop_too_small_for_a_boundary(files, capsys) -> None:
+    """A 1x1 crop ran every step, drew no triplet, then blamed the labels."""
+    out = files["root"] / "tiny_crop.pt"
+    line = refused(_fit(files, "--crop-size", "4", "4", "--out", str(out)), capsys)
+    assert "--crop-size 4 4 is too small to hold a class boundary" in line
+    assert not out.exists()

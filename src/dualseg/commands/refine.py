@@ -315,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
 # ---------------------------------------------------------------------- fit
 # split names that are for reporting: never where method B's decision options are chosen
 EVALUATION_SPLITS = ("val", "test")
+MIN_CROP = 16  # px a side: the smallest fit crop that can hold a boundary band
 
 
 def fit_main(args: argparse.Namespace) -> int:
@@ -335,6 +336,11 @@ def fit_main(args: argparse.Namespace) -> int:
         scale_range=tuple(args.scale_range),
         names={"crop_size": "--crop-size", "scale_range": "--scale-range"},
     )
+    if min(args.crop_size) < MIN_CROP:  # found only after every step had drawn nothing
+        raise ConfigError(
+            f"--crop-size {args.crop_size[0]} {args.crop_size[1]} is too small to hold a class "
+            f"boundary to draw triplets from; use at least {MIN_CROP} {MIN_CROP} (256 256)"
+        )
     if args.weights and args.init_backbone == "none" and args.backbone_source == "independent":
         # none never reads the file (a base-* source reads it, then takes the base's backbone)
         raise ConfigError(
