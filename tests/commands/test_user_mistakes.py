@@ -103,6 +103,15 @@ def test_predict_never_writes_over_the_labels_of_a_dataset_at_out(files, capsys,
     argv = ["predict", str(photos / "images"), "-c", str(files["ckpt"]), "-o", str(photos), "-q"]
     assert cli_main([*argv, "--device", "cpu"]) == 0
     assert cli_main([*argv, "--device", "cpu", "--overwrite"]) == 0
+    # a plain images/ + labels/ pair, no meta.json or list file: its labels are ground truth
+    plain = tmp_path / "plain"
+    for sub in ("images", "labels"):
+        (plain / sub).mkdir(parents=True)
+        (plain / sub / "x.png").write_bytes(sorted((data / sub).iterdir())[0].read_bytes())
+    before = _md5(plain / "labels" / "x.png")
+    argv = ["predict", str(plain / "images"), "-c", str(files["ckpt"]), "-o", str(plain)]
+    line = refused([*argv, "--overwrite", "--device", "cpu", "-q"], capsys)
+    assert "a file of the dataset" in line and _md5(plain / "labels" / "x.png") == before
 
 
 def test_eval_keeps_an_earlier_evaluation_unless_overwrite(files, capsys) -> None:
@@ -580,3 +589,28 @@ def test_refine_fit_refuses_a_crop_too_small_for_a_boundary(files, capsys) -> No
     line = refused(_fit(files, "--crop-size", "4", "4", "--out", str(out)), capsys)
     assert "--crop-size 4 4 is too small to hold a class boundary" in line
     assert not out.exists()
+
+
+def test_eval_of_a_list_file_scores_and_names_that_split(files, capsys, tmp_path) -> None:
+    """--data train.txt scored the training images and wrote them down as val."""
+    import json
+
+    out = tmp_path / "e"
+    argv = ["eval", "-c", str(files["ckpt"]), "--data", str(files["data"] / "train.txt"),
+            "--device", "cpu", "-q"]  # fmt: skip
+    assert cli_main([*argv, "-o", str(out)]) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["split"] == "train" and metrics["num_images"] == 2
+    line = refused([*argv, "--split", "val", "-o", str(tmp_path / "e2")], capsys)
+    assert "train.txt is one split, 'train'; drop --split val" in line
+    assert not (tmp_path / "e2").exists()
+
+
+def test_eval_amp_on_the_cpu_is_ignored_as_its_help_says(files, tmp_path) -> None:
+    import json
+
+    out = tmp_path / "e"
+    argv = ["eval", "-c", str(files["ckpt"]), "--data", str(files["data"]), "--device", "cpu",
+            "-q", "--amp", "-o", str(out)]  # fmt: skip
+    assert cli_main(argv) == 0
+    assert json.loads((out / "metrics.json").read_text())["amp"] is False

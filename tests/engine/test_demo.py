@@ -242,3 +242,25 @@ def test_demo_refuses_data_whose_val_split_is_its_training_images(tmp_path, caps
     _write_pairs(split / "val", 2)
     args = demo.build_parser().parse_args(["--data", str(split), "--preset", "camvid"])
     demo.check_splits_differ(split, get_preset("camvid"), args)
+
+
+def test_demo_predictions_of_images_sharing_a_name_are_all_kept(tmp_path) -> None:
+    """--data whose val list holds d1/a.png and d2/a.png: the second overwrote the first."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from dualseg.commands.demo import _VisualWriter
+    from dualseg.data import get_preset
+
+    samples = [(f"/x/d{i}/a.png", f"/x/d{i}/a_label.png") for i in (1, 2)]
+    image, label = np.zeros((4, 6, 3), np.uint8), np.zeros((4, 6), np.uint8)
+    dataset = SimpleNamespace(
+        samples=samples, meta=get_preset("synthetic"), load_pair=lambda i: (image, label)
+    )
+    writer = _VisualWriter(dataset, tmp_path, n_show=0, batch_size=2)
+    pred = torch.zeros(2, 4, 6, dtype=torch.int64)
+    writer(0, torch.zeros(2, 3, 4, 6), torch.zeros(2, 4, 6), pred, None)
+    written = sorted(p.name for p in (tmp_path / "predictions" / "labels").iterdir())
+    assert written == ["a.png", "a_1.png"]

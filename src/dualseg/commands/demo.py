@@ -405,7 +405,11 @@ class _VisualWriter:
     pixels it changed in magenta when a refiner was fitted: :meth:`refined_hook`) at the end."""
 
     def __init__(self, dataset: Any, out: Path, n_show: int, batch_size: int) -> None:
+        from dualseg.commands.eval import prediction_names
+
         self.dataset, self.out, self.n_show, self.batch_size = dataset, out, n_show, batch_size
+        # one name per image, distinct where stems repeat (d1/a.png, d2/a.png): as eval's
+        self.names = prediction_names(dataset.samples)
         self.shown: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]] = []
         self.refined: dict[int, np.ndarray] = {}
 
@@ -417,7 +421,7 @@ class _VisualWriter:
             i = index * self.batch_size + k  # the eval loader is not shuffled
             image, label = self.dataset.load_pair(i)  # the original pixels, for the overlays
             p = pred[k].cpu().numpy().astype(np.uint8)
-            name = Path(self.dataset.samples[i][0]).stem
+            name = self.names[i]
             write_outputs(self.out / "predictions", name, image, p, meta.palette)
             if i < self.n_show:
                 self.shown.append((name, image, label, p))

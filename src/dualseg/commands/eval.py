@@ -45,7 +45,7 @@ from dualseg.commands.common import (
 )
 from dualseg.commands.predict import add_inference_arguments, inference_options
 from dualseg.console import ArgumentParser, argparse_kwargs, track
-from dualseg.errors import CheckpointError, DualsegError
+from dualseg.errors import CheckpointError, ConfigError, DualsegError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a dualseg checkpoint (.pt), a pretrained folder or hf://org/name",
     )
     p.add_argument("--data", "-d", required=True, help="dataset root folder")
-    p.add_argument("--split", default="val", help="split to evaluate (val)")
+    p.add_argument(
+        "--split",
+        default=None,
+        help="split to evaluate (val; a list file as --data: its name, test for test.txt)",
+    )
     p.add_argument(
         "--layout", default="auto", help="auto | list | folder | voc | cityscapes | ade20k (auto)"
     )
@@ -211,6 +215,21 @@ def prediction_writer(samples: list, out: Path, palette: Any, batch_size: int):
     return write
 
 
+def split_of(data: str, split: str | None) -> str:
+    """The split ``--data`` / ``--split`` name: ``--split`` (val by default), but a list file
+    as ``--data`` is one split, named by its stem (``test.txt`` is test), which a ``--split``
+    naming another refuses: the scores were written as val's, whatever the file held."""
+    if data and Path(data).is_file() and Path(data).suffix.lower() == ".txt":
+        stem = Path(data).stem
+        if split is not None and split != stem:
+            raise ConfigError(
+                f"--data {data} is one split, {stem!r}; drop --split {split}, or pass the "
+                "dataset's folder to evaluate another split"
+            )
+        return stem
+    return "val" if split is None else split
+
+
 def default_out(checkpoint: str, split: str, *, variant: str = "") -> Path:
     """``--out``'s default: ``eval_SPLIT`` (+ ``variant``, e.g. ``_refined_tta``) beside a
     run's ``best.pt``; ``eval_SPLIT_NAME`` beside any other checkpoint file or pretrained
@@ -254,6 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.batch_size < 1:
         raise DualsegError(f"--batch-size must be >= 1, got {args.batch_size}")
+    args.split = split_of(args.data, args.split)
     opts = inference_options(args)
     out = (
         Path(args.out)
@@ -270,6 +290,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.label_map and args.label_map.lower() not in NO_MAP:
         parse_label_map(args.label_map)  # a bad value: one line before the model loads
     device = apply_runtime(args)
+    amp = args.amp and device.type == "cuda"  # --amp: CUDA only, as its help says
     ckpt = load_state(args.checkpoint)  # a .pt file, a pretrained folder or hf://org/name
     trained = (ckpt.get("config") or {}).get("data") or {}
     label_format, label_map, ignore_value, taken = label_settings(args, trained)
@@ -344,7 +365,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         boundary_tolerance=args.boundary_tolerance,
         trimap_width=args.trimap_width,
         refiner=refiner,
-        amp=args.amp,
+        amp=amp,
         on_batch=hook,
         progress=mode == "bar",
         mode=opts.mode,
@@ -372,7 +393,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "batch_size": args.batch_size,
         "device": str(device),
-        "amp": bool(args.amp),
+        "amp": amp,
         **metrics,
     }
     print(

@@ -280,10 +280,15 @@ def check_image_outputs(
     protected = [("an input image", [path for path, _ in images])]
     if args.data:
         protected.append((f"a file of the dataset {args.data}", dataset_files(args.data)))
-    # --out may itself be a dataset (its labels/ folder is where predictions go): its files too.
-    # Only one that says so (meta.json or a list file): an images/ folder that an earlier run
-    # wrote labels/ beside is that run's output, which --overwrite may replace.
-    if (out / "meta.json").is_file() or any(out.glob("*.txt")):
+    # --out may itself be a dataset (its labels/ folder is where predictions go): its files too,
+    # when it says so (meta.json or a list file), or when the inputs are its images/ and no
+    # overlay/ or changed/ folder (which datasets do not have) shows that this command wrote
+    # its labels/: they are then the ground truth of the very images being segmented. Labels
+    # an earlier run wrote beside its inputs are that run's output, which --overwrite replaces.
+    images_dir = (out / "images").resolve()
+    paired = any(path.resolve().is_relative_to(images_dir) for path, _ in images)
+    earlier_run = (out / "overlay").is_dir() or (out / "changed").is_dir()
+    if (out / "meta.json").is_file() or any(out.glob("*.txt")) or (paired and not earlier_run):
         protected.append((f"a file of the dataset {out}", dataset_files(out)))
     check_outputs(outputs, overwrite=args.overwrite, protected=protected)
 
