@@ -614,3 +614,14 @@ def test_eval_amp_on_the_cpu_is_ignored_as_its_help_says(files, tmp_path) -> Non
             "-q", "--amp", "-o", str(out)]  # fmt: skip
     assert cli_main(argv) == 0
     assert json.loads((out / "metrics.json").read_text())["amp"] is False
+
+
+def test_eval_warns_when_an_ignore_value_takes_a_class_out_of_the_score(files, capsys, tmp_path):
+    """--ignore-index 3 made class 3's pixels ignore: mIoU averaged 7 of 8 classes, unsaid."""
+    argv = ["eval", "-c", str(files["ckpt"]), "--data", str(files["data"]), "--device", "cpu",
+            "-q", "-o", str(tmp_path / "e"), "--ignore-index", "3"]  # fmt: skip
+    assert cli_main(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning: no raw label value means class 3 'sidewalk'" in err
+    assert cli_main([*argv[:-2], "-o", str(tmp_path / "e2")]) == 0
+    assert "no raw label value" not in capsys.readouterr().err

@@ -336,6 +336,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
     if len(dataset) == 0:
         raise DualsegError(f"split {args.split!r} of {args.data} has no images")
+    if label_format != "color" and (lost := dataset.meta.unreachable_classes()):
+        names = ", ".join(f"{k} {dataset.meta.class_names[k]!r}" for k in lost)
+        print(
+            f"dualseg eval: warning: no raw label value means class {names} (the ignore value, "
+            f"{dataset.meta.describe_ignore()}, or a label map takes it), so it is never scored; "
+            "check --ignore-index / --label-map / meta.json",
+            file=sys.stderr,
+        )
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_size=args.batch_size,

@@ -111,6 +111,13 @@ class DatasetMeta:
             lut[src] = dst
         return lut
 
+    def unreachable_classes(self) -> list[int]:
+        """Class ids that no raw label value maps to: an ignore value, ``source_ignore`` or
+        ``label_map`` entry took a class's own value, so (in index labels) the class is never
+        in the ground truth and never scored."""
+        reached = {int(v) for v in self.lookup_table() if 0 <= v < self.num_classes}
+        return [k for k in range(self.num_classes) if k not in reached]
+
     @property
     def first_class_value(self) -> int:
         """The raw value of class 0: 1 with ``reduce_zero_label`` (ADE20K), else 0."""
