@@ -64,3 +64,13 @@ def test_a_list_file_as_root_is_its_own_split(list_root, capsys):
     assert main(["check", str(list_root / "val.txt"), "--quiet"]) == 0
     text = capsys.readouterr().out
     assert "pairs: val 2\n" in text
+
+
+def test_a_class_named_ignore_keeps_its_count_in_the_json(list_root) -> None:
+    from dataclasses import replace
+
+    meta = replace(TINY, class_names=("a", "b", "c", "ignore"))
+    report = check_dataset(list_root, preset=meta).to_dict()
+    hist = report["histogram"]
+    assert set(hist) == {"a", "b", "c", "ignore", "(ignore)"}
+    assert sum(hist.values()) == (3 + 2) * 16 * 24

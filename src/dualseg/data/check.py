@@ -53,7 +53,10 @@ class CheckReport:
     label_format: str = "index"  # how the labels were read ("color": palettes must agree)
 
     def to_dict(self) -> dict[str, Any]:
-        names = {**dict(enumerate(self.meta.class_names)), IGNORE_INDEX: "ignore"}
+        # "ignore" keys the ignored pixels, "(ignore)" where a class is itself named "ignore"
+        # (its count was lost under the same key)
+        ignore = "(ignore)" if "ignore" in self.meta.class_names else "ignore"
+        names = {**dict(enumerate(self.meta.class_names)), IGNORE_INDEX: ignore}
         return {
             "root": str(self.root),
             "layout": self.layout,
