@@ -145,7 +145,9 @@ def test_demo_takes_the_shared_amp_and_quiet_flags(tmp_path) -> None:
 
 def _tiny_demo(out, *extra: str) -> list[str]:
     """A seconds-long demo run into ``out`` (no method B, random init)."""
-    argv = ["demo", "--out", str(out), "--size", "32", "48", "--n-train", "4", "--n-val", "2"]
+    argv = ["demo", "--out", str(out), "--size", "32", "48"]
+    if "--data" not in extra:  # the synthetic data's own options (refused with --data)
+        argv += ["--n-train", "4", "--n-val", "2"]
     argv += ["--iters", "1", "--batch-size", "2", "--renet-hidden", "4", "--renet-layers", "0"]
     return [*argv, "--weights", "none", "--no-refine", "--n-show", "1", "--quiet", *extra]
 
@@ -264,3 +266,25 @@ def test_demo_predictions_of_images_sharing_a_name_are_all_kept(tmp_path) -> Non
     writer(0, torch.zeros(2, 3, 4, 6), torch.zeros(2, 4, 6), pred, None)
     written = sorted(p.name for p in (tmp_path / "predictions" / "labels").iterdir())
     assert written == ["a.png", "a_1.png"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (("--data", "DATA", "--n-train", "8"), "--n-train does not apply to --data"),
+        (("--preset", "camvid"), "--preset does not apply to the synthetic data"),
+        (("--val-split", "test"), "the synthetic data has the splits train and val only"),
+    ],
+)
+def test_demo_refuses_options_its_data_source_would_drop(tmp_path, capsys, extra, said) -> None:
+    """Dropped without a word before; --val-split test failed only after the training."""
+    from dualseg.cli import main
+
+    data = tmp_path / "data"
+    _write_pairs(data / "train", 2)
+    _write_pairs(data / "val", 1)
+    out = tmp_path / "out"
+    argv = _tiny_demo(out, *(str(data) if a == "DATA" else a for a in extra))
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip()
+    assert said in err and err.count("\n") == 0 and not out.exists()

@@ -499,10 +499,26 @@ def check_args(args: argparse.Namespace) -> None:
                 raise ConfigError(
                     f"{flag} applies to method A (dualseg_*), not to --arch {args.arch}: drop it"
                 )
+    parser = build_parser()
+    # options of one data source given with the other: dropped without a word before
+    moot = (
+        [("--n-train", "n_train"), ("--n-val", "n_val")]
+        if args.data is not None
+        else [("--preset", "preset"), ("--layout", "layout")]
+    )
+    for flag, dest in moot:
+        if getattr(args, dest) != parser.get_default(dest):
+            source = "--data (its own images)" if args.data is not None else "the synthetic data"
+            raise ConfigError(f"{flag} does not apply to {source}: drop it")
     if args.val_split == args.train_split:
         raise ConfigError(
             f"--val-split {args.val_split!r} is the training split: the demo would score what "
             "it trained on; give another split (--val-split val)"
+        )
+    if args.data is None and (args.train_split, args.val_split) != ("train", "val"):
+        raise ConfigError(  # found only after training, when the split was read
+            "the synthetic data has the splits train and val only: drop --train-split / "
+            "--val-split, or pass --data with the splits you name"
         )
     if args.data is None and args.n_train < args.batch_size:
         raise ConfigError(
