@@ -17,6 +17,10 @@ columns compare on one machine under one load, whatever load each training ran b
 Plateau: the issue's test on each dev curve, the best of the last three validations within 0.5
 mIoU of the best so far.
 
+Retraining: the peer and method A trained again by the same command with ``--seed 1``
+(``RETRAINED``; the table's runs are ``--seed 0``), so that the A − peer difference is read
+beside how far retraining alone moves each figure (another weight init, crop and batch order).
+
     python benchmarks/plateau_table.py --time     # time, write docs/results/plateau/summary.json
     python benchmarks/plateau_table.py            # the README table from summary.json
     python benchmarks/plateau_table.py --figure   # and docs/results/plateau/plateau_curves.png
@@ -64,6 +68,12 @@ ROWS = {  # variant of camvid.py: (label, results file in docs/results/plateau/)
         "probe_renet_skip_v3_T3000.json",
     ),
 }
+# The table's two main rows trained again, the same command with --seed 1 (the runs above:
+# --seed 0): how far retraining alone moves each figure, and so the A - peer difference.
+RETRAINED = {
+    "peer": "seed1_peer_os16_T3000.json",
+    "dualseg": "seed1_dualseg_os16_T3000.json",
+}
 NUM_CLASSES = 11  # CamVid
 IMAGE = (360, 480)  # CamVid's frames: the evaluation's input
 CROP, BATCH = (192, 256), 4  # the protocol's training batch
@@ -91,10 +101,47 @@ def accuracy(name: str, file: str) -> dict[str, Any]:
         "plateaued": plateaued(curve),
         "val": {k: val[k] for k in ("miou", "boundary_f1", "trimap_miou", "pixel_acc")},
         "wall_minutes_logged": train["train_seconds"] / 60,
+        "seed": result["args"]["seed"],
         "amp": result["args"]["amp"],
         "threads": result["args"]["threads"],
         "output_stride": result["args"]["output_stride"],
     }
+
+
+def retraining(accuracies: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Each ``RETRAINED`` model's figures at both seeds, their mean and spread, and method A's
+    difference to the peer per seed (each seed's A against the same seed's peer)."""
+    keys = ("miou", "boundary_f1", "trimap_miou")
+    runs = {n: [accuracies[n], accuracy(n, f)] for n, f in RETRAINED.items()}
+    out: dict[str, Any] = {"models": {}, "a_minus_peer": {}}
+    for name, (first, again) in runs.items():
+        out["models"][name] = {
+            "seeds": [first["seed"], again["seed"]],
+            "files": [first["file"], again["file"]],
+            "dev_miou_last": [first["dev_miou_last"], again["dev_miou_last"]],
+            **{k: [first["val"][k], again["val"][k]] for k in keys},
+        }
+    a, peer = out["models"]["dualseg"], out["models"]["peer"]
+    for k in (*keys, "dev_miou_last"):
+        out["a_minus_peer"][k] = [x - y for x, y in zip(a[k], peer[k])]
+    return out
+
+
+def retraining_table(spread: dict[str, Any]) -> str:
+    """Markdown: val mIoU / boundary F1 / trimap mIoU / dev mIoU per seed, and A - peer."""
+    cols = ("miou", "boundary_f1", "trimap_miou", "dev_miou_last")
+
+    def cells(values: dict[str, list[float]], fmt: str) -> str:
+        return " | ".join(" / ".join(format(100 * v, fmt) for v in values[c]) for c in cols)
+
+    rows = [
+        "| T = 3,000, seed 0 / seed 1 | val mIoU | boundary F1 | trimap mIoU | dev mIoU (end) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, m in spread["models"].items():
+        rows.append(f"| {ROWS[name][0]} | {cells(m, '.1f')} |")
+    rows.append(f"| method A − peer | {cells(spread['a_minus_peer'], '+.1f')} |")
+    return "\n".join(rows)
 
 
 def variant(name: str) -> torch.nn.Module:
@@ -205,21 +252,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args(argv)
-    missing = [f for _, f in ROWS.values() if not (RESULTS / f).is_file()]
+    files = [f for _, f in ROWS.values()] + list(RETRAINED.values())
+    missing = [f for f in files if not (RESULTS / f).is_file()]
     if missing:
         raise SystemExit(
             f"plateau_table: no {', '.join(missing)} in {RESULTS}; run benchmarks/camvid.py first"
         )
     accuracies = {n: accuracy(n, f) for n, (_, f) in ROWS.items()}
     if args.time:
-        summary = {"accuracy": accuracies, "timing": time_all(list(ROWS), args.reps, args.warmup)}
+        summary = {
+            "accuracy": accuracies,
+            "timing": time_all(list(ROWS), args.reps, args.warmup),
+            "retraining": retraining(accuracies),
+        }
         atomic_write_json(args.summary, summary)
         print(f"wrote {args.summary}")
     elif not args.summary.is_file():
         raise SystemExit(f"plateau_table: no {args.summary}; run with --time first")
     else:
-        summary = {**json.loads(args.summary.read_text()), "accuracy": accuracies}
+        summary = {
+            **json.loads(args.summary.read_text()),
+            "accuracy": accuracies,
+            "retraining": retraining(accuracies),
+        }
     print(table(summary))
+    print()
+    print(retraining_table(summary["retraining"]))
     if args.figure is not None:
         save_figure(summary, args.figure)
         print(f"wrote {args.figure}")
