@@ -288,3 +288,16 @@ def test_demo_refuses_options_its_data_source_would_drop(tmp_path, capsys, extra
     assert main(argv) == 1
     err = capsys.readouterr().err.strip()
     assert said in err and err.count("\n") == 0 and not out.exists()
+
+
+def test_a_rerun_leaves_no_figure_of_the_earlier_model(tmp_path) -> None:
+    """--n-show 0 on a re-run kept the earlier run's panel beside the new model's metrics."""
+    from dualseg.cli import main
+
+    out = tmp_path / "out"
+    assert main(_tiny_demo(out)) == 0 and (out / "panel.png").is_file()
+    stale = out / "predictions" / "labels" / "gone.png"
+    stale.write_bytes(b"an image of the earlier run")
+    assert main(_tiny_demo(out, "--n-show", "0")) == 0
+    assert not (out / "panel.png").exists() and not stale.exists()
+    assert (out / "predictions" / "labels").is_dir() and (out / "metrics.json").is_file()

@@ -20,6 +20,7 @@ replace (a ``dualseg train`` run, ``metrics.json``, ``refiner.pt``) is refused u
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -619,6 +620,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # the folder is the demo's own (or --overwrite was given): a re-run replaces its run
     result = fit(cfg, overwrite=True)
     t_train = time.perf_counter() - t0
+    # the earlier run's figures describe a model that is gone: none may outlive it (a panel
+    # with --n-show 0, a refiner with --no-refine, predictions of images no longer held out)
+    shutil.rmtree(out / "predictions", ignore_errors=True)
+    for name in ("panel.png", "refiner.pt"):
+        (out / name).unlink(missing_ok=True)
     ckpt_path = Path(result["best"] or result["last"])
 
     train_set = build_dataset(
