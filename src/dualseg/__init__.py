@@ -27,9 +27,16 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+# subpackages reached as attributes after a plain ``import dualseg`` (the README's
+# ``dualseg.engine.fit(...)``, ``dualseg.data.build_dataset(...)``), imported on first use
+_SUBMODULES = ("data", "engine", "export", "imaging", "io", "metrics", "models", "refine", "viz")
 
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"dualseg.{name}")
     raise AttributeError(f"module 'dualseg' has no attribute {name!r}")

@@ -172,3 +172,18 @@ def test_loss_is_the_mean_cross_entropy_over_labelled_pixels() -> None:
     result = evaluate(Fixed(), [(torch.zeros(2, 3, 4, 5), labels)], num_classes=3)
     expected = F.cross_entropy(logits, labels, ignore_index=255)  # mean over labelled pixels
     assert result["loss"] == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_the_readmes_dualseg_engine_evaluate_calls_the_function() -> None:
+    """``import dualseg`` then ``dualseg.engine.evaluate(model, loader, ...)``: once the module
+    of that name was imported (here, and by fit), the package attribute was the module and
+    the call a TypeError; and ``dualseg.engine`` needed an import of its own."""
+    import dualseg
+    import dualseg.engine.train
+
+    m = dualseg.engine.evaluate(LabelEcho(), _batches(), num_classes=C)
+    assert m["miou"] == pytest.approx(1.0)
+    from dualseg.engine import evaluate as again
+
+    assert again(LabelEcho(), _batches(), num_classes=C)["num_images"] == 6
+    assert dualseg.data.build_dataset is not None and callable(dualseg.engine.fit)

@@ -16,7 +16,9 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+import sys
 import time
+import types
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -332,3 +334,16 @@ def format_metrics(
                 line += f" (on the base's features for {shared} of {metrics['num_images']} images)"
         lines.append(line)
     return "\n".join(lines)
+
+
+class _CallableModule(types.ModuleType):
+    """This module called as the function it is named after. ``dualseg.engine`` offers
+    ``evaluate`` the function, but once this module is imported (by ``fit``, or by that very
+    lookup) Python binds the package's ``evaluate`` attribute to the module: the README's
+    ``dualseg.engine.evaluate(model, loader, ...)`` then called a module (a TypeError)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return evaluate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
