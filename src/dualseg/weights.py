@@ -203,8 +203,8 @@ def resolve_weights(
     lines = "\n  - ".join(tried)
     fixes = (
         f"fix: put {files[0].filename} into {hub_dir}, pass an explicit weights file path, "
-        f"or allow the download (resolve_weights({arch!r}, download=True)) on a machine "
-        "with internet access"
+        "or allow the download on a machine with internet access (dualseg train: "
+        "--model.allow_download true; Python: build_model(..., allow_download=True))"
     )
     if any(wf.offline for wf in files):
         mods = sorted({m.replace("_", "-") for wf in files for m, _ in wf.offline})

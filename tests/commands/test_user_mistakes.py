@@ -374,7 +374,7 @@ def test_an_export_option_the_format_does_not_read_is_refused(files, capsys, fmt
     [
         ("train:\n  max_iters: 3\n   lr: [1\n", "is not valid YAML (line 3"),
         ("", "is empty"),
-        ("trian:\n  max_iters: 3\n", "unknown config section trian; did you mean train?"),
+        ("trian:\n  max_iters: 3\n", "(line 1): unknown config section trian; did you mean train?"),
         # PyYAML keeps the last of a repeated key silently; the file's reader may see the first
         ("optim:\n  lr: 0.1\n  momentum: 0.9\n  lr: 0.01\n", "key 'lr' is written twice"),
         ("train:\n  max_iters: 3\ntrain:\n  seed: 1\n", "'train' is written twice (lines 1"),
@@ -384,7 +384,7 @@ def test_a_bad_second_config_file_is_named(files, capsys, text, said) -> None:
     bad = files["root"] / f"second_{len(text)}.yaml"
     bad.write_text(text)
     line = refused(_train(files, files["root"] / "run_second", "--config", str(bad)), capsys)
-    assert said in line and (bad.name in line or "section" in said)
+    assert said in line and bad.name in line
 
 
 def test_an_infinite_learning_rate_in_a_config_file_is_refused(files, capsys) -> None:

@@ -281,7 +281,10 @@ def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> 
         help="replace the run already in train.out_dir (without it, such a run is refused)",
     )
     parser.add_argument(
-        "--quiet", action="store_true", help="no progress output (the same as --train.quiet true)"
+        "--quiet",
+        "-q",
+        action="store_true",
+        help="no progress output (the same as --train.quiet true)",
     )
     parser.add_argument(
         "--json",
@@ -360,9 +363,21 @@ def _bad_config_file(argv: list[str]) -> str | None:
         # jsonargparse also takes the YAML itself (train --resume passes a checkpoint's so)
         inline = "\n" in value or value.lstrip().startswith("{")
         try:
-            _read_config_file(value, empty_ok=False, inline=inline)
+            data = _read_config_file(value, empty_ok=False, inline=inline)
         except ConfigError as err:
             return str(err)
+        if unknown := [k for k in data if k not in SECTIONS]:  # named here with its file
+            import difflib
+
+            key = str(unknown[0])
+            close = difflib.get_close_matches(key, list(SECTIONS), n=1, cutoff=0.5)
+            hint = f"did you mean {close[0]}?" if close else f"sections: {', '.join(SECTIONS)}"
+            where = "the --config text" if inline else value
+            if not inline:
+                lines = Path(value).read_text(encoding="utf-8").splitlines()
+                row = next((i for i, s in enumerate(lines, 1) if s.startswith(f"{key}:")), None)
+                where += f" (line {row})" if row else ""
+            return f"{where}: unknown config section {key}; {hint}"
     return None
 
 
