@@ -625,3 +625,23 @@ def test_eval_warns_when_an_ignore_value_takes_a_class_out_of_the_score(files, c
     assert "warning: no raw label value means class 3 'sidewalk'" in err
     assert cli_main([*argv[:-2], "-o", str(tmp_path / "e2")]) == 0
     assert "no raw label value" not in capsys.readouterr().err
+
+
+def test_eval_finds_a_mixed_size_batch_before_it_writes_a_prediction(files, capsys, tmp_path):
+    """The batch of mixed sizes failed at its turn, after the predictions before it were
+    written: the rerun with --batch-size 1 was then refused for the existing files."""
+    from PIL import Image
+
+    data = make_synthetic_dataset(tmp_path / "d", n_train=1, n_val=3, size=(32, 48))
+    last = sorted((data / "images").glob("val_*.png"))[-1]
+    Image.open(last).resize((40, 32)).save(last)
+    label = data / "labels" / last.name
+    Image.open(label).resize((40, 32), Image.NEAREST).save(label)
+    preds = tmp_path / "preds"
+    argv = ["eval", "-c", str(files["ckpt"]), "--data", str(data), "--device", "cpu", "-q",
+            "-o", str(tmp_path / "e"), "--save-predictions", str(preds)]  # fmt: skip
+    line = refused([*argv, "--batch-size", "3"], capsys)
+    assert "images of different sizes would share a batch" in line and "48x32" in line
+    assert "40x32" in line and "--batch-size 1" in line
+    assert not preds.exists() and not (tmp_path / "e").exists()
+    assert cli_main([*argv, "--batch-size", "1"]) == 0

@@ -45,7 +45,7 @@ from dualseg.commands.common import (
 )
 from dualseg.commands.predict import add_inference_arguments, inference_options
 from dualseg.console import ArgumentParser, argparse_kwargs, track
-from dualseg.errors import CheckpointError, ConfigError, DualsegError
+from dualseg.errors import CheckpointError, ConfigError, DataError, DualsegError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,6 +215,33 @@ def prediction_writer(samples: list, out: Path, palette: Any, batch_size: int):
     return write
 
 
+def mixed_size_batch(samples: list, batch_size: int) -> str | None:
+    """The first batch of ``samples`` (in loader order) whose images differ in size, read from
+    the file headers (EXIF rotation included), said in a line; ``None`` when there is none.
+    Found before the run, not at that batch, after the predictions before it were written."""
+    from PIL import Image
+
+    from dualseg.imaging import exif_orientation
+
+    def size(path: str) -> tuple[int, int] | None:
+        try:
+            with Image.open(path) as im:
+                w, h = im.size
+                return (w, h) if exif_orientation(im, path) < 5 else (h, w)
+        except Exception:  # unreadable: the run itself names the file
+            return None
+
+    for start in range(0, len(samples), batch_size):
+        sizes = [(img, s) for img, _ in samples[start : start + batch_size] if (s := size(img))]
+        other = next(((img, s) for img, s in sizes if s != sizes[0][1]), None)
+        if other is not None:
+            (a, (wa, ha)), (b, (wb, hb)) = sizes[0], other
+            return (
+                f"images of different sizes would share a batch: {a} is {wa}x{ha}, {b} is {wb}x{hb}"
+            )
+    return None
+
+
 def split_of(data: str, split: str | None) -> str:
     """The split ``--data`` / ``--split`` name: ``--split`` (val by default), but a list file
     as ``--data`` is one split, named by its stem (``test.txt`` is test), which a ``--split``
@@ -344,6 +371,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "check --ignore-index / --label-map / meta.json",
             file=sys.stderr,
         )
+    if args.batch_size > 1 and (mixed := mixed_size_batch(dataset.samples, args.batch_size)):
+        raise DataError(f"{mixed}; use --batch-size 1 (eval runs each image at its own size)")
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_size=args.batch_size,
