@@ -237,7 +237,8 @@ def mixed_size_batch(samples: list, batch_size: int) -> str | None:
         if other is not None:
             (a, (wa, ha)), (b, (wb, hb)) = sizes[0], other
             return (
-                f"images of different sizes would share a batch: {a} is {wa}x{ha}, {b} is {wb}x{hb}"
+                f"two images of one batch differ in size ({wa}x{ha} and {wb}x{hb} px: {a} and "
+                f"{b}), and images of different sizes cannot be batched"
             )
     return None
 
