@@ -116,3 +116,17 @@ def test_an_export_without_a_palette_predicts_in_default_colours(torch_model, tm
     onnx.save(old, str(tmp_path / "old.onnx"))
     assert read_export_info(tmp_path / "old.onnx")["palette"] == []
     assert ExportedSegmenter(tmp_path / "old.onnx").meta.palette == tuple(default_palette(n))
+
+
+def test_predict_with_a_static_export_says_it_resizes(onnx_static, onnx_dynamic, tmp_path, capsys):
+    from PIL import Image
+
+    from dualseg.cli import main
+
+    image = tmp_path / "a.png"
+    Image.fromarray(np.zeros((30, 50, 3), np.uint8)).save(image)
+    for model, noted in ((onnx_static, True), (onnx_dynamic, False)):
+        out = tmp_path / f"out_{noted}"
+        assert main(["predict", str(image), "--onnx", str(model), "-o", str(out), "-q"]) == 0
+        err = capsys.readouterr().err
+        assert ("is a static export at 48x80: every image is resized" in err) is noted, err

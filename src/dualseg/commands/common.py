@@ -196,6 +196,24 @@ def onnx_runtime(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     return {"providers": providers, "threads": args.threads or None}
 
 
+def static_export_note(path: Any, model: Any, command: str) -> None:
+    """One note on stderr when ``model`` (an exported segmenter or refiner) is a static export:
+    it resizes every image to its one size and back, so its labels differ from the
+    checkpoint's at any other size, which nothing else in the run would say."""
+    import sys
+
+    size = getattr(model, "input_size", None) or getattr(
+        getattr(model, "runner", None), "static_hw", None
+    )
+    if size:
+        print(
+            f"dualseg {command}: note: {path} is a static export at {size[0]}x{size[1]}: every "
+            "image is resized to it and back, so its labels differ from the checkpoint's at "
+            "other sizes (export with --dynamic to run each image at its own size)",
+            file=sys.stderr,
+        )
+
+
 def add_quiet_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quiet",

@@ -43,6 +43,7 @@ from dualseg.commands.common import (
     fraction,
     mode_of,
     onnx_runtime,
+    static_export_note,
     unique_names,
 )
 from dualseg.console import ArgumentParser, Progress, argparse_kwargs
@@ -359,6 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         from dualseg.export.runtime import OnnxSegmenter
 
         seg = OnnxSegmenter(args.onnx, **onnx_runtime(args, device))
+        static_export_note(args.onnx, seg, "predict")
     else:
         seg = load_model(args.checkpoint, device=device, amp=args.amp and device.type == "cuda")
     if seg.num_classes > 255:

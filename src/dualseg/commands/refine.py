@@ -32,6 +32,7 @@ from dualseg.commands.common import (
     nonnegative_int,
     pixels_at_most,
     positive_int,
+    static_export_note,
     unique_names,
 )
 from dualseg.commands.predict import add_dataset_check_options
@@ -49,7 +50,9 @@ def load_refiner(path: str | os.PathLike[str], *, device: Any = "cpu") -> Any:
 
     p = Path(path)
     if p.suffix.lower() in (".json", ".onnx") or is_exported_torchscript(p):
-        return load_exported_refiner(p)
+        exported = load_exported_refiner(p)
+        static_export_note(p, exported, "refine")
+        return exported
     return BoundaryRefiner.load(path, device=device)  # as given: Path() would break hf://
 
 

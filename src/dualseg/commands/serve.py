@@ -19,7 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dualseg.commands.common import add_runtime_args, apply_runtime, onnx_runtime
+from dualseg.commands.common import (
+    add_runtime_args,
+    apply_runtime,
+    onnx_runtime,
+    static_export_note,
+)
 from dualseg.commands.predict import add_inference_arguments, inference_options
 from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.errors import ConfigError, DualsegError
@@ -234,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         from dualseg.export.runtime import OnnxSegmenter
 
         segmenter: Any = OnnxSegmenter(args.onnx, **onnx_runtime(args, device))
+        static_export_note(args.onnx, segmenter, "serve")
         name = f"{Path(args.onnx).name} ({segmenter.info.get('arch') or 'onnx'})"
     else:
         from dualseg.engine.predict import load_model
