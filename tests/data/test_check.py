@@ -74,3 +74,23 @@ def test_a_class_named_ignore_keeps_its_count_in_the_json(list_root) -> None:
     hist = report["histogram"]
     assert set(hist) == {"a", "b", "c", "ignore", "(ignore)"}
     assert sum(hist.values()) == (3 + 2) * 16 * 24
+
+
+def test_a_val_split_sharing_images_with_train_is_said(list_root, capsys) -> None:
+    """A leak nothing said: the val scores were on images trained on. data check counts it a
+    problem; training goes on with a warning (a refusal would stop a deliberate setup)."""
+    from dualseg.engine.config import DataConfig
+    from dualseg.engine.preflight import check_training_data
+
+    val = (list_root / "val.txt").read_text()
+    first_train = (list_root / "train.txt").read_text().splitlines()[0]
+    (list_root / "val.txt").write_text(val + first_train + "\n")
+    report = check_dataset(list_root, preset=TINY)
+    assert report.split_overlap and "split 'val' shares 1 of its 3 images with split 'train'" in (
+        report.split_overlap
+    )
+    assert report.split_overlap in report.problems
+    (list_root / "meta.json").write_text(json.dumps(TINY.to_dict()))
+    data = DataConfig(root=str(list_root), layout="list")
+    check_training_data(data)  # no refusal
+    assert "warning: " in capsys.readouterr().err

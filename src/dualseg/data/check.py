@@ -50,6 +50,7 @@ class CheckReport:
     split_histograms: dict[str, np.ndarray] = field(default_factory=dict)
     binary_mask: str | None = None  # "looks like a 0/255 binary mask: ..." (its fix), if so
     absent_classes: str | None = None  # the "class(es) ... have no pixels" problem, if found
+    split_overlap: str | None = None  # the "split ... shares images with ..." problem, if found
     label_format: str = "index"  # how the labels were read ("color": palettes must agree)
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,6 +96,7 @@ def check_dataset(
     meta = resolve_meta(root, layout, preset, label_map=label_map, ignore_value=ignore_value)
     report = CheckReport(root, layout, meta, label_format=label_format)
     sources: dict[Path, str] = {}
+    images: dict[str, set[Path]] = {}  # per split, for the overlap check
     for split in splits:
         found = discover(root, split=split, layout=layout)
         if found.source is not None and found.source in sources:
@@ -113,12 +115,33 @@ def check_dataset(
         report.pairs[split] = len(found.samples)
         if not found.samples and not found.problems:
             report.problems.append(f"{found.source or root}: split {split!r} is empty; add pairs")
+        images[split] = {Path(img).resolve() for img, _ in found.samples}
         hist = report.split_histograms.setdefault(split, _empty_histogram())
         for img_path, label_path in track(found.samples, desc=f"check {split}", mode=progress):
             report.problems += _check_pair(img_path, label_path, meta, label_format, hist)
         report.histogram += hist
     report.problems = _class_problems(report) + report.problems
+    report.split_overlap = _split_overlap(root, images)
+    if report.split_overlap:
+        report.problems.append(report.split_overlap)
     return report
+
+
+def _split_overlap(root: Path, images: Mapping[str, set[Path]]) -> str | None:
+    """The first pair of train / val / test splits that share images, said in a line: a score
+    on the later split would be on images trained on (a flat folder serving every split is
+    checked once, so it is not this). Other split names (VOC's trainval) may overlap."""
+    named = [s for s in DEFAULT_SPLITS if s in images]
+    for i, a in enumerate(named):
+        for b in named[i + 1 :]:
+            shared = images[a] & images[b]
+            if shared:
+                return (
+                    f"{root}: split {b!r} shares {len(shared)} of its {len(images[b])} images "
+                    f"with split {a!r} (e.g. {min(shared).name}), so its scores would be on "
+                    "images trained on; keep each image in one split"
+                )
+    return None
 
 
 def _detect_any_split(root: Path, splits: tuple[str, ...]) -> str:
@@ -193,13 +216,17 @@ def combine_reports(reports: Sequence[CheckReport]) -> CheckReport:
     for r in reports:
         for split, n in r.pairs.items():
             combined.pairs[split] = combined.pairs.get(split, 0) + n
-        own = {r.absent_classes, f"{r.root}: {r.binary_mask}"}
+        own = {r.absent_classes, f"{r.root}: {r.binary_mask}", r.split_overlap}
         combined.problems += [p for p in r.problems if p not in own]
         combined.histogram += r.histogram
         for split, hist in r.split_histograms.items():
             combined.split_histograms.setdefault(split, _empty_histogram())
             combined.split_histograms[split] += hist
     combined.problems = _class_problems(combined) + combined.problems
+    overlaps = [r.split_overlap for r in reports if r.split_overlap]
+    if overlaps:
+        combined.split_overlap = "; ".join(overlaps)
+        combined.problems.append(combined.split_overlap)
     return combined
 
 
@@ -208,7 +235,9 @@ def require_trainable(report: CheckReport, train_split: str) -> None:
     (a model cannot learn to tell classes apart from one) or ``report`` has problems.
 
     Classes absent from every split are no reason to refuse (a small subset of a large class
-    set lacks some); :attr:`CheckReport.absent_classes` says which, for a warning.
+    set lacks some); :attr:`CheckReport.absent_classes` says which, for a warning. Neither is a
+    validation split that shares images with the training split
+    (:attr:`CheckReport.split_overlap`, a warning too).
     """
     meta, hist = report.meta, report.split_histograms.get(train_split)
     present = [c for c in range(meta.num_classes) if hist is not None and hist[c] > 0]
@@ -224,7 +253,10 @@ def require_trainable(report: CheckReport, train_split: str) -> None:
             f"({shown}; {100 * hist[IGNORE_INDEX] / total:.1f}% of pixels are ignore), so "
             f"training cannot learn to separate classes; {fix}"
         )
-    problems = [p for p in report.problems if p != report.absent_classes]
+    # absent classes and splits sharing images: warnings for training, not refusals
+    problems = [
+        p for p in report.problems if p not in (report.absent_classes, report.split_overlap)
+    ]
     if problems:
         more = len(problems) - 1
         raise DataError(

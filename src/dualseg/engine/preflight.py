@@ -68,8 +68,9 @@ def check_training_data(
     ]
     report = combine_reports(reports)
     require_trainable(report, d.train_split)
-    if report.absent_classes and warn:
-        print(f"dualseg train: warning: {report.absent_classes}", file=sys.stderr)
+    for warning in (report.absent_classes, report.split_overlap):
+        if warning and warn:
+            print(f"dualseg train: warning: {warning}", file=sys.stderr)
 
 
 def scored_classes_note(metrics: Mapping[str, Any], class_names: Sequence[str]) -> str:
