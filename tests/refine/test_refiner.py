@@ -220,3 +220,9 @@ def test_base_features_a_refiner_cannot_read_are_refused() -> None:
     with pytest.raises(DataError, match="head reads 320 channels"):  # another backbone's
         refiner.refine(images, probs, features=(torch.randn(1, 17, 4, 4), (32, 32)))
     assert refiner.refine(images, probs, features=feats).shape == (1, 32, 32)
+
+
+def test_a_base_without_class_names_is_said_so_not_called_different() -> None:
+    refiner, _, _, _ = _case()
+    with pytest.raises(CheckpointError, match="stores no class names .*class_0 .. class_3"):
+        refiner.check_classes([f"class_{i}" for i in range(4)], 4)

@@ -713,6 +713,12 @@ def check_classes(
             "model's dataset (dualseg refine fit)"
         )
     if base_names is not None and tuple(base_names) != names:
+        if tuple(base_names) == tuple(f"class_{i}" for i in range(num_classes)):
+            raise CheckpointError(  # the names a checkpoint without any is given on loading
+                f"{what} stores no class names (they read class_0 .. class_{num_classes - 1}), "
+                f"so its classes cannot be matched to the refiner's ({', '.join(names)}); save "
+                "the base with its dataset's class names, or fit a refiner on it"
+            )
         diff = [f"{i}: {a!r} vs {b!r}" for i, (a, b) in enumerate(zip(base_names, names)) if a != b]
         raise CheckpointError(
             f"{what}'s class names differ from the refiner's ({'; '.join(diff[:3])}); "
