@@ -224,5 +224,7 @@ def test_base_features_a_refiner_cannot_read_are_refused() -> None:
 
 def test_a_base_without_class_names_is_said_so_not_called_different() -> None:
     refiner, _, _, _ = _case()
-    with pytest.raises(CheckpointError, match="stores no class names .*class_0 .. class_3"):
+    with pytest.raises(
+        CheckpointError, match=r"stores no class names \(they read class_0 \.\. class_3\)"
+    ):
         refiner.check_classes([f"class_{i}" for i in range(4)], 4)
