@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import zipfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +157,15 @@ def _torchscript_message(path: Path, kind: str, what: str, fix: str) -> str:
             "for 'dualseg predict --onnx', or pass the .pt checkpoint it was exported from"
         )
     return f"{path} is a TorchScript module (torch.jit.save), not a {what}; {fix}"
+
+
+def nonfinite_keys(tensors: Mapping[str, Any]) -> list[str]:
+    """The keys of ``tensors`` whose floating-point values hold NaN or inf (a diverged model,
+    which would otherwise load and answer without an error); other values are skipped."""
+    import torch
+
+    return [
+        k
+        for k, v in tensors.items()
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and not v.isfinite().all()
+    ]

@@ -30,7 +30,7 @@ from torch import nn
 
 from dualseg.errors import CheckpointError
 from dualseg.io import atomic_torch_save
-from dualseg.serialization import safe_torch_load
+from dualseg.serialization import nonfinite_keys, safe_torch_load
 from dualseg.viz import default_palette
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -258,8 +258,8 @@ def load_model_state(model: nn.Module, ckpt: Mapping[str, Any]) -> None:
             f"{checkpoint_num_classes(ckpt)} classes, model {type(model).__name__} "
             f"({'; '.join(problems)}); use a checkpoint of this architecture and class count"
         )
-    bad = [k for k, v in ckpt["model"].items() if v.is_floating_point() and not v.isfinite().all()]
-    if bad:  # such a model answers class 0 everywhere, without an error anywhere after
+    # such a model answers class 0 everywhere, without an error anywhere after
+    if bad := nonfinite_keys(ckpt["model"]):
         more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
         raise CheckpointError(
             f"{_name(ckpt)} holds NaN or infinite weights ({', '.join(bad[:3])}{more}): the "
@@ -276,6 +276,11 @@ def _is_colour(rgb: Any) -> bool:
         and all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in rgb)
         and all(0 <= c <= 255 for c in rgb)
     )
+
+
+def placeholder_class_names(n: int) -> tuple[str, ...]:
+    """The names a checkpoint that stores none is given on loading: ``class_0`` ..."""
+    return tuple(f"class_{i}" for i in range(n))
 
 
 def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
@@ -295,7 +300,7 @@ def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
             f"{_meta_name(ckpt)}: class_names must be strings, got {list(names)!r:.60}; save "
             "the model again"
         )
-    names = tuple(names or (f"class_{i}" for i in range(n)))
+    names = tuple(names or placeholder_class_names(n))
     palette = palette or default_palette(n)
     counts = {"class names": len(names), "palette colours": len(palette)}
     wrong = [f"{count} {what}" for what, count in counts.items() if count != n]

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from dualseg.engine.inference import InferenceOptions, infer_logits
 from dualseg.metrics import BoundaryMetrics, ConfusionMatrix, format_table
+from dualseg.models.base import eval_mode
 
 __all__ = ["Refiner", "evaluate", "format_metrics"]
 
@@ -119,17 +120,6 @@ class _Timer:
         return float(statistics.median(self.ms)) if self.ms else math.nan
 
 
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """Put ``model`` in eval mode, and give it back in the mode it came in (for validation)."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -208,7 +198,7 @@ def evaluate(
         and not InferenceOptions(tta_scales=tuple(tta_scales), tta_flip=tta_flip).uses_tta
     )
     shared: SharedFeatures | None = share(model) if share is not None and plain else None
-    with _eval_mode(model), shared if shared is not None else contextlib.nullcontext():
+    with eval_mode(model), shared if shared is not None else contextlib.nullcontext():
         for index, (images, labels) in enumerate(batches):
             images = images.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True).long()

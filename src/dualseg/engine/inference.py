@@ -77,14 +77,9 @@ class InferenceOptions:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"inference mode {self.mode!r} is not one of {' | '.join(MODES)}")
-        for name, value in (("window", self.window), ("stride", self.stride)):
-            if value is None and name == "stride":
-                continue
-            if (
-                len(value) != 2  # type: ignore[arg-type]
-                or not all(_is_whole(v) and v >= 1 for v in value)  # type: ignore[union-attr]
-            ):  # 8.7 was cut to 8 without a word
-                raise ConfigError(f"--{name} needs two positive integers H W, got {value}")
+        _pixels("window", self.window)  # 8.7 was cut to 8 without a word
+        if self.stride is not None:
+            _pixels("stride", self.stride)
         if self.mode == "whole" and (self.window != (512, 512) or self.stride is not None):
             raise ConfigError(  # else silently unused: the whole image in one pass
                 "window / stride apply to sliding-window inference only: add mode='slide' "

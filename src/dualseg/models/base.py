@@ -86,14 +86,14 @@ class SegmentationModel(nn.Module):
         whatever mode the model is in (training-mode BatchNorm would make one image's answer
         depend on the rest of its batch, and update the running statistics), then the mode is
         restored. For gradients, call the model and take the softmax yourself."""
-        with _eval_mode(self):
+        with eval_mode(self):
             return torch.softmax(self(x), dim=1)
 
     @torch.no_grad()
     def predict(self, x: Tensor) -> Tensor:
         """Per-pixel class index (argmax), ``int64 [B, H, W]``, in eval mode as
         :meth:`predict_proba`."""
-        with _eval_mode(self):
+        with eval_mode(self):
             return self(x).argmax(dim=1)
 
 
@@ -110,7 +110,9 @@ def require_rgb_input(model: nn.Module, what: str) -> None:
 
 
 @contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Put ``model`` in eval mode, and give it back in the mode it came in (``predict``, and
+    the engine's validation)."""
     was_training = model.training
     model.eval()
     try:

@@ -644,12 +644,9 @@ def _check_refiner_target(target: Path) -> None:
 def check_finite_refiner(source: str | os.PathLike[str], tensors: Mapping[str, Any]) -> None:
     """Refuse a stored refiner with NaN or infinite weights or prototypes: its distances would
     relabel near-boundary pixels at random, without an error anywhere after."""
-    bad = [
-        k
-        for k, v in tensors.items()
-        if isinstance(v, Tensor) and v.is_floating_point() and not v.isfinite().all()
-    ]
-    if bad:
+    from dualseg.serialization import nonfinite_keys
+
+    if bad := nonfinite_keys(tensors):
         raise CheckpointError(
             f"{source} holds NaN or infinite values ({', '.join(bad[:3])}): its fit diverged; "
             "fit it again (a lower --lr)"
@@ -713,8 +710,10 @@ def check_classes(
             "model's dataset (dualseg refine fit)"
         )
     if base_names is not None and tuple(base_names) != names:
-        if tuple(base_names) == tuple(f"class_{i}" for i in range(num_classes)):
-            raise CheckpointError(  # the names a checkpoint without any is given on loading
+        from dualseg.engine.checkpoint import placeholder_class_names
+
+        if tuple(base_names) == placeholder_class_names(num_classes):
+            raise CheckpointError(  # the base's checkpoint stored no names
                 f"{what} stores no class names (they read class_0 .. class_{num_classes - 1}), "
                 f"so its classes cannot be matched to the refiner's ({', '.join(names)}); save "
                 "the base with its dataset's class names, or fit a refiner on it"
