@@ -259,11 +259,12 @@ def main(argv: list[str] | None = None) -> int:
             f"plateau_table: no {', '.join(missing)} in {RESULTS}; run benchmarks/camvid.py first"
         )
     accuracies = {n: accuracy(n, f) for n, (_, f) in ROWS.items()}
+    spread = retraining(accuracies)
     if args.time:
         summary = {
             "accuracy": accuracies,
             "timing": time_all(list(ROWS), args.reps, args.warmup),
-            "retraining": retraining(accuracies),
+            "retraining": spread,
         }
         atomic_write_json(args.summary, summary)
         print(f"wrote {args.summary}")
@@ -273,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = {
             **json.loads(args.summary.read_text()),
             "accuracy": accuracies,
-            "retraining": retraining(accuracies),
+            "retraining": spread,
         }
     print(table(summary))
     print()

@@ -14,7 +14,6 @@ S33 ``train.patience`` / ``train.monitor``, claim 5 ``optim.poly_power``).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -341,10 +340,8 @@ def parse_command(argv: list[str] | None) -> tuple[Config, str | None, dict[str,
 
     parser = build_parser(exit_on_error=False)
     argv = list(sys.argv[1:] if argv is None else argv)
-    bad_file = _bad_config_file(argv)  # before jsonargparse, which lets a repeated key win
-    if bad_file:
-        raise ConfigError(bad_file)
-    if (overridden := _flag_overridden_by_a_later_config(argv)) is not None:
+    configs = _config_files(argv)  # before jsonargparse, which lets a repeated key win
+    if (overridden := _flag_overridden_by_a_later_config(argv, configs)) is not None:
         raise ConfigError(overridden)
     try:
         ns = parser.parse_args(argv)
@@ -354,18 +351,22 @@ def parse_command(argv: list[str] | None) -> tuple[Config, str | None, dict[str,
     return _instantiate(parser, ns), ns.resume, flags
 
 
-def _bad_config_file(argv: list[str]) -> str | None:
-    """The first ``--config`` file that is unreadable, not YAML, empty or not a mapping, in one
-    line naming it (jsonargparse's own message names no file, which matters with several)."""
-    values = [b for a, b in itertools.pairwise(argv) if a == "--config"]
-    values += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
-    for value in values:
+def _config_files(argv: list[str]) -> list[tuple[int, str, dict[str, Any]]]:
+    """Each ``--config`` of ``argv``, read once: ``(its position, its value, its mapping)``.
+    A file that is unreadable, not YAML, empty, not a mapping or with an unknown section is one
+    :class:`ConfigError` naming it (jsonargparse's own message names no file, which matters
+    with several; and it lets a repeated key win)."""
+    found = []
+    for j, arg in enumerate(argv):
+        if arg == "--config" and j + 1 < len(argv):
+            value = argv[j + 1]
+        elif arg.startswith("--config="):
+            value = arg.split("=", 1)[1]
+        else:
+            continue
         # jsonargparse also takes the YAML itself (train --resume passes a checkpoint's so)
         inline = "\n" in value or value.lstrip().startswith("{")
-        try:
-            data = _read_config_file(value, empty_ok=False, inline=inline)
-        except ConfigError as err:
-            return str(err)
+        data = _read_config_file(value, empty_ok=False, inline=inline)
         if unknown := [k for k in data if k not in SECTIONS]:  # named here with its file
             import difflib
 
@@ -377,24 +378,19 @@ def _bad_config_file(argv: list[str]) -> str | None:
                 lines = Path(value).read_text(encoding="utf-8").splitlines()
                 row = next((i for i, s in enumerate(lines, 1) if s.startswith(f"{key}:")), None)
                 where += f" (line {row})" if row else ""
-            return f"{where}: unknown config section {key}; {hint}"
-    return None
+            raise ConfigError(f"{where}: unknown config section {key}; {hint}")
+        found.append((j, value, data))
+    return found
 
 
-def _flag_overridden_by_a_later_config(argv: list[str]) -> str | None:
-    """A ``--section.field`` flag that a later ``--config`` sets again, in one line. The later
-    one wins (jsonargparse reads the arguments in order), so the flag was dropped without a
-    word: ``--train.out_dir runs/new --overwrite --config keep.yaml`` wrote over keep.yaml's
-    run folder, not runs/new."""
-    for j, arg in enumerate(argv):
-        if arg == "--config" and j + 1 < len(argv):
-            value = argv[j + 1]
-        elif arg.startswith("--config="):
-            value = arg.split("=", 1)[1]
-        else:
-            continue
-        inline = "\n" in value or value.lstrip().startswith("{")
-        data = _read_config_file(value, empty_ok=True, inline=inline)
+def _flag_overridden_by_a_later_config(
+    argv: list[str], configs: list[tuple[int, str, dict[str, Any]]]
+) -> str | None:
+    """A ``--section.field`` flag that a later ``--config`` (``configs``, from
+    :func:`_config_files`) sets again, in one line. The later one wins (jsonargparse reads the
+    arguments in order), so the flag was dropped without a word: ``--train.out_dir runs/new
+    --overwrite --config keep.yaml`` wrote over keep.yaml's run folder, not runs/new."""
+    for j, value, data in configs:
         for flag in argv[:j]:
             if not flag.startswith("--") or "." not in flag:
                 continue
