@@ -18,6 +18,7 @@ Samplers:
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from collections.abc import Iterator
@@ -147,8 +148,15 @@ class ResumableSampler(DistributedSampler):
 
     Yields ``(index, epoch)`` pairs for :class:`SeededSamples`. ``set_epoch(e)`` picks the
     epoch's permutation (``seed + e``) and ``set_offset(k)`` skips the first ``k`` samples of
-    this rank's shard (those already trained on). ``state_dict()`` / ``load_state_dict()``
-    hold ``{"epoch", "offset"}``; the caller counts consumed samples (a loader prefetches).
+    this rank's shard (those already trained on). ``state_dict(offset)`` /
+    ``load_state_dict()`` hold ``{"epoch", "offset", "start", "world_size"}``; the caller counts
+    consumed samples (a loader prefetches).
+
+    A run resumed on another number of processes goes on from the same place: rank ``r`` of
+    ``W`` takes every ``W``-th sample of the permutation from ``r``, so ``k`` samples per rank
+    are the permutation's first ``k × W``; the rest of the epoch (from ``start``) is sharded
+    over the new processes. Without that, each new rank would skip ``k`` samples of its own,
+    new shard: some images trained twice in the epoch, others never.
     """
 
     def __init__(
@@ -170,23 +178,62 @@ class ResumableSampler(DistributedSampler):
             drop_last=drop_last,
         )
         self.offset = 0
+        self.start = 0  # where this epoch resumed in the permutation (another world size)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.start = 0
+        super().set_epoch(epoch)
 
     def set_offset(self, offset: int) -> None:
         self.offset = int(offset)
 
+    def _shard(self) -> list[int]:
+        """This rank's samples of the epoch from ``start``, padded as ``DistributedSampler``
+        pads (equal to its shard when ``start`` is 0)."""
+        if self.start == 0:
+            return list(super().__iter__())
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=g).tolist()  # type: ignore[arg-type]
+        else:
+            order = list(range(len(self.dataset)))  # type: ignore[arg-type]
+        rest = order[self.start :]
+        per_rank = len(rest) // self.num_replicas
+        if not self.drop_last:
+            per_rank = math.ceil(len(rest) / self.num_replicas)
+            total = per_rank * self.num_replicas
+            rest = (rest * math.ceil(total / max(len(rest), 1)))[:total]
+        return rest[self.rank : per_rank * self.num_replicas : self.num_replicas]
+
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        indices = list(super().__iter__())
-        return iter([(i, self.epoch) for i in indices[self.offset :]])
+        return iter([(i, self.epoch) for i in self._shard()[self.offset :]])
 
     def __len__(self) -> int:
-        return max(0, self.num_samples - self.offset)
+        return max(0, len(self._shard()) - self.offset)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": int(self.epoch), "offset": int(self.offset)}
+    def state_dict(self, epoch: int | None = None, offset: int | None = None) -> dict[str, int]:
+        """The position to save: ``offset`` samples of this rank's shard of ``epoch`` consumed
+        (defaults: the current ones; a loop that has just finished an epoch saves the next one,
+        which starts at the beginning)."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        return {
+            "epoch": epoch,
+            "offset": int(self.offset if offset is None else offset),
+            "start": int(self.start) if epoch == self.epoch else 0,
+            "world_size": int(self.num_replicas),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.set_epoch(int(state["epoch"]))
-        self.set_offset(int(state["offset"]))
+        start, offset = int(state.get("start", 0)), int(state["offset"])
+        saved_world = int(state.get("world_size", self.num_replicas))  # older: not stored
+        if saved_world != self.num_replicas:
+            # consumed: the permutation's first offset x saved_world samples from start
+            start, offset = min(start + offset * saved_world, len(self.dataset)), 0  # type: ignore[arg-type]
+        self.start = start
+        self.set_offset(offset)
 
 
 class SeededSamples(Dataset):

@@ -863,7 +863,7 @@ def _save(run: _Run, kind: str, *, at: int) -> None:
             "scaler": run.scaler.state_dict() if run.scaler is not None else {},
             "iteration": at,
             "epoch": run.epoch,
-            "sampler": {"epoch": run.epoch, "offset": run.consumed},
+            "sampler": run.sampler.state_dict(epoch=run.epoch, offset=run.consumed),
             "rng": ckpt_io.capture_rng_state(),
             "config": config_to_dict(cfg),
             "class_names": list(meta.class_names),
