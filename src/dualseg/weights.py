@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from dualseg.errors import CheckpointError, WeightsNotFoundError
-from dualseg.serialization import safe_torch_load
+from dualseg.serialization import nonfinite_keys, safe_torch_load
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +259,13 @@ def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, Tensor]:
         raise CheckpointError(
             f"weights file {p} holds a {type(obj).__name__}, not a state dict of tensors; "
             "save model.state_dict() instead"
+        )
+    # NaN weights would train to a non-finite loss at iteration 1, blamed on the learning rate
+    if bad := nonfinite_keys(obj):
+        more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
+        raise CheckpointError(
+            f"weights file {p} holds NaN or infinite values ({', '.join(bad[:3])}{more}); "
+            "re-download or re-export it"
         )
     return dict(obj)
 
