@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -96,13 +97,15 @@ def test_save_refuses_to_overwrite_and_bad_folders_are_one_line_errors(folder, t
 def test_overwriting_a_model_beside_its_refiner_warns_and_keeps_the_refiner(ckpt, tmp_path) -> None:
     seg = dualseg.load_model(ckpt)
     out = seg.save_pretrained(tmp_path / "m")
-    _refiner().save_pretrained(out)
+    _refiner(seg.meta.class_names).save_pretrained(out)
     with pytest.warns(UserWarning, match=r"keeps refiner\.json \+ refiner\.safetensors.*refit"):
         seg.save_pretrained(out, overwrite=True)
     assert (out / "refiner.json").exists()  # the user's to delete, never silently lost
     fresh = tmp_path / "fresh"
     fresh.mkdir()
-    _refiner().save_pretrained(fresh)  # a refiner saved first, then its model: nothing replaced
+    _refiner(seg.meta.class_names).save_pretrained(
+        fresh
+    )  # a refiner saved first, then its model: nothing replaced
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         seg.save_pretrained(fresh)
@@ -129,15 +132,15 @@ def _hub_cache(home: Path, repo: str, files: dict[str, bytes]) -> str:
     return commit
 
 
-def _refiner() -> BoundaryRefiner:
+def _refiner(names: Sequence[str] = "abc") -> BoundaryRefiner:
     """A small refiner with the embedding net its config describes (random weights)."""
     torch.manual_seed(0)
     cfg = RefinerConfig(embed_dim=4, output_stride=16, top_n=2, radius=2)
     net = build_embedding_net(
         cfg.backbone, embed_dim=4, output_stride=16, aspp_rates=cfg.aspp_rates
     )
-    present = torch.tensor([True, False, True])
-    return BoundaryRefiner(net, torch.randn(3, 4), present, class_names="abc", config=cfg)
+    present = torch.arange(len(names)) != 1
+    return BoundaryRefiner(net, torch.randn(len(names), 4), present, class_names=names, config=cfg)
 
 
 def test_refiner_folder_round_trip(tmp_path) -> None:
@@ -162,10 +165,85 @@ def test_refiner_folder_round_trip(tmp_path) -> None:
         BoundaryRefiner.load(out)
 
 
+@pytest.mark.parametrize(
+    ("entry", "value", "said"),
+    [
+        ("config", None, "config must be a dict of refiner options"),
+        ("config", {"top_n": "5"}, "option top_n must be int, got '5'"),
+        ("config", {"gate_margin": "0.1"}, "option gate_margin must be float | None"),
+        ("config", {"foo": 1}, "option(s) foo that this dualseg does not know"),
+        ("config", {"top_n": 0}, "top_n must be >= 1, got 0"),
+        ("config", {"embed_dim": 8}, "the embedding weights do not fit the model"),
+        ("class_names", [0, 1, 2], "class_names must be strings"),
+        ("class_names", ["a", "b"], "prototypes has shape (3, 4), expected (2, 4)"),
+        ("ignore_index", None, "ignore_index must be an integer in 0..255"),
+        ("palette", "red", "palette must be null or one [r, g, b]"),
+        ("calibration", "garbage", "calibration must be null or the record"),
+    ],
+)
+def test_a_damaged_refiner_json_names_the_file_and_the_entry(tmp_path, entry, value, said) -> None:
+    out = _refiner().save_pretrained(tmp_path / "r")
+    stored = json.loads((out / "refiner.json").read_text())
+    if entry == "config" and isinstance(value, dict):  # one option edited
+        value = {**stored["config"], **value}
+    (out / "refiner.json").write_text(json.dumps({**stored, entry: value}))
+    with pytest.raises(CheckpointError) as err:
+        BoundaryRefiner.load(out)
+    assert said in str(err.value) and str(out / "refiner.json") in str(err.value)
+
+
+def test_a_refiner_saved_beside_a_model_of_other_classes_is_refused(folder, tmp_path) -> None:
+    import shutil
+
+    both = tmp_path / "both"
+    shutil.copytree(folder, both)
+    with pytest.raises(CheckpointError, match="describes a model of other classes"):
+        _refiner().save_pretrained(both)  # classes a, b, c beside the model's eight
+    assert not (both / "refiner.json").exists()
+    _refiner().save_pretrained(tmp_path / "r")  # copied in by hand: refused when it loads
+    for name in ("refiner.json", "refiner.safetensors"):
+        shutil.copy(tmp_path / "r" / name, both / name)
+    with pytest.raises(CheckpointError, match=r"0: 'sky' vs 'a'.*fit a refiner for that model"):
+        BoundaryRefiner.load(both)
+
+
+def test_save_pretrained_refuses_a_model_its_description_would_not_rebuild(ckpt, tmp_path) -> None:
+    from dualseg.engine.pretrained import save_pretrained
+
+    seg = dualseg.load_model(ckpt)
+    other = {**seg.model_kwargs, "output_stride": 8}  # built at stride 16
+    with pytest.raises(ConfigError, match=r"not what arch='dualseg_mobilenet_v2'.*dilation"):
+        save_pretrained(seg.model, tmp_path / "s16", arch=seg.arch, model_kwargs=other,
+                        meta=seg.meta)  # fmt: skip
+    wrong = {**seg.model_kwargs, "num_classes": seg.meta.num_classes + 1}
+    with pytest.raises(ConfigError, match="shape"):
+        save_pretrained(seg.model, tmp_path / "k", arch=seg.arch, model_kwargs=wrong,
+                        meta=seg.meta)  # fmt: skip
+    with torch.no_grad():
+        next(seg.model.parameters()).fill_(float("nan"))
+    with pytest.raises(ConfigError, match="NaN or infinite weights"):
+        seg.save_pretrained(tmp_path / "nan")
+    assert not any(p.exists() for p in (tmp_path / "s16", tmp_path / "k", tmp_path / "nan"))
+
+
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(ckpt, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="got an empty one"):
+        dualseg.load_model(ckpt).save_pretrained("")
+    with pytest.raises(ConfigError, match="got an empty one"):
+        _refiner().save_pretrained("")
+    with pytest.raises(ConfigError, match="the model path is empty"):
+        dualseg.load_model("")
+    with pytest.raises(ConfigError, match="the refiner path is empty"):
+        BoundaryRefiner.load("")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_hf_source_reads_the_local_hub_cache_offline(folder, tmp_path, rgb) -> None:
     """hf://org/name through huggingface_hub, offline, from a cache laid out as the hub does."""
     pytest.importorskip("huggingface_hub")
-    refiner_dir = _refiner().save_pretrained(tmp_path / "r")
+    names = tuple(json.loads((folder / CONFIG_NAME).read_text())["class_names"])
+    refiner_dir = _refiner(names).save_pretrained(tmp_path / "r")  # fit for that model
     files = {n: (folder / n).read_bytes() for n in (CONFIG_NAME, WEIGHTS_NAME)}
     files.update({p.name: p.read_bytes() for p in refiner_dir.iterdir()})
     home = tmp_path / "hf_home"
@@ -198,7 +276,7 @@ except dualseg.errors.CheckpointError as err:
     )
     assert res.returncode == 0, res.stderr
     assert np.array_equal(np.load(tmp_path / "out.npy"), expected)
-    assert "refiner ('a', 'b', 'c')" in res.stdout
+    assert f"refiner {names}" in res.stdout
     assert "error: cannot fetch hf://someorg/not-cached" in res.stdout
     assert "HF_HUB_OFFLINE is set" in res.stdout
 
@@ -218,7 +296,8 @@ def test_export_format_pretrained_cli(ckpt, tmp_path, capsys, rgb) -> None:
     assert "already holds" in capsys.readouterr().err
     assert cli_main([*args, "--overwrite"]) == 0
 
-    refiner = _refiner()
+    names = dualseg.load_model(ckpt).meta.class_names
+    refiner = _refiner(names)  # fit for that model: it joins the model's folder
     refiner_file = refiner.save(tmp_path / "refiner.pt")
     args = ["export", "--refiner", str(refiner_file), "--format", "pretrained", "--out", str(out)]
     assert cli_main(args) == 0  # the refiner joins the model in the same folder
@@ -226,8 +305,15 @@ def test_export_format_pretrained_cli(ckpt, tmp_path, capsys, rgb) -> None:
         [CONFIG_NAME, WEIGHTS_NAME, "refiner.json", "refiner.safetensors"]
     )
     loaded = BoundaryRefiner.load(out)
-    images, probs = torch.randn(1, 3, 32, 32), torch.randn(1, 3, 32, 32).softmax(1)
+    images = torch.randn(1, 3, 32, 32)
+    probs = torch.randn(1, len(names), 32, 32).softmax(1)
     assert torch.equal(loaded.refine(images, probs), refiner.refine(images, probs))
+    # a refiner fit for other classes is refused there: the folder is loaded as a pair
+    other = _refiner().save(tmp_path / "other.pt")
+    args = ["export", "--refiner", str(other), "--format", "pretrained", "--out", str(out)]
+    assert cli_main([*args, "--overwrite"]) == 1
+    err = capsys.readouterr().err
+    assert "describes a model of other classes than the refiner" in err, err
 
 
 def test_predict_and_eval_take_a_pretrained_folder_and_follow_the_progress_rule(
@@ -308,7 +394,12 @@ def test_a_folder_with_unknown_training_label_keys_is_refused(folder, tmp_path) 
         ("palette", [["a", "b", "c"]] * 8, "palette colours must be [r, g, b]"),
         ("palette", [[0, 0, 300]] * 8, "palette colours must be [r, g, b] in 0..255"),
         ("ignore_index", "abc", "ignore_index must be an integer, got 'abc'"),
-        ("class_names", "skyroad", "class_names must be a list, got str"),
+        ("class_names", "skyroad", "class_names must be a list (one entry per class), got 'sky"),
+        ("class_names", None, "class_names must be a list (one entry per class), got None"),
+        ("palette", None, "palette must be a list (one entry per class), got None"),
+        ("num_classes", 7, "num_classes is 7 but the model has 8 classes"),
+        ("ignore_index", 0, "ignore_index must be 255 (the ignore value dualseg maps"),
+        ("arch", ["deeplabv3_mobilenet_v2"], "names architecture ['deeplabv3_mobilenet_v2']"),
         ("class_names", [1, 2, 3, 4, 5, 6, 7, 8], "class_names must be strings"),
     ],
 )

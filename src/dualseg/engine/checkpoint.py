@@ -321,6 +321,11 @@ def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
             f"{_meta_name(ckpt)}: ignore_index must be an integer, got {ignore!r}; save the "
             "model again"
         )
+    if ignore != 255:  # labels are mapped to 255 when read; DatasetMeta would blame the data
+        raise CheckpointError(
+            f"{_meta_name(ckpt)}: ignore_index must be 255 (the ignore value dualseg maps every "
+            f"dataset's to), got {ignore}; save the model again"
+        )
     config = ckpt.get("config") or {}
     data_cfg = config.get("data") if isinstance(config, Mapping) else None
     name = (data_cfg or {}).get("preset") or "checkpoint"
@@ -375,9 +380,9 @@ def build_model_from_checkpoint(
     check_compatible(ckpt, arch=arch, num_classes=num_classes)
     meta = meta_from_checkpoint(ckpt)  # before the build: a bad description fails fast
     name = ckpt["arch"]
-    if name not in MODELS:
+    if not isinstance(name, str) or name not in MODELS:
         raise CheckpointError(
-            f"{_name(ckpt)} names architecture {name!r}, which this dualseg does not know "
+            f"{_meta_name(ckpt)} names architecture {name!r}, which this dualseg does not know "
             f"(known: {', '.join(sorted(MODELS))})"
         )
     kwargs["weights"] = None  # the checkpoint carries the weights; never resolve files here

@@ -183,8 +183,10 @@ def save_pretrained(
     from dualseg.engine.checkpoint import to_plain
     from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 
-    folder = Path(folder)
+    folder = folder_path(folder)
     refuse_existing(folder, (CONFIG_NAME, WEIGHTS_NAME), overwrite)
+    kwargs = {k: v for k, v in dict(model_kwargs).items() if k != "weights"}
+    check_rebuilds(model, arch, kwargs)
     stale = [n for n in (REFINER_CONFIG, REFINER_WEIGHTS) if (folder / n).exists()]
     if stale and (folder / WEIGHTS_NAME).exists():
         # the refiner beside the model being replaced was fit (and its decision calibrated)
@@ -195,7 +197,6 @@ def save_pretrained(
             UserWarning,
             stacklevel=2,
         )
-    kwargs = {k: v for k, v in dict(model_kwargs).items() if k != "weights"}
     config = {
         "format": FORMAT,
         "dualseg_version": __version__,
@@ -223,6 +224,54 @@ def save_pretrained(
     write_safetensors(folder / WEIGHTS_NAME, model.state_dict())
     atomic_write_json(folder / CONFIG_NAME, config)
     return folder
+
+
+def check_rebuilds(model: nn.Module, arch: str, kwargs: Mapping[str, Any]) -> None:
+    """Refuse to save ``model`` under an ``arch`` / ``model_kwargs`` that rebuild another
+    network (other layers, shapes or dilations: a stride-16 model described as stride 8 would
+    load without an error and answer differently), or with non-finite weights (a folder that
+    could never be loaded)."""
+    import difflib
+
+    import torch
+
+    from dualseg.engine.checkpoint import _state_dict_problems
+    from dualseg.models import MODELS, build_model
+    from dualseg.serialization import nonfinite_keys
+
+    if not isinstance(arch, str) or arch not in MODELS:
+        raise ConfigError(f"arch {arch!r} is not a dualseg model; known: {', '.join(MODELS)}")
+    try:
+        with torch.device("meta"):  # the layers only: no memory, no initialization
+            built = build_model(arch, **{**kwargs, "weights": None})
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"model_kwargs {dict(kwargs)!r} do not build {arch!r} ({err})") from None
+    problems = _state_dict_problems(built, model.state_dict())
+    if not problems:
+        ours, theirs = repr(built).splitlines(), repr(model).splitlines()
+        diff = [ln for ln in difflib.unified_diff(ours, theirs, lineterm="", n=0)][2:4]
+        problems = [" / ".join(d.strip() for d in diff if d[:1] in "+-")] if diff else []
+    if problems:
+        raise ConfigError(
+            f"this model is not what arch={arch!r} with model_kwargs {dict(kwargs)!r} builds "
+            f"({'; '.join(problems)}); pass the arch and model_kwargs the model was built with"
+        )
+    if bad := nonfinite_keys(model.state_dict()):
+        raise ConfigError(
+            f"the model holds NaN or infinite weights ({', '.join(bad[:3])}); such a folder "
+            "could not be loaded: save a checkpoint from before the training diverged"
+        )
+
+
+def folder_path(folder: str | os.PathLike[str]) -> Path:
+    """``folder`` as a Path; an empty one (an unset variable) is refused, not the current
+    folder (``Path("")`` is ``.``)."""
+    if not os.fspath(folder).strip():
+        raise ConfigError(
+            "save_pretrained needs a folder path, got an empty one (an unset variable?); name "
+            "a folder, e.g. save_pretrained('camvid-model')"
+        )
+    return Path(folder)
 
 
 def refuse_existing(folder: Path, names: Sequence[str], overwrite: bool) -> None:
@@ -288,6 +337,19 @@ def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
     missing = [k for k in ("arch", "model_kwargs", "class_names", "palette") if k not in config]
     if missing:
         raise CheckpointError(f"{folder / CONFIG_NAME} lacks {missing}; save the folder again")
+    for key in ("class_names", "palette"):  # save_pretrained writes lists; null is an edit
+        if not isinstance(config[key], list):
+            raise CheckpointError(
+                f"{folder / CONFIG_NAME}: {key} must be a list (one entry per class), got "
+                f"{config[key]!r:.40}; save the folder again"
+            )
+    kwargs = config["model_kwargs"] if isinstance(config["model_kwargs"], dict) else {}
+    model_count = kwargs.get("num_classes", len(config["class_names"]))
+    if config.get("num_classes", model_count) != model_count:  # a summary: the model's must agree
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME}: num_classes is {config['num_classes']!r} but the model "
+            f"has {model_count} classes (model_kwargs); save the folder again"
+        )
     norm = config.get("normalization") or {}
     if not isinstance(norm, dict):
         raise CheckpointError(
@@ -323,6 +385,11 @@ def load_state(source: str | os.PathLike[str]) -> dict[str, Any]:
     gets an error naming the checkpoint to pass."""
     from dualseg.engine.checkpoint import BEST_NAME, LAST_NAME, load_checkpoint
 
+    if not os.fspath(source).strip():  # Path("") is the current folder
+        raise ConfigError(
+            "the model path is empty (an unset variable?); pass a checkpoint, a pretrained "
+            "folder or hf://org/name"
+        )
     path = Path(source)
     if is_hub_source(source) or is_pretrained_folder(path):
         return read_pretrained(source)

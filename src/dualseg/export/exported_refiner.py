@@ -36,13 +36,18 @@ class ExportedRefiner:
     def __init__(self, runner: Any, sidecar: Mapping[str, Any], *, source: str = "") -> None:
         self.runner = runner
         self.source = source
+        from dualseg.refine.formats import stored_description
         from dualseg.refine.refiner import RefinerConfig  # the same options as BoundaryRefiner
 
-        self.class_names = tuple(str(c) for c in sidecar["class_names"])
+        described = stored_description(sidecar, source)
+        self.class_names = tuple(described["class_names"])
         # a RefinerConfig, so that overrides work as for BoundaryRefiner:
         # refiner.config = dataclasses.replace(refiner.config, top_n=3)
-        self.config = RefinerConfig.from_dict(sidecar["config"])
-        self.ignore_index = int(sidecar.get("ignore_index", 255))
+        try:
+            self.config = RefinerConfig.from_dict(sidecar.get("config"))
+        except ConfigError as err:
+            raise CheckpointError(f"{source}: {err}; re-export the refiner") from None
+        self.ignore_index = described["ignore_index"]
         self.prototypes = np.asarray(sidecar["prototypes"], np.float32)
         self.present = np.asarray(sidecar["present"], bool)
         if self.prototypes.shape[0] != len(self.class_names) or self.present.shape != (

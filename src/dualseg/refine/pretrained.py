@@ -15,15 +15,19 @@ folders saved before it was stored).
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from dualseg.engine.pretrained import (
+    CONFIG_NAME,
     REFINER_CONFIG,
     REFINER_WEIGHTS,
+    folder_path,
     is_hub_source,
     read_json,
     read_safetensors,
@@ -61,8 +65,9 @@ def save_folder(
     """Write ``refiner`` into ``folder`` (weights first, ``refiner.json`` last)."""
     from dualseg._version import __version__
 
-    folder = Path(folder)
+    folder = folder_path(folder)
     refuse_existing(folder, (REFINER_CONFIG, REFINER_WEIGHTS), overwrite)
+    check_folder_model(folder, refiner.class_names, fix="save the refiner to another folder")
     tensors = {f"net.{k}": v for k, v in refiner.net.state_dict().items()}
     tensors["prototypes"] = refiner.prototypes.float()
     tensors["present"] = refiner.present.to(torch.uint8)
@@ -82,6 +87,36 @@ def save_folder(
     return folder
 
 
+def refiner_names(meta: dict) -> list[str] | None:
+    names = meta.get("class_names")
+    return names if isinstance(names, list) else None  # from_stored says what is wrong
+
+
+def check_folder_model(folder: Path, names: Sequence[str] | None, *, fix: str) -> None:
+    """A refiner beside a model (``config.json`` in the same folder) must be fit for that
+    model's classes: the folder is loaded as a pair, and names in another order would relabel
+    pixels as other classes."""
+    if names is None or not (folder / CONFIG_NAME).is_file():
+        return
+    try:
+        model_names = json.loads((folder / CONFIG_NAME).read_text("utf-8")).get("class_names")
+    except (OSError, ValueError, AttributeError):
+        return  # the model's own loading says what is wrong with it
+    if isinstance(model_names, list) and list(model_names) != list(names):
+        diff = next(
+            (
+                f"{i}: {a!r} vs {b!r}"
+                for i, (a, b) in enumerate(zip(model_names, names, strict=False))
+                if a != b
+            ),
+            f"{len(model_names)} vs {len(names)} classes",
+        )
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME} describes a model of other classes than the refiner "
+            f"({diff}); {fix}"
+        )
+
+
 def load_folder(
     source: str | os.PathLike[str],
     *,
@@ -89,7 +124,7 @@ def load_folder(
     net: EmbeddingNet | None = None,
 ) -> BoundaryRefiner:
     """A refiner folder (or ``hf://org/name``) as a :class:`BoundaryRefiner` on ``device``."""
-    from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig, check_finite_refiner
+    from dualseg.refine.refiner import BoundaryRefiner, check_finite_refiner
 
     folder = resolve_source(source, files=(REFINER_CONFIG, REFINER_WEIGHTS))
     meta = read_json(folder / REFINER_CONFIG, fmt=REFINER_FORMAT, what="refiner")
@@ -98,25 +133,13 @@ def load_folder(
     missing = [k for k in ("prototypes", "present") if k not in tensors]
     if missing or "config" not in meta or "class_names" not in meta:
         raise CheckpointError(f"{folder}: incomplete refiner folder; save it again")
-    config = RefinerConfig.from_dict(meta["config"])
-    if net is None:
-        net = config.embedding_net()
-    state = {k.removeprefix("net."): v for k, v in tensors.items() if k.startswith("net.")}
-    try:
-        net.load_state_dict(state)
-    except RuntimeError as err:
-        raise CheckpointError(
-            f"{folder / REFINER_WEIGHTS}: the embedding weights do not fit the model "
-            f"({str(err).splitlines()[0]})"
-        ) from err
-    refiner = BoundaryRefiner(
-        net,
+    check_folder_model(folder, refiner_names(meta), fix="fit a refiner for that model")
+    refiner = BoundaryRefiner.from_stored(
+        meta,
+        {k.removeprefix("net."): v for k, v in tensors.items() if k.startswith("net.")},
         tensors["prototypes"],
         tensors["present"].bool(),
-        class_names=meta["class_names"],
-        config=config,
-        ignore_index=int(meta.get("ignore_index", 255)),
-        palette=meta.get("palette"),
+        source=folder / REFINER_CONFIG,
+        net=net,
     )
-    refiner.calibration = meta.get("calibration")
     return refiner.to(device)

@@ -50,7 +50,7 @@ from dualseg.refine.embedding import (
     p1_filter,
 )
 from dualseg.refine.fit import OPTIMIZERS, train_embedding
-from dualseg.refine.formats import FORMAT, load_state
+from dualseg.refine.formats import FORMAT, load_state, stored_description
 from dualseg.refine.prototypes import stream_prototypes
 from dualseg.refine.shared import BaseFeatures, SharedFeatures, can_share, matching
 from dualseg.refine.triplet import MINING, REDUCTIONS, triplet_step
@@ -190,9 +190,47 @@ class RefinerConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RefinerConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items() if k in known}
+        """The options of a stored refiner (``to_dict``'s output). Options it lacks take their
+        defaults (refiners saved before the option existed ran as its default); an option this
+        dualseg does not know, or a value of the wrong type, is a :class:`ConfigError`."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"config must be a dict of refiner options, got {d!r:.40}")
+        fields = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in fields)
+        if unknown:
+            raise ConfigError(
+                f"config holds option(s) {', '.join(unknown)} that this dualseg does not know "
+                "(written by a newer version?); upgrade dualseg or fit the refiner again"
+            )
+        kw = {k: _typed_option(k, fields[k], v) for k, v in d.items()}
         return cls(**kw)
+
+
+def _typed_option(name: str, kind: Any, value: Any) -> Any:
+    """``value`` of the stored option ``name`` (annotation ``kind``, a string under postponed
+    annotations), checked: JSON has no tuples, and "5" or true is no count."""
+    kind = str(kind)
+
+    def number(v: Any, integer: bool) -> bool:
+        ok = (int,) if integer else (int, float)
+        return isinstance(v, ok) and not isinstance(v, bool)
+
+    if kind == "int":
+        ok = number(value, True)
+    elif kind == "float":
+        ok = number(value, False)
+    elif kind == "float | None":
+        ok = value is None or number(value, False)
+    elif kind == "str":
+        ok = isinstance(value, str)
+    elif kind == "tuple[int, ...]":
+        ok = isinstance(value, list | tuple) and all(number(v, True) for v in value)
+        value = tuple(value) if ok else value
+    else:  # pragma: no cover - a new field needs its kind here
+        raise AssertionError(f"RefinerConfig.{name}: no check for {kind}")
+    if not ok:
+        raise ConfigError(f"option {name} must be {kind}, got {value!r:.40}")
+    return value
 
 
 class BoundaryRefiner:
@@ -211,9 +249,11 @@ class BoundaryRefiner:
     ) -> None:
         self.config = config or RefinerConfig(embed_dim=int(prototypes.shape[1]))
         self.class_names = tuple(str(n) for n in class_names)
-        if prototypes.shape[0] != len(self.class_names) or present.shape != prototypes.shape[:1]:
+        k = len(self.class_names)
+        if prototypes.ndim != 2 or prototypes.shape[0] != k or tuple(present.shape) != (k,):
             raise ConfigError(
-                f"{prototypes.shape[0]} prototypes for {len(self.class_names)} class names"
+                f"prototypes {tuple(prototypes.shape)} and present {tuple(present.shape)} for "
+                f"{k} class names: expected [{k}, C] and [{k}]"
             )
         # the dataset's class colours (None: refiners saved before they were stored)
         self.palette = as_palette(palette, len(self.class_names))
@@ -440,30 +480,71 @@ class BoundaryRefiner:
         weights into, for a custom model (default: rebuilt from the stored configuration)."""
         from dualseg.refine import pretrained
 
+        if not os.fspath(path).strip():  # Path("") is the current folder
+            raise ConfigError(
+                "the refiner path is empty (an unset variable?); pass a refiner file, a refiner "
+                "folder or hf://org/name"
+            )
         if pretrained.is_folder_source(path):
             return pretrained.load_folder(path, device=device, net=net)
         state = load_state(path, FORMAT, "refiner")
-        check_finite_refiner(path, {**state["model"], "prototypes": state["prototypes"]})
-        config = RefinerConfig.from_dict(state["config"])
+        missing = [k for k in ("model", "prototypes", "present", "config") if k not in state]
+        if missing:
+            raise CheckpointError(f"{path} lacks {', '.join(missing)}; fit the refiner again")
+        tensors = {**state["model"], "prototypes": state["prototypes"]}
+        check_finite_refiner(path, tensors)
+        return cls.from_stored(
+            state, state["model"], state["prototypes"], state["present"], source=path, net=net
+        ).to(device)
+
+    @classmethod
+    def from_stored(
+        cls,
+        stored: Mapping[str, Any],
+        net_state: Mapping[str, Tensor],
+        prototypes: Tensor,
+        present: Tensor,
+        *,
+        source: str | os.PathLike[str],
+        net: EmbeddingNet | None = None,
+    ) -> BoundaryRefiner:
+        """A refiner from its saved parts (a ``.pt``'s dict or a folder's ``refiner.json``,
+        and its tensors), each checked; every problem names ``source``."""
+        from dualseg.engine.checkpoint import _state_dict_problems
+
+        described = stored_description(stored, source)
+        try:
+            config = RefinerConfig.from_dict(stored["config"])
+        except ConfigError as err:
+            raise CheckpointError(f"{source}: {err}") from None
         if net is None:
             net = config.embedding_net()
-        try:
-            net.load_state_dict(state["model"])
-        except RuntimeError as err:
+        if problems := _state_dict_problems(net, net_state):
             raise CheckpointError(
-                f"{path}: the embedding weights do not fit the model ({str(err).splitlines()[0]})"
-            ) from err
+                f"{source}: the embedding weights do not fit the model its config describes "
+                f"({'; '.join(problems)}); fit the refiner again"
+            )
+        net.load_state_dict(net_state)
+        k = len(described["class_names"])
+        shapes = {"prototypes": (k, config.embed_dim), "present": (k,)}
+        for key, tensor in (("prototypes", prototypes), ("present", present)):
+            if tuple(tensor.shape) != shapes[key]:
+                raise CheckpointError(
+                    f"{source}: {key} has shape {tuple(tensor.shape)}, expected "
+                    f"{shapes[key]} ({k} classes, embed_dim {config.embed_dim}); fit the "
+                    "refiner again"
+                )
         refiner = cls(
             net,
-            state["prototypes"],
-            state["present"],
-            class_names=state["class_names"],
+            prototypes,
+            present,
+            class_names=described["class_names"],
             config=config,
-            ignore_index=int(state.get("ignore_index", 255)),
-            palette=state.get("palette"),
+            ignore_index=described["ignore_index"],
+            palette=described["palette"],
         )
-        refiner.calibration = state.get("calibration")
-        return refiner.to(device)
+        refiner.calibration = described["calibration"]
+        return refiner
 
     def calibration_note(self) -> str | None:
         """A warning when the held-out check at fit time found that refinement did not help
