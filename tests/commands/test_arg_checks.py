@@ -126,3 +126,15 @@ def test_onnx_runtime_takes_threads_and_refuses_what_does_not_apply() -> None:
         with pytest.raises(ConfigError, match="needs onnxruntime-gpu"):
             onnx_runtime(args(device="cuda"), torch.device("cuda", 0))
         assert onnx_runtime(args(), torch.device("cuda", 0))["providers"] is None  # auto
+
+
+@pytest.mark.parametrize(
+    ("text", "said"), [("-3", "must be >= 1, got -3"), ("x", "expected an integer >= 1, got 'x'")]
+)
+def test_a_count_of_at_least_one_names_its_bound(text: str, said: str) -> None:
+    import argparse
+
+    from dualseg.commands.common import positive_int
+
+    with pytest.raises(argparse.ArgumentTypeError, match=said):  # it said ">= 0" for -3
+        positive_int(text)

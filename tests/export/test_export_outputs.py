@@ -92,6 +92,18 @@ def test_existing_refiner_sidecar_needs_overwrite(refiner_file, tmp_path, capsys
     assert out.exists() and sidecar.read_text() != "{}"
 
 
+def test_export_never_writes_over_a_checkpoint_or_a_refiner(refiner_file, tmp_path, capsys):
+    import shutil
+
+    victim = shutil.copy(refiner_file, tmp_path / "victim.pt")  # another refiner, say
+    kept = victim.read_bytes()
+    args = ["export", "--refiner", str(refiner_file), "--format", "torchscript", "--out",
+            str(victim), "--size", "32", "32", "--overwrite", "--no-verify"]  # fmt: skip
+    line = _refused(args, capsys)
+    assert f"--out {victim} is a dualseg file (dualseg-refiner/1)" in line
+    assert victim.read_bytes() == kept and not (tmp_path / "victim.json").exists()
+
+
 def test_a_pretrained_folders_refiner_json_is_never_a_sidecar(refiner_file, tmp_path, capsys):
     folder = tmp_path / "camvid-model"
     folder.mkdir()

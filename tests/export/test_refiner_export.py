@@ -158,3 +158,27 @@ def test_exported_refiner_batch_form_checks_its_images_as_boundary_refiner(refin
         exported.refine(torch.zeros(1, 4, 40, 56), p)
     with pytest.warns(UserWarning, match="looks like RGB before ImageNet normalization"):
         exported.refine(raw.float() / 255, p)
+
+
+def test_the_export_keeps_the_calibration_and_its_notes(refiner, tmp_path):
+    """The fit's held-out check (gate 0: refinement did not help) and the base it was chosen
+    for travel with the export: its note and the other-base warning were lost there."""
+    import dataclasses
+
+    from dualseg.refine.base import other_calibration_base
+
+    ref, _ = refiner
+    calibrated = BoundaryRefiner(
+        ref.net, ref.prototypes, ref.present, class_names=ref.class_names,
+        config=dataclasses.replace(ref.config, gate_margin=0.0), palette=[[1, 2, 3]] * 3,
+    )  # fmt: skip
+    calibrated.calibration = {"split": "dev", "images": 4, "metric": "miou", "rows": [],
+                              "base_fingerprint": "another-base"}  # fmt: skip
+    path = calibrated.save(tmp_path / "calibrated.pt")
+    out = tmp_path / "emb.onnx"
+    assert main(["export", "--refiner", str(path), "--out", str(out), "--no-verify"]) == 0
+    exported = load_exported_refiner(out)
+    assert exported.calibration == calibrated.calibration
+    assert exported.palette == [[1, 2, 3]] * 3
+    assert exported.calibration_note() == calibrated.calibration_note() is not None
+    assert other_calibration_base(exported, torch.nn.Linear(2, 2))

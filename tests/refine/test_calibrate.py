@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dualseg.commands.refine import format_sweep
+from dualseg.errors import ConfigError
 from dualseg.refine.calibrate import choose_decision, decision_grid, sweep_decision
 from dualseg.refine.decision import (
     Candidates,
@@ -17,6 +18,7 @@ from dualseg.refine.decision import (
     gather_candidates,
     prototype_scale,
 )
+from dualseg.refine.refiner import RefinerConfig
 
 
 def candidates(pred: torch.Tensor, edge: torch.Tensor, labels, distance, probs) -> Candidates:
@@ -148,8 +150,10 @@ def test_candidates_equal_the_dense_top_n_at_each_near_boundary_pixel() -> None:
         assert torch.equal(decide(one)[0][0], decide(c)[0][i])
     dist = scores[b, :, y, x].gather(1, c.labels)
     absent = ~present[c.labels]
-    assert torch.isinf(c.distance[absent]).all()
-    assert torch.allclose(c.distance[~absent], dist[~absent], atol=1e-6)
+    # a pixel whose base label has no prototype: no candidate is known nearer, it keeps it
+    unknown = absent | ~present[c.pred[b, y, x]][:, None]
+    assert torch.isinf(c.distance[unknown]).all() and (~unknown).any()
+    assert torch.allclose(c.distance[~unknown], dist[~unknown], atol=1e-6)
 
 
 class Fixed:
@@ -217,6 +221,11 @@ def test_p1_filter_blurs_and_zero_is_the_identity() -> None:
     assert y[..., 4, 4].max() < 0.2 and y.sum() == pytest.approx(3.0, rel=1e-4)
     flat = torch.full((1, 3, 9, 9), 0.7)
     assert torch.allclose(p1_filter(flat, 1.5), flat)
+    # a blur wider than the image is cut to it (reflection refused it: a traceback at apply)
+    wide = p1_filter(torch.randn(1, 3, 6, 10), 50.0)
+    assert wide.shape == (1, 3, 6, 10) and wide.std() < 0.2
+    with pytest.raises(ConfigError, match="p1_blur_sigma must be >= 0 and finite, got inf"):
+        RefinerConfig(p1_blur_sigma=float("inf"))
 
 
 def test_the_choice_maximizes_the_metric_asked_for() -> None:

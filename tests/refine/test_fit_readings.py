@@ -28,11 +28,18 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def dev_data(setup: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The setup data with a dev split (the val images listed as dev.txt): the decision is
-    calibrated on a split carved for it, never on one named as an evaluation split."""
+    """The setup data with a dev split carved from train: the decision is calibrated on images
+    held out of the fit and apart from val, never on an evaluation split's."""
     data = Path(shutil.copytree(setup[0], tmp_path_factory.mktemp("dev") / "data"))
-    (data / "dev.txt").write_text((data / "val.txt").read_text())
+    carve_dev(data)
     return data
+
+
+def carve_dev(data: Path, count: int = 2) -> None:
+    """Move the last ``count`` train.txt pairs to dev.txt."""
+    lines = (data / "train.txt").read_text().splitlines(keepends=True)
+    (data / "train.txt").write_text("".join(lines[:-count]))
+    (data / "dev.txt").write_text("".join(lines[-count:]))
 
 
 def fit_args(data: Path, base: Path, out: Path) -> list[str]:
@@ -269,6 +276,16 @@ def test_the_calibrate_split_is_checked_before_the_fit(
     assert main([*argv, "--calibrate-split", "trainval"]) == 1
     err = one_line(capsys)
     assert "4 of the 6 --calibrate-split trainval images" in err
+    # nor the val images under another name: tuned on, then scored there as a clean result
+    (copy / "holdout.txt").write_text((copy / "val.txt").read_text())
+    assert main([*argv, "--calibrate-split", "holdout"]) == 1
+    err = one_line(capsys)
+    assert "2 of the 2 --calibrate-split holdout images are also in the val split" in err, err
+    # decision flags the sweep would replace without a word
+    assert main([*argv, "--calibrate-split", "holdout", "--gate-margin", "0.9",
+                 "--min-prob", "0.5"]) == 1  # fmt: skip
+    err = one_line(capsys)
+    assert "--gate-margin and --min-prob and --calibrate-split both set the decision" in err
     assert not out.exists() and not (tmp_path / "r.train.pt").exists()
 
 

@@ -124,7 +124,9 @@ def test_a_refiner_calibrated_on_another_base_is_said(data, base, tmp_path, caps
     from dualseg.engine.checkpoint import load_checkpoint, save_checkpoint
 
     dev = Path(shutil.copytree(data, tmp_path / "dev"))
-    (dev / "dev.txt").write_text((dev / "val.txt").read_text())
+    lines = (dev / "train.txt").read_text().splitlines(keepends=True)  # dev carved from train
+    (dev / "train.txt").write_text("".join(lines[:-2]))
+    (dev / "dev.txt").write_text("".join(lines[-2:]))
     refiner = tmp_path / "r.pt"
     assert main(fit(dev, base, refiner, "--calibrate-split", "dev")) == 0
     state = {k: v for k, v in load_checkpoint(base).items() if not k.startswith("_")}

@@ -43,12 +43,16 @@ DEVICE_HELP = "auto | cpu | cuda | cuda:N (auto: CUDA when available)"
 
 def nonnegative_int(text: str) -> int:
     """argparse ``type=``: an integer >= 0 (``--workers``, pixel widths), refused at parsing."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
     return value
 
 
@@ -63,10 +67,7 @@ def pixels_at_most(text: str, limit: int) -> int:
 
 def positive_int(text: str) -> int:
     """argparse ``type=``: an integer >= 1 (a step interval), refused at parsing."""
-    value = nonnegative_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+    return _int_at_least(text, 1)
 
 
 def parse_ignore_index(text: str) -> int | str | None:

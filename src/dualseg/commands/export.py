@@ -152,6 +152,16 @@ def check_outputs(args: argparse.Namespace) -> list[Path]:
                     f"{f' ({target.name})' if inside else ''}, the model being exported; "
                     "choose another --out"
                 )
+    if args.format != "pretrained":
+        from dualseg.serialization import torch_file_format
+
+        for target in targets:  # an earlier export may be replaced; a trained file never
+            kind = torch_file_format(target) if target.is_file() else None
+            if kind:
+                raise ConfigError(
+                    f"--out {target} is a dualseg file ({kind}), not an earlier export; "
+                    "export never writes over it, not even with --overwrite: choose another --out"
+                )
     if args.format != "pretrained" and not args.overwrite:
         present = [str(t) for t in targets if t.exists()]
         if present:

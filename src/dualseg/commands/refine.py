@@ -353,6 +353,17 @@ def fit_main(args: argparse.Namespace) -> int:
         )
     if args.calibrate_split and args.base is None:
         raise ConfigError("--calibrate-split scores the refiner on top of a base model: add --base")
+    decision = {"--gate-margin": "gate_margin", "--prior-weight": "prior_weight",
+                "--min-prob": "min_prob", "--p1-blur-sigma": "p1_blur_sigma"}  # fmt: skip
+    defaults = RefinerConfig()
+    given = [f for f, k in decision.items() if getattr(args, k) != getattr(defaults, k)]
+    if args.calibrate_split and given:  # the sweep would replace them without a word
+        raise ConfigError(
+            f"{' and '.join(given)} and --calibrate-split both set the decision: "
+            "--calibrate-split chooses gate_margin, prior_weight, min_prob and p1_blur_sigma "
+            f"on held-out images; drop {' and '.join(given)}, or drop --calibrate-split to use "
+            "your values"
+        )
     if args.calibrate_split in EVALUATION_SPLITS:
         raise ConfigError(
             f"--calibrate-split {args.calibrate_split} is an evaluation split: choosing the "
@@ -615,15 +626,28 @@ def calibration_dataset(args: argparse.Namespace, train: Any, labels: dict[str, 
         )
     except DataError as err:  # the dataset's messages name --split: here it is this flag
         raise DataError(re.sub(r"--split\b", "--calibrate-split", str(err))) from None
-    fitted = {Path(image).resolve() for image, _ in getattr(train, "samples", [])}
-    shared = [image for image, _ in getattr(held_out, "samples", [])]
-    shared = [image for image in shared if Path(image).resolve() in fitted]
-    if shared:
-        raise ConfigError(
-            f"{len(shared)} of the {len(held_out)} --calibrate-split {args.calibrate_split} "
-            f"images are also in --split {args.split} (e.g. {shared[0]}); the decision "
-            "options must be chosen on images held out of the fit"
-        )
+
+    def images(ds: Any) -> set[Path]:
+        return {Path(image).resolve() for image, _ in getattr(ds, "samples", [])}
+
+    calibrating = [image for image, _ in getattr(held_out, "samples", [])]
+    others = [(f"--split {args.split}", "held out of the fit", images(train))]
+    for split in EVALUATION_SPLITS:  # val under another name would be tuned on, then scored
+        try:
+            evaluated = build_dataset(args.data, split=split, layout=args.layout,
+                                      preset=args.preset, **labels)  # fmt: skip
+        except DataError:  # no such split: nothing to keep apart
+            continue
+        others.append((f"the {split} split", f"apart from {split}, where it is scored",
+                       images(evaluated)))  # fmt: skip
+    for name, why, taken in others:
+        shared = [image for image in calibrating if Path(image).resolve() in taken]
+        if shared:
+            raise ConfigError(
+                f"{len(shared)} of the {len(held_out)} --calibrate-split {args.calibrate_split} "
+                f"images are also in {name} (e.g. {shared[0]}); the decision options must be "
+                f"chosen on images {why}: carve the calibration split from train"
+            )
     return held_out
 
 

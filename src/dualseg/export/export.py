@@ -478,6 +478,10 @@ def export_refiner(
             "config": cfg.to_dict(),
             "prototypes": refiner.prototypes.detach().cpu().float().tolist(),
             "present": refiner.present.detach().cpu().bool().tolist(),
+            # what the fit's --calibrate-split found and for which base: the notes and warnings
+            # a refiner gives travel with its export
+            "calibration": refiner.calibration,
+            "palette": None if refiner.palette is None else [list(c) for c in refiner.palette],
         },
     )
     return path, sidecar

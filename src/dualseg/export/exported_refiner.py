@@ -48,6 +48,8 @@ class ExportedRefiner:
         except ConfigError as err:
             raise CheckpointError(f"{source}: {err}; re-export the refiner") from None
         self.ignore_index = described["ignore_index"]
+        self.palette = described["palette"]
+        self.calibration = described["calibration"]  # absent from exports before it was kept
         self.prototypes = np.asarray(sidecar["prototypes"], np.float32)
         self.present = np.asarray(sidecar["present"], bool)
         if self.prototypes.shape[0] != len(self.class_names) or self.present.shape != (
@@ -57,6 +59,12 @@ class ExportedRefiner:
                 f"{source}: {self.prototypes.shape[0]} prototypes for {len(self.class_names)} "
                 "classes; re-export the refiner"
             )
+
+    def calibration_note(self) -> str | None:
+        """As :meth:`BoundaryRefiner.calibration_note`."""
+        from dualseg.refine.refiner import calibration_note
+
+        return calibration_note(self.calibration, self.config)
 
     @property
     def num_classes(self) -> int:

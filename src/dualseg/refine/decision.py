@@ -124,9 +124,15 @@ def gather_candidates(
         keep = edge.flatten(1).any(1) if p.shape[0] > 1 else index.new_ones(1, dtype=torch.bool)
         band = kept_rows(edge, keep)
         s = EmbeddingNet.sample(scores(keep, band), band, covered)  # [M,K], edge.nonzero() order
-        if not bool(present.all()):  # a label without a prototype is never the nearest
-            s = s.masked_fill(~present.to(s.device), float("inf"))
         dist = s.gather(1, cand) / scale  # [M,N]
+        if not bool(present.all()):
+            absent = ~present.to(dist.device)
+            # a label without a prototype is never the nearest; and a pixel whose base label
+            # has none keeps it: its distance is unknown, so no candidate is known nearer (else
+            # a class absent from the fit data vanished wherever it was near a boundary)
+            dist = dist.masked_fill(absent[cand], float("inf"))
+            base_absent = absent[pred.reshape(-1)[index]]  # [M]
+            dist = dist.masked_fill(base_absent[:, None], float("inf"))
     else:
         dist = torch.zeros(cand.shape, dtype=torch.float32, device=cand.device)
     return Candidates(
@@ -150,7 +156,8 @@ def decide(
     """P5 with the readings above: ``(labels [B,H,W] int64, changed bool [B,H,W])``.
 
     The defaults are the claim: every near-boundary pixel takes its nearest Top-N prototype.
-    A pixel none of whose candidates has a prototype keeps the base's label.
+    A pixel none of whose candidates has a prototype keeps the base's label, and so does a
+    pixel whose base label has no prototype (:func:`gather_candidates`).
     """
     score = c.distance
     if prior_weight > 0:

@@ -189,7 +189,11 @@ def p1_filter(images: Tensor, sigma: float) -> Tensor:
     from torchvision.transforms.v2 import functional as TF
 
     k = 2 * math.ceil(3 * sigma) + 1
-    return TF.gaussian_blur(images, kernel_size=[k, k], sigma=[sigma, sigma])
+    # reflection needs a half-kernel shorter than the side: a blur wider than the image is
+    # cut to it (its weights beyond would only reflect the same pixels again)
+    h, w = images.shape[-2:]
+    kh, kw = min(k, 2 * h - 1), min(k, 2 * w - 1)
+    return TF.gaussian_blur(images, kernel_size=[kw, kh], sigma=[sigma, sigma])  # (x, y)
 
 
 def embed_features(

@@ -160,7 +160,10 @@ class RefinerConfig:
             ),
             (self.prior_weight >= 0, f"prior_weight must be >= 0, got {self.prior_weight}"),
             (0 <= self.min_prob < 1, f"min_prob must be in [0, 1), got {self.min_prob}"),
-            (self.p1_blur_sigma >= 0, f"p1_blur_sigma must be >= 0, got {self.p1_blur_sigma}"),
+            (
+                0 <= self.p1_blur_sigma < float("inf"),
+                f"p1_blur_sigma must be >= 0 and finite, got {self.p1_blur_sigma}",
+            ),
             (
                 0 <= self.decoder_channels <= MAX_EMBED_DIM,
                 f"decoder_channels must be in 0..{MAX_EMBED_DIM} (0: no decoder), got "
@@ -549,15 +552,7 @@ class BoundaryRefiner:
     def calibration_note(self) -> str | None:
         """A warning when the held-out check at fit time found that refinement did not help
         the base model it was calibrated on (then the chosen gate 0 changes no pixel)."""
-        if self.calibration is None or self.config.gate_margin != 0:
-            return None
-        metric = self.calibration.get("metric", "miou")  # absent from refiners fit before it
-        by = "" if metric == "miou" else f" ({metric})"
-        return (
-            f"this refiner's held-out check ({self.calibration['images']} images of split "
-            f"{self.calibration['split']!r}) found that refinement did not help{by} the base "
-            "model it was fit for: its gate_margin is 0 and it changes no pixel"
-        )
+        return calibration_note(self.calibration, self.config)
 
     # ------------------------------------------------------------------ training (steps 1-5)
     @classmethod
@@ -720,6 +715,20 @@ def _check_refiner_target(target: Path) -> None:
             f"{target} exists and is not a method-B refiner ({kind or 'another kind of file'}); "
             "save never writes over it: choose another path"
         )
+
+
+def calibration_note(calibration: Mapping[str, Any] | None, config: RefinerConfig) -> str | None:
+    """:meth:`BoundaryRefiner.calibration_note` of a refiner's stored calibration and options
+    (shared with the exported refiner)."""
+    if calibration is None or config.gate_margin != 0:
+        return None
+    metric = calibration.get("metric", "miou")  # absent from refiners fit before it
+    by = "" if metric == "miou" else f" ({metric})"
+    return (
+        f"this refiner's held-out check ({calibration['images']} images of split "
+        f"{calibration['split']!r}) found that refinement did not help{by} the base "
+        "model it was fit for: its gate_margin is 0 and it changes no pixel"
+    )
 
 
 def check_finite_refiner(source: str | os.PathLike[str], tensors: Mapping[str, Any]) -> None:
