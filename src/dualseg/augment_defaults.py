@@ -26,6 +26,8 @@ JITTER_PARTS = ("brightness", "contrast", "saturation", "hue")
 # the largest crop side: a crop is allocated whole (padded past the image), and 100000 x 100000
 # asked for 120 GB before failing with an allocator traceback
 MAX_CROP_SIDE = 8192
+# the largest random scale factor, for the same reason (recipes use 0.5..2, at most 4)
+MAX_SCALE = 8.0
 
 # the seed of every random draw (augmentation, sampling, initialization): numpy's legacy
 # generators take seeds in 0..2**32-1, so every seed option is checked against this one bound
@@ -93,6 +95,13 @@ def check_augment_settings(
     if not 0 < lo <= hi:
         raise bad(
             "scale_range", scale_range, "the scale factors must satisfy 0 < MIN <= MAX (e.g. 0.5 2)"
+        )
+    if hi > MAX_SCALE:
+        raise bad(
+            "scale_range",
+            scale_range,
+            f"MAX must be at most {MAX_SCALE:g} (the scaled image is "
+            "allocated whole: 100000 asked for 46 TB before an allocator traceback)",
         )
     for key, p in (("hflip_prob", hflip_prob), ("blur_prob", blur_prob)):
         if not (number(p) and 0 <= p <= 1):

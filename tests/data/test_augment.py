@@ -55,6 +55,34 @@ def test_resume_skips_valid_outputs_and_redoes_broken_ones(src, tmp_path):
     assert read_label(label, TINY).shape == (16, 24)
 
 
+def test_a_resume_removes_the_temporary_files_of_a_killed_run(src, tmp_path):
+    # a worker killed mid-write (Ctrl-C terminates the pool) left .<name>.*.tmp behind for good
+    dst = tmp_path / "aug"
+    assert augment_dataset(src, dst, count=2, progress=False) == (2, 0)
+    left = [dst / "images" / ".000002.png.g7f03fz8.tmp", dst / "labels" / ".000002.png.x.tmp"]
+    for tmp in left:
+        tmp.write_bytes(b"half")
+    assert augment_dataset(src, dst, count=3, progress=False) == (1, 2)
+    assert not any(p.exists() for p in left)
+    assert sorted(p.name for p in (dst / "images").iterdir()) == [f"00000{i}.png" for i in range(3)]
+
+
+def test_workers_ignore_ctrl_c_so_the_parent_says_it_once(src, tmp_path, monkeypatch):
+    import signal
+
+    import torch
+
+    from dualseg.data import augment as A
+
+    before = signal.getsignal(signal.SIGINT)
+    seen = {}
+    monkeypatch.setattr(signal, "signal", lambda sig, handler: seen.setdefault(sig, handler))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this process keeps its own
+    monkeypatch.setattr(A, "_WORKER", None)
+    A._init_worker(None)  # as the pool calls it in each worker
+    assert seen == {signal.SIGINT: signal.SIG_IGN} and signal.getsignal(signal.SIGINT) == before
+
+
 def test_a_truncated_jpeg_is_written_again(src, tmp_path):
     from dualseg.data import read_image
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from datahelpers import TINY, random_pair, save
+from PIL import Image
 
 from dualseg.data import (
     available_splits,
@@ -210,6 +211,19 @@ def test_folder_with_unmatched_files(tmp_path):
     with pytest.raises(DataError, match=r"a\.png: no label") as err:
         build_dataset(tmp_path, preset=TINY)
     assert "1 more" in str(err.value)
+
+
+def test_folder_layout_reads_webp_pairs_as_the_list_layout_does(tmp_path):
+    # a lossless WebP pair was skipped without a word (the list layout read it)
+    rng = np.random.default_rng(5)
+    image, label = random_pair(rng)
+    save(tmp_path / "images" / "a.png", image)
+    save(tmp_path / "labels" / "a.png", label)
+    Image.fromarray(image).save(tmp_path / "images" / "b.webp", lossless=True)
+    Image.fromarray(label).save(tmp_path / "labels" / "b.webp", lossless=True)
+    ds = build_dataset(tmp_path, preset=TINY)
+    assert sorted(p.name for p, _ in ds.samples) == ["a.png", "b.webp"]
+    assert np.array_equal(ds.load_pair(1)[1], label)
 
 
 def test_samples_per_epoch_expands_with_fresh_augmentations(list_root):

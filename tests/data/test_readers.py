@@ -112,6 +112,24 @@ def test_palette_label_drawn_in_the_class_colours_at_other_indices_is_refused(tm
     assert read_label(path, camvid, label_format="color").tolist() == truth.tolist()
 
 
+def test_palette_label_in_grey_levels_that_are_other_classes_is_refused(tmp_path):
+    """An index label re-encoded by a quantizer: grey 0, 1, 2 on screen, stored as indices
+    2, 1, 0. Both readings are labels, and the indices were read silently (classes swapped)."""
+    camvid = get_preset("camvid")
+    truth = np.array([[0, 0, 1, 1, 2, 2]], np.uint8)
+    path = tmp_path / "quantized.png"
+    Image.fromarray(truth).convert("RGB").quantize(colors=8).save(path)
+    im = Image.open(path)
+    assert im.mode == "P" and np.asarray(im).tolist() != truth.tolist()  # reordered indices
+    with pytest.raises(DataError, match=r"grey levels that are other classes.*mode L"):
+        read_label(path, camvid)
+    # a binary mask whose index 1 is drawn white (255) keeps its indices: 255 is no class
+    mask = Image.fromarray(np.array([[0, 1, 1]], np.uint8), mode="P")
+    mask.putpalette([0, 0, 0, 255, 255, 255])
+    mask.save(tmp_path / "mask.png")
+    assert read_label(tmp_path / "mask.png", camvid).tolist() == [[0, 1, 1]]
+
+
 def test_sixteen_bit_and_gray_rgb_labels_converted(tmp_path):
     Image.fromarray(np.array([[0, 3, 255]], np.uint16)).save(tmp_path / "l16.png")
     assert read_label(tmp_path / "l16.png", TINY).tolist() == [[0, 3, 255]]

@@ -47,6 +47,8 @@ def test_one_set_of_s1_defaults() -> None:
 BAD_AUGMENT = [  # (augment flags, train flags, what the one line says)
     (["--scale-range", "2", "0.5"], ["--data.scale_range", "[2,0.5]"], "0 < MIN <= MAX"),
     (["--scale-range", "0", "1"], ["--data.scale_range", "[0,1]"], "0 < MIN <= MAX"),
+    # the scaled image is allocated whole: 100000 was an allocator traceback
+    (["--scale-range", "1e5", "1e5"], ["--data.scale_range", "[1,1e5]"], "MAX must be at most 8"),
     (["--hflip-prob", "3"], ["--data.hflip_prob", "3"], "a probability must be in [0, 1]"),
     (["--blur-prob", "-0.5"], ["--data.blur_prob", "-0.5"], "a probability must be in [0, 1]"),
     (["--jitter", "5", "5", "5", "5"], ["--data.jitter", "-1"], "jitter must be"),

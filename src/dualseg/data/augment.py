@@ -113,8 +113,13 @@ def _valid(path: Path) -> bool:
 
 
 def _init_worker(augmenter: Augmenter) -> None:
+    import signal
+
     import torch
 
+    # Ctrl-C reaches the whole process group: the parent stops the pool and says so in one
+    # line; a worker's own KeyboardInterrupt printed a traceback per worker
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     global _WORKER  # one per worker process, set once: the pool's way to share read-only state
     _WORKER = augmenter
@@ -202,6 +207,7 @@ def augment_dataset(
             f"settings, beyond --count {count}: pass --count {earlier} or more to resume it, or "
             "choose a new DST"
         )
+    _remove_partial(dst)  # an earlier run's, killed mid-write
     augmenter = Augmenter(dataset, dst, settings)
     written = 0
     mode = progress if isinstance(progress, str) else progress_mode(quiet=not progress)
@@ -213,16 +219,28 @@ def augment_dataset(
     else:
         # fork (Linux) starts workers in well under a second, as DataLoader's do; spawn elsewhere
         ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-        with ctx.Pool(workers, initializer=_init_worker, initargs=(augmenter,)) as pool:
-            for did in pool.imap_unordered(_run_in_worker, range(count), chunksize=8):
-                written += did
-                bar.update()
+        try:
+            with ctx.Pool(workers, initializer=_init_worker, initargs=(augmenter,)) as pool:
+                for did in pool.imap_unordered(_run_in_worker, range(count), chunksize=8):
+                    written += did
+                    bar.update()
+        except BaseException:  # the pool is terminated: a worker may have died mid-write
+            _remove_partial(dst)
+            raise
     bar.close()
     ext = image_format
     lines = "".join(f"images/{i:06d}.{ext} labels/{i:06d}.png\n" for i in range(count))
     atomic_write_text(dst / list_name, lines)
     atomic_write_json(dst / META_FILE, without_source_ignore(dataset.meta).to_dict())
     return written, count - written
+
+
+def _remove_partial(dst: Path) -> None:
+    """Remove the temporary files of writes that never finished (``atomic_open``'s
+    ``.<name>.*.tmp`` siblings) from DST's output folders, which this run owns (``_claim``)."""
+    for folder in (dst / "images", dst / "labels"):
+        for tmp in folder.glob(".*.tmp") if folder.is_dir() else ():
+            tmp.unlink(missing_ok=True)
 
 
 def _check_destination(src: Path, dst: Path, dataset: SegmentationDataset, list_name: str) -> None:

@@ -43,7 +43,7 @@ from dualseg.data.transforms import JointTransform, build_eval_transform, sample
 from dualseg.errors import DataError
 
 LAYOUTS = ("auto", "list", "folder", "voc", "cityscapes", "ade20k")
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")  # what readers read
 Pair = tuple[Path, Path]
 
 

@@ -167,6 +167,33 @@ def _check_palette_indices(path: Path, im: Image.Image, raw: np.ndarray, meta: D
             )
 
 
+def _check_grey_palette(path: Path, im: Image.Image, raw: np.ndarray, meta: DatasetMeta) -> None:
+    """Refuse a palette label drawn in grey levels that are other classes than its indices: an
+    index label re-encoded by a quantizer (pngquant, an editor's "indexed" mode) shows grey 0, 1,
+    2 but may store them as indices 2, 1, 0, and both readings are valid labels. (A mask whose
+    index 1 is drawn white, 255, passes: the grey reading would make a class ignore.)"""
+    flat = im.getpalette()
+    if not flat:
+        return
+    pal = np.asarray(flat, np.int64).reshape(-1, 3)
+    used = np.asarray([int(i) for i in np.unique(raw) if i < len(pal)], np.int64)
+    if len(used) == 0:
+        return
+    grey = pal[used, 0]
+    if not (pal[used] == grey[:, None]).all() or np.array_equal(grey, used):
+        return  # colours of its own, or grey levels equal to the indices: unambiguous
+    table = meta.lookup_table()
+    as_index, as_grey = table[used], table[grey]
+    if (as_grey < meta.num_classes).all() and (as_index < meta.num_classes).all():
+        i = int(np.flatnonzero(grey != used)[0])
+        raise DataError(
+            f"{path}: a palette label drawn in grey levels that are other classes than its "
+            f"indices (index {used[i]} is drawn as grey {grey[i]}): re-encoded by a quantizer? "
+            "Both readings are labels; save it as 8-bit greyscale (mode L) holding the class "
+            "indices"
+        )
+
+
 def _png_colour_depth(path: Path) -> int | None:
     """Bits per channel of a PNG file (its IHDR chunk), else ``None``."""
     try:
@@ -268,6 +295,7 @@ def _decode_label(
             raw = raw // (255 // (2**bits - 1))
         if im.mode == "P":
             _check_palette_indices(path, im, raw, meta)
+            _check_grey_palette(path, im, raw, meta)
         return _check_values(path, raw, meta)
     if im.mode not in {"RGB", "RGBA", "P", "L"}:
         raise DataError(
