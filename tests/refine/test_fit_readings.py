@@ -215,9 +215,15 @@ def test_resume_on_other_data_crops_or_base_is_refused(
         err = one_line(capsys)
         assert str(state) in err and f"{key}:" in err and "same ones" in err, err
         assert state.read_bytes() == kept  # nothing trained on the other inputs
-    # the same inputs resume
-    assert main([*argv, "--resume", "--steps", "3"]) == 0
+    # a training option changed: the refusal names it (it said "another configuration")
+    assert main([*argv, "--margin", "0.5", "--resume", "--steps", "3"]) == 1
+    err = one_line(capsys)
+    assert "other options (margin 1.0 -> 0.5)" in err and state.read_bytes() == kept, err
+    # the same inputs resume, and the inference options, which training never reads, may change
+    assert main([*argv, "--resume", "--steps", "3", "--top-n", "2", "--gate-margin", "0.2"]) == 0
     assert load_state(state, TRAIN_FORMAT, "checkpoint")["step"] == 3
+    refiner = BoundaryRefiner.load(out)
+    assert refiner.config.top_n == 2 and refiner.config.gate_margin == 0.2
 
 
 def test_resume_without_a_training_state_says_so(
@@ -268,6 +274,9 @@ def test_the_calibrate_split_is_checked_before_the_fit(
     assert main([*argv, "--calibrate-split", "train"]) == 1
     err = one_line(capsys)
     assert "--calibrate-split train" in err and "--split" in err and "held out" in err
+    # Top-1: one candidate per pixel, so the refiner could change nothing; said up front
+    assert main([*argv, "--top-n", "1", "--calibrate-split", "train"]) == 1
+    assert "--top-n 1 leaves each pixel one candidate" in capsys.readouterr().err
     # nor is a split that holds training images
     copy = shutil.copytree(data, tmp_path / "data")
     both = (copy / "train.txt").read_text() + (copy / "val.txt").read_text()

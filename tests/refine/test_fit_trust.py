@@ -140,6 +140,13 @@ def test_a_refiner_calibrated_on_another_base_is_said(data, base, tmp_path, caps
     assert "another base model" not in capsys.readouterr().err
     assert main([*argv, "-c", str(other), "--out", str(tmp_path / "e2")]) == 0
     assert "were chosen on another base model than this one" in capsys.readouterr().err
+    # overriding Top-N at apply: the calibration ran at the stored value, and Top-1 is a no-op
+    image = sorted((dev / "images").iterdir())[0]
+    apply = ["refine", "apply", str(image), "-r", str(refiner), "-b", str(base), "--quiet"]
+    assert main([*apply, "-o", str(tmp_path / "a"), "--top-n", "1", "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "decision options were chosen (--calibrate-split) at top_n 5" in err, err
+    assert "Top-N 1 leaves each pixel one candidate" in err
 
 
 def test_the_same_seed_fits_the_same_refiner(data, base, tmp_path) -> None:

@@ -353,6 +353,12 @@ def fit_main(args: argparse.Namespace) -> int:
         )
     if args.calibrate_split and args.base is None:
         raise ConfigError("--calibrate-split scores the refiner on top of a base model: add --base")
+    if args.top_n == 1:
+        print(
+            "dualseg refine fit: note: --top-n 1 leaves each pixel one candidate, the base's "
+            "label: this refiner can change no pixel (refine apply --top-n overrides it)",
+            file=sys.stderr,
+        )
     decision = {"--gate-margin": "gate_margin", "--prior-weight": "prior_weight",
                 "--min-prob": "min_prob", "--p1-blur-sigma": "p1_blur_sigma"}  # fmt: skip
     defaults = RefinerConfig()
@@ -767,7 +773,20 @@ def apply_main(args: argparse.Namespace) -> int:
         print(f"dualseg refine apply: note: {note}", file=sys.stderr)
     overrides = {k: getattr(args, k) for k in ("top_n", "radius") if getattr(args, k) is not None}
     if overrides:
+        if getattr(refiner, "calibration", None) is not None:  # the sweep ran at the stored ones
+            stored = ", ".join(f"{k} {getattr(refiner.config, k)}" for k in overrides)
+            print(
+                f"dualseg refine apply: note: {args.refiner}'s decision options were chosen "
+                f"(--calibrate-split) at {stored}; at other values they may no longer be the best",
+                file=sys.stderr,
+            )
         refiner.config = dataclasses.replace(refiner.config, **overrides)
+    if refiner.config.top_n == 1:
+        print(
+            "dualseg refine apply: note: Top-N 1 leaves each pixel one candidate, the base's "
+            "label: no pixel can change",
+            file=sys.stderr,
+        )
     base = load_base(args.base, device=device)
     if base.class_names is not None:
         refiner.check_classes(base.class_names, len(base.class_names), what=str(args.base))

@@ -90,6 +90,10 @@ def _require_same_inputs(
         )
 
 
+# options the embedding's training never reads: a resume may change them (--steps: train longer)
+RESUMABLE_CHANGES = ("steps", "top_n", "gate_margin", "prior_weight", "min_prob", "p1_blur_sigma")
+
+
 def train_embedding(
     net: EmbeddingNet,
     dataset: torch.utils.data.Dataset,
@@ -126,12 +130,22 @@ def train_embedding(
     ckpt_path = Path(checkpoint) if checkpoint is not None else None
     if resume and ckpt_path is not None and ckpt_path.is_file():
         state = load_state(ckpt_path, TRAIN_FORMAT, "refiner training checkpoint")
-        # the step count may grow on resume (train longer); every other option must agree
-        saved = dataclasses.replace(type(cfg).from_dict(state["config"]), steps=cfg.steps)
-        if saved != cfg or list(state["class_names"]) != list(class_names):
+        # the step count may grow on resume (train longer), and the inference options (which
+        # the training never reads) may change; every other option must agree
+        saved = type(cfg).from_dict(state["config"])
+        changed = [
+            f"{f.name} {getattr(saved, f.name)!r} -> {getattr(cfg, f.name)!r}"
+            for f in dataclasses.fields(cfg)
+            if f.name not in RESUMABLE_CHANGES and getattr(saved, f.name) != getattr(cfg, f.name)
+        ]
+        if list(state["class_names"]) != list(class_names):
+            changed.append("the class names")
+        if changed:
             raise CheckpointError(
-                f"{ckpt_path} was written with another configuration or class set; resume with "
-                "the same options (only --steps may change), or delete it to start over"
+                f"{ckpt_path} was written with other options ({'; '.join(changed)}); resume "
+                "with the same options (--steps and the inference options --top-n, "
+                "--gate-margin, --prior-weight, --min-prob, --p1-blur-sigma may change), or "
+                "delete it to start over"
             )
         if int(state["step"]) > cfg.steps:
             raise CheckpointError(
