@@ -7,7 +7,7 @@ import pytest
 from datahelpers import TINY, save
 from PIL import Image
 
-from dualseg.data import get_preset, read_image, read_label
+from dualseg.data import DatasetMeta, get_preset, read_image, read_label
 from dualseg.errors import DataError
 
 RNG = np.random.default_rng(0)
@@ -123,11 +123,25 @@ def test_palette_label_in_grey_levels_that_are_other_classes_is_refused(tmp_path
     assert im.mode == "P" and np.asarray(im).tolist() != truth.tolist()  # reordered indices
     with pytest.raises(DataError, match=r"grey levels that are other classes.*mode L"):
         read_label(path, camvid)
-    # a binary mask whose index 1 is drawn white (255) keeps its indices: 255 is no class
-    mask = Image.fromarray(np.array([[0, 1, 1]], np.uint8), mode="P")
-    mask.putpalette([0, 0, 0, 255, 255, 255])
-    mask.save(tmp_path / "mask.png")
-    assert read_label(tmp_path / "mask.png", camvid).tolist() == [[0, 1, 1]]
+    # grey levels that are no class, or the same classes, keep the indices: a mask drawn white
+    # (255: ignore) or grey 128 (no class), a ramp of i * 50, white mapped to class 1
+    two = DatasetMeta("bin", ("bg", "fg"), ((0, 0, 0), (255, 0, 0)))
+    five = DatasetMeta("f", tuple("abcde"), tuple((i, 0, 0) for i in range(5)))
+    cases = [
+        ([[0, 1, 1]], [0, 255], camvid),
+        ([[0, 1, 1]], [0, 128], two),
+        (
+            [[0, 1, 1]],
+            [0, 255],
+            DatasetMeta("bin", two.class_names, two.palette, label_map=((255, 1),)),
+        ),
+        ([[0, 1, 2, 3, 4]], [i * 50 for i in range(5)], five),
+    ]
+    for k, (indices, greys, meta) in enumerate(cases):
+        mask = Image.fromarray(np.array(indices, np.uint8), mode="P")
+        mask.putpalette([v for g in greys for v in (g, g, g)])
+        mask.save(tmp_path / f"mask{k}.png")
+        assert read_label(tmp_path / f"mask{k}.png", meta).tolist() == indices, k
 
 
 def test_sixteen_bit_and_gray_rgb_labels_converted(tmp_path):

@@ -219,11 +219,30 @@ def test_save_pretrained_refuses_a_model_its_description_would_not_rebuild(ckpt,
     with pytest.raises(ConfigError, match="shape"):
         save_pretrained(seg.model, tmp_path / "k", arch=seg.arch, model_kwargs=wrong,
                         meta=seg.meta)  # fmt: skip
+    compiled = torch.nn.Module()
+    compiled._orig_mod = seg.model  # the key prefix torch.compile's wrapper gives
+    with pytest.raises(ConfigError, match=r"torch.compile's wrapper; save .*model._orig_mod"):
+        save_pretrained(compiled, tmp_path / "c", arch=seg.arch, model_kwargs=seg.model_kwargs,
+                        meta=seg.meta)  # fmt: skip
+    # what leaves the output alone passes: SyncBatchNorm (DDP training), BatchNorm momentum
+    import copy
+
+    synced = torch.nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(seg.model))
+    for m in synced.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.momentum = 0.01
+    save_pretrained(synced, tmp_path / "synced", arch=seg.arch, model_kwargs=seg.model_kwargs,
+                    meta=seg.meta)  # fmt: skip
+    # model_kwargs without num_classes (a checkpoint naming only its classes) take the meta's
+    bare = {k: v for k, v in seg.model_kwargs.items() if k != "num_classes"}
+    save_pretrained(seg.model, tmp_path / "bare", arch=seg.arch, model_kwargs=bare, meta=seg.meta)
+    assert dualseg.load_model(tmp_path / "bare").meta.num_classes == seg.meta.num_classes
     with torch.no_grad():
         next(seg.model.parameters()).fill_(float("nan"))
     with pytest.raises(ConfigError, match="NaN or infinite weights"):
         seg.save_pretrained(tmp_path / "nan")
-    assert not any(p.exists() for p in (tmp_path / "s16", tmp_path / "k", tmp_path / "nan"))
+    written = ("s16", "k", "c", "nan")
+    assert not any((tmp_path / name).exists() for name in written)
 
 
 def test_an_empty_path_is_refused_not_read_as_the_current_folder(ckpt, tmp_path, monkeypatch):

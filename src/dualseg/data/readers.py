@@ -182,10 +182,14 @@ def _check_grey_palette(path: Path, im: Image.Image, raw: np.ndarray, meta: Data
     grey = pal[used, 0]
     if not (pal[used] == grey[:, None]).all() or np.array_equal(grey, used):
         return  # colours of its own, or grey levels equal to the indices: unambiguous
-    table = meta.lookup_table()
+    table = meta.lookup_table()  # raw value -> class, 255 (ignore) or -1 (no class)
     as_index, as_grey = table[used], table[grey]
-    if (as_grey < meta.num_classes).all() and (as_index < meta.num_classes).all():
-        i = int(np.flatnonzero(grey != used)[0])
+
+    def classes(values: np.ndarray) -> bool:
+        return bool(((values >= 0) & (values < meta.num_classes)).all())
+
+    if classes(as_grey) and classes(as_index) and (as_grey != as_index).any():
+        i = int(np.flatnonzero(as_grey != as_index)[0])
         raise DataError(
             f"{path}: a palette label drawn in grey levels that are other classes than its "
             f"indices (index {used[i]} is drawn as grey {grey[i]}): re-encoded by a quantizer? "

@@ -186,6 +186,7 @@ def save_pretrained(
     folder = folder_path(folder)
     refuse_existing(folder, (CONFIG_NAME, WEIGHTS_NAME), overwrite)
     kwargs = {k: v for k, v in dict(model_kwargs).items() if k != "weights"}
+    kwargs.setdefault("num_classes", meta.num_classes)  # a checkpoint naming only its classes
     check_rebuilds(model, arch, kwargs)
     stale = [n for n in (REFINER_CONFIG, REFINER_WEIGHTS) if (folder / n).exists()]
     if stale and (folder / WEIGHTS_NAME).exists():
@@ -228,11 +229,10 @@ def save_pretrained(
 
 def check_rebuilds(model: nn.Module, arch: str, kwargs: Mapping[str, Any]) -> None:
     """Refuse to save ``model`` under an ``arch`` / ``model_kwargs`` that rebuild another
-    network (other layers, shapes or dilations: a stride-16 model described as stride 8 would
-    load without an error and answer differently), or with non-finite weights (a folder that
-    could never be loaded)."""
-    import difflib
-
+    network (other weights' shapes, or other convolution or pooling geometry: a stride-16 model
+    described as stride 8 would load without an error and answer differently), or with
+    non-finite weights (a folder that could never be loaded). Differences that leave the output
+    alone (BatchNorm momentum, SyncBatchNorm, in-place activations) pass."""
     import torch
 
     from dualseg.engine.checkpoint import _state_dict_problems
@@ -241,6 +241,12 @@ def check_rebuilds(model: nn.Module, arch: str, kwargs: Mapping[str, Any]) -> No
 
     if not isinstance(arch, str) or arch not in MODELS:
         raise ConfigError(f"arch {arch!r} is not a dualseg model; known: {', '.join(MODELS)}")
+    keys = list(model.state_dict())
+    for prefix, what in (("_orig_mod.", "torch.compile's wrapper"), ("module.", "a DDP wrapper")):
+        if keys and all(k.startswith(prefix) for k in keys):
+            raise ConfigError(
+                f"this model is {what}; save the model inside it (model.{prefix[:-1]})"
+            )
     try:
         with torch.device("meta"):  # the layers only: no memory, no initialization
             built = build_model(arch, **{**kwargs, "weights": None})
@@ -248,9 +254,12 @@ def check_rebuilds(model: nn.Module, arch: str, kwargs: Mapping[str, Any]) -> No
         raise ConfigError(f"model_kwargs {dict(kwargs)!r} do not build {arch!r} ({err})") from None
     problems = _state_dict_problems(built, model.state_dict())
     if not problems:
-        ours, theirs = repr(built).splitlines(), repr(model).splitlines()
-        diff = [ln for ln in difflib.unified_diff(ours, theirs, lineterm="", n=0)][2:4]
-        problems = [" / ".join(d.strip() for d in diff if d[:1] in "+-")] if diff else []
+        ours, theirs = _geometry(built), _geometry(model)
+        problems = [
+            f"{name}: {ours.get(name)} built, {theirs.get(name)} given"
+            for name in sorted(set(ours) | set(theirs))
+            if ours.get(name) != theirs.get(name)
+        ][:3]
     if problems:
         raise ConfigError(
             f"this model is not what arch={arch!r} with model_kwargs {dict(kwargs)!r} builds "
@@ -261,6 +270,18 @@ def check_rebuilds(model: nn.Module, arch: str, kwargs: Mapping[str, Any]) -> No
             f"the model holds NaN or infinite weights ({', '.join(bad[:3])}); such a folder "
             "could not be loaded: save a checkpoint from before the training diverged"
         )
+
+
+def _geometry(model: nn.Module) -> dict[str, str]:
+    """Each convolution's and pooling layer's sampling geometry (kernel, stride, padding,
+    dilation, groups): what decides which pixels a weight meets, beyond the weights' shapes."""
+    keys = ("kernel_size", "stride", "padding", "dilation", "groups", "output_size")
+    out = {}
+    for name, m in model.named_modules():
+        found = {k: getattr(m, k) for k in keys if hasattr(m, k)}
+        if found:
+            out[name] = ", ".join(f"{k}={v}" for k, v in found.items())
+    return out
 
 
 def folder_path(folder: str | os.PathLike[str]) -> Path:
