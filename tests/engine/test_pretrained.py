@@ -464,3 +464,23 @@ def test_an_export_into_the_files_of_the_folder_being_exported_is_refused(folder
     err = capsys.readouterr().err
     assert f"would overwrite --checkpoint {folder} ({WEIGHTS_NAME})" in err, err
     assert (folder / WEIGHTS_NAME).read_bytes() == before
+
+
+def test_an_overwrite_stopped_midway_never_pairs_new_weights_with_the_old_config(
+    ckpt, tmp_path, monkeypatch
+) -> None:
+    import dualseg.engine.pretrained as P
+
+    seg = dualseg.load_model(ckpt)
+    out = seg.save_pretrained(tmp_path / "m")
+
+    def killed(path, tensors):  # the new weights land, then the run is stopped
+        (path).write_bytes(b"new weights")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(P, "write_safetensors", killed)
+    with pytest.raises(KeyboardInterrupt):
+        seg.save_pretrained(out, overwrite=True)
+    assert not (out / CONFIG_NAME).exists()  # incomplete, and said so when loaded
+    with pytest.raises(CheckpointError):
+        dualseg.load_model(out)

@@ -138,6 +138,13 @@ def test_static_refiner_export_runs_on_other_sizes(refiner, tmp_path):
     top2 = np.argsort(-probs, axis=0)[:2]
     assert ((labels[None] == top2).any(0)).all()
     assert not changed[:, :10].any()  # far from the stripes' borders (x = 20, 38): untouched
+    # a static TorchScript export runs at its size too (it ran at full size: other answers)
+    ts = tmp_path / "static_ts.pt"
+    args = ["export", "--refiner", str(path), "--format", "torchscript", "--out", str(ts)]
+    assert main([*args, "--size", "32", "32", "--no-verify"]) == 0
+    exported = load_exported_refiner(ts)
+    assert exported.runner.static_hw == (32, 32)
+    np.testing.assert_array_equal(exported.refine(image, probs), labels)
 
 
 def test_exported_refiner_batch_form_checks_its_images_as_boundary_refiner(refiner, tmp_path):
@@ -182,3 +189,15 @@ def test_the_export_keeps_the_calibration_and_its_notes(refiner, tmp_path):
     assert exported.palette == [[1, 2, 3]] * 3
     assert exported.calibration_note() == calibrated.calibration_note() is not None
     assert other_calibration_base(exported, torch.nn.Linear(2, 2))
+
+
+def test_export_refiner_leaves_the_callers_refiner_as_it_was(refiner, tmp_path):
+    from dualseg.export.export import export_refiner
+
+    ref, _ = refiner
+    ref.net.train()  # the export runs in eval mode: the caller's mode comes back
+    try:
+        export_refiner(ref, tmp_path / "emb.onnx")
+        assert ref.net.training and ref.device.type == "cpu"
+    finally:
+        ref.net.eval()

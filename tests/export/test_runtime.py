@@ -100,6 +100,20 @@ def test_dualseg_predict_onnx(onnx_dynamic, tmp_path):
     assert (out / "color" / "im1.png").is_file() and (out / "probs" / "im2.npz").is_file()
 
 
+def test_dualseg_predict_runs_a_torchscript_export_too(checkpoint, onnx_dynamic, tmp_path):
+    """--onnx refused a TorchScript export with a message naming a Python class."""
+    from dualseg.cli import main
+
+    ts = tmp_path / "tiny.pt"
+    assert main(["export", "-c", str(checkpoint), "--format", "torchscript", "--out", str(ts),
+                 "--dynamic", "--no-verify"]) == 0  # fmt: skip
+    image = tmp_path / "im.png"
+    Image.fromarray(_images()[0]).save(image)
+    assert main(["predict", str(image), "--onnx", str(ts), "--out", str(tmp_path / "o"), "-q"]) == 0
+    label = np.asarray(Image.open(tmp_path / "o" / "labels" / "im.png"))
+    assert (label == OnnxSegmenter(onnx_dynamic).predict(_images()[0])).mean() > 0.999
+
+
 def _with_metadata(source, target, **changes):
     """A copy of an exported ONNX file with some ``dualseg.*`` metadata replaced (a raw JSON
     text) or removed (None)."""

@@ -66,8 +66,12 @@ def test_exported_segmenter_runs_torchscript(scripted, torch_model):
 def test_read_export_info_tells_a_checkpoint_and_a_foreign_torchscript_apart(tmp_path) -> None:
     ckpt = tmp_path / "ckpt.pt"  # torch.save: a zip archive, but not TorchScript
     torch.save({"model": {"w": torch.zeros(1)}}, ckpt)
-    with pytest.raises(CheckpointError, match=r"is no exported model .*-c"):
+    with pytest.raises(CheckpointError, match=r"is no exported model: a PyTorch file .*-c"):
         read_export_info(ckpt)
+    refiner = tmp_path / "refiner.pt"
+    torch.save({"format": "dualseg-refiner/1"}, refiner)
+    with pytest.raises(CheckpointError, match=r"is no exported model: a method-B refiner"):
+        read_export_info(refiner)
     foreign = tmp_path / "foreign.pt"  # TorchScript that dualseg export did not write
     torch.jit.save(torch.jit.script(torch.nn.ReLU()), foreign)
     with pytest.raises(CheckpointError, match="without dualseg metadata"):

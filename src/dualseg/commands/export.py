@@ -173,22 +173,25 @@ def check_outputs(args: argparse.Namespace) -> list[Path]:
 
 
 @contextlib.contextmanager
-def _replaced_only_when_verified(targets: list[Path]) -> Iterator[None]:
-    """Set aside the earlier files at ``targets`` (an ``--overwrite``) while the new export is
-    written and verified; put them back, and remove the new ones, if anything fails."""
-    kept = {t: t.with_name(f".{t.name}.previous") for t in targets if t.exists()}
-    for target, aside in kept.items():
-        os.replace(target, aside)
+def _written_aside(out: Path) -> Iterator[Path]:
+    """A path named as ``out`` in a temporary folder beside it: the export is written and
+    verified there, and only then moved into place (each file by ``os.replace``), so an earlier
+    export at ``out`` stays whole until the new one has passed its check, whatever stops the
+    run (an error, Ctrl-C, SIGTERM or SIGKILL); a folder such a run left is removed by the
+    next one."""
+    import shutil
+    import tempfile
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}.export-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    aside = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.export-"))
     try:
-        yield
-    except BaseException:
-        for target in targets:
-            target.unlink(missing_ok=True)
-        for target, aside in kept.items():
-            os.replace(aside, target)
-        raise
-    for aside in kept.values():
-        aside.unlink(missing_ok=True)
+        yield aside / out.name
+        for written in sorted(aside.iterdir()):  # the model (and a refiner's sidecar)
+            os.replace(written, out.parent / written.name)
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 # options that only some formats read: given to another, they would be dropped silently
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_format_options(args, parser)
-    targets = check_outputs(args)
+    check_outputs(args)
     check_suffix(args)
     if args.format == "pretrained":
         return _export_pretrained(args)
@@ -279,23 +282,29 @@ def main(argv: list[str] | None = None) -> int:
         opset=args.opset,
         exporter=args.exporter,
     )
-    with _replaced_only_when_verified(targets):
-        _export_and_verify(args, out, size, options)
+    with _written_aside(out) as aside:
+        _export_and_verify(args, aside, size, options, shown=out)
     return 0
 
 
 def _export_and_verify(
-    args: argparse.Namespace, out: Path, size: tuple[int, int], options: dict[str, Any]
+    args: argparse.Namespace,
+    out: Path,
+    size: tuple[int, int],
+    options: dict[str, Any],
+    *,
+    shown: Path,
 ) -> None:
+    """Export to ``out`` and verify it there; messages name ``shown``, where it will be."""
     from dualseg.export.export import export_checkpoint, export_refiner, verify_export
 
     if args.checkpoint:
         path = export_checkpoint(args.checkpoint, out, output=args.output, **options)
-        print(f"exported {args.checkpoint} -> {path} ({args.format}, {args.output}, "
+        print(f"exported {args.checkpoint} -> {shown} ({args.format}, {args.output}, "
               f"{'dynamic' if args.dynamic else f'static {size[0]}x{size[1]}'})")  # fmt: skip
     else:
         path, sidecar = export_refiner(args.refiner, out, **options)
-        print(f"exported {args.refiner} -> {path} + {sidecar}")
+        print(f"exported {args.refiner} -> {shown} + {shown.parent / sidecar.name}")
     if not args.no_verify:
         diff = verify_export(path, checkpoint=args.checkpoint, refiner=args.refiner, size=size)
         print(f"max |exported - pytorch| on a {size[0]}x{size[1]} input: {diff:.2e}")

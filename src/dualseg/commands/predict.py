@@ -165,7 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
         "-c",
         help="a dualseg checkpoint (.pt), a pretrained folder or hf://org/name",
     )
-    src.add_argument("--onnx", help="an exported ONNX model ('dualseg export'), run by onnxruntime")
+    src.add_argument(
+        "--onnx",
+        help="an exported model ('dualseg export'): ONNX, run by onnxruntime, or TorchScript",
+    )
     p.add_argument("--out", "-o", required=True, help="output folder")
     add_overwrite_arg(p, what="output files in --out")
     add_dataset_check_options(p)
@@ -357,9 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     files = [(f, ".npz" if f == "probs" else ".png") for f in OUTPUT_FOLDERS]
     check_image_outputs(args, out, images, files if args.probs else files[:-1])
     if args.onnx:
-        from dualseg.export.runtime import OnnxSegmenter
+        from dualseg.export.runtime import ExportedSegmenter
 
-        seg = OnnxSegmenter(args.onnx, **onnx_runtime(args, device))
+        seg = ExportedSegmenter(args.onnx, **onnx_runtime(args, device))  # ONNX or TorchScript
         static_export_note(args.onnx, seg, "predict")
     else:
         seg = load_model(args.checkpoint, device=device, amp=args.amp and device.type == "cuda")

@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         "-c",
         help="a dualseg checkpoint (.pt), a pretrained folder or hf://org/name",
     )
-    src.add_argument("--onnx", help="an exported model (dualseg export --format onnx)")
+    src.add_argument(
+        "--onnx", help="an exported model (dualseg export): ONNX (onnxruntime) or TorchScript"
+    )
     p.add_argument(
         "--refiner",
         help="method B: a refiner file (dualseg refine fit), or an exported one (.onnx with "
@@ -236,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
 
     device = apply_runtime(args)
     if args.onnx:
-        from dualseg.export.runtime import OnnxSegmenter
+        from dualseg.export.runtime import ExportedSegmenter
 
-        segmenter: Any = OnnxSegmenter(args.onnx, **onnx_runtime(args, device))
+        segmenter: Any = ExportedSegmenter(args.onnx, **onnx_runtime(args, device))
         static_export_note(args.onnx, segmenter, "serve")
         name = f"{Path(args.onnx).name} ({segmenter.info.get('arch') or 'onnx'})"
     else:

@@ -221,7 +221,9 @@ def save_pretrained(
         config["metrics"] = {
             k: v for k, v in dict(metrics).items() if isinstance(v, int | float | str)
         }
-    # weights first, config last: a folder with a config.json is complete
+    # weights first, config last: a folder with a config.json is complete (an earlier config
+    # goes first, so that a run stopped between the two never pairs it with the new weights)
+    (folder / CONFIG_NAME).unlink(missing_ok=True)
     write_safetensors(folder / WEIGHTS_NAME, model.state_dict())
     atomic_write_json(folder / CONFIG_NAME, config)
     return folder

@@ -448,7 +448,34 @@ def export_refiner(
         from dualseg.refine import BoundaryRefiner
 
         refiner = BoundaryRefiner.load(refiner)
-    refiner.to("cpu")
+    # the export runs on the CPU in eval mode; the caller's refiner keeps its device and mode
+    device, was_training = refiner.device, refiner.net.training
+    try:
+        refiner.to("cpu")
+        return _export_refiner(
+            refiner,
+            Path(path),
+            format=format,
+            dynamic=dynamic,
+            example_size=example_size,
+            opset=opset,
+            exporter=exporter,
+        )
+    finally:
+        refiner.to(device)
+        refiner.net.train(was_training)
+
+
+def _export_refiner(
+    refiner: Any,
+    path: Path,
+    *,
+    format: str,
+    dynamic: bool,
+    example_size: tuple[int, int],
+    opset: int | None,
+    exporter: str,
+) -> tuple[Path, Path]:
     cfg = refiner.config
     wrapper = embedding_wrapper(refiner)
     info = export_info(
@@ -461,7 +488,6 @@ def export_refiner(
         ignore_index=refiner.ignore_index,
         extra={"embed_dim": int(cfg.embed_dim)},
     )
-    path = Path(path)
     _write(
         wrapper, path, info, format=format, example_size=example_size, dynamic=dynamic,
         opset=opset, exporter=exporter,

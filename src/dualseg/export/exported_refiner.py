@@ -220,6 +220,11 @@ def load_exported_refiner(
             f"{REFINER_FORMAT!r}); re-export with 'dualseg export --refiner'"
         )
     model_path = sidecar_path.parent / str(sidecar["embedding"])
+    if not model_path.is_file():
+        raise CheckpointError(
+            f"{sidecar_path} names its embedding model {model_path.name}, which is not beside "
+            f"it ({model_path} not found); keep the two files of the export together"
+        )
     info = read_export_info(model_path)
     if info.get("kind") != "embedding":
         raise ConfigError(f"{model_path} is not an exported embedding model")

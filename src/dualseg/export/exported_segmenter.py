@@ -130,7 +130,8 @@ class ExportedSegmenter(Predictor):
         if self.info.get("kind") != "segmenter":
             raise CheckpointError(
                 f"{self.path} holds a {self.info.get('kind')!r} model, not a segmentation "
-                "network; load an exported refiner with load_exported_refiner"
+                "network: an exported refiner (CLI: pass it as --refiner; Python: "
+                "load_exported_refiner)"
             )
         _check_segmenter_info(self.path, self.info)
         names = tuple(self.info["class_names"])

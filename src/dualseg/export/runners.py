@@ -80,11 +80,21 @@ def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"exported model not found: {path} (check the path)")
     if _is_torchscript(path):
         info = read_torchscript_meta(path)
-        if info is None:  # a zip, but no TorchScript archive: a torch.save checkpoint, say
-            raise CheckpointError(
-                f"{path} is no exported model (a zip archive that is not TorchScript, e.g. a "
-                "checkpoint: load that with -c, or export it with 'dualseg export')"
-            )
+        if info is None:  # a zip, but no TorchScript archive: a torch.save file, say
+            from dualseg.serialization import torch_file_format
+
+            kind = torch_file_format(path)  # "": unreadable (cut short); None: not dualseg's
+            if kind == "":
+                what = "a zip archive that cannot be read (cut short?); export it again"
+            elif kind is not None and kind.startswith("dualseg-refiner"):
+                what = "a method-B refiner: pass it as --refiner"
+            else:
+                what = (
+                    "a PyTorch file (a checkpoint? pass it as -c), or export one with "
+                    "'dualseg export'"
+                )
+
+            raise CheckpointError(f"{path} is no exported model: {what}")
         if not info:
             raise CheckpointError(
                 f"{path} is a TorchScript file without dualseg metadata; export it with "
@@ -171,14 +181,22 @@ class _TorchScriptRunner:
 
         import torch
 
+        from dualseg.serialization import read_torchscript_meta
+
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*is deprecated.*")
             self.module = torch.jit.load(str(path), map_location=device).eval()
         self.device = device
+        # a static export runs at its exported size, as the ONNX runner's does (a TorchScript
+        # trace would run other sizes too, and answer otherwise than its ONNX twin)
+        size = (read_torchscript_meta(path) or {}).get("input_size")
+        self.static_hw = tuple(int(v) for v in size) if size else None
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         import torch
 
+        if self.static_hw is not None and tuple(x.shape[-2:]) != self.static_hw:
+            x = _resize_chw_batch(x, self.static_hw)
         with torch.no_grad():
             out = self.module(torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(self.device))
         return out.float().cpu().numpy()

@@ -71,6 +71,9 @@ def save_folder(
     tensors = {f"net.{k}": v for k, v in refiner.net.state_dict().items()}
     tensors["prototypes"] = refiner.prototypes.float()
     tensors["present"] = refiner.present.to(torch.uint8)
+    # weights first, description last (an earlier one goes first: a run stopped between the
+    # two leaves an incomplete folder, never the new weights under the old description)
+    (folder / REFINER_CONFIG).unlink(missing_ok=True)
     write_safetensors(folder / REFINER_WEIGHTS, tensors)
     atomic_write_json(
         folder / REFINER_CONFIG,
