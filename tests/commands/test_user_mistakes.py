@@ -645,3 +645,20 @@ def test_eval_finds_a_mixed_size_batch_before_it_writes_a_prediction(files, caps
     assert last.name in line and "--batch-size 1" in line
     assert not preds.exists() and not (tmp_path / "e").exists()
     assert cli_main([*argv, "--batch-size", "1"]) == 0
+
+
+def test_eval_reads_every_label_before_it_writes_a_prediction(files, capsys, tmp_path):
+    """A bad label found at its turn left the predictions before it written: the corrected
+    rerun was then refused for the existing files."""
+    import numpy as np
+    from PIL import Image
+
+    data = make_synthetic_dataset(tmp_path / "d", n_train=1, n_val=3, size=(32, 48))
+    last = sorted((data / "labels").glob("val_*.png"))[-1]
+    Image.fromarray(np.full((32, 48), 200, np.uint8)).save(last)  # no class, not ignore
+    preds = tmp_path / "preds"
+    argv = ["eval", "-c", str(files["ckpt"]), "--data", str(data), "--device", "cpu", "-q",
+            "-o", str(tmp_path / "e"), "--save-predictions", str(preds)]  # fmt: skip
+    line = refused(argv, capsys)
+    assert last.name in line and "200" in line
+    assert not preds.exists() and not (tmp_path / "e").exists()

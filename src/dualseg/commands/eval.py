@@ -287,7 +287,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate as the command line describes; returns the metrics (also written to disk)."""
     import torch
 
-    from dualseg.data import PRESETS, build_dataset
+    from dualseg.data import PRESETS, build_dataset, read_label
     from dualseg.data.collate import SameSizeCollate
     from dualseg.data.datasets import dataset_meta, preset_for
     from dualseg.data.presets import parse_label_map, require_same_classes
@@ -390,6 +390,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     hook = None
     if args.save_predictions:
+        # every label read before the first prediction is written: a bad one found mid-run left
+        # part of the predictions behind, and the corrected run then needed --overwrite
+        for _, label_path in dataset.samples:
+            read_label(label_path, dataset.meta, label_format=dataset.label_format)
         hook = prediction_writer(
             dataset.samples, Path(args.save_predictions), dataset.meta.palette, args.batch_size
         )
