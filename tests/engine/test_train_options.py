@@ -191,3 +191,12 @@ def test_a_peer_cannot_train_on_batches_of_one_and_is_told_before_any_output() -
     validate(load_config(TINY, model=peer))
     with pytest.raises(ConfigError, match=r"data\.batch_size 1 cannot train deeplabv3_"):
         validate(load_config(TINY, model=peer, data={"batch_size": 1}))
+
+
+def test_the_spec_config_stops_when_the_objective_stops_decreasing() -> None:
+    """S33: "until the objective stops decreasing". The spec's ResNet-101 config had patience
+    off and watched val mIoU, so it always ran its 40,000 iterations."""
+    from dualseg.engine.config import load_config
+
+    cfg = load_config(TINY.parent / "camvid_resnet101.yaml")
+    assert cfg.train.patience is not None and cfg.train.monitor in ("auto", "val_loss")
