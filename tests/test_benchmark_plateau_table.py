@@ -156,3 +156,13 @@ def test_retraining_pairs_each_seed_of_a_with_the_same_seed_of_the_peer(
     text = pt.retraining_table(spread)
     assert "| method A − peer | -7.0 / -6.0 | -3.5 / -3.0 | -7.0 / -6.0 | -7.0 / -6.0 |" in text
     assert "| 58.0 / 60.0 |" in text
+    # a retrained ablation is read against method A, each seed against the same seed's
+    for seed, miou in ((0, 0.55), (1, 0.53)):
+        (tmp_path / f"no_renet{seed}.json").write_text(json.dumps(result("no_renet", seed, miou)))
+    monkeypatch.setitem(pt.RETRAINED, "no_renet", "no_renet1.json")
+    accuracies["no_renet"] = pt.accuracy("no_renet", "no_renet0.json")
+    spread = pt.retraining(accuracies)
+    label = f"{pt.ROWS['no_renet'][0]} − method A"
+    assert spread["differences"][label]["miou"] == pytest.approx([0.04, -0.01])
+    assert next(iter(spread["differences"])) == "method A − peer"
+    assert f"| {label} | +4.0 / -1.0 |" in pt.retraining_table(spread)
