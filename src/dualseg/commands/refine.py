@@ -169,7 +169,8 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=d.decoder_channels,
         help="beyond the claim: a DeepLabV3+ decoder fusing the backbone's stride-4 features, "
-        f"projected to this many channels (48), into the embedding ({d.decoder_channels}: none)",
+        f"projected to this many channels (DeepLabV3+ uses 48), into the embedding (default "
+        f"{d.decoder_channels}: none)",
     )
     p.add_argument(
         "--input-scale",
