@@ -220,3 +220,28 @@ def test_a_broken_pipe_that_is_not_stdout_is_still_reported() -> None:
     )
     code, err = _piped(body, stop_reading=False)
     assert code == 1 and "error: Broken pipe; check the path" in err, err
+
+
+def test_sigterm_is_one_line_and_removes_a_half_written_file(tmp_path: Path, monkeypatch, capsys):
+    """SIGTERM (timeout, docker stop, Slurm) killed every command but train and augment at
+    once: a file being written left its temporary for good, and nothing was said."""
+    import signal
+
+    from dualseg import cli
+
+    (tmp_path / "fake_command.py").write_text(
+        "import os, signal, time\n"
+        "from dualseg.io import atomic_open\n"
+        "def main(argv):\n"
+        f"    with atomic_open({str(tmp_path / 'out.png')!r}) as f:\n"
+        "        f.write(b'half')\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(5)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.COMMANDS, "fake", ("fake_command", "a test command"))
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["fake"]) == 143
+    assert capsys.readouterr().err == "dualseg: terminated\n"
+    assert not (tmp_path / "out.png").exists() and not list(tmp_path.glob(".*.tmp"))
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -7,12 +7,17 @@ command runs) and the call graph stays visible: command name -> module -> ``main
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
 
-from dualseg.errors import DualsegError, user_message  # light: no torch import
+from dualseg.errors import DualsegError, Terminated, user_message  # light: no torch import
 
 # name -> (module with main(argv), one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -79,16 +84,21 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"dualseg: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
     if rest and rest[0] in SUBCOMMANDS.get(name, ()):
         name = f"{name} {rest[0]}"
     try:
-        code = int(module.main(rest) or 0)
+        with terminated_as_exception():
+            # imported here: a Ctrl-C while torch loads is one line too
+            module = importlib.import_module(COMMANDS[name.split()[0]][0])
+            code = int(module.main(rest) or 0)
         sys.stdout.flush()  # a reader gone before the last buffered line: caught below too
         return code
     except KeyboardInterrupt:
         print("dualseg: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("dualseg: terminated", file=sys.stderr)
+        return 143  # 128 + SIGTERM, as a shell reports it
     except DualsegError as err:  # expected, user-facing failures: one clear line, no traceback
         print(error_line(name, err), file=sys.stderr)
         return 1
@@ -116,6 +126,29 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+@contextlib.contextmanager
+def terminated_as_exception() -> Iterator[None]:
+    """Within the block, SIGTERM raises :class:`Terminated` in this process (the main thread
+    only; a forked worker dies of it as by default). The previous handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pid = os.getpid()
+
+    def handler(signum: int, frame: Any) -> None:
+        if os.getpid() != pid:  # a DataLoader or pool worker forked from this process
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _stdout_closed() -> bool:

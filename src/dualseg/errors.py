@@ -55,3 +55,10 @@ def user_message(err: BaseException) -> str:
             head, sep, message = last[-1].partition(": ")
             text = message if sep and "Error" in head else last[-1]
     return " ".join(text.split("\n")).strip()
+
+
+class Terminated(BaseException):
+    """SIGTERM (``timeout``, ``docker stop``, Slurm) raised in the command's process, so that
+    what Ctrl-C runs runs too: a half-written file's temporary is removed (``dualseg.io``),
+    a training or fit saves its state, and the exit is one line. A BaseException, as
+    KeyboardInterrupt is: no ``except Exception`` swallows it."""

@@ -301,3 +301,29 @@ def test_a_rerun_leaves_no_figure_of_the_earlier_model(tmp_path) -> None:
     assert main(_tiny_demo(out, "--n-show", "0")) == 0
     assert not (out / "panel.png").exists() and not stale.exists()
     assert (out / "predictions" / "labels").is_dir() and (out / "metrics.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("signum", "code", "said"), [(2, 130, "interrupted"), (15, 143, "terminated")]
+)
+def test_a_demo_interrupted_while_training_stops_there(tmp_path, monkeypatch, capsys, signum, code,
+                                                       said) -> None:  # fmt: skip
+    """fit turns Ctrl-C / SIGTERM into a saved checkpoint and returns: the demo went on to
+    evaluate and refine the half-trained model, exited 0 and said it trained every iteration."""
+    from dualseg.cli import main
+
+    out = tmp_path / "demo"
+    assert main(_tiny_demo(out)) == 0
+    import dualseg.engine.train as engine_train
+
+    real_fit = engine_train.fit
+
+    def interrupted(cfg, **kwargs):
+        summary = real_fit(cfg, **kwargs)
+        return {**summary, "stop_reason": "interrupted", "signal": signum}
+
+    monkeypatch.setattr(engine_train, "fit", interrupted)  # the demo imports it when it runs
+    capsys.readouterr()
+    assert main(_tiny_demo(out)) == code
+    assert capsys.readouterr().err.strip().endswith(f"dualseg: {said}")
+    assert not (out / "metrics.json").exists()  # the earlier run's, about a model now replaced

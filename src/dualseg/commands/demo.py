@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ from dualseg.errors import (
     DataError,
     DualsegError,
     RunExistsError,
+    Terminated,
     WeightsNotFoundError,
 )
 
@@ -619,6 +621,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     # the folder is the demo's own (or --overwrite was given): a re-run replaces its run
     result = fit(cfg, overwrite=True)
+    if result["stop_reason"] == "interrupted":  # fit saved and returned: the demo stops too
+        (out / "metrics.json").unlink(missing_ok=True)  # the earlier run's: its model is gone
+        raise Terminated if result.get("signal") == signal.SIGTERM else KeyboardInterrupt
     t_train = time.perf_counter() - t0
     # the earlier run's figures describe a model that is gone: none may outlive it (a panel
     # with --n-show 0, a refiner with --no-refine, predictions of images no longer held out)
