@@ -359,3 +359,33 @@ def test_inputs_are_compared_only_when_both_sides_record_them(tmp_path: Path, ca
     _require_same_inputs(path, given, dict(given))
     with pytest.raises(CheckpointError, match=r"crop_size: \[32, 32\] then, \[24, 24\] now"):
         _require_same_inputs(path, given, {**given, "crop_size": [24, 24]})
+
+
+def test_an_interrupted_fit_saves_its_state_and_resume_goes_on(
+    setup: tuple[Path, Path], tmp_path: Path, monkeypatch
+) -> None:
+    """Ctrl-C lost every step since the last periodic save (up to 199 by default)."""
+    import os
+    import signal
+
+    import dualseg.refine.fit as fit_module
+    from dualseg.cli import main
+
+    data, base = setup
+    out, state = tmp_path / "r.pt", tmp_path / "r.train.pt"
+    real_step, calls = fit_module.triplet_step, []
+
+    def step_then_ctrl_c(*args, **kwargs):
+        calls.append(1)
+        stats = real_step(*args, **kwargs)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives mid-fit, as a terminal's Ctrl-C
+        return stats
+
+    monkeypatch.setattr(fit_module, "triplet_step", step_then_ctrl_c)
+    argv = ["refine", *fit_args(data, base, out), "--steps", "5"]
+    assert main(argv) == 130
+    assert load_state(state, TRAIN_FORMAT, "checkpoint")["step"] == 2 and not out.exists()
+    monkeypatch.setattr(fit_module, "triplet_step", real_step)
+    assert main([*argv, "--resume"]) == 0
+    assert load_state(state, TRAIN_FORMAT, "checkpoint")["step"] == 5 and out.exists()

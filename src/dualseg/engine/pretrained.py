@@ -221,12 +221,30 @@ def save_pretrained(
         config["metrics"] = {
             k: v for k, v in dict(metrics).items() if isinstance(v, int | float | str)
         }
-    # weights first, config last: a folder with a config.json is complete (an earlier config
-    # goes first, so that a run stopped between the two never pairs it with the new weights)
-    (folder / CONFIG_NAME).unlink(missing_ok=True)
-    write_safetensors(folder / WEIGHTS_NAME, model.state_dict())
-    atomic_write_json(folder / CONFIG_NAME, config)
+    write_folder_files(folder, WEIGHTS_NAME, model.state_dict(), CONFIG_NAME, config)
     return folder
+
+
+def write_folder_files(
+    folder: Path,
+    weights_name: str,
+    tensors: Mapping[str, Tensor],
+    config_name: str,
+    config: Mapping[str, Any],
+) -> None:
+    """Write a folder's weights and their description as a pair: both are written in full
+    under staged names first, then moved into place, weights first (a folder whose
+    description is there is complete). A run stopped while writing leaves an earlier pair as
+    it was, loadable, and no staged file behind."""
+    staged = {name: folder / f".{name}.staged" for name in (weights_name, config_name)}
+    try:
+        write_safetensors(staged[weights_name], tensors)
+        atomic_write_json(staged[config_name], config)
+        os.replace(staged[weights_name], folder / weights_name)
+        os.replace(staged[config_name], folder / config_name)
+    finally:
+        for path in staged.values():
+            path.unlink(missing_ok=True)
 
 
 def check_rebuilds(model: nn.Module, arch: str, kwargs: Mapping[str, Any]) -> None:

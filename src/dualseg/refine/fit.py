@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from dualseg.errors import CheckpointError, ConfigError, DataError
+from dualseg.engine.runlog import Interrupt
+from dualseg.errors import CheckpointError, ConfigError, DataError, Terminated
 from dualseg.io import atomic_torch_save
 from dualseg.refine.embedding import EmbeddingNet
 from dualseg.refine.formats import TRAIN_FORMAT, load_state
@@ -184,34 +186,44 @@ def train_embedding(
     started = time.monotonic()
     reached = start
     bar = tqdm(loader, total=cfg.steps, initial=start, desc="refine fit", disable=not progress)
-    for step, (images, labels) in enumerate(bar, start=start):
-        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-        stats = triplet_step(net, opt, images.to(device), labels.to(device), cfg, gen, ignore_index)
-        history.append({"step": step + 1, **stats})
-        bar.set_postfix(
-            loss=f"{stats['loss']:.3f}",
-            viol=f"{stats['violating']:.2f}",
-            margin=f"{stats['margin']:.2f}",
-        )
-        if log_every and (step + 1) % log_every == 0:
-            bar.write(
-                f"[{step + 1}/{cfg.steps}] triplet loss {stats['loss']:.4f}, violating "
-                f"{100 * stats['violating']:.1f}%, margin {stats['margin']:.3f}"
+    # Ctrl-C / SIGTERM: the step under way finishes, its state is saved, then the fit stops
+    # (it lost up to checkpoint_every - 1 steps); a second Ctrl-C stops at once
+    with Interrupt() as interrupted:
+        for step, (images, labels) in enumerate(bar, start=start):
+            gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            stats = triplet_step(
+                net, opt, images.to(device), labels.to(device), cfg, gen, ignore_index
             )
-        reached = step + 1
-        if reached % max(1, checkpoint_every) == 0:
-            save(reached)
-        if time_budget_s is not None and time.monotonic() - started >= time_budget_s:
-            if reached < cfg.steps:
-                log.warning(
-                    "refiner time budget (%.1f min) reached at step %d of %d",
-                    time_budget_s / 60,
-                    reached,
-                    cfg.steps,
+            history.append({"step": step + 1, **stats})
+            bar.set_postfix(
+                loss=f"{stats['loss']:.3f}",
+                viol=f"{stats['violating']:.2f}",
+                margin=f"{stats['margin']:.2f}",
+            )
+            if log_every and (step + 1) % log_every == 0:
+                bar.write(
+                    f"[{step + 1}/{cfg.steps}] triplet loss {stats['loss']:.4f}, violating "
+                    f"{100 * stats['violating']:.1f}%, margin {stats['margin']:.3f}"
                 )
-            break
+            reached = step + 1
+            if reached % max(1, checkpoint_every) == 0:
+                save(reached)
+            if interrupted():
+                break
+            if time_budget_s is not None and time.monotonic() - started >= time_budget_s:
+                if reached < cfg.steps:
+                    log.warning(
+                        "refiner time budget (%.1f min) reached at step %d of %d",
+                        time_budget_s / 60,
+                        reached,
+                        cfg.steps,
+                    )
+                break
     bar.close()
     if reached > start:
         save(reached)
+    if interrupted():
+        log.info("refiner training interrupted at step %d; --resume continues it", reached)
+        raise Terminated if interrupted.signum == signal.SIGTERM else KeyboardInterrupt
     net.eval()
     return history

@@ -33,10 +33,9 @@ from dualseg.engine.pretrained import (
     read_safetensors,
     refuse_existing,
     resolve_source,
-    write_safetensors,
+    write_folder_files,
 )
 from dualseg.errors import CheckpointError
-from dualseg.io import atomic_write_json
 
 if TYPE_CHECKING:  # pragma: no cover
     from dualseg.refine.embedding import EmbeddingNet
@@ -71,12 +70,11 @@ def save_folder(
     tensors = {f"net.{k}": v for k, v in refiner.net.state_dict().items()}
     tensors["prototypes"] = refiner.prototypes.float()
     tensors["present"] = refiner.present.to(torch.uint8)
-    # weights first, description last (an earlier one goes first: a run stopped between the
-    # two leaves an incomplete folder, never the new weights under the old description)
-    (folder / REFINER_CONFIG).unlink(missing_ok=True)
-    write_safetensors(folder / REFINER_WEIGHTS, tensors)
-    atomic_write_json(
-        folder / REFINER_CONFIG,
+    write_folder_files(
+        folder,
+        REFINER_WEIGHTS,
+        tensors,
+        REFINER_CONFIG,
         {
             "format": REFINER_FORMAT,
             "dualseg_version": __version__,
