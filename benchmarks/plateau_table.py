@@ -68,11 +68,13 @@ ROWS = {  # variant of camvid.py: (label, results file in docs/results/plateau/)
         "probe_renet_skip_v3_T3000.json",
     ),
 }
-# The table's two main rows trained again, the same command with --seed 1 (the runs above:
-# --seed 0): how far retraining alone moves each figure, and so the A - peer difference.
+# Rows trained again, the same command with --seed 1 (the runs above: --seed 0): how far
+# retraining alone moves each figure, and so the A - peer and ablation - A differences.
 RETRAINED = {
     "peer": "seed1_peer_os16_T3000.json",
     "dualseg": "seed1_dualseg_os16_T3000.json",
+    "single_branch": "seed1_single_branch_os16_T3000.json",
+    "no_renet": "seed1_no_renet_os16_T3000.json",
 }
 PAIRED = ("peer", "dualseg")  # the retrained ablations are each read against method A
 NUM_CLASSES = 11  # CamVid
