@@ -164,6 +164,15 @@ def _torchscript_message(path: Path, kind: str, what: str, fix: str) -> str:
     return f"{path} is a TorchScript module (torch.jit.save), not a {what}; {fix}"
 
 
+def short_list(keys: list[str], n: int = 6) -> str:
+    """``keys`` for a one-line message: the first ``n``, then how many more (``none`` for
+    none)."""
+    if not keys:
+        return "none"
+    more = f" (+{len(keys) - n} more)" if len(keys) > n else ""
+    return ", ".join(keys[:n]) + more
+
+
 def nonfinite_keys(tensors: Mapping[str, Any]) -> list[str]:
     """The keys of ``tensors`` whose floating-point values hold NaN or inf (a diverged model,
     which would otherwise load and answer without an error); other values are skipped."""

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from dualseg.errors import CheckpointError, WeightsNotFoundError
-from dualseg.serialization import nonfinite_keys, safe_torch_load
+from dualseg.serialization import nonfinite_keys, safe_torch_load, short_list
 
 log = logging.getLogger(__name__)
 
@@ -262,9 +262,8 @@ def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, Tensor]:
         )
     # NaN weights would train to a non-finite loss at iteration 1, blamed on the learning rate
     if bad := nonfinite_keys(obj):
-        more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
         raise CheckpointError(
-            f"weights file {p} holds NaN or infinite values ({', '.join(bad[:3])}{more}); "
+            f"weights file {p} holds NaN or infinite values ({short_list(bad, 3)}); "
             "re-download or re-export it"
         )
     return dict(obj)
@@ -367,15 +366,15 @@ def load_pretrained(
     # strict: refuse before anything is loaded or logged (the key lists are in the one line)
     if strict and not report.ok:
         raise CheckpointError(
-            f"weights do not fit {label}: missing {_short(report.missing)}, unexpected "
-            f"{_short(report.unexpected)}, mismatched {_short(report.mismatched)}; "
+            f"weights do not fit {label}: missing {short_list(report.missing)}, unexpected "
+            f"{short_list(report.unexpected)}, mismatched {short_list(report.mismatched)}; "
             "check that the file belongs to this architecture"
         )
     module.load_state_dict(new_state, strict=False)
 
     tiled = [k for k in report.adapted if own[k].shape[1] != 1]
     if tiled:  # the grey stem's sum is the spec's reading; tiling to N channels is a guess
-        log.warning("%s: RGB kernels tiled to other input channels: %s", label, _short(tiled))
+        log.warning("%s: RGB kernels tiled to other input channels: %s", label, short_list(tiled))
     log.info(
         "%s: loaded %d tensors (%d adapted: %s)",
         label,
@@ -389,12 +388,5 @@ def load_pretrained(
         ("shape-mismatched", report.mismatched),
     ):
         if keys:
-            log.warning("%s: %d %s keys: %s", label, len(keys), what, _short(keys))
+            log.warning("%s: %d %s keys: %s", label, len(keys), what, short_list(keys))
     return report
-
-
-def _short(keys: list[str], n: int = 6) -> str:
-    if not keys:
-        return "none"
-    more = f" (+{len(keys) - n} more)" if len(keys) > n else ""
-    return ", ".join(keys[:n]) + more

@@ -30,7 +30,7 @@ from torch import nn
 
 from dualseg.errors import CheckpointError
 from dualseg.io import atomic_torch_save
-from dualseg.serialization import nonfinite_keys, safe_torch_load
+from dualseg.serialization import nonfinite_keys, safe_torch_load, short_list
 from dualseg.viz import default_palette
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -244,8 +244,7 @@ def _state_dict_problems(model: nn.Module, state: Mapping[str, torch.Tensor]) ->
     out = []
     for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", shapes)):
         if keys:
-            more = f" (+{len(keys) - 3} more)" if len(keys) > 3 else ""
-            out.append(f"{len(keys)} {label}: {', '.join(keys[:3])}{more}")
+            out.append(f"{len(keys)} {label}: {short_list(keys, 3)}")
     return out
 
 
@@ -260,9 +259,8 @@ def load_model_state(model: nn.Module, ckpt: Mapping[str, Any]) -> None:
         )
     # such a model answers class 0 everywhere, without an error anywhere after
     if bad := nonfinite_keys(ckpt["model"]):
-        more = f" (+{len(bad) - 3} more)" if len(bad) > 3 else ""
         raise CheckpointError(
-            f"{_name(ckpt)} holds NaN or infinite weights ({', '.join(bad[:3])}{more}): the "
+            f"{_name(ckpt)} holds NaN or infinite weights ({short_list(bad, 3)}): the "
             "training diverged before it was saved; use an earlier checkpoint, or retrain with "
             "a lower optim.lr"
         )

@@ -257,11 +257,12 @@ def check_rebuilds(model: nn.Module, arch: str, kwargs: Mapping[str, Any]) -> No
 
     from dualseg.engine.checkpoint import _state_dict_problems
     from dualseg.models import MODELS, build_model
-    from dualseg.serialization import nonfinite_keys
+    from dualseg.serialization import nonfinite_keys, short_list
 
     if not isinstance(arch, str) or arch not in MODELS:
         raise ConfigError(f"arch {arch!r} is not a dualseg model; known: {', '.join(MODELS)}")
-    keys = list(model.state_dict())
+    state = model.state_dict()
+    keys = list(state)
     for prefix, what in (("_orig_mod.", "torch.compile's wrapper"), ("module.", "a DDP wrapper")):
         if keys and all(k.startswith(prefix) for k in keys):
             raise ConfigError(
@@ -272,7 +273,7 @@ def check_rebuilds(model: nn.Module, arch: str, kwargs: Mapping[str, Any]) -> No
             built = build_model(arch, **{**kwargs, "weights": None})
     except (TypeError, ValueError) as err:
         raise ConfigError(f"model_kwargs {dict(kwargs)!r} do not build {arch!r} ({err})") from None
-    problems = _state_dict_problems(built, model.state_dict())
+    problems = _state_dict_problems(built, state)
     if not problems:
         ours, theirs = _geometry(built), _geometry(model)
         problems = [
@@ -285,9 +286,9 @@ def check_rebuilds(model: nn.Module, arch: str, kwargs: Mapping[str, Any]) -> No
             f"this model is not what arch={arch!r} with model_kwargs {dict(kwargs)!r} builds "
             f"({'; '.join(problems)}); pass the arch and model_kwargs the model was built with"
         )
-    if bad := nonfinite_keys(model.state_dict()):
+    if bad := nonfinite_keys(state):
         raise ConfigError(
-            f"the model holds NaN or infinite weights ({', '.join(bad[:3])}); such a folder "
+            f"the model holds NaN or infinite weights ({short_list(bad, 3)}); such a folder "
             "could not be loaded: save a checkpoint from before the training diverged"
         )
 

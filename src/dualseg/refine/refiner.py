@@ -734,11 +734,11 @@ def calibration_note(calibration: Mapping[str, Any] | None, config: RefinerConfi
 def check_finite_refiner(source: str | os.PathLike[str], tensors: Mapping[str, Any]) -> None:
     """Refuse a stored refiner with NaN or infinite weights or prototypes: its distances would
     relabel near-boundary pixels at random, without an error anywhere after."""
-    from dualseg.serialization import nonfinite_keys
+    from dualseg.serialization import nonfinite_keys, short_list
 
     if bad := nonfinite_keys(tensors):
         raise CheckpointError(
-            f"{source} holds NaN or infinite values ({', '.join(bad[:3])}): its fit diverged; "
+            f"{source} holds NaN or infinite values ({short_list(bad, 3)}): its fit diverged; "
             "fit it again (a lower --lr)"
         )
 
