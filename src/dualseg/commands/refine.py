@@ -328,6 +328,7 @@ def fit_main(args: argparse.Namespace) -> int:
     from dualseg.data.presets import require_same_classes
     from dualseg.io import check_writable
     from dualseg.refine.base import ProbsFolderBase, load_base
+    from dualseg.refine.calibrate import DECISION_KEYS
     from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig
 
     if args.steps < 1:
@@ -360,14 +361,16 @@ def fit_main(args: argparse.Namespace) -> int:
             "label: this refiner can change no pixel (refine apply --top-n overrides it)",
             file=sys.stderr,
         )
-    decision = {"--gate-margin": "gate_margin", "--prior-weight": "prior_weight",
-                "--min-prob": "min_prob", "--p1-blur-sigma": "p1_blur_sigma"}  # fmt: skip
     defaults = RefinerConfig()
-    given = [f for f, k in decision.items() if getattr(args, k) != getattr(defaults, k)]
+    given = [
+        f"--{k.replace('_', '-')}"
+        for k in DECISION_KEYS
+        if getattr(args, k) != getattr(defaults, k)
+    ]
     if args.calibrate_split and given:  # the sweep would replace them without a word
         raise ConfigError(
             f"{' and '.join(given)} and --calibrate-split both set the decision: "
-            "--calibrate-split chooses gate_margin, prior_weight, min_prob and p1_blur_sigma "
+            f"--calibrate-split chooses {', '.join(DECISION_KEYS[:-1])} and {DECISION_KEYS[-1]} "
             f"on held-out images; drop {' and '.join(given)}, or drop --calibrate-split to use "
             "your values"
         )

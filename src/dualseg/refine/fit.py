@@ -24,6 +24,7 @@ from torch import nn
 from dualseg.engine.runlog import Interrupt
 from dualseg.errors import CheckpointError, ConfigError, DataError, Terminated
 from dualseg.io import atomic_torch_save
+from dualseg.refine.calibrate import DECISION_KEYS
 from dualseg.refine.embedding import EmbeddingNet
 from dualseg.refine.formats import TRAIN_FORMAT, load_state
 from dualseg.refine.triplet import triplet_step
@@ -93,7 +94,7 @@ def _require_same_inputs(
 
 
 # options the embedding's training never reads: a resume may change them (--steps: train longer)
-RESUMABLE_CHANGES = ("steps", "top_n", "gate_margin", "prior_weight", "min_prob", "p1_blur_sigma")
+RESUMABLE_CHANGES = ("steps", "top_n", *DECISION_KEYS)
 
 
 def train_embedding(
