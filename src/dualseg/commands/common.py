@@ -244,13 +244,19 @@ def mode_of(args: argparse.Namespace) -> ProgressMode:
     return progress_mode(getattr(args, "quiet", False))
 
 
+def cuda_amp(args: argparse.Namespace, device: Any) -> bool:
+    """Whether ``--amp`` applies: bf16 autocast runs on CUDA only (on the CPU it is ignored,
+    as its help says)."""
+    return bool(args.amp) and device.type == "cuda"
+
+
 def autocast(args: argparse.Namespace, device: Any) -> Any:
     """``--amp``: a bf16 autocast context on CUDA; a no-op context otherwise."""
     import contextlib
 
     import torch
 
-    if args.amp and device.type == "cuda":
+    if cuda_amp(args, device):
         return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
 

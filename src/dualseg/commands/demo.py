@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dualseg.augment_defaults import seed_error
-from dualseg.commands.common import add_quiet_arg
+from dualseg.commands.common import add_quiet_arg, cuda_amp
 from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.engine.config import DataConfig
 from dualseg.errors import (
@@ -647,7 +647,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_classes": meta.num_classes,
         "ignore_index": 255,
         "device": device,
-        "amp": bool(args.amp) and device.type == "cuda",
+        "amp": cuda_amp(args, device),
     }
 
     t0 = time.perf_counter()

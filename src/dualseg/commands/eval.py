@@ -36,6 +36,7 @@ from dualseg.commands.common import (
     add_runtime_args,
     apply_runtime,
     check_outputs,
+    cuda_amp,
     dataset_files,
     label_settings,
     mode_of,
@@ -318,7 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.label_map and args.label_map.lower() not in NO_MAP:
         parse_label_map(args.label_map)  # a bad value: one line before the model loads
     device = apply_runtime(args)
-    amp = args.amp and device.type == "cuda"  # --amp: CUDA only, as its help says
+    amp = cuda_amp(args, device)
     ckpt = load_state(args.checkpoint)  # a .pt file, a pretrained folder or hf://org/name
     trained = (ckpt.get("config") or {}).get("data") or {}
     label_format, label_map, ignore_value, taken = label_settings(args, trained)

@@ -39,6 +39,7 @@ from dualseg.commands.common import (
     add_runtime_args,
     apply_runtime,
     check_outputs,
+    cuda_amp,
     dataset_files,
     fraction,
     mode_of,
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         seg = ExportedSegmenter(args.onnx, **onnx_runtime(args, device))  # ONNX or TorchScript
         static_export_note(args.onnx, seg, "predict")
     else:
-        seg = load_model(args.checkpoint, device=device, amp=args.amp and device.type == "cuda")
+        seg = load_model(args.checkpoint, device=device, amp=cuda_amp(args, device))
     if seg.num_classes > 255:
         raise DualsegError(
             f"{args.checkpoint or args.onnx} has {seg.num_classes} classes; "

@@ -22,6 +22,7 @@ from typing import Any
 from dualseg.commands.common import (
     add_runtime_args,
     apply_runtime,
+    cuda_amp,
     onnx_runtime,
     static_export_note,
 )
@@ -246,9 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from dualseg.engine.predict import load_model
 
-        segmenter = load_model(
-            args.checkpoint, device=device, amp=args.amp and device.type == "cuda"
-        )  # --amp: CUDA only, as its help says
+        segmenter = load_model(args.checkpoint, device=device, amp=cuda_amp(args, device))
         name = f"{Path(args.checkpoint).name} ({type(segmenter.model).__name__})"
         if augmented:
             segmenter = InferenceSegmenter(segmenter, opts)
