@@ -188,6 +188,16 @@ class ResumableSampler(DistributedSampler):
     def set_offset(self, offset: int) -> None:
         self.offset = int(offset)
 
+    def _shard_size(self) -> int:
+        """How many samples this rank's shard holds from ``start`` (``num_samples`` when
+        ``start`` is 0), without drawing the permutation."""
+        if self.start == 0:
+            return self.num_samples
+        rest = len(self.dataset) - self.start  # type: ignore[arg-type]
+        if self.drop_last:
+            return rest // self.num_replicas
+        return math.ceil(rest / self.num_replicas)
+
     def _shard(self) -> list[int]:
         """This rank's samples of the epoch from ``start``, padded as ``DistributedSampler``
         pads (equal to its shard when ``start`` is 0)."""
@@ -200,18 +210,16 @@ class ResumableSampler(DistributedSampler):
         else:
             order = list(range(len(self.dataset)))  # type: ignore[arg-type]
         rest = order[self.start :]
-        per_rank = len(rest) // self.num_replicas
-        if not self.drop_last:
-            per_rank = math.ceil(len(rest) / self.num_replicas)
-            total = per_rank * self.num_replicas
+        total = self._shard_size() * self.num_replicas
+        if not self.drop_last:  # pad by repeating the rest, as DistributedSampler pads
             rest = (rest * math.ceil(total / max(len(rest), 1)))[:total]
-        return rest[self.rank : per_rank * self.num_replicas : self.num_replicas]
+        return rest[self.rank : total : self.num_replicas]
 
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
         return iter([(i, self.epoch) for i in self._shard()[self.offset :]])
 
     def __len__(self) -> int:
-        return max(0, len(self._shard()) - self.offset)
+        return max(0, self._shard_size() - self.offset)
 
     def state_dict(self, epoch: int | None = None, offset: int | None = None) -> dict[str, int]:
         """The position to save: ``offset`` samples of this rank's shard of ``epoch`` consumed
