@@ -104,17 +104,11 @@ def check_folder_model(folder: Path, names: Sequence[str] | None, *, fix: str) -
     except (OSError, ValueError, AttributeError):
         return  # the model's own loading says what is wrong with it
     if isinstance(model_names, list) and list(model_names) != list(names):
-        diff = next(
-            (
-                f"{i}: {a!r} vs {b!r}"
-                for i, (a, b) in enumerate(zip(model_names, names, strict=False))
-                if a != b
-            ),
-            f"{len(model_names)} vs {len(names)} classes",
-        )
+        from dualseg.refine.refiner import name_differences
+
         raise CheckpointError(
             f"{folder / CONFIG_NAME} describes a model of other classes than the refiner "
-            f"({diff}); {fix}"
+            f"({name_differences(model_names, names)}); {fix}"
         )
 
 

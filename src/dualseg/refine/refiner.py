@@ -787,6 +787,14 @@ def as_palette(
     return rgb  # type: ignore[return-value]
 
 
+def name_differences(theirs: Sequence[str], ours: Sequence[str]) -> str:
+    """Where two class lists differ, for a message: up to three ``i: 'a' vs 'b'``, or the two
+    counts when one list only extends the other."""
+    pairs = enumerate(zip(theirs, ours, strict=False))
+    diff = [f"{i}: {a!r} vs {b!r}" for i, (a, b) in pairs if a != b]
+    return "; ".join(diff[:3]) or f"{len(theirs)} vs {len(ours)} classes"
+
+
 def check_classes(
     names: Sequence[str], base_names: Sequence[str] | None, num_classes: int, *, what: str
 ) -> None:
@@ -808,9 +816,9 @@ def check_classes(
                 f"so its classes cannot be matched to the refiner's ({', '.join(names)}); save "
                 "the base with its dataset's class names, or fit a refiner on it"
             )
-        diff = [f"{i}: {a!r} vs {b!r}" for i, (a, b) in enumerate(zip(base_names, names)) if a != b]
         raise CheckpointError(
-            f"{what}'s class names differ from the refiner's ({'; '.join(diff[:3])}); "
+            f"{what}'s class names differ from the refiner's "
+            f"({name_differences(base_names, names)}); "
             "use a refiner fit on the same dataset and class order"
         )
 
