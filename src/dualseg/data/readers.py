@@ -141,22 +141,32 @@ def _check_values(path: Path, raw: np.ndarray, meta: DatasetMeta) -> np.ndarray:
     return mapped.astype(np.uint8)
 
 
-def _check_palette_indices(path: Path, im: Image.Image, raw: np.ndarray, meta: DatasetMeta) -> None:
+def _palette_in_use(im: Image.Image, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """A palette label's colours ``[N,3]`` and the indices its pixels use (those the palette
+    has); ``None`` without a palette. Read once for both palette checks (``np.unique`` over
+    the label is their cost)."""
+    flat = im.getpalette()
+    if not flat:
+        return None
+    pal = np.asarray(flat, np.int64).reshape(-1, 3)
+    return pal, np.asarray([int(i) for i in np.unique(raw) if i < len(pal)], np.int64)
+
+
+def _check_palette_indices(
+    path: Path, pal: np.ndarray, used: np.ndarray, meta: DatasetMeta
+) -> None:
     """Refuse a palette (P-mode) label whose colours are all the dataset's colours but at other
     indices: an image editor's colour-coded label, whose indices mean nothing (VOC's, drawn in
     the VOC palette at the VOC indices, pass)."""
-    flat = im.getpalette()
-    if not flat or not meta.palette:
+    if not meta.palette:
         return
-    pal = np.asarray(flat, np.int64).reshape(-1, 3)
-    used = [int(i) for i in np.unique(raw) if i < len(pal)]
     colours = [tuple(int(v) for v in pal[i]) for i in used]
     of_class = {tuple(c): k for k, c in enumerate(meta.palette)}
     void = {tuple(c) for c in meta.void_colors}
     if not all(c in of_class or c in void for c in colours):
         return  # a palette of its own: the indices are the labels
     table = meta.lookup_table()
-    for i, c in zip(used, colours):
+    for i, c in zip(used.tolist(), colours):
         k = int(table[i])
         if 0 <= k < meta.num_classes and of_class.get(c) != k:
             drawn = f"class {meta.class_names[of_class[c]]!r}" if c in of_class else "void"
@@ -167,16 +177,11 @@ def _check_palette_indices(path: Path, im: Image.Image, raw: np.ndarray, meta: D
             )
 
 
-def _check_grey_palette(path: Path, im: Image.Image, raw: np.ndarray, meta: DatasetMeta) -> None:
+def _check_grey_palette(path: Path, pal: np.ndarray, used: np.ndarray, meta: DatasetMeta) -> None:
     """Refuse a palette label drawn in grey levels that are other classes than its indices: an
     index label re-encoded by a quantizer (pngquant, an editor's "indexed" mode) shows grey 0, 1,
     2 but may store them as indices 2, 1, 0, and both readings are valid labels. (A mask whose
     index 1 is drawn white, 255, passes: the grey reading would make a class ignore.)"""
-    flat = im.getpalette()
-    if not flat:
-        return
-    pal = np.asarray(flat, np.int64).reshape(-1, 3)
-    used = np.asarray([int(i) for i in np.unique(raw) if i < len(pal)], np.int64)
     if len(used) == 0:
         return
     grey = pal[used, 0]
@@ -297,9 +302,9 @@ def _decode_label(
             # a label's values are its stored samples, as for 1- and 16-bit labels: 0..3 are
             # classes 0..3, not 0, 85, 170 and 255 (ignore)
             raw = raw // (255 // (2**bits - 1))
-        if im.mode == "P":
-            _check_palette_indices(path, im, raw, meta)
-            _check_grey_palette(path, im, raw, meta)
+        if im.mode == "P" and (in_use := _palette_in_use(im, raw)) is not None:
+            _check_palette_indices(path, *in_use, meta)
+            _check_grey_palette(path, *in_use, meta)
         return _check_values(path, raw, meta)
     if im.mode not in {"RGB", "RGBA", "P", "L"}:
         raise DataError(
