@@ -17,9 +17,10 @@ columns compare on one machine under one load, whatever load each training ran b
 Plateau: the issue's test on each dev curve, the best of the last three validations within 0.5
 mIoU of the best so far.
 
-Retraining: the peer and method A trained again by the same command with ``--seed 1``
-(``RETRAINED``; the table's runs are ``--seed 0``), so that the A − peer difference is read
-beside how far retraining alone moves each figure (another weight init, crop and batch order).
+Retraining: the peer, method A and two ablations trained again by the same command with
+``--seed 1`` (``RETRAINED``; the table's runs are ``--seed 0``), so that the A − peer and
+ablation − A differences, each seed against the same seed, are read beside how far retraining
+alone moves each figure (another weight init, crop and batch order).
 
     python benchmarks/plateau_table.py --time     # time, write docs/results/plateau/summary.json
     python benchmarks/plateau_table.py            # the README table from summary.json
