@@ -277,6 +277,10 @@ def test_the_calibrate_split_is_checked_before_the_fit(
     # Top-1: one candidate per pixel, so the refiner could change nothing; said up front
     assert main([*argv, "--top-n", "1", "--calibrate-split", "train"]) == 1
     assert "--top-n 1 leaves each pixel one candidate" in capsys.readouterr().err
+    # more Top-N than classes: said once the data's classes are known, before the fit
+    with pytest.raises(AssertionError, match="ran before"):
+        main([*argv, "--top-n", "50"])
+    assert "Top-N 50 is more than the" in capsys.readouterr().err
     # nor is a split that holds training images
     copy = shutil.copytree(data, tmp_path / "data")
     both = (copy / "train.txt").read_text() + (copy / "val.txt").read_text()

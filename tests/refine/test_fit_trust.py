@@ -15,6 +15,7 @@ from PIL import Image
 from checkpoint_helpers import write_synthetic_checkpoint
 from dualseg.cli import main
 from dualseg.data import make_synthetic_dataset
+from dualseg.refine import BoundaryRefiner
 from reliability_helpers import one_line
 
 
@@ -147,6 +148,10 @@ def test_a_refiner_calibrated_on_another_base_is_said(data, base, tmp_path, caps
     err = capsys.readouterr().err
     assert "decision options were chosen (--calibrate-split) at top_n 5" in err, err
     assert "Top-N 1 leaves each pixel one candidate" in err
+    # more than the classes: every class is a candidate, said rather than cut without a word
+    assert main([*apply, "-o", str(tmp_path / "b"), "--top-n", "50", "--device", "cpu"]) == 0
+    classes = BoundaryRefiner.load(refiner).num_classes
+    assert f"Top-N 50 is more than the {classes} classes" in capsys.readouterr().err
 
 
 def test_the_same_seed_fits_the_same_refiner(data, base, tmp_path) -> None:

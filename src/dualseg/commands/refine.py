@@ -450,6 +450,7 @@ def fit_main(args: argparse.Namespace) -> int:
     if args.proto_images > 0:
         protos = torch.utils.data.Subset(protos, range(min(args.proto_images, len(protos))))
     class_names = train.meta.class_names
+    note_top_n_over_classes("fit", args.top_n, len(class_names))
 
     if base is not None and base.class_names is not None:
         require_same_classes(
@@ -511,6 +512,18 @@ def fit_main(args: argparse.Namespace) -> int:
         + f") -> {out}"
     )
     return 0
+
+
+def note_top_n_over_classes(command: str, top_n: int, num_classes: int) -> None:
+    """Say so when Top-N is more than the classes: every class is then a candidate, as at
+    Top-N = C (the decision takes the top ``min(N, C)``), which a user asking for more did
+    not see before."""
+    if top_n > num_classes:
+        print(
+            f"dualseg refine {command}: note: Top-N {top_n} is more than the {num_classes} "
+            f"classes: every class is a candidate, as at Top-N {num_classes}",
+            file=sys.stderr,
+        )
 
 
 def fit_inputs(
@@ -785,6 +798,7 @@ def apply_main(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         refiner.config = dataclasses.replace(refiner.config, **overrides)
+    note_top_n_over_classes("apply", refiner.config.top_n, refiner.num_classes)
     if refiner.config.top_n == 1:
         print(
             "dualseg refine apply: note: Top-N 1 leaves each pixel one candidate, the base's "
