@@ -78,6 +78,14 @@ def test_read_export_info_tells_a_checkpoint_and_a_foreign_torchscript_apart(tmp
         read_export_info(foreign)
 
 
+def test_a_torchscript_file_cut_short_is_not_blamed_on_onnx(scripted, tmp_path) -> None:
+    cut = tmp_path / "cut.pt"  # an interrupted copy: the zip's central directory is missing
+    cut.write_bytes(scripted.read_bytes()[: scripted.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"zip archive .* cut short") as err:
+        read_export_info(cut)
+    assert "ONNX" not in str(err.value)
+
+
 @pytest.mark.parametrize(
     ("text", "said"),
     [

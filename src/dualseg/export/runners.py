@@ -67,6 +67,13 @@ def _is_torchscript(path: Path) -> bool:
     return zipfile.is_zipfile(path)
 
 
+def _starts_as_zip(path: Path) -> bool:
+    """The zip local-file signature: a TorchScript or torch.save file, even one cut short (its
+    central directory, at the end, is what ``zipfile.is_zipfile`` looks for)."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
 def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The metadata dict of an exported ONNX or TorchScript file (see ``export_info``)."""
     path = Path(path)
@@ -78,6 +85,11 @@ def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         )
     if not path.is_file():
         raise CheckpointError(f"exported model not found: {path} (check the path)")
+    if not _is_torchscript(path) and _starts_as_zip(path):  # else read as ONNX, and blamed so
+        raise CheckpointError(
+            f"{path} is a zip archive (TorchScript or PyTorch) that cannot be read: cut short? "
+            "Copy or export it again"
+        )
     if _is_torchscript(path):
         info = read_torchscript_meta(path)
         if info is None:  # a zip, but no TorchScript archive: a torch.save file, say
