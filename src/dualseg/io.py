@@ -118,6 +118,18 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
 
 
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """A short content digest of a file (16 hex digits of its SHA-256): the same image under
+    another path or name, on another machine, has the same digest."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
+
+
 def check_writable(
     path: str | os.PathLike[str], *, kind: Literal["file", "dir"] = "file", what: str = "output"
 ) -> Path:

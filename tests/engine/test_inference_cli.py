@@ -337,4 +337,37 @@ def test_eval_warns_when_the_refiner_was_calibrated_on_the_evaluated_split(
     path = refiner.save(tmp_path / "calibrated.pt")
     argv = ["eval", "-c", str(ckpt), "--data", str(synthetic), "--refiner", str(path), "--quiet"]
     assert cli_main([*argv, "--out", str(tmp_path / "ev")]) == 0
-    assert "chosen on split 'val', the split evaluated here" in capsys.readouterr().err
+    val = sorted(Path(p) for p, _ in build_dataset(synthetic, split="val").samples)
+    # a refiner stored before the image digests: known by its split's name alone
+    assert f"(--calibrate-split val) on {len(val)} of the {len(val)} images" in (
+        capsys.readouterr().err
+    )
+
+
+def test_eval_finds_the_calibration_images_by_content_under_any_split_name(
+    ckpt, synthetic, tmp_path, capsys
+) -> None:
+    from dualseg.io import file_digest
+    from dualseg.refine import BoundaryRefiner
+
+    val = sorted(Path(p) for p, _ in build_dataset(synthetic, split="val").samples)
+    copy = tmp_path / "copy.png"  # one val image under another name and folder
+    copy.write_bytes(val[0].read_bytes())
+    refiner = BoundaryRefiner.load(_tiny_refiner(tmp_path / "r.pt"))
+    refiner.calibration = {
+        "split": "dev",
+        "images": 2,
+        "metric": "miou",
+        "rows": [],
+        "image_digests": [file_digest(copy), "0" * 16],
+    }
+    path = refiner.save(tmp_path / "calibrated.pt")
+    argv = ["eval", "-c", str(ckpt), "--data", str(synthetic), "--refiner", str(path), "--quiet"]
+    assert cli_main([*argv, "--out", str(tmp_path / "ev")]) == 0
+    assert f"(--calibrate-split dev) on 1 of the {len(val)} images" in capsys.readouterr().err
+    # a calibration on other images: nothing to say, whatever the split is called
+    refiner.calibration = {**refiner.calibration, "split": "val", "image_digests": ["0" * 16]}
+    path = refiner.save(tmp_path / "elsewhere.pt")
+    argv = ["eval", "-c", str(ckpt), "--data", str(synthetic), "--refiner", str(path), "--quiet"]
+    assert cli_main([*argv, "--out", str(tmp_path / "ev2")]) == 0
+    assert "optimistic" not in capsys.readouterr().err

@@ -179,6 +179,11 @@ def test_refiner_folder_round_trip(tmp_path) -> None:
         ("ignore_index", None, "ignore_index must be an integer in 0..255"),
         ("palette", "red", "palette must be null or one [r, g, b]"),
         ("calibration", "garbage", "calibration must be null or the record"),
+        (
+            "calibration",
+            {"split": "dev", "images": 1, "image_digests": "abc"},
+            "calibration must be null or the record",
+        ),
     ],
 )
 def test_a_damaged_refiner_json_names_the_file_and_the_entry(tmp_path, entry, value, said) -> None:

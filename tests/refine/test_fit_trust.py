@@ -130,6 +130,8 @@ def test_a_refiner_calibrated_on_another_base_is_said(data, base, tmp_path, caps
     (dev / "dev.txt").write_text("".join(lines[-2:]))
     refiner = tmp_path / "r.pt"
     assert main(fit(dev, base, refiner, "--calibrate-split", "dev")) == 0
+    digests = BoundaryRefiner.load(refiner).calibration["image_digests"]  # eval finds them so
+    assert len(digests) == 2 and len(set(digests)) == 2
     state = {k: v for k, v in load_checkpoint(base).items() if not k.startswith("_")}
     state["model"] = {
         k: v + 0.01 if torch.is_floating_point(v) else v for k, v in state["model"].items()

@@ -122,10 +122,11 @@ def width_arg(text: str) -> int:
 
 
 def _load_refiner(
-    path: str, class_names: tuple[str, ...], device: Any, split: str, model: Any
+    path: str, class_names: tuple[str, ...], device: Any, split: str, model: Any, images: list
 ) -> Any:
     from dualseg.refine import BoundaryRefiner
     from dualseg.refine.base import OTHER_BASE, other_calibration_base
+    from dualseg.refine.calibrate import calibrated_on
 
     refiner = BoundaryRefiner.load(path, device=device)
     if other_calibration_base(refiner, model):
@@ -133,11 +134,16 @@ def _load_refiner(
     note = refiner.calibration_note()
     if note:
         print(f"dualseg eval: note: {note}", file=sys.stderr)
-    if (refiner.calibration or {}).get("split") == split:
+    shared = calibrated_on(refiner.calibration, images)
+    if shared is None and (refiner.calibration or {}).get("split") == split:
+        shared = len(images)  # a refiner stored before the digests: known by its split's name
+    if shared:
+        chosen = (refiner.calibration or {}).get("split")
         print(
-            f"dualseg eval: warning: {path}'s decision options were chosen on split {split!r}, "
-            "the split evaluated here: its refined scores are optimistic; evaluate on another "
-            "split, or calibrate on one carved from train",
+            f"dualseg eval: warning: {path}'s decision options were chosen (--calibrate-split "
+            f"{chosen}) on {shared} of the {len(images)} images evaluated here: its refined "
+            "scores are optimistic; evaluate on images held out of the calibration, or "
+            "calibrate on a split carved from train",
             file=sys.stderr,
         )
     refiner.check_classes(class_names, len(class_names), what=f"the checkpoint (refiner {path})")
@@ -385,7 +391,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         collate_fn=SameSizeCollate("use --batch-size 1 (eval runs each image at its own size)"),
     )
     refiner = (
-        _load_refiner(args.refiner, dataset.meta.class_names, device, args.split, model)
+        _load_refiner(
+            args.refiner,
+            dataset.meta.class_names,
+            device,
+            args.split,
+            model,
+            [image for image, _ in dataset.samples],
+        )
         if args.refiner
         else None
     )

@@ -692,6 +692,7 @@ def calibrate(
     ``--calibrate-split`` (``held_out``: that dataset, built and checked before the fit by
     :func:`calibration_dataset`), store them in the refiner with the sweep's table, and print
     the best rows."""
+    from dualseg.io import file_digest
     from dualseg.refine.base import model_fingerprint
     from dualseg.refine.calibrate import choose_decision, sweep_decision
 
@@ -726,6 +727,8 @@ def calibrate(
     refiner.calibration = {
         "split": args.calibrate_split,
         "images": len(held_out),
+        # by content: eval finds these images under any split name, root or file name
+        "image_digests": [file_digest(path) for path, _ in files],
         "metric": metric,
         "rows": rows,
         # the base these options were chosen for (a model's; a probability folder: unknown)

@@ -35,6 +35,7 @@ __all__ = [
     "DEFAULT_MIN_PROBS",
     "DEFAULT_PRIORS",
     "METRICS",
+    "calibrated_on",
     "choose_decision",
     "decision_grid",
     "sweep_decision",
@@ -178,3 +179,17 @@ def choose_decision(rows: Sequence[dict[str, Any]], *, metric: str = METRICS[0])
 
     best = min(candidates, key=order)
     return CLAIM_DECISION | {k: best[k] for k in DECISION_KEYS if k in best}
+
+
+def calibrated_on(calibration: Mapping[str, Any] | None, images: Sequence[Any]) -> int | None:
+    """How many of ``images`` (paths) a refiner's decision options were chosen on, by content
+    (``calibration["image_digests"]``, :func:`dualseg.io.file_digest`), so the same images under
+    another split name, root or file name are found; ``None`` when that is unknown (no
+    calibration, or one stored before the digests were)."""
+    from dualseg.io import file_digest
+
+    digests = (calibration or {}).get("image_digests")
+    if digests is None:
+        return None
+    chosen_on = set(digests)
+    return sum(file_digest(image) in chosen_on for image in images)

@@ -79,6 +79,7 @@ def stored_description(stored: Mapping[str, Any], source: str | os.PathLike[str]
         isinstance(calibration, Mapping)
         and isinstance(calibration.get("split"), str)
         and isinstance(calibration.get("images"), int)
+        and _none_or_strings(calibration.get("image_digests"))
     ):
         raise bad("calibration", "null or the record of 'refine fit --calibrate-split'")
     return {
@@ -87,3 +88,8 @@ def stored_description(stored: Mapping[str, Any], source: str | os.PathLike[str]
         "palette": palette,
         "calibration": None if calibration is None else dict(calibration),
     }
+
+
+def _none_or_strings(value: Any) -> bool:
+    """A calibration's ``image_digests``: absent (stored before them) or a list of strings."""
+    return value is None or (isinstance(value, list) and all(isinstance(v, str) for v in value))
