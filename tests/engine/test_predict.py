@@ -44,6 +44,18 @@ def test_load_model_is_the_public_api(ckpt, seg) -> None:
     assert not seg.model.training
 
 
+def test_a_model_in_train_mode_predicts_as_in_eval_mode_and_keeps_its_mode(ckpt, rgb) -> None:
+    model = load_model(ckpt).model
+    ref = Segmenter(model, META).predict_proba(rgb)
+    model.train()  # a model being fine-tuned: BatchNorm would use, and learn, the batch's stats
+    stats = {k: v.clone() for k, v in model.state_dict().items() if "running" in k}
+    assert stats
+    seg = Segmenter(model, META)
+    np.testing.assert_array_equal(seg.predict_proba(rgb), ref)
+    assert model.training  # given back in its own mode
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in stats.items())
+
+
 def test_predict_accepts_path_pil_numpy_tensor_at_original_size(seg, rgb, tmp_path) -> None:
     path = tmp_path / "im.png"
     Image.fromarray(rgb).save(path)

@@ -24,7 +24,7 @@ from dualseg.engine.distributed import resolve_device
 from dualseg.engine.inference import InferenceOptions
 from dualseg.errors import DataError
 from dualseg.imaging import as_rgb, normalize, numpy_to_rgb
-from dualseg.models.base import require_rgb_input
+from dualseg.models.base import eval_mode, require_rgb_input
 from dualseg.predictor import Predictor, require_image_list, size_batches
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -96,6 +96,9 @@ class Segmenter(Predictor):
 
     ``model`` returns logits ``[B,C,H,W]`` for ImageNet-normalized input; ``meta`` is the
     :class:`~dualseg.data.DatasetMeta` (class names, palette, ignore index) it was trained on.
+    ``model`` is moved to ``device`` (in place, as ``nn.Module.to`` moves it); every prediction
+    runs it in eval mode and gives it back in the mode it was in (a model being fine-tuned
+    stays in train mode, and predicting never updates its BatchNorm statistics).
     """
 
     def __init__(
@@ -108,7 +111,7 @@ class Segmenter(Predictor):
     ) -> None:
         require_rgb_input(model, "a Segmenter")
         self.device = resolve_device(device)
-        self.model = model.to(self.device).eval()
+        self.model = model.to(self.device)
         self.meta = meta
         self.amp = amp
         # build_model(arch, **model_kwargs) rebuilds ``model`` (set by load_model; for
@@ -264,17 +267,18 @@ class Segmenter(Predictor):
 
         for chunk in size_batches(arrays, batch_size):
             x = torch.cat([self.to_tensor(arrays[i]) for i in chunk])
-            logits = infer_logits(
-                self.model,
-                x,
-                mode=mode,
-                window=window,
-                stride=stride,
-                tta_scales=tta_scales,
-                tta_flip=tta_flip,
-                tile_batch=tile_batch,
-                amp=self.amp,
-            )  # spec S4: at the original size
+            with eval_mode(self.model):  # train mode: BatchNorm of the batch, and it updates
+                logits = infer_logits(
+                    self.model,
+                    x,
+                    mode=mode,
+                    window=window,
+                    stride=stride,
+                    tta_scales=tta_scales,
+                    tta_flip=tta_flip,
+                    tile_batch=tile_batch,
+                    amp=self.amp,
+                )  # spec S4: at the original size
             yield chunk, logits.softmax(1)
 
 
