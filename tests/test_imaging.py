@@ -27,6 +27,21 @@ def test_normalize_is_the_torchvision_normalization() -> None:
     np.testing.assert_allclose(out, expected.numpy(), atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        np.zeros((9, 7, 3), np.float32),  # 0..1 floats: divided by 255 once more, silently
+        np.zeros((3, 9, 7), np.uint8),  # CHW: a numpy broadcasting error
+        np.zeros((9, 7), np.uint8),
+    ],
+)
+def test_normalize_refuses_all_but_uint8_hwc_rgb(bad) -> None:
+    with pytest.raises(DataError, match="normalize takes uint8 HxWx3 RGB arrays"):
+        normalize([bad])
+    with pytest.raises(DataError, match="arrays of one size"):
+        normalize([np.zeros((9, 7, 3), np.uint8), np.zeros((7, 9, 3), np.uint8)])
+
+
 def test_engine_and_runtime_see_the_same_pixels(tmp_path) -> None:
     rng = np.random.default_rng(1)
     rgba = rng.integers(0, 256, (5, 6, 4), dtype=np.uint8)

@@ -344,7 +344,23 @@ def normalize(
     mean: Sequence[float] | np.ndarray = IMAGENET_MEAN,
     std: Sequence[float] | np.ndarray = IMAGENET_STD,
 ) -> np.ndarray:
-    """uint8 ``HxWx3`` arrays of one size -> float32 ``[B,3,H,W]``, ``(x / 255 - mean) / std``."""
+    """uint8 ``HxWx3`` arrays of one size -> float32 ``[B,3,H,W]``, ``(x / 255 - mean) / std``.
+
+    Anything else is refused: a float image in 0..1 would be divided by 255 once more, and a
+    ``3xHxW`` array broadcast against the mean in a numpy error.
+    """
+    for a in arrays:
+        if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3:
+            what = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise DataError(
+                f"normalize takes uint8 HxWx3 RGB arrays, got {what}; read images with "
+                "dualseg.imaging.as_rgb (any image, path or array to uint8 HxWx3)"
+            )
+    if len({a.shape for a in arrays}) > 1:
+        raise DataError(
+            f"normalize stacks arrays of one size, got {sorted({a.shape for a in arrays})}; "
+            "normalize each size apart"
+        )
     x = np.stack(arrays).astype(np.float32).transpose(0, 3, 1, 2) / 255.0
     m = np.asarray(mean, np.float32).reshape(1, -1, 1, 1)
     s = np.asarray(std, np.float32).reshape(1, -1, 1, 1)

@@ -855,7 +855,8 @@ def collect(
     if not bool(probs.isfinite().all()):
         raise DataError(
             "the base model's class probabilities hold NaN or infinite values: its weights or "
-            "its input are broken (a diverged checkpoint?); refine the output of a working model"
+            "its input are broken (a diverged checkpoint?), or they are log-probabilities of an "
+            "exact 0 (-inf); refine the probabilities or logits of a working model"
         )
     return gather_candidates(
         probs,
