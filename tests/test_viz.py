@@ -41,6 +41,22 @@ def test_colorize_rejects_values_without_colour() -> None:
         colorize(np.zeros((2, 2, 3), np.uint8), PALETTE)
 
 
+def test_a_fractional_palette_is_refused_not_drawn_black() -> None:
+    lab = np.array([[0, 1, 2]])
+    with pytest.raises(ValueError, match=r"got fractions .*multiply by 255"):
+        colorize(lab, [(0.5, 0.2, 0.5), (0.1, 0.5, 0.7), (0.9, 0.1, 0.2)])
+    # whole numbers in any dtype are colours
+    as_float = colorize(lab, np.asarray(PALETTE, np.float32))
+    np.testing.assert_array_equal(as_float, colorize(lab, PALETTE))
+
+
+def test_a_tile_that_is_no_uint8_image_says_what_to_do() -> None:
+    with pytest.raises(TypeError, match=r"a label map\? colourize it first"):
+        make_panel([np.zeros((4, 4), np.int64)], ["prediction"])
+    with pytest.raises(TypeError, match=r"0\.\.1 float image"):
+        overlay(np.zeros((2, 2, 3), np.float32), np.zeros((2, 2), np.int64), PALETTE)
+
+
 def test_overlay_blends_and_keeps_ignore() -> None:
     img = np.full((2, 2, 3), 100, np.uint8)
     lab = np.array([[0, 1], [255, 2]])

@@ -63,9 +63,16 @@ def _numpy(x: Any) -> np.ndarray:
 
 def _lut(palette: Palette) -> np.ndarray:
     """``[K + 1, 3]`` uint8: the K palette colours, then black (for ignore)."""
-    pal = np.asarray(palette, dtype=np.int64).reshape(-1, 3)
-    if pal.size and (pal.min() < 0 or pal.max() > 255):
+    values = np.asarray(palette, dtype=np.float64).reshape(-1, 3)
+    if values.size and (values.min() < 0 or values.max() > 255):
         raise ValueError("palette colours must be RGB triples in [0, 255]")
+    if not np.array_equal(values, np.round(values)):  # an int cast drew a 0..1 palette black
+        raise ValueError(
+            "palette colours must be integer RGB triples in [0, 255], got fractions "
+            f"({values[values != np.round(values)][0]:g}); a palette in 0..1: multiply by 255 "
+            "and round"
+        )
+    pal = values.astype(np.int64)
     return np.concatenate([pal, np.zeros((1, 3), np.int64)]).astype(np.uint8)
 
 
@@ -91,10 +98,14 @@ def colorize(label: Any, palette: Palette, *, ignore_index: int = IGNORE_INDEX) 
 def _rgb(image: Any) -> np.ndarray:
     img = _numpy(image)
     if img.dtype != np.uint8:
-        raise TypeError(
-            f"image must be uint8 (got {img.dtype}); convert a normalized tensor with "
-            "dualseg.viz.denormalize"
-        )
+        if img.ndim == 2 and np.issubdtype(img.dtype, np.integer):
+            fix = "a label map? colourize it first with dualseg.viz.colorize"
+        else:
+            fix = (
+                "convert a normalized tensor with dualseg.viz.denormalize, a 0..1 float image "
+                "with (x * 255).round().astype(np.uint8)"
+            )
+        raise TypeError(f"image must be uint8 (got {img.dtype} {img.shape}); {fix}")
     if img.ndim == 2:
         img = np.repeat(img[:, :, None], 3, axis=2)
     if img.ndim != 3 or img.shape[2] not in (3, 4):
