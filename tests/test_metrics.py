@@ -494,3 +494,39 @@ def test_an_ignore_index_that_is_a_class_id_is_refused_and_one_outside_works() -
     cm = ConfusionMatrix(300, ignore_index=-1)
     cm.update(torch.tensor([[255, 255, 10, -1]]), torch.tensor([[255, 255, 10, -1]]))
     assert int(cm.mat.sum()) == 3 and cm.compute()["miou"] == 1.0
+
+
+def test_numpy_label_maps_score_as_tensors_do() -> None:
+    rng = np.random.default_rng(0)
+    pred, gt = rng.integers(0, 3, (2, 9, 11)), rng.integers(0, 3, (2, 9, 11))
+    gt[0, 0, :4] = IGN
+    for make in (lambda: ConfusionMatrix(3), lambda: BoundaryMetrics(3, tolerance=1)):
+        metric, ref = make(), make()
+        metric.update(pred.astype(np.uint8), gt.astype(np.uint8))  # as Segmenter.predict gives
+        ref.update(torch.from_numpy(pred), torch.from_numpy(gt))
+        assert to_jsonable(metric.compute()) == to_jsonable(ref.compute())
+    with pytest.raises(TypeError, match="label map tensor or numpy array, got list"):
+        ConfusionMatrix(3).update([[0, 1]], t([[0, 1]]))
+    with pytest.raises(TypeError, match=r"num_classes must be an int, got 3\.0"):
+        ConfusionMatrix(3.0)
+
+
+def test_an_ignore_index_outside_the_label_dtype_is_not_read_as_another_value() -> None:
+    # uint8 labels and ignore -1: the check read -1 as 255, the counts as -1, and the 255
+    # pixels were dropped without a word; every integer dtype now scores as int64 does
+    gt = torch.tensor([[0, 1, 255, 2]])
+    pred = torch.tensor([[0, 1, 1, 2]])
+    for dtype in (torch.uint8, torch.int16, torch.int64):
+        with pytest.raises(ValueError, match=r"ground-truth values \[255\]"):
+            ConfusionMatrix(3, ignore_index=-1).update(pred.to(dtype), gt.to(dtype))
+    cm = ConfusionMatrix(3, ignore_index=-1)
+    cm.update(pred.to(torch.int8), torch.tensor([[0, 1, -1, 2]], dtype=torch.int8))
+    assert int(cm.mat.sum()) == 3
+
+
+def test_a_fractional_boundary_tolerance_is_refused_not_cut() -> None:
+    from dualseg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"whole pixels, got 2\.5"):
+        BoundaryMetrics(3, tolerance=2.5)
+    assert BoundaryMetrics(3, tolerance=2.0).tolerance == 2

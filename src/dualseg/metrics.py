@@ -60,6 +60,36 @@ __all__ = [
 # --------------------------------------------------------------------------------------------
 
 
+def _label_tensors(pred: Any, target: Any, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """``pred`` and ``target`` as tensors (numpy arrays, as ``Segmenter.predict`` returns, are
+    read in place), widened to int64 when ``ignore_index`` does not fit their dtype (uint8 and
+    -1: the check read -1 as 255, the counts as -1, and dropped those pixels without a word)."""
+    import numpy as np
+
+    def tensor(x: Any, name: str) -> Tensor:
+        if isinstance(x, np.ndarray):
+            x = torch.from_numpy(np.ascontiguousarray(x))
+        if not isinstance(x, Tensor):
+            raise TypeError(
+                f"{name} must be a label map tensor or numpy array, got {type(x).__name__}"
+            )
+        if not x.is_floating_point() and x.dtype != torch.bool:
+            info = torch.iinfo(x.dtype)
+            if not info.min <= ignore_index <= info.max:
+                x = x.long()
+        return x
+
+    return tensor(pred, "pred"), tensor(target, "target")
+
+
+def _check_num_classes(num_classes: Any, upper: int | None = None) -> None:
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int):
+        raise TypeError(f"num_classes must be an int, got {num_classes!r}")
+    if num_classes < 1 or (upper is not None and num_classes >= upper):
+        bound = "" if upper is None else f" and < {upper}"
+        raise ValueError(f"num_classes must be >= 1{bound}, got {num_classes}")
+
+
 def _check_labels(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int) -> None:
     """Raise ``ValueError`` for ground-truth values that are neither a class nor ignore, and for
     predictions outside ``[0, C)`` at non-ignore pixels (one host sync)."""
@@ -157,8 +187,7 @@ class ConfusionMatrix:
     def __init__(
         self, num_classes: int, ignore_index: int = 255, device: torch.device | str | None = None
     ) -> None:
-        if num_classes < 1:
-            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        _check_num_classes(num_classes)
         _check_ignore_index(ignore_index, num_classes)
         self.num_classes = num_classes
         self.ignore_index = ignore_index
@@ -170,7 +199,9 @@ class ConfusionMatrix:
 
     @torch.no_grad()
     def update(self, pred: Tensor, target: Tensor) -> None:
-        """Add one batch: integer label maps of any (equal) shape, ``ignore_index`` in target."""
+        """Add one batch: integer label maps of any (equal) shape, ``ignore_index`` in target
+        (tensors or numpy arrays)."""
+        pred, target = _label_tensors(pred, target, self.ignore_index)
         if self._follow_input and self.mat.device != target.device:
             self.mat = self.mat.to(target.device)
         pred, target = pred.to(self.mat.device), target.to(self.mat.device)
@@ -331,9 +362,14 @@ class BoundaryMetrics:
         ignore_index: int = 255,
         device: torch.device | str | None = None,
     ) -> None:
-        if not 1 <= num_classes < 32768:  # boundary maps are int16
-            raise ValueError(f"num_classes must be in [1, 32768), got {num_classes}")
+        _check_num_classes(num_classes, 32768)  # boundary maps are int16
         _check_ignore_index(ignore_index, num_classes)
+        if tolerance != int(tolerance) or trimap_width != int(trimap_width):
+            # a disk of radius 2.5 is not one of radius 2: cutting it changed the scores
+            raise ConfigError(
+                f"boundary tolerance and trimap width are whole pixels, got {tolerance} and "
+                f"{trimap_width}; round them (dualseg eval: --boundary-tolerance, --trimap-width)"
+            )
         if not (0 <= tolerance <= MAX_WIDTH and 0 <= trimap_width <= MAX_WIDTH):
             raise ConfigError(
                 f"boundary tolerance and trimap width must be 0..{MAX_WIDTH} px, got "
@@ -362,7 +398,9 @@ class BoundaryMetrics:
 
     @torch.no_grad()
     def update(self, pred: Tensor, target: Tensor) -> None:
-        """Add a batch of label maps ``[B, H, W]`` (or one ``[H, W]``)."""
+        """Add a batch of label maps ``[B, H, W]`` (or one ``[H, W]``; tensors or numpy
+        arrays)."""
+        pred, target = _label_tensors(pred, target, self.ignore_index)
         if self._follow_input and self.state.device != target.device:
             self.state = self.state.to(target.device)
         dev, c, ign = self.state.device, self.num_classes, self.ignore_index
