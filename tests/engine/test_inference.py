@@ -184,8 +184,17 @@ def test_options_that_would_go_unused_or_be_cut_are_refused() -> None:
         InferenceOptions(stride=(16, 16))
     InferenceOptions(mode="slide", window=(32, 32), stride=(16, 16))
     model = torch.nn.Conv2d(3, 2, 1)
-    with pytest.raises(ConfigError, match=r"--window needs two positive integers H W, got \(8\.7"):
-        infer_logits(model, torch.zeros(1, 3, 8, 8), mode="slide", window=(8.7, 8.7))
+    x = torch.zeros(1, 3, 8, 8)
+    with pytest.raises(ConfigError, match=r"window \(--window\) needs two positive integers"):
+        infer_logits(model, x, mode="slide", window=(8.7, 8.7))
+    # numpy integers are integers; a bare factor, a fractional tile batch: one line each
+    whole = infer_logits(model, x, mode="slide", window=(8, 8))
+    sliced = infer_logits(model, x, mode="slide", window=np.array([8, 8]), tile_batch=np.int64(2))
+    torch.testing.assert_close(sliced, whole)
+    with pytest.raises(ConfigError, match=r"sequence of factors.*got 1\.25; one factor"):
+        infer_logits(model, x, tta_scales=1.25)
+    with pytest.raises(ConfigError, match=r"tile_batch \(--tile-batch\) must be an int >= 1"):
+        infer_logits(model, x, mode="slide", window=(8, 8), tile_batch=2.7)
     arrays = [np.zeros((4, 4, 3), np.uint8)]
     for bad in (0, -3, 2.5, True):
         with pytest.raises(ConfigError, match="batch_size must be an int >= 1"):

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -46,14 +48,44 @@ TTA_SCALE_RANGE = (0.1, 8.0)  # TTA resize factors accepted (mmseg uses 0.5-1.75
 
 
 def _is_whole(v: object) -> bool:
-    return not isinstance(v, bool) and isinstance(v, int | float) and float(v).is_integer()
+    """An integer value of any number type (numpy's too), but no bool."""
+    return (
+        not isinstance(v, bool | np.bool_)
+        and isinstance(v, numbers.Real)
+        and math.isfinite(v)
+        and float(v).is_integer()
+    )
 
 
 def _pixels(name: str, values: Sequence[int]) -> tuple[int, int]:
     """``values`` as two ints: a fraction (8.7) is refused, not cut."""
-    if len(values) != 2 or not all(_is_whole(v) and v >= 1 for v in values):
-        raise ConfigError(f"--{name} needs two positive integers H W, got {tuple(values)}")
-    return (int(values[0]), int(values[1]))
+    pair = tuple(values) if isinstance(values, Sequence | np.ndarray) else (values,)
+    if len(pair) != 2 or not all(_is_whole(v) and v >= 1 for v in pair):
+        shown = tuple(v.item() if isinstance(v, np.generic) else v for v in pair)
+        raise ConfigError(
+            f"{name} (--{name}) needs two positive integers H W, got "
+            f"{shown if len(shown) != 1 else shown[0]}"
+        )
+    return (int(pair[0]), int(pair[1]))
+
+
+def _scales(values: Sequence[float]) -> tuple[float, ...]:
+    """``tta_scales`` as floats; a bare number is refused (a TypeError from ``tuple`` before)."""
+    if not isinstance(values, Sequence | np.ndarray) or isinstance(values, str):
+        raise ConfigError(
+            f"tta_scales (--tta-scales) takes a sequence of factors, e.g. (0.75, 1.0, 1.25), "
+            f"got {values!r}; one factor: ({values!r},)"
+        )
+    if not all(isinstance(s, numbers.Real) and not isinstance(s, bool) for s in values):
+        raise ConfigError(f"tta_scales (--tta-scales) must be numbers, got {list(values)!r}")
+    return tuple(float(s) for s in values)
+
+
+def _count(name: str, value: int) -> int:
+    """A whole count >= 1: 2.7 is refused, not cut to 2."""
+    if not (_is_whole(value) and value >= 1):
+        raise ConfigError(f"{name} (--{name.replace('_', '-')}) must be an int >= 1, got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -98,8 +130,7 @@ class InferenceOptions:
                 "smaller ones shrink an image to a few pixels), got "
                 f"{' '.join(str(s) for s in self.tta_scales) or 'none'}"
             )
-        if self.tile_batch < 1:
-            raise ConfigError(f"--tile-batch must be >= 1, got {self.tile_batch}")
+        _count("tile_batch", self.tile_batch)
 
     @property
     def effective_stride(self) -> tuple[int, int]:
@@ -206,9 +237,9 @@ def infer_logits(
         mode=mode,
         window=_pixels("window", window),
         stride=None if stride is None else _pixels("stride", stride),
-        tta_scales=tuple(float(s) for s in tta_scales),
+        tta_scales=_scales(tta_scales),
         tta_flip=bool(tta_flip),
-        tile_batch=int(tile_batch),
+        tile_batch=_count("tile_batch", tile_batch),
     )
     if not opts.uses_tta:
         return _run(model, images, opts, amp)
