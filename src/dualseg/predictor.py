@@ -65,10 +65,16 @@ class Predictor:
         raise NotImplementedError
 
 
-def size_batches(arrays: Sequence[np.ndarray], batch_size: int) -> Iterator[list[int]]:
-    """Indices of ``arrays`` in batches of at most ``batch_size`` images of one size."""
+def check_batch_size(batch_size: int) -> int:
+    """``batch_size`` when it is an int >= 1; else one :class:`ConfigError`."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    return batch_size
+
+
+def size_batches(arrays: Sequence[np.ndarray], batch_size: int) -> Iterator[list[int]]:
+    """Indices of ``arrays`` in batches of at most ``batch_size`` images of one size."""
+    check_batch_size(batch_size)
     by_size: dict[tuple[int, ...], list[int]] = {}
     for i, a in enumerate(arrays):
         by_size.setdefault(a.shape[:2], []).append(i)

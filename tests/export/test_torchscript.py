@@ -11,7 +11,7 @@ import torch
 from export_case import CLASS_NAMES, PALETTE
 
 from dualseg.cli import main
-from dualseg.errors import CheckpointError
+from dualseg.errors import CheckpointError, ConfigError
 from dualseg.export.runtime import (
     TORCHSCRIPT_META,
     ExportedSegmenter,
@@ -108,3 +108,19 @@ def test_damaged_torchscript_metadata_is_one_error(scripted, tmp_path, text, sai
     with pytest.raises(CheckpointError, match=said) as err:
         ExportedSegmenter(bad)
     assert str(bad) in str(err.value)
+
+
+def test_exported_segmenter_threads_and_batch_size_are_honoured_or_refused(scripted) -> None:
+    image = np.random.default_rng(0).integers(0, 256, (20, 24, 3), dtype=np.uint8)
+    before = torch.get_num_threads()
+    seen: list[int] = []
+    want = before + 1  # not the count torch has: the test could not fail otherwise
+    seg = ExportedSegmenter(scripted, threads=want)
+    runner = seg.runner.module
+    seg.runner.module = lambda x: (seen.append(torch.get_num_threads()), runner(x))[1]
+    seg.predict(image)
+    assert seen == [want] and torch.get_num_threads() == before  # for the run only
+    with pytest.raises(ConfigError, match="batch_size must be an int >= 1, got -3"):
+        seg.predict_batch([image, image], batch_size=-3)
+    with pytest.raises(ConfigError, match="threads must be None or an int >= 1"):
+        ExportedSegmenter(scripted, threads=0)

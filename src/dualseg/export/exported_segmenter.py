@@ -24,7 +24,7 @@ from dualseg.export.runners import (
     read_export_info,
 )
 from dualseg.imaging import normalize, resize_bilinear
-from dualseg.predictor import Predictor, require_image_list, size_batches
+from dualseg.predictor import Predictor, check_batch_size, require_image_list, size_batches
 from dualseg.serialization import read_torchscript_meta
 from dualseg.viz import default_palette
 
@@ -166,9 +166,10 @@ class ExportedSegmenter(Predictor):
     ) -> list[Any]:
         """Labels (or ``(labels, probs)`` pairs) for several images, in input order."""
         require_image_list(images)
+        check_batch_size(batch_size)  # a static export runs one image at a time, but -3 is no size
         arrays = [_as_rgb(im) for im in images]
         out: list[Any] = [None] * len(arrays)
-        for indices, probs in self._run(arrays, max(1, batch_size)):
+        for indices, probs in self._run(arrays, batch_size):
             labels = probs.argmax(1).astype(np.uint8 if self.num_classes <= 255 else np.int64)
             for k, i in enumerate(indices):
                 out[i] = (labels[k], probs[k]) if return_probs else labels[k]

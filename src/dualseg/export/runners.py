@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from dualseg.errors import CheckpointError, DualsegError
+from dualseg.errors import CheckpointError, ConfigError, DualsegError
 from dualseg.imaging import as_rgb
 from dualseg.serialization import read_torchscript_meta
 
@@ -188,7 +188,7 @@ def _resize_chw_batch(x: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
 class _TorchScriptRunner:
     """The same with a TorchScript file (imports torch)."""
 
-    def __init__(self, path: Path, device: str = "cpu") -> None:
+    def __init__(self, path: Path, device: str = "cpu", threads: int | None = None) -> None:
         import warnings
 
         import torch
@@ -203,20 +203,34 @@ class _TorchScriptRunner:
         # trace would run other sizes too, and answer otherwise than its ONNX twin)
         size = (read_torchscript_meta(path) or {}).get("input_size")
         self.static_hw = tuple(int(v) for v in size) if size else None
+        # as onnxruntime's intra-op threads: torch's, for each run only (the count is global)
+        self.threads = threads
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         import torch
 
         if self.static_hw is not None and tuple(x.shape[-2:]) != self.static_hw:
             x = _resize_chw_batch(x, self.static_hw)
-        with torch.no_grad():
-            out = self.module(torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(self.device))
+        before = torch.get_num_threads()
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        try:
+            with torch.no_grad():
+                x_t = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(self.device)
+                out = self.module(x_t)
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
         return out.float().cpu().numpy()
 
 
 def _open_runner(path: Path, providers: Sequence[str] | None, threads: int | None) -> Any:
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ConfigError(f"threads must be None or an int >= 1, got {threads!r}")
     if _is_torchscript(path):
-        return _TorchScriptRunner(path)
+        return _TorchScriptRunner(path, threads=threads)
     return _OnnxRunner(path, providers, threads)
 
 
