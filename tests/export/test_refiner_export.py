@@ -64,6 +64,12 @@ def test_exported_refiner_matches_boundary_refiner(refiner, tmp_path, fmt):
     t_got = exported.refine(x, p)
     assert isinstance(t_got, torch.Tensor) and t_got.dtype == torch.int64
     torch.testing.assert_close(t_got, t_want)
+    # batch form with numpy arrays: both answer numpy, alike
+    n_want, n_changed = ref.refine(x.numpy(), p.numpy(), return_changed=True)
+    n_got = exported.refine(x.numpy(), p.numpy())
+    assert isinstance(n_want, np.ndarray) and isinstance(n_changed, np.ndarray)
+    np.testing.assert_array_equal(n_want, t_want.numpy())
+    np.testing.assert_array_equal(n_got, n_want)
 
 
 def test_missing_sidecar_and_class_mismatch(refiner, tmp_path):

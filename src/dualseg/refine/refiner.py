@@ -307,15 +307,23 @@ class BoundaryRefiner:
     ) -> Tensor | np.ndarray | tuple[Any, Any]:
         """Refined label map(s).
 
-        Batch form: ``images`` float ``[B,3,H,W]`` ImageNet-normalized, ``probs`` ``[B,C,H,W]``
-        probabilities or logits -> int64 ``[B,H,W]`` on ``probs``' device (and the bool
-        ``changed`` mask with ``return_changed``). Single-image form: ``images`` a uint8
-        ``HxWx3`` array / file path / PIL image, ``probs`` ``[C,H,W]`` (numpy or tensor) ->
-        numpy ``HxW`` int64 (and a bool ``HxW`` changed mask).
+        Batch form: ``images`` float ``[B,3,H,W]`` ImageNet-normalized (tensor or numpy),
+        ``probs`` ``[B,C,H,W]`` probabilities or logits -> int64 ``[B,H,W]`` on ``probs``'
+        device, numpy when ``probs`` is (and the bool ``changed`` mask with
+        ``return_changed``), as the exported refiner answers. Single-image form: ``images`` a
+        uint8 ``HxWx3`` array / file path / PIL image, ``probs`` ``[C,H,W]`` (numpy or tensor)
+        -> numpy ``HxW`` int64 (and a bool ``HxW`` changed mask).
 
         ``features`` (batch form): the base's backbone output, from :meth:`shared_features`
         (``None``: the refiner runs its own backbone).
         """
+        if isinstance(images, np.ndarray) and images.ndim == 4:  # the exported refiner's too
+            check_normalized_batch(images)
+            x = torch.from_numpy(np.ascontiguousarray(images))
+            out = self._refine_batch(x, _as_tensor(probs), return_changed, features)
+            if isinstance(probs, Tensor):
+                return out
+            return tuple(t.cpu().numpy() for t in out) if return_changed else out.cpu().numpy()
         if isinstance(images, Tensor) and images.dim() == 4:
             check_normalized_batch(images)
             return self._refine_batch(images, _as_tensor(probs), return_changed, features)
