@@ -145,6 +145,23 @@ def test_environment_failures_without_a_file_name_are_one_line(monkeypatch, caps
     monkeypatch.setattr(data_command, "main", fail_with(torch_save))
     assert cli.main(["data", "check", "x"]) == 1
     assert "writing a torch file failed" in capsys.readouterr().err
+    # out of memory (torch's CPU allocator, numpy): the machine's limit, with the fix
+    from dualseg.commands import predict as predict_command
+
+    oom = RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: "
+        "you tried to allocate 866304000 bytes. Error code 12 (Cannot allocate memory)"
+    )
+    monkeypatch.setattr(predict_command, "main", fail_with(oom))
+    assert cli.main(["predict", "x"]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "dualseg predict: error: out of memory (it asked for 0.8 GiB more); use --mode slide "
+        "--window 512 512 for large images, or a smaller --batch-size, or a machine with more "
+        "memory"
+    )
+    monkeypatch.setattr(data_command, "main", fail_with(MemoryError()))
+    assert cli.main(["data", "check", "x"]) == 1
+    assert "dualseg data check: error: out of memory; use smaller inputs" in capsys.readouterr().err
     # anything else is a bug, and its traceback is what a report needs
     monkeypatch.setattr(data_command, "main", fail_with(RuntimeError("shape mismatch")))
     with pytest.raises(RuntimeError, match="shape mismatch"):

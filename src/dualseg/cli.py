@@ -117,7 +117,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    except MemoryError:  # numpy's allocations
+        print(out_of_memory_line(name, ""), file=sys.stderr)
+        return 1
     except RuntimeError as err:
+        if _is_out_of_memory(err):  # the machine's limit, not a bug: one line with the fix
+            print(out_of_memory_line(name, str(err)), file=sys.stderr)
+            return 1
         if "PytorchStreamWriter failed" not in str(err):  # torch.save's disk-full / I/O error
             raise
         print(
@@ -126,6 +132,37 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+# what makes each command's memory smaller, for the out-of-memory line
+OUT_OF_MEMORY_FIXES = {
+    "train": "a smaller --data.batch_size or --data.crop_size",
+    "eval": "--mode slide --window 512 512 for large images, or --batch-size 1",
+    "predict": "--mode slide --window 512 512 for large images, or a smaller --batch-size",
+    "refine fit": "a smaller --batch-size or --crop-size",
+    "refine apply": "--mode slide --window 512 512 for large images",
+    "serve": "a lower --work-megapixels or --max-megapixels",
+}
+
+
+def _is_out_of_memory(err: RuntimeError) -> bool:
+    """torch's CPU allocator failure and CUDA's out of memory (``torch.OutOfMemoryError``)."""
+    text = str(err)
+    return (
+        type(err).__name__ == "OutOfMemoryError"
+        or "can't allocate memory" in text
+        or "out of memory" in text.lower()
+    )
+
+
+def out_of_memory_line(name: str, text: str) -> str:
+    """One line for a command that ran out of memory: how much it asked for, and the fix."""
+    import re
+
+    asked = re.search(r"allocate (\d+) bytes", text)
+    size = f" (it asked for {int(asked.group(1)) / 2**30:.1f} GiB more)" if asked else ""
+    fix = OUT_OF_MEMORY_FIXES.get(name, "smaller inputs")
+    return f"dualseg {name}: error: out of memory{size}; use {fix}, or a machine with more memory"
 
 
 @contextlib.contextmanager
