@@ -138,3 +138,14 @@ def test_a_count_of_at_least_one_names_its_bound(text: str, said: str) -> None:
 
     with pytest.raises(argparse.ArgumentTypeError, match=said):  # it said ">= 0" for -3
         positive_int(text)
+
+
+def test_apply_runtime_refuses_more_threads_than_openmp_can_start() -> None:
+    """--threads 100000 ended in an allocator failure blamed on the checkpoint read next."""
+    import argparse
+
+    from dualseg.commands.common import apply_runtime
+    from dualseg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--threads must be 0\.\.1024"):
+        apply_runtime(argparse.Namespace(threads=100000, device="cpu"))

@@ -228,12 +228,16 @@ def apply_runtime(args: argparse.Namespace) -> Any:
     """Apply ``--threads`` and return the resolved ``--device`` (a ``torch.device``)."""
     import torch
 
+    from dualseg.engine.config import MAX_THREADS
     from dualseg.engine.predict import resolve_device
 
-    if args.threads < 0:
+    if not 0 <= args.threads <= MAX_THREADS:
         from dualseg.errors import ConfigError
 
-        raise ConfigError(f"--threads must be >= 0 (0: torch's default), got {args.threads}")
+        raise ConfigError(
+            f"--threads must be 0..{MAX_THREADS} (0: torch's default, one per core), got "
+            f"{args.threads}"
+        )
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     return resolve_device(args.device)

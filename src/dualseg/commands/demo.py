@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from dualseg.augment_defaults import seed_error
 from dualseg.commands.common import add_quiet_arg, cuda_amp
 from dualseg.console import ArgumentParser, argparse_kwargs
-from dualseg.engine.config import DataConfig
+from dualseg.engine.config import MAX_THREADS, DataConfig
 from dualseg.errors import (
     ConfigError,
     DataError,
@@ -493,6 +493,8 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, (value, low) in lowest.items():
         if value < low:
             raise ConfigError(f"{flag} must be >= {low} (got {value})")
+    if args.threads > MAX_THREADS:
+        raise ConfigError(f"--threads must be at most {MAX_THREADS} (got {args.threads})")
     if (problem := seed_error(args.seed, "--seed")) is not None:
         raise ConfigError(problem)
     if not args.arch.startswith("dualseg_"):  # a peer has no ReNet: its flags would be dropped
@@ -599,10 +601,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualseg.metrics import to_jsonable
 
     start = time.perf_counter()
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     out = Path(args.out)
     check_args(args)  # before the folder is looked at or touched
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     check_out_dir(out, overwrite=args.overwrite)
     own = args.overwrite or (out.is_dir() and is_demo_folder(out))  # before it is marked
     device = resolve_device(args.device)

@@ -205,6 +205,10 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
 
 
+# CPU threads beyond any machine's cores: larger counts crash inside OpenMP (thread creation
+# fails, or its stacks exhaust memory and the error blames whatever runs next)
+MAX_THREADS = 1024
+
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig}
 
 TRAIN_EXAMPLES = (
@@ -634,7 +638,10 @@ def validate(cfg: Config) -> None:
         (t.val_every >= 0, "train.val_every must be >= 0 (0: validate at the end only)"),
         (t.ckpt_every is None or t.ckpt_every > 0, "train.ckpt_every must be > 0 or null"),
         (t.log_every > 0, "train.log_every must be > 0"),
-        (t.threads >= 0, "train.threads must be >= 0 (0: torch's default)"),
+        (
+            0 <= t.threads <= MAX_THREADS,
+            f"train.threads must be 0..{MAX_THREADS} (0: torch's default)",
+        ),
         (t.patience is None or t.patience > 0, "train.patience must be > 0 or null"),
         (0.0 <= t.loss_smoothing < 1.0, "train.loss_smoothing must be in [0, 1)"),
         # NaN: no evaluation ever improves (an early stop while improving); < 0: every one does
