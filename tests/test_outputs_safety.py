@@ -204,3 +204,19 @@ def test_output_names_never_take_another_files_name(tmp_path):
     files = [tmp_path / n for n in ("x.jpg", "x.png", "x_1.png", "X.bmp", "x.jpg")]
     names = [name for _, name in unique_names([(p, p.stem) for p in files])]
     assert names == ["x", "x_2", "x_1", "X_3", "x"]  # the repeated x.jpg keeps its name
+
+
+def test_an_evaluation_stopped_by_an_unreadable_image_leaves_no_predictions(
+    setup, tmp_path, capsys
+) -> None:
+    data = Path(shutil.copytree(setup["data"], tmp_path / "data"))
+    images = sorted((data / "images").glob("val_*"))
+    good = images[-1].read_bytes()
+    images[-1].write_bytes(good[:200])  # the last image, cut short: found after the first
+    preds = tmp_path / "preds"
+    assert cli_main([*_eval(setup, data, preds), "--batch-size", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "unreadable or truncated" in err and "removed the 2 prediction files" in err, err
+    assert not preds.exists() or not any(preds.rglob("*.png"))
+    images[-1].write_bytes(good)  # the corrected rerun needs no --overwrite
+    assert cli_main([*_eval(setup, data, preds), "--batch-size", "1"]) == 0

@@ -24,6 +24,7 @@ The metrics are printed before they are written.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,23 @@ def prediction_writer(samples: list, out: Path, palette: Any, batch_size: int):
     from dualseg.io import atomic_save_image, label_png
 
     names = prediction_names(samples)
+    created: list[Path] = []  # the files this evaluation added (not replaced): see write.undo
+
+    def save(path: Path, array: Any) -> None:
+        if not path.exists():
+            created.append(path)
+        atomic_save_image(path, array)
+
+    def undo() -> int:
+        """Remove the files this evaluation added; the number removed. An evaluation that
+        stops on an error (an unreadable image, Ctrl-C) leaves no partial set of predictions
+        behind, which the corrected rerun would otherwise need --overwrite to replace."""
+        for path in created:
+            path.unlink(missing_ok=True)
+        for folder in {path.parent for path in created}:
+            with contextlib.suppress(OSError):  # a folder this evaluation made, now empty
+                folder.rmdir()
+        return len(created)
 
     def write(index, images, labels, pred, refined) -> None:
         for k in range(pred.shape[0]):
@@ -216,9 +234,10 @@ def prediction_writer(samples: list, out: Path, palette: Any, batch_size: int):
                 if lab is None:
                     continue
                 arr = label_png(lab.to("cpu").numpy(), len(palette))
-                atomic_save_image(out / f"{kind}labels" / f"{name}.png", arr)
-                atomic_save_image(out / f"{kind}color" / f"{name}.png", viz.colorize(arr, palette))
+                save(out / f"{kind}labels" / f"{name}.png", arr)
+                save(out / f"{kind}color" / f"{name}.png", viz.colorize(arr, palette))
 
+    write.undo = undo  # type: ignore[attr-defined]
     return write
 
 
@@ -412,25 +431,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             dataset.samples, Path(args.save_predictions), dataset.meta.palette, args.batch_size
         )
     mode = mode_of(args)
-    metrics = evaluate(
-        model,
-        loader if mode == "bar" else track(loader, desc="eval", unit="batch", mode=mode),
-        num_classes=dataset.meta.num_classes,
-        ignore_index=dataset.meta.ignore_index,
-        device=device,
-        boundary_tolerance=args.boundary_tolerance,
-        trimap_width=args.trimap_width,
-        refiner=refiner,
-        amp=amp,
-        on_batch=hook,
-        progress=mode == "bar",
-        mode=opts.mode,
-        window=opts.window,
-        stride=opts.stride,
-        tta_scales=opts.tta_scales,
-        tta_flip=opts.tta_flip,
-        tile_batch=opts.tile_batch,
-    )
+    try:
+        metrics = evaluate(
+            model,
+            loader if mode == "bar" else track(loader, desc="eval", unit="batch", mode=mode),
+            num_classes=dataset.meta.num_classes,
+            ignore_index=dataset.meta.ignore_index,
+            device=device,
+            boundary_tolerance=args.boundary_tolerance,
+            trimap_width=args.trimap_width,
+            refiner=refiner,
+            amp=amp,
+            on_batch=hook,
+            progress=mode == "bar",
+            mode=opts.mode,
+            window=opts.window,
+            stride=opts.stride,
+            tta_scales=opts.tta_scales,
+            tta_flip=opts.tta_flip,
+            tile_batch=opts.tile_batch,
+        )
+    except BaseException:  # an unreadable image, Ctrl-C: no partial set of predictions stays
+        if hook is not None and (removed := hook.undo()):
+            print(
+                f"dualseg eval: note: removed the {removed} prediction files this evaluation "
+                f"had written to {args.save_predictions}",
+                file=sys.stderr,
+            )
+        raise
     names = dataset.meta.class_names
     record = {
         "checkpoint": str(args.checkpoint),
