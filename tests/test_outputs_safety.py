@@ -135,6 +135,43 @@ def test_predict_twice_into_its_input_folder(setup, tmp_path, capsys) -> None:
     assert sorted(_snapshot(out)) == sorted(first)
 
 
+def test_an_earlier_output_among_the_inputs_is_not_segmented_and_is_said(
+    setup, tmp_path, capsys
+) -> None:
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    shutil.copy(next((setup["data"] / "images").iterdir()), photos / "x.png")
+    assert cli_main(_predict(setup, [photos], photos / "r1")) == 0
+    capsys.readouterr()
+    # a second run into another folder inside the inputs: r1's PNGs are not photos
+    assert cli_main(_predict(setup, [photos], photos / "r2")) == 0
+    err = capsys.readouterr().err
+    assert "left out the outputs of an earlier run" in err and str(photos / "r1") in err
+    assert sorted(_snapshot(photos / "r2")) == ["color/x.png", "labels/x.png", "overlay/x.png"]
+    # --out's own folders named as the input: said to be outputs, not "no images"
+    line = refused(_predict(setup, [photos / "r2" / "overlay"], photos / "r2"), capsys)
+    assert "this command's outputs under --out, never inputs" in line
+
+
+def test_predict_says_when_out_holds_outputs_of_other_images(setup, tmp_path, capsys) -> None:
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    images = sorted((setup["data"] / "images").iterdir())[:2]
+    for k, image in enumerate(images):
+        shutil.copy(image, photos / f"x{k}.png")
+    out = tmp_path / "out"
+    assert cli_main(_predict(setup, [photos], out)) == 0
+    (photos / "x1.png").unlink()
+    capsys.readouterr()
+    # x1's outputs (another model's, perhaps) stay beside x0's new ones: said, not removed
+    assert cli_main(_predict(setup, [photos], out, "--overwrite")) == 0
+    err = capsys.readouterr().err
+    assert f"{out} also holds 3 output files of images this run does not segment" in err
+    assert (out / "labels" / "x1.png").exists()
+    assert cli_main(_predict(setup, [photos], tmp_path / "new")) == 0  # a fresh --out: nothing
+    assert "also holds" not in capsys.readouterr().err
+
+
 def test_predict_never_writes_over_an_input_or_the_dataset(setup, tmp_path, capsys) -> None:
     # an input image that is also an output path: refused even with --overwrite
     folder = tmp_path / "d"

@@ -14,7 +14,8 @@ For each input image ``<name>`` it writes, at the image's original resolution::
 ``<name>`` is the file stem; images found inside a folder keep their path relative to it (so
 ``a/x.png`` and ``b/x.png`` do not collide; other repeats get ``_1``, ``_2`` ...). Files under
 ``OUT``'s own folders (``labels/``, ``color/`` ...) are never inputs, so a second run does not
-segment the first one's outputs. Every file is written atomically; ``OUT`` is checked before
+segment the first one's outputs, nor are those of an earlier output found inside an input
+folder (said in a note); a note also says when ``OUT`` holds outputs of other images. Every file is written atomically; ``OUT`` is checked before
 the model is loaded: an unwritable place, and an output file that already exists, are refused
 (``--overwrite`` replaces the latter, but never an input image or a ``--data`` dataset file).
 ``--data ROOT`` names the dataset the images come from: a model whose classes differ from the
@@ -216,20 +217,40 @@ def check_dataset_classes(args: argparse.Namespace, class_names: Sequence[str], 
     require_same_classes(tuple(class_names), own.class_names, model=model, data=where)
 
 
-def collect_images(inputs: Sequence[str], *, skip: Sequence[Path] = ()) -> list[tuple[Path, str]]:
+def collect_images(
+    inputs: Sequence[str], *, out: Path | None = None, command: str = "predict"
+) -> list[tuple[Path, str]]:
     """Expand files, folders (recursively) and globs into ``(path, output name)`` pairs.
 
-    Files that folders and globs find under one of the ``skip`` folders (the output folders
-    of ``--out``) are left out; a file named as such is kept. Raises :class:`DataError` for an
+    Never inputs, when folders and globs find them (a file named as such is kept): files
+    under ``out``'s own folders (``OWN_FOLDERS``), and those under the own folders of an
+    earlier output found inside an input folder (a ``labels/`` beside an ``overlay/``, which
+    datasets do not have): a second run into ``photos/run2`` would otherwise segment the
+    first run's PNGs in ``photos/run1``; said in one note. Raises :class:`DataError` for an
     input that matches nothing, listing all such inputs.
     """
-    skipped = [s.resolve() for s in skip]
+    skipped = [] if out is None else [(out / f).resolve() for f in OWN_FOLDERS]
+    earlier: set[Path] = set()  # earlier outputs whose files were left out
 
-    def wanted(f: Path) -> bool:
+    def earlier_output(folder: Path) -> bool:
+        return (
+            folder.name in OWN_FOLDERS
+            and (folder.parent / "overlay").is_dir()
+            and (folder.parent / "labels").is_dir()
+        )
+
+    def wanted(f: Path, root: Path | None = None) -> bool:
         if not f.is_file() or f.suffix.lower() not in IMAGE_EXTENSIONS:
             return False
         real = f.resolve()
-        return not any(real.is_relative_to(s) for s in skipped)
+        if any(real.is_relative_to(s) for s in skipped):
+            return False
+        if root is not None:
+            for folder in f.relative_to(root).parents[:-1]:  # below the input folder only
+                if earlier_output(root / folder):
+                    earlier.add((root / folder).parent)
+                    return False
+        return True
 
     found: list[tuple[Path, str]] = []
     missing: list[str] = []
@@ -238,9 +259,14 @@ def collect_images(inputs: Sequence[str], *, skip: Sequence[Path] = ()) -> list[
             raise DataError("an input is an empty path; name an image file, a folder or a glob")
         path = Path(item)
         if path.is_dir():
-            files = sorted(f for f in path.rglob("*") if wanted(f))
+            files = sorted(f for f in path.rglob("*") if wanted(f, path))
             if not files:
-                missing.append(f"{item} (a folder with no {'/'.join(IMAGE_EXTENSIONS)} images)")
+                why = (
+                    "its images are this command's outputs under --out, never inputs"
+                    if out is not None and any(path.resolve().is_relative_to(s) for s in skipped)
+                    else f"a folder with no {'/'.join(IMAGE_EXTENSIONS)} images"
+                )
+                missing.append(f"{item} ({why})")
             found += [(f, f.relative_to(path).with_suffix("").as_posix()) for f in files]
         elif path.is_file():
             found.append((path, path.stem))
@@ -251,7 +277,7 @@ def collect_images(inputs: Sequence[str], *, skip: Sequence[Path] = ()) -> list[
                 files += [
                     (f, (folder.name / f.relative_to(folder)).with_suffix("").as_posix())
                     for f in sorted(folder.rglob("*"))
-                    if wanted(f)
+                    if wanted(f, folder)
                 ]
             if not files:
                 missing.append(f"{item} (no image matches this pattern)")
@@ -260,6 +286,14 @@ def collect_images(inputs: Sequence[str], *, skip: Sequence[Path] = ()) -> list[
             missing.append(f"{item} (no such file or folder)")
     if missing:
         raise DataError("input not found: " + "; ".join(missing))
+    if earlier:
+        shown = ", ".join(str(f) for f in sorted(earlier)[:3])
+        more = f" and {len(earlier) - 3} more" if len(earlier) > 3 else ""
+        print(
+            f"dualseg {command}: note: left out the outputs of an earlier run found among the "
+            f"inputs ({shown}{more}: its {'/, '.join(OWN_FOLDERS)}/ folders)",
+            file=sys.stderr,
+        )
     return _unique_names(found)
 
 
@@ -276,6 +310,8 @@ def check_image_outputs(
     out: Path,
     images: Sequence[tuple[Path, str]],
     files: Sequence[tuple[str, str]],
+    *,
+    command: str = "predict",
 ) -> None:
     """Refuse, before any work, outputs ``out/<folder>/<name><suffix>`` (``files``: ``(folder,
     suffix)`` pairs, e.g. ``("labels", ".png")``) that exist (unless ``--overwrite``) or are
@@ -296,6 +332,33 @@ def check_image_outputs(
     if (out / "meta.json").is_file() or any(out.glob("*.txt")) or (paired and not earlier_run):
         protected.append((f"a file of the dataset {out}", dataset_files(out)))
     check_outputs(outputs, overwrite=args.overwrite, protected=protected)
+    if earlier_run:  # an earlier predict / refine apply output (a dataset has no overlay/)
+        note_other_outputs(command, out, outputs, [folder for folder, _ in files])
+
+
+def note_other_outputs(
+    command: str, out: Path, outputs: Sequence[Path], folders: Sequence[str]
+) -> None:
+    """Say when ``out``'s own folders hold outputs this run will not write: an earlier run's,
+    of other images (perhaps by another model), which stay beside this run's without a word
+    otherwise. Nothing is removed: they may be the earlier chunks of one job."""
+    ours = {p.resolve() for p in outputs}
+    others = sorted(
+        f
+        for folder in folders
+        if (out / folder).is_dir()
+        for f in (out / folder).rglob("*")
+        if f.is_file() and f.suffix in (".png", ".npz") and f.resolve() not in ours
+    )
+    if others:
+        names = sorted({f.relative_to(out).with_suffix("").as_posix() for f in others})
+        print(
+            f"dualseg {command}: note: "
+            f"{out} also holds {len(others)} output files of images this run does not segment "
+            f"(e.g. {names[0]}), from an earlier run: they stay beside this run's; use a new "
+            "--out to keep the two apart",
+            file=sys.stderr,
+        )
 
 
 def save_probs(
@@ -357,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
             "--mode slide and --tta-* need --checkpoint: an --onnx model runs whole images "
             "only (drop those options, or pass the checkpoint)"
         )
-    images = collect_images(args.inputs, skip=[out / f for f in OWN_FOLDERS])
+    images = collect_images(args.inputs, out=out)
     files = [(f, ".npz" if f == "probs" else ".png") for f in OUTPUT_FOLDERS]
     check_image_outputs(args, out, images, files if args.probs else files[:-1])
     if args.onnx:

@@ -766,7 +766,6 @@ def format_sweep(rows: list[dict[str, Any]], *, metric: str, best: int = 5) -> s
 # ---------------------------------------------------------------------- apply
 def apply_main(args: argparse.Namespace) -> int:
     from dualseg.commands.predict import (
-        OWN_FOLDERS,
         check_dataset_classes,
         check_image_outputs,
         collect_images,
@@ -782,9 +781,9 @@ def apply_main(args: argparse.Namespace) -> int:
 
     opts = inference_options(args)
     out = check_writable(args.out, kind="dir", what="--out")
-    images = collect_images(args.inputs, skip=[out / f for f in OWN_FOLDERS])
+    images = collect_images(args.inputs, out=out, command="refine apply")
     kinds = ("labels", "color", "overlay", "changed")
-    check_image_outputs(args, out, images, [(f, ".png") for f in kinds])
+    check_image_outputs(args, out, images, [(f, ".png") for f in kinds], command="refine apply")
     device = apply_runtime(args)
     refiner = load_refiner(args.refiner, device=device)
     check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
