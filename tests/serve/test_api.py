@@ -87,6 +87,12 @@ def test_missing_file_field_is_400(client):
     r = client.post("/api/segment", files={"image": ("a.png", gradient_png(), "image/png")})
     assert r.status_code == 400
     assert "'file'" in r.json()["detail"]
+    # the right field, but as text (no filename): said so, not "send it in the field 'file'"
+    r = client.post(
+        "/api/segment", data={"file": "a.png"}, files={"other": ("x", b"", "text/plain")}
+    )
+    assert r.status_code == 400
+    assert "holds text, not a file" in r.json()["detail"]
 
 
 def test_image_over_megapixel_limit_is_413(client):

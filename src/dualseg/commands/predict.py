@@ -15,11 +15,12 @@ For each input image ``<name>`` it writes, at the image's original resolution::
 ``a/x.png`` and ``b/x.png`` do not collide; other repeats get ``_1``, ``_2`` ...). Files under
 ``OUT``'s own folders (``labels/``, ``color/`` ...) are never inputs, so a second run does not
 segment the first one's outputs, nor are those of an earlier output found inside an input
-folder (said in a note); a note also says when ``OUT`` holds outputs of other images. Every file is written atomically; ``OUT`` is checked before
-the model is loaded: an unwritable place, and an output file that already exists, are refused
-(``--overwrite`` replaces the latter, but never an input image or a ``--data`` dataset file).
-``--data ROOT`` names the dataset the images come from: a model whose classes differ from the
-ones ROOT describes (``meta.json``, ``--preset``) is refused with both lists.
+folder (said in a note); a note also says when ``OUT`` holds outputs of other images. Every
+file is written atomically; ``OUT`` is checked before the model is loaded: an unwritable
+place, and an output file that already exists, are refused (``--overwrite`` replaces the
+latter, but never an input image or a ``--data`` dataset file). ``--data ROOT`` names the
+dataset the images come from: a model whose classes differ from the ones ROOT describes
+(``meta.json``, ``--preset``) is refused with both lists.
 """
 
 from __future__ import annotations

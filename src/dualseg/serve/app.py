@@ -253,14 +253,18 @@ class _UploadReader:
         if not boundary:
             raise HTTPException(status_code=400, detail="multipart body without a boundary")
         files: dict[str, Any] = {}
+        fields: set[str] = set()  # parts without a filename: text, not a file
 
         def on_file(f: Any) -> None:
             files.setdefault((f.field_name or b"").decode("latin-1"), f)
 
+        def on_field(f: Any) -> None:
+            fields.add((f.field_name or b"").decode("latin-1"))
+
         # MAX_MEMORY_FILE_SIZE=inf: python-multipart's File keeps everything in a BytesIO.
         parser = FormParser(
             "multipart/form-data",
-            on_field=None,
+            on_field=on_field,
             on_file=on_file,
             boundary=boundary,
             config={"MAX_MEMORY_FILE_SIZE": float("inf"), "MAX_BODY_SIZE": self.max_bytes},
@@ -274,6 +278,12 @@ class _UploadReader:
         except Exception as err:  # python-multipart raises its own parse errors
             raise HTTPException(status_code=400, detail=f"malformed multipart body: {err}") from err
         part = files.get("file")
+        if part is None and "file" in fields:
+            raise HTTPException(
+                status_code=400,
+                detail="the field 'file' holds text, not a file (its part has no filename): "
+                "send the image as a file upload (curl -F file=@image.png)",
+            )
         if part is None:
             raise HTTPException(
                 status_code=400, detail="no file in the form: send the image in the field 'file'"
