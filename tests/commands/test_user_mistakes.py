@@ -471,6 +471,20 @@ def test_a_flag_a_later_config_sets_again_is_refused_not_dropped(files, capsys) 
     assert f"--train.out_dir comes before --config {keep}, which sets train.out_dir" in line
     assert "put --config first" in line
     assert not new.exists() and not kept_run.exists()
+    # a section's own file (--train FILE), and shortened flags, pass the same checks
+    section = files["root"] / "train_section.yaml"
+    section.write_text(f"out_dir: {kept_run}\n")
+    head = ["train", "--config", str(TINY), "--data.root", str(files["data"])]
+    line = refused([*head, "--train.out_dir", str(new), "--train", str(section)], capsys)
+    assert f"--train.out_dir comes before --train {section}" in line
+    twice = files["root"] / "optim_twice.yaml"
+    twice.write_text("lr: 0.1\nlr: 0.001\n")
+    assert "key 'lr' is written twice" in refused([*head, "--optim", str(twice)], capsys)
+    assert "unknown flag --conf; did you mean --config?" in refused(
+        [*head, "--conf", str(keep)], capsys
+    )
+    assert "unknown flag --train.out_d;" in refused([*head, "--train.out_d", str(new)], capsys)
+    assert not new.exists() and not kept_run.exists()
     # a flag the later config leaves alone still counts: nothing to refuse
     ok = files["root"] / "flag_first"
     argv = ["train", "--optim.momentum", "0.8", "--config", str(TINY), "--quiet",

@@ -268,6 +268,9 @@ def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> 
         epilog=examples(*TRAIN_EXAMPLES),
         formatter_class=Formatter,
         exit_on_error=exit_on_error,
+        # --conf / --train.out_d would pass by the checks of _config_files, which know the
+        # full names only (a run trained into another folder than the one asked for)
+        allow_abbrev=False,
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config file")
     parser.add_class_arguments(Config, None)
@@ -361,15 +364,23 @@ def _config_files(argv: list[str]) -> list[tuple[int, str, dict[str, Any]]]:
     :class:`ConfigError` naming it (jsonargparse's own message names no file, which matters
     with several; and it lets a repeated key win)."""
     found = []
+    options = ("config", *SECTIONS)  # --train FILE: one section's file, as jsonargparse reads it
     for j, arg in enumerate(argv):
-        if arg == "--config" and j + 1 < len(argv):
+        name, _, attached = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if name not in options:
+            continue
+        if attached:
+            value = attached
+        elif j + 1 < len(argv):
             value = argv[j + 1]
-        elif arg.startswith("--config="):
-            value = arg.split("=", 1)[1]
         else:
             continue
         # jsonargparse also takes the YAML itself (train --resume passes a checkpoint's so)
         inline = "\n" in value or value.lstrip().startswith("{")
+        if name != "config":  # its keys are the section's fields: read as {section: ...}
+            section = _read_config_file(value, empty_ok=False, inline=inline, section=name)
+            found.append((j, value, {name: section}))
+            continue
         data = _read_config_file(value, empty_ok=False, inline=inline)
         if unknown := [k for k in data if k not in SECTIONS]:  # named here with its file
             import difflib
@@ -395,6 +406,7 @@ def _flag_overridden_by_a_later_config(
     arguments in order), so the flag was dropped without a word: ``--train.out_dir runs/new
     --overwrite --config keep.yaml`` wrote over keep.yaml's run folder, not runs/new."""
     for j, value, data in configs:
+        option = argv[j].partition("=")[0]  # --config, or a section's file: --train FILE
         for flag in argv[:j]:
             if not flag.startswith("--") or "." not in flag:
                 continue
@@ -406,8 +418,8 @@ def _flag_overridden_by_a_later_config(
                 node = node[part]
             else:
                 return (
-                    f"--{key} comes before --config {value}, which sets {key} again and would "
-                    "win; put --config first, then the flags that change it"
+                    f"--{key} comes before {option} {value}, which sets {key} again and would "
+                    f"win; put {option} first, then the flags that change it"
                 )
     return None
 
@@ -435,12 +447,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _read_config_file(
-    path: str | Path, *, empty_ok: bool = True, inline: bool = False
+    path: str | Path, *, empty_ok: bool = True, inline: bool = False, section: str | None = None
 ) -> dict[str, Any]:
     """A YAML config file's top-level mapping (``{}`` for an empty one when ``empty_ok``), or
     one :class:`ConfigError` naming the file: unreadable, not YAML (line and column), a key
     written twice in one mapping, empty, or not a mapping of sections. ``inline``: ``path``
-    is the YAML text itself."""
+    is the YAML text itself. ``section``: a file of that one section's fields (``--train
+    FILE``)."""
     try:
         text = str(path) if inline else Path(path).read_text(encoding="utf-8")  # YAML's own
         if inline:
@@ -460,6 +473,11 @@ def _read_config_file(
         raise ConfigError(f"{path} is not valid YAML{where}: {problem}; fix the file") from None
     if empty_ok and not d:  # an empty file (or a bare 0, [], ''): no keys, as before
         return {}
+    if section is not None and not isinstance(d, dict):
+        raise ConfigError(
+            f"{path} (--{section}) is not a {section} section: it must map {section}'s fields "
+            "to their values"
+        )
     if d is None:
         raise ConfigError(f"{path} is empty: give at least one section (data, model, optim, train)")
     if not isinstance(d, dict):
