@@ -156,6 +156,30 @@ def test_resume_auto_without_config_reads_the_folders_config(data, tmp_path, cap
     assert state["iteration"] == 2 and state["config"]["optim"]["lr"] == 0.02
 
 
+def test_a_moved_run_folder_goes_on_in_its_own_folder(data, tmp_path, capsys):
+    """Its config.yaml still named the old place: the resume trained there (and with
+    --overwrite replaced the run there), leaving the moved folder behind."""
+    run = tmp_path / "run"
+    assert main(new_run_argv(data, run, "--quiet")) == 0
+    copy = Path(shutil.copytree(run, tmp_path / "copy"))
+    before = files(run)
+    capsys.readouterr()
+    argv = ["train", "--resume", str(copy / "last.pt"), "--train.max_iters", "2"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert f"the run goes on in {copy}, the checkpoint's folder" in err
+    assert load_checkpoint(copy / "last.pt")["iteration"] == 2
+    assert files(run) == before  # the original is left alone
+    # the first run's --quiet is not this one's: it shows its progress
+    assert f"resumed from {copy / 'last.pt'} at iteration 1" in out
+
+
+def test_resume_auto_says_a_new_run_even_when_quiet(data, tmp_path, capsys):
+    out = tmp_path / "fresh"
+    assert main(new_run_argv(data, out, "--resume", "auto", "--quiet")) == 0
+    assert f"no checkpoint in {out}; starting a new run" in capsys.readouterr().err
+
+
 def test_a_resume_that_no_longer_fits_names_the_changed_setting(data, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(new_run_argv(data, out)) == 0

@@ -657,10 +657,11 @@ def _start(run: _Run, overwrite: bool = False) -> None:
         run.out_dir.mkdir(parents=True, exist_ok=True)
         save_config(run.cfg, run.out_dir / "config.yaml")
     run.log = RunLog(run.cfg, env, run.out_dir, run.iteration)
+    # --resume auto may do either: said even with train.quiet (on stderr), as a new run is
+    # not what a resume asked for
+    say = run.log.notice if run.resume == "auto" else run.log.message
     if run.state is not None:
-        run.log.message(
-            f"resumed from {run.resume_path} at iteration {run.iteration} (epoch {run.epoch})"
-        )
+        say(f"resumed from {run.resume_path} at iteration {run.iteration} (epoch {run.epoch})")
         changes = config_changes(run.state.get("config") or {}, run.cfg)
         saved = run.state.get("train_data")  # None in checkpoints written before it was kept
         if saved is not None and saved != run.train_data:
@@ -678,7 +679,7 @@ def _start(run: _Run, overwrite: bool = False) -> None:
             resumed["changed"] = {k: [a, b] for k, (a, b) in changes.items()}
         run.log.write(resumed)
     elif run.resume == "auto":
-        run.log.message(f"no checkpoint in {run.out_dir}; starting a new run")
+        say(f"no checkpoint in {run.out_dir}; starting a new run")
     if run.amp_dtype is not None:  # auto may pick it on a CPU: never silently
         kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}[run.amp_dtype]
         run.log.message(
