@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -197,6 +198,11 @@ def test_median_frequency_weights_exact_values() -> None:
     w = median_frequency_weights([40, 10, 5, 0], [100, 50, 100, 0])
     freqs = [0.4, 0.2, 0.05]  # median 0.2
     assert w.tolist() == pytest.approx([0.2 / f for f in freqs] + [0.0])
+    # an even number of classes present: the median is the mean of the two middle values
+    # (numpy's and statistics'), not torch.median's lower one
+    w = median_frequency_weights([40, 10, 5, 30], [100, 50, 100, 100])
+    freqs = [0.4, 0.2, 0.05, 0.3]
+    assert w.tolist() == pytest.approx([float(np.median(freqs)) / f for f in freqs])
 
 
 def test_class_weights_for_median_frequency_reads_the_training_labels(tmp_path) -> None:
