@@ -51,6 +51,9 @@ def test_class_weights_and_ohem_change_the_first_loss_and_default_stays_s32(data
         _run(data, tmp_path / "bad", class_weights=[1.0, 2.0])
     with pytest.raises(ConfigError, match="ohem_thresh must be in"):
         _run(data, tmp_path / "bad2", ohem_thresh=1.5)
+    # a minimum alone: OHEM stays off, so it did nothing without a word
+    with pytest.raises(ConfigError, match="ohem_min_kept 100 does nothing without"):
+        _run(data, tmp_path / "bad3", ohem_min_kept=100)
 
 
 def test_cli_mixes_two_roots(data, tmp_path, capsys):

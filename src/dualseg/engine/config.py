@@ -680,7 +680,13 @@ def validate(cfg: Config) -> None:
         ),
         (o.ohem_thresh is None or 0 < o.ohem_thresh <= 1, "optim.ohem_thresh must be in (0, 1]"),
         (o.ohem_min_kept >= 0, "optim.ohem_min_kept must be >= 0"),
-        (d.batch_size > 0 and d.val_batch_size > 0, "data.batch_size must be > 0"),
+        (
+            o.ohem_thresh is not None or o.ohem_min_kept == OptimConfig.ohem_min_kept,
+            f"optim.ohem_min_kept {o.ohem_min_kept} does nothing without optim.ohem_thresh "
+            "(OHEM is off); set --optim.ohem_thresh (e.g. 0.7) too, or drop ohem_min_kept",
+        ),
+        (d.batch_size > 0, "data.batch_size must be > 0"),
+        (d.val_batch_size > 0, "data.val_batch_size must be > 0"),
         (
             d.batch_size != 1 or not cfg.model.arch.startswith("deeplabv3_"),
             f"data.batch_size 1 cannot train {cfg.model.arch}: its image-pooling BatchNorm "
