@@ -228,6 +228,10 @@ def test_class_weights_for_median_frequency_reads_the_training_labels(tmp_path) 
     assert class_weights_for((1, 2, 3), 3).tolist() == [1.0, 2.0, 3.0]
     with pytest.raises(ConfigError, match=r"has 2 values .* 3 classes"):
         class_weights_for((1, 2), 3)
+    with pytest.raises(ConfigError, match=r"holds a negative weight"):  # not the count's fault
+        class_weights_for((1, 2, -1), 3)
+    with pytest.raises(ConfigError, match=r"are all 0"):
+        class_weights_for((0, 0, 0), 3)
 
 
 def test_ohem_without_min_kept_is_a_clear_error() -> None:

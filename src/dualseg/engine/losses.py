@@ -199,10 +199,16 @@ def class_weights_for(
             f"class_weights {weights.tolist()} holds NaN or infinite values; give one finite, "
             "non-negative weight per class"
         )
-    if weights.numel() != num_classes or (weights < 0).any() or weights.sum() <= 0:
+    if weights.numel() != num_classes:
         raise ConfigError(
             f"class_weights has {weights.numel()} values {weights.tolist()} but the dataset has "
             f"{num_classes} classes; give one non-negative weight per class (not all 0)"
+        )
+    if (weights < 0).any() or weights.sum() <= 0:
+        raise ConfigError(
+            f"class_weights {weights.tolist()} "
+            + ("holds a negative weight" if (weights < 0).any() else "are all 0")
+            + "; give one non-negative weight per class (not all 0)"
         )
     return weights
 
