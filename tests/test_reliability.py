@@ -424,6 +424,10 @@ def test_unknown_config_key_is_one_line_with_the_closest_key(tmp_path, capsys) -
     assert one_line(capsys).endswith(
         "unknown flag --train.max_itres; did you mean --train.max_iters?"
     )
+    # a field without its section: the field, not the nearest command flag (--quiet, --help)
+    for flag, meant in (("--out", "--train.out_dir"), ("--lr", "--optim.lr")):
+        assert main(["train", "--config", str(TINY), flag, "1"]) == 1
+        assert one_line(capsys).endswith(f"unknown flag {flag}; did you mean {meant}?")
     bad = tmp_path / "bad.yaml"
     bad.write_text("data:\n  batch_sise: 2\n")
     assert main(["train", "--config", str(bad)]) == 1

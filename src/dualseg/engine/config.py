@@ -517,6 +517,14 @@ def _explain_parse_error(message: str, parser: Any) -> str:
     if key is None:
         return f"invalid arguments: {message}; see dualseg train --help"
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
+    top = [k for k in keys if "." not in k]
+    if unknown and "." not in key and not difflib.get_close_matches(key, top, n=1, cutoff=0.8):
+        # --out, --lr: a field's name without its section (not a command flag misspelled)
+        name = key[2:].replace("-", "_")
+        fields = {k.rsplit(".", 1)[1]: k for k in keys if "." in k}
+        near = sorted((f for f in fields if f.startswith(name)), key=len)
+        near = near or difflib.get_close_matches(name, list(fields), n=1, cutoff=0.6)
+        close = [fields[near[0]]] if near else close
     if group:  # a YAML key: name keys as YAML writes them
         key, close = key[2:], [c[2:] for c in close]
     hint = f"; did you mean {close[0]}?" if close else "; see dualseg train --help"
