@@ -303,7 +303,11 @@ def test_overwrite_that_fails_in_training_puts_the_old_run_back(four_data, tmp_p
     for name in before:
         (out / name).rename(out / REPLACED_DIR / name)
     assert main(train_argv(four_data, out)) == 1
-    assert REPLACED_DIR in one_line(capsys)
+    line = one_line(capsys)
+    assert f"the run it replaced is kept whole in {out / REPLACED_DIR}" in line
+    assert "move its files back" in line  # not only "--overwrite", which would discard it
+    assert main([*train_argv(four_data, out), "--resume", "auto"]) == 1
+    assert "kept whole in" in one_line(capsys)
     (out / "config.yaml").write_text("the killed attempt's")
     assert main(argv) == 1  # still failing in training: the set-aside run comes back
     capsys.readouterr()

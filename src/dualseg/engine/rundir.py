@@ -107,6 +107,17 @@ def check_run_dir(
     if not shown or overwrite or continues_run(out_dir, resume):
         return previous
     names = ", ".join(p.name for p in shown[:4]) + (" ..." if len(shown) > 4 else "")
+    aside = out_dir / REPLACED_DIR
+    if resume in (None, AUTO) and aside.is_dir() and not (out_dir / LAST).is_file():
+        # an --overwrite stopped before its first checkpoint: the run it was replacing is whole
+        # in REPLACED_DIR, and the advice to --overwrite again would discard it
+        kept = ", ".join(sorted(p.name for p in aside.iterdir())[:4])
+        raise RunExistsError(
+            f"{out_dir} holds an --overwrite that stopped before its first checkpoint; the run "
+            f"it replaced is kept whole in {aside} ({kept}): to go on with that run, move its "
+            f"files back (mv {aside}/* {out_dir}/) and --resume auto; to start over, "
+            "--overwrite (which discards it), or choose another --train.out_dir"
+        )
     if resume is None:
         if not any((out_dir / name).is_file() for name in (LAST, BEST)):
             # stopped before its first checkpoint (a failure at start-up): nothing to continue
