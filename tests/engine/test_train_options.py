@@ -203,3 +203,21 @@ def test_the_spec_config_stops_when_the_objective_stops_decreasing() -> None:
 
     cfg = load_config(TINY.parent / "camvid_resnet101.yaml")
     assert cfg.train.patience is not None and cfg.train.monitor in ("auto", "val_loss")
+
+
+def test_a_crop_larger_than_every_training_image_is_warned_about(data, tmp_path, capsys):
+    from dualseg.cli import main
+    from dualseg.engine.config import DataConfig
+    from dualseg.engine.preflight import padded_crop
+
+    d = DataConfig(crop_size=(480, 640), scale_range=(0.5, 2.0))
+    assert "use a crop of at most [200, 400]" in padded_crop(d, (100, 200))
+    assert padded_crop(d, (240, 320)) is None  # reached at scale 2
+    out = tmp_path / "run"
+    argv = ["train", "--config", str(TINY), "--data.root", str(data), "--quiet",
+            "--data.crop_size", "[480, 640]", "--train.max_iters", "1",
+            "--train.out_dir", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "data.crop_size [480, 640] is larger than every training image" in (
+        capsys.readouterr().err
+    )

@@ -52,6 +52,7 @@ class CheckReport:
     absent_classes: str | None = None  # the "class(es) ... have no pixels" problem, if found
     split_overlap: str | None = None  # the "split ... shares images with ..." problem, if found
     label_format: str = "index"  # how the labels were read ("color": palettes must agree)
+    largest: dict[str, tuple[int, int]] = field(default_factory=dict)  # split -> max (H, W)
 
     def to_dict(self) -> dict[str, Any]:
         # "ignore" keys the ignored pixels, "(ignore)" where a class is itself named "ignore"
@@ -117,8 +118,12 @@ def check_dataset(
             report.problems.append(f"{found.source or root}: split {split!r} is empty; add pairs")
         images[split] = {Path(img).resolve() for img, _ in found.samples}
         hist = report.split_histograms.setdefault(split, _empty_histogram())
+        largest = (0, 0)
         for img_path, label_path in track(found.samples, desc=f"check {split}", mode=progress):
-            report.problems += _check_pair(img_path, label_path, meta, label_format, hist)
+            problems, size = _check_pair(img_path, label_path, meta, label_format, hist)
+            report.problems += problems
+            largest = (max(largest[0], size[0]), max(largest[1], size[1]))
+        report.largest[split] = largest
         report.histogram += hist
     report.problems = _class_problems(report) + report.problems
     report.split_overlap = _split_overlap(root, images)
@@ -156,13 +161,14 @@ def _detect_any_split(root: Path, splits: tuple[str, ...]) -> str:
 
 def _check_pair(
     img_path: Path, label_path: Path, meta: DatasetMeta, label_format: str, hist: np.ndarray
-) -> list[str]:
+) -> tuple[list[str], tuple[int, int]]:
+    """The pair's problems, and its image's (H, W) ((0, 0) when unreadable)."""
     image, label, problems = inspect_pair(img_path, label_path, meta, label_format=label_format)
     if image is not None and label is not None and image.shape[:2] != label.shape:
         problems.append(size_mismatch(img_path, image.shape[:2], label_path, label.shape))
     if label is not None:
         hist += np.bincount(label.ravel(), minlength=256)
-    return problems
+    return problems, (tuple(image.shape[:2]) if image is not None else (0, 0))  # type: ignore[return-value]
 
 
 def _class_problems(report: CheckReport) -> list[str]:
@@ -222,6 +228,9 @@ def combine_reports(reports: Sequence[CheckReport]) -> CheckReport:
         for split, hist in r.split_histograms.items():
             combined.split_histograms.setdefault(split, _empty_histogram())
             combined.split_histograms[split] += hist
+        for split, (h, w) in r.largest.items():
+            top = combined.largest.get(split, (0, 0))
+            combined.largest[split] = (max(top[0], h), max(top[1], w))
     combined.problems = _class_problems(combined) + combined.problems
     overlaps = [r.split_overlap for r in reports if r.split_overlap]
     if overlaps:

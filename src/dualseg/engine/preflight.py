@@ -68,9 +68,30 @@ def check_training_data(
     ]
     report = combine_reports(reports)
     require_trainable(report, d.train_split)
-    for warning in (report.absent_classes, report.split_overlap):
+    padded = padded_crop(d, report.largest.get(d.train_split))
+    for warning in (report.absent_classes, report.split_overlap, padded):
         if warning and warn:
             print(f"dualseg train: warning: {warning}", file=sys.stderr)
+
+
+def padded_crop(d: DataConfig, largest: tuple[int, int] | None) -> str | None:
+    """A line when ``data.crop_size`` is so much larger than the largest training image, even
+    at the largest scale of ``data.scale_range``, that over half of every crop is ignore
+    padding: that weakens the loss (to 1/100 in a case seen) and slows every step, without a
+    word. A crop a little larger than the images (some padding) is not worth a line."""
+    if not largest or min(largest) == 0:
+        return None
+    hi = max(d.scale_range)
+    h, w = (round(v * hi) for v in largest)
+    ch, cw = d.crop_size
+    if min(ch, h) * min(cw, w) >= 0.5 * ch * cw:
+        return None
+    return (
+        f"data.crop_size [{ch}, {cw}] is larger than every training image ({largest[0]}x"
+        f"{largest[1]} at most, {h}x{w} at the largest scale {hi:g}): over half of every crop "
+        f"is ignore padding, which weakens the loss and slows each step; use a crop of at most "
+        f"[{min(ch, h)}, {min(cw, w)}]"
+    )
 
 
 def scored_classes_note(metrics: Mapping[str, Any], class_names: Sequence[str]) -> str:
