@@ -428,6 +428,19 @@ def test_unknown_config_key_is_one_line_with_the_closest_key(tmp_path, capsys) -
     assert one_line(capsys).endswith(
         "unknown flag --train.max_itres; did you mean --train.max_iters?"
     )
+    # a value of the wrong type: the key, the value and what it takes, not jsonargparse's text
+    for flag, value, said in (
+        (
+            "--train.patience",
+            "2.7",
+            "train.patience: '2.7' is not valid; it takes an integer or null",
+        ),
+        ("--optim.class_weights", "median_freq", "takes a list, e.g. [1, 2] or median_frequency"),
+        ("--train.amp", "maybe", "it takes auto | none | bf16 | fp16"),
+    ):
+        assert main(["train", "--config", str(TINY), flag, value]) == 1
+        line = one_line(capsys)
+        assert said in line and "Union" not in line, line
     # a field without its section: the field, not the nearest command flag (--quiet, --help)
     for flag, meant in (("--out", "--train.out_dir"), ("--lr", "--optim.lr")):
         assert main(["train", "--config", str(TINY), flag, "1"]) == 1

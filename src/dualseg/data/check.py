@@ -203,7 +203,8 @@ def _class_problems(report: CheckReport) -> list[str]:
         splits = ", ".join(report.split_histograms) or "the dataset"
         report.absent_classes = (
             f"{report.root}: class(es) {shown}{more} have no pixels in any split ({splits}); "
-            "check the label mapping (--label-map, --preset) or remove them from the class list"
+            "check the label mapping (label map, preset or meta.json: --label-map / --preset, in "
+            "train --data.label_map / --data.preset) or remove them from the class list"
         )
         problems.append(report.absent_classes)
     return problems

@@ -514,6 +514,8 @@ def _explain_parse_error(message: str, parser: Any) -> str:
         close = difflib.get_close_matches(section.group(1), list(SECTIONS), n=1, cutoff=0.5)
         hint = f"did you mean {close[0]}?" if close else f"sections: {', '.join(SECTIONS)}"
         return f"unknown config section {section.group(1)}; {hint}"
+    if key is None and (typed := _type_error(message)):
+        return typed
     if key is None:
         return f"invalid arguments: {message}; see dualseg train --help"
     close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
@@ -529,6 +531,36 @@ def _explain_parse_error(message: str, parser: Any) -> str:
         key, close = key[2:], [c[2:] for c in close]
     hint = f"; did you mean {close[0]}?" if close else "; see dualseg train --help"
     return f"unknown {'flag' if unknown else 'config key'} {key}{hint}"
+
+
+def _type_error(message: str) -> str | None:
+    """jsonargparse's type errors (``Parser key "train.patience": Does not validate against any
+    of the Union subtypes ...``) as one plain line: the key, the value, what it takes."""
+    import re
+
+    found = re.search(r'Parser key "([\w.]+)": (.*?)(?:Given|Got) value: (.*?)(?:;|$)', message)
+    if found is None:
+        return None
+    key, body, value = found.groups()
+
+    def plain(kind: str) -> str:
+        kind = kind.strip()
+        if kind.startswith("typing.Literal["):
+            return " | ".join(re.findall(r"'([^']*)'", kind))
+        if kind.startswith(("tuple[", "<class 'tuple'>", "list[")):
+            return "a list, e.g. [1, 2]"
+        names = {"NoneType": "null", "int": "an integer", "float": "a number", "str": "text",
+                 "bool": "true | false"}  # fmt: skip
+        cls = re.fullmatch(r"<class '(\w+)'>", kind)
+        return names.get(cls.group(1), cls.group(1)) if cls else kind
+
+    union = re.search(r"Subtypes: \[(.*?)\] Errors:", body)
+    if union:
+        kinds = re.split(r", (?=<class|typing|tuple|list)", union.group(1))
+    else:
+        kinds = re.findall(r"Expected a (.*?)(?:\. |$)", body)[:1]
+    takes = " or ".join(dict.fromkeys(plain(k) for k in kinds)) or "another value"
+    return f"{key}: {value.strip()!r} is not valid; it takes {takes} (see dualseg train --help)"
 
 
 def config_from_dict(d: dict[str, Any]) -> Config:
