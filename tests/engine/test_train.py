@@ -227,6 +227,12 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(
     ckpt = load_checkpoint(tmp_path / "last.pt")
     assert ckpt["iteration"] == 4
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
+    # an --overwrite that diverges before its first checkpoint: the old run comes back, said
+    before = (tmp_path / "last.pt").read_bytes()
+    _patch_samples(monkeypatch, at=3, action=lambda image: image * float("nan"))  # 2nd batch
+    with pytest.raises(TrainingDivergedError, match=r"the run it was replacing is put back"):
+        fit(tiny(data, tmp_path, max_iters=100, val_every=0, ckpt_every=50), overwrite=True)
+    assert (tmp_path / "last.pt").read_bytes() == before
 
 
 def test_resume_checks_the_model_and_follows_the_new_schedule(

@@ -743,7 +743,10 @@ def _loop(run: _Run) -> None:
                     run.epoch, run.consumed = run.epoch + 1, 0  # the epoch's batches are done
     except TrainingDivergedError as err:
         last = run.paths["last"]
-        kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint yet"
+        if run.replaced is not None:  # fit puts the --overwrite'd run back as this unwinds
+            kept = f"no checkpoint yet: the run it was replacing is put back in {run.out_dir}"
+        else:
+            kept = f"the last good checkpoint is {last}" if last.exists() else "no checkpoint yet"
         raise TrainingDivergedError(f"{err}; {kept}") from None
     finally:
         run.log.close()
