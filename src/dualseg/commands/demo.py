@@ -74,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
         "metrics.json, refiner.pt); without it such a folder is refused",
     )
     p.add_argument("--data", default=None, help="a real dataset root instead of synthetic data")
-    p.add_argument("--preset", default=None, help="classes of --data (camvid, voc, cityscapes)")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="classes of --data (camvid, voc, cityscapes, ade20k, synthetic)",
+    )
     p.add_argument("--layout", default="auto", help="layout of --data (auto)")
     p.add_argument("--train-split", default="train", help="split to train on (train)")
     p.add_argument("--val-split", default="val", help="held-out split to score (val)")

@@ -86,7 +86,7 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", "-o", default="refiner.pt", help="refiner file to write (refiner.pt)")
     p.add_argument("--split", default="train", help="split to fit on (train)")
     p.add_argument("--layout", default="auto", help="dataset layout (auto)")
-    p.add_argument("--preset", help="class preset: camvid, voc, cityscapes, synthetic")
+    p.add_argument("--preset", help="class preset: camvid, voc, cityscapes, ade20k, synthetic")
     add_label_args(p, source="the --base checkpoint")
     p.add_argument(
         "--crop-size", type=int, nargs=2, default=(256, 256), metavar=("H", "W"), help="(256 256)"

@@ -86,7 +86,18 @@ def _require_same_inputs(
         return
     changed = [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]
     if changed:
-        what = "; ".join(f"{k}: {saved.get(k)!r} then, {given.get(k)!r} now" for k in changed)
+
+        def shown(key: str, value: Any) -> str:
+            if key == "base" and value is None:  # --base given or not: it was not read
+                return (
+                    "no base read (only --init-backbone base or a base-* --backbone-source "
+                    "reads --base)"
+                )
+            return repr(value)
+
+        what = "; ".join(
+            f"{k}: {shown(k, saved.get(k))} then, {shown(k, given.get(k))} now" for k in changed
+        )
         raise CheckpointError(
             f"{path} was fitted on other inputs ({what}); resume with the same ones, or "
             "delete it to start over"
