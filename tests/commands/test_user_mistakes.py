@@ -425,7 +425,9 @@ def test_refine_fit_refuses_an_embedding_too_wide_to_build(files, capsys, tmp_pa
     assert RefinerConfig(embed_dim=4096).embed_dim == 4096
     out = tmp_path / "r.pt"
     line = refused(_fit(files, "--embed-dim", "100000", "--out", str(out)), capsys)
-    assert "embed_dim must be in 1..4096, got 100000" in line
+    assert "--embed-dim must be in 1..4096, got 100000" in line  # the flag, as given
+    line = refused(_fit(files, "--margin", "-1", "--out", str(out)), capsys)
+    assert "--margin must be >= 0, got -1.0" in line
     assert not out.exists() and not out.with_suffix(".train.pt").exists()
 
 

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -397,34 +398,8 @@ def fit_main(args: argparse.Namespace) -> int:
     check_fit_files(out, checkpoint, base=args.base, data=args.data, layout=args.layout)
     check_earlier_fit(out, checkpoint, resume=args.resume, overwrite=args.overwrite)
 
-    cfg = RefinerConfig(
-        backbone=args.backbone,
-        embed_dim=args.embed_dim,
-        output_stride=args.output_stride,
-        aspp_rates=tuple(args.aspp_rates),
-        input_scale=args.input_scale,
-        radius=args.radius,
-        edge_method=args.edge_method,
-        top_n=args.top_n,
-        margin=args.margin,
-        num_triplets=args.num_triplets,
-        reduction=args.reduction,
-        mining=args.mining,
-        mining_pool=args.mining_pool,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        momentum=args.momentum,
-        seed=args.seed,
-        backbone_source=args.backbone_source,
-        gate_margin=args.gate_margin,
-        prior_weight=args.prior_weight,
-        min_prob=args.min_prob,
-        p1_blur_sigma=args.p1_blur_sigma,
-        decoder_channels=args.decoder_channels,
-    )
+    with options_as_flags():
+        cfg = refiner_config(args)
     device = apply_runtime(args)
     mode = "off" if args.no_progress else mode_of(args)
     train_tf = build_train_transform(
@@ -524,6 +499,56 @@ def note_top_n_over_classes(command: str, top_n: int, num_classes: int) -> None:
             f"classes: every class is a candidate, as at Top-N {num_classes}",
             file=sys.stderr,
         )
+
+
+@contextlib.contextmanager
+def options_as_flags() -> Iterator[None]:
+    """A :class:`RefinerConfig` value error names the option as the command line gives it
+    (``--margin``, not ``margin``)."""
+    from dualseg.refine import RefinerConfig
+
+    try:
+        yield
+    except ConfigError as err:
+        text = str(err)
+        field = text.split(" ", 1)[0]
+        if field in {f.name for f in dataclasses.fields(RefinerConfig)}:
+            text = f"--{field.replace('_', '-')}{text[len(field) :]}"
+        raise ConfigError(text) from None
+
+
+def refiner_config(args: argparse.Namespace) -> Any:
+    """The :class:`RefinerConfig` of ``refine fit``'s flags."""
+    from dualseg.refine import RefinerConfig
+
+    return RefinerConfig(
+        backbone=args.backbone,
+        embed_dim=args.embed_dim,
+        output_stride=args.output_stride,
+        aspp_rates=tuple(args.aspp_rates),
+        input_scale=args.input_scale,
+        radius=args.radius,
+        edge_method=args.edge_method,
+        top_n=args.top_n,
+        margin=args.margin,
+        num_triplets=args.num_triplets,
+        reduction=args.reduction,
+        mining=args.mining,
+        mining_pool=args.mining_pool,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        optimizer=args.optimizer,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        momentum=args.momentum,
+        seed=args.seed,
+        backbone_source=args.backbone_source,
+        gate_margin=args.gate_margin,
+        prior_weight=args.prior_weight,
+        min_prob=args.min_prob,
+        p1_blur_sigma=args.p1_blur_sigma,
+        decoder_channels=args.decoder_channels,
+    )
 
 
 def fit_inputs(
