@@ -53,6 +53,11 @@ def test_a_model_in_train_mode_predicts_as_in_eval_mode_and_keeps_its_mode(ckpt,
     seg = Segmenter(model, META)
     np.testing.assert_array_equal(seg.predict_proba(rgb), ref)
     assert model.training  # given back in its own mode
+    # each submodule in its own: BatchNorm frozen for fine-tuning stays frozen
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    norms[0].eval()
+    seg.predict(rgb)
+    assert model.training and not norms[0].training and norms[1].training
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in stats.items())
 
 

@@ -112,10 +112,12 @@ def require_rgb_input(model: nn.Module, what: str) -> None:
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
     """Put ``model`` in eval mode, and give it back in the mode it came in (``predict``, and
-    the engine's validation)."""
-    was_training = model.training
+    the engine's validation): each submodule in its own, so a fine-tuned model's frozen
+    BatchNorm layers (``bn.eval()`` inside a model in train mode) stay frozen."""
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:
         yield
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
