@@ -41,7 +41,7 @@ from dualseg.export.runners import (
     refiner_sidecar_path,
 )
 from dualseg.io import atomic_write_bytes, atomic_write_json
-from dualseg.models.base import require_rgb_input
+from dualseg.models.base import eval_mode, require_rgb_input
 from dualseg.serialization import TORCHSCRIPT_META
 from dualseg.viz import default_palette
 
@@ -361,29 +361,27 @@ def export_model(
             f"{len(class_names)} class names for a model with {classes} classes; give one "
             "name per class"
         )
-    was_training = model.training  # the export runs in eval mode; the caller's model stays
-    wrapper = segmenter_wrapper(model, output)
-    info = export_info(
-        kind="segmenter",
-        class_names=class_names,
-        palette=palette,
-        arch=arch,
-        model_kwargs=model_kwargs,
-        output=output,
-        dynamic=dynamic,
-        input_size=None if dynamic else tuple(example_size),
-        dataset=dataset,
-        ignore_index=ignore_index,
-        mean=mean,
-        std=std,
-    )
-    try:
+    # the export runs in eval mode; the caller's model (each module) keeps its own
+    with eval_mode(model):
+        wrapper = segmenter_wrapper(model, output)
+        info = export_info(
+            kind="segmenter",
+            class_names=class_names,
+            palette=palette,
+            arch=arch,
+            model_kwargs=model_kwargs,
+            output=output,
+            dynamic=dynamic,
+            input_size=None if dynamic else tuple(example_size),
+            dataset=dataset,
+            ignore_index=ignore_index,
+            mean=mean,
+            std=std,
+        )
         return _write(
             wrapper, path, info, format=format, example_size=example_size, dynamic=dynamic,
             opset=opset, exporter=exporter,
         )  # fmt: skip
-    finally:
-        model.train(was_training)
 
 
 def export_checkpoint(
@@ -448,22 +446,22 @@ def export_refiner(
         from dualseg.refine import BoundaryRefiner
 
         refiner = BoundaryRefiner.load(refiner)
-    # the export runs on the CPU in eval mode; the caller's refiner keeps its device and mode
-    device, was_training = refiner.device, refiner.net.training
+    # the export runs on the CPU in eval mode; the caller's refiner keeps its device and modes
+    device = refiner.device
     try:
         refiner.to("cpu")
-        return _export_refiner(
-            refiner,
-            Path(path),
-            format=format,
-            dynamic=dynamic,
-            example_size=example_size,
-            opset=opset,
-            exporter=exporter,
-        )
+        with eval_mode(refiner.net):
+            return _export_refiner(
+                refiner,
+                Path(path),
+                format=format,
+                dynamic=dynamic,
+                example_size=example_size,
+                opset=opset,
+                exporter=exporter,
+            )
     finally:
         refiner.to(device)
-        refiner.net.train(was_training)
 
 
 def _export_refiner(
