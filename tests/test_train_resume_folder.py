@@ -189,3 +189,29 @@ def test_a_resume_that_no_longer_fits_names_the_changed_setting(data, tmp_path, 
     assert main([*argv, "--model.renet_hidden", str(hidden * 2)]) == 1
     err = one_line(capsys)
     assert f"model.renet_hidden: {hidden} -> {hidden * 2}" in err and "--overwrite" in err
+
+
+def test_a_moved_run_keeps_the_quiet_and_out_dir_of_this_commands_section_file(
+    data, tmp_path, capsys
+):
+    """``--train FILE`` setting quiet or out_dir is this command's choice: the stored run's
+    quiet does not win over it, and its out_dir is not taken for a moved folder's."""
+    run = tmp_path / "run"
+    assert main(new_run_argv(data, run)) == 0
+    copy = Path(shutil.copytree(run, tmp_path / "copy"))
+    section = tmp_path / "quiet.yaml"
+    section.write_text("quiet: true\n")
+    capsys.readouterr()
+    argv = ["train", "--resume", str(copy / "last.pt"), "--train", str(section)]
+    assert main([*argv, "--train.max_iters", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "resumed from" not in out  # quiet, as the section file says
+    assert load_checkpoint(copy / "last.pt")["iteration"] == 2
+
+    elsewhere = tmp_path / "elsewhere"
+    section.write_text(f"out_dir: {elsewhere}\n")
+    argv = ["train", "--resume", str(copy / "last.pt"), "--train", str(section)]
+    assert main([*argv, "--train.max_iters", "3"]) == 0
+    _, err = capsys.readouterr()
+    assert "the checkpoint's folder" not in err
+    assert load_checkpoint(elsewhere / "last.pt")["iteration"] == 3

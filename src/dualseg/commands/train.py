@@ -24,6 +24,7 @@ import json
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,33 +37,38 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # --help exits here and bad flags raise ConfigError, before torch is imported
     cfg, resume, flags = parse_command(argv)
-    # a run's stored train.quiet is how that command was run, not how this one is
-    shown = ["--train.quiet", "false"]
+    # a run's stored train.quiet is how that command was run, not how this one is: this
+    # command's own (its flags, section files or the default) is kept below
+    quiet = cfg.train.quiet
     if resume not in (None, "auto") and not any(a.startswith("--config") for a in argv):
         # `dualseg train --resume runs/x/last.pt`: the run's own resolved config, then flags.
         base = resume_base_config(Path(resume))
-        cfg, resume, flags = parse_command(["--config", base, *shown, *argv])
+        cfg, resume, flags = parse_command(["--config", base, *argv])
         folder = Path(resume).parent
         # a run folder moved or copied: its config.yaml still names the old place, where the
-        # run went on (and with --overwrite, replaced the run there)
+        # run went on (and with --overwrite, replaced the run there). Moved: this command
+        # leaves the config.yaml's out_dir as it is (no flag or section file changes it).
+        stored_out = parse_command(["--config", base])[0].train.out_dir
         moved = (
             Path(base) == folder / "config.yaml"
-            and not _given(argv, "--train.out_dir")
-            and Path(cfg.train.out_dir).resolve() != folder.resolve()
+            and cfg.train.out_dir == stored_out
+            and Path(stored_out).resolve() != folder.resolve()
         )
         if moved:
             print(
-                f"dualseg train: note: {base} names train.out_dir {cfg.train.out_dir}; the run "
+                f"dualseg train: note: {base} names train.out_dir {stored_out}; the run "
                 f"goes on in {folder}, the checkpoint's folder (--train.out_dir chooses another)",
                 file=sys.stderr,
             )
             argv = [*argv, "--train.out_dir", str(folder)]
-            cfg, resume, flags = parse_command(["--config", base, *shown, *argv])
+            cfg, resume, flags = parse_command(["--config", base, *argv])
     elif resume == "auto" and not any(a.startswith("--config") for a in argv):
         # `dualseg train --resume auto --train.out_dir runs/x`: that run's own config, if any
         run_config = Path(cfg.train.out_dir) / "config.yaml"
         if run_config.is_file():
-            cfg, resume, flags = parse_command(["--config", str(run_config), *shown, *argv])
+            cfg, resume, flags = parse_command(["--config", str(run_config), *argv])
+    if cfg.train.quiet != quiet:
+        cfg = replace(cfg, train=replace(cfg.train, quiet=quiet))
 
     from dualseg.engine.train import fit
     from dualseg.io import atomic_write_json
@@ -77,11 +83,6 @@ def main(argv: list[str] | None = None) -> int:
     if summary["stop_reason"] == "interrupted":
         return 128 + int(summary.get("signal", signal.SIGINT))
     return 0
-
-
-def _given(argv: list[str], flag: str) -> bool:
-    """Whether ``flag`` is on the command line (``--flag VALUE`` or ``--flag=VALUE``)."""
-    return any(a == flag or a.startswith(f"{flag}=") for a in argv)
 
 
 def resume_base_config(checkpoint: Path) -> str:
