@@ -530,3 +530,31 @@ def test_a_fractional_boundary_tolerance_is_refused_not_cut() -> None:
     with pytest.raises(ConfigError, match=r"whole pixels, got 2\.5"):
         BoundaryMetrics(3, tolerance=2.5)
     assert BoundaryMetrics(3, tolerance=2.0).tolerance == 2
+
+
+def test_numpy_class_counts_wide_unsigned_and_read_only_label_maps_score() -> None:
+    """np.int64 class counts (a dataset's ``len(classes)`` from numpy), uint16/uint32 label
+    maps (16-bit PNGs) and read-only arrays (np.load with mmap) score as int64 tensors do."""
+    import warnings
+
+    gt = np.array([[0, 1, 2, 2]])
+    pred = np.array([[0, 1, 1, 2]])
+    ref = ConfusionMatrix(3)
+    ref.update(torch.from_numpy(pred), torch.from_numpy(gt))
+    for dtype in (np.uint16, np.uint32, np.uint8):
+        p, g = pred.astype(dtype), gt.astype(dtype)
+        p.flags.writeable = g.flags.writeable = False
+        cm = ConfusionMatrix(np.int64(3))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # torch's non-writable array warning
+            cm.update(p, g)
+        assert torch.equal(cm.mat, ref.mat) and cm.num_classes == 3
+    assert type(BoundaryMetrics(np.int32(3)).num_classes) is int
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "3", True])
+def test_a_tolerance_that_is_no_number_is_one_config_error(bad: object) -> None:
+    from dualseg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="whole pixels"):
+        BoundaryMetrics(3, tolerance=bad)

@@ -35,6 +35,7 @@ Definitions (``ignore_index`` pixels of the ground truth are excluded from every
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -68,6 +69,10 @@ def _label_tensors(pred: Any, target: Any, ignore_index: int) -> tuple[Tensor, T
 
     def tensor(x: Any, name: str) -> Tensor:
         if isinstance(x, np.ndarray):
+            if x.dtype.kind == "u" and x.dtype.itemsize > 1:  # torch has few uint16/32/64 ops
+                x = x.astype(np.int64)
+            elif not x.flags.writeable:  # torch warns on (and would share) a read-only buffer
+                x = x.copy()
             x = torch.from_numpy(np.ascontiguousarray(x))
         if not isinstance(x, Tensor):
             raise TypeError(
@@ -82,12 +87,15 @@ def _label_tensors(pred: Any, target: Any, ignore_index: int) -> tuple[Tensor, T
     return tensor(pred, "pred"), tensor(target, "target")
 
 
-def _check_num_classes(num_classes: Any, upper: int | None = None) -> None:
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int):
+def _check_num_classes(num_classes: Any, upper: int | None = None) -> int:
+    """``num_classes`` as a Python int (numpy's integers too, not bools), checked."""
+    if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
         raise TypeError(f"num_classes must be an int, got {num_classes!r}")
+    num_classes = int(num_classes)
     if num_classes < 1 or (upper is not None and num_classes >= upper):
         bound = "" if upper is None else f" and < {upper}"
         raise ValueError(f"num_classes must be >= 1{bound}, got {num_classes}")
+    return num_classes
 
 
 def _check_labels(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int) -> None:
@@ -187,7 +195,7 @@ class ConfusionMatrix:
     def __init__(
         self, num_classes: int, ignore_index: int = 255, device: torch.device | str | None = None
     ) -> None:
-        _check_num_classes(num_classes)
+        num_classes = _check_num_classes(num_classes)
         _check_ignore_index(ignore_index, num_classes)
         self.num_classes = num_classes
         self.ignore_index = ignore_index
@@ -362,9 +370,13 @@ class BoundaryMetrics:
         ignore_index: int = 255,
         device: torch.device | str | None = None,
     ) -> None:
-        _check_num_classes(num_classes, 32768)  # boundary maps are int16
+        num_classes = _check_num_classes(num_classes, 32768)  # boundary maps are int16
         _check_ignore_index(ignore_index, num_classes)
-        if tolerance != int(tolerance) or trimap_width != int(trimap_width):
+        whole = all(
+            isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+            for v in (tolerance, trimap_width)
+        )
+        if not whole or tolerance != int(tolerance) or trimap_width != int(trimap_width):
             # a disk of radius 2.5 is not one of radius 2: cutting it changed the scores
             raise ConfigError(
                 f"boundary tolerance and trimap width are whole pixels, got {tolerance} and "
