@@ -193,6 +193,10 @@ def test_options_that_would_go_unused_or_be_cut_are_refused() -> None:
     torch.testing.assert_close(sliced, whole)
     with pytest.raises(ConfigError, match=r"sequence of factors.*got 1\.25; one factor"):
         infer_logits(model, x, tta_scales=1.25)
+    # any sequence of factors: a tensor or array of them averages as the tuple does
+    scaled = infer_logits(model, x, tta_scales=(1.0, 0.5))
+    for scales in (torch.tensor([1.0, 0.5]), np.array([1.0, 0.5]), [1, 0.5]):
+        torch.testing.assert_close(infer_logits(model, x, tta_scales=scales), scaled)
     with pytest.raises(ConfigError, match=r"tile_batch \(--tile-batch\) must be an int >= 1"):
         infer_logits(model, x, mode="slide", window=(8, 8), tile_batch=2.7)
     arrays = [np.zeros((4, 4, 3), np.uint8)]

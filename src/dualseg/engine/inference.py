@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,14 +70,18 @@ def _pixels(name: str, values: Sequence[int]) -> tuple[int, int]:
 
 
 def _scales(values: Sequence[float]) -> tuple[float, ...]:
-    """``tta_scales`` as floats; a bare number is refused (a TypeError from ``tuple`` before)."""
-    if not isinstance(values, Sequence | np.ndarray) or isinstance(values, str):
+    """``tta_scales`` as floats, from any sequence or iterable (a list, tuple, range, numpy
+    array or tensor); a bare number or a string is refused (a TypeError from ``tuple``)."""
+    if hasattr(values, "tolist"):  # a numpy array or tensor; 0-d gives a bare number
+        values = values.tolist()
+    if isinstance(values, str | bytes | Mapping) or not isinstance(values, Iterable):
         raise ConfigError(
             f"tta_scales (--tta-scales) takes a sequence of factors, e.g. (0.75, 1.0, 1.25), "
             f"got {values!r}; one factor: ({values!r},)"
         )
+    values = list(values)
     if not all(isinstance(s, numbers.Real) and not isinstance(s, bool) for s in values):
-        raise ConfigError(f"tta_scales (--tta-scales) must be numbers, got {list(values)!r}")
+        raise ConfigError(f"tta_scales (--tta-scales) must be numbers, got {values!r}")
     return tuple(float(s) for s in values)
 
 
