@@ -437,6 +437,9 @@ def test_unknown_config_key_is_one_line_with_the_closest_key(tmp_path, capsys) -
         ),
         ("--optim.class_weights", "median_freq", "takes a list, e.g. [1, 2] or median_frequency"),
         ("--train.amp", "maybe", "it takes auto | none | bf16 | fp16"),
+        # a list with one bad item names the list given; a wrong length says how many
+        ("--optim.class_weights", "[1, x]", "class_weights: \"[1, 'x']\" is not valid"),
+        ("--data.crop_size", "[1, 2, 3]", "'[1, 2, 3]' is not valid; it takes a list of 2"),
     ):
         assert main(["train", "--config", str(TINY), flag, value]) == 1
         line = one_line(capsys)

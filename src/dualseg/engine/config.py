@@ -538,15 +538,20 @@ def _type_error(message: str) -> str | None:
     of the Union subtypes ...``) as one plain line: the key, the value, what it takes."""
     import re
 
-    found = re.search(r'Parser key "([\w.]+)": (.*?)(?:Given|Got) value: (.*?)(?:;|$)', message)
-    if found is None:
+    found = re.search(r'Parser key "([\w.]+)":', message)
+    # the value as given: a union's last line ("Given value: [1, 'x']"), else "Got value: x"
+    given = re.findall(r"Given value: (.*)", message) or re.findall(r"Got value: (.*)", message)
+    if found is None or not given:
         return None
-    key, body, value = found.groups()
+    key, body, value = found.group(1), message[found.end() :], given[-1]
 
     def plain(kind: str) -> str:
         kind = kind.strip()
         if kind.startswith("typing.Literal["):
             return " | ".join(re.findall(r"'([^']*)'", kind))
+        if sized := re.fullmatch(r"tuple with (\d+) elements?", kind):
+            n = int(sized.group(1))
+            return f"a list of {n}, e.g. {list(range(1, n + 1))}"
         if kind.startswith(("tuple[", "<class 'tuple'>", "list[")):
             return "a list, e.g. [1, 2]"
         names = {"NoneType": "null", "int": "an integer", "float": "a number", "str": "text",
