@@ -122,5 +122,9 @@ def test_exported_segmenter_threads_and_batch_size_are_honoured_or_refused(scrip
     assert seen == [want] and torch.get_num_threads() == before  # for the run only
     with pytest.raises(ConfigError, match="batch_size must be an int >= 1, got -3"):
         seg.predict_batch([image, image], batch_size=-3)
-    with pytest.raises(ConfigError, match="threads must be None or an int >= 1"):
-        ExportedSegmenter(scripted, threads=0)
+    for bad in (-1, 2.5, True, 100_000):
+        with pytest.raises(ConfigError, match=r"threads must be None or an int 0\.\.1024"):
+            ExportedSegmenter(scripted, threads=bad)
+    # 0 is the runtime's default, as dualseg predict --threads 0; numpy's ints are ints
+    assert ExportedSegmenter(scripted, threads=0).runner.threads is None
+    assert ExportedSegmenter(scripted, threads=np.int64(want)).runner.threads == want

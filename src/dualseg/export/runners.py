@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import numbers
 import os
 import zipfile
 from collections.abc import Sequence
@@ -225,10 +226,18 @@ class _TorchScriptRunner:
 
 
 def _open_runner(path: Path, providers: Sequence[str] | None, threads: int | None) -> Any:
+    from dualseg.engine.config import MAX_THREADS  # the one cap the CLI's --threads has too
+
     if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+        isinstance(threads, bool)
+        or not isinstance(threads, numbers.Integral)
+        or not 0 <= threads <= MAX_THREADS
     ):
-        raise ConfigError(f"threads must be None or an int >= 1, got {threads!r}")
+        raise ConfigError(
+            f"threads must be None or an int 0..{MAX_THREADS} (None or 0: the runtime's "
+            f"default), got {threads!r}"
+        )
+    threads = int(threads) if threads else None  # numpy ints too; 0: default
     if _is_torchscript(path):
         return _TorchScriptRunner(path, threads=threads)
     return _OnnxRunner(path, providers, threads)
