@@ -400,3 +400,27 @@ def test_an_interrupted_fit_saves_its_state_and_resume_goes_on(
     monkeypatch.setattr(fit_module, "triplet_step", real_step)
     assert main([*argv, "--resume"]) == 0
     assert load_state(state, TRAIN_FORMAT, "checkpoint")["step"] == 5 and out.exists()
+
+
+def test_top_n_over_the_classes_is_noted_only_when_asked_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch
+) -> None:
+    """The default Top-N (5) on a four-class dataset is no request for more candidates than
+    classes: the note is for a --top-n the user gave."""
+    from dualseg.cli import main
+    from reliability_helpers import FOUR, class_maps, write_dataset
+
+    def never(*args, **kwargs):
+        raise AssertionError("BoundaryRefiner.fit ran")
+
+    monkeypatch.setattr(BoundaryRefiner, "fit", staticmethod(never))
+    maps = class_maps(2, 4)
+    data = write_dataset(tmp_path / "four", {"train": maps, "val": maps}, meta=FOUR)
+    argv = ["refine", "fit", "--data", str(data), "--out", str(tmp_path / "r.pt")]
+    argv += ["--crop-size", "32", "32", "--device", "cpu", "--init-backbone", "none"]
+    with pytest.raises(AssertionError, match="fit ran"):
+        main(argv)
+    assert "is more than the" not in capsys.readouterr().err
+    with pytest.raises(AssertionError, match="fit ran"):
+        main([*argv, "--top-n", "6"])
+    assert "Top-N 6 is more than the 4 classes" in capsys.readouterr().err

@@ -425,7 +425,8 @@ def fit_main(args: argparse.Namespace) -> int:
     if args.proto_images > 0:
         protos = torch.utils.data.Subset(protos, range(min(args.proto_images, len(protos))))
     class_names = train.meta.class_names
-    note_top_n_over_classes("fit", args.top_n, len(class_names))
+    if args.top_n != defaults.top_n:  # the default on a few-class dataset says nothing
+        note_top_n_over_classes("fit", args.top_n, len(class_names))
 
     if base is not None and base.class_names is not None:
         require_same_classes(
@@ -825,7 +826,8 @@ def apply_main(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         refiner.config = dataclasses.replace(refiner.config, **overrides)
-    note_top_n_over_classes("apply", refiner.config.top_n, refiner.num_classes)
+    if "top_n" in overrides:  # the stored one was noted (if at all) by refine fit
+        note_top_n_over_classes("apply", refiner.config.top_n, refiner.num_classes)
     if refiner.config.top_n == 1:
         print(
             "dualseg refine apply: note: Top-N 1 leaves each pixel one candidate, the base's "
