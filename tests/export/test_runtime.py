@@ -168,3 +168,37 @@ def test_class_names_that_do_not_match_the_outputs_are_refused_before_any_output
     assert main(["predict", "--onnx", str(bad), str(image), "-o", str(out), "-q"]) == 1
     assert "names 2 classes; re-export" in capsys.readouterr().err
     assert not any(p.is_file() for p in out.rglob("*"))  # no label PNG without its colour one
+
+
+def test_a_model_with_low_resolution_dict_output_predicts_at_the_image_size(tmp_path):
+    """A torchvision-style model (``{"out": logits}``) whose logits come at a quarter of the
+    input: the exports returned labels at the logits' size (12x16 for a 48x64 image)."""
+    import torch
+
+    from dualseg.data.presets import DatasetMeta
+    from dualseg.engine.predict import Segmenter
+    from dualseg.export.export import export_model
+    from dualseg.export.runtime import ExportedSegmenter
+
+    class LowRes(torch.nn.Module):
+        num_classes = 3
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 3, 4, stride=4)
+
+        def forward(self, x):
+            return {"out": self.conv(x), "aux": self.conv(x)}
+
+    torch.manual_seed(0)
+    model = LowRes().eval()
+    names = ("a", "b", "c")
+    meta = DatasetMeta(name="t", class_names=names, palette=((0, 0, 0), (9, 9, 9), (99, 9, 9)))
+    images = _images()
+    want = Segmenter(model, meta).predict_batch(images, return_probs=True)
+    for name in ("low.onnx", "low.pt"):
+        export_model(model, tmp_path / name, class_names=names, dynamic=True)
+        got = ExportedSegmenter(tmp_path / name).predict_batch(images, return_probs=True)
+        for (g_lab, g_prob), (w_lab, w_prob), image in zip(got, want, images):
+            assert g_lab.shape == image.shape[:2] == w_lab.shape
+            np.testing.assert_allclose(g_prob, w_prob, atol=1e-4)

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from dualseg.errors import ConfigError
+from dualseg.models.base import model_logits
 
 __all__ = ["MODES", "InferenceOptions", "autocast", "infer_logits", "slide_tiles"]
 
@@ -178,7 +179,7 @@ def slide_tiles(
 def _forward(model: Model, x: Tensor, amp: bool) -> Tensor:
     """Model logits (float32) resized to ``x``'s size."""
     with autocast(x.device, amp):
-        logits = model(x)
+        logits = model_logits(model(x))  # a torchvision model's {"out": ...} too
     logits = logits.float()
     if logits.shape[-2:] != x.shape[-2:]:
         logits = F.interpolate(logits, size=x.shape[-2:], mode="bilinear", align_corners=False)

@@ -41,7 +41,7 @@ from dualseg.export.runners import (
     refiner_sidecar_path,
 )
 from dualseg.io import atomic_write_bytes, atomic_write_json
-from dualseg.models.base import eval_mode, require_rgb_input
+from dualseg.models.base import eval_mode, model_logits, require_rgb_input
 from dualseg.serialization import TORCHSCRIPT_META
 from dualseg.viz import default_palette
 
@@ -115,8 +115,10 @@ class ExportWrapper(nn.Module):
         k = self.pad_multiple
         if k > 1:  # (k - h % k) % k: traced size arithmetic, exact for every exported size
             x = F.pad(x, (0, (k - w % k) % k, 0, (k - h % k) % k))
-        y = self.model(x)
+        y = model_logits(self.model(x))  # a torchvision model's {"out": ...} too
         if self.crop:
+            if y.shape[-2:] != x.shape[-2:]:  # logits below the input size: up to it, as predict
+                y = F.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False)
             y = y[..., :h, :w]
         return y.softmax(1) if self.output == "probs" else y
 

@@ -109,6 +109,28 @@ def require_rgb_input(model: nn.Module, what: str) -> None:
         )
 
 
+def model_logits(output: object, what: str = "the model") -> Tensor:
+    """A model's logits ``[B,C,h,w]`` from what it returned: a tensor, torchvision's dict
+    ``{"out": ..., "aux": ...}``, or a tuple/list whose first item is the logits (a model with
+    auxiliary heads); anything else is one :class:`ConfigError` naming ``what``."""
+    if isinstance(output, dict):
+        if "out" not in output:
+            raise ConfigError(
+                f"{what} returned a dict with keys {sorted(output)}; expected its logits under "
+                "'out' (as torchvision's segmentation models return them)"
+            )
+        output = output["out"]
+    elif isinstance(output, tuple | list) and output:
+        output = output[0]
+    if not isinstance(output, Tensor) or output.dim() != 4:
+        got = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
+        raise ConfigError(
+            f"{what} must return logits [B, C, H, W] (or torchvision's {{'out': logits}}), "
+            f"got {got}"
+        )
+    return output
+
+
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
     """Put ``model`` in eval mode, and give it back in the mode it came in (``predict``, and

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dualseg.errors import CheckpointError, DataError
+from dualseg.errors import DataError
+from dualseg.models.base import model_logits
 
 
 class BaseModel(Protocol):
@@ -58,20 +59,7 @@ class ModuleBase:
         self, images: Tensor, names: Sequence[str] = (), sources: Sequence[str] | None = None
     ) -> Tensor:
         """Logits at the image size; ``names`` / ``sources`` are not needed by a model."""
-        out = self.module(images.to(self.device))
-        if isinstance(out, dict):
-            if "out" not in out:
-                raise CheckpointError(
-                    f"the base model returned a dict with keys {sorted(out)}; expected logits "
-                    "under 'out' (torchvision segmentation models)"
-                )
-            out = out["out"]
-        elif isinstance(out, tuple | list):
-            out = out[0]
-        if not isinstance(out, Tensor) or out.dim() != 4:
-            raise CheckpointError(
-                "the base model must return logits [B,C,H,W] (or torchvision's {'out': ...})"
-            )
+        out = model_logits(self.module(images.to(self.device)), "the base model")
         if out.shape[-2:] != images.shape[-2:]:
             out = F.interpolate(
                 out.float(), size=images.shape[-2:], mode="bilinear", align_corners=False
