@@ -27,6 +27,7 @@ from dualseg.io import atomic_torch_save
 from dualseg.refine.calibrate import DECISION_KEYS
 from dualseg.refine.embedding import EmbeddingNet
 from dualseg.refine.formats import TRAIN_FORMAT, load_state
+from dualseg.refine.prototypes import require_class_labels
 from dualseg.refine.triplet import triplet_step
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -189,6 +190,12 @@ def train_embedding(
             ckpt_path,
         )
 
+    meta_classes = getattr(getattr(dataset, "meta", None), "class_names", None)
+    if meta_classes is not None and len(meta_classes) != len(class_names):  # before any step
+        raise ConfigError(
+            f"the dataset has {len(meta_classes)} classes and the refiner {len(class_names)} "
+            "class names: pass the dataset's (class_names=dataset.meta.class_names)"
+        )
     loader = torch.utils.data.DataLoader(
         _EpochView(dataset),
         batch_sampler=list(_batches(len(dataset), cfg.batch_size, cfg.seed, start, cfg.steps)),  # type: ignore[arg-type]
@@ -202,6 +209,7 @@ def train_embedding(
     # (it lost up to checkpoint_every - 1 steps); a second Ctrl-C stops at once
     with Interrupt() as interrupted:
         for step, (images, labels) in enumerate(bar, start=start):
+            require_class_labels(labels, len(class_names), ignore_index, "the training images")
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
             stats = triplet_step(
                 net, opt, images.to(device), labels.to(device), cfg, gen, ignore_index

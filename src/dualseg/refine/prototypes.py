@@ -11,8 +11,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dualseg.errors import DataError
 from dualseg.refine.boundary import near_boundary_mask
 from dualseg.refine.embedding import EmbeddingNet, embed_pixels
+
+
+def require_class_labels(labels: Tensor, num_classes: int, ignore_index: int, what: str) -> None:
+    """One :class:`DataError` for label values that are neither a class of the refiner's
+    ``num_classes`` nor ``ignore_index``: the triplets drew them as classes and the prototypes
+    dropped them, without a word (labels 0..7 fitted for three class names)."""
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= num_classes))
+    if bool(bad.any()):
+        values = torch.unique(labels[bad]).tolist()[:8]
+        raise DataError(
+            f"{what} hold label values {values}, neither a class of the {num_classes} class "
+            f"names nor the ignore index {ignore_index}: give one class name per label value, "
+            "or map the labels (meta.json, --label-map, --ignore-index)"
+        )
 
 
 class PrototypeAccumulator:
@@ -67,6 +82,7 @@ def stream_prototypes(
     loader = torch.utils.data.DataLoader(dataset, batch_size=1, num_workers=num_workers)
     for images, labels in tqdm(loader, desc="prototypes", disable=not progress):
         images, labels = images.to(device), labels.to(device)
+        require_class_labels(labels, num_classes, ignore_index, "the prototype images")
         edge = near_boundary_mask(
             labels, radius=radius, ignore_index=ignore_index, method=edge_method
         )

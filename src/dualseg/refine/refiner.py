@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from dualseg.augment_defaults import seed_error
+from dualseg.engine.distributed import resolve_device
 from dualseg.engine.predict import as_rgb_array
 from dualseg.errors import CheckpointError, ConfigError, DataError, OutputError
 from dualseg.imaging import normalize
@@ -277,6 +278,7 @@ class BoundaryRefiner:
         return self.prototypes.device
 
     def to(self, device: str | torch.device) -> BoundaryRefiner:
+        device = resolve_device(device)  # "gpu", or cuda without one: one line, not torch's
         self.net.to(device)
         self.prototypes = self.prototypes.to(device)
         self.present = self.present.to(device)
@@ -603,7 +605,12 @@ class BoundaryRefiner:
         ``refiner.history``.
         """
         cfg = config or RefinerConfig()
-        dev = torch.device(device)
+        if cfg.steps < 1:  # an untrained embedding relabels pixels at random
+            raise ConfigError(
+                f"steps={cfg.steps} fits no embedding, and an untrained one relabels pixels at "
+                "random; give steps >= 1 (the spec's reading: 2000)"
+            )
+        dev = resolve_device(device)
         if cfg.backbone_source != "independent" and init_from is None and net is None:
             raise ConfigError(
                 f"backbone_source={cfg.backbone_source!r} takes the base model's backbone: pass "
@@ -633,7 +640,12 @@ class BoundaryRefiner:
             time_budget_s=time_budget_s,
             fit_inputs=fit_inputs,
         )
-        if history and not any(h.get("num_triplets", 1) for h in history):
+        if not history:  # time_budget_s ran out before the first step
+            raise ConfigError(
+                f"the time budget ({time_budget_s} s) ended before the first triplet step: "
+                "give it more time"
+            )
+        if not any(h.get("num_triplets", 1) for h in history):
             # an untrained embedding would relabel pixels: the reason steps=0 is refused
             raise DataError(
                 f"no triplet could be drawn in {len(history)} steps: no training image has "

@@ -1,0 +1,56 @@
+"""BoundaryRefiner's Python API refuses what would give a wrong refiner: no steps, labels that
+are no class of its names, a device that is none; each is one error naming the fix."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dualseg.errors import ConfigError, DataError
+from dualseg.refine import BoundaryRefiner, RefinerConfig
+
+
+class Stripes(torch.utils.data.Dataset):
+    """Normalized images with vertical stripes of labels 0..classes-1 (no ``meta``)."""
+
+    def __init__(self, classes: int, n: int = 2, size: int = 32) -> None:
+        self.n = n
+        self.label = (torch.arange(size) * classes // size).expand(size, size).long()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.label.float().expand(3, -1, -1) / 4 - 0.5
+        return image.contiguous(), self.label.clone()
+
+
+def fit(dataset, names, **changes) -> BoundaryRefiner:
+    cfg = RefinerConfig(embed_dim=4, steps=1, batch_size=2, num_triplets=16, radius=2)
+    cfg = RefinerConfig(**{**cfg.to_dict(), **changes})
+    return BoundaryRefiner.fit(dataset, class_names=names, config=cfg, progress=False)
+
+
+def test_no_steps_is_refused_where_it_returned_an_untrained_refiner() -> None:
+    with pytest.raises(ConfigError, match=r"steps=0 fits no embedding.*give steps >= 1"):
+        fit(Stripes(3), ["a", "b", "c"], steps=0)
+
+
+def test_labels_outside_the_class_names_are_refused_before_training() -> None:
+    # labels 0..7 fitted for three names: triplets drew 3..7 as classes, prototypes dropped them
+    with pytest.raises(DataError, match=r"label values \[3, 4, 5, 6, 7\].*3 class names"):
+        fit(Stripes(8), ["a", "b", "c"])
+    assert fit(Stripes(3), ["a", "b", "c"]).num_classes == 3
+    # a dataset that names its classes: compared before any step (it failed after the fit,
+    # blaming the palette)
+    described = Stripes(3)
+    described.meta = SimpleNamespace(class_names=tuple("abcdefgh"), palette=None)
+    with pytest.raises(ConfigError, match="dataset has 8 classes and the refiner 3 class names"):
+        fit(described, ["a", "b", "c"])
+
+
+def test_a_device_that_is_none_is_one_config_error() -> None:
+    with pytest.raises(ConfigError, match="device 'gpu' is not a device"):
+        fit(Stripes(3), ["a", "b", "c"], steps=1).to("gpu")
