@@ -268,3 +268,17 @@ def test_save_pretrained_refuses_the_hub_and_a_file_as_a_parent(seg, tmp_path, m
     with pytest.raises(ConfigError, match="afile is a file"):
         seg.save_pretrained(tmp_path / "afile" / "sub")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_model_of_other_classes_than_its_meta_is_refused(rgb) -> None:
+    """21 class scores under 8 names: labels 8..20 had no name, and the first error came from
+    colouring them much later."""
+    from dualseg.errors import ConfigError
+
+    model = dualseg.build_model("deeplabv3_mobilenet_v2", num_classes=21, output_stride=16)
+    with pytest.raises(ConfigError, match=r"predicts 21 classes and the meta names 8"):
+        Segmenter(model, META)
+    # a model that does not say how many classes: refused at its first output
+    conv = torch.nn.Conv2d(3, 21, 1)
+    with pytest.raises(ConfigError, match=r"returned 21 class scores and the meta names 8"):
+        Segmenter(conv, META).predict(rgb)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from dualseg.engine.distributed import resolve_device
 from dualseg.engine.inference import InferenceOptions
-from dualseg.errors import DataError
+from dualseg.errors import ConfigError, DataError
 from dualseg.imaging import as_rgb, normalize, numpy_to_rgb
 from dualseg.models.base import eval_mode, require_rgb_input
 from dualseg.predictor import Predictor, require_image_list, size_batches
@@ -110,6 +110,12 @@ class Segmenter(Predictor):
         amp: bool = False,
     ) -> None:
         require_rgb_input(model, "a Segmenter")
+        declared = getattr(model, "num_classes", None)
+        if isinstance(declared, int) and declared != meta.num_classes:
+            raise ConfigError(
+                f"the model predicts {declared} classes and the meta names {meta.num_classes} "
+                f"({meta.name}): pass the meta of the dataset the model was trained on"
+            )
         self.device = resolve_device(device)
         self.model = model.to(self.device)
         self.meta = meta
@@ -223,7 +229,6 @@ class Segmenter(Predictor):
         """Write ``folder/config.json`` + ``folder/model.safetensors``; ``load_model(folder)``
         reads it back (see :mod:`dualseg.engine.pretrained`)."""
         from dualseg.engine.pretrained import save_pretrained
-        from dualseg.errors import ConfigError
         from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 
         if self.arch is None or self.model_kwargs is None:
@@ -279,6 +284,12 @@ class Segmenter(Predictor):
                     tile_batch=tile_batch,
                     amp=self.amp,
                 )  # spec S4: at the original size
+            if logits.shape[1] != self.num_classes:  # a model that declares no num_classes
+                raise ConfigError(
+                    f"the model returned {logits.shape[1]} class scores and the meta names "
+                    f"{self.num_classes} classes ({self.meta.name}): pass the meta of the "
+                    "dataset the model was trained on"
+                )
             yield chunk, logits.softmax(1)
 
 
