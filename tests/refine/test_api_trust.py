@@ -54,3 +54,26 @@ def test_labels_outside_the_class_names_are_refused_before_training() -> None:
 def test_a_device_that_is_none_is_one_config_error() -> None:
     with pytest.raises(ConfigError, match="device 'gpu' is not a device"):
         fit(Stripes(3), ["a", "b", "c"], steps=1).to("gpu")
+
+
+def test_a_module_base_runs_in_eval_mode_and_gives_the_model_back_as_it_came() -> None:
+    """ModuleBase set a model in train mode to eval for good, and a later .train() made its
+    scores depend on the batch (BatchNorm of the batch) and move the running statistics."""
+    from dualseg.refine.base import ModuleBase
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4))
+    model.train()
+    base = ModuleBase(model, class_names=list("abcd"))
+    assert model.training
+    stats = model[1].running_mean.clone()
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(base.scores(x)[:1], base.scores(x[:1]))
+    assert model.training and torch.equal(model[1].running_mean, stats)
+    # torchvision's {"out": logits}: read; anything else: one line naming what it takes
+    wrapped = ModuleBase(torch.nn.ModuleDict({"m": model}), class_names=list("abcd"))
+    wrapped.module.forward = lambda x: {"out": model(x), "aux": None}
+    torch.testing.assert_close(wrapped.scores(x), base.scores(x))
+    wrapped.module.forward = lambda x: {"logits": model(x)}
+    with pytest.raises(ConfigError, match=r"returned a dict with keys \['logits'\].*'out'"):
+        wrapped.scores(x)

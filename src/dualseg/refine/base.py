@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dualseg.engine.distributed import resolve_device
 from dualseg.errors import DataError
-from dualseg.models.base import model_logits
+from dualseg.models.base import eval_mode, model_logits
 
 
 class BaseModel(Protocol):
@@ -39,7 +40,9 @@ class BaseModel(Protocol):
 
 
 class ModuleBase:
-    """Wraps a segmentation ``nn.Module`` (eval mode, no grad)."""
+    """Wraps a segmentation ``nn.Module``: each call runs it in eval mode without gradients
+    and gives it back in its own mode (a model being fine-tuned stays in train mode, and its
+    BatchNorm statistics never move)."""
 
     def __init__(
         self,
@@ -49,8 +52,8 @@ class ModuleBase:
         palette: Sequence[tuple[int, int, int]] | None = None,
         device: str | torch.device = "cpu",
     ) -> None:
-        self.device = torch.device(device)
-        self.module = module.to(self.device).eval()
+        self.device = resolve_device(device)
+        self.module = module.to(self.device)
         self.class_names = tuple(class_names) if class_names is not None else None
         self.palette = tuple(tuple(c) for c in palette) if palette is not None else None
 
@@ -59,7 +62,8 @@ class ModuleBase:
         self, images: Tensor, names: Sequence[str] = (), sources: Sequence[str] | None = None
     ) -> Tensor:
         """Logits at the image size; ``names`` / ``sources`` are not needed by a model."""
-        out = model_logits(self.module(images.to(self.device)), "the base model")
+        with eval_mode(self.module):
+            out = model_logits(self.module(images.to(self.device)), "the base model")
         if out.shape[-2:] != images.shape[-2:]:
             out = F.interpolate(
                 out.float(), size=images.shape[-2:], mode="bilinear", align_corners=False
