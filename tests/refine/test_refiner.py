@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -161,6 +162,14 @@ def test_the_batch_form_refuses_raw_pixels_and_warns_on_unnormalized_images() ->
         refiner.refine(raw, probs)
     with pytest.warns(UserWarning, match="looks like RGB before ImageNet normalization"):
         refiner.refine(torch.rand(1, 3, 32, 32), probs)
+    # 0..255 floats cannot be normalized images: refused, where they were relabelled silently
+    with pytest.raises(DataError, match=r"values up to 255 are no ImageNet-normalized"):
+        refiner.refine(torch.full((1, 3, 32, 32), 255.0).index_fill(3, torch.tensor([0]), 0), probs)
+    # numpy probabilities give numpy labels, whether the images are a tensor or an array
+    image = torch.zeros(1, 3, 32, 32)
+    for images in (image, image.numpy()):
+        out = refiner.refine(images, probs.numpy())
+        assert isinstance(out, np.ndarray) and out.shape == (1, 32, 32)
 
 
 def test_save_replaces_a_refiner_and_refuses_any_other_file(tmp_path: Path) -> None:

@@ -319,16 +319,15 @@ class BoundaryRefiner:
         ``features`` (batch form): the base's backbone output, from :meth:`shared_features`
         (``None``: the refiner runs its own backbone).
         """
-        if isinstance(images, np.ndarray) and images.ndim == 4:  # the exported refiner's too
+        batch = isinstance(images, np.ndarray | Tensor) and images.ndim == 4
+        if batch:  # numpy too: the exported refiner's batch form
             check_normalized_batch(images)
-            x = torch.from_numpy(np.ascontiguousarray(images))
-            out = self._refine_batch(x, _as_tensor(probs), return_changed, features)
+            if isinstance(images, np.ndarray):
+                images = torch.from_numpy(np.ascontiguousarray(images))
+            out = self._refine_batch(images, _as_tensor(probs), return_changed, features)
             if isinstance(probs, Tensor):
                 return out
             return tuple(t.cpu().numpy() for t in out) if return_changed else out.cpu().numpy()
-        if isinstance(images, Tensor) and images.dim() == 4:
-            check_normalized_batch(images)
-            return self._refine_batch(images, _as_tensor(probs), return_changed, features)
         x = torch.from_numpy(normalize([as_rgb_array(images)]))
         p = _as_tensor(probs)
         if p.dim() == 3:
@@ -763,6 +762,11 @@ def check_finite_refiner(source: str | os.PathLike[str], tensors: Mapping[str, A
         )
 
 
+# ImageNet-normalized images lie in -2.12..2.64; far above that is raw 0..255 pixels as floats
+# (random test images, or another normalization, may pass 2.64 a little, so only far above)
+RAW_PIXELS_ABOVE = 20.0
+
+
 def check_normalized_batch(images: Tensor | np.ndarray) -> None:
     """The batch form reads ImageNet-normalized floats ``[B,3,H,W]`` (a tensor, or a numpy
     array for the exported refiner): refuse another shape and integer images (raw pixels), and
@@ -783,6 +787,12 @@ def check_normalized_batch(images: Tensor | np.ndarray) -> None:
             "normalize the batch (dualseg.imaging.normalize)"
         )
     lo, hi = map(float, torch.aminmax(images)) if images.numel() else (0.0, 0.0)  # one pass
+    if hi > RAW_PIXELS_ABOVE:
+        raise DataError(
+            f"refine(images [B,3,H,W]): values up to {hi:g} are no ImageNet-normalized image "
+            "(those lie in -2.12..2.64), raw 0..255 pixels? normalize the batch "
+            "(dualseg.imaging.normalize)"
+        )
     if lo >= 0.0 and 0.0 < hi <= 1.0:
         warnings.warn(
             "refine(images [B,3,H,W]): every value lies in [0, 1], which looks like RGB before "
