@@ -212,6 +212,15 @@ def test_a_refiner_saved_beside_a_model_of_other_classes_is_refused(folder, tmp_
         BoundaryRefiner.load(both)
 
 
+def test_a_model_saved_beside_a_refiner_of_other_classes_is_refused(ckpt, tmp_path) -> None:
+    """The reverse order: the model was written without a word, and the folder then failed
+    to load as a pair."""
+    out = _refiner().save_pretrained(tmp_path / "pair")  # classes a, b, c
+    with pytest.raises(CheckpointError, match=r"refiner\.json is a refiner of other classes"):
+        dualseg.load_model(ckpt).save_pretrained(out)  # the model's eight
+    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+
+
 def test_save_pretrained_refuses_a_model_its_description_would_not_rebuild(ckpt, tmp_path) -> None:
     from dualseg.engine.pretrained import save_pretrained
 

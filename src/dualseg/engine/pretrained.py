@@ -157,6 +157,24 @@ def resolve_source(source: str | os.PathLike[str], *, files: Sequence[str]) -> P
 TRAINING_LABEL_KEYS = ("label_format", "label_map", "ignore_index")
 
 
+def _check_folder_refiner(folder: Path, class_names: Sequence[str]) -> None:
+    """A model saved beside a refiner (``refiner.json``) of other classes is refused: the
+    folder loads as a pair, and the refiner then refused the model, or with names in another
+    order would relabel pixels as other classes (the reverse order is refused by the refiner's
+    save)."""
+    try:
+        stored = json.loads((folder / REFINER_CONFIG).read_text("utf-8")).get("class_names")
+    except (OSError, ValueError, AttributeError):
+        return  # no refiner there (or one whose own loading says what is wrong)
+    if isinstance(stored, list) and list(stored) != list(class_names):
+        raise CheckpointError(
+            f"{folder / REFINER_CONFIG} is a refiner of other classes ({len(stored)}: "
+            f"{', '.join(map(str, stored[:4]))}{', ...' if len(stored) > 4 else ''}) than this "
+            f"model ({len(class_names)}: {', '.join(map(str, list(class_names)[:4]))}"
+            f"{', ...' if len(class_names) > 4 else ''}); save the model to another folder"
+        )
+
+
 def save_pretrained(
     model: nn.Module,
     folder: str | os.PathLike[str],
@@ -188,6 +206,7 @@ def save_pretrained(
     kwargs = {k: v for k, v in dict(model_kwargs).items() if k != "weights"}
     kwargs.setdefault("num_classes", meta.num_classes)  # a checkpoint naming only its classes
     check_rebuilds(model, arch, kwargs)
+    _check_folder_refiner(folder, meta.class_names)
     stale = [n for n in (REFINER_CONFIG, REFINER_WEIGHTS) if (folder / n).exists()]
     if stale and (folder / WEIGHTS_NAME).exists():
         # the refiner beside the model being replaced was fit (and its decision calibrated)
