@@ -30,7 +30,15 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
     if mode not in {"w", "wb"}:
         raise ValueError(f"atomic_open supports modes 'w' and 'wb', got {mode!r}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():  # os.replace's error named the hidden temporary file
+        raise OutputError(f"{path} is a folder; give a file path inside it, e.g. {path / 'x'}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a part of the path is a file
+        blocker = next((p for p in reversed(path.parents) if p.is_file()), path.parent)
+        raise OutputError(
+            f"cannot write {path}: {blocker} is a file, not a folder; choose another path"
+        ) from None
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         # mkstemp creates the file 0600; give it the permissions a plain open() would.

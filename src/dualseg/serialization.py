@@ -64,7 +64,9 @@ def safe_torch_load(
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
+        # torch's wording: "Unsupported global: GLOBAL x.y" or, for a blocked module (os,
+        # subprocess ...), "unsupported GLOBAL posix.system whose module posix is blocked"
+        found = re.search(r"[Uu]nsupported (?:global: )?GLOBAL (\S+)", str(err))
         if found is None or not zipfile.is_zipfile(path):
             raise CheckpointError(
                 f"{path} is corrupt or not a PyTorch {what} file; {fix}"

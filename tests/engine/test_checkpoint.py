@@ -110,6 +110,18 @@ def test_missing_folder_truncated_and_foreign_files(tmp_path: Path, model: nn.Mo
     torch.save({"format": FORMAT, "x": argparse.Namespace(a=1)}, unsafe)
     with pytest.raises(CheckpointError, match="cannot be loaded safely"):
         load_checkpoint(unsafe)
+    # one that would run a command when unpickled (os.system: a module torch blocks) is named
+    # as unsafe too, not as "corrupt"
+    torch.save({"format": FORMAT, "x": _RunsACommand()}, unsafe)
+    with pytest.raises(CheckpointError, match=r"cannot be loaded safely.*\.system"):
+        load_checkpoint(unsafe)
+
+
+class _RunsACommand:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("true",))
 
 
 def test_save_is_atomic_on_failure(tmp_path: Path, model: nn.Module) -> None:
@@ -119,6 +131,14 @@ def test_save_is_atomic_on_failure(tmp_path: Path, model: nn.Module) -> None:
         save_checkpoint(path, _state(model, iteration=2, bad=object()))
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]  # no temp file left behind
+    # a folder, or a path below a file: one line naming it (os.replace named a temp file)
+    from dualseg.errors import OutputError
+
+    with pytest.raises(OutputError, match=r"is a folder; give a file path inside it"):
+        save_checkpoint(tmp_path, _state(model))
+    with pytest.raises(OutputError, match=r"c\.pt is a file, not a folder"):
+        save_checkpoint(path / "x.pt", _state(model))
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
 
 
 def test_compatibility_errors_name_both_sides(tmp_path: Path, model: nn.Module) -> None:

@@ -82,6 +82,9 @@ def test_missing_sidecar_and_class_mismatch(refiner, tmp_path):
     (tmp_path / "emb.json").unlink()
     with pytest.raises(CheckpointError, match="sidecar not found"):
         load_exported_refiner(out)
+    # the refiner file itself: said what it is and how to open it, not "sidecar not found"
+    with pytest.raises(CheckpointError, match=r"is a PyTorch file, not an exported refiner"):
+        load_exported_refiner(path)
 
 
 def test_load_refiner_opens_both_kinds_and_overrides_apply(refiner, tmp_path):

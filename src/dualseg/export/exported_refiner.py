@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,13 @@ def load_exported_refiner(
                 f"{path} is an exported segmentation model ('dualseg export'), not a refiner; "
                 "pass a refiner: the file 'dualseg refine fit' wrote (refiner.pt) or its export "
                 "('dualseg export --refiner refiner.pt')"
+            )
+        if path.suffix.lower() != ".onnx" and zipfile.is_zipfile(path):  # torch.save's zip
+            raise CheckpointError(
+                f"{path} is a PyTorch file, not an exported refiner (no {sidecar_path.name} "
+                "beside it): open a refiner that 'dualseg refine fit' wrote with "
+                "BoundaryRefiner.load (or dualseg.commands.refine.load_refiner), or export it "
+                "with 'dualseg export --refiner'"
             )
         raise CheckpointError(
             f"refiner sidecar not found: {sidecar_path} (export writes it beside the model: "
