@@ -210,6 +210,22 @@ def reuse_mismatch(
     return None
 
 
+def stale_record(record: Path) -> str | None:
+    """Why the ``train.json`` in ``record`` no longer describes its run, in words; ``None``
+    when it does. It is written when a run ends; a later call that went on with the run (a
+    resume under another stopping rule, a retrain with another budget) and was stopped short
+    moved the run's ``last.pt`` past it, and ``--reuse`` would report the record's iterations
+    and stopping reason beside another checkpoint's figures."""
+    last = record.parent / "last.pt"
+    if not last.is_file():
+        return f"{record} has no {last.name} beside it"
+    saved = json.loads(record.read_text()).get("iterations")
+    at = int(load_checkpoint(last).get("iteration", -1))
+    if saved != at:
+        return f"{record} records iteration {saved}, but {last} is at iteration {at}"
+    return None
+
+
 def evaluated_checkpoint(run_dir: Path) -> str:
     """Which checkpoint of a trained run is evaluated, by the run's own stopping rule: with
     early stopping (plateau protocol, ``--patience N``) the best on dev; without (``--patience
@@ -923,6 +939,11 @@ def main(argv: list[str] | None = None) -> int:
         record = out / "runs" / name / "train.json"
         cfg = base_config(args, name, out)
         reused = args.reuse and record.is_file()
+        stale = stale_record(record) if reused else None
+        if stale:  # not a finished run: trained (resumed under the plateau protocol) as one
+            print(f"[{name}] {stale}: not a finished run, training it", flush=True)
+            record.unlink()
+            reused = False
         # a finished run reused, or an interrupted one resumed (plateau), must be this recipe's
         if (reused or args.protocol == "plateau") and (record.parent / "config.yaml").is_file():
             mismatch = reuse_mismatch(
@@ -941,6 +962,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.protocol == "plateau":
             print(f"[{name}] training {cfg.model.arch} {VARIANTS[name][1]} to plateau", flush=True)
             t0 = time.time()
+            # the run is about to go on: its record of an earlier end no longer holds
+            record.unlink(missing_ok=True)
             summary = fit(cfg, resume="auto")  # an interrupted run continues where it stopped
             if summary["stop_reason"] == "interrupted":
                 print(f"[{name}] interrupted; rerun the same command to continue", flush=True)
@@ -967,6 +990,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         t0 = time.time()
+        record.unlink(missing_ok=True)  # the run it recorded is replaced
         summary = fit(cfg, overwrite=True)  # not --reuse: this model is trained afresh
         if summary["stop_reason"] == "interrupted":  # short of its budget: not a finished run
             print(f"[{name}] interrupted; rerun the command to train it again", flush=True)

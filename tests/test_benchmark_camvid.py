@@ -240,3 +240,68 @@ def test_a_reused_refiner_must_have_been_fit_on_the_same_inputs(camvid, tmp_path
     for key, value in (("fit_split", "train"), ("prototype_limit", 3), ("base", "beef")):
         message = camvid.inputs_mismatch(record, {**inputs, key: value}, path)
         assert f"fit with {key} = " in message and "delete it to fit it again" in message
+
+
+def _camvid_lists(tmp_path: Path) -> Path:
+    data = tmp_path / "camvid"
+    data.mkdir()
+    for split in ("train", "val"):
+        (data / f"{split}.txt").write_text("a.png b.png\n")
+    return data
+
+
+def _finished_run(run: Path, record: dict, *, at: int) -> Path:
+    """A run folder whose last.pt is at iteration ``at`` and whose train.json says ``record``."""
+    import json
+
+    from dualseg.engine.checkpoint import save_checkpoint
+
+    run.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(
+        run / "last.pt", {"arch": "x", "model_kwargs": {}, "model": {}, "iteration": at}
+    )
+    (run / "train.json").write_text(json.dumps({"seconds": 1.0, **record}))
+    return run / "train.json"
+
+
+def test_a_record_the_run_went_on_past_is_not_reused(camvid, tmp_path: Path, monkeypatch) -> None:
+    """train.json written when a run stopped on patience at 40, then the run resumed under
+    --patience 0 and stopped short at 121: --reuse must not report 40 / patience for it."""
+    data, out = _camvid_lists(tmp_path), tmp_path / "out"
+    flags = ["--data", str(data), "--out", str(out), "--models", "peer", "--patience", "0",
+             "--protocol", "plateau", "--train-only"]  # fmt: skip
+    record = _finished_run(
+        out / "runs" / "peer", {"iterations": 40, "stop_reason": "patience"}, at=121
+    )
+    save_config(
+        camvid.base_config(camvid.parse_args(flags), "peer", out), record.parent / "config.yaml"
+    )
+    calls = []
+
+    def fit(cfg, **kw):
+        calls.append((kw, record.exists()))
+        return {"stop_reason": "interrupted", "iteration": 130, "signal": 15}
+
+    monkeypatch.setattr(camvid, "fit", fit)
+    assert camvid.main([*flags, "--reuse"]) in (130, 143)
+    assert calls == [({"resume": "auto"}, False)]  # resumed, the stale record gone first
+
+
+def test_a_retrain_removes_the_record_of_the_run_it_replaces(
+    camvid, tmp_path: Path, monkeypatch
+) -> None:
+    data, out = _camvid_lists(tmp_path), tmp_path / "out"
+    record = _finished_run(
+        out / "runs" / "peer", {"iterations": 4, "calibrated_s_per_iter": None}, at=4
+    )
+    seen = []
+    monkeypatch.setattr(
+        camvid,
+        "fit",
+        lambda cfg, **kw: seen.append(record.exists()) or {"stop_reason": "interrupted",
+                                                          "iteration": 3},
+    )  # fmt: skip
+    argv = ["--data", str(data), "--out", str(out), "--models", "peer", "--protocol", "budget",
+            "--budget-iters", "400", "--train-only"]  # fmt: skip
+    assert camvid.main(argv) == 130
+    assert seen == [False] and not record.exists()  # a later --reuse finds no finished run
