@@ -226,6 +226,33 @@ def stale_record(record: Path) -> str | None:
     return None
 
 
+def budget_mismatch(record: Path, args: argparse.Namespace) -> str | None:
+    """How the budget of the finished run recorded in ``record`` differs from this call's
+    ``--budget-iters`` / ``--budget-minutes``, in words; ``None`` when it is the same (a
+    record written before the minutes were kept is taken at its word there)."""
+    saved = json.loads(record.read_text())
+    if args.budget_iters:
+        if saved.get("calibrated_s_per_iter") is None and saved["iterations"] == args.budget_iters:
+            return None
+        want = f"--budget-iters {args.budget_iters}"
+    else:
+        minutes = saved.get("budget_minutes", args.budget_minutes)
+        if saved.get("calibrated_s_per_iter") is not None and minutes == args.budget_minutes:
+            return None
+        want = f"--budget-minutes {args.budget_minutes:g}"
+    had = (
+        f"{saved['iterations']} iterations"
+        if saved.get("calibrated_s_per_iter") is None
+        else f"{saved['budget_minutes']:g} minutes"
+        if "budget_minutes" in saved
+        else f"a --budget-minutes calibration ({saved['iterations']} iterations)"
+    )
+    return (
+        f"{record.parent} was trained for {had}, this call asks {want}: rerun with that "
+        "run's budget, or use another --out"
+    )
+
+
 def evaluated_checkpoint(run_dir: Path) -> str:
     """Which checkpoint of a trained run is evaluated, by the run's own stopping rule: with
     early stopping (plateau protocol, ``--patience N``) the best on dev; without (``--patience
@@ -310,7 +337,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--reuse",
         action="store_true",
         help="skip training a model whose run in --out finished (its train.json exists); a run "
-        "trained with other flags (model, LR recipe, T, seed, crops, batch) is refused",
+        "trained with other flags (model, LR recipe, T, budget, seed, crops, batch) is refused",
     )
     p.add_argument(
         "--train-only", action="store_true", help="stop after training (method B and eval later)"
@@ -944,6 +971,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{name}] {stale}: not a finished run, training it", flush=True)
             record.unlink()
             reused = False
+        if reused and args.protocol != "plateau":
+            mismatch = budget_mismatch(record, args)
+            if mismatch:
+                raise ConfigError(mismatch)
         # a finished run reused, or an interrupted one resumed (plateau), must be this recipe's
         if (reused or args.protocol == "plateau") and (record.parent / "config.yaml").is_file():
             mismatch = reuse_mismatch(
@@ -999,6 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
             "iterations": summary["iteration"],
             "seconds": time.time() - t0,
             "calibrated_s_per_iter": per_iter,
+            "budget_minutes": None if args.budget_iters else args.budget_minutes,
         }
         atomic_write_json(record, results["train"][name])
     results["budget"] = (

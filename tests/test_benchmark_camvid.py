@@ -305,3 +305,32 @@ def test_a_retrain_removes_the_record_of_the_run_it_replaces(
             "--budget-iters", "400", "--train-only"]  # fmt: skip
     assert camvid.main(argv) == 130
     assert seen == [False] and not record.exists()  # a later --reuse finds no finished run
+
+
+def test_a_budget_run_is_reused_only_for_its_own_budget(
+    camvid, tmp_path: Path, monkeypatch
+) -> None:
+    from dualseg.errors import ConfigError
+
+    data, out = _camvid_lists(tmp_path), tmp_path / "out"
+    _finished_run(out / "runs" / "peer", {"iterations": 4, "calibrated_s_per_iter": None}, at=4)
+    monkeypatch.setattr(camvid, "fit", lambda cfg, **kw: pytest.fail("trained"))
+    argv = ["--data", str(data), "--out", str(out), "--models", "peer", "--protocol", "budget",
+            "--train-only", "--reuse"]  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"trained for 4 iterations, this call asks --budget-iters 40"
+    ):
+        camvid.main([*argv, "--budget-iters", "40"])
+    with pytest.raises(ConfigError, match=r"this call asks --budget-minutes 15"):
+        camvid.main(argv)
+    assert camvid.main([*argv, "--budget-iters", "4"]) == 0
+    _finished_run(
+        out / "runs" / "peer",
+        {"iterations": 90, "calibrated_s_per_iter": 0.5, "budget_minutes": 0.75},
+        at=90,
+    )
+    with pytest.raises(
+        ConfigError, match=r"trained for 0.75 minutes, this call asks --budget-minutes 1"
+    ):
+        camvid.main([*argv, "--budget-minutes", "1"])
+    assert camvid.main([*argv, "--budget-minutes", "0.75"]) == 0
