@@ -50,6 +50,7 @@ import contextlib
 import hashlib
 import json
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -74,7 +75,7 @@ from dualseg.engine.config import (
 )
 from dualseg.engine.evaluate import evaluate
 from dualseg.engine.train import fit
-from dualseg.errors import ConfigError, DataError, DualsegError
+from dualseg.errors import ConfigError, DataError, DualsegError, Terminated
 from dualseg.io import atomic_write_json, atomic_write_text
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner
@@ -769,7 +770,8 @@ def fit_refiners(
     ``gated[name]["B_shared"]`` the best setting without P1 blur when the refiner reads the
     base's own backbone output (:mod:`dualseg.refine.shared`) and the first choice blurs
     (which would make it run its own backbone again). Fitted refiners are
-    kept in ``--out`` and reused with ``--reuse``.
+    kept in ``--out`` and reused with ``--reuse``; a fit interrupted (SIGINT / SIGTERM) keeps its
+    training state in ``refiner_*.train.pt`` there, and ``--reuse`` continues it.
     """
     import dataclasses
 
@@ -824,6 +826,7 @@ def fit_refiners(
                 raise ConfigError(mismatch)
             continue
         t0 = time.time()
+        # its training state is saved every 200 steps and when interrupted: --reuse continues it
         fitted[key] = BoundaryRefiner.fit(
             train_ds,
             class_names=meta.class_names,
@@ -835,6 +838,9 @@ def fit_refiners(
             num_workers=args.workers,
             progress=False,
             log_every=250,
+            checkpoint=path.with_suffix(".train.pt"),
+            resume=args.reuse,
+            fit_inputs=inputs,  # a resume on another split, list or base is refused
         )
         fitted[key].save(path)
         atomic_write_json(record, inputs)
@@ -998,7 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = fit(cfg, resume="auto")  # an interrupted run continues where it stopped
             if summary["stop_reason"] == "interrupted":
                 print(f"[{name}] interrupted; rerun the same command to continue", flush=True)
-                return 130
+                return 128 + summary.get("signal", signal.SIGINT)
             results["train"][name] = {
                 "iterations": summary["iteration"],
                 "stop_reason": summary["stop_reason"],
@@ -1025,7 +1031,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = fit(cfg, overwrite=True)  # not --reuse: this model is trained afresh
         if summary["stop_reason"] == "interrupted":  # short of its budget: not a finished run
             print(f"[{name}] interrupted; rerun the command to train it again", flush=True)
-            return 130
+            return 128 + summary.get("signal", signal.SIGINT)
         results["train"][name] = {
             "iterations": summary["iteration"],
             "seconds": time.time() - t0,
@@ -1057,7 +1063,11 @@ def main(argv: list[str] | None = None) -> int:
         models[name] = model.eval()
 
     # ---- 2. method B: fitted on the training set (plateau: on train_fit, dev held out) ------
-    refiners, gated = fit_refiners(args, out, models, meta, device, results)
+    try:
+        refiners, gated = fit_refiners(args, out, models, meta, device, results)
+    except (KeyboardInterrupt, Terminated) as stop:  # the fit saved its state before stopping
+        print("[method B] interrupted; rerun with --reuse to continue its fit", flush=True)
+        return 143 if isinstance(stop, Terminated) else 130
 
     # ---- 3. evaluate at full resolution ----------------------------------------------------
     for split_path in [None, *args.eval_split]:
@@ -1132,8 +1142,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from dualseg.cli import terminated_as_exception
+
     try:
-        sys.exit(main())
+        with terminated_as_exception():
+            sys.exit(main())
     except DualsegError as err:  # a user error (data, flags, a reused run): one line
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except (KeyboardInterrupt, Terminated) as stop:  # outside training and method B's fit
+        print("interrupted; rerun with --reuse to keep what is done", file=sys.stderr)
+        sys.exit(143 if isinstance(stop, Terminated) else 130)

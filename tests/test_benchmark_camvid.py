@@ -334,3 +334,72 @@ def test_a_budget_run_is_reused_only_for_its_own_budget(
     ):
         camvid.main([*argv, "--budget-minutes", "1"])
     assert camvid.main([*argv, "--budget-minutes", "0.75"]) == 0
+
+
+def test_method_b_keeps_its_training_state_and_reuse_continues_it(
+    camvid, tmp_path: Path, monkeypatch
+) -> None:
+    """An interrupted fit of method B saves its state beside the refiner, and --reuse resumes it
+    (on the same inputs), where every rerun started again at step 0."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dualseg.data.synthetic import make_synthetic_dataset
+    from dualseg.errors import Terminated
+
+    data = tmp_path / "camvid"
+    make_synthetic_dataset(data, n_train=2, n_val=1, size=(16, 16))
+    (data / "meta.json").unlink()  # read with the camvid preset, as the benchmark does
+    given = []
+
+    class Refiner:
+        @classmethod
+        def fit(cls, *args, **kwargs):
+            given.append(kwargs)
+            raise Terminated
+
+    monkeypatch.setattr(camvid, "BoundaryRefiner", Refiner)
+    out = tmp_path / "out"
+    out.mkdir()
+    meta = SimpleNamespace(class_names=[f"c{i}" for i in range(11)])
+    for flags, resumed in (([], False), (["--reuse"], True)):
+        args = camvid.parse_args(
+            ["--data", str(data), "--out", str(out), "--refine-steps", "10", *flags]
+        )
+        with pytest.raises(Terminated):
+            camvid.fit_refiners(
+                args, out, {"peer": torch.nn.Conv2d(3, 11, 1)}, meta, torch.device("cpu"), {}
+            )
+        assert given[-1]["checkpoint"] == out / "refiner_all.train.pt"
+        assert given[-1]["resume"] is resumed
+        assert given[-1]["fit_inputs"]["fit_split"] == "train"  # another split is refused
+
+
+def test_an_interrupted_method_b_fit_is_one_line_and_the_signal_s_status(
+    camvid, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from dualseg.errors import Terminated
+
+    data, out = _camvid_lists(tmp_path), tmp_path / "out"
+    monkeypatch.setattr(
+        camvid, "fit", lambda cfg, **kw: {"stop_reason": "max_iters", "iteration": 4}
+    )
+    monkeypatch.setattr(camvid, "evaluated_checkpoint", lambda run: "last.pt")
+    monkeypatch.setattr(camvid, "load_checkpoint", lambda path: {"iteration": 4})
+    monkeypatch.setattr(
+        camvid,
+        "build_model_from_checkpoint",
+        lambda ckpt, device: (camvid.torch.nn.Identity(), None),
+    )
+
+    def fit_refiners(*args):
+        raise Terminated
+
+    monkeypatch.setattr(camvid, "fit_refiners", fit_refiners)
+    argv = ["--data", str(data), "--out", str(out), "--models", "peer", "--protocol", "budget",
+            "--budget-iters", "4"]  # fmt: skip
+    assert camvid.main(argv) == 143  # 128 + SIGTERM, as dualseg train
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "[method B] interrupted; rerun with --reuse to continue its fit"
+    )
