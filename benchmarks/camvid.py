@@ -49,6 +49,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import platform
 import signal
 import statistics
@@ -61,6 +62,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dualseg.commands.common import nonnegative_int, positive_int
 from dualseg.data import build_dataset
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
 from dualseg.engine.config import (
@@ -76,7 +78,7 @@ from dualseg.engine.config import (
 from dualseg.engine.evaluate import evaluate
 from dualseg.engine.train import fit
 from dualseg.errors import ConfigError, DataError, DualsegError, Terminated
-from dualseg.io import atomic_write_json, atomic_write_text
+from dualseg.io import atomic_write_json, atomic_write_text, check_writable
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.base import model_fingerprint
@@ -262,6 +264,41 @@ def evaluated_checkpoint(run_dir: Path) -> str:
     return "best.pt" if patience else "last.pt"
 
 
+def positive_float(text: str) -> float:
+    """argparse ``type=``: a finite number > 0 (minutes, LR, scales), refused at parsing."""
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse ``type=``: a finite number >= 0 (``--min-delta``), refused at parsing."""
+    value = _number(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def open_fraction(text: str) -> float:
+    """argparse ``type=``: a number strictly between 0 and 1 (``--dev-fraction``: some frames
+    of each sequence held out, and some trained on), refused at parsing."""
+    value = _number(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (both excluded), got {text}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--data", required=True, help="CamVid folder with train.txt / val.txt")
@@ -275,17 +312,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--models", nargs="+", default=list(STANDARD), choices=list(VARIANTS))
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--budget-minutes", type=float, default=15.0, help="per model")
-    budget.add_argument("--budget-iters", type=int, help="per model (overrides minutes)")
-    p.add_argument("--crop", type=int, nargs=2, default=(192, 256), metavar=("H", "W"))
-    p.add_argument("--scale", type=float, nargs=2, default=(0.5, 1.0), metavar=("MIN", "MAX"))
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--workers", type=int, default=2)
+    budget.add_argument("--budget-minutes", type=positive_float, default=15.0, help="per model")
+    budget.add_argument("--budget-iters", type=positive_int, help="per model (overrides minutes)")
+    p.add_argument("--crop", type=positive_int, nargs=2, default=(192, 256), metavar=("H", "W"))
+    p.add_argument(
+        "--scale", type=positive_float, nargs=2, default=(0.5, 1.0), metavar=("MIN", "MAX")
+    )
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--lr", type=positive_float, default=0.01)
+    p.add_argument("--workers", type=nonnegative_int, default=2)
     p.add_argument("--device", default="auto")
     p.add_argument("--weights", default="imagenet", help="'imagenet', a file, or 'none'")
-    p.add_argument("--refine-steps", type=int, default=3000, help="method B triplet steps")
-    p.add_argument("--refine-input-scale", type=float, default=RefinerConfig.input_scale)
+    p.add_argument(
+        "--refine-steps",
+        type=nonnegative_int,
+        default=3000,
+        help="method B triplet steps (0: no method B)",
+    )
+    p.add_argument("--refine-input-scale", type=positive_float, default=RefinerConfig.input_scale)
     p.add_argument(
         "--refine-output-stride",
         type=int,
@@ -296,7 +340,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--refine-embed-dim",
-        type=int,
+        type=positive_int,
         default=RefinerConfig.embed_dim,
         help="method B step 3: the embedding's channels C (its ASPP head's cost grows with C)",
     )
@@ -321,18 +365,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--refine-decoder-channels",
-        type=int,
+        type=nonnegative_int,
         default=RefinerConfig.decoder_channels,
         help="method B step 3, beyond the claim: 0 (the claim's embedding) or a DeepLabV3+ "
         "decoder fusing the backbone's stride-4 features, projected to this many channels (48)",
     )
-    p.add_argument("--timing-images", type=int, default=10, help="images timed per model")
-    p.add_argument("--panels", type=int, default=3, help="qualitative panels to write")
-    p.add_argument("--eval-limit", type=int, help="evaluate only the first N images (smoke runs)")
-    p.add_argument("--prototype-limit", type=int, help="method B prototypes from N train images")
+    p.add_argument("--timing-images", type=positive_int, default=10, help="images timed per model")
+    p.add_argument("--panels", type=nonnegative_int, default=3, help="qualitative panels to write")
+    p.add_argument(
+        "--eval-limit", type=positive_int, help="evaluate only the first N images (smoke runs)"
+    )
+    p.add_argument(
+        "--prototype-limit", type=positive_int, help="method B prototypes from N train images"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--threads", type=int, help="torch CPU threads (default: torch's; 1 on a shared machine)"
+        "--threads",
+        type=nonnegative_int,
+        help="torch CPU threads (default or 0: torch's; 1 on a shared machine)",
     )
     p.add_argument(
         "--reuse",
@@ -348,28 +398,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "has plateaued (no gain over --min-delta in --patience validations), report on val"
     )
     plateau.add_argument("--protocol", choices=("budget", "plateau"), default="budget")
-    plateau.add_argument("--max-iters", type=int, default=2000, help="T of the poly schedule")
-    plateau.add_argument("--val-every", type=int, default=200, help="dev validation interval")
+    plateau.add_argument(
+        "--max-iters", type=positive_int, default=2000, help="T of the poly schedule"
+    )
+    plateau.add_argument(
+        "--val-every",
+        type=nonnegative_int,
+        default=200,
+        help="dev validation interval (0 only with --patience 0: no dev curve)",
+    )
     plateau.add_argument(
         "--patience",
-        type=int,
+        type=nonnegative_int,
         default=3,
         help="validations without gain (0: no early stop, the whole poly schedule to T: the "
         "schedule check compares T with 2T run this way)",
     )
-    plateau.add_argument("--min-delta", type=float, default=0.5, help="mIoU points")
+    plateau.add_argument("--min-delta", type=nonnegative_float, default=0.5, help="mIoU points")
     plateau.add_argument(
         "--dev-fraction",
-        type=float,
+        type=open_fraction,
         default=0.125,
         help="the last fraction of each training sequence (by file name) held out as dev",
     )
     plateau.add_argument("--output-stride", type=int, help="every model's (default: its own)")
-    plateau.add_argument("--head-lr-mult", type=float, default=1.0, help="LR × for the head")
-    plateau.add_argument("--warmup-iters", type=int, default=0)
+    plateau.add_argument(
+        "--head-lr-mult", type=positive_float, default=1.0, help="LR × for the head"
+    )
+    plateau.add_argument("--warmup-iters", type=nonnegative_int, default=0)
     plateau.add_argument(
         "--clip-grad-norm",
-        type=float,
+        type=positive_float,
         default=None,
         help="largest total L2 norm of the gradient (default: no clipping)",
     )
@@ -381,6 +440,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "train.amp check: CPUs with AVX-512 BF16/AMX, or a GPU); evaluation stays fp32",
     )
     return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What one flag's type cannot refuse: a :class:`ConfigError` (one line) before anything
+    is written or trained."""
+    check_writable(args.out, kind="dir", what="--out")  # e.g. an existing file
+    if args.protocol == "plateau" and args.patience and not args.val_every:
+        raise ConfigError(
+            f"--val-every 0 never validates on dev, so --patience {args.patience} could never "
+            "stop a run: give --val-every N (e.g. 200), or --patience 0 to train to --max-iters"
+        )
 
 
 def carve_dev_split(data: Path, out: Path, fraction: float) -> Path:
@@ -940,6 +1010,7 @@ def decision_label(cfg: RefinerConfig, metric: str = METRICS[0]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_args(args)
     lists = [Path(args.data) / f"{split}.txt" for split in ("train", "val")]
     if not all(p.is_file() for p in lists):
         raise DataError(

@@ -403,3 +403,41 @@ def test_an_interrupted_method_b_fit_is_one_line_and_the_signal_s_status(
     assert capsys.readouterr().out.splitlines()[-1] == (
         "[method B] interrupted; rerun with --reuse to continue its fit"
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--timing-images", "0"], "argument --timing-images: must be >= 1, got 0"),
+        (["--eval-limit", "0"], "argument --eval-limit: must be >= 1, got 0"),
+        (["--panels", "-1"], "argument --panels: must be >= 0, got -1"),
+        (["--threads", "-2"], "argument --threads: must be >= 0, got -2"),
+        (["--dev-fraction", "0"], "argument --dev-fraction: must be between 0 and 1"),
+        (["--dev-fraction", "-0.1"], "argument --dev-fraction: must be between 0 and 1"),
+        (["--budget-minutes", "nan"], "argument --budget-minutes: expected a finite number"),
+    ],
+)
+def test_a_bad_flag_is_refused_when_parsed(camvid, flags, said, capsys) -> None:
+    """Each once ran the whole benchmark into a StatisticsError, a crash, or a silent wrong
+    split (a --dev-fraction 0 still held one frame of each sequence out)."""
+    with pytest.raises(SystemExit) as stop:
+        camvid.parse_args(["--data", "d", *flags])
+    assert stop.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_flags_that_cannot_work_together_are_one_error_before_any_work(
+    camvid, tmp_path: Path
+) -> None:
+    from dualseg.errors import ConfigError, OutputError
+
+    data = _camvid_lists(tmp_path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OutputError, match=r"--out .*file is an existing file, not a folder"):
+        camvid.main(["--data", str(data), "--out", str(tmp_path / "file")])
+    out = tmp_path / "out"
+    plateau = ["--data", str(data), "--out", str(out), "--protocol", "plateau", "--val-every", "0"]
+    with pytest.raises(ConfigError, match=r"--val-every 0 never validates on dev, so --patience 3"):
+        camvid.main(plateau)
+    assert not out.exists()
+    camvid.check_args(camvid.parse_args([*plateau, "--patience", "0"]))  # no early stop: fine
