@@ -421,23 +421,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.125,
         help="the last fraction of each training sequence (by file name) held out as dev",
     )
-    plateau.add_argument("--output-stride", type=int, help="every model's (default: its own)")
-    plateau.add_argument(
+    recipe = p.add_argument_group(
+        "either protocol: the training recipe beyond the flags above (the defaults: the "
+        "published protocol's)"
+    )
+    recipe.add_argument("--output-stride", type=int, help="every model's (default: its own)")
+    recipe.add_argument(
         "--head-lr-mult", type=positive_float, default=1.0, help="LR × for the head"
     )
-    plateau.add_argument("--warmup-iters", type=nonnegative_int, default=0)
-    plateau.add_argument(
+    recipe.add_argument("--warmup-iters", type=nonnegative_int, default=0)
+    recipe.add_argument(
         "--clip-grad-norm",
         type=positive_float,
         default=None,
         help="largest total L2 norm of the gradient (default: no clipping)",
     )
-    plateau.add_argument(
+    recipe.add_argument(
         "--amp",
-        choices=("none", "bf16"),
-        default="none",
-        help="training precision: none (fp32, the published protocol) or bf16 autocast (the "
-        "train.amp check: CPUs with AVX-512 BF16/AMX, or a GPU); evaluation stays fp32",
+        choices=("auto", "none", "bf16"),
+        default=None,
+        help="training precision, also that of the budget protocol's calibration: none (fp32), "
+        "bf16 autocast (the train.amp check: CPUs with AVX-512 BF16/AMX, or a GPU) or auto "
+        "(train.amp auto: bf16 where the CPU computes it natively; on a GPU bf16, else fp16); "
+        "default: none under --protocol plateau (the published protocol), auto under budget; "
+        "evaluation stays fp32",
     )
     return p.parse_args(argv)
 
@@ -507,9 +514,15 @@ def device_of(name: str) -> torch.device:
 def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
     arch, options = VARIANTS[name]
     weights = None if args.weights == "none" else args.weights
+    if args.output_stride:
+        options = {**options, "output_stride": args.output_stride}
+    optim = OptimConfig(
+        lr=args.lr,
+        head_lr_mult=args.head_lr_mult,
+        warmup_iters=args.warmup_iters,
+        clip_grad_norm=args.clip_grad_norm,
+    )
     if args.protocol == "plateau":
-        if args.output_stride:
-            options = {**options, "output_stride": args.output_stride}
         return Config(
             data=DataConfig(
                 root=str(out / "data"),
@@ -526,12 +539,7 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
                 persistent_workers=False,  # no idle workers beside the model between validations
             ),
             model=ModelConfig(arch=arch, weights=weights, **options),
-            optim=OptimConfig(
-                lr=args.lr,
-                head_lr_mult=args.head_lr_mult,
-                warmup_iters=args.warmup_iters,
-                clip_grad_norm=args.clip_grad_norm,
-            ),
+            optim=optim,
             train=TrainConfig(
                 out_dir=str(out / "runs" / name),
                 max_iters=args.max_iters,
@@ -541,7 +549,7 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
                 min_delta=args.min_delta / 100.0,
                 seed=args.seed,
                 device=args.device,
-                amp=args.amp,
+                amp=args.amp or "none",
                 progress=False,
                 tensorboard=False,
             ),
@@ -559,7 +567,7 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
             num_workers=args.workers,
         ),
         model=ModelConfig(arch=arch, weights=weights, **options),
-        optim=OptimConfig(lr=args.lr),
+        optim=optim,
         train=TrainConfig(
             out_dir=str(out / "runs" / name),
             max_iters=1,
@@ -568,6 +576,7 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
             patience=None,  # the budget protocol runs its full calibrated schedule
             seed=args.seed,
             device=args.device,
+            amp=args.amp or "auto",  # as this protocol always trained: bf16 where native
             progress=True,
             tensorboard=False,
         ),
@@ -575,26 +584,36 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
 
 
 def calibrate_iters(cfg: Config, minutes: float, device: torch.device) -> tuple[int, float]:
-    """Iterations that fit in ``minutes``, from timed forward+backward steps on a random batch.
+    """Iterations that fit in ``minutes``, from timed forward+backward steps on a random batch,
+    in the precision and memory format ``fit`` trains ``cfg`` in (``train.amp``, where an fp32
+    calibration of a bf16 run once set T from a step of another cost).
 
     Data loading runs in worker processes alongside; it is measured separately by
     benchmarks/data_throughput.py and is not the bottleneck at these sizes.
     """
     from dualseg.engine.config import model_kwargs
+    from dualseg.engine.cpu_bf16 import convs_in_fp32
+    from dualseg.engine.train import _amp_dtype as training_dtype  # fit's own choice
 
     kwargs = {
         k: tuple(v) if isinstance(v, list) else v for k, v in model_kwargs(cfg.model, 11).items()
     }
+    dtype = training_dtype(cfg.train.amp, device)  # fit's choice for train.amp
     model = build_model(cfg.model.arch, **kwargs).to(device).train()
+    fmt = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
+    model = model.to(memory_format=fmt)
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        convs_in_fp32(model)  # as fit does
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     x = torch.randn(cfg.data.batch_size, 3, *cfg.data.crop_size, device=device)
+    x = x.contiguous(memory_format=fmt)
     y = torch.randint(0, 11, (cfg.data.batch_size, *cfg.data.crop_size), device=device)
     times = []
     for i in range(6):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()

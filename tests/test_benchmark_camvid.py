@@ -441,3 +441,41 @@ def test_flags_that_cannot_work_together_are_one_error_before_any_work(
         camvid.main(plateau)
     assert not out.exists()
     camvid.check_args(camvid.parse_args([*plateau, "--patience", "0"]))  # no early stop: fine
+
+
+@pytest.mark.parametrize(("amp", "enabled"), [("bf16", True), ("none", False)])
+def test_the_budget_calibration_times_the_precision_the_run_trains_in(
+    camvid, tmp_path: Path, monkeypatch, amp: str, enabled: bool
+) -> None:
+    """An fp32 calibration of a bf16 run set its T from a step of another cost."""
+    import contextlib
+
+    import torch
+
+    seen = []
+
+    def autocast(device_type, dtype=None, enabled=True):
+        seen.append((device_type, dtype, enabled))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch, "autocast", autocast)
+    cfg = config(camvid, tmp_path, "--amp", amp, "--crop", "32", "32", "--batch-size", "2",
+                 "--weights", "none", protocol="budget")  # fmt: skip
+    assert cfg.train.amp == amp
+    camvid.calibrate_iters(cfg, 1.0, torch.device("cpu"))
+    on = [s for s in seen if s[2]]  # (the bf16 run's fp32 convolutions turn it off inside)
+    assert on == ([("cpu", torch.bfloat16, True)] * 6 if enabled else [])  # each timed step
+
+
+def test_the_budget_protocol_trains_with_the_recipe_flags(camvid, tmp_path: Path) -> None:
+    """--output-stride, --amp, --head-lr-mult, --warmup-iters and --clip-grad-norm were read by
+    the plateau protocol only: a budget run trained without them under their names."""
+    flags = ["--output-stride", "16", "--amp", "none", "--head-lr-mult", "10",
+             "--warmup-iters", "5", "--clip-grad-norm", "1"]  # fmt: skip
+    cfg = config(camvid, tmp_path, *flags, protocol="budget")
+    assert cfg.model.output_stride == 16 and cfg.train.amp == "none"
+    assert (cfg.optim.head_lr_mult, cfg.optim.warmup_iters, cfg.optim.clip_grad_norm) == (10, 5, 1)
+    # the defaults stay each protocol's own: bf16 where native (budget), fp32 (plateau)
+    assert config(camvid, tmp_path, protocol="budget").train.amp == "auto"
+    assert config(camvid, tmp_path).train.amp == "none"
+    assert config(camvid, tmp_path, protocol="budget").optim == camvid.OptimConfig()
