@@ -41,6 +41,8 @@ On a GPU: ``--device cuda --budget-minutes 8 --crop 360 480 --scale 0.5 2.0 --ba
 
 Outputs in ``--out``: ``results.json``, ``results.md`` (markdown table), ``per_class_iou.png``,
 ``curves.png`` and ``panel_*.png`` (image | ground truth | peer | method A | method A + B).
+A call evaluating other models into an ``--out`` whose ``results.json`` holds some (``--models
+peer``, then ``--models single_branch``) adds its rows to theirs; under other flags it is refused.
 """
 
 from __future__ import annotations
@@ -254,6 +256,75 @@ def budget_mismatch(record: Path, args: argparse.Namespace) -> str | None:
         f"{record.parent} was trained for {had}, this call asks {want}: rerun with that "
         "run's budget, or use another --out"
     )
+
+
+# flags that change no model's figures: results.json may hold models evaluated under others
+MERGE_FREE = ("models", "reuse", "train_only", "panels", "out")
+
+
+def args_record(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags as results.json keeps them (tuples as lists, as JSON reads them back)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()}
+
+
+def evaluated_models(results: dict[str, Any]) -> set[str]:
+    """The models with rows in ``results`` (row keys: ``name`` and ``name+B...``)."""
+    return {key.split("+")[0] for rows in results.get("splits", {}).values() for key in rows}
+
+
+def earlier_results(out: Path, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``results.json`` in ``out`` when it holds models this call does not evaluate: their
+    rows are kept beside this call's (one model per call into one ``--out``, as the ablation
+    commands run). Refused (:class:`ConfigError`, before any work) when those models were
+    evaluated under other flags than this call's, which would put rows of two settings in one
+    table; ``None`` when there is nothing to keep."""
+    path = out / "results.json"
+    if not path.is_file():
+        return None
+    old = json.loads(path.read_text())
+    others = sorted(evaluated_models(old) - set(args.models))
+    if not others:
+        return None  # this call evaluates all of them again
+    theirs, ours = old.get("args", {}), args_record(args)
+    for key, want in ours.items():
+        if key not in MERGE_FREE and theirs.get(key) != want:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(
+                f"{path} holds {', '.join(others)} evaluated with {flag} "
+                f"{theirs.get(key)!r}, this call has {want!r}: rerun with that call's flags to "
+                "add to its table, or use one --out per setting"
+            )
+    return old
+
+
+def merge_results(results: dict[str, Any], old: dict[str, Any], models: list[str]) -> list[str]:
+    """Into ``results``, the rows, training records and dev sweeps of the models in ``old``
+    that this call did not evaluate (``models``), each model's own entries as they were; rows
+    in the order of :data:`VARIANTS`. Returns the models kept from ``old``."""
+    order = list(VARIANTS)
+    kept = sorted(evaluated_models(old) - set(models), key=order.index)
+
+    def model_of(key: str) -> str:
+        return key.split("+")[0]
+
+    for split, rows in results["splits"].items():
+        earlier = {k: v for k, v in old["splits"].get(split, {}).items() if model_of(k) in kept}
+        merged = {**earlier, **rows}
+        results["splits"][split] = dict(
+            sorted(merged.items(), key=lambda kv: order.index(model_of(kv[0])))
+        )
+    refined = {model_of(k) for rows in old["splits"].values() for k in rows if "+" in k}
+    for key, record in old.get("train", {}).items():
+        name = key.removeprefix("method_b_")
+        shared = name == "all" and refined & set(kept)  # the one refiner of kept rows
+        if name in kept or (shared and key not in results["train"]):
+            results["train"][key] = record
+    for name, sweep in old.get("decision_sweep_dev", {}).items():
+        if name in kept:
+            results.setdefault("decision_sweep_dev", {})[name] = sweep
+    if kept:
+        results["models_from_earlier_calls"] = kept
+    return kept
 
 
 def evaluated_checkpoint(run_dir: Path) -> str:
@@ -1037,6 +1108,8 @@ def main(argv: list[str] | None = None) -> int:
             "pass the CamVid folder with train.txt and val.txt (--data ../shared/data/camvid)"
         )
     out = Path(args.out)
+    if not args.train_only:  # other models' results it will be added to: under these flags
+        earlier_results(out, args)
     out.mkdir(parents=True, exist_ok=True)
     if args.protocol == "plateau":
         carve_dev_split(Path(args.data), out, args.dev_fraction)
@@ -1052,7 +1125,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_threads": torch.get_num_threads(),
             "torch": torch.__version__,
         },
-        "args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
+        "args": args_record(args),
         "train": {},
         "splits": {},
     }
@@ -1213,11 +1286,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- 4. report ------------------------------------------------------------------------
     # wall-clock of this call plus the training it builds on: reused runs, earlier calls
-    results["total_seconds"] = time.time() - started + reused_seconds
+    results["total_seconds"] = time.time() - started + reused_seconds  # (this call's models)
+    old = earlier_results(out, args)  # the models of earlier calls into this --out: kept
+    kept = merge_results(results, old, args.models) if old is not None else []
     atomic_write_json(out / "results.json", results)
     table = write_table(results, out / "results.md")
     save_bar_chart(results, list(meta.class_names), out / "per_class_iou.png")
-    save_curves(out, list(models), out / "curves.png")
+    save_curves(out, [n for n in VARIANTS if n in models or n in kept], out / "curves.png")
     if args.protocol == "plateau":
         save_learning_curves(results["train"], out / "learning_curves.png")
     _, val_loader = eval_loader(args.data, None, args.eval_limit, args.workers)
@@ -1228,6 +1303,8 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(out / "results.json", results)
     print(table)
     print(f"total {results['total_seconds'] / 60:.1f} min; results in {out}")
+    if kept:
+        print(f"(rows of {', '.join(kept)}: kept from an earlier call into {out})")
     return 0
 
 

@@ -479,3 +479,39 @@ def test_the_budget_protocol_trains_with_the_recipe_flags(camvid, tmp_path: Path
     assert config(camvid, tmp_path, protocol="budget").train.amp == "auto"
     assert config(camvid, tmp_path).train.amp == "none"
     assert config(camvid, tmp_path, protocol="budget").optim == camvid.OptimConfig()
+
+
+def test_models_evaluated_one_per_call_into_one_out_keep_each_others_rows(
+    camvid, tmp_path: Path
+) -> None:
+    """`--models peer`, then `--models single_branch` into the same --out left results.json
+    and results.md holding single_branch alone."""
+    import json
+
+    from dualseg.errors import ConfigError
+
+    def args(*flags: str):
+        return camvid.parse_args(["--data", "d", "--out", str(tmp_path), "--reuse", *flags])
+
+    peer_call = {
+        "args": camvid.args_record(args("--models", "peer")),
+        "splits": {"val": {"peer": {"miou": 0.5}, "peer+B": {"miou": 0.6}}},
+        "train": {"peer": {"iterations": 4}, "method_b_all": {"steps": 10}},
+        "decision_sweep_dev": {"peer": {"chosen": {}}},
+    }
+    (tmp_path / "results.json").write_text(json.dumps(peer_call))
+    assert (
+        camvid.earlier_results(tmp_path, args("--models", "peer", "dualseg")) is None
+    )  # all again
+    second = args("--models", "single_branch")
+    old = camvid.earlier_results(tmp_path, second)
+    results = {"splits": {"val": {"single_branch": {"miou": 0.4}}}, "train": {"single_branch": {}}}
+    assert camvid.merge_results(results, old, second.models) == ["peer"]
+    assert list(results["splits"]["val"]) == ["peer", "peer+B", "single_branch"]
+    assert results["splits"]["val"]["peer+B"] == {"miou": 0.6}  # the model's own entries
+    assert results["train"] == {"single_branch": {}, "peer": {"iterations": 4},
+                                "method_b_all": {"steps": 10}}  # fmt: skip
+    assert results["decision_sweep_dev"] == {"peer": {"chosen": {}}}
+    # rows evaluated under other flags would share one table: refused before any work
+    with pytest.raises(ConfigError, match=r"holds peer evaluated with --eval-limit None, this"):
+        camvid.earlier_results(tmp_path, args("--models", "single_branch", "--eval-limit", "3"))
