@@ -41,6 +41,8 @@ On a GPU: ``--device cuda --budget-minutes 8 --crop 360 480 --scale 0.5 2.0 --ba
 
 Outputs in ``--out``: ``results.json``, ``results.md`` (markdown table), ``per_class_iou.png``,
 ``curves.png`` and ``panel_*.png`` (image | ground truth | peer | method A | method A + B).
+A call evaluating other models into an ``--out`` whose ``results.json`` holds some (``--models
+peer``, then ``--models single_branch``) adds its rows to theirs; under other flags it is refused.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -60,6 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from dualseg.commands.common import nonnegative_int, positive_int
 from dualseg.data import build_dataset
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
 from dualseg.engine.config import (
@@ -74,8 +79,8 @@ from dualseg.engine.config import (
 )
 from dualseg.engine.evaluate import evaluate
 from dualseg.engine.train import fit
-from dualseg.errors import ConfigError, DataError, DualsegError
-from dualseg.io import atomic_write_json, atomic_write_text
+from dualseg.errors import ConfigError, DataError, DualsegError, Terminated
+from dualseg.io import atomic_write_json, atomic_write_text, check_writable
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.base import model_fingerprint
@@ -210,12 +215,159 @@ def reuse_mismatch(
     return None
 
 
+def stale_record(record: Path) -> str | None:
+    """Why the ``train.json`` in ``record`` no longer describes its run, in words; ``None``
+    when it does. It is written when a run ends; a later call that went on with the run (a
+    resume under another stopping rule, a retrain with another budget) and was stopped short
+    moved the run's ``last.pt`` past it, and ``--reuse`` would report the record's iterations
+    and stopping reason beside another checkpoint's figures."""
+    last = record.parent / "last.pt"
+    if not last.is_file():
+        return f"{record} has no {last.name} beside it"
+    saved = json.loads(record.read_text()).get("iterations")
+    at = int(load_checkpoint(last).get("iteration", -1))
+    if saved != at:
+        return f"{record} records iteration {saved}, but {last} is at iteration {at}"
+    return None
+
+
+def budget_mismatch(record: Path, args: argparse.Namespace) -> str | None:
+    """How the budget of the finished run recorded in ``record`` differs from this call's
+    ``--budget-iters`` / ``--budget-minutes``, in words; ``None`` when it is the same (a
+    record written before the minutes were kept is taken at its word there)."""
+    saved = json.loads(record.read_text())
+    if args.budget_iters:
+        if saved.get("calibrated_s_per_iter") is None and saved["iterations"] == args.budget_iters:
+            return None
+        want = f"--budget-iters {args.budget_iters}"
+    else:
+        minutes = saved.get("budget_minutes", args.budget_minutes)
+        if saved.get("calibrated_s_per_iter") is not None and minutes == args.budget_minutes:
+            return None
+        want = f"--budget-minutes {args.budget_minutes:g}"
+    had = (
+        f"{saved['iterations']} iterations"
+        if saved.get("calibrated_s_per_iter") is None
+        else f"{saved['budget_minutes']:g} minutes"
+        if "budget_minutes" in saved
+        else f"a --budget-minutes calibration ({saved['iterations']} iterations)"
+    )
+    return (
+        f"{record.parent} was trained for {had}, this call asks {want}: rerun with that "
+        "run's budget, or use another --out"
+    )
+
+
+# flags that change no model's figures: results.json may hold models evaluated under others
+MERGE_FREE = ("models", "reuse", "train_only", "panels", "out")
+
+
+def args_record(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags as results.json keeps them (tuples as lists, as JSON reads them back)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()}
+
+
+def evaluated_models(results: dict[str, Any]) -> set[str]:
+    """The models with rows in ``results`` (row keys: ``name`` and ``name+B...``)."""
+    return {key.split("+")[0] for rows in results.get("splits", {}).values() for key in rows}
+
+
+def earlier_results(out: Path, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The ``results.json`` in ``out`` when it holds models this call does not evaluate: their
+    rows are kept beside this call's (one model per call into one ``--out``, as the ablation
+    commands run). Refused (:class:`ConfigError`, before any work) when those models were
+    evaluated under other flags than this call's, which would put rows of two settings in one
+    table; ``None`` when there is nothing to keep."""
+    path = out / "results.json"
+    if not path.is_file():
+        return None
+    old = json.loads(path.read_text())
+    others = sorted(evaluated_models(old) - set(args.models))
+    if not others:
+        return None  # this call evaluates all of them again
+    theirs, ours = old.get("args", {}), args_record(args)
+    for key, want in ours.items():
+        if key not in MERGE_FREE and theirs.get(key) != want:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(
+                f"{path} holds {', '.join(others)} evaluated with {flag} "
+                f"{theirs.get(key)!r}, this call has {want!r}: rerun with that call's flags to "
+                "add to its table, or use one --out per setting"
+            )
+    return old
+
+
+def merge_results(results: dict[str, Any], old: dict[str, Any], models: list[str]) -> list[str]:
+    """Into ``results``, the rows, training records and dev sweeps of the models in ``old``
+    that this call did not evaluate (``models``), each model's own entries as they were; rows
+    in the order of :data:`VARIANTS`. Returns the models kept from ``old``."""
+    order = list(VARIANTS)
+    kept = sorted(evaluated_models(old) - set(models), key=order.index)
+
+    def model_of(key: str) -> str:
+        return key.split("+")[0]
+
+    for split, rows in results["splits"].items():
+        earlier = {k: v for k, v in old["splits"].get(split, {}).items() if model_of(k) in kept}
+        merged = {**earlier, **rows}
+        results["splits"][split] = dict(
+            sorted(merged.items(), key=lambda kv: order.index(model_of(kv[0])))
+        )
+    refined = {model_of(k) for rows in old["splits"].values() for k in rows if "+" in k}
+    for key, record in old.get("train", {}).items():
+        name = key.removeprefix("method_b_")
+        shared = name == "all" and refined & set(kept)  # the one refiner of kept rows
+        if name in kept or (shared and key not in results["train"]):
+            results["train"][key] = record
+    for name, sweep in old.get("decision_sweep_dev", {}).items():
+        if name in kept:
+            results.setdefault("decision_sweep_dev", {})[name] = sweep
+    if kept:
+        results["models_from_earlier_calls"] = kept
+    return kept
+
+
 def evaluated_checkpoint(run_dir: Path) -> str:
     """Which checkpoint of a trained run is evaluated, by the run's own stopping rule: with
     early stopping (plateau protocol, ``--patience N``) the best on dev; without (``--patience
     0``, and every budget run) the end of the schedule, which the schedule check compares."""
     patience = load_config(run_dir / "config.yaml").train.patience
     return "best.pt" if patience else "last.pt"
+
+
+def positive_float(text: str) -> float:
+    """argparse ``type=``: a finite number > 0 (minutes, LR, scales), refused at parsing."""
+    value = _number(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse ``type=``: a finite number >= 0 (``--min-delta``), refused at parsing."""
+    value = _number(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def open_fraction(text: str) -> float:
+    """argparse ``type=``: a number strictly between 0 and 1 (``--dev-fraction``: some frames
+    of each sequence held out, and some trained on), refused at parsing."""
+    value = _number(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"must be between 0 and 1 (both excluded), got {text}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -231,17 +383,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--models", nargs="+", default=list(STANDARD), choices=list(VARIANTS))
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--budget-minutes", type=float, default=15.0, help="per model")
-    budget.add_argument("--budget-iters", type=int, help="per model (overrides minutes)")
-    p.add_argument("--crop", type=int, nargs=2, default=(192, 256), metavar=("H", "W"))
-    p.add_argument("--scale", type=float, nargs=2, default=(0.5, 1.0), metavar=("MIN", "MAX"))
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--workers", type=int, default=2)
+    budget.add_argument("--budget-minutes", type=positive_float, default=15.0, help="per model")
+    budget.add_argument("--budget-iters", type=positive_int, help="per model (overrides minutes)")
+    p.add_argument("--crop", type=positive_int, nargs=2, default=(192, 256), metavar=("H", "W"))
+    p.add_argument(
+        "--scale", type=positive_float, nargs=2, default=(0.5, 1.0), metavar=("MIN", "MAX")
+    )
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--lr", type=positive_float, default=0.01)
+    p.add_argument("--workers", type=nonnegative_int, default=2)
     p.add_argument("--device", default="auto")
     p.add_argument("--weights", default="imagenet", help="'imagenet', a file, or 'none'")
-    p.add_argument("--refine-steps", type=int, default=3000, help="method B triplet steps")
-    p.add_argument("--refine-input-scale", type=float, default=RefinerConfig.input_scale)
+    p.add_argument(
+        "--refine-steps",
+        type=nonnegative_int,
+        default=3000,
+        help="method B triplet steps (0: no method B)",
+    )
+    p.add_argument("--refine-input-scale", type=positive_float, default=RefinerConfig.input_scale)
     p.add_argument(
         "--refine-output-stride",
         type=int,
@@ -252,7 +411,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--refine-embed-dim",
-        type=int,
+        type=positive_int,
         default=RefinerConfig.embed_dim,
         help="method B step 3: the embedding's channels C (its ASPP head's cost grows with C)",
     )
@@ -277,24 +436,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--refine-decoder-channels",
-        type=int,
+        type=nonnegative_int,
         default=RefinerConfig.decoder_channels,
         help="method B step 3, beyond the claim: 0 (the claim's embedding) or a DeepLabV3+ "
         "decoder fusing the backbone's stride-4 features, projected to this many channels (48)",
     )
-    p.add_argument("--timing-images", type=int, default=10, help="images timed per model")
-    p.add_argument("--panels", type=int, default=3, help="qualitative panels to write")
-    p.add_argument("--eval-limit", type=int, help="evaluate only the first N images (smoke runs)")
-    p.add_argument("--prototype-limit", type=int, help="method B prototypes from N train images")
+    p.add_argument("--timing-images", type=positive_int, default=10, help="images timed per model")
+    p.add_argument("--panels", type=nonnegative_int, default=3, help="qualitative panels to write")
+    p.add_argument(
+        "--eval-limit", type=positive_int, help="evaluate only the first N images (smoke runs)"
+    )
+    p.add_argument(
+        "--prototype-limit", type=positive_int, help="method B prototypes from N train images"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--threads", type=int, help="torch CPU threads (default: torch's; 1 on a shared machine)"
+        "--threads",
+        type=nonnegative_int,
+        help="torch CPU threads (default or 0: torch's; 1 on a shared machine)",
     )
     p.add_argument(
         "--reuse",
         action="store_true",
         help="skip training a model whose run in --out finished (its train.json exists); a run "
-        "trained with other flags (model, LR recipe, T, seed, crops, batch) is refused",
+        "trained with other flags (model, LR recipe, T, budget, seed, crops, batch) is refused",
     )
     p.add_argument(
         "--train-only", action="store_true", help="stop after training (method B and eval later)"
@@ -304,39 +469,66 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "has plateaued (no gain over --min-delta in --patience validations), report on val"
     )
     plateau.add_argument("--protocol", choices=("budget", "plateau"), default="budget")
-    plateau.add_argument("--max-iters", type=int, default=2000, help="T of the poly schedule")
-    plateau.add_argument("--val-every", type=int, default=200, help="dev validation interval")
+    plateau.add_argument(
+        "--max-iters", type=positive_int, default=2000, help="T of the poly schedule"
+    )
+    plateau.add_argument(
+        "--val-every",
+        type=nonnegative_int,
+        default=200,
+        help="dev validation interval (0 only with --patience 0: no dev curve)",
+    )
     plateau.add_argument(
         "--patience",
-        type=int,
+        type=nonnegative_int,
         default=3,
         help="validations without gain (0: no early stop, the whole poly schedule to T: the "
         "schedule check compares T with 2T run this way)",
     )
-    plateau.add_argument("--min-delta", type=float, default=0.5, help="mIoU points")
+    plateau.add_argument("--min-delta", type=nonnegative_float, default=0.5, help="mIoU points")
     plateau.add_argument(
         "--dev-fraction",
-        type=float,
+        type=open_fraction,
         default=0.125,
         help="the last fraction of each training sequence (by file name) held out as dev",
     )
-    plateau.add_argument("--output-stride", type=int, help="every model's (default: its own)")
-    plateau.add_argument("--head-lr-mult", type=float, default=1.0, help="LR × for the head")
-    plateau.add_argument("--warmup-iters", type=int, default=0)
-    plateau.add_argument(
+    recipe = p.add_argument_group(
+        "either protocol: the training recipe beyond the flags above (the defaults: the "
+        "published protocol's)"
+    )
+    recipe.add_argument("--output-stride", type=int, help="every model's (default: its own)")
+    recipe.add_argument(
+        "--head-lr-mult", type=positive_float, default=1.0, help="LR × for the head"
+    )
+    recipe.add_argument("--warmup-iters", type=nonnegative_int, default=0)
+    recipe.add_argument(
         "--clip-grad-norm",
-        type=float,
+        type=positive_float,
         default=None,
         help="largest total L2 norm of the gradient (default: no clipping)",
     )
-    plateau.add_argument(
+    recipe.add_argument(
         "--amp",
-        choices=("none", "bf16"),
-        default="none",
-        help="training precision: none (fp32, the published protocol) or bf16 autocast (the "
-        "train.amp check: CPUs with AVX-512 BF16/AMX, or a GPU); evaluation stays fp32",
+        choices=("auto", "none", "bf16"),
+        default=None,
+        help="training precision, also that of the budget protocol's calibration: none (fp32), "
+        "bf16 autocast (the train.amp check: CPUs with AVX-512 BF16/AMX, or a GPU) or auto "
+        "(train.amp auto: bf16 where the CPU computes it natively; on a GPU bf16, else fp16); "
+        "default: none under --protocol plateau (the published protocol), auto under budget; "
+        "evaluation stays fp32",
     )
     return p.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What one flag's type cannot refuse: a :class:`ConfigError` (one line) before anything
+    is written or trained."""
+    check_writable(args.out, kind="dir", what="--out")  # e.g. an existing file
+    if args.protocol == "plateau" and args.patience and not args.val_every:
+        raise ConfigError(
+            f"--val-every 0 never validates on dev, so --patience {args.patience} could never "
+            "stop a run: give --val-every N (e.g. 200), or --patience 0 to train to --max-iters"
+        )
 
 
 def carve_dev_split(data: Path, out: Path, fraction: float) -> Path:
@@ -393,9 +585,15 @@ def device_of(name: str) -> torch.device:
 def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
     arch, options = VARIANTS[name]
     weights = None if args.weights == "none" else args.weights
+    if args.output_stride:
+        options = {**options, "output_stride": args.output_stride}
+    optim = OptimConfig(
+        lr=args.lr,
+        head_lr_mult=args.head_lr_mult,
+        warmup_iters=args.warmup_iters,
+        clip_grad_norm=args.clip_grad_norm,
+    )
     if args.protocol == "plateau":
-        if args.output_stride:
-            options = {**options, "output_stride": args.output_stride}
         return Config(
             data=DataConfig(
                 root=str(out / "data"),
@@ -412,12 +610,7 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
                 persistent_workers=False,  # no idle workers beside the model between validations
             ),
             model=ModelConfig(arch=arch, weights=weights, **options),
-            optim=OptimConfig(
-                lr=args.lr,
-                head_lr_mult=args.head_lr_mult,
-                warmup_iters=args.warmup_iters,
-                clip_grad_norm=args.clip_grad_norm,
-            ),
+            optim=optim,
             train=TrainConfig(
                 out_dir=str(out / "runs" / name),
                 max_iters=args.max_iters,
@@ -427,7 +620,7 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
                 min_delta=args.min_delta / 100.0,
                 seed=args.seed,
                 device=args.device,
-                amp=args.amp,
+                amp=args.amp or "none",
                 progress=False,
                 tensorboard=False,
             ),
@@ -445,7 +638,7 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
             num_workers=args.workers,
         ),
         model=ModelConfig(arch=arch, weights=weights, **options),
-        optim=OptimConfig(lr=args.lr),
+        optim=optim,
         train=TrainConfig(
             out_dir=str(out / "runs" / name),
             max_iters=1,
@@ -454,6 +647,7 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
             patience=None,  # the budget protocol runs its full calibrated schedule
             seed=args.seed,
             device=args.device,
+            amp=args.amp or "auto",  # as this protocol always trained: bf16 where native
             progress=True,
             tensorboard=False,
         ),
@@ -461,26 +655,36 @@ def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
 
 
 def calibrate_iters(cfg: Config, minutes: float, device: torch.device) -> tuple[int, float]:
-    """Iterations that fit in ``minutes``, from timed forward+backward steps on a random batch.
+    """Iterations that fit in ``minutes``, from timed forward+backward steps on a random batch,
+    in the precision and memory format ``fit`` trains ``cfg`` in (``train.amp``, where an fp32
+    calibration of a bf16 run once set T from a step of another cost).
 
     Data loading runs in worker processes alongside; it is measured separately by
     benchmarks/data_throughput.py and is not the bottleneck at these sizes.
     """
     from dualseg.engine.config import model_kwargs
+    from dualseg.engine.cpu_bf16 import convs_in_fp32
+    from dualseg.engine.train import _amp_dtype as training_dtype  # fit's own choice
 
     kwargs = {
         k: tuple(v) if isinstance(v, list) else v for k, v in model_kwargs(cfg.model, 11).items()
     }
+    dtype = training_dtype(cfg.train.amp, device)  # fit's choice for train.amp
     model = build_model(cfg.model.arch, **kwargs).to(device).train()
+    fmt = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
+    model = model.to(memory_format=fmt)
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        convs_in_fp32(model)  # as fit does
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     x = torch.randn(cfg.data.batch_size, 3, *cfg.data.crop_size, device=device)
+    x = x.contiguous(memory_format=fmt)
     y = torch.randint(0, 11, (cfg.data.batch_size, *cfg.data.crop_size), device=device)
     times = []
     for i in range(6):
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
@@ -726,7 +930,8 @@ def fit_refiners(
     ``gated[name]["B_shared"]`` the best setting without P1 blur when the refiner reads the
     base's own backbone output (:mod:`dualseg.refine.shared`) and the first choice blurs
     (which would make it run its own backbone again). Fitted refiners are
-    kept in ``--out`` and reused with ``--reuse``.
+    kept in ``--out`` and reused with ``--reuse``; a fit interrupted (SIGINT / SIGTERM) keeps its
+    training state in ``refiner_*.train.pt`` there, and ``--reuse`` continues it.
     """
     import dataclasses
 
@@ -781,6 +986,7 @@ def fit_refiners(
                 raise ConfigError(mismatch)
             continue
         t0 = time.time()
+        # its training state is saved every 200 steps and when interrupted: --reuse continues it
         fitted[key] = BoundaryRefiner.fit(
             train_ds,
             class_names=meta.class_names,
@@ -792,6 +998,9 @@ def fit_refiners(
             num_workers=args.workers,
             progress=False,
             log_every=250,
+            checkpoint=path.with_suffix(".train.pt"),
+            resume=args.reuse,
+            fit_inputs=inputs,  # a resume on another split, list or base is refused
         )
         fitted[key].save(path)
         atomic_write_json(record, inputs)
@@ -891,6 +1100,7 @@ def decision_label(cfg: RefinerConfig, metric: str = METRICS[0]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    check_args(args)
     lists = [Path(args.data) / f"{split}.txt" for split in ("train", "val")]
     if not all(p.is_file() for p in lists):
         raise DataError(
@@ -898,6 +1108,8 @@ def main(argv: list[str] | None = None) -> int:
             "pass the CamVid folder with train.txt and val.txt (--data ../shared/data/camvid)"
         )
     out = Path(args.out)
+    if not args.train_only:  # other models' results it will be added to: under these flags
+        earlier_results(out, args)
     out.mkdir(parents=True, exist_ok=True)
     if args.protocol == "plateau":
         carve_dev_split(Path(args.data), out, args.dev_fraction)
@@ -913,7 +1125,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_threads": torch.get_num_threads(),
             "torch": torch.__version__,
         },
-        "args": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(args).items()},
+        "args": args_record(args),
         "train": {},
         "splits": {},
     }
@@ -923,6 +1135,15 @@ def main(argv: list[str] | None = None) -> int:
         record = out / "runs" / name / "train.json"
         cfg = base_config(args, name, out)
         reused = args.reuse and record.is_file()
+        stale = stale_record(record) if reused else None
+        if stale:  # not a finished run: trained (resumed under the plateau protocol) as one
+            print(f"[{name}] {stale}: not a finished run, training it", flush=True)
+            record.unlink()
+            reused = False
+        if reused and args.protocol != "plateau":
+            mismatch = budget_mismatch(record, args)
+            if mismatch:
+                raise ConfigError(mismatch)
         # a finished run reused, or an interrupted one resumed (plateau), must be this recipe's
         if (reused or args.protocol == "plateau") and (record.parent / "config.yaml").is_file():
             mismatch = reuse_mismatch(
@@ -941,10 +1162,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.protocol == "plateau":
             print(f"[{name}] training {cfg.model.arch} {VARIANTS[name][1]} to plateau", flush=True)
             t0 = time.time()
+            # the run is about to go on: its record of an earlier end no longer holds
+            record.unlink(missing_ok=True)
             summary = fit(cfg, resume="auto")  # an interrupted run continues where it stopped
             if summary["stop_reason"] == "interrupted":
                 print(f"[{name}] interrupted; rerun the same command to continue", flush=True)
-                return 130
+                return 128 + summary.get("signal", signal.SIGINT)
             results["train"][name] = {
                 "iterations": summary["iteration"],
                 "stop_reason": summary["stop_reason"],
@@ -967,14 +1190,16 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         t0 = time.time()
+        record.unlink(missing_ok=True)  # the run it recorded is replaced
         summary = fit(cfg, overwrite=True)  # not --reuse: this model is trained afresh
         if summary["stop_reason"] == "interrupted":  # short of its budget: not a finished run
             print(f"[{name}] interrupted; rerun the command to train it again", flush=True)
-            return 130
+            return 128 + summary.get("signal", signal.SIGINT)
         results["train"][name] = {
             "iterations": summary["iteration"],
             "seconds": time.time() - t0,
             "calibrated_s_per_iter": per_iter,
+            "budget_minutes": None if args.budget_iters else args.budget_minutes,
         }
         atomic_write_json(record, results["train"][name])
     results["budget"] = (
@@ -1001,7 +1226,11 @@ def main(argv: list[str] | None = None) -> int:
         models[name] = model.eval()
 
     # ---- 2. method B: fitted on the training set (plateau: on train_fit, dev held out) ------
-    refiners, gated = fit_refiners(args, out, models, meta, device, results)
+    try:
+        refiners, gated = fit_refiners(args, out, models, meta, device, results)
+    except (KeyboardInterrupt, Terminated) as stop:  # the fit saved its state before stopping
+        print("[method B] interrupted; rerun with --reuse to continue its fit", flush=True)
+        return 143 if isinstance(stop, Terminated) else 130
 
     # ---- 3. evaluate at full resolution ----------------------------------------------------
     for split_path in [None, *args.eval_split]:
@@ -1057,11 +1286,13 @@ def main(argv: list[str] | None = None) -> int:
 
     # ---- 4. report ------------------------------------------------------------------------
     # wall-clock of this call plus the training it builds on: reused runs, earlier calls
-    results["total_seconds"] = time.time() - started + reused_seconds
+    results["total_seconds"] = time.time() - started + reused_seconds  # (this call's models)
+    old = earlier_results(out, args)  # the models of earlier calls into this --out: kept
+    kept = merge_results(results, old, args.models) if old is not None else []
     atomic_write_json(out / "results.json", results)
     table = write_table(results, out / "results.md")
     save_bar_chart(results, list(meta.class_names), out / "per_class_iou.png")
-    save_curves(out, list(models), out / "curves.png")
+    save_curves(out, [n for n in VARIANTS if n in models or n in kept], out / "curves.png")
     if args.protocol == "plateau":
         save_learning_curves(results["train"], out / "learning_curves.png")
     _, val_loader = eval_loader(args.data, None, args.eval_limit, args.workers)
@@ -1072,12 +1303,20 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(out / "results.json", results)
     print(table)
     print(f"total {results['total_seconds'] / 60:.1f} min; results in {out}")
+    if kept:
+        print(f"(rows of {', '.join(kept)}: kept from an earlier call into {out})")
     return 0
 
 
 if __name__ == "__main__":
+    from dualseg.cli import terminated_as_exception
+
     try:
-        sys.exit(main())
+        with terminated_as_exception():
+            sys.exit(main())
     except DualsegError as err:  # a user error (data, flags, a reused run): one line
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except (KeyboardInterrupt, Terminated) as stop:  # outside training and method B's fit
+        print("interrupted; rerun with --reuse to keep what is done", file=sys.stderr)
+        sys.exit(143 if isinstance(stop, Terminated) else 130)

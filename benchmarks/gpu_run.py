@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -30,6 +31,8 @@ from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoi
 from dualseg.engine.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from dualseg.engine.evaluate import evaluate
 from dualseg.engine.train import fit
+from dualseg.errors import DataError, DualsegError, Terminated
+from dualseg.io import atomic_write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from camvid import calibrate_iters, limit  # shared with the CamVid suite
@@ -54,8 +57,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.minutes > 8:
-        raise SystemExit("--minutes must be at most 8 (the GPU path is a short fixed budget)")
+    if not 0 < args.minutes <= 8:
+        raise SystemExit(
+            f"--minutes {args.minutes:g}: give more than 0 and at most 8 (the GPU path is a "
+            "short fixed budget)"
+        )
+    lists = [Path(args.data) / f"{split}.txt" for split in ("train", "val")]
+    if not all(p.is_file() for p in lists):  # before the calibration's minute on the GPU
+        raise DataError(
+            f"{args.data}: no {' / '.join(p.name for p in lists if not p.is_file())} there; "
+            "pass the CamVid folder with train.txt and val.txt"
+        )
     device = torch.device(args.device)
     out = Path(args.out)
     cfg = Config(
@@ -92,9 +104,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"calibrated {per_iter * 1000:.0f} ms/iteration -> {iters} iterations", flush=True)
 
     t0 = time.time()
-    fit(cfg, overwrite=True)  # the benchmark owns --out
+    result = fit(cfg, overwrite=True)  # the benchmark owns --out
     train_s = time.time() - t0
-    train_ips = iters * args.batch_size / train_s
+    done = int(result["iteration"])  # short of iters when interrupted
+    summary = {
+        "arch": args.arch,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "amp": args.amp,
+        "iterations": done,
+        "planned_iterations": iters,
+        "stop_reason": result["stop_reason"],
+        "train_seconds": round(train_s, 1),
+        "train_images_per_s": round(done * args.batch_size / train_s, 2),
+        "weights": args.weights,
+    }
+    if result["stop_reason"] == "interrupted":  # no evaluation of a partial run
+        atomic_write_json(out / "gpu_run.json", summary)
+        print(
+            f"interrupted at iteration {done} of {iters}; its training figures are in "
+            f"{out / 'gpu_run.json'}, rerun to train again",
+            flush=True,
+        )
+        return 128 + int(result.get("signal", signal.SIGINT))
 
     model, meta = build_model_from_checkpoint(load_checkpoint(out / "last.pt"), device=device)
     model.eval()
@@ -123,22 +154,23 @@ def main(argv: list[str] | None = None) -> int:
                     times.append(time.perf_counter() - t)
         infer[f"batch_{b}"] = b / statistics.median(times)
 
-    summary = {
-        "arch": args.arch,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "amp": args.amp,
-        "iterations": iters,
-        "train_seconds": round(train_s, 1),
-        "train_images_per_s": round(train_ips, 2),
-        "infer_images_per_s": {k: round(v, 2) for k, v in infer.items()},
-        "val_miou": metrics["miou"],
-        "val_boundary_f1": metrics["boundary_f1"],
-        "weights": args.weights,
-    }
-    (out / "gpu_run.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary["infer_images_per_s"] = {k: round(v, 2) for k, v in infer.items()}
+    summary["val_miou"] = metrics["miou"]
+    summary["val_boundary_f1"] = metrics["boundary_f1"]
+    atomic_write_json(out / "gpu_run.json", summary)
     print(json.dumps(summary, indent=2))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dualseg.cli import terminated_as_exception
+
+    try:
+        with terminated_as_exception():
+            sys.exit(main())
+    except DualsegError as err:  # a user error (data, weights, a flag): one line
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except (KeyboardInterrupt, Terminated) as stop:  # outside training: nothing to keep
+        print("interrupted", file=sys.stderr)
+        sys.exit(143 if isinstance(stop, Terminated) else 130)

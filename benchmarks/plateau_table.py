@@ -40,6 +40,7 @@ from camvid import VARIANTS, save_learning_curves
 from cpu_levers import cpu_name
 from model_speed import interleaved_medians
 
+from dualseg.commands.common import nonnegative_int, positive_int
 from dualseg.engine.config import OptimConfig
 from dualseg.engine.cpu_bf16 import convs_in_fp32
 from dualseg.engine.losses import SegmentationLoss
@@ -263,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--figure", type=Path, nargs="?", const=FIGURE, help=f"draw the curves (default {FIGURE})"
     )
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=positive_int, default=15, help="timed runs of each model")
+    p.add_argument("--warmup", type=nonnegative_int, default=2)
     args = p.parse_args(argv)
     files = [f for _, f in ROWS.values()] + list(RETRAINED.values())
     missing = [f for f in files if not (RESULTS / f).is_file()]

@@ -30,8 +30,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dualseg.commands.common import nonnegative_int, positive_int
 from dualseg.data import build_dataset, build_eval_transform
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+from dualseg.errors import DualsegError
 from dualseg.io import atomic_write_json
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.boundary import near_boundary_mask
@@ -45,11 +47,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval", required=True, help="list file of the labelled split scored")
     p.add_argument("--base", required=True, help="base model checkpoint")
     p.add_argument("--refiner", required=True, help="fitted refiner file (its embedding)")
-    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8], help="centres per class")
-    p.add_argument("--per-image", type=int, default=300, help="pixels per image and class")
-    p.add_argument("--iters", type=int, default=25, help="k-means iterations")
+    p.add_argument(
+        "--ks", type=positive_int, nargs="+", default=[1, 2, 4, 8], help="centres per class"
+    )
+    p.add_argument("--per-image", type=positive_int, default=300, help="pixels per image and class")
+    p.add_argument("--iters", type=nonnegative_int, default=25, help="k-means iterations")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--out", help="results JSON")
     return p.parse_args(argv)
 
@@ -156,4 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except DualsegError as err:  # a user error (a checkpoint, a refiner, a split): one line
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -240,3 +240,278 @@ def test_a_reused_refiner_must_have_been_fit_on_the_same_inputs(camvid, tmp_path
     for key, value in (("fit_split", "train"), ("prototype_limit", 3), ("base", "beef")):
         message = camvid.inputs_mismatch(record, {**inputs, key: value}, path)
         assert f"fit with {key} = " in message and "delete it to fit it again" in message
+
+
+def _camvid_lists(tmp_path: Path) -> Path:
+    data = tmp_path / "camvid"
+    data.mkdir()
+    for split in ("train", "val"):
+        (data / f"{split}.txt").write_text("a.png b.png\n")
+    return data
+
+
+def _finished_run(run: Path, record: dict, *, at: int) -> Path:
+    """A run folder whose last.pt is at iteration ``at`` and whose train.json says ``record``."""
+    import json
+
+    from dualseg.engine.checkpoint import save_checkpoint
+
+    run.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(
+        run / "last.pt", {"arch": "x", "model_kwargs": {}, "model": {}, "iteration": at}
+    )
+    (run / "train.json").write_text(json.dumps({"seconds": 1.0, **record}))
+    return run / "train.json"
+
+
+def test_a_record_the_run_went_on_past_is_not_reused(camvid, tmp_path: Path, monkeypatch) -> None:
+    """train.json written when a run stopped on patience at 40, then the run resumed under
+    --patience 0 and stopped short at 121: --reuse must not report 40 / patience for it."""
+    data, out = _camvid_lists(tmp_path), tmp_path / "out"
+    flags = ["--data", str(data), "--out", str(out), "--models", "peer", "--patience", "0",
+             "--protocol", "plateau", "--train-only"]  # fmt: skip
+    record = _finished_run(
+        out / "runs" / "peer", {"iterations": 40, "stop_reason": "patience"}, at=121
+    )
+    save_config(
+        camvid.base_config(camvid.parse_args(flags), "peer", out), record.parent / "config.yaml"
+    )
+    calls = []
+
+    def fit(cfg, **kw):
+        calls.append((kw, record.exists()))
+        return {"stop_reason": "interrupted", "iteration": 130, "signal": 15}
+
+    monkeypatch.setattr(camvid, "fit", fit)
+    assert camvid.main([*flags, "--reuse"]) in (130, 143)
+    assert calls == [({"resume": "auto"}, False)]  # resumed, the stale record gone first
+
+
+def test_a_retrain_removes_the_record_of_the_run_it_replaces(
+    camvid, tmp_path: Path, monkeypatch
+) -> None:
+    data, out = _camvid_lists(tmp_path), tmp_path / "out"
+    record = _finished_run(
+        out / "runs" / "peer", {"iterations": 4, "calibrated_s_per_iter": None}, at=4
+    )
+    seen = []
+    monkeypatch.setattr(
+        camvid,
+        "fit",
+        lambda cfg, **kw: seen.append(record.exists()) or {"stop_reason": "interrupted",
+                                                          "iteration": 3},
+    )  # fmt: skip
+    argv = ["--data", str(data), "--out", str(out), "--models", "peer", "--protocol", "budget",
+            "--budget-iters", "400", "--train-only"]  # fmt: skip
+    assert camvid.main(argv) == 130
+    assert seen == [False] and not record.exists()  # a later --reuse finds no finished run
+
+
+def test_a_budget_run_is_reused_only_for_its_own_budget(
+    camvid, tmp_path: Path, monkeypatch
+) -> None:
+    from dualseg.errors import ConfigError
+
+    data, out = _camvid_lists(tmp_path), tmp_path / "out"
+    _finished_run(out / "runs" / "peer", {"iterations": 4, "calibrated_s_per_iter": None}, at=4)
+    monkeypatch.setattr(camvid, "fit", lambda cfg, **kw: pytest.fail("trained"))
+    argv = ["--data", str(data), "--out", str(out), "--models", "peer", "--protocol", "budget",
+            "--train-only", "--reuse"]  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"trained for 4 iterations, this call asks --budget-iters 40"
+    ):
+        camvid.main([*argv, "--budget-iters", "40"])
+    with pytest.raises(ConfigError, match=r"this call asks --budget-minutes 15"):
+        camvid.main(argv)
+    assert camvid.main([*argv, "--budget-iters", "4"]) == 0
+    _finished_run(
+        out / "runs" / "peer",
+        {"iterations": 90, "calibrated_s_per_iter": 0.5, "budget_minutes": 0.75},
+        at=90,
+    )
+    with pytest.raises(
+        ConfigError, match=r"trained for 0.75 minutes, this call asks --budget-minutes 1"
+    ):
+        camvid.main([*argv, "--budget-minutes", "1"])
+    assert camvid.main([*argv, "--budget-minutes", "0.75"]) == 0
+
+
+def test_method_b_keeps_its_training_state_and_reuse_continues_it(
+    camvid, tmp_path: Path, monkeypatch
+) -> None:
+    """An interrupted fit of method B saves its state beside the refiner, and --reuse resumes it
+    (on the same inputs), where every rerun started again at step 0."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dualseg.data.synthetic import make_synthetic_dataset
+    from dualseg.errors import Terminated
+
+    data = tmp_path / "camvid"
+    make_synthetic_dataset(data, n_train=2, n_val=1, size=(16, 16))
+    (data / "meta.json").unlink()  # read with the camvid preset, as the benchmark does
+    given = []
+
+    class Refiner:
+        @classmethod
+        def fit(cls, *args, **kwargs):
+            given.append(kwargs)
+            raise Terminated
+
+    monkeypatch.setattr(camvid, "BoundaryRefiner", Refiner)
+    out = tmp_path / "out"
+    out.mkdir()
+    meta = SimpleNamespace(class_names=[f"c{i}" for i in range(11)])
+    for flags, resumed in (([], False), (["--reuse"], True)):
+        args = camvid.parse_args(
+            ["--data", str(data), "--out", str(out), "--refine-steps", "10", *flags]
+        )
+        with pytest.raises(Terminated):
+            camvid.fit_refiners(
+                args, out, {"peer": torch.nn.Conv2d(3, 11, 1)}, meta, torch.device("cpu"), {}
+            )
+        assert given[-1]["checkpoint"] == out / "refiner_all.train.pt"
+        assert given[-1]["resume"] is resumed
+        assert given[-1]["fit_inputs"]["fit_split"] == "train"  # another split is refused
+
+
+def test_an_interrupted_method_b_fit_is_one_line_and_the_signal_s_status(
+    camvid, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    from dualseg.errors import Terminated
+
+    data, out = _camvid_lists(tmp_path), tmp_path / "out"
+    monkeypatch.setattr(
+        camvid, "fit", lambda cfg, **kw: {"stop_reason": "max_iters", "iteration": 4}
+    )
+    monkeypatch.setattr(camvid, "evaluated_checkpoint", lambda run: "last.pt")
+    monkeypatch.setattr(camvid, "load_checkpoint", lambda path: {"iteration": 4})
+    monkeypatch.setattr(
+        camvid,
+        "build_model_from_checkpoint",
+        lambda ckpt, device: (camvid.torch.nn.Identity(), None),
+    )
+
+    def fit_refiners(*args):
+        raise Terminated
+
+    monkeypatch.setattr(camvid, "fit_refiners", fit_refiners)
+    argv = ["--data", str(data), "--out", str(out), "--models", "peer", "--protocol", "budget",
+            "--budget-iters", "4"]  # fmt: skip
+    assert camvid.main(argv) == 143  # 128 + SIGTERM, as dualseg train
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "[method B] interrupted; rerun with --reuse to continue its fit"
+    )
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--timing-images", "0"], "argument --timing-images: must be >= 1, got 0"),
+        (["--eval-limit", "0"], "argument --eval-limit: must be >= 1, got 0"),
+        (["--panels", "-1"], "argument --panels: must be >= 0, got -1"),
+        (["--threads", "-2"], "argument --threads: must be >= 0, got -2"),
+        (["--dev-fraction", "0"], "argument --dev-fraction: must be between 0 and 1"),
+        (["--dev-fraction", "-0.1"], "argument --dev-fraction: must be between 0 and 1"),
+        (["--budget-minutes", "nan"], "argument --budget-minutes: expected a finite number"),
+    ],
+)
+def test_a_bad_flag_is_refused_when_parsed(camvid, flags, said, capsys) -> None:
+    """Each once ran the whole benchmark into a StatisticsError, a crash, or a silent wrong
+    split (a --dev-fraction 0 still held one frame of each sequence out)."""
+    with pytest.raises(SystemExit) as stop:
+        camvid.parse_args(["--data", "d", *flags])
+    assert stop.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_flags_that_cannot_work_together_are_one_error_before_any_work(
+    camvid, tmp_path: Path
+) -> None:
+    from dualseg.errors import ConfigError, OutputError
+
+    data = _camvid_lists(tmp_path)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OutputError, match=r"--out .*file is an existing file, not a folder"):
+        camvid.main(["--data", str(data), "--out", str(tmp_path / "file")])
+    out = tmp_path / "out"
+    plateau = ["--data", str(data), "--out", str(out), "--protocol", "plateau", "--val-every", "0"]
+    with pytest.raises(ConfigError, match=r"--val-every 0 never validates on dev, so --patience 3"):
+        camvid.main(plateau)
+    assert not out.exists()
+    camvid.check_args(camvid.parse_args([*plateau, "--patience", "0"]))  # no early stop: fine
+
+
+@pytest.mark.parametrize(("amp", "enabled"), [("bf16", True), ("none", False)])
+def test_the_budget_calibration_times_the_precision_the_run_trains_in(
+    camvid, tmp_path: Path, monkeypatch, amp: str, enabled: bool
+) -> None:
+    """An fp32 calibration of a bf16 run set its T from a step of another cost."""
+    import contextlib
+
+    import torch
+
+    seen = []
+
+    def autocast(device_type, dtype=None, enabled=True):
+        seen.append((device_type, dtype, enabled))
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch, "autocast", autocast)
+    cfg = config(camvid, tmp_path, "--amp", amp, "--crop", "32", "32", "--batch-size", "2",
+                 "--weights", "none", protocol="budget")  # fmt: skip
+    assert cfg.train.amp == amp
+    camvid.calibrate_iters(cfg, 1.0, torch.device("cpu"))
+    on = [s for s in seen if s[2]]  # (the bf16 run's fp32 convolutions turn it off inside)
+    assert on == ([("cpu", torch.bfloat16, True)] * 6 if enabled else [])  # each timed step
+
+
+def test_the_budget_protocol_trains_with_the_recipe_flags(camvid, tmp_path: Path) -> None:
+    """--output-stride, --amp, --head-lr-mult, --warmup-iters and --clip-grad-norm were read by
+    the plateau protocol only: a budget run trained without them under their names."""
+    flags = ["--output-stride", "16", "--amp", "none", "--head-lr-mult", "10",
+             "--warmup-iters", "5", "--clip-grad-norm", "1"]  # fmt: skip
+    cfg = config(camvid, tmp_path, *flags, protocol="budget")
+    assert cfg.model.output_stride == 16 and cfg.train.amp == "none"
+    assert (cfg.optim.head_lr_mult, cfg.optim.warmup_iters, cfg.optim.clip_grad_norm) == (10, 5, 1)
+    # the defaults stay each protocol's own: bf16 where native (budget), fp32 (plateau)
+    assert config(camvid, tmp_path, protocol="budget").train.amp == "auto"
+    assert config(camvid, tmp_path).train.amp == "none"
+    assert config(camvid, tmp_path, protocol="budget").optim == camvid.OptimConfig()
+
+
+def test_models_evaluated_one_per_call_into_one_out_keep_each_others_rows(
+    camvid, tmp_path: Path
+) -> None:
+    """`--models peer`, then `--models single_branch` into the same --out left results.json
+    and results.md holding single_branch alone."""
+    import json
+
+    from dualseg.errors import ConfigError
+
+    def args(*flags: str):
+        return camvid.parse_args(["--data", "d", "--out", str(tmp_path), "--reuse", *flags])
+
+    peer_call = {
+        "args": camvid.args_record(args("--models", "peer")),
+        "splits": {"val": {"peer": {"miou": 0.5}, "peer+B": {"miou": 0.6}}},
+        "train": {"peer": {"iterations": 4}, "method_b_all": {"steps": 10}},
+        "decision_sweep_dev": {"peer": {"chosen": {}}},
+    }
+    (tmp_path / "results.json").write_text(json.dumps(peer_call))
+    assert (
+        camvid.earlier_results(tmp_path, args("--models", "peer", "dualseg")) is None
+    )  # all again
+    second = args("--models", "single_branch")
+    old = camvid.earlier_results(tmp_path, second)
+    results = {"splits": {"val": {"single_branch": {"miou": 0.4}}}, "train": {"single_branch": {}}}
+    assert camvid.merge_results(results, old, second.models) == ["peer"]
+    assert list(results["splits"]["val"]) == ["peer", "peer+B", "single_branch"]
+    assert results["splits"]["val"]["peer+B"] == {"miou": 0.6}  # the model's own entries
+    assert results["train"] == {"single_branch": {}, "peer": {"iterations": 4},
+                                "method_b_all": {"steps": 10}}  # fmt: skip
+    assert results["decision_sweep_dev"] == {"peer": {"chosen": {}}}
+    # rows evaluated under other flags would share one table: refused before any work
+    with pytest.raises(ConfigError, match=r"holds peer evaluated with --eval-limit None, this"):
+        camvid.earlier_results(tmp_path, args("--models", "single_branch", "--eval-limit", "3"))

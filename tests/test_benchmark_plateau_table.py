@@ -166,3 +166,11 @@ def test_retraining_pairs_each_seed_of_a_with_the_same_seed_of_the_peer(
     assert spread["differences"][label]["miou"] == pytest.approx([0.04, -0.01])
     assert next(iter(spread["differences"])) == "method A − peer"
     assert f"| {label} | +4.0 / -1.0 |" in pt.retraining_table(spread)
+
+
+def test_no_timed_repetition_is_refused_when_parsed(pt, capsys) -> None:
+    """--reps 0 timed every model's warm-up, then ended in a StatisticsError."""
+    with pytest.raises(SystemExit) as stop:
+        pt.main(["--time", "--reps", "0"])
+    assert stop.value.code == 2
+    assert "argument --reps: must be >= 1, got 0" in capsys.readouterr().err
