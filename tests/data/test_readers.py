@@ -112,6 +112,33 @@ def test_palette_label_drawn_in_the_class_colours_at_other_indices_is_refused(tm
     assert read_label(path, camvid, label_format="color").tolist() == truth.tolist()
 
 
+def test_palette_label_in_the_class_colours_with_a_stray_colour_is_refused(tmp_path):
+    """One colour outside the dataset's palette (an antialiased edge) turned the check off: the
+    label's indices, which mean nothing, were read as classes without a word."""
+    camvid = get_preset("camvid")
+    order = [5, 0, 3, 1]  # index i is drawn in class order[i]'s colour; index 2 is a stray
+    colours = [camvid.palette[k] for k in order]
+    colours[2] = (1, 2, 3)
+    indices = np.array([[0, 0, 1, 1], [2, 3, 3, 0]], np.uint8)
+    im = Image.fromarray(indices, mode="P")
+    im.putpalette([v for c in colours for v in c])
+    im.save(tmp_path / "stray.png")
+    with pytest.raises(DataError, match=r"other indices.*--label-format color.*\(1, 2, 3\)"):
+        read_label(tmp_path / "stray.png", camvid)
+    # a stray at an index that is no class: the fix was "map them with --label-map"
+    far = Image.fromarray(np.where(indices == 2, 40, indices).astype(np.uint8), mode="P")
+    far.putpalette([v for c in [*colours, *[(9, 9, 9)] * 36, (1, 2, 3)] for v in c])
+    far.save(tmp_path / "far.png")
+    with pytest.raises(DataError, match=r"--label-format color.*\(1, 2, 3\)") as err:
+        read_label(tmp_path / "far.png", camvid)
+    assert "--label-map" not in str(err.value)
+    # a palette mostly of its own colours keeps its indices (two of four are CamVid's here)
+    colours[1] = (4, 5, 6)
+    im.putpalette([v for c in colours for v in c])
+    im.save(tmp_path / "own.png")
+    assert read_label(tmp_path / "own.png", camvid).tolist() == indices.tolist()
+
+
 def test_palette_label_in_grey_levels_that_are_other_classes_is_refused(tmp_path):
     """An index label re-encoded by a quantizer: grey 0, 1, 2 on screen, stored as indices
     2, 1, 0. Both readings are labels, and the indices were read silently (classes swapped)."""

@@ -155,25 +155,32 @@ def _palette_in_use(im: Image.Image, raw: np.ndarray) -> tuple[np.ndarray, np.nd
 def _check_palette_indices(
     path: Path, pal: np.ndarray, used: np.ndarray, meta: DatasetMeta
 ) -> None:
-    """Refuse a palette (P-mode) label whose colours are all the dataset's colours but at other
-    indices: an image editor's colour-coded label, whose indices mean nothing (VOC's, drawn in
-    the VOC palette at the VOC indices, pass)."""
+    """Refuse a palette (P-mode) label whose colours are mostly the dataset's colours but at
+    other indices: an image editor's colour-coded label, whose indices mean nothing, even with a
+    few stray colours of its own (an antialiased edge, a slip of the brush). VOC's, drawn in the
+    VOC palette at the VOC indices, pass; so does a palette mostly of its own colours."""
     if not meta.palette:
         return
     colours = [tuple(int(v) for v in pal[i]) for i in used]
     of_class = {tuple(c): k for k, c in enumerate(meta.palette)}
     void = {tuple(c) for c in meta.void_colors}
-    if not all(c in of_class or c in void for c in colours):
+    strays = [c for c in colours if c not in of_class and c not in void]
+    if 2 * len(strays) >= len(colours):
         return  # a palette of its own: the indices are the labels
     table = meta.lookup_table()
     for i, c in zip(used.tolist(), colours):
         k = int(table[i])
-        if 0 <= k < meta.num_classes and of_class.get(c) != k:
+        if c not in strays and 0 <= k < meta.num_classes and of_class.get(c) != k:
             drawn = f"class {meta.class_names[of_class[c]]!r}" if c in of_class else "void"
+            others = ""
+            if strays:
+                shown = ", ".join(map(str, strays[:3])) + (" ..." if len(strays) > 3 else "")
+                others = f" (its {len(strays)} other colour(s), {shown}, are no class's: fix them)"
             raise DataError(
                 f"{path}: a palette image drawn in the {meta.name!r} colours at other indices "
                 f"(index {i}, class {meta.class_names[k]!r}, is drawn in {drawn}'s colour "
                 f"{c}): a colour-coded label; pass --label-format color to read its colours"
+                f"{others}"
             )
 
 
