@@ -21,9 +21,11 @@ dataset, provided every root has the same classes.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -422,9 +424,12 @@ def _own_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -
 def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
     """The preset ``preset`` for the dataset at ``root``: refused (one line, both lists) when
     ROOT/meta.json describes the dataset's classes under other names, since each label value
-    would be scored or trained under another class's name. A meta.json that is no dualseg
-    description (another tool's file) does not stand in the way: the preset is how to read
-    such a dataset."""
+    would be scored or trained under another class's name; refused too when its label mapping
+    reads a raw value as another class or ignore (``reduce_zero_label``, ``ignore_index``,
+    ``source_ignore``, ``label_map``): meta.json describes the files as written (dualseg
+    augment's ADE20K labels are already reduced). A meta.json that is no dualseg description
+    (another tool's file) does not stand in the way: the preset is how to read such a
+    dataset."""
     named = get_preset(preset)
     if root is None:
         return named
@@ -442,7 +447,39 @@ def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
             f"{list(own.class_names)}: every label value would be scored under another name; "
             f"leave --preset out to read {meta_file}, or fix that file"
         )
+    ours, theirs = own.lookup_table(), named.lookup_table()
+    if ((ours != theirs) & (ours >= 0) & (theirs >= 0)).any():
+        # meta.json describes these files (dualseg augment writes ADE20K's labels reduced,
+        # reduce_zero_label false): the preset's mapping would shift every class by one. A
+        # raw value only one of the two reads (CamVid's 11, which dualseg augment's labels no
+        # longer hold) is no conflict.
+        differ = [
+            f"{key} {_json_value(getattr(named, attr))} vs {_json_value(getattr(own, attr))}"
+            for key, attr in _MAPPING_KEYS
+            if getattr(named, attr) != getattr(own, attr)
+        ]
+        raise DataError(
+            f"--preset {preset} reads the labels as {named.describe_mapping()} but {meta_file} "
+            f"says {own.describe_mapping()} ({'; '.join(differ)}): its label values would be "
+            f"read as other classes; leave --preset out to read {meta_file}, or fix that file"
+        )
     return named
+
+
+# the label mapping of a dataset: (meta.json key, DatasetMeta field)
+_MAPPING_KEYS = (
+    ("reduce_zero_label", "reduce_zero_label"),
+    ("ignore_index", "ignore_value"),
+    ("source_ignore", "source_ignore"),
+    ("label_map", "label_map"),
+)
+
+
+def _json_value(value: Any) -> str:
+    """A mapping field as meta.json writes it: true, null, [11], {"255": 1}."""
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple):  # label_map pairs
+        value = {str(s): d for s, d in value}
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
 
 
 def dataset_meta(
