@@ -42,7 +42,7 @@ def test_sixteen_bit_image_scaled_to_eight_bit(tmp_path):
     assert read_image(tmp_path / "g16.png")[0, :, 0].tolist() == [0, 1, 255, 128]
 
 
-def test_a_32_bit_image_of_8_bit_values_is_refused_not_read_black(tmp_path):
+def test_a_16_or_32_bit_image_of_8_bit_values_is_refused_not_read_black(tmp_path):
     wide = tmp_path / "wide.tif"  # what Image.fromarray(uint8_array.astype(np.int32)) saves
     Image.fromarray(RGB[..., 0].astype(np.int32)).save(wide)
     assert Image.open(wide).mode == "I"
@@ -52,6 +52,12 @@ def test_a_32_bit_image_of_8_bit_values_is_refused_not_read_black(tmp_path):
     sixteen = tmp_path / "sixteen.tif"  # values above 255: 16-bit data, scaled as I;16 is
     Image.fromarray(np.array([[0, 257, 65535]], np.int32)).save(sixteen)
     assert read_image(sixteen)[0, :, 0].tolist() == [0, 1, 255]
+    for suffix in ("png", "tif"):  # 16-bit files of 8-bit values: read black, without a word
+        narrow = tmp_path / f"narrow.{suffix}"
+        Image.fromarray(RGB[..., 0].astype(np.uint16)).save(narrow)
+        assert Image.open(narrow).mode.startswith("I;16")
+        with pytest.raises(DataError, match=r"16-bit image whose values all lie in 0\.\.255"):
+            read_image(narrow)
     black = tmp_path / "black.tif"  # all 0: black whatever the scale
     Image.fromarray(np.zeros((2, 2), np.int32)).save(black)
     assert read_image(black).max() == 0
