@@ -623,6 +623,31 @@ def test_eval_of_a_list_file_scores_and_names_that_split(files, capsys, tmp_path
     assert not (tmp_path / "e2").exists()
 
 
+def test_a_list_file_and_another_split_are_refused_by_every_command(files, capsys, tmp_path):
+    """--data val.txt --split train: refine fit and augment used val's images as train, and
+    data check reported them as train, without a word (eval already refused it)."""
+    val = str(files["data"] / "val.txt")
+    out = tmp_path / "out"
+    for argv, flag in [
+        (["refine", "fit", *_fit(files, "--out", str(out / "r.pt"))[2:]], "--data"),
+        (["augment", val, str(out / "aug"), "--count", "1"], "SRC"),
+        (["data", "check", val, "--split", "val", "--split", "train"], "ROOT"),
+    ]:
+        if argv[0] == "refine":
+            argv[argv.index("--data") + 1] = val
+        argv += [] if argv[0] == "data" else ["--split", "train"]
+        line = refused(argv, capsys)
+        assert f"{flag} {val} is one split, 'val'; drop --split train" in line, argv[0]
+    assert not out.exists()
+    # without --split, the list file names its split
+    assert cli_main(["augment", val, str(out / "aug"), "--count", "1", "-q"]) == 0
+    record = out / "aug" / "augment.json"
+    assert '"split": "val"' in record.read_text()
+    # a run recorded before (split "train", the default, for val.txt) still resumes
+    record.write_text(record.read_text().replace('"split": "val"', '"split": "train"'))
+    assert cli_main(["augment", val, str(out / "aug"), "--count", "2", "-q"]) == 0
+
+
 def test_eval_amp_on_the_cpu_is_ignored_as_its_help_says(files, tmp_path) -> None:
     import json
 

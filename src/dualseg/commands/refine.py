@@ -33,6 +33,7 @@ from dualseg.commands.common import (
     nonnegative_int,
     pixels_at_most,
     positive_int,
+    split_of,
     static_export_note,
     unique_names,
 )
@@ -85,7 +86,9 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         "class names must match the dataset's (and --init-backbone base copies its backbone)",
     )
     p.add_argument("--out", "-o", default="refiner.pt", help="refiner file to write (refiner.pt)")
-    p.add_argument("--split", default="train", help="split to fit on (train)")
+    p.add_argument(
+        "--split", help="split to fit on (train; a list file as --data: its name, val for val.txt)"
+    )
     p.add_argument("--layout", default="auto", help="dataset layout (auto)")
     p.add_argument("--preset", help="class preset: camvid, voc, cityscapes, ade20k, synthetic")
     add_label_args(p, source="the --base checkpoint")
@@ -332,6 +335,7 @@ def fit_main(args: argparse.Namespace) -> int:
     from dualseg.refine.calibrate import DECISION_KEYS
     from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig
 
+    args.split = split_of(args.data, args.split, default="train")
     if args.steps < 1:
         raise ConfigError(
             f"--steps must be >= 1 (got {args.steps}): a refiner with no training steps "
