@@ -191,6 +191,25 @@ def _folder_pair_dirs(root: Path, split: str, *, lists: bool = True) -> tuple[Pa
     return None
 
 
+def unlabelled_split(root: str | Path, split: str) -> str | None:
+    """One line for a ``split`` whose image folder (``ROOT/images/{split}`` or
+    ``ROOT/{split}/images``) has no label folder beside it, else ``None``: the split is there,
+    its labels are not, which "no split" (or no word, for a split not asked for) hid."""
+    root = Path(root)
+    if not split or not root.is_dir():
+        return None
+    for images, labels in (
+        (root / "images" / split, lambda name: Path(name) / split),
+        (root / split / "images", lambda name: Path(split) / name),
+    ):
+        if images.is_dir() and not any((root / labels(n)).is_dir() for n in ("labels", "masks")):
+            return (
+                f"{images} has no {labels('labels')} (or {labels('masks')}) beside it: split "
+                f"{split!r} has images but no labels; add them there"
+            )
+    return None
+
+
 def _scan_folder(root: Path, split: str) -> Discovery:
     found = Discovery("folder", source=root)
     # list files name splits of the list layout; the folder layout's own are its subfolders
@@ -198,7 +217,8 @@ def _scan_folder(root: Path, split: str) -> Discovery:
     if dirs is None:
         found.split_missing = True
         found.problems.append(
-            f"{root}: no images/ + labels/ (or masks/) folders (looked in {root / split}, "
+            unlabelled_split(root, split)
+            or f"{root}: no images/ + labels/ (or masks/) folders (looked in {root / split}, "
             f"{root}/images/{split}, {root}); arrange the files so or pass --layout"
         )
         return found
@@ -346,7 +366,10 @@ def available_splits(root: str | Path, layout: str = "auto") -> list[str]:
 
 
 def _missing_split(root: Path, split: str, layout: str = "auto") -> DataError | None:
-    """``DataError`` listing the splits found, when ``split`` is absent but others exist."""
+    """``DataError`` listing the splits found, when ``split`` is absent but others exist (or
+    naming its image folder, when only its labels are absent)."""
+    if layout in ("auto", "folder") and (unlabelled := unlabelled_split(root, split)):
+        return DataError(unlabelled)
     others = [s for s in available_splits(root, layout) if s != split]
     if not others:
         return None
