@@ -287,6 +287,35 @@ def test_layout_folder_beside_list_files_naming_the_splits_is_refused(tmp_path):
     assert len(build_dataset(plain, split="train", layout="folder", preset=TINY)) == 4
 
 
+def test_mmsegmentation_stem_lists_name_the_pairs_of_each_split(tmp_path):
+    """train.txt / val.txt of file stems beside images/ + labels/ (mmsegmentation's split
+    files): auto read every line as a bad pair, and --layout folder scored train's images as
+    val's."""
+    from dualseg.data.check import check_dataset
+
+    root = _flat_root(tmp_path / "mm")
+    save(root / "images" / "e.jpg", random_pair(np.random.default_rng(0))[0])  # stem: any suffix
+    (root / "labels" / "e.png").write_bytes((root / "labels" / "a.png").read_bytes())
+    (root / "train.txt").write_text("a\nb\ne\n")
+    (root / "val.txt").write_text("c\n")
+    train = build_dataset(root, split="train", preset=TINY)
+    assert [(i.name, lab.name) for i, lab in train.samples] == [
+        ("a.png", "a.png"), ("b.png", "b.png"), ("e.jpg", "e.png")
+    ]  # fmt: skip
+    assert [i.name for i, _ in build_dataset(root / "val.txt", preset=TINY).samples] == ["c.png"]
+    assert check_dataset(root, preset=TINY).pairs == {"train": 3, "val": 1}
+    with pytest.raises(DataError, match=r"val\.txt lists split 'val'.*--layout list"):
+        build_dataset(root, split="val", layout="folder", preset=TINY)
+    (root / "val.txt").write_text("c\nzz\n")
+    with pytest.raises(DataError, match=r"val\.txt:2: stem 'zz' is in no file of .*images"):
+        build_dataset(root, split="val", preset=TINY)
+    bare = tmp_path / "bare"  # stems without images/ + labels/ to find them in
+    bare.mkdir()
+    (bare / "train.txt").write_text("a\n")
+    with pytest.raises(DataError, match=r"train\.txt:1: 'a' is a file stem.*images/ \+ labels/"):
+        build_dataset(bare, preset=TINY)
+
+
 def test_a_preset_that_contradicts_the_datasets_meta_json_is_refused(list_root, tmp_path):
     import json
 

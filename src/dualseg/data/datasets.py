@@ -21,6 +21,7 @@ dataset, provided every root has the same classes.
 
 from __future__ import annotations
 
+import glob
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -82,13 +83,70 @@ def size_mismatch(
     )
 
 
+def _is_stem(token: str) -> bool:
+    """Whether a list file's one-token line is a file stem (mmsegmentation's split files:
+    ``ADE_train_00000001``), not an image path whose label column is missing."""
+    return (
+        "/" not in token and "\\" not in token and Path(token).suffix.lower() not in IMAGE_SUFFIXES
+    )
+
+
+def _stem_dirs(list_file: Path) -> tuple[Path, Path] | None:
+    """The ``(images, labels)`` folders a stem list's stems are found in: the folder layout's
+    for the list's split (``images/{split}``, ``{split}/images``, else the flat ``images/``)."""
+    return _folder_pair_dirs(list_file.parent, list_file.stem, lists=False)
+
+
+def _files_by_stem(folder: Path) -> dict[str, list[Path]]:
+    by_stem: dict[str, list[Path]] = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."):
+            by_stem.setdefault(p.stem, []).append(p)
+    return by_stem
+
+
+def _stem_pair(
+    list_file: Path, n: int, stem: str, found: Discovery, cache: dict[str, Any]
+) -> Pair | None:
+    """The image and label of a stem list's line ``n`` (one problem each when not found)."""
+    if "dirs" not in cache:
+        cache["dirs"] = dirs = _stem_dirs(list_file)
+        cache["files"] = [_files_by_stem(d) for d in dirs] if dirs else None
+    dirs, files = cache["dirs"], cache["files"]
+    where = f"{list_file}:{n}"
+    if dirs is None:
+        found.problems.append(
+            f"{where}: {stem!r} is a file stem, found in images/ + labels/ (or masks/) beside "
+            f"{list_file.name}, which {list_file.parent} lacks; add those folders, or write the "
+            "line as 'image_path label_path'"
+        )
+        return None
+    pair = []
+    for folder, by_stem in zip(dirs, files):
+        paths = by_stem.get(stem, [])
+        if len(paths) != 1:
+            found.problems.append(
+                f"{where}: stem {stem!r} is "
+                + (f"{len(paths)} files in {folder} ({', '.join(p.name for p in paths)}); keep one"
+                   if paths else f"in no file of {folder}; add it or remove the line")
+            )  # fmt: skip
+            return None
+        pair.append(paths[0])
+    return pair[0], pair[1]
+
+
 def _read_list(list_file: Path, found: Discovery) -> None:
     base = list_file.parent
+    stems: dict[str, Any] = {}  # the folders of a stem list, read once
     for n, line in enumerate(_list_lines(list_file), start=1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         parts = line.split()
+        if len(parts) == 1 and _is_stem(parts[0]):
+            if (stem_pair := _stem_pair(list_file, n, parts[0], found, stems)) is not None:
+                found.samples.append(stem_pair)
+            continue
         if len(parts) != 2:
             found.problems.append(
                 f"{list_file}:{n}: expected 'image_path label_path', got {line!r}; "
@@ -144,13 +202,17 @@ def _label_dir(images: Path) -> Path | None:
 
 
 def _is_list_file(path: Path) -> bool:
-    """Whether ``path``'s first entry is an ``image_path label_path`` line (a split's list)."""
+    """Whether ``path``'s first entry is an ``image_path label_path`` line, or the stem of an
+    image of the split's folder (a stem list): a split's list."""
     try:
         with path.open(encoding="utf-8-sig") as f:
             for line in f:
                 line = line.strip()
                 if line and not line.startswith("#"):
                     parts = line.split()
+                    if len(parts) == 1 and _is_stem(parts[0]):
+                        dirs = _stem_dirs(path)
+                        return dirs is not None and any(dirs[0].glob(f"{glob.escape(parts[0])}.*"))
                     return len(parts) == 2 and all(
                         Path(x).suffix.lower() in IMAGE_SUFFIXES for x in parts
                     )
