@@ -117,6 +117,13 @@ def test_meta_json_gives_classes_and_missing_preset_is_explained(list_root):
         ({"ignore_index": 254.9}, "ignore_index must be an integer, got 254.9"),
         ({"ignore_index": True}, "ignore_index must be an integer, got True"),
         ({"source_ignore": ["9"]}, "source_ignore must be an integer, got '9'"),
+        # misspelled keys were dropped: the defaults read the labels (classes shifted by one)
+        (
+            {"reduce_zero_labels": True},
+            "unknown key 'reduce_zero_labels'; did you mean 'reduce_zero_label'",
+        ),
+        ({"ignore_value": 0}, "unknown key 'ignore_value'; did you mean 'ignore_index'"),
+        ({"comment": "x"}, "unknown key .comment.; the keys are name, class_names"),
     ],
 )
 def test_bad_meta_json_is_one_line_naming_the_file(list_root, change, expected):
@@ -162,6 +169,12 @@ def test_a_meta_json_not_in_utf8_is_one_line(list_root):
     )
     with pytest.raises(DataError, match=r"not UTF-8 .*save the dataset description as UTF-8 JSON"):
         build_dataset(list_root)
+
+
+def test_a_meta_json_with_a_byte_order_mark_is_read(list_root):
+    """Windows Notepad's UTF-8 starts with a BOM, which json refused ("Unexpected UTF-8 BOM")."""
+    (list_root / "meta.json").write_text(json.dumps(TINY.to_dict()), encoding="utf-8-sig")
+    assert build_dataset(list_root).meta == TINY
 
 
 def test_missing_listed_file(list_root):
