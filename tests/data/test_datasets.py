@@ -470,3 +470,43 @@ def test_a_label_with_its_images_exif_orientation_is_turned_alike(tmp_path):
     _exif_pair(tmp_path / "label_only", 1, label_orientation=3)
     with pytest.raises(DataError, match=r"labels/a\.png: its EXIF orientation 3 .* has none"):
         build_dataset(tmp_path / "label_only", preset=TINY).load_pair(0)
+
+
+def test_messages_for_swapped_columns_gif_labels_jpeg_cityscapes_and_spaces(list_root, tmp_path):
+    """Each was a message with the wrong fix (or none): swapped list columns said "pass
+    --label-format color", .gif labels were not found, Cityscapes JPEGs made "split 'train' is
+    empty", and a path with a space "expected 'image_path label_path'"."""
+    from dualseg.data.check import check_dataset
+
+    lines = (list_root / "train.txt").read_text().splitlines()
+    (list_root / "train.txt").write_text("".join(f"{b} {a}\n" for a, b in map(str.split, lines)))
+    with pytest.raises(DataError, match=r"are the two swapped\? .*image_path label_path") as err:
+        build_dataset(list_root, preset=TINY).load_pair(0)
+    assert "--label-format" not in str(err.value)
+    # a colour-coded label beside a greyscale picture still gets --label-format color
+    grey = np.random.default_rng(1).integers(0, 256, (16, 24), np.uint8)
+    save(list_root / "grey.png", grey)
+    save(list_root / "colour.png", np.asarray(TINY.palette, np.uint8)[grey % 4])
+    (list_root / "train.txt").write_text("grey.png colour.png\n")
+    with pytest.raises(DataError, match="--label-format color"):
+        build_dataset(list_root, preset=TINY).load_pair(0)
+
+    rng = np.random.default_rng(2)
+    image, label = random_pair(rng)
+    save(tmp_path / "gif" / "images" / "a.png", image)
+    save(tmp_path / "gif" / "labels" / "a.gif", label)
+    gif = build_dataset(tmp_path / "gif", preset=TINY)
+    assert len(gif) == 1 and np.array_equal(gif.load_pair(0)[1], label)
+
+    city = tmp_path / "city"
+    save(city / "leftImg8bit" / "train" / "bonn" / "bonn_000001_000019_leftImg8bit.jpg", image)
+    (city / "gtFine" / "train").mkdir(parents=True)
+    problems = check_dataset(city, splits=("train",)).problems
+    assert "only *_leftImg8bit.png images are read" in problems[0], problems
+
+    spaced = tmp_path / "spaced"
+    save(spaced / "images" / "a b.png", image)
+    save(spaced / "labels" / "a b.png", label)
+    (spaced / "train.txt").write_text("images/a b.png labels/a b.png\n")
+    with pytest.raises(DataError, match=r"train\.txt:1: 4 fields.*cannot hold a space; rename"):
+        build_dataset(spaced, preset=TINY)

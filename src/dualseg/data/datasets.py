@@ -46,7 +46,8 @@ from dualseg.data.transforms import JointTransform, build_eval_transform, sample
 from dualseg.errors import DataError
 
 LAYOUTS = ("auto", "list", "folder", "voc", "cityscapes", "ade20k")
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")  # what readers read
+# what the readers read (GIF: palette labels some annotation tools export)
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif")
 Pair = tuple[Path, Path]
 
 
@@ -146,6 +147,13 @@ def _read_list(list_file: Path, found: Discovery) -> None:
         if len(parts) == 1 and _is_stem(parts[0]):
             if (stem_pair := _stem_pair(list_file, n, parts[0], found, stems)) is not None:
                 found.samples.append(stem_pair)
+            continue
+        if len(parts) > 2:  # "images/a b.png labels/a b.png": no way to tell where a path ends
+            found.problems.append(
+                f"{list_file}:{n}: {len(parts)} fields where 'image_path label_path' takes 2 "
+                f"({line!r}): a path in a list file cannot hold a space; rename the file (e.g. "
+                "spaces to _) and its line"
+            )
             continue
         if len(parts) != 2:
             found.problems.append(
@@ -344,6 +352,14 @@ def _scan_cityscapes(root: Path, split: str) -> Discovery:
             found.problems.append(
                 f"{label}: train-id label not found; create the *_labelTrainIds.png files with "
                 "cityscapesscripts' createTrainIdLabelImgs"
+            )
+    if not found.samples and not found.problems:
+        others = sorted(p.name for p in img_dir.glob("*/*_leftImg8bit.*"))
+        if others:  # converted to JPEG: found by no name the layout reads
+            found.problems.append(
+                f"{img_dir}: only *_leftImg8bit.png images are read, and its {len(others)} "
+                f"*_leftImg8bit files are other formats (e.g. {others[0]}); use the original "
+                "PNGs, or list the pairs in a list file (--layout list)"
             )
     return found
 

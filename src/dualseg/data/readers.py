@@ -400,8 +400,35 @@ def inspect_pair(
         else:  # the same tag on both: turned alike, they stay aligned
             label = _decode_label(label_path, lab, meta, label_format, turn=label_turn != 1)
     except DataError as err:
-        problems.append(str(err))
+        message = str(err)
+        if im is not None and _swapped(im, label_path, label_format, meta):
+            message = (
+                f"{label_path}: read as the label, it is a colour picture, and its image "
+                f"{img_path} is single-channel, as a label is: are the two swapped? A list "
+                "file's lines are 'image_path label_path', image first"
+            )
+        problems.append(message)
     return image, label, problems
+
+
+def _swapped(im: Image.Image, label_path: Path, label_format: str, meta: DatasetMeta) -> bool:
+    """Whether a pair whose label failed looks like image and label given the other way round:
+    the "image" single-channel (as an index label is), the "label" a colour picture, most of
+    whose pixels are no colour of the dataset (a colour-coded label's are: --label-format
+    color is its fix)."""
+    if label_format != "index" or im.mode not in {"L", "P", "1", *SIXTEEN_BIT_MODES}:
+        return False
+    try:
+        with Image.open(label_path) as lab:
+            if lab.mode not in {"RGB", "RGBA", "CMYK", "YCbCr"}:
+                return False
+            rgb = np.asarray(lab.convert("RGB"), np.int64)
+    except Exception:  # unreadable: its own error stands
+        return False
+    colours = np.asarray([*meta.palette, *meta.void_colors], np.int64).reshape(-1, 3)
+    keys = (colours[:, 0] << 16) | (colours[:, 1] << 8) | colours[:, 2]
+    pix = (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]
+    return bool(np.isin(pix, keys).mean() < 0.5)
 
 
 def read_pair(
