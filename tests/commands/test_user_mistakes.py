@@ -608,6 +608,15 @@ def test_refine_fit_refuses_a_crop_too_small_for_a_boundary(files, capsys) -> No
     assert not out.exists()
 
 
+def test_refine_fit_refuses_a_batch_of_one_crop_before_any_step(files, capsys) -> None:
+    """--batch-size 1 ended the first step in a BatchNorm traceback ("Expected more than 1
+    value per channel when training")."""
+    out = files["root"] / "batch_one.pt"
+    line = refused(_fit(files, "--batch-size", "1", "--out", str(out)), capsys)
+    assert "--batch-size 1 cannot fit the embedding" in line and "2 or more" in line
+    assert not out.exists() and not out.with_suffix(".train.pt").exists()
+
+
 def test_eval_of_a_list_file_scores_and_names_that_split(files, capsys, tmp_path) -> None:
     """--data train.txt scored the training images and wrote them down as val."""
     import json

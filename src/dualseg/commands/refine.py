@@ -213,7 +213,12 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         metavar="MINUTES",
         help="stop the triplet steps after this many minutes, even before --steps (default: none)",
     )
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"({d.batch_size})")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help=f"crops per step, 2 or more ({d.batch_size})",
+    )
     p.add_argument("--optimizer", default=d.optimizer, help="adamw | sgd (adamw)")
     p.add_argument("--lr", type=float, default=d.lr, help=f"({d.lr})")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help=f"({d.weight_decay})")
@@ -336,6 +341,11 @@ def fit_main(args: argparse.Namespace) -> int:
     from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig
 
     args.split = split_of(args.data, args.split, default="train")
+    if args.batch_size < 2:  # found at the first step, as a BatchNorm traceback
+        raise ConfigError(
+            f"--batch-size {args.batch_size} cannot fit the embedding: its ASPP image-pooling "
+            "BatchNorm needs 2 or more crops per step; use --batch-size 2 or more"
+        )
     if args.steps < 1:
         raise ConfigError(
             f"--steps must be >= 1 (got {args.steps}): a refiner with no training steps "
