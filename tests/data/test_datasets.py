@@ -155,6 +155,14 @@ def test_a_colour_meaning_two_things_is_refused_only_where_colours_are_decoded(
         decode_color_label(np.zeros((2, 2, 3), np.uint8), meta)
 
 
+def test_meta_json_keys_are_to_dicts_and_a_note_for_people_is_read(list_root):
+    from dualseg.data.presets import META_KEYS
+
+    assert set(META_KEYS) == set(TINY.to_dict())  # the one list to refuse unknown keys by
+    (list_root / "meta.json").write_text(json.dumps({**TINY.to_dict(), "_comment": "by hand"}))
+    assert build_dataset(list_root).meta.class_names == TINY.class_names
+
+
 def test_meta_json_integers_and_booleans_are_read_as_written(list_root):
     meta = {**TINY.to_dict(), "label_map": {"255": 1, 7: 2}, "reduce_zero_label": False}
     (list_root / "meta.json").write_text(json.dumps({**meta, "ignore_index": None}))

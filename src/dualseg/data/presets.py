@@ -443,7 +443,9 @@ def load_meta_file(path: str | Path) -> DatasetMeta:
         raise DataError(
             f"{path}: cannot read dataset description ({err}); fix or delete it"
         ) from err
-    unknown = [k for k in d if k not in META_KEYS] if isinstance(d, dict) else []
+    # a key starting with "_" is a note for people ({"_comment": "..."}): JSON has no comments
+    keys = d if isinstance(d, dict) else {}
+    unknown = [k for k in keys if k not in META_KEYS and not str(k).startswith("_")]
     if unknown and len(unknown) < len(d):  # none known: another tool's file, said below
         # a misspelled key ("reduce_zero_labels") was dropped: the dataset read with the
         # default in its place, every class shifted or an ignore value read as a class
@@ -459,7 +461,7 @@ def load_meta_file(path: str | Path) -> DatasetMeta:
         raise DataError(f"{path}: {err}") from err
 
 
-# the keys of meta.json (DatasetMeta.to_dict)
+# the keys of meta.json: DatasetMeta.to_dict's (a test holds them equal)
 META_KEYS = (
     "name",
     "class_names",
