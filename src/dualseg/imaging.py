@@ -17,8 +17,8 @@ files (:func:`read_image`: datasets, ``dualseg predict``), uploaded bytes (:func
   refused** (one line: flatten it onto a background first). dualseg never guesses the colour
   under a transparent pixel, because any background it picked would change the prediction;
 - palette, grayscale, 1-bit, CMYK/YCbCr/LAB/HSV and 16-bit images become 8-bit RGB; a 32-bit
-  integer image is read as 16-bit, and refused when all its values lie in 0..255 (its scale
-  is unknown then, and the wrong one gives a black picture).
+  integer image is read as 16-bit; a 16- or 32-bit one is refused when all its values lie in
+  0..255 (its scale is unknown then, and the wrong one gives a black picture).
 """
 
 from __future__ import annotations
@@ -264,13 +264,15 @@ def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:
     if mode in SIXTEEN_BIT_MODES:
         if arr.min() < 0 or arr.max() > 65535:
             raise DataError(f"{source}: 32-bit image values outside 0..65535; save it as 8-bit RGB")
-        if mode == "I" and 0 < arr.max() <= 255:
-            # 32-bit integers say nothing of their scale: 0..255 is 8-bit data stored wide
-            # (Image.fromarray of an int32 array) or a nearly black 16-bit picture, and reading
-            # it the wrong way turns a photo black; neither is guessed
+        if 0 < arr.max() <= 255:
+            # values in 0..255 say nothing of their scale: 8-bit data stored wide (a 16-bit
+            # PNG of a uint8 array, Image.fromarray of an int32 one) or a nearly black 16-bit
+            # picture, and reading it the wrong way turns a photo black; neither is guessed
+            wide = "32-bit integer" if mode == "I" else "16-bit"
             raise DataError(
-                f"{source}: 32-bit integer image whose values all lie in 0..255: 8-bit or "
-                "16-bit data is unknown; save it as 8-bit RGB (or 16-bit grayscale PNG)"
+                f"{source}: {wide} image whose values all lie in 0..255: 8-bit or 16-bit data "
+                "is unknown (read as 16-bit it is black); save it as 8-bit RGB (or grayscale)"
+                f"{' (or 16-bit grayscale PNG)' if mode == 'I' else ' PNG'}"
             )
         arr = ((arr.astype(np.float32) / 257.0) + 0.5).astype(np.uint8)
         mode = "L"

@@ -608,6 +608,15 @@ def test_refine_fit_refuses_a_crop_too_small_for_a_boundary(files, capsys) -> No
     assert not out.exists()
 
 
+def test_refine_fit_refuses_a_batch_of_one_crop_before_any_step(files, capsys) -> None:
+    """--batch-size 1 ended the first step in a BatchNorm traceback ("Expected more than 1
+    value per channel when training")."""
+    out = files["root"] / "batch_one.pt"
+    line = refused(_fit(files, "--batch-size", "1", "--out", str(out)), capsys)
+    assert "--batch-size 1 cannot fit the embedding" in line and "2 or more" in line
+    assert not out.exists() and not out.with_suffix(".train.pt").exists()
+
+
 def test_eval_of_a_list_file_scores_and_names_that_split(files, capsys, tmp_path) -> None:
     """--data train.txt scored the training images and wrote them down as val."""
     import json
@@ -621,6 +630,31 @@ def test_eval_of_a_list_file_scores_and_names_that_split(files, capsys, tmp_path
     line = refused([*argv, "--split", "val", "-o", str(tmp_path / "e2")], capsys)
     assert "train.txt is one split, 'train'; drop --split val" in line
     assert not (tmp_path / "e2").exists()
+
+
+def test_a_list_file_and_another_split_are_refused_by_every_command(files, capsys, tmp_path):
+    """--data val.txt --split train: refine fit and augment used val's images as train, and
+    data check reported them as train, without a word (eval already refused it)."""
+    val = str(files["data"] / "val.txt")
+    out = tmp_path / "out"
+    for argv, flag in [
+        (["refine", "fit", *_fit(files, "--out", str(out / "r.pt"))[2:]], "--data"),
+        (["augment", val, str(out / "aug"), "--count", "1"], "SRC"),
+        (["data", "check", val, "--split", "val", "--split", "train"], "ROOT"),
+    ]:
+        if argv[0] == "refine":
+            argv[argv.index("--data") + 1] = val
+        argv += [] if argv[0] == "data" else ["--split", "train"]
+        line = refused(argv, capsys)
+        assert f"{flag} {val} is one split, 'val'; drop --split train" in line, argv[0]
+    assert not out.exists()
+    # without --split, the list file names its split
+    assert cli_main(["augment", val, str(out / "aug"), "--count", "1", "-q"]) == 0
+    record = out / "aug" / "augment.json"
+    assert '"split": "val"' in record.read_text()
+    # a run recorded before (split "train", the default, for val.txt) still resumes
+    record.write_text(record.read_text().replace('"split": "val"', '"split": "train"'))
+    assert cli_main(["augment", val, str(out / "aug"), "--count", "2", "-q"]) == 0
 
 
 def test_eval_amp_on_the_cpu_is_ignored_as_its_help_says(files, tmp_path) -> None:

@@ -63,6 +63,30 @@ def test_ade20k_layout_reads_the_challenge_tree(tmp_path):
         build_dataset(tmp_path, split="testing", layout="ade20k")
 
 
+def test_ade20k_preset_on_a_dataset_whose_meta_json_has_another_mapping_is_refused(tmp_path):
+    """dualseg augment writes ADE20K's labels reduced (meta.json: name ade20k,
+    reduce_zero_label false); --preset ade20k turned the reduction back on, shifting every class
+    by one without a word."""
+    from dualseg.commands.augment import main as augment
+
+    ade, _ = _ade_tree(tmp_path)
+    out = tmp_path / "aug"
+    assert augment([str(ade), str(out), "--count", "2", "--crop-size", "12", "16"]) == 0
+    written = json.loads((out / "meta.json").read_text())
+    assert written["name"] == "ade20k" and written["reduce_zero_label"] is False
+    with pytest.raises(DataError, match=r"--preset ade20k .*reduce_zero_label true vs false"):
+        build_dataset(out, preset="ade20k")
+    own = build_dataset(out)  # meta.json's mapping: the labels as written
+    assert own.meta.name == "ade20k" and not own.meta.reduce_zero_label
+    assert build_dataset(ade, preset="ade20k").meta.reduce_zero_label  # no meta.json: preset
+    (out / "meta.json").write_text(json.dumps({**written, "reduce_zero_label": True}))
+    assert build_dataset(out, preset="ade20k").meta.reduce_zero_label  # the same mapping
+    # CamVid's raw 11 (ignore) is 255 in dualseg augment's labels: no value is read otherwise
+    camvid = get_preset("camvid").to_dict()
+    (out / "meta.json").write_text(json.dumps({**camvid, "source_ignore": []}))
+    assert build_dataset(out, preset="camvid").meta.source_ignore == (11,)
+
+
 def test_several_roots_are_concatenated(tmp_path):
     a = write_list_dataset(tmp_path / "a", n=3)
     b = write_list_dataset(tmp_path / "b", n=2)

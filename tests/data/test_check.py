@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from datahelpers import TINY, save
 
 from dualseg.commands.data import main
@@ -94,3 +95,34 @@ def test_a_val_split_sharing_images_with_train_is_said(list_root, capsys) -> Non
     data = DataConfig(root=str(list_root), layout="list")
     check_training_data(data)  # no refusal
     assert "warning: " in capsys.readouterr().err
+
+
+def test_a_split_with_images_but_no_labels_folder_is_named(tmp_path, capsys) -> None:
+    """images/{train,val} with labels/train only: data check found "no problems", eval said
+    "no split 'val'; pass one of them as --split" (train), and train's hint sent to data check."""
+    from dualseg.data import build_dataset
+    from dualseg.data.check import require_trainable
+    from dualseg.errors import DataError
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val", "test"):
+        for i in range(2):
+            image = rng.integers(0, 256, (8, 8, 3), np.uint8)
+            save(tmp_path / "images" / split / f"{i}.png", image)
+            if split == "train":
+                label = rng.integers(0, 4, (8, 8), np.uint8)
+                save(tmp_path / "labels" / split / f"{i}.png", label)
+    said = f"{tmp_path / 'images' / 'val'} has no labels/val (or masks/val) beside it"
+    report = check_dataset(tmp_path, preset=TINY)  # unlabelled test images: a test set, no word
+    assert len(report.problems) == 1 and said in report.problems[0]
+    checked = check_dataset(tmp_path, splits=("train", "val"), preset=TINY)
+    assert len(checked.problems) == 1 and said in checked.problems[0]
+    with pytest.raises(DataError, match="has no labels/val") as err:
+        require_trainable(checked, "train")
+    assert said in str(err.value)
+    for layout in ("auto", "folder"):
+        with pytest.raises(DataError, match="has no labels/val") as err:
+            build_dataset(tmp_path, split="val", layout=layout, preset=TINY)
+        assert said in str(err.value) and "--split" not in str(err.value)
+    with pytest.raises(DataError, match="has no labels/val"):
+        check_dataset(tmp_path, splits=("val",), preset=TINY)

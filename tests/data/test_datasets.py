@@ -117,6 +117,13 @@ def test_meta_json_gives_classes_and_missing_preset_is_explained(list_root):
         ({"ignore_index": 254.9}, "ignore_index must be an integer, got 254.9"),
         ({"ignore_index": True}, "ignore_index must be an integer, got True"),
         ({"source_ignore": ["9"]}, "source_ignore must be an integer, got '9'"),
+        # misspelled keys were dropped: the defaults read the labels (classes shifted by one)
+        (
+            {"reduce_zero_labels": True},
+            "unknown key 'reduce_zero_labels'; did you mean 'reduce_zero_label'",
+        ),
+        ({"ignore_value": 0}, "unknown key 'ignore_value'; did you mean 'ignore_index'"),
+        ({"comment": "x"}, "unknown key .comment.; the keys are name, class_names"),
     ],
 )
 def test_bad_meta_json_is_one_line_naming_the_file(list_root, change, expected):
@@ -148,6 +155,14 @@ def test_a_colour_meaning_two_things_is_refused_only_where_colours_are_decoded(
         decode_color_label(np.zeros((2, 2, 3), np.uint8), meta)
 
 
+def test_meta_json_keys_are_to_dicts_and_a_note_for_people_is_read(list_root):
+    from dualseg.data.presets import META_KEYS
+
+    assert set(META_KEYS) == set(TINY.to_dict())  # the one list to refuse unknown keys by
+    (list_root / "meta.json").write_text(json.dumps({**TINY.to_dict(), "_comment": "by hand"}))
+    assert build_dataset(list_root).meta.class_names == TINY.class_names
+
+
 def test_meta_json_integers_and_booleans_are_read_as_written(list_root):
     meta = {**TINY.to_dict(), "label_map": {"255": 1, 7: 2}, "reduce_zero_label": False}
     (list_root / "meta.json").write_text(json.dumps({**meta, "ignore_index": None}))
@@ -162,6 +177,12 @@ def test_a_meta_json_not_in_utf8_is_one_line(list_root):
     )
     with pytest.raises(DataError, match=r"not UTF-8 .*save the dataset description as UTF-8 JSON"):
         build_dataset(list_root)
+
+
+def test_a_meta_json_with_a_byte_order_mark_is_read(list_root):
+    """Windows Notepad's UTF-8 starts with a BOM, which json refused ("Unexpected UTF-8 BOM")."""
+    (list_root / "meta.json").write_text(json.dumps(TINY.to_dict()), encoding="utf-8-sig")
+    assert build_dataset(list_root).meta == TINY
 
 
 def test_missing_listed_file(list_root):
@@ -285,6 +306,35 @@ def test_layout_folder_beside_list_files_naming_the_splits_is_refused(tmp_path):
     assert len(build_dataset(plain, split="train", layout="folder", preset=TINY)) == 4
     (plain / "all.txt").write_text("images/a.png labels/a.png\n")  # a list of another name
     assert len(build_dataset(plain, split="train", layout="folder", preset=TINY)) == 4
+
+
+def test_mmsegmentation_stem_lists_name_the_pairs_of_each_split(tmp_path):
+    """train.txt / val.txt of file stems beside images/ + labels/ (mmsegmentation's split
+    files): auto read every line as a bad pair, and --layout folder scored train's images as
+    val's."""
+    from dualseg.data.check import check_dataset
+
+    root = _flat_root(tmp_path / "mm")
+    save(root / "images" / "e.jpg", random_pair(np.random.default_rng(0))[0])  # stem: any suffix
+    (root / "labels" / "e.png").write_bytes((root / "labels" / "a.png").read_bytes())
+    (root / "train.txt").write_text("a\nb\ne\n")
+    (root / "val.txt").write_text("c\n")
+    train = build_dataset(root, split="train", preset=TINY)
+    assert [(i.name, lab.name) for i, lab in train.samples] == [
+        ("a.png", "a.png"), ("b.png", "b.png"), ("e.jpg", "e.png")
+    ]  # fmt: skip
+    assert [i.name for i, _ in build_dataset(root / "val.txt", preset=TINY).samples] == ["c.png"]
+    assert check_dataset(root, preset=TINY).pairs == {"train": 3, "val": 1}
+    with pytest.raises(DataError, match=r"val\.txt lists split 'val'.*--layout list"):
+        build_dataset(root, split="val", layout="folder", preset=TINY)
+    (root / "val.txt").write_text("c\nzz\n")
+    with pytest.raises(DataError, match=r"val\.txt:2: stem 'zz' is in no file of .*images"):
+        build_dataset(root, split="val", preset=TINY)
+    bare = tmp_path / "bare"  # stems without images/ + labels/ to find them in
+    bare.mkdir()
+    (bare / "train.txt").write_text("a\n")
+    with pytest.raises(DataError, match=r"train\.txt:1: 'a' is a file stem.*images/ \+ labels/"):
+        build_dataset(bare, preset=TINY)
 
 
 def test_a_preset_that_contradicts_the_datasets_meta_json_is_refused(list_root, tmp_path):
@@ -428,3 +478,43 @@ def test_a_label_with_its_images_exif_orientation_is_turned_alike(tmp_path):
     _exif_pair(tmp_path / "label_only", 1, label_orientation=3)
     with pytest.raises(DataError, match=r"labels/a\.png: its EXIF orientation 3 .* has none"):
         build_dataset(tmp_path / "label_only", preset=TINY).load_pair(0)
+
+
+def test_messages_for_swapped_columns_gif_labels_jpeg_cityscapes_and_spaces(list_root, tmp_path):
+    """Each was a message with the wrong fix (or none): swapped list columns said "pass
+    --label-format color", .gif labels were not found, Cityscapes JPEGs made "split 'train' is
+    empty", and a path with a space "expected 'image_path label_path'"."""
+    from dualseg.data.check import check_dataset
+
+    lines = (list_root / "train.txt").read_text().splitlines()
+    (list_root / "train.txt").write_text("".join(f"{b} {a}\n" for a, b in map(str.split, lines)))
+    with pytest.raises(DataError, match=r"are the two swapped\? .*image_path label_path") as err:
+        build_dataset(list_root, preset=TINY).load_pair(0)
+    assert "--label-format" not in str(err.value)
+    # a colour-coded label beside a greyscale picture still gets --label-format color
+    grey = np.random.default_rng(1).integers(0, 256, (16, 24), np.uint8)
+    save(list_root / "grey.png", grey)
+    save(list_root / "colour.png", np.asarray(TINY.palette, np.uint8)[grey % 4])
+    (list_root / "train.txt").write_text("grey.png colour.png\n")
+    with pytest.raises(DataError, match="--label-format color"):
+        build_dataset(list_root, preset=TINY).load_pair(0)
+
+    rng = np.random.default_rng(2)
+    image, label = random_pair(rng)
+    save(tmp_path / "gif" / "images" / "a.png", image)
+    save(tmp_path / "gif" / "labels" / "a.gif", label)
+    gif = build_dataset(tmp_path / "gif", preset=TINY)
+    assert len(gif) == 1 and np.array_equal(gif.load_pair(0)[1], label)
+
+    city = tmp_path / "city"
+    save(city / "leftImg8bit" / "train" / "bonn" / "bonn_000001_000019_leftImg8bit.jpg", image)
+    (city / "gtFine" / "train").mkdir(parents=True)
+    problems = check_dataset(city, splits=("train",)).problems
+    assert "only *_leftImg8bit.png images are read" in problems[0], problems
+
+    spaced = tmp_path / "spaced"
+    save(spaced / "images" / "a b.png", image)
+    save(spaced / "labels" / "a b.png", label)
+    (spaced / "train.txt").write_text("images/a b.png labels/a b.png\n")
+    with pytest.raises(DataError, match=r"train\.txt:1: 4 fields.*cannot hold a space; rename"):
+        build_dataset(spaced, preset=TINY)

@@ -42,7 +42,7 @@ def test_sixteen_bit_image_scaled_to_eight_bit(tmp_path):
     assert read_image(tmp_path / "g16.png")[0, :, 0].tolist() == [0, 1, 255, 128]
 
 
-def test_a_32_bit_image_of_8_bit_values_is_refused_not_read_black(tmp_path):
+def test_a_16_or_32_bit_image_of_8_bit_values_is_refused_not_read_black(tmp_path):
     wide = tmp_path / "wide.tif"  # what Image.fromarray(uint8_array.astype(np.int32)) saves
     Image.fromarray(RGB[..., 0].astype(np.int32)).save(wide)
     assert Image.open(wide).mode == "I"
@@ -52,6 +52,12 @@ def test_a_32_bit_image_of_8_bit_values_is_refused_not_read_black(tmp_path):
     sixteen = tmp_path / "sixteen.tif"  # values above 255: 16-bit data, scaled as I;16 is
     Image.fromarray(np.array([[0, 257, 65535]], np.int32)).save(sixteen)
     assert read_image(sixteen)[0, :, 0].tolist() == [0, 1, 255]
+    for suffix in ("png", "tif"):  # 16-bit files of 8-bit values: read black, without a word
+        narrow = tmp_path / f"narrow.{suffix}"
+        Image.fromarray(RGB[..., 0].astype(np.uint16)).save(narrow)
+        assert Image.open(narrow).mode.startswith("I;16")
+        with pytest.raises(DataError, match=r"16-bit image whose values all lie in 0\.\.255"):
+            read_image(narrow)
     black = tmp_path / "black.tif"  # all 0: black whatever the scale
     Image.fromarray(np.zeros((2, 2), np.int32)).save(black)
     assert read_image(black).max() == 0
@@ -110,6 +116,33 @@ def test_palette_label_drawn_in_the_class_colours_at_other_indices_is_refused(tm
     with pytest.raises(DataError, match=r"colour-coded label; pass --label-format color"):
         read_label(path, camvid)
     assert read_label(path, camvid, label_format="color").tolist() == truth.tolist()
+
+
+def test_palette_label_in_the_class_colours_with_a_stray_colour_is_refused(tmp_path):
+    """One colour outside the dataset's palette (an antialiased edge) turned the check off: the
+    label's indices, which mean nothing, were read as classes without a word."""
+    camvid = get_preset("camvid")
+    order = [5, 0, 3, 1]  # index i is drawn in class order[i]'s colour; index 2 is a stray
+    colours = [camvid.palette[k] for k in order]
+    colours[2] = (1, 2, 3)
+    indices = np.array([[0, 0, 1, 1], [2, 3, 3, 0]], np.uint8)
+    im = Image.fromarray(indices, mode="P")
+    im.putpalette([v for c in colours for v in c])
+    im.save(tmp_path / "stray.png")
+    with pytest.raises(DataError, match=r"other indices.*--label-format color.*\(1, 2, 3\)"):
+        read_label(tmp_path / "stray.png", camvid)
+    # a stray at an index that is no class: the fix was "map them with --label-map"
+    far = Image.fromarray(np.where(indices == 2, 40, indices).astype(np.uint8), mode="P")
+    far.putpalette([v for c in [*colours, *[(9, 9, 9)] * 36, (1, 2, 3)] for v in c])
+    far.save(tmp_path / "far.png")
+    with pytest.raises(DataError, match=r"--label-format color.*\(1, 2, 3\)") as err:
+        read_label(tmp_path / "far.png", camvid)
+    assert "--label-map" not in str(err.value)
+    # a palette mostly of its own colours keeps its indices (two of four are CamVid's here)
+    colours[1] = (4, 5, 6)
+    im.putpalette([v for c in colours for v in c])
+    im.save(tmp_path / "own.png")
+    assert read_label(tmp_path / "own.png", camvid).tolist() == indices.tolist()
 
 
 def test_palette_label_in_grey_levels_that_are_other_classes_is_refused(tmp_path):

@@ -87,6 +87,21 @@ def test_weights_none_spelled_as_a_word_says_how_to_write_random_init(tmp_path, 
     validate(load_config(TINY, model={"weights": str(named)}))
 
 
+@pytest.mark.parametrize("mapping", ["255:1", "0:0,255:1"])
+def test_label_map_is_read_as_written_in_yaml_and_on_the_command_line(tmp_path, mapping):
+    """YAML 1.1 reads 255:1 as the base-60 number 15301: ``label_map: 255:1`` (the fix the
+    0/255-mask message gives) was refused as "'15301' is not valid; it takes text"."""
+    from dualseg.engine.config import parse_command
+
+    config = tmp_path / "map.yaml"
+    config.write_text(f"data:\n  label_map: {mapping}\noptim:\n  lr: 1e-3\n")
+    assert load_config(config).data.label_map == mapping
+    from_file = parse_command(["--config", str(TINY), "--config", str(config)])[0]
+    assert (from_file.data.label_map, from_file.optim.lr) == (mapping, 1e-3)
+    for flag in (["--data.label_map", mapping], [f"--data.label_map={mapping}"]):
+        assert parse_command(["--config", str(TINY), *flag])[0].data.label_map == mapping
+
+
 def test_a_nan_evaluation_is_not_the_best_and_spends_no_patience() -> None:
     from dualseg.engine.runlog import Progress
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dualseg.commands.common import add_quiet_arg, nonnegative_int
+from dualseg.commands.common import add_quiet_arg, nonnegative_int, split_of
 from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.data.augment import IMAGE_FORMATS, augment_dataset
 from dualseg.data.datasets import LAYOUTS
@@ -31,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--workers", type=nonnegative_int, default=1, help="worker processes (default 1)"
     )
-    p.add_argument("--split", default="train", help="split of SRC to augment (default train)")
+    p.add_argument(
+        "--split", help="split of SRC to augment (default train; a list file as SRC: its name)"
+    )
     p.add_argument("--layout", choices=LAYOUTS, default="auto", help="layout of SRC (auto)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="class set of SRC")
     p.add_argument(
@@ -69,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_quiet_arg(p)
     a = p.parse_args(argv)
+    a.split = split_of(a.src, a.split, default="train", flag="SRC")
     written, skipped = augment_dataset(
         a.src,
         a.dst,

@@ -35,6 +35,7 @@ __all__ = [
     "nonnegative_int",
     "parse_ignore_index",
     "positive_int",
+    "split_of",
     "unique_names",
 ]
 
@@ -147,6 +148,26 @@ def label_settings(
         if ignore != "auto":
             taken.append(f"data.ignore_index {'none' if ignore is None else ignore}")
     return label_format, label_map, ignore, taken
+
+
+def split_of(data: str | os.PathLike[str], split: str | None, *, default: str,
+             flag: str = "--data") -> str:  # fmt: skip
+    """The split that ``flag`` (the dataset) and ``--split`` name: ``--split`` (``default``
+    when not given), but a list file as the dataset is one split, named by its stem
+    (``test.txt`` is test), which a ``--split`` naming another refuses: the file's pairs were
+    read whatever ``--split`` said (eval wrote them down as val's, refine fit and augment used
+    val.txt's images for train)."""
+    from dualseg.errors import ConfigError
+
+    path = Path(data)
+    if data and path.is_file() and path.suffix.lower() == ".txt":
+        if split is not None and split != path.stem:
+            raise ConfigError(
+                f"{flag} {data} is one split, {path.stem!r}; drop --split {split}, or pass the "
+                "dataset's folder to read another split"
+            )
+        return path.stem
+    return default if split is None else split
 
 
 def fraction(text: str) -> float:

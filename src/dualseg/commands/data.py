@@ -21,6 +21,7 @@ from dualseg.commands.common import (
     dataset_files,
     mode_of,
     parse_ignore_index,
+    split_of,
 )
 from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.data.check import CheckReport, check_dataset, format_report
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     add_overwrite_arg(check, what="the --json file")
     add_quiet_arg(check)
     args = parser.parse_args(argv)
+    for split in args.split or ():
+        split_of(args.root, split, default=split, flag="ROOT")
     if args.json:
         check_writable(args.json, what="--json")
         check_outputs(

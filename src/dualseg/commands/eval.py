@@ -43,11 +43,12 @@ from dualseg.commands.common import (
     mode_of,
     nonnegative_int,
     pixels_at_most,
+    split_of,
     unique_names,
 )
 from dualseg.commands.predict import add_inference_arguments, inference_options
 from dualseg.console import ArgumentParser, argparse_kwargs, track
-from dualseg.errors import CheckpointError, ConfigError, DataError, DualsegError
+from dualseg.errors import CheckpointError, DataError, DualsegError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -269,21 +270,6 @@ def mixed_size_batch(samples: list, batch_size: int) -> str | None:
     return None
 
 
-def split_of(data: str, split: str | None) -> str:
-    """The split ``--data`` / ``--split`` name: ``--split`` (val by default), but a list file
-    as ``--data`` is one split, named by its stem (``test.txt`` is test), which a ``--split``
-    naming another refuses: the scores were written as val's, whatever the file held."""
-    if data and Path(data).is_file() and Path(data).suffix.lower() == ".txt":
-        stem = Path(data).stem
-        if split is not None and split != stem:
-            raise ConfigError(
-                f"--data {data} is one split, {stem!r}; drop --split {split}, or pass the "
-                "dataset's folder to evaluate another split"
-            )
-        return stem
-    return "val" if split is None else split
-
-
 def default_out(checkpoint: str, split: str, *, variant: str = "") -> Path:
     """``--out``'s default: ``eval_SPLIT`` (+ ``variant``, e.g. ``_refined_tta``) beside a
     run's ``best.pt``; ``eval_SPLIT_NAME`` beside any other checkpoint file or pretrained
@@ -327,7 +313,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.batch_size < 1:
         raise DualsegError(f"--batch-size must be >= 1, got {args.batch_size}")
-    args.split = split_of(args.data, args.split)
+    args.split = split_of(args.data, args.split, default="val")
     opts = inference_options(args)
     out = (
         Path(args.out)

@@ -33,6 +33,7 @@ from dualseg.commands.common import (
     nonnegative_int,
     pixels_at_most,
     positive_int,
+    split_of,
     static_export_note,
     unique_names,
 )
@@ -85,7 +86,9 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         "class names must match the dataset's (and --init-backbone base copies its backbone)",
     )
     p.add_argument("--out", "-o", default="refiner.pt", help="refiner file to write (refiner.pt)")
-    p.add_argument("--split", default="train", help="split to fit on (train)")
+    p.add_argument(
+        "--split", help="split to fit on (train; a list file as --data: its name, val for val.txt)"
+    )
     p.add_argument("--layout", default="auto", help="dataset layout (auto)")
     p.add_argument("--preset", help="class preset: camvid, voc, cityscapes, ade20k, synthetic")
     add_label_args(p, source="the --base checkpoint")
@@ -210,7 +213,12 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         metavar="MINUTES",
         help="stop the triplet steps after this many minutes, even before --steps (default: none)",
     )
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"({d.batch_size})")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        help=f"crops per step, 2 or more ({d.batch_size})",
+    )
     p.add_argument("--optimizer", default=d.optimizer, help="adamw | sgd (adamw)")
     p.add_argument("--lr", type=float, default=d.lr, help=f"({d.lr})")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay, help=f"({d.weight_decay})")
@@ -332,6 +340,12 @@ def fit_main(args: argparse.Namespace) -> int:
     from dualseg.refine.calibrate import DECISION_KEYS
     from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig
 
+    args.split = split_of(args.data, args.split, default="train")
+    if args.batch_size < 2:  # found at the first step, as a BatchNorm traceback
+        raise ConfigError(
+            f"--batch-size {args.batch_size} cannot fit the embedding: its ASPP image-pooling "
+            "BatchNorm needs 2 or more crops per step; use --batch-size 2 or more"
+        )
     if args.steps < 1:
         raise ConfigError(
             f"--steps must be >= 1 (got {args.steps}): a refiner with no training steps "

@@ -339,6 +339,10 @@ def _claim(dst: Path, settings: dict) -> None:
             old = {**old, **{k: settings[k] for k in SOURCE_KEYS}}
             if old == settings:
                 atomic_write_json(path, settings)
+        if isinstance(old, dict) and Path(settings["src"]).is_file():
+            # a list file is one split, whatever --split said: recorded as "train" (the default)
+            # before its name was taken from the file (val.txt is val)
+            old = {**old, "split": settings["split"]}
         if old != settings:
             changed = sorted(k for k in settings if not old or old.get(k) != settings[k])
             raise DataError(

@@ -25,6 +25,7 @@ from dualseg.data.datasets import (
     one_class_set,
     resolve_meta,
     size_mismatch,
+    unlabelled_split,
 )
 from dualseg.data.presets import IGNORE_INDEX, META_FILE, DatasetMeta, IgnoreSetting
 from dualseg.data.readers import inspect_pair
@@ -91,11 +92,18 @@ def check_dataset(
         layout = _detect_any_split(root, splits or DEFAULT_SPLITS)
     if splits is None and layout == "list" and root.is_file():
         splits = (root.stem,)  # a list file is one split, named by it: data/val.txt is val
+    unlabelled: list[str] = []
     if splits is None:
         found = {s: discover(root, split=s, layout=layout) for s in DEFAULT_SPLITS}
         splits = tuple(s for s, f in found.items() if not f.split_missing) or ("train",)
+        if layout == "folder":  # images/val without labels/val: not "no problems found"
+            # (images/test without labels is a test set's usual shape: images to predict)
+            unlabelled = [
+                m for s in ("train", "val") if s not in splits if (m := unlabelled_split(root, s))
+            ]
     meta = resolve_meta(root, layout, preset, label_map=label_map, ignore_value=ignore_value)
     report = CheckReport(root, layout, meta, label_format=label_format)
+    report.problems += unlabelled
     sources: dict[Path, str] = {}
     images: dict[str, set[Path]] = {}  # per split, for the overlap check
     for split in splits:
@@ -106,7 +114,7 @@ def check_dataset(
             continue
         if found.source is not None:
             sources[found.source] = split
-        if found.split_missing:
+        if found.split_missing and not (layout == "folder" and unlabelled_split(root, split)):
             others = [s for s in available_splits(root, layout) if s != split]
             if others:
                 found.problems.append(

@@ -21,9 +21,12 @@ dataset, provided every root has the same classes.
 
 from __future__ import annotations
 
+import glob
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,7 +46,8 @@ from dualseg.data.transforms import JointTransform, build_eval_transform, sample
 from dualseg.errors import DataError
 
 LAYOUTS = ("auto", "list", "folder", "voc", "cityscapes", "ade20k")
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp")  # what readers read
+# what the readers read (GIF: palette labels some annotation tools export)
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif")
 Pair = tuple[Path, Path]
 
 
@@ -80,13 +84,77 @@ def size_mismatch(
     )
 
 
+def _is_stem(token: str) -> bool:
+    """Whether a list file's one-token line is a file stem (mmsegmentation's split files:
+    ``ADE_train_00000001``), not an image path whose label column is missing."""
+    return (
+        "/" not in token and "\\" not in token and Path(token).suffix.lower() not in IMAGE_SUFFIXES
+    )
+
+
+def _stem_dirs(list_file: Path) -> tuple[Path, Path] | None:
+    """The ``(images, labels)`` folders a stem list's stems are found in: the folder layout's
+    for the list's split (``images/{split}``, ``{split}/images``, else the flat ``images/``)."""
+    return _folder_pair_dirs(list_file.parent, list_file.stem, lists=False)
+
+
+def _files_by_stem(folder: Path) -> dict[str, list[Path]]:
+    by_stem: dict[str, list[Path]] = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."):
+            by_stem.setdefault(p.stem, []).append(p)
+    return by_stem
+
+
+def _stem_pair(
+    list_file: Path, n: int, stem: str, found: Discovery, cache: dict[str, Any]
+) -> Pair | None:
+    """The image and label of a stem list's line ``n`` (one problem each when not found)."""
+    if "dirs" not in cache:
+        cache["dirs"] = dirs = _stem_dirs(list_file)
+        cache["files"] = [_files_by_stem(d) for d in dirs] if dirs else None
+    dirs, files = cache["dirs"], cache["files"]
+    where = f"{list_file}:{n}"
+    if dirs is None:
+        found.problems.append(
+            f"{where}: {stem!r} is a file stem, found in images/ + labels/ (or masks/) beside "
+            f"{list_file.name}, which {list_file.parent} lacks; add those folders, or write the "
+            "line as 'image_path label_path'"
+        )
+        return None
+    pair = []
+    for folder, by_stem in zip(dirs, files):
+        paths = by_stem.get(stem, [])
+        if len(paths) != 1:
+            found.problems.append(
+                f"{where}: stem {stem!r} is "
+                + (f"{len(paths)} files in {folder} ({', '.join(p.name for p in paths)}); keep one"
+                   if paths else f"in no file of {folder}; add it or remove the line")
+            )  # fmt: skip
+            return None
+        pair.append(paths[0])
+    return pair[0], pair[1]
+
+
 def _read_list(list_file: Path, found: Discovery) -> None:
     base = list_file.parent
+    stems: dict[str, Any] = {}  # the folders of a stem list, read once
     for n, line in enumerate(_list_lines(list_file), start=1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         parts = line.split()
+        if len(parts) == 1 and _is_stem(parts[0]):
+            if (stem_pair := _stem_pair(list_file, n, parts[0], found, stems)) is not None:
+                found.samples.append(stem_pair)
+            continue
+        if len(parts) > 2:  # "images/a b.png labels/a b.png": no way to tell where a path ends
+            found.problems.append(
+                f"{list_file}:{n}: {len(parts)} fields where 'image_path label_path' takes 2 "
+                f"({line!r}): a path in a list file cannot hold a space; rename the file (e.g. "
+                "spaces to _) and its line"
+            )
+            continue
         if len(parts) != 2:
             found.problems.append(
                 f"{list_file}:{n}: expected 'image_path label_path', got {line!r}; "
@@ -142,13 +210,17 @@ def _label_dir(images: Path) -> Path | None:
 
 
 def _is_list_file(path: Path) -> bool:
-    """Whether ``path``'s first entry is an ``image_path label_path`` line (a split's list)."""
+    """Whether ``path``'s first entry is an ``image_path label_path`` line, or the stem of an
+    image of the split's folder (a stem list): a split's list."""
     try:
         with path.open(encoding="utf-8-sig") as f:
             for line in f:
                 line = line.strip()
                 if line and not line.startswith("#"):
                     parts = line.split()
+                    if len(parts) == 1 and _is_stem(parts[0]):
+                        dirs = _stem_dirs(path)
+                        return dirs is not None and any(dirs[0].glob(f"{glob.escape(parts[0])}.*"))
                     return len(parts) == 2 and all(
                         Path(x).suffix.lower() in IMAGE_SUFFIXES for x in parts
                     )
@@ -189,6 +261,25 @@ def _folder_pair_dirs(root: Path, split: str, *, lists: bool = True) -> tuple[Pa
     return None
 
 
+def unlabelled_split(root: str | Path, split: str) -> str | None:
+    """One line for a ``split`` whose image folder (``ROOT/images/{split}`` or
+    ``ROOT/{split}/images``) has no label folder beside it, else ``None``: the split is there,
+    its labels are not, which "no split" (or no word, for a split not asked for) hid."""
+    root = Path(root)
+    if not split or not root.is_dir():
+        return None
+    for images, labels in (
+        (root / "images" / split, lambda name: Path(name) / split),
+        (root / split / "images", lambda name: Path(split) / name),
+    ):
+        if images.is_dir() and not any((root / labels(n)).is_dir() for n in ("labels", "masks")):
+            return (
+                f"{images} has no {labels('labels')} (or {labels('masks')}) beside it: split "
+                f"{split!r} has images but no labels; add them there"
+            )
+    return None
+
+
 def _scan_folder(root: Path, split: str) -> Discovery:
     found = Discovery("folder", source=root)
     # list files name splits of the list layout; the folder layout's own are its subfolders
@@ -196,7 +287,8 @@ def _scan_folder(root: Path, split: str) -> Discovery:
     if dirs is None:
         found.split_missing = True
         found.problems.append(
-            f"{root}: no images/ + labels/ (or masks/) folders (looked in {root / split}, "
+            unlabelled_split(root, split)
+            or f"{root}: no images/ + labels/ (or masks/) folders (looked in {root / split}, "
             f"{root}/images/{split}, {root}); arrange the files so or pass --layout"
         )
         return found
@@ -260,6 +352,14 @@ def _scan_cityscapes(root: Path, split: str) -> Discovery:
             found.problems.append(
                 f"{label}: train-id label not found; create the *_labelTrainIds.png files with "
                 "cityscapesscripts' createTrainIdLabelImgs"
+            )
+    if not found.samples and not found.problems:
+        others = sorted(p.name for p in img_dir.glob("*/*_leftImg8bit.*"))
+        if others:  # converted to JPEG: found by no name the layout reads
+            found.problems.append(
+                f"{img_dir}: only *_leftImg8bit.png images are read, and its {len(others)} "
+                f"*_leftImg8bit files are other formats (e.g. {others[0]}); use the original "
+                "PNGs, or list the pairs in a list file (--layout list)"
             )
     return found
 
@@ -344,7 +444,10 @@ def available_splits(root: str | Path, layout: str = "auto") -> list[str]:
 
 
 def _missing_split(root: Path, split: str, layout: str = "auto") -> DataError | None:
-    """``DataError`` listing the splits found, when ``split`` is absent but others exist."""
+    """``DataError`` listing the splits found, when ``split`` is absent but others exist (or
+    naming its image folder, when only its labels are absent)."""
+    if layout in ("auto", "folder") and (unlabelled := unlabelled_split(root, split)):
+        return DataError(unlabelled)
     others = [s for s in available_splits(root, layout) if s != split]
     if not others:
         return None
@@ -422,9 +525,12 @@ def _own_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -
 def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
     """The preset ``preset`` for the dataset at ``root``: refused (one line, both lists) when
     ROOT/meta.json describes the dataset's classes under other names, since each label value
-    would be scored or trained under another class's name. A meta.json that is no dualseg
-    description (another tool's file) does not stand in the way: the preset is how to read
-    such a dataset."""
+    would be scored or trained under another class's name; refused too when its label mapping
+    reads a raw value as another class or ignore (``reduce_zero_label``, ``ignore_index``,
+    ``source_ignore``, ``label_map``): meta.json describes the files as written (dualseg
+    augment's ADE20K labels are already reduced). A meta.json that is no dualseg description
+    (another tool's file) does not stand in the way: the preset is how to read such a
+    dataset."""
     named = get_preset(preset)
     if root is None:
         return named
@@ -442,7 +548,39 @@ def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
             f"{list(own.class_names)}: every label value would be scored under another name; "
             f"leave --preset out to read {meta_file}, or fix that file"
         )
+    ours, theirs = own.lookup_table(), named.lookup_table()
+    if ((ours != theirs) & (ours >= 0) & (theirs >= 0)).any():
+        # meta.json describes these files (dualseg augment writes ADE20K's labels reduced,
+        # reduce_zero_label false): the preset's mapping would shift every class by one. A
+        # raw value only one of the two reads (CamVid's 11, which dualseg augment's labels no
+        # longer hold) is no conflict.
+        differ = [
+            f"{key} {_json_value(getattr(named, attr))} vs {_json_value(getattr(own, attr))}"
+            for key, attr in _MAPPING_KEYS
+            if getattr(named, attr) != getattr(own, attr)
+        ]
+        raise DataError(
+            f"--preset {preset} reads the labels as {named.describe_mapping()} but {meta_file} "
+            f"says {own.describe_mapping()} ({'; '.join(differ)}): its label values would be "
+            f"read as other classes; leave --preset out to read {meta_file}, or fix that file"
+        )
     return named
+
+
+# the label mapping of a dataset: (meta.json key, DatasetMeta field)
+_MAPPING_KEYS = (
+    ("reduce_zero_label", "reduce_zero_label"),
+    ("ignore_index", "ignore_value"),
+    ("source_ignore", "source_ignore"),
+    ("label_map", "label_map"),
+)
+
+
+def _json_value(value: Any) -> str:
+    """A mapping field as meta.json writes it: true, null, [11], {"255": 1}."""
+    if isinstance(value, tuple) and value and isinstance(value[0], tuple):  # label_map pairs
+        value = {str(s): d for s, d in value}
+    return json.dumps(list(value) if isinstance(value, tuple) else value)
 
 
 def dataset_meta(

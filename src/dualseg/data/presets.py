@@ -433,7 +433,8 @@ def load_meta_file(path: str | Path) -> DatasetMeta:
     """Read a ``meta.json`` dataset description (the form written by ``DatasetMeta.to_dict``)."""
     path = Path(path)
     try:
-        d = json.loads(path.read_text(encoding="utf-8"))
+        # utf-8-sig: a byte-order mark (Windows Notepad's) is dropped, as in list files
+        d = json.loads(path.read_text(encoding="utf-8-sig"))
     except UnicodeDecodeError as err:
         raise DataError(
             f"{path}: not UTF-8 (byte {err.start}); save the dataset description as UTF-8 JSON"
@@ -442,10 +443,35 @@ def load_meta_file(path: str | Path) -> DatasetMeta:
         raise DataError(
             f"{path}: cannot read dataset description ({err}); fix or delete it"
         ) from err
+    # a key starting with "_" is a note for people ({"_comment": "..."}): JSON has no comments
+    keys = d if isinstance(d, dict) else {}
+    unknown = [k for k in keys if k not in META_KEYS and not str(k).startswith("_")]
+    if unknown and len(unknown) < len(d):  # none known: another tool's file, said below
+        # a misspelled key ("reduce_zero_labels") was dropped: the dataset read with the
+        # default in its place, every class shifted or an ignore value read as a class
+        import difflib
+
+        key = str(unknown[0])
+        close = difflib.get_close_matches(key, META_KEYS, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}?" if close else f"the keys are {', '.join(META_KEYS)}"
+        raise DataError(f"{path}: unknown key {key!r}; {hint}")
     try:
         return DatasetMeta.from_dict(d)
     except DataError as err:
         raise DataError(f"{path}: {err}") from err
+
+
+# the keys of meta.json: DatasetMeta.to_dict's (a test holds them equal)
+META_KEYS = (
+    "name",
+    "class_names",
+    "palette",
+    "ignore_index",
+    "source_ignore",
+    "label_map",
+    "void_colors",
+    "reduce_zero_label",
+)
 
 
 def without_source_ignore(meta: DatasetMeta) -> DatasetMeta:

@@ -155,25 +155,32 @@ def _palette_in_use(im: Image.Image, raw: np.ndarray) -> tuple[np.ndarray, np.nd
 def _check_palette_indices(
     path: Path, pal: np.ndarray, used: np.ndarray, meta: DatasetMeta
 ) -> None:
-    """Refuse a palette (P-mode) label whose colours are all the dataset's colours but at other
-    indices: an image editor's colour-coded label, whose indices mean nothing (VOC's, drawn in
-    the VOC palette at the VOC indices, pass)."""
+    """Refuse a palette (P-mode) label whose colours are mostly the dataset's colours but at
+    other indices: an image editor's colour-coded label, whose indices mean nothing, even with a
+    few stray colours of its own (an antialiased edge, a slip of the brush). VOC's, drawn in the
+    VOC palette at the VOC indices, pass; so does a palette mostly of its own colours."""
     if not meta.palette:
         return
     colours = [tuple(int(v) for v in pal[i]) for i in used]
     of_class = {tuple(c): k for k, c in enumerate(meta.palette)}
     void = {tuple(c) for c in meta.void_colors}
-    if not all(c in of_class or c in void for c in colours):
+    strays = [c for c in colours if c not in of_class and c not in void]
+    if 2 * len(strays) >= len(colours):
         return  # a palette of its own: the indices are the labels
     table = meta.lookup_table()
     for i, c in zip(used.tolist(), colours):
         k = int(table[i])
-        if 0 <= k < meta.num_classes and of_class.get(c) != k:
+        if c not in strays and 0 <= k < meta.num_classes and of_class.get(c) != k:
             drawn = f"class {meta.class_names[of_class[c]]!r}" if c in of_class else "void"
+            others = ""
+            if strays:
+                shown = ", ".join(map(str, strays[:3])) + (" ..." if len(strays) > 3 else "")
+                others = f" (its {len(strays)} other colour(s), {shown}, are no class's: fix them)"
             raise DataError(
                 f"{path}: a palette image drawn in the {meta.name!r} colours at other indices "
                 f"(index {i}, class {meta.class_names[k]!r}, is drawn in {drawn}'s colour "
                 f"{c}): a colour-coded label; pass --label-format color to read its colours"
+                f"{others}"
             )
 
 
@@ -393,8 +400,35 @@ def inspect_pair(
         else:  # the same tag on both: turned alike, they stay aligned
             label = _decode_label(label_path, lab, meta, label_format, turn=label_turn != 1)
     except DataError as err:
-        problems.append(str(err))
+        message = str(err)
+        if im is not None and _swapped(im, label_path, label_format, meta):
+            message = (
+                f"{label_path}: read as the label, it is a colour picture, and its image "
+                f"{img_path} is single-channel, as a label is: are the two swapped? A list "
+                "file's lines are 'image_path label_path', image first"
+            )
+        problems.append(message)
     return image, label, problems
+
+
+def _swapped(im: Image.Image, label_path: Path, label_format: str, meta: DatasetMeta) -> bool:
+    """Whether a pair whose label failed looks like image and label given the other way round:
+    the "image" single-channel (as an index label is), the "label" a colour picture, most of
+    whose pixels are no colour of the dataset (a colour-coded label's are: --label-format
+    color is its fix)."""
+    if label_format != "index" or im.mode not in {"L", "P", "1", *SIXTEEN_BIT_MODES}:
+        return False
+    try:
+        with Image.open(label_path) as lab:
+            if lab.mode not in {"RGB", "RGBA", "CMYK", "YCbCr"}:
+                return False
+            rgb = np.asarray(lab.convert("RGB"), np.int64)
+    except Exception:  # unreadable: its own error stands
+        return False
+    colours = np.asarray([*meta.palette, *meta.void_colors], np.int64).reshape(-1, 3)
+    keys = (colours[:, 0] << 16) | (colours[:, 1] << 8) | colours[:, 2]
+    pix = (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]
+    return bool(np.isin(pix, keys).mean() < 0.5)
 
 
 def read_pair(

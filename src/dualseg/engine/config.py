@@ -14,6 +14,7 @@ S33 ``train.patience`` / ``train.monitor``, claim 5 ``optim.poly_power``).
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -252,7 +253,13 @@ def field_docs(cls: type) -> dict[str, str]:
 def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> Any:
     """The ``dualseg train`` parser: ``--config FILE`` plus one flag per field, each with its
     one-line description (:func:`field_docs`), and examples at the end."""
-    from jsonargparse import ActionConfigFile, ActionYesNo, ArgumentParser, DefaultHelpFormatter
+    from jsonargparse import (
+        ActionConfigFile,
+        ActionYesNo,
+        ArgumentParser,
+        DefaultHelpFormatter,
+        set_loader,
+    )
 
     from dualseg.console import ExamplesHelpFormatter, examples
 
@@ -271,6 +278,7 @@ def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> 
         # --conf / --train.out_d would pass by the checks of _config_files, which know the
         # full names only (a run trained into another folder than the one asked for)
         allow_abbrev=False,
+        parser_mode=_parser_mode(set_loader),
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config file")
     parser.add_class_arguments(Config, None)
@@ -307,6 +315,12 @@ def build_parser(prog: str = "dualseg train", *, exit_on_error: bool = True) -> 
         if group is not None:
             group.title = f"{key} ({(cls.__doc__ or '').strip().splitlines()[0]})"
     return parser
+
+
+def _parser_mode(set_loader: Any) -> str:
+    """The jsonargparse parser mode reading YAML with :func:`_yaml_load` (no base-60)."""
+    set_loader("dualseg_yaml", _yaml_load, (yaml.YAMLError,))
+    return "dualseg_yaml"
 
 
 def _instantiate(parser: Any, ns: Any) -> Config:
@@ -424,8 +438,60 @@ def _flag_overridden_by_a_later_config(
     return None
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key written twice in one mapping: PyYAML (and so
+def _no_base_60(loader: type, float_pattern: str) -> None:
+    """Make ``loader`` read ``255:1`` as the text it is. PyYAML follows YAML 1.1, where digits
+    joined by colons are a base-60 number (``255:1`` is 15301, ``1:30.5`` is 90.5), so
+    ``label_map: 255:1`` (the fix the 0/255-mask message gives) was refused as an integer. The
+    int resolver drops that form (YAML 1.2 has none); the float one is ``float_pattern``."""
+    base_60 = r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$"
+    resolvers: dict[Any, list[tuple[str, Any]]] = {}
+    for first, mappings in loader.yaml_implicit_resolvers.items():
+        kept = []
+        for tag, regexp in mappings:
+            if tag == "tag:yaml.org,2002:timestamp":  # a date stays text (as jsonargparse's)
+                continue
+            if tag == "tag:yaml.org,2002:int":
+                regexp = re.compile(f"(?!{base_60}){regexp.pattern}", regexp.flags)
+            if tag != "tag:yaml.org,2002:float":
+                kept.append((tag, regexp))
+        resolvers[first] = kept
+    loader.yaml_implicit_resolvers = resolvers
+    loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float", re.compile(float_pattern, re.X), list("-+0123456789.")
+    )
+
+
+class _ConfigLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """The YAML reader of configs and flag values: jsonargparse's own (a safe loader; ``1e4``
+    is a float, a date is text) with no base-60 numbers, so ``255:1`` is text."""
+
+
+# jsonargparse's float pattern (it takes 1e4, which YAML 1.1 does not), less base-60 floats
+_no_base_60(
+    _ConfigLoader,
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+)
+
+
+def _yaml_load(stream: str) -> Any:
+    """jsonargparse's ``yaml`` loader with :class:`_ConfigLoader` (the parser mode
+    ``dualseg_yaml``): a config file, ``--config`` text and each flag's value. As jsonargparse
+    does, a value that reads as a mapping of bare keys (``--data.root a:``) stays text."""
+    value = yaml.load(stream, Loader=_ConfigLoader)
+    if isinstance(value, dict) and value and all(v is None for v in value.values()):
+        if len(value) == 1 and stream.strip() == f"{next(iter(value))}:":
+            return stream
+        if set(stream.strip(" {}").replace(" ", "").split(",")) == set(value):
+            return stream
+    return value
+
+
+class _UniqueKeyLoader(_ConfigLoader):
+    """:class:`_ConfigLoader`, refusing a key written twice in one mapping: PyYAML (and so
     jsonargparse) keeps the last silently, so ``lr: 0.1`` ten lines above ``lr: 0.01`` trained
     with 0.01 whatever the reader of the file believed."""
 
@@ -458,7 +524,7 @@ def _read_config_file(
         text = str(path) if inline else Path(path).read_text(encoding="utf-8")  # YAML's own
         if inline:
             path = "the --config text"
-        d = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
+        d = yaml.load(text, Loader=_UniqueKeyLoader)  # a safe loader
     except OSError as err:
         raise ConfigError(f"cannot read config {path}: {err}") from None
     except UnicodeDecodeError as err:  # an image, a checkpoint ... given as --config
