@@ -77,3 +77,9 @@ def test_a_module_base_runs_in_eval_mode_and_gives_the_model_back_as_it_came() -
     wrapped.module.forward = lambda x: {"logits": model(x)}
     with pytest.raises(ConfigError, match=r"returned a dict with keys \['logits'\].*'out'"):
         wrapped.scores(x)
+
+
+def test_a_batch_of_one_crop_is_refused_by_the_config() -> None:
+    # BatchNorm of the ASPP's pooled branch sees one value per channel: a traceback at step 1
+    with pytest.raises(ConfigError, match=r"batch_size must be >= 2"):
+        RefinerConfig(batch_size=1)

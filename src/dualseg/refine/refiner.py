@@ -142,7 +142,10 @@ class RefinerConfig:
             (self.margin >= 0, f"margin must be >= 0, got {self.margin}"),
             (self.num_triplets >= 1, f"num_triplets must be >= 1, got {self.num_triplets}"),
             (self.steps >= 0, f"steps must be >= 0, got {self.steps}"),
-            (self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}"),
+            (
+                self.batch_size >= 2,  # BatchNorm of the ASPP's pooled branch: 1 value/channel
+                f"batch_size must be >= 2 (BatchNorm needs two crops), got {self.batch_size}",
+            ),
             (0 < self.lr < float("inf"), f"lr must be > 0 and finite, got {self.lr}"),
             (self.weight_decay >= 0, f"weight_decay must be >= 0, got {self.weight_decay}"),
             (0 <= self.momentum < 1, f"momentum must be in [0, 1), got {self.momentum}"),
