@@ -77,6 +77,7 @@ RETRAINED = {
     "dualseg": "seed1_dualseg_os16_T3000.json",
     "single_branch": "seed1_single_branch_os16_T3000.json",
     "no_renet": "seed1_no_renet_os16_T3000.json",
+    "no_coord": "seed1_no_coord_os16_T3000.json",
 }
 PAIRED = ("peer", "dualseg")  # the retrained ablations are each read against method A
 NUM_CLASSES = 11  # CamVid
