@@ -327,3 +327,41 @@ def test_a_demo_interrupted_while_training_stops_there(tmp_path, monkeypatch, ca
     assert main(_tiny_demo(out)) == code
     assert capsys.readouterr().err.strip().endswith(f"dualseg: {said}")
     assert not (out / "metrics.json").exists()  # the earlier run's, about a model now replaced
+    # nor any other figure of the earlier model (they stayed beside the new one)
+    assert not (out / "panel.png").exists() and not (out / "predictions").exists()
+
+
+def test_a_rerun_that_fails_before_training_keeps_the_earlier_figures(tmp_path, monkeypatch):
+    """fit puts the earlier run back when the new one fails before its first checkpoint: its
+    figures, set aside meanwhile, come back beside it."""
+    from dualseg.cli import main
+    from dualseg.errors import DataError
+
+    out = tmp_path / "demo"
+    assert main(_tiny_demo(out)) == 0
+    before = _files(out)
+    import dualseg.engine.train as engine_train
+
+    def fails(cfg, **kwargs):
+        assert not (out / "panel.png").exists()  # aside while the new model trains
+        raise DataError("a label file is unreadable")
+
+    monkeypatch.setattr(engine_train, "fit", fails)
+    assert main(_tiny_demo(out)) == 1
+    after = _files(out)
+    for name in ("metrics.json", "panel.png", "last.pt"):
+        assert after[name] == before[name]
+    assert not (out / ".demo_replaced").exists()
+
+
+def test_a_predictions_folder_the_demo_did_not_write_is_refused(tmp_path, capsys) -> None:
+    """The demo replaces its predictions/ folder: someone else's was deleted without a word."""
+    from dualseg.cli import main
+
+    out = tmp_path / "mine"
+    (out / "predictions").mkdir(parents=True)
+    (out / "predictions" / "NOTES.txt").write_text("my notes")
+    assert main(_tiny_demo(out)) == 1
+    err = capsys.readouterr().err
+    assert "holds files dualseg demo did not write (predictions)" in err
+    assert (out / "predictions" / "NOTES.txt").read_text() == "my notes"

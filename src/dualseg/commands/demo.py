@@ -20,10 +20,13 @@ replace (a ``dualseg train`` run, ``metrics.json``, ``refiner.pt``) is refused u
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shutil
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +51,10 @@ from dualseg.errors import (
 DEFAULT_ARCH = "dualseg_mobilenet_v2"
 # written into --out before anything else: what marks the folder as the demo's own
 DEMO_MARKER = "demo.json"
-# besides a training run's files (dualseg.engine.rundir.RUN_FILES): files the demo replaces
-DEMO_FILES = ("metrics.json", "refiner.pt", "panel.png")
+# besides a training run's files (dualseg.engine.rundir.RUN_FILES): what the demo replaces
+DEMO_FILES = ("metrics.json", "refiner.pt", "panel.png", "predictions")
+# where an earlier demo's figures wait while a new model is trained (see set_outputs_aside)
+DEMO_ASIDE = ".demo_replaced"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -594,6 +599,40 @@ def mark_demo_folder(out: Path) -> None:
     )
 
 
+@contextlib.contextmanager
+def outputs_set_aside(out: Path) -> Iterator[None]:
+    """Move the earlier demo's figures (:data:`DEMO_FILES`) into ``out/DEMO_ASIDE`` while the
+    block trains a new model; afterwards delete them, or put them back when the block failed
+    with the earlier model still in place (``fit`` restores a run it set aside when the new one
+    fails before its first checkpoint: its figures then still describe it)."""
+    aside = out / DEMO_ASIDE
+    shutil.rmtree(aside, ignore_errors=True)  # a crash's leftovers: their model is gone
+    moved = [name for name in DEMO_FILES if (out / name).exists()]
+    if moved:
+        aside.mkdir()
+        for name in moved:
+            os.replace(out / name, aside / name)
+    model = _identity(out / "last.pt")
+    try:
+        yield
+    except BaseException:
+        if model is not None and _identity(out / "last.pt") == model:  # the earlier model
+            for name in moved:
+                os.replace(aside / name, out / name)
+        raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """``(inode, mtime_ns)``: a file moved back by os.replace keeps both; a new one has others."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the demo as the command line describes; returns what ``metrics.json`` holds."""
     from dualseg.data import build_dataset
@@ -625,17 +664,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = _train_config(args, root, meta, weights)
 
     t0 = time.perf_counter()
-    # the folder is the demo's own (or --overwrite was given): a re-run replaces its run
-    result = fit(cfg, overwrite=True)
+    # the folder is the demo's own (or --overwrite was given): a re-run replaces its run. The
+    # earlier run's figures describe its model: none may sit beside another (a panel with
+    # --n-show 0, a refiner with --no-refine, predictions of images no longer held out, scores
+    # of a model an interrupted run replaced), so they wait aside while fit runs
+    with outputs_set_aside(out):
+        result = fit(cfg, overwrite=True)
     if result["stop_reason"] == "interrupted":  # fit saved and returned: the demo stops too
-        (out / "metrics.json").unlink(missing_ok=True)  # the earlier run's: its model is gone
         raise Terminated if result.get("signal") == signal.SIGTERM else KeyboardInterrupt
     t_train = time.perf_counter() - t0
-    # the earlier run's figures describe a model that is gone: none may outlive it (a panel
-    # with --n-show 0, a refiner with --no-refine, predictions of images no longer held out)
-    shutil.rmtree(out / "predictions", ignore_errors=True)
-    for name in ("panel.png", "refiner.pt"):
-        (out / name).unlink(missing_ok=True)
     ckpt_path = Path(result["best"] or result["last"])
 
     train_set = build_dataset(
