@@ -137,6 +137,23 @@ def test_a_resume_on_a_source_whose_pairs_changed_is_refused(src, tmp_path):
     assert augment_dataset(src, dst, count=4, progress=False) == (2, 2)
 
 
+def test_a_resume_on_a_source_file_edited_in_place_is_refused(src, tmp_path):
+    """The same paths in the same order, one image rewritten: the resume mixed pairs of the
+    old and the new image without a word."""
+    import os
+
+    dst = tmp_path / "aug"
+    augment_dataset(src, dst, count=2, progress=False)
+    image = build_dataset(src).samples[0][0]
+    st = image.stat()
+    image.write_bytes(image.read_bytes())  # rewritten: same bytes here, another time
+    os.utime(image, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    with pytest.raises(DataError, match=r"source files that have changed since.*empty DST"):
+        augment_dataset(src, dst, count=4, progress=False)
+    os.utime(image, ns=(st.st_atime_ns, st.st_mtime_ns))  # as it was: resumes
+    assert augment_dataset(src, dst, count=4, progress=False) == (2, 2)
+
+
 def test_an_output_written_before_the_source_record_resumes(src, tmp_path):
     dst = tmp_path / "aug"
     augment_dataset(src, dst, count=2, progress=False)

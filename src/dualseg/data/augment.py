@@ -198,6 +198,9 @@ def augment_dataset(
         # gained, lost or reordered pairs would mix two orderings in one folder
         "source_pairs": len(dataset.samples),
         "source_digest": _pairs_digest(dataset.samples),
+        # and their contents as last written (size, mtime): a source edited in place would
+        # mix pairs of the old and the new file in one folder
+        "source_stamp": _files_stamp(dataset.samples),
     }
     _claim(dst, settings)
     earlier = _pair_count(dst)
@@ -295,6 +298,16 @@ def _pairs_digest(samples: list[tuple[Path, Path]]) -> str:
     return hashlib.sha1(text.encode("utf-8")).hexdigest()
 
 
+def _files_stamp(samples: list[tuple[Path, Path]]) -> str:
+    """SHA-1 of every source file's size and modification time (no file is read)."""
+    parts = []
+    for pair in samples:
+        for f in pair:
+            st = f.stat()
+            parts.append(f"{st.st_size}:{st.st_mtime_ns}")
+    return hashlib.sha1("\n".join(parts).encode("utf-8")).hexdigest()
+
+
 def _has_files(folder: Path) -> bool:
     return folder.is_dir() and any(p.is_file() for p in folder.iterdir())
 
@@ -339,12 +352,23 @@ def _claim(dst: Path, settings: dict) -> None:
             old = {**old, **{k: settings[k] for k in SOURCE_KEYS}}
             if old == settings:
                 atomic_write_json(path, settings)
+        if isinstance(old, dict) and "source_stamp" not in old:
+            # written before augment.json kept the files' stamps: what they were is unknown
+            old = {**old, "source_stamp": settings["source_stamp"]}
+            if old == settings:
+                atomic_write_json(path, settings)
         if isinstance(old, dict) and Path(settings["src"]).is_file():
             # a list file is one split, whatever --split said: recorded as "train" (the default)
             # before its name was taken from the file (val.txt is val)
             old = {**old, "split": settings["split"]}
         if old != settings:
             changed = sorted(k for k in settings if not old or old.get(k) != settings[k])
+            if changed == ["source_stamp"]:
+                raise DataError(
+                    f"{dst}: holds pairs augmented from source files that have changed since "
+                    "(same paths, another size or time: edited in place?); resuming would mix "
+                    "pairs of the old and the new files: choose an empty DST folder"
+                )
             raise DataError(
                 f"{dst}: holds pairs augmented with other settings ({', '.join(changed)} "
                 "differ); resume with the same options, or choose an empty DST folder"
