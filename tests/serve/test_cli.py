@@ -1,4 +1,4 @@
-"""``dualseg serve`` wiring with a real (tiny) checkpoint and refiner; uvicorn.run is captured."""
+"""``dualseg serve`` wiring with a real (tiny) checkpoint and refiner; run_server is captured."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from dualseg.refine import BoundaryRefiner, RefinerConfig, build_embedding_net
 
 @pytest.fixture
 def captured(monkeypatch):
-    """uvicorn.run records its arguments instead of serving; the port check records its
+    """run_server records its arguments instead of serving; the port check records its
     address (whether a port is free on the test machine is not what these tests test)."""
-    import uvicorn
-
     calls = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.update(app=app, **kw))
+    monkeypatch.setattr(
+        serve_command, "run_server", lambda _, app, **kw: calls.update(app=app, **kw)
+    )
     monkeypatch.setattr(
         serve_command, "check_port", lambda host, port: calls.update(checked=(host, port))
     )
@@ -109,10 +109,9 @@ def test_unwritable_save_uploads_is_one_line_before_loading(files, captured, cap
 
 
 def test_port_in_use_is_one_line_without_the_banner(files, capsys, monkeypatch):
-    import uvicorn
 
     ckpt, _ = files
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: pytest.fail("uvicorn.run was called"))
+    monkeypatch.setattr(serve_command, "run_server", lambda *a, **k: pytest.fail("it served"))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -162,18 +161,17 @@ def test_serve_refuses_mismatched_refiner(files, captured, tmp_path):
 
 
 def test_serve_logs_one_line_per_request_on_stderr(files, monkeypatch, capsys):
-    import uvicorn
 
     ckpt, _ = files
     monkeypatch.setattr(serve_command, "check_port", lambda host, port: None)
 
-    # "serving" = two requests made while uvicorn.run would be running
-    def serve(app, **_):
+    # "serving" = two requests made while the server would be running
+    def serve(_, app, **__):
         client = TestClient(app)
         client.get("/api/info")
         client.post("/api/segment", content=b"x", headers={"Content-Type": "text/plain"})
 
-    monkeypatch.setattr(uvicorn, "run", serve)
+    monkeypatch.setattr(serve_command, "run_server", serve)
     assert main(["serve", "-c", str(ckpt)]) == 0
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 2
@@ -210,3 +208,12 @@ def test_serve_refuses_tta_for_an_onnx_model(tmp_path, capsys):
     assert main(["serve", "--onnx", str(fake), "--tta-flip"]) == 1
     err = capsys.readouterr().err
     assert "need --checkpoint" in err and "Traceback" not in err
+
+
+def test_an_address_of_another_machine_is_named_as_such():
+    """--host 192.0.2.1 (no address of this machine) was told to stop the program using the
+    port: there is none."""
+    from dualseg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"192\.0\.2\.1: it is no address of this machine"):
+        serve_command.check_port("192.0.2.1", 18999)

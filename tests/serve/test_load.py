@@ -87,3 +87,55 @@ def test_full_queue_is_503_with_retry_after_and_frees_up(slow):
         _wait_busy(client, 0)
         again = client.post("/api/segment", content=gradient_png(24, 32), headers=PNG)
         assert again.status_code == 200
+
+
+def test_a_job_whose_client_has_gone_never_runs():
+    """Clients that gave up kept their jobs in the queue: each ran (a minute for a big image)
+    and the server answered 503 to everyone else meanwhile."""
+    import asyncio
+
+    from fastapi import HTTPException
+
+    from dualseg.serve.app import _Workers
+
+    async def scenario() -> None:
+        pool = _Workers(1, 5)
+        release, ran = threading.Event(), []
+        first = asyncio.ensure_future(pool.run(release.wait, 30))
+        while pool.pending == 0:
+            await asyncio.sleep(0.01)
+
+        async def gone() -> bool:
+            return True
+
+        with pytest.raises(HTTPException) as refused:
+            await pool.run(ran.append, "ran", gone=gone)
+        assert refused.value.status_code == 499 and ran == [] and pool.pending == 1
+        release.set()
+        assert await first is True
+        assert pool.pending == 0
+        pool.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_closing_answers_the_waiting_requests_and_lets_the_running_one_finish(slow):
+    """Ctrl-C: uvicorn waits for every open request, so the server worked through the whole
+    queue before it stopped; the waiting ones are now answered 503 at once."""
+    app = create_app(slow, workers=1, queue_size=2)
+    with TestClient(app) as client, ThreadPoolExecutor(2) as background:
+        running = background.submit(
+            client.post, "/api/segment", content=gradient_png(48, 128), headers=PNG
+        )
+        assert slow.started.wait(timeout=30)
+        waiting = background.submit(
+            client.post, "/api/segment", content=gradient_png(24, 32), headers=PNG
+        )
+        _wait_busy(client, 2)
+        app.state.workers.close()
+        answer = waiting.result(timeout=30)
+        assert answer.status_code == 503 and "shutting down" in answer.json()["detail"]
+        late = client.post("/api/segment", content=gradient_png(24, 32), headers=PNG)
+        assert late.status_code == 503
+        slow.release.set()
+        assert running.result(timeout=60).status_code == 200

@@ -9,7 +9,9 @@ Binds to 127.0.0.1 (this machine only) unless --host says otherwise; the page ha
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import errno
 import ipaddress
 import logging
 import math
@@ -156,10 +158,37 @@ def check_port(host: str, port: int) -> None:
         try:
             sock.bind(address)
         except OSError as err:
+            if err.errno == errno.EADDRNOTAVAIL:  # no program to stop: not this machine's
+                raise ConfigError(
+                    f"cannot listen on {host}: it is no address of this machine; use "
+                    "127.0.0.1 (this machine only), 0.0.0.0 (every interface) or one of its "
+                    "addresses (--host)"
+                ) from err
+            if err.errno == errno.EACCES:
+                raise ConfigError(
+                    f"cannot listen on {host}:{port}: permission denied (ports below 1024 "
+                    "need administrator rights); choose --port 1024 or above"
+                ) from err
             raise ConfigError(
                 f"cannot listen on {host}:{port} ({err.strerror or err}); stop the program "
                 "using it or choose another --port"
             ) from err
+
+
+def run_server(uvicorn: Any, app: Any, *, host: str, port: int, log_level: str) -> None:
+    """Serve ``app`` until Ctrl-C / SIGTERM. On the signal, the requests still waiting for a
+    worker are answered 503 at once (``app.state.workers.close``): uvicorn waits for every
+    open request before it stops, which was the whole queue."""
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
+    stop = server.handle_exit
+
+    def handle_exit(sig: int, frame: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # no loop running (yet): nothing waits
+            asyncio.get_running_loop().call_soon_threadsafe(app.state.workers.close)
+        stop(sig, frame)
+
+    server.handle_exit = handle_exit
+    server.run()
 
 
 def _import_serve() -> tuple[Any, Any]:
@@ -276,5 +305,5 @@ def main(argv: list[str] | None = None) -> int:
     shown = f"[{args.host}]" if ":" in args.host else args.host
     print(f"dualseg serve: http://{shown}:{args.port}/  (API docs: /docs; Ctrl+C stops)")
     with _request_log_on_stderr():
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        run_server(uvicorn, app, host=args.host, port=args.port, log_level="warning")
     return 0

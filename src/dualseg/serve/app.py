@@ -44,8 +44,8 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -368,6 +368,10 @@ def upsample_probs(probs: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     return resize_bilinear(probs.transpose(1, 2, 0), hw).transpose(2, 0, 1)
 
 
+SHUTTING_DOWN = "the server is shutting down; retry once it is back"
+DISCONNECT_POLL_S = 0.25  # how often a waiting job asks whether its client is still there
+
+
 class _Workers:
     """A fixed pool of inference threads with a bounded number of waiting jobs.
 
@@ -382,9 +386,21 @@ class _Workers:
         self._lock = threading.Lock()  # TestClient may drive the app from several loops
         self._pending = 0
         self._mean_s = 1.0  # running mean of a job's duration, for Retry-After
+        self._waiting: set[Future[Any]] = set()  # submitted, not yet done
+        self._closing = False
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        gone: Callable[[], Awaitable[bool]] | None = None,
+    ) -> T:
+        """``fn(*args)`` on a worker. ``gone``: whether the client has disconnected, asked
+        while the job waits for a worker; a job whose client is gone never runs (it kept the
+        queue full for requests nobody would read)."""
         with self._lock:
+            if self._closing:
+                raise HTTPException(status_code=503, detail=SHUTTING_DOWN)
             if self._pending >= self.workers + self.queue_size:
                 wait = math.ceil(self._mean_s * (self._pending / self.workers))
                 raise HTTPException(
@@ -396,12 +412,33 @@ class _Workers:
                 )
             self._pending += 1
         t = time.perf_counter()
+        job = self._executor.submit(fn, *args)
+        self._waiting.add(job)
         try:
-            return await asyncio.wrap_future(self._executor.submit(fn, *args))
+            done = asyncio.wrap_future(job)
+            while gone is not None and not job.running() and not job.done():
+                await asyncio.wait({done}, timeout=DISCONNECT_POLL_S)
+                if not job.running() and not job.done() and await gone() and job.cancel():
+                    raise HTTPException(status_code=499, detail="the client disconnected")
+            try:
+                return await done
+            except asyncio.CancelledError:
+                if job.cancelled():  # by close(): answered, not an ASGI error
+                    raise HTTPException(status_code=503, detail=SHUTTING_DOWN) from None
+                raise
         finally:
+            self._waiting.discard(job)
             with self._lock:
                 self._pending -= 1
-                self._mean_s = 0.8 * self._mean_s + 0.2 * (time.perf_counter() - t)
+                if not job.cancelled():
+                    self._mean_s = 0.8 * self._mean_s + 0.2 * (time.perf_counter() - t)
+
+    def close(self) -> None:
+        """Refuse new jobs and cancel those still waiting for a worker (Ctrl-C: the server
+        stops once the running ones end, where it worked through the whole queue first)."""
+        self._closing = True
+        for job in list(self._waiting):
+            job.cancel()
 
     @property
     def pending(self) -> int:
@@ -409,6 +446,7 @@ class _Workers:
         return self._pending
 
     def shutdown(self) -> None:
+        self._closing = True
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
@@ -476,6 +514,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    app.state.workers = pool  # dualseg serve closes it on Ctrl-C (see commands/serve.py)
 
     @app.middleware("http")
     async def log_request(request: Request, call_next: Callable[[Request], Any]) -> Response:
@@ -589,7 +628,9 @@ def create_app(
         t0 = time.perf_counter()
         data, name = await reader.read(request)
         try:
-            result = await pool.run(segment_upload, data, name, images)
+            result = await pool.run(
+                segment_upload, data, name, images, gone=request.is_disconnected
+            )
         except ImageTooLargeError as err:
             below = not pillow_max_pixels() or max_megapixels * 1e6 < pillow_max_pixels()
             raisable = below and "Pillow's" not in str(err)
