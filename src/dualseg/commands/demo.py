@@ -639,6 +639,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualseg.data.transforms import build_eval_transform
     from dualseg.engine.evaluate import evaluate
     from dualseg.engine.predict import load_model, resolve_device
+    from dualseg.engine.rundir import check_not_in_use, hold_run_folder
     from dualseg.engine.train import fit
     from dualseg.io import atomic_write_json
     from dualseg.metrics import to_jsonable
@@ -649,6 +650,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     check_out_dir(out, overwrite=args.overwrite)
+    check_not_in_use(out)  # before anything is generated into it
     own = args.overwrite or (out.is_dir() and is_demo_folder(out))  # before it is marked
     device = resolve_device(args.device)
     if args.data is not None:  # nothing to generate: the splits are checked before out is touched
@@ -656,95 +658,102 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         check_splits_differ(root, meta, args)
     else:
         check_data_folder(out, own=own)
-    mark_demo_folder(out)
-    if args.data is None:
-        root, meta = _prepare_data(args, out, own=own)
-    t_data = time.perf_counter() - start
-    weights = _resolve_weights(args.arch, args.weights)
-    cfg = _train_config(args, root, meta, weights)
+    # one run writes the folder at a time: a second demo (or train) into it is refused,
+    # where two mixed their files (one's config and data beside the other's model)
+    with hold_run_folder(out):
+        mark_demo_folder(out)
+        if args.data is None:
+            root, meta = _prepare_data(args, out, own=own)
+        t_data = time.perf_counter() - start
+        weights = _resolve_weights(args.arch, args.weights)
+        cfg = _train_config(args, root, meta, weights)
 
-    t0 = time.perf_counter()
-    # the folder is the demo's own (or --overwrite was given): a re-run replaces its run. The
-    # earlier run's figures describe its model: none may sit beside another (a panel with
-    # --n-show 0, a refiner with --no-refine, predictions of images no longer held out, scores
-    # of a model an interrupted run replaced), so they wait aside while fit runs
-    with outputs_set_aside(out):
-        result = fit(cfg, overwrite=True)
-    if result["stop_reason"] == "interrupted":  # fit saved and returned: the demo stops too
-        raise Terminated if result.get("signal") == signal.SIGTERM else KeyboardInterrupt
-    t_train = time.perf_counter() - t0
-    ckpt_path = Path(result["best"] or result["last"])
+        t0 = time.perf_counter()
+        # the folder is the demo's own (or --overwrite was given): a re-run replaces its run. The
+        # earlier run's figures describe its model: none may sit beside another (a panel with
+        # --n-show 0, a refiner with --no-refine, predictions of images no longer held out, scores
+        # of a model an interrupted run replaced), so they wait aside while fit runs
+        with outputs_set_aside(out):
+            result = fit(cfg, overwrite=True)
+        if result["stop_reason"] == "interrupted":  # fit saved and returned: the demo stops too
+            raise Terminated if result.get("signal") == signal.SIGTERM else KeyboardInterrupt
+        t_train = time.perf_counter() - t0
+        ckpt_path = Path(result["best"] or result["last"])
 
-    train_set = build_dataset(
-        root, split=args.train_split, layout=cfg.data.layout, preset=meta,
-        label_format=cfg.data.label_format,
-    )  # fmt: skip
-    val_set = build_dataset(
-        root, split=args.val_split, layout=cfg.data.layout, preset=meta,
-        transform=build_eval_transform(), label_format=cfg.data.label_format,
-    )  # fmt: skip
-    val_loader = torch.utils.data.DataLoader(
-        val_set, batch_size=cfg.data.val_batch_size, shuffle=False, num_workers=args.workers
-    )
-    eval_kwargs = {
-        "num_classes": meta.num_classes,
-        "ignore_index": 255,
-        "device": device,
-        "amp": cuda_amp(args, device),
-    }
-
-    t0 = time.perf_counter()
-    segmenter = load_model(ckpt_path, device=device)
-    visuals = _VisualWriter(val_set, out, args.n_show, cfg.data.val_batch_size)
-    model_metrics = evaluate(segmenter.model, val_loader, on_batch=visuals, **eval_kwargs)
-    t_eval = time.perf_counter() - t0
-    baselines = {
-        name: evaluate(m.to(device), val_loader, **eval_kwargs)
-        for name, m in baseline_models(
-            [lp for _, lp in train_set.samples], meta, label_format=cfg.data.label_format
-        ).items()
-    }
-
-    refinement = None
-    if not args.no_refine:
-        refinement = _run_refinement(
-            checkpoint=ckpt_path,
-            data_root=root,
-            preset=meta,
-            val_loader=val_loader,
-            base_metrics=model_metrics,
-            data=cfg.data,
-            out=out,
-            args=args,
-            on_batch=visuals.refined_hook,
+        train_set = build_dataset(
+            root, split=args.train_split, layout=cfg.data.layout, preset=meta,
+            label_format=cfg.data.label_format,
+        )  # fmt: skip
+        val_set = build_dataset(
+            root, split=args.val_split, layout=cfg.data.layout, preset=meta,
+            transform=build_eval_transform(), label_format=cfg.data.label_format,
+        )  # fmt: skip
+        val_loader = torch.utils.data.DataLoader(
+            val_set, batch_size=cfg.data.val_batch_size, shuffle=False, num_workers=args.workers
         )
+        eval_kwargs = {
+            "num_classes": meta.num_classes,
+            "ignore_index": 255,
+            "device": device,
+            "amp": cuda_amp(args, device),
+        }
 
-    figures = visuals.finish()
-    record = {
-        "out": str(out),
-        "dataset": {
-            "root": str(root),
-            "name": meta.name,
-            "class_names": list(meta.class_names),
-            "train_images": len(train_set.samples),
-            "val_images": len(val_set.samples),
-        },
-        "model": {"arch": args.arch, "weights": weights or "random init", "checkpoint": ckpt_path},
-        "train": {"iters": args.iters, "batch_size": args.batch_size, "lr": args.lr},
-        "metrics": model_metrics,
-        "baselines": baselines,
-        "refinement": refinement,
-        "figures": figures,
-        "seconds": {
-            "data": t_data,
-            "train": t_train,
-            "eval": t_eval,
-            "total": time.perf_counter() - start,
-        },
-    }
-    atomic_write_json(out / "metrics.json", to_jsonable(record))
-    print(summary(record))
-    return record
+        t0 = time.perf_counter()
+        segmenter = load_model(ckpt_path, device=device)
+        visuals = _VisualWriter(val_set, out, args.n_show, cfg.data.val_batch_size)
+        model_metrics = evaluate(segmenter.model, val_loader, on_batch=visuals, **eval_kwargs)
+        t_eval = time.perf_counter() - t0
+        baselines = {
+            name: evaluate(m.to(device), val_loader, **eval_kwargs)
+            for name, m in baseline_models(
+                [lp for _, lp in train_set.samples], meta, label_format=cfg.data.label_format
+            ).items()
+        }
+
+        refinement = None
+        if not args.no_refine:
+            refinement = _run_refinement(
+                checkpoint=ckpt_path,
+                data_root=root,
+                preset=meta,
+                val_loader=val_loader,
+                base_metrics=model_metrics,
+                data=cfg.data,
+                out=out,
+                args=args,
+                on_batch=visuals.refined_hook,
+            )
+
+        figures = visuals.finish()
+        record = {
+            "out": str(out),
+            "dataset": {
+                "root": str(root),
+                "name": meta.name,
+                "class_names": list(meta.class_names),
+                "train_images": len(train_set.samples),
+                "val_images": len(val_set.samples),
+            },
+            "model": {
+                "arch": args.arch,
+                "weights": weights or "random init",
+                "checkpoint": ckpt_path,
+            },
+            "train": {"iters": args.iters, "batch_size": args.batch_size, "lr": args.lr},
+            "metrics": model_metrics,
+            "baselines": baselines,
+            "refinement": refinement,
+            "figures": figures,
+            "seconds": {
+                "data": t_data,
+                "train": t_train,
+                "eval": t_eval,
+                "total": time.perf_counter() - start,
+            },
+        }
+        atomic_write_json(out / "metrics.json", to_jsonable(record))
+        print(summary(record))
+        return record
 
 
 def summary(record: dict[str, Any]) -> str:

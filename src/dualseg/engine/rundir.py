@@ -15,6 +15,9 @@
   new one fails before its first checkpoint (a bad label met in training with
   ``data.check false``, out of memory, a NaN at the first step), and is deleted once the new
   one has a checkpoint: an ``--overwrite`` never leaves a folder with neither run.
+- :func:`hold_run_folder` / :func:`check_not_in_use`: one process at a time writes a folder
+  (:data:`LOCK_NAME` holds its pid): a second run into it is refused, where two mixed their
+  files (one's config beside the other's checkpoint).
 - :class:`CheckpointClock`: when ``last.pt`` is due — every ``ckpt_every`` iterations and, by
   default, every ``ckpt_minutes`` of wall clock — so a kill loses little even with
   ``val_every 0``.
@@ -23,10 +26,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
+import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dualseg.errors import RunExistsError
@@ -34,13 +39,16 @@ from dualseg.io import check_writable
 
 __all__ = [
     "FALLBACK_CKPT_EVERY",
+    "LOCK_NAME",
     "REPLACED_DIR",
     "RUN_FILES",
     "CheckpointClock",
+    "check_not_in_use",
     "check_run_dir",
     "checkpoint_interval",
     "continues_run",
     "discard_replaced",
+    "hold_run_folder",
     "prepare_run_dir",
     "remove_stale_temporaries",
     "restore_replaced",
@@ -56,6 +64,90 @@ EVENTS_GLOB = "events.out.tfevents.*"
 FALLBACK_CKPT_EVERY = 1000  # iterations between checkpoints when neither interval is set
 # an --overwrite's old run waits here (renamed, same filesystem) for the new run's first checkpoint
 REPLACED_DIR = ".replaced"
+# the process writing the folder now: {"pid", "host", "started"} (see hold_run_folder)
+LOCK_NAME = ".dualseg.lock"
+
+
+def _process_start(pid: int) -> str | None:
+    """When ``pid`` started (Linux: /proc's clock ticks), telling a live holder from a later
+    process that got its pid; None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rpartition(")")[2].split()[19]  # field 22, counted after the command name
+
+
+def _holder(out_dir: Path) -> dict | None:
+    """The lock's record when a live process other than this one holds it, else None (no lock,
+    a stale one of a process that ended, or this process's own)."""
+    try:
+        record = json.loads((out_dir / LOCK_NAME).read_text(encoding="utf-8"))
+        pid = int(record["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if record.get("host") != socket.gethostname():
+        return record  # another machine's process (a shared disk): whether it runs is unknown
+    if pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None  # it ended without removing the lock (killed)
+    except PermissionError:
+        pass  # alive, another user's
+    started = record.get("started")
+    if started is not None and _process_start(pid) not in (None, started):
+        return None  # its pid now belongs to another process
+    return record
+
+
+def check_not_in_use(out_dir: str | Path) -> None:
+    """Refuse ``out_dir`` while another live process writes it (:func:`hold_run_folder`)."""
+    out_dir = Path(out_dir)
+    record = _holder(out_dir)
+    if record is not None:
+        raise RunExistsError(
+            f"{out_dir} is in use by another dualseg run (process {record.get('pid')} on "
+            f"{record.get('host')}); wait for it to end or choose another folder (if no run is "
+            f"using it, delete {out_dir / LOCK_NAME})"
+        )
+
+
+@contextlib.contextmanager
+def hold_run_folder(out_dir: str | Path) -> Iterator[None]:
+    """Hold ``out_dir`` (created if needed) for this process while the block runs: another
+    process that tries meanwhile is refused (:func:`check_not_in_use`). Re-entrant within one
+    process (the demo holds its folder around ``fit``, which holds it too); a lock left by a
+    killed process is taken over."""
+    out_dir = Path(out_dir)
+    check_not_in_use(out_dir)
+    lock = out_dir / LOCK_NAME
+    try:
+        mine = int(json.loads(lock.read_text(encoding="utf-8"))["pid"]) == os.getpid()
+    except (OSError, ValueError, KeyError, TypeError):
+        mine = False
+    if mine:  # held by an outer block of this process
+        yield
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock.unlink(missing_ok=True)  # stale: its process ended
+    record = {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started": _process_start(os.getpid()),
+    }
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:  # another process took it between the check and here
+        check_not_in_use(out_dir)
+        raise
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(record, f)
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
 
 
 def run_files(out_dir: Path) -> list[Path]:

@@ -75,9 +75,11 @@ from dualseg.engine.preflight import (
 )
 from dualseg.engine.rundir import (
     CheckpointClock,
+    check_not_in_use,
     check_run_dir,
     checkpoint_interval,
     discard_replaced,
+    hold_run_folder,
     prepare_run_dir,
     restore_replaced,
 )
@@ -373,14 +375,17 @@ def fit(cfg: Config, *, resume: str | None = None, overwrite: bool = False) -> d
         _preflight(cfg, env, resume, overwrite)  # run folder check, dataset scan, tensorboard
         run = _build(cfg, env, resume)  # data, model, loss, optimizer, schedule
         _resume(run)  # weights, optimizer, schedule, sampler, progress, RNG states
-        try:
-            _start(run, overwrite)  # DDP / compile, run folder (old run set aside), log
-            _loop(run)  # epochs until max_iters, patience or a signal
-        except BaseException:
-            if run.replaced is not None:  # failed before its first checkpoint: the old run back
-                restore_replaced(run.out_dir, run.replaced)
-            raise
-        return _summary(run)
+        # one process writes the folder: a second run into it is refused (the main process
+        # holds it for all ranks)
+        with hold_run_folder(run.out_dir) if env.is_main else contextlib.nullcontext():
+            try:
+                _start(run, overwrite)  # DDP / compile, run folder (old run set aside), log
+                _loop(run)  # epochs until max_iters, patience or a signal
+            except BaseException:
+                if run.replaced is not None:  # failed before its first checkpoint: old run back
+                    restore_replaced(run.out_dir, run.replaced)
+                raise
+            return _summary(run)
     finally:
         cleanup_distributed()
 
@@ -435,6 +440,7 @@ def _preflight(cfg: Config, env: DistEnv, resume: str | None, overwrite: bool) -
     if t.threads > 0:
         torch.set_num_threads(t.threads)
     check_run_dir(t.out_dir, resume=resume, overwrite=overwrite)
+    check_not_in_use(t.out_dir)  # again when the folder is taken (hold_run_folder)
     if not overwrite:
         _refuse_rewind(Path(t.out_dir), resume)
     shown = env.is_main and t.progress and not t.quiet
