@@ -36,7 +36,12 @@ def ckpt(checkpoint, tmp_path) -> Path:
 def refiner_file(tmp_path) -> Path:
     torch.manual_seed(0)
     cfg = RefinerConfig(embed_dim=4)
-    net = build_embedding_net(cfg.backbone, embed_dim=cfg.embed_dim)
+    net = build_embedding_net(
+        cfg.backbone,
+        embed_dim=cfg.embed_dim,
+        output_stride=cfg.output_stride,
+        aspp_rates=cfg.aspp_rates,
+    )
     refiner = BoundaryRefiner(
         net, torch.eye(3, 4), torch.ones(3, dtype=torch.bool), class_names="abc", config=cfg
     )

@@ -18,7 +18,12 @@ from dualseg.refine import BoundaryRefiner, RefinerConfig, build_embedding_net
 def refiner(tmp_path_factory):
     torch.manual_seed(0)
     cfg = RefinerConfig(embed_dim=16, input_scale=0.5, radius=3, top_n=2)
-    net = build_embedding_net(cfg.backbone, embed_dim=cfg.embed_dim)
+    net = build_embedding_net(
+        cfg.backbone,
+        embed_dim=cfg.embed_dim,
+        output_stride=cfg.output_stride,
+        aspp_rates=cfg.aspp_rates,
+    )
     protos = torch.randn(3, cfg.embed_dim) * 0.1
     present = torch.tensor([True, True, False])  # class 2 has no prototype: never chosen
     r = BoundaryRefiner(net, protos, present, class_names=["a", "b", "c"], config=cfg)

@@ -15,10 +15,14 @@ from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner, RefinerConfig, build_embedding_net
 from dualseg.refine.embedding import init_backbone_from
 
+RATES = (4, 6, 8, 12)  # the spec's ASPP rates
+
 
 def test_the_embedding_is_at_stride_4_and_reads_the_stride_4_features() -> None:
     torch.manual_seed(0)
-    net = build_embedding_net("mobilenet_v2", embed_dim=8, output_stride=16, decoder_channels=6)
+    net = build_embedding_net(
+        "mobilenet_v2", embed_dim=8, output_stride=16, aspp_rates=RATES, decoder_channels=6
+    )
     net.eval()
     x = torch.randn(2, 3, 64, 96)
     with torch.no_grad():
@@ -35,7 +39,7 @@ def test_the_embedding_is_at_stride_4_and_reads_the_stride_4_features() -> None:
 
 
 def test_no_decoder_is_the_claims_embedding_at_the_output_stride() -> None:
-    net = build_embedding_net("mobilenet_v2", embed_dim=8, output_stride=16)
+    net = build_embedding_net("mobilenet_v2", embed_dim=8, output_stride=16, aspp_rates=RATES)
     assert net.decoder is None and net.low_level is None
     assert net.features(torch.randn(1, 3, 64, 96)).shape == (1, 8, 4, 6)
 
@@ -43,7 +47,12 @@ def test_no_decoder_is_the_claims_embedding_at_the_output_stride() -> None:
 def test_on_a_frozen_backbone_only_the_aspp_and_the_decoder_learn() -> None:
     torch.manual_seed(0)
     net = build_embedding_net(
-        "resnet18", embed_dim=8, output_stride=8, decoder_channels=4, freeze_backbone=True
+        "resnet18",
+        embed_dim=8,
+        output_stride=8,
+        aspp_rates=RATES,
+        decoder_channels=4,
+        freeze_backbone=True,
     )
     before = {k: v.clone() for k, v in net.backbone.state_dict().items()}
     net.train()
@@ -56,7 +65,13 @@ def test_on_a_frozen_backbone_only_the_aspp_and_the_decoder_learn() -> None:
 
 def test_wrong_decoder_options_are_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match="stride-4 tap"):
-        build_embedding_net("timm:efficientnet_lite0", embed_dim=8, decoder_channels=48)
+        build_embedding_net(
+            "timm:efficientnet_lite0",
+            embed_dim=8,
+            output_stride=8,
+            aspp_rates=RATES,
+            decoder_channels=48,
+        )
     for wrong in (-1, 4097):  # 100000 would run out of memory building the decoder
         with pytest.raises(ConfigError, match=rf"decoder_channels must be in 0\.\.4096 .*{wrong}"):
             RefinerConfig(decoder_channels=wrong)
@@ -165,7 +180,9 @@ def test_sampled_cells_are_every_cell_the_bilinear_sample_reads(size, cells, cov
 @torch.no_grad()
 def test_the_decoder_at_a_few_cells_equals_the_whole_map_there() -> None:
     torch.manual_seed(0)
-    net = build_embedding_net("mobilenet_v2", embed_dim=8, output_stride=16, decoder_channels=6)
+    net = build_embedding_net(
+        "mobilenet_v2", embed_dim=8, output_stride=16, aspp_rates=RATES, decoder_channels=6
+    )
     for m in net.modules():  # non-trivial statistics: the sparse path must use them alike
         if isinstance(m, torch.nn.BatchNorm2d):
             m.running_mean.uniform_(-0.5, 0.5)
@@ -181,7 +198,9 @@ def test_the_decoder_at_a_few_cells_equals_the_whole_map_there() -> None:
     none = torch.zeros_like(at)  # no cell at all: no rows, no error
     assert net.head_at(local, low, none).shape == (0, 8)
     with pytest.raises(ConfigError, match="needs a decoder"):
-        build_embedding_net("mobilenet_v2", embed_dim=8, output_stride=16).head_at(local, low, at)
+        build_embedding_net(
+            "mobilenet_v2", embed_dim=8, output_stride=16, aspp_rates=RATES
+        ).head_at(local, low, at)
     with pytest.raises(ConfigError, match="for inference"):  # BatchNorm's running statistics
         net.train().head_at(local, low, at)
 

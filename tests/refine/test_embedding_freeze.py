@@ -9,7 +9,13 @@ from dualseg.refine.embedding import build_embedding_net
 
 def test_frozen_backbone_keeps_weights_and_bn_statistics_while_the_head_learns() -> None:
     torch.manual_seed(0)
-    net = build_embedding_net("mobilenet_v2", embed_dim=8, output_stride=16, freeze_backbone=True)
+    net = build_embedding_net(
+        "mobilenet_v2",
+        embed_dim=8,
+        output_stride=16,
+        aspp_rates=(4, 6, 8, 12),
+        freeze_backbone=True,
+    )
     before = {k: v.clone() for k, v in net.backbone.state_dict().items()}
     head_before = {k: v.clone() for k, v in net.fuse.state_dict().items()}
     trainable = [p for p in net.parameters() if p.requires_grad]

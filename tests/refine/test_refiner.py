@@ -214,7 +214,9 @@ def test_base_features_a_refiner_cannot_read_are_refused() -> None:
     from dualseg.errors import ConfigError
     from dualseg.refine import build_embedding_net
 
-    net = build_embedding_net("mobilenet_v2", embed_dim=8)
+    net = build_embedding_net(
+        "mobilenet_v2", embed_dim=8, output_stride=8, aspp_rates=(4, 6, 8, 12)
+    )
     protos, present = torch.randn(2, 8), torch.ones(2, dtype=torch.bool)
     images = torch.randn(1, 3, 32, 32)
     probs = torch.zeros(1, 2, 32, 32)

@@ -40,7 +40,12 @@ def files(tmp_path):
         },
     )
     cfg = RefinerConfig(embed_dim=8, radius=2)
-    net = build_embedding_net(cfg.backbone, embed_dim=cfg.embed_dim)
+    net = build_embedding_net(
+        cfg.backbone,
+        embed_dim=cfg.embed_dim,
+        output_stride=cfg.output_stride,
+        aspp_rates=cfg.aspp_rates,
+    )
     refiner = BoundaryRefiner(
         net, torch.randn(3, 8), torch.ones(3, dtype=torch.bool), class_names=NAMES, config=cfg
     )

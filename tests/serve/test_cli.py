@@ -146,7 +146,9 @@ def test_serve_refuses_mismatched_refiner(files, captured, tmp_path):
     ckpt, _ = files
     cfg = RefinerConfig(embed_dim=4)
     other = BoundaryRefiner(
-        build_embedding_net(cfg.backbone, embed_dim=4),
+        build_embedding_net(
+            cfg.backbone, embed_dim=4, output_stride=cfg.output_stride, aspp_rates=cfg.aspp_rates
+        ),
         torch.randn(2, 4),
         torch.ones(2, dtype=torch.bool),
         class_names=["x", "y"],

@@ -246,11 +246,11 @@ def embedding_cover(
 
 
 def build_embedding_net(
-    backbone: str = "mobilenet_v2",
+    backbone: str,
     *,
-    embed_dim: int = 256,
-    output_stride: int = 8,
-    aspp_rates: Sequence[int] = (4, 6, 8, 12),
+    embed_dim: int,
+    output_stride: int,
+    aspp_rates: Sequence[int],
     weights: str | os.PathLike[str] | None = None,
     freeze_backbone: bool = False,
     decoder_channels: int = 0,
