@@ -337,6 +337,10 @@ def _dilate(mask: Tensor, radius: int) -> Tensor:
 # The widest boundary tolerance / trimap band: matching pads every label map by it on each
 # side, and at 100000 px that asked for 80 GB; a band wider than 256 px covers whole images.
 MAX_WIDTH = 256
+# the default boundary tolerance and trimap band, px (dualseg eval's --boundary-tolerance and
+# --trimap-width; evaluate()'s boundary_tolerance and trimap_width)
+BOUNDARY_TOLERANCE = 3
+TRIMAP_WIDTH = 5
 
 
 class BoundaryMetrics:
@@ -365,8 +369,8 @@ class BoundaryMetrics:
         self,
         num_classes: int,
         *,
-        tolerance: int = 3,
-        trimap_width: int = 5,
+        tolerance: int = BOUNDARY_TOLERANCE,
+        trimap_width: int = TRIMAP_WIDTH,
         ignore_index: int = 255,
         device: torch.device | str | None = None,
     ) -> None:

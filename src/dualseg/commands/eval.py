@@ -105,13 +105,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_runtime_args(p)
     add_quiet_arg(p)
+    from dualseg.metrics import BOUNDARY_TOLERANCE, TRIMAP_WIDTH
+
     p.add_argument(
         "--boundary-tolerance",
         type=width_arg,
-        default=3,
-        help="boundary F1 tolerance px (3)",
+        default=BOUNDARY_TOLERANCE,
+        help=f"boundary F1 tolerance px ({BOUNDARY_TOLERANCE})",
     )
-    p.add_argument("--trimap-width", type=width_arg, default=5, help="trimap band width px (5)")
+    p.add_argument(
+        "--trimap-width",
+        type=width_arg,
+        default=TRIMAP_WIDTH,
+        help=f"trimap band width px ({TRIMAP_WIDTH})",
+    )
     add_inference_arguments(p)
     return p
 

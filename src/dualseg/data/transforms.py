@@ -62,7 +62,12 @@ class RandomGaussianBlur(v2.Transform):
     every other training sample.
     """
 
-    def __init__(self, p: float = 0.5, kernel_size: int = 5, sigma=(0.1, 2.0)) -> None:
+    def __init__(
+        self,
+        p: float = BLUR_PROB,
+        kernel_size: int = 5,
+        sigma: tuple[float, float] = BLUR_SIGMA,
+    ) -> None:
         super().__init__()
         if kernel_size % 2 != 1:
             raise ValueError(f"kernel_size must be odd, got {kernel_size}")

@@ -27,7 +27,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dualseg.engine.inference import InferenceOptions, infer_logits
-from dualseg.metrics import BoundaryMetrics, ConfusionMatrix, format_table
+from dualseg.metrics import (
+    BOUNDARY_TOLERANCE,
+    TRIMAP_WIDTH,
+    BoundaryMetrics,
+    ConfusionMatrix,
+    format_table,
+)
 from dualseg.models.base import eval_mode
 
 __all__ = ["Refiner", "evaluate", "format_metrics"]
@@ -128,8 +134,8 @@ def evaluate(
     num_classes: int,
     ignore_index: int = 255,
     device: str | torch.device = "cpu",
-    boundary_tolerance: int = 3,
-    trimap_width: int = 5,
+    boundary_tolerance: int = BOUNDARY_TOLERANCE,
+    trimap_width: int = TRIMAP_WIDTH,
     refiner: Refiner | None = None,
     amp: bool = False,
     distributed: bool = False,
