@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
-from torchvision.models.segmentation.deeplabv3 import DeepLabHead
+from torchvision.models.segmentation.deeplabv3 import ASPPPooling, DeepLabHead
 
 from dualseg.models.base import SegmentationModel, pad_to_multiple, upsample_crop
 
@@ -39,9 +39,19 @@ class DeepLabV3(SegmentationModel):
         self.backbone = backbone
         self.head = DeepLabHead(backbone_channels, num_classes, self.rates)
 
+    def _pooling_norm_trains(self) -> bool:
+        """Whether the image-pooling branch's BatchNorm is in training mode (a model in train
+        mode with its BatchNorm layers frozen, as for fine-tuning, trains on one image)."""
+        return any(
+            isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+            for pool in self.head.modules()
+            if isinstance(pool, ASPPPooling)
+            for m in pool.modules()
+        )
+
     def forward(self, x: Tensor) -> Tensor:
         self.check_input(x)
-        if self.training and x.shape[0] == 1 and not torch.jit.is_tracing():
+        if x.shape[0] == 1 and self._pooling_norm_trains() and not torch.jit.is_tracing():
             # torchvision's image-pooling branch normalizes one value per channel: BatchNorm
             # cannot train on it (its own error names neither the model nor the fix)
             raise ValueError(
