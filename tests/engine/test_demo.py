@@ -11,6 +11,7 @@ from PIL import Image
 
 from dualseg.commands import demo
 from dualseg.data import get_preset
+from dualseg.engine.baselines import baseline_models
 from dualseg.engine.evaluate import evaluate
 from dualseg.errors import WeightsNotFoundError
 
@@ -32,7 +33,7 @@ def test_baselines_most_frequent_and_per_position(tmp_path) -> None:
     other[:, :] = 2
     other[0, 0] = 255  # ignore pixels are never counted
     paths = _labels(tmp_path, [top, top, other])
-    models = demo.baseline_models(paths, meta, grid=8)
+    models = baseline_models(paths, meta, grid=8)
     x = torch.zeros(1, 3, 16, 16)  # another size: the prior is resized
     per_pos = models["majority_per_position"](x).argmax(1)[0]
     assert (per_pos[:8] == 0).all() and (per_pos[8:] == 2).all()

@@ -32,8 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from dualseg.augment_defaults import seed_error
 from dualseg.commands.common import add_quiet_arg, cuda_amp
@@ -42,7 +41,6 @@ from dualseg.engine.config import MAX_THREADS, DataConfig
 from dualseg.errors import (
     ConfigError,
     DataError,
-    DualsegError,
     RunExistsError,
     Terminated,
     WeightsNotFoundError,
@@ -154,51 +152,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="training images whose near-boundary pixels give the prototypes (100)",
     )
     return p
-
-
-# ----------------------------------------------------------------------------- baselines
-class PriorModel(nn.Module):
-    """A 'model' that ignores the image: fixed class scores per position, resized to the input.
-
-    With a constant map it predicts the most frequent class everywhere; with a per-position
-    majority map it predicts the most frequent class at each (relative) pixel position.
-    """
-
-    def __init__(self, scores: Tensor) -> None:  # [C, h, w]
-        super().__init__()
-        self.register_buffer("scores", scores.float())
-
-    def forward(self, x: Tensor) -> Tensor:
-        s = F.interpolate(self.scores[None], size=x.shape[-2:], mode="nearest")
-        return s.expand(x.shape[0], -1, -1, -1)
-
-
-def baseline_models(
-    label_paths: list[Path], meta: Any, *, label_format: str = "index", grid: int = 64
-) -> dict[str, PriorModel]:
-    """``{"most_frequent_class", "majority_per_position"}`` baselines from training labels.
-
-    Labels of any size are resampled (nearest) onto a ``grid`` x ``grid`` map of relative
-    positions, so datasets with mixed image sizes work too.
-    """
-    from dualseg.data.readers import read_label
-
-    c = meta.num_classes
-    counts = torch.zeros(c + 1, grid, grid, dtype=torch.float64)  # last bin: ignore
-    for path in label_paths:
-        lab = torch.from_numpy(read_label(path, meta, label_format=label_format).astype(np.int64))
-        lab = F.interpolate(lab[None, None].float(), size=(grid, grid), mode="nearest")[0, 0]
-        lab = lab.long().clamp(max=c)  # 255 -> c
-        counts += F.one_hot(lab, c + 1).permute(2, 0, 1)
-    counts = counts[:c]
-    if counts.sum() == 0:
-        raise DualsegError("the training labels hold no labelled pixel; check the dataset")
-    per_position = F.one_hot(counts.argmax(0), c).permute(2, 0, 1)
-    most_frequent = F.one_hot(counts.sum((1, 2)).argmax(), c).view(c, 1, 1)
-    return {
-        "most_frequent_class": PriorModel(most_frequent),
-        "majority_per_position": PriorModel(per_position),
-    }
 
 
 # ----------------------------------------------------------------------------- method B hook
@@ -637,6 +590,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the demo as the command line describes; returns what ``metrics.json`` holds."""
     from dualseg.data import build_dataset
     from dualseg.data.transforms import build_eval_transform
+    from dualseg.engine.baselines import baseline_models
     from dualseg.engine.evaluate import evaluate
     from dualseg.engine.predict import load_model, resolve_device
     from dualseg.engine.rundir import check_not_in_use, hold_run_folder

@@ -1,0 +1,63 @@
+"""Trivial baselines the demo scores beside the trained model: models that ignore the image.
+
+``baseline_models`` counts the training labels on a grid of relative positions and returns
+two :class:`PriorModel` s — the most frequent class everywhere, and the most frequent class at
+each position — so a trained model's scores can be read against what no image gives.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dualseg.data.readers import read_label
+from dualseg.errors import DualsegError
+
+__all__ = ["PriorModel", "baseline_models"]
+
+
+class PriorModel(nn.Module):
+    """A 'model' that ignores the image: fixed class scores per position, resized to the input.
+
+    With a constant map it predicts the most frequent class everywhere; with a per-position
+    majority map it predicts the most frequent class at each (relative) pixel position.
+    """
+
+    def __init__(self, scores: Tensor) -> None:  # [C, h, w]
+        super().__init__()
+        self.register_buffer("scores", scores.float())
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = F.interpolate(self.scores[None], size=x.shape[-2:], mode="nearest")
+        return s.expand(x.shape[0], -1, -1, -1)
+
+
+def baseline_models(
+    label_paths: list[Path], meta: Any, *, label_format: str = "index", grid: int = 64
+) -> dict[str, PriorModel]:
+    """``{"most_frequent_class", "majority_per_position"}`` baselines from training labels.
+
+    Labels of any size are resampled (nearest) onto a ``grid`` x ``grid`` map of relative
+    positions, so datasets with mixed image sizes work too.
+    """
+    c = meta.num_classes
+    counts = torch.zeros(c + 1, grid, grid, dtype=torch.float64)  # last bin: ignore
+    for path in label_paths:
+        lab = torch.from_numpy(read_label(path, meta, label_format=label_format).astype(np.int64))
+        lab = F.interpolate(lab[None, None].float(), size=(grid, grid), mode="nearest")[0, 0]
+        lab = lab.long().clamp(max=c)  # 255 -> c
+        counts += F.one_hot(lab, c + 1).permute(2, 0, 1)
+    counts = counts[:c]
+    if counts.sum() == 0:
+        raise DualsegError("the training labels hold no labelled pixel; check the dataset")
+    per_position = F.one_hot(counts.argmax(0), c).permute(2, 0, 1)
+    most_frequent = F.one_hot(counts.sum((1, 2)).argmax(), c).view(c, 1, 1)
+    return {
+        "most_frequent_class": PriorModel(most_frequent),
+        "majority_per_position": PriorModel(per_position),
+    }
