@@ -145,6 +145,21 @@ def test_palette_label_in_the_class_colours_with_a_stray_colour_is_refused(tmp_p
     assert read_label(tmp_path / "own.png", camvid).tolist() == indices.tolist()
 
 
+def test_an_index_label_in_the_voc_colour_map_reads_under_another_preset(tmp_path):
+    """Most tools save index labels with the VOC colour map whatever the dataset: under CamVid
+    a few classes' VOC colours are CamVid colours of other classes (black is its void), which
+    the colour-coded check took for an editor's label and refused."""
+    from dualseg.data.presets import voc_palette
+
+    camvid = get_preset("camvid")
+    for classes in ([0, 1, 2, 3, 7], [1, 3, 5, 7], [0, 1, 3, 7, 8, 10]):
+        label = np.array([classes * 2], np.uint8)
+        im = Image.fromarray(label, mode="P")
+        im.putpalette([v for c in voc_palette(256) for v in c])
+        im.save(tmp_path / "voc_map.png")
+        assert read_label(tmp_path / "voc_map.png", camvid).tolist() == label.tolist()
+
+
 def test_palette_label_in_grey_levels_that_are_other_classes_is_refused(tmp_path):
     """An index label re-encoded by a quantizer: grey 0, 1, 2 on screen, stored as indices
     2, 1, 0. Both readings are labels, and the indices were read silently (classes swapped)."""

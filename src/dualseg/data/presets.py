@@ -236,8 +236,9 @@ def _colors(value: Any, key: str) -> tuple[Color, ...]:
     return tuple((c[0], c[1], c[2]) for c in value)
 
 
-def _voc_palette(n: int) -> tuple[Color, ...]:
-    # The PASCAL VOC colour map: bits of the class index spread over the high bits of r, g, b.
+def voc_palette(n: int) -> tuple[Color, ...]:
+    """The first ``n`` colours of the PASCAL VOC colour map: the bits of the class index
+    spread over the high bits of r, g, b."""
     colors = []
     for i in range(n):
         r = g = b = 0
@@ -249,6 +250,10 @@ def _voc_palette(n: int) -> tuple[Color, ...]:
             c >>= 3
         colors.append((r, g, b))
     return tuple(colors)
+
+
+# the whole VOC colour map: the palette most tools give an index label (readers checks it)
+VOC_COLOURS = voc_palette(256)
 
 
 CAMVID = DatasetMeta(
@@ -308,7 +313,7 @@ VOC = DatasetMeta(
         "train",
         "tvmonitor",
     ),
-    palette=_voc_palette(21),
+    palette=voc_palette(21),
     void_colors=((224, 224, 192),),
 )
 
@@ -408,7 +413,7 @@ _ADE20K_NAMES = (
 ADE20K = DatasetMeta(
     name="ade20k",
     class_names=tuple(_ADE20K_NAMES.split()),
-    palette=_voc_palette(151)[1:],
+    palette=voc_palette(151)[1:],
     reduce_zero_label=True,
 )
 

@@ -20,7 +20,7 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, ImageOps
 
-from dualseg.data.presets import IGNORE_INDEX, DatasetMeta
+from dualseg.data.presets import IGNORE_INDEX, VOC_COLOURS, DatasetMeta
 from dualseg.errors import DataError
 from dualseg.imaging import (
     SIXTEEN_BIT_MODES,
@@ -162,6 +162,8 @@ def _check_palette_indices(
     if not meta.palette:
         return
     colours = [tuple(int(v) for v in pal[i]) for i in used]
+    if all(c == VOC_COLOURS[i] for i, c in zip(used.tolist(), colours)):
+        return  # the VOC colour map, the usual palette of index labels: the indices are labels
     of_class = {tuple(c): k for k, c in enumerate(meta.palette)}
     void = {tuple(c) for c in meta.void_colors}
     strays = [c for c in colours if c not in of_class and c not in void]
