@@ -85,6 +85,11 @@ def _require_same_inputs(
         if saved is None and given is not None:
             log.warning("%s does not record its data and base; resuming without checking", path)
         return
+    list_file = Path(str(given.get("data"))).is_file()
+    if list_file and saved.get("split") == "train" != given.get("split"):
+        # a list file as --data names its own split (val.txt is val); a state written before
+        # recorded the default, train, for it
+        saved = {**saved, "split": given.get("split")}
     changed = [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]
     if changed:
 
