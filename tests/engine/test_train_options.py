@@ -102,6 +102,24 @@ def test_label_map_is_read_as_written_in_yaml_and_on_the_command_line(tmp_path, 
         assert parse_command(["--config", str(TINY), *flag])[0].data.label_map == mapping
 
 
+def test_a_number_written_with_colons_is_refused_not_read_in_base_60(tmp_path) -> None:
+    """jsonargparse read --train.max_iters 1:30 as YAML 1.1's base-60 90 and trained 90
+    iterations without a word; a number field refuses digits joined by colons."""
+    from dualseg.engine.config import parse_command
+
+    said = r"train\.max_iters: '1:30' is not a number .*write the number itself"
+    with pytest.raises(ConfigError, match=said):
+        parse_command(["--config", str(TINY), "--train.max_iters", "1:30"])
+    config = tmp_path / "colons.yaml"
+    config.write_text("train:\n  max_iters: 1:30\n")
+    with pytest.raises(ConfigError, match=rf"{said[:-30]}.*colons\.yaml"):
+        parse_command(["--config", str(TINY), "--config", str(config)])
+    with pytest.raises(ConfigError, match=r"data\.crop_size: '\[1:30, 2\]' is not a number"):
+        parse_command(["--config", str(TINY), "--data.crop_size", "[1:30, 2]"])
+    cfg = parse_command(["--config", str(TINY), "--train.max_iters", "90"])[0]
+    assert cfg.train.max_iters == 90
+
+
 def test_a_nan_evaluation_is_not_the_best_and_spends_no_patience() -> None:
     from dualseg.engine.runlog import Progress
 

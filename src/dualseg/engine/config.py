@@ -364,6 +364,8 @@ def parse_command(argv: list[str] | None) -> tuple[Config, str | None, dict[str,
     configs = _config_files(argv)  # before jsonargparse, which lets a repeated key win
     if (overridden := _flag_overridden_by_a_later_config(argv, configs)) is not None:
         raise ConfigError(overridden)
+    if (colons := _colon_number(argv, configs)) is not None:
+        raise ConfigError(colons)
     try:
         ns = parser.parse_args(argv)
     except Exception as err:  # jsonargparse's ArgumentError (or a YAML / type error)
@@ -410,6 +412,50 @@ def _config_files(argv: list[str]) -> list[tuple[int, str, dict[str, Any]]]:
             raise ConfigError(f"{where}: unknown config section {key}; {hint}")
         found.append((j, value, data))
     return found
+
+
+_COLONS = re.compile(r"(?<![\w.:])[-+]?\d+(?::[0-5]?\d)+(?![\w.:])")  # YAML 1.1's base 60
+
+
+def _number_fields() -> set[str]:
+    """``section.field`` of every field that takes numbers and no text."""
+    import typing
+
+    found = set()
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            kind = str(hints[f.name])
+            if ("int" in kind or "float" in kind) and "str" not in kind and "Literal" not in kind:
+                found.add(f"{section}.{f.name}")
+    return found
+
+
+def _colon_number(argv: list[str], configs: list[tuple[int, str, dict[str, Any]]]) -> str | None:
+    """A number field given digits joined by colons, in one line. jsonargparse reads them as
+    YAML 1.1's base-60 numbers: ``--train.max_iters 1:30`` trained 90 iterations without a
+    word (the config loader keeps them as text, for ``label_map: 255:1``)."""
+    numbers = _number_fields()
+    given: list[tuple[str, str, Any]] = []
+    for j, arg in enumerate(argv):
+        key, eq, attached = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
+        if key in numbers and (eq or j + 1 < len(argv)):
+            given.append((f"--{key}", key, attached if eq else argv[j + 1]))
+    for _, value, data in configs:
+        for section, fields in data.items():
+            for name, v in (fields or {}).items() if isinstance(fields, dict) else ():
+                if f"{section}.{name}" in numbers:
+                    given.append(
+                        (value if len(value) < 200 else "the --config text", f"{section}.{name}", v)
+                    )
+    for where, key, value in given:
+        items = value if isinstance(value, list | tuple) else [value]
+        if any(isinstance(v, str) and _COLONS.search(v) for v in items):
+            return (
+                f"{key}: {value!r} is not a number ({where}); digits joined by colons would "
+                "be read as a base-60 number (1:30 as 90): write the number itself"
+            )
+    return None
 
 
 def _flag_overridden_by_a_later_config(
