@@ -139,3 +139,40 @@ def test_closing_answers_the_waiting_requests_and_lets_the_running_one_finish(sl
         assert late.status_code == 503
         slow.release.set()
         assert running.result(timeout=60).status_code == 200
+
+
+def test_the_app_sees_a_waiting_clients_disconnect(slow):
+    """Through the whole app (its request-log middleware included, which hid the disconnect
+    when it was Starlette's BaseHTTPMiddleware): a waiting request whose client has gone is
+    answered 499 and never runs."""
+    import asyncio
+
+    app = create_app(slow, workers=1, queue_size=2)
+    body = gradient_png(24, 32)
+    with TestClient(app) as client, ThreadPoolExecutor(1) as background:
+        running = background.submit(
+            client.post, "/api/segment", content=gradient_png(48, 128), headers=PNG
+        )
+        assert slow.started.wait(timeout=30)
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive():
+            return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": "/api/segment", "raw_path": b"",
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+            "headers": [(b"content-type", b"image/png"), (b"content-length", b"%d" % len(body))],
+        }  # fmt: skip
+        asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=30))
+        assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+        slow.release.set()
+        assert running.result(timeout=60).status_code == 200
+        _wait_busy(client, 0)

@@ -73,7 +73,7 @@ from dualseg.serve.defaults import (
 from dualseg.viz import colorize, overlay
 
 try:
-    from fastapi import FastAPI, HTTPException, Request, Response
+    from fastapi import FastAPI, HTTPException, Request
     from fastapi.responses import FileResponse
     from fastapi.staticfiles import StaticFiles
     from pydantic import BaseModel, Field
@@ -450,6 +450,33 @@ class _Workers:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
+class _RequestLog:
+    """One log line per HTTP request (method, path, status, ms), as plain ASGI middleware:
+    Starlette's ``@app.middleware("http")`` hides the client's disconnect from the endpoint,
+    so a waiting job could never see that its client had gone."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t = time.perf_counter()
+        status = 500  # an exception escaping the app is answered with 500
+
+        async def send_and_note(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        finally:
+            log.info("%s %s %d %.1f ms", scope["method"], scope["path"], status, _ms(t))
+
+
 # ----------------------------------------------------------------------------- the app
 def create_app(
     segmenter: Segments,
@@ -516,16 +543,7 @@ def create_app(
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
     app.state.workers = pool  # dualseg serve closes it on Ctrl-C (see commands/serve.py)
 
-    @app.middleware("http")
-    async def log_request(request: Request, call_next: Callable[[Request], Any]) -> Response:
-        t = time.perf_counter()
-        status = 500  # an exception escaping the app is answered with 500
-        try:
-            response = await call_next(request)
-            status = response.status_code
-            return response
-        finally:
-            log.info("%s %s %d %.1f ms", request.method, request.url.path, status, _ms(t))
+    app.add_middleware(_RequestLog)
 
     @app.get("/", include_in_schema=False)
     def index() -> FileResponse:
