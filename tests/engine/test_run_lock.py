@@ -88,3 +88,30 @@ def test_a_demo_into_a_folder_another_run_holds_is_refused_before_it_generates_d
     assert main(argv) == 1
     assert "is in use by another dualseg run" in one_line(capsys)
     assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]
+
+
+def test_another_machines_lock_holds_while_fresh_and_a_reused_pid_is_no_holder(tmp_path):
+    """A job requeued on another node could not resume: another host's lock was refused for
+    good. It holds while its run keeps it fresh; and a lock naming this process's pid with
+    another start time (a restarted container, pid 1 again) is a killed run's."""
+    import time
+
+    from dualseg.engine.rundir import LOCK_STALE_S
+
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = out / LOCK_NAME
+    lock.write_text(json.dumps({"pid": 4242, "host": "node-a", "started": "1"}))
+    with pytest.raises(RunExistsError, match="process 4242 on node-a"):
+        check_not_in_use(out)
+    old = time.time() - LOCK_STALE_S - 5
+    os.utime(lock, (old, old))
+    with hold_run_folder(out):  # untouched for too long: its run was killed
+        assert json.loads(lock.read_text())["host"] == socket.gethostname()
+    assert not lock.exists()
+
+    mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": "another start"}
+    lock.write_text(json.dumps(mine))
+    with hold_run_folder(out):  # taken over, not mistaken for this process's own
+        assert json.loads(lock.read_text())["started"] == _process_start(os.getpid())
+    assert not lock.exists()

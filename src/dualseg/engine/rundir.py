@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -66,6 +67,8 @@ FALLBACK_CKPT_EVERY = 1000  # iterations between checkpoints when neither interv
 REPLACED_DIR = ".replaced"
 # the process writing the folder now: {"pid", "host", "started"} (see hold_run_folder)
 LOCK_NAME = ".dualseg.lock"
+LOCK_BEAT_S = 60.0  # how often the holder touches it
+LOCK_STALE_S = 600.0  # another machine's lock untouched this long: its run was killed
 
 
 def _process_start(pid: int) -> str | None:
@@ -87,9 +90,14 @@ def _holder(out_dir: Path) -> dict | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if record.get("host") != socket.gethostname():
-        return record  # another machine's process (a shared disk): whether it runs is unknown
+        # another machine's process (a shared disk): it runs while it keeps the lock fresh
+        try:
+            age = time.time() - (out_dir / LOCK_NAME).stat().st_mtime
+        except OSError:
+            return None
+        return record if age < LOCK_STALE_S else None
     if pid == os.getpid():
-        return None
+        return None  # this process, or (another start time) a killed one whose pid it got
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -123,20 +131,18 @@ def hold_run_folder(out_dir: str | Path) -> Iterator[None]:
     out_dir = Path(out_dir)
     check_not_in_use(out_dir)
     lock = out_dir / LOCK_NAME
+    pid = os.getpid()
+    record = {"pid": pid, "host": socket.gethostname(), "started": _process_start(pid)}
     try:
-        mine = int(json.loads(lock.read_text(encoding="utf-8"))["pid"]) == os.getpid()
-    except (OSError, ValueError, KeyError, TypeError):
+        held = json.loads(lock.read_text(encoding="utf-8"))
+        mine = all(held.get(k) == v for k, v in record.items())  # same pid, host and start
+    except (OSError, ValueError, AttributeError):
         mine = False
     if mine:  # held by an outer block of this process
         yield
         return
     out_dir.mkdir(parents=True, exist_ok=True)
-    lock.unlink(missing_ok=True)  # stale: its process ended
-    record = {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "started": _process_start(os.getpid()),
-    }
+    lock.unlink(missing_ok=True)  # stale: its process ended (or another got its pid)
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:  # another process took it between the check and here
@@ -144,10 +150,24 @@ def hold_run_folder(out_dir: str | Path) -> Iterator[None]:
         raise
     with os.fdopen(fd, "w", encoding="utf-8") as f:
         json.dump(record, f)
+    stop = threading.Event()
+    beat = threading.Thread(target=_keep_fresh, args=(lock, stop), daemon=True)
+    beat.start()
     try:
         yield
     finally:
+        stop.set()
+        beat.join()
         lock.unlink(missing_ok=True)
+
+
+def _keep_fresh(lock: Path, stop: threading.Event) -> None:
+    """Touch the lock every LOCK_BEAT_S until ``stop``: another machine sharing the disk takes
+    a lock left untouched for LOCK_STALE_S as a killed run's (a job requeued on another node
+    resumes by itself)."""
+    while not stop.wait(LOCK_BEAT_S):
+        with contextlib.suppress(OSError):
+            os.utime(lock)
 
 
 def run_files(out_dir: Path) -> list[Path]:
