@@ -48,9 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         # a run folder moved or copied: its config.yaml still names the old place, where the
         # run went on (and with --overwrite, replaced the run there). Moved: this command
         # leaves the config.yaml's out_dir as it is (no flag or section file changes it).
-        stored_out = parse_command(["--config", base])[0].train.out_dir
+        stored_out = None  # the config.yaml's own out_dir (no other config names a folder)
+        if Path(base) == folder / "config.yaml":
+            stored_out = parse_command(["--config", base])[0].train.out_dir
         moved = (
-            Path(base) == folder / "config.yaml"
+            stored_out is not None
             and cfg.train.out_dir == stored_out
             and Path(stored_out).resolve() != folder.resolve()
         )

@@ -14,6 +14,7 @@ S33 ``train.patience`` / ``train.monitor``, claim 5 ``optim.poly_power``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -414,10 +415,13 @@ def _config_files(argv: list[str]) -> list[tuple[int, str, dict[str, Any]]]:
     return found
 
 
-_COLONS = re.compile(r"(?<![\w.:])[-+]?\d+(?::[0-5]?\d)+(?![\w.:])")  # YAML 1.1's base 60
+# YAML 1.1's base-60 numbers: digits joined by colons (255:1 is 15301, 1:30.5 is 90.5)
+_BASE_60 = r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?"
+_COLONS = re.compile(rf"(?<![\w.:]){_BASE_60}(?![\w.:])")  # one inside a flag's value
 
 
-def _number_fields() -> set[str]:
+@functools.cache
+def _number_fields() -> frozenset[str]:
     """``section.field`` of every field that takes numbers and no text."""
     import typing
 
@@ -428,7 +432,7 @@ def _number_fields() -> set[str]:
             kind = str(hints[f.name])
             if ("int" in kind or "float" in kind) and "str" not in kind and "Literal" not in kind:
                 found.add(f"{section}.{f.name}")
-    return found
+    return frozenset(found)
 
 
 def _colon_number(argv: list[str], configs: list[tuple[int, str, dict[str, Any]]]) -> str | None:
@@ -489,7 +493,6 @@ def _no_base_60(loader: type, float_pattern: str) -> None:
     joined by colons are a base-60 number (``255:1`` is 15301, ``1:30.5`` is 90.5), so
     ``label_map: 255:1`` (the fix the 0/255-mask message gives) was refused as an integer. The
     int resolver drops that form (YAML 1.2 has none); the float one is ``float_pattern``."""
-    base_60 = r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$"
     resolvers: dict[Any, list[tuple[str, Any]]] = {}
     for first, mappings in loader.yaml_implicit_resolvers.items():
         kept = []
@@ -497,7 +500,7 @@ def _no_base_60(loader: type, float_pattern: str) -> None:
             if tag == "tag:yaml.org,2002:timestamp":  # a date stays text (as jsonargparse's)
                 continue
             if tag == "tag:yaml.org,2002:int":
-                regexp = re.compile(f"(?!{base_60}){regexp.pattern}", regexp.flags)
+                regexp = re.compile(f"(?!{_BASE_60}$){regexp.pattern}", regexp.flags)
             if tag != "tag:yaml.org,2002:float":
                 kept.append((tag, regexp))
         resolvers[first] = kept
