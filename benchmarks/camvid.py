@@ -492,6 +492,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.125,
         help="the last fraction of each training sequence (by file name) held out as dev",
     )
+    plateau.add_argument(
+        "--holdout-sequence",
+        metavar="SEQ",
+        help="leave one sequence out (e.g. 0001TP): bases and refiners train on the other "
+        "sequences, this one is dev (stopping, method B's decision) and is reported as the "
+        "cross-scene split (in place of --dev-fraction's carve)",
+    )
     recipe = p.add_argument_group(
         "either protocol: the training recipe beyond the flags above (the defaults: the "
         "published protocol's)"
@@ -529,9 +536,35 @@ def check_args(args: argparse.Namespace) -> None:
             f"--val-every 0 never validates on dev, so --patience {args.patience} could never "
             "stop a run: give --val-every N (e.g. 200), or --patience 0 to train to --max-iters"
         )
+    if args.holdout_sequence and args.protocol != "plateau":
+        raise ConfigError(
+            f"--holdout-sequence {args.holdout_sequence} holds a sequence out of the plateau "
+            "protocol's training and dev: add --protocol plateau"
+        )
 
 
-def carve_dev_split(data: Path, out: Path, fraction: float) -> Path:
+def sequence_of(path: str) -> str:
+    """The CamVid sequence of an image path (or a list line): its file name's prefix before
+    the first ``_`` (``train/0001TP_006690.png`` -> ``0001TP``)."""
+    return Path(path.split()[0]).name.split("_")[0]
+
+
+def split_by_sequence(lines: list[str], holdout: str) -> tuple[list[str], list[str]]:
+    """``(train_lines, holdout_lines)``: the list lines of every other sequence, and those of
+    sequence ``holdout`` (a :class:`ConfigError` naming the sequences there are when it is
+    absent or would leave nothing to train on)."""
+    held = [ln for ln in lines if sequence_of(ln) == holdout]
+    rest = [ln for ln in lines if sequence_of(ln) != holdout]
+    if not held or not rest:
+        names = ", ".join(sorted({sequence_of(ln) for ln in lines}))
+        why = "is not among" if not held else "is the only one of"
+        raise ConfigError(
+            f"--holdout-sequence {holdout} {why} the training sequences ({names}): name another one"
+        )
+    return rest, held
+
+
+def carve_dev_split(data: Path, out: Path, fraction: float, holdout: str | None = None) -> Path:
     """List files ``train_fit.txt`` / ``dev.txt`` / ``val.txt`` in ``out/data`` (absolute paths).
 
     Dev = the last ``fraction`` of each training sequence (CamVid names ``SEQ_frame.png``,
@@ -541,35 +574,43 @@ def carve_dev_split(data: Path, out: Path, fraction: float) -> Path:
     in sequence 0016E5 val's frames lie among the training frames, so dev's frames there are
     the training frames nearest to val's in time.
 
-    A folder whose runs or refiners were trained on another carve (another ``--dev-fraction``
-    or ``train.txt``) is refused: reusing or resuming them would put trained-on images into dev.
+    With ``holdout`` (a sequence name, leave-one-sequence-out) dev is that whole sequence and
+    train_fit every other: the choices are made on a scene nothing was trained on, and
+    ``cross_scene_<holdout>.txt`` (the same lines) is evaluated as the cross-scene split.
+
+    A folder whose runs or refiners were trained on another carve (another ``--dev-fraction``,
+    ``--holdout-sequence`` or ``train.txt``) is refused: reusing or resuming them would put
+    trained-on images into dev.
     """
-    from collections import defaultdict
 
     def absolute(line: str) -> str:
         return " ".join(str((data / part).resolve()) for part in line.split())
 
-    lines = [ln for ln in (data / "train.txt").read_text().splitlines() if ln.strip()]
-    sequences: dict[str, list[str]] = defaultdict(list)
-    for line in sorted(lines):
-        sequences[Path(line.split()[0]).name.split("_")[0]].append(absolute(line))
-    fit, dev = [], []
-    for frames in sequences.values():
-        k = max(1, round(len(frames) * fraction))
-        fit += frames[:-k]
-        dev += frames[-k:]
+    lines = sorted(ln for ln in (data / "train.txt").read_text().splitlines() if ln.strip())
+    if holdout is not None:
+        fit, dev = (list(map(absolute, part)) for part in split_by_sequence(lines, holdout))
+    else:
+        fit, dev = [], []
+        for seq in dict.fromkeys(map(sequence_of, lines)):
+            frames = [absolute(ln) for ln in lines if sequence_of(ln) == seq]
+            k = max(1, round(len(frames) * fraction))
+            fit += frames[:-k]
+            dev += frames[-k:]
     root = out / "data"
     val = [absolute(ln) for ln in (data / "val.txt").read_text().splitlines() if ln.strip()]
     lists = {"train_fit": fit, "dev": dev, "val": val}
+    if holdout is not None:
+        lists[f"cross_scene_{holdout}"] = dev
     texts = {name: "\n".join(rows) + "\n" for name, rows in lists.items()}
     trained = [c.parent for c in out.glob("runs/*/config.yaml")] + [*out.glob("refiner_*.pt")]
+    carve = f"--holdout-sequence {holdout}" if holdout else f"--dev-fraction {fraction:g}"
     for name in ("train_fit", "dev"):
         path = root / f"{name}.txt"
         if trained and path.is_file() and path.read_text() != texts[name]:
             raise ConfigError(
-                f"{path} differs from the split this call carves (--dev-fraction {fraction:g} "
-                f"of {data / 'train.txt'}), and {trained[0]} was trained on it: rerun with "
-                "that run's --dev-fraction and --data, or use another --out"
+                f"{path} differs from the split this call carves ({carve} of "
+                f"{data / 'train.txt'}), and {trained[0]} was trained on it: rerun with "
+                "that run's --dev-fraction / --holdout-sequence and --data, or use another --out"
             )
     for name, text in texts.items():
         atomic_write_text(root / f"{name}.txt", text)
@@ -800,15 +841,19 @@ def write_table(results: dict[str, Any], path: Path) -> str:
         lines += [
             f"**CamVid {split}** (full 360x480; {results['budget']})",
             "",
-            "| model | mIoU | boundary F1 (3 px) | trimap mIoU (5 px) | pixel acc | ms / image |",
-            "|---|---|---|---|---|---|",
+            "| model | mIoU | boundary F1 (3 px) | trimap mIoU (5 px) | pixel acc | ms / image "
+            "| pixels fixed / broken |",
+            "|---|---|---|---|---|---|---|",
         ]
         for _name, r in rows.items():
             ms = r.get("ms_per_image")
+            c = r.get("refine")  # refined rows: changes from wrong to right / right to wrong
+            moved = "" if c is None else f"{c['fixed']} / {c['broke']}"
             lines.append(
                 f"| {r['label']} | {100 * r['miou']:.1f} | {100 * r['boundary_f1']:.1f} | "
                 f"{100 * r['trimap_miou']:.1f} | {100 * r['pixel_acc']:.1f} | "
-                f"{'' if ms is None else f'{ms:.0f}'} |"
+                f"{'' if ms is None else f'{ms:.0f}'} | "
+                f"{moved} |"
             )
         lines.append("")
     text = "\n".join(lines)
@@ -1112,7 +1157,7 @@ def main(argv: list[str] | None = None) -> int:
         earlier_results(out, args)
     out.mkdir(parents=True, exist_ok=True)
     if args.protocol == "plateau":
-        carve_dev_split(Path(args.data), out, args.dev_fraction)
+        carve_dev_split(Path(args.data), out, args.dev_fraction, args.holdout_sequence)
     device = device_of(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -1203,7 +1248,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         atomic_write_json(record, results["train"][name])
     results["budget"] = (
-        f"trained to plateau on a dev split of train (T={args.max_iters})"
+        f"trained to plateau on sequences other than {args.holdout_sequence}, which is dev "
+        f"(T={args.max_iters})"
+        if args.holdout_sequence
+        else f"trained to plateau on a dev split of train (T={args.max_iters})"
         if args.protocol == "plateau"
         else f"{args.budget_iters} iterations per model"
         if args.budget_iters
@@ -1233,7 +1281,12 @@ def main(argv: list[str] | None = None) -> int:
         return 143 if isinstance(stop, Terminated) else 130
 
     # ---- 3. evaluate at full resolution ----------------------------------------------------
-    for split_path in [None, *args.eval_split]:
+    cross_scene = (
+        [str(out / "data" / f"cross_scene_{args.holdout_sequence}.txt")]
+        if args.holdout_sequence
+        else []
+    )
+    for split_path in [None, *cross_scene, *args.eval_split]:
         split, loader = eval_loader(args.data, split_path, args.eval_limit, args.workers)
         rows: dict[str, Any] = {}
         for name, model in models.items():
@@ -1281,7 +1334,11 @@ def main(argv: list[str] | None = None) -> int:
                     and m["refine"]["shared_images"] == m["num_images"],
                     "refine": m["refine"],
                 }
-                print(f"[{split}] {label}: mIoU {100 * m['refined']['miou']:.1f}", flush=True)
+                print(
+                    f"[{split}] {label}: mIoU {100 * m['refined']['miou']:.1f}, "
+                    f"{m['refine']['fixed']} pixels fixed, {m['refine']['broke']} broken",
+                    flush=True,
+                )
         results["splits"][split] = rows
 
     # ---- 4. report ------------------------------------------------------------------------
