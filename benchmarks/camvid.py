@@ -85,6 +85,7 @@ from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.base import model_fingerprint
 from dualseg.refine.calibrate import DECISION_KEYS, METRICS
+from dualseg.refine.crf import CRFSettings, choose_crf, import_pydensecrf
 from dualseg.refine.decision import describe_decision
 from dualseg.refine.refiner import RefinerConfig
 from dualseg.viz import save_figure
@@ -259,7 +260,8 @@ def budget_mismatch(record: Path, args: argparse.Namespace) -> str | None:
 
 
 # flags that change no model's figures: results.json may hold models evaluated under others
-MERGE_FREE = ("models", "reuse", "train_only", "panels", "out")
+# (--crf adds a row beside a base's own, which stay as they were)
+MERGE_FREE = ("models", "reuse", "train_only", "panels", "out", "crf")
 
 
 def args_record(args: argparse.Namespace) -> dict[str, Any]:
@@ -319,9 +321,10 @@ def merge_results(results: dict[str, Any], old: dict[str, Any], models: list[str
         shared = name == "all" and refined & set(kept)  # the one refiner of kept rows
         if name in kept or (shared and key not in results["train"]):
             results["train"][key] = record
-    for name, sweep in old.get("decision_sweep_dev", {}).items():
-        if name in kept:
-            results.setdefault("decision_sweep_dev", {})[name] = sweep
+    for sweeps in ("decision_sweep_dev", "crf_sweep_dev"):
+        for name, sweep in old.get(sweeps, {}).items():
+            if name in kept:
+                results.setdefault(sweeps, {})[name] = sweep
     if kept:
         results["models_from_earlier_calls"] = kept
     return kept
@@ -441,6 +444,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="method B step 3, beyond the claim: 0 (the claim's embedding) or a DeepLabV3+ "
         "decoder fusing the backbone's stride-4 features, projected to this many channels (48)",
     )
+    p.add_argument(
+        "--crf",
+        action="store_true",
+        help="also dense CRF on the bases method B refines (pydensecrf2: pip install "
+        "'dualseg[crf]'), its kernel settings chosen on dev among four under --protocol plateau",
+    )
     p.add_argument("--timing-images", type=positive_int, default=10, help="images timed per model")
     p.add_argument("--panels", type=nonnegative_int, default=3, help="qualitative panels to write")
     p.add_argument(
@@ -536,6 +545,8 @@ def check_args(args: argparse.Namespace) -> None:
             f"--val-every 0 never validates on dev, so --patience {args.patience} could never "
             "stop a run: give --val-every N (e.g. 200), or --patience 0 to train to --max-iters"
         )
+    if args.crf:
+        import_pydensecrf()  # missing: one line naming the extra
     if args.holdout_sequence and args.protocol != "plateau":
         raise ConfigError(
             f"--holdout-sequence {args.holdout_sequence} holds a sequence out of the plateau "
@@ -764,7 +775,7 @@ def time_inference(
     loader: Any,
     n: int,
     device: torch.device,
-    refiner: BoundaryRefiner | None = None,
+    refiner: BoundaryRefiner | CRFSettings | None = None,
 ) -> tuple[float, float, bool]:
     """Median seconds per image (batch 1, full resolution) of the base model, and of the
     ``refiner``'s refinement timed on the same images right after each forward (0.0 without):
@@ -781,7 +792,8 @@ def time_inference(
             torch.cuda.synchronize()
 
     # a refiner on the base's own frozen backbone at scale 1 reads the base's features
-    shared = refiner.shared_features(model) if refiner is not None else contextlib.nullcontext()
+    share = getattr(refiner, "shared_features", None)  # none: dense CRF, on probabilities
+    shared = share(model) if share is not None else contextlib.nullcontext()
     with torch.inference_mode(), shared:
         for i, (x, _) in enumerate(loader):
             if i >= n + warmup:
@@ -793,12 +805,14 @@ def time_inference(
             logits.argmax(1)
             sync()
             t1 = time.perf_counter()
-            if refiner is not None:
+            if share is not None:
                 # logits: softmax only at the near-boundary rows
                 features = shared.take(x)  # None where they do not match x
                 refiner.refine(x, logits, features=features)
-                sync()
                 shared_n += i >= warmup and features is not None
+            elif refiner is not None:
+                refiner.refine(x, logits.softmax(1))
+            sync()
             if i >= warmup:
                 base.append(t1 - t0)
                 extra.append(time.perf_counter() - t1)
@@ -1099,6 +1113,34 @@ def fit_refiners(
     return refiners, gated
 
 
+def choose_crfs(
+    args: argparse.Namespace,
+    out: Path,
+    models: dict[str, torch.nn.Module],
+    meta: Any,
+    device: torch.device,
+    results: dict[str, Any],
+) -> dict[str, CRFSettings]:
+    """With ``--crf``, dense CRF's kernel settings for each base in ``REFINED``: under the
+    plateau protocol chosen on dev (by ``--refine-decision-metric``, as method B's decision),
+    else the defaults."""
+    if not args.crf:
+        return {}
+    bases = [n for n in REFINED if n in models]
+    if args.protocol != "plateau":
+        return dict.fromkeys(bases, CRFSettings())
+    _, dev = eval_loader(args.data, str(out / "data" / "dev.txt"), args.eval_limit, args.workers)
+    chosen = {}
+    for name in bases:
+        metric = args.refine_decision_metric
+        chosen[name], rows = choose_crf(
+            models[name], dev, num_classes=meta.num_classes, device=device, metric=metric
+        )
+        results.setdefault("crf_sweep_dev", {})[name] = {"metric": metric, "rows": rows}
+        print(f"[{name}] dense CRF chosen on dev: {chosen[name].describe()}", flush=True)
+    return chosen
+
+
 def save_panels(
     models: dict[str, Any],
     refiner: BoundaryRefiner | None,
@@ -1280,6 +1322,8 @@ def main(argv: list[str] | None = None) -> int:
         print("[method B] interrupted; rerun with --reuse to continue its fit", flush=True)
         return 143 if isinstance(stop, Terminated) else 130
 
+    crfs = choose_crfs(args, out, models, meta, device, results)
+
     # ---- 3. evaluate at full resolution ----------------------------------------------------
     cross_scene = (
         [str(out / "data" / f"cross_scene_{args.holdout_sequence}.txt")]
@@ -1301,6 +1345,10 @@ def main(argv: list[str] | None = None) -> int:
                 if kind == "B_shared":
                     label = label[: -len(")")] + " among the settings reading the base's features)"
                 variants.append((f"{name}+{kind}", label, copy))
+            if name in crfs:
+                how = "chosen on dev" if args.protocol == "plateau" else "default settings"
+                label = f"{LABELS[name]} + dense CRF ({crfs[name].describe()}; {how})"
+                variants.append((f"{name}+CRF", label, crfs[name]))
             for key, label, refiner in variants:
                 m = evaluate(
                     model,

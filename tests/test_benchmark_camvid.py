@@ -602,3 +602,38 @@ def test_the_table_counts_the_pixels_refinement_fixed_and_broke(camvid, tmp_path
     assert "**CamVid cross_scene_0001TP**" in text and "pixels fixed / broken" in text
     assert "| peer + B | 50.0 | 30.0 | 40.0 | 90.0 |  | 120 / 45 |" in text
     assert "| peer | 50.0 | 30.0 | 40.0 | 90.0 | 20 |  |" in text
+
+
+def test_dense_crf_is_timed_on_the_probabilities_right_after_the_base(camvid) -> None:
+    import torch
+
+    class CRF:  # as dualseg.refine.crf.CRFSettings: no backbone to share, probabilities in
+        def __init__(self) -> None:
+            self.seen: list[torch.Tensor] = []
+
+        def refine(self, images: torch.Tensor, probs: torch.Tensor) -> None:
+            self.seen.append(probs)
+
+    model = torch.nn.Conv2d(3, 4, 1).eval()
+    loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(4)]
+    crf = CRF()
+    base_s, extra_s, shared = camvid.time_inference(model, loader, 2, torch.device("cpu"), crf)
+    assert base_s > 0 and extra_s > 0 and not shared and len(crf.seen) == 4
+    with torch.no_grad():
+        assert torch.allclose(crf.seen[0], model(loader[0][0]).softmax(1))
+
+
+def test_crf_without_pydensecrf2_is_one_line_before_any_work(
+    camvid, tmp_path: Path, monkeypatch
+) -> None:
+    import sys
+
+    from dualseg.errors import DualsegError
+
+    monkeypatch.setitem(sys.modules, "pydensecrf", None)
+    monkeypatch.setitem(sys.modules, "pydensecrf.densecrf", None)
+    out = tmp_path / "out"
+    argv = ["--data", str(_camvid_lists(tmp_path)), "--out", str(out), "--crf"]
+    with pytest.raises(DualsegError, match=r"pip install 'dualseg\[crf\]'"):
+        camvid.main(argv)
+    assert not out.exists()
