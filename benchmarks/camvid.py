@@ -39,6 +39,19 @@ resolution, as evaluation reads it at full resolution), batch 4, 15 minutes per 
 in all when measured (README).
 On a GPU: ``--device cuda --budget-minutes 8 --crop 360 480 --scale 0.5 2.0 --batch-size 8``.
 
+Cross-scene (leave one sequence out): ``--protocol plateau --holdout-sequence SEQ`` trains
+every base and method B on the other training sequences (list files derived into
+``--out/data``; images are not copied), makes every choice (stopping, method B's decision,
+``--crf``'s dense CRF settings) on SEQ, and reports SEQ as the ``cross_scene_SEQ`` split beside
+val. The choices are made on that split, so read it as optimistic by the selection; with
+``--holdout-sequence 0016E5`` CamVid val (all 0016E5, other frames) is an unseen scene on which
+nothing was chosen::
+
+    python benchmarks/camvid.py --data ../shared/data/camvid --out runs/xscene_0016E5 \\
+        --protocol plateau --holdout-sequence 0016E5 --models peer dualseg --crf \\
+        --max-iters 3000 --output-stride 16 --amp bf16 --refine-backbone-source base-frozen \\
+        --refine-input-scale 1.0 --refine-embed-dim 32 --refine-decoder-channels 48
+
 Outputs in ``--out``: ``results.json``, ``results.md`` (markdown table), ``per_class_iou.png``,
 ``curves.png`` and ``panel_*.png`` (image | ground truth | peer | method A | method A + B).
 A call evaluating other models into an ``--out`` whose ``results.json`` holds some (``--models
@@ -505,8 +518,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--holdout-sequence",
         metavar="SEQ",
         help="leave one sequence out (e.g. 0001TP): bases and refiners train on the other "
-        "sequences, this one is dev (stopping, method B's decision) and is reported as the "
-        "cross-scene split (in place of --dev-fraction's carve)",
+        "sequences, this one is dev (stopping, method B's decision, --crf's settings) and is "
+        "reported as the cross-scene split (in place of --dev-fraction's carve); 0016E5 leaves "
+        "val an unseen scene nothing was chosen on",
     )
     recipe = p.add_argument_group(
         "either protocol: the training recipe beyond the flags above (the defaults: the "
@@ -1185,6 +1199,85 @@ def decision_label(cfg: RefinerConfig, metric: str = METRICS[0]) -> str:
     return f"{words} (chosen on dev{by})"
 
 
+def post_processors(
+    name: str,
+    args: argparse.Namespace,
+    refiners: dict[str, BoundaryRefiner],
+    gated: dict[str, dict[str, BoundaryRefiner]],
+    crfs: dict[str, CRFSettings],
+) -> list[tuple[str, str, Any]]:
+    """``(row key, label, post-processor)`` of base ``name``'s rows: the base alone (``None``),
+    method B, method B with its decision chosen on dev, dense CRF."""
+    variants: list[tuple[str, str, Any]] = [(name, LABELS[name], None)]
+    if name in refiners:
+        variants.append((f"{name}+B", LABELS[name] + " + method B", refiners[name]))
+    for kind, copy in gated.get(name, {}).items():
+        label = LABELS[name] + (
+            f" + method B, {decision_label(copy.config, args.refine_decision_metric)}"
+        )
+        if kind == "B_shared":
+            label = label[: -len(")")] + " among the settings reading the base's features)"
+        variants.append((f"{name}+{kind}", label, copy))
+    if name in crfs:
+        how = "chosen on dev" if args.protocol == "plateau" else "default settings"
+        label = f"{LABELS[name]} + dense CRF ({crfs[name].describe()}; {how})"
+        variants.append((f"{name}+CRF", label, crfs[name]))
+    return variants
+
+
+def score_variants(
+    model: torch.nn.Module,
+    variants: list[tuple[str, str, Any]],
+    loader: Any,
+    split: str,
+    args: argparse.Namespace,
+    meta: Any,
+    device: torch.device,
+) -> dict[str, Any]:
+    """One results row per variant of :func:`post_processors` on ``loader``'s split."""
+    rows: dict[str, Any] = {}
+    for key, label, refiner in variants:
+        m = evaluate(
+            model,
+            loader,
+            num_classes=meta.num_classes,
+            device=device,
+            refiner=refiner,
+            # fp32, as the dev sweep and the timing run: on CUDA bf16 would also turn off the
+            # reading of the base's features, so the figures would come from another
+            # computation than the one timed
+            amp=False,
+        )
+        if refiner is None:
+            ms = 1000 * time_inference(model, loader, args.timing_images, device)[0]
+            rows[key] = {"label": label, **summarize(m), "ms_per_image": ms}
+            print(f"[{split}] {label}: mIoU {100 * m['miou']:.1f}", flush=True)
+            continue
+        base_s, refine_s, timed_shared = time_inference(
+            model, loader, args.timing_images, device, refiner
+        )
+        rows[key] = {
+            "label": label,
+            **summarize(m["refined"]),
+            # base + refinement, both timed in this row's own paired pass: compare rows by
+            # extra_time_ratio, not by ms_per_image against the base row's pass
+            "ms_per_image": 1000 * (base_s + refine_s),
+            "base_ms_per_image_paired": 1000 * base_s,
+            "extra_time_ratio": refine_s / base_s,  # paired, under the same load
+            # whether the refiner read the base's backbone output instead of running its own,
+            # on every image evaluated and timed
+            "shares_base_features": timed_shared
+            and m["refine"]["shared_images"] == m["num_images"],
+            "refine": m["refine"],
+        }
+        print(
+            f"[{split}] {label}: mIoU {100 * m['refined']['miou']:.1f}, "
+            f"{m['refine']['fixed']} pixels fixed, {m['refine']['broke']} broken",
+            flush=True,
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_args(args)
@@ -1334,59 +1427,8 @@ def main(argv: list[str] | None = None) -> int:
         split, loader = eval_loader(args.data, split_path, args.eval_limit, args.workers)
         rows: dict[str, Any] = {}
         for name, model in models.items():
-            ms = 1000 * time_inference(model, loader, args.timing_images, device)[0]
-            variants = [(name, LABELS[name], None)]
-            if name in refiners:
-                variants.append((f"{name}+B", LABELS[name] + " + method B", refiners[name]))
-            for kind, copy in gated.get(name, {}).items():
-                label = LABELS[name] + (
-                    f" + method B, {decision_label(copy.config, args.refine_decision_metric)}"
-                )
-                if kind == "B_shared":
-                    label = label[: -len(")")] + " among the settings reading the base's features)"
-                variants.append((f"{name}+{kind}", label, copy))
-            if name in crfs:
-                how = "chosen on dev" if args.protocol == "plateau" else "default settings"
-                label = f"{LABELS[name]} + dense CRF ({crfs[name].describe()}; {how})"
-                variants.append((f"{name}+CRF", label, crfs[name]))
-            for key, label, refiner in variants:
-                m = evaluate(
-                    model,
-                    loader,
-                    num_classes=meta.num_classes,
-                    device=device,
-                    refiner=refiner,
-                    # fp32, as the dev sweep and the timing run: on CUDA bf16 would also turn
-                    # off the reading of the base's features, so the figures would come from
-                    # another computation than the one timed
-                    amp=False,
-                )
-                if refiner is None:
-                    rows[key] = {"label": label, **summarize(m), "ms_per_image": ms}
-                    print(f"[{split}] {label}: mIoU {100 * m['miou']:.1f}", flush=True)
-                    continue
-                base_s, refine_s, timed_shared = time_inference(
-                    model, loader, args.timing_images, device, refiner
-                )
-                rows[key] = {
-                    "label": label,
-                    **summarize(m["refined"]),
-                    # base + refinement, both timed in this row's own paired pass: compare rows
-                    # by extra_time_ratio, not by ms_per_image against the base row's pass
-                    "ms_per_image": 1000 * (base_s + refine_s),
-                    "base_ms_per_image_paired": 1000 * base_s,
-                    "extra_time_ratio": refine_s / base_s,  # paired, under the same load
-                    # whether the refiner read the base's backbone output instead of running
-                    # its own, on every image evaluated and timed
-                    "shares_base_features": timed_shared
-                    and m["refine"]["shared_images"] == m["num_images"],
-                    "refine": m["refine"],
-                }
-                print(
-                    f"[{split}] {label}: mIoU {100 * m['refined']['miou']:.1f}, "
-                    f"{m['refine']['fixed']} pixels fixed, {m['refine']['broke']} broken",
-                    flush=True,
-                )
+            variants = post_processors(name, args, refiners, gated, crfs)
+            rows |= score_variants(model, variants, loader, split, args, meta, device)
         results["splits"][split] = rows
 
     # ---- 4. report ------------------------------------------------------------------------
