@@ -297,7 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --time-images must be >= 1, got {args.time_images}", file=sys.stderr)
         return 2
     if args.crf == "on":
-        import_pydensecrf()  # missing: one line naming the extra, before any work
+        try:
+            import_pydensecrf()  # before any work
+        except DualsegError as err:
+            raise DualsegError(f"{err}, or --crf off to leave dense CRF out") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)

@@ -57,7 +57,7 @@ def test_without_pydensecrf2_the_crf_is_one_line_before_any_work(
     monkeypatch.setitem(sys.modules, "pydensecrf", None)
     monkeypatch.setitem(sys.modules, "pydensecrf.densecrf", None)
     argv = ["--data", str(tmp_path / "d"), "--eval", "e", "--base", "b.pt"]
-    with pytest.raises(DualsegError, match=r"pip install 'dualseg\[crf\]'"):
+    with pytest.raises(DualsegError, match=r"pip install 'dualseg\[crf\]', or --crf off"):
         refine_gain.main([*argv, "--out", str(tmp_path / "gain.json")])
     assert not (tmp_path / "gain.json").exists()
     with pytest.raises(ConfigError, match="drop --crf off"):  # --crf off: the CRF is not needed
