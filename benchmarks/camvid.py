@@ -39,6 +39,19 @@ resolution, as evaluation reads it at full resolution), batch 4, 15 minutes per 
 in all when measured (README).
 On a GPU: ``--device cuda --budget-minutes 8 --crop 360 480 --scale 0.5 2.0 --batch-size 8``.
 
+Cross-scene (leave one sequence out): ``--protocol plateau --holdout-sequence SEQ`` trains
+every base and method B on the other training sequences (list files derived into
+``--out/data``; images are not copied), makes every choice (stopping, method B's decision,
+``--crf``'s dense CRF settings) on SEQ, and reports SEQ as the ``cross_scene_SEQ`` split beside
+val. The choices are made on that split, so read it as optimistic by the selection; with
+``--holdout-sequence 0016E5`` CamVid val (all 0016E5, other frames) is an unseen scene on which
+nothing was chosen::
+
+    python benchmarks/camvid.py --data ../shared/data/camvid --out runs/xscene_0016E5 \\
+        --protocol plateau --holdout-sequence 0016E5 --models peer dualseg --crf \\
+        --max-iters 3000 --output-stride 16 --amp bf16 --refine-backbone-source base-frozen \\
+        --refine-input-scale 1.0 --refine-embed-dim 32 --refine-decoder-channels 48
+
 Outputs in ``--out``: ``results.json``, ``results.md`` (markdown table), ``per_class_iou.png``,
 ``curves.png`` and ``panel_*.png`` (image | ground truth | peer | method A | method A + B).
 A call evaluating other models into an ``--out`` whose ``results.json`` holds some (``--models
@@ -85,6 +98,7 @@ from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.base import model_fingerprint
 from dualseg.refine.calibrate import DECISION_KEYS, METRICS
+from dualseg.refine.crf import CRFSettings, choose_crf, import_pydensecrf
 from dualseg.refine.decision import describe_decision
 from dualseg.refine.refiner import RefinerConfig
 from dualseg.viz import save_figure
@@ -259,7 +273,8 @@ def budget_mismatch(record: Path, args: argparse.Namespace) -> str | None:
 
 
 # flags that change no model's figures: results.json may hold models evaluated under others
-MERGE_FREE = ("models", "reuse", "train_only", "panels", "out")
+# (--crf adds a row beside a base's own, which stay as they were)
+MERGE_FREE = ("models", "reuse", "train_only", "panels", "out", "crf")
 
 
 def args_record(args: argparse.Namespace) -> dict[str, Any]:
@@ -319,9 +334,10 @@ def merge_results(results: dict[str, Any], old: dict[str, Any], models: list[str
         shared = name == "all" and refined & set(kept)  # the one refiner of kept rows
         if name in kept or (shared and key not in results["train"]):
             results["train"][key] = record
-    for name, sweep in old.get("decision_sweep_dev", {}).items():
-        if name in kept:
-            results.setdefault("decision_sweep_dev", {})[name] = sweep
+    for sweeps in ("decision_sweep_dev", "crf_sweep_dev"):
+        for name, sweep in old.get(sweeps, {}).items():
+            if name in kept:
+                results.setdefault(sweeps, {})[name] = sweep
     if kept:
         results["models_from_earlier_calls"] = kept
     return kept
@@ -441,6 +457,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="method B step 3, beyond the claim: 0 (the claim's embedding) or a DeepLabV3+ "
         "decoder fusing the backbone's stride-4 features, projected to this many channels (48)",
     )
+    p.add_argument(
+        "--crf",
+        action="store_true",
+        help="also dense CRF on the bases method B refines (pydensecrf2: pip install "
+        "'dualseg[crf]'), its kernel settings chosen on dev among four under --protocol plateau",
+    )
     p.add_argument("--timing-images", type=positive_int, default=10, help="images timed per model")
     p.add_argument("--panels", type=nonnegative_int, default=3, help="qualitative panels to write")
     p.add_argument(
@@ -492,6 +514,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.125,
         help="the last fraction of each training sequence (by file name) held out as dev",
     )
+    plateau.add_argument(
+        "--holdout-sequence",
+        metavar="SEQ",
+        help="leave one sequence out (e.g. 0001TP): bases and refiners train on the other "
+        "sequences, this one is dev (stopping, method B's decision, --crf's settings) and is "
+        "reported as the cross-scene split (in place of --dev-fraction's carve); 0016E5 leaves "
+        "val an unseen scene nothing was chosen on",
+    )
     recipe = p.add_argument_group(
         "either protocol: the training recipe beyond the flags above (the defaults: the "
         "published protocol's)"
@@ -529,9 +559,37 @@ def check_args(args: argparse.Namespace) -> None:
             f"--val-every 0 never validates on dev, so --patience {args.patience} could never "
             "stop a run: give --val-every N (e.g. 200), or --patience 0 to train to --max-iters"
         )
+    if args.crf:
+        import_pydensecrf()  # missing: one line naming the extra
+    if args.holdout_sequence and args.protocol != "plateau":
+        raise ConfigError(
+            f"--holdout-sequence {args.holdout_sequence} holds a sequence out of the plateau "
+            "protocol's training and dev: add --protocol plateau"
+        )
 
 
-def carve_dev_split(data: Path, out: Path, fraction: float) -> Path:
+def sequence_of(path: str) -> str:
+    """The CamVid sequence of an image path (or a list line): its file name's prefix before
+    the first ``_`` (``train/0001TP_006690.png`` -> ``0001TP``)."""
+    return Path(path.split()[0]).name.split("_")[0]
+
+
+def split_by_sequence(lines: list[str], holdout: str) -> tuple[list[str], list[str]]:
+    """``(train_lines, holdout_lines)``: the list lines of every other sequence, and those of
+    sequence ``holdout`` (a :class:`ConfigError` naming the sequences there are when it is
+    absent or would leave nothing to train on)."""
+    held = [ln for ln in lines if sequence_of(ln) == holdout]
+    rest = [ln for ln in lines if sequence_of(ln) != holdout]
+    if not held or not rest:
+        names = ", ".join(sorted({sequence_of(ln) for ln in lines}))
+        why = "is not among" if not held else "is the only one of"
+        raise ConfigError(
+            f"--holdout-sequence {holdout} {why} the training sequences ({names}): name another one"
+        )
+    return rest, held
+
+
+def carve_dev_split(data: Path, out: Path, fraction: float, holdout: str | None = None) -> Path:
     """List files ``train_fit.txt`` / ``dev.txt`` / ``val.txt`` in ``out/data`` (absolute paths).
 
     Dev = the last ``fraction`` of each training sequence (CamVid names ``SEQ_frame.png``,
@@ -541,35 +599,43 @@ def carve_dev_split(data: Path, out: Path, fraction: float) -> Path:
     in sequence 0016E5 val's frames lie among the training frames, so dev's frames there are
     the training frames nearest to val's in time.
 
-    A folder whose runs or refiners were trained on another carve (another ``--dev-fraction``
-    or ``train.txt``) is refused: reusing or resuming them would put trained-on images into dev.
+    With ``holdout`` (a sequence name, leave-one-sequence-out) dev is that whole sequence and
+    train_fit every other: the choices are made on a scene nothing was trained on, and
+    ``cross_scene_<holdout>.txt`` (the same lines) is evaluated as the cross-scene split.
+
+    A folder whose runs or refiners were trained on another carve (another ``--dev-fraction``,
+    ``--holdout-sequence`` or ``train.txt``) is refused: reusing or resuming them would put
+    trained-on images into dev.
     """
-    from collections import defaultdict
 
     def absolute(line: str) -> str:
         return " ".join(str((data / part).resolve()) for part in line.split())
 
-    lines = [ln for ln in (data / "train.txt").read_text().splitlines() if ln.strip()]
-    sequences: dict[str, list[str]] = defaultdict(list)
-    for line in sorted(lines):
-        sequences[Path(line.split()[0]).name.split("_")[0]].append(absolute(line))
-    fit, dev = [], []
-    for frames in sequences.values():
-        k = max(1, round(len(frames) * fraction))
-        fit += frames[:-k]
-        dev += frames[-k:]
+    lines = sorted(ln for ln in (data / "train.txt").read_text().splitlines() if ln.strip())
+    if holdout is not None:
+        fit, dev = (list(map(absolute, part)) for part in split_by_sequence(lines, holdout))
+    else:
+        fit, dev = [], []
+        for seq in dict.fromkeys(map(sequence_of, lines)):
+            frames = [absolute(ln) for ln in lines if sequence_of(ln) == seq]
+            k = max(1, round(len(frames) * fraction))
+            fit += frames[:-k]
+            dev += frames[-k:]
     root = out / "data"
     val = [absolute(ln) for ln in (data / "val.txt").read_text().splitlines() if ln.strip()]
     lists = {"train_fit": fit, "dev": dev, "val": val}
+    if holdout is not None:
+        lists[f"cross_scene_{holdout}"] = dev
     texts = {name: "\n".join(rows) + "\n" for name, rows in lists.items()}
     trained = [c.parent for c in out.glob("runs/*/config.yaml")] + [*out.glob("refiner_*.pt")]
+    carve = f"--holdout-sequence {holdout}" if holdout else f"--dev-fraction {fraction:g}"
     for name in ("train_fit", "dev"):
         path = root / f"{name}.txt"
         if trained and path.is_file() and path.read_text() != texts[name]:
             raise ConfigError(
-                f"{path} differs from the split this call carves (--dev-fraction {fraction:g} "
-                f"of {data / 'train.txt'}), and {trained[0]} was trained on it: rerun with "
-                "that run's --dev-fraction and --data, or use another --out"
+                f"{path} differs from the split this call carves ({carve} of "
+                f"{data / 'train.txt'}), and {trained[0]} was trained on it: rerun with "
+                "that run's --dev-fraction / --holdout-sequence and --data, or use another --out"
             )
     for name, text in texts.items():
         atomic_write_text(root / f"{name}.txt", text)
@@ -723,7 +789,7 @@ def time_inference(
     loader: Any,
     n: int,
     device: torch.device,
-    refiner: BoundaryRefiner | None = None,
+    refiner: BoundaryRefiner | CRFSettings | None = None,
 ) -> tuple[float, float, bool]:
     """Median seconds per image (batch 1, full resolution) of the base model, and of the
     ``refiner``'s refinement timed on the same images right after each forward (0.0 without):
@@ -740,7 +806,8 @@ def time_inference(
             torch.cuda.synchronize()
 
     # a refiner on the base's own frozen backbone at scale 1 reads the base's features
-    shared = refiner.shared_features(model) if refiner is not None else contextlib.nullcontext()
+    share = getattr(refiner, "shared_features", None)  # none: dense CRF, on probabilities
+    shared = share(model) if share is not None else contextlib.nullcontext()
     with torch.inference_mode(), shared:
         for i, (x, _) in enumerate(loader):
             if i >= n + warmup:
@@ -752,12 +819,14 @@ def time_inference(
             logits.argmax(1)
             sync()
             t1 = time.perf_counter()
-            if refiner is not None:
+            if share is not None:
                 # logits: softmax only at the near-boundary rows
                 features = shared.take(x)  # None where they do not match x
                 refiner.refine(x, logits, features=features)
-                sync()
                 shared_n += i >= warmup and features is not None
+            elif refiner is not None:
+                refiner.refine(x, logits.softmax(1))
+            sync()
             if i >= warmup:
                 base.append(t1 - t0)
                 extra.append(time.perf_counter() - t1)
@@ -800,15 +869,19 @@ def write_table(results: dict[str, Any], path: Path) -> str:
         lines += [
             f"**CamVid {split}** (full 360x480; {results['budget']})",
             "",
-            "| model | mIoU | boundary F1 (3 px) | trimap mIoU (5 px) | pixel acc | ms / image |",
-            "|---|---|---|---|---|---|",
+            "| model | mIoU | boundary F1 (3 px) | trimap mIoU (5 px) | pixel acc | ms / image "
+            "| pixels fixed / broken |",
+            "|---|---|---|---|---|---|---|",
         ]
         for _name, r in rows.items():
             ms = r.get("ms_per_image")
+            c = r.get("refine")  # refined rows: changes from wrong to right / right to wrong
+            moved = "" if c is None else f"{c['fixed']} / {c['broke']}"
             lines.append(
                 f"| {r['label']} | {100 * r['miou']:.1f} | {100 * r['boundary_f1']:.1f} | "
                 f"{100 * r['trimap_miou']:.1f} | {100 * r['pixel_acc']:.1f} | "
-                f"{'' if ms is None else f'{ms:.0f}'} |"
+                f"{'' if ms is None else f'{ms:.0f}'} | "
+                f"{moved} |"
             )
         lines.append("")
     text = "\n".join(lines)
@@ -1054,6 +1127,34 @@ def fit_refiners(
     return refiners, gated
 
 
+def choose_crfs(
+    args: argparse.Namespace,
+    out: Path,
+    models: dict[str, torch.nn.Module],
+    meta: Any,
+    device: torch.device,
+    results: dict[str, Any],
+) -> dict[str, CRFSettings]:
+    """With ``--crf``, dense CRF's kernel settings for each base in ``REFINED``: under the
+    plateau protocol chosen on dev (by ``--refine-decision-metric``, as method B's decision),
+    else the defaults."""
+    if not args.crf:
+        return {}
+    bases = [n for n in REFINED if n in models]
+    if args.protocol != "plateau":
+        return dict.fromkeys(bases, CRFSettings())
+    _, dev = eval_loader(args.data, str(out / "data" / "dev.txt"), args.eval_limit, args.workers)
+    chosen = {}
+    for name in bases:
+        metric = args.refine_decision_metric
+        chosen[name], rows = choose_crf(
+            models[name], dev, num_classes=meta.num_classes, device=device, metric=metric
+        )
+        results.setdefault("crf_sweep_dev", {})[name] = {"metric": metric, "rows": rows}
+        print(f"[{name}] dense CRF chosen on dev: {chosen[name].describe()}", flush=True)
+    return chosen
+
+
 def save_panels(
     models: dict[str, Any],
     refiner: BoundaryRefiner | None,
@@ -1098,6 +1199,85 @@ def decision_label(cfg: RefinerConfig, metric: str = METRICS[0]) -> str:
     return f"{words} (chosen on dev{by})"
 
 
+def post_processors(
+    name: str,
+    args: argparse.Namespace,
+    refiners: dict[str, BoundaryRefiner],
+    gated: dict[str, dict[str, BoundaryRefiner]],
+    crfs: dict[str, CRFSettings],
+) -> list[tuple[str, str, Any]]:
+    """``(row key, label, post-processor)`` of base ``name``'s rows: the base alone (``None``),
+    method B, method B with its decision chosen on dev, dense CRF."""
+    variants: list[tuple[str, str, Any]] = [(name, LABELS[name], None)]
+    if name in refiners:
+        variants.append((f"{name}+B", LABELS[name] + " + method B", refiners[name]))
+    for kind, copy in gated.get(name, {}).items():
+        label = LABELS[name] + (
+            f" + method B, {decision_label(copy.config, args.refine_decision_metric)}"
+        )
+        if kind == "B_shared":
+            label = label[: -len(")")] + " among the settings reading the base's features)"
+        variants.append((f"{name}+{kind}", label, copy))
+    if name in crfs:
+        how = "chosen on dev" if args.protocol == "plateau" else "default settings"
+        label = f"{LABELS[name]} + dense CRF ({crfs[name].describe()}; {how})"
+        variants.append((f"{name}+CRF", label, crfs[name]))
+    return variants
+
+
+def score_variants(
+    model: torch.nn.Module,
+    variants: list[tuple[str, str, Any]],
+    loader: Any,
+    split: str,
+    args: argparse.Namespace,
+    meta: Any,
+    device: torch.device,
+) -> dict[str, Any]:
+    """One results row per variant of :func:`post_processors` on ``loader``'s split."""
+    rows: dict[str, Any] = {}
+    for key, label, refiner in variants:
+        m = evaluate(
+            model,
+            loader,
+            num_classes=meta.num_classes,
+            device=device,
+            refiner=refiner,
+            # fp32, as the dev sweep and the timing run: on CUDA bf16 would also turn off the
+            # reading of the base's features, so the figures would come from another
+            # computation than the one timed
+            amp=False,
+        )
+        if refiner is None:
+            ms = 1000 * time_inference(model, loader, args.timing_images, device)[0]
+            rows[key] = {"label": label, **summarize(m), "ms_per_image": ms}
+            print(f"[{split}] {label}: mIoU {100 * m['miou']:.1f}", flush=True)
+            continue
+        base_s, refine_s, timed_shared = time_inference(
+            model, loader, args.timing_images, device, refiner
+        )
+        rows[key] = {
+            "label": label,
+            **summarize(m["refined"]),
+            # base + refinement, both timed in this row's own paired pass: compare rows by
+            # extra_time_ratio, not by ms_per_image against the base row's pass
+            "ms_per_image": 1000 * (base_s + refine_s),
+            "base_ms_per_image_paired": 1000 * base_s,
+            "extra_time_ratio": refine_s / base_s,  # paired, under the same load
+            # whether the refiner read the base's backbone output instead of running its own,
+            # on every image evaluated and timed
+            "shares_base_features": timed_shared
+            and m["refine"]["shared_images"] == m["num_images"],
+            "refine": m["refine"],
+        }
+        print(
+            f"[{split}] {label}: mIoU {100 * m['refined']['miou']:.1f}, "
+            f"{m['refine']['fixed']} pixels fixed, {m['refine']['broke']} broken",
+            flush=True,
+        )
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     check_args(args)
@@ -1112,7 +1292,7 @@ def main(argv: list[str] | None = None) -> int:
         earlier_results(out, args)
     out.mkdir(parents=True, exist_ok=True)
     if args.protocol == "plateau":
-        carve_dev_split(Path(args.data), out, args.dev_fraction)
+        carve_dev_split(Path(args.data), out, args.dev_fraction, args.holdout_sequence)
     device = device_of(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -1203,7 +1383,10 @@ def main(argv: list[str] | None = None) -> int:
         }
         atomic_write_json(record, results["train"][name])
     results["budget"] = (
-        f"trained to plateau on a dev split of train (T={args.max_iters})"
+        f"trained to plateau on sequences other than {args.holdout_sequence}, which is dev "
+        f"(T={args.max_iters})"
+        if args.holdout_sequence
+        else f"trained to plateau on a dev split of train (T={args.max_iters})"
         if args.protocol == "plateau"
         else f"{args.budget_iters} iterations per model"
         if args.budget_iters
@@ -1232,56 +1415,20 @@ def main(argv: list[str] | None = None) -> int:
         print("[method B] interrupted; rerun with --reuse to continue its fit", flush=True)
         return 143 if isinstance(stop, Terminated) else 130
 
+    crfs = choose_crfs(args, out, models, meta, device, results)
+
     # ---- 3. evaluate at full resolution ----------------------------------------------------
-    for split_path in [None, *args.eval_split]:
+    cross_scene = (
+        [str(out / "data" / f"cross_scene_{args.holdout_sequence}.txt")]
+        if args.holdout_sequence
+        else []
+    )
+    for split_path in [None, *cross_scene, *args.eval_split]:
         split, loader = eval_loader(args.data, split_path, args.eval_limit, args.workers)
         rows: dict[str, Any] = {}
         for name, model in models.items():
-            ms = 1000 * time_inference(model, loader, args.timing_images, device)[0]
-            variants = [(name, LABELS[name], None)]
-            if name in refiners:
-                variants.append((f"{name}+B", LABELS[name] + " + method B", refiners[name]))
-            for kind, copy in gated.get(name, {}).items():
-                label = LABELS[name] + (
-                    f" + method B, {decision_label(copy.config, args.refine_decision_metric)}"
-                )
-                if kind == "B_shared":
-                    label = label[: -len(")")] + " among the settings reading the base's features)"
-                variants.append((f"{name}+{kind}", label, copy))
-            for key, label, refiner in variants:
-                m = evaluate(
-                    model,
-                    loader,
-                    num_classes=meta.num_classes,
-                    device=device,
-                    refiner=refiner,
-                    # fp32, as the dev sweep and the timing run: on CUDA bf16 would also turn
-                    # off the reading of the base's features, so the figures would come from
-                    # another computation than the one timed
-                    amp=False,
-                )
-                if refiner is None:
-                    rows[key] = {"label": label, **summarize(m), "ms_per_image": ms}
-                    print(f"[{split}] {label}: mIoU {100 * m['miou']:.1f}", flush=True)
-                    continue
-                base_s, refine_s, timed_shared = time_inference(
-                    model, loader, args.timing_images, device, refiner
-                )
-                rows[key] = {
-                    "label": label,
-                    **summarize(m["refined"]),
-                    # base + refinement, both timed in this row's own paired pass: compare rows
-                    # by extra_time_ratio, not by ms_per_image against the base row's pass
-                    "ms_per_image": 1000 * (base_s + refine_s),
-                    "base_ms_per_image_paired": 1000 * base_s,
-                    "extra_time_ratio": refine_s / base_s,  # paired, under the same load
-                    # whether the refiner read the base's backbone output instead of running
-                    # its own, on every image evaluated and timed
-                    "shares_base_features": timed_shared
-                    and m["refine"]["shared_images"] == m["num_images"],
-                    "refine": m["refine"],
-                }
-                print(f"[{split}] {label}: mIoU {100 * m['refined']['miou']:.1f}", flush=True)
+            variants = post_processors(name, args, refiners, gated, crfs)
+            rows |= score_variants(model, variants, loader, split, args, meta, device)
         results["splits"][split] = rows
 
     # ---- 4. report ------------------------------------------------------------------------

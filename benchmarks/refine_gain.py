@@ -1,13 +1,19 @@
-"""Benchmark (not a test): what method B's refinement gains over trained base models.
+"""Benchmark (not a test): what method B's refinement gains over trained base models, beside
+dense CRF on the same base probabilities.
 
 For each base checkpoint (method A's network, a peer such as DeepLabV3): mIoU, boundary F1
-(t = 3 px) and trimap mIoU on an evaluation split, before and after refinement, and the
-refinement's extra inference time per image relative to the base model's forward pass.
-Targets (issue 5): boundary F1 +3 points and mIoU +1 point, at under 15% extra time.
+(t = 3 px) and trimap mIoU on an evaluation split, before and after refinement, the pixels
+each post-processor fixed (wrong -> right) and broke (right -> wrong), and its extra inference
+time per image relative to the base model's forward pass. Targets (issue 5): boundary F1 +3
+points and mIoU +1 point, at under 15% extra time.
+
+Dense CRF (``--crf on``, the default; ``pip install 'dualseg[crf]'``) has its kernel settings
+chosen among four on ``--crf-dev``, the dev data that chose method B's decision (``refine fit
+--calibrate-split``), per base; ``--crf off`` skips it.
 
     python benchmarks/refine_gain.py --data ../shared/data/camvid \\
         --eval ../shared/data/camvid/val.txt --base runs/camvid_mobilenet_v2/best.pt [more.pt] \\
-        --refiner refiner.pt --out gain.json
+        --refiner refiner.pt --crf-dev runs/bench/data/dev.txt --out gain.json
 
 Without ``--refiner`` it first fits one on ``--data``'s train split (``--steps`` etc.). The
 evaluation split is a path: a list file (``image label`` per line) or a dataset folder with
@@ -17,6 +23,7 @@ evaluation split is a path: a list file (``image label`` per line) or a dataset 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 import sys
@@ -30,9 +37,10 @@ from dualseg.data import build_dataset, build_eval_transform, build_train_transf
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
 from dualseg.engine.evaluate import evaluate
 from dualseg.engine.predict import resolve_device
-from dualseg.errors import DualsegError
+from dualseg.errors import ConfigError, DualsegError
 from dualseg.io import atomic_write_json
 from dualseg.refine import BoundaryRefiner, RefinerConfig
+from dualseg.refine.crf import CRFSettings, choose_crf, import_pydensecrf
 
 KEYS = (("miou", "mIoU"), ("boundary_f1", "boundary F1"), ("trimap_miou", "trimap mIoU"))
 
@@ -67,6 +75,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", default="refine_gain.json")
+    p.add_argument(
+        "--crf",
+        choices=("on", "off"),
+        default="on",
+        help="dense CRF on the same base probabilities beside method B (pydensecrf2: "
+        "pip install 'dualseg[crf]')",
+    )
+    p.add_argument(
+        "--crf-dev",
+        help="the dev data that chose method B's decision (a list file, or a split of --data): "
+        "dense CRF's kernel settings are chosen there among four (default: DeepLab's settings)",
+    )
+    p.add_argument(
+        "--crf-metric",
+        choices=("miou", "boundary_f1"),
+        default="miou",
+        help="what the choice of CRF settings on --crf-dev maximizes",
+    )
     return p.parse_args(argv)
 
 
@@ -154,14 +180,131 @@ def time_ratio(model, refiner, dataset, device: torch.device, n: int) -> dict[st
     return out
 
 
+def crf_dev_dataset(args: argparse.Namespace) -> Any:
+    """The images that choose dense CRF's settings: ``--crf-dev`` as a list file, or as a split
+    of ``--data`` (as ``refine fit --calibrate-split`` names one); ``None`` without it. The
+    evaluation split itself is refused: settings chosen there would be reported there."""
+    if args.crf == "off" and args.crf_dev:
+        raise ConfigError(f"--crf-dev {args.crf_dev} chooses dense CRF's settings: drop --crf off")
+    if not args.crf_dev:
+        return None
+    path = Path(args.crf_dev)
+    root, split = (path, "val") if path.is_file() else (Path(args.data), args.crf_dev)
+    listed = root if root.is_file() else root / f"{split}.txt"
+    if listed.resolve() == Path(args.eval).resolve() or (
+        Path(args.eval).resolve() == root.resolve() and split == args.eval_split
+    ):
+        raise ConfigError(
+            f"--crf-dev {args.crf_dev} is the evaluation split: CRF settings chosen on it would "
+            "be reported on the images they were tuned on; pass the dev data that chose method "
+            "B's decision (e.g. dev.txt)"
+        )
+    return build_dataset(root, split=split, preset=args.preset, transform=build_eval_transform())
+
+
+def score_crf(
+    model: torch.nn.Module,
+    loader: Any,
+    dev: Any,
+    num_classes: int,
+    device: torch.device,
+    metric: str,
+) -> dict[str, Any]:
+    """Dense CRF on the base's probabilities, its settings chosen on ``dev`` (the defaults
+    without it): the same figures as method B's, with the pixels it fixed and broke."""
+    chosen, sweep = CRFSettings(), None
+    if dev is not None:
+        dev_loader = torch.utils.data.DataLoader(dev, batch_size=1)
+        chosen, sweep = choose_crf(
+            model, dev_loader, num_classes=num_classes, device=device, metric=metric
+        )
+    m = evaluate(model, loader, num_classes=num_classes, device=device, refiner=chosen)
+    crf_ms, base_ms = m["refine"]["ms_per_image"], m["ms_per_image"]
+    return {
+        **{k: m["refined"][k] for k, _ in KEYS},
+        "settings": dataclasses.asdict(chosen),
+        "chosen_on_dev": sweep is not None,
+        "dev_sweep": sweep,
+        "fixed": m["refine"]["fixed"],
+        "broke": m["refine"]["broke"],
+        "ms_per_image": crf_ms,  # the CRF alone (CPU), paired with the base in one pass
+        "extra_time_ratio": crf_ms / base_ms,
+    }
+
+
+def score_method_b(
+    model: torch.nn.Module, refiner: BoundaryRefiner, loader: Any, meta: Any, device: Any
+) -> dict[str, Any]:
+    m = evaluate(
+        model,
+        loader,
+        num_classes=meta.num_classes,
+        device=device,
+        refiner=refiner,
+        progress=sys.stderr.isatty(),
+    )
+    row: dict[str, Any] = {k: {"base": m[k], "refined": m["refined"][k]} for k, _ in KEYS}
+    row["refine"] = m["refine"]
+    row["iou_gain"] = {  # per class, IoU points (None: class absent from the split)
+        name: None if math.isnan(b) or math.isnan(r) else 100 * (r - b)
+        for name, b, r in zip(meta.class_names, m["iou"], m["refined"]["iou"])
+    }
+    return row
+
+
+def print_row(name: str, row: dict[str, Any], images: int, device: torch.device) -> None:
+    print(f"\n{name} ({images} images, device {device})")
+    crf = row.get("crf")
+    head = f"  {'':<14}{'base':>7}{'method B':>17}" + (f"{'dense CRF':>17}" if crf else "")
+    print(head)
+    for key, label in KEYS:
+        b, r = 100 * row[key]["base"], 100 * row[key]["refined"]
+        line = f"  {label:<14}{b:7.2f}{r:9.2f} ({r - b:+5.2f})"
+        if crf:
+            line += f"{100 * crf[key]:9.2f} ({100 * crf[key] - b:+5.2f})"
+        print(line)
+    c = row["refine"]
+    line = f"  {'fixed/broken':<14}{'':>7}{c['fixed']:>9}/{c['broke']:<7}"
+    print(line + (f"{crf['fixed']:>9}/{crf['broke']:<7}" if crf else ""))
+    line = (
+        f"  {'ms/image':<14}{1000 * row['base_s']:7.1f}{1000 * row['refine_s']:9.1f} "
+        f"(+{100 * row['extra_time_ratio']:.0f}%)"
+    )
+    print(
+        line
+        + (f"{crf['ms_per_image']:9.1f} (+{100 * crf['extra_time_ratio']:.0f}%)" if crf else "")
+    )
+    gains = ", ".join(f"{name} {g:+.1f}" for name, g in row["iou_gain"].items() if g is not None)
+    print(f"  method B's IoU gain per class: {gains}")
+    print(
+        f"  method B changed {100 * c['changed_fraction']:.3f}% of pixels "
+        "(targets: BF1 +3, mIoU +1, < 15% extra time)"
+    )
+    if row["shares_base_features"]:
+        print(
+            "  (method B on the base's own backbone output; with its own backbone pass: "
+            f"{1000 * row['refine_own_backbone_s']:.1f} ms -> "
+            f"+{100 * row['extra_time_ratio_own_backbone']:.1f}%)"
+        )
+    if crf:
+        how = "chosen on --crf-dev" if crf["chosen_on_dev"] else "the defaults (no --crf-dev)"
+        print(f"  dense CRF settings, {how}: {CRFSettings(**crf['settings']).describe()}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.time_images < 1:
         print(f"error: --time-images must be >= 1, got {args.time_images}", file=sys.stderr)
         return 2
+    if args.crf == "on":
+        try:
+            import_pydensecrf()  # before any work
+        except DualsegError as err:
+            raise DualsegError(f"{err}, or --crf off to leave dense CRF out") from None
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
+    dev = crf_dev_dataset(args)
     refiner = (
         BoundaryRefiner.load(args.refiner, device=device)
         if args.refiner
@@ -176,49 +319,17 @@ def main(argv: list[str] | None = None) -> int:
         val = torch.utils.data.Subset(val, range(min(args.max_eval_images, len(val))))
     loader = torch.utils.data.DataLoader(val, batch_size=1)
     report: dict[str, Any] = {"refiner": repr(refiner), "eval": str(eval_path), "bases": {}}
+    if dev is not None:
+        report["crf_dev"] = args.crf_dev
     for ckpt_path in args.base:
         model, meta = build_model_from_checkpoint(load_checkpoint(ckpt_path), device=device)
         refiner.check_classes(meta.class_names, meta.num_classes, what=ckpt_path)
-        m = evaluate(
-            model,
-            loader,
-            num_classes=meta.num_classes,
-            device=device,
-            refiner=refiner,
-            progress=sys.stderr.isatty(),
-        )
-        row = {k: {"base": m[k], "refined": m["refined"][k]} for k, _ in KEYS}
-        row["refine"] = m["refine"]
-        row["iou_gain"] = {  # per class, IoU points (None: class absent from the split)
-            name: None if math.isnan(b) or math.isnan(r) else 100 * (r - b)
-            for name, b, r in zip(meta.class_names, m["iou"], m["refined"]["iou"])
-        }
+        row = score_method_b(model, refiner, loader, meta, device)
         row.update(time_ratio(model, refiner, val, device, args.time_images))
+        if args.crf == "on":
+            row["crf"] = score_crf(model, loader, dev, meta.num_classes, device, args.crf_metric)
         report["bases"][ckpt_path] = row
-        print(f"\n{ckpt_path} ({len(val)} images, device {device})")
-        for key, label in KEYS:
-            b, r = 100 * row[key]["base"], 100 * row[key]["refined"]
-            print(f"  {label:<12} {b:6.2f} -> {r:6.2f}  ({r - b:+.2f} points)")
-        gains = ", ".join(
-            f"{name} {g:+.1f}" for name, g in row["iou_gain"].items() if g is not None
-        )
-        print(f"  IoU gain per class: {gains}")
-        c = row["refine"]
-        print(
-            f"  changed {100 * c['changed_fraction']:.3f}% of pixels: {c['fixed']} fixed, "
-            f"{c['broke']} broke"
-        )
-        print(
-            f"  time/image: base {1000 * row['base_s']:.1f} ms, refine "
-            f"{1000 * row['refine_s']:.1f} ms -> +{100 * row['extra_time_ratio']:.1f}% "
-            "(targets: BF1 +3, mIoU +1, < 15% extra time)"
-        )
-        if row["shares_base_features"]:
-            print(
-                "  (on the base's own backbone output; with its own backbone pass: "
-                f"{1000 * row['refine_own_backbone_s']:.1f} ms -> "
-                f"+{100 * row['extra_time_ratio_own_backbone']:.1f}%)"
-            )
+        print_row(ckpt_path, row, len(val), device)
     atomic_write_json(args.out, report)
     print(f"\nreport -> {args.out}")
     return 0

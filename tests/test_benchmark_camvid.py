@@ -515,3 +515,125 @@ def test_models_evaluated_one_per_call_into_one_out_keep_each_others_rows(
     # rows evaluated under other flags would share one table: refused before any work
     with pytest.raises(ConfigError, match=r"holds peer evaluated with --eval-limit None, this"):
         camvid.earlier_results(tmp_path, args("--models", "single_branch", "--eval-limit", "3"))
+
+
+def test_a_frame_s_sequence_is_its_file_name_prefix(camvid) -> None:
+    assert camvid.sequence_of("train/0001TP_006690.png trainannot/0001TP_006690.png") == "0001TP"
+    assert camvid.sequence_of("/abs/val/0016E5_07959.png") == "0016E5"
+    lines = ["a/SEQA_1.png b/SEQA_1.png", "a/SEQB_1.png b/SEQB_1.png", "a/SEQA_2.png b/SEQA_2.png"]
+    train, held = camvid.split_by_sequence(lines, "SEQA")
+    assert held == [lines[0], lines[2]] and train == [lines[1]]  # order kept, nothing shared
+
+
+@pytest.mark.parametrize(
+    ("holdout", "said"), [("SEQC", "SEQC is not among"), ("SEQA", "SEQA is the only one of")]
+)
+def test_a_holdout_sequence_that_leaves_no_split_is_one_error(camvid, holdout, said) -> None:
+    from dualseg.errors import ConfigError
+
+    lines = ["a/SEQA_1.png b/SEQA_1.png"] + (
+        ["a/SEQB_1.png b/SEQB_1.png"] if holdout != "SEQA" else []
+    )
+    with pytest.raises(ConfigError, match=rf"--holdout-sequence {said} the training sequences"):
+        camvid.split_by_sequence(lines, holdout)
+
+
+def test_leave_one_sequence_out_trains_on_the_others_and_chooses_on_it(
+    camvid, tmp_path: Path
+) -> None:
+    """Dev and the cross-scene split are the held-out sequence: no frame of it is trained on,
+    and the plateau runs read the derived lists in --out (the images stay where they are)."""
+    data = tmp_path / "camvid"
+    data.mkdir()
+    frames = [f"train/{s}_{i:04d}.png trainannot/{s}_{i:04d}.png"
+              for s in ("0001TP", "0006R0", "0016E5") for i in range(4)]  # fmt: skip
+    (data / "train.txt").write_text("\n".join(frames) + "\n")
+    (data / "val.txt").write_text("val/0016E5_9999.png valannot/0016E5_9999.png\n")
+    out = tmp_path / "out"
+    root = camvid.carve_dev_split(data, out, 0.125, "0001TP")
+
+    def read(name: str) -> list[str]:
+        return (root / f"{name}.txt").read_text().splitlines()
+
+    assert {camvid.sequence_of(ln) for ln in read("dev")} == {"0001TP"} and len(read("dev")) == 4
+    assert read("cross_scene_0001TP") == read("dev")
+    assert {camvid.sequence_of(ln) for ln in read("train_fit")} == {"0006R0", "0016E5"}
+    assert len(read("train_fit")) == 8 and all(
+        Path(ln.split()[0]).is_absolute() for ln in read("dev")
+    )
+    assert sorted(p.name for p in root.iterdir()) == [
+        "cross_scene_0001TP.txt", "dev.txt", "train_fit.txt", "val.txt"]  # fmt: skip
+    args = ["--data", str(data), "--out", str(out), "--protocol", "plateau"]
+    cfg = camvid.base_config(
+        camvid.parse_args([*args, "--holdout-sequence", "0001TP"]), "peer", out
+    )
+    assert (cfg.data.root, cfg.data.train_split, cfg.data.val_split) == (
+        str(root), "train_fit", "dev")  # fmt: skip
+    # another carve into a folder trained on this one is refused, naming both flags
+    (out / "refiner_all.pt").write_text("")
+    from dualseg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--dev-fraction 0\.125 of .*--holdout-sequence"):
+        camvid.carve_dev_split(data, out, 0.125)
+    with pytest.raises(ConfigError, match=r"--holdout-sequence 0006R0 of"):
+        camvid.carve_dev_split(data, out, 0.125, "0006R0")
+
+
+def test_a_holdout_sequence_needs_the_plateau_protocol(camvid, tmp_path: Path) -> None:
+    from dualseg.errors import ConfigError
+
+    data = _camvid_lists(tmp_path)
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match="add --protocol plateau"):
+        camvid.main(["--data", str(data), "--out", str(out), "--holdout-sequence", "0001TP"])
+    assert not out.exists()
+
+
+def test_the_table_counts_the_pixels_refinement_fixed_and_broke(camvid, tmp_path: Path) -> None:
+    row = {"miou": 0.5, "boundary_f1": 0.3, "trimap_miou": 0.4, "pixel_acc": 0.9}
+    results = {
+        "budget": "b",
+        "splits": {"cross_scene_0001TP": {
+            "peer": {"label": "peer", **row, "ms_per_image": 20.0},
+            "peer+B": {"label": "peer + B", **row, "refine": {"fixed": 120, "broke": 45}},
+        }},
+    }  # fmt: skip
+    text = camvid.write_table(results, tmp_path / "results.md")
+    assert "**CamVid cross_scene_0001TP**" in text and "pixels fixed / broken" in text
+    assert "| peer + B | 50.0 | 30.0 | 40.0 | 90.0 |  | 120 / 45 |" in text
+    assert "| peer | 50.0 | 30.0 | 40.0 | 90.0 | 20 |  |" in text
+
+
+def test_dense_crf_is_timed_on_the_probabilities_right_after_the_base(camvid) -> None:
+    import torch
+
+    class CRF:  # as dualseg.refine.crf.CRFSettings: no backbone to share, probabilities in
+        def __init__(self) -> None:
+            self.seen: list[torch.Tensor] = []
+
+        def refine(self, images: torch.Tensor, probs: torch.Tensor) -> None:
+            self.seen.append(probs)
+
+    model = torch.nn.Conv2d(3, 4, 1).eval()
+    loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(4)]
+    crf = CRF()
+    base_s, extra_s, shared = camvid.time_inference(model, loader, 2, torch.device("cpu"), crf)
+    assert base_s > 0 and extra_s > 0 and not shared and len(crf.seen) == 4
+    with torch.no_grad():
+        assert torch.allclose(crf.seen[0], model(loader[0][0]).softmax(1))
+
+
+def test_crf_without_pydensecrf2_is_one_line_before_any_work(
+    camvid, tmp_path: Path, monkeypatch
+) -> None:
+    import sys
+
+    from dualseg.errors import DualsegError
+
+    monkeypatch.setitem(sys.modules, "pydensecrf", None)
+    monkeypatch.setitem(sys.modules, "pydensecrf.densecrf", None)
+    out = tmp_path / "out"
+    argv = ["--data", str(_camvid_lists(tmp_path)), "--out", str(out), "--crf"]
+    with pytest.raises(DualsegError, match=r"pip install 'dualseg\[crf\]'"):
+        camvid.main(argv)
+    assert not out.exists()

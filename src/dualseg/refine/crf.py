@@ -1,0 +1,168 @@
+"""Dense CRF (Krähenbühl & Koltun 2011) on a base model's probabilities: the baseline that
+method B is compared with.
+
+It runs ``pydensecrf2``, an optional extra (``pip install 'dualseg[crf]'``), on the CPU, one
+image at a time: a Gaussian smoothness kernel and a bilateral appearance kernel, mean-field
+inference. :class:`CRFSettings` holds the kernel settings; :data:`CRF_GRID` is the small set
+from which :func:`choose_crf` picks one on held-out (dev) images, as method B's decision is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from dualseg.errors import ConfigError, DualsegError
+from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
+
+__all__ = ["CRF_GRID", "CRFSettings", "choose_crf", "dense_crf", "import_pydensecrf"]
+
+
+def import_pydensecrf() -> ModuleType:
+    """``pydensecrf.densecrf``, or one :class:`DualsegError` line saying how to install it."""
+    try:
+        import pydensecrf.densecrf as dcrf
+    except ImportError:
+        raise DualsegError(
+            "dense CRF needs pydensecrf2, which is not installed: pip install 'dualseg[crf]'"
+        ) from None
+    return dcrf
+
+
+@dataclass(frozen=True)
+class CRFSettings:
+    """Kernel settings of the dense CRF (the defaults: DeepLab's, common for street scenes).
+
+    ``sxy_*``: the kernels' spatial standard deviations in pixels; ``srgb_bilateral``: the
+    colour standard deviation (0-255 scale); ``compat_*``: each kernel's Potts weight;
+    ``iterations``: mean-field steps.
+    """
+
+    iterations: int = 5
+    sxy_gaussian: float = 3
+    compat_gaussian: float = 3
+    sxy_bilateral: float = 80
+    srgb_bilateral: float = 13
+    compat_bilateral: float = 10
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not value > 0:
+                raise ConfigError(f"CRF setting {name} must be > 0, got {value}")
+
+    def describe(self) -> str:
+        """One line for a table: the bilateral kernel, which is what the grid varies."""
+        return (
+            f"bilateral sxy {self.sxy_bilateral:g}, srgb {self.srgb_bilateral:g}, "
+            f"compat {self.compat_bilateral:g}; {self.iterations} iterations"
+        )
+
+    @torch.no_grad()
+    def refine(
+        self,
+        images: Tensor,
+        probs: Tensor,
+        return_changed: bool = True,
+        *,
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+    ) -> tuple[Tensor, Tensor]:
+        """As a method-B refiner for :func:`dualseg.engine.evaluate`: ``images`` normalized
+        ``[B,3,H,W]`` (``mean``/``std``), ``probs`` ``[B,C,H,W]`` -> ``(labels, changed)``,
+        both ``[B,H,W]`` on ``probs``' device; ``changed``: where the CRF moved the argmax
+        (returned whatever ``return_changed`` says: the flag is the refiner interface's)."""
+        rgb = images.detach().float().cpu() * torch.tensor(std)[:, None, None]
+        rgb = rgb + torch.tensor(mean)[:, None, None]
+        rgb = (rgb * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        p = probs.detach().float().cpu().numpy()
+        labels = torch.stack(
+            [
+                torch.from_numpy(dense_crf(im, pr, **asdict(self)).argmax(0))
+                for im, pr in zip(rgb, p)
+            ]
+        ).to(probs.device)
+        return labels, labels != probs.argmax(1)
+
+
+def dense_crf(
+    image_uint8_hwc: np.ndarray,
+    probs_chw: np.ndarray,
+    *,
+    iterations: int = CRFSettings.iterations,
+    sxy_gaussian: float = CRFSettings.sxy_gaussian,
+    compat_gaussian: float = CRFSettings.compat_gaussian,
+    sxy_bilateral: float = CRFSettings.sxy_bilateral,
+    srgb_bilateral: float = CRFSettings.srgb_bilateral,
+    compat_bilateral: float = CRFSettings.compat_bilateral,
+) -> np.ndarray:
+    """The CRF's refined probabilities, float32 ``[C,H,W]`` (each pixel's sum to 1; take
+    ``argmax(0)`` for labels), of ``image_uint8_hwc`` (RGB ``[H,W,3]`` uint8) and the base
+    model's softmax ``probs_chw`` (``[C,H,W]``, unary = ``-log p``)."""
+    if image_uint8_hwc.dtype != np.uint8 or image_uint8_hwc.shape[2:] != (3,):
+        raise DualsegError(
+            f"dense_crf: the image must be uint8 [H,W,3] RGB, got {image_uint8_hwc.dtype} "
+            f"{list(image_uint8_hwc.shape)}"
+        )
+    if probs_chw.ndim != 3 or probs_chw.shape[1:] != image_uint8_hwc.shape[:2]:
+        raise DualsegError(
+            f"dense_crf: probabilities {list(probs_chw.shape)} do not match the image "
+            f"{list(image_uint8_hwc.shape)}: pass [C,H,W] at the image's size"
+        )
+    dcrf = import_pydensecrf()
+    c, h, w = probs_chw.shape
+    unary = -np.log(np.clip(probs_chw, 1e-8, 1.0)).reshape(c, -1)
+    crf = dcrf.DenseCRF2D(w, h, c)
+    crf.setUnaryEnergy(np.ascontiguousarray(unary, dtype=np.float32))
+    crf.addPairwiseGaussian(sxy=sxy_gaussian, compat=compat_gaussian)
+    crf.addPairwiseBilateral(
+        sxy=sxy_bilateral,
+        srgb=srgb_bilateral,
+        rgbim=np.ascontiguousarray(image_uint8_hwc),
+        compat=compat_bilateral,
+    )
+    q = np.asarray(crf.inference(int(iterations)), dtype=np.float32)
+    return q.reshape(c, h, w)
+
+
+# What choose_crf picks among: the default, and a narrower / weaker / wider bilateral kernel
+CRF_GRID: tuple[CRFSettings, ...] = (
+    CRFSettings(),
+    CRFSettings(sxy_bilateral=50, srgb_bilateral=5, compat_bilateral=5),
+    CRFSettings(sxy_bilateral=80, srgb_bilateral=13, compat_bilateral=4),
+    CRFSettings(sxy_bilateral=120, srgb_bilateral=20, compat_bilateral=10),
+)
+
+
+def choose_crf(
+    model: nn.Module,
+    loader: Iterable[tuple[Tensor, Tensor]],
+    *,
+    num_classes: int,
+    device: torch.device,
+    grid: Sequence[CRFSettings] = CRF_GRID,
+    metric: str = "miou",
+) -> tuple[CRFSettings, list[dict[str, Any]]]:
+    """The setting of ``grid`` whose CRF scores best in ``metric`` (``miou`` or
+    ``boundary_f1``) on ``loader``'s (dev) images, and every setting's scores."""
+    from dualseg.engine.evaluate import evaluate
+
+    rows = []
+    for settings in grid:
+        m = evaluate(model, loader, num_classes=num_classes, device=device, refiner=settings)
+        rows.append(
+            {
+                "settings": asdict(settings),
+                **{k: m["refined"][k] for k in ("miou", "boundary_f1", "trimap_miou")},
+                "base_" + metric: m[metric],
+                "fixed": m["refine"]["fixed"],
+                "broke": m["refine"]["broke"],
+            }
+        )
+    best = max(range(len(grid)), key=lambda i: rows[i][metric])  # the first of equals
+    return grid[best], rows
