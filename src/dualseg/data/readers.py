@@ -283,6 +283,24 @@ def _refuse_lossy_or_deep(path: Path, im: Image.Image) -> None:
         )
 
 
+def _raw_values(path: Path, im: Image.Image) -> np.ndarray:
+    raw = _label_array(path, im)
+    if im.mode == "L" and (bits := _bits_per_sample(path, im)) in (2, 4):
+        # a 2- or 4-bit grayscale PNG: Pillow scales its samples to 0..255 (x85, x17), but a
+        # label's values are its stored samples, as for 1- and 16-bit labels: 0..3 are
+        # classes 0..3, not 0, 85, 170 and 255 (ignore)
+        raw = raw // (255 // (2**bits - 1))
+    return raw
+
+
+def raw_label_values(path: str | Path) -> np.ndarray:
+    """The distinct raw values of an index label file (sorted), before any class mapping."""
+    path = Path(path)
+    im = open_image(path)
+    _refuse_lossy_or_deep(path, im)
+    return np.unique(_raw_values(path, im))
+
+
 def read_label(path: str | Path, meta: DatasetMeta, *, label_format: str = "index") -> np.ndarray:
     """A label file as ``uint8 HxW`` class indices, 255 = ignore.
 
@@ -305,12 +323,7 @@ def _decode_label(
     if turn:
         im = ImageOps.exif_transpose(im)
     if label_format == "index":
-        raw = _label_array(path, im)
-        if im.mode == "L" and (bits := _bits_per_sample(path, im)) in (2, 4):
-            # a 2- or 4-bit grayscale PNG: Pillow scales its samples to 0..255 (x85, x17), but
-            # a label's values are its stored samples, as for 1- and 16-bit labels: 0..3 are
-            # classes 0..3, not 0, 85, 170 and 255 (ignore)
-            raw = raw // (255 // (2**bits - 1))
+        raw = _raw_values(path, im)
         if im.mode == "P" and (in_use := _palette_in_use(im, raw)) is not None:
             _check_palette_indices(path, *in_use, meta)
             _check_grey_palette(path, *in_use, meta)
@@ -372,20 +385,24 @@ def drawn_upright(
 
 def inspect_pair(
     img_path: str | Path, label_path: str | Path, meta: DatasetMeta, *, label_format: str = "index"
-) -> tuple[np.ndarray | None, np.ndarray | None, list[str]]:
-    """``(image, label, problems)`` of one pair: what :func:`read_pair` reads, and every
+) -> tuple[np.ndarray | None, np.ndarray | None, list[str], tuple[str, int, int] | None]:
+    """``(image, label, problems, values)`` of one pair: what :func:`read_pair` reads, every
     problem found on the way (``None`` for a file that failed), so ``dualseg data check`` can
-    list them all. Each file is opened and decoded once."""
+    list them all, and the image's stored values ``(dtype, min, max)``. Each file is opened
+    and decoded once."""
     img_path, label_path = Path(img_path), Path(label_path)
     if label_format not in LABEL_FORMATS:
         raise DataError(f"unknown label_format {label_format!r}; use one of {LABEL_FORMATS}")
     problems: list[str] = []
-    image = label = None
+    image = label = values = None
     im: Image.Image | None = None
     turn: int | None = None
     try:
         im = open_image(img_path)
         turn = exif_orientation(im, img_path)
+        stored = np.asarray(im)
+        if stored.size:
+            values = (str(stored.dtype), int(stored.min()), int(stored.max()))
         image = image_to_rgb(im, img_path)
     except DataError as err:
         problems.append(str(err))
@@ -410,7 +427,7 @@ def inspect_pair(
                 "file's lines are 'image_path label_path', image first"
             )
         problems.append(message)
-    return image, label, problems
+    return image, label, problems, values
 
 
 def _swapped(im: Image.Image, label_path: Path, label_format: str, meta: DatasetMeta) -> bool:
@@ -439,7 +456,7 @@ def read_pair(
     """An image and its label (:func:`read_image`, :func:`read_label`), read so that they line
     up: the label must carry the image's EXIF orientation, if any (then both are turned);
     otherwise a :class:`DataError` naming the file. Sizes are the caller's to compare."""
-    image, label, problems = inspect_pair(img_path, label_path, meta, label_format=label_format)
+    image, label, problems, _ = inspect_pair(img_path, label_path, meta, label_format=label_format)
     if problems:
         raise DataError(problems[0])
     assert image is not None and label is not None  # no problem: both were read
