@@ -289,9 +289,6 @@ def _check_destination(src: Path, dst: Path, dataset: SegmentationDataset, list_
         )
 
 
-SOURCE_KEYS = ("source_pairs", "source_digest")  # augment.json's record of the source pairs
-
-
 def _pairs_digest(samples: list[tuple[Path, Path]]) -> str:
     """SHA-1 of the source pairs' resolved paths, in order."""
     text = "\n".join(f"{img.resolve()}\t{label.resolve()}" for img, label in samples)
@@ -346,21 +343,6 @@ def _claim(dst: Path, settings: dict) -> None:
             ) from None
         except (OSError, json.JSONDecodeError):
             old = None
-        if isinstance(old, dict) and not any(k in old for k in SOURCE_KEYS):
-            # written before augment.json kept which source pairs it read: the other settings
-            # decide, and the file gains the source's (what it read then cannot be known)
-            old = {**old, **{k: settings[k] for k in SOURCE_KEYS}}
-            if old == settings:
-                atomic_write_json(path, settings)
-        if isinstance(old, dict) and "source_stamp" not in old:
-            # written before augment.json kept the files' stamps: what they were is unknown
-            old = {**old, "source_stamp": settings["source_stamp"]}
-            if old == settings:
-                atomic_write_json(path, settings)
-        if isinstance(old, dict) and Path(settings["src"]).is_file():
-            # a list file is one split, whatever --split said: recorded as "train" (the default)
-            # before its name was taken from the file (val.txt is val)
-            old = {**old, "split": settings["split"]}
         if old != settings:
             changed = sorted(k for k in settings if not old or old.get(k) != settings[k])
             if changed == ["source_stamp"]:
