@@ -156,12 +156,7 @@ def augment_dataset(
 
     ``progress``: a :mod:`dualseg.console` mode (``"bar"``, ``"lines"``, ``"off"``); ``True``
     picks by the terminal, ``False`` is ``"off"``."""
-    if count < 1:
-        raise DataError(f"--count must be >= 1, got {count}")
-    if (problem := seed_error(seed, "--seed")) is not None:
-        raise DataError(problem)
-    if image_format not in IMAGE_FORMATS:
-        raise DataError(f"image format {image_format!r}: use one of {sorted(IMAGE_FORMATS)}")
+    _check_options(count, seed, image_format, list_name)
     check_augment_settings(  # before anything is written: a bad value leaves no augment.json
         crop_size=crop_size,
         scale_range=scale_range,
@@ -170,11 +165,6 @@ def augment_dataset(
         jitter=jitter,
         names=AUGMENT_FLAGS,
     )
-    if Path(list_name).name != list_name or not list_name.endswith(".txt"):  # not meta.json
-        raise DataError(
-            f"--list-name {list_name!r}: give a bare file name ending in .txt (e.g. train.txt); "
-            "the list file is written into DST, beside images/ and labels/"
-        )
     dst = check_writable(dst, kind="dir", what="DST")
     dataset = build_dataset(
         src, split=split, layout=layout, preset=preset, label_format=label_format
@@ -211,9 +201,32 @@ def augment_dataset(
             "choose a new DST"
         )
     _remove_partial(dst)  # an earlier run's, killed mid-write
-    augmenter = Augmenter(dataset, dst, settings)
-    written = 0
     mode = progress if isinstance(progress, str) else progress_mode(quiet=not progress)
+    written = _write_pairs(Augmenter(dataset, dst, settings), count, workers, mode)
+    ext = image_format
+    lines = "".join(f"images/{i:06d}.{ext} labels/{i:06d}.png\n" for i in range(count))
+    atomic_write_text(dst / list_name, lines)
+    atomic_write_json(dst / META_FILE, without_source_ignore(dataset.meta).to_dict())
+    return written, count - written
+
+
+def _check_options(count: int, seed: int, image_format: str, list_name: str) -> None:
+    if count < 1:
+        raise DataError(f"--count must be >= 1, got {count}")
+    if (problem := seed_error(seed, "--seed")) is not None:
+        raise DataError(problem)
+    if image_format not in IMAGE_FORMATS:
+        raise DataError(f"image format {image_format!r}: use one of {sorted(IMAGE_FORMATS)}")
+    if Path(list_name).name != list_name or not list_name.endswith(".txt"):  # not meta.json
+        raise DataError(
+            f"--list-name {list_name!r}: give a bare file name ending in .txt (e.g. train.txt); "
+            "the list file is written into DST, beside images/ and labels/"
+        )
+
+
+def _write_pairs(augmenter: Augmenter, count: int, workers: int, mode: ProgressMode) -> int:
+    """Write pairs ``0..count-1`` (those not there yet); return how many were written."""
+    written = 0
     bar = Progress(total=count, desc="augment", unit="pair", mode=mode)
     if workers <= 1:
         for i in range(count):
@@ -228,14 +241,10 @@ def augment_dataset(
                     written += did
                     bar.update()
         except BaseException:  # the pool is terminated: a worker may have died mid-write
-            _remove_partial(dst)
+            _remove_partial(augmenter.dst)
             raise
     bar.close()
-    ext = image_format
-    lines = "".join(f"images/{i:06d}.{ext} labels/{i:06d}.png\n" for i in range(count))
-    atomic_write_text(dst / list_name, lines)
-    atomic_write_json(dst / META_FILE, without_source_ignore(dataset.meta).to_dict())
-    return written, count - written
+    return written
 
 
 def _remove_partial(dst: Path) -> None:
