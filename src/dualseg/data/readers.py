@@ -3,9 +3,10 @@
 ``read_image`` always returns ``uint8 HxWx3`` RGB; ``read_label`` returns ``uint8 HxW`` class
 indices with 255 for ignore. Inputs are converted only where the conversion is unambiguous:
 grayscale -> RGB, palette -> RGB, fully opaque RGBA/LA -> RGB/L, 16-bit -> 8-bit (images, by
-/257), gray-looking RGB label -> index. Anything else (transparency, float images, colour
-labels read as indices, lossy JPEG labels, more than 8 bits per colour channel, an image whose
-EXIF orientation its label lacks (:func:`read_pair`), ...) is an error that says how to fix it.
+their real range: 12-bit data by 4095), gray-looking RGB label -> index. Anything else
+(transparency, float images, colour labels read as indices, lossy JPEG labels, more than 8
+bits per colour channel, an image whose EXIF orientation its label lacks (:func:`read_pair`),
+...) is an error that says how to fix it.
 
 Pictures follow **the image policy** of :mod:`dualseg.imaging` (``image_to_rgb``: EXIF
 orientation applied, opaque alpha dropped, transparency refused), the one rule for files
