@@ -172,5 +172,5 @@ def test_images_over_pillows_limit_are_an_explicit_opt_in(tmp_path, monkeypatch)
     assert "\n" not in str(err.value)
     assert read_image(path, max_megapixels=0.01).shape == (64, 64, 3)
     assert Image.MAX_IMAGE_PIXELS == 1000  # the process-wide setting is put back
-    with pytest.raises(DataError, match=r"over --max-megapixels 0\.001"):
+    with pytest.raises(DataError, match=r"over the limit of 0\.001 megapixels \(--max-mega"):
         read_image(path, max_megapixels=0.001)

@@ -83,25 +83,43 @@ def open_image(path: str | Path, *, max_megapixels: float | None = None) -> Imag
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found; check the path (or the list file naming it)")
+    return _load(path, str(path), max_megapixels=max_megapixels)
+
+
+def _load(
+    fp: Path | io.BytesIO,
+    source: str,
+    *,
+    max_megapixels: float | None,
+    formats: Sequence[str] | None = None,
+) -> Image.Image:
+    """Open and decode ``fp`` (a file, or upload bytes in ``formats``); every failure a
+    one-line :class:`DataError` naming ``source``."""
+    said = f"{source}:" if isinstance(fp, Path) else f"{source} is"
     try:
         with _pixel_limit(max_megapixels):
-            im = Image.open(path)
-            _refuse_larger(im, path, max_megapixels)
+            im = Image.open(fp, formats=formats)  # reads the header only
+            _refuse_larger(im, said, max_megapixels)
             _scale_low_bit_key(im)
             im.load()  # decode now: truncated / corrupt files fail here, not later
     except DataError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         raise ImageTooLargeError(
-            f"{path}: over Pillow's decompression-bomb limit of "
+            f"{said} over Pillow's decompression-bomb limit of "
             f"{pillow_max_pixels() / 1e6:.1f} megapixels; pass --max-megapixels N to read it "
             "(or downscale it)"
         ) from err
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, ... for bad files
+        if isinstance(err, UnidentifiedImageError) and formats:  # its text: a BytesIO's repr
+            raise DataError(
+                f"{said} not an image in a supported format ({', '.join(formats)}); upload one "
+                "of those"
+            ) from err
         raise DataError(
-            f"{path}: unreadable or truncated image ({err}); re-export or replace the file"
+            f"{said} an unreadable or truncated image ({err}); re-export or replace it"
         ) from err
-    single_frame(im, path)
+    single_frame(im, source)
     return im
 
 
@@ -127,13 +145,13 @@ def _pixel_limit(max_megapixels: float | None) -> Iterator[None]:
                 Image.MAX_IMAGE_PIXELS = before
 
 
-def _refuse_larger(im: Image.Image, source: str | Path, max_megapixels: float | None) -> None:
-    """Refuse from the header an image over the caller's opt-in limit."""
+def _refuse_larger(im: Image.Image, said: str, max_megapixels: float | None) -> None:
+    """Refuse from the header an image over the caller's limit."""
     w, h = im.size
     if max_megapixels is not None and w * h > max_megapixels * 1e6:
         raise ImageTooLargeError(
-            f"{source} ({w}x{h} = {w * h / 1e6:.1f} megapixels) is over --max-megapixels "
-            f"{max_megapixels:g}; raise it or downscale the image"
+            f"{said} {w}x{h} = {w * h / 1e6:.1f} megapixels, over the limit of "
+            f"{max_megapixels:g} megapixels (--max-megapixels); raise it or downscale the image"
         )
 
 
@@ -191,35 +209,8 @@ def decode_image(
     """
     if not data:
         raise DataError(f"{source} is empty; choose an image file")
-    formats = ", ".join(UPLOAD_FORMATS)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS)  # reads the header only
-            w, h = im.size
-            if max_pixels is not None and w * h > max_pixels:
-                raise ImageTooLargeError(
-                    f"{source} ({w}x{h} = {w * h / 1e6:.1f} megapixels) is over the limit of "
-                    f"{max_pixels / 1e6:g} megapixels; downscale it"
-                )
-            _scale_low_bit_key(im)
-            im.load()
-            single_frame(im, source)
-    except DataError:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-        raise ImageTooLargeError(
-            f"{source} is over Pillow's decompression-bomb limit of "
-            f"{pillow_max_pixels() / 1e6:.1f} megapixels; downscale it"
-        ) from err
-    except UnidentifiedImageError as err:  # its message is the repr of the BytesIO: not shown
-        raise DataError(
-            f"{source} is not an image in a supported format ({formats}); upload one of those"
-        ) from err
-    except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, ... for bad data
-        raise DataError(
-            f"{source} is an unreadable or truncated image ({err}); re-export or replace it"
-        ) from err
+    limit = None if max_pixels is None else max_pixels / 1e6
+    im = _load(io.BytesIO(data), source, max_megapixels=limit, formats=UPLOAD_FORMATS)
     return image_to_rgb(im, source)
 
 

@@ -10,7 +10,7 @@ bits per colour channel, an image whose EXIF orientation its label lacks (:func:
 
 Pictures follow **the image policy** of :mod:`dualseg.imaging` (``image_to_rgb``: EXIF
 orientation applied, opaque alpha dropped, transparency refused), the one rule for files
-(``read_image``), uploads (``decode_image``), PIL images and arrays; it is re-exported here.
+(``read_image``), uploads (``decode_image``), PIL images and arrays.
 """
 
 from __future__ import annotations
@@ -25,37 +25,15 @@ from dualseg.data.presets import IGNORE_INDEX, VOC_COLOURS, DatasetMeta
 from dualseg.errors import DataError
 from dualseg.imaging import (
     SIXTEEN_BIT_MODES,
-    UPLOAD_FORMATS,
-    ImageTooLargeError,
-    decode_image,
     drop_opaque_alpha,
     exif_orientation,
     image_to_rgb,
     open_image,
-    read_image,
 )
-
-__all__ = [
-    "LABEL_FORMATS",
-    "UPLOAD_FORMATS",
-    "ImageTooLargeError",
-    "decode_color_label",
-    "decode_image",
-    "drop_opaque_alpha",
-    "image_to_rgb",
-    "inspect_pair",
-    "read_image",
-    "read_label",
-    "read_pair",
-]
 
 LABEL_FORMATS = ("index", "color")
 # Modes Pillow reads with 8 bits per channel, whatever the file stores.
 _EIGHT_BIT_MODES = {"L", "LA", "P", "RGB", "RGBA"}
-
-
-def _drop_opaque_alpha(path: Path, arr: np.ndarray) -> np.ndarray:  # label reading's spelling
-    return drop_opaque_alpha(arr, path)
 
 
 def _label_array(path: Path, im: Image.Image) -> np.ndarray:
@@ -70,7 +48,7 @@ def _label_array(path: Path, im: Image.Image) -> np.ndarray:
     if mode in {"LA", "RGB", "RGBA"}:
         arr = np.asarray(im)
         if mode != "RGB":
-            arr = _drop_opaque_alpha(path, arr)
+            arr = drop_opaque_alpha(arr, path)
         if arr.shape[2] == 1:
             return arr[..., 0]
         if np.array_equal(arr[..., 0], arr[..., 1]) and np.array_equal(arr[..., 0], arr[..., 2]):
@@ -337,7 +315,7 @@ def _decode_label(
         im = im.convert("RGBA" if im.mode == "RGBA" or "transparency" in im.info else "RGB")
     arr = np.asarray(im)
     if arr.shape[2] == 4:
-        arr = _drop_opaque_alpha(path, arr)
+        arr = drop_opaque_alpha(arr, path)
     return decode_color_label(arr, meta, path=path)
 
 
