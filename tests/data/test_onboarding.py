@@ -150,3 +150,14 @@ def test_a_label_map_that_leaves_one_class_warns(tmp_path, capsys):
         build_dataset(tmp_path, label_map={255: 1})  # the usual fix: two classes, no word
     main(["check", str(tmp_path), "--label-map", "255:0", "--quiet"])
     assert "warning: --label-map 255:0 leaves one class" in capsys.readouterr().out
+
+
+def test_build_dataset_takes_an_explicit_bit_depth(tmp_path):
+    write_masks(tmp_path, 2)
+    for i in range(2):
+        values = np.full(SIZE, 2000, np.uint16)  # 16-bit data that happens to be dark
+        Image.fromarray(values).save(tmp_path / "image" / f"{i}.png")
+    (tmp_path / "meta.json").write_text(json.dumps(_binary_meta()))
+    detected = build_dataset(tmp_path).load_pair(0)[0]
+    told = build_dataset(tmp_path, bit_depth=16).load_pair(0)[0]
+    assert detected.max() == 125 and told.max() == 8  # 2000/4095 vs 2000/65535 of 255

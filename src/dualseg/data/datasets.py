@@ -201,6 +201,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
         samples_per_epoch: int | None = None,
         seed: int = 0,
         source: str | Path = "",
+        bit_depth: int | None = None,
     ) -> None:
         if not samples:
             raise DataError(f"{source or 'dataset'}: the dataset is empty; check ROOT and split")
@@ -214,6 +215,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
         self.label_format = label_format
         self.samples_per_epoch = samples_per_epoch
         self.seed = seed
+        self.bit_depth = bit_depth  # of 16-bit images; None: from their values (imaging)
         self.epoch = 0
 
     def __len__(self) -> int:
@@ -230,7 +232,13 @@ class SegmentationDataset(torch.utils.data.Dataset):
     def load_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The raw pair ``(uint8 HxWx3, uint8 HxW with 255 = ignore)`` of sample ``index``."""
         img_path, label_path = self.samples[index % len(self.samples)]
-        image, label = read_pair(img_path, label_path, self.meta, label_format=self.label_format)
+        image, label = read_pair(
+            img_path,
+            label_path,
+            self.meta,
+            label_format=self.label_format,
+            bit_depth=self.bit_depth,
+        )
         if image.shape[:2] != label.shape:
             raise DataError(size_mismatch(img_path, image.shape[:2], label_path, label.shape))
         return image, label
@@ -266,12 +274,14 @@ def build_dataset(
     label_map: Mapping[int, int] | None = None,
     ignore_value: IgnoreSetting = "auto",
     val_fraction: float = 0.0,
+    bit_depth: int | None = None,
 ) -> SegmentationDataset:
     """Scan ``root`` and return its ``split`` as a :class:`SegmentationDataset`.
 
     ``val_fraction`` (0 < f < 1) holds out that share of a root with one set of pairs (no val
     split of its own): ``split="val"`` gets it, ``"train"`` the rest, chosen by file name
     (:func:`held_out`), so every run and machine draws the same; 0: the splits on disk.
+    ``bit_depth``: of 16-bit images (:func:`dualseg.imaging.image_to_rgb`; None: detected).
 
     ``root`` may be a list of roots: their pairs are concatenated (in order) into one dataset;
     all roots must have the same classes (else a :class:`DataError` naming both class lists).
@@ -326,6 +336,7 @@ def build_dataset(
         samples_per_epoch=samples_per_epoch,
         seed=seed,
         source=source,
+        bit_depth=bit_depth,
     )
 
 

@@ -24,11 +24,10 @@ def infer_meta(root: str | Path, *, layout: str, splits: Iterable[str]) -> Datas
     root, splits = Path(root), tuple(splits)
     if layout == "auto":
         layout = detect_any_split(root, splits)
+    labels = {label for s in splits for _, label in discover(root, split=s, layout=layout).samples}
     values: set[int] = set()
-    for split in splits:
-        found = discover(root, split=split, layout=layout)
-        for _, label in found.samples:
-            values |= {int(v) for v in raw_label_values(label)}
+    for label in sorted(labels):  # a flat folder serves every split: each file read once
+        values |= {int(v) for v in raw_label_values(label)}
     return meta_from_values(sorted(values), name=(root.parent if root.is_file() else root).name)
 
 

@@ -363,7 +363,12 @@ def drawn_upright(
 
 
 def inspect_pair(
-    img_path: str | Path, label_path: str | Path, meta: DatasetMeta, *, label_format: str = "index"
+    img_path: str | Path,
+    label_path: str | Path,
+    meta: DatasetMeta,
+    *,
+    label_format: str = "index",
+    bit_depth: int | None = None,
 ) -> tuple[np.ndarray | None, np.ndarray | None, list[str], tuple[str, int, int] | None]:
     """``(image, label, problems, values)`` of one pair: what :func:`read_pair` reads, every
     problem found on the way (``None`` for a file that failed), so ``dualseg data check`` can
@@ -382,7 +387,7 @@ def inspect_pair(
         stored = np.asarray(im)
         if stored.size:
             values = (str(stored.dtype), int(stored.min()), int(stored.max()))
-        image = image_to_rgb(im, img_path)
+        image = image_to_rgb(im, img_path, bit_depth=bit_depth)
     except DataError as err:
         problems.append(str(err))
     try:
@@ -430,12 +435,19 @@ def _swapped(im: Image.Image, label_path: Path, label_format: str, meta: Dataset
 
 
 def read_pair(
-    img_path: str | Path, label_path: str | Path, meta: DatasetMeta, *, label_format: str = "index"
+    img_path: str | Path,
+    label_path: str | Path,
+    meta: DatasetMeta,
+    *,
+    label_format: str = "index",
+    bit_depth: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """An image and its label (:func:`read_image`, :func:`read_label`), read so that they line
     up: the label must carry the image's EXIF orientation, if any (then both are turned);
     otherwise a :class:`DataError` naming the file. Sizes are the caller's to compare."""
-    image, label, problems, _ = inspect_pair(img_path, label_path, meta, label_format=label_format)
+    image, label, problems, _ = inspect_pair(
+        img_path, label_path, meta, label_format=label_format, bit_depth=bit_depth
+    )
     if problems:
         raise DataError(problems[0])
     assert image is not None and label is not None  # no problem: both were read
