@@ -24,12 +24,11 @@ files (:func:`read_image`: datasets, ``dualseg predict``), uploaded bytes (:func
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import threading
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -97,8 +96,10 @@ def _load(
     one-line :class:`DataError` naming ``source``."""
     said = f"{source}:" if isinstance(fp, Path) else f"{source} is"
     try:
-        with _pixel_limit(max_megapixels):
-            im = Image.open(fp, formats=formats)  # reads the header only
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            # a file's opt-in lifts Pillow's limit; an upload's limit is within it (serve)
+            im = _open_header(fp, formats, lift=isinstance(fp, Path) and bool(max_megapixels))
             _refuse_larger(im, said, max_megapixels)
             _scale_low_bit_key(im)
             im.load()  # decode now: truncated / corrupt files fail here, not later
@@ -126,23 +127,20 @@ def _load(
 _LIMIT_LOCK = threading.Lock()
 
 
-@contextlib.contextmanager
-def _pixel_limit(max_megapixels: float | None) -> Iterator[None]:
-    """Pillow's bomb warning as an error; with ``max_megapixels``, Pillow's own limit is off for
-    this open only and :func:`_refuse_larger` applies the caller's (Pillow reads one
-    process-wide setting; the lock keeps it ours)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        if max_megapixels is None:
-            yield
-            return
-        with _LIMIT_LOCK:
-            before = Image.MAX_IMAGE_PIXELS
-            Image.MAX_IMAGE_PIXELS = None
-            try:
-                yield
-            finally:
-                Image.MAX_IMAGE_PIXELS = before
+def _open_header(
+    fp: Path | io.BytesIO, formats: Sequence[str] | None, *, lift: bool
+) -> Image.Image:
+    """``Image.open`` (the header only); ``lift``: without Pillow's pixel limit, which the
+    caller's replaces (:func:`_refuse_larger`). Pillow reads one process-wide setting: it is
+    lifted for this header alone, under a lock."""
+    if not lift:
+        return Image.open(fp, formats=formats)
+    with _LIMIT_LOCK:
+        before, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            return Image.open(fp, formats=formats)
+        finally:
+            Image.MAX_IMAGE_PIXELS = before
 
 
 def _refuse_larger(im: Image.Image, said: str, max_megapixels: float | None) -> None:
