@@ -136,3 +136,41 @@ def test_an_oversized_file_says_downscale_and_a_closed_image_says_closed(
     im.close()
     with pytest.raises(DataError, match="unreadable, truncated or closed image"):
         image_to_rgb(im, "the PIL image")
+
+
+def test_twelve_bit_data_in_a_16_bit_png_is_read_by_its_real_range(tmp_path) -> None:
+    """Microscopy's 12-bit data in 16-bit PNGs: /257 read it as 0..16 (a black picture)."""
+    import numpy as np
+    from PIL import Image
+
+    from dualseg.errors import DataError
+    from dualseg.imaging import read_image
+
+    path = tmp_path / "twelve.png"
+    Image.fromarray(np.array([[0, 1000, 2048, 4095]] * 64, np.uint16)).save(path)
+    assert read_image(path)[0, :, 0].tolist() == [0, 62, 128, 255]
+    # an explicit depth wins: the same values as 16-bit data
+    assert read_image(path, bit_depth=16)[0, :, 0].tolist() == [0, 4, 8, 16]
+    narrow = tmp_path / "narrow.png"
+    Image.fromarray(np.array([[0, 100, 255]] * 4, np.uint16)).save(narrow)
+    assert read_image(narrow, bit_depth=8)[0, :, 0].tolist() == [0, 100, 255]
+    with pytest.raises(DataError, match="exceed --bit-depth 10"):
+        read_image(path, bit_depth=10)
+
+
+def test_images_over_pillows_limit_are_an_explicit_opt_in(tmp_path, monkeypatch) -> None:
+    from PIL import Image
+
+    from dualseg.errors import DataError
+    from dualseg.imaging import read_image
+
+    path = tmp_path / "big.png"
+    Image.new("RGB", (64, 64)).save(path)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    with pytest.raises(DataError, match="pass --max-megapixels N") as err:
+        read_image(path)
+    assert "\n" not in str(err.value)
+    assert read_image(path, max_megapixels=0.01).shape == (64, 64, 3)
+    assert Image.MAX_IMAGE_PIXELS == 1000  # the process-wide setting is put back
+    with pytest.raises(DataError, match=r"over the limit of 0\.001 megapixels \(--max-mega"):
+        read_image(path, max_megapixels=0.001)

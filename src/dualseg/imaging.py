@@ -16,15 +16,17 @@ files (:func:`read_image`: datasets, ``dualseg predict``), uploaded bytes (:func
 - an alpha channel that is fully opaque is dropped; **an image with transparent pixels is
   refused** (one line: flatten it onto a background first). dualseg never guesses the colour
   under a transparent pixel, because any background it picked would change the prediction;
-- palette, grayscale, 1-bit, CMYK/YCbCr/LAB/HSV and 16-bit images become 8-bit RGB; a 32-bit
-  integer image is read as 16-bit; a 16- or 32-bit one is refused when all its values lie in
-  0..255 (its scale is unknown then, and the wrong one gives a black picture).
+- palette, grayscale, 1-bit, CMYK/YCbCr/LAB/HSV and 16-bit images become 8-bit RGB; a 16-bit
+  (or 32-bit integer) image is scaled by its real range: 12-bit data (values <= 4095) by 4095,
+  else 65535, or by an explicit ``bit_depth``; it is refused when all its values lie in 0..255
+  (its scale is unknown then, and the wrong one gives a black picture).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -73,29 +75,82 @@ def pillow_max_pixels() -> int:
     return int(Image.MAX_IMAGE_PIXELS or 0)
 
 
-def open_image(path: str | Path) -> Image.Image:
+def open_image(path: str | Path, *, max_megapixels: float | None = None) -> Image.Image:
     """A decoded PIL image of the file ``path``; :class:`DataError` naming it when missing,
-    unreadable, truncated or a decompression bomb."""
+    unreadable, truncated or over the pixel limit (``max_megapixels``; None: Pillow's
+    decompression-bomb limit, which ``--max-megapixels`` lifts as an explicit opt-in)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found; check the path (or the list file naming it)")
+    return _load(path, str(path), max_megapixels=max_megapixels)
+
+
+def _load(
+    fp: Path | io.BytesIO,
+    source: str,
+    *,
+    max_megapixels: float | None,
+    formats: Sequence[str] | None = None,
+) -> Image.Image:
+    """Open and decode ``fp`` (a file, or upload bytes in ``formats``); every failure a
+    one-line :class:`DataError` naming ``source``."""
+    said = f"{source}:" if isinstance(fp, Path) else f"{source} is"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            im = Image.open(path)
+            # a file's opt-in lifts Pillow's limit; an upload's limit is within it (serve)
+            im = _open_header(fp, formats, lift=isinstance(fp, Path) and bool(max_megapixels))
+            _refuse_larger(im, said, max_megapixels)
             _scale_low_bit_key(im)
             im.load()  # decode now: truncated / corrupt files fail here, not later
+    except DataError:
+        raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-        raise DataError(
-            f"{path}: over Pillow's decompression-bomb limit of "
-            f"{pillow_max_pixels() / 1e6:.1f} megapixels; downscale it"
+        raise ImageTooLargeError(
+            f"{said} over Pillow's decompression-bomb limit of "
+            f"{pillow_max_pixels() / 1e6:.1f} megapixels; pass --max-megapixels N to read it "
+            "(or downscale it)"
         ) from err
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, ... for bad files
+        if isinstance(err, UnidentifiedImageError) and formats:  # its text: a BytesIO's repr
+            raise DataError(
+                f"{said} not an image in a supported format ({', '.join(formats)}); upload one "
+                "of those"
+            ) from err
         raise DataError(
-            f"{path}: unreadable or truncated image ({err}); re-export or replace the file"
+            f"{said} an unreadable or truncated image ({err}); re-export or replace it"
         ) from err
-    single_frame(im, path)
+    single_frame(im, source)
     return im
+
+
+_LIMIT_LOCK = threading.Lock()
+
+
+def _open_header(
+    fp: Path | io.BytesIO, formats: Sequence[str] | None, *, lift: bool
+) -> Image.Image:
+    """``Image.open`` (the header only); ``lift``: without Pillow's pixel limit, which the
+    caller's replaces (:func:`_refuse_larger`). Pillow reads one process-wide setting: it is
+    lifted for this header alone, under a lock."""
+    if not lift:
+        return Image.open(fp, formats=formats)
+    with _LIMIT_LOCK:
+        before, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            return Image.open(fp, formats=formats)
+        finally:
+            Image.MAX_IMAGE_PIXELS = before
+
+
+def _refuse_larger(im: Image.Image, said: str, max_megapixels: float | None) -> None:
+    """Refuse from the header an image over the caller's limit."""
+    w, h = im.size
+    if max_megapixels is not None and w * h > max_megapixels * 1e6:
+        raise ImageTooLargeError(
+            f"{said} {w}x{h} = {w * h / 1e6:.1f} megapixels, over the limit of "
+            f"{max_megapixels:g} megapixels (--max-megapixels); raise it or downscale the image"
+        )
 
 
 def single_frame(im: Image.Image, source: str | Path) -> None:
@@ -130,11 +185,15 @@ def drop_opaque_alpha(array: np.ndarray, source: str | Path) -> np.ndarray:
     return array[..., :-1]
 
 
-def read_image(path: str | Path) -> np.ndarray:
-    """An image file as ``uint8 HxWx3`` RGB (:func:`image_to_rgb`). Raises :class:`DataError`
-    naming the file."""
+def read_image(
+    path: str | Path, *, bit_depth: int | None = None, max_megapixels: float | None = None
+) -> np.ndarray:
+    """An image file as ``uint8 HxWx3`` RGB (:func:`image_to_rgb`; ``bit_depth`` and
+    ``max_megapixels`` as there and in :func:`open_image`). Raises :class:`DataError` naming
+    the file."""
     path = Path(path)
-    return image_to_rgb(open_image(path), path)
+    im = open_image(path, max_megapixels=max_megapixels)
+    return image_to_rgb(im, path, bit_depth=bit_depth)
 
 
 def decode_image(
@@ -148,35 +207,8 @@ def decode_image(
     """
     if not data:
         raise DataError(f"{source} is empty; choose an image file")
-    formats = ", ".join(UPLOAD_FORMATS)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            im = Image.open(io.BytesIO(data), formats=UPLOAD_FORMATS)  # reads the header only
-            w, h = im.size
-            if max_pixels is not None and w * h > max_pixels:
-                raise ImageTooLargeError(
-                    f"{source} ({w}x{h} = {w * h / 1e6:.1f} megapixels) is over the limit of "
-                    f"{max_pixels / 1e6:g} megapixels; downscale it"
-                )
-            _scale_low_bit_key(im)
-            im.load()
-            single_frame(im, source)
-    except DataError:
-        raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-        raise ImageTooLargeError(
-            f"{source} is over Pillow's decompression-bomb limit of "
-            f"{pillow_max_pixels() / 1e6:.1f} megapixels; downscale it"
-        ) from err
-    except UnidentifiedImageError as err:  # its message is the repr of the BytesIO: not shown
-        raise DataError(
-            f"{source} is not an image in a supported format ({formats}); upload one of those"
-        ) from err
-    except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, ... for bad data
-        raise DataError(
-            f"{source} is an unreadable or truncated image ({err}); re-export or replace it"
-        ) from err
+    limit = None if max_pixels is None else max_pixels / 1e6
+    im = _load(io.BytesIO(data), source, max_megapixels=limit, formats=UPLOAD_FORMATS)
     return image_to_rgb(im, source)
 
 
@@ -218,10 +250,13 @@ def _key_fits_8_bits(im: Image.Image) -> bool:
     return bits in (None, 8)
 
 
-def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:
+def image_to_rgb(
+    im: Image.Image, source: str | Path, *, bit_depth: int | None = None
+) -> np.ndarray:
     """The image policy (module docstring): a decoded PIL image as ``uint8 HxWx3`` RGB.
 
-    EXIF orientation applied; opaque alpha dropped, transparency refused; errors name
+    EXIF orientation applied; opaque alpha dropped, transparency refused; a 16-bit image
+    scaled by its real range (:func:`wide_depth`; ``bit_depth`` says it); errors name
     ``source``.
     """
     _scale_low_bit_key(im)  # a PIL image the caller opened and has not decoded yet
@@ -262,20 +297,7 @@ def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:
         im, mode = im.convert("L"), "L"
     arr = np.array(im)  # a writable copy: np.asarray of a PIL image is read-only
     if mode in SIXTEEN_BIT_MODES:
-        if arr.min() < 0 or arr.max() > 65535:
-            raise DataError(f"{source}: 32-bit image values outside 0..65535; save it as 8-bit RGB")
-        if 0 < arr.max() <= 255:
-            # values in 0..255 say nothing of their scale: 8-bit data stored wide (a 16-bit
-            # PNG of a uint8 array, Image.fromarray of an int32 one) or a nearly black 16-bit
-            # picture, and reading it the wrong way turns a photo black; neither is guessed
-            wide = "32-bit integer" if mode == "I" else "16-bit"
-            raise DataError(
-                f"{source}: {wide} image whose values all lie in 0..255: 8-bit or 16-bit data "
-                "is unknown (read as 16-bit it is black); save it as 8-bit RGB (or grayscale)"
-                f"{' (or 16-bit grayscale PNG)' if mode == 'I' else ' PNG'}"
-            )
-        arr = ((arr.astype(np.float32) / 257.0) + 0.5).astype(np.uint8)
-        mode = "L"
+        arr, mode = _wide_to_8_bit(arr, source, mode, bit_depth), "L"
     if mode == "LA":
         arr, mode = drop_opaque_alpha(arr, source)[..., 0], "L"
     elif mode == "RGBA":
@@ -288,6 +310,40 @@ def image_to_rgb(im: Image.Image, source: str | Path) -> np.ndarray:
         f"{source}: unsupported image mode {im.mode!r}; save it as 8-bit RGB (or grayscale) "
         "PNG/JPEG"
     )
+
+
+def wide_depth(arr: np.ndarray, bit_depth: int | None = None) -> int:
+    """The bits a 16-bit image's values use: ``bit_depth`` when given, else 12 when every
+    value is at most 4095 (microscopy and medical cameras store 12-bit data in 16-bit files;
+    dividing those by 257 gives a black picture), else 16."""
+    if bit_depth is not None:
+        return bit_depth
+    return 12 if arr.size and arr.max() <= 4095 else 16
+
+
+def _wide_to_8_bit(
+    arr: np.ndarray, source: str | Path, mode: str, bit_depth: int | None
+) -> np.ndarray:
+    if arr.size and (arr.min() < 0 or arr.max() > 65535):
+        raise DataError(f"{source}: 32-bit image values outside 0..65535; save it as 8-bit RGB")
+    if bit_depth is None and arr.size and 0 < arr.max() <= 255:
+        # values in 0..255 say nothing of their scale: 8-bit data stored wide or a nearly
+        # black 16-bit picture, and reading it the wrong way turns a photo black
+        wide = "32-bit integer" if mode == "I" else "16-bit"
+        raise DataError(
+            f"{source}: {wide} image whose values all lie in 0..255: 8-bit or 16-bit data "
+            "is unknown (read as 16-bit it is black); pass --bit-depth 8, or save it as 8-bit "
+            "RGB (or grayscale)"
+        )
+    if bit_depth is not None and not 8 <= bit_depth <= 16:
+        raise DataError(f"bit_depth {bit_depth}: give the bits per sample, 8 to 16")
+    top = 2 ** wide_depth(arr, bit_depth) - 1
+    if arr.size and arr.max() > top:
+        raise DataError(
+            f"{source}: values up to {int(arr.max())} exceed --bit-depth {bit_depth} "
+            f"(at most {top}); pass the image's real bit depth"
+        )
+    return (arr.astype(np.float32) * (255.0 / top) + 0.5).astype(np.uint8)
 
 
 def numpy_to_rgb(a: np.ndarray) -> np.ndarray:

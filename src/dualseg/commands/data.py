@@ -12,6 +12,7 @@ always is.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from dualseg.commands.common import (
@@ -24,10 +25,12 @@ from dualseg.commands.common import (
     split_of,
 )
 from dualseg.console import ArgumentParser, argparse_kwargs
-from dualseg.data.check import CheckReport, check_dataset, format_report
+from dualseg.data.check import DEFAULT_SPLITS, CheckReport, check_dataset, format_report
 from dualseg.data.datasets import LAYOUTS
+from dualseg.data.infer import infer_meta, write_meta
 from dualseg.data.presets import PRESETS, parse_label_map
 from dualseg.data.readers import LABEL_FORMATS
+from dualseg.errors import DataError
 from dualseg.io import atomic_write_json, check_writable
 
 __all__ = ["CheckReport", "check_dataset", "format_report", "main", "parse_ignore_index"]
@@ -73,7 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the raw label value meaning ignore; none: no value (default: the dataset's, 255)",
     )
     check.add_argument("--json", type=Path, help="also write the report as JSON to this file")
-    add_overwrite_arg(check, what="the --json file")
+    check.add_argument(
+        "--write-meta",
+        action="store_true",
+        help="infer the classes from the label values and write ROOT/meta.json to review "
+        "(0/255 masks: two classes, label_map 0:0,255:1)",
+    )
+    add_overwrite_arg(check, what="the --json file and, with --write-meta, meta.json")
     add_quiet_arg(check)
     args = parser.parse_args(argv)
     for split in args.split or ():
@@ -89,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             what="--json",
         )
 
+    if args.write_meta:
+        _write_meta(args)
     report = check_dataset(
         args.root,
         splits=tuple(args.split) if args.split else None,
@@ -103,3 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         atomic_write_json(args.json, report.to_dict())
     return 1 if report.problems else 0
+
+
+def _write_meta(args: argparse.Namespace) -> None:
+    if args.preset or args.label_format != "index":
+        raise DataError(
+            "--write-meta infers classes from index label values: leave --preset and "
+            "--label-format color out (colour labels need their palette described by hand)"
+        )
+    splits = tuple(args.split) if args.split else DEFAULT_SPLITS
+    meta = infer_meta(args.root, layout=args.layout, splits=splits)
+    path = write_meta(args.root, meta, overwrite=args.overwrite)
+    mapping = f", {meta.describe_mapping()}" if meta.label_map else ""
+    print(f"wrote {path}: {meta.num_classes} classes {list(meta.class_names)}{mapping}; review it")

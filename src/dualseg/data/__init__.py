@@ -26,7 +26,7 @@ from dualseg.data.presets import (
     require_same_classes,
     with_label_mapping,
 )
-from dualseg.data.readers import decode_color_label, read_image, read_label
+from dualseg.data.readers import decode_color_label, read_label
 from dualseg.data.synthetic import make_synthetic_dataset
 from dualseg.data.transforms import (
     IMAGENET_MEAN,
@@ -36,6 +36,7 @@ from dualseg.data.transforms import (
     build_train_transform,
     denormalize,
 )
+from dualseg.imaging import read_image
 
 __all__ = [
     "IGNORE_INDEX",

@@ -156,12 +156,7 @@ def augment_dataset(
 
     ``progress``: a :mod:`dualseg.console` mode (``"bar"``, ``"lines"``, ``"off"``); ``True``
     picks by the terminal, ``False`` is ``"off"``."""
-    if count < 1:
-        raise DataError(f"--count must be >= 1, got {count}")
-    if (problem := seed_error(seed, "--seed")) is not None:
-        raise DataError(problem)
-    if image_format not in IMAGE_FORMATS:
-        raise DataError(f"image format {image_format!r}: use one of {sorted(IMAGE_FORMATS)}")
+    _check_options(count, seed, image_format, list_name)
     check_augment_settings(  # before anything is written: a bad value leaves no augment.json
         crop_size=crop_size,
         scale_range=scale_range,
@@ -170,11 +165,6 @@ def augment_dataset(
         jitter=jitter,
         names=AUGMENT_FLAGS,
     )
-    if Path(list_name).name != list_name or not list_name.endswith(".txt"):  # not meta.json
-        raise DataError(
-            f"--list-name {list_name!r}: give a bare file name ending in .txt (e.g. train.txt); "
-            "the list file is written into DST, beside images/ and labels/"
-        )
     dst = check_writable(dst, kind="dir", what="DST")
     dataset = build_dataset(
         src, split=split, layout=layout, preset=preset, label_format=label_format
@@ -211,9 +201,32 @@ def augment_dataset(
             "choose a new DST"
         )
     _remove_partial(dst)  # an earlier run's, killed mid-write
-    augmenter = Augmenter(dataset, dst, settings)
-    written = 0
     mode = progress if isinstance(progress, str) else progress_mode(quiet=not progress)
+    written = _write_pairs(Augmenter(dataset, dst, settings), count, workers, mode)
+    ext = image_format
+    lines = "".join(f"images/{i:06d}.{ext} labels/{i:06d}.png\n" for i in range(count))
+    atomic_write_text(dst / list_name, lines)
+    atomic_write_json(dst / META_FILE, without_source_ignore(dataset.meta).to_dict())
+    return written, count - written
+
+
+def _check_options(count: int, seed: int, image_format: str, list_name: str) -> None:
+    if count < 1:
+        raise DataError(f"--count must be >= 1, got {count}")
+    if (problem := seed_error(seed, "--seed")) is not None:
+        raise DataError(problem)
+    if image_format not in IMAGE_FORMATS:
+        raise DataError(f"image format {image_format!r}: use one of {sorted(IMAGE_FORMATS)}")
+    if Path(list_name).name != list_name or not list_name.endswith(".txt"):  # not meta.json
+        raise DataError(
+            f"--list-name {list_name!r}: give a bare file name ending in .txt (e.g. train.txt); "
+            "the list file is written into DST, beside images/ and labels/"
+        )
+
+
+def _write_pairs(augmenter: Augmenter, count: int, workers: int, mode: ProgressMode) -> int:
+    """Write pairs ``0..count-1`` (those not there yet); return how many were written."""
+    written = 0
     bar = Progress(total=count, desc="augment", unit="pair", mode=mode)
     if workers <= 1:
         for i in range(count):
@@ -228,14 +241,10 @@ def augment_dataset(
                     written += did
                     bar.update()
         except BaseException:  # the pool is terminated: a worker may have died mid-write
-            _remove_partial(dst)
+            _remove_partial(augmenter.dst)
             raise
     bar.close()
-    ext = image_format
-    lines = "".join(f"images/{i:06d}.{ext} labels/{i:06d}.png\n" for i in range(count))
-    atomic_write_text(dst / list_name, lines)
-    atomic_write_json(dst / META_FILE, without_source_ignore(dataset.meta).to_dict())
-    return written, count - written
+    return written
 
 
 def _remove_partial(dst: Path) -> None:
@@ -287,9 +296,6 @@ def _check_destination(src: Path, dst: Path, dataset: SegmentationDataset, list_
             f"no {SETTINGS_FILE}); writing there would overwrite or mix into it: choose an empty "
             "or new folder"
         )
-
-
-SOURCE_KEYS = ("source_pairs", "source_digest")  # augment.json's record of the source pairs
 
 
 def _pairs_digest(samples: list[tuple[Path, Path]]) -> str:
@@ -346,21 +352,6 @@ def _claim(dst: Path, settings: dict) -> None:
             ) from None
         except (OSError, json.JSONDecodeError):
             old = None
-        if isinstance(old, dict) and not any(k in old for k in SOURCE_KEYS):
-            # written before augment.json kept which source pairs it read: the other settings
-            # decide, and the file gains the source's (what it read then cannot be known)
-            old = {**old, **{k: settings[k] for k in SOURCE_KEYS}}
-            if old == settings:
-                atomic_write_json(path, settings)
-        if isinstance(old, dict) and "source_stamp" not in old:
-            # written before augment.json kept the files' stamps: what they were is unknown
-            old = {**old, "source_stamp": settings["source_stamp"]}
-            if old == settings:
-                atomic_write_json(path, settings)
-        if isinstance(old, dict) and Path(settings["src"]).is_file():
-            # a list file is one split, whatever --split said: recorded as "train" (the default)
-            # before its name was taken from the file (val.txt is val)
-            old = {**old, "split": settings["split"]}
         if old != settings:
             changed = sorted(k for k in settings if not old or old.get(k) != settings[k])
             if changed == ["source_stamp"]:

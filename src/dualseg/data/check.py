@@ -17,19 +17,12 @@ from typing import Any
 import numpy as np
 
 from dualseg.console import ProgressMode, track
-from dualseg.data.datasets import (
-    available_splits,
-    check_split_name,
-    detect_layout,
-    discover,
-    one_class_set,
-    resolve_meta,
-    size_mismatch,
-    unlabelled_split,
-)
+from dualseg.data.datasets import check_split_name, one_class_set, resolve_meta, size_mismatch
+from dualseg.data.layouts import available_splits, detect_any_split, discover, unlabelled_split
 from dualseg.data.presets import IGNORE_INDEX, META_FILE, DatasetMeta, IgnoreSetting
 from dualseg.data.readers import inspect_pair
 from dualseg.errors import DataError
+from dualseg.imaging import wide_depth
 
 DEFAULT_SPLITS = ("train", "val", "test")
 # A 0/255 mask read with 255 as ignore: 255 covers at least this share of all pixels.
@@ -54,6 +47,9 @@ class CheckReport:
     split_overlap: str | None = None  # the "split ... shares images with ..." problem, if found
     label_format: str = "index"  # how the labels were read ("color": palettes must agree)
     largest: dict[str, tuple[int, int]] = field(default_factory=dict)  # split -> max (H, W)
+    folders: dict[str, str] = field(default_factory=dict)  # split -> the folders read
+    values: dict[str, dict[str, Any]] = field(default_factory=dict)  # split -> image values
+    collapsed: str | None = None  # "--label-map ... leaves one class": a warning
 
     def to_dict(self) -> dict[str, Any]:
         # "ignore" keys the ignored pixels, "(ignore)" where a class is itself named "ignore"
@@ -67,6 +63,9 @@ class CheckReport:
             "pairs": self.pairs,
             "problems": self.problems,
             "histogram": {names[i]: int(self.histogram[i]) for i in names},
+            "folders": self.folders,
+            "image_values": self.values,
+            "warnings": [w for w in (self.collapsed,) if w],
         }
 
 
@@ -89,7 +88,7 @@ def check_dataset(
     for split in splits or ():
         check_split_name(split)
     if layout == "auto":
-        layout = _detect_any_split(root, splits or DEFAULT_SPLITS)
+        layout = detect_any_split(root, splits or DEFAULT_SPLITS)
     if splits is None and layout == "list" and root.is_file():
         splits = (root.stem,)  # a list file is one split, named by it: data/val.txt is val
     unlabelled: list[str] = []
@@ -125,15 +124,24 @@ def check_dataset(
         if not found.samples and not found.problems:
             report.problems.append(f"{found.source or root}: split {split!r} is empty; add pairs")
         images[split] = {Path(img).resolve() for img, _ in found.samples}
+        if found.source is not None:
+            report.folders[split] = " + ".join(
+                _shown_path(p, root) for p in (found.source, found.label_source) if p
+            )
         hist = report.split_histograms.setdefault(split, _empty_histogram())
         largest = (0, 0)
+        ranges: list[tuple[str, int, int]] = []
         for img_path, label_path in track(found.samples, desc=f"check {split}", mode=progress):
-            problems, size = _check_pair(img_path, label_path, meta, label_format, hist)
+            problems, size, values = _check_pair(img_path, label_path, meta, label_format, hist)
             report.problems += problems
             largest = (max(largest[0], size[0]), max(largest[1], size[1]))
+            ranges += [values] if values else []
         report.largest[split] = largest
+        if ranges:
+            report.values[split] = _value_range(ranges)
         report.histogram += hist
     report.problems = _class_problems(report) + report.problems
+    report.collapsed = _collapsed(report, label_map)
     report.split_overlap = _split_overlap(root, images)
     if report.split_overlap:
         report.problems.append(report.split_overlap)
@@ -157,26 +165,53 @@ def _split_overlap(root: Path, images: Mapping[str, set[Path]]) -> str | None:
     return None
 
 
-def _detect_any_split(root: Path, splits: tuple[str, ...]) -> str:
-    # The layout is the first split's that is recognisable; an error names the first split.
-    for split in splits:
-        try:
-            return detect_layout(root, split)
-        except DataError:
-            continue
-    return detect_layout(root, splits[0])
+def _shown_path(path: Path, root: Path) -> str:
+    try:
+        return f"{path.relative_to(root)}/" if path.is_dir() else path.relative_to(root).as_posix()
+    except ValueError:
+        return str(path)
 
 
 def _check_pair(
     img_path: Path, label_path: Path, meta: DatasetMeta, label_format: str, hist: np.ndarray
-) -> tuple[list[str], tuple[int, int]]:
-    """The pair's problems, and its image's (H, W) ((0, 0) when unreadable)."""
-    image, label, problems = inspect_pair(img_path, label_path, meta, label_format=label_format)
+) -> tuple[list[str], tuple[int, int], tuple[str, int, int] | None]:
+    """The pair's problems, its image's (H, W) ((0, 0) when unreadable) and stored values."""
+    image, label, problems, values = inspect_pair(
+        img_path, label_path, meta, label_format=label_format
+    )
     if image is not None and label is not None and image.shape[:2] != label.shape:
         problems.append(size_mismatch(img_path, image.shape[:2], label_path, label.shape))
     if label is not None:
         hist += np.bincount(label.ravel(), minlength=256)
-    return problems, (tuple(image.shape[:2]) if image is not None else (0, 0))  # type: ignore[return-value]
+    size = tuple(image.shape[:2]) if image is not None else (0, 0)
+    return problems, size, values  # type: ignore[return-value]
+
+
+def _value_range(ranges: list[tuple[str, int, int]]) -> dict[str, Any]:
+    """One image set's stored values: dtypes, min, max and how wide images are read (12-bit
+    data in 16-bit files is scaled by 4095; a set mixing both readings is said)."""
+    wide = [hi for dtype, _, hi in ranges if dtype not in ("uint8", "bool")]
+    depths = sorted({wide_depth(np.asarray([hi])) for hi in wide if hi > 255})
+    return {
+        "dtype": "/".join(sorted({d for d, _, _ in ranges})),
+        "min": min(lo for _, lo, _ in ranges),
+        "max": max(hi for _, _, hi in ranges),
+        "bit_depth": depths or [8],
+    }
+
+
+def _collapsed(report: CheckReport, label_map: Mapping[int, int] | None) -> str | None:
+    """A warning when an explicit ``label_map`` leaves every labelled pixel in one class."""
+    present = np.flatnonzero(report.histogram[: report.meta.num_classes])
+    if not label_map or len(present) != 1 or report.meta.num_classes < 2:
+        return None
+    shown = ",".join(f"{s}:{d}" for s, d in label_map.items())
+    name = report.meta.class_names[present[0]]
+    return (
+        f"--label-map {shown} leaves one class: every labelled pixel is class {present[0]} "
+        f"({name!r}), so a model learns nothing and scores look fine; map each raw value to "
+        "its own class (e.g. 255:1 for 0/255 masks)"
+    )
 
 
 def _class_problems(report: CheckReport) -> list[str]:
@@ -292,6 +327,13 @@ def format_report(report: CheckReport) -> str:
         f"{meta.num_classes} classes, ignore {meta.describe_ignore()})",
         "pairs: " + ", ".join(f"{s} {n}" for s, n in report.pairs.items()),
     ]
+    lines += [f"{split}: read {where}" for split, where in report.folders.items()]
+    for split, v in report.values.items():
+        depth = " and ".join(f"{b}-bit" for b in v["bit_depth"])
+        mixed = " (mixed: pass the bit depth explicitly)" if len(v["bit_depth"]) > 1 else ""
+        lines.append(
+            f"{split} images: {v['dtype']} values {v['min']}..{v['max']}, read as {depth}{mixed}"
+        )
     total = max(int(report.histogram.sum()), 1)
     lines.append(f"{'id':>4}  {'class':<16} {'pixels':>13} {'share':>7}")
     rows = [*enumerate(meta.class_names), (IGNORE_INDEX, "(ignore)")]
@@ -304,4 +346,6 @@ def format_report(report: CheckReport) -> str:
         lines += [f"  - {p}" for p in report.problems]
     else:
         lines.append("no problems found")
+    if report.collapsed:
+        lines.append(f"warning: {report.collapsed}")
     return "\n".join(lines)

@@ -1,19 +1,5 @@
-"""Segmentation datasets: four on-disk layouts, one ``SegmentationDataset``.
-
-Layouts (``layout=`` or detected by ``"auto"``):
-
-- ``list``: a text file with ``image_path label_path`` per line, relative to the file's folder
-  (``ROOT/{split}.txt``, or ``root`` is the list file itself) — the CamVid/SegNet format.
-- ``folder``: ``images/`` and ``labels/`` (or ``masks/``) matched by file stem; searched as
-  ``ROOT/{split}/images``, ``ROOT/images/{split}``, then a flat ``ROOT/images`` (any split,
-  unless ROOT names splits of its own: list files or split subfolders; then a split it lacks
-  is a "has no split" error listing those it has).
-- ``voc``: ``JPEGImages/``, ``SegmentationClass/``, ``ImageSets/Segmentation/{split}.txt``.
-- ``cityscapes``: ``leftImg8bit/{split}/*/*_leftImg8bit.png`` with
-  ``gtFine/{split}/*/*_gtFine_labelTrainIds.png``.
-- ``ade20k``: ``ADEChallengeData2016/images/{training,validation}/*.jpg`` with
-  ``annotations/{training,validation}/*.png`` (ROOT may be the ``ADEChallengeData2016`` folder
-  or its parent; splits ``train`` / ``val`` name ``training`` / ``validation``).
+"""``SegmentationDataset`` and ``build_dataset``: the pairs a layout finds
+(:mod:`dualseg.data.layouts`) with the classes that describe them (a preset or ROOT/meta.json).
 
 ``build_dataset`` also takes several roots (a list): their pairs are concatenated into one
 dataset, provided every root has the same classes.
@@ -21,10 +7,11 @@ dataset, provided every root has the same classes.
 
 from __future__ import annotations
 
-import glob
+import hashlib
 import json
+import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +19,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dualseg.data.layouts import (
+    LAYOUTS,
+    Discovery,
+    Pair,
+    available_splits,
+    detect,
+    detect_layout,
+    discover,
+    missing_split,
+)
 from dualseg.data.presets import (
     META_FILE,
     PRESETS,
@@ -45,31 +42,7 @@ from dualseg.data.readers import LABEL_FORMATS, read_label, read_pair
 from dualseg.data.transforms import JointTransform, build_eval_transform, sample_seed, seeded
 from dualseg.errors import DataError
 
-LAYOUTS = ("auto", "list", "folder", "voc", "cityscapes", "ade20k")
-# what the readers read (GIF: palette labels some annotation tools export)
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif")
-Pair = tuple[Path, Path]
-
-
-@dataclass
-class Discovery:
-    """What a layout scan found: the pairs, the problems (each naming a file), the layout."""
-
-    layout: str
-    samples: list[Pair] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    source: Path | None = None  # the list file or folder the samples came from
-    split_missing: bool = False  # the split's list file / folder does not exist at all
-
-
-def _list_lines(list_file: Path) -> list[str]:
-    """A list file's lines: UTF-8, a leading byte-order mark (Windows Notepad's) dropped."""
-    try:
-        return list_file.read_text(encoding="utf-8-sig").splitlines()
-    except UnicodeDecodeError as err:
-        raise DataError(
-            f"{list_file}: not UTF-8 text (byte {err.start}); save the list file as UTF-8"
-        ) from None
+__all__ = ["LAYOUTS", "available_splits", "detect_layout", "discover"]  # re-exported for callers
 
 
 def size_mismatch(
@@ -82,408 +55,6 @@ def size_mismatch(
         f"{label_path}: label size {lw}x{lh} differs from image {img_path} size {w}x{h} (WxH); "
         "resize the label with nearest-neighbour or fix the pairing"
     )
-
-
-def _is_stem(token: str) -> bool:
-    """Whether a list file's one-token line is a file stem (mmsegmentation's split files:
-    ``ADE_train_00000001``), not an image path whose label column is missing."""
-    return (
-        "/" not in token and "\\" not in token and Path(token).suffix.lower() not in IMAGE_SUFFIXES
-    )
-
-
-def _stem_dirs(list_file: Path) -> tuple[Path, Path] | None:
-    """The ``(images, labels)`` folders a stem list's stems are found in: the folder layout's
-    for the list's split (``images/{split}``, ``{split}/images``, else the flat ``images/``)."""
-    return _folder_pair_dirs(list_file.parent, list_file.stem, lists=False)
-
-
-def _files_by_stem(folder: Path) -> dict[str, list[Path]]:
-    by_stem: dict[str, list[Path]] = {}
-    for p in sorted(folder.iterdir()):
-        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."):
-            by_stem.setdefault(p.stem, []).append(p)
-    return by_stem
-
-
-def _stem_pair(
-    list_file: Path, n: int, stem: str, found: Discovery, cache: dict[str, Any]
-) -> Pair | None:
-    """The image and label of a stem list's line ``n`` (one problem each when not found)."""
-    if "dirs" not in cache:
-        cache["dirs"] = dirs = _stem_dirs(list_file)
-        cache["files"] = [_files_by_stem(d) for d in dirs] if dirs else None
-    dirs, files = cache["dirs"], cache["files"]
-    where = f"{list_file}:{n}"
-    if dirs is None:
-        found.problems.append(
-            f"{where}: {stem!r} is a file stem, found in images/ + labels/ (or masks/) beside "
-            f"{list_file.name}, which {list_file.parent} lacks; add those folders, or write the "
-            "line as 'image_path label_path'"
-        )
-        return None
-    pair = []
-    for folder, by_stem in zip(dirs, files):
-        paths = by_stem.get(stem, [])
-        if len(paths) != 1:
-            found.problems.append(
-                f"{where}: stem {stem!r} is "
-                + (f"{len(paths)} files in {folder} ({', '.join(p.name for p in paths)}); keep one"
-                   if paths else f"in no file of {folder}; add it or remove the line")
-            )  # fmt: skip
-            return None
-        pair.append(paths[0])
-    return pair[0], pair[1]
-
-
-def _read_list(list_file: Path, found: Discovery) -> None:
-    base = list_file.parent
-    stems: dict[str, Any] = {}  # the folders of a stem list, read once
-    for n, line in enumerate(_list_lines(list_file), start=1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split()
-        if len(parts) == 1 and _is_stem(parts[0]):
-            if (stem_pair := _stem_pair(list_file, n, parts[0], found, stems)) is not None:
-                found.samples.append(stem_pair)
-            continue
-        if len(parts) > 2:  # "images/a b.png labels/a b.png": no way to tell where a path ends
-            found.problems.append(
-                f"{list_file}:{n}: {len(parts)} fields where 'image_path label_path' takes 2 "
-                f"({line!r}): a path in a list file cannot hold a space; rename the file (e.g. "
-                "spaces to _) and its line"
-            )
-            continue
-        if len(parts) != 2:
-            found.problems.append(
-                f"{list_file}:{n}: expected 'image_path label_path', got {line!r}; "
-                "write one pair per line, separated by a space"
-            )
-            continue
-        pair = (base / parts[0], base / parts[1])
-        missing = [p for p in pair if not p.is_file()]
-        for p in missing:
-            found.problems.append(
-                f"{p}: listed in {list_file}:{n} but not found; fix the path or remove the line"
-            )
-        if not missing:
-            found.samples.append(pair)
-
-
-def _scan_list(root: Path, split: str) -> Discovery:
-    list_file = root if root.is_file() else root / f"{split}.txt"
-    found = Discovery("list", source=list_file)
-    if not list_file.is_file():
-        found.split_missing = True
-        found.problems.append(f"{list_file}: list file not found; create it or pass another split")
-    else:
-        _read_list(list_file, found)
-    return found
-
-
-def _images_by_stem(folder: Path, problems: list[str]) -> dict[str, Path]:
-    """The folder's image files by stem; files sharing a stem (``a.jpg`` and ``a.png``) cannot
-    be paired by name: each such stem is a problem, and none of its files is used."""
-    by_stem: dict[str, list[Path]] = {}
-    for p in sorted(folder.iterdir()):
-        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."):
-            by_stem.setdefault(p.stem, []).append(p)
-    for stem, paths in by_stem.items():
-        if len(paths) > 1:
-            problems.append(
-                f"{folder}: {', '.join(p.name for p in paths)} share the name {stem!r}, so "
-                "which one pairs is ambiguous; keep one of them"
-            )
-    return {stem: paths[0] for stem, paths in by_stem.items() if len(paths) == 1}
-
-
-def _label_dir(images: Path) -> Path | None:
-    """``labels/`` (or ``masks/``) beside ``images/``, with the same subfolder, if present."""
-    base, sub = images.parent, ""
-    if images.name != "images":  # ROOT/images/{split}
-        base, sub = images.parent.parent, images.name
-    for name in ("labels", "masks"):
-        if (base / name / sub).is_dir():
-            return base / name / sub
-    return None
-
-
-def _is_list_file(path: Path) -> bool:
-    """Whether ``path``'s first entry is an ``image_path label_path`` line, or the stem of an
-    image of the split's folder (a stem list): a split's list."""
-    try:
-        with path.open(encoding="utf-8-sig") as f:
-            for line in f:
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    parts = line.split()
-                    if len(parts) == 1 and _is_stem(parts[0]):
-                        dirs = _stem_dirs(path)
-                        return dirs is not None and any(dirs[0].glob(f"{glob.escape(parts[0])}.*"))
-                    return len(parts) == 2 and all(
-                        Path(x).suffix.lower() in IMAGE_SUFFIXES for x in parts
-                    )
-    except (OSError, UnicodeDecodeError):
-        return False
-    return False
-
-
-def _declares_splits(root: Path, *, lists: bool = True) -> bool:
-    """Whether ``root`` names splits of its own beside a flat ``images/`` folder: split
-    subfolders (``ROOT/{s}/images``, ``ROOT/images/{s}`` with their labels) or, with
-    ``lists``, list files (``ROOT/*.txt`` of ``image label`` lines). Then the flat folder is
-    no stand-in for a split it does not have."""
-    if not root.is_dir():
-        return False
-    for d in root.iterdir():
-        if d.is_dir() and (d / "images").is_dir() and _label_dir(d / "images") is not None:
-            return True
-    if (root / "images").is_dir():
-        for d in (root / "images").iterdir():
-            if d.is_dir() and not d.name.startswith(".") and _label_dir(d) is not None:
-                return True
-    return lists and any(_is_list_file(p) for p in root.glob("*.txt"))
-
-
-def _folder_pair_dirs(root: Path, split: str, *, lists: bool = True) -> tuple[Path, Path] | None:
-    """``(images, labels)`` of ``split``: ``ROOT/{split}/images``, ``ROOT/images/{split}``,
-    else the flat ``ROOT/images`` — which serves any split only when ``root`` declares none
-    (:func:`_declares_splits`; ``split=""`` asks for the flat pair itself)."""
-    for base, sub in ((root / split, ""), (root, split), (root, "")):
-        if split and base == root and not sub and _declares_splits(root, lists=lists):
-            return None
-        images = base / "images" / sub
-        for name in ("labels", "masks"):
-            labels = base / name / sub
-            if images.is_dir() and labels.is_dir():
-                return images, labels
-    return None
-
-
-def unlabelled_split(root: str | Path, split: str) -> str | None:
-    """One line for a ``split`` whose image folder (``ROOT/images/{split}`` or
-    ``ROOT/{split}/images``) has no label folder beside it, else ``None``: the split is there,
-    its labels are not, which "no split" (or no word, for a split not asked for) hid."""
-    root = Path(root)
-    if not split or not root.is_dir():
-        return None
-    for images, labels in (
-        (root / "images" / split, lambda name: Path(name) / split),
-        (root / split / "images", lambda name: Path(split) / name),
-    ):
-        if images.is_dir() and not any((root / labels(n)).is_dir() for n in ("labels", "masks")):
-            return (
-                f"{images} has no {labels('labels')} (or {labels('masks')}) beside it: split "
-                f"{split!r} has images but no labels; add them there"
-            )
-    return None
-
-
-def _scan_folder(root: Path, split: str) -> Discovery:
-    found = Discovery("folder", source=root)
-    # list files name splits of the list layout; the folder layout's own are its subfolders
-    dirs = _folder_pair_dirs(root, split, lists=False)
-    if dirs is None:
-        found.split_missing = True
-        found.problems.append(
-            unlabelled_split(root, split)
-            or f"{root}: no images/ + labels/ (or masks/) folders (looked in {root / split}, "
-            f"{root}/images/{split}, {root}); arrange the files so or pass --layout"
-        )
-        return found
-    listed = root / f"{split}.txt"
-    if split and dirs[0] == root / "images" and _is_list_file(listed):
-        # the flat folder stands for every split: beside a list file naming this split, the
-        # train split would read the val images too (documented: no stand-in then)
-        found.split_missing = True
-        found.problems.append(
-            f"{root}: {listed.name} lists split {split!r}, and the flat images/ folder holds "
-            "every split's images; read it with --layout list (or auto)"
-        )
-        return found
-    images, labels = (_images_by_stem(d, found.problems) for d in dirs)
-    found.source = dirs[0]
-    for stem, img in images.items():
-        if stem in labels:
-            found.samples.append((img, labels[stem]))
-        else:
-            found.problems.append(f"{img}: no label with stem {stem!r} in {dirs[1]}; add it")
-    for stem in sorted(set(labels) - set(images)):
-        found.problems.append(f"{labels[stem]}: no image with stem {stem!r} in {dirs[0]}; add it")
-    return found
-
-
-def _scan_voc(root: Path, split: str) -> Discovery:
-    if not (root / "JPEGImages").is_dir() and (root / "VOC2012").is_dir():
-        root = root / "VOC2012"  # VOCdevkit/ given
-    list_file = root / "ImageSets" / "Segmentation" / f"{split}.txt"
-    found = Discovery("voc", source=list_file)
-    if not list_file.is_file():
-        found.split_missing = True
-        found.problems.append(f"{list_file}: VOC split file not found; check ROOT and --split")
-        return found
-    for n, line in enumerate(_list_lines(list_file), start=1):
-        stem = line.strip()
-        if not stem:
-            continue
-        pair = (root / "JPEGImages" / f"{stem}.jpg", root / "SegmentationClass" / f"{stem}.png")
-        missing = [p for p in pair if not p.is_file()]
-        for p in missing:
-            found.problems.append(f"{p}: named in {list_file}:{n} but not found; add it")
-        if not missing:
-            found.samples.append(pair)
-    return found
-
-
-def _scan_cityscapes(root: Path, split: str) -> Discovery:
-    img_dir, gt_dir = root / "leftImg8bit" / split, root / "gtFine" / split
-    found = Discovery("cityscapes", source=img_dir)
-    if not img_dir.is_dir():
-        found.split_missing = True
-        found.problems.append(f"{img_dir}: Cityscapes image folder not found; check ROOT/--split")
-        return found
-    for img in sorted(img_dir.glob("*/*_leftImg8bit.png")):
-        stem = img.name[: -len("_leftImg8bit.png")]
-        label = gt_dir / img.parent.name / f"{stem}_gtFine_labelTrainIds.png"
-        if label.is_file():
-            found.samples.append((img, label))
-        else:
-            found.problems.append(
-                f"{label}: train-id label not found; create the *_labelTrainIds.png files with "
-                "cityscapesscripts' createTrainIdLabelImgs"
-            )
-    if not found.samples and not found.problems:
-        others = sorted(p.name for p in img_dir.glob("*/*_leftImg8bit.*"))
-        if others:  # converted to JPEG: found by no name the layout reads
-            found.problems.append(
-                f"{img_dir}: only *_leftImg8bit.png images are read, and its {len(others)} "
-                f"*_leftImg8bit files are other formats (e.g. {others[0]}); use the original "
-                "PNGs, or list the pairs in a list file (--layout list)"
-            )
-    return found
-
-
-ADE_FOLDER = "ADEChallengeData2016"
-ADE_SPLITS = {"train": "training", "val": "validation"}  # dualseg's split names -> ADE20K's
-
-
-def _ade_root(root: Path) -> Path:
-    return root / ADE_FOLDER if (root / ADE_FOLDER).is_dir() else root
-
-
-def _scan_ade20k(root: Path, split: str) -> Discovery:
-    root = _ade_root(root)
-    name = ADE_SPLITS.get(split, split)
-    img_dir, ann_dir = root / "images" / name, root / "annotations" / name
-    found = Discovery("ade20k", source=img_dir)
-    if not img_dir.is_dir() or not ann_dir.is_dir():
-        found.split_missing = True
-        found.problems.append(
-            f"{img_dir}: ADE20K images/{name} and annotations/{name} not found; pass the "
-            f"{ADE_FOLDER} folder (or its parent) and --split train or val"
-        )
-        return found
-    labels = _images_by_stem(ann_dir, found.problems)
-    for stem, img in _images_by_stem(img_dir, found.problems).items():
-        if stem in labels:
-            found.samples.append((img, labels[stem]))
-        else:
-            found.problems.append(f"{img}: no annotation {ann_dir / stem}.png; add it")
-    return found
-
-
-SCANNERS = {
-    "list": _scan_list,
-    "folder": _scan_folder,
-    "voc": _scan_voc,
-    "cityscapes": _scan_cityscapes,
-    "ade20k": _scan_ade20k,
-}
-
-
-def _detect(root: Path, split: str) -> str | None:
-    if (root.is_file() and root.suffix == ".txt") or (root / f"{split}.txt").is_file():
-        return "list"
-    if (root / "JPEGImages").is_dir() or (root / "VOC2012" / "JPEGImages").is_dir():
-        return "voc"
-    if (root / "leftImg8bit").is_dir() and (root / "gtFine").is_dir():
-        return "cityscapes"
-    ade = _ade_root(root)
-    if (ade / "images" / "training").is_dir() and (ade / "annotations").is_dir():
-        return "ade20k"
-    if _folder_pair_dirs(root, split) is not None:
-        return "folder"
-    return None
-
-
-def available_splits(root: str | Path, layout: str = "auto") -> list[str]:
-    """The splits ``root`` holds (``train``, ``val``, ... whatever its files name)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    names = {"train", "val", "test", "trainval"}
-    names |= {p.stem for p in root.glob("*.txt")}
-    names |= {p.stem for p in root.glob("ImageSets/Segmentation/*.txt")}
-    for sub in (root, root / "images", root / "leftImg8bit", _ade_root(root) / "images"):
-        if sub.is_dir():
-            names |= {d.name for d in sub.iterdir() if d.is_dir() and not d.name.startswith(".")}
-    found = []
-    for name in sorted(names):
-        kind = _detect(root, name) if layout == "auto" else layout
-        if kind is None or kind not in SCANNERS:
-            continue
-        if kind == "ade20k" and name in ADE_SPLITS.values():
-            continue  # ADE20K's own folder names: listed as train / val
-        flat = _folder_pair_dirs(root, "")
-        if kind == "folder" and _folder_pair_dirs(root, name) in (None, flat):
-            continue  # a flat images/ folder is no split of its own
-        if not SCANNERS[kind](root, name).split_missing:
-            found.append(name)
-    return found
-
-
-def _missing_split(root: Path, split: str, layout: str = "auto") -> DataError | None:
-    """``DataError`` listing the splits found, when ``split`` is absent but others exist (or
-    naming its image folder, when only its labels are absent)."""
-    if layout in ("auto", "folder") and (unlabelled := unlabelled_split(root, split)):
-        return DataError(unlabelled)
-    others = [s for s in available_splits(root, layout) if s != split]
-    if not others:
-        return None
-    return DataError(
-        f"{root}: has no split {split!r} (splits found: {', '.join(others)}); pass one of "
-        "them as --split"
-    )
-
-
-def detect_layout(root: str | Path, split: str = "train") -> str:
-    """Which layout ``root`` looks like (``DataError`` when none)."""
-    root = Path(root)
-    layout = _detect(root, split)
-    if layout is not None:
-        return layout
-    if not root.exists():
-        raise DataError(f"{root}: dataset folder not found; check the path")
-    missing = _missing_split(root, split)
-    if missing is not None:
-        raise missing
-    raise DataError(
-        f"{root}: cannot tell the dataset layout for split {split!r}: expected {split}.txt "
-        "(list), images/ + labels/ (folder), JPEGImages/ (voc), leftImg8bit/ (cityscapes) or "
-        f"{ADE_FOLDER}/images/training (ade20k); "
-        f"set the layout (--layout; layout= in Python) to one of {LAYOUTS[1:]}"
-    )
-
-
-def discover(root: str | Path, *, split: str = "train", layout: str = "auto") -> Discovery:
-    """Scan a dataset; every problem found is collected (``dualseg data check`` reports all)."""
-    root = Path(root)
-    if layout not in LAYOUTS:
-        raise DataError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
-    if layout == "auto":
-        layout = detect_layout(root, split)
-    return SCANNERS[layout](root, split)
 
 
 def resolve_meta(
@@ -500,7 +71,7 @@ def resolve_meta(
     return with_label_mapping(meta, label_map=label_map, ignore_value=ignore_value)
 
 
-def _meta_file(root: Path) -> Path:
+def meta_path(root: Path) -> Path:
     """ROOT/meta.json (beside the list file when ROOT is one)."""
     return (root.parent if root.is_file() else root) / META_FILE
 
@@ -511,14 +82,16 @@ def _own_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -
     if preset is not None:
         return preset_for(root, preset)
     root = Path(root)
-    meta_file = _meta_file(root)
+    meta_file = meta_path(root)
     if meta_file.is_file():
         return load_meta_file(meta_file)
     if layout in PRESETS:  # voc, cityscapes, ade20k
         return PRESETS[layout]
     raise DataError(
         f"{root}: which classes does this dataset have? pass preset= one of {sorted(PRESETS)} "
-        f"(CLI: --preset), or describe them in {meta_file} (name, class_names, palette)"
+        f"(CLI: --preset), or describe them in {meta_file} (name, class_names, palette, and a "
+        "label_map when the raw values are not 0..K-1, as in 0/255 masks): 'dualseg data "
+        f"check {root} --write-meta' writes one from the label values for you to review"
     )
 
 
@@ -535,7 +108,7 @@ def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
     if root is None:
         return named
     root = Path(root)
-    meta_file = _meta_file(root)
+    meta_file = meta_path(root)
     if not meta_file.is_file():
         return named
     try:
@@ -590,11 +163,11 @@ def dataset_meta(
     layout);
     ``None`` when it does not say (a bad meta.json is still an error)."""
     root = Path(root)
-    meta_file = _meta_file(root)
+    meta_file = meta_path(root)
     if meta_file.is_file():
         return load_meta_file(meta_file)
     if layout == "auto":
-        layout = _detect(root, split) or "auto"
+        layout = detect(root, split) or "auto"
     return PRESETS.get(layout)
 
 
@@ -628,6 +201,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
         samples_per_epoch: int | None = None,
         seed: int = 0,
         source: str | Path = "",
+        bit_depth: int | None = None,
     ) -> None:
         if not samples:
             raise DataError(f"{source or 'dataset'}: the dataset is empty; check ROOT and split")
@@ -641,6 +215,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
         self.label_format = label_format
         self.samples_per_epoch = samples_per_epoch
         self.seed = seed
+        self.bit_depth = bit_depth  # of 16-bit images; None: from their values (imaging)
         self.epoch = 0
 
     def __len__(self) -> int:
@@ -657,7 +232,13 @@ class SegmentationDataset(torch.utils.data.Dataset):
     def load_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The raw pair ``(uint8 HxWx3, uint8 HxW with 255 = ignore)`` of sample ``index``."""
         img_path, label_path = self.samples[index % len(self.samples)]
-        image, label = read_pair(img_path, label_path, self.meta, label_format=self.label_format)
+        image, label = read_pair(
+            img_path,
+            label_path,
+            self.meta,
+            label_format=self.label_format,
+            bit_depth=self.bit_depth,
+        )
         if image.shape[:2] != label.shape:
             raise DataError(size_mismatch(img_path, image.shape[:2], label_path, label.shape))
         return image, label
@@ -692,8 +273,15 @@ def build_dataset(
     seed: int = 0,
     label_map: Mapping[int, int] | None = None,
     ignore_value: IgnoreSetting = "auto",
+    val_fraction: float = 0.0,
+    bit_depth: int | None = None,
 ) -> SegmentationDataset:
     """Scan ``root`` and return its ``split`` as a :class:`SegmentationDataset`.
+
+    ``val_fraction`` (0 < f < 1) holds out that share of a root with one set of pairs (no val
+    split of its own): ``split="val"`` gets it, ``"train"`` the rest, chosen by file name
+    (:func:`held_out`), so every run and machine draws the same; 0: the splits on disk.
+    ``bit_depth``: of 16-bit images (:func:`dualseg.imaging.image_to_rgb`; None: detected).
 
     ``root`` may be a list of roots: their pairs are concatenated (in order) into one dataset;
     all roots must have the same classes (else a :class:`DataError` naming both class lists).
@@ -706,13 +294,23 @@ def build_dataset(
     if not roots:
         raise DataError("no dataset root given; pass at least one folder")
     check_split_name(split)
+    if not 0 <= val_fraction < 1 or (val_fraction and split not in ("train", "val")):
+        raise DataError(
+            f"val_fraction {val_fraction} with split {split!r}: give 0 <= val_fraction < 1, "
+            "and split train or val"
+        )
     samples: list[Pair] = []
     metas: list[tuple[Path, DatasetMeta]] = []
     source: str | Path = roots[0]
     for r in roots:
-        found = discover(r, split=split, layout=layout)
+        if val_fraction and "val" in available_splits(r, layout):
+            raise DataError(
+                f"{r}: has a val split of its own, so val_fraction {val_fraction} would hold "
+                "out images of another split; set val_fraction to 0 (or merge the splits)"
+            )
+        found = discover(r, split="train" if val_fraction else split, layout=layout)
         if found.split_missing:
-            missing = _missing_split(Path(r), split, layout)
+            missing = missing_split(Path(r), split, layout)
             if missing is not None:
                 raise missing
         if found.problems:
@@ -723,17 +321,55 @@ def build_dataset(
             )
         meta = resolve_meta(r, found.layout, preset, label_map=label_map, ignore_value=ignore_value)
         metas.append((Path(r), meta))
+        if val_fraction:
+            found.samples = held_out(r, found, val_fraction, split)
         samples += found.samples
         source = (found.source or r) if len(roots) == 1 else ", ".join(map(str, roots))
+    meta = one_class_set(metas, label_format=label_format)
+    if label_map:
+        _warn_one_class(samples, meta, label_format, label_map)
     return SegmentationDataset(
         samples,
-        one_class_set(metas, label_format=label_format),
+        meta,
         transform=transform,
         label_format=label_format,
         samples_per_epoch=samples_per_epoch,
         seed=seed,
         source=source,
+        bit_depth=bit_depth,
     )
+
+
+def held_out(root: str | Path, found: Discovery, fraction: float, split: str) -> list[Pair]:
+    """``split`` of ``found``'s pairs when ``fraction`` of them is held out for validation:
+    the pairs ranked by a SHA-1 of the image's file name (stable, unlike ``hash()``), the
+    first ``round(fraction * n)`` (at least 1) are val, the rest train."""
+    pairs = found.samples
+    if len(pairs) < 2:
+        raise DataError(f"{root}: val_fraction needs 2 or more pairs, found {len(pairs)}")
+    ranked = sorted(pairs, key=lambda p: (hashlib.sha1(p[0].name.encode()).hexdigest(), p[0]))
+    n_val = min(max(1, round(fraction * len(pairs))), len(pairs) - 1)
+    chosen = set(ranked[:n_val]) if split == "val" else set(ranked[n_val:])
+    return [p for p in pairs if p in chosen]  # in the order found
+
+
+def _warn_one_class(
+    samples: list[Pair], meta: DatasetMeta, label_format: str, label_map: Mapping[int, int]
+) -> None:
+    """Warn when an explicit ``label_map`` leaves one class in the first labels: a model
+    trained on them learns nothing, and its scores still look like a result."""
+    present: set[int] = set()
+    for _, label_path in samples[:8]:
+        label = read_label(label_path, meta, label_format=label_format)
+        present |= set(np.unique(label).tolist()) - {meta.ignore_index}
+    if len(present) == 1 and meta.num_classes > 1:
+        shown = ",".join(f"{s}:{d}" for s, d in label_map.items())
+        warnings.warn(
+            f"label map {shown} leaves one class: every labelled pixel of the first labels is "
+            f"class {meta.class_names[present.pop()]!r}; map each raw value to its own class "
+            "(e.g. 255:1 for 0/255 masks)",
+            stacklevel=3,
+        )
 
 
 def one_class_set(

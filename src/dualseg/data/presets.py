@@ -256,33 +256,22 @@ def voc_palette(n: int) -> tuple[Color, ...]:
 VOC_COLOURS = voc_palette(256)
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(text.split())
+
+
+def _colours(text: str) -> tuple[Color, ...]:
+    """``"808080 800000"`` -> ``((128, 128, 128), (128, 0, 0))``: palettes written compactly."""
+    return tuple(tuple(bytes.fromhex(h)) for h in text.split())  # type: ignore[misc]
+
+
 CAMVID = DatasetMeta(
     name="camvid",
-    class_names=(
-        "sky",
-        "building",
-        "pole",
-        "road",
-        "pavement",
-        "tree",
-        "sign_symbol",
-        "fence",
-        "car",
-        "pedestrian",
-        "bicyclist",
+    class_names=_names(
+        "sky building pole road pavement tree sign_symbol fence car pedestrian bicyclist"
     ),
-    palette=(
-        (128, 128, 128),
-        (128, 0, 0),
-        (192, 192, 128),
-        (128, 64, 128),
-        (60, 40, 222),
-        (128, 128, 0),
-        (192, 128, 128),
-        (64, 64, 128),
-        (64, 0, 128),
-        (64, 64, 0),
-        (0, 128, 192),
+    palette=_colours(
+        "808080 800000 c0c080 804080 3c28de 808000 c08080 404080 400080 404000 0080c0"
     ),
     source_ignore=(11,),
     void_colors=((0, 0, 0),),
@@ -290,28 +279,9 @@ CAMVID = DatasetMeta(
 
 VOC = DatasetMeta(
     name="voc",
-    class_names=(
-        "background",
-        "aeroplane",
-        "bicycle",
-        "bird",
-        "boat",
-        "bottle",
-        "bus",
-        "car",
-        "cat",
-        "chair",
-        "cow",
-        "diningtable",
-        "dog",
-        "horse",
-        "motorbike",
-        "person",
-        "pottedplant",
-        "sheep",
-        "sofa",
-        "train",
-        "tvmonitor",
+    class_names=_names(
+        "background aeroplane bicycle bird boat bottle bus car cat chair cow diningtable dog "
+        "horse motorbike person pottedplant sheep sofa train tvmonitor"
     ),
     palette=voc_palette(21),
     void_colors=((224, 224, 192),),
@@ -319,47 +289,13 @@ VOC = DatasetMeta(
 
 CITYSCAPES = DatasetMeta(
     name="cityscapes",
-    class_names=(
-        "road",
-        "sidewalk",
-        "building",
-        "wall",
-        "fence",
-        "pole",
-        "traffic_light",
-        "traffic_sign",
-        "vegetation",
-        "terrain",
-        "sky",
-        "person",
-        "rider",
-        "car",
-        "truck",
-        "bus",
-        "train",
-        "motorcycle",
-        "bicycle",
+    class_names=_names(
+        "road sidewalk building wall fence pole traffic_light traffic_sign vegetation terrain "
+        "sky person rider car truck bus train motorcycle bicycle"
     ),
-    palette=(
-        (128, 64, 128),
-        (244, 35, 232),
-        (70, 70, 70),
-        (102, 102, 156),
-        (190, 153, 153),
-        (153, 153, 153),
-        (250, 170, 30),
-        (220, 220, 0),
-        (107, 142, 35),
-        (152, 251, 152),
-        (70, 130, 180),
-        (220, 20, 60),
-        (255, 0, 0),
-        (0, 0, 142),
-        (0, 0, 70),
-        (0, 60, 100),
-        (0, 80, 100),
-        (0, 0, 230),
-        (119, 11, 32),
+    palette=_colours(
+        "804080 f423e8 464646 66669c be9999 999999 faaa1e dcdc00 6b8e23 98fb98 4682b4 dc143c "
+        "ff0000 00008e 000046 003c64 005064 0000e6 770b20"
     ),
     void_colors=((0, 0, 0),),
 )
@@ -367,26 +303,8 @@ CITYSCAPES = DatasetMeta(
 # The procedurally drawn street scenes of dualseg.data.synthetic (the `dualseg demo` data).
 SYNTHETIC = DatasetMeta(
     name="synthetic",
-    class_names=(
-        "sky",
-        "building",
-        "road",
-        "sidewalk",
-        "vegetation",
-        "car",
-        "pole",
-        "sign",
-    ),
-    palette=(
-        (128, 128, 128),
-        (128, 0, 0),
-        (128, 64, 128),
-        (60, 40, 222),
-        (128, 128, 0),
-        (64, 0, 128),
-        (192, 192, 128),
-        (192, 128, 128),
-    ),
+    class_names=_names("sky building road sidewalk vegetation car pole sign"),
+    palette=_colours("808080 800000 804080 3c28de 808000 400080 c0c080 c08080"),
     void_colors=((0, 0, 0),),
 )
 
@@ -412,7 +330,7 @@ _ADE20K_NAMES = (
 # (raw 0 = "other", ignored). The palette is generated (VOC's bit pattern), one colour per class.
 ADE20K = DatasetMeta(
     name="ade20k",
-    class_names=tuple(_ADE20K_NAMES.split()),
+    class_names=_names(_ADE20K_NAMES),
     palette=voc_palette(151)[1:],
     reduce_zero_label=True,
 )

@@ -3,13 +3,14 @@
 ``read_image`` always returns ``uint8 HxWx3`` RGB; ``read_label`` returns ``uint8 HxW`` class
 indices with 255 for ignore. Inputs are converted only where the conversion is unambiguous:
 grayscale -> RGB, palette -> RGB, fully opaque RGBA/LA -> RGB/L, 16-bit -> 8-bit (images, by
-/257), gray-looking RGB label -> index. Anything else (transparency, float images, colour
-labels read as indices, lossy JPEG labels, more than 8 bits per colour channel, an image whose
-EXIF orientation its label lacks (:func:`read_pair`), ...) is an error that says how to fix it.
+their real range: 12-bit data by 4095), gray-looking RGB label -> index. Anything else
+(transparency, float images, colour labels read as indices, lossy JPEG labels, more than 8
+bits per colour channel, an image whose EXIF orientation its label lacks (:func:`read_pair`),
+...) is an error that says how to fix it.
 
 Pictures follow **the image policy** of :mod:`dualseg.imaging` (``image_to_rgb``: EXIF
 orientation applied, opaque alpha dropped, transparency refused), the one rule for files
-(``read_image``), uploads (``decode_image``), PIL images and arrays; it is re-exported here.
+(``read_image``), uploads (``decode_image``), PIL images and arrays.
 """
 
 from __future__ import annotations
@@ -24,37 +25,15 @@ from dualseg.data.presets import IGNORE_INDEX, VOC_COLOURS, DatasetMeta
 from dualseg.errors import DataError
 from dualseg.imaging import (
     SIXTEEN_BIT_MODES,
-    UPLOAD_FORMATS,
-    ImageTooLargeError,
-    decode_image,
     drop_opaque_alpha,
     exif_orientation,
     image_to_rgb,
     open_image,
-    read_image,
 )
-
-__all__ = [
-    "LABEL_FORMATS",
-    "UPLOAD_FORMATS",
-    "ImageTooLargeError",
-    "decode_color_label",
-    "decode_image",
-    "drop_opaque_alpha",
-    "image_to_rgb",
-    "inspect_pair",
-    "read_image",
-    "read_label",
-    "read_pair",
-]
 
 LABEL_FORMATS = ("index", "color")
 # Modes Pillow reads with 8 bits per channel, whatever the file stores.
 _EIGHT_BIT_MODES = {"L", "LA", "P", "RGB", "RGBA"}
-
-
-def _drop_opaque_alpha(path: Path, arr: np.ndarray) -> np.ndarray:  # label reading's spelling
-    return drop_opaque_alpha(arr, path)
 
 
 def _label_array(path: Path, im: Image.Image) -> np.ndarray:
@@ -69,7 +48,7 @@ def _label_array(path: Path, im: Image.Image) -> np.ndarray:
     if mode in {"LA", "RGB", "RGBA"}:
         arr = np.asarray(im)
         if mode != "RGB":
-            arr = _drop_opaque_alpha(path, arr)
+            arr = drop_opaque_alpha(arr, path)
         if arr.shape[2] == 1:
             return arr[..., 0]
         if np.array_equal(arr[..., 0], arr[..., 1]) and np.array_equal(arr[..., 0], arr[..., 2]):
@@ -283,6 +262,24 @@ def _refuse_lossy_or_deep(path: Path, im: Image.Image) -> None:
         )
 
 
+def _raw_values(path: Path, im: Image.Image) -> np.ndarray:
+    raw = _label_array(path, im)
+    if im.mode == "L" and (bits := _bits_per_sample(path, im)) in (2, 4):
+        # a 2- or 4-bit grayscale PNG: Pillow scales its samples to 0..255 (x85, x17), but a
+        # label's values are its stored samples, as for 1- and 16-bit labels: 0..3 are
+        # classes 0..3, not 0, 85, 170 and 255 (ignore)
+        raw = raw // (255 // (2**bits - 1))
+    return raw
+
+
+def raw_label_values(path: str | Path) -> np.ndarray:
+    """The distinct raw values of an index label file (sorted), before any class mapping."""
+    path = Path(path)
+    im = open_image(path)
+    _refuse_lossy_or_deep(path, im)
+    return np.unique(_raw_values(path, im))
+
+
 def read_label(path: str | Path, meta: DatasetMeta, *, label_format: str = "index") -> np.ndarray:
     """A label file as ``uint8 HxW`` class indices, 255 = ignore.
 
@@ -305,12 +302,7 @@ def _decode_label(
     if turn:
         im = ImageOps.exif_transpose(im)
     if label_format == "index":
-        raw = _label_array(path, im)
-        if im.mode == "L" and (bits := _bits_per_sample(path, im)) in (2, 4):
-            # a 2- or 4-bit grayscale PNG: Pillow scales its samples to 0..255 (x85, x17), but
-            # a label's values are its stored samples, as for 1- and 16-bit labels: 0..3 are
-            # classes 0..3, not 0, 85, 170 and 255 (ignore)
-            raw = raw // (255 // (2**bits - 1))
+        raw = _raw_values(path, im)
         if im.mode == "P" and (in_use := _palette_in_use(im, raw)) is not None:
             _check_palette_indices(path, *in_use, meta)
             _check_grey_palette(path, *in_use, meta)
@@ -323,7 +315,7 @@ def _decode_label(
         im = im.convert("RGBA" if im.mode == "RGBA" or "transparency" in im.info else "RGB")
     arr = np.asarray(im)
     if arr.shape[2] == 4:
-        arr = _drop_opaque_alpha(path, arr)
+        arr = drop_opaque_alpha(arr, path)
     return decode_color_label(arr, meta, path=path)
 
 
@@ -371,22 +363,31 @@ def drawn_upright(
 
 
 def inspect_pair(
-    img_path: str | Path, label_path: str | Path, meta: DatasetMeta, *, label_format: str = "index"
-) -> tuple[np.ndarray | None, np.ndarray | None, list[str]]:
-    """``(image, label, problems)`` of one pair: what :func:`read_pair` reads, and every
+    img_path: str | Path,
+    label_path: str | Path,
+    meta: DatasetMeta,
+    *,
+    label_format: str = "index",
+    bit_depth: int | None = None,
+) -> tuple[np.ndarray | None, np.ndarray | None, list[str], tuple[str, int, int] | None]:
+    """``(image, label, problems, values)`` of one pair: what :func:`read_pair` reads, every
     problem found on the way (``None`` for a file that failed), so ``dualseg data check`` can
-    list them all. Each file is opened and decoded once."""
+    list them all, and the image's stored values ``(dtype, min, max)``. Each file is opened
+    and decoded once."""
     img_path, label_path = Path(img_path), Path(label_path)
     if label_format not in LABEL_FORMATS:
         raise DataError(f"unknown label_format {label_format!r}; use one of {LABEL_FORMATS}")
     problems: list[str] = []
-    image = label = None
+    image = label = values = None
     im: Image.Image | None = None
     turn: int | None = None
     try:
         im = open_image(img_path)
         turn = exif_orientation(im, img_path)
-        image = image_to_rgb(im, img_path)
+        stored = np.asarray(im)
+        if stored.size:
+            values = (str(stored.dtype), int(stored.min()), int(stored.max()))
+        image = image_to_rgb(im, img_path, bit_depth=bit_depth)
     except DataError as err:
         problems.append(str(err))
     try:
@@ -410,7 +411,7 @@ def inspect_pair(
                 "file's lines are 'image_path label_path', image first"
             )
         problems.append(message)
-    return image, label, problems
+    return image, label, problems, values
 
 
 def _swapped(im: Image.Image, label_path: Path, label_format: str, meta: DatasetMeta) -> bool:
@@ -434,12 +435,19 @@ def _swapped(im: Image.Image, label_path: Path, label_format: str, meta: Dataset
 
 
 def read_pair(
-    img_path: str | Path, label_path: str | Path, meta: DatasetMeta, *, label_format: str = "index"
+    img_path: str | Path,
+    label_path: str | Path,
+    meta: DatasetMeta,
+    *,
+    label_format: str = "index",
+    bit_depth: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """An image and its label (:func:`read_image`, :func:`read_label`), read so that they line
     up: the label must carry the image's EXIF orientation, if any (then both are turned);
     otherwise a :class:`DataError` naming the file. Sizes are the caller's to compare."""
-    image, label, problems = inspect_pair(img_path, label_path, meta, label_format=label_format)
+    image, label, problems, _ = inspect_pair(
+        img_path, label_path, meta, label_format=label_format, bit_depth=bit_depth
+    )
     if problems:
         raise DataError(problems[0])
     assert image is not None and label is not None  # no problem: both were read

@@ -1,0 +1,77 @@
+"""``dualseg data check --write-meta``: a ``meta.json`` inferred from the label values.
+
+The classes are the distinct raw values of every label file: values 0..K-1 are the classes as
+they are (255 beside them is ignore); any other set (0/255 masks) gets a ``label_map`` writing
+each value's class out. The names are placeholders for the user to review: ``background`` /
+``foreground`` for two values, else ``class_0``, ``class_1``, ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from dualseg.data.datasets import meta_path
+from dualseg.data.layouts import detect_any_split, discover
+from dualseg.data.presets import IGNORE_INDEX, DatasetMeta, voc_palette
+from dualseg.data.readers import raw_label_values
+from dualseg.errors import DataError
+from dualseg.io import atomic_write_json
+
+
+def infer_meta(root: str | Path, *, layout: str, splits: Iterable[str]) -> DatasetMeta:
+    """The classes ``root``'s label files hold (read once each, across ``splits``)."""
+    root, splits = Path(root), tuple(splits)
+    if layout == "auto":
+        layout = detect_any_split(root, splits)
+    labels = {label for s in splits for _, label in discover(root, split=s, layout=layout).samples}
+    values: set[int] = set()
+    for label in sorted(labels):  # a flat folder serves every split: each file read once
+        values |= {int(v) for v in raw_label_values(label)}
+    return meta_from_values(sorted(values), name=(root.parent if root.is_file() else root).name)
+
+
+def meta_from_values(values: list[int], *, name: str) -> DatasetMeta:
+    """A description of labels holding the raw ``values`` (sorted)."""
+    if len(values) < 2 or values[-1] > IGNORE_INDEX:
+        why = "values above 255 fit no class id" if len(values) > 1 else "one value, one class"
+        raise DataError(
+            f"cannot infer classes from the label values {values[:8]} ({why}); describe them "
+            "in meta.json by hand"
+        )
+    classes, ignore = values, IGNORE_INDEX
+    if (
+        values[-1] == IGNORE_INDEX
+        and len(values) > 2
+        and values[:-1] == list(range(len(values) - 1))
+    ):
+        classes = values[:-1]  # 0..K-1 and 255: the usual ignore value beside the classes
+    label_map = (
+        {} if classes == list(range(len(classes))) else {v: i for i, v in enumerate(classes)}
+    )
+    if IGNORE_INDEX in label_map:
+        ignore = None  # 255 is a class here
+    k = len(classes)
+    if k > IGNORE_INDEX - 1:
+        raise DataError(f"the labels hold {k} distinct values; at most 254 classes are read")
+    names = ("background", "foreground") if k == 2 else tuple(f"class_{i}" for i in range(k))
+    return DatasetMeta(
+        name=name or "dataset",
+        class_names=names,
+        palette=((0, 0, 0), (255, 255, 255)) if k == 2 else voc_palette(k),
+        ignore_value=ignore,
+        label_map=tuple(label_map.items()),
+    )
+
+
+def write_meta(root: str | Path, meta: DatasetMeta, *, overwrite: bool = False) -> Path:
+    """Write ``meta`` as ROOT/meta.json (atomically); an existing file only with ``overwrite``."""
+    path = meta_path(Path(root))
+    if path.exists() and not overwrite:
+        raise DataError(
+            f"{path} exists: review it, or pass --overwrite to replace it with classes "
+            "inferred from the label values"
+        )
+    note = "inferred by 'dualseg data check --write-meta' from the label values: review the names"
+    atomic_write_json(path, {"_comment": note, **meta.to_dict()})
+    return path

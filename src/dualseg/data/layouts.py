@@ -1,0 +1,477 @@
+"""Dataset layouts: which image/label pairs a folder holds, per split.
+
+Layouts (``layout=`` or detected by ``"auto"``):
+
+- ``list``: a text file with ``image_path label_path`` per line, relative to the file's folder
+  (``ROOT/{split}.txt``, or ``root`` is the list file itself) — the CamVid/SegNet format.
+- ``folder``: an image folder (``images/``, ``image/``, ``imgs/``, ``img/``, ``JPEGImages/``)
+  and a label folder (``labels/``, ``label/``, ``masks/``, ``mask/``, ``annotations/``,
+  ``ann/``, ``SegmentationClass/``) matched by file stem; searched as ``ROOT/{split}/images``,
+  ``ROOT/images/{split}``, then a flat ``ROOT/images`` (any split,
+  unless ROOT names splits of its own: list files or split subfolders; then a split it lacks
+  is a "has no split" error listing those it has).
+- ``voc``: ``JPEGImages/``, ``SegmentationClass/``, ``ImageSets/Segmentation/{split}.txt``.
+- ``cityscapes``: ``leftImg8bit/{split}/*/*_leftImg8bit.png`` with
+  ``gtFine/{split}/*/*_gtFine_labelTrainIds.png``.
+- ``ade20k``: ``ADEChallengeData2016/images/{training,validation}/*.jpg`` with
+  ``annotations/{training,validation}/*.png`` (ROOT may be the ``ADEChallengeData2016`` folder
+  or its parent; splits ``train`` / ``val`` name ``training`` / ``validation``).
+"""
+
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dualseg.errors import DataError
+
+LAYOUTS = ("auto", "list", "folder", "voc", "cityscapes", "ade20k")
+# what the readers read (GIF: palette labels some annotation tools export)
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif")
+# the folder layout's names for its two folders, in the order they are tried
+IMAGE_DIRS = ("images", "image", "imgs", "img", "JPEGImages")
+LABEL_DIRS = ("labels", "label", "masks", "mask", "annotations", "ann", "SegmentationClass")
+Pair = tuple[Path, Path]
+
+
+@dataclass
+class Discovery:
+    """What a layout scan found: the pairs, the problems (each naming a file), the layout."""
+
+    layout: str
+    samples: list[Pair] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    source: Path | None = None  # the list file or folder the samples came from
+    label_source: Path | None = None  # the folder layout's label folder
+    split_missing: bool = False  # the split's list file / folder does not exist at all
+
+
+def _list_lines(list_file: Path) -> list[str]:
+    """A list file's lines: UTF-8, a leading byte-order mark (Windows Notepad's) dropped."""
+    try:
+        return list_file.read_text(encoding="utf-8-sig").splitlines()
+    except UnicodeDecodeError as err:
+        raise DataError(
+            f"{list_file}: not UTF-8 text (byte {err.start}); save the list file as UTF-8"
+        ) from None
+
+
+def _is_stem(token: str) -> bool:
+    """Whether a list file's one-token line is a file stem (mmsegmentation's split files:
+    ``ADE_train_00000001``), not an image path whose label column is missing."""
+    return (
+        "/" not in token and "\\" not in token and Path(token).suffix.lower() not in IMAGE_SUFFIXES
+    )
+
+
+def _stem_dirs(list_file: Path) -> tuple[Path, Path] | None:
+    """The ``(images, labels)`` folders a stem list's stems are found in: the folder layout's
+    for the list's split (``images/{split}``, ``{split}/images``, else the flat ``images/``)."""
+    return _folder_pair_dirs(list_file.parent, list_file.stem, lists=False)
+
+
+def _files_by_stem(folder: Path) -> dict[str, list[Path]]:
+    by_stem: dict[str, list[Path]] = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."):
+            by_stem.setdefault(p.stem, []).append(p)
+    return by_stem
+
+
+def _stem_pair(
+    list_file: Path, n: int, stem: str, found: Discovery, cache: dict[str, Any]
+) -> Pair | None:
+    """The image and label of a stem list's line ``n`` (one problem each when not found)."""
+    if "dirs" not in cache:
+        cache["dirs"] = dirs = _stem_dirs(list_file)
+        cache["files"] = [_files_by_stem(d) for d in dirs] if dirs else None
+    dirs, files = cache["dirs"], cache["files"]
+    where = f"{list_file}:{n}"
+    if dirs is None:
+        found.problems.append(
+            f"{where}: {stem!r} is a file stem, found in images/ + labels/ (or masks/) beside "
+            f"{list_file.name}, which {list_file.parent} lacks; add those folders, or write the "
+            "line as 'image_path label_path'"
+        )
+        return None
+    pair = []
+    for folder, by_stem in zip(dirs, files):
+        paths = by_stem.get(stem, [])
+        if len(paths) != 1:
+            found.problems.append(
+                f"{where}: stem {stem!r} is "
+                + (f"{len(paths)} files in {folder} ({', '.join(p.name for p in paths)}); keep one"
+                   if paths else f"in no file of {folder}; add it or remove the line")
+            )  # fmt: skip
+            return None
+        pair.append(paths[0])
+    return pair[0], pair[1]
+
+
+def _read_list(list_file: Path, found: Discovery) -> None:
+    base = list_file.parent
+    stems: dict[str, Any] = {}  # the folders of a stem list, read once
+    for n, line in enumerate(_list_lines(list_file), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) == 1 and _is_stem(parts[0]):
+            if (stem_pair := _stem_pair(list_file, n, parts[0], found, stems)) is not None:
+                found.samples.append(stem_pair)
+            continue
+        if len(parts) > 2:  # "images/a b.png labels/a b.png": no way to tell where a path ends
+            found.problems.append(
+                f"{list_file}:{n}: {len(parts)} fields where 'image_path label_path' takes 2 "
+                f"({line!r}): a path in a list file cannot hold a space; rename the file (e.g. "
+                "spaces to _) and its line"
+            )
+            continue
+        if len(parts) != 2:
+            found.problems.append(
+                f"{list_file}:{n}: expected 'image_path label_path', got {line!r}; "
+                "write one pair per line, separated by a space"
+            )
+            continue
+        pair = (base / parts[0], base / parts[1])
+        missing = [p for p in pair if not p.is_file()]
+        for p in missing:
+            found.problems.append(
+                f"{p}: listed in {list_file}:{n} but not found; fix the path or remove the line"
+            )
+        if not missing:
+            found.samples.append(pair)
+
+
+def _scan_list(root: Path, split: str) -> Discovery:
+    list_file = root if root.is_file() else root / f"{split}.txt"
+    found = Discovery("list", source=list_file)
+    if not list_file.is_file():
+        found.split_missing = True
+        found.problems.append(f"{list_file}: list file not found; create it or pass another split")
+    else:
+        _read_list(list_file, found)
+    return found
+
+
+def _images_by_stem(folder: Path, problems: list[str]) -> dict[str, Path]:
+    """The folder's image files by stem; files sharing a stem (``a.jpg`` and ``a.png``) cannot
+    be paired by name: each such stem is a problem, and none of its files is used."""
+    by_stem = _files_by_stem(folder)
+    for stem, paths in by_stem.items():
+        if len(paths) > 1:
+            problems.append(
+                f"{folder}: {', '.join(p.name for p in paths)} share the name {stem!r}, so "
+                "which one pairs is ambiguous; keep one of them"
+            )
+    return {stem: paths[0] for stem, paths in by_stem.items() if len(paths) == 1}
+
+
+def _pair_in(base: Path, sub: str = "") -> tuple[Path, Path] | None:
+    """``(images, labels)`` folders of :data:`IMAGE_DIRS` / :data:`LABEL_DIRS` names side by
+    side in ``base`` (each with the subfolder ``sub``), the first names in order."""
+    for image_name in IMAGE_DIRS:
+        images = base / image_name / sub
+        if images.is_dir():
+            for label_name in LABEL_DIRS:
+                if (base / label_name / sub).is_dir():
+                    return images, base / label_name / sub
+    return None
+
+
+def _is_list_file(path: Path) -> bool:
+    """Whether ``path``'s first entry is an ``image_path label_path`` line, or the stem of an
+    image of the split's folder (a stem list): a split's list."""
+    try:
+        with path.open(encoding="utf-8-sig") as f:
+            for line in f:
+                line = line.strip()
+                if line and not line.startswith("#"):
+                    parts = line.split()
+                    if len(parts) == 1 and _is_stem(parts[0]):
+                        dirs = _stem_dirs(path)
+                        return dirs is not None and any(dirs[0].glob(f"{glob.escape(parts[0])}.*"))
+                    return len(parts) == 2 and all(
+                        Path(x).suffix.lower() in IMAGE_SUFFIXES for x in parts
+                    )
+    except (OSError, UnicodeDecodeError):
+        return False
+    return False
+
+
+def _subdirs(folder: Path) -> list[Path]:
+    if not folder.is_dir():
+        return []
+    return sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+
+
+def _declares_splits(root: Path, *, lists: bool = True) -> bool:
+    """Whether ``root`` names splits of its own beside a flat image folder: split subfolders
+    (``ROOT/{s}/images``, ``ROOT/images/{s}`` with their labels) or, with ``lists``, list files
+    (``ROOT/*.txt`` of ``image label`` lines). Then the flat folder is no stand-in for a split
+    it does not have."""
+    if any(_pair_in(d) for d in _subdirs(root)):
+        return True
+    if any(_pair_in(root, d.name) for name in IMAGE_DIRS for d in _subdirs(root / name)):
+        return True
+    return lists and root.is_dir() and any(_is_list_file(p) for p in root.glob("*.txt"))
+
+
+def _folder_pair_dirs(root: Path, split: str, *, lists: bool = True) -> tuple[Path, Path] | None:
+    """``(images, labels)`` of ``split``: ``ROOT/{split}/images``, ``ROOT/images/{split}``,
+    else the flat ``ROOT/images`` — which serves any split only when ``root`` declares none
+    (:func:`_declares_splits`; ``split=""`` asks for the flat pair itself). Any names of
+    :data:`IMAGE_DIRS` / :data:`LABEL_DIRS` do."""
+    if split and (found := _pair_in(root / split) or _pair_in(root, split)):
+        return found
+    if split and _declares_splits(root, lists=lists):
+        return None
+    return _pair_in(root)
+
+
+def unlabelled_split(root: str | Path, split: str) -> str | None:
+    """One line for a ``split`` whose image folder (``ROOT/images/{split}`` or
+    ``ROOT/{split}/images``) has no label folder beside it, else ``None``: the split is there,
+    its labels are not, which "no split" (or no word, for a split not asked for) hid."""
+    root = Path(root)
+    if not split or not root.is_dir() or _pair_in(root / split) or _pair_in(root, split):
+        return None
+    for name in IMAGE_DIRS:
+        for images, first in ((root / name / split, False), (root / split / name, True)):
+            if images.is_dir():
+                a, b = (f"{split}/{n}" if first else f"{n}/{split}" for n in ("labels", "masks"))
+                return (
+                    f"{images} has no {a} (or {b}) beside it: split {split!r} has images but "
+                    "no labels; add them there"
+                )
+    return None
+
+
+def seen_folders(root: Path) -> str:
+    """The folders ``root`` holds, for a message that could not tell what they are."""
+    names = [f"{d.name}/" for d in _subdirs(root)]
+    shown = ", ".join(names[:12]) + (f" and {len(names) - 12} more" if len(names) > 12 else "")
+    return f"found {shown}" if names else "found no folders"
+
+
+def _scan_folder(root: Path, split: str) -> Discovery:
+    found = Discovery("folder", source=root)
+    # list files name splits of the list layout; the folder layout's own are its subfolders
+    dirs = _folder_pair_dirs(root, split, lists=False)
+    if dirs is None:
+        found.split_missing = True
+        found.problems.append(
+            unlabelled_split(root, split)
+            or f"{root}: no image folder ({'/, '.join(IMAGE_DIRS)}/) with a label folder "
+            f"({'/, '.join(LABEL_DIRS)}/) beside it, for split {split!r} (in {root / split}, "
+            f"ROOT/<images>/{split} or ROOT; {seen_folders(root)}); rename the folders to these "
+            "names"
+        )
+        return found
+    listed = root / f"{split}.txt"
+    if split and dirs[0].parent == root and _is_list_file(listed):
+        # the flat folder stands for every split: beside a list file naming this split, the
+        # train split would read the val images too (documented: no stand-in then)
+        found.split_missing = True
+        found.problems.append(
+            f"{root}: {listed.name} lists split {split!r}, and the flat {dirs[0].name}/ folder "
+            "holds every split's images; read it with --layout list (or auto)"
+        )
+        return found
+    images, labels = (_images_by_stem(d, found.problems) for d in dirs)
+    found.source, found.label_source = dirs
+    for stem, img in images.items():
+        if stem in labels:
+            found.samples.append((img, labels[stem]))
+        else:
+            found.problems.append(f"{img}: no label with stem {stem!r} in {dirs[1]}; add it")
+    for stem in sorted(set(labels) - set(images)):
+        found.problems.append(f"{labels[stem]}: no image with stem {stem!r} in {dirs[0]}; add it")
+    return found
+
+
+def _scan_voc(root: Path, split: str) -> Discovery:
+    if not (root / "JPEGImages").is_dir() and (root / "VOC2012").is_dir():
+        root = root / "VOC2012"  # VOCdevkit/ given
+    list_file = root / "ImageSets" / "Segmentation" / f"{split}.txt"
+    found = Discovery("voc", source=list_file)
+    if not list_file.is_file():
+        found.split_missing = True
+        found.problems.append(f"{list_file}: VOC split file not found; check ROOT and --split")
+        return found
+    for n, line in enumerate(_list_lines(list_file), start=1):
+        stem = line.strip()
+        if not stem:
+            continue
+        pair = (root / "JPEGImages" / f"{stem}.jpg", root / "SegmentationClass" / f"{stem}.png")
+        missing = [p for p in pair if not p.is_file()]
+        for p in missing:
+            found.problems.append(f"{p}: named in {list_file}:{n} but not found; add it")
+        if not missing:
+            found.samples.append(pair)
+    return found
+
+
+def _scan_cityscapes(root: Path, split: str) -> Discovery:
+    img_dir, gt_dir = root / "leftImg8bit" / split, root / "gtFine" / split
+    found = Discovery("cityscapes", source=img_dir)
+    if not img_dir.is_dir():
+        found.split_missing = True
+        found.problems.append(f"{img_dir}: Cityscapes image folder not found; check ROOT/--split")
+        return found
+    for img in sorted(img_dir.glob("*/*_leftImg8bit.png")):
+        stem = img.name[: -len("_leftImg8bit.png")]
+        label = gt_dir / img.parent.name / f"{stem}_gtFine_labelTrainIds.png"
+        if label.is_file():
+            found.samples.append((img, label))
+        else:
+            found.problems.append(
+                f"{label}: train-id label not found; create the *_labelTrainIds.png files with "
+                "cityscapesscripts' createTrainIdLabelImgs"
+            )
+    if not found.samples and not found.problems:
+        others = sorted(p.name for p in img_dir.glob("*/*_leftImg8bit.*"))
+        if others:  # converted to JPEG: found by no name the layout reads
+            found.problems.append(
+                f"{img_dir}: only *_leftImg8bit.png images are read, and its {len(others)} "
+                f"*_leftImg8bit files are other formats (e.g. {others[0]}); use the original "
+                "PNGs, or list the pairs in a list file (--layout list)"
+            )
+    return found
+
+
+ADE_FOLDER = "ADEChallengeData2016"
+ADE_SPLITS = {"train": "training", "val": "validation"}  # dualseg's split names -> ADE20K's
+
+
+def _ade_root(root: Path) -> Path:
+    return root / ADE_FOLDER if (root / ADE_FOLDER).is_dir() else root
+
+
+def _scan_ade20k(root: Path, split: str) -> Discovery:
+    root = _ade_root(root)
+    name = ADE_SPLITS.get(split, split)
+    img_dir, ann_dir = root / "images" / name, root / "annotations" / name
+    found = Discovery("ade20k", source=img_dir)
+    if not img_dir.is_dir() or not ann_dir.is_dir():
+        found.split_missing = True
+        found.problems.append(
+            f"{img_dir}: ADE20K images/{name} and annotations/{name} not found; pass the "
+            f"{ADE_FOLDER} folder (or its parent) and --split train or val"
+        )
+        return found
+    labels = _images_by_stem(ann_dir, found.problems)
+    for stem, img in _images_by_stem(img_dir, found.problems).items():
+        if stem in labels:
+            found.samples.append((img, labels[stem]))
+        else:
+            found.problems.append(f"{img}: no annotation {ann_dir / stem}.png; add it")
+    return found
+
+
+SCANNERS = {
+    "list": _scan_list,
+    "folder": _scan_folder,
+    "voc": _scan_voc,
+    "cityscapes": _scan_cityscapes,
+    "ade20k": _scan_ade20k,
+}
+
+
+def detect(root: Path, split: str) -> str | None:
+    if (root.is_file() and root.suffix == ".txt") or (root / f"{split}.txt").is_file():
+        return "list"
+    if (root / "ImageSets").is_dir() or (root / "VOC2012" / "JPEGImages").is_dir():
+        return "voc"  # JPEGImages/ + SegmentationClass/ without split lists: the folder layout
+    if (root / "leftImg8bit").is_dir() and (root / "gtFine").is_dir():
+        return "cityscapes"
+    ade = _ade_root(root)
+    if (ade / "images" / "training").is_dir() and (ade / "annotations").is_dir():
+        return "ade20k"
+    if _folder_pair_dirs(root, split) is not None:
+        return "folder"
+    return None
+
+
+def available_splits(root: str | Path, layout: str = "auto") -> list[str]:
+    """The splits ``root`` holds (``train``, ``val``, ... whatever its files name)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    names = {"train", "val", "test", "trainval"}
+    names |= {p.stem for p in root.glob("*.txt")}
+    names |= {p.stem for p in root.glob("ImageSets/Segmentation/*.txt")}
+    subs = (root, *(root / n for n in IMAGE_DIRS), root / "leftImg8bit", _ade_root(root) / "images")
+    for sub in subs:
+        if sub.is_dir():
+            names |= {d.name for d in sub.iterdir() if d.is_dir() and not d.name.startswith(".")}
+    found = []
+    for name in sorted(names):
+        kind = detect(root, name) if layout == "auto" else layout
+        if kind is None or kind not in SCANNERS:
+            continue
+        if kind == "ade20k" and name in ADE_SPLITS.values():
+            continue  # ADE20K's own folder names: listed as train / val
+        flat = _folder_pair_dirs(root, "")
+        if kind == "folder" and _folder_pair_dirs(root, name) in (None, flat):
+            continue  # a flat images/ folder is no split of its own
+        if not SCANNERS[kind](root, name).split_missing:
+            found.append(name)
+    return found
+
+
+def missing_split(root: Path, split: str, layout: str = "auto") -> DataError | None:
+    """``DataError`` listing the splits found, when ``split`` is absent but others exist (or
+    naming its image folder, when only its labels are absent)."""
+    if layout in ("auto", "folder") and (unlabelled := unlabelled_split(root, split)):
+        return DataError(unlabelled)
+    others = [s for s in available_splits(root, layout) if s != split]
+    if not others:
+        return None
+    return DataError(
+        f"{root}: has no split {split!r} (splits found: {', '.join(others)}); pass one of "
+        "them as --split"
+    )
+
+
+def detect_layout(root: str | Path, split: str = "train") -> str:
+    """Which layout ``root`` looks like (``DataError`` when none)."""
+    root = Path(root)
+    layout = detect(root, split)
+    if layout is not None:
+        return layout
+    if not root.exists():
+        raise DataError(f"{root}: dataset folder not found; check the path")
+    missing = missing_split(root, split)
+    if missing is not None:
+        raise missing
+    raise DataError(
+        f"{root}: cannot tell the dataset layout for split {split!r} ({seen_folders(root)}): "
+        f"expected {split}.txt (list), an image folder ({'/, '.join(IMAGE_DIRS)}/) beside a "
+        f"label folder ({'/, '.join(LABEL_DIRS)}/) (folder), JPEGImages/ + ImageSets/ (voc), "
+        f"leftImg8bit/ (cityscapes) or {ADE_FOLDER}/images/training (ade20k); rename the "
+        f"folders so, or set the layout (--layout; layout= in Python) to one of {LAYOUTS[1:]}"
+    )
+
+
+def detect_any_split(root: Path, splits: tuple[str, ...]) -> str:
+    """The layout of the first split of ``splits`` that is recognisable; an error names the
+    first split."""
+    for split in splits:
+        try:
+            return detect_layout(root, split)
+        except DataError:
+            continue
+    return detect_layout(root, splits[0])
+
+
+def discover(root: str | Path, *, split: str = "train", layout: str = "auto") -> Discovery:
+    """Scan a dataset; every problem found is collected (``dualseg data check`` reports all)."""
+    root = Path(root)
+    if layout not in LAYOUTS:
+        raise DataError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+    if layout == "auto":
+        layout = detect_layout(root, split)
+    return SCANNERS[layout](root, split)
