@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"dualseg: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
+        print(f"dualseg: error: unknown command {name!r}; see 'dualseg --help'", file=sys.stderr)
+        return 1
     if rest and rest[0] in SUBCOMMANDS.get(name, ()):
         name = f"{name} {rest[0]}"
     try:

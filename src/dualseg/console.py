@@ -133,13 +133,12 @@ class ExamplesHelpFormatter(argparse.HelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with the one-line user errors of every dualseg command: a wrong or missing flag
-    prints ``PROG: error: MESSAGE; see 'PROG --help'`` and exits 2, not the usage block then the
-    message (the usage of a command with thirty flags pushes the one line that matters out of
-    sight). Subcommand parsers inherit it."""
+    """argparse whose errors are dualseg's: one line ``PROG: error: MESSAGE; see 'PROG --help'``
+    and exit status 1, as for every other usage error (not the usage block and status 2).
+    Subcommand parsers inherit it."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+        self.exit(1, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
 
 
 def examples(*lines: str) -> str:
