@@ -11,12 +11,14 @@ import contextlib
 import importlib
 import os
 import re
+import select
 import signal
 import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+from dualseg._version import __version__
 from dualseg.errors import DualsegError, Terminated, user_message  # light: no torch import
 
 # name -> (module with main(argv), one-line help)
@@ -76,8 +78,6 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] == "--version":
-        from dualseg._version import __version__
-
         print(f"dualseg {__version__}")
         return 0
     name, rest = argv[0], argv[1:]
@@ -157,8 +157,6 @@ def _is_out_of_memory(err: RuntimeError) -> bool:
 
 def out_of_memory_line(name: str, text: str) -> str:
     """One line for a command that ran out of memory: how much it asked for, and the fix."""
-    import re
-
     asked = re.search(r"allocate (\d+) bytes", text)
     size = f" (it asked for {int(asked.group(1)) / 2**30:.1f} GiB more)" if asked else ""
     fix = OUT_OF_MEMORY_FIXES.get(name, "smaller inputs")
@@ -193,8 +191,6 @@ def _stdout_closed() -> bool:
 
     Then stdout is pointed at /dev/null, so that Python's flush at exit does not fail again:
     the reader has what it wanted, and a "check the free space" line would mislead."""
-    import select
-
     try:
         fd = sys.stdout.fileno()
         poll = select.poll()  # the write end of a pipe without reader: POLLERR (Linux)

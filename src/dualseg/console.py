@@ -14,6 +14,8 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal, NoReturn, TextIO, TypeVar
 
+from tqdm.auto import tqdm
+
 __all__ = [
     "DEFAULT_EVERY_S",
     "ArgumentParser",
@@ -60,8 +62,6 @@ class Progress:
         self._start = self._last = time.monotonic()
         self._bar = None
         if mode == "bar":
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(total=total, desc=desc, unit=unit, leave=False, file=stream)
 
     def update(self, n: int = 1) -> None:

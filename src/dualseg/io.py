@@ -10,6 +10,7 @@ it, not after an hour of computing.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -17,6 +18,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
+
+import numpy as np
+from PIL import Image
 
 from dualseg.errors import OutputError
 
@@ -96,8 +100,6 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
 
 def atomic_save_image(path: str | os.PathLike[str], array: Any) -> None:
     """Save a uint8 HxW or HxWx3 array as PNG (or the format the suffix names), atomically."""
-    from PIL import Image
-
     path = Path(path)
     buf = io.BytesIO()
     fmt = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".bmp": "BMP", ".tif": "TIFF"}.get(
@@ -110,8 +112,6 @@ def atomic_save_image(path: str | os.PathLike[str], array: Any) -> None:
 def label_png(label: Any, num_classes: int) -> Any:
     """A label map as the array its PNG holds: 8-bit for up to 256 classes, else 16-bit (an
     8-bit cast would wrap class 256 to 0 without a word)."""
-    import numpy as np
-
     return np.asarray(label).astype(np.uint8 if num_classes <= 256 else np.uint16)
 
 
@@ -129,8 +129,6 @@ def _json_default(obj: Any) -> Any:
 def file_digest(path: str | os.PathLike[str]) -> str:
     """A short content digest of a file (16 hex digits of its SHA-256): the same image under
     another path or name, on another machine, has the same digest."""
-    import hashlib
-
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

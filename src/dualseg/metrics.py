@@ -39,7 +39,9 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -65,7 +67,6 @@ def _label_tensors(pred: Any, target: Any, ignore_index: int) -> tuple[Tensor, T
     """``pred`` and ``target`` as tensors (numpy arrays, as ``Segmenter.predict`` returns, are
     read in place), widened to int64 when ``ignore_index`` does not fit their dtype (uint8 and
     -1: the check read -1 as 255, the counts as -1, and dropped those pixels without a word)."""
-    import numpy as np
 
     def tensor(x: Any, name: str) -> Tensor:
         if isinstance(x, np.ndarray):
@@ -227,8 +228,6 @@ class ConfusionMatrix:
 
 
 def _all_reduce(t: Tensor) -> None:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t)
 

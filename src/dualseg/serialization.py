@@ -8,6 +8,7 @@ and plain weights belong in a state-dict file (``torch.save(model.state_dict(), 
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
@@ -116,8 +117,6 @@ def read_torchscript_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None
     Read from the zip's names (a TorchScript archive has ``constants.pkl`` and ``code/``, a
     ``torch.save`` file has neither), without torch.
     """
-    import json
-
     try:
         if not zipfile.is_zipfile(path):
             return None

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 from dualseg.io import atomic_save_image, atomic_write_bytes
 
 __all__ = [
@@ -154,11 +155,9 @@ def denormalize(
 ) -> np.ndarray:
     """Normalized ``[3, H, W]`` float image (tensor or array) -> ``HxWx3`` uint8 RGB.
 
-    ``mean``/``std`` default to ImageNet's (``dualseg.data.transforms``), which the datasets use.
+    ``mean``/``std`` default to ImageNet's, which the datasets use.
     """
     if mean is None or std is None:
-        from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-
         mean = IMAGENET_MEAN if mean is None else mean
         std = IMAGENET_STD if std is None else std
     x = _numpy(image).astype(np.float32)
