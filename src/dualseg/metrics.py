@@ -58,15 +58,12 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------------------------
-# Confusion matrix
-# --------------------------------------------------------------------------------------------
-
-
-def _label_tensors(pred: Any, target: Any, ignore_index: int) -> tuple[Tensor, Tensor]:
-    """``pred`` and ``target`` as tensors (numpy arrays, as ``Segmenter.predict`` returns, are
-    read in place), widened to int64 when ``ignore_index`` does not fit their dtype (uint8 and
-    -1: the check read -1 as 255, the counts as -1, and dropped those pixels without a word)."""
+def _label_tensors(
+    pred: Any, target: Any, num_classes: int, ignore_index: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """``pred`` and ``target`` as checked tensors on ``device`` (numpy arrays, as
+    ``Segmenter.predict`` returns, are read in place), widened to int64 when ``ignore_index``
+    does not fit their dtype (uint8 and -1 would read -1 as 255)."""
 
     def tensor(x: Any, name: str) -> Tensor:
         if isinstance(x, np.ndarray):
@@ -85,7 +82,9 @@ def _label_tensors(pred: Any, target: Any, ignore_index: int) -> tuple[Tensor, T
                 x = x.long()
         return x
 
-    return tensor(pred, "pred"), tensor(target, "target")
+    pred, target = tensor(pred, "pred").to(device), tensor(target, "target").to(device)
+    _check_labels(pred, target, num_classes, ignore_index)
+    return pred, target
 
 
 def _check_num_classes(num_classes: Any, upper: int | None = None) -> int:
@@ -210,11 +209,11 @@ class ConfusionMatrix:
     def update(self, pred: Tensor, target: Tensor) -> None:
         """Add one batch: integer label maps of any (equal) shape, ``ignore_index`` in target
         (tensors or numpy arrays)."""
-        pred, target = _label_tensors(pred, target, self.ignore_index)
-        if self._follow_input and self.mat.device != target.device:
+        if self._follow_input and isinstance(target, Tensor):
             self.mat = self.mat.to(target.device)
-        pred, target = pred.to(self.mat.device), target.to(self.mat.device)
-        _check_labels(pred, target, self.num_classes, self.ignore_index)
+        pred, target = _label_tensors(
+            pred, target, self.num_classes, self.ignore_index, self.mat.device
+        )
         self.mat += _confusion_counts(pred, target, self.num_classes, self.ignore_index)
 
     def compute(self) -> dict[str, Any]:
@@ -230,11 +229,6 @@ class ConfusionMatrix:
 def _all_reduce(t: Tensor) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t)
-
-
-# --------------------------------------------------------------------------------------------
-# Boundary metrics
-# --------------------------------------------------------------------------------------------
 
 
 def disk_offsets(radius: int) -> list[tuple[int, int]]:
@@ -346,16 +340,10 @@ class BoundaryMetrics:
     """Streaming boundary F1 (tolerance ``t`` px) and trimap mIoU (band of ``w`` px).
 
     Definitions are in the module docstring. All counters live in one int64 tensor ``state``
-    (length ``4*C + C*C``): per class ``[pred boundary pixels, matched pred boundary pixels,
-    GT boundary pixels, matched GT boundary pixels]`` then the band's ``[C, C]`` confusion
-    matrix; ``dist.all_reduce(state)`` across ranks gives the global result.
-
-    Everything runs with torch ops on the input's device, batched over images, with class-valued
-    int16 maps instead of one mask per class (memory does not grow with the number of classes):
-    boundary extraction is one compare per axis; matching visits only boundary pixels, one
-    gather + compare per disk offset (29 for t = 3); the band is a disk dilation built from
-    shifted views (about 4w boolean ops). A few host syncs per update (label validation, the
-    gather of boundary pixels).
+    (``4*C + C*C``): per class pred / matched pred / GT / matched GT boundary pixels, then the
+    band's ``[C, C]`` confusion matrix, so ``dist.all_reduce(state)`` gives the global result.
+    Torch ops on the input's device, batched, on class-valued int16 maps (memory does not grow
+    with the number of classes); matching visits only boundary pixels.
 
     >>> bm = BoundaryMetrics(2, tolerance=1)
     >>> target = torch.tensor([[0, 0, 1, 1]] * 3)
@@ -375,11 +363,13 @@ class BoundaryMetrics:
     ) -> None:
         num_classes = _check_num_classes(num_classes, 32768)  # boundary maps are int16
         _check_ignore_index(ignore_index, num_classes)
-        whole = all(
-            isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+        if not all(
+            isinstance(v, numbers.Real)
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            and v == int(v)
             for v in (tolerance, trimap_width)
-        )
-        if not whole or tolerance != int(tolerance) or trimap_width != int(trimap_width):
+        ):
             # a disk of radius 2.5 is not one of radius 2: cutting it changed the scores
             raise ConfigError(
                 f"boundary tolerance and trimap width are whole pixels, got {tolerance} and "
@@ -415,12 +405,10 @@ class BoundaryMetrics:
     def update(self, pred: Tensor, target: Tensor) -> None:
         """Add a batch of label maps ``[B, H, W]`` (or one ``[H, W]``; tensors or numpy
         arrays)."""
-        pred, target = _label_tensors(pred, target, self.ignore_index)
-        if self._follow_input and self.state.device != target.device:
+        if self._follow_input and isinstance(target, Tensor):
             self.state = self.state.to(target.device)
-        dev, c, ign = self.state.device, self.num_classes, self.ignore_index
-        pred, target = pred.to(dev), target.to(dev)  # as ConfusionMatrix: one device first
-        _check_labels(pred, target, c, ign)
+        c, ign = self.num_classes, self.ignore_index
+        pred, target = _label_tensors(pred, target, c, ign, self.state.device)
         if pred.dim() == 2:
             pred, target = pred[None], target[None]
         if pred.dim() != 3:
@@ -466,11 +454,6 @@ class BoundaryMetrics:
     def all_reduce(self) -> None:
         """Sum ``state`` over the default process group's ranks (no-op when not distributed)."""
         _all_reduce(self.state)
-
-
-# --------------------------------------------------------------------------------------------
-# Reporting
-# --------------------------------------------------------------------------------------------
 
 
 def to_jsonable(results: Mapping[str, Any]) -> dict[str, Any]:
