@@ -139,7 +139,8 @@ def test_an_unknown_command_is_one_line_and_exit_status_1(capsys) -> None:
     from dualseg import cli
 
     assert cli.main(["trian"]) == 1
-    assert capsys.readouterr().err == "dualseg: error: unknown command 'trian'; see 'dualseg --help'\n"
+    err = capsys.readouterr().err
+    assert err == "dualseg: error: unknown command 'trian'; see 'dualseg --help'\n"
 
 
 DRIVER = """
