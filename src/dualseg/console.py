@@ -1,9 +1,7 @@
-"""What every command prints while it works: one progress rule, one help layout.
+"""What every command prints while it works: one progress rule, one help layout, one error.
 
-Progress (:func:`progress_mode`, :func:`track`): a terminal (stderr is a TTY) shows tqdm bars;
-a pipe or a log file gets one plain line every ``DEFAULT_EVERY_S`` seconds (and a last one at
-the end), so logs stay readable; ``quiet`` shows nothing. Help (:class:`ExamplesHelpFormatter`):
-descriptions are wrapped, indented lines (the examples of an epilog) are kept as written.
+Progress: tqdm bars on a terminal, one plain line every ``DEFAULT_EVERY_S`` seconds (and at
+the end) in a pipe or log, nothing when quiet. Help keeps an epilog's indented examples.
 """
 
 from __future__ import annotations
@@ -15,18 +13,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Literal, NoReturn, TextIO, TypeVar
 
 from tqdm.auto import tqdm
-
-__all__ = [
-    "DEFAULT_EVERY_S",
-    "ArgumentParser",
-    "ExamplesHelpFormatter",
-    "Progress",
-    "ProgressMode",
-    "argparse_kwargs",
-    "examples",
-    "progress_mode",
-    "track",
-]
 
 T = TypeVar("T")
 ProgressMode = Literal["bar", "lines", "off"]

@@ -1,11 +1,5 @@
-"""Atomic file writes, and the up-front check that an output location is writable.
-
-Everything dualseg writes (checkpoints, PNGs, JSON, npz, list files) goes through these helpers:
-write to a temporary file in the same folder, flush + fsync, then ``os.replace`` — which is
-atomic on POSIX and Windows. Every command checks its outputs with :func:`check_writable`
-before doing any work, so an unwritable path fails in the first second with one line naming
-it, not after an hour of computing.
-"""
+"""Atomic file writes (a temporary sibling, fsync, ``os.replace``) for everything dualseg
+writes, and :func:`check_writable`, which every command runs on its outputs before any work."""
 
 from __future__ import annotations
 
@@ -127,8 +121,7 @@ def _json_default(obj: Any) -> Any:
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:
-    """A short content digest of a file (16 hex digits of its SHA-256): the same image under
-    another path or name, on another machine, has the same digest."""
+    """16 hex digits of a file's SHA-256: the same content has it under any name."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -139,14 +132,9 @@ def file_digest(path: str | os.PathLike[str]) -> str:
 def check_writable(
     path: str | os.PathLike[str], *, kind: Literal["file", "dir"] = "file", what: str = "output"
 ) -> Path:
-    """Raise :class:`OutputError` (one line naming ``path``) unless it can be written.
-
-    ``kind="dir"``: ``path`` is (or will become) a folder; an existing file there is an error.
-    ``kind="file"``: ``path`` is (or will become) a file; an existing folder there is an error.
-    Nothing is created: a probe file is made and removed in the deepest existing folder.
-    An empty or blank ``path`` (an unset shell variable) is refused: as a path it is the
-    current folder.
-    """
+    """``path`` (a folder with ``kind="dir"``, else a file) if it can be written, else one
+    :class:`OutputError` naming it. Nothing is created: a probe file comes and goes in the
+    deepest existing folder. A blank path (an unset shell variable) is refused."""
     if not os.fspath(path).strip():
         raise OutputError(f"{what} is empty; name a {'folder' if kind == 'dir' else 'file'}")
     path = Path(path)
