@@ -274,19 +274,26 @@ _SWITCHED_OFF = {
 }
 
 
-def _kind(default: Any, option: str) -> tuple[Callable[[Any], bool], str]:
-    """How a value of ``option`` is checked, and how the check is said (its default's type:
-    a YAML ``"false"`` is no bool, 1.5 no int)."""
-    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _wrong_type(option: str, value: Any) -> str | None:
+    """What ``value`` should be when it is not of the type of ``option``'s default (a YAML
+    ``"false"`` is no bool, 1.5 no int), else None."""
+    default = _DEFAULTS[option]
+    if value is None and default is None:
+        return None
     if option.endswith("_rates"):
-        return lambda v: isinstance(v, list | tuple) and all(map(is_int, v)), "a list of ints"
+        ok = isinstance(value, list | tuple) and all(map(_is_int, value))
+        return None if ok else "a list of ints"
     if option == "renet_init_bound" or isinstance(default, float):
-        return lambda v: is_int(v) or isinstance(v, float), "a number"
+        return None if _is_int(value) or isinstance(value, float) else "a number"
     if isinstance(default, bool):
-        return lambda v: isinstance(v, bool), "true or false"
+        return None if isinstance(value, bool) else "true or false"
     if isinstance(default, int):
-        return is_int, "an int"
-    return lambda v: isinstance(v, str), "a string"
+        return None if _is_int(value) else "an int"
+    return None if isinstance(value, str) else "a string"
 
 
 def _check(name: str, num_classes: Any, weights: Any, options: dict[str, Any]) -> None:
@@ -300,9 +307,7 @@ def _check(name: str, num_classes: Any, weights: Any, options: dict[str, Any]) -
             f"weights must be None, 'imagenet', a file path or a state dict, got {weights!r}"
         )
     for option, value in options.items():
-        default = _DEFAULTS[option]
-        ok, kind = _kind(default, option)
-        if not (value is None and default is None) and not ok(value):
+        if kind := _wrong_type(option, value):
             raise ConfigError(f"model option {option} must be {kind}, got {value!r}")
     if options["in_channels"] < 1 or not 0 <= options["aspp_init_std"] < math.inf:
         raise ConfigError(
