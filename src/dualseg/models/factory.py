@@ -183,24 +183,13 @@ def build_model(
 ) -> nn.Module:
     """Build the model ``name`` (a key of :data:`MODELS`).
 
-    ``weights``: None (random initialization), ``"imagenet"`` (backbone ImageNet weights found
-    by :func:`dualseg.weights.resolve_weights`; downloads only with ``allow_download=True``), or
-    the path of a backbone state-dict file.
-
-    Spec readings, each with the spec's default: ``gray_branch`` (two branches, separate
-    weights), ``gray_conv_init="sum"`` (1-channel first conv = RGB kernels summed),
-    ``coord_radius="scaled"`` (r from the scaled i, j), ``renet_hidden=150``,
-    ``renet_patch=1``, ``aspp_rates=(4, 6, 8, 12)``, ``aspp_style="v2"`` (class scores
-    summed), ``aspp_init_std=0.01`` (S31's Gaussian; 1.0 is the literal *standard* Gaussian),
-    ``renet_init="scaled"`` with ``renet_init_bound=None`` (S31's uniform: U(±1/√H);
-    ``"standard"`` is the literal U(0, 1)), ``renet_norm="none"`` (``"batch"``: a BatchNorm
-    first, beyond the claims), ``renet_skip=False`` (``True``: the backbone's features beside
-    the ReNet output, beyond the claims), ``fusion="scalar"`` (two learnable weights, equal at
-    start), ``upsample_order="softmax_first"`` (S44: softmax, then bilinear upsampling; the
-    model returns log-probabilities), ``output_stride=8``. Ablations: ``gray_branch``,
-    ``coord_channels``, ``renet_layers`` (0/1/2), ``aspp_rates``. Peer only:
-    ``deeplab_rates``. ``dualseg_timm`` only: ``timm_model``. An option that does not apply to
-    ``name`` must keep its default (ConfigError otherwise).
+    ``weights``: None (random initialization), ``"imagenet"`` (the backbone's ImageNet file,
+    found by :func:`dualseg.weights.resolve_weights`; downloaded only with
+    ``allow_download=True``), or a backbone state-dict file. Every default is the spec's
+    reading (the table in docs/models.md). ``deeplab_rates`` is the peer's only,
+    ``timm_model`` ``dualseg_timm``'s; an option that does not apply to ``name`` must keep its
+    default, and one another option switches off (``renet_*`` with ``renet_layers=0``) is
+    said with a warning.
     """
     options = {k: v for k, v in locals().items() if k in _DEFAULTS}
     _check(name, num_classes, weights, options)
@@ -219,13 +208,6 @@ def build_model(
             in_channels=in_channels,
             deeplab_rates=deeplab_rates,
         )
-    off = [
-        f"{k}={options[k]!r} (with {switch}={value!r})"
-        for k, (switch, value) in _SWITCHED_OFF.items()
-        if options[switch] == value and options[k] != _DEFAULTS[k]
-    ]
-    if off:
-        warnings.warn(f"model {name!r}: {', '.join(off)} has no effect", UserWarning, stacklevel=2)
     return build_dualseg(
         *builder.args,
         num_classes=num_classes,
@@ -297,7 +279,8 @@ def _wrong_type(option: str, value: Any) -> str | None:
 
 
 def _check(name: str, num_classes: Any, weights: Any, options: dict[str, Any]) -> None:
-    """The values entering :func:`build_model`, checked once (one ConfigError each)."""
+    """The values entering :func:`build_model`, checked once: one ConfigError each, and a
+    warning for options another option switches off."""
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
@@ -333,6 +316,13 @@ def _check(name: str, num_classes: Any, weights: Any, options: dict[str, Any]) -
                 f"option {option}={value!r} does not apply to model {name!r}; leave it at its "
                 f"default ({default!r})"
             )
+    off = [
+        f"{k}={options[k]!r} (with {switch}={value!r})"
+        for k, (switch, value) in _SWITCHED_OFF.items()
+        if options[switch] == value and options[k] != _DEFAULTS[k]
+    ]
+    if off:  # the peer refused them all above
+        warnings.warn(f"model {name!r}: {', '.join(off)} has no effect", UserWarning, stacklevel=3)
 
 
 def backbone_of(name: str, *, timm_model: str | None = None) -> str:
