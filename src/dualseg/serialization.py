@@ -55,7 +55,7 @@ def safe_torch_load(
             f"{what} it was exported from (predict and serve run an exported model with "
             "--onnx; refine apply and serve take an exported refiner as --refiner)"
         )
-    torchscript = _torchscript_kind(path)
+    torchscript = read_torchscript_meta(path)
     if torchscript is not None:  # torch.load would warn, then fail on weights_only
         raise CheckpointError(_torchscript_message(path, torchscript, what, fix))
     try:
@@ -131,16 +131,9 @@ def read_torchscript_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None
     return info if isinstance(info, dict) else {}
 
 
-def _torchscript_kind(path: Path) -> str | None:
-    """The ``kind`` of a ``dualseg export`` TorchScript archive ("segmenter", "embedding"),
-    ``""`` for another TorchScript file, None for a file that is none."""
-    info = read_torchscript_meta(path)
-    if info is None:
-        return None
-    return str(info.get("kind") or "segmenter") if info else ""
-
-
-def _torchscript_message(path: Path, kind: str, what: str, fix: str) -> str:
+def _torchscript_message(path: Path, info: dict[str, Any], what: str, fix: str) -> str:
+    """The line for a TorchScript archive given as a ``what``: ``info`` is its metadata."""
+    kind = str(info.get("kind") or "segmenter") if info else ""
     if kind == "embedding":
         return (
             f"{path} is a TorchScript export of a method-B refiner ('dualseg export "
