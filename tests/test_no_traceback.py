@@ -302,3 +302,16 @@ def test_sigterm_is_one_line_and_removes_a_half_written_file(tmp_path: Path, mon
     assert capsys.readouterr().err == "dualseg: terminated\n"
     assert not (tmp_path / "out.png").exists() and not list(tmp_path.glob(".*.tmp"))
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+@needs_linux_pipes
+def test_help_piped_into_a_reader_that_stops_ends_quietly() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = str(REPO / "src")
+    code = "import sys, time; from dualseg import cli; time.sleep(1); sys.exit(cli.main([]))"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    proc.stdout.close()  # the reader is gone before the usage is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == "", err

@@ -68,11 +68,14 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in {"-h", "--help", "help"}:
-        print(_usage())
-        return 0
-    if argv[0] == "--version":
-        print(f"dualseg {__version__}")
+    if not argv or argv[0] in {"-h", "--help", "help", "--version"}:
+        text = f"dualseg {__version__}" if argv and argv[0] == "--version" else _usage()
+        try:
+            print(text, flush=True)
+        except BrokenPipeError:  # dualseg --help | head -1
+            if _stdout_closed():
+                return 141
+            raise
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
