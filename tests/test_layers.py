@@ -1,16 +1,15 @@
 """The package's import graph follows the layer order written in docs/architecture.md.
 
-Every ``import dualseg.X`` / ``from dualseg.X import ...`` in ``src/dualseg`` (also inside
-functions) is read with ``ast``; a module may import its own layer or the layers below, never
-one above. The layer table is parsed from the docs, so the picture and the code cannot drift.
-Deprecated alias modules (``SHIMS``) re-export a moved command and are exempt.
+Every ``import dualseg.X`` / ``from dualseg.X import ...`` in ``src/dualseg`` (inside functions
+and ``TYPE_CHECKING`` blocks too) is read with ``ast``: a module imports its own layer or the
+layers below, never one above; the modules import no cycle; an import inside a function is for
+an optional extra only. The layer table is parsed from the docs, so picture and code agree.
 """
 
 from __future__ import annotations
 
 import ast
 import re
-import warnings
 from pathlib import Path
 
 import pytest
@@ -19,22 +18,32 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "dualseg"
 DOC = ROOT / "docs" / "architecture.md"
 
-# old module path -> new one (kept for one release; each warns on import)
-SHIMS = {
-    "dualseg.engine.cli": "dualseg.commands.train",
-    "dualseg.engine.cli_eval": "dualseg.commands.eval",
-    "dualseg.engine.cli_predict": "dualseg.commands.predict",
-    "dualseg.engine.demo": "dualseg.commands.demo",
-    "dualseg.refine.cli": "dualseg.commands.refine",
-    "dualseg.export.cli": "dualseg.commands.export",
-    "dualseg.serve.cli": "dualseg.commands.serve",
-    "dualseg.data.cli": "dualseg.commands.data",
+# what a function may import: extras that are optional (or heavy) and absent from a plain install
+OPTIONAL_EXTRAS = {
+    "onnx",
+    "onnxruntime",
+    "onnxscript",
+    "fastapi",
+    "uvicorn",
+    "starlette",
+    "timm",
+    "tensorboard",
+    "huggingface_hub",
+    "playwright",
+    "pydensecrf",
+    "pydensecrf2",
+    "segmentation_models_pytorch",
+    "matplotlib",
 }
-HELPERS = {"dualseg._deprecated"}  # what the shims share
-# deprecated aliases inside a library module: (module, imported module) -> why
-ALLOWED = {
-    ("dualseg.export.runtime", "dualseg.commands.refine"): "load_refiner alias, goes in 0.2",
+# leaves the torch-free runtime (onnxruntime) imports: torch only inside what saves or loads it
+TORCH_FREE = {"dualseg.io", "dualseg.serialization"}
+# (module, imported module) -> why an upward import is tolerated; empty is the goal
+ALLOWED: dict[tuple[str, str], str] = {
+    ("dualseg.export.runtime", "dualseg.commands.refine"): "load_refiner alias, being removed",
 }
+
+# the cycle and local-import rules are new: offenders elsewhere are being removed in parallel
+pending = pytest.mark.xfail(strict=False, reason="offenders are being removed")
 
 
 def layer_table() -> dict[str, int]:
@@ -57,78 +66,146 @@ def part_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def imports(path: Path) -> list[tuple[int, str]]:
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module == "dualseg":  # from dualseg import x: x may be a subpackage
-                out += [(node.lineno, f"dualseg.{a.name}") for a in node.names]
-            else:
-                out.append((node.lineno, node.module))
-    return [(n, m) for n, m in out if m == "dualseg" or m.startswith("dualseg.")]
-
-
-def modules() -> list[tuple[str, Path]]:
-    found = []
+def modules() -> dict[str, Path]:
+    found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        name = ".".join(rel[:-1] if rel[-1] == "__init__" else rel)
-        found.append((name, path))
+        found[".".join(rel[:-1] if rel[-1] == "__init__" else rel)] = path
     return found
+
+
+def all_imports(path: Path) -> list[tuple[int, str, bool]]:
+    """``(line, module, inside a function)`` for every absolute import in ``path``; ``from
+    dualseg.x import y`` names ``dualseg.x.y`` (y may be a module; :func:`resolve` decides)."""
+    out: list[tuple[int, str, bool]] = []
+
+    def visit(node: ast.AST, local: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = local or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            if isinstance(child, ast.Import):
+                out.extend((child.lineno, a.name, local) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                out.extend((child.lineno, f"{child.module}.{a.name}", local) for a in child.names)
+            visit(child, inner)
+
+    visit(ast.parse(path.read_text(), str(path)), False)
+    return out
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """The dualseg modules ``path`` imports: ``(line, module)``."""
+    known = modules()
+    return [
+        (n, resolve(m, known))
+        for n, m, _ in all_imports(path)
+        if m == "dualseg" or m.startswith("dualseg.")
+    ]
+
+
+def resolve(name: str, known: dict[str, Path] | None = None) -> str:
+    """The module ``name`` is, or the one it is an attribute of (``dualseg.models.build_model``
+    -> ``dualseg.models``)."""
+    known = modules() if known is None else known
+    while name not in known and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: {m for _, m in imports(path)} - {name} for name, path in known.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return sorted(found)
 
 
 def test_every_part_of_the_package_has_a_layer():
     table = layer_table()
-    parts = {part_of(name) for name, _ in modules()}
+    parts = {part_of(name) for name in modules()}
     assert parts - set(table) == set(), "add these to the layers block of docs/architecture.md"
 
 
 def test_no_import_reaches_up_a_layer():
     table = layer_table()
     bad = []
-    for name, path in modules():
-        if name in SHIMS or name in HELPERS:
-            continue
+    for name, path in modules().items():
         own = table[part_of(name)]
         for lineno, target in imports(path):
-            if (name, target) in ALLOWED:
-                continue
-            if table.get(part_of(target), -1) > own:
+            if (name, target) not in ALLOWED and table.get(part_of(target), -1) > own:
                 bad.append(f"{path.relative_to(ROOT)}:{lineno} ({name}) imports {target}")
     assert bad == []
 
 
-def test_the_layer_check_sees_an_upward_import(tmp_path):
-    # the walk must catch imports inside functions and "from dualseg import x"
+@pending
+def test_no_import_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+@pending
+def test_function_local_imports_are_for_optional_extras_only():
+    bad = [
+        f"{path.relative_to(ROOT)}:{lineno} imports {module}"
+        for name, path in modules().items()
+        for lineno, module, local in all_imports(path)
+        if local
+        and module.split(".")[0] not in OPTIONAL_EXTRAS
+        and not (name in TORCH_FREE and module.split(".")[0] == "torch")
+    ]
+    assert not bad, "function-local imports of non-optional modules:\n" + "\n".join(bad)
+
+
+def test_the_walk_sees_local_upward_imports_and_cycles(tmp_path):
     f = tmp_path / "m.py"
-    f.write_text("def f():\n    from dualseg.commands import refine\nfrom dualseg import refine\n")
-    assert sorted(m for _, m in imports(f)) == ["dualseg.commands", "dualseg.refine"]
-
-
-@pytest.mark.parametrize("old", sorted(SHIMS))
-def test_old_command_paths_warn_and_reexport(old):
-    import importlib
-    import sys
-
-    sys.modules.pop(old, None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        module = importlib.import_module(old)
-    new = importlib.import_module(SHIMS[old])
-    assert any(
-        issubclass(w.category, DeprecationWarning) and SHIMS[old] in str(w.message) for w in caught
+    f.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from dualseg.engine import train\n"
+        "def f():\n    from dualseg.commands import refine\n    import onnx\n"
+        "from dualseg import models\nfrom dualseg.models import build_model\n"
     )
-    assert module.main is new.main
-    for name in dir(new):  # everything the command module has, the old path still has
-        if not name.startswith("__"):
-            assert getattr(module, name) is getattr(new, name)
-
-
-def test_runtime_load_refiner_alias_warns_and_is_the_command_helper():
-    from dualseg.commands.refine import load_refiner
-    from dualseg.export import runtime
-
-    with pytest.warns(DeprecationWarning, match="dualseg.commands.refine"):
-        assert runtime.load_refiner is load_refiner
+    found = {(m, local) for _, m, local in all_imports(f)}
+    assert found >= {
+        ("dualseg.engine.train", False),
+        ("dualseg.commands.refine", True),
+        ("onnx", True),
+        ("dualseg.models", False),
+        ("dualseg.models.build_model", False),
+    }
+    assert sorted(m for _, m in imports(f)) == [
+        "dualseg.commands.refine",
+        "dualseg.engine.train",
+        "dualseg.models",
+        "dualseg.models",
+    ]
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []

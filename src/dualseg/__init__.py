@@ -9,6 +9,7 @@ Public API (imported lazily so that ``import dualseg`` stays cheap):
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from dualseg._version import __version__
@@ -33,8 +34,6 @@ _SUBMODULES = ("data", "engine", "export", "imaging", "io", "metrics", "models",
 
 
 def __getattr__(name: str) -> Any:
-    import importlib
-
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _SUBMODULES:

@@ -1,9 +1,5 @@
-"""The ``dualseg`` command line.
-
-Each command lives beside the code it drives and exposes ``main(argv: list[str]) -> int``;
-this file only names them, so ``dualseg --help`` stays fast (nothing heavy is imported until a
-command runs) and the call graph stays visible: command name -> module -> ``main``.
-"""
+"""The ``dualseg`` command line: command name -> module -> ``main(argv) -> int``, imported only
+when the command runs (``dualseg --help`` stays fast); user errors become one line, exit 1."""
 
 from __future__ import annotations
 
@@ -11,12 +7,14 @@ import contextlib
 import importlib
 import os
 import re
+import select
 import signal
 import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+from dualseg._version import __version__
 from dualseg.errors import DualsegError, Terminated, user_message  # light: no torch import
 
 # name -> (module with main(argv), one-line help)
@@ -36,9 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 SUBCOMMANDS: dict[str, tuple[str, ...]] = {"data": ("check",), "refine": ("fit", "apply")}
 
 
-# Messages from the data layer name the flags of most commands (``--label-format color``);
-# ``train`` takes them as config fields (``--data.label_format color``). One table, so every
-# message names the flag of the command it appears in.
+# the data layer's messages name most commands' flags; train's are config fields
 _TRAIN_FLAGS = {
     "--label-format": "--data.label_format",
     "--label-map": "--data.label_map",
@@ -72,18 +68,19 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in {"-h", "--help", "help"}:
-        print(_usage())
-        return 0
-    if argv[0] == "--version":
-        from dualseg._version import __version__
-
-        print(f"dualseg {__version__}")
+    if not argv or argv[0] in {"-h", "--help", "help", "--version"}:
+        text = f"dualseg {__version__}" if argv and argv[0] == "--version" else _usage()
+        try:
+            print(text, flush=True)
+        except BrokenPipeError:  # dualseg --help | head -1
+            if _stdout_closed():
+                return 141
+            raise
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"dualseg: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
+        print(f"dualseg: error: unknown command {name!r}; see 'dualseg --help'", file=sys.stderr)
+        return 1
     if rest and rest[0] in SUBCOMMANDS.get(name, ()):
         name = f"{name} {rest[0]}"
     try:
@@ -105,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as err:
         if isinstance(err, BrokenPipeError) and _stdout_closed():
             return 141  # 128 + SIGPIPE: what a shell reports for `dualseg ... | head`
-        # A file-system failure no up-front check foresaw (disk full, a folder made read-only
-        # mid-run, a path that is a file): the user's environment, not a bug, so one line too.
+        # disk full, a folder made read-only mid-run: the environment, not a bug
         if err.filename is None and err.errno is None:
             raise  # no file, no system error code: not the environment, a bug to see whole
         reason = err.strerror or type(err).__name__
@@ -157,8 +153,6 @@ def _is_out_of_memory(err: RuntimeError) -> bool:
 
 def out_of_memory_line(name: str, text: str) -> str:
     """One line for a command that ran out of memory: how much it asked for, and the fix."""
-    import re
-
     asked = re.search(r"allocate (\d+) bytes", text)
     size = f" (it asked for {int(asked.group(1)) / 2**30:.1f} GiB more)" if asked else ""
     fix = OUT_OF_MEMORY_FIXES.get(name, "smaller inputs")
@@ -167,8 +161,8 @@ def out_of_memory_line(name: str, text: str) -> str:
 
 @contextlib.contextmanager
 def terminated_as_exception() -> Iterator[None]:
-    """Within the block, SIGTERM raises :class:`Terminated` in this process (the main thread
-    only; a forked worker dies of it as by default). The previous handler comes back after."""
+    """In the block, SIGTERM raises :class:`Terminated` in this process's main thread (a forked
+    worker dies of it as by default); the previous handler comes back after."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -189,12 +183,8 @@ def terminated_as_exception() -> Iterator[None]:
 
 
 def _stdout_closed() -> bool:
-    """True when standard output is a pipe whose reader has gone (``dualseg ... | head``).
-
-    Then stdout is pointed at /dev/null, so that Python's flush at exit does not fail again:
-    the reader has what it wanted, and a "check the free space" line would mislead."""
-    import select
-
+    """True when stdout is a pipe whose reader has gone (``dualseg ... | head``); stdout then
+    points at /dev/null, so Python's flush at exit does not fail again."""
     try:
         fd = sys.stdout.fileno()
         poll = select.poll()  # the write end of a pipe without reader: POLLERR (Linux)

@@ -1,9 +1,7 @@
-"""What every command prints while it works: one progress rule, one help layout.
+"""What every command prints while it works: one progress rule, one help layout, one error.
 
-Progress (:func:`progress_mode`, :func:`track`): a terminal (stderr is a TTY) shows tqdm bars;
-a pipe or a log file gets one plain line every ``DEFAULT_EVERY_S`` seconds (and a last one at
-the end), so logs stay readable; ``quiet`` shows nothing. Help (:class:`ExamplesHelpFormatter`):
-descriptions are wrapped, indented lines (the examples of an epilog) are kept as written.
+Progress: tqdm bars on a terminal, one plain line every ``DEFAULT_EVERY_S`` seconds (and at
+the end) in a pipe or log, nothing when quiet. Help keeps an epilog's indented examples.
 """
 
 from __future__ import annotations
@@ -14,17 +12,7 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Literal, NoReturn, TextIO, TypeVar
 
-__all__ = [
-    "DEFAULT_EVERY_S",
-    "ArgumentParser",
-    "ExamplesHelpFormatter",
-    "Progress",
-    "ProgressMode",
-    "argparse_kwargs",
-    "examples",
-    "progress_mode",
-    "track",
-]
+from tqdm.auto import tqdm
 
 T = TypeVar("T")
 ProgressMode = Literal["bar", "lines", "off"]
@@ -60,8 +48,6 @@ class Progress:
         self._start = self._last = time.monotonic()
         self._bar = None
         if mode == "bar":
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(total=total, desc=desc, unit=unit, leave=False, file=stream)
 
     def update(self, n: int = 1) -> None:
@@ -133,13 +119,12 @@ class ExamplesHelpFormatter(argparse.HelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with the one-line user errors of every dualseg command: a wrong or missing flag
-    prints ``PROG: error: MESSAGE; see 'PROG --help'`` and exits 2, not the usage block then the
-    message (the usage of a command with thirty flags pushes the one line that matters out of
-    sight). Subcommand parsers inherit it."""
+    """argparse whose errors are dualseg's: one line ``PROG: error: MESSAGE; see 'PROG --help'``
+    and exit status 1, as for every other usage error (not the usage block and status 2).
+    Subcommand parsers inherit it."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+        self.exit(1, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
 
 
 def examples(*lines: str) -> str:

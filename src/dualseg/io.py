@@ -1,15 +1,10 @@
-"""Atomic file writes, and the up-front check that an output location is writable.
-
-Everything dualseg writes (checkpoints, PNGs, JSON, npz, list files) goes through these helpers:
-write to a temporary file in the same folder, flush + fsync, then ``os.replace`` — which is
-atomic on POSIX and Windows. Every command checks its outputs with :func:`check_writable`
-before doing any work, so an unwritable path fails in the first second with one line naming
-it, not after an hour of computing.
-"""
+"""Atomic file writes (a temporary sibling, fsync, ``os.replace``) for everything dualseg
+writes, and :func:`check_writable`, which every command runs on its outputs before any work."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -17,6 +12,9 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any, Literal
+
+import numpy as np
+from PIL import Image
 
 from dualseg.errors import OutputError
 
@@ -96,8 +94,6 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
 
 def atomic_save_image(path: str | os.PathLike[str], array: Any) -> None:
     """Save a uint8 HxW or HxWx3 array as PNG (or the format the suffix names), atomically."""
-    from PIL import Image
-
     path = Path(path)
     buf = io.BytesIO()
     fmt = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".bmp": "BMP", ".tif": "TIFF"}.get(
@@ -110,8 +106,6 @@ def atomic_save_image(path: str | os.PathLike[str], array: Any) -> None:
 def label_png(label: Any, num_classes: int) -> Any:
     """A label map as the array its PNG holds: 8-bit for up to 256 classes, else 16-bit (an
     8-bit cast would wrap class 256 to 0 without a word)."""
-    import numpy as np
-
     return np.asarray(label).astype(np.uint8 if num_classes <= 256 else np.uint16)
 
 
@@ -127,10 +121,7 @@ def _json_default(obj: Any) -> Any:
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:
-    """A short content digest of a file (16 hex digits of its SHA-256): the same image under
-    another path or name, on another machine, has the same digest."""
-    import hashlib
-
+    """16 hex digits of a file's SHA-256: the same content has it under any name."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -141,14 +132,9 @@ def file_digest(path: str | os.PathLike[str]) -> str:
 def check_writable(
     path: str | os.PathLike[str], *, kind: Literal["file", "dir"] = "file", what: str = "output"
 ) -> Path:
-    """Raise :class:`OutputError` (one line naming ``path``) unless it can be written.
-
-    ``kind="dir"``: ``path`` is (or will become) a folder; an existing file there is an error.
-    ``kind="file"``: ``path`` is (or will become) a file; an existing folder there is an error.
-    Nothing is created: a probe file is made and removed in the deepest existing folder.
-    An empty or blank ``path`` (an unset shell variable) is refused: as a path it is the
-    current folder.
-    """
+    """``path`` (a folder with ``kind="dir"``, else a file) if it can be written, else one
+    :class:`OutputError` naming it. Nothing is created: a probe file comes and goes in the
+    deepest existing folder. A blank path (an unset shell variable) is refused."""
     if not os.fspath(path).strip():
         raise OutputError(f"{what} is empty; name a {'folder' if kind == 'dir' else 'file'}")
     path = Path(path)

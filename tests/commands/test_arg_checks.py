@@ -1,4 +1,4 @@
-"""Out-of-range numbers are refused while the command line is parsed: exit status 2, a last
+"""Out-of-range numbers are refused while the command line is parsed: exit status 1, a last
 line naming the flag and the value, and nothing loaded or written."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
 def _refused_at_parsing(argv: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as info:
         cli_main(argv)
-    assert info.value.code == 2
+    assert info.value.code == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return err.strip().splitlines()[-1]

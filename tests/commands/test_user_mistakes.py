@@ -349,7 +349,7 @@ def test_refine_fit_refuses_bad_optimizer_values_and_intervals(files, capsys) ->
         argv = ["refine", "fit", "--data", str(files["data"]), "--out", str(out), *flag]
         with pytest.raises(SystemExit) as exc:
             cli_main(argv)
-        assert exc.value.code == 2 and flag[0] in capsys.readouterr().err
+        assert exc.value.code == 1 and flag[0] in capsys.readouterr().err
     assert not out.parent.exists()
 
 

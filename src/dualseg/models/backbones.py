@@ -201,16 +201,8 @@ def build_backbone(
             state = _timm_state_dict(module.model_name, state)
             target = module.model
             ignore = tuple(k for k in state if k not in target.state_dict())
-        # Strict: a file for another architecture (ResNet-50 weights for a ResNet-18) fails
-        # with the key lists instead of loading partly; the grey stem's 1-channel adaptation
-        # (RGB kernels summed) is the one change allowed.
         load_pretrained(
-            target,
-            state,
-            strict=True,
-            reduce=first_conv_reduce,
-            ignore_unexpected=ignore,
-            name=name,
+            target, state, reduce=first_conv_reduce, ignore_unexpected=ignore, name=name
         )
     return module, out_channels
 

@@ -37,10 +37,9 @@ class SegmentationModel(nn.Module):
     in_channels: int = 3  # build_model sets it from its own argument
 
     def check_input(self, x: Tensor) -> None:
-        """Refuse, with a message that says the fix, an input ``forward`` would otherwise fail
-        on deep inside a convolution: not ``[B, in_channels, H, W]``, not floating point (raw
-        uint8 pixels), empty, or of another dtype than the weights outside autocast. Skipped
-        while tracing, scripting, exporting or compiling: shapes are symbolic there."""
+        """Refuse, saying the fix, an input a convolution would fail on deep inside: not
+        ``[B, in_channels, H, W]``, not float, empty, or another dtype than the weights outside
+        autocast. Skipped while tracing, scripting, exporting or compiling (symbolic shapes)."""
         if (
             torch.jit.is_tracing()
             or torch.jit.is_scripting()
@@ -82,24 +81,20 @@ class SegmentationModel(nn.Module):
 
     @torch.no_grad()
     def predict_proba(self, x: Tensor) -> Tensor:
-        """Per-pixel class probabilities (softmax over classes), ``[B, C, H, W]``: in eval mode
-        whatever mode the model is in (training-mode BatchNorm would make one image's answer
-        depend on the rest of its batch, and update the running statistics), then the mode is
-        restored. For gradients, call the model and take the softmax yourself."""
+        """Class probabilities ``[B, C, H, W]``, computed in eval mode (train-mode BatchNorm
+        would mix the batch's images) and the mode restored. For gradients, call the model."""
         with eval_mode(self):
             return torch.softmax(self(x), dim=1)
 
     @torch.no_grad()
     def predict(self, x: Tensor) -> Tensor:
-        """Per-pixel class index (argmax), ``int64 [B, H, W]``, in eval mode as
-        :meth:`predict_proba`."""
+        """Class index per pixel, ``int64 [B, H, W]``, in eval mode as :meth:`predict_proba`."""
         with eval_mode(self):
             return self(x).argmax(dim=1)
 
 
 def require_rgb_input(model: nn.Module, what: str) -> None:
-    """Refuse a model built for other than 3 input channels where ``what`` feeds it RGB images
-    (the image pipeline, an export's RGB example), before a convolution fails on it."""
+    """Refuse a model built for other than 3 input channels where ``what`` feeds it RGB."""
     channels = getattr(model, "in_channels", 3)
     if channels != 3:
         raise ConfigError(
@@ -110,9 +105,8 @@ def require_rgb_input(model: nn.Module, what: str) -> None:
 
 
 def model_logits(output: object, what: str = "the model") -> Tensor:
-    """A model's logits ``[B,C,h,w]`` from what it returned: a tensor, torchvision's dict
-    ``{"out": ..., "aux": ...}``, or a tuple/list whose first item is the logits (a model with
-    auxiliary heads); anything else is one :class:`ConfigError` naming ``what``."""
+    """A model's logits ``[B,C,h,w]`` from a tensor, torchvision's ``{"out": ...}`` or a
+    tuple/list led by them (auxiliary heads); anything else is one :class:`ConfigError`."""
     if isinstance(output, dict):
         if "out" not in output:
             raise ConfigError(
@@ -133,9 +127,8 @@ def model_logits(output: object, what: str = "the model") -> Tensor:
 
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Put ``model`` in eval mode, and give it back in the mode it came in (``predict``, and
-    the engine's validation): each submodule in its own, so a fine-tuned model's frozen
-    BatchNorm layers (``bn.eval()`` inside a model in train mode) stay frozen."""
+    """``model`` in eval mode, given back with each submodule in the mode it came in (a
+    fine-tuned model's frozen BatchNorm layers stay frozen)."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:

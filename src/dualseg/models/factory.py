@@ -183,74 +183,22 @@ def build_model(
 ) -> nn.Module:
     """Build the model ``name`` (a key of :data:`MODELS`).
 
-    ``weights``: None (random initialization), ``"imagenet"`` (backbone ImageNet weights found
-    by :func:`dualseg.weights.resolve_weights`; downloads only with ``allow_download=True``), or
-    the path of a backbone state-dict file.
-
-    Spec readings, each with the spec's default: ``gray_branch`` (two branches, separate
-    weights), ``gray_conv_init="sum"`` (1-channel first conv = RGB kernels summed),
-    ``coord_radius="scaled"`` (r from the scaled i, j), ``renet_hidden=150``,
-    ``renet_patch=1``, ``aspp_rates=(4, 6, 8, 12)``, ``aspp_style="v2"`` (class scores
-    summed), ``aspp_init_std=0.01`` (S31's Gaussian; 1.0 is the literal *standard* Gaussian),
-    ``renet_init="scaled"`` with ``renet_init_bound=None`` (S31's uniform: U(±1/√H);
-    ``"standard"`` is the literal U(0, 1)), ``renet_norm="none"`` (the claims' GRUs read the
-    features as they are; ``"batch"``: a BatchNorm first, beyond the claims),
-    ``renet_skip=False`` (the ASPP reads the ReNet output alone, as claimed; ``True``: the
-    backbone's features beside it, beyond the claims),
-    ``fusion="scalar"`` (two learnable weights, equal at start),
-    ``upsample_order="softmax_first"`` (S44: softmax, then bilinear upsampling; the model
-    returns log-probabilities), ``output_stride=8``. Ablations: ``gray_branch``,
-    ``coord_channels``, ``renet_layers`` (0/1/2), ``aspp_rates``. Peer only:
-    ``deeplab_rates``. ``dualseg_timm`` only: ``timm_model``. An option that does not apply to
-    ``name`` must keep its default (ConfigError otherwise).
+    ``weights``: None (random initialization), ``"imagenet"`` (the backbone's ImageNet file,
+    found by :func:`dualseg.weights.resolve_weights`; downloaded only with
+    ``allow_download=True``), or a backbone state-dict file. Every default is the spec's
+    reading (the table in docs/models.md). ``deeplab_rates`` is the peer's only,
+    ``timm_model`` ``dualseg_timm``'s; an option that does not apply to ``name`` must keep its
+    default, and one another option switches off (``renet_*`` with ``renet_layers=0``) is
+    said with a warning.
     """
-    if name not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
-    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
-        raise ConfigError(f"num_classes must be an int >= 1, got {num_classes!r}")
-    _check_option_types({k: v for k, v in locals().items() if k in _TYPED_OPTIONS})
-    if in_channels < 1 or not 0 <= aspp_init_std < math.inf:  # NaN fails here, not at init
-        raise ConfigError(
-            f"in_channels must be >= 1 and aspp_init_std >= 0 and finite, got {in_channels!r} and "
-            f"{aspp_init_std!r}"
-        )
-    # JSON round trips (older checkpoints, YAML) turn tuples into lists: tuples from here on
-    aspp_rates = tuple(int(r) for r in aspp_rates)
-    deeplab_rates = None if deeplab_rates is None else tuple(int(r) for r in deeplab_rates)
-    for option, rates in (("aspp_rates", aspp_rates), ("deeplab_rates", deeplab_rates)):
-        if rates is not None and (not rates or min(rates) < 1):
-            raise ConfigError(f"{option} must be one or more dilations >= 1, got {list(rates)}")
-    if gray_conv_init not in ("sum", "mean"):
-        raise ConfigError(f"gray_conv_init must be 'sum' or 'mean', got {gray_conv_init!r}")
+    options = {k: v for k, v in locals().items() if k in _DEFAULTS}
+    _check(name, num_classes, weights, options)
     weights = os.fspath(weights) if isinstance(weights, os.PathLike) else weights
-    if weights is not None and not isinstance(weights, str | Mapping):
-        raise ConfigError(
-            f"weights must be None, 'imagenet', a file path or a state dict, got {weights!r}"
-        )
+    # JSON (checkpoints, YAML) turns tuples into lists: tuples from here on
+    aspp_rates = tuple(aspp_rates)
+    deeplab_rates = None if deeplab_rates is None else tuple(deeplab_rates)
     builder = MODELS[name]
     if builder.func is build_deeplabv3:
-        _keep_defaults(
-            name,
-            {
-                "gray_branch": gray_branch,
-                "gray_conv_init": gray_conv_init,
-                "fusion": fusion,
-                "coord_channels": coord_channels,
-                "coord_radius": coord_radius,
-                "renet_layers": renet_layers,
-                "renet_hidden": renet_hidden,
-                "renet_patch": renet_patch,
-                "renet_init": renet_init,
-                "renet_init_bound": renet_init_bound,
-                "renet_norm": renet_norm,
-                "renet_skip": renet_skip,
-                "aspp_rates": aspp_rates,
-                "aspp_style": aspp_style,
-                "aspp_init_std": aspp_init_std,
-                "upsample_order": upsample_order,
-                "timm_model": timm_model,
-            },
-        )
         return build_deeplabv3(
             *builder.args,
             num_classes=num_classes,
@@ -259,28 +207,6 @@ def build_model(
             output_stride=output_stride,
             in_channels=in_channels,
             deeplab_rates=deeplab_rates,
-        )
-    _keep_defaults(name, {"deeplab_rates": deeplab_rates})
-    if name != "dualseg_timm":
-        _keep_defaults(name, {"timm_model": timm_model})
-    moot = {  # options another option switches off: accepted (ablations pass them), said
-        "fusion": (fusion, not gray_branch, "gray_branch=False"),
-        "gray_conv_init": (gray_conv_init, not gray_branch, "gray_branch=False"),
-        "coord_radius": (coord_radius, not coord_channels, "coord_channels=False"),
-        "renet_hidden": (renet_hidden, renet_layers == 0, "renet_layers=0"),
-        "renet_patch": (renet_patch, renet_layers == 0, "renet_layers=0"),
-        "renet_init": (renet_init, renet_layers == 0, "renet_layers=0"),
-        "renet_init_bound": (renet_init_bound, renet_layers == 0, "renet_layers=0"),
-        "renet_norm": (renet_norm, renet_layers == 0, "renet_layers=0"),
-        "renet_skip": (renet_skip, renet_layers == 0, "renet_layers=0"),
-        "aspp_init_std": (aspp_init_std, aspp_style == "v3", "aspp_style='v3'"),
-    }
-    unused = [
-        f"{k}={v!r} (with {why})" for k, (v, off, why) in moot.items() if off and v != _default(k)
-    ]
-    if unused:
-        warnings.warn(
-            f"model {name!r}: {', '.join(unused)} has no effect", UserWarning, stacklevel=2
         )
     return build_dualseg(
         *builder.args,
@@ -309,57 +235,94 @@ def build_model(
     )
 
 
-# build_model's options checked against the type of their default ("false" is no bool, 1.5
-# no int): a YAML/JSON or Python caller's value of another type would otherwise build another
-# model (a non-empty string is true) or fail deep inside a layer
-_TYPED_OPTIONS = (
-    "output_stride", "gray_branch", "coord_channels", "renet_layers", "renet_hidden",
-    "aspp_rates", "in_channels", "fusion", "coord_radius", "renet_patch", "renet_init",
-    "renet_init_bound", "renet_norm", "renet_skip", "aspp_style", "aspp_init_std",
-    "upsample_order", "gray_conv_init", "deeplab_rates", "timm_model", "allow_download",
+# every model option's default, read from build_model's signature (written only there)
+_DEFAULTS: dict[str, Any] = {
+    k: p.default
+    for k, p in inspect.signature(build_model).parameters.items()
+    if p.default is not inspect.Parameter.empty and k != "weights"
+}
+# what the peer does not have: everything of method A's network
+_PEER_UNUSED = tuple(
+    k for k in _DEFAULTS
+    if k not in ("output_stride", "in_channels", "deeplab_rates", "allow_download")
 )  # fmt: skip
+# option -> (the option, and its value, that switches it off): accepted, and said
+_SWITCHED_OFF = {
+    "fusion": ("gray_branch", False),
+    "gray_conv_init": ("gray_branch", False),
+    "coord_radius": ("coord_channels", False),
+    **{k: ("renet_layers", 0) for k in _DEFAULTS if k.startswith("renet_") and k != "renet_layers"},
+    "aspp_init_std": ("aspp_style", "v3"),
+}
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_option_types(options: dict[str, Any]) -> None:
+def _wrong_type(option: str, value: Any) -> str | None:
+    """What ``value`` should be when it is not of the type of ``option``'s default (a YAML
+    ``"false"`` is no bool, 1.5 no int), else None."""
+    default = _DEFAULTS[option]
+    if value is None and default is None:
+        return None
+    if option.endswith("_rates"):
+        ok = isinstance(value, list | tuple) and all(map(_is_int, value))
+        return None if ok else "a list of ints"
+    if option == "renet_init_bound" or isinstance(default, float):
+        return None if _is_int(value) or isinstance(value, float) else "a number"
+    if isinstance(default, bool):
+        return None if isinstance(value, bool) else "true or false"
+    if isinstance(default, int):
+        return None if _is_int(value) else "an int"
+    return None if isinstance(value, str) else "a string"
+
+
+def _check(name: str, num_classes: Any, weights: Any, options: dict[str, Any]) -> None:
+    """The values entering :func:`build_model`, checked once: one ConfigError each, and a
+    warning for options another option switches off."""
+    if name not in MODELS:
+        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
+        raise ConfigError(f"num_classes must be an int >= 1, got {num_classes!r}")
+    if weights is not None and not isinstance(weights, str | os.PathLike | Mapping):
+        raise ConfigError(
+            f"weights must be None, 'imagenet', a file path or a state dict, got {weights!r}"
+        )
     for option, value in options.items():
-        default = _default(option)
-        if value is None and default is None:
-            continue
-        if option in ("aspp_rates", "deeplab_rates"):
-            ok, kind = (
-                isinstance(value, list | tuple) and all(_is_int(r) for r in value),
-                "a list of ints",
-            )
-        elif option == "renet_init_bound" or isinstance(default, float):
-            ok, kind = _is_int(value) or isinstance(value, float), "a number"
-        elif isinstance(default, bool):
-            ok, kind = isinstance(value, bool), "true or false"
-        elif isinstance(default, int):
-            ok, kind = _is_int(value), "an int"
-        else:
-            ok, kind = isinstance(value, str), "a string"
-        if not ok:
+        if kind := _wrong_type(option, value):
             raise ConfigError(f"model option {option} must be {kind}, got {value!r}")
-
-
-def _default(option: str) -> Any:
-    """``build_model``'s default for ``option``, read from its signature (written only there)."""
-    return inspect.signature(build_model).parameters[option].default
-
-
-def _keep_defaults(name: str, options: dict[str, Any]) -> None:
-    """Options that ``name`` does not use must be left at their defaults (else ConfigError)."""
-    for option, value in options.items():
-        default = _default(option)
-        if value != (tuple(default) if isinstance(default, list) else default):
+    if options["in_channels"] < 1 or not 0 <= options["aspp_init_std"] < math.inf:
+        raise ConfigError(
+            f"in_channels must be >= 1 and aspp_init_std >= 0 and finite, got "
+            f"{options['in_channels']!r} and {options['aspp_init_std']!r}"
+        )
+    for option in ("aspp_rates", "deeplab_rates"):
+        rates = options[option]
+        if rates is not None and (not rates or min(rates) < 1):
+            raise ConfigError(f"{option} must be one or more dilations >= 1, got {list(rates)}")
+    if options["gray_conv_init"] not in ("sum", "mean"):
+        raise ConfigError(
+            f"gray_conv_init must be 'sum' or 'mean', got {options['gray_conv_init']!r}"
+        )
+    if MODELS[name].func is build_deeplabv3:
+        foreign = _PEER_UNUSED
+    else:
+        foreign = ("deeplab_rates",) if name == "dualseg_timm" else ("deeplab_rates", "timm_model")
+    for option in foreign:
+        value, default = options[option], _DEFAULTS[option]
+        if (tuple(value) if isinstance(value, list) else value) != default:
             raise ConfigError(
                 f"option {option}={value!r} does not apply to model {name!r}; leave it at its "
                 f"default ({default!r})"
             )
+    off = [
+        f"{k}={options[k]!r} (with {switch}={value!r})"
+        for k, (switch, value) in _SWITCHED_OFF.items()
+        if options[switch] == value and options[k] != _DEFAULTS[k]
+    ]
+    if off:  # the peer refused them all above
+        warnings.warn(f"model {name!r}: {', '.join(off)} has no effect", UserWarning, stacklevel=3)
 
 
 def backbone_of(name: str, *, timm_model: str | None = None) -> str:
@@ -368,5 +331,5 @@ def backbone_of(name: str, *, timm_model: str | None = None) -> str:
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
     if name == "dualseg_timm":
-        return timm_model or _default("timm_model")
+        return timm_model or _DEFAULTS["timm_model"]
     return MODELS[name].args[0]
