@@ -149,6 +149,7 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
 
 
 def _check_files(args: argparse.Namespace, targets: list[Path]) -> None:
+    from dualseg.io import check_writable
     from dualseg.serialization import torch_file_format
 
     out = targets[0]
@@ -159,8 +160,7 @@ def _check_files(args: argparse.Namespace, targets: list[Path]) -> None:
                 f"--out {target} is a dualseg file ({kind}), not an earlier export; "
                 "export never writes over it, not even with --overwrite: choose another --out"
             )
-    if out.is_dir() or out.name in ("", ".", ".."):
-        raise ConfigError(f"--out {out} is an existing folder; name the file to write")
+    check_writable(out, kind="file", what="--out")  # an existing folder, say
     is_onnx = out.suffix.lower() == ".onnx"
     renamed = out.with_suffix if out.suffix.lower() in (".pt", ".pth", ".onnx") else None
     if args.format == "onnx" and not is_onnx:  # readers take a .onnx file for ONNX by name
@@ -203,9 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
         check_onnx_options(args.exporter, args.opset, args.dynamic)
     from dualseg.export import export as library
-    from dualseg.io import check_writable
 
-    check_writable(args.out, kind="file", what="--out")
     options = dict(
         format=args.format,
         dynamic=args.dynamic,
