@@ -4,12 +4,12 @@ or to a pretrained folder. The export is checked against PyTorch before it is wr
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.errors import ConfigError
-from dualseg.export.runners import import_extra, refiner_sidecar_path
+from dualseg.export.outputs import check_outputs
+from dualseg.export.runners import import_extra
 
 MAX_SIDE = 8192  # the largest --size side: past it, tracing one image outgrows the memory
 # options only some formats read: given to another, they would be dropped silently
@@ -94,18 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _same(a: Path, b: Path) -> bool:
-    """``a`` and ``b`` name the same file or folder (symlinks, ``..`` and hard links too)."""
-    if a.exists() and b.exists():
-        return os.path.samefile(a, b)
-    return a.resolve() == b.resolve()
-
-
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Path]:
-    """The files the export will write, after every refusal that needs no model: an option
-    its format does not read, an ``--out`` that is the model exported (or one of its files),
-    a dualseg training file, a suffix of another format, or an existing file without
-    ``--overwrite``."""
+    """Refuse an option its format does not read, then the outputs
+    (:func:`dualseg.export.outputs.check_outputs`); returns the files to write."""
     for flag, (dest, formats) in FORMAT_OPTIONS.items():
         if args.format not in formats and getattr(args, dest) != parser.get_default(dest):
             raise ConfigError(
@@ -117,69 +108,13 @@ def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> lis
             f"--output {args.output} applies to a --checkpoint export (a refiner's export "
             "returns its embedding): drop it"
         )
-    out = Path(args.out)
-    targets = [out]
-    if args.refiner and args.format != "pretrained":
-        sidecar = refiner_sidecar_path(out)
-        if _same(out, sidecar):
-            raise ConfigError(
-                f"--out {out}: the refiner's sidecar is <out stem>.json, which would replace "
-                "the exported model; name the model .onnx or .pt"
-            )
-        if sidecar.name == "refiner.json" and (sidecar.parent / "refiner.safetensors").exists():
-            raise ConfigError(
-                f"--out {out}: its sidecar {sidecar} would be the refiner.json of the "
-                f"pretrained folder {sidecar.parent}; name the export otherwise (e.g. "
-                f"{sidecar.parent / ('exported_' + out.name)})"
-            )
-        targets.append(sidecar)
-    source = Path(args.checkpoint or args.refiner)
-    flag = "--checkpoint" if args.checkpoint else "--refiner"
-    for target in targets if "://" not in str(source) else []:
-        inside = source.is_dir() and target.exists() and _same(target.parent, source)
-        if _same(target, source) or inside:
-            raise ConfigError(
-                f"--out {args.out} would overwrite {flag} {source}"
-                f"{f' ({target.name})' if inside else ''}, the model being exported; "
-                "choose another --out"
-            )
-    if args.format != "pretrained":
-        _check_files(args, targets)
-    return targets
-
-
-def _check_files(args: argparse.Namespace, targets: list[Path]) -> None:
-    from dualseg.io import check_writable
-    from dualseg.serialization import torch_file_format
-
-    out = targets[0]
-    for target in targets:  # an earlier export may be replaced; a trained file never
-        kind = torch_file_format(target) if target.is_file() else None
-        if kind:
-            raise ConfigError(
-                f"--out {target} is a dualseg file ({kind}), not an earlier export; "
-                "export never writes over it, not even with --overwrite: choose another --out"
-            )
-    check_writable(out, kind="file", what="--out")  # an existing folder, say
-    is_onnx = out.suffix.lower() == ".onnx"
-    renamed = out.with_suffix if out.suffix.lower() in (".pt", ".pth", ".onnx") else None
-    if args.format == "onnx" and not is_onnx:  # readers take a .onnx file for ONNX by name
-        name = renamed(".onnx") if renamed else out.with_name(out.name + ".onnx")
-        raise ConfigError(
-            f"--out {out}: --format onnx writes an ONNX file, which is read by its .onnx "
-            f"suffix; name it {name} (or pass --format torchscript)"
-        )
-    if args.format == "torchscript" and is_onnx:
-        raise ConfigError(
-            f"--out {out}: --format torchscript writes a TorchScript file, which a .onnx name "
-            f"would pass off as ONNX; name it {out.with_suffix('.pt')} (or pass --format onnx)"
-        )
-    present = [str(t) for t in targets if t.exists()]
-    if present and not args.overwrite:
-        raise ConfigError(
-            f"{' and '.join(present)} already exist{'s' if len(present) == 1 else ''}; "
-            "choose another --out, delete it, or pass --overwrite to replace it"
-        )
+    return check_outputs(
+        Path(args.out),
+        source=args.checkpoint or args.refiner,
+        refiner=bool(args.refiner),
+        format=args.format,
+        overwrite=args.overwrite,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
