@@ -1,19 +1,12 @@
 """ONNX and TorchScript export of method A's network and of method B's embedding model.
 
-What is exported is :class:`ExportWrapper` around the network: it zero-pads the image to a
-multiple of the model's output stride, runs the model and crops the logits back. The models
-pad for themselves, but with a Python ``if`` on the input size, which tracing freezes at the
-example size; padding first with traced size arithmetic keeps odd sizes exact.
-
-The TorchScript-based ONNX exporter (``legacy``) is the default: it maps ``nn.GRU`` to the
-ONNX ``GRU`` op, whose sequence length and batch are dynamic, so the ReNet sweeps run at any
-size. torch 2.14's ``torch.export``-based exporter (``dynamo``) fails on ``aten.gru.input``
-with dynamic height/width, so it is offered for static exports only, at opset 18 or later.
-
-Metadata travels inside the file: ONNX ``metadata_props`` (keys ``dualseg.<name>``, JSON
-values) and TorchScript ``_extra_files["dualseg.json"]``; see :func:`export_info`. Each export
-is built in memory, optionally checked against PyTorch there, and only then written
-atomically, so a failed export never replaces an earlier file.
+:class:`ExportWrapper` pads the image to a multiple of the output stride with traced size
+arithmetic (the models' own ``if`` on the size would be frozen by tracing), so odd sizes stay
+exact. The TorchScript-based ONNX exporter (``legacy``) is the default: it maps ``nn.GRU`` to
+ONNX ``GRU``, whose lengths are dynamic; torch 2.14's ``dynamo`` exporter fails on the GRU with
+dynamic sizes, so it is offered for static exports only. Metadata travels in the file (ONNX
+``metadata_props`` ``dualseg.<key>``, TorchScript ``_extra_files["dualseg.json"]``). Each
+export is built and checked in memory, then written atomically.
 """
 
 from __future__ import annotations

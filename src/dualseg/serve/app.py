@@ -1,21 +1,12 @@
 """The local web page and JSON API behind ``dualseg serve``.
 
-``create_app(segmenter)`` returns a FastAPI app: ``GET /`` (one static page), ``GET
-/api/info`` (classes, limits) and ``POST /api/segment`` (an image as multipart field ``file``
-or as a raw ``image/*`` body -> base64 PNGs, class shares and timings; schema at
-``/openapi.json``).
-
-Uploads stay in memory (Starlette's form parser spools large files to disk, so the body is
-parsed here with python-multipart) unless ``save_uploads`` names a folder. The body is counted
-while it streams in (413 over ``max_upload_bytes``); an image over ``max_megapixels`` is
-refused from its header. Decoding follows :func:`dualseg.imaging.decode_image`, the image
-policy of every reader. Decoding, inference and encoding run on ``workers`` threads; at most
-``queue_size`` requests wait, further ones get 503 with ``Retry-After``. An image over
-``work_megapixels`` is inferred downscaled and its result brought back to its size.
-
-``segmenter``: anything with ``.meta`` (``class_names``, ``palette``) and
-``.predict_proba(uint8 HxWx3) -> [C,H,W]`` (the engine's ``Segmenter``, ``OnnxSegmenter``);
-``refiner``: a ``BoundaryRefiner`` or an exported one. Both are called from several threads.
+``create_app(segmenter)``: ``GET /`` (one static page), ``GET /api/info`` (classes, limits),
+``POST /api/segment`` (multipart field ``file`` or a raw ``image/*`` body -> base64 PNGs,
+class shares, timings; schema at ``/openapi.json``). Decoding, inference and encoding run on
+``workers`` threads; at most ``queue_size`` requests wait, further ones get 503 with
+``Retry-After``. An image over ``work_megapixels`` is inferred downscaled and its result
+brought back to its size. ``segmenter`` (``.meta``, ``.predict_proba(uint8 HxWx3) ->
+[C,H,W]``) and ``refiner`` are called from several threads at once.
 """
 
 from __future__ import annotations
@@ -39,14 +30,7 @@ from PIL import Image
 
 from dualseg.errors import ConfigError, DataError
 from dualseg.imaging import ImageTooLargeError, decode_image, pillow_max_pixels, resize_bilinear
-from dualseg.serve.defaults import (
-    DEFAULT_MAX_MEGAPIXELS,
-    DEFAULT_MAX_UPLOAD_MB,
-    DEFAULT_QUEUE_SIZE,
-    DEFAULT_WORK_MEGAPIXELS,
-    DEFAULT_WORKERS,
-    EXTRA_HINT,
-)
+from dualseg.serve import defaults as d
 from dualseg.viz import colorize, overlay
 
 try:
@@ -58,7 +42,7 @@ try:
     from dualseg.serve.uploads import prepare_upload_folder, read_upload, save_upload
 except ImportError as _err:  # the optional extra is missing: say which one
     raise ModuleNotFoundError(
-        f"dualseg.serve needs the optional package {_err.name!r}: {EXTRA_HINT}", name=_err.name
+        f"dualseg.serve needs the optional package {_err.name!r}: {d.EXTRA_HINT}", name=_err.name
     ) from _err
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
@@ -232,9 +216,14 @@ class _Segmentation:
     """Decode, segment (at the working size), refine and encode one upload."""
 
     def __init__(
-        self, segmenter: Any, refiner: Any, max_megapixels: float, work_megapixels: float
+        self,
+        segmenter: Any,
+        refiner: Any,
+        max_megapixels: float,
+        work_megapixels: float,
+        save_dir: Path | None,
     ) -> None:
-        self.segmenter, self.refiner = segmenter, refiner
+        self.segmenter, self.refiner, self.save_dir = segmenter, refiner, save_dir
         self.max_pixels, self.work_pixels = max_megapixels * 1e6, work_megapixels * 1e6
         self.class_names = [str(c) for c in segmenter.meta.class_names]
         self.palette = [[int(v) for v in rgb] for rgb in segmenter.meta.palette]
@@ -267,6 +256,11 @@ class _Segmentation:
         return label, refined
 
     def __call__(self, data: bytes, name: str, with_images: bool) -> dict[str, Any]:
+        if self.save_dir is not None:
+            try:
+                save_upload(self.save_dir, data, name)
+            except OSError as err:  # a full disk: the client still gets its answer
+                log.warning("--save-uploads %s: upload not saved (%s)", self.save_dir, err.strerror)
         t = time.perf_counter()
         image = decode_image(data, source=name or "the upload", max_pixels=self.max_pixels)
         timings = {"decode": _ms(t)}
@@ -323,11 +317,11 @@ def create_app(
     segmenter: Any,
     *,
     refiner: Any | None = None,
-    max_megapixels: float = DEFAULT_MAX_MEGAPIXELS,
-    max_upload_bytes: int = int(DEFAULT_MAX_UPLOAD_MB * 2**20),
-    work_megapixels: float = DEFAULT_WORK_MEGAPIXELS,
-    workers: int = DEFAULT_WORKERS,
-    queue_size: int = DEFAULT_QUEUE_SIZE,
+    max_megapixels: float = d.DEFAULT_MAX_MEGAPIXELS,
+    max_upload_bytes: int = int(d.DEFAULT_MAX_UPLOAD_MB * 2**20),
+    work_megapixels: float = d.DEFAULT_WORK_MEGAPIXELS,
+    workers: int = d.DEFAULT_WORKERS,
+    queue_size: int = d.DEFAULT_QUEUE_SIZE,
     save_uploads: str | Path | None = None,
     model_name: str = "",
 ) -> FastAPI:
@@ -337,7 +331,7 @@ def create_app(
 
     _check_model(segmenter, refiner, max_megapixels)
     save_dir = prepare_upload_folder(save_uploads) if save_uploads is not None else None
-    segment_one = _Segmentation(segmenter, refiner, max_megapixels, work_megapixels)
+    segment_one = _Segmentation(segmenter, refiner, max_megapixels, work_megapixels, save_dir)
     names, palette = segment_one.class_names, segment_one.palette
     pool = _Workers(workers, queue_size)
 
@@ -371,14 +365,6 @@ def create_app(
             busy=pool.pending, model=model_name,
         )  # fmt: skip
 
-    def job(data: bytes, name: str, with_images: bool) -> dict[str, Any]:
-        if save_dir is not None:
-            try:
-                save_upload(save_dir, data, name)
-            except OSError as err:  # a full disk: the client still gets its answer
-                log.warning("--save-uploads %s: upload not saved (%s)", save_dir, err.strerror)
-        return segment_one(data, name, with_images)
-
     @app.post(
         "/api/segment",
         response_model=SegmentResponse,
@@ -391,7 +377,7 @@ def create_app(
         t = time.perf_counter()
         data, name = await read_upload(request, max_upload_bytes)
         try:
-            result = await pool.run(job, data, name, images, gone=request.is_disconnected)
+            result = await pool.run(segment_one, data, name, images, gone=request.is_disconnected)
         except ImageTooLargeError as err:
             hint = "" if "Pillow's" in str(err) else ", or restart with a larger --max-megapixels"
             raise HTTPException(status_code=413, detail=f"{err}{hint}") from err
