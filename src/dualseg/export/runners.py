@@ -58,6 +58,13 @@ class ExportMeta:
         return len(self.class_names)
 
 
+def _starts_as_zip(path: Path) -> bool:
+    """The zip signature: TorchScript or torch.save, even cut short (``zipfile.is_zipfile``
+    looks for the central directory at the end)."""
+    with open(path, "rb") as f:
+        return f.read(4) == ZIP_MAGIC
+
+
 def refiner_sidecar_path(model_path: str | os.PathLike[str]) -> Path:
     """The JSON beside an exported embedding model: ``refiner.onnx`` -> ``refiner.json``."""
     return Path(model_path).with_suffix(".json")
@@ -117,7 +124,7 @@ def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(f"exported model not found: {path} (check the path)")
     if zipfile.is_zipfile(path):
         info = _torchscript_info(path)
-    elif path.read_bytes()[:4] == ZIP_MAGIC:  # a zip whose end is missing
+    elif _starts_as_zip(path):
         raise CheckpointError(
             f"{path} is a zip archive (TorchScript or PyTorch) that cannot be read: cut short? "
             "Copy or export it again"
@@ -174,9 +181,9 @@ class Runner:
         self.threads = int(threads) if threads else None
         self.static_hw = tuple(int(v) for v in static_hw) if static_hw else None
         data = source if isinstance(source, bytes) else None
-        head = data[:4] if data is not None else Path(source).read_bytes()[:4]
         self.module: Any = None
-        if head == ZIP_MAGIC:
+        is_zip = data[:4] == ZIP_MAGIC if data is not None else _starts_as_zip(Path(source))
+        if is_zip:  # TorchScript
             import warnings
 
             import torch
