@@ -49,19 +49,12 @@ async def read_upload(request: Request, max_bytes: int) -> tuple[bytes, str]:
     )
     ctype, params = parse_options_header(request.headers.get("content-type", ""))
     ctype = ctype.decode("latin-1").lower()
-    if ctype != "multipart/form-data":
+    multipart = ctype == "multipart/form-data"
+    if not multipart:
         _check_image_type(ctype, "the request body")
     if int(request.headers.get("content-length") or 0) > max_bytes:
         raise too_large
     total, chunks = 0, []
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > max_bytes:
-            raise too_large
-        chunks.append(chunk)
-    body = b"".join(chunks)
-    if ctype != "multipart/form-data":
-        return body, ""
     files: dict[str, Any] = {}
     texts: set[str] = set()  # parts without a filename
     try:  # MAX_MEMORY_FILE_SIZE=inf: every part stays in a BytesIO, never on disk
@@ -72,8 +65,19 @@ async def read_upload(request: Request, max_bytes: int) -> tuple[bytes, str]:
             boundary=params.get(b"boundary") or b"",
             config={"MAX_MEMORY_FILE_SIZE": float("inf")},
         )
-        parser.write(body)
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > max_bytes:
+                raise too_large
+            if multipart:
+                parser.write(chunk)
+            else:
+                chunks.append(chunk)
+        if not multipart:
+            return b"".join(chunks), ""
         parser.finalize()
+    except HTTPException:
+        raise
     except Exception as err:  # python-multipart raises its own parse errors
         raise HTTPException(status_code=400, detail=f"malformed multipart body: {err}") from err
     part = files.get("file")
