@@ -42,18 +42,6 @@ FORMATS = ("onnx", "torchscript")
 OUTPUTS = ("logits", "probs")
 EXPORTERS = ("legacy", "dynamo")
 MIN_OPSET = {"legacy": 17, "dynamo": 18}  # dynamo has no opset-17 converter for Pad
-# What the exporters always say about these networks, understood and harmless here: tracing
-# freezes the models' own padding test (the wrapper pads first), the GRU batch note, and the
-# deprecation notes of torch.jit and the TorchScript-based exporter.
-_KNOWN_WARNINGS = (
-    "Converting a tensor to a Python",
-    "Exporting a model to ONNX with a batch_size other than 1",
-    "You are using the legacy TorchScript-based ONNX export",
-    "is deprecated",
-    "Iterating over a tensor might cause the trace to be incorrect",
-    "The feature will be removed",
-    "were assigned during export",
-)
 
 
 class ExportWrapper(nn.Module):
@@ -203,7 +191,9 @@ def onnx_bytes(
         model = onnx.load_from_string(buf.getvalue())
     else:
         import_extra("onnxscript")  # the dynamo exporter builds the model with it
-        program = torch.onnx.export(wrapper, (x,), None, opset_version=opset, dynamo=True, **names)
+        program = torch.onnx.export(
+            wrapper, (x,), None, opset_version=opset, dynamo=True, verbose=False, **names
+        )
         model = program.model_proto
     del model.metadata_props[:]
     for key, value in info.items():
@@ -252,8 +242,12 @@ def _write(
         raise ConfigError(f"format must be one of {FORMATS}, got {format!r}")
     wrapper = wrapper.eval()
     with warnings.catch_warnings(), torch.no_grad():
-        for text in _KNOWN_WARNINGS:
-            warnings.filterwarnings("ignore", message=f".*{text}.*")
+        # understood and harmless here: tracing freezes the models' own padding test (the
+        # wrapper pads first), torch.jit's deprecation notes, the GRU batch note
+        for category in (torch.jit.TracerWarning, DeprecationWarning, FutureWarning):
+            warnings.simplefilter("ignore", category)
+        for text in ("batch_size other than 1", "were assigned during export"):
+            warnings.filterwarnings("ignore", message=f".*{text}")
         if format == "onnx":
             data = onnx_bytes(
                 wrapper, info, example_size=example_size, opset=opset, exporter=exporter
