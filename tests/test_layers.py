@@ -38,9 +38,7 @@ OPTIONAL_EXTRAS = {
 # leaves the torch-free runtime (onnxruntime) imports: torch only inside what saves or loads it
 TORCH_FREE = {"dualseg.io", "dualseg.serialization"}
 # (module, imported module) -> why an upward import is tolerated; empty is the goal
-ALLOWED: dict[tuple[str, str], str] = {
-    ("dualseg.export.runtime", "dualseg.commands.refine"): "load_refiner alias, being removed",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 # the cycle and local-import rules are new: offenders elsewhere are being removed in parallel
 pending = pytest.mark.xfail(strict=False, reason="offenders are being removed")

@@ -73,28 +73,20 @@ def test_export_onto_its_own_refiner_or_its_sidecar_is_refused(refiner_file, cap
     assert [p.name for p in refiner_file.parent.iterdir()] == ["refiner.pt"]
 
 
-def test_an_earlier_export_stays_in_place_while_the_new_one_is_written(ckpt, tmp_path, monkeypatch):
-    """It was set aside as a hidden .previous file during the export, so a SIGTERM or SIGKILL
-    left --out missing; the new export is now written beside it and moved in only once verified."""
+def test_an_earlier_export_stays_whole_when_the_new_one_is_interrupted(ckpt, tmp_path, monkeypatch):
+    """The export is built and checked in memory and written by one atomic rename, so a run
+    stopped at any point before leaves the earlier export as it was, and no temporary file."""
     import dualseg.export.export as E
 
     out = tmp_path / "model.onnx"
     out.write_bytes(b"an earlier export")
-    stale = tmp_path / ".model.onnx.export-killed"  # what a killed run leaves
-    stale.mkdir()
-    (stale / "model.onnx").write_bytes(b"half")
-    seen = {}
 
-    def killed(checkpoint, path, **kwargs):
-        seen["out"], seen["path"] = out.read_bytes(), Path(path)
-        Path(path).write_bytes(b"half a new export")
-        raise KeyboardInterrupt  # as a signal would stop it
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # as a signal would stop it, the new export built
 
-    monkeypatch.setattr(E, "export_checkpoint", killed)
+    monkeypatch.setattr(E, "verify_export", killed)
     args = ["export", "-c", str(ckpt), "--out", str(out), "--size", "32", "32", "--overwrite"]
     assert main(args) == 130  # "dualseg: interrupted"
-    assert seen["out"] == b"an earlier export" and seen["path"].name == "model.onnx"
-    assert seen["path"].parent != tmp_path  # written aside, under the same name
     assert out.read_bytes() == b"an earlier export"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "model.onnx"]  # none left
 

@@ -1,26 +1,17 @@
 """ONNX and TorchScript export of method A's network and of method B's embedding model.
 
-What is exported is :class:`ExportWrapper` around the network: it zero-pads the image to a
-multiple of the model's output stride, runs the model and crops the logits back (optionally
-turning them into probabilities). The models pad for themselves, but with a Python ``if`` on
-the input size, which tracing freezes at the example size; padding first with size arithmetic
-that the tracer records keeps odd sizes exact in the exported graph.
-
-Exporter choice (torch 2.14): the TorchScript-based exporter (``dynamo=False``) is used by
-default. It maps ``nn.GRU`` to the ONNX ``GRU`` op whose sequence length and batch are dynamic,
-so the ReNet sweeps (rows and columns folded into the batch) run at any height and width. The
-``torch.export``-based exporter (``dynamo=True``, torch's default since 2.9) exports the same
-network only with static shapes: with dynamic height/width its decomposition of
-``aten.gru.input`` fails ("The size of tensor a must match the size of tensor b"). It remains
-available as ``exporter="dynamo"`` for static exports, at opset 18 or later (it builds opset 18
-and has no converter down to 17 for ``Pad``).
-
-Metadata travels inside the file: ONNX ``metadata_props`` (each value JSON, keys
-``dualseg.<name>``) and TorchScript ``_extra_files["dualseg.json"]``; see :func:`export_info`.
+:class:`ExportWrapper` pads the image to a multiple of the output stride with traced size
+arithmetic (the models' own ``if`` on the size would be frozen by tracing), so odd sizes stay
+exact. The TorchScript-based ONNX exporter (``legacy``) is the default: it maps ``nn.GRU`` to
+ONNX ``GRU``, whose lengths are dynamic; torch 2.14's ``dynamo`` exporter fails on the GRU with
+dynamic sizes, so it is offered for static exports only. Metadata travels in the file (ONNX
+``metadata_props`` ``dualseg.<key>``, TorchScript ``_extra_files["dualseg.json"]``). Each
+export is built and checked in memory, then written atomically.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import warnings
@@ -28,15 +19,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dualseg.errors import ConfigError
+from dualseg.errors import ConfigError, DualsegError
 from dualseg.export.runners import (
     EXPORT_FORMAT,
     META_PREFIX,
     REFINER_FORMAT,
+    Runner,
     import_extra,
     refiner_sidecar_path,
 )
@@ -45,47 +38,18 @@ from dualseg.models.base import eval_mode, model_logits, require_rgb_input
 from dualseg.serialization import TORCHSCRIPT_META
 from dualseg.viz import default_palette
 
-__all__ = [
-    "FORMATS",
-    "OUTPUTS",
-    "ExportWrapper",
-    "export_checkpoint",
-    "export_info",
-    "export_model",
-    "export_onnx",
-    "export_refiner",
-    "export_torchscript",
-    "verify_export",
-]
-
 FORMATS = ("onnx", "torchscript")
 OUTPUTS = ("logits", "probs")
 EXPORTERS = ("legacy", "dynamo")
-DEFAULT_OPSET = 17  # the legacy exporter's default; dynamo needs 18 (no opset-17 Pad adapter)
-DYNAMO_MIN_OPSET = 18
-# Warnings the exporters always raise for these networks, understood and harmless here:
-# tracing freezes the models' own padding test (ExportWrapper pads first, so it is always
-# False), the GRU batch warning (h0 is built from the input's shape, checked by the parity
-# tests), and the deprecation notes of the TorchScript-based exporter / torch.jit.
-_KNOWN_WARNINGS = (
-    "Converting a tensor to a Python boolean",
-    "Exporting a model to ONNX with a batch_size other than 1",
-    "You are using the legacy TorchScript-based ONNX export",
-    "is deprecated",
-    "Iterating over a tensor might cause the trace to be incorrect",
-    "Converting a tensor to a Python integer",
-    "The feature will be removed",
-    "were assigned during export",
-)
+MIN_OPSET = {"legacy": 17, "dynamo": 18}  # dynamo has no opset-17 converter for Pad
 
 
 class ExportWrapper(nn.Module):
     """``image [B,3,H,W]`` (normalized) -> ``[B,C,H,W]`` logits (or probabilities).
 
-    ``pad_multiple``: pad H and W up to a multiple of this (the model's output stride) before
-    the model, crop after — see the module docstring. ``input_scale`` resizes the image first
-    (method B's embedding model reads a resized copy); ``crop=False`` keeps the model's own
-    output resolution (the embedding model's low-resolution features).
+    ``pad_multiple``: pad H and W up to a multiple of this (the output stride) before the
+    model, crop after. ``input_scale`` resizes the image first (method B's embedding reads a
+    resized copy); ``crop=False`` keeps the model's own output resolution.
     """
 
     def __init__(
@@ -98,13 +62,8 @@ class ExportWrapper(nn.Module):
         input_scale: float = 1.0,
     ) -> None:
         super().__init__()
-        if output not in (*OUTPUTS, "features"):
-            raise ConfigError(f"output must be one of {OUTPUTS}, got {output!r}")
-        self.model = model
-        self.pad_multiple = max(1, int(pad_multiple))
-        self.output = output
-        self.crop = crop
-        self.input_scale = float(input_scale)
+        self.model, self.pad_multiple, self.output = model, max(1, int(pad_multiple)), output
+        self.crop, self.input_scale = crop, float(input_scale)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.input_scale != 1.0:
@@ -123,25 +82,15 @@ class ExportWrapper(nn.Module):
         return y.softmax(1) if self.output == "probs" else y
 
 
-def segmenter_wrapper(model: nn.Module, output: str = "logits") -> ExportWrapper:
-    """What a method-A export holds: padding to the model's output stride, logits or probs."""
-    if output not in OUTPUTS:
-        raise ConfigError(f"output must be one of {OUTPUTS}, got {output!r}")
-    pad = int(getattr(model, "output_stride", 1) or 1)
-    return ExportWrapper(model.eval(), pad_multiple=pad, output=output).eval()
+class _Features(nn.Module):
+    """``net.features`` as a forward (what the refiner reads, before upsampling)."""
 
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
 
-def embedding_wrapper(refiner: Any) -> ExportWrapper:
-    """What a method-B export holds: ``refiner.net.features`` of the image resized by the
-    refiner's ``input_scale`` and padded to its output stride (``embed_features`` of
-    ``dualseg.refine.embedding``)."""
-    return ExportWrapper(
-        _Features(refiner.net.eval()),
-        pad_multiple=refiner.config.output_stride,
-        output="features",
-        crop=False,
-        input_scale=refiner.config.input_scale,
-    ).eval()
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net.features(x)
 
 
 def export_info(
@@ -152,7 +101,6 @@ def export_info(
     arch: str = "",
     model_kwargs: Mapping[str, Any] | None = None,
     output: str = "logits",
-    dynamic: bool = True,
     input_size: tuple[int, int] | None = None,
     ignore_index: int = 255,
     dataset: str = "",
@@ -160,10 +108,10 @@ def export_info(
     std: Sequence[float] | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The metadata dict written into an exported file (read back by ``read_export_info``).
+    """The metadata written into an exported file (read back by ``read_export_info``).
 
-    ``kind``: ``"segmenter"`` (method A network) or ``"embedding"`` (method B). ``input_size``:
-    the fixed ``(H, W)`` of a static export (``None`` when ``dynamic``).
+    ``kind``: ``"segmenter"`` or ``"embedding"``; ``input_size``: the ``(H, W)`` of a static
+    export, ``None`` for a dynamic one.
     """
     from dualseg._version import __version__
     from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
@@ -175,54 +123,38 @@ def export_info(
         "arch": arch,
         "model_kwargs": dict(model_kwargs or {}),
         "class_names": [str(c) for c in class_names],
-        "palette": [
-            [int(v) for v in rgb] for rgb in (palette or default_palette(len(class_names)))
-        ],
+        "palette": [[int(v) for v in c] for c in palette or default_palette(len(class_names))],
         "ignore_index": int(ignore_index),
         "dataset": dataset,
         "mean": list(mean or IMAGENET_MEAN),
         "std": list(std or IMAGENET_STD),
         "output": output,
-        "dynamic": bool(dynamic),
-        "input_size": list(input_size) if input_size is not None else None,
+        "dynamic": input_size is None,
+        "input_size": None if input_size is None else list(input_size),
         "input_name": "image",
         "output_name": output,
+        **(extra or {}),
     }
-    info.update(extra or {})
     return json.loads(json.dumps(info, default=str))  # plain JSON values only
 
 
-def _example(size: tuple[int, int], batch: int = 1) -> Tensor:
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(batch, 3, size[0], size[1], generator=g)
+def _example(size: Sequence[int], seed: int = 0) -> Tensor:
+    return torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(seed))
 
 
-def _ignore_known_warnings() -> None:
-    """Call inside ``warnings.catch_warnings()``: hide :data:`_KNOWN_WARNINGS` only."""
-    for text in _KNOWN_WARNINGS:
-        warnings.filterwarnings("ignore", message=f".*{text}.*")
-
-
-def export_onnx(
-    wrapper: nn.Module,
-    path: str | os.PathLike[str],
-    info: Mapping[str, Any],
-    *,
-    example_size: tuple[int, int] = (64, 64),
-    dynamic: bool = True,
-    opset: int | None = None,
-    exporter: str = "legacy",
-) -> Path:
-    """Export ``wrapper`` (image -> map) to an ONNX file with ``info`` in its metadata_props."""
-    onnx = import_extra("onnx")
-    if exporter == "dynamo":
-        import_extra("onnxscript")  # torch.onnx's dynamo exporter builds the model with it
+def check_onnx_options(exporter: str, opset: int | None, dynamic: bool) -> int:
+    """The opset to write; a value this torch's ``exporter`` cannot write is one line."""
+    from torch.onnx import _constants
 
     if exporter not in EXPORTERS:
         raise ConfigError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")
-    least = DYNAMO_MIN_OPSET if exporter == "dynamo" else DEFAULT_OPSET
+    least = MIN_OPSET[exporter]
+    most = (
+        _constants.ONNX_MAX_OPSET
+        if exporter == "dynamo"
+        else _constants.ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET
+    )
     opset = least if opset is None else opset
-    most = _max_opset(exporter)
     if not least <= opset <= most:
         raise ConfigError(
             f"opset must be in {least}..{most} with the {exporter} exporter (this torch), "
@@ -233,80 +165,65 @@ def export_onnx(
             "the dynamo exporter cannot export the ReNet GRU sweeps with dynamic sizes in this "
             "torch version; use exporter='legacy' (the default) or a static export"
         )
-    in_name, out_name = info["input_name"], info["output_name"]
-    wrapper = wrapper.eval()
-    x = _example(example_size)
-    axes = {0: "batch", 2: "height", 3: "width"}
-    with warnings.catch_warnings(), torch.no_grad():
-        _ignore_known_warnings()
-        if exporter == "legacy":
-            buf = _legacy_export(wrapper, x, in_name, out_name, axes if dynamic else None, opset)
-            model = onnx.load_from_string(buf)
-        else:
-            program = torch.onnx.export(
-                wrapper, (x,), None, opset_version=opset, dynamo=True,
-                input_names=[in_name], output_names=[out_name], verbose=False,
-            )  # fmt: skip
-            model = program.model_proto
+    return opset
+
+
+def onnx_bytes(
+    wrapper: nn.Module,
+    info: Mapping[str, Any],
+    *,
+    example_size: Sequence[int],
+    opset: int | None = None,
+    exporter: str = "legacy",
+) -> bytes:
+    """``wrapper`` as an ONNX model with ``info`` in its metadata_props."""
+    dynamic = info["input_size"] is None
+    opset = check_onnx_options(exporter, opset, dynamic)
+    onnx = import_extra("onnx")
+    x, names = _example(example_size), {"input_names": ["image"], "output_names": [info["output"]]}
+    if exporter == "legacy":
+        buf = io.BytesIO()
+        axes = {0: "batch", 2: "height", 3: "width"}
+        torch.onnx.export(
+            wrapper, (x,), buf, opset_version=opset, dynamo=False, do_constant_folding=True,
+            dynamic_axes={"image": axes, info["output"]: axes} if dynamic else None, **names,
+        )  # fmt: skip
+        model = onnx.load_from_string(buf.getvalue())
+    else:
+        import_extra("onnxscript")  # the dynamo exporter builds the model with it
+        program = torch.onnx.export(
+            wrapper, (x,), None, opset_version=opset, dynamo=True, verbose=False, **names
+        )
+        model = program.model_proto
     del model.metadata_props[:]
     for key, value in info.items():
-        entry = model.metadata_props.add()
-        entry.key, entry.value = f"{META_PREFIX}{key}", json.dumps(value)
-    model.doc_string = f"dualseg {info['kind']} ({info.get('arch') or 'model'}), {info['output']}"
+        model.metadata_props.add(key=f"{META_PREFIX}{key}", value=json.dumps(value))
+    model.doc_string = f"dualseg {info['kind']} ({info['arch'] or 'model'}), {info['output']}"
     onnx.checker.check_model(model)
-    path = Path(path)
-    atomic_write_bytes(path, model.SerializeToString())
-    return path
+    return model.SerializeToString()
 
 
-def _legacy_export(
-    wrapper: nn.Module,
-    x: Tensor,
-    in_name: str,
-    out_name: str,
-    axes: dict[int, str] | None,
-    opset: int,
+def torchscript_bytes(
+    wrapper: nn.Module, info: Mapping[str, Any], *, example_size: Sequence[int]
 ) -> bytes:
-    import io
-
+    """``wrapper`` traced (its size arithmetic recorded, so it runs at any size) with ``info``
+    in ``_extra_files``."""
+    traced = torch.jit.trace(wrapper, _example(example_size), check_trace=False)
     buf = io.BytesIO()
-    torch.onnx.export(
-        wrapper,
-        (x,),
-        buf,
-        opset_version=opset,
-        dynamo=False,
-        input_names=[in_name],
-        output_names=[out_name],
-        dynamic_axes={in_name: axes, out_name: axes} if axes else None,
-        do_constant_folding=True,
-    )
+    torch.jit.save(traced, buf, _extra_files={TORCHSCRIPT_META: json.dumps(dict(info))})
     return buf.getvalue()
 
 
-def export_torchscript(
-    wrapper: nn.Module,
-    path: str | os.PathLike[str],
-    info: Mapping[str, Any],
-    *,
-    example_size: tuple[int, int] = (64, 64),
-) -> Path:
-    """Trace ``wrapper`` to a TorchScript file with ``info`` in ``_extra_files``.
-
-    Tracing records the size arithmetic of :class:`ExportWrapper` and of the ReNet reshapes, so
-    the traced module runs at any batch, height and width (checked by the parity tests).
-    """
-    import io
-
-    wrapper = wrapper.eval()
-    with warnings.catch_warnings(), torch.no_grad():
-        _ignore_known_warnings()
-        traced = torch.jit.trace(wrapper, _example(example_size), check_trace=False)
-        buf = io.BytesIO()
-        torch.jit.save(traced, buf, _extra_files={TORCHSCRIPT_META: json.dumps(dict(info))})
-    path = Path(path)
-    atomic_write_bytes(path, buf.getvalue())
-    return path
+def verify_export(wrapper: nn.Module, data: bytes, size: Sequence[int]) -> float:
+    """Largest absolute difference between an exported model (``data``: ONNX in
+    onnxruntime, or TorchScript) and ``wrapper`` on one random input of ``size``."""
+    x = _example(size, seed=1)
+    with torch.no_grad():
+        want = wrapper(x).numpy()
+    got = Runner(data)(x.numpy())
+    if got.shape != want.shape:
+        raise DualsegError(f"the export's output {got.shape} differs from PyTorch's {want.shape}")
+    return float(np.abs(got - want).max())
 
 
 def _write(
@@ -315,19 +232,51 @@ def _write(
     info: Mapping[str, Any],
     *,
     format: str,
-    example_size: tuple[int, int],
-    dynamic: bool,
+    example_size: Sequence[int],
     opset: int | None,
     exporter: str,
-) -> Path:
-    if format == "onnx":
-        return export_onnx(
-            wrapper, path, info, example_size=example_size, dynamic=dynamic, opset=opset,
-            exporter=exporter,
-        )  # fmt: skip
-    if format == "torchscript":
-        return export_torchscript(wrapper, path, info, example_size=example_size)
-    raise ConfigError(f"format must be one of {FORMATS}, got {format!r}")
+    tolerance: float | None,
+) -> float | None:
+    """Export, check against PyTorch when ``tolerance`` is given, then write atomically."""
+    if format not in FORMATS:
+        raise ConfigError(f"format must be one of {FORMATS}, got {format!r}")
+    wrapper = wrapper.eval()
+    with warnings.catch_warnings(), torch.no_grad():
+        # understood and harmless here: tracing freezes the models' own padding test (the
+        # wrapper pads first), torch.jit's deprecation notes, the GRU batch note
+        for category in (torch.jit.TracerWarning, DeprecationWarning, FutureWarning):
+            warnings.simplefilter("ignore", category)
+        for text in ("batch_size other than 1", "were assigned during export"):
+            warnings.filterwarnings("ignore", message=f".*{text}")
+        if format == "onnx":
+            data = onnx_bytes(
+                wrapper, info, example_size=example_size, opset=opset, exporter=exporter
+            )
+        else:
+            data = torchscript_bytes(wrapper, info, example_size=example_size)
+        diff = None if tolerance is None else verify_export(wrapper, data, example_size)
+    if diff is not None and not diff <= tolerance:  # NaN fails too
+        raise DualsegError(
+            f"the export differs from PyTorch by {diff:.2e}, above --tolerance {tolerance:g}, "
+            f"so it was removed (any earlier file at {path} is kept); try another --opset or "
+            "--exporter, or pass a larger --tolerance if that is expected"
+        )
+    atomic_write_bytes(path, data)
+    return diff
+
+
+def _segmenter_wrapper(model: nn.Module, output: str, class_names: Sequence[str]) -> nn.Module:
+    require_rgb_input(model, "an export")
+    if output not in OUTPUTS:
+        raise ConfigError(f"output must be one of {OUTPUTS}, got {output!r}")
+    classes = getattr(model, "num_classes", None)
+    if isinstance(classes, int) and len(class_names) != classes:
+        raise ConfigError(
+            f"{len(class_names)} class names for a model with {classes} classes; give one "
+            "name per class"
+        )
+    pad = int(getattr(model, "output_stride", 1) or 1)
+    return ExportWrapper(model, pad_multiple=pad, output=output)
 
 
 def export_model(
@@ -342,6 +291,7 @@ def export_model(
     example_size: tuple[int, int] = (64, 64),
     opset: int | None = None,
     exporter: str = "legacy",
+    tolerance: float | None = None,
     arch: str = "",
     model_kwargs: Mapping[str, Any] | None = None,
     dataset: str = "",
@@ -351,39 +301,23 @@ def export_model(
 ) -> Path:
     """Export a segmentation network (``model(x) -> logits [B,C,H,W]``) with its metadata.
 
-    ``dynamic=False`` fixes batch 1 and ``example_size`` ``(H, W)``; the onnxruntime predictor
-    then resizes each image to that size and the result back (bilinear). ``mean`` / ``std``:
-    the input normalization the model was trained with (default ImageNet's), which the
-    runtime applies.
+    ``dynamic=False`` fixes batch 1 at ``example_size``; the runtime then resizes each image
+    to it and the result back. ``mean`` / ``std``: the input normalization (ImageNet's by
+    default), which the runtime applies. ``tolerance``: check the export against PyTorch
+    before writing it, and refuse it above this difference.
     """
-    require_rgb_input(model, "an export")
-    classes = getattr(model, "num_classes", None)
-    if isinstance(classes, int) and len(class_names) != classes:
-        raise ConfigError(
-            f"{len(class_names)} class names for a model with {classes} classes; give one "
-            "name per class"
-        )
-    # the export runs in eval mode; the caller's model (each module) keeps its own
-    with eval_mode(model):
-        wrapper = segmenter_wrapper(model, output)
-        info = export_info(
-            kind="segmenter",
-            class_names=class_names,
-            palette=palette,
-            arch=arch,
-            model_kwargs=model_kwargs,
-            output=output,
-            dynamic=dynamic,
-            input_size=None if dynamic else tuple(example_size),
-            dataset=dataset,
-            ignore_index=ignore_index,
-            mean=mean,
-            std=std,
-        )
-        return _write(
-            wrapper, path, info, format=format, example_size=example_size, dynamic=dynamic,
-            opset=opset, exporter=exporter,
+    wrapper = _segmenter_wrapper(model, output, class_names)
+    info = export_info(
+        kind="segmenter", class_names=class_names, palette=palette, arch=arch,
+        model_kwargs=model_kwargs, output=output, dataset=dataset, ignore_index=ignore_index,
+        input_size=None if dynamic else tuple(example_size), mean=mean, std=std,
+    )  # fmt: skip
+    with eval_mode(model):  # the caller's model keeps its own modes
+        _write(
+            wrapper, path, info, format=format, example_size=example_size, opset=opset,
+            exporter=exporter, tolerance=tolerance,
         )  # fmt: skip
+    return Path(path)
 
 
 def export_checkpoint(
@@ -396,33 +330,27 @@ def export_checkpoint(
     example_size: tuple[int, int] = (64, 64),
     opset: int | None = None,
     exporter: str = "legacy",
-) -> Path:
-    """Export a dualseg checkpoint's network (class names, palette, arch in the metadata);
-    ``checkpoint``: a ``.pt`` checkpoint, a pretrained folder or ``hf://org/name``."""
+    tolerance: float | None = None,
+) -> float | None:
+    """Export a checkpoint's network (``.pt``, pretrained folder or ``hf://org/name``) with
+    its class names, palette, arch and normalization; returns the difference from PyTorch
+    when ``tolerance`` asks for the check."""
     from dualseg.engine.checkpoint import build_model_from_checkpoint
     from dualseg.engine.pretrained import load_state
 
     ckpt = load_state(checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device="cpu")
-    norm = ckpt.get("normalization") or {}
-    return export_model(
-        model,
-        path,
-        class_names=meta.class_names,
-        palette=meta.palette,
-        format=format,
-        output=output,
-        dynamic=dynamic,
-        example_size=example_size,
-        opset=opset,
-        exporter=exporter,
-        arch=str(ckpt["arch"]),
-        model_kwargs=ckpt.get("model_kwargs") or {},
-        dataset=meta.name,
-        ignore_index=meta.ignore_index,
-        mean=norm.get("mean"),  # the model's own (a pretrained folder may store another)
-        std=norm.get("std"),
-    )
+    norm = ckpt.get("normalization") or {}  # the model's own (a folder may store another)
+    info = export_info(
+        kind="segmenter", class_names=meta.class_names, palette=meta.palette,
+        arch=str(ckpt["arch"]), model_kwargs=ckpt.get("model_kwargs"), output=output,
+        input_size=None if dynamic else tuple(example_size), ignore_index=meta.ignore_index,
+        dataset=meta.name, mean=norm.get("mean"), std=norm.get("std"),
+    )  # fmt: skip
+    return _write(
+        _segmenter_wrapper(model.eval(), output, meta.class_names), path, info, format=format,
+        example_size=example_size, opset=opset, exporter=exporter, tolerance=tolerance,
+    )  # fmt: skip
 
 
 def export_refiner(
@@ -434,139 +362,56 @@ def export_refiner(
     example_size: tuple[int, int] = (64, 64),
     opset: int | None = None,
     exporter: str = "legacy",
-) -> tuple[Path, Path]:
-    """Export method B: the embedding model to ``path`` and a JSON sidecar beside it.
+    tolerance: float | None = None,
+) -> float | None:
+    """Export method B: the embedding model to ``path`` and ``<path stem>.json`` beside it
+    (prototypes, present classes, class names, configuration, calibration).
 
-    ``refiner``: a ``BoundaryRefiner`` or the path of a refiner file. The exported network maps
-    an image to the low-resolution embedding ``[B,C,h,w]`` (the image resized by the refiner's
-    ``input_scale`` and padded to its stride first), exactly ``embed_features``; the sidecar
-    (``<path stem>.json``) holds prototypes, the present-class mask, class names and the
-    configuration. Load the pair with ``dualseg.export.runtime.load_exported_refiner``.
-    Returns ``(model path, sidecar path)``.
+    ``refiner``: a ``BoundaryRefiner`` or its file. The exported network is exactly
+    ``embed_features``: the image resized by ``input_scale``, padded to the stride, mapped to
+    ``[B,C,h,w]``. Load the pair with ``load_exported_refiner``. Returns the difference from
+    PyTorch when ``tolerance`` asked for the check.
     """
-    if not hasattr(refiner, "net"):
-        from dualseg.refine import BoundaryRefiner
+    from dualseg.refine import BoundaryRefiner
 
+    if not isinstance(refiner, BoundaryRefiner):
         refiner = BoundaryRefiner.load(refiner)
-    # the export runs on the CPU in eval mode; the caller's refiner keeps its device and modes
-    device = refiner.device
-    try:
-        refiner.to("cpu")
-        with eval_mode(refiner.net):
-            return _export_refiner(
-                refiner,
-                Path(path),
-                format=format,
-                dynamic=dynamic,
-                example_size=example_size,
-                opset=opset,
-                exporter=exporter,
-            )
-    finally:
-        refiner.to(device)
-
-
-def _export_refiner(
-    refiner: Any,
-    path: Path,
-    *,
-    format: str,
-    dynamic: bool,
-    example_size: tuple[int, int],
-    opset: int | None,
-    exporter: str,
-) -> tuple[Path, Path]:
-    cfg = refiner.config
-    wrapper = embedding_wrapper(refiner)
+    cfg, device = refiner.config, refiner.device
     info = export_info(
         kind="embedding",
         class_names=refiner.class_names,
         arch=f"embedding:{cfg.backbone}",
         output="features",
-        dynamic=dynamic,
         input_size=None if dynamic else tuple(example_size),
         ignore_index=refiner.ignore_index,
         extra={"embed_dim": int(cfg.embed_dim)},
     )
-    _write(
-        wrapper, path, info, format=format, example_size=example_size, dynamic=dynamic,
-        opset=opset, exporter=exporter,
-    )  # fmt: skip
-    sidecar = refiner_sidecar_path(path)
+    try:  # on the CPU in eval mode; the caller's refiner keeps its device and modes
+        refiner.to("cpu")
+        with eval_mode(refiner.net):
+            wrapper = ExportWrapper(
+                _Features(refiner.net), pad_multiple=cfg.output_stride, output="features",
+                crop=False, input_scale=cfg.input_scale,
+            )  # fmt: skip
+            diff = _write(
+                wrapper, path, info, format=format, example_size=example_size, opset=opset,
+                exporter=exporter, tolerance=tolerance,
+            )  # fmt: skip
+    finally:
+        refiner.to(device)
     atomic_write_json(
-        sidecar,
+        refiner_sidecar_path(path),
         {
             "format": REFINER_FORMAT,
-            "embedding": path.name,
+            "embedding": Path(path).name,
             "embedding_format": format,
             "class_names": list(refiner.class_names),
             "ignore_index": int(refiner.ignore_index),
             "config": cfg.to_dict(),
             "prototypes": refiner.prototypes.detach().cpu().float().tolist(),
             "present": refiner.present.detach().cpu().bool().tolist(),
-            # what the fit's --calibrate-split found and for which base: the notes and warnings
-            # a refiner gives travel with its export
             "calibration": refiner.calibration,
             "palette": None if refiner.palette is None else [list(c) for c in refiner.palette],
         },
     )
-    return path, sidecar
-
-
-class _Features(nn.Module):
-    """``net.features`` as a module's forward (what the refiner reads, before upsampling)."""
-
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.net.features(x)
-
-
-def _max_opset(exporter: str) -> int:
-    """The newest ONNX opset this torch's ``exporter`` writes."""
-    from torch.onnx import _constants
-
-    name = "ONNX_MAX_OPSET" if exporter == "dynamo" else "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET"
-    return int(getattr(_constants, name, getattr(_constants, "ONNX_MAX_OPSET", 17)))
-
-
-def verify_export(
-    path: str | os.PathLike[str],
-    *,
-    checkpoint: str | os.PathLike[str] | None = None,
-    refiner: Any = None,
-    size: tuple[int, int] = (64, 64),
-) -> float:
-    """Largest absolute difference between the exported file and PyTorch on one random input.
-
-    The PyTorch side is rebuilt from ``checkpoint`` (method A) or ``refiner`` (a
-    ``BoundaryRefiner`` or its file, method B), with the output kind read from the export.
-    """
-    import numpy as np
-
-    from dualseg.export.runners import _open_runner, read_export_info
-
-    info = read_export_info(path)
-    if checkpoint is not None:
-        from dualseg.engine.checkpoint import build_model_from_checkpoint
-        from dualseg.engine.pretrained import load_state
-
-        model, _ = build_model_from_checkpoint(load_state(checkpoint), device="cpu")
-        wrapper = segmenter_wrapper(model, info["output"])
-    elif refiner is not None:
-        if not hasattr(refiner, "net"):
-            from dualseg.refine import BoundaryRefiner
-
-            refiner = BoundaryRefiner.load(refiner)
-        wrapper = embedding_wrapper(refiner.to("cpu"))
-    else:
-        raise ConfigError("verify_export needs the checkpoint or the refiner it was exported from")
-    x = torch.randn(1, 3, size[0], size[1], generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        ref = wrapper(x).numpy()
-    got = _open_runner(Path(path), None, None)(x.numpy())
-    if got.shape != ref.shape:
-        raise ConfigError(f"{path}: exported output {got.shape} differs from PyTorch {ref.shape}")
-    return float(np.abs(got - ref).max())
+    return diff

@@ -1,9 +1,9 @@
 """``ExportedRefiner``: method B from an exported embedding model plus its JSON sidecar.
 
-``BoundaryRefiner.refine``'s contract (P2-P5) with prototypes and configuration from the
-sidecar. The embedding runs in onnxruntime (or TorchScript); the configuration
-(``RefinerConfig``) and P2-P5 themselves (:func:`dualseg.refine.refiner.relabel`) are
-``BoundaryRefiner``'s, from ``dualseg.refine`` (which imports torch), so the two cannot drift.
+``BoundaryRefiner.refine``'s contract with prototypes and configuration from the sidecar. The
+embedding runs in onnxruntime (or TorchScript); the configuration and P2-P5 are
+``BoundaryRefiner``'s own code from ``dualseg.refine`` (which imports torch), so the two
+cannot drift.
 """
 
 from __future__ import annotations
@@ -20,52 +20,41 @@ import numpy as np
 from dualseg.errors import CheckpointError, ConfigError, DataError, DualsegError
 from dualseg.export.runners import (
     REFINER_FORMAT,
+    Runner,
     _as_rgb,
-    _open_runner,
     read_export_info,
     refiner_sidecar_path,
 )
 from dualseg.imaging import normalize
 
 
-# ----------------------------------------------------------------------------- refiner
 class ExportedRefiner:
-    """Method B from an exported embedding model + sidecar; ``BoundaryRefiner.refine``'s
-    contract and its very P2-P5 code (:func:`dualseg.refine.refiner.relabel`), with the
-    embedding computed by onnxruntime (or TorchScript)."""
+    """Method B from an exported embedding model + sidecar, with ``BoundaryRefiner.refine``'s
+    contract and P2-P5 code; the embedding is computed by ``runner``."""
 
-    def __init__(self, runner: Any, sidecar: Mapping[str, Any], *, source: str = "") -> None:
-        self.runner = runner
-        self.source = source
+    def __init__(self, runner: Runner, sidecar: Mapping[str, Any], *, source: str = "") -> None:
         from dualseg.refine.formats import stored_description
-        from dualseg.refine.refiner import RefinerConfig  # the same options as BoundaryRefiner
+        from dualseg.refine.refiner import RefinerConfig
 
+        self.runner, self.source = runner, source
         described = stored_description(sidecar, source)
         self.class_names = tuple(described["class_names"])
-        # a RefinerConfig, so that overrides work as for BoundaryRefiner:
-        # refiner.config = dataclasses.replace(refiner.config, top_n=3)
-        try:
+        try:  # a RefinerConfig, so that dataclasses.replace overrides work as for BoundaryRefiner
             self.config = RefinerConfig.from_dict(sidecar.get("config"))
         except ConfigError as err:
             raise CheckpointError(f"{source}: {err}; re-export the refiner") from None
         self.ignore_index = described["ignore_index"]
         self.palette = described["palette"]
-        self.calibration = described["calibration"]  # absent from exports before it was kept
+        self.calibration = described["calibration"]
         self.prototypes = np.asarray(sidecar["prototypes"], np.float32)
         self.present = np.asarray(sidecar["present"], bool)
-        if self.prototypes.shape[0] != len(self.class_names) or self.present.shape != (
-            len(self.class_names),
+        if self.prototypes.shape[0] != self.num_classes or self.present.shape != (
+            self.num_classes,
         ):
             raise CheckpointError(
-                f"{source}: {self.prototypes.shape[0]} prototypes for {len(self.class_names)} "
+                f"{source}: {self.prototypes.shape[0]} prototypes for {self.num_classes} "
                 "classes; re-export the refiner"
             )
-
-    def calibration_note(self) -> str | None:
-        """As :meth:`BoundaryRefiner.calibration_note`."""
-        from dualseg.refine.refiner import calibration_note
-
-        return calibration_note(self.calibration, self.config)
 
     @property
     def num_classes(self) -> int:
@@ -77,6 +66,12 @@ class ExportedRefiner:
             f"top_n={self.config.top_n}, radius={self.config.radius})"
         )
 
+    def calibration_note(self) -> str | None:
+        """As :meth:`BoundaryRefiner.calibration_note`."""
+        from dualseg.refine.refiner import calibration_note
+
+        return calibration_note(self.calibration, self.config)
+
     def check_classes(
         self, base_names: Sequence[str] | None, num_classes: int, *, what: str = "the base model"
     ) -> None:
@@ -86,9 +81,7 @@ class ExportedRefiner:
         check_classes(self.class_names, base_names, num_classes, what=what)
 
     def shared_features(self, model: Any) -> Any:
-        """As ``BoundaryRefiner.shared_features``, a context that keeps nothing: the exported
-        model runs the whole embedding, its backbone included, so it cannot read the base's
-        backbone output."""
+        """A context that shares nothing: the exported model runs its own backbone."""
         from dualseg.refine.shared import SharedFeatures
 
         return SharedFeatures(model, active=False)
@@ -98,34 +91,30 @@ class ExportedRefiner:
     ) -> Any:
         """Refined labels, as ``BoundaryRefiner.refine``.
 
-        Batch form: ``images`` float ``[B,3,H,W]`` normalized (numpy or tensor), ``probs``
-        ``[B,C,H,W]`` -> int64 ``[B,H,W]`` (a tensor when ``probs`` is one). Single-image
-        form: ``images`` uint8 ``HxWx3`` / path / PIL image, ``probs`` ``[C,H,W]`` -> numpy
-        ``HxW`` int64. With ``return_changed``: ``(labels, changed bool mask)``.
-        ``features`` must be ``None`` (see :meth:`shared_features`).
+        Batch form: normalized ``[B,3,H,W]`` images and ``[B,C,H,W]`` probabilities (numpy or
+        tensors; tensors out when ``probs`` is one). Single-image form: a uint8 ``HxWx3`` image
+        (or path, PIL image) and ``[C,H,W]`` probabilities -> numpy ``HxW``.
         """
         if features is not None:
             raise ConfigError(
                 "an exported refiner runs its own backbone and cannot read the base model's "
                 "features; pass features=None, or use the refiner file from 'dualseg refine fit'"
             )
-        if _is_batch(images):  # as BoundaryRefiner's batch form: normalized floats only
+        p = _numpy(probs)
+        if len(getattr(images, "shape", ())) == 4:
             from dualseg.refine.refiner import check_normalized_batch
 
             check_normalized_batch(images)
-        p = _numpy(probs)
-        x = _numpy(images) if _is_batch(images) else None
-        if x is None:
-            x = normalize([_as_rgb(images)])
-            labels, changed = self._refine_batch(x, p[None] if p.ndim == 3 else p)
-            labels, changed = labels[0], changed[0]
-        else:
-            labels, changed = self._refine_batch(x, p)
+            labels, changed = self._refine_batch(_numpy(images), p)
             if hasattr(probs, "detach"):  # tensors in, tensors out (on probs' device)
                 import torch
 
                 labels = torch.from_numpy(labels).to(probs.device)
                 changed = torch.from_numpy(changed).to(probs.device)
+        else:
+            x = normalize([_as_rgb(images)])
+            labels, changed = self._refine_batch(x, p[None] if p.ndim == 3 else p)
+            labels, changed = labels[0], changed[0]
         return (labels, changed) if return_changed else labels
 
     def _refine_batch(self, x: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -133,7 +122,7 @@ class ExportedRefiner:
 
         from dualseg.refine.decision import prototype_scale
         from dualseg.refine.embedding import p1_filter
-        from dualseg.refine.refiner import prototype_scores, relabel  # BoundaryRefiner's P2-P5
+        from dualseg.refine.refiner import prototype_scores, relabel
 
         if probs.ndim != 4 or x.shape[0] != probs.shape[0] or x.shape[-2:] != probs.shape[-2:]:
             raise DataError(
@@ -141,35 +130,36 @@ class ExportedRefiner:
                 f"{x.shape}; resize the base model's output to the image size before refining"
             )
         self.check_classes(None, probs.shape[1])
+        cfg = self.config
         protos = torch.from_numpy(self.prototypes)
 
-        sigma = self.config.p1_blur_sigma
-
-        def filtered(b: int) -> np.ndarray:  # P1's filtering, as BoundaryRefiner's
-            if sigma <= 0:
-                return x[b : b + 1]
-            one = torch.from_numpy(np.ascontiguousarray(x[b : b + 1], np.float32))
-            return p1_filter(one, sigma).numpy()
-
         def scores(keep: Any, band: Any) -> Any:  # the exported model, one image a run
-            feats = [self.runner(filtered(b)) for b in np.flatnonzero(keep.numpy())]
+            feats = []
+            for b in np.flatnonzero(keep.numpy()):
+                one = torch.from_numpy(np.ascontiguousarray(x[b : b + 1], np.float32))
+                if cfg.p1_blur_sigma > 0:  # P1's filtering, as BoundaryRefiner's
+                    one = p1_filter(one, cfg.p1_blur_sigma)
+                feats.append(self.runner(one.numpy()))
             return prototype_scores(torch.from_numpy(np.concatenate(feats, 0)), protos)
 
-        p = torch.from_numpy(np.ascontiguousarray(probs, np.float32))
         present = torch.from_numpy(self.present)
-        scale = prototype_scale(protos, present)
-        cfg = self.config
-        covered = runner_span(self.runner, x.shape[-2:], cfg.input_scale, cfg.output_stride)
-        out, changed = relabel(p, scores, present, cfg, scale=scale, covered=covered)
+        out, changed = relabel(
+            torch.from_numpy(np.ascontiguousarray(probs, np.float32)),
+            scores,
+            present,
+            cfg,
+            scale=prototype_scale(protos, present),
+            covered=runner_span(self.runner, x.shape[-2:], cfg.input_scale, cfg.output_stride),
+        )
         return out.numpy(), changed.numpy()
 
 
 def runner_span(
     runner: Any, size: tuple[int, int], input_scale: float, output_stride: int
 ) -> tuple[float, float]:
-    """The size, in pixels of an image of ``size``, that ``runner``'s embedding map spans
-    (:func:`~dualseg.refine.embedding.embedding_cover`); a static ONNX export first resizes
-    every image to its own ``static_hw``, so there it is that size's span, scaled back."""
+    """The size, in pixels of an image of ``size``, that ``runner``'s embedding map spans; a
+    static export resizes every image to its ``static_hw`` first, so that size's span,
+    scaled back."""
     from dualseg.refine.embedding import embedding_cover
 
     static = getattr(runner, "static_hw", None)
@@ -180,14 +170,31 @@ def runner_span(
 
 
 def _numpy(x: Any) -> np.ndarray:
-    if hasattr(x, "detach"):
-        return x.detach().float().cpu().numpy()
-    return np.asarray(x)
+    return x.detach().float().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
 
 
-def _is_batch(images: Any) -> bool:
-    shape = getattr(images, "shape", None)
-    return shape is not None and len(shape) == 4
+def _missing_sidecar(path: Path, sidecar: Path) -> CheckpointError:
+    """What to say when ``path`` has no sidecar: what it is instead, if anything."""
+    try:
+        kind = read_export_info(path).get("kind") if sidecar != path else None
+    except DualsegError:
+        kind = None
+    if kind == "segmenter":
+        return CheckpointError(
+            f"{path} is an exported segmentation model ('dualseg export'), not a refiner; "
+            "pass a refiner: the file 'dualseg refine fit' wrote (refiner.pt) or its export "
+            "('dualseg export --refiner refiner.pt')"
+        )
+    if path.suffix.lower() != ".onnx" and zipfile.is_zipfile(path):  # torch.save's zip
+        return CheckpointError(
+            f"{path} is a PyTorch file, not an exported refiner (no {sidecar.name} beside it): "
+            "open a refiner that 'dualseg refine fit' wrote with BoundaryRefiner.load, or "
+            "export it with 'dualseg export --refiner'"
+        )
+    return CheckpointError(
+        f"refiner sidecar not found: {sidecar} (export writes it beside the model: "
+        "dualseg export --refiner R --out refiner.onnx)"
+    )
 
 
 def load_exported_refiner(
@@ -201,23 +208,7 @@ def load_exported_refiner(
     path = Path(path)
     sidecar_path = path if path.suffix.lower() == ".json" else refiner_sidecar_path(path)
     if not sidecar_path.is_file():
-        if sidecar_path != path and _export_kind(path) == "segmenter":
-            raise CheckpointError(
-                f"{path} is an exported segmentation model ('dualseg export'), not a refiner; "
-                "pass a refiner: the file 'dualseg refine fit' wrote (refiner.pt) or its export "
-                "('dualseg export --refiner refiner.pt')"
-            )
-        if path.suffix.lower() != ".onnx" and zipfile.is_zipfile(path):  # torch.save's zip
-            raise CheckpointError(
-                f"{path} is a PyTorch file, not an exported refiner (no {sidecar_path.name} "
-                "beside it): open a refiner that 'dualseg refine fit' wrote with "
-                "BoundaryRefiner.load (or dualseg.commands.refine.load_refiner), or export it "
-                "with 'dualseg export --refiner'"
-            )
-        raise CheckpointError(
-            f"refiner sidecar not found: {sidecar_path} (export writes it beside the model: "
-            "dualseg export --refiner R --out refiner.onnx)"
-        )
+        raise _missing_sidecar(path, sidecar_path)
     try:
         sidecar = json.loads(sidecar_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:
@@ -231,20 +222,10 @@ def load_exported_refiner(
     if not model_path.is_file():
         raise CheckpointError(
             f"{sidecar_path} names its embedding model {model_path.name}, which is not beside "
-            f"it ({model_path} not found); keep the two files of the export together"
+            f"it; keep the two files of the export together"
         )
     info = read_export_info(model_path)
     if info.get("kind") != "embedding":
-        raise ConfigError(f"{model_path} is not an exported embedding model")
-    return ExportedRefiner(
-        _open_runner(model_path, providers, threads), sidecar, source=str(sidecar_path)
-    )
-
-
-def _export_kind(path: Path) -> str | None:
-    """The ``kind`` of a ``dualseg export`` file ("segmenter", "embedding"); None for a file
-    that is none (or cannot be read: its loader says why)."""
-    try:
-        return read_export_info(path).get("kind")
-    except DualsegError:
-        return None
+        raise CheckpointError(f"{model_path} is not an exported embedding model")
+    runner = Runner(model_path, info.get("input_size"), providers, threads)
+    return ExportedRefiner(runner, sidecar, source=str(sidecar_path))

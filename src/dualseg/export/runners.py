@@ -2,15 +2,15 @@
 
 ONNX ``metadata_props`` ``dualseg.<key>`` (JSON values) and TorchScript
 ``_extra_files["dualseg.json"]`` are both read by :func:`read_export_info` (a TorchScript file
-is a zip archive, so no torch is needed to read it). :func:`_open_runner` gives a callable
+is a zip archive, so no torch is needed to read it). :func:`open_runner` gives a callable
 ``float32 [B,3,H,W] -> float32 output`` through onnxruntime (no torch) or TorchScript.
 """
 
 from __future__ import annotations
 
 import importlib
+import io
 import json
-import numbers
 import os
 import zipfile
 from collections.abc import Sequence
@@ -22,16 +22,16 @@ import numpy as np
 
 from dualseg.errors import CheckpointError, ConfigError, DualsegError
 from dualseg.imaging import as_rgb
-from dualseg.serialization import read_torchscript_meta
+from dualseg.serialization import read_torchscript_meta, torch_file_format
 
 EXPORT_FORMAT = "dualseg-export/1"
 REFINER_FORMAT = "dualseg-refiner-export/1"
 META_PREFIX = "dualseg."
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 def import_extra(module: str) -> Any:
-    """Import an optional package of the ``export`` extra (``onnx``, ``onnxruntime``,
-    ``onnxscript``); missing, it is one :class:`DualsegError` line naming the extra."""
+    """Import a package of the ``export`` extra; missing, one line naming the extra."""
     try:
         return importlib.import_module(module)
     except ImportError as err:
@@ -45,8 +45,8 @@ def import_extra(module: str) -> Any:
 
 @dataclass(frozen=True)
 class ExportMeta:
-    """The dataset description of an exported model (the fields of ``DatasetMeta`` that
-    inference uses; a separate class so that this module does not import torch)."""
+    """The dataset description of an exported model (``DatasetMeta``'s inference fields,
+    without importing torch)."""
 
     name: str
     class_names: tuple[str, ...]
@@ -58,21 +58,57 @@ class ExportMeta:
         return len(self.class_names)
 
 
+def _starts_as_zip(path: Path) -> bool:
+    """The zip signature: TorchScript or torch.save, even cut short (``zipfile.is_zipfile``
+    looks for the central directory at the end)."""
+    with open(path, "rb") as f:
+        return f.read(4) == ZIP_MAGIC
+
+
 def refiner_sidecar_path(model_path: str | os.PathLike[str]) -> Path:
     """The JSON beside an exported embedding model: ``refiner.onnx`` -> ``refiner.json``."""
     return Path(model_path).with_suffix(".json")
 
 
-def _is_torchscript(path: Path) -> bool:
-    """A zip archive: TorchScript (ONNX files are protobuf); never handed to onnxruntime."""
-    return zipfile.is_zipfile(path)
+def _torchscript_info(path: Path) -> dict[str, Any]:
+    info = read_torchscript_meta(path)
+    if info is None:  # a zip, but no TorchScript archive: a torch.save file, say
+        kind = torch_file_format(path)  # "": unreadable (cut short); None: not dualseg's
+        if kind == "":
+            what = "a zip archive that cannot be read (cut short?); export it again"
+        elif kind is not None and kind.startswith("dualseg-refiner"):
+            what = "a method-B refiner: pass it as --refiner"
+        else:
+            what = "a PyTorch file (a checkpoint? pass it as -c)"
+        raise CheckpointError(f"{path} is no exported model: {what}")
+    if not info:
+        raise CheckpointError(
+            f"{path} is a TorchScript file without dualseg metadata; export it with "
+            "'dualseg export'"
+        )
+    return info
 
 
-def _starts_as_zip(path: Path) -> bool:
-    """The zip local-file signature: a TorchScript or torch.save file, even one cut short (its
-    central directory, at the end, is what ``zipfile.is_zipfile`` looks for)."""
-    with open(path, "rb") as f:
-        return f.read(4) == b"PK\x03\x04"
+def _onnx_info(path: Path) -> dict[str, Any]:
+    ort = import_extra("onnxruntime")
+    try:
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    except Exception as err:  # onnxruntime raises its own exception types
+        raise CheckpointError(
+            f"{path} is not a readable ONNX model ({str(err).splitlines()[0]}); "
+            "re-export it with 'dualseg export'"
+        ) from err
+    info = {}
+    for key, text in sess.get_modelmeta().custom_metadata_map.items():
+        if key.startswith(META_PREFIX):
+            try:
+                info[key.removeprefix(META_PREFIX)] = json.loads(text)
+            except ValueError:
+                raise CheckpointError(
+                    f"{path}: its metadata {key} is not valid JSON ({text[:40]!r}); re-export "
+                    "it with 'dualseg export'"
+                ) from None
+    return info
 
 
 def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -86,56 +122,15 @@ def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
         )
     if not path.is_file():
         raise CheckpointError(f"exported model not found: {path} (check the path)")
-    if not _is_torchscript(path) and _starts_as_zip(path):  # else read as ONNX, and blamed so
+    if zipfile.is_zipfile(path):
+        info = _torchscript_info(path)
+    elif _starts_as_zip(path):
         raise CheckpointError(
             f"{path} is a zip archive (TorchScript or PyTorch) that cannot be read: cut short? "
             "Copy or export it again"
         )
-    if _is_torchscript(path):
-        info = read_torchscript_meta(path)
-        if info is None:  # a zip, but no TorchScript archive: a torch.save file, say
-            from dualseg.serialization import torch_file_format
-
-            kind = torch_file_format(path)  # "": unreadable (cut short); None: not dualseg's
-            if kind == "":
-                what = "a zip archive that cannot be read (cut short?); export it again"
-            elif kind is not None and kind.startswith("dualseg-refiner"):
-                what = "a method-B refiner: pass it as --refiner"
-            else:
-                what = (
-                    "a PyTorch file (a checkpoint? pass it as -c), or export one with "
-                    "'dualseg export'"
-                )
-
-            raise CheckpointError(f"{path} is no exported model: {what}")
-        if not info:
-            raise CheckpointError(
-                f"{path} is a TorchScript file without dualseg metadata; export it with "
-                "'dualseg export'"
-            )
     else:
-        ort = import_extra("onnxruntime")
-
-        try:
-            meta = ort.InferenceSession(
-                str(path), providers=["CPUExecutionProvider"]
-            ).get_modelmeta()
-        except Exception as err:  # onnxruntime raises its own exception types
-            raise CheckpointError(
-                f"{path} is not a readable ONNX model ({str(err).splitlines()[0]}); "
-                "re-export it with 'dualseg export'"
-            ) from err
-        info = {}
-        for key, text in meta.custom_metadata_map.items():
-            if not key.startswith(META_PREFIX):
-                continue
-            try:
-                info[key[len(META_PREFIX) :]] = json.loads(text)
-            except ValueError:
-                raise CheckpointError(
-                    f"{path}: its metadata {key} is not valid JSON ({text[:40]!r}); re-export "
-                    "it with 'dualseg export'"
-                ) from None
+        info = _onnx_info(path)
     if info.get("format") != EXPORT_FORMAT:
         raise CheckpointError(
             f"{path} carries no dualseg export metadata (format {info.get('format')!r}, "
@@ -149,32 +144,6 @@ def is_exported_torchscript(path: Path) -> bool:
     return path.is_file() and bool(read_torchscript_meta(path))
 
 
-# ----------------------------------------------------------------------------- runners
-class _OnnxRunner:
-    """``image batch float32 [B,3,H,W] -> output float32`` through onnxruntime."""
-
-    def __init__(self, path: Path, providers: Sequence[str] | None, threads: int | None) -> None:
-        ort = import_extra("onnxruntime")
-
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = int(threads)
-        self.session = ort.InferenceSession(
-            str(path), sess_options=opts, providers=list(providers or ["CPUExecutionProvider"])
-        )
-        first = self.session.get_inputs()[0]
-        self.input_name = first.name
-        # A static export (no --dynamic) takes one image size: other sizes are resized to it
-        # (callers that sample the output at their own pixel grid, as the refiner does, work).
-        hw = first.shape[2:]
-        self.static_hw = tuple(hw) if all(isinstance(d, int) for d in hw) else None
-
-    def __call__(self, x: np.ndarray) -> np.ndarray:
-        if self.static_hw is not None and tuple(x.shape[-2:]) != self.static_hw:
-            x = _resize_chw_batch(x, self.static_hw)
-        return self.session.run(None, {self.input_name: np.ascontiguousarray(x, np.float32)})[0]
-
-
 def _resize_chw_batch(x: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     """Bilinear resize of a float ``[B,C,H,W]`` batch to ``hw`` (OpenCV, no torch)."""
     import cv2
@@ -186,67 +155,74 @@ def _resize_chw_batch(x: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     )  # fmt: skip
 
 
-class _TorchScriptRunner:
-    """The same with a TorchScript file (imports torch)."""
+class Runner:
+    """``image batch float32 [B,3,H,W] -> output float32`` through onnxruntime (no torch) or
+    a TorchScript module. A static export (``static_hw``) runs every batch at its one size:
+    other sizes are resized to it (callers sample the output at their own pixel grid)."""
 
-    def __init__(self, path: Path, device: str = "cpu", threads: int | None = None) -> None:
-        import warnings
+    def __init__(
+        self,
+        source: Path | bytes,
+        static_hw: Sequence[int] | None = None,
+        providers: Sequence[str] | None = None,
+        threads: int | None = None,
+    ) -> None:
+        from dualseg.engine.config import MAX_THREADS  # the cap the CLI's --threads has too
 
-        import torch
+        if threads is not None and (
+            isinstance(threads, bool)
+            or not isinstance(threads, int | np.integer)
+            or not 0 <= threads <= MAX_THREADS
+        ):
+            raise ConfigError(
+                f"threads must be None or an int 0..{MAX_THREADS} (None or 0: the runtime's "
+                f"default), got {threads!r}"
+            )
+        self.threads = int(threads) if threads else None
+        self.static_hw = tuple(int(v) for v in static_hw) if static_hw else None
+        data = source if isinstance(source, bytes) else None
+        self.module: Any = None
+        is_zip = data[:4] == ZIP_MAGIC if data is not None else _starts_as_zip(Path(source))
+        if is_zip:  # TorchScript
+            import warnings
 
-        from dualseg.serialization import read_torchscript_meta
+            import torch
 
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*is deprecated.*")
-            self.module = torch.jit.load(str(path), map_location=device).eval()
-        self.device = device
-        # a static export runs at its exported size, as the ONNX runner's does (a TorchScript
-        # trace would run other sizes too, and answer otherwise than its ONNX twin)
-        size = (read_torchscript_meta(path) or {}).get("input_size")
-        self.static_hw = tuple(int(v) for v in size) if size else None
-        # as onnxruntime's intra-op threads: torch's, for each run only (the count is global)
-        self.threads = threads
+            with warnings.catch_warnings():  # torch.jit is deprecated, still supported
+                warnings.filterwarnings("ignore", message=".*is deprecated.*")
+                self.module = torch.jit.load(io.BytesIO(data) if data else str(source)).eval()
+            return
+        ort = import_extra("onnxruntime")
+        opts = ort.SessionOptions()
+        if self.threads:
+            opts.intra_op_num_threads = self.threads
+        self.session = ort.InferenceSession(
+            data if data is not None else str(source),
+            sess_options=opts,
+            providers=list(providers or ["CPUExecutionProvider"]),
+        )
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
-        import torch
-
         if self.static_hw is not None and tuple(x.shape[-2:]) != self.static_hw:
             x = _resize_chw_batch(x, self.static_hw)
+        x = np.ascontiguousarray(x, np.float32)
+        if self.module is None:
+            return self.session.run(None, {"image": x})[0]
+        import torch
+
         before = torch.get_num_threads()
-        if self.threads:
+        if self.threads:  # as onnxruntime's intra-op threads: for this run only
             torch.set_num_threads(self.threads)
         try:
             with torch.no_grad():
-                x_t = torch.from_numpy(np.ascontiguousarray(x, np.float32)).to(self.device)
-                out = self.module(x_t)
+                return self.module(torch.from_numpy(x)).float().numpy()
         finally:
-            if torch.get_num_threads() != before:
-                torch.set_num_threads(before)
-        return out.float().cpu().numpy()
+            torch.set_num_threads(before)
 
 
-def _open_runner(path: Path, providers: Sequence[str] | None, threads: int | None) -> Any:
-    from dualseg.engine.config import MAX_THREADS  # the one cap the CLI's --threads has too
-
-    if threads is not None and (
-        isinstance(threads, bool)
-        or not isinstance(threads, numbers.Integral)
-        or not 0 <= threads <= MAX_THREADS
-    ):
-        raise ConfigError(
-            f"threads must be None or an int 0..{MAX_THREADS} (None or 0: the runtime's "
-            f"default), got {threads!r}"
-        )
-    threads = int(threads) if threads else None  # numpy ints too; 0: default
-    if _is_torchscript(path):
-        return _TorchScriptRunner(path, threads=threads)
-    return _OnnxRunner(path, providers, threads)
-
-
-# ----------------------------------------------------------------------------- images
 def _as_rgb(image: Any) -> np.ndarray:
-    """uint8 ``HxWx3`` from a path, PIL image or numpy array (torch-free,
-    :func:`dualseg.imaging.as_rgb`); a tensor goes through the engine's ``as_rgb_array``."""
+    """uint8 ``HxWx3`` from a path, PIL image or numpy array (torch-free); a tensor goes
+    through the engine's ``as_rgb_array``."""
     if hasattr(image, "detach"):
         from dualseg.engine.predict import as_rgb_array  # tensors: torch is loaded anyway
 

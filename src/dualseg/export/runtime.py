@@ -1,26 +1,14 @@
 """Run exported models: onnxruntime (no torch) or TorchScript, with the metadata they carry.
 
-- :class:`OnnxSegmenter` — method A's exported network with the engine ``Segmenter``'s
-  interface (``predict``, ``predict_proba``, ``predict_batch``, ``meta``, ``num_classes``,
-  ``class_names``), so ``dualseg predict --onnx`` and ``dualseg serve --onnx`` can use it.
-  Importing this module and running an ONNX model on numpy arrays, PIL images or image files
-  never imports torch.
-- :func:`load_exported_refiner` — method B from an exported embedding model plus its JSON
-  sidecar (prototypes, configuration), with ``BoundaryRefiner.refine``'s contract. The
-  embedding runs in onnxruntime; the configuration (``RefinerConfig``) and P2-P5 are
-  ``BoundaryRefiner``'s own code from ``dualseg.refine``, which imports torch.
-
-This module gathers them; the code is in :mod:`~dualseg.export.runners` (metadata, runners),
-:mod:`~dualseg.export.exported_segmenter` and :mod:`~dualseg.export.exported_refiner`.
-
-Export metadata: ONNX ``metadata_props`` ``dualseg.<key>`` (JSON values), TorchScript
-``_extra_files["dualseg.json"]``; both read by :func:`read_export_info` (torch-free: a
-TorchScript file is a zip archive).
+- :class:`OnnxSegmenter` / :class:`ExportedSegmenter`: method A's exported network with the
+  engine ``Segmenter``'s interface; an ONNX model on arrays, PIL images or files never
+  imports torch.
+- :func:`load_exported_refiner`: method B from an exported embedding model and its JSON
+  sidecar, with ``BoundaryRefiner.refine``'s contract.
+- :func:`read_export_info`: the metadata of an ONNX or TorchScript export (torch-free).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from dualseg.export.exported_refiner import ExportedRefiner, load_exported_refiner
 from dualseg.export.exported_segmenter import ExportedSegmenter, OnnxSegmenter
@@ -51,19 +39,3 @@ __all__ = [
     "read_export_info",
     "refiner_sidecar_path",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "load_refiner":  # deprecated alias: the refine command owns it now
-        import warnings
-
-        from dualseg.commands.refine import load_refiner
-
-        warnings.warn(
-            "dualseg.export.runtime.load_refiner moved to dualseg.commands.refine.load_refiner "
-            "(the old path goes in dualseg 0.2)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return load_refiner
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
