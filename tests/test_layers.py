@@ -25,16 +25,13 @@ SHIMS = {
     "dualseg.engine.cli_eval": "dualseg.commands.eval",
     "dualseg.engine.cli_predict": "dualseg.commands.predict",
     "dualseg.engine.demo": "dualseg.commands.demo",
-    "dualseg.refine.cli": "dualseg.commands.refine",
     "dualseg.export.cli": "dualseg.commands.export",
     "dualseg.serve.cli": "dualseg.commands.serve",
     "dualseg.data.cli": "dualseg.commands.data",
 }
 HELPERS = {"dualseg._deprecated"}  # what the shims share
 # deprecated aliases inside a library module: (module, imported module) -> why
-ALLOWED = {
-    ("dualseg.export.runtime", "dualseg.commands.refine"): "load_refiner alias, goes in 0.2",
-}
+ALLOWED: dict[tuple[str, str], str] = {}
 
 
 def layer_table() -> dict[str, int]:
@@ -124,11 +121,3 @@ def test_old_command_paths_warn_and_reexport(old):
     for name in dir(new):  # everything the command module has, the old path still has
         if not name.startswith("__"):
             assert getattr(module, name) is getattr(new, name)
-
-
-def test_runtime_load_refiner_alias_warns_and_is_the_command_helper():
-    from dualseg.commands.refine import load_refiner
-    from dualseg.export import runtime
-
-    with pytest.warns(DeprecationWarning, match="dualseg.commands.refine"):
-        assert runtime.load_refiner is load_refiner

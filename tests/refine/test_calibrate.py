@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dualseg.commands.refine import format_sweep
+from dualseg.refine.fit_run import format_sweep
 from dualseg.errors import ConfigError
 from dualseg.refine.calibrate import choose_decision, decision_grid, sweep_decision
 from dualseg.refine.decision import (

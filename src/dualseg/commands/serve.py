@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             segmenter = InferenceSegmenter(segmenter, opts)
     refiner = None
     if args.refiner:
-        from dualseg.commands.refine import load_refiner
+        from dualseg.export.runtime import load_refiner
 
         refiner = load_refiner(args.refiner, device=device)  # create_app checks its classes
     app = create_app(

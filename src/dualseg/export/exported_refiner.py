@@ -2,7 +2,7 @@
 
 ``BoundaryRefiner.refine``'s contract (P2-P5) with prototypes and configuration from the
 sidecar. The embedding runs in onnxruntime (or TorchScript); the configuration
-(``RefinerConfig``) and P2-P5 themselves (:func:`dualseg.refine.refiner.relabel`) are
+(``RefinerConfig``) and P2-P5 themselves (:func:`dualseg.refine.relabel.relabel`) are
 ``BoundaryRefiner``'s, from ``dualseg.refine`` (which imports torch), so the two cannot drift.
 """
 
@@ -31,14 +31,14 @@ from dualseg.imaging import normalize
 # ----------------------------------------------------------------------------- refiner
 class ExportedRefiner:
     """Method B from an exported embedding model + sidecar; ``BoundaryRefiner.refine``'s
-    contract and its very P2-P5 code (:func:`dualseg.refine.refiner.relabel`), with the
+    contract and its very P2-P5 code (:func:`dualseg.refine.relabel.relabel`), with the
     embedding computed by onnxruntime (or TorchScript)."""
 
     def __init__(self, runner: Any, sidecar: Mapping[str, Any], *, source: str = "") -> None:
         self.runner = runner
         self.source = source
+        from dualseg.refine.config import RefinerConfig  # the same options as BoundaryRefiner
         from dualseg.refine.formats import stored_description
-        from dualseg.refine.refiner import RefinerConfig  # the same options as BoundaryRefiner
 
         described = stored_description(sidecar, source)
         self.class_names = tuple(described["class_names"])
@@ -63,7 +63,7 @@ class ExportedRefiner:
 
     def calibration_note(self) -> str | None:
         """As :meth:`BoundaryRefiner.calibration_note`."""
-        from dualseg.refine.refiner import calibration_note
+        from dualseg.refine.calibrate import calibration_note
 
         return calibration_note(self.calibration, self.config)
 
@@ -81,7 +81,7 @@ class ExportedRefiner:
         self, base_names: Sequence[str] | None, num_classes: int, *, what: str = "the base model"
     ) -> None:
         """Raise :class:`CheckpointError` when the base model's classes are not the refiner's."""
-        from dualseg.refine.refiner import check_classes
+        from dualseg.refine.inputs import check_classes
 
         check_classes(self.class_names, base_names, num_classes, what=what)
 
@@ -110,7 +110,7 @@ class ExportedRefiner:
                 "features; pass features=None, or use the refiner file from 'dualseg refine fit'"
             )
         if _is_batch(images):  # as BoundaryRefiner's batch form: normalized floats only
-            from dualseg.refine.refiner import check_normalized_batch
+            from dualseg.refine.inputs import check_normalized_batch
 
             check_normalized_batch(images)
         p = _numpy(probs)
@@ -133,7 +133,7 @@ class ExportedRefiner:
 
         from dualseg.refine.decision import prototype_scale
         from dualseg.refine.embedding import p1_filter
-        from dualseg.refine.refiner import prototype_scores, relabel  # BoundaryRefiner's P2-P5
+        from dualseg.refine.relabel import prototype_scores, relabel  # BoundaryRefiner's P2-P5
 
         if probs.ndim != 4 or x.shape[0] != probs.shape[0] or x.shape[-2:] != probs.shape[-2:]:
             raise DataError(
@@ -211,7 +211,7 @@ def load_exported_refiner(
             raise CheckpointError(
                 f"{path} is a PyTorch file, not an exported refiner (no {sidecar_path.name} "
                 "beside it): open a refiner that 'dualseg refine fit' wrote with "
-                "BoundaryRefiner.load (or dualseg.commands.refine.load_refiner), or export it "
+                "BoundaryRefiner.load (or dualseg.export.runtime.load_refiner), or export it "
                 "with 'dualseg export --refiner'"
             )
         raise CheckpointError(

@@ -20,6 +20,8 @@ TorchScript file is a zip archive).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 from dualseg.export.exported_refiner import ExportedRefiner, load_exported_refiner
@@ -48,22 +50,19 @@ __all__ = [
     "import_extra",
     "is_exported_torchscript",
     "load_exported_refiner",
+    "load_refiner",
     "read_export_info",
     "refiner_sidecar_path",
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "load_refiner":  # deprecated alias: the refine command owns it now
-        import warnings
+def load_refiner(path: str | os.PathLike[str], *, device: Any = "cpu") -> Any:
+    """Either refiner: a ``dualseg refine fit`` file or folder (``BoundaryRefiner.load``) or
+    an exported one (its ``.json`` sidecar, ``.onnx`` model or exported TorchScript ``.pt``):
+    what ``--refiner`` accepts in ``refine apply``, ``eval`` and ``serve``."""
+    from dualseg.refine import BoundaryRefiner
 
-        from dualseg.commands.refine import load_refiner
-
-        warnings.warn(
-            "dualseg.export.runtime.load_refiner moved to dualseg.commands.refine.load_refiner "
-            "(the old path goes in dualseg 0.2)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return load_refiner
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    p = Path(path)
+    if p.suffix.lower() in (".json", ".onnx") or is_exported_torchscript(p):
+        return load_exported_refiner(p)
+    return BoundaryRefiner.load(path, device=device)  # as given: Path() would break hf://

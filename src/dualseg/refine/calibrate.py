@@ -193,3 +193,17 @@ def calibrated_on(calibration: Mapping[str, Any] | None, images: Sequence[Any]) 
         return None
     chosen_on = set(digests)
     return sum(file_digest(image) in chosen_on for image in images)
+
+
+def calibration_note(calibration: Mapping[str, Any] | None, config: Any) -> str | None:
+    """A warning when the held-out check at fit time found that refinement did not help the
+    base model it was calibrated on (then the chosen gate 0 changes no pixel)."""
+    if calibration is None or config.gate_margin != 0:
+        return None
+    metric = calibration.get("metric", "miou")
+    by = "" if metric == "miou" else f" ({metric})"
+    return (
+        f"this refiner's held-out check ({calibration['images']} images of split "
+        f"{calibration['split']!r}) found that refinement did not help{by} the base "
+        "model it was fit for: its gate_margin is 0 and it changes no pixel"
+    )

@@ -20,20 +20,15 @@ the collapse that always taking the hardest negative causes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypedDict
+from typing import TypedDict
 
 import torch
 from torch import Tensor
 
 from dualseg.errors import ConfigError
 from dualseg.refine.boundary import near_boundary_mask
+from dualseg.refine.config import MINING, REDUCTIONS, RefinerConfig
 from dualseg.refine.embedding import EmbeddingNet, embed_pixels
-
-if TYPE_CHECKING:  # pragma: no cover
-    from dualseg.refine.refiner import RefinerConfig
-
-REDUCTIONS = ("all", "violating")
-MINING = ("random", "semi-hard")
 
 
 class TripletStats(TypedDict):

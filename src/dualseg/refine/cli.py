@@ -1,5 +1,0 @@
-"""Deprecated alias of :mod:`dualseg.commands.refine` (moved there; this module goes in 0.2)."""
-
-from dualseg._deprecated import moved
-
-main, __getattr__ = moved(__name__, "dualseg.commands.refine")
