@@ -8,21 +8,32 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from dualseg.augment_defaults import check_augment_settings
 from dualseg.commands import common as c
-from dualseg.commands.predict import add_dataset_check_options
+from dualseg.commands import predict
 from dualseg.console import ArgumentParser, argparse_kwargs, track
+from dualseg.data.presets import require_same_classes
 from dualseg.data.transforms import SCALE_RANGE
-from dualseg.errors import ConfigError, DataError, DualsegError, OutputError
+from dualseg.engine.predict import as_rgb_array
+from dualseg.errors import ConfigError, DataError, DualsegError
+from dualseg.export.runtime import load_refiner
+from dualseg.imaging import normalize
+from dualseg.io import atomic_save_image, check_writable
+from dualseg.refine import BoundaryRefiner, fit_run
+from dualseg.refine.apply_run import base_scores, configure, top_n_over_classes
+from dualseg.refine.base import load_base
 from dualseg.refine.boundary import MAX_RADIUS
+from dualseg.refine.calibrate import METRICS
 from dualseg.refine.config import OptionError, RefinerConfig
+from dualseg.viz import default_palette
 
 
 def radius_arg(text: str) -> int:
@@ -36,7 +47,7 @@ PARSED = {"radius": radius_arg, "top_n": c.positive_int}
 
 def add_config_flags(p: argparse.ArgumentParser) -> None:
     """One flag per :class:`RefinerConfig` field: ``--embed-dim`` for ``embed_dim``."""
-    for f in dataclasses.fields(RefinerConfig):
+    for f in fields(RefinerConfig):
         kind = float if f.type == float | None else f.type
         kw: dict[str, Any] = {"type": PARSED.get(f.name, kind), "default": f.default}
         if f.type == tuple[int, ...]:
@@ -49,8 +60,6 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_fit(sub: argparse._SubParsersAction) -> None:
-    from dualseg.refine.calibrate import METRICS
-
     p = sub.add_parser(
         "fit",
         help="train the re-optimization model and compute class prototypes",
@@ -79,7 +88,7 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         "backbone name), or random (imagenet)")  # fmt: skip
     add("--weights", help="ImageNet weight file for the backbone (default: resolved)")
     add("--calibrate-split", help="a labelled split of --data held out of --split: sweep the "
-        "decision options on it with --base and keep the best (gate 0 = never relabel)")  # fmt: skip
+        "decision options on it with --base, keep the best (gate 0: never relabel)")  # fmt: skip
     add("--calibrate-metric", choices=METRICS, default=METRICS[0],
         help=f"what --calibrate-split maximizes ({METRICS[0]})")  # fmt: skip
     add_config_flags(p)
@@ -93,7 +102,7 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     add("--checkpoint-every", type=c.positive_int, default=200, help="steps between saves (200)")
     add("--resume", action="store_true", help="continue from --checkpoint")
     add("--overwrite", action="store_true",
-        help="replace an existing --out and its --checkpoint with a new fit from step 0")  # fmt: skip
+        help="replace an existing --out and its --checkpoint with a new fit")  # fmt: skip
     c.add_quiet_arg(p)
     add("--no-progress", action="store_true", help="no progress bar (see --quiet)")
     add("--log-every", type=c.nonnegative_int, default=50,
@@ -101,8 +110,6 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_apply(sub: argparse._SubParsersAction) -> None:
-    from dualseg.commands.predict import add_inference_arguments
-
     p = sub.add_parser(
         "apply",
         help="refine a base model's segmentation of images",
@@ -117,18 +124,16 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
     add("inputs", nargs="+", metavar="INPUT", help="image files, folders or globs")
     add("--refiner", "-r", required=True, help="refiner file from 'refine fit', or an exported "
         "one ('dualseg export --refiner': its .onnx/.json pair or TorchScript .pt)")  # fmt: skip
-    add(
-        "--base", "-b", required=True, help="dualseg checkpoint or 'dualseg predict --probs' folder"
-    )
+    add("--base", "-b", required=True, help="checkpoint or 'dualseg predict --probs' folder")
     add("--out", "-o", required=True, help="output folder")
     c.add_overwrite_arg(p, what="output files in --out")
-    add_dataset_check_options(p)
+    predict.add_dataset_check_options(p)
     add("--top-n", type=c.positive_int, help="override the refiner's Top-N")
     add("--radius", type=radius_arg, help="override the refiner's near-boundary radius")
     c.add_runtime_args(p)
     c.add_quiet_arg(p)
     add("--alpha", type=c.fraction, default=0.5, help="overlay opacity, 0-1 (0.5)")
-    add_inference_arguments(p)  # how a checkpoint base runs; the refiner gets its (TTA) scores
+    predict.add_inference_arguments(p)  # how a checkpoint base runs; the refiner reads its scores
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,38 +158,38 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------------- fit
-def fit_main(args: argparse.Namespace) -> int:
-    from dualseg.augment_defaults import check_augment_settings
-    from dualseg.data.presets import require_same_classes
-    from dualseg.io import check_writable
-    from dualseg.refine import BoundaryRefiner, fit_run
-    from dualseg.refine.base import load_base
-
+def check_fit(args: argparse.Namespace) -> tuple[RefinerConfig, str, Path, Path]:
+    """``refine fit``'s refusals before any data is read: ``(config, split, out, checkpoint)``."""
     try:
-        cfg = RefinerConfig(
-            **{f.name: getattr(args, f.name) for f in dataclasses.fields(RefinerConfig)}
-        )
+        cfg = RefinerConfig(**{f.name: getattr(args, f.name) for f in fields(RefinerConfig)})
     except OptionError as err:  # named as the command line gives it
         raise ConfigError(err.named(f"--{err.option.replace('_', '-')}")) from None
     if cfg.top_n == 1:
         note("fit", "--top-n 1 leaves each pixel one candidate, the base's label: this refiner "
              "can change no pixel (refine apply --top-n overrides it)")  # fmt: skip
     split = c.split_of(args.data, args.split, default="train")
+    names = {"crop_size": "--crop-size", "scale_range": "--scale-range"}
     check_augment_settings(crop_size=tuple(args.crop_size), scale_range=tuple(args.scale_range),
-                           names={"crop_size": "--crop-size", "scale_range": "--scale-range"})  # fmt: skip
+                           names=names)  # fmt: skip
     fit_run.check_options(cfg, split=split, calibrate_split=args.calibrate_split,
                           crop_size=args.crop_size, weights=args.weights,
                           init_backbone=args.init_backbone, has_base=args.base is not None)  # fmt: skip
-    out = check_writable(args.out, kind="file", what="--out")
-    checkpoint = Path(args.checkpoint) if args.checkpoint else out.with_suffix(".train.pt")
-    check_writable(checkpoint, kind="file", what="--checkpoint")
-    if out.resolve() == checkpoint.resolve():  # found at the first save, after the whole fit
-        raise ConfigError(
-            f"--checkpoint {checkpoint} is --out: the training state and the refiner need two "
-            "files; drop --checkpoint (default: <out>.train.pt) or name another"
-        )
-    check_fit_files(out, checkpoint, base=args.base, data=args.data, layout=args.layout)
+    out, checkpoint = fit_run.fit_paths(args.out, args.checkpoint)
+    # never the --base model or a file of the dataset, even with --overwrite
+    protected = [
+        (f"a file of the dataset {args.data}", c.dataset_files(args.data, layout=args.layout))
+    ]
+    if args.base is not None and Path(args.base).is_file():
+        protected.insert(0, ("the --base model", [Path(args.base)]))
+    for path, what in ((out, "--out"), (checkpoint, "--checkpoint")):
+        c.check_outputs([path], overwrite=True, protected=protected, what=what)
+    fit_run.check_fit_targets(out, checkpoint)
     fit_run.check_earlier_fit(out, checkpoint, resume=args.resume, overwrite=args.overwrite)
+    return cfg, split, out, checkpoint
+
+
+def fit_main(args: argparse.Namespace) -> int:
+    cfg, split, out, checkpoint = check_fit(args)
     device = c.apply_runtime(args)
     base = None if args.base is None else load_base(args.base, device=device)
     # the labels read as the base was trained, as eval reads them
@@ -199,158 +204,68 @@ def fit_main(args: argparse.Namespace) -> int:
                                 proto_images=args.proto_images,
                                 calibrate_split=args.calibrate_split)  # fmt: skip
     class_names = data.train.meta.class_names
-    if cfg.top_n != RefinerConfig.top_n:  # the default on a few-class dataset says nothing
-        note_top_n_over_classes("fit", cfg.top_n, len(class_names))
+    if cfg.top_n != RefinerConfig.top_n and cfg.top_n > len(class_names):  # not the default
+        note("fit", top_n_over_classes(cfg.top_n, len(class_names)))
     if base is not None and base.class_names is not None:
         require_same_classes(tuple(base.class_names), tuple(class_names),
                              model=f"the base model {args.base}", data=f"{args.data}")  # fmt: skip
-    files = None if data.held_out is None else held_out_names(data.held_out)
-    if files is not None and hasattr(base, "require"):  # a probability folder: before the fit
-        base.require([name for _, name in files], [str(path) for path, _ in files])
-    from_base = args.init_backbone == "base" or cfg.backbone_source != "independent"
-    if from_base and not hasattr(base, "module"):
-        raise ConfigError(
-            "--init-backbone base / --backbone-source base-* need --base to be a dualseg checkpoint"
-        )
-    weights = None if args.init_backbone == "none" else (args.weights or "imagenet")
-    if from_base:
-        weights = args.weights  # ImageNet first only when a file is given explicitly
+    files = None
+    if data.held_out is not None:  # named as predict names them: how a folder base finds them
+        files = c.unique_names([(Path(i), Path(i).stem) for i, _ in data.held_out.samples])
+        if hasattr(base, "require"):  # a probability folder: every map, before the fit
+            base.require([name for _, name in files], [str(path) for path, _ in files])
+    weights, init_from = fit_run.backbone_init(args.init_backbone, args.weights,
+                                               cfg.backbone_source, base)  # fmt: skip
     inputs = fit_run.fit_inputs(args.data, **where, crop_size=args.crop_size, labels=labels,
                                 scale_range=args.scale_range,
-                                base=args.base if from_base else None)  # fmt: skip
+                                base=None if init_from is None else args.base)  # fmt: skip
     if args.overwrite:  # every input checked: the earlier fit's state goes now
         checkpoint.unlink(missing_ok=True)
     mode = "off" if args.no_progress else c.mode_of(args)
     with c.autocast(args, device):
         refiner = BoundaryRefiner.fit(
             data.train, class_names=class_names, config=cfg, prototype_dataset=data.prototypes,
-            weights=weights, init_from=base.module if from_base else None, device=device,
-            num_workers=args.workers, checkpoint=checkpoint,
-            checkpoint_every=args.checkpoint_every, resume=args.resume,
+            weights=weights, init_from=init_from, device=device, num_workers=args.workers,
+            checkpoint=checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
             time_budget_s=None if args.time_budget is None else 60 * args.time_budget,
             progress=mode == "bar", log_every=0 if mode == "off" else args.log_every,
             fit_inputs=inputs,
         )  # fmt: skip
     if data.held_out is not None:
-        print_calibration(refiner, base, data.held_out, files, args, device)
+        split, metric = args.calibrate_split, args.calibrate_metric
+        rows = fit_run.calibrate(refiner, base, data.held_out, files, split=split,
+                                 metric=metric, device=device)  # fmt: skip
+        print(fit_run.calibration_report(rows, refiner.config, split=split, metric=metric,
+                                         images=len(data.held_out)))  # fmt: skip
     refiner.save(out)
-    if refiner.history:
-        last = refiner.history[-1]
-        print(f"step {last['step']}: loss {last['loss']:.4f}, violating triplets "
-              f"{100 * last['violating']:.1f}%, mean margin {last['margin']:.3f}")  # fmt: skip
-    missing = [n for n, p in zip(class_names, refiner.present.tolist()) if not p]
-    print(f"refiner ({cfg.backbone}, C={cfg.embed_dim}, {refiner.num_classes} classes"
-          + (f"; no prototype for {missing}" if missing else "") + f") -> {out}")  # fmt: skip
+    print(fit_run.fit_summary(refiner, out))
     return 0
-
-
-def print_calibration(refiner: Any, base: Any, held_out: Any, files: Any, args: Any,
-                      device: Any) -> None:  # fmt: skip
-    from dualseg.refine.fit_run import calibrate, format_sweep
-
-    split, metric = args.calibrate_split, args.calibrate_metric
-    rows = calibrate(refiner, base, held_out, files, split=split, metric=metric, device=device)
-    print(f"decision sweep on {split} ({len(held_out)} held-out images):")
-    print(format_sweep(rows, metric=metric))
-    cfg = refiner.config
-    if cfg.gate_margin == 0:
-        print("chosen: gate_margin 0, never relabel (refinement did not help this base)")
-    else:
-        from dualseg.refine.calibrate import DECISION_KEYS
-
-        print("chosen: " + ", ".join(f"{k} {getattr(cfg, k)}" for k in DECISION_KEYS))
 
 
 def note(command: str, text: str) -> None:
     print(f"dualseg refine {command}: note: {text}", file=sys.stderr)
 
 
-def note_top_n_over_classes(command: str, top_n: int, num_classes: int) -> None:
-    """Top-N above the classes makes every class a candidate, as at Top-N = C."""
-    if top_n > num_classes:
-        note(command, f"Top-N {top_n} is more than the {num_classes} classes: every class is "
-             f"a candidate, as at Top-N {num_classes}")  # fmt: skip
-
-
-def held_out_names(held_out: Any) -> list[tuple[Path, str]]:
-    """``(path, name)`` of every held-out image, named as ``dualseg predict`` names outputs."""
-    return c.unique_names([(Path(image), Path(image).stem) for image, _ in held_out.samples])
-
-
-def check_fit_files(out: Path, checkpoint: Path, *, base: str | None, data: str,
-                    layout: str = "auto") -> None:  # fmt: skip
-    """Refuse, even with ``--overwrite``, an ``--out`` or ``--checkpoint`` that is the
-    ``--base`` model, a file of the ``--data`` dataset, or an existing file of another kind
-    than the one ``refine fit`` writes there (a refiner; its training state)."""
-    from dualseg.engine.checkpoint import FORMAT as MODEL_FORMAT
-    from dualseg.refine.formats import FORMAT, TRAIN_FORMAT
-    from dualseg.serialization import torch_file_format
-
-    protected = [(f"a file of the dataset {data}", c.dataset_files(data, layout=layout))]
-    if base is not None and Path(base).is_file():
-        protected.insert(0, ("the --base model", [Path(base)]))
-    kinds = ((out, "--out", FORMAT, "a method-B refiner"),
-             (checkpoint, "--checkpoint", TRAIN_FORMAT, "the training state of a refine fit"))  # fmt: skip
-    for path, what, fmt, kind in kinds:
-        c.check_outputs([path], overwrite=True, protected=protected, what=what)
-        found = torch_file_format(path) if path.is_file() else ""
-        if found not in (fmt, ""):
-            model = " (a dualseg model checkpoint: pass it as --base)"
-            model = model if found == MODEL_FORMAT else ""
-            raise OutputError(
-                f"{what} {path} exists and is not {kind}{model}; refine fit never writes over "
-                f"another kind of file, not even with --overwrite: choose another {what}"
-            )
-
-
 # ---------------------------------------------------------------------- apply
 def apply_main(args: argparse.Namespace) -> int:
-    from dualseg.commands import predict
-    from dualseg.engine.predict import as_rgb_array
-    from dualseg.export.runtime import load_refiner
-    from dualseg.imaging import normalize
-    from dualseg.io import atomic_save_image, check_writable
-    from dualseg.refine.base import OTHER_BASE, load_base, other_calibration_base
-    from dualseg.viz import default_palette
-
     opts = predict.inference_options(args)
     out = check_writable(args.out, kind="dir", what="--out")
     images = predict.collect_images(args.inputs, out=out, command="refine apply")
     kinds = ("labels", "color", "overlay", "changed")
-    predict.check_image_outputs(args, out, images, [(f, ".png") for f in kinds],
-                                command="refine apply")  # fmt: skip
+    predict.check_image_outputs(
+        args, out, images, [(f, ".png") for f in kinds], command="refine apply"
+    )
     device = c.apply_runtime(args)
     refiner = load_refiner(args.refiner, device=device)
     c.static_export_note(args.refiner, refiner, "refine")
     predict.check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
-    if text := refiner.calibration_note():
-        note("apply", text)
-    overrides = {k: getattr(args, k) for k in ("top_n", "radius") if getattr(args, k) is not None}
-    if overrides and refiner.calibration is not None:  # the sweep ran at the stored ones
-        stored = ", ".join(f"{k} {getattr(refiner.config, k)}" for k in overrides)
-        note("apply", f"{args.refiner}'s decision options were chosen (--calibrate-split) at "
-             f"{stored}; at other values they may no longer be the best")  # fmt: skip
-    refiner.config = dataclasses.replace(refiner.config, **overrides)
-    if "top_n" in overrides:  # the stored one was noted (if at all) by refine fit
-        note_top_n_over_classes("apply", refiner.config.top_n, refiner.num_classes)
-    if refiner.config.top_n == 1:
-        note("apply", "Top-N 1 leaves each pixel one candidate, the base's label: no pixel "
-             "can change")  # fmt: skip
     base = load_base(args.base, device=device)
-    if base.class_names is not None:
-        refiner.check_classes(base.class_names, len(base.class_names), what=str(args.base))
-    if other_calibration_base(refiner, getattr(base, "module", None)):
-        print(f"dualseg refine apply: warning: {OTHER_BASE.format(refiner=args.refiner)}",
-              file=sys.stderr)  # fmt: skip
+    augmented = opts.mode != "whole" or opts.uses_tta
+    for line in configure(refiner, base, top_n=args.top_n, radius=args.radius, augmented=augmented,
+                          refiner_name=args.refiner, base_name=str(args.base)):  # fmt: skip
+        print(f"dualseg refine apply: {line}", file=sys.stderr)
     if hasattr(base, "require"):  # a probability folder: every image's map, before any output
         base.require([name for _, name in images], [str(path) for path, _ in images])
-    augmented = opts.mode != "whole" or opts.uses_tta
-    if augmented and not hasattr(base, "module"):
-        raise ConfigError(
-            f"--mode slide and --tta-* run the base model, but --base {args.base} holds saved "
-            "probabilities; pass a checkpoint, or save them with 'dualseg predict --probs' "
-            "and the same options"
-        )
     # the base's colours, else those refine fit stored (an exported refiner has none)
     palette = base.palette or refiner.palette or default_palette(refiner.num_classes)
     changed_total = pixels_total = 0
@@ -369,7 +284,7 @@ def apply_main(args: argparse.Namespace) -> int:
                 continue
             x = torch.from_numpy(normalize([rgb])).to(device)
             with torch.no_grad(), c.autocast(args, device):
-                scores = base_scores(base, x, name, path, opts, augmented)
+                scores = base_scores(base, x, name, path, opts)
                 features = shared.take() if shared is not None else None
                 labels, changed = refiner.refine(x, scores, return_changed=True, features=features)
             predict.write_outputs(
@@ -387,16 +302,3 @@ def apply_main(args: argparse.Namespace) -> int:
     if failures:
         raise DataError(f"{len(failures)} of {len(images)} input image(s) could not be read")
     return 0
-
-
-def base_scores(base: Any, x: torch.Tensor, name: str, path: Path, opts: Any,
-                augmented: bool) -> torch.Tensor:  # fmt: skip
-    """The base's class scores for one image, with ``opts``' sliding window and TTA."""
-    from dualseg.engine.inference import infer_logits
-
-    scores = infer_logits(
-        lambda t: base.scores(t, [name] * t.shape[0], sources=[str(path)] * t.shape[0]),
-        x, mode=opts.mode, window=opts.window, stride=opts.stride, tta_scales=opts.tta_scales,
-        tta_flip=opts.tta_flip, tile_batch=opts.tile_batch,
-    ).float()  # fmt: skip
-    return scores.softmax(1) if augmented else scores  # the averaged log-probabilities came back

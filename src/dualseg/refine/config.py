@@ -82,7 +82,9 @@ class RefinerConfig:
     )
     # training BatchNorm needs more than one value per channel: one small crop shrinks to a
     # 1x1 map at the output stride ("Expected more than 1 value per channel when training")
-    batch_size: int = _opt(8, "crops per step", lambda v: v >= 2, ">= 2 (BatchNorm needs 2 or more crops)")
+    batch_size: int = _opt(
+        8, "crops per step", lambda v: v >= 2, ">= 2 (BatchNorm needs 2 or more crops)"
+    )
     optimizer: str = _choice("adamw", OPTIMIZERS, "optimizer")
     lr: float = _opt(1e-3, "learning rate", lambda v: 0 < v < math.inf, "> 0 and finite")
     weight_decay: float = _opt(1e-4, "weight decay", *_at_least(0))

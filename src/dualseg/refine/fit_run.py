@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from dualseg.errors import ConfigError, DataError, RunExistsError
+from dualseg.errors import ConfigError, DataError, OutputError, RunExistsError
 from dualseg.refine.calibrate import CLAIM_DECISION, DECISION_KEYS, choose_decision, sweep_decision
 from dualseg.refine.config import RefinerConfig
 from dualseg.refine.decision import describe_decision
@@ -106,6 +106,43 @@ def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: b
             f"{checkpoint} holds the training state of an earlier fit; continue it with "
             "--resume, start over with --overwrite, or choose another --out / --checkpoint"
         )
+
+
+def fit_paths(out: str, checkpoint: str | None) -> tuple[Path, Path]:
+    """The refiner file and its training state (default ``<out>.train.pt``), both writable."""
+    from dualseg.io import check_writable
+
+    target = check_writable(out, kind="file", what="--out")
+    state = Path(checkpoint) if checkpoint else target.with_suffix(".train.pt")
+    check_writable(state, kind="file", what="--checkpoint")
+    if target.resolve() == state.resolve():  # found at the first save, after the whole fit
+        raise ConfigError(
+            f"--checkpoint {state} is --out: the training state and the refiner need two "
+            "files; drop --checkpoint (default: <out>.train.pt) or name another"
+        )
+    return target, state
+
+
+def check_fit_targets(out: Path, checkpoint: Path) -> None:
+    """Refuse an existing ``out`` or ``checkpoint`` of another kind than refine fit writes
+    there (a refiner; its training state), even with ``--overwrite``."""
+    from dualseg.engine.checkpoint import FORMAT as MODEL_FORMAT
+    from dualseg.refine.formats import FORMAT, TRAIN_FORMAT
+    from dualseg.serialization import torch_file_format
+
+    kinds = (
+        (out, "--out", FORMAT, "a method-B refiner"),
+        (checkpoint, "--checkpoint", TRAIN_FORMAT, "the training state of a refine fit"),
+    )
+    for path, what, fmt, kind in kinds:
+        found = torch_file_format(path) if path.is_file() else ""
+        if found not in (fmt, ""):
+            model = " (a dualseg model checkpoint: pass it as --base)"
+            raise OutputError(
+                f"{what} {path} exists and is not {kind}{model if found == MODEL_FORMAT else ''};"
+                f" refine fit never writes over another kind of file, not even with "
+                f"--overwrite: choose another {what}"
+            )
 
 
 class FitData(NamedTuple):
@@ -234,6 +271,48 @@ def calibrate(
         "base_fingerprint": None if module is None else model_fingerprint(module),
     }
     return rows
+
+
+def backbone_init(
+    init_backbone: str, weights: str | None, backbone_source: str, base: Any
+) -> tuple[str | None, Any]:
+    """``(weights, init_from)`` of :meth:`BoundaryRefiner.fit` for ``--init-backbone``,
+    ``--weights`` and ``--backbone-source``: ImageNet weights unless ``none``; the base's
+    backbone (then ImageNet first only for an explicit ``--weights`` file) for ``base``."""
+    if init_backbone != "base" and backbone_source == "independent":
+        return (None if init_backbone == "none" else weights or "imagenet"), None
+    if not hasattr(base, "module"):
+        raise ConfigError(
+            "--init-backbone base / --backbone-source base-* need --base to be a dualseg checkpoint"
+        )
+    return weights, base.module
+
+
+def fit_summary(refiner: Any, out: Path) -> str:
+    """What ``refine fit`` prints at the end: the last step's readings and the refiner."""
+    cfg, lines = refiner.config, []
+    if refiner.history:
+        last = refiner.history[-1]
+        lines.append(f"step {last['step']}: loss {last['loss']:.4f}, violating triplets "
+                     f"{100 * last['violating']:.1f}%, mean margin {last['margin']:.3f}")  # fmt: skip
+    present = refiner.present.tolist()
+    missing = [n for n, p in zip(refiner.class_names, present) if not p]
+    no_proto = f"; no prototype for {missing}" if missing else ""
+    lines.append(f"refiner ({cfg.backbone}, C={cfg.embed_dim}, {refiner.num_classes} classes"
+                 f"{no_proto}) -> {out}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def calibration_report(rows: list[dict[str, Any]], cfg: RefinerConfig, *, split: str,
+                       images: int, metric: str) -> str:  # fmt: skip
+    """What ``refine fit --calibrate-split`` prints: the sweep's best rows and the choice."""
+    chosen = ", ".join(f"{k} {getattr(cfg, k)}" for k in DECISION_KEYS)
+    if cfg.gate_margin == 0:
+        chosen = "gate_margin 0, never relabel (refinement did not help this base)"
+    return (
+        f"decision sweep on {split} ({images} held-out images):\n"
+        f"{format_sweep(rows, metric=metric)}\nchosen: {chosen}"
+    )
 
 
 def format_sweep(rows: list[dict[str, Any]], *, metric: str, best: int = 5) -> str:
