@@ -171,9 +171,10 @@ def check_fit(args: argparse.Namespace) -> tuple[RefinerConfig, str, Path, Path]
     names = {"crop_size": "--crop-size", "scale_range": "--scale-range"}
     check_augment_settings(crop_size=tuple(args.crop_size), scale_range=tuple(args.scale_range),
                            names=names)  # fmt: skip
+    has_base = args.base is not None
     fit_run.check_options(cfg, split=split, calibrate_split=args.calibrate_split,
                           crop_size=args.crop_size, weights=args.weights,
-                          init_backbone=args.init_backbone, has_base=args.base is not None)  # fmt: skip
+                          init_backbone=args.init_backbone, has_base=has_base)  # fmt: skip
     out, checkpoint = fit_run.fit_paths(args.out, args.checkpoint)
     # never the --base model or a file of the dataset, even with --overwrite
     protected = [

@@ -24,22 +24,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from dualseg.io import file_digest
 from dualseg.metrics import BoundaryMetrics, ConfusionMatrix
 from dualseg.refine.decision import Candidates, decide
-
-__all__ = [
-    "CLAIM_DECISION",
-    "DECISION_KEYS",
-    "DEFAULT_BLUR_SIGMAS",
-    "DEFAULT_GATES",
-    "DEFAULT_MIN_PROBS",
-    "DEFAULT_PRIORS",
-    "METRICS",
-    "calibrated_on",
-    "choose_decision",
-    "decision_grid",
-    "sweep_decision",
-]
 
 # The grid of the sweep; gate None, prior 0 and floor 0 together are the claim.
 DEFAULT_GATES: tuple[float | None, ...] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, None)
@@ -186,7 +173,6 @@ def calibrated_on(calibration: Mapping[str, Any] | None, images: Sequence[Any]) 
     (``calibration["image_digests"]``, :func:`dualseg.io.file_digest`), so the same images under
     another split name, root or file name are found; ``None`` when that is unknown (no
     calibration, or one stored before the digests were)."""
-    from dualseg.io import file_digest
 
     digests = (calibration or {}).get("image_digests")
     if digests is None:

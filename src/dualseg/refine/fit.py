@@ -20,7 +20,9 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
+from dualseg.data.transforms import seeded
 from dualseg.engine.runlog import Interrupt
 from dualseg.errors import CheckpointError, ConfigError, DataError, Terminated
 from dualseg.io import atomic_torch_save
@@ -205,7 +207,6 @@ def _run_steps(
 ) -> list[dict[str, float]]:  # fmt: skip
     """The triplet steps ``start..cfg.steps``. Ctrl-C / SIGTERM: the step under way finishes,
     its state is saved, then the fit stops; a second Ctrl-C stops at once."""
-    from tqdm.auto import tqdm
 
     net.train()
     started = time.monotonic()
@@ -295,8 +296,6 @@ def fit_parts(
             "the base model (init_from; on the CLI --base CHECKPOINT)"
         )
     if net is None:
-        from dualseg.data.transforms import seeded
-
         with seeded(cfg.seed):  # the random head (and backbone) too: one seed, one refiner
             net = embedding_net(cfg, weights=weights)
         if init_from is not None:  # the base's whole backbone, or refused

@@ -9,6 +9,7 @@ earlier fit is continued or replaced only on request, and the decision sweep on 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import sys
@@ -18,10 +19,17 @@ from typing import Any, NamedTuple
 
 import torch
 
+from dualseg.data import build_dataset, build_eval_transform, build_train_transform
+from dualseg.engine.checkpoint import FORMAT as MODEL_FORMAT
+from dualseg.engine.pretrained import is_hub_source
 from dualseg.errors import ConfigError, DataError, OutputError, RunExistsError
+from dualseg.io import check_writable, file_digest
+from dualseg.refine.base import model_fingerprint
 from dualseg.refine.calibrate import CLAIM_DECISION, DECISION_KEYS, choose_decision, sweep_decision
 from dualseg.refine.config import RefinerConfig
 from dualseg.refine.decision import describe_decision
+from dualseg.refine.formats import FORMAT, TRAIN_FORMAT
+from dualseg.serialization import torch_file_format
 
 # split names that are for reporting: never where method B's decision options are chosen
 EVALUATION_SPLITS = ("val", "test")
@@ -110,7 +118,6 @@ def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: b
 
 def fit_paths(out: str, checkpoint: str | None) -> tuple[Path, Path]:
     """The refiner file and its training state (default ``<out>.train.pt``), both writable."""
-    from dualseg.io import check_writable
 
     target = check_writable(out, kind="file", what="--out")
     state = Path(checkpoint) if checkpoint else target.with_suffix(".train.pt")
@@ -126,9 +133,6 @@ def fit_paths(out: str, checkpoint: str | None) -> tuple[Path, Path]:
 def check_fit_targets(out: Path, checkpoint: Path) -> None:
     """Refuse an existing ``out`` or ``checkpoint`` of another kind than refine fit writes
     there (a refiner; its training state), even with ``--overwrite``."""
-    from dualseg.engine.checkpoint import FORMAT as MODEL_FORMAT
-    from dualseg.refine.formats import FORMAT, TRAIN_FORMAT
-    from dualseg.serialization import torch_file_format
 
     kinds = (
         (out, "--out", FORMAT, "a method-B refiner"),
@@ -158,7 +162,6 @@ def fit_datasets(
 ) -> FitData:  # fmt: skip
     """The datasets of a fit, labels read as ``labels`` says (``label_format``, ``label_map``,
     ``ignore_value``); the calibration split is checked before the fit, not after."""
-    from dualseg.data import build_dataset, build_eval_transform, build_train_transform
 
     common = {"split": split, "layout": layout, "preset": preset, **labels}
     tf = build_train_transform(crop_size=tuple(crop_size), scale_range=tuple(scale_range))
@@ -175,7 +178,6 @@ def fit_datasets(
 def _calibration_dataset(data: str, train: Any, common: dict[str, Any], split: str) -> Any:
     """The ``--calibrate-split`` dataset; it must exist and hold none of the images the refiner
     is fitted on or scored on (val, test)."""
-    from dualseg.data import build_dataset, build_eval_transform
 
     try:
         held_out = build_dataset(
@@ -215,7 +217,6 @@ def fit_inputs(
     are read, the base a ``base-*`` fit is built on), so that a ``--resume`` must give the
     same. The backbone initialization and ``--proto-images`` are left out: a resume loads the
     whole network from its state, and the prototypes are computed after it."""
-    from dualseg.engine.pretrained import is_hub_source
 
     if base is not None and not is_hub_source(base):
         base = str(Path(base).resolve())
@@ -236,10 +237,6 @@ def calibrate(
     """Choose the decision options (gate τ, prior weight λ, probability floor, P1 blur) on the
     held-out images (``files``: their paths and the names a probability folder holds them
     under) and store them in the refiner with the sweep's table, which is returned."""
-    import contextlib
-
-    from dualseg.io import file_digest
-    from dualseg.refine.base import model_fingerprint
 
     at: list[tuple[Path, str]] = []  # the image the sweep scores now: a folder base needs it
 
@@ -293,8 +290,9 @@ def fit_summary(refiner: Any, out: Path) -> str:
     cfg, lines = refiner.config, []
     if refiner.history:
         last = refiner.history[-1]
+        violating = 100 * last["violating"]
         lines.append(f"step {last['step']}: loss {last['loss']:.4f}, violating triplets "
-                     f"{100 * last['violating']:.1f}%, mean margin {last['margin']:.3f}")  # fmt: skip
+                     f"{violating:.1f}%, mean margin {last['margin']:.3f}")  # fmt: skip
     present = refiner.present.tolist()
     missing = [n for n, p in zip(refiner.class_names, present) if not p]
     no_proto = f"; no prototype for {missing}" if missing else ""

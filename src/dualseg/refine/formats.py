@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
+from dualseg._version import __version__
 from dualseg.engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from dualseg.errors import CheckpointError, ConfigError, OutputError
 from dualseg.io import atomic_torch_save
@@ -66,7 +67,6 @@ def save_refiner_file(
 ) -> Path:  # fmt: skip
     """Write a refiner atomically to one file. An earlier refiner file there is replaced; a
     folder, or a file of any other kind (a model checkpoint, say), is refused."""
-    from dualseg._version import __version__
 
     target = Path(path)
     if target.is_dir():

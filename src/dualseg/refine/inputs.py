@@ -14,13 +14,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dualseg.engine.checkpoint import placeholder_class_names
 from dualseg.errors import CheckpointError, ConfigError, DataError
+from dualseg.serialization import nonfinite_keys, short_list
 
 
 def check_finite_refiner(source: str | os.PathLike[str], tensors: Mapping[str, Any]) -> None:
     """Refuse a stored refiner with NaN or infinite weights or prototypes: its distances would
     relabel near-boundary pixels at random, without an error anywhere after."""
-    from dualseg.serialization import nonfinite_keys, short_list
 
     if bad := nonfinite_keys(tensors):
         raise CheckpointError(
@@ -104,8 +105,6 @@ def check_classes(
             "model's dataset (dualseg refine fit)"
         )
     if base_names is not None and tuple(base_names) != names:
-        from dualseg.engine.checkpoint import placeholder_class_names
-
         if tuple(base_names) == placeholder_class_names(num_classes):
             raise CheckpointError(  # the base's checkpoint stored no names
                 f"{what} stores no class names (they read class_0 .. class_{num_classes - 1}), "

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dualseg._version import __version__
 from dualseg.engine.pretrained import (
     CONFIG_NAME,
     REFINER_CONFIG,
@@ -53,7 +54,6 @@ def save_folder(
     *, overwrite: bool = False,
 ) -> Path:  # fmt: skip
     """Write a refiner into ``folder`` (weights first, ``refiner.json`` last)."""
-    from dualseg._version import __version__
 
     folder = folder_path(folder)
     refuse_existing(folder, (REFINER_CONFIG, REFINER_WEIGHTS), overwrite)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dualseg.engine.checkpoint import _state_dict_problems
 from dualseg.engine.distributed import resolve_device
 from dualseg.engine.predict import as_rgb_array
 from dualseg.errors import CheckpointError, ConfigError, DataError
@@ -31,8 +32,6 @@ from dualseg.refine.fit import embedding_net, fit_parts
 from dualseg.refine.inputs import as_palette, as_tensor, check_classes, check_normalized_batch
 from dualseg.refine.relabel import collect, decide_as, prototype_row_scores, prototype_scores
 from dualseg.refine.shared import BaseFeatures, SharedFeatures, can_share, matching
-
-__all__ = ["BoundaryRefiner", "RefinerConfig"]
 
 
 class BoundaryRefiner:
@@ -287,7 +286,6 @@ class BoundaryRefiner:
         cls, stored: formats.StoredRefiner, *, net: EmbeddingNet | None = None
     ) -> BoundaryRefiner:
         """A refiner from its saved parts, each checked; every problem names the source."""
-        from dualseg.engine.checkpoint import _state_dict_problems
 
         source = stored.source
         described = formats.stored_description(stored.description, source)
