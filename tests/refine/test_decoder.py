@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from dualseg.refine.fit import embedding_net
 from dualseg.cli import main
 from dualseg.errors import ConfigError
 from dualseg.export.runtime import load_exported_refiner
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner, RefinerConfig, build_embedding_net
 from dualseg.refine.embedding import init_backbone_from
+from dualseg.refine.fit import embedding_net
 
 RATES = (4, 6, 8, 12)  # the spec's ASPP rates
 

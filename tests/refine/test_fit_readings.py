@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from checkpoint_helpers import write_peer_checkpoint
-from dualseg.refine.fit import embedding_net
 from dualseg.commands.refine import main as refine_main
 from dualseg.data import build_dataset, make_synthetic_dataset
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
 from dualseg.errors import CheckpointError
 from dualseg.refine import BoundaryRefiner
+from dualseg.refine.fit import embedding_net
 from dualseg.refine.formats import TRAIN_FORMAT, load_state
 
 

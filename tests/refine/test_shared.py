@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dualseg.refine.fit import embedding_net
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner, RefinerConfig
 from dualseg.refine.decision import prototype_scale
 from dualseg.refine.embedding import init_backbone_from
+from dualseg.refine.fit import embedding_net
 from dualseg.refine.relabel import prototype_scores
 from dualseg.refine.shared import SharedFeatures, base_backbone
 
