@@ -217,8 +217,12 @@ def _run_steps(
             require_class_labels(labels, num_classes, ignore_index, "the training images")
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
             stats = triplet_step(
-                net, opt, images.to(device), labels.to(device), cfg, gen, ignore_index
-            )
+                net, opt, images.to(device), labels.to(device), generator=gen,
+                radius=cfg.radius, edge_method=cfg.edge_method, num_triplets=cfg.num_triplets,
+                margin=cfg.margin, reduction=cfg.reduction, mining=cfg.mining,
+                mining_pool=cfg.mining_pool, input_scale=cfg.input_scale,
+                output_stride=cfg.output_stride, ignore_index=ignore_index,
+            )  # fmt: skip
             history.append({"step": step + 1, **stats})
             bar.set_postfix(loss=f"{stats['loss']:.3f}", viol=f"{stats['violating']:.2f}",
                             margin=f"{stats['margin']:.2f}")  # fmt: skip
