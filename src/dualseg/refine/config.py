@@ -7,6 +7,7 @@ forward on the CPU; AdamW at lr 1e-3 (at 1e-4, over half the triplets still viol
 margin after 150 steps).
 """
 
+# no ``from __future__ import annotations``: __post_init__ and the flag loop read field types
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
