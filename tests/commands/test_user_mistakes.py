@@ -613,7 +613,7 @@ def test_refine_fit_refuses_a_batch_of_one_crop_before_any_step(files, capsys) -
     value per channel when training")."""
     out = files["root"] / "batch_one.pt"
     line = refused(_fit(files, "--batch-size", "1", "--out", str(out)), capsys)
-    assert "--batch-size 1 cannot fit the embedding" in line and "2 or more" in line
+    assert "--batch-size must be >= 2" in line and "2 or more" in line
     assert not out.exists() and not out.with_suffix(".train.pt").exists()
 
 

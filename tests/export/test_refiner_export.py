@@ -95,8 +95,7 @@ def test_missing_sidecar_and_class_mismatch(refiner, tmp_path):
 def test_load_refiner_opens_both_kinds_and_overrides_apply(refiner, tmp_path):
     import dataclasses
 
-    from dualseg.commands.refine import load_refiner
-    from dualseg.export.runtime import ExportedRefiner
+    from dualseg.export.runtime import ExportedRefiner, load_refiner
 
     _, path = refiner
     assert isinstance(load_refiner(path), BoundaryRefiner)

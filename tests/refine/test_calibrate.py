@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dualseg.commands.refine import format_sweep
 from dualseg.errors import ConfigError
 from dualseg.refine.calibrate import choose_decision, decision_grid, sweep_decision
 from dualseg.refine.decision import (
@@ -18,6 +17,7 @@ from dualseg.refine.decision import (
     gather_candidates,
     prototype_scale,
 )
+from dualseg.refine.fit_run import format_sweep
 from dualseg.refine.refiner import RefinerConfig
 
 

@@ -14,6 +14,7 @@ from dualseg.export.runtime import load_exported_refiner
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner, RefinerConfig, build_embedding_net
 from dualseg.refine.embedding import init_backbone_from
+from dualseg.refine.fit import embedding_net
 
 RATES = (4, 6, 8, 12)  # the spec's ASPP rates
 
@@ -91,7 +92,7 @@ def _case(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 def test_a_refiner_with_a_decoder_saves_loads_and_exports(tmp_path) -> None:
     torch.manual_seed(0)
     cfg = RefinerConfig(embed_dim=8, input_scale=1.0, radius=3, top_n=3, decoder_channels=4)
-    net = cfg.embedding_net().eval()
+    net = embedding_net(cfg).eval()
     with torch.no_grad():  # non-trivial decoder statistics, so the export sees them
         for m in net.decoder.modules():
             if isinstance(m, torch.nn.BatchNorm2d):
@@ -131,7 +132,7 @@ def test_a_refiner_with_a_decoder_reads_the_bases_features_with_the_same_labels(
     cfg = RefinerConfig(
         embed_dim=8, input_scale=1.0, radius=2, backbone_source="base-frozen", decoder_channels=4
     )
-    net = cfg.embedding_net()
+    net = embedding_net(cfg)
     init_backbone_from(net.backbone, base, strict=True)
     refiner = BoundaryRefiner(
         net, torch.randn(3, 8), torch.ones(3, dtype=torch.bool), class_names=list("abc"), config=cfg
@@ -215,7 +216,7 @@ def test_a_refiner_with_a_decoder_gives_the_labels_of_the_whole_embedding_map(
     torch.manual_seed(0)
     cfg = RefinerConfig(embed_dim=8, input_scale=input_scale, radius=3, top_n=3, decoder_channels=4)
     refiner = BoundaryRefiner(
-        cfg.embedding_net().eval(),
+        embedding_net(cfg).eval(),
         torch.randn(3, 8),
         torch.ones(3, dtype=torch.bool),
         class_names=list("abc"),

@@ -209,7 +209,7 @@ def test_apply_outputs_are_no_inputs_and_a_failed_image_leaves_no_stale_outputs(
 def test_a_collapsed_embedding_is_said(data, tmp_path, caplog) -> None:
     """Two steps from random weights: all prototypes within 1e-6 of each other, and the
     refiner relabelled a fifth of an image on rounding noise, without a word."""
-    with caplog.at_level("WARNING", logger="dualseg.refine.refiner"):
+    with caplog.at_level("WARNING", logger="dualseg.refine.fit"):
         assert main(fit(data, None, tmp_path / "r.pt")) == 0
     said = [r.getMessage() for r in caplog.records if "coincide" in r.getMessage()]
     assert said and "the embedding has collapsed" in said[0] and "--steps" in said[0]

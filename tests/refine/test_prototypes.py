@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dualseg.refine import EmbeddingNet, PrototypeAccumulator, near_boundary_mask
-from dualseg.refine.refiner import stream_prototypes
+from dualseg.refine.prototypes import stream_prototypes
 
 
 def test_streamed_prototypes_equal_naive_means() -> None:
@@ -39,7 +39,7 @@ def test_streamed_prototypes_equal_naive_means() -> None:
 
 
 def test_coinciding_prototypes_are_found_and_a_healthy_set_passes() -> None:
-    from dualseg.refine.refiner import coinciding_prototypes
+    from dualseg.refine.fit import coinciding_prototypes
 
     names = ["road", "sky", "car", "tree"]
     healthy = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.7, 0.7], [0.3, 0.1]])

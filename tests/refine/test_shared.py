@@ -10,7 +10,8 @@ from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner, RefinerConfig
 from dualseg.refine.decision import prototype_scale
 from dualseg.refine.embedding import init_backbone_from
-from dualseg.refine.refiner import prototype_scores
+from dualseg.refine.fit import embedding_net
+from dualseg.refine.relabel import prototype_scores
 from dualseg.refine.shared import SharedFeatures, base_backbone
 
 K = 4
@@ -19,7 +20,7 @@ K = 4
 def refiner_on(model: torch.nn.Module, **options: object) -> BoundaryRefiner:
     options = {"embed_dim": 8, "backbone_source": "base-frozen", "input_scale": 1.0, **options}
     cfg = RefinerConfig(radius=2, **options)
-    net = cfg.embedding_net()
+    net = embedding_net(cfg)
     backbone = base_backbone(model)
     assert backbone is not None
     assert init_backbone_from(net.backbone, model) == len(net.backbone.state_dict())
@@ -287,10 +288,10 @@ def test_the_base_backbone_is_taken_whole_or_refused() -> None:
     base18 = build_model("deeplabv3_resnet18", num_classes=K)
     base34 = build_model("dualseg_resnet34", num_classes=K)  # its RGB branch is read
     with pytest.raises(ConfigError, match=r"120 of the embedding backbone's 120 .* holds 216"):
-        init_backbone_from(cfg18.embedding_net().backbone, base34, strict=True)
+        init_backbone_from(embedding_net(cfg18).backbone, base34, strict=True)
     with pytest.raises(ConfigError, match=r"120 of the embedding backbone's 216 .* holds 120"):
-        init_backbone_from(cfg34.embedding_net().backbone, base18, strict=True)
-    net = cfg18.embedding_net()
+        init_backbone_from(embedding_net(cfg34).backbone, base18, strict=True)
+    net = embedding_net(cfg18)
     assert init_backbone_from(net.backbone, base18, strict=True) == 120
     for key, value in net.backbone.state_dict().items():
         assert torch.equal(value, base18.backbone.state_dict()[key]), key

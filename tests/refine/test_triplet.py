@@ -43,10 +43,21 @@ def test_steps_on_separable_toy_problem_drive_violations_to_zero(mining: str) ->
     colours = torch.randn(4, 3, generator=gen)
     images = colours[labels].permute(0, 3, 1, 2) + 0.3 * torch.randn(4, 3, 32, 32, generator=gen)
     net = EmbeddingNet(nn.Sequential(nn.Conv2d(3, 16, 1), nn.ReLU()), nn.Conv2d(16, 8, 1), 8)
-    cfg = RefinerConfig(radius=2, margin=1.0, num_triplets=512, lr=0.02, mining=mining)
-    opt = torch.optim.Adam(net.parameters(), lr=cfg.lr)
+    opt = torch.optim.Adam(net.parameters(), lr=0.02)
     history = [
-        triplet_step(net, opt, images, labels, cfg, torch.Generator().manual_seed(s))
+        triplet_step(
+            net,
+            opt,
+            images,
+            labels,
+            generator=torch.Generator().manual_seed(s),
+            radius=2,
+            edge_method="canny",
+            num_triplets=512,
+            margin=1.0,
+            mining=mining,
+            input_scale=0.5,
+        )
         for s in range(40)
     ]
     assert history[0]["violating"] > 0.3

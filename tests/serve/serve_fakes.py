@@ -39,7 +39,7 @@ class TopRowRefiner:
         self.class_names = class_names
 
     def check_classes(self, base_names, num_classes, *, what="the base model"):
-        from dualseg.refine.refiner import check_classes
+        from dualseg.refine.inputs import check_classes
 
         check_classes(self.class_names, base_names, num_classes, what=what)
 

@@ -140,7 +140,7 @@ def _load(args: argparse.Namespace, options: Any) -> tuple[Any, Any, str]:
             )  # fmt: skip
     refiner = None
     if args.refiner:
-        from dualseg.commands.refine import load_refiner
+        from dualseg.export.runtime import load_refiner
 
         refiner = load_refiner(args.refiner, device=device)  # create_app checks its classes
     return segmenter, refiner, name

@@ -1,9 +1,9 @@
 """``ExportedRefiner``: method B from an exported embedding model plus its JSON sidecar.
 
-``BoundaryRefiner.refine``'s contract with prototypes and configuration from the sidecar. The
-embedding runs in onnxruntime (or TorchScript); the configuration and P2-P5 are
-``BoundaryRefiner``'s own code from ``dualseg.refine`` (which imports torch), so the two
-cannot drift.
+``BoundaryRefiner.refine``'s contract (P2-P5) with prototypes and configuration from the
+sidecar. The embedding runs in onnxruntime (or TorchScript); the configuration
+(``RefinerConfig``) and P2-P5 themselves (:func:`dualseg.refine.relabel.relabel`) are
+``BoundaryRefiner``'s, from ``dualseg.refine`` (which imports torch), so the two cannot drift.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class ExportedRefiner:
 
     def __init__(self, runner: Runner, sidecar: Mapping[str, Any], *, source: str = "") -> None:
         from dualseg.refine.formats import stored_description
-        from dualseg.refine.refiner import RefinerConfig
+        from dualseg.refine.config import RefinerConfig
 
         self.runner, self.source = runner, source
         described = stored_description(sidecar, source)
@@ -56,6 +56,12 @@ class ExportedRefiner:
                 "classes; re-export the refiner"
             )
 
+    def calibration_note(self) -> str | None:
+        """As :meth:`BoundaryRefiner.calibration_note`."""
+        from dualseg.refine.calibrate import calibration_note
+
+        return calibration_note(self.calibration, self.config)
+
     @property
     def num_classes(self) -> int:
         return len(self.class_names)
@@ -66,17 +72,11 @@ class ExportedRefiner:
             f"top_n={self.config.top_n}, radius={self.config.radius})"
         )
 
-    def calibration_note(self) -> str | None:
-        """As :meth:`BoundaryRefiner.calibration_note`."""
-        from dualseg.refine.refiner import calibration_note
-
-        return calibration_note(self.calibration, self.config)
-
     def check_classes(
         self, base_names: Sequence[str] | None, num_classes: int, *, what: str = "the base model"
     ) -> None:
         """Raise :class:`CheckpointError` when the base model's classes are not the refiner's."""
-        from dualseg.refine.refiner import check_classes
+        from dualseg.refine.inputs import check_classes
 
         check_classes(self.class_names, base_names, num_classes, what=what)
 
@@ -102,7 +102,7 @@ class ExportedRefiner:
             )
         p = _numpy(probs)
         if len(getattr(images, "shape", ())) == 4:
-            from dualseg.refine.refiner import check_normalized_batch
+            from dualseg.refine.inputs import check_normalized_batch
 
             check_normalized_batch(images)
             labels, changed = self._refine_batch(_numpy(images), p)
@@ -122,7 +122,7 @@ class ExportedRefiner:
 
         from dualseg.refine.decision import prototype_scale
         from dualseg.refine.embedding import p1_filter
-        from dualseg.refine.refiner import prototype_scores, relabel
+        from dualseg.refine.relabel import prototype_scores, relabel  # BoundaryRefiner's P2-P5
 
         if probs.ndim != 4 or x.shape[0] != probs.shape[0] or x.shape[-2:] != probs.shape[-2:]:
             raise DataError(

@@ -6,9 +6,10 @@
 """
 
 from dualseg.refine.boundary import near_boundary_mask, semantic_boundary
+from dualseg.refine.config import RefinerConfig
 from dualseg.refine.embedding import EmbeddingNet, build_embedding_net, init_backbone_from
 from dualseg.refine.prototypes import PrototypeAccumulator, compute_prototypes
-from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig
+from dualseg.refine.refiner import BoundaryRefiner
 from dualseg.refine.triplet import sample_triplets, triplet_hinge, triplet_loss, triplet_step
 
 __all__ = [

@@ -15,6 +15,7 @@ folder checks its maps against) and ``class_names`` (``None`` when unknown).
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,8 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dualseg.engine.checkpoint import build_model_from_checkpoint
 from dualseg.engine.distributed import resolve_device
+from dualseg.engine.pretrained import (
+    check_normalization,
+    is_hub_source,
+    is_pretrained_folder,
+    load_state,
+)
 from dualseg.errors import DataError
+from dualseg.imaging import read_image, rgb_digest
 from dualseg.models.base import eval_mode, model_logits
 
 
@@ -74,7 +83,6 @@ class ModuleBase:
 def model_fingerprint(module: nn.Module) -> str:
     """A short hash of a model's weights (names, shapes and values): which base a refiner's
     decision options were calibrated on, so that applying them to another is said."""
-    import hashlib
 
     digest = hashlib.sha256()
     for key, tensor in module.state_dict().items():
@@ -103,8 +111,6 @@ def checkpoint_base(
 ) -> ModuleBase:
     """A dualseg checkpoint, pretrained folder or ``hf://org/name`` as a base model (its class
     names and palette come along)."""
-    from dualseg.engine.checkpoint import build_model_from_checkpoint
-    from dualseg.engine.pretrained import check_normalization, load_state
 
     ckpt = load_state(path)
     check_normalization(ckpt)  # the refiner feeds it ImageNet-normalized images
@@ -251,8 +257,6 @@ class _SourceMatch:
         if stored_digest is None or Path(stored).exists() or not here.is_file():
             return same_file(stored, self.source)
         if self._digest is None:
-            from dualseg.imaging import read_image, rgb_digest
-
             self._digest = rgb_digest(read_image(here))
         return self._digest == stored_digest
 
@@ -285,7 +289,6 @@ def load_base(
         return ModuleBase(base, class_names=class_names, device=device)
     if hasattr(base, "scores"):
         return base  # type: ignore[return-value]
-    from dualseg.engine.pretrained import is_hub_source, is_pretrained_folder
 
     if is_hub_source(base) or is_pretrained_folder(base):  # type: ignore[arg-type]
         return checkpoint_base(base, device=device)  # type: ignore[arg-type]

@@ -24,22 +24,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from dualseg.io import file_digest
 from dualseg.metrics import BoundaryMetrics, ConfusionMatrix
 from dualseg.refine.decision import Candidates, decide
-
-__all__ = [
-    "CLAIM_DECISION",
-    "DECISION_KEYS",
-    "DEFAULT_BLUR_SIGMAS",
-    "DEFAULT_GATES",
-    "DEFAULT_MIN_PROBS",
-    "DEFAULT_PRIORS",
-    "METRICS",
-    "calibrated_on",
-    "choose_decision",
-    "decision_grid",
-    "sweep_decision",
-]
 
 # The grid of the sweep; gate None, prior 0 and floor 0 together are the claim.
 DEFAULT_GATES: tuple[float | None, ...] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, None)
@@ -186,10 +173,23 @@ def calibrated_on(calibration: Mapping[str, Any] | None, images: Sequence[Any]) 
     (``calibration["image_digests"]``, :func:`dualseg.io.file_digest`), so the same images under
     another split name, root or file name are found; ``None`` when that is unknown (no
     calibration, or one stored before the digests were)."""
-    from dualseg.io import file_digest
 
     digests = (calibration or {}).get("image_digests")
     if digests is None:
         return None
     chosen_on = set(digests)
     return sum(file_digest(image) in chosen_on for image in images)
+
+
+def calibration_note(calibration: Mapping[str, Any] | None, config: Any) -> str | None:
+    """A warning when the held-out check at fit time found that refinement did not help the
+    base model it was calibrated on (then the chosen gate 0 changes no pixel)."""
+    if calibration is None or config.gate_margin != 0:
+        return None
+    metric = calibration.get("metric", "miou")
+    by = "" if metric == "miou" else f" ({metric})"
+    return (
+        f"this refiner's held-out check ({calibration['images']} images of split "
+        f"{calibration['split']!r}) found that refinement did not help{by} the base "
+        "model it was fit for: its gate_margin is 0 and it changes no pixel"
+    )

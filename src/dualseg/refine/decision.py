@@ -29,16 +29,6 @@ from torch import Tensor
 from dualseg.refine.boundary import near_boundary_mask
 from dualseg.refine.embedding import EmbeddingNet
 
-__all__ = [
-    "Candidates",
-    "are_probabilities",
-    "decide",
-    "describe_decision",
-    "gather_candidates",
-    "kept_rows",
-    "prototype_scale",
-]
-
 
 def are_probabilities(scores: Tensor) -> bool:
     """Whether class scores (classes on dim 1: ``[B,C,H,W]`` maps or ``[M,C]`` rows) are

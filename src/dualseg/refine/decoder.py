@@ -1,5 +1,5 @@
-"""A DeepLabV3+-style decoder for method B's embedding (issue 15, beyond the claim; off by
-default, ``RefinerConfig.decoder_channels = 0``).
+"""A DeepLabV3+-style decoder for method B's embedding (beyond the claim; off by default,
+``RefinerConfig.decoder_channels = 0``).
 
 Why: the claim's embedding is the ASPP output at the backbone's output stride (16 on the CPU
 protocol), bilinearly upsampled — the same resolution as the base model's own class scores, so
@@ -18,8 +18,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dualseg.errors import ConfigError
-
-__all__ = ["LOW_LEVEL_TAPS", "LowLevelDecoder", "low_level_tap"]
 
 # backbone name -> (the submodule whose output is the stride-4 feature map, its channels)
 LOW_LEVEL_TAPS: dict[str, tuple[str, int]] = {

@@ -19,8 +19,12 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torchvision.transforms.v2 import functional as TF
 
 from dualseg.errors import ConfigError
+from dualseg.models import ASPP, build_backbone
+from dualseg.models.base import pad_to_multiple
+from dualseg.refine.decoder import LowLevelDecoder, low_level_tap
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +190,6 @@ def p1_filter(images: Tensor, sigma: float) -> Tensor:
     after it."""
     if sigma <= 0:
         return images
-    from torchvision.transforms.v2 import functional as TF
 
     k = 2 * math.ceil(3 * sigma) + 1
     # reflection needs a half-kernel shorter than the side: a blur wider than the image is
@@ -212,7 +215,6 @@ def embed_backbone(
 ) -> tuple[Tensor, Tensor | None]:
     """:meth:`EmbeddingNet.backbone_features` of the input :func:`embed_features` prepares
     (resized, padded): what its ``head`` reads."""
-    from dualseg.models.base import pad_to_multiple
 
     if input_scale != 1.0:
         images = F.interpolate(
@@ -262,8 +264,6 @@ def build_embedding_net(
     ``decoder_channels``: 0 (the claim: the ASPP output is the embedding) or the width of the
     stride-4 projection of a :class:`~dualseg.refine.decoder.LowLevelDecoder` (48 in DeepLabV3+).
     """
-    from dualseg.models import ASPP, build_backbone
-    from dualseg.refine.decoder import LowLevelDecoder, low_level_tap
 
     if decoder_channels < 0:
         raise ConfigError(f"decoder_channels must be >= 0, got {decoder_channels}")

@@ -1,5 +1,5 @@
-"""Training the embedding model (method B, step 4): a fixed number of triplet-hinge steps
-(or fewer, within a time budget).
+"""Fitting a refiner (method B, steps 3-5): the embedding model, trained by a fixed number of
+triplet-hinge steps (step 4; or fewer, within a time budget), then the class prototypes (step 5).
 
 Batches are drawn by (seed, pass over the data), so a resumed run (``checkpoint`` +
 ``resume=True``) draws exactly the batches it would have drawn; the training state is one file
@@ -16,35 +16,24 @@ import signal
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from tqdm.auto import tqdm
 
+from dualseg.data.transforms import seeded
 from dualseg.engine.runlog import Interrupt
 from dualseg.errors import CheckpointError, ConfigError, DataError, Terminated
 from dualseg.io import atomic_torch_save
 from dualseg.refine.calibrate import DECISION_KEYS
-from dualseg.refine.embedding import EmbeddingNet
+from dualseg.refine.config import RefinerConfig
+from dualseg.refine.embedding import EmbeddingNet, build_embedding_net, init_backbone_from
 from dualseg.refine.formats import TRAIN_FORMAT, load_state
-from dualseg.refine.prototypes import require_class_labels
+from dualseg.refine.prototypes import require_class_labels, stream_prototypes
 from dualseg.refine.triplet import triplet_step
 
-if TYPE_CHECKING:  # pragma: no cover
-    from dualseg.refine.refiner import RefinerConfig
-
 log = logging.getLogger(__name__)
-
-OPTIMIZERS = ("adamw", "sgd")
-
-
-def _make_optimizer(net: nn.Module, cfg: RefinerConfig) -> torch.optim.Optimizer:
-    params = [p for p in net.parameters() if p.requires_grad]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-        )
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
 def _batches(
@@ -79,17 +68,10 @@ def _require_same_inputs(
     path: Path, saved: Mapping[str, Any] | None, given: Mapping[str, Any] | None
 ) -> None:
     """Refuse a resume whose data, augmentation or base differ from the checkpoint's; when
-    either side records none (a file written before they were recorded, or a fit from Python
-    without ``fit_inputs``), there is nothing to compare."""
+    either side records none (a fit from Python without ``fit_inputs``), there is nothing to
+    compare."""
     if saved is None or given is None:
-        if saved is None and given is not None:
-            log.warning("%s does not record its data and base; resuming without checking", path)
         return
-    list_file = Path(str(given.get("data"))).is_file()
-    if list_file and saved.get("split") == "train" != given.get("split"):
-        # a list file as --data names its own split (val.txt is val); a state written before
-        # recorded the default, train, for it
-        saved = {**saved, "split": given.get("split")}
     changed = [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]
     if changed:
 
@@ -114,6 +96,49 @@ def _require_same_inputs(
 RESUMABLE_CHANGES = ("steps", "top_n", *DECISION_KEYS)
 
 
+def _make_optimizer(net: nn.Module, cfg: RefinerConfig) -> torch.optim.Optimizer:
+    params = [p for p in net.parameters() if p.requires_grad]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def _resume(
+    path: Path, net: nn.Module, opt: torch.optim.Optimizer, cfg: RefinerConfig,
+    class_names: Sequence[str], fit_inputs: Mapping[str, Any] | None,
+) -> tuple[int, list[dict[str, float]]]:  # fmt: skip
+    """Load the training state at ``path`` into ``net`` and ``opt``: ``(step, history)``. Only
+    the step count (train longer) and the inference options may differ from the state's."""
+    state = load_state(path, TRAIN_FORMAT, "refiner training checkpoint")
+    saved = RefinerConfig.from_dict(state["config"])
+    changed = [
+        f"{f.name} {getattr(saved, f.name)!r} -> {getattr(cfg, f.name)!r}"
+        for f in dataclasses.fields(cfg)
+        if f.name not in RESUMABLE_CHANGES and getattr(saved, f.name) != getattr(cfg, f.name)
+    ]
+    if list(state["class_names"]) != list(class_names):
+        changed.append("the class names")
+    if changed:
+        raise CheckpointError(
+            f"{path} was written with other options ({'; '.join(changed)}); resume "
+            "with the same options (--steps and the inference options --top-n, "
+            "--gate-margin, --prior-weight, --min-prob, --p1-blur-sigma may change), or "
+            "delete it to start over"
+        )
+    if int(state["step"]) > cfg.steps:
+        raise CheckpointError(
+            f"{path} has trained {int(state['step'])} steps already, more than "
+            f"--steps {cfg.steps}; resume with --steps {int(state['step'])} or more"
+        )
+    _require_same_inputs(path, state.get("fit_inputs"), fit_inputs)
+    net.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    log.info("resuming refiner training from step %d (%s)", int(state["step"]), path)
+    return int(state["step"]), list(state["history"])
+
+
 def train_embedding(
     net: EmbeddingNet,
     dataset: torch.utils.data.Dataset,
@@ -133,98 +158,74 @@ def train_embedding(
 ) -> list[dict[str, float]]:
     """Step 4: ``cfg.steps`` optimizer steps of the sampled triplet hinge. Returns the history
     (one dict per step: step, loss, violating, margin, num_triplets, pixels). ``log_every``:
-    also print one line every that many steps (for logs without a progress bar).
-    ``time_budget_s``: stop after the step that passes this many seconds of this call, fewer
-    steps than ``cfg.steps`` (the checkpoint records the step reached, so ``resume`` goes on).
-    ``fit_inputs``: what else the run depends on (data, split, augmentation, base model: plain
-    JSON values), recorded in the checkpoint; a resume with other values is refused."""
-    from tqdm.auto import tqdm
-
+    also print one line every that many steps. ``time_budget_s``: stop after the step that
+    passes this many seconds (the checkpoint records the step reached, so ``resume`` goes on).
+    ``fit_inputs``: what else the run depends on (data, augmentation, base: plain JSON values),
+    recorded in the checkpoint; a resume with other values is refused."""
     if time_budget_s is not None and not time_budget_s > 0:  # NaN: a budget never reached
         raise ConfigError(f"the time budget must be > 0 minutes, got {time_budget_s / 60:g}")
-
     if len(dataset) == 0:  # type: ignore[arg-type]
         raise DataError("the refiner's training dataset is empty; check --data and --split")
-    opt = _make_optimizer(net, cfg)
-    start, history = 0, []
-    ckpt_path = Path(checkpoint) if checkpoint is not None else None
-    if resume and ckpt_path is not None and ckpt_path.is_file():
-        state = load_state(ckpt_path, TRAIN_FORMAT, "refiner training checkpoint")
-        # the step count may grow on resume (train longer), and the inference options (which
-        # the training never reads) may change; every other option must agree
-        saved = type(cfg).from_dict(state["config"])
-        changed = [
-            f"{f.name} {getattr(saved, f.name)!r} -> {getattr(cfg, f.name)!r}"
-            for f in dataclasses.fields(cfg)
-            if f.name not in RESUMABLE_CHANGES and getattr(saved, f.name) != getattr(cfg, f.name)
-        ]
-        if list(state["class_names"]) != list(class_names):
-            changed.append("the class names")
-        if changed:
-            raise CheckpointError(
-                f"{ckpt_path} was written with other options ({'; '.join(changed)}); resume "
-                "with the same options (--steps and the inference options --top-n, "
-                "--gate-margin, --prior-weight, --min-prob, --p1-blur-sigma may change), or "
-                "delete it to start over"
-            )
-        if int(state["step"]) > cfg.steps:
-            raise CheckpointError(
-                f"{ckpt_path} has trained {int(state['step'])} steps already, more than "
-                f"--steps {cfg.steps}; resume with --steps {int(state['step'])} or more"
-            )
-        _require_same_inputs(ckpt_path, state.get("fit_inputs"), fit_inputs)
-        net.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        start, history = int(state["step"]), list(state["history"])
-        log.info("resuming refiner training from step %d (%s)", start, ckpt_path)
-
-    def save(step: int) -> None:
-        if ckpt_path is None:
-            return
-        atomic_torch_save(
-            {
-                "format": TRAIN_FORMAT,
-                "step": step,
-                "model": net.state_dict(),
-                "optimizer": opt.state_dict(),
-                "config": cfg.to_dict(),
-                "class_names": list(class_names),
-                "history": history,
-                "fit_inputs": None if fit_inputs is None else dict(fit_inputs),
-            },
-            ckpt_path,
-        )
-
     meta_classes = getattr(getattr(dataset, "meta", None), "class_names", None)
     if meta_classes is not None and len(meta_classes) != len(class_names):  # before any step
         raise ConfigError(
             f"the dataset has {len(meta_classes)} classes and the refiner {len(class_names)} "
             "class names: pass the dataset's (class_names=dataset.meta.class_names)"
         )
+    opt = _make_optimizer(net, cfg)
+    start, history = 0, []
+    ckpt_path = Path(checkpoint) if checkpoint is not None else None
+    if resume and ckpt_path is not None and ckpt_path.is_file():
+        start, history = _resume(ckpt_path, net, opt, cfg, class_names, fit_inputs)
+
+    def save(step: int) -> None:
+        if ckpt_path is not None:
+            state = {"format": TRAIN_FORMAT, "step": step, "model": net.state_dict(),
+                     "optimizer": opt.state_dict(), "config": cfg.to_dict(),
+                     "class_names": list(class_names), "history": history,
+                     "fit_inputs": None if fit_inputs is None else dict(fit_inputs)}  # fmt: skip
+            atomic_torch_save(state, ckpt_path)
+
     loader = torch.utils.data.DataLoader(
         _EpochView(dataset),
         batch_sampler=list(_batches(len(dataset), cfg.batch_size, cfg.seed, start, cfg.steps)),  # type: ignore[arg-type]
         num_workers=num_workers,
     )
+    steps = _run_steps(net, opt, loader, cfg, start, history, save, device=device,
+                       num_classes=len(class_names), ignore_index=ignore_index,
+                       progress=progress, log_every=log_every, checkpoint_every=checkpoint_every,
+                       time_budget_s=time_budget_s)  # fmt: skip
+    net.eval()
+    return steps
+
+
+def _run_steps(
+    net: EmbeddingNet, opt: torch.optim.Optimizer, loader: Any, cfg: RefinerConfig, start: int,
+    history: list[dict[str, float]], save: Any, *, device: torch.device, num_classes: int,
+    ignore_index: int, progress: bool, log_every: int, checkpoint_every: int,
+    time_budget_s: float | None,
+) -> list[dict[str, float]]:  # fmt: skip
+    """The triplet steps ``start..cfg.steps``. Ctrl-C / SIGTERM: the step under way finishes,
+    its state is saved, then the fit stops; a second Ctrl-C stops at once."""
+
     net.train()
     started = time.monotonic()
     reached = start
     bar = tqdm(loader, total=cfg.steps, initial=start, desc="refine fit", disable=not progress)
-    # Ctrl-C / SIGTERM: the step under way finishes, its state is saved, then the fit stops
-    # (it lost up to checkpoint_every - 1 steps); a second Ctrl-C stops at once
     with Interrupt() as interrupted:
         for step, (images, labels) in enumerate(bar, start=start):
-            require_class_labels(labels, len(class_names), ignore_index, "the training images")
+            require_class_labels(labels, num_classes, ignore_index, "the training images")
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
             stats = triplet_step(
-                net, opt, images.to(device), labels.to(device), cfg, gen, ignore_index
-            )
+                net, opt, images.to(device), labels.to(device), generator=gen,
+                radius=cfg.radius, edge_method=cfg.edge_method, num_triplets=cfg.num_triplets,
+                margin=cfg.margin, reduction=cfg.reduction, mining=cfg.mining,
+                mining_pool=cfg.mining_pool, input_scale=cfg.input_scale,
+                output_stride=cfg.output_stride, ignore_index=ignore_index,
+            )  # fmt: skip
             history.append({"step": step + 1, **stats})
-            bar.set_postfix(
-                loss=f"{stats['loss']:.3f}",
-                viol=f"{stats['violating']:.2f}",
-                margin=f"{stats['margin']:.2f}",
-            )
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", viol=f"{stats['violating']:.2f}",
+                            margin=f"{stats['margin']:.2f}")  # fmt: skip
             if log_every and (step + 1) % log_every == 0:
                 bar.write(
                     f"[{step + 1}/{cfg.steps}] triplet loss {stats['loss']:.4f}, violating "
@@ -237,12 +238,8 @@ def train_embedding(
                 break
             if time_budget_s is not None and time.monotonic() - started >= time_budget_s:
                 if reached < cfg.steps:
-                    log.warning(
-                        "refiner time budget (%.1f min) reached at step %d of %d",
-                        time_budget_s / 60,
-                        reached,
-                        cfg.steps,
-                    )
+                    log.warning("refiner time budget (%.1f min) reached at step %d of %d",
+                                time_budget_s / 60, reached, cfg.steps)  # fmt: skip
                 break
     bar.close()
     if reached > start:
@@ -250,5 +247,129 @@ def train_embedding(
     if interrupted():
         log.info("refiner training interrupted at step %d; --resume continues it", reached)
         raise Terminated if interrupted.signum == signal.SIGTERM else KeyboardInterrupt
-    net.eval()
     return history
+
+
+def embedding_net(
+    cfg: RefinerConfig, *, weights: str | os.PathLike[str] | None = None
+) -> EmbeddingNet:
+    """The step-3 model ``cfg`` describes (``weights``: backbone initialization)."""
+    return build_embedding_net(
+        cfg.backbone,
+        embed_dim=cfg.embed_dim,
+        output_stride=cfg.output_stride,
+        aspp_rates=cfg.aspp_rates,
+        weights=weights,
+        freeze_backbone=cfg.backbone_source == "base-frozen",
+        decoder_channels=cfg.decoder_channels,
+    )
+
+
+class Fitted(NamedTuple):
+    net: EmbeddingNet
+    prototypes: Tensor
+    present: Tensor
+    config: RefinerConfig  # steps: those made, when a time budget stopped the fit early
+    history: list[dict[str, float]]
+
+
+def fit_parts(
+    dataset: torch.utils.data.Dataset,
+    cfg: RefinerConfig,
+    *,
+    class_names: Sequence[str],
+    prototype_dataset: torch.utils.data.Dataset | None,
+    weights: str | os.PathLike[str] | None,
+    init_from: nn.Module | Mapping[str, Tensor] | None,
+    net: EmbeddingNet | None,
+    device: torch.device,
+    num_workers: int,
+    progress: bool,
+    ignore_index: int,
+    time_budget_s: float | None,
+    checkpoint: str | os.PathLike[str] | None,
+    checkpoint_every: int,
+    resume: bool,
+    log_every: int,
+    fit_inputs: Mapping[str, Any] | None,
+) -> Fitted:
+    """Steps 3-5, as :meth:`~dualseg.refine.refiner.BoundaryRefiner.fit` describes them."""
+    if cfg.backbone_source != "independent" and init_from is None and net is None:
+        raise ConfigError(
+            f"backbone_source={cfg.backbone_source!r} takes the base model's backbone: pass "
+            "the base model (init_from; on the CLI --base CHECKPOINT)"
+        )
+    if net is None:
+        with seeded(cfg.seed):  # the random head (and backbone) too: one seed, one refiner
+            net = embedding_net(cfg, weights=weights)
+        if init_from is not None:  # the base's whole backbone, or refused
+            init_backbone_from(net.backbone, init_from, strict=True)
+    net.to(device)
+    history = train_embedding(net, dataset, cfg, class_names=class_names, device=device,
+                              num_workers=num_workers, progress=progress,
+                              ignore_index=ignore_index, time_budget_s=time_budget_s,
+                              checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+                              resume=resume, log_every=log_every,
+                              fit_inputs=fit_inputs)  # fmt: skip
+    if not history:  # time_budget_s ran out before the first step
+        raise ConfigError(
+            f"the time budget ({time_budget_s} s) ended before the first triplet step: "
+            "give it more time"
+        )
+    if not any(h.get("num_triplets", 1) for h in history):  # an untrained embedding
+        raise DataError(
+            f"no triplet could be drawn in {len(history)} steps: no training image has "
+            "near-boundary pixels of two classes; check the labels and their mapping "
+            "(meta.json, --label-map, --ignore-index) and --radius"
+        )
+    if history[-1]["step"] < cfg.steps:  # the time budget stopped it early
+        cfg = dataclasses.replace(cfg, steps=int(history[-1]["step"]))
+    protos, present = stream_prototypes(
+        net, prototype_dataset if prototype_dataset is not None else dataset, len(class_names),
+        radius=cfg.radius, edge_method=cfg.edge_method, input_scale=cfg.input_scale,
+        output_stride=cfg.output_stride, ignore_index=ignore_index, device=device,
+        num_workers=num_workers, progress=progress,
+    )  # fmt: skip
+    _check_prototypes(protos, present, class_names)
+    return Fitted(net, protos, present, cfg, history)
+
+
+def _check_prototypes(protos: Tensor, present: Tensor, class_names: Sequence[str]) -> None:
+    missing = [n for n, p in zip(class_names, present.tolist()) if not p]
+    if len(class_names) - len(missing) < 2:  # nothing to choose between
+        raise DataError(
+            f"only {len(class_names) - len(missing)} class(es) have near-boundary pixels in "
+            "the prototype images; method B chooses among at least two: check the labels "
+            "and their mapping (meta.json, --label-map, --ignore-index)"
+        )
+    if missing:
+        log.warning("no near-boundary pixels for %s: these classes get no prototype", missing)
+    same = coinciding_prototypes(protos, present, class_names)
+    if same:
+        log.warning(
+            "the prototypes of %s coincide (to 1e-4 of their length): the embedding has "
+            "collapsed, and this refiner would pick between these classes on rounding "
+            "noise; fit longer (--steps) or from ImageNet weights (--init-backbone imagenet)",
+            " and ".join("/".join(pair) for pair in same[:3])
+            + (f" and {len(same) - 3} more pairs" if len(same) > 3 else ""),
+        )
+
+
+def coinciding_prototypes(
+    prototypes: Tensor, present: Tensor, class_names: Sequence[str], *, rtol: float = 1e-4
+) -> list[tuple[str, str]]:
+    """The pairs of present classes whose prototypes lie within ``rtol`` of the prototypes'
+    mean length of each other: a collapsed embedding (a healthy one keeps its closest pair
+    about 0.1 of that length apart; a 3-step fit from random weights, 1e-6)."""
+    index = present.nonzero().flatten()
+    protos = prototypes[index].float()
+    if len(protos) < 2:
+        return []
+    scale = float(protos.norm(dim=1).mean())
+    close = torch.cdist(protos, protos) <= rtol * max(scale, 1e-12)
+    rows, cols = torch.triu_indices(len(protos), len(protos), 1)
+    return [
+        (class_names[int(index[i])], class_names[int(index[j])])
+        for i, j in zip(rows.tolist(), cols.tolist())
+        if close[i, j]
+    ]

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
+from torch import Tensor
+
+from dualseg._version import __version__
 from dualseg.engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
-from dualseg.errors import CheckpointError
-from dualseg.serialization import safe_torch_load
+from dualseg.errors import CheckpointError, ConfigError, OutputError
+from dualseg.io import atomic_torch_save
+from dualseg.refine.inputs import check_finite_refiner
+from dualseg.serialization import safe_torch_load, torch_file_format
 
 FORMAT = "dualseg-refiner/1"
 TRAIN_FORMAT = "dualseg-refiner-train/1"
@@ -43,6 +49,58 @@ def load_state(path: str | os.PathLike[str], fmt: str, what: str) -> dict[str, A
             f"{path} is not a dualseg {what} (format {found!r}, expected {fmt!r})"
         )
     return state
+
+
+class StoredRefiner(NamedTuple):
+    """A saved refiner's parts, as read from a ``.pt`` or a folder (not yet checked)."""
+
+    description: Mapping[str, Any]  # config, class_names, ignore_index, calibration, palette
+    net_state: Mapping[str, Tensor]
+    prototypes: Tensor
+    present: Tensor
+    source: str | os.PathLike[str]
+
+
+def save_refiner_file(
+    path: str | os.PathLike[str], description: Mapping[str, Any], net_state: Mapping[str, Tensor],
+    prototypes: Tensor, present: Tensor,
+) -> Path:  # fmt: skip
+    """Write a refiner atomically to one file. An earlier refiner file there is replaced; a
+    folder, or a file of any other kind (a model checkpoint, say), is refused."""
+
+    target = Path(path)
+    if target.is_dir():
+        raise OutputError(f"{target} is a folder; save writes one file (save_pretrained: a folder)")
+    kind = torch_file_format(target) if target.is_file() else ""
+    if kind not in (FORMAT, ""):  # "": empty or cut short, an interrupted save's leftover
+        raise OutputError(
+            f"{target} exists and is not a method-B refiner ({kind or 'another kind of file'}); "
+            "save never writes over it: choose another path"
+        )
+    state = {
+        "format": FORMAT,
+        "version": __version__,
+        **description,
+        "model": {k: v.detach().cpu() for k, v in net_state.items()},
+        "prototypes": prototypes.cpu(),
+        "present": present.cpu(),
+    }
+    atomic_torch_save(state, target)
+    return target
+
+
+def read_refiner_file(path: str | os.PathLike[str]) -> StoredRefiner:
+    if not os.fspath(path).strip():  # Path("") is the current folder
+        raise ConfigError(
+            "the refiner path is empty (an unset variable?); pass a refiner file, a refiner "
+            "folder or hf://org/name"
+        )
+    state = load_state(path, FORMAT, "refiner")
+    missing = [k for k in ("model", "prototypes", "present", "config") if k not in state]
+    if missing:
+        raise CheckpointError(f"{path} lacks {', '.join(missing)}; fit the refiner again")
+    check_finite_refiner(path, {**state["model"], "prototypes": state["prototypes"]})
+    return StoredRefiner(state, state["model"], state["prototypes"], state["present"], path)
 
 
 def stored_description(stored: Mapping[str, Any], source: str | os.PathLike[str]) -> dict[str, Any]:
@@ -91,5 +149,4 @@ def stored_description(stored: Mapping[str, Any], source: str | os.PathLike[str]
 
 
 def _none_or_strings(value: Any) -> bool:
-    """A calibration's ``image_digests``: absent (stored before them) or a list of strings."""
     return value is None or (isinstance(value, list) and all(isinstance(v, str) for v in value))

@@ -9,20 +9,21 @@ refiner can share one folder (``config.json``, ``model.safetensors``, ``refiner.
 ``prototypes`` ``[K,C]`` float32 and ``present`` ``[K]`` (uint8: class has a prototype);
 ``refiner.json`` holds ``format``, the :class:`~dualseg.refine.refiner.RefinerConfig`, the
 class names, the ignore index, the fit-time gate calibration (``refine fit
---calibrate-split``; ``null`` without one) and the class colours (``palette``; ``null`` in
-folders saved before it was stored).
+--calibrate-split``; ``null`` without one) and the class colours (``palette``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
+from torch import Tensor
 
+from dualseg._version import __version__
 from dualseg.engine.pretrained import (
     CONFIG_NAME,
     REFINER_CONFIG,
@@ -36,19 +37,8 @@ from dualseg.engine.pretrained import (
     write_folder_files,
 )
 from dualseg.errors import CheckpointError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from dualseg.refine.embedding import EmbeddingNet
-    from dualseg.refine.refiner import BoundaryRefiner
-
-__all__ = [
-    "REFINER_CONFIG",
-    "REFINER_FORMAT",
-    "REFINER_WEIGHTS",
-    "is_folder_source",
-    "load_folder",
-    "save_folder",
-]
+from dualseg.refine.formats import StoredRefiner
+from dualseg.refine.inputs import check_finite_refiner, name_differences
 
 REFINER_FORMAT = "dualseg-refiner-pretrained/1"
 
@@ -59,38 +49,22 @@ def is_folder_source(source: str | os.PathLike[str]) -> bool:
 
 
 def save_folder(
-    refiner: BoundaryRefiner, folder: str | os.PathLike[str], *, overwrite: bool = False
-) -> Path:
-    """Write ``refiner`` into ``folder`` (weights first, ``refiner.json`` last)."""
-    from dualseg._version import __version__
+    folder: str | os.PathLike[str], description: Mapping[str, Any],
+    net_state: Mapping[str, Tensor], prototypes: Tensor, present: Tensor,
+    *, overwrite: bool = False,
+) -> Path:  # fmt: skip
+    """Write a refiner into ``folder`` (weights first, ``refiner.json`` last)."""
 
     folder = folder_path(folder)
     refuse_existing(folder, (REFINER_CONFIG, REFINER_WEIGHTS), overwrite)
-    check_folder_model(folder, refiner.class_names, fix="save the refiner to another folder")
-    tensors = {f"net.{k}": v for k, v in refiner.net.state_dict().items()}
-    tensors["prototypes"] = refiner.prototypes.float()
-    tensors["present"] = refiner.present.to(torch.uint8)
-    write_folder_files(
-        folder,
-        REFINER_WEIGHTS,
-        tensors,
-        REFINER_CONFIG,
-        {
-            "format": REFINER_FORMAT,
-            "dualseg_version": __version__,
-            "config": refiner.config.to_dict(),
-            "class_names": list(refiner.class_names),
-            "ignore_index": refiner.ignore_index,
-            "calibration": refiner.calibration,
-            "palette": None if refiner.palette is None else [list(c) for c in refiner.palette],
-        },
-    )
+    names = description["class_names"]
+    check_folder_model(folder, names, fix="save the refiner to another folder")
+    tensors = {f"net.{k}": v for k, v in net_state.items()}
+    tensors["prototypes"] = prototypes.float()
+    tensors["present"] = present.to(torch.uint8)
+    meta = {"format": REFINER_FORMAT, "dualseg_version": __version__, **description}
+    write_folder_files(folder, REFINER_WEIGHTS, tensors, REFINER_CONFIG, meta)
     return folder
-
-
-def refiner_names(meta: dict) -> list[str] | None:
-    names = meta.get("class_names")
-    return names if isinstance(names, list) else None  # from_stored says what is wrong
 
 
 def check_folder_model(folder: Path, names: Sequence[str] | None, *, fix: str) -> None:
@@ -104,23 +78,14 @@ def check_folder_model(folder: Path, names: Sequence[str] | None, *, fix: str) -
     except (OSError, ValueError, AttributeError):
         return  # the model's own loading says what is wrong with it
     if isinstance(model_names, list) and list(model_names) != list(names):
-        from dualseg.refine.refiner import name_differences
-
         raise CheckpointError(
             f"{folder / CONFIG_NAME} describes a model of other classes than the refiner "
             f"({name_differences(model_names, names)}); {fix}"
         )
 
 
-def load_folder(
-    source: str | os.PathLike[str],
-    *,
-    device: str | torch.device = "cpu",
-    net: EmbeddingNet | None = None,
-) -> BoundaryRefiner:
-    """A refiner folder (or ``hf://org/name``) as a :class:`BoundaryRefiner` on ``device``."""
-    from dualseg.refine.refiner import BoundaryRefiner, check_finite_refiner
-
+def read_folder(source: str | os.PathLike[str]) -> StoredRefiner:
+    """A refiner folder (or ``hf://org/name``)'s parts."""
     folder = resolve_source(source, files=(REFINER_CONFIG, REFINER_WEIGHTS))
     meta = read_json(folder / REFINER_CONFIG, fmt=REFINER_FORMAT, what="refiner")
     tensors = read_safetensors(folder / REFINER_WEIGHTS, what="refiner")
@@ -128,13 +93,9 @@ def load_folder(
     missing = [k for k in ("prototypes", "present") if k not in tensors]
     if missing or "config" not in meta or "class_names" not in meta:
         raise CheckpointError(f"{folder}: incomplete refiner folder; save it again")
-    check_folder_model(folder, refiner_names(meta), fix="fit a refiner for that model")
-    refiner = BoundaryRefiner.from_stored(
-        meta,
-        {k.removeprefix("net."): v for k, v in tensors.items() if k.startswith("net.")},
-        tensors["prototypes"],
-        tensors["present"].bool(),
-        source=folder / REFINER_CONFIG,
-        net=net,
+    names = meta["class_names"] if isinstance(meta["class_names"], list) else None
+    check_folder_model(folder, names, fix="fit a refiner for that model")
+    net_state = {k.removeprefix("net."): v for k, v in tensors.items() if k.startswith("net.")}
+    return StoredRefiner(
+        meta, net_state, tensors["prototypes"], tensors["present"].bool(), folder / REFINER_CONFIG
     )
-    return refiner.to(device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from dualseg.errors import DataError
 from dualseg.refine.boundary import near_boundary_mask
@@ -75,7 +76,6 @@ def stream_prototypes(
     progress: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Step 5 over ``dataset`` (one image at a time, any sizes): ``(prototypes, present)``."""
-    from tqdm.auto import tqdm
 
     net.eval()
     acc = PrototypeAccumulator(num_classes, net.embed_dim, device=device)

@@ -1,29 +1,15 @@
 """Method B on the features the base model has already computed (the same labels, faster).
 
-A ``backbone_source="base-frozen"`` refiner at ``input_scale`` 1 without P1 blur runs the base
-model's own backbone, with the base's weights, on the very image the base has just segmented:
-the base's forward has already computed those features. :class:`SharedFeatures` hooks the
-base's backbone for the length of a ``with`` block and keeps its output; the refiner's ASPP
-head then reads it instead of running the backbone a second time (issue 15: the embedding's
-backbone was most of method B's extra inference time).
+A ``base-frozen`` refiner at ``input_scale`` 1 without P1 blur runs the base's own backbone
+weights on the very image the base has just segmented. :class:`SharedFeatures` hooks the
+base's backbone for a ``with`` block and keeps its output (and, for a refiner with a decoder,
+its stride-4 block's); the refiner's head then reads it instead of running the backbone again.
 
-When it applies, and why it is safe (:func:`can_share`): the refiner's configuration must be
-the one above, at the base's output stride, and the base's backbone must hold exactly the
-refiner's backbone weights (the base it was fit on; a refiner fit on another base, or a base
-trained on since, falls back to the refiner's own backbone). Callers share only on a plain
-whole-image forward (no test-time augmentation, no sliding window, no autocast); a forward
-that ran the backbone more than once shares nothing, and :func:`matching` checks each batch
-once more: one float32 map per image, covering that image padded by less than a stride.
-Anything else runs the refiner's own backbone.
-
-A refiner with a decoder (:mod:`dualseg.refine.decoder`) also reads the backbone's stride-4
-features: the context then hooks that block of the base's backbone too, and each kept entry
-carries both (:class:`BaseFeatures`).
-
-One difference from the refiner's own pass: dualseg's models pad their input at the bottom and
-right to a multiple of the output stride, so the shared features cover the padded image
-(``covered``), and the refiner samples them there; on an image whose sides are multiples of
-the stride the two paths give the same embedding.
+Safe only when :func:`can_share` holds (that configuration, the base's output stride, the very
+backbone weights) and :func:`matching` accepts the batch (one float32 map per image, covering
+it padded by less than a stride); callers share only on a plain whole-image forward. Anything
+else runs the refiner's own backbone. The shared features cover the padded input
+(``covered``), where the refiner samples them.
 """
 
 from __future__ import annotations
@@ -34,8 +20,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
-
-__all__ = ["BaseFeatures", "SharedFeatures", "base_backbone", "can_share", "matching"]
 
 
 class BaseFeatures(NamedTuple):

@@ -20,20 +20,15 @@ the collapse that always taking the hardest negative causes.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypedDict
+from typing import TypedDict
 
 import torch
 from torch import Tensor
 
 from dualseg.errors import ConfigError
 from dualseg.refine.boundary import near_boundary_mask
+from dualseg.refine.config import MINING, REDUCTIONS
 from dualseg.refine.embedding import EmbeddingNet, embed_pixels
-
-if TYPE_CHECKING:  # pragma: no cover
-    from dualseg.refine.refiner import RefinerConfig
-
-REDUCTIONS = ("all", "violating")
-MINING = ("random", "semi-hard")
 
 
 class TripletStats(TypedDict):
@@ -196,21 +191,26 @@ def triplet_step(
     opt: torch.optim.Optimizer,
     images: Tensor,
     labels: Tensor,
-    cfg: RefinerConfig,
+    *,
     generator: torch.Generator,
+    radius: int,
+    edge_method: str,
+    num_triplets: int,
+    margin: float,
+    reduction: str = "all",
+    mining: str = "random",
+    mining_pool: int = 8,
+    input_scale: float = 1.0,
+    output_stride: int = 16,
     ignore_index: int = 255,
 ) -> dict[str, float]:
     """One step 2-4 iteration on a batch. Triplets are drawn first, so embeddings are read only
     at the (at most 3 x num_triplets) pixels they use. A batch without any possible triplet
     (no boundary, or no class with two near-boundary pixels) is a no-op."""
-    edge = near_boundary_mask(
-        labels, radius=cfg.radius, ignore_index=ignore_index, method=cfg.edge_method
-    )
+    edge = near_boundary_mask(labels, radius=radius, ignore_index=ignore_index, method=edge_method)
     pix_labels = labels[edge]  # [M]
-    negatives = pool_size(cfg.mining, cfg.mining_pool)
-    triplets = sample_triplets(
-        pix_labels, cfg.num_triplets, negatives=negatives, generator=generator
-    )
+    negatives = pool_size(mining, mining_pool)
+    triplets = sample_triplets(pix_labels, num_triplets, negatives=negatives, generator=generator)
     if triplets is None:
         return {
             "loss": 0.0,
@@ -224,11 +224,11 @@ def triplet_step(
     where = edge.nonzero()[used]  # [U,3]
     sub = torch.zeros_like(edge)
     sub[where[:, 0], where[:, 1], where[:, 2]] = True  # nonzero() order == sorted `used` order
-    emb = embed_pixels(net, images, sub, cfg.input_scale, cfg.output_stride)  # [U,C]
+    emb = embed_pixels(net, images, sub, input_scale, output_stride)  # [U,C]
     t1, t2, pool = inverse[:t], inverse[t : 2 * t], inverse[2 * t :].view(t, -1)
-    f0 = mine_negatives(emb, t1, t2, pool, cfg.mining)
-    hinge, gap = triplet_hinge(emb, t1, t2, f0, cfg.margin)
-    loss, stats = reduce_hinge(hinge, gap, cfg.reduction)
+    f0 = mine_negatives(emb, t1, t2, pool, mining)
+    hinge, gap = triplet_hinge(emb, t1, t2, f0, margin)
+    loss, stats = reduce_hinge(hinge, gap, reduction)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()

@@ -1,0 +1,170 @@
+"""RefinerConfig: every method-B option, its default, its help line and its rule, once.
+
+``refine fit`` builds its flags from these fields (``--embed-dim`` for ``embed_dim``), so a
+new option is written here only. Defaults are the spec's readings or were measured on CamVid
+(docs/refine.md): output stride 16 at input scale 0.5 costs ~6% of a DeepLabV3-MobileNetV2
+forward on the CPU; AdamW at lr 1e-3 (at 1e-4, over half the triplets still violated the
+margin after 150 steps).
+"""
+
+# no ``from __future__ import annotations``: __post_init__ and the flag loop read field types
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from dualseg.augment_defaults import SEED_LIMIT
+from dualseg.errors import ConfigError
+from dualseg.refine.boundary import EDGE_METHODS, MAX_RADIUS
+
+BACKBONE_SOURCES = ("independent", "base-frozen", "base-finetune")
+REDUCTIONS = ("all", "violating")
+MINING = ("random", "semi-hard")
+OPTIMIZERS = ("adamw", "sgd")
+# C (and the decoder's projection): 16x the spec's 256; 100000 ran out of memory building
+# the ASPP head
+MAX_EMBED_DIM = 4096
+
+
+class OptionError(ConfigError):
+    """A RefinerConfig value breaks its rule; ``named(flag)`` says it with the flag's name."""
+
+    def __init__(self, option: str, rule: str, value: Any) -> None:
+        self.option, self.rule, self.value = option, rule, value
+        super().__init__(self.named(option))
+
+    def named(self, name: str) -> str:
+        return f"{name} must be {self.rule}, got {self.value!r}"
+
+
+def _opt(default: Any, help: str, ok: Callable[[Any], bool] | None = None, rule: str = "") -> Any:
+    return field(default=default, metadata={"help": help, "ok": ok, "rule": rule})
+
+
+def _choice(default: str, choices: tuple[str, ...], help: str) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+def _at_least(low: float) -> tuple[Callable[[Any], bool], str]:
+    return (lambda v: v >= low), f">= {low:g}"
+
+
+@dataclass(frozen=True)
+class RefinerConfig:
+    """Method B's options: model (step 3), mask (step 2 / P4), triplets (step 4), inference
+    (P1, P3) and the decision beyond the claim (:mod:`dualseg.refine.decision`)."""
+
+    backbone: str = _opt("mobilenet_v2", "embedding backbone, a dualseg.models backbone name")
+    embed_dim: int = _opt(
+        256, "C, the embedding's channels", lambda v: 1 <= v <= MAX_EMBED_DIM,
+        f"in 1..{MAX_EMBED_DIM}",
+    )  # fmt: skip
+    output_stride: int = _opt(16, "the embedding backbone's output stride")
+    aspp_rates: tuple[int, ...] = _opt((4, 6, 8, 12), "the ASPP head's dilation rates")
+    input_scale: float = _opt(
+        0.5, "the embedding model sees the image resized by this factor",
+        lambda v: 0 < v <= 4, "in (0, 4]",
+    )  # fmt: skip
+    radius: int = _opt(
+        5, "near-boundary radius (px)", lambda v: 0 <= v <= MAX_RADIUS, f"in 0..{MAX_RADIUS}"
+    )
+    edge_method: str = _choice("canny", EDGE_METHODS, "how boundaries are found")
+    top_n: int = _opt(5, "Top-N candidate labels at inference (P3)", *_at_least(1))
+    margin: float = _opt(1.0, "triplet margin Δ", *_at_least(0))
+    num_triplets: int = _opt(4096, "triplets per step", *_at_least(1))
+    reduction: str = _choice("all", REDUCTIONS, "which triplets the loss averages")
+    mining: str = _choice(
+        "random", MINING, "false example F0: random (the claim) or semi-hard, among mining_pool"
+    )
+    mining_pool: int = _opt(8, "false examples per anchor for semi-hard mining", *_at_least(1))
+    steps: int = _opt(
+        2000, "training steps (an untrained embedding relabels at random)", *_at_least(1)
+    )
+    # training BatchNorm needs more than one value per channel: one small crop shrinks to a
+    # 1x1 map at the output stride ("Expected more than 1 value per channel when training")
+    batch_size: int = _opt(
+        8, "crops per step", lambda v: v >= 2, ">= 2 (BatchNorm needs 2 or more crops)"
+    )
+    optimizer: str = _choice("adamw", OPTIMIZERS, "optimizer")
+    lr: float = _opt(1e-3, "learning rate", lambda v: 0 < v < math.inf, "> 0 and finite")
+    weight_decay: float = _opt(1e-4, "weight decay", *_at_least(0))
+    momentum: float = _opt(0.9, "SGD momentum", lambda v: 0 <= v < 1, "in [0, 1)")
+    seed: int = _opt(
+        0, "random seed of the whole fit", lambda v: 0 <= v < SEED_LIMIT, f"in 0..{SEED_LIMIT - 1}"
+    )
+    backbone_source: str = _choice(
+        "independent", BACKBONE_SOURCES,
+        "step 3: the embedding's own backbone, or the --base checkpoint's backbone weights "
+        "frozen (only the ASPP head learns) or fine-tuned",
+    )  # fmt: skip
+    gate_margin: float | None = _opt(
+        None, "beyond the claim: relabel only where the base's top-1 minus top-2 probability "
+        "is below this (default: no gate, the claim)",
+        lambda v: v is None or 0 <= v <= 1, "in [0, 1] or None",
+    )  # fmt: skip
+    prior_weight: float = _opt(
+        0.0, "beyond the claim: add this times the base's negative log-probability to each "
+        "candidate's squared distance (in units of the mean squared distance between "
+        "prototypes; 0: the claim)", *_at_least(0),
+    )  # fmt: skip
+    min_prob: float = _opt(
+        0.0, "beyond the claim: a Top-N candidate other than the base's top-1 needs at least "
+        "this base probability (0: the claim)", lambda v: 0 <= v < 1, "in [0, 1)",
+    )  # fmt: skip
+    p1_blur_sigma: float = _opt(
+        0.0, "P1's filtering: Gaussian blur (px) of the image the embedding model sees "
+        "(0: none, normalization only)", lambda v: 0 <= v < math.inf, ">= 0 and finite",
+    )  # fmt: skip
+    decoder_channels: int = _opt(
+        0, "beyond the claim: a DeepLabV3+ decoder fusing the backbone's stride-4 features, "
+        "projected to this many channels (DeepLabV3+ uses 48), into the embedding (0: none)",
+        lambda v: 0 <= v <= MAX_EMBED_DIM, f"in 0..{MAX_EMBED_DIM} (0: no decoder)",
+    )  # fmt: skip
+
+    def __post_init__(self) -> None:
+        if isinstance(self.aspp_rates, list):  # JSON and argparse give lists
+            object.__setattr__(self, "aspp_rates", tuple(self.aspp_rates))
+        for f in dataclasses.fields(self):
+            value, meta = getattr(self, f.name), f.metadata
+            if not _has_type(f.type, value):
+                raise ConfigError(
+                    f"option {f.name} must be {_type_name(f.type)}, got {value!r:.40}"
+                )
+            if "choices" in meta and value not in meta["choices"]:
+                raise OptionError(f.name, f"one of {', '.join(meta['choices'])}", value)
+            if meta.get("ok") is not None and not meta["ok"](value):
+                raise OptionError(f.name, meta["rule"], value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RefinerConfig":
+        """The options of a stored refiner (``to_dict``'s output), checked."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"config must be a dict of refiner options, got {d!r:.40}")
+        unknown = sorted(str(k) for k in d if k not in {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ConfigError(
+                f"config holds option(s) {', '.join(unknown)} that this dualseg does not know "
+                "(written by a newer version?); upgrade dualseg or fit the refiner again"
+            )
+        return cls(**d)
+
+
+def _type_name(kind: Any) -> str:
+    return getattr(kind, "__name__", None) if isinstance(kind, type) else str(kind)
+
+
+def _has_type(kind: Any, value: Any) -> bool:
+    """JSON has no tuples, and "5" or true is no count."""
+    if isinstance(value, bool):
+        return False
+    if value is None:
+        return kind == float | None
+    if kind == tuple[int, ...]:
+        return isinstance(value, tuple) and all(_has_type(int, v) for v in value)
+    if kind in (float, float | None):
+        return isinstance(value, int | float)
+    return isinstance(value, kind)

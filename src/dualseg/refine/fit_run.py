@@ -1,0 +1,332 @@
+"""``refine fit`` on a dataset folder: its option checks, datasets and held-out calibration.
+
+What the command adds to :meth:`~dualseg.refine.refiner.BoundaryRefiner.fit` (steps 1-5): the
+training, prototype and ``--calibrate-split`` datasets read as the base model read its labels,
+refusals of option combinations that would fit a wrong or useless refiner, the rule that an
+earlier fit is continued or replaced only on request, and the decision sweep on held-out images
+(:mod:`dualseg.refine.calibrate`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+
+from dualseg.data import build_dataset, build_eval_transform, build_train_transform
+from dualseg.engine.checkpoint import FORMAT as MODEL_FORMAT
+from dualseg.engine.pretrained import is_hub_source
+from dualseg.errors import ConfigError, DataError, OutputError, RunExistsError
+from dualseg.io import check_writable, file_digest
+from dualseg.refine.base import model_fingerprint
+from dualseg.refine.calibrate import CLAIM_DECISION, DECISION_KEYS, choose_decision, sweep_decision
+from dualseg.refine.config import RefinerConfig
+from dualseg.refine.decision import describe_decision
+from dualseg.refine.formats import FORMAT, TRAIN_FORMAT
+from dualseg.serialization import torch_file_format
+
+# split names that are for reporting: never where method B's decision options are chosen
+EVALUATION_SPLITS = ("val", "test")
+MIN_CROP = 16  # px a side: the smallest fit crop that can hold a boundary band
+
+
+def check_options(
+    cfg: RefinerConfig, *, split: str, calibrate_split: str | None, crop_size: Sequence[int],
+    weights: str | None, init_backbone: str, has_base: bool,
+) -> None:  # fmt: skip
+    """Refuse option combinations that fit a useless refiner or ignore an option unsaid."""
+    if min(crop_size) < MIN_CROP:  # found only after every step had drawn nothing
+        raise ConfigError(
+            f"--crop-size {crop_size[0]} {crop_size[1]} is too small to hold a class "
+            f"boundary to draw triplets from; use at least {MIN_CROP} {MIN_CROP} (256 256)"
+        )
+    if weights and init_backbone == "none" and cfg.backbone_source == "independent":
+        # none never reads the file (a base-* source reads it, then takes the base's backbone)
+        raise ConfigError(
+            f"--weights {weights} and --init-backbone none conflict: none starts the "
+            "backbone from random weights and never reads the file; drop --weights, or drop "
+            "--init-backbone none to initialize the backbone from it"
+        )
+    if not calibrate_split:
+        return
+    if not has_base:
+        raise ConfigError("--calibrate-split scores the refiner on top of a base model: add --base")
+    given = [
+        f"--{k.replace('_', '-')}" for k in DECISION_KEYS if getattr(cfg, k) != CLAIM_DECISION[k]
+    ]
+    if given:  # the sweep would replace them without a word
+        raise ConfigError(
+            f"{' and '.join(given)} and --calibrate-split both set the decision: "
+            f"--calibrate-split chooses {', '.join(DECISION_KEYS[:-1])} and {DECISION_KEYS[-1]} "
+            f"on held-out images; drop {' and '.join(given)}, or drop --calibrate-split to use "
+            "your values"
+        )
+    if calibrate_split in EVALUATION_SPLITS:
+        raise ConfigError(
+            f"--calibrate-split {calibrate_split} is an evaluation split: choosing the "
+            "decision options on it would report them on the images they were tuned on; carve "
+            "a split from train (a list file, e.g. dev.txt) and calibrate on that"
+        )
+    if calibrate_split == split:
+        raise ConfigError(
+            f"--calibrate-split {calibrate_split} is the --split the refiner is fitted on; "
+            "the decision options must be chosen on labelled images held out of the fit: "
+            "name another split (e.g. fit on train_fit, calibrate on dev)"
+        )
+
+
+def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to replace an earlier fit by accident: an existing ``out`` (refiner) or
+    ``checkpoint`` (its training state) needs ``resume`` or ``overwrite``. ``resume`` with no
+    training state starts a new fit, said in one line, unless that would replace ``out``."""
+    if overwrite and resume:
+        raise ConfigError(
+            "--resume continues the earlier fit and --overwrite replaces it with a new one: "
+            "pass one of them"
+        )
+    if overwrite or (resume and checkpoint.is_file()):
+        return
+    if resume and out.exists():
+        raise RunExistsError(
+            f"--resume: no training state {checkpoint} to continue {out} from, and a new "
+            "fit would replace it; pass --overwrite to fit a new refiner in its place, "
+            "--checkpoint FILE for its state, or another --out"
+        )
+    if resume:
+        print(
+            f"dualseg refine fit: note: --resume: no training state {checkpoint} yet; "
+            "starting a new fit from step 0",
+            file=sys.stderr,
+        )
+    elif out.exists():
+        raise RunExistsError(
+            f"--out {out} already holds a refiner; replace it with --overwrite, continue its "
+            "training with --resume, or choose another --out"
+        )
+    elif checkpoint.exists():
+        raise RunExistsError(
+            f"{checkpoint} holds the training state of an earlier fit; continue it with "
+            "--resume, start over with --overwrite, or choose another --out / --checkpoint"
+        )
+
+
+def fit_paths(out: str, checkpoint: str | None) -> tuple[Path, Path]:
+    """The refiner file and its training state (default ``<out>.train.pt``), both writable."""
+
+    target = check_writable(out, kind="file", what="--out")
+    state = Path(checkpoint) if checkpoint else target.with_suffix(".train.pt")
+    check_writable(state, kind="file", what="--checkpoint")
+    if target.resolve() == state.resolve():  # found at the first save, after the whole fit
+        raise ConfigError(
+            f"--checkpoint {state} is --out: the training state and the refiner need two "
+            "files; drop --checkpoint (default: <out>.train.pt) or name another"
+        )
+    return target, state
+
+
+def check_fit_targets(out: Path, checkpoint: Path) -> None:
+    """Refuse an existing ``out`` or ``checkpoint`` of another kind than refine fit writes
+    there (a refiner; its training state), even with ``--overwrite``."""
+
+    kinds = (
+        (out, "--out", FORMAT, "a method-B refiner"),
+        (checkpoint, "--checkpoint", TRAIN_FORMAT, "the training state of a refine fit"),
+    )
+    for path, what, fmt, kind in kinds:
+        found = torch_file_format(path) if path.is_file() else ""
+        if found not in (fmt, ""):
+            model = " (a dualseg model checkpoint: pass it as --base)"
+            raise OutputError(
+                f"{what} {path} exists and is not {kind}{model if found == MODEL_FORMAT else ''};"
+                f" refine fit never writes over another kind of file, not even with "
+                f"--overwrite: choose another {what}"
+            )
+
+
+class FitData(NamedTuple):
+    train: Any  # with step 1's augmentation
+    prototypes: Any  # the same images without it (the first ``proto_images``)
+    held_out: Any | None  # the --calibrate-split images
+
+
+def fit_datasets(
+    data: str, *, split: str, layout: str, preset: str | None, labels: Mapping[str, Any],
+    crop_size: Sequence[int], scale_range: Sequence[float], seed: int, proto_images: int,
+    calibrate_split: str | None,
+) -> FitData:  # fmt: skip
+    """The datasets of a fit, labels read as ``labels`` says (``label_format``, ``label_map``,
+    ``ignore_value``); the calibration split is checked before the fit, not after."""
+
+    common = {"split": split, "layout": layout, "preset": preset, **labels}
+    tf = build_train_transform(crop_size=tuple(crop_size), scale_range=tuple(scale_range))
+    train = build_dataset(data, transform=tf, seed=seed, **common)
+    held_out = None
+    if calibrate_split:
+        held_out = _calibration_dataset(data, train, common, calibrate_split)
+    protos = build_dataset(data, transform=build_eval_transform(), **common)
+    if proto_images > 0:
+        protos = torch.utils.data.Subset(protos, range(min(proto_images, len(protos))))
+    return FitData(train, protos, held_out)
+
+
+def _calibration_dataset(data: str, train: Any, common: dict[str, Any], split: str) -> Any:
+    """The ``--calibrate-split`` dataset; it must exist and hold none of the images the refiner
+    is fitted on or scored on (val, test)."""
+
+    try:
+        held_out = build_dataset(
+            data, transform=build_eval_transform(), **{**common, "split": split}
+        )
+    except DataError as err:  # the dataset's messages name --split: here it is this flag
+        raise DataError(re.sub(r"--split\b", "--calibrate-split", str(err))) from None
+
+    def images(ds: Any) -> set[Path]:
+        return {Path(image).resolve() for image, _ in getattr(ds, "samples", [])}
+
+    others = [(f"--split {common['split']}", "held out of the fit", images(train))]
+    for name in EVALUATION_SPLITS:  # val under another name would be tuned on, then scored
+        try:
+            evaluated = build_dataset(data, **{**common, "split": name})
+        except DataError:  # no such split: nothing to keep apart
+            continue
+        others.append((f"the {name} split", f"apart from {name}, where it is scored",
+                       images(evaluated)))  # fmt: skip
+    calibrating = [image for image, _ in getattr(held_out, "samples", [])]
+    for name, why, taken in others:
+        shared = [image for image in calibrating if Path(image).resolve() in taken]
+        if shared:
+            raise ConfigError(
+                f"{len(shared)} of the {len(held_out)} --calibrate-split {split} "
+                f"images are also in {name} (e.g. {shared[0]}); the decision options must be "
+                f"chosen on images {why}: carve the calibration split from train"
+            )
+    return held_out
+
+
+def fit_inputs(
+    data: str, *, split: str, layout: str, preset: str | None, crop_size: Sequence[int],
+    scale_range: Sequence[float], base: str | None, labels: Mapping[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """What the triplet steps read beyond the RefinerConfig (the data stream, how its labels
+    are read, the base a ``base-*`` fit is built on), so that a ``--resume`` must give the
+    same. The backbone initialization and ``--proto-images`` are left out: a resume loads the
+    whole network from its state, and the prototypes are computed after it."""
+
+    if base is not None and not is_hub_source(base):
+        base = str(Path(base).resolve())
+    mapping = labels["label_map"] or {}
+    return {
+        "data": str(Path(data).resolve()), "split": split, "layout": layout, "preset": preset,
+        "crop_size": list(crop_size), "scale_range": list(scale_range), "base": base,
+        "labels": {"label_format": labels["label_format"],
+                   "label_map": sorted([int(k), int(v)] for k, v in mapping.items()),
+                   "ignore_value": labels["ignore_value"]},
+    }  # fmt: skip
+
+
+def calibrate(
+    refiner: Any, base: Any, held_out: Any, files: Sequence[tuple[Path, str]], *, split: str,
+    metric: str, device: Any,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Choose the decision options (gate τ, prior weight λ, probability floor, P1 blur) on the
+    held-out images (``files``: their paths and the names a probability folder holds them
+    under) and store them in the refiner with the sweep's table, which is returned."""
+
+    at: list[tuple[Path, str]] = []  # the image the sweep scores now: a folder base needs it
+
+    def batches() -> Iterator[Any]:
+        for i in range(len(held_out)):
+            image, label = held_out[i]
+            at[:] = files[i : i + 1]
+            yield image[None], label[None]
+
+    def base_scores(x: torch.Tensor) -> torch.Tensor:  # logits or probabilities: both read
+        ((path, name),) = at
+        return base.scores(x, [name], sources=[str(path)])
+
+    module = getattr(base, "module", None)  # a model's backbone output is read, not rerun
+    kept = refiner.shared_features(module) if module is not None else contextlib.nullcontext()
+    with kept as shared:
+        rows = sweep_decision(refiner, base_scores, batches(), num_classes=refiner.num_classes,
+                              ignore_index=held_out.meta.ignore_index, device=device,
+                              shared=shared)  # fmt: skip
+    refiner.config = dataclasses.replace(refiner.config, **choose_decision(rows, metric=metric))
+    refiner.calibration = {
+        "split": split,
+        "images": len(held_out),
+        # by content: eval finds these images under any split name, root or file name
+        "image_digests": [file_digest(path) for path, _ in files],
+        "metric": metric,
+        "rows": rows,
+        # the base these options were chosen for (a model's; a probability folder: unknown)
+        "base_fingerprint": None if module is None else model_fingerprint(module),
+    }
+    return rows
+
+
+def backbone_init(
+    init_backbone: str, weights: str | None, backbone_source: str, base: Any
+) -> tuple[str | None, Any]:
+    """``(weights, init_from)`` of :meth:`BoundaryRefiner.fit` for ``--init-backbone``,
+    ``--weights`` and ``--backbone-source``: ImageNet weights unless ``none``; the base's
+    backbone (then ImageNet first only for an explicit ``--weights`` file) for ``base``."""
+    if init_backbone != "base" and backbone_source == "independent":
+        return (None if init_backbone == "none" else weights or "imagenet"), None
+    if not hasattr(base, "module"):
+        raise ConfigError(
+            "--init-backbone base / --backbone-source base-* need --base to be a dualseg checkpoint"
+        )
+    return weights, base.module
+
+
+def fit_summary(refiner: Any, out: Path) -> str:
+    """What ``refine fit`` prints at the end: the last step's readings and the refiner."""
+    cfg, lines = refiner.config, []
+    if refiner.history:
+        last = refiner.history[-1]
+        violating = 100 * last["violating"]
+        lines.append(f"step {last['step']}: loss {last['loss']:.4f}, violating triplets "
+                     f"{violating:.1f}%, mean margin {last['margin']:.3f}")  # fmt: skip
+    present = refiner.present.tolist()
+    missing = [n for n, p in zip(refiner.class_names, present) if not p]
+    no_proto = f"; no prototype for {missing}" if missing else ""
+    lines.append(f"refiner ({cfg.backbone}, C={cfg.embed_dim}, {refiner.num_classes} classes"
+                 f"{no_proto}) -> {out}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def calibration_report(rows: list[dict[str, Any]], cfg: RefinerConfig, *, split: str,
+                       images: int, metric: str) -> str:  # fmt: skip
+    """What ``refine fit --calibrate-split`` prints: the sweep's best rows and the choice."""
+    chosen = ", ".join(f"{k} {getattr(cfg, k)}" for k in DECISION_KEYS)
+    if cfg.gate_margin == 0:
+        chosen = "gate_margin 0, never relabel (refinement did not help this base)"
+    return (
+        f"decision sweep on {split} ({images} held-out images):\n"
+        f"{format_sweep(rows, metric=metric)}\nchosen: {chosen}"
+    )
+
+
+def format_sweep(rows: list[dict[str, Any]], *, metric: str, best: int = 5) -> str:
+    """The base row, the claim's row and the ``best`` rows by ``metric``, one line each."""
+
+    def setting(r: dict[str, Any]) -> dict[str, Any]:  # a reading missing from a row: default
+        return {k: r.get(k, v) for k, v in CLAIM_DECISION.items()}
+
+    base = [r for r in rows if r["gate_margin"] == "base"]
+    claims = [r for r in rows if r not in base and setting(r) == CLAIM_DECISION]
+    rest = sorted((r for r in rows if r not in base), key=lambda r: (-r[metric], r["changed"]))
+    lines = []
+    for r in [*base, *claims, *[r for r in rest[:best] if r not in claims]]:
+        name = "base model" if r in base else describe_decision(**setting(r))
+        lines.append(
+            f"  {name:>32}: mIoU {100 * r['miou']:.1f}  boundary F1 "
+            f"{100 * r['boundary_f1']:.1f}  changed {100 * r['changed']:.2f}%"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""P2-P5 on a base model's class scores, shared by ``BoundaryRefiner`` and the exported
+refiner: Top-N candidates (P3) in the near-boundary band of the base prediction (P4), each
+scored by its prototype's distance to the pixel's embedding, then the decision (P5)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from dualseg.errors import DataError
+from dualseg.refine.config import RefinerConfig
+from dualseg.refine.decision import Candidates, decide, gather_candidates
+
+
+def prototype_scores(feats: Tensor, prototypes: Tensor) -> Tensor:
+    """``s_k = |p_k|^2 - 2 e.p_k`` for low-resolution embeddings ``feats [b,C,h,w]``:
+    ``[b,K,h,w]``, whose argmin over k is the nearest prototype (Euclidean).
+
+    Why a score map: ``|e - p_k|^2 = |e|^2 - 2 e.p_k + |p_k|^2`` and ``|e|^2`` is the same
+    for every k. ``s_k`` is affine in ``e`` and the bilinear weights sum to one, so sampling the
+    low-resolution map of ``s`` (K channels) at a pixel equals ``s`` of the sampled
+    embedding (C channels): the same labels, without reading C-dim vectors per pixel.
+    """
+    return prototype_row_scores(feats.movedim(1, -1), prototypes).movedim(-1, 1)
+
+
+def prototype_row_scores(rows: Tensor, prototypes: Tensor) -> Tensor:
+    """:func:`prototype_scores` of embeddings on the last dim (``[...,C]``): ``[...,K]``."""
+    p = prototypes  # [K,C]
+    return rows.float() @ (-2 * p).T + p.pow(2).sum(1)
+
+
+def collect(
+    probs: Tensor,
+    scores: Callable[[Tensor, Tensor], Tensor],
+    present: Tensor,
+    config: RefinerConfig,
+    scale: float = 1.0,
+    covered: tuple[float, float] | None = None,
+) -> Candidates:
+    """P2-P4 and P5's distances with ``config``'s Top-N and mask options. Probabilities that
+    are not finite (a diverged base) are refused: NaN ranks as no class and would be relabelled
+    as class 0 or at random, silently."""
+    if not bool(probs.isfinite().all()):
+        raise DataError(
+            "the base model's class probabilities hold NaN or infinite values: its weights or "
+            "its input are broken (a diverged checkpoint?), or they are log-probabilities of an "
+            "exact 0 (-inf); refine the probabilities or logits of a working model"
+        )
+    return gather_candidates(
+        probs,
+        scores,
+        present,
+        top_n=config.top_n,
+        radius=config.radius,
+        edge_method=config.edge_method,
+        scale=scale,
+        covered=covered,
+    )
+
+
+def decide_as(c: Candidates, config: RefinerConfig) -> tuple[Tensor, Tensor]:
+    """P5 with ``config``'s decision options (the claim by default)."""
+    return decide(
+        c,
+        gate_margin=config.gate_margin,
+        prior_weight=config.prior_weight,
+        min_prob=config.min_prob,
+    )
+
+
+def relabel(
+    probs: Tensor,
+    scores: Callable[[Tensor, Tensor], Tensor],
+    present: Tensor,
+    config: RefinerConfig,
+    *,
+    scale: float = 1.0,
+    covered: tuple[float, float] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """P2-P5 on class scores ``probs [B,C,H,W]``: ``(labels [B,H,W] int64, changed bool)``.
+
+    ``scores(keep, band)`` returns :func:`prototype_scores` ``[b,K,h,w]`` of the images that
+    ``keep`` (bool ``[B]``) selects: those with near-boundary pixels ``band``, so the embedding
+    model runs only on them (see :func:`~dualseg.refine.decision.gather_candidates`).
+    ``BoundaryRefiner`` runs its ``EmbeddingNet`` there, the exported refiner its
+    onnxruntime / TorchScript model. ``scale``: :func:`~dualseg.refine.decision.prototype_scale`
+    of the prototypes, the unit of ``config.prior_weight``. ``covered``: the size, in image
+    pixels, the score maps span (:func:`~dualseg.refine.embedding.embedding_cover`).
+    """
+    return decide_as(collect(probs, scores, present, config, scale, covered), config)
