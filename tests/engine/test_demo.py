@@ -12,7 +12,7 @@ from PIL import Image
 from dualseg.commands import demo
 from dualseg.data import get_preset
 from dualseg.engine.baselines import baseline_models
-from dualseg.engine.evaluate import evaluate
+from dualseg.engine.evaluation import evaluate
 from dualseg.errors import WeightsNotFoundError
 
 

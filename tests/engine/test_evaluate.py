@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dualseg.engine.evaluate import evaluate, format_metrics
+from dualseg.engine.evaluation import evaluate, format_metrics
 from dualseg.metrics import BoundaryMetrics, ConfusionMatrix
 
 C = 4

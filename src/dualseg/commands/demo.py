@@ -178,7 +178,7 @@ def _run_refinement(
     ``on_batch``: the evaluation's hook (the panel's method-B column).
     """
     from dualseg.data import build_dataset
-    from dualseg.engine.evaluate import evaluate
+    from dualseg.engine.evaluation import evaluate
     from dualseg.engine.predict import load_model, resolve_device
     from dualseg.engine.train import train_transform
     from dualseg.refine import BoundaryRefiner
@@ -599,7 +599,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualseg.data import build_dataset
     from dualseg.data.transforms import build_eval_transform
     from dualseg.engine.baselines import baseline_models
-    from dualseg.engine.evaluate import evaluate
+    from dualseg.engine.evaluation import evaluate
     from dualseg.engine.predict import load_model, resolve_device
     from dualseg.engine.rundir import check_not_in_use, hold_run_folder
     from dualseg.engine.train import fit

@@ -312,7 +312,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualseg.data.presets import parse_label_map, require_same_classes
     from dualseg.data.transforms import build_eval_transform
     from dualseg.engine.checkpoint import build_model_from_checkpoint
-    from dualseg.engine.evaluate import evaluate, format_metrics
+    from dualseg.engine.evaluation import evaluate, format_metrics
     from dualseg.engine.preflight import scored_classes_note
     from dualseg.engine.pretrained import check_normalization, load_state
     from dualseg.io import atomic_write_json, check_writable

@@ -37,7 +37,7 @@ from dualseg.commands.common import (
     static_export_note,
     unique_names,
 )
-from dualseg.commands.predict import add_dataset_check_options
+from dualseg.commands.common import add_dataset_check_options
 from dualseg.console import ArgumentParser, argparse_kwargs, track
 from dualseg.data.transforms import SCALE_RANGE
 from dualseg.errors import ConfigError, DataError, DualsegError, OutputError, RunExistsError
@@ -292,7 +292,7 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
     add_runtime_args(p)
     add_quiet_arg(p)
     p.add_argument("--alpha", type=fraction, default=0.5, help="overlay opacity, 0-1 (0.5)")
-    from dualseg.commands.predict import add_inference_arguments
+    from dualseg.commands.common import add_inference_arguments
 
     add_inference_arguments(p)  # how a checkpoint base runs; the refiner gets its (TTA) scores
 
@@ -805,7 +805,7 @@ def format_sweep(rows: list[dict[str, Any]], *, metric: str, best: int = 5) -> s
 
 # ---------------------------------------------------------------------- apply
 def apply_main(args: argparse.Namespace) -> int:
-    from dualseg.commands.predict import (
+    from dualseg.commands.common import (
         check_dataset_classes,
         check_image_outputs,
         collect_images,
@@ -823,7 +823,10 @@ def apply_main(args: argparse.Namespace) -> int:
     out = check_writable(args.out, kind="dir", what="--out")
     images = collect_images(args.inputs, out=out, command="refine apply")
     kinds = ("labels", "color", "overlay", "changed")
-    check_image_outputs(args, out, images, [(f, ".png") for f in kinds], command="refine apply")
+    check_image_outputs(
+        out, images, [(f, ".png") for f in kinds], overwrite=args.overwrite, data=args.data,
+        command="refine apply",
+    )
     device = apply_runtime(args)
     refiner = load_refiner(args.refiner, device=device)
     check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
