@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dualseg.commands.common import (
+    add_dataset_check_options,
     add_label_args,
     add_overwrite_arg,
     add_quiet_arg,
@@ -37,7 +38,6 @@ from dualseg.commands.common import (
     static_export_note,
     unique_names,
 )
-from dualseg.commands.common import add_dataset_check_options
 from dualseg.console import ArgumentParser, argparse_kwargs, track
 from dualseg.data.transforms import SCALE_RANGE
 from dualseg.errors import ConfigError, DataError, DualsegError, OutputError, RunExistsError

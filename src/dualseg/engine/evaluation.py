@@ -318,3 +318,42 @@ def format_metrics(
                 line += f" (on the base's features for {shared} of {metrics['num_images']} images)"
         lines.append(line)
     return "\n".join(lines)
+
+
+def model_dataset(
+    root: str, *, split: str, layout: str, preset: str | None, meta: Any, model_name: str,
+    label_format: str, label_map: dict[int, int] | None, ignore_value: Any,
+) -> Any:  # fmt: skip
+    """The ``split`` of ``root`` read for a model of ``meta``'s classes (eval transform): the
+    dataset's own classes (``meta.json``, ``preset``) must be the model's, or one line shows
+    both. Warns (stderr) when a class can never be scored."""
+    import sys
+
+    from dualseg.data import PRESETS, build_dataset
+    from dualseg.data.datasets import dataset_meta, preset_for
+    from dualseg.data.presets import require_same_classes
+    from dualseg.data.transforms import build_eval_transform
+    from dualseg.errors import DualsegError
+
+    own = preset_for(root, preset) if preset else dataset_meta(root, layout=layout, split=split)
+    if own is not None:
+        where = f"the dataset {root} ({own.name})"
+        require_same_classes(meta.class_names, own.class_names, model=model_name, data=where)
+        meta = own
+    elif meta.name in PRESETS and PRESETS[meta.name].class_names == meta.class_names:
+        meta = PRESETS[meta.name]  # the preset also knows the raw ignore values (CamVid: 11)
+    dataset = build_dataset(
+        root, split=split, layout=layout, preset=meta, transform=build_eval_transform(),
+        label_format=label_format, label_map=label_map, ignore_value=ignore_value,
+    )  # fmt: skip
+    if len(dataset) == 0:
+        raise DualsegError(f"split {split!r} of {root} has no images")
+    if label_format != "color" and (lost := dataset.meta.unreachable_classes()):
+        names = ", ".join(f"{k} {dataset.meta.class_names[k]!r}" for k in lost)
+        print(
+            f"dualseg eval: warning: no raw label value means class {names} (the ignore value, "
+            f"{dataset.meta.describe_ignore()}, or a label map takes it), so it is never scored; "
+            "check --ignore-index / --label-map / meta.json",
+            file=sys.stderr,
+        )
+    return dataset

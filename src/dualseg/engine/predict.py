@@ -306,14 +306,10 @@ def load_model(
     >>> seg = dualseg.load_model("runs/demo/last.pt")      # doctest: +SKIP
     >>> labels = seg.predict("street.png")                  # HxW uint8 at the image's size
     """
-    from dualseg.engine.checkpoint import build_model_from_checkpoint
-    from dualseg.engine.pretrained import check_normalization, load_state
-    from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
+    from dualseg.engine.pretrained import load_network
 
     dev = resolve_device(device)
-    ckpt = load_state(path)
-    check_normalization(ckpt, IMAGENET_MEAN, IMAGENET_STD)
-    model, meta = build_model_from_checkpoint(ckpt, device=dev)
+    model, meta, ckpt = load_network(path, device=dev)
     seg = Segmenter(model, meta, device=dev, amp=amp)
     seg.arch, seg.model_kwargs = str(ckpt["arch"]), dict(ckpt["model_kwargs"])
     seg.training_labels = dict((ckpt.get("config") or {}).get("data") or {})

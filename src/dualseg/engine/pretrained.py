@@ -42,6 +42,7 @@ __all__ = [
     "check_normalization",
     "is_hub_source",
     "is_pretrained_folder",
+    "load_network",
     "load_state",
     "read_json",
     "read_pretrained",
@@ -466,6 +467,19 @@ def load_state(source: str | os.PathLike[str]) -> dict[str, Any]:
             f"{path} is one file of the pretrained folder {path.parent}; pass the folder"
         )
     return load_checkpoint(path)
+
+
+def load_network(
+    source: str | os.PathLike[str], *, device: Any = "cpu"
+) -> tuple[nn.Module, DatasetMeta, dict[str, Any]]:
+    """``(model, meta, state)`` of any model source (:func:`load_state`): its input
+    normalization checked against dualseg's (ImageNet), the network rebuilt on ``device``."""
+    from dualseg.engine.checkpoint import build_model_from_checkpoint
+
+    state = load_state(source)
+    check_normalization(state)
+    model, meta = build_model_from_checkpoint(state, device=device)
+    return model, meta, state
 
 
 def check_normalization(
