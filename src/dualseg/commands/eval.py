@@ -24,9 +24,7 @@ from dualseg.commands.common import (
     add_quiet_arg,
     add_runtime_args,
     apply_runtime,
-    check_outputs,
     cuda_amp,
-    dataset_files,
     inference_options,
     label_settings,
     mode_of,
@@ -36,17 +34,18 @@ from dualseg.commands.common import (
 )
 from dualseg.console import ArgumentParser, argparse_kwargs, track
 from dualseg.engine.outputs import (
-    EVAL_FILES,
     FIGURES,
     PredictionWriter,
+    check_eval_outputs,
+    default_out,
     mixed_size_batch,
-    prediction_files,
-    prediction_names,
 )
 from dualseg.errors import DataError, DualsegError
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dualseg.metrics import BOUNDARY_TOLERANCE, TRIMAP_WIDTH
+
     p = ArgumentParser(
         prog="dualseg eval",
         description="Evaluate a checkpoint: mIoU, per-class IoU, pixel accuracy, "
@@ -56,64 +55,30 @@ def build_parser() -> argparse.ArgumentParser:
             "dualseg eval -c runs/camvid/best.pt --data ROOT --refiner runs/camvid/refiner.pt",
         ),
     )
-    p.add_argument(
-        "--checkpoint",
-        "-c",
-        required=True,
-        help="a dualseg checkpoint (.pt), a pretrained folder or hf://org/name",
-    )
-    p.add_argument("--data", "-d", required=True, help="dataset root folder")
-    p.add_argument(
-        "--split",
-        default=None,
-        help="split to evaluate (val; a list file as --data: its name, test for test.txt)",
-    )
-    p.add_argument(
-        "--layout", default="auto", help="auto | list | folder | voc | cityscapes | ade20k (auto)"
-    )
-    p.add_argument(
-        "--preset",
-        default=None,
-        help="dataset preset (camvid, voc, cityscapes, ade20k, synthetic); default: "
-        "ROOT/meta.json, else the classes stored in the checkpoint",
-    )
+    add = p.add_argument
+    add("--checkpoint", "-c", required=True, help="a dualseg checkpoint (.pt), a pretrained "
+        "folder or hf://org/name")  # fmt: skip
+    add("--data", "-d", required=True, help="dataset root folder")
+    add("--split", help="split to evaluate (val; a list file as --data: its name)")
+    add("--layout", default="auto", help="auto | list | folder | voc | cityscapes | ade20k")
+    add("--preset", help="dataset preset (camvid, voc, cityscapes, ade20k, synthetic); default: "
+        "ROOT/meta.json, else the classes stored in the checkpoint")  # fmt: skip
     add_label_args(p, source="the checkpoint")
-    p.add_argument(
-        "--out",
-        "-o",
-        default=None,
-        help="folder for metrics.json (<checkpoint dir>/eval_SPLIT for best.pt, eval_SPLIT_NAME "
-        "for another checkpoint, + _refined / _slide / _tta for those evaluations; "
-        "./eval_SPLIT_NAME for hf://org/NAME)",
-    )
-    p.add_argument(
-        "--save-predictions",
-        metavar="DIR",
-        default=None,
-        help="write label and colour PNGs (DIR/labels/<name>.png, DIR/color/<name>.png)",
-    )
+    add("--out", "-o", help="folder for metrics.json (<checkpoint dir>/eval_SPLIT for best.pt, "
+        "eval_SPLIT_NAME for another checkpoint, + _refined / _slide / _tta for those "
+        "evaluations; ./eval_SPLIT_NAME for hf://org/NAME)")  # fmt: skip
+    add("--save-predictions", metavar="DIR", help="write label and colour PNGs "
+        "(DIR/labels/<name>.png, DIR/color/<name>.png)")  # fmt: skip
     add_overwrite_arg(p, what="an earlier evaluation in OUT, and --save-predictions files")
-    p.add_argument("--refiner", default=None, help="a method-B refiner file (dualseg refine fit)")
-    p.add_argument("--batch-size", type=int, default=1, help="images per batch (1)")
-    p.add_argument(
-        "--workers", type=nonnegative_int, default=0, help="DataLoader worker processes (0)"
-    )
+    add("--refiner", help="a method-B refiner file (dualseg refine fit)")
+    add("--batch-size", type=int, default=1, help="images per batch (1)")
+    add("--workers", type=nonnegative_int, default=0, help="DataLoader worker processes (0)")
     add_runtime_args(p)
     add_quiet_arg(p)
-    from dualseg.metrics import BOUNDARY_TOLERANCE, TRIMAP_WIDTH
-
-    p.add_argument(
-        "--boundary-tolerance",
-        type=width_arg,
-        default=BOUNDARY_TOLERANCE,
-        help=f"boundary F1 tolerance px ({BOUNDARY_TOLERANCE})",
-    )
-    p.add_argument(
-        "--trimap-width",
-        type=width_arg,
-        default=TRIMAP_WIDTH,
-        help=f"trimap band width px ({TRIMAP_WIDTH})",
-    )
+    add("--boundary-tolerance", type=width_arg, default=BOUNDARY_TOLERANCE,
+        help=f"boundary F1 tolerance px ({BOUNDARY_TOLERANCE})")  # fmt: skip
+    add("--trimap-width", type=width_arg, default=TRIMAP_WIDTH,
+        help=f"trimap band width px ({TRIMAP_WIDTH})")  # fmt: skip
     add_inference_arguments(p)
     return p
 
@@ -123,18 +88,6 @@ def width_arg(text: str) -> int:
     from dualseg.metrics import MAX_WIDTH
 
     return pixels_at_most(text, MAX_WIDTH)
-
-
-def default_out(checkpoint: str, split: str, *, variant: str = "") -> Path:
-    """``--out``'s default: ``eval_SPLIT`` (+ ``variant``) beside a run's ``best.pt``,
-    ``eval_SPLIT_NAME`` beside another checkpoint or pretrained folder, and
-    ``./eval_SPLIT_NAME`` for ``hf://org/NAME``."""
-    if str(checkpoint).startswith("hf:/"):
-        repo = str(checkpoint).rstrip("/").rsplit("/", 1)[-1].split("@", 1)[0]
-        return Path(f"eval_{split}_{repo}{variant}")
-    path = Path(checkpoint)
-    tag = "" if path.name == "best.pt" else f"_{path.stem if path.is_file() else path.name}"
-    return path.parent / f"eval_{split}{tag}{variant}"
 
 
 def _load_refiner(args: argparse.Namespace, dataset: Any, device: Any, model: Any) -> Any:
@@ -167,28 +120,6 @@ def _load_refiner(args: argparse.Namespace, dataset: Any, device: Any, model: An
     return refiner
 
 
-def _check_outputs(args: argparse.Namespace, out: Path) -> list[Path]:
-    """Refuse, before any work, an unwritable place, an earlier evaluation in OUT and existing
-    prediction files (unless ``--overwrite``) or dataset files (always). Returns an earlier
-    evaluation's refined predictions that this one replaces by leaving them out."""
-    from dualseg.data.datasets import discover
-    from dualseg.io import check_writable
-
-    check_writable(out, kind="dir", what="--out")
-    check_outputs([out / name for name in EVAL_FILES], overwrite=args.overwrite, what="--out")
-    if not args.save_predictions:
-        return []
-    check_writable(args.save_predictions, kind="dir", what="--save-predictions")
-    samples = discover(args.data, split=args.split, layout=args.layout).samples
-    preds, names = Path(args.save_predictions), prediction_names(samples)
-    kept = [(f"a file of the dataset {args.data}", dataset_files(args.data, layout=args.layout))]
-    ours = prediction_files(preds, names, refined=bool(args.refiner))
-    check_outputs(ours, overwrite=args.overwrite, protected=kept, what="--save-predictions")
-    stale = sorted(set(prediction_files(preds, names, refined=True)) - set(ours))
-    check_outputs(stale, overwrite=True, protected=kept, what="--save-predictions")
-    return [p for p in stale if p.exists()] if args.overwrite else []
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate as the command line describes; returns the metrics (also written to disk)."""
     import torch
@@ -206,7 +137,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     variant = "".join(v for v, on in (("_refined", args.refiner), ("_slide", opts.mode == "slide"),
                                       ("_tta", opts.uses_tta)) if on)  # fmt: skip
     out = Path(args.out) if args.out else default_out(args.checkpoint, args.split, variant=variant)
-    stale = _check_outputs(args, out)
+    stale = check_eval_outputs(
+        out, args.save_predictions, data=args.data, split=args.split, layout=args.layout,
+        refined=bool(args.refiner), overwrite=args.overwrite,
+    )  # fmt: skip
     if args.label_map and args.label_map.lower() not in NO_MAP:
         parse_label_map(args.label_map)  # a bad value: one line before the model loads
     device = apply_runtime(args)
@@ -273,15 +207,9 @@ def _report(args: argparse.Namespace, metrics: dict, names: Any, opts: Any, devi
     from dualseg.io import atomic_write_json
     from dualseg.metrics import to_jsonable
 
-    slide = opts.mode == "slide"
-    how = f"sliding window {'x'.join(map(str, opts.window))}, stride " + "x".join(
-        map(str, opts.effective_stride)) if slide else "whole images"  # fmt: skip
-    if opts.uses_tta:
-        how += f", TTA scales {','.join(f'{s:g}' for s in opts.tta_scales)}"
-        how += " + flip" if opts.tta_flip else ""
     print(
         f"{args.checkpoint} on {args.data} [{args.split}], {metrics['num_images']} images, "
-        f"batch size {args.batch_size}, {device}, {how}"
+        f"batch size {args.batch_size}, {device}, {opts.describe()}"
     )
     print(format_metrics(metrics, names, batch_size=args.batch_size))
     if note := scored_classes_note(metrics, names):
@@ -293,13 +221,7 @@ def _report(args: argparse.Namespace, metrics: dict, names: Any, opts: Any, devi
         "checkpoint": str(args.checkpoint), "data": str(args.data), "split": args.split,
         "class_names": list(names), "boundary_tolerance": args.boundary_tolerance,
         "trimap_width": args.trimap_width, "refiner": args.refiner,
-        "inference": {
-            "mode": opts.mode,
-            "window": list(opts.window) if slide else None,
-            "stride": list(opts.effective_stride) if slide else None,
-            "tta_scales": list(opts.tta_scales),
-            "tta_flip": opts.tta_flip,
-        },
+        "inference": opts.record(),
         "batch_size": args.batch_size, "device": str(device), "amp": cuda_amp(args, device),
         **metrics,
     }  # fmt: skip

@@ -25,7 +25,7 @@ from dualseg import viz
 from dualseg.data.datasets import available_splits, discover
 from dualseg.errors import DataError, OutputError
 from dualseg.imaging import exif_orientation
-from dualseg.io import atomic_save_image, atomic_write_bytes, label_png
+from dualseg.io import atomic_save_image, atomic_write_bytes, check_writable, label_png
 
 # what folder and glob inputs pick up: every format the image readers open (a file named
 # on the command line is read whatever its suffix)
@@ -423,3 +423,36 @@ def write_figures(out: Path, metrics: dict[str, Any], class_names: Any) -> list[
         )
     viz.save_class_iou(written[1], series, class_names)
     return written
+
+
+def default_out(checkpoint: str, split: str, *, variant: str = "") -> Path:
+    """``eval --out``'s default: ``eval_SPLIT`` (+ ``variant``) beside a run's ``best.pt``,
+    ``eval_SPLIT_NAME`` beside another checkpoint or pretrained folder, and
+    ``./eval_SPLIT_NAME`` for ``hf://org/NAME``."""
+    if str(checkpoint).startswith("hf:/"):
+        repo = str(checkpoint).rstrip("/").rsplit("/", 1)[-1].split("@", 1)[0]
+        return Path(f"eval_{split}_{repo}{variant}")
+    path = Path(checkpoint)
+    tag = "" if path.name == "best.pt" else f"_{path.stem if path.is_file() else path.name}"
+    return path.parent / f"eval_{split}{tag}{variant}"
+
+
+def check_eval_outputs(
+    out: Path, predictions: str | None, *, data: str, split: str, layout: str, refined: bool,
+    overwrite: bool,
+) -> list[Path]:  # fmt: skip
+    """Refuse, before any work, an unwritable place, an earlier evaluation in ``out`` and
+    existing ``predictions`` files (unless ``overwrite``) or dataset files (always). Returns
+    an earlier evaluation's refined predictions that this one replaces by leaving them out."""
+    check_writable(out, kind="dir", what="--out")
+    check_outputs([out / name for name in EVAL_FILES], overwrite=overwrite, what="--out")
+    if not predictions:
+        return []
+    check_writable(predictions, kind="dir", what="--save-predictions")
+    names = prediction_names(discover(data, split=split, layout=layout).samples)
+    kept = [(f"a file of the dataset {data}", dataset_files(data, layout=layout))]
+    ours = prediction_files(Path(predictions), names, refined=refined)
+    check_outputs(ours, overwrite=overwrite, protected=kept, what="--save-predictions")
+    stale = sorted(set(prediction_files(Path(predictions), names, refined=True)) - set(ours))
+    check_outputs(stale, overwrite=True, protected=kept, what="--save-predictions")
+    return [p for p in stale if p.exists()] if overwrite else []
