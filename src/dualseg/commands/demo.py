@@ -15,9 +15,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dualseg.augment_defaults import seed_error
 from dualseg.commands.common import add_quiet_arg, cuda_amp
 from dualseg.console import ArgumentParser, argparse_kwargs
+from dualseg.data import build_dataset
+from dualseg.data.transforms import build_eval_transform
+from dualseg.engine import train as engine_train
+from dualseg.engine.baselines import baseline_models
+from dualseg.engine.config import (
+    ARCH_NAMES,
+    MAX_THREADS,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    TrainConfig,
+)
+from dualseg.engine.config import validate as validate_config
+from dualseg.engine.evaluation import evaluate
+from dualseg.engine.predict import load_model, resolve_device
+from dualseg.engine.rundir import check_not_in_use, hold_run_folder
 from dualseg.engine.showcase import (
     DEMO_MARKER,  # noqa: F401  (named by the tests and docs)
     VisualWriter,
@@ -25,11 +44,17 @@ from dualseg.engine.showcase import (
     check_out_dir,
     check_splits_differ,
     demo_data,
+    demo_summary,
     demo_weights,
     is_demo_folder,
     mark_demo_folder,
 )
 from dualseg.errors import ConfigError, Terminated
+from dualseg.io import atomic_write_json
+from dualseg.metrics import to_jsonable
+from dualseg.models import backbone_of
+from dualseg.refine import BoundaryRefiner
+from dualseg.refine.refiner import RefinerConfig
 
 DEFAULT_ARCH = "dualseg_mobilenet_v2"
 # flag, type, default, lowest value (None: any), help
@@ -96,8 +121,6 @@ def _changed(args: argparse.Namespace, parser: argparse.ArgumentParser, flag: st
 
 def check_args(args: argparse.Namespace) -> None:
     """The checks that need no data (one :class:`ConfigError` each); nothing is written."""
-    from dualseg.engine.config import ARCH_NAMES, MAX_THREADS
-    from dualseg.engine.config import validate as validate_config
 
     parser = build_parser()
     for flag, _, _, low, _ in FLAGS:
@@ -153,7 +176,6 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def _train_config(args: argparse.Namespace, root: Path, meta: Any, weights: str | None) -> Any:
-    from dualseg.engine.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
 
     synthetic, dual = args.data is None, args.arch.startswith("dualseg_")
     return Config(
@@ -188,17 +210,9 @@ def _train_config(args: argparse.Namespace, root: Path, meta: Any, weights: str 
 
 def _refine(args, cfg, root, meta, model, val_loader, device, hook) -> dict[str, Any]:
     """Method B on the demo's model: fit a refiner from its backbone, score before/after."""
-    import torch
-
-    from dualseg.data import build_dataset
-    from dualseg.engine.evaluation import evaluate
-    from dualseg.engine.train import train_transform
-    from dualseg.models import backbone_of
-    from dualseg.refine import BoundaryRefiner
-    from dualseg.refine.refiner import RefinerConfig
 
     split, layout, seed = args.train_split, cfg.data.layout, args.seed
-    augment = train_transform(cfg.data)
+    augment = engine_train.train_transform(cfg.data)
     train = build_dataset(
         root, split=split, layout=layout, preset=meta, transform=augment, seed=seed
     )
@@ -235,13 +249,6 @@ def _refine(args, cfg, root, meta, model, val_loader, device, hook) -> dict[str,
 
 def _score(args, cfg, root, meta, ckpt: Path, device) -> dict[str, Any]:
     """Evaluate the trained model and the baselines on the held-out split, refine, draw."""
-    import torch
-
-    from dualseg.data import build_dataset
-    from dualseg.data.transforms import build_eval_transform
-    from dualseg.engine.baselines import baseline_models
-    from dualseg.engine.evaluation import evaluate
-    from dualseg.engine.predict import load_model
 
     read = dict(layout=cfg.data.layout, preset=meta, label_format=cfg.data.label_format)
     train_set = build_dataset(root, split=args.train_split, **read)
@@ -280,13 +287,6 @@ def _score(args, cfg, root, meta, ckpt: Path, device) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the demo as the command line describes; returns what ``metrics.json`` holds."""
-    import torch
-
-    from dualseg.engine.predict import resolve_device
-    from dualseg.engine.rundir import check_not_in_use, hold_run_folder
-    from dualseg.engine.train import fit
-    from dualseg.io import atomic_write_json
-    from dualseg.metrics import to_jsonable
 
     start, out = time.perf_counter(), Path(args.out)
     check_args(args)  # before the folder is looked at or touched
@@ -313,7 +313,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         weights = demo_weights(args.arch, args.weights)
         cfg = _train_config(args, root, meta, weights)
         t0 = time.perf_counter()
-        result = fit(cfg, overwrite=True)
+        result = engine_train.fit(cfg, overwrite=True)  # looked up here: tests replace it
         if result["stop_reason"] == "interrupted":  # fit saved and returned: the demo stops
             raise Terminated if result.get("signal") == signal.SIGTERM else KeyboardInterrupt
         t_train, ckpt = time.perf_counter() - t0, Path(result["best"] or result["last"])
@@ -328,40 +328,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "seconds": {**seconds, "total": time.perf_counter() - start},
         }
         atomic_write_json(out / "metrics.json", to_jsonable(record))
-        print(summary(record))
+        print(demo_summary(record))
         return record
-
-
-def summary(record: dict[str, Any]) -> str:
-    """The few lines the demo prints: model vs baselines (and refinement before/after)."""
-    m, d, s = record["metrics"], record["dataset"], record["seconds"]
-    lines = [
-        f"dualseg demo: {record['model']['arch']} ({record['model']['weights']}) trained "
-        f"{record['train']['iters']} iters on {d['train_images']} {d['name']} images in "
-        f"{s['train']:.0f} s; held-out split: {d['val_images']} images",
-        f"{'':<33}{'mIoU':>7}{'pix acc':>9}{'bound F1':>10}{'trimap':>8}",
-    ]
-
-    def row(name: str, r: dict[str, Any]) -> str:
-        return (f"{name:<33}{100 * r['miou']:7.1f}{100 * r['pixel_acc']:9.1f}"
-                f"{100 * r['boundary_f1']:10.1f}{100 * r['trimap_miou']:8.1f}")  # fmt: skip
-
-    lines.append(row("model", m))
-    lines += [row(f"baseline: {n.replace('_', ' ')}", r) for n, r in record["baselines"].items()]
-    if ref := record.get("refinement"):
-        c = ref["refine"]
-        lines += [
-            row("model + method B refinement", ref["refined"]),
-            f"method B ({ref['steps']} steps, {ref['fit_seconds']:.0f} s to fit) changed "
-            f"{100 * c['changed_fraction']:.2f}% of labelled pixels: {c['fixed']} fixed, "
-            f"{c['broke']} broke a correct pixel",
-        ]
-    best = max(r["miou"] for r in record["baselines"].values())
-    lines.append(
-        f"model vs the best baseline: {100 * (m['miou'] - best):+.1f} mIoU points; "
-        f"total {s['total']:.0f} s; outputs in {record['out']}"
-    )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

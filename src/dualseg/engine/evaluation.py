@@ -190,6 +190,12 @@ class _RefineStep:
         }
 
 
+def _resize(logits: Tensor, size: Any) -> Tensor:
+    if logits.shape[-2:] == size:
+        return logits
+    return F.interpolate(logits, size=size, mode="bilinear", align_corners=False)
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -212,20 +218,15 @@ def evaluate(
     tta_flip: bool = _INFER.tta_flip,
     tile_batch: int = _INFER.tile_batch,
 ) -> dict[str, Any]:
-    """Score ``model`` on every ``(images, labels)`` batch of ``loader``.
+    """Score ``model`` on every ``(images, labels)`` batch of ``loader``: normalized float
+    ``[B,3,H,W]`` images, int64 ``[B,H,W]`` labels (``ignore_index`` unlabelled); logits are
+    resized to the labels (spec S4); ``mode`` ... ``tile_batch`` as in :func:`infer_logits`.
 
-    ``images``: normalized float ``[B,3,H,W]``; ``labels``: int64 ``[B,H,W]`` with
-    ``ignore_index`` for unlabelled pixels; logits of another size are resized to the labels
-    (spec S4). ``mode`` ... ``tile_batch``: how the model runs
-    (:func:`dualseg.engine.inference.infer_logits`).
-
-    Returns ``miou``, ``iou`` (per class, NaN for absent classes), ``pixel_acc``, ``mean_acc``,
-    ``fwiou``, ``boundary_f1``, ``trimap_miou`` and their per-class lists (fractions in
-    [0, 1]; :mod:`dualseg.metrics`), ``confusion_matrix`` (rows: ground truth),
-    ``majority_baseline_miou``, ``num_images``, ``ms_per_image`` (median model time per
-    image) and ``loss`` (pixel cross-entropy over labelled pixels, spec S33). With
-    ``refiner`` also ``refined`` (the same metrics) and ``refine`` (changed / fixed / broke
-    pixel counts, the refiner's ms per image). ``distributed``: counters summed over ranks.
+    Returns the :mod:`dualseg.metrics` scores (fractions; per-class lists with NaN for absent
+    classes), ``confusion_matrix`` (rows: ground truth), ``majority_baseline_miou``,
+    ``num_images``, ``ms_per_image`` (median model time) and ``loss`` (pixel cross-entropy,
+    spec S33); with ``refiner`` also ``refined`` (the same scores) and ``refine`` (changed /
+    fixed / broke pixels, its ms per image). ``distributed``: counters summed over ranks.
     """
     device = torch.device(device)
     base = _Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)
@@ -250,10 +251,7 @@ def evaluate(
             labels = labels.to(device, non_blocking=True).long()
             with timer.time(images.shape[0]):
                 logits = infer_logits(model, images, **opts)
-            if logits.shape[-2:] != labels.shape[-2:]:
-                logits = F.interpolate(
-                    logits, size=labels.shape[-2:], mode="bilinear", align_corners=False
-                )
+            logits = _resize(logits, labels.shape[-2:])
             pred = logits.argmax(1)
             base.update(pred, labels)  # range-checks the labels before the loss reads them
             images_seen += images.shape[0]

@@ -185,3 +185,35 @@ class VisualWriter:
         if (self.out / "curves.png").is_file():  # written by fit() at the end of training
             figures["curves"] = str(self.out / "curves.png")
         return figures
+
+
+def demo_summary(record: dict[str, Any]) -> str:
+    """The few lines the demo prints: model vs baselines (and refinement before/after)."""
+    m, d, s = record["metrics"], record["dataset"], record["seconds"]
+    lines = [
+        f"dualseg demo: {record['model']['arch']} ({record['model']['weights']}) trained "
+        f"{record['train']['iters']} iters on {d['train_images']} {d['name']} images in "
+        f"{s['train']:.0f} s; held-out split: {d['val_images']} images",
+        f"{'':<33}{'mIoU':>7}{'pix acc':>9}{'bound F1':>10}{'trimap':>8}",
+    ]
+
+    def row(name: str, r: dict[str, Any]) -> str:
+        return (f"{name:<33}{100 * r['miou']:7.1f}{100 * r['pixel_acc']:9.1f}"
+                f"{100 * r['boundary_f1']:10.1f}{100 * r['trimap_miou']:8.1f}")  # fmt: skip
+
+    lines.append(row("model", m))
+    lines += [row(f"baseline: {n.replace('_', ' ')}", r) for n, r in record["baselines"].items()]
+    if ref := record.get("refinement"):
+        c = ref["refine"]
+        lines += [
+            row("model + method B refinement", ref["refined"]),
+            f"method B ({ref['steps']} steps, {ref['fit_seconds']:.0f} s to fit) changed "
+            f"{100 * c['changed_fraction']:.2f}% of labelled pixels: {c['fixed']} fixed, "
+            f"{c['broke']} broke a correct pixel",
+        ]
+    best = max(r["miou"] for r in record["baselines"].values())
+    lines.append(
+        f"model vs the best baseline: {100 * (m['miou'] - best):+.1f} mIoU points; "
+        f"total {s['total']:.0f} s; outputs in {record['out']}"
+    )
+    return "\n".join(lines)
