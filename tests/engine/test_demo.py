@@ -255,8 +255,8 @@ def test_demo_predictions_of_images_sharing_a_name_are_all_kept(tmp_path) -> Non
     import numpy as np
     import torch
 
-    from dualseg.engine.showcase import VisualWriter
     from dualseg.data import get_preset
+    from dualseg.engine.showcase import VisualWriter
 
     samples = [(f"/x/d{i}/a.png", f"/x/d{i}/a_label.png") for i in (1, 2)]
     image, label = np.zeros((4, 6, 3), np.uint8), np.zeros((4, 6), np.uint8)

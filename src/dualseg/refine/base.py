@@ -103,12 +103,9 @@ def checkpoint_base(
 ) -> ModuleBase:
     """A dualseg checkpoint, pretrained folder or ``hf://org/name`` as a base model (its class
     names and palette come along)."""
-    from dualseg.engine.checkpoint import build_model_from_checkpoint
-    from dualseg.engine.pretrained import check_normalization, load_state
+    from dualseg.engine.pretrained import load_network
 
-    ckpt = load_state(path)
-    check_normalization(ckpt)  # the refiner feeds it ImageNet-normalized images
-    model, meta = build_model_from_checkpoint(ckpt, device=device)
+    model, meta, ckpt = load_network(path, device=device)  # fed ImageNet-normalized images
     base = ModuleBase(model, class_names=meta.class_names, palette=meta.palette, device=device)
     base.arch = str(ckpt["arch"])  # type: ignore[attr-defined]
     # how its training read the labels (label_map, ignore_index, ...): refine fit reads the
