@@ -21,6 +21,7 @@ from dualseg.cli import main as cli_main
 from dualseg.data import build_dataset, build_eval_transform, make_synthetic_dataset
 from dualseg.engine.evaluation import evaluate
 from dualseg.engine.predict import Segmenter, load_model
+from dualseg.imaging import normalize
 from dualseg.models import build_model
 
 
@@ -153,7 +154,7 @@ class _Recorder:
 
 
 def test_evaluate_gives_the_refiner_the_tta_averaged_probabilities(seg, rgb) -> None:
-    x = seg.to_tensor(rgb)
+    x = torch.from_numpy(normalize([rgb]))
     rec = _Recorder()
     m = evaluate(
         seg.model,
