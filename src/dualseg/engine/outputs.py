@@ -445,8 +445,8 @@ def check_eval_outputs(
     existing ``predictions`` files (unless ``overwrite``) or dataset files (always). Returns
     an earlier evaluation's refined predictions that this one replaces by leaving them out."""
     check_writable(out, kind="dir", what="--out")
-    check_outputs([out / name for name in EVAL_FILES], overwrite=overwrite, what="--out")
     if not predictions:
+        check_outputs([out / name for name in EVAL_FILES], overwrite=overwrite, what="--out")
         return []
     check_writable(predictions, kind="dir", what="--save-predictions")
     names = prediction_names(discover(data, split=split, layout=layout).samples)
@@ -455,4 +455,5 @@ def check_eval_outputs(
     check_outputs(ours, overwrite=overwrite, protected=kept, what="--save-predictions")
     stale = sorted(set(prediction_files(Path(predictions), names, refined=True)) - set(ours))
     check_outputs(stale, overwrite=True, protected=kept, what="--save-predictions")
+    check_outputs([out / name for name in EVAL_FILES], overwrite=overwrite, what="--out")
     return [p for p in stale if p.exists()] if overwrite else []
