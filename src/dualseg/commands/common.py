@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -129,7 +130,7 @@ def add_label_args(p: argparse.ArgumentParser, *, source: str) -> None:
 
 
 def label_settings(
-    args: argparse.Namespace, trained: dict[str, Any]
+    args: argparse.Namespace, trained: dict[str, Any], *, note: str | None = None
 ) -> tuple[str, dict[int, int] | None, Any, list[str]]:
     """How to read the labels: ``(label_format, label_map, ignore_value, taken)``.
 
@@ -137,7 +138,8 @@ def label_settings(
     keeps its label keys; empty when unknown, e.g. a torch module). Each of
     :func:`add_label_args`' flags not given takes the value the model was trained with, so a
     model trained on 0/255 masks with ``--data.label_map 255:1`` is scored on the classes it
-    learnt; ``taken`` lists what was taken, for a note.
+    learnt; ``taken`` lists what was taken. ``note`` (e.g. ``"dualseg eval: note: labels
+    read as best.pt was trained"``): said on stderr, with what was taken.
     """
     from dualseg.data.presets import parse_label_map
 
@@ -157,6 +159,11 @@ def label_settings(
         ignore = trained.get("ignore_index", "auto")
         if ignore != "auto":
             taken.append(f"data.ignore_index {'none' if ignore is None else ignore}")
+    if note and taken:
+        print(
+            f"{note}: {', '.join(taken)} (--label-format / --label-map / --ignore-index change it)",
+            file=sys.stderr,
+        )
     return label_format, label_map, ignore, taken
 
 
@@ -228,8 +235,6 @@ def static_export_note(path: Any, model: Any, command: str) -> None:
     """One note on stderr when ``model`` (an exported segmenter or refiner) is a static export:
     it resizes every image to its one size and back, so its labels differ from the
     checkpoint's at any other size, which nothing else in the run would say."""
-    import sys
-
     size = getattr(model, "input_size", None) or getattr(
         getattr(model, "runner", None), "static_hw", None
     )

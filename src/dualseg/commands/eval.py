@@ -145,15 +145,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         parse_label_map(args.label_map)  # a bad value: one line before the model loads
     device = apply_runtime(args)
     model, meta, ckpt = load_network(args.checkpoint, device=device)
-    label_format, label_map, ignore, taken = label_settings(
-        args, (ckpt.get("config") or {}).get("data") or {}
-    )
-    if taken:
-        print(
-            f"dualseg eval: note: labels read as {args.checkpoint} was trained: "
-            f"{', '.join(taken)} (--label-format / --label-map / --ignore-index change it)",
-            file=sys.stderr,
-        )
+    trained = (ckpt.get("config") or {}).get("data") or {}
+    note = f"dualseg eval: note: labels read as {args.checkpoint} was trained"
+    label_format, label_map, ignore, _ = label_settings(args, trained, note=note)
     dataset = model_dataset(
         args.data, split=args.split, layout=args.layout, preset=args.preset, meta=meta,
         model_name=f"the checkpoint {args.checkpoint}", label_format=label_format,
