@@ -31,6 +31,7 @@ __all__ = [
     "WEIGHT_FILES",
     "LoadReport",
     "adapt_conv_in_channels",
+    "hub_folder",
     "load_pretrained",
     "load_state_dict_file",
     "resolve_weights",
@@ -332,3 +333,39 @@ def load_pretrained(
     adapted = ", ".join(report.adapted) or "-"
     log.info("%s: loaded %d tensors (adapted: %s)", label, len(report.loaded), adapted)
     return report
+
+
+HUB_EXTRA = "pip install 'dualseg[hub]'"
+
+
+def hub_folder(source: str, *, files: Iterable[str]) -> Path:
+    """``hf://org/name[@revision]`` as a local folder: only ``files`` downloaded by
+    ``huggingface_hub`` (an optional extra) into its cache, or read from it under
+    ``HF_HUB_OFFLINE=1``."""
+    from dualseg.errors import ConfigError
+
+    repo_id, _, revision = str(source).removeprefix("hf:").lstrip("/").partition("@")
+    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise ConfigError(f"{source}: expected hf://ORG/NAME or hf://ORG/NAME@REVISION")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ConfigError(
+            f"loading {source} needs the huggingface_hub package: {HUB_EXTRA}"
+        ) from None
+    try:
+        folder = snapshot_download(
+            repo_id, revision=revision or None, allow_patterns=list(files), library_name="dualseg"
+        )
+    except Exception as err:  # offline and not cached, unknown repo, network, ...
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+        hint = (
+            "it is not in the local cache and HF_HUB_OFFLINE is set; unset it or download it"
+            if offline
+            else "check the name and your connection"
+        )
+        raise CheckpointError(
+            f"cannot fetch {source} ({type(err).__name__}: {first}); {hint}"
+        ) from err
+    return Path(folder)

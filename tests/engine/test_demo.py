@@ -12,7 +12,8 @@ from PIL import Image
 from dualseg.commands import demo
 from dualseg.data import get_preset
 from dualseg.engine.baselines import baseline_models
-from dualseg.engine.evaluate import evaluate
+from dualseg.engine.evaluation import evaluate
+from dualseg.engine.showcase import VisualWriter, demo_weights
 from dualseg.errors import WeightsNotFoundError
 
 
@@ -54,11 +55,11 @@ def test_missing_imagenet_weights_fall_back_to_random_init(monkeypatch, capsys) 
     def missing(*args, **kwargs):
         raise WeightsNotFoundError("not here")
 
-    monkeypatch.setattr("dualseg.weights.resolve_weights", missing)
-    assert demo._resolve_weights("dualseg_mobilenet_v2", "imagenet") is None
+    monkeypatch.setattr("dualseg.weights.resolve_weights", missing)  # read when called
+    assert demo_weights("dualseg_mobilenet_v2", "imagenet") is None
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "random init" in err
-    assert demo._resolve_weights("dualseg_mobilenet_v2", "none") is None
+    assert demo_weights("dualseg_mobilenet_v2", "none") is None
 
 
 @pytest.mark.slow
@@ -107,7 +108,7 @@ class _TinySet:
 def test_panel_shows_method_b_with_changed_pixels_marked(tmp_path) -> None:
     from dualseg import viz
 
-    writer = demo._VisualWriter(_TinySet(4), tmp_path, n_show=2, batch_size=2)
+    writer = VisualWriter(_TinySet(4), tmp_path, n_show=2, batch_size=2)
     pred = torch.zeros(2, 8, 12, dtype=torch.long)
     for index in (0, 1):  # two batches of 2 images; the first 2 are shown
         writer(index, torch.zeros(2, 3, 8, 12), pred, pred, None)
@@ -124,7 +125,7 @@ def test_panel_shows_method_b_with_changed_pixels_marked(tmp_path) -> None:
     palette = get_preset("synthetic").palette
     assert (row0[0, 0] == palette[0]).all()  # unchanged pixels show method B's label colour
     # without a refiner the panel keeps its four columns
-    plain = demo._VisualWriter(_TinySet(2), tmp_path / "plain", n_show=1, batch_size=2)
+    plain = VisualWriter(_TinySet(2), tmp_path / "plain", n_show=1, batch_size=2)
     plain(0, torch.zeros(2, 3, 8, 12), pred, pred, None)
     plain.finish()
     assert Image.open(tmp_path / "plain" / "panel.png").size[0] == 4 * 12 + 3 * viz.GAP
@@ -254,15 +255,15 @@ def test_demo_predictions_of_images_sharing_a_name_are_all_kept(tmp_path) -> Non
     import numpy as np
     import torch
 
-    from dualseg.commands.demo import _VisualWriter
     from dualseg.data import get_preset
+    from dualseg.engine.showcase import VisualWriter
 
     samples = [(f"/x/d{i}/a.png", f"/x/d{i}/a_label.png") for i in (1, 2)]
     image, label = np.zeros((4, 6, 3), np.uint8), np.zeros((4, 6), np.uint8)
     dataset = SimpleNamespace(
         samples=samples, meta=get_preset("synthetic"), load_pair=lambda i: (image, label)
     )
-    writer = _VisualWriter(dataset, tmp_path, n_show=0, batch_size=2)
+    writer = VisualWriter(dataset, tmp_path, n_show=0, batch_size=2)
     pred = torch.zeros(2, 4, 6, dtype=torch.int64)
     writer(0, torch.zeros(2, 3, 4, 6), torch.zeros(2, 4, 6), pred, None)
     written = sorted(p.name for p in (tmp_path / "predictions" / "labels").iterdir())
@@ -332,29 +333,6 @@ def test_a_demo_interrupted_while_training_stops_there(tmp_path, monkeypatch, ca
     assert not (out / "panel.png").exists() and not (out / "predictions").exists()
 
 
-def test_a_rerun_that_fails_before_training_keeps_the_earlier_figures(tmp_path, monkeypatch):
-    """fit puts the earlier run back when the new one fails before its first checkpoint: its
-    figures, set aside meanwhile, come back beside it."""
-    from dualseg.cli import main
-    from dualseg.errors import DataError
-
-    out = tmp_path / "demo"
-    assert main(_tiny_demo(out)) == 0
-    before = _files(out)
-    import dualseg.engine.train as engine_train
-
-    def fails(cfg, **kwargs):
-        assert not (out / "panel.png").exists()  # aside while the new model trains
-        raise DataError("a label file is unreadable")
-
-    monkeypatch.setattr(engine_train, "fit", fails)
-    assert main(_tiny_demo(out)) == 1
-    after = _files(out)
-    for name in ("metrics.json", "panel.png", "last.pt"):
-        assert after[name] == before[name]
-    assert not (out / ".demo_replaced").exists()
-
-
 def test_a_predictions_folder_the_demo_did_not_write_is_refused(tmp_path, capsys) -> None:
     """The demo replaces its predictions/ folder: someone else's was deleted without a word."""
     from dualseg.cli import main
@@ -366,38 +344,3 @@ def test_a_predictions_folder_the_demo_did_not_write_is_refused(tmp_path, capsys
     err = capsys.readouterr().err
     assert "holds files dualseg demo did not write (predictions)" in err
     assert (out / "predictions" / "NOTES.txt").read_text() == "my notes"
-
-
-def test_figures_set_aside_by_a_killed_run_come_back_with_its_model(tmp_path, monkeypatch):
-    """A demo killed before its first checkpoint leaves its predecessor's model in .replaced and
-    its figures in .demo_replaced; a rerun that fails too had fit put the model back, and the
-    figures were deleted as a crash's leftovers."""
-    import os
-
-    from dualseg.cli import main
-    from dualseg.engine.rundir import REPLACED_DIR, RUN_FILES, restore_replaced
-    from dualseg.errors import DataError
-
-    out = tmp_path / "demo"
-    assert main(_tiny_demo(out)) == 0
-    before = _files(out)
-    # the state a kill before the first checkpoint leaves (fit and the demo set both aside)
-    (out / REPLACED_DIR).mkdir()
-    for name in RUN_FILES:
-        if (out / name).exists():
-            os.replace(out / name, out / REPLACED_DIR / name)
-    (out / ".demo_replaced").mkdir()
-    for name in ("metrics.json", "panel.png", "predictions"):
-        os.replace(out / name, out / ".demo_replaced" / name)
-    import dualseg.engine.train as engine_train
-
-    def fails(cfg, **kwargs):  # as fit does: the run set aside is put back, then the error
-        restore_replaced(out, out / REPLACED_DIR)
-        raise DataError("a label file is unreadable")
-
-    monkeypatch.setattr(engine_train, "fit", fails)
-    assert main(_tiny_demo(out)) == 1
-    after = _files(out)
-    for name in ("metrics.json", "panel.png", "last.pt"):
-        assert after[name] == before[name]
-    assert not (out / ".demo_replaced").exists()

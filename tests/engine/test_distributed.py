@@ -105,7 +105,7 @@ def test_two_gloo_processes_train_and_evaluate_like_one(tmp_path: Path) -> None:
     the reduced validation metrics equal a single-process evaluation of the same weights."""
     from dualseg.data import build_dataset, make_synthetic_dataset
     from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
-    from dualseg.engine.evaluate import evaluate
+    from dualseg.engine.evaluation import evaluate
 
     data = make_synthetic_dataset(tmp_path / "data", n_train=4, n_val=5, size=(40, 48), seed=1)
     out = tmp_path / "run"

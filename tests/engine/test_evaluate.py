@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dualseg.engine.evaluate import evaluate, format_metrics
+from dualseg.engine.evaluation import evaluate, format_metrics
 from dualseg.metrics import BoundaryMetrics, ConfusionMatrix
 
 C = 4
@@ -187,3 +187,28 @@ def test_the_readmes_dualseg_engine_evaluate_calls_the_function() -> None:
 
     assert again(LabelEcho(), _batches(), num_classes=C)["num_images"] == 6
     assert dualseg.data.build_dataset is not None and callable(dualseg.engine.fit)
+
+
+def test_majority_baseline_and_one_class_warning() -> None:
+    """The score of predicting the most frequent class everywhere, from the ground-truth
+    counts; a model predicting one class on nearly every pixel is said to."""
+    from dualseg.engine.evaluation import majority_baseline_miou, sanity_warnings
+
+    cm = [[70, 0, 0], [20, 0, 0], [10, 0, 0]]  # every pixel predicted as class 0
+    assert majority_baseline_miou(cm) == pytest.approx(0.7 / 3)
+    metrics = {"confusion_matrix": cm, "miou": 0.7 / 3, "majority_baseline_miou": 0.7 / 3}
+    warnings = sanity_warnings(metrics, ["a", "b", "c"])
+    assert len(warnings) == 2 and "not above the majority-class baseline" in warnings[0]
+    assert "'a', on 100.0%" in warnings[1]
+    good = [[60, 5, 5], [2, 18, 0], [1, 0, 9]]
+    assert (
+        sanity_warnings(
+            {
+                "confusion_matrix": good,
+                "miou": 0.8,
+                "majority_baseline_miou": majority_baseline_miou(good),
+            },
+            ["a", "b", "c"],
+        )
+        == []
+    )

@@ -19,8 +19,9 @@ from checkpoint_helpers import SYNTHETIC_KWARGS as KWARGS
 from checkpoint_helpers import write_synthetic_checkpoint
 from dualseg.cli import main as cli_main
 from dualseg.data import build_dataset, build_eval_transform, make_synthetic_dataset
-from dualseg.engine.evaluate import evaluate
+from dualseg.engine.evaluation import evaluate
 from dualseg.engine.predict import Segmenter, load_model
+from dualseg.imaging import normalize
 from dualseg.models import build_model
 
 
@@ -153,7 +154,7 @@ class _Recorder:
 
 
 def test_evaluate_gives_the_refiner_the_tta_averaged_probabilities(seg, rgb) -> None:
-    x = seg.to_tensor(rgb)
+    x = torch.from_numpy(normalize([rgb]))
     rec = _Recorder()
     m = evaluate(
         seg.model,
@@ -371,3 +372,28 @@ def test_eval_finds_the_calibration_images_by_content_under_any_split_name(
     argv = ["eval", "-c", str(ckpt), "--data", str(synthetic), "--refiner", str(path), "--quiet"]
     assert cli_main([*argv, "--out", str(tmp_path / "ev2")]) == 0
     assert "optimistic" not in capsys.readouterr().err
+
+
+def test_eval_says_when_a_model_predicts_one_class_everywhere(synthetic, tmp_path, capsys):
+    """A model collapsed to one class was reported as a result: its mIoU beside nothing to
+    read it against. eval prints the majority-class baseline and warns."""
+    torch.manual_seed(0)
+    model = build_model("dualseg_mobilenet_v2", **KWARGS)
+    state = model.state_dict()
+    with torch.no_grad():  # every class-score layer: zero weights, class 1 biased up
+        for key, t in state.items():
+            if t.dim() >= 1 and t.shape[0] == META.num_classes and key.endswith(("weight", "bias")):
+                t.zero_()
+                if key.endswith("bias"):
+                    t[1] = 10.0
+    ckpt = write_synthetic_checkpoint(tmp_path / "one.pt", model=state)
+    out = tmp_path / "e"
+    argv = ["eval", "-c", str(ckpt), "--data", str(synthetic), "-o", str(out), "-q",
+            "--device", "cpu"]  # fmt: skip
+    assert cli_main(argv) == 0
+    captured = capsys.readouterr()
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert 0 < metrics["majority_baseline_miou"] < 1
+    assert "majority-class baseline" in captured.out
+    assert "warning: the model predicts one class" in captured.err
+    assert "100.0% of the labelled pixels" in captured.err

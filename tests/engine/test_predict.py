@@ -15,8 +15,8 @@ from checkpoint_helpers import SYNTHETIC as META
 from checkpoint_helpers import SYNTHETIC_KWARGS as KWARGS
 from checkpoint_helpers import write_synthetic_checkpoint
 from dualseg.cli import main as cli_main
-from dualseg.commands.predict import PROBS_KEYS, collect_images
 from dualseg.data import make_synthetic_dataset
+from dualseg.engine.outputs import PROBS_KEYS, collect_images
 from dualseg.engine.predict import Segmenter, as_rgb_array, load_model
 from dualseg.errors import CheckpointError, DataError
 

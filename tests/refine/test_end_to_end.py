@@ -14,7 +14,7 @@ from dualseg.commands.predict import main as predict_main
 from dualseg.commands.refine import main as refine_main
 from dualseg.data import build_dataset, read_image
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
-from dualseg.engine.evaluate import evaluate
+from dualseg.engine.evaluation import evaluate
 from dualseg.refine import BoundaryRefiner
 
 SIZE = (80, 60)  # W, H: CamVid's 480x360 scaled by 1/6, to keep the test tiny

@@ -154,7 +154,7 @@ class OwnBackbone:
 
 
 def test_evaluate_reads_the_base_features_with_the_same_result(peer: torch.nn.Module) -> None:
-    from dualseg.engine.evaluate import evaluate, format_metrics
+    from dualseg.engine.evaluation import evaluate, format_metrics
 
     refiner = refiner_on(peer)
     x = images(64, 96)
@@ -264,7 +264,7 @@ def test_an_image_without_boundaries_beside_one_with_them(peer: torch.nn.Module)
 def test_evaluate_does_not_share_an_augmented_forward(
     peer: torch.nn.Module, inference: dict
 ) -> None:
-    from dualseg.engine.evaluate import evaluate
+    from dualseg.engine.evaluation import evaluate
 
     refiner = refiner_on(peer)
     x = images(64, 96)

@@ -1,35 +1,45 @@
-"""Flags shared by the commands that run a model: ``--device``, ``--threads``, ``--amp``,
-``--quiet`` — added by one helper so that every command spells and means them the same way.
-
-Also the output safety shared by ``predict``, ``eval --save-predictions``, ``refine apply`` and
-``data check --json``: :func:`check_outputs` refuses, before any work, an output file that
-already exists (unless ``--overwrite``) and one that is an input image or a dataset file
-(always); :func:`unique_names` gives images that share a file name distinct output names.
-
-``dualseg train`` has the same three as config fields (``--train.device``, ``--train.threads``,
-``--train.amp``), since a run's YAML records them.
+"""Flags shared by the commands, each added by one helper so that every command spells and
+means it the same way: ``--device --threads --amp --quiet --overwrite``, the label flags, the
+inference flags (``--mode --window --stride --tta-*``) and ``--data`` / ``--preset`` as a class
+check. The output-safety helpers live in :mod:`dualseg.engine.outputs` (re-exported here).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Iterable, Iterator, Sequence
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from dualseg.console import ProgressMode, progress_mode
+from dualseg.engine.outputs import (
+    check_image_outputs,
+    check_outputs,
+    collect_images,
+    dataset_files,
+    unique_names,
+    write_outputs,
+)
+from dualseg.errors import ConfigError, DataError
 
 __all__ = [
+    "add_dataset_check_options",
+    "add_inference_arguments",
     "add_label_args",
     "add_overwrite_arg",
     "add_quiet_arg",
     "add_runtime_args",
     "apply_runtime",
     "autocast",
+    "check_dataset_classes",
+    "check_image_outputs",
     "check_outputs",
+    "collect_images",
     "dataset_files",
     "fraction",
+    "inference_options",
     "label_settings",
     "mode_of",
     "nonnegative_int",
@@ -37,6 +47,7 @@ __all__ = [
     "positive_int",
     "split_of",
     "unique_names",
+    "write_outputs",
 ]
 
 DEVICE_HELP = "auto | cpu | cuda | cuda:N (auto: CUDA when available)"
@@ -119,7 +130,7 @@ def add_label_args(p: argparse.ArgumentParser, *, source: str) -> None:
 
 
 def label_settings(
-    args: argparse.Namespace, trained: dict[str, Any]
+    args: argparse.Namespace, trained: dict[str, Any], *, note: str | None = None
 ) -> tuple[str, dict[int, int] | None, Any, list[str]]:
     """How to read the labels: ``(label_format, label_map, ignore_value, taken)``.
 
@@ -127,7 +138,8 @@ def label_settings(
     keeps its label keys; empty when unknown, e.g. a torch module). Each of
     :func:`add_label_args`' flags not given takes the value the model was trained with, so a
     model trained on 0/255 masks with ``--data.label_map 255:1`` is scored on the classes it
-    learnt; ``taken`` lists what was taken, for a note.
+    learnt; ``taken`` lists what was taken. ``note`` (e.g. ``"dualseg eval: note: labels
+    read as best.pt was trained"``): said on stderr, with what was taken.
     """
     from dualseg.data.presets import parse_label_map
 
@@ -147,6 +159,11 @@ def label_settings(
         ignore = trained.get("ignore_index", "auto")
         if ignore != "auto":
             taken.append(f"data.ignore_index {'none' if ignore is None else ignore}")
+    if note and taken:
+        print(
+            f"{note}: {', '.join(taken)} (--label-format / --label-map / --ignore-index change it)",
+            file=sys.stderr,
+        )
     return label_format, label_map, ignore, taken
 
 
@@ -157,8 +174,6 @@ def split_of(data: str | os.PathLike[str], split: str | None, *, default: str,
     (``test.txt`` is test), which a ``--split`` naming another refuses: the file's pairs were
     read whatever ``--split`` said (eval wrote them down as val's, refine fit and augment used
     val.txt's images for train)."""
-    from dualseg.errors import ConfigError
-
     path = Path(data)
     if data and path.is_file() and path.suffix.lower() == ".txt":
         if split is not None and split != path.stem:
@@ -200,8 +215,6 @@ def onnx_runtime(args: argparse.Namespace, device: Any) -> dict[str, Any]:
     provider when a GPU is named, the thread count as onnxruntime's intra-op threads. ``--amp``
     (torch autocast) has no meaning there and is refused, as is a named GPU this onnxruntime
     cannot use; ``auto`` takes what it can."""
-    from dualseg.errors import ConfigError
-
     if args.amp:
         raise ConfigError("--amp applies to --checkpoint models only: drop it with --onnx")
     providers = None
@@ -222,8 +235,6 @@ def static_export_note(path: Any, model: Any, command: str) -> None:
     """One note on stderr when ``model`` (an exported segmenter or refiner) is a static export:
     it resizes every image to its one size and back, so its labels differ from the
     checkpoint's at any other size, which nothing else in the run would say."""
-    import sys
-
     size = getattr(model, "input_size", None) or getattr(
         getattr(model, "runner", None), "static_hw", None
     )
@@ -253,8 +264,6 @@ def apply_runtime(args: argparse.Namespace) -> Any:
     from dualseg.engine.predict import resolve_device
 
     if not 0 <= args.threads <= MAX_THREADS:
-        from dualseg.errors import ConfigError
-
         raise ConfigError(
             f"--threads must be 0..{MAX_THREADS} (0: torch's default, one per core), got "
             f"{args.threads}"
@@ -296,105 +305,104 @@ def add_overwrite_arg(p: argparse.ArgumentParser, *, what: str = "output files")
     )
 
 
-def unique_names(found: Sequence[tuple[Path, str]]) -> list[tuple[Path, str]]:
-    """``(path, name)`` pairs with names made distinct: distinct files that share a name get a
-    numeric suffix (``x``, ``x_1``, ...); a file listed again keeps its first name.
+def add_inference_arguments(p: argparse.ArgumentParser) -> None:
+    """``--mode --window --stride --tta-scales --tta-flip --tile-batch`` (shared by ``eval``,
+    ``predict`` and ``refine apply``); defaults from :class:`InferenceOptions`."""
+    from dualseg.engine.inference import MODES, InferenceOptions
 
-    Every file whose own name is free keeps it (``x.jpg``, ``x.png`` and ``x_1.png`` give
-    ``x``, ``x_2`` and ``x_1``: the suffix never takes another file's name), and names are
-    compared case-insensitively (``X.png`` and ``x.png`` would be one file on macOS or
-    Windows)."""
-    keys = [path.resolve() for path, _ in found]
-    by_file: dict[Path, str] = {}
-    used: set[str] = set()
-    for key, (_, name) in zip(keys, found):  # first: each free name to the first file with it
-        if key not in by_file and name.casefold() not in used:
-            by_file[key] = name
-            used.add(name.casefold())
-    for key, (_, name) in zip(keys, found):  # then the others, numbered past every name taken
-        if key not in by_file:
-            k = 1
-            while f"{name}_{k}".casefold() in used:
-                k += 1
-            by_file[key] = f"{name}_{k}"
-            used.add(by_file[key].casefold())
-    return [(path, by_file[key]) for key, (path, _) in zip(keys, found)]
+    d = InferenceOptions()
+    g = p.add_argument_group(
+        "inference", "sliding window and test-time augmentation (dualseg.engine.inference)"
+    )
+    g.add_argument(
+        "--mode",
+        choices=MODES,
+        default=d.mode,
+        help=f"whole: one pass over each image; slide: tiles of --window every --stride px, "
+        f"logits averaged where tiles overlap ({d.mode})",
+    )
+    g.add_argument(
+        "--window",
+        type=int,
+        nargs=2,
+        default=None,  # None: InferenceOptions' window; given without --mode slide: an error
+        metavar=("H", "W"),
+        help=f"tile size of --mode slide ({d.window[0]} {d.window[1]})",
+    )
+    g.add_argument(
+        "--stride",
+        type=int,
+        nargs=2,
+        default=d.stride,
+        metavar=("H", "W"),
+        help="tile step of --mode slide, at most the window (default: 2/3 of the window)",
+    )
+    g.add_argument(
+        "--tta-scales",
+        type=float,
+        nargs="+",
+        default=list(d.tta_scales),
+        metavar="S",
+        help="test-time augmentation: run the image resized by each of these factors and "
+        "average the softmax probabilities at the image size, e.g. 0.75 1.0 1.25 "
+        f"({' '.join(str(v) for v in d.tta_scales)}: the image as it is)",
+    )
+    g.add_argument(
+        "--tta-flip",
+        action="store_true",
+        default=d.tta_flip,
+        help="test-time augmentation: also average the left-right mirrored image (off)",
+    )
+    g.add_argument(
+        "--tile-batch",
+        type=int,
+        default=d.tile_batch,
+        help=f"tiles per forward pass in --mode slide ({d.tile_batch})",
+    )
 
 
-def dataset_files(root: str | os.PathLike[str], *, layout: str = "auto") -> Iterator[Path]:
-    """The files of the dataset at ``root`` (any split): its list files, images, labels and
-    ``meta.json`` — what an output must never replace. A generator: nothing is scanned unless
-    it is read."""
-    from dualseg.data.datasets import available_splits, discover
-    from dualseg.errors import DataError
+def inference_options(args: argparse.Namespace) -> Any:
+    """The validated options of :func:`add_inference_arguments` (ConfigError when invalid)."""
+    from dualseg.engine.inference import InferenceOptions
 
-    root = Path(root)
-    yield root if root.is_file() else root / "meta.json"
-    for split in dict.fromkeys([*available_splits(root, layout), "train", "val", "test"]):
-        try:
-            found = discover(root, split=split, layout=layout)
-        except DataError:
-            continue
-        if found.source is not None and found.source.is_file():
-            yield found.source
-        for image, label in found.samples:
-            yield image
-            yield label
+    if args.mode != "slide" and (args.window is not None or args.stride is not None):
+        raise ConfigError("--window and --stride set the tiles of --mode slide; add --mode slide")
+    window = InferenceOptions.window if args.window is None else tuple(args.window)
+    return InferenceOptions(
+        mode=args.mode,
+        window=(window[0], window[1]),
+        stride=None if args.stride is None else (args.stride[0], args.stride[1]),
+        tta_scales=tuple(args.tta_scales),
+        tta_flip=args.tta_flip,
+        tile_batch=args.tile_batch,
+    )
 
 
-def _file_id(path: Path) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
+def add_dataset_check_options(p: argparse.ArgumentParser) -> None:
+    """``--data`` / ``--preset``: the dataset whose classes the model must have."""
+    p.add_argument(
+        "--data",
+        metavar="ROOT",
+        help="the dataset the inputs belong to: refuse a model whose classes differ from "
+        "ROOT's (ROOT/meta.json or its layout's preset)",
+    )
+    p.add_argument("--preset", help="with --data: the dataset's class preset instead")
 
 
-def check_outputs(
-    outputs: Iterable[Path],
-    *,
-    overwrite: bool,
-    protected: Iterable[tuple[str, Iterable[Path]]] = (),
-    what: str = "--out",
-) -> None:
-    """Refuse (:class:`~dualseg.errors.OutputError`, one line) before any work when one of
-    ``outputs`` already exists: always when it is one of the ``protected`` files (groups of
-    ``(description, paths)``, e.g. ``("an input image", images)``; the same file by another
-    path counts too), otherwise unless ``overwrite``. ``what`` names the option that chose the
-    place (``--out``). The protected files are read only when some output exists."""
-    from dualseg.errors import OutputError
-
-    outputs = [Path(p) for p in outputs]
-    for folder in {p.parent for p in outputs}:  # found mid-run otherwise, after some writes
-        blocker = next((f for f in (folder, *folder.parents) if os.path.lexists(f)), None)
-        if blocker is not None and not blocker.is_dir():
-            raise OutputError(
-                f"{what}: {blocker} is a file where an output folder goes; remove it or choose "
-                f"another {what}"
-            )
-    existing = [p for p in outputs if os.path.lexists(p)]
-    if not existing:
+def check_dataset_classes(args: argparse.Namespace, class_names: Sequence[str], model: str) -> None:
+    """Refuse (one line, both class lists) when ``--data``'s classes differ from the model's."""
+    if not args.data and not args.preset:
         return
-    folders = [p for p in existing if p.is_dir()]
-    if folders:
-        raise OutputError(
-            f"{what}: {folders[0]} is a folder where an output file goes; remove it or choose "
-            f"another {what}"
+    from dualseg.data.datasets import dataset_meta, preset_for
+    from dualseg.data.presets import require_same_classes
+
+    if args.data and not Path(args.data).exists():
+        raise DataError(f"--data {args.data}: no such file or folder; check the path")
+    own = preset_for(args.data, args.preset) if args.preset else dataset_meta(args.data)
+    if own is None:
+        raise DataError(
+            f"{args.data}: says nothing about its classes; add a meta.json (name, class_names, "
+            "palette) or pass --preset"
         )
-    ids = {_file_id(p): p for p in existing} if protected else {}
-    ids.pop(None, None)
-    for description, paths in protected:
-        for source in paths:
-            hit = ids.get(_file_id(Path(source)))
-            if hit is not None:
-                same = "" if os.path.abspath(hit) == os.path.abspath(source) else f" ({source})"
-                raise OutputError(
-                    f"{what}: {hit} is {description}{same}; it is never written over, not even "
-                    f"with --overwrite: choose another {what}"
-                )
-    if not overwrite:
-        more = f" (and {len(existing) - 1} more output files)" if len(existing) > 1 else ""
-        raise OutputError(
-            f"{what}: {existing[0]} already exists{more}; pass --overwrite to replace, "
-            f"or choose another {what}"
-        )
+    where = f"the dataset {args.data or args.preset} ({own.name})"
+    require_same_classes(tuple(class_names), own.class_names, model=model, data=where)

@@ -18,7 +18,6 @@ import torch
 
 from dualseg.augment_defaults import check_augment_settings
 from dualseg.commands import common as c
-from dualseg.commands import predict
 from dualseg.console import ArgumentParser, argparse_kwargs, track
 from dualseg.data.presets import require_same_classes
 from dualseg.data.transforms import SCALE_RANGE
@@ -127,13 +126,13 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
     add("--base", "-b", required=True, help="checkpoint or 'dualseg predict --probs' folder")
     add("--out", "-o", required=True, help="output folder")
     c.add_overwrite_arg(p, what="output files in --out")
-    predict.add_dataset_check_options(p)
+    c.add_dataset_check_options(p)
     add("--top-n", type=c.positive_int, help="override the refiner's Top-N")
     add("--radius", type=radius_arg, help="override the refiner's near-boundary radius")
     c.add_runtime_args(p)
     c.add_quiet_arg(p)
     add("--alpha", type=c.fraction, default=0.5, help="overlay opacity, 0-1 (0.5)")
-    predict.add_inference_arguments(p)  # how a checkpoint base runs; the refiner reads its scores
+    c.add_inference_arguments(p)  # how a checkpoint base runs; the refiner reads its scores
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -249,17 +248,18 @@ def note(command: str, text: str) -> None:
 
 # ---------------------------------------------------------------------- apply
 def apply_main(args: argparse.Namespace) -> int:
-    opts = predict.inference_options(args)
+    opts = c.inference_options(args)
     out = check_writable(args.out, kind="dir", what="--out")
-    images = predict.collect_images(args.inputs, out=out, command="refine apply")
+    images = c.collect_images(args.inputs, out=out, command="refine apply")
     kinds = ("labels", "color", "overlay", "changed")
-    predict.check_image_outputs(
-        args, out, images, [(f, ".png") for f in kinds], command="refine apply"
+    c.check_image_outputs(
+        out, images, [(f, ".png") for f in kinds], overwrite=args.overwrite, data=args.data,
+        command="refine apply",
     )
     device = c.apply_runtime(args)
     refiner = load_refiner(args.refiner, device=device)
     c.static_export_note(args.refiner, refiner, "refine")
-    predict.check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
+    c.check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
     base = load_base(args.base, device=device)
     augmented = opts.mode != "whole" or opts.uses_tta
     for line in configure(refiner, base, top_n=args.top_n, radius=args.radius, augmented=augmented,
@@ -288,7 +288,7 @@ def apply_main(args: argparse.Namespace) -> int:
                 scores = base_scores(base, x, name, path, opts)
                 features = shared.take() if shared is not None else None
                 labels, changed = refiner.refine(x, scores, return_changed=True, features=features)
-            predict.write_outputs(
+            c.write_outputs(
                 out, name, rgb, labels[0].cpu().numpy(), palette, alpha=args.alpha
             )
             mask = changed[0].cpu().numpy().astype(np.uint8) * 255

@@ -14,13 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from dualseg.commands.common import (
+    add_inference_arguments,
     add_runtime_args,
     apply_runtime,
     cuda_amp,
+    inference_options,
     onnx_runtime,
     static_export_note,
 )
-from dualseg.commands.predict import add_inference_arguments, inference_options
 from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.errors import ConfigError, DualsegError
 from dualseg.serve import defaults as d

@@ -16,11 +16,11 @@ __all__ = ["evaluate", "fit", "load_checkpoint", "save_checkpoint", "train_one_e
 
 if TYPE_CHECKING:  # pragma: no cover
     from dualseg.engine.checkpoint import load_checkpoint, save_checkpoint
-    from dualseg.engine.evaluate import evaluate
+    from dualseg.engine.evaluation import evaluate
     from dualseg.engine.train import fit, train_one_epoch
 
 _LAZY = {
-    "evaluate": "dualseg.engine.evaluate",
+    "evaluate": "dualseg.engine.evaluation",
     "fit": "dualseg.engine.train",
     "train_one_epoch": "dualseg.engine.train",
     "save_checkpoint": "dualseg.engine.checkpoint",

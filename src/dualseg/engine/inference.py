@@ -29,6 +29,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -147,6 +148,28 @@ class InferenceOptions:
     @property
     def uses_tta(self) -> bool:
         return tuple(self.tta_scales) != (1.0,) or self.tta_flip
+
+    def describe(self) -> str:
+        """In words, e.g. ``sliding window 512x512, stride 342x342, TTA scales 1,1.5``."""
+        text = "whole images"
+        if self.mode == "slide":
+            (wh, ww), (sh, sw) = self.window, self.effective_stride
+            text = f"sliding window {wh}x{ww}, stride {sh}x{sw}"
+        if self.uses_tta:
+            text += f", TTA scales {','.join(f'{s:g}' for s in self.tta_scales)}"
+            text += " + flip" if self.tta_flip else ""
+        return text
+
+    def record(self) -> dict[str, Any]:
+        """As ``metrics.json`` states them (window and stride in slide mode only)."""
+        slide = self.mode == "slide"
+        return {
+            "mode": self.mode,
+            "window": list(self.window) if slide else None,
+            "stride": list(self.effective_stride) if slide else None,
+            "tta_scales": list(self.tta_scales),
+            "tta_flip": self.tta_flip,
+        }
 
 
 _DEFAULT = InferenceOptions()

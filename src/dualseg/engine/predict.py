@@ -12,7 +12,7 @@ method (:mod:`dualseg.engine.inference`).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from dualseg.engine.distributed import resolve_device
-from dualseg.engine.inference import InferenceOptions
+from dualseg.engine.inference import InferenceOptions, infer_logits
 from dualseg.errors import ConfigError, DataError
 from dualseg.imaging import as_rgb, normalize, numpy_to_rgb
 from dualseg.models.base import eval_mode, require_rgb_input
@@ -207,22 +207,25 @@ class Segmenter(Predictor):
         """
         require_image_list(images)
         arrays = [as_rgb_array(im) for im in images]
+        opts = dict(mode=mode, window=window, stride=stride, tta_scales=tta_scales,
+                    tta_flip=tta_flip, tile_batch=tile_batch, amp=self.amp)  # fmt: skip
         out: list[Any] = [None] * len(arrays)
-        for indices, probs in self._run(
-            arrays,
-            batch_size,
-            mode=mode,
-            window=window,
-            stride=stride,
-            tta_scales=tta_scales,
-            tta_flip=tta_flip,
-            tile_batch=tile_batch,
-        ):
-            labels = probs.argmax(1)
-            labels = labels.to(torch.uint8 if self.num_classes <= 255 else torch.int64).cpu()
+        for chunk in size_batches(arrays, batch_size):
+            x = torch.from_numpy(normalize([arrays[i] for i in chunk])).to(self.device)
+            with torch.no_grad(), eval_mode(self.model):  # eval: BatchNorm never updates
+                logits = infer_logits(self.model, x, **opts)  # spec S4: at the original size
+            if logits.shape[1] != self.num_classes:  # a model that declares no num_classes
+                raise ConfigError(
+                    f"the model returned {logits.shape[1]} class scores and the meta names "
+                    f"{self.num_classes} classes ({self.meta.name}): pass the meta of the "
+                    "dataset the model was trained on"
+                )
+            probs = logits.softmax(1)
+            dtype = torch.uint8 if self.num_classes <= 255 else torch.int64
+            labels = probs.argmax(1).to(dtype).cpu().numpy()
             probs_np = probs.cpu().numpy() if return_probs else None
-            for k, i in enumerate(indices):
-                out[i] = (labels[k].numpy(), probs_np[k]) if return_probs else labels[k].numpy()
+            for k, i in enumerate(chunk):
+                out[i] = (labels[k], probs_np[k]) if return_probs else labels[k]
         return out
 
     def save_pretrained(self, folder: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
@@ -249,49 +252,6 @@ class Segmenter(Predictor):
             overwrite=overwrite,
         )
 
-    # ------------------------------------------------------------------ internals
-    def to_tensor(self, array: np.ndarray) -> Tensor:
-        """uint8 ``HxWx3`` -> normalized float ``[1,3,H,W]`` on the segmenter's device."""
-        return torch.from_numpy(normalize([array])).to(self.device)
-
-    @torch.no_grad()
-    def _run(
-        self,
-        arrays: list[np.ndarray],
-        batch_size: int,
-        *,
-        mode: str,
-        window: Sequence[int],
-        stride: Sequence[int] | None,
-        tta_scales: Sequence[float],
-        tta_flip: bool,
-        tile_batch: int,
-    ) -> Iterator[tuple[list[int], Tensor]]:
-        """Yield ``(input indices, probs [b,C,H,W])`` for groups of equal-size images."""
-        from dualseg.engine.inference import infer_logits
-
-        for chunk in size_batches(arrays, batch_size):
-            x = torch.cat([self.to_tensor(arrays[i]) for i in chunk])
-            with eval_mode(self.model):  # train mode: BatchNorm of the batch, and it updates
-                logits = infer_logits(
-                    self.model,
-                    x,
-                    mode=mode,
-                    window=window,
-                    stride=stride,
-                    tta_scales=tta_scales,
-                    tta_flip=tta_flip,
-                    tile_batch=tile_batch,
-                    amp=self.amp,
-                )  # spec S4: at the original size
-            if logits.shape[1] != self.num_classes:  # a model that declares no num_classes
-                raise ConfigError(
-                    f"the model returned {logits.shape[1]} class scores and the meta names "
-                    f"{self.num_classes} classes ({self.meta.name}): pass the meta of the "
-                    "dataset the model was trained on"
-                )
-            yield chunk, logits.softmax(1)
-
 
 def load_model(
     path: str | os.PathLike[str], *, device: str | torch.device | None = "cpu", amp: bool = False
@@ -306,14 +266,10 @@ def load_model(
     >>> seg = dualseg.load_model("runs/demo/last.pt")      # doctest: +SKIP
     >>> labels = seg.predict("street.png")                  # HxW uint8 at the image's size
     """
-    from dualseg.engine.checkpoint import build_model_from_checkpoint
-    from dualseg.engine.pretrained import check_normalization, load_state
-    from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
+    from dualseg.engine.pretrained import load_network
 
     dev = resolve_device(device)
-    ckpt = load_state(path)
-    check_normalization(ckpt, IMAGENET_MEAN, IMAGENET_STD)
-    model, meta = build_model_from_checkpoint(ckpt, device=dev)
+    model, meta, ckpt = load_network(path, device=dev)
     seg = Segmenter(model, meta, device=dev, amp=amp)
     seg.arch, seg.model_kwargs = str(ckpt["arch"]), dict(ckpt["model_kwargs"])
     seg.training_labels = dict((ckpt.get("config") or {}).get("data") or {})

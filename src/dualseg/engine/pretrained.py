@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from dualseg.errors import CheckpointError, ConfigError
 from dualseg.io import atomic_write_bytes, atomic_write_json
+from dualseg.weights import hub_folder
 
 if TYPE_CHECKING:  # pragma: no cover
     from dualseg.data import DatasetMeta
@@ -42,6 +43,7 @@ __all__ = [
     "check_normalization",
     "is_hub_source",
     "is_pretrained_folder",
+    "load_network",
     "load_state",
     "read_json",
     "read_pretrained",
@@ -60,7 +62,6 @@ WEIGHTS_NAME = "model.safetensors"
 REFINER_CONFIG = "refiner.json"
 REFINER_WEIGHTS = "refiner.safetensors"
 HF_PREFIX = "hf://"
-HUB_EXTRA = "pip install 'dualseg[hub]'"
 
 
 # --------------------------------------------------------------------------- files
@@ -119,36 +120,9 @@ def is_pretrained_folder(path: str | os.PathLike[str], name: str = CONFIG_NAME) 
 
 
 def resolve_source(source: str | os.PathLike[str], *, files: Sequence[str]) -> Path:
-    """A local folder for ``source``: the folder itself, or ``hf://org/name[@rev]`` downloaded
-    (only ``files``) into the Hugging Face cache — or read from it under ``HF_HUB_OFFLINE=1``."""
-    if not is_hub_source(source):
-        return Path(source)
-    spec = str(source).removeprefix("hf:").lstrip("/")
-    repo_id, _, revision = spec.partition("@")
-    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
-        raise ConfigError(f"{source}: expected hf://ORG/NAME or hf://ORG/NAME@REVISION")
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError:
-        raise ConfigError(
-            f"loading {source} needs the huggingface_hub package: {HUB_EXTRA}"
-        ) from None
-    try:
-        folder = snapshot_download(
-            repo_id, revision=revision or None, allow_patterns=list(files), library_name="dualseg"
-        )
-    except Exception as err:  # offline and not cached, unknown repo, network, ...
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-        hint = (
-            "it is not in the local cache and HF_HUB_OFFLINE is set; unset it or download it"
-            if offline
-            else "check the name and your connection"
-        )
-        raise CheckpointError(
-            f"cannot fetch {source} ({type(err).__name__}: {first}); {hint}"
-        ) from err
-    return Path(folder)
+    """A local folder for ``source``: the folder itself, or ``hf://`` fetched
+    (:func:`dualseg.weights.hub_folder`)."""
+    return hub_folder(str(source), files=files) if is_hub_source(source) else Path(source)
 
 
 # --------------------------------------------------------------------------- save
@@ -466,6 +440,19 @@ def load_state(source: str | os.PathLike[str]) -> dict[str, Any]:
             f"{path} is one file of the pretrained folder {path.parent}; pass the folder"
         )
     return load_checkpoint(path)
+
+
+def load_network(
+    source: str | os.PathLike[str], *, device: Any = "cpu"
+) -> tuple[nn.Module, DatasetMeta, dict[str, Any]]:
+    """``(model, meta, state)`` of any model source (:func:`load_state`): its input
+    normalization checked against dualseg's (ImageNet), the network rebuilt on ``device``."""
+    from dualseg.engine.checkpoint import build_model_from_checkpoint
+
+    state = load_state(source)
+    check_normalization(state)
+    model, meta = build_model_from_checkpoint(state, device=device)
+    return model, meta, state
 
 
 def check_normalization(

@@ -5,7 +5,7 @@ One iteration = one SGD step on one batch (per process). The loop runs until ``m
 smoothed training loss — has not improved for ``patience`` evaluations (S33 Reading).
 
 Every ``val_every`` iterations: validation (mIoU, per-class IoU, boundary scores via
-:func:`dualseg.engine.evaluate.evaluate`), then ``last.pt`` and, on a new best mIoU, ``best.pt``.
+:func:`dualseg.engine.evaluation.evaluate`), then ``last.pt`` and, on a new best mIoU, ``best.pt``.
 A checkpoint holds everything needed to continue exactly: weights, optimizer, scheduler, AMP
 scaler, iteration, epoch, sampler position and RNG states, so ``--resume`` continues the same
 run (bit-identical on CPU in deterministic mode). SIGINT / SIGTERM finish the current step,
@@ -829,7 +829,7 @@ def monitored(monitor: str, *, has_val: bool) -> str:
 
 def _validate(run: _Run, at: int) -> bool:
     """Score the validation split; True on a new best mIoU."""
-    from dualseg.engine.evaluate import evaluate
+    from dualseg.engine.evaluation import evaluate
 
     broadcast_buffers(run.model)  # every rank scores rank 0's model (the checkpointed one)
     metrics = evaluate(

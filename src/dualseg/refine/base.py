@@ -26,14 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from dualseg.engine.checkpoint import build_model_from_checkpoint
 from dualseg.engine.distributed import resolve_device
-from dualseg.engine.pretrained import (
-    check_normalization,
-    is_hub_source,
-    is_pretrained_folder,
-    load_state,
-)
+from dualseg.engine.pretrained import is_hub_source, is_pretrained_folder, load_network
 from dualseg.errors import DataError
 from dualseg.imaging import read_image, rgb_digest
 from dualseg.models.base import eval_mode, model_logits
@@ -112,9 +106,7 @@ def checkpoint_base(
     """A dualseg checkpoint, pretrained folder or ``hf://org/name`` as a base model (its class
     names and palette come along)."""
 
-    ckpt = load_state(path)
-    check_normalization(ckpt)  # the refiner feeds it ImageNet-normalized images
-    model, meta = build_model_from_checkpoint(ckpt, device=device)
+    model, meta, ckpt = load_network(path, device=device)  # fed ImageNet-normalized images
     base = ModuleBase(model, class_names=meta.class_names, palette=meta.palette, device=device)
     base.arch = str(ckpt["arch"])  # type: ignore[attr-defined]
     # how its training read the labels (label_map, ignore_index, ...): refine fit reads the

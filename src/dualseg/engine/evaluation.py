@@ -1,0 +1,357 @@
+"""Evaluation: run a model over a loader and report region and boundary metrics.
+
+``evaluate`` is shared by the trainer (validation), ``dualseg eval`` and ``dualseg demo``. It
+streams a :class:`~dualseg.metrics.ConfusionMatrix` and :class:`~dualseg.metrics.BoundaryMetrics`;
+under DDP the integer counters are summed over ranks, so every rank returns the whole set's
+metrics. With a method-B ``refiner`` the same pass scores the refined labels too, and counts
+the pixels refinement changed, fixed and broke.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dualseg.engine.inference import InferenceOptions, infer_logits
+from dualseg.metrics import (
+    BOUNDARY_TOLERANCE,
+    TRIMAP_WIDTH,
+    BoundaryMetrics,
+    ConfusionMatrix,
+    format_table,
+    scores_from_confusion,
+)
+from dualseg.models.base import eval_mode
+
+__all__ = ["Refiner", "evaluate", "format_metrics", "majority_baseline_miou", "sanity_warnings"]
+
+_INFER = InferenceOptions()
+ONE_CLASS_SHARE = 0.95  # a model predicting one class on more of the pixels is flagged
+
+
+class Refiner(Protocol):
+    """What ``evaluate`` needs from a method-B refiner (``dualseg.refine.BoundaryRefiner``).
+    One offering ``shared_features(model)`` is handed the base's backbone output."""
+
+    def refine(
+        self, images: Tensor, probs: Tensor, return_changed: bool = True
+    ) -> tuple[Tensor, Tensor]: ...
+
+
+# (batch_index, images, labels, predictions, refined or None), called once per batch
+BatchHook = Callable[[int, Tensor, Tensor, Tensor, "Tensor | None"], None]
+
+
+class _Scores:
+    """Confusion matrix + boundary metrics for one set of predictions."""
+
+    def __init__(self, num_classes: int, ignore_index: int, tolerance: int, width: int, device):
+        self.cm = ConfusionMatrix(num_classes, ignore_index=ignore_index, device=device)
+        self.bm = BoundaryMetrics(
+            num_classes, tolerance=tolerance, trimap_width=width, ignore_index=ignore_index,
+            device=device,
+        )  # fmt: skip
+
+    def update(self, pred: Tensor, target: Tensor) -> None:
+        self.cm.update(pred, target)
+        self.bm.update(pred, target)
+
+    def all_reduce(self) -> None:
+        _all_reduce_(self.cm.mat)
+        _all_reduce_(self.bm.state)
+
+    def compute(self) -> dict[str, Any]:
+        """Scalars as floats, per-class scores as lists (NaN for absent classes)."""
+        scores = {**self.cm.compute(), **self.bm.compute()}
+        out: dict[str, Any] = {
+            k: [float(x) for x in v.tolist()] if isinstance(v, Tensor) else float(v)
+            for k, v in scores.items()
+        }
+        out["confusion_matrix"] = self.cm.mat.cpu().tolist()
+        out["majority_baseline_miou"] = majority_baseline_miou(self.cm.mat)
+        return out
+
+
+def _all_reduce_(t: Tensor) -> None:
+    import torch.distributed as dist
+
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+
+def majority_baseline_miou(confusion: Any) -> float:
+    """The mIoU of predicting the most frequent ground-truth class everywhere, from a
+    ``[C][C]`` confusion matrix (rows: ground truth)."""
+    mat = torch.as_tensor(confusion, dtype=torch.float64)
+    gt = mat.sum(1)
+    if gt.sum() == 0:
+        return math.nan
+    majority = torch.zeros_like(mat)
+    majority[:, int(gt.argmax())] = gt
+    return float(scores_from_confusion(majority)["miou"])
+
+
+def sanity_warnings(metrics: dict[str, Any], class_names: Sequence[str]) -> list[str]:
+    """Plain warnings about a result no better than a trivial model: mIoU not above the
+    majority-class baseline, or one class predicted on more than 95% of the labelled pixels."""
+    out = []
+    mat = torch.as_tensor(metrics["confusion_matrix"], dtype=torch.float64)
+    total = float(mat.sum())
+    if total == 0:
+        return out
+    base, miou = metrics.get("majority_baseline_miou", math.nan), metrics["miou"]
+    if math.isfinite(base) and not miou > base:
+        out.append(
+            f"mIoU {100 * miou:.1f}% is not above the majority-class baseline "
+            f"({100 * base:.1f}%: the most frequent class everywhere); the model has learnt "
+            "nothing the class frequencies do not give (train longer, check the labels)"
+        )
+    shares = mat.sum(0) / total
+    top = int(shares.argmax())
+    if float(shares[top]) > ONE_CLASS_SHARE:
+        name = class_names[top] if top < len(class_names) else f"class {top}"
+        out.append(
+            f"the model predicts one class, {name!r}, on {100 * float(shares[top]):.1f}% of the "
+            "labelled pixels; it may have collapsed to a single class"
+        )
+    return out
+
+
+class _Timer:
+    """Milliseconds per image of each batch's inference (CUDA work synchronized)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.ms = device, []
+
+    @contextlib.contextmanager
+    def time(self, images: int) -> Iterator[None]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.ms.append(1000 * (time.perf_counter() - start) / max(images, 1))
+
+    def median(self) -> float:
+        return float(statistics.median(self.ms)) if self.ms else math.nan
+
+
+class _RefineStep:
+    """Refine one batch and count changed / fixed / broke pixels against the base labels."""
+
+    def __init__(self, refiner: Refiner, shared: Any, scores: _Scores, ignore_index: int, device):
+        self.refiner, self.shared, self.scores = refiner, shared, scores
+        self.ignore_index, self.timer = ignore_index, _Timer(device)
+        # labelled pixels, changed, fixed, broke, images refined on the base's features
+        self.counts = torch.zeros(5, dtype=torch.int64, device=device)
+
+    def __call__(self, images: Tensor, logits: Tensor, pred: Tensor, labels: Tensor) -> Tensor:
+        with self.timer.time(images.shape[0]):
+            probs = logits.softmax(1)
+            if self.shared is not None:
+                kept = self.shared.take(images)  # None where they do not match
+                new, changed = self.refiner.refine(  # type: ignore[call-arg]
+                    images, probs, return_changed=True, features=kept
+                )
+                self.counts[4] += images.shape[0] if kept is not None else 0
+            else:
+                new, changed = self.refiner.refine(images, probs, return_changed=True)
+        # where the refiner does not relabel, keep exactly the labels scored as the base
+        # (argmax of logits and of softmax differ at float ties), so fixed/broke add up
+        new = torch.where(changed.to(pred.device).bool(), new.to(pred.device).long(), pred)
+        changed = new != pred
+        self.scores.update(new, labels)
+        valid = labels != self.ignore_index
+        was_right, is_right = pred == labels, new == labels
+        self.counts[0] += valid.sum()
+        self.counts[1] += (changed & valid).sum()
+        self.counts[2] += (changed & valid & ~was_right & is_right).sum()
+        self.counts[3] += (changed & valid & was_right & ~is_right).sum()
+        return new
+
+    def result(self) -> dict[str, Any]:
+        pixels, changed, fixed, broke, shared = (int(v) for v in self.counts)
+        return {
+            "pixels": pixels,
+            "changed": changed,
+            "changed_fraction": changed / pixels if pixels else 0.0,
+            "fixed": fixed,
+            "broke": broke,
+            "ms_per_image": self.timer.median(),
+            "shared_images": shared,  # images refined on the base's own backbone output
+        }
+
+
+def _resize(logits: Tensor, size: Any) -> Tensor:
+    if logits.shape[-2:] == size:
+        return logits
+    return F.interpolate(logits, size=size, mode="bilinear", align_corners=False)
+
+
+@torch.no_grad()
+def evaluate(
+    model: nn.Module,
+    loader: Iterable[tuple[Tensor, Tensor]],
+    *,
+    num_classes: int,
+    ignore_index: int = 255,
+    device: str | torch.device = "cpu",
+    boundary_tolerance: int = BOUNDARY_TOLERANCE,
+    trimap_width: int = TRIMAP_WIDTH,
+    refiner: Refiner | None = None,
+    amp: bool = False,
+    distributed: bool = False,
+    on_batch: BatchHook | None = None,
+    progress: bool = False,
+    mode: str = _INFER.mode,
+    window: Sequence[int] = _INFER.window,
+    stride: Sequence[int] | None = _INFER.stride,
+    tta_scales: Sequence[float] = _INFER.tta_scales,
+    tta_flip: bool = _INFER.tta_flip,
+    tile_batch: int = _INFER.tile_batch,
+) -> dict[str, Any]:
+    """Score ``model`` on every ``(images, labels)`` batch of ``loader``: normalized float
+    ``[B,3,H,W]`` images, int64 ``[B,H,W]`` labels (``ignore_index`` unlabelled); logits are
+    resized to the labels (spec S4); ``mode`` ... ``tile_batch`` as in :func:`infer_logits`.
+
+    Returns the :mod:`dualseg.metrics` scores (fractions; per-class lists with NaN for absent
+    classes), ``confusion_matrix`` (rows: ground truth), ``majority_baseline_miou``,
+    ``num_images``, ``ms_per_image`` (median model time) and ``loss`` (pixel cross-entropy,
+    spec S33); with ``refiner`` also ``refined`` (the same scores) and ``refine`` (changed /
+    fixed / broke pixels, its ms per image). ``distributed``: counters summed over ranks.
+    """
+    device = torch.device(device)
+    base = _Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)
+    opts = dict(mode=mode, window=window, stride=stride, tta_scales=tta_scales,
+                tta_flip=tta_flip, tile_batch=tile_batch, amp=amp)  # fmt: skip
+    plain = mode == "whole" and not amp and tuple(tta_scales) == (1.0,) and not tta_flip
+    share = getattr(refiner, "shared_features", None)
+    shared = share(model) if share is not None and plain else None
+    step = None
+    if refiner is not None:
+        refined = _Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)
+        step = _RefineStep(refiner, shared, refined, ignore_index, device)
+    timer, images_seen = _Timer(device), torch.zeros((), dtype=torch.int64, device=device)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    if progress:
+        from tqdm.auto import tqdm
+
+        loader = tqdm(loader, desc="eval", leave=False)
+    with eval_mode(model), shared if shared is not None else contextlib.nullcontext():
+        for index, (images, labels) in enumerate(loader):
+            images = images.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True).long()
+            with timer.time(images.shape[0]):
+                logits = infer_logits(model, images, **opts)
+            logits = _resize(logits, labels.shape[-2:])
+            pred = logits.argmax(1)
+            base.update(pred, labels)  # range-checks the labels before the loss reads them
+            images_seen += images.shape[0]
+            loss_sum += F.cross_entropy(
+                logits, labels, ignore_index=ignore_index, reduction="sum"
+            ).double()
+            new = step(images, logits, pred, labels) if step is not None else None
+            if on_batch is not None:
+                on_batch(index, images, labels, pred, new)
+    if distributed:
+        for s in (base, step.scores) if step is not None else (base,):
+            s.all_reduce()
+        for t in (images_seen, loss_sum, *([step.counts] if step is not None else [])):
+            _all_reduce_(t)
+    result = base.compute()
+    labelled = int(base.cm.mat.sum())
+    result.update(
+        num_images=int(images_seen),
+        ms_per_image=timer.median(),
+        loss=float(loss_sum) / labelled if labelled else float("nan"),
+    )
+    if step is not None:
+        result["refined"] = step.scores.compute()
+        result["refine"] = step.result()
+    return result
+
+
+def format_metrics(
+    metrics: dict[str, Any], class_names: Sequence[str] | None = None, *,
+    batch_size: int | None = None,
+) -> str:  # fmt: skip
+    """A per-class table and the means in percent, then the median time per image; with
+    refinement, base and refined side by side."""
+    names = list(class_names or [f"class_{i}" for i in range(len(metrics["iou"]))])
+    refined = metrics.get("refined")
+    lines = [format_table(names, metrics)]
+    if refined is not None:
+        lines = ["base model:", *lines, "", "refined:", format_table(names, refined), ""]
+        lines.append(f"{'(%)':<12}{'base':>8}{'refined':>9}{'delta':>8}")
+        for key, label in (("miou", "mIoU"), ("boundary_f1", "boundary F1"),
+                           ("trimap_miou", "trimap mIoU"), ("pixel_acc", "pixel acc")):  # fmt: skip
+            b, r = 100 * metrics[key], 100 * refined[key]
+            lines.append(f"{label:<12}{b:8.1f}{r:9.1f}{r - b:+8.1f}")
+        c = metrics["refine"]
+        lines.append(
+            f"refinement changed {c['changed']} of {c['pixels']} labelled pixels "
+            f"({100 * c['changed_fraction']:.3f}%): {c['fixed']} fixed, {c['broke']} broke"
+        )
+    base = metrics.get("majority_baseline_miou")
+    if base is not None and math.isfinite(base):
+        lines.append(
+            f"mIoU {100 * metrics['miou']:.1f}% vs majority-class baseline {100 * base:.1f}%"
+        )
+    ms = metrics.get("ms_per_image")
+    if ms is not None and math.isfinite(ms):
+        at = f", batch {batch_size}" if batch_size is not None else ""
+        line = f"inference: {ms:.1f} ms/image (median{at})"
+        r_ms = (metrics.get("refine") or {}).get("ms_per_image")
+        if r_ms is not None and math.isfinite(r_ms):
+            line += f", refinement: {r_ms:.1f} ms/image"
+            if shared := metrics["refine"].get("shared_images", 0):
+                line += f" (on the base's features for {shared} of {metrics['num_images']} images)"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def model_dataset(
+    root: str, *, split: str, layout: str, preset: str | None, meta: Any, model_name: str,
+    label_format: str, label_map: dict[int, int] | None, ignore_value: Any,
+) -> Any:  # fmt: skip
+    """The ``split`` of ``root`` read for a model of ``meta``'s classes (eval transform): the
+    dataset's own classes (``meta.json``, ``preset``) must be the model's, or one line shows
+    both. Warns (stderr) when a class can never be scored."""
+    import sys
+
+    from dualseg.data import PRESETS, build_dataset
+    from dualseg.data.datasets import dataset_meta, preset_for
+    from dualseg.data.presets import require_same_classes
+    from dualseg.data.transforms import build_eval_transform
+    from dualseg.errors import DualsegError
+
+    own = preset_for(root, preset) if preset else dataset_meta(root, layout=layout, split=split)
+    if own is not None:
+        where = f"the dataset {root} ({own.name})"
+        require_same_classes(meta.class_names, own.class_names, model=model_name, data=where)
+        meta = own
+    elif meta.name in PRESETS and PRESETS[meta.name].class_names == meta.class_names:
+        meta = PRESETS[meta.name]  # the preset also knows the raw ignore values (CamVid: 11)
+    dataset = build_dataset(
+        root, split=split, layout=layout, preset=meta, transform=build_eval_transform(),
+        label_format=label_format, label_map=label_map, ignore_value=ignore_value,
+    )  # fmt: skip
+    if len(dataset) == 0:
+        raise DualsegError(f"split {split!r} of {root} has no images")
+    if label_format != "color" and (lost := dataset.meta.unreachable_classes()):
+        names = ", ".join(f"{k} {dataset.meta.class_names[k]!r}" for k in lost)
+        print(
+            f"dualseg eval: warning: no raw label value means class {names} (the ignore value, "
+            f"{dataset.meta.describe_ignore()}, or a label map takes it), so it is never scored; "
+            "check --ignore-index / --label-map / meta.json",
+            file=sys.stderr,
+        )
+    return dataset

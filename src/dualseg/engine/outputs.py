@@ -1,0 +1,459 @@
+"""Where the commands' outputs go, and what they never replace.
+
+:func:`check_outputs` refuses, before any work, an output file that already exists (unless
+``overwrite``) and one that is an input image or a dataset file (always); :func:`unique_names`
+gives images that share a file name distinct output names. :func:`collect_images` expands the
+inputs of ``predict`` / ``refine apply``; :func:`write_outputs`, :func:`save_probs`,
+:class:`PredictionWriter` and :func:`write_figures` write what they produce, atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import io
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from dualseg import viz
+from dualseg.data.datasets import available_splits, discover
+from dualseg.errors import DataError, OutputError
+from dualseg.imaging import exif_orientation
+from dualseg.io import atomic_save_image, atomic_write_bytes, check_writable, label_png
+
+# what folder and glob inputs pick up: every format the image readers open (a file named
+# on the command line is read whatever its suffix)
+IMAGE_EXTENSIONS = (
+    ".png", ".jpg", ".jpeg", ".jfif", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".ppm", ".pgm",
+)  # fmt: skip
+OUTPUT_FOLDERS = ("labels", "color", "overlay", "probs")  # what predict writes into OUT
+OWN_FOLDERS = (*OUTPUT_FOLDERS, "changed")  # with refine apply's: never read as inputs
+# Keys of each --probs npz file; method B (`refine apply --base <folder>`) reads them.
+PROBS_KEYS = {
+    "probs": "float16 [C, H, W] softmax class probabilities at the original size (with TTA: "
+    "their mean over the augmentations)",
+    "class_names": "str [C] class names, in channel order",
+    "source": "str, the input image path",
+    "image_sha1": "str, dualseg.imaging.rgb_digest of the decoded input image (matches a map "
+    "to its image where the source path does not exist)",
+}
+FIGURES = ("confusion_matrix.png", "per_class_iou.png", "confusion_matrix_refined.png")
+EVAL_FILES = ("metrics.json", *FIGURES)  # what an evaluation writes into its OUT
+
+
+def unique_names(found: Sequence[tuple[Path, str]]) -> list[tuple[Path, str]]:
+    """``(path, name)`` pairs with names made distinct: distinct files that share a name get a
+    numeric suffix (``x``, ``x_1``, ...); a file listed again keeps its first name.
+
+    Every file whose own name is free keeps it (``x.jpg``, ``x.png`` and ``x_1.png`` give
+    ``x``, ``x_2`` and ``x_1``: the suffix never takes another file's name), and names are
+    compared case-insensitively (``X.png`` and ``x.png`` would be one file on macOS or
+    Windows)."""
+    keys = [path.resolve() for path, _ in found]
+    by_file: dict[Path, str] = {}
+    used: set[str] = set()
+    for key, (_, name) in zip(keys, found):  # first: each free name to the first file with it
+        if key not in by_file and name.casefold() not in used:
+            by_file[key] = name
+            used.add(name.casefold())
+    for key, (_, name) in zip(keys, found):  # then the others, numbered past every name taken
+        if key not in by_file:
+            k = 1
+            while f"{name}_{k}".casefold() in used:
+                k += 1
+            by_file[key] = f"{name}_{k}"
+            used.add(by_file[key].casefold())
+    return [(path, by_file[key]) for key, (path, _) in zip(keys, found)]
+
+
+def dataset_files(root: str | os.PathLike[str], *, layout: str = "auto") -> Iterator[Path]:
+    """The files of the dataset at ``root`` (any split): its list files, images, labels and
+    ``meta.json`` — what an output must never replace. A generator: nothing is scanned unless
+    it is read."""
+
+    root = Path(root)
+    yield root if root.is_file() else root / "meta.json"
+    for split in dict.fromkeys([*available_splits(root, layout), "train", "val", "test"]):
+        try:
+            found = discover(root, split=split, layout=layout)
+        except DataError:
+            continue
+        if found.source is not None and found.source.is_file():
+            yield found.source
+        for image, label in found.samples:
+            yield image
+            yield label
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def check_outputs(
+    outputs: Iterable[Path],
+    *,
+    overwrite: bool,
+    protected: Iterable[tuple[str, Iterable[Path]]] = (),
+    what: str = "--out",
+) -> None:
+    """Refuse (:class:`~dualseg.errors.OutputError`, one line) before any work when one of
+    ``outputs`` already exists: always when it is one of the ``protected`` files (groups of
+    ``(description, paths)``, e.g. ``("an input image", images)``; the same file by another
+    path counts too), otherwise unless ``overwrite``. ``what`` names the option that chose the
+    place (``--out``). The protected files are read only when some output exists."""
+    outputs = [Path(p) for p in outputs]
+    for folder in {p.parent for p in outputs}:  # found mid-run otherwise, after some writes
+        blocker = next((f for f in (folder, *folder.parents) if os.path.lexists(f)), None)
+        if blocker is not None and not blocker.is_dir():
+            raise OutputError(
+                f"{what}: {blocker} is a file where an output folder goes; remove it or choose "
+                f"another {what}"
+            )
+    existing = [p for p in outputs if os.path.lexists(p)]
+    if not existing:
+        return
+    folders = [p for p in existing if p.is_dir()]
+    if folders:
+        raise OutputError(
+            f"{what}: {folders[0]} is a folder where an output file goes; remove it or choose "
+            f"another {what}"
+        )
+    ids = {_file_id(p): p for p in existing} if protected else {}
+    ids.pop(None, None)
+    for description, paths in protected:
+        for source in paths:
+            hit = ids.get(_file_id(Path(source)))
+            if hit is not None:
+                same = "" if os.path.abspath(hit) == os.path.abspath(source) else f" ({source})"
+                raise OutputError(
+                    f"{what}: {hit} is {description}{same}; it is never written over, not even "
+                    f"with --overwrite: choose another {what}"
+                )
+    if not overwrite:
+        more = f" (and {len(existing) - 1} more output files)" if len(existing) > 1 else ""
+        raise OutputError(
+            f"{what}: {existing[0]} already exists{more}; pass --overwrite to replace, "
+            f"or choose another {what}"
+        )
+
+
+def collect_images(
+    inputs: Sequence[str], *, out: Path | None = None, command: str = "predict"
+) -> list[tuple[Path, str]]:
+    """Expand files, folders (recursively) and globs into ``(path, output name)`` pairs.
+
+    Never inputs, when folders and globs find them (a file named as such is kept): files
+    under ``out``'s own folders (``OWN_FOLDERS``), and those under the own folders of an
+    earlier output found inside an input folder (a ``labels/`` beside an ``overlay/``, which
+    datasets do not have): a second run into ``photos/run2`` would otherwise segment the
+    first run's PNGs in ``photos/run1``; said in one note. Raises :class:`DataError` for an
+    input that matches nothing, listing all such inputs.
+    """
+    skipped = [] if out is None else [(out / f).resolve() for f in OWN_FOLDERS]
+    earlier: set[Path] = set()  # earlier outputs whose files were left out
+
+    def earlier_output(folder: Path) -> bool:
+        return (
+            folder.name in OWN_FOLDERS
+            and (folder.parent / "overlay").is_dir()
+            and (folder.parent / "labels").is_dir()
+        )
+
+    def wanted(f: Path, root: Path | None = None) -> bool:
+        if not f.is_file() or f.suffix.lower() not in IMAGE_EXTENSIONS:
+            return False
+        real = f.resolve()
+        if any(real.is_relative_to(s) for s in skipped):
+            return False
+        if root is not None:
+            for folder in f.relative_to(root).parents[:-1]:  # below the input folder only
+                if earlier_output(root / folder):
+                    earlier.add((root / folder).parent)
+                    return False
+        return True
+
+    found: list[tuple[Path, str]] = []
+    missing: list[str] = []
+    for item in inputs:
+        if not item.strip():  # an unset shell variable: as a path, the whole current folder
+            raise DataError("an input is an empty path; name an image file, a folder or a glob")
+        path = Path(item)
+        if path.is_dir():
+            files = sorted(f for f in path.rglob("*") if wanted(f, path))
+            if not files:
+                why = (
+                    "its images are this command's outputs under --out, never inputs"
+                    if out is not None and any(path.resolve().is_relative_to(s) for s in skipped)
+                    else f"a folder with no {'/'.join(IMAGE_EXTENSIONS)} images"
+                )
+                missing.append(f"{item} ({why})")
+            found += [(f, f.relative_to(path).with_suffix("").as_posix()) for f in files]
+        elif path.is_file():
+            found.append((path, path.stem))
+        elif glob.has_magic(item):
+            matches = sorted(Path(f) for f in glob.glob(item, recursive=True))
+            files = [(f, f.stem) for f in matches if wanted(f)]
+            for folder in (m for m in matches if m.is_dir()):  # as the shell's expansion gives
+                files += [
+                    (f, (folder.name / f.relative_to(folder)).with_suffix("").as_posix())
+                    for f in sorted(folder.rglob("*"))
+                    if wanted(f, folder)
+                ]
+            if not files:
+                missing.append(f"{item} (no image matches this pattern)")
+            found += files
+        else:
+            missing.append(f"{item} (no such file or folder)")
+    if missing:
+        raise DataError("input not found: " + "; ".join(missing))
+    if earlier:
+        shown = ", ".join(str(f) for f in sorted(earlier)[:3])
+        more = f" and {len(earlier) - 3} more" if len(earlier) > 3 else ""
+        print(
+            f"dualseg {command}: note: left out the outputs of an earlier run found among the "
+            f"inputs ({shown}{more}: its {'/, '.join(OWN_FOLDERS)}/ folders)",
+            file=sys.stderr,
+        )
+    return _unique_names(found)
+
+
+def _unique_names(found: list[tuple[Path, str]]) -> list[tuple[Path, str]]:
+    """Drop repeated files; give distinct files that share a name a numeric suffix."""
+    kept: dict[str, tuple[Path, str]] = {}
+    for path, name in unique_names(found):
+        kept.setdefault(name, (path, name))
+    return list(kept.values())
+
+
+def check_image_outputs(
+    out: Path,
+    images: Sequence[tuple[Path, str]],
+    files: Sequence[tuple[str, str]],
+    *,
+    overwrite: bool,
+    data: str | None = None,
+    command: str = "predict",
+) -> None:
+    """Refuse, before any work, outputs ``out/<folder>/<name><suffix>`` (``files``: ``(folder,
+    suffix)`` pairs) that exist (unless ``overwrite``) or are an input image or a file of the
+    ``data`` dataset or of a dataset at ``out`` (always)."""
+    outputs = [out / folder / f"{name}{suffix}" for _, name in images for folder, suffix in files]
+    protected = [("an input image", [path for path, _ in images])]
+    if data:
+        protected.append((f"a file of the dataset {data}", dataset_files(data)))
+    # --out may itself be a dataset (its labels/ folder is where predictions go): its files too,
+    # when it says so (meta.json or a list file), or when the inputs are its images/ and no
+    # overlay/ or changed/ folder (which datasets do not have) shows that this command wrote
+    # its labels/: they are then the ground truth of the very images being segmented. Labels
+    # an earlier run wrote beside its inputs are that run's output, which --overwrite replaces.
+    images_dir = (out / "images").resolve()
+    paired = any(path.resolve().is_relative_to(images_dir) for path, _ in images)
+    earlier_run = (out / "overlay").is_dir() or (out / "changed").is_dir()
+    if (out / "meta.json").is_file() or any(out.glob("*.txt")) or (paired and not earlier_run):
+        protected.append((f"a file of the dataset {out}", dataset_files(out)))
+    check_outputs(outputs, overwrite=overwrite, protected=protected)
+    if earlier_run:  # an earlier predict / refine apply output (a dataset has no overlay/)
+        note_other_outputs(command, out, outputs, [folder for folder, _ in files])
+
+
+def note_other_outputs(
+    command: str, out: Path, outputs: Sequence[Path], folders: Sequence[str]
+) -> None:
+    """Say when ``out``'s own folders hold outputs this run will not write: an earlier run's,
+    of other images (perhaps by another model), which stay beside this run's without a word
+    otherwise. Nothing is removed: they may be the earlier chunks of one job."""
+    ours = {p.resolve() for p in outputs}
+    others = sorted(
+        f
+        for folder in folders
+        if (out / folder).is_dir()
+        for f in (out / folder).rglob("*")
+        if f.is_file() and f.suffix in (".png", ".npz") and f.resolve() not in ours
+    )
+    if others:
+        names = sorted({f.relative_to(out).with_suffix("").as_posix() for f in others})
+        print(
+            f"dualseg {command}: note: "
+            f"{out} also holds {len(others)} output files of images this run does not segment "
+            f"(e.g. {names[0]}), from an earlier run: they stay beside this run's; use a new "
+            "--out to keep the two apart",
+            file=sys.stderr,
+        )
+
+
+def save_probs(
+    path: Path,
+    probs: np.ndarray,
+    class_names: Iterable[str],
+    source: str,
+    image_sha1: str | None = None,
+) -> None:
+    """Write one ``--probs`` file (keys: :data:`PROBS_KEYS`), compressed and atomically."""
+
+    buf = io.BytesIO()
+    digest = {} if image_sha1 is None else {"image_sha1": np.asarray(image_sha1)}
+    np.savez_compressed(
+        buf,
+        probs=probs.astype(np.float16),
+        class_names=np.asarray(list(class_names), dtype=str),
+        source=np.asarray(source),
+        **digest,
+    )
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def write_outputs(
+    out: Path,
+    name: str,
+    image: np.ndarray,
+    label: np.ndarray,
+    palette: Any,
+    *,
+    alpha: float = 0.5,
+) -> None:
+    """``labels/``, ``color/`` and ``overlay/`` PNGs of one image (atomic writes)."""
+
+    atomic_save_image(out / "labels" / f"{name}.png", label_png(label, len(palette)))
+    atomic_save_image(out / "color" / f"{name}.png", viz.colorize(label, palette))
+    atomic_save_image(
+        out / "overlay" / f"{name}.png", viz.overlay(image, label, palette, alpha=alpha)
+    )
+
+
+def prediction_names(samples: list) -> list[str]:
+    """The output name of each ``(image_path, label_path)`` sample: the image's stem, with a
+    numeric suffix for distinct images that share one (as ``dualseg predict`` names them)."""
+    return [name for _, name in unique_names([(Path(img), Path(img).stem) for img, _ in samples])]
+
+
+def prediction_files(out: Path, names: list[str], *, refined: bool) -> list[Path]:
+    """Every file :class:`PredictionWriter` writes for these names."""
+    kinds = ("", "refined_") if refined else ("",)
+    return [out / f"{k}{f}" / f"{n}.png" for n in names for k in kinds for f in ("labels", "color")]
+
+
+class PredictionWriter:
+    """``evaluate(on_batch=...)`` hook writing ``labels/`` and ``color/`` PNGs per sample
+    (``refined_labels/``, ``refined_color/`` with a refiner). ``samples`` are the dataset's
+    pairs in loader order (not shuffled): batch ``i`` row ``k`` is sample
+    ``i * batch_size + k``."""
+
+    def __init__(self, samples: list, out: Path, palette: Any, batch_size: int) -> None:
+        self.names, self.out = prediction_names(samples), out
+        self.palette, self.batch_size = palette, batch_size
+        self.created: list[Path] = []  # files this evaluation added (not replaced)
+
+    def _save(self, path: Path, array: Any) -> None:
+        if not path.exists():
+            self.created.append(path)
+        atomic_save_image(path, array)
+
+    def __call__(self, index: int, images: Any, labels: Any, pred: Any, refined: Any) -> None:
+        for k in range(pred.shape[0]):
+            name = self.names[index * self.batch_size + k]
+            for kind, lab in (("", pred[k]), ("refined_", None if refined is None else refined[k])):
+                if lab is not None:
+                    arr = label_png(lab.to("cpu").numpy(), len(self.palette))
+                    self._save(self.out / f"{kind}labels" / f"{name}.png", arr)
+                    self._save(self.out / f"{kind}color" / f"{name}.png",
+                               viz.colorize(arr, self.palette))  # fmt: skip
+
+    def undo(self) -> int:
+        """Remove the files this evaluation added (it stopped on an error): no partial set is
+        left for the corrected rerun to need --overwrite for. Returns how many."""
+        for path in self.created:
+            path.unlink(missing_ok=True)
+        for folder in {path.parent for path in self.created}:
+            with contextlib.suppress(OSError):  # a folder this evaluation made, now empty
+                folder.rmdir()
+        return len(self.created)
+
+
+def mixed_size_batch(samples: list, batch_size: int) -> str | None:
+    """The first batch of ``samples`` (in loader order) whose images differ in size, read from
+    the file headers (EXIF rotation included), said in a line; ``None`` when there is none.
+    Found before the run, not at that batch, after the predictions before it were written."""
+
+    def size(path: str) -> tuple[int, int] | None:
+        try:
+            with Image.open(path) as im:
+                w, h = im.size
+                return (w, h) if exif_orientation(im, path) < 5 else (h, w)
+        except Exception:  # unreadable: the run itself names the file
+            return None
+
+    for start in range(0, len(samples), batch_size):
+        sizes = [(img, s) for img, _ in samples[start : start + batch_size] if (s := size(img))]
+        other = next(((img, s) for img, s in sizes if s != sizes[0][1]), None)
+        if other is not None:
+            (a, (wa, ha)), (b, (wb, hb)) = sizes[0], other
+            return (
+                f"two images of one batch differ in size ({wa}x{ha} and {wb}x{hb} px: {a} and "
+                f"{b}), and images of different sizes cannot be batched"
+            )
+    return None
+
+
+def write_figures(out: Path, metrics: dict[str, Any], class_names: Any) -> list[Path]:
+    """``confusion_matrix.png`` and ``per_class_iou.png`` (+ ``confusion_matrix_refined.png``
+    with a refiner) in ``out``; returns the paths written."""
+
+    written = [out / FIGURES[0], out / FIGURES[1]]
+    viz.save_confusion_matrix(written[0], metrics["confusion_matrix"], class_names)
+    series = {"model": metrics["iou"]}
+    refined = metrics.get("refined")
+    if refined is not None:
+        series["model + method B"] = refined["iou"]
+        written.append(out / FIGURES[2])
+        viz.save_confusion_matrix(
+            written[-1],
+            refined["confusion_matrix"],
+            class_names,
+            title="method B: confusion matrix (row-normalized, %)",
+        )
+    viz.save_class_iou(written[1], series, class_names)
+    return written
+
+
+def default_out(checkpoint: str, split: str, *, variant: str = "") -> Path:
+    """``eval --out``'s default: ``eval_SPLIT`` (+ ``variant``) beside a run's ``best.pt``,
+    ``eval_SPLIT_NAME`` beside another checkpoint or pretrained folder, and
+    ``./eval_SPLIT_NAME`` for ``hf://org/NAME``."""
+    if str(checkpoint).startswith("hf:/"):
+        repo = str(checkpoint).rstrip("/").rsplit("/", 1)[-1].split("@", 1)[0]
+        return Path(f"eval_{split}_{repo}{variant}")
+    path = Path(checkpoint)
+    tag = "" if path.name == "best.pt" else f"_{path.stem if path.is_file() else path.name}"
+    return path.parent / f"eval_{split}{tag}{variant}"
+
+
+def check_eval_outputs(
+    out: Path, predictions: str | None, *, data: str, split: str, layout: str, refined: bool,
+    overwrite: bool,
+) -> list[Path]:  # fmt: skip
+    """Refuse, before any work, an unwritable place, an earlier evaluation in ``out`` and
+    existing ``predictions`` files (unless ``overwrite``) or dataset files (always). Returns
+    an earlier evaluation's refined predictions that this one replaces by leaving them out."""
+    check_writable(out, kind="dir", what="--out")
+    if not predictions:
+        check_outputs([out / name for name in EVAL_FILES], overwrite=overwrite, what="--out")
+        return []
+    check_writable(predictions, kind="dir", what="--save-predictions")
+    names = prediction_names(discover(data, split=split, layout=layout).samples)
+    kept = [(f"a file of the dataset {data}", dataset_files(data, layout=layout))]
+    ours = prediction_files(Path(predictions), names, refined=refined)
+    check_outputs(ours, overwrite=overwrite, protected=kept, what="--save-predictions")
+    stale = sorted(set(prediction_files(Path(predictions), names, refined=True)) - set(ours))
+    check_outputs(stale, overwrite=True, protected=kept, what="--save-predictions")
+    check_outputs([out / name for name in EVAL_FILES], overwrite=overwrite, what="--out")
+    return [p for p in stale if p.exists()] if overwrite else []

