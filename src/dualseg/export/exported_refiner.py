@@ -33,8 +33,8 @@ class ExportedRefiner:
     contract and P2-P5 code; the embedding is computed by ``runner``."""
 
     def __init__(self, runner: Runner, sidecar: Mapping[str, Any], *, source: str = "") -> None:
-        from dualseg.refine.formats import stored_description
         from dualseg.refine.config import RefinerConfig
+        from dualseg.refine.formats import stored_description
 
         self.runner, self.source = runner, source
         described = stored_description(sidecar, source)
