@@ -76,7 +76,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from dualseg.engine.evaluate import evaluate
+from dualseg.engine.evaluation import evaluate
 
 from dualseg.commands.common import nonnegative_int, positive_int
 from dualseg.data import build_dataset

@@ -25,7 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from dualseg.engine.evaluate import evaluate
+from dualseg.engine.evaluation import evaluate
 
 from dualseg.data import build_dataset
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint

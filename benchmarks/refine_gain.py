@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dualseg.engine.evaluate import evaluate
+from dualseg.engine.evaluation import evaluate
 
 from dualseg.data import build_dataset, build_eval_transform, build_train_transform
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint

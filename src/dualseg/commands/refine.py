@@ -253,7 +253,11 @@ def apply_main(args: argparse.Namespace) -> int:
     images = c.collect_images(args.inputs, out=out, command="refine apply")
     kinds = ("labels", "color", "overlay", "changed")
     c.check_image_outputs(
-        out, images, [(f, ".png") for f in kinds], overwrite=args.overwrite, data=args.data,
+        out,
+        images,
+        [(f, ".png") for f in kinds],
+        overwrite=args.overwrite,
+        data=args.data,
         command="refine apply",
     )
     device = c.apply_runtime(args)
@@ -288,9 +292,7 @@ def apply_main(args: argparse.Namespace) -> int:
                 scores = base_scores(base, x, name, path, opts)
                 features = shared.take() if shared is not None else None
                 labels, changed = refiner.refine(x, scores, return_changed=True, features=features)
-            c.write_outputs(
-                out, name, rgb, labels[0].cpu().numpy(), palette, alpha=args.alpha
-            )
+            c.write_outputs(out, name, rgb, labels[0].cpu().numpy(), palette, alpha=args.alpha)
             mask = changed[0].cpu().numpy().astype(np.uint8) * 255
             atomic_save_image(out / "changed" / f"{name}.png", mask)
             changed_total += int(changed.sum())

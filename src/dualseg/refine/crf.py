@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from dualseg.errors import ConfigError, DualsegError
+from dualseg.engine.evaluation import evaluate
 from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = ["CRF_GRID", "CRFSettings", "choose_crf", "dense_crf", "import_pydensecrf"]
@@ -73,7 +74,7 @@ class CRFSettings:
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
     ) -> tuple[Tensor, Tensor]:
-        """As a method-B refiner for :func:`dualseg.engine.evaluate`: ``images`` normalized
+        """As a method-B refiner for :func:`dualseg.engine.evaluation.evaluate`: ``images`` normalized
         ``[B,3,H,W]`` (``mean``/``std``), ``probs`` ``[B,C,H,W]`` -> ``(labels, changed)``,
         both ``[B,H,W]`` on ``probs``' device; ``changed``: where the CRF moved the argmax
         (returned whatever ``return_changed`` says: the flag is the refiner interface's)."""
@@ -150,7 +151,6 @@ def choose_crf(
 ) -> tuple[CRFSettings, list[dict[str, Any]]]:
     """The setting of ``grid`` whose CRF scores best in ``metric`` (``miou`` or
     ``boundary_f1``) on ``loader``'s (dev) images, and every setting's scores."""
-    from dualseg.engine.evaluate import evaluate
 
     rows = []
     for settings in grid:
