@@ -76,7 +76,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from dualseg.engine.evaluation import evaluate
 
 from dualseg.commands.common import nonnegative_int, positive_int
 from dualseg.data import build_dataset
@@ -91,6 +90,7 @@ from dualseg.engine.config import (
     config_to_dict,
     load_config,
 )
+from dualseg.engine.evaluation import evaluate
 from dualseg.engine.train import fit
 from dualseg.errors import ConfigError, DataError, DualsegError, Terminated
 from dualseg.io import atomic_write_json, atomic_write_text, check_writable

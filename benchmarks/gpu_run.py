@@ -25,11 +25,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from dualseg.engine.evaluation import evaluate
 
 from dualseg.data import build_dataset
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
 from dualseg.engine.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from dualseg.engine.evaluation import evaluate
 from dualseg.engine.train import fit
 from dualseg.errors import DataError, DualsegError, Terminated
 from dualseg.io import atomic_write_json

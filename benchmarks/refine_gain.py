@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from dualseg.engine.evaluation import evaluate
 
 from dualseg.data import build_dataset, build_eval_transform, build_train_transform
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+from dualseg.engine.evaluation import evaluate
 from dualseg.engine.predict import resolve_device
 from dualseg.errors import ConfigError, DualsegError
 from dualseg.io import atomic_write_json

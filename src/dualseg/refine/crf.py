@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dualseg.errors import ConfigError, DualsegError
 from dualseg.engine.evaluation import evaluate
+from dualseg.errors import ConfigError, DualsegError
 from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = ["CRF_GRID", "CRFSettings", "choose_crf", "dense_crf", "import_pydensecrf"]
@@ -74,7 +74,8 @@ class CRFSettings:
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
     ) -> tuple[Tensor, Tensor]:
-        """As a method-B refiner for :func:`dualseg.engine.evaluation.evaluate`: ``images`` normalized
+        """As a method-B refiner for :func:`~dualseg.engine.evaluation.evaluate`: ``images``
+        normalized
         ``[B,3,H,W]`` (``mean``/``std``), ``probs`` ``[B,C,H,W]`` -> ``(labels, changed)``,
         both ``[B,H,W]`` on ``probs``' device; ``changed``: where the CRF moved the argmax
         (returned whatever ``return_changed`` says: the flag is the refiner interface's)."""
