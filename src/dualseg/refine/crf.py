@@ -74,10 +74,11 @@ class CRFSettings:
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
     ) -> tuple[Tensor, Tensor]:
-        """As a method-B refiner for :func:`~dualseg.engine.evaluation.evaluate`: ``images``
-        normalized ``[B,3,H,W]`` (``mean``/``std``), ``probs`` ``[B,C,H,W]`` ->
-        ``(labels, changed)``, both ``[B,H,W]`` on ``probs``' device;
-        ``changed``: where the CRF moved the argmax (returned whatever ``return_changed`` says: the flag is the refiner interface's)."""
+        """As a method-B refiner for :func:`~dualseg.engine.evaluation.evaluate`.
+
+        ``images``: normalized ``[B,3,H,W]``; ``probs``: ``[B,C,H,W]``. Returns
+        ``(labels, changed)``, both ``[B,H,W]`` on ``probs``' device; ``changed`` marks where
+        the CRF moved the argmax."""
         rgb = images.detach().float().cpu() * torch.tensor(std)[:, None, None]
         rgb = rgb + torch.tensor(mean)[:, None, None]
         rgb = (rgb * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
