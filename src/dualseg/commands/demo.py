@@ -38,7 +38,6 @@ from dualseg.augment_defaults import seed_error
 from dualseg.commands.common import add_quiet_arg, cuda_amp
 from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.engine.config import MAX_THREADS, DataConfig
-from dualseg.engine.rundir import REPLACED_DIR
 from dualseg.errors import (
     ConfigError,
     DataError,
@@ -560,7 +559,7 @@ def outputs_set_aside(out: Path) -> Iterator[None]:
     with the earlier model still in place (``fit`` restores a run it set aside when the new one
     fails before its first checkpoint: its figures then still describe it)."""
     aside = out / DEMO_ASIDE
-    earlier = out / REPLACED_DIR / "last.pt"  # a run killed before its first checkpoint
+    earlier = out / ".replaced" / "last.pt"  # a run killed before its first checkpoint
     if aside.is_dir() and earlier.is_file():
         # the killed run set both aside: its model waits in REPLACED_DIR, which fit puts back
         # if this run fails too, and these are that model's figures

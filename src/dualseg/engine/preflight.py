@@ -1,29 +1,30 @@
-"""Checks ``fit`` runs before its first step, and notes it adds to what it reports.
-
-- :func:`check_training_data`: the ``dualseg data check`` scan of the training and validation
-  splits (:mod:`dualseg.data.check`; every root of a list), so bad data fails in seconds,
-  not at iteration 30,000; it also refuses training labels with fewer than two classes.
-  ``data.check false`` skips it.
-- :func:`label_mapping`: the ``build_dataset`` arguments of ``data.label_map`` /
-  ``data.ignore_index``.
-- :func:`scored_classes_note`: says so when a score is the mean over a single class.
-- :func:`warn_missing_tensorboard`: ``train.tensorboard`` without tensorboard installed is
-  said at the start (one line), not discovered after the run.
-"""
+"""Checks ``fit`` runs before its first step, and the notes it adds to what it reports:
+the data scan (bad data fails in seconds, not at iteration 30,000), resume checks, and the
+sanity notes of a validation (one scored class; not above the majority-class baseline)."""
 
 from __future__ import annotations
 
 import math
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import torch
+
 from dualseg.console import ProgressMode
+from dualseg.engine import checkpoint as ckpt_io
 from dualseg.engine.config import DataConfig
+from dualseg.errors import CheckpointError, ConfigError, RunExistsError
+from dualseg.metrics import scores_from_confusion
 
 __all__ = [
+    "baseline_note",
+    "check_resumable",
     "check_training_data",
     "label_mapping",
+    "majority_baseline",
+    "refuse_rewind",
     "scored_classes_note",
     "warn_missing_tensorboard",
 ]
@@ -52,7 +53,9 @@ def check_training_data(
         return
     from dualseg.data.check import check_dataset, combine_reports, require_trainable
 
-    splits = tuple(dict.fromkeys(s for s in (d.train_split, d.val_split) if s))
+    # a held-out fraction is part of the training split's files
+    named = (d.train_split,) if d.val_fraction > 0 else (d.train_split, d.val_split)
+    splits = tuple(dict.fromkeys(s for s in named if s))
     roots = [d.root] if isinstance(d.root, str) else list(d.root)
     reports = [
         check_dataset(
@@ -122,3 +125,81 @@ def warn_missing_tensorboard(enabled: bool) -> bool:
         )
         return False
     return True
+
+
+def majority_baseline(confusion: Any) -> tuple[float, int]:
+    """The mIoU of predicting the most frequent ground-truth class everywhere, scored as the
+    model is (``confusion``: ``[C, C]`` pixel counts, rows = ground truth), and that class."""
+    mat = torch.as_tensor(confusion, dtype=torch.float64)
+    gt = mat.sum(1)
+    k = int(gt.argmax())
+    constant = torch.zeros_like(mat)
+    constant[:, k] = gt
+    return float(scores_from_confusion(constant)["miou"]), k
+
+
+def baseline_note(
+    confusion: Any, miou: float, class_names: Sequence[str], *, dominant: float = 0.95
+) -> tuple[float, str]:
+    """The majority-class baseline mIoU, and a note for the validation line: the baseline
+    beside the model's mIoU, plainly saying when the model is not above it or predicts one
+    class on more than ``dominant`` of the pixels."""
+    mat = torch.as_tensor(confusion, dtype=torch.float64)
+    total = float(mat.sum())
+    if total == 0:
+        return math.nan, ""
+    baseline, k = majority_baseline(mat)
+    note = f" (majority-class baseline {100 * baseline:.1f}%)"
+    if not miou > baseline:
+        note += f"; not above predicting {class_names[k]!r} everywhere"
+    top = mat.sum(0)
+    c = int(top.argmax())
+    if float(top[c]) > dominant * total:
+        note += (
+            f"; the model predicts {class_names[c]!r} on {100 * float(top[c]) / total:.0f}% of "
+            "the pixels"
+        )
+    return baseline, note
+
+
+def check_resumable(state: dict, path: Path | None, max_iters: int) -> None:
+    """A resume needs a training checkpoint (not weights alone) with iterations left."""
+    needed = ("optimizer", "scheduler", "sampler", "iteration", "epoch", "rng", "progress")
+    if missing := [k for k in needed if k not in state]:
+        raise CheckpointError(
+            f"{path} holds model weights without the training state a resume needs "
+            f"(no {', '.join(missing)}): resume from a checkpoint that dualseg train wrote "
+            "(the run's last.pt)"
+        )
+    try:
+        done = int(state["iteration"])
+    except (TypeError, ValueError):
+        raise CheckpointError(
+            f"{path} is a damaged training checkpoint (iteration {state['iteration']!r}); resume "
+            "from another checkpoint of the run (best.pt, or an earlier one)"
+        ) from None
+    if max_iters < done:
+        raise ConfigError(
+            f"{path} is at iteration {done}, past train.max_iters {max_iters}: pass "
+            f"--train.max_iters {done} or more to resume it, or evaluate it with dualseg eval"
+        )
+
+
+def refuse_rewind(out_dir: Path, resume: str | None) -> None:
+    """Resuming a folder from its own older ``best.pt`` would replace its later ``last.pt``
+    and log records: only with ``--overwrite``."""
+    best, last = out_dir / ckpt_io.BEST_NAME, out_dir / ckpt_io.LAST_NAME
+    if resume in (None, "auto") or not last.is_file() or Path(resume).resolve() != best.resolve():
+        return
+    at_best = int(ckpt_io.load_checkpoint(best).get("iteration", 0))
+    try:
+        at_last = int(ckpt_io.load_checkpoint(last).get("iteration", 0))
+    except CheckpointError:  # a broken last.pt: best.pt is the way back
+        return
+    if at_last > at_best:
+        raise RunExistsError(
+            f"--resume {resume} (iteration {at_best}) would rewind the run in {out_dir}: its "
+            f"{ckpt_io.LAST_NAME} (iteration {at_last}) and later log records would be "
+            f"replaced; resume from {last}, pass --overwrite to go back to iteration {at_best}, "
+            "or choose another --train.out_dir"
+        )
