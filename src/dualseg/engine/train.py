@@ -14,34 +14,30 @@ Run folder: ``config.yaml``, ``last.pt``, ``best.pt``, ``metrics.jsonl``, ``even
 from __future__ import annotations
 
 import contextlib
-import logging
-import math
-import os
-import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
 from dualseg.console import progress_mode
-from dualseg.data.collate import SameSizeCollate
 from dualseg.engine import checkpoint as ckpt_io
-from dualseg.engine.config import Config, config_changes, config_to_dict, model_kwargs
-from dualseg.engine.config import save_config, train_transform
+from dualseg.engine.config import (
+    Config,
+    config_changes,
+    config_to_dict,
+    model_kwargs,
+    save_config,
+    train_transform,
+)
 from dualseg.engine.cpu_bf16 import amp_dtype_for, convs_in_fp32
 from dualseg.engine.distributed import (
     DistEnv,
     ResumableSampler,
-    SeededSamples,
-    ShardSampler,
-    all_reduce_sum,
     barrier,
     broadcast_buffers,
     cleanup_distributed,
@@ -51,106 +47,28 @@ from dualseg.engine.losses import SegmentationLoss, class_weights_for
 from dualseg.engine.optim import build_optimizer, build_scheduler
 from dualseg.engine.preflight import (
     baseline_note,
+    build_datasets,
+    build_loaders,
+    build_train_model,
     check_resumable,
     check_training_data,
-    label_mapping,
     refuse_rewind,
     scored_classes_note,
+    seed_everything,
     warn_missing_tensorboard,
 )
-from dualseg.engine.rundir import CheckpointClock, check_not_in_use, check_run_dir
-from dualseg.engine.rundir import clear_run_dir, hold_run_folder
+from dualseg.engine.rundir import (
+    CheckpointClock,
+    check_not_in_use,
+    check_run_dir,
+    clear_run_dir,
+    hold_run_folder,
+)
 from dualseg.engine.runlog import Interrupt, Progress, RunLog, save_curves, train_data_record
-from dualseg.errors import CheckpointError, ConfigError, DataError, DualsegError
+from dualseg.engine.step import StepStats, TrainingDivergedError, train_one_epoch
+from dualseg.errors import CheckpointError, ConfigError
 
 __all__ = ["TrainingDivergedError", "fit", "train_one_epoch", "train_transform"]
-
-log = logging.getLogger(__name__)
-
-
-class TrainingDivergedError(DualsegError):
-    """The loss became NaN or infinite; the run stopped before applying that update."""
-
-
-@dataclass
-class StepStats:
-    """What one training step reports (averaged over ranks)."""
-
-    iteration: int  # iterations completed, after this step
-    l1: float
-    l2: float
-    loss: float
-    lr: float
-    interrupted: bool  # some rank received SIGINT / SIGTERM
-
-
-def train_one_epoch(
-    model: nn.Module,
-    loader: Any,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    criterion: Callable[[Tensor, Tensor], tuple[Tensor, dict[str, Tensor]]],
-    *,
-    device: torch.device,
-    start_iteration: int = 0,
-    max_iters: int | None = None,
-    amp_dtype: torch.dtype | None = None,
-    scaler: torch.amp.GradScaler | None = None,
-    channels_last: bool = False,
-    clip_grad_norm: float | None = None,
-    interrupted: Callable[[], bool] = lambda: False,
-    on_step: Callable[[StepStats], bool] | None = None,
-) -> int:
-    """Train over ``loader`` once (or until ``max_iters`` / ``on_step`` returns True); returns
-    the iteration reached. The losses are averaged over ranks and checked for NaN/inf before
-    the update is applied. On CPU bf16, pass a model prepared by ``convs_in_fp32``."""
-    model.train()
-    iteration = start_iteration
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    autocast = (
-        torch.autocast(device_type=device.type, dtype=amp_dtype)
-        if amp_dtype is not None
-        else contextlib.nullcontext()
-    )
-    for images, labels in loader:
-        if max_iters is not None and iteration >= max_iters:
-            break
-        images = images.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
-        if channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        with autocast:
-            logits = model(images)
-        loss, parts = criterion(logits, labels)  # float32, outside autocast
-        optimizer.zero_grad(set_to_none=True)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
-        # [l1, l2, loss, stop], averaged so every rank takes the same decisions
-        stop = torch.tensor([1.0 if interrupted() else 0.0], device=device)
-        vec = torch.stack([parts["l1"], parts["l2"].to(device), parts["loss"]]).float()
-        values = (all_reduce_sum(torch.cat([vec, stop])) / world).tolist()
-        if not all(math.isfinite(v) for v in values[:3]):
-            raise TrainingDivergedError(
-                f"loss became non-finite at iteration {iteration + 1} (L1={values[0]:.4g}, "
-                f"L2={values[1]:.4g}); stopped before applying the update. Lower --optim.lr, "
-                "add --optim.warmup_iters, or use --train.amp none"
-            )
-        if clip_grad_norm is not None:
-            if scaler is not None:
-                scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        lr = optimizer.param_groups[0]["lr"]
-        scheduler.step()
-        iteration += 1
-        stats = StepStats(iteration, values[0], values[1], values[2], lr, values[3] > 0)
-        if on_step is not None and on_step(stats):
-            break
-    return iteration
 
 
 def monitored(monitor: str, *, has_val: bool) -> str:
@@ -236,119 +154,26 @@ def fit(cfg: Config, *, resume: str | None = None, overwrite: bool = False) -> d
         cleanup_distributed()
 
 
-def _seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = not deterministic
-        if deterministic:  # CPU kernels are deterministic already
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def _build_datasets(cfg: Config) -> tuple[Any, Any | None]:
-    from dualseg.data import build_dataset
-
-    d = cfg.data
-    if not d.root:
-        raise ConfigError("no dataset: set data.root in the config or pass --data.root PATH")
-    common: dict[str, Any] = {"layout": d.layout, "preset": d.preset}
-    common |= {"label_format": d.label_format, **label_mapping(d)}
-    if d.val_fraction > 0:  # a held-out part of the training split, by file name
-        common["val_fraction"] = d.val_fraction
-    train_ds = build_dataset(
-        d.root,
-        split=d.train_split,
-        transform=train_transform(d),
-        samples_per_epoch=d.samples_per_epoch,
-        seed=cfg.train.seed,
-        **common,
-    )
-    val_split = "val" if d.val_fraction > 0 else d.val_split
-    val_ds = build_dataset(d.root, split=val_split, **common) if val_split else None
-    if val_ds is not None and sorted(val_ds.samples) == sorted(train_ds.samples):
-        raise ConfigError(
-            f"data.val_split {d.val_split!r} resolves to the training images (split "
-            f"{d.train_split!r} of {d.root}): validating on them would say nothing; add a "
-            "val split, set --data.val_fraction 0.2, or --data.val_split null"
-        )
-    return train_ds, val_ds
-
-
-def _build_loaders(
-    cfg: Config, env: DistEnv, train_ds: Any, val_ds: Any | None
-) -> tuple[DataLoader, ResumableSampler, DataLoader | None]:
-    d, seed = cfg.data, cfg.train.seed
-    sampler = ResumableSampler(train_ds, num_replicas=env.world_size, rank=env.rank, seed=seed)
-    if sampler.num_samples < d.batch_size:
-        raise DataError(
-            f"the training split has {sampler.num_samples} images per process, fewer than "
-            f"data.batch_size={d.batch_size}; lower the batch size or set data.samples_per_epoch"
-        )
-    # the loaders' seeds come from their own generator: a new iterator never shifts the
-    # training RNG stream
-    common = {
-        "num_workers": d.workers,
-        "pin_memory": d.pin_memory and env.device.type == "cuda",
-        "persistent_workers": d.workers > 0 and d.persistent_workers,
-        "generator": torch.Generator().manual_seed(seed),
-    }
-    train_loader = DataLoader(
-        SeededSamples(train_ds, seed=seed),
-        batch_size=d.batch_size,
-        sampler=sampler,
-        drop_last=True,
-        **common,
-    )
-    val_loader = None
-    if val_ds is not None:
-        val_loader = DataLoader(
-            val_ds,
-            batch_size=d.val_batch_size,
-            sampler=ShardSampler(len(val_ds), num_replicas=env.world_size, rank=env.rank),
-            collate_fn=SameSizeCollate("set --data.val_batch_size 1"),
-            **common,
-        )
-    return train_loader, sampler, val_loader
-
-
-def _build_model(cfg: Config, num_classes: int, *, pretrained: bool) -> nn.Module:
-    from dualseg.models import build_model
-
-    m = cfg.model
-    weights = m.weights if pretrained else None
-    try:
-        return build_model(
-            m.arch,
-            weights=weights,
-            allow_download=m.allow_download,
-            **model_kwargs(m, num_classes),
-        )
-    except ConfigError as err:  # name the option as the config spells it
-        text = str(err)
-        named = text.split(" ", 1)[0] in model_kwargs(m, num_classes)
-        raise ConfigError(f"{'model.' if named else ''}{text} ({m.arch})") from None
-
-
 def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
     """Datasets, loaders, the model, loss, optimizer, schedule and scaler, in this order
     (which fixes the RNG stream)."""
     t, o, device = cfg.train, cfg.optim, env.device
-    _seed_everything(t.seed, t.deterministic, device)
-    train_ds, val_ds = _build_datasets(cfg)
+    seed_everything(t.seed, t.deterministic, device)
+    train_ds, val_ds = build_datasets(cfg)
     meta = train_ds.meta
-    train_loader, sampler, val_loader = _build_loaders(cfg, env, train_ds, val_ds)
+    train_loader, sampler, val_loader = build_loaders(cfg, env, train_ds, val_ds)
     resume_path = None
     if resume is not None:
-        resume_path = ckpt_io.find_resume_checkpoint(t.out_dir) if resume == "auto" else Path(resume)
+        resume_path = (
+            ckpt_io.find_resume_checkpoint(t.out_dir) if resume == "auto" else Path(resume)
+        )
     state = ckpt_io.load_checkpoint(resume_path) if resume_path is not None else None
     if state is not None:
         ckpt_io.check_compatible(
             state, arch=cfg.model.arch, num_classes=meta.num_classes, class_names=meta.class_names
         )
         check_resumable(state, resume_path, t.max_iters)
-    model = _build_model(cfg, meta.num_classes, pretrained=state is None)
+    model = build_train_model(cfg, meta.num_classes, pretrained=state is None)
     if env.distributed and t.sync_bn and device.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
@@ -414,7 +239,9 @@ def _restore(run: _Run, state: dict) -> None:
     except CheckpointError as err:
         if not said:
             raise
-        raise CheckpointError(f"{err} (changed since that checkpoint: {said}; {fix}or --overwrite)")
+        raise CheckpointError(
+            f"{err} (changed since that checkpoint: {said}; {fix}or --overwrite)"
+        ) from None
     saved = [len(g["params"]) for g in state["optimizer"].get("param_groups", [])]
     here = [len(g["params"]) for g in run.optimizer.param_groups]
     if saved != here:  # torch would raise a bare ValueError
@@ -560,9 +387,7 @@ def _on_step(run: _Run, s: StepStats) -> bool:
             is_best = _validate(run, s.iteration)
         value = {"val_miou": "miou", "val_loss": "loss"}.get(run.watched)
         watched = progress.last_val[value] if value else progress.loss_ema
-        progress.update_monitor(
-            watched, higher_is_better=value == "miou", min_delta=t.min_delta
-        )
+        progress.update_monitor(watched, higher_is_better=value == "miou", min_delta=t.min_delta)
     if s.interrupted:
         run.stop_reason = "interrupted"
     elif t.patience is not None and progress.bad_evals >= t.patience:
