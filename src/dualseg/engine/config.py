@@ -65,6 +65,17 @@ def opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+def _no_nulls(section: Any) -> None:
+    """Refuse a null where the field takes none (a YAML key left blank)."""
+    name = type(section).__name__.removesuffix("Config").lower()
+    for f in dataclasses.fields(section):
+        if getattr(section, f.name) is None and "None" not in str(f.type):
+            raise ConfigError(
+                f"{name}.{f.name} has no value (null, or a YAML key left blank): give one "
+                f"(default {f.default!r}), or leave the key out"
+            )
+
+
 def _require(checks: list[tuple[bool, str]]) -> None:
     for ok, message in checks:
         if not ok:
@@ -112,6 +123,7 @@ class DataConfig:
     check: bool = opt(True, "scan every image/label pair before step 1 (as dualseg data check)")
 
     def __post_init__(self) -> None:
+        _no_nulls(self)
         _require(
             [
                 (
@@ -130,7 +142,7 @@ class DataConfig:
                     self.ignore_index in (None, "auto") or 0 <= int(self.ignore_index) <= 255,
                     "data.ignore_index must be a raw label value 0..255, null (none) or auto",
                 ),
-            ]
+            ],
         )
         check_augment_settings(
             crop_size=tuple(self.crop_size),
@@ -185,6 +197,7 @@ class ModelConfig:
     timm_model: str | None = opt(None, "the timm backbone of dualseg_timm")
 
     def __post_init__(self) -> None:
+        _no_nulls(self)
         w = self.weights
         _require(
             [
@@ -198,7 +211,7 @@ class ModelConfig:
                     f"model.weights {w!r} is no file; for random initialization give null "
                     "(--model.weights null), for ImageNet weights 'imagenet'",
                 ),
-            ]
+            ],
         )
 
 
@@ -228,6 +241,7 @@ class OptimConfig:
     ohem_min_kept: int = opt(100000, "OHEM: keep at least this many pixels per image")
 
     def __post_init__(self) -> None:
+        _no_nulls(self)
         _require(
             [
                 (0 < self.lr < INF, "optim.lr must be > 0 and finite"),
@@ -257,7 +271,7 @@ class OptimConfig:
                     "optim.ohem_thresh (OHEM is off); set --optim.ohem_thresh (e.g. 0.7) too, "
                     "or drop ohem_min_kept",
                 ),
-            ]
+            ],
         )
 
 
@@ -292,6 +306,7 @@ class TrainConfig:
     quiet: bool = opt(False, "no progress bar and no log lines (metrics.jsonl is still written)")
 
     def __post_init__(self) -> None:
+        _no_nulls(self)
         _require(
             [
                 (
@@ -321,7 +336,7 @@ class TrainConfig:
                 (_fraction(self.loss_smoothing), "train.loss_smoothing must be in [0, 1)"),
                 # NaN: no evaluation would ever improve
                 (0 <= self.min_delta < INF, "train.min_delta must be >= 0 and finite"),
-            ]
+            ],
         )
 
 
@@ -339,6 +354,7 @@ class Config:
 def validate(cfg: Config) -> None:
     """The rules that span sections (each section checks its own when built)."""
     d, t, arch = cfg.data, cfg.train, cfg.model.arch
+    has_val = bool(d.val_split) or d.val_fraction > 0
     _require(
         [
             (
@@ -347,10 +363,10 @@ def validate(cfg: Config) -> None:
                 "or more images per batch; set --data.batch_size 2 or more",
             ),
             (
-                t.monitor in ("auto", "train_loss") or t.patience is None or bool(d.val_split),
+                t.monitor in ("auto", "train_loss") or t.patience is None or has_val,
                 f"train.monitor={t.monitor} needs data.val_split; set --train.monitor train_loss",
             ),
-        ]
+        ],
     )
 
 

@@ -98,9 +98,17 @@ def _read_yaml(path: str, *, inline: bool = False, section: str | None = None) -
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ConfigError(f"{where} is not valid YAML{at}: {problem}; fix the file") from None
-    if not isinstance(d, dict) or not d:
-        what = f"{section}'s fields" if section else "sections (data, model, optim, train)"
+    what = f"{section}'s fields" if section else "sections (data, model, optim, train)"
+    if not d:
+        raise ConfigError(f"{where} is empty: give at least one of {what}")
+    if not isinstance(d, dict):
         raise ConfigError(f"{where} is not a dualseg config: it must map {what} to their values")
+    for key, value in d.items() if section is None else ():
+        if key in SECTIONS and not isinstance(value, dict | None):
+            raise ConfigError(
+                f"{where}: config section {key!r} must be a mapping of keys to values, got "
+                f"{value!r}"
+            )
     if section is None and (unknown := [str(k) for k in d if k not in SECTIONS]):
         close = difflib.get_close_matches(unknown[0], list(SECTIONS), n=1, cutoff=0.5)
         hint = f"did you mean {close[0]}?" if close else f"sections: {', '.join(SECTIONS)}"
