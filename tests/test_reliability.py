@@ -307,7 +307,7 @@ def test_overwrite_that_fails_in_training_leaves_a_folder_refused_without_overwr
 
 def test_checkpoints_on_a_time_interval_without_validation(four_data, tmp_path, monkeypatch):
     from dualseg.data import SegmentationDataset
-    from dualseg.engine.config_parse import load_config
+    from dualseg.engine.config import load_config
     from dualseg.engine.train import fit
     from dualseg.errors import DataError
 
@@ -440,7 +440,7 @@ def test_unknown_config_key_is_one_line_with_the_closest_key(tmp_path, capsys) -
 
 
 def test_load_config_refuses_a_key_written_twice(tmp_path) -> None:
-    from dualseg.engine.config_parse import load_config
+    from dualseg.engine.config import load_config
 
     twice = tmp_path / "twice.yaml"
     twice.write_text(TINY.read_text() + "\noptim:\n  lr: 0.5\n")  # a second optim section
@@ -450,7 +450,7 @@ def test_load_config_refuses_a_key_written_twice(tmp_path) -> None:
     once.write_text("optim:\n  lr: 0.5\n  momentum: 0.8\n")
     assert load_config(once).optim.lr == 0.5
     # jsonargparse takes the YAML itself as --config too (train --resume passes it so)
-    from dualseg.engine.config_parse import parse_command
+    from dualseg.engine.config import parse_command
 
     with pytest.raises(ConfigError, match=r"the --config text .* 'lr' is written twice on line 1"):
         parse_command(["--config", "{optim: {lr: 0.1, lr: 0.2}}"])

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dualseg.data import make_synthetic_dataset
-from dualseg.engine.config_parse import load_config
+from dualseg.engine.config import load_config
 from dualseg.engine.cpu_bf16 import Fp32Conv2d, convs_in_fp32
 from dualseg.engine.distributed import init_distributed
 from dualseg.engine.train import _build

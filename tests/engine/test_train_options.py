@@ -9,7 +9,7 @@ import pytest
 
 from dualseg.commands.train import main as train_main
 from dualseg.data import make_synthetic_dataset
-from dualseg.engine.config_parse import load_config
+from dualseg.engine.config import load_config
 from dualseg.engine.train import fit
 from dualseg.errors import ConfigError
 
@@ -91,7 +91,7 @@ def test_weights_none_spelled_as_a_word_says_how_to_write_random_init(tmp_path, 
 def test_label_map_is_read_as_written_in_yaml_and_on_the_command_line(tmp_path, mapping):
     """YAML 1.1 reads 255:1 as the base-60 number 15301: ``label_map: 255:1`` (the fix the
     0/255-mask message gives) was refused as "'15301' is not valid; it takes text"."""
-    from dualseg.engine.config_parse import parse_command
+    from dualseg.engine.config import parse_command
 
     config = tmp_path / "map.yaml"
     config.write_text(f"data:\n  label_map: {mapping}\noptim:\n  lr: 1e-3\n")
@@ -105,7 +105,7 @@ def test_label_map_is_read_as_written_in_yaml_and_on_the_command_line(tmp_path, 
 def test_a_number_written_with_colons_is_refused_not_read_in_base_60(tmp_path) -> None:
     """jsonargparse read --train.max_iters 1:30 as YAML 1.1's base-60 90 and trained 90
     iterations without a word; a number field refuses digits joined by colons."""
-    from dualseg.engine.config_parse import parse_command
+    from dualseg.engine.config import parse_command
 
     said = r"train\.max_iters: '1:30' is not valid; it takes an integer"
     with pytest.raises(ConfigError, match=said):
@@ -232,7 +232,7 @@ def test_a_peer_cannot_train_on_batches_of_one_and_is_told_before_any_output() -
 def test_the_spec_config_stops_when_the_objective_stops_decreasing() -> None:
     """S33: "until the objective stops decreasing". The spec's ResNet-101 config had patience
     off and watched val mIoU, so it always ran its 40,000 iterations."""
-    from dualseg.engine.config_parse import load_config
+    from dualseg.engine.config import load_config
 
     cfg = load_config(TINY.parent / "camvid_resnet101.yaml")
     assert cfg.train.patience is not None and cfg.train.monitor in ("auto", "val_loss")

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dualseg.engine.config import DataConfig, ModelConfig
-from dualseg.engine.config_parse import load_config, parse_command
+from dualseg.engine.config import DataConfig, ModelConfig, load_config, parse_command
 from dualseg.engine.preflight import baseline_note, majority_baseline
 from dualseg.engine.train import fit
 from dualseg.errors import ConfigError

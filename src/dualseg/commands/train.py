@@ -25,7 +25,7 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dualseg.engine.config_parse import parse_command
+    from dualseg.engine.config import parse_command
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # --help exits here and bad flags raise ConfigError, before torch is imported
@@ -90,7 +90,7 @@ def resume_base_config(checkpoint: Path) -> str:
     import yaml
 
     from dualseg.engine.checkpoint import load_checkpoint
-    from dualseg.engine.config_parse import config_from_dict
+    from dualseg.engine.config import config_from_dict
     from dualseg.errors import ConfigError
 
     stored = load_checkpoint(checkpoint).get("config")
