@@ -14,7 +14,7 @@ import json
 import math
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +63,7 @@ class Progress:
     last_val: dict[str, Any] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "best_miou": self.best_miou,
-            "best_iteration": self.best_iteration,
-            "best_monitored": self.best_monitored,
-            "bad_evals": self.bad_evals,
-            "loss_ema": self.loss_ema,
-        }
+        return {k: v for k, v in asdict(self).items() if k != "last_val"}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         for key, value in d.items():
