@@ -366,38 +366,3 @@ def test_a_predictions_folder_the_demo_did_not_write_is_refused(tmp_path, capsys
     err = capsys.readouterr().err
     assert "holds files dualseg demo did not write (predictions)" in err
     assert (out / "predictions" / "NOTES.txt").read_text() == "my notes"
-
-
-def test_figures_set_aside_by_a_killed_run_come_back_with_its_model(tmp_path, monkeypatch):
-    """A demo killed before its first checkpoint leaves its predecessor's model in .replaced and
-    its figures in .demo_replaced; a rerun that fails too had fit put the model back, and the
-    figures were deleted as a crash's leftovers."""
-    import os
-
-    from dualseg.cli import main
-    from dualseg.engine.rundir import REPLACED_DIR, RUN_FILES, restore_replaced
-    from dualseg.errors import DataError
-
-    out = tmp_path / "demo"
-    assert main(_tiny_demo(out)) == 0
-    before = _files(out)
-    # the state a kill before the first checkpoint leaves (fit and the demo set both aside)
-    (out / REPLACED_DIR).mkdir()
-    for name in RUN_FILES:
-        if (out / name).exists():
-            os.replace(out / name, out / REPLACED_DIR / name)
-    (out / ".demo_replaced").mkdir()
-    for name in ("metrics.json", "panel.png", "predictions"):
-        os.replace(out / name, out / ".demo_replaced" / name)
-    import dualseg.engine.train as engine_train
-
-    def fails(cfg, **kwargs):  # as fit does: the run set aside is put back, then the error
-        restore_replaced(out, out / REPLACED_DIR)
-        raise DataError("a label file is unreadable")
-
-    monkeypatch.setattr(engine_train, "fit", fails)
-    assert main(_tiny_demo(out)) == 1
-    after = _files(out)
-    for name in ("metrics.json", "panel.png", "last.pt"):
-        assert after[name] == before[name]
-    assert not (out / ".demo_replaced").exists()
