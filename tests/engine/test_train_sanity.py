@@ -93,12 +93,12 @@ def test_a_config_files_preset_yields_to_the_data_roots_own_meta_json(tmp_path: 
     reason="build_dataset has no val_fraction yet (helper data's branch)",
 )
 def test_val_fraction_holds_out_part_of_the_training_split(tmp_path: Path) -> None:
-    from dualseg.data import make_synthetic_dataset
+    from reliability_helpers import FOUR, class_maps, write_dataset
 
-    data = make_synthetic_dataset(tmp_path / "d", n_train=8, n_val=1, size=(36, 44))
+    data = write_dataset(tmp_path / "own", {"train": class_maps(8, 4)}, meta=FOUR)
     cfg = load_config(
         TINY,
-        data={"root": str(data), "crop_size": [32, 32], "val_fraction": 0.25},
+        data={"root": str(data), "preset": None, "crop_size": [32, 32], "val_fraction": 0.25},
         train={"out_dir": str(tmp_path / "run"), "max_iters": 1, "val_every": 1},
     )
     summary = fit(cfg)
