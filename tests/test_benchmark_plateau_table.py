@@ -67,7 +67,7 @@ def test_accuracy_reads_the_end_of_the_schedule(pt, tmp_path: Path, monkeypatch)
 def test_the_timed_training_step_trains(pt, monkeypatch, amp: str) -> None:
     """One call is one SGD step of the engine on the protocol's recipe: the weights move, the
     LR schedule advances by one, and with bf16 the convolutions run under autocast."""
-    from dualseg.engine.train import cpu_has_native_bf16
+    from dualseg.engine.cpu_bf16 import cpu_has_native_bf16
 
     if amp == "bf16" and not cpu_has_native_bf16():
         pytest.skip("the timing uses bf16 only on CPUs with native bf16")

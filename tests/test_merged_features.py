@@ -12,7 +12,7 @@ from dualseg.cli import main
 from dualseg.data import DatasetMeta
 from dualseg.engine.config import DataConfig
 from dualseg.engine.preflight import check_training_data
-from dualseg.engine.rundir import check_run_dir, prepare_run_dir
+from dualseg.engine.rundir import check_run_dir, clear_run_dir
 from dualseg.errors import DataError, RunExistsError
 from reliability_helpers import BINARY, FOUR, class_maps, save, write_checkpoint, write_dataset
 
@@ -69,13 +69,12 @@ def test_summary_json_is_part_of_a_run(tmp_path) -> None:
     run.mkdir()
     (run / "summary.json").write_text("{}")
     with pytest.raises(RunExistsError, match=r"summary\.json"):
-        prepare_run_dir(run, resume=None, overwrite=False)
+        clear_run_dir(run, resume=None, overwrite=False)
     # the check alone never removes anything, even with overwrite
     assert check_run_dir(run, resume=None, overwrite=True) == [run / "summary.json"]
     assert (run / "summary.json").exists()
-    # set aside with the rest of the run until the new run's first checkpoint
-    replaced = prepare_run_dir(run, resume=None, overwrite=True)
-    assert replaced is not None and (replaced / "summary.json").exists()
+    # replaced with the rest of the run, right before the new run's first write
+    clear_run_dir(run, resume=None, overwrite=True)
     assert not (run / "summary.json").exists()
 
 

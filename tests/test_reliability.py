@@ -281,42 +281,27 @@ def test_overwrite_keeps_the_old_run_until_the_new_one_passed_its_checks(
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
-def test_overwrite_that_fails_in_training_puts_the_old_run_back(four_data, tmp_path, capsys):
-    from dualseg.engine.rundir import REPLACED_DIR
-
+def test_overwrite_that_fails_in_training_leaves_a_folder_refused_without_overwrite(
+    four_data, tmp_path, capsys
+):
+    """--overwrite replaces the old run at the new run's first write, once every check passed;
+    a new run that then fails in training leaves its attempt, never a mix of the two runs."""
     out = tmp_path / "run"
     assert main(train_argv(four_data, out)) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     capsys.readouterr()
-    # bad label values the (switched off) data scan would have found: met in the first batch,
-    # after the old run was set aside and the new one had written its config
+    # bad label values the (switched off) data scan would have found: met in the first batch
     save(four_data / "trainannot" / "1.png", np.full((32, 32), 9, np.uint8))
     save(four_data / "trainannot" / "0.png", np.full((32, 32), 9, np.uint8))
     argv = train_argv(four_data, out, "--overwrite", "--data.check", "false")
     assert main(argv) == 1
     assert "label values [9]" in one_line(capsys)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # no .replaced/ left
-
-    # an --overwrite killed before its first checkpoint leaves the old run set aside: the
-    # folder still holds a run, and the next --overwrite replaces the killed attempt's files
-    (out / REPLACED_DIR).mkdir()
-    for name in before:
-        (out / name).rename(out / REPLACED_DIR / name)
+    assert not (out / "last.pt").exists() and (out / "config.yaml").exists()
     assert main(train_argv(four_data, out)) == 1
-    line = one_line(capsys)
-    assert f"the run it replaced is kept whole in {out / REPLACED_DIR}" in line
-    assert "move its files back" in line  # not only "--overwrite", which would discard it
-    assert main([*train_argv(four_data, out), "--resume", "auto"]) == 1
-    assert "kept whole in" in one_line(capsys)
-    (out / "config.yaml").write_text("the killed attempt's")
-    assert main(argv) == 1  # still failing in training: the set-aside run comes back
-    capsys.readouterr()
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    # a new run that reaches its first checkpoint replaces the old one for good
+    assert "stopped before its first checkpoint" in one_line(capsys)
     save(four_data / "trainannot" / "1.png", np.ones((32, 32), np.uint8))
     save(four_data / "trainannot" / "0.png", np.ones((32, 32), np.uint8))
     assert main(argv) == 0
-    assert not (out / REPLACED_DIR).exists()
     assert (out / "last.pt").read_bytes() != before["last.pt"]
 
 

@@ -193,7 +193,7 @@ def test_docstring_examples() -> None:
 
 
 def test_curves_label_axes_scale_fractions_and_keep_l2_on_its_own_axis(tmp_path) -> None:
-    from dualseg.engine.train import _save_curves
+    from dualseg.engine.runlog import save_curves as _save_curves
     from dualseg.viz import curves_figure
 
     history = [{"iteration": i, "loss": 1.0, "l1": 0.9, "l2": 1e-3} for i in (1, 10, 20)]

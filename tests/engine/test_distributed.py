@@ -38,7 +38,7 @@ def test_resumable_sampler_continues_the_same_order() -> None:
     order = list(full)
     assert sorted(i for i, _ in order) == list(range(10)) and {e for _, e in order} == {2}
     resumed = ResumableSampler(ds, seed=3)
-    resumed.load_state_dict({"epoch": 2, "offset": 4})
+    resumed.load_state_dict({"epoch": 2, "offset": 4, "start": 0, "world_size": 1})
     assert list(resumed) == order[4:] and len(resumed) == 6
     assert resumed.state_dict() == {"epoch": 2, "offset": 4, "start": 0, "world_size": 1}
     assert resumed.state_dict(epoch=3, offset=0)["start"] == 0  # the next epoch, from its start

@@ -20,7 +20,7 @@ from dualseg.data import SegmentationDataset, make_synthetic_dataset
 from dualseg.engine.checkpoint import load_checkpoint
 from dualseg.engine.config import Config, load_config
 from dualseg.engine.train import TrainingDivergedError, fit
-from dualseg.errors import CheckpointError, ConfigError
+from dualseg.errors import CheckpointError, ConfigError, RunExistsError
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny_synthetic.yaml"
@@ -167,8 +167,8 @@ def test_s33_default_stops_when_the_validation_loss_stops_decreasing(
 
 
 def test_cpu_amp_choices(monkeypatch: pytest.MonkeyPatch) -> None:
-    from dualseg.engine import train
-    from dualseg.engine.train import _amp_dtype
+    from dualseg.engine import cpu_bf16 as train
+    from dualseg.engine.cpu_bf16 import amp_dtype_for as _amp_dtype
     from dualseg.errors import ConfigError
 
     cpu = torch.device("cpu")
@@ -227,12 +227,14 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(
     ckpt = load_checkpoint(tmp_path / "last.pt")
     assert ckpt["iteration"] == 4
     assert all(torch.isfinite(v).all() for v in ckpt["model"].values() if v.is_floating_point())
-    # an --overwrite that diverges before its first checkpoint: the old run comes back, said
-    before = (tmp_path / "last.pt").read_bytes()
+    # an --overwrite that diverges before its first checkpoint says it has none; the folder
+    # holds that attempt, which a new run without --overwrite is refused
     _patch_samples(monkeypatch, at=3, action=lambda image: image * float("nan"))  # 2nd batch
-    with pytest.raises(TrainingDivergedError, match=r"the run it was replacing is put back"):
+    with pytest.raises(TrainingDivergedError, match=r"iteration 2.*no checkpoint yet"):
         fit(tiny(data, tmp_path, max_iters=100, val_every=0, ckpt_every=50), overwrite=True)
-    assert (tmp_path / "last.pt").read_bytes() == before
+    assert not (tmp_path / "last.pt").exists()
+    with pytest.raises(RunExistsError, match="stopped before its first checkpoint"):
+        fit(tiny(data, tmp_path, max_iters=100, val_every=0, ckpt_every=50))
 
 
 def test_resume_checks_the_model_and_follows_the_new_schedule(

@@ -107,14 +107,14 @@ def test_a_number_written_with_colons_is_refused_not_read_in_base_60(tmp_path) -
     iterations without a word; a number field refuses digits joined by colons."""
     from dualseg.engine.config import parse_command
 
-    said = r"train\.max_iters: '1:30' is not a number .*write the number itself"
+    said = r"train\.max_iters: '1:30' is not valid; it takes an integer"
     with pytest.raises(ConfigError, match=said):
         parse_command(["--config", str(TINY), "--train.max_iters", "1:30"])
     config = tmp_path / "colons.yaml"
     config.write_text("train:\n  max_iters: 1:30\n")
-    with pytest.raises(ConfigError, match=rf"{said[:-30]}.*colons\.yaml"):
+    with pytest.raises(ConfigError, match=said):
         parse_command(["--config", str(TINY), "--config", str(config)])
-    with pytest.raises(ConfigError, match=r"data\.crop_size: '\[1:30, 2\]' is not a number"):
+    with pytest.raises(ConfigError, match=r"data\.crop_size: '1:30' is not valid"):
         parse_command(["--config", str(TINY), "--data.crop_size", "[1:30, 2]"])
     cfg = parse_command(["--config", str(TINY), "--train.max_iters", "90"])[0]
     assert cfg.train.max_iters == 90

@@ -1,21 +1,14 @@
 """``dualseg train``: train from a YAML config plus command-line overrides.
 
-    dualseg train --config configs/camvid_mobilenet_v2.yaml --optim.lr 0.01 --train.max_iters 100
-    dualseg train --config configs/camvid_mobilenet_v2.yaml --resume auto
+    dualseg train --data.root DIR
+    dualseg train --config configs/camvid_mobilenet_v2.yaml --optim.lr 0.01 --resume auto
     dualseg train --resume runs/camvid_mobilenet_v2/last.pt --train.max_iters 30000
-    dualseg train --config configs/camvid_mobilenet_v2.yaml --overwrite   # replace the old run
     torchrun --nproc_per_node=2 -m dualseg train --config configs/camvid_resnet101.yaml
 
-Every field of :mod:`dualseg.engine.config` is a flag (``dualseg train --help`` lists them,
-each with its description). ``--resume PATH`` without ``--config`` reads the run's
-``config.yaml`` beside ``PATH`` first, else the config stored in the checkpoint. An
-``out_dir`` that already holds a run is refused unless ``--resume`` continues that run
-(``auto`` with its ``last.pt``, or its own ``last.pt`` / ``best.pt``) or ``--overwrite`` is
-given. Before step 1 every pair is scanned (``--data.check false`` skips it). At the end a
-short summary is printed (``--json``: one JSON line instead) and written to
-``<train.out_dir>/summary.json``.
-Exit status: 0 when the run finished (max iterations or patience), 130 after SIGINT and 143
-after SIGTERM (a checkpoint was saved first; ``--resume auto`` continues).
+``--resume PATH`` without ``--config`` reads the run's ``config.yaml`` beside ``PATH``, else
+the config stored in the checkpoint. The summary is printed (``--json``: one JSON line) and
+written to ``<train.out_dir>/summary.json``. Exit status 0 when the run finished, 130 / 143
+after SIGINT / SIGTERM (a checkpoint was saved first; ``--resume auto`` continues).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Checkpoints: one plain dict, written atomically, loaded with ``weights_only=True``.
 
 A checkpoint names its network by ``arch`` (a ``dualseg.models.MODELS`` key) and
-``model_kwargs`` (the JSON-able keyword arguments given to ``build_model``), so any checkpoint
-rebuilds its own model. Everything inside is a plain container, tensor, number or string, so
-that ``torch.load(weights_only=True)`` accepts it — numpy arrays, numpy scalars and paths are
-converted on save (see :func:`to_plain`).
-
-Keys (``FORMAT = "dualseg-checkpoint/1"``)::
-
-    format, version, arch, model_kwargs, model, optimizer, scheduler, scaler, iteration, epoch,
-    sampler, rng, config, class_names, palette, ignore_index, metrics
-
-Only ``format``, ``arch``, ``model_kwargs`` and ``model`` are required to rebuild a model;
-the rest is needed to resume training.
+``model_kwargs`` (``build_model``'s options), so any checkpoint rebuilds its own model; the
+training state beside it (optimizer, scheduler, sampler, RNG states, config, class names,
+palette) lets ``--resume`` continue exactly. Every value is a plain container, tensor, number
+or string (:func:`to_plain`), so the safe loader accepts it.
 """
 
 from __future__ import annotations
@@ -44,11 +36,8 @@ BEST_NAME = "best.pt"
 
 # --------------------------------------------------------------------------- plain containers
 def to_plain(obj: Any) -> Any:
-    """Recursively convert ``obj`` into types ``torch.load(weights_only=True)`` accepts.
-
-    numpy arrays -> tensors, numpy scalars -> Python numbers, paths -> str, tuples stay tuples,
-    mappings -> dicts (``OrderedDict`` state dicts are kept, the safe loader allows them).
-    """
+    """``obj`` in types ``torch.load(weights_only=True)`` accepts (numpy -> tensors and
+    numbers, paths -> str; ``OrderedDict`` state dicts are kept)."""
     if isinstance(obj, torch.Tensor | str | bytes | bool | int | float | type(None)):
         return obj
     if isinstance(obj, np.ndarray):
@@ -112,11 +101,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 
 # --------------------------------------------------------------------------- save / load
 def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
-    """Write ``state`` to ``path`` atomically (temp file + ``os.replace``).
-
-    ``format`` and ``version`` are filled in when absent; every value is converted with
-    :func:`to_plain` so that the file loads with ``weights_only=True``.
-    """
+    """Write ``state`` (with ``format`` and ``version``) to ``path`` atomically."""
     from dualseg._version import __version__
 
     missing = [k for k in ("arch", "model_kwargs", "model") if k not in state]
@@ -186,7 +171,7 @@ def load_checkpoint(
     return ckpt
 
 
-# --------------------------------------------------------------------------- compatibility
+# --------------------------------------------------------------------------- model and meta
 def checkpoint_num_classes(ckpt: Mapping[str, Any]) -> int:
     """The checkpoint's class count (from ``model_kwargs``, else from its class names)."""
     kwargs = ckpt.get("model_kwargs")
@@ -367,11 +352,8 @@ def build_model_from_checkpoint(
     arch: str | None = None,
     num_classes: int | None = None,
 ) -> tuple[nn.Module, DatasetMeta]:
-    """Rebuild the checkpoint's model (eval mode, on ``device``) and its dataset description.
-
-    ``arch`` / ``num_classes``, when given, are what the caller expects; a different
-    checkpoint raises :class:`CheckpointError` naming both.
-    """
+    """Rebuild the checkpoint's model (eval mode, on ``device``) and its dataset description;
+    ``arch`` / ``num_classes``: what the caller expects (another is a CheckpointError)."""
     from dualseg.models import MODELS, build_model
 
     kwargs = model_kwargs_of(ckpt)
@@ -386,7 +368,7 @@ def build_model_from_checkpoint(
     kwargs["weights"] = None  # the checkpoint carries the weights; never resolve files here
     kwargs.setdefault("num_classes", meta.num_classes)  # a checkpoint naming only its classes
     try:
-        model = build_model(name, **kwargs)  # lists of older checkpoints: build_model takes them
+        model = build_model(name, **kwargs)
     except (TypeError, ValueError) as err:  # a stored option of the wrong type or value
         detail = " ".join(str(err).split())
         raise CheckpointError(

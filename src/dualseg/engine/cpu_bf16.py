@@ -1,39 +1,55 @@
-"""Convolutions that oneDNN gets wrong or slow in CPU bf16 run in fp32 when a model trains in
-bf16 autocast on CPU.
+"""CPU mixed precision: which ``train.amp`` applies, and the convolutions that must run in
+fp32 under CPU bf16 autocast.
 
-Measured with torch 2.14.1 (``tests/engine/test_cpu_bf16.py`` checks both kernels, layer by
-layer):
-
-- **Dilated depthwise convolutions: a wrong kernel** (an Intel Xeon with AMX-BF16, and an AMD
-  EPYC with AVX-512 BF16). Under bf16 autocast in channels-last memory format, the weight
-  gradient of a *dilated* depthwise convolution comes out as garbage — relative errors of
-  1.2–1.8, or 1e26 up to inf and NaN — at many feature-map sizes (24×32, 23×30, 45×60, 48×64;
-  12×16 and smaller happened to be right), for every dilation (2–12) and channel count tried.
-  Its output and input gradient are right, and so are fp32 channels-last and bf16 NCHW. A
-  dilated MobileNetV2 has one in every block past its output stride, so a bf16 run at output
-  stride 8 (or at 16 with crops larger than 192×256) trained on wrong gradients, or diverged
-  at its third step.
-- **Dilated dense convolutions whose input channels are not a multiple of 16: a wrong kernel
-  on the AMD EPYC** (AVX-512 BF16 without AMX; the Intel Xeon got them right). The same
-  weight gradient is NaN (or off by 0.3) at 23×30 and larger for dilations 2–8, from 24, 100,
-  150, 296, 300 or 600 input channels; 256, 288, 304, 320 and 960 were right, and so were
-  dilation 1 and NCHW. Method A's ASPP reads the 300 channels of its bidirectional ReNet (2 ×
-  150 GRU units): at output stride 8 every ASPP weight gradient but the rate-12 one was NaN.
-- **Speed.** A depthwise convolution is memory-bound, and oneDNN's fp32 kernels for it are the
-  fast ones: forward + backward of a dilated 576-channel one at 24×32, batch 4, one thread,
-  takes 25 ms in fp32 channels-last against 97 ms in bf16; a stride-2 one 12 ms against 60 ms.
-  So every depthwise convolution runs in fp32, dilated or not.
-
-:func:`convs_in_fp32` gives those convolutions a forward that leaves autocast and computes in
-fp32; their parameters, and so the state dict and the optimizer, stay the same objects.
+oneDNN (torch 2.14, ``tests/engine/test_cpu_bf16.py`` checks it layer by layer) computes the
+channels-last bf16 weight gradient of dilated depthwise convolutions wrong (errors of 1.2 up
+to inf/NaN, Xeon AMX and EPYC AVX-512 BF16), and on the EPYC that of dilated dense ones whose
+input channels are not a multiple of 16 (the ASPP's 300 ReNet channels: NaN). Depthwise ones
+are also 4-5x faster in fp32. :func:`convs_in_fp32` gives those a forward that leaves
+autocast; parameters, state dict and optimizer stay the same objects.
 """
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import torch
 from torch import nn
 
-__all__ = ["Fp32Conv2d", "convs_in_fp32", "is_depthwise", "needs_fp32"]
+from dualseg.errors import ConfigError
+
+__all__ = ["Fp32Conv2d", "amp_dtype_for", "convs_in_fp32", "cpu_has_native_bf16", "needs_fp32"]
+
+log = logging.getLogger(__name__)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX); Linux flags, else False."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def amp_dtype_for(mode: str, device: torch.device) -> torch.dtype | None:
+    """``train.amp`` on ``device``: auto is bf16 (else fp16) on CUDA, bf16 on CPUs computing
+    it natively (docs/training.md), else none; bf16 asked for on another CPU is warned about."""
+    if device.type == "cuda":
+        if mode == "auto":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+    if mode == "fp16":
+        raise ConfigError("train.amp=fp16 needs a GPU; use --train.amp bf16 or none on CPU")
+    if mode == "none" or (mode == "auto" and not cpu_has_native_bf16()):
+        return None
+    if mode == "bf16" and not cpu_has_native_bf16():
+        log.warning(
+            "train.amp=bf16 on a CPU without AVX-512 BF16/AMX: bf16 is emulated here and runs "
+            "far slower than fp32 (measured ~40x on an AVX2 EPYC); use --train.amp none"
+        )
+    return torch.bfloat16
 
 
 def is_depthwise(m: nn.Module) -> bool:

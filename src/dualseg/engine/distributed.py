@@ -1,19 +1,12 @@
-"""Distributed training helpers (PyTorch DDP, launched with ``torchrun``) and samplers.
+"""DDP (``torchrun``) helpers and the samplers that make a resume exact.
 
-``torchrun --nproc_per_node=N -m dualseg train ...`` sets ``RANK``, ``WORLD_SIZE`` and
-``LOCAL_RANK``; :func:`init_distributed` reads them and joins the process group (NCCL on GPUs,
-gloo on CPUs). Without them everything runs as a single process (rank 0 of 1).
-
-Samplers:
-
-* :class:`ResumableSampler` — a ``DistributedSampler`` (seeded permutation per epoch, one shard
-  per rank) whose position inside the epoch can be saved and restored; with
-  :class:`SeededSamples` every sample gets its own augmentation seed. A resumed run therefore
-  sees the same images with the same augmentations in the same order as an uninterrupted one,
-  whatever the number of workers.
-* :class:`ShardSampler` — evaluation shards without padding, so that the confusion matrices
-  summed over ranks equal the single-process one exactly (``DistributedSampler`` would repeat
-  samples to even out the shards).
+``torchrun --nproc_per_node=N -m dualseg train ...`` sets ``RANK`` / ``WORLD_SIZE`` /
+``LOCAL_RANK``; without them everything runs as rank 0 of 1. :class:`ResumableSampler` is a
+``DistributedSampler`` whose position inside an epoch is saved and restored, and with
+:class:`SeededSamples` each sample's augmentation is seeded by (seed, index, epoch), so a
+resumed run sees the same images, augmented the same, in the same order, whatever the number
+of workers. :class:`ShardSampler` shards evaluation without padding (summed confusion
+matrices equal the single-process one).
 """
 
 from __future__ import annotations
@@ -33,18 +26,7 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 from dualseg.data.transforms import sample_seed
 from dualseg.errors import ConfigError
 
-__all__ = [
-    "DistEnv",
-    "ResumableSampler",
-    "SeededSamples",
-    "ShardSampler",
-    "all_reduce_sum",
-    "barrier",
-    "broadcast_buffers",
-    "cleanup_distributed",
-    "init_distributed",
-    "resolve_device",
-]
+__all__ = ["DistEnv", "ResumableSampler", "SeededSamples", "ShardSampler", "resolve_device"]
 
 
 @dataclass(frozen=True)
@@ -133,30 +115,19 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_buffers(model: torch.nn.Module, src: int = 0) -> None:
-    """Copy rank ``src``'s buffers (BatchNorm running statistics) to every rank.
-
-    DDP broadcasts buffers at the start of each *training* forward, so after a step every rank
-    holds its own running statistics; validation and checkpoints must use rank 0's.
-    """
+    """Copy rank ``src``'s buffers (BatchNorm statistics) to every rank: after a step each
+    rank holds its own, and validation and checkpoints use rank 0's."""
     if dist.is_available() and dist.is_initialized():
         for buf in model.buffers():
             dist.broadcast(buf, src=src)
 
 
 class ResumableSampler(DistributedSampler):
-    """``DistributedSampler`` whose position inside the epoch can be saved and restored.
-
-    Yields ``(index, epoch)`` pairs for :class:`SeededSamples`. ``set_epoch(e)`` picks the
-    epoch's permutation (``seed + e``) and ``set_offset(k)`` skips the first ``k`` samples of
-    this rank's shard (those already trained on). ``state_dict(offset)`` /
-    ``load_state_dict()`` hold ``{"epoch", "offset", "start", "world_size"}``; the caller counts
-    consumed samples (a loader prefetches).
-
-    A run resumed on another number of processes goes on from the same place: rank ``r`` of
-    ``W`` takes every ``W``-th sample of the permutation from ``r``, so ``k`` samples per rank
-    are the permutation's first ``k × W``; the rest of the epoch (from ``start``) is sharded
-    over the new processes. Without that, each new rank would skip ``k`` samples of its own,
-    new shard: some images trained twice in the epoch, others never.
+    """``DistributedSampler`` yielding ``(index, epoch)`` whose position inside the epoch is
+    saved and restored: ``set_epoch(e)`` picks the permutation, ``set_offset(k)`` skips this
+    rank's first ``k`` samples. A run resumed on another number of processes goes on from the
+    same place: the permutation's first ``k × W`` samples are done, the rest (from ``start``)
+    is sharded over the new processes.
     """
 
     def __init__(
@@ -235,8 +206,7 @@ class ResumableSampler(DistributedSampler):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.set_epoch(int(state["epoch"]))
-        start, offset = int(state.get("start", 0)), int(state["offset"])
-        saved_world = int(state.get("world_size", self.num_replicas))  # older: not stored
+        start, offset, saved_world = (int(state[k]) for k in ("start", "offset", "world_size"))
         if saved_world != self.num_replicas:
             # consumed: the permutation's first offset x saved_world samples from start
             start, offset = min(start + offset * saved_world, len(self.dataset)), 0  # type: ignore[arg-type]
@@ -245,15 +215,9 @@ class ResumableSampler(DistributedSampler):
 
 
 class SeededSamples(Dataset):
-    """Wraps a dataset; ``ds[(index, epoch)]`` loads sample ``index`` as of ``epoch``.
-
-    Datasets with ``set_epoch`` (``SegmentationDataset`` seeds each sample from
-    ``(seed, index, epoch)``) get the epoch set in the process that loads the sample — which
-    also works with persistent workers. Around the call Python's ``random``, numpy's global RNG
-    and torch's CPU RNG are seeded from ``(seed, epoch, index)`` and restored afterwards, so
-    any dataset's augmentations depend on the sample only, not on which worker loads it nor on
-    what ran before.
-    """
+    """``ds[(index, epoch)]`` loads sample ``index`` as of ``epoch``: the dataset's
+    ``set_epoch`` is called in the loading process, and Python's, numpy's and torch's RNGs are
+    seeded from (seed, epoch, index) around the call, then restored."""
 
     def __init__(self, dataset: Dataset, *, seed: int = 0) -> None:
         self.dataset = dataset

@@ -1,31 +1,15 @@
 """The training objective of spec S32: L(θ) = L1(θ) + L2(θ).
 
-* L1: pixel cross-entropy averaged over the B·N pixels of the batch, as the claim says
-  (``l1_reduction="batch_pixels"``; ignored pixels add 0 to the sum and count in B·N), so L1
-  and L2 share the normalization 1/(B·N) and their balance does not move with the share of
-  ignored pixels in a batch. ``"valid_pixels"`` averages over the non-ignored pixels instead
-  (PyTorch's ``ignore_index`` mean; the reading used before this option existed).
-* L2: λ/(2·B·N)·Σ_s w_s² over the weight parameters — the weights of convolutions, linear
-  layers and recurrent layers (every GRU weight matrix), not biases, not normalization layers
-  (Reading of S32; ``l2_recurrent=False`` leaves the recurrent weights out). It is added to the
-  objective explicitly, so the optimizer runs without weight decay of its own.
+* L1: pixel cross-entropy summed over the labelled pixels and divided by the batch's B·N
+  pixels (``"batch_pixels"``, the claim), so L1 and L2 share 1/(B·N); ``"valid_pixels"``
+  divides by the labelled pixels instead.
+* L2: λ/(2·B·N)·Σw² over the weights of convolutions, linear and recurrent layers (not biases
+  or norms), added to the objective, so SGD runs without weight decay of its own. The default
+  λ = weight_decay·B·N makes its gradient exactly weight decay.
 
-Default λ = weight_decay·B·N with ``weight_decay = 1e-4``: then L2 = weight_decay/2·Σw² and
-its gradient is exactly weight decay 1e-4, whatever the batch and crop size. Setting λ itself
-(``l2_lambda``) keeps the spec's 1/(B·N) normalization literally.
-
-Two options beyond S32, both off by default (then L1 is exactly the S32 term):
-
-* class weights ``w_c``: each pixel's CE is multiplied by w_y; with ``"valid_pixels"`` L1 is
-  Σ w_y·CE / Σ w_y over the pixels used (PyTorch's weighted mean), with ``"batch_pixels"`` the
-  weighted sum is divided by B·N as above; :func:`median_frequency_weights` gives SegNet's
-  median frequency balancing.
-* OHEM (mmsegmentation's ``OHEMPixelSampler``): only the pixels whose softmax probability of
-  their true class is below ``ohem_thresh`` count — raised, when that keeps fewer, to the
-  (k+1)-th smallest probability with k = ``ohem_min_kept`` × batch size, so at least k pixels
-  count (all of them when the batch has fewer). The dropped pixels are treated as ignored:
-  with ``"valid_pixels"`` L1 is the mean over the kept pixels, with ``"batch_pixels"`` they
-  add 0 and still count in B·N.
+Beyond S32, off by default: class weights (one per class, or SegNet's median frequency
+balancing) and OHEM (mmsegmentation's ``OHEMPixelSampler``: only the pixels whose true-class
+probability is below a threshold count, at least ``min_kept`` per image).
 """
 
 from __future__ import annotations
@@ -40,41 +24,19 @@ from torch import Tensor, nn
 
 from dualseg.errors import ConfigError
 
-__all__ = [
-    "L1_REDUCTIONS",
-    "MEDIAN_FREQUENCY",
-    "SegmentationLoss",
-    "class_weights_for",
-    "cross_entropy_loss",
-    "decay_weights",
-    "l2_penalty",
-    "median_frequency_weights",
-    "ohem_keep_mask",
-]
+__all__ = ["SegmentationLoss", "class_weights_for", "cross_entropy_loss", "decay_weights"]
 
 MEDIAN_FREQUENCY = "median_frequency"  # the class_weights value asking for SegNet's weights
 
 L1_REDUCTIONS = ("batch_pixels", "valid_pixels")
 
-# Layers whose ``weight`` the L2 term covers, besides recurrent layers (S32 Reading).
-DECAY_LAYERS: tuple[type[nn.Module], ...] = (
-    nn.Conv1d,
-    nn.Conv2d,
-    nn.Conv3d,
-    nn.ConvTranspose1d,
-    nn.ConvTranspose2d,
-    nn.ConvTranspose3d,
-    nn.Linear,
-)
+# layers whose ``weight`` the L2 term covers, besides recurrent layers (S32 Reading)
+DECAY_LAYERS = (nn.modules.conv._ConvNd, nn.Linear)
 
 
 def decay_weights(model: nn.Module, *, recurrent: bool = True) -> list[Tensor]:
-    """The trainable weight tensors the L2 term covers, each once.
-
-    The ``weight`` of every conv / linear layer and, with ``recurrent=True``, every weight
-    matrix of a recurrent layer (``weight_ih_l0``, ``weight_hh_l0_reverse``, ... of an
-    ``nn.GRU``); never biases, never normalization layers.
-    """
+    """The trainable weights the L2 term covers, each once: conv / linear ``weight`` and,
+    with ``recurrent``, every GRU weight matrix; never biases or normalization layers."""
     seen: set[int] = set()
     weights = []
     for module in model.modules():
@@ -101,17 +63,10 @@ def cross_entropy_loss(
     ohem_thresh: float | None = None,
     ohem_min_kept: int | None = None,
 ) -> Tensor:
-    """L1: pixel cross-entropy summed over the non-ignored pixels, divided by B·N
-    (``reduction="batch_pixels"``) or by the count of non-ignored pixels (``"valid_pixels"``);
-    0 when every pixel is ignored.
-
-    ``logits`` ``[B,C,H,W]`` (resized bilinearly when not at label size), ``target`` ``[B,H,W]``.
-    ``class_weights`` ``[C]``: each pixel's CE times w_y; ``"valid_pixels"`` then divides by
-    Σ w_y over the pixels used (the weighted mean), ``"batch_pixels"`` still by B·N.
-    ``ohem_thresh``: only the pixels :func:`ohem_keep_mask` keeps count, the others are
-    treated as ignored (then ``ohem_min_kept`` is required; the config's
-    ``optim.ohem_min_kept`` holds the default). Defaults: the S32 term.
-    """
+    """L1 of ``logits`` ``[B,C,H,W]`` (resized to the labels) against ``target`` ``[B,H,W]``:
+    the CE sum over labelled pixels / B·N (``batch_pixels``) or / their count (or Σ w_y with
+    ``class_weights``: the weighted mean). ``ohem_thresh``: only :func:`ohem_keep_mask`'s
+    pixels count. Defaults: the S32 term."""
     if reduction not in L1_REDUCTIONS:
         raise ValueError(f"reduction must be one of {L1_REDUCTIONS}, got {reduction!r}")
     if logits.shape[-2:] != target.shape[-2:]:
@@ -140,12 +95,9 @@ def cross_entropy_loss(
 def ohem_keep_mask(
     logits: Tensor, target: Tensor, *, thresh: float, min_kept: int, ignore_index: int = 255
 ) -> Tensor:
-    """OHEM pixel selection (mmseg ``OHEMPixelSampler``): bool ``[B,H,W]``, True = counts.
-
-    Keeps the valid pixels whose probability of the true class is below
-    ``max(thresh, p_(k))``, where ``p_(k)`` is the (k+1)-th smallest such probability and
-    ``k = min_kept × B``; all valid pixels when there are at most k.
-    """
+    """OHEM (mmseg ``OHEMPixelSampler``): True for the labelled pixels whose true-class
+    probability is below ``max(thresh, p_(k))``, ``p_(k)`` the (k+1)-th smallest with
+    ``k = min_kept × B``; every labelled pixel when there are at most k."""
     valid = target != ignore_index
     prob = logits.float().softmax(1).gather(1, target.masked_fill(~valid, 0)[:, None])[:, 0]
     p = prob[valid]
@@ -157,12 +109,8 @@ def ohem_keep_mask(
 
 
 def median_frequency_weights(counts: Any, image_pixels: Any) -> Tensor:
-    """SegNet's median frequency balancing: ``w_c = median(f) / f_c``.
-
-    ``counts[c]``: labelled pixels of class c over the training set; ``image_pixels[c]``:
-    labelled pixels of the images where c appears, so ``f_c = counts[c] / image_pixels[c]``.
-    A class that never appears gets weight 0 and is left out of the median.
-    """
+    """SegNet's median frequency balancing ``w_c = median(f) / f_c``, ``f_c = counts[c] /
+    image_pixels[c]`` (labelled pixels of c / of the images holding c); absent classes get 0."""
     counts = torch.as_tensor(np.asarray(counts), dtype=torch.float64)
     image_pixels = torch.as_tensor(np.asarray(image_pixels), dtype=torch.float64)
     present = counts > 0
@@ -222,13 +170,8 @@ def l2_penalty(weights: list[Tensor], *, lam: float, batch_size: int, num_pixels
 
 
 class SegmentationLoss:
-    """S32 objective for one model: ``loss, parts = criterion(logits, target)``.
-
-    ``parts`` holds detached ``l1``, ``l2`` and ``loss`` for logging. ``weight_decay`` sets the
-    default λ = weight_decay·B·N; ``l2_lambda`` overrides λ. ``l1_reduction`` and
-    ``l2_recurrent``: the S32 readings above. ``class_weights`` ``[C]`` and ``ohem_thresh`` /
-    ``ohem_min_kept`` change L1 as :func:`cross_entropy_loss` says (default off: the S32 loss).
-    """
+    """S32 objective for one model: ``loss, parts = criterion(logits, target)``, ``parts``
+    the detached ``l1``, ``l2`` and ``loss``; λ = ``l2_lambda`` or weight_decay·B·N."""
 
     def __init__(
         self,

@@ -1,30 +1,42 @@
-"""Checks ``fit`` runs before its first step, and notes it adds to what it reports.
-
-- :func:`check_training_data`: the ``dualseg data check`` scan of the training and validation
-  splits (:mod:`dualseg.data.check`; every root of a list), so bad data fails in seconds,
-  not at iteration 30,000; it also refuses training labels with fewer than two classes.
-  ``data.check false`` skips it.
-- :func:`label_mapping`: the ``build_dataset`` arguments of ``data.label_map`` /
-  ``data.ignore_index``.
-- :func:`scored_classes_note`: says so when a score is the mean over a single class.
-- :func:`warn_missing_tensorboard`: ``train.tensorboard`` without tensorboard installed is
-  said at the start (one line), not discovered after the run.
-"""
+"""What ``fit`` prepares and checks before its first step -- the data scan (bad data fails in
+seconds, not at iteration 30,000), datasets and loaders, resume checks -- and the sanity notes
+of a validation (one scored class; not above the majority-class baseline)."""
 
 from __future__ import annotations
 
 import math
+import os
+import random
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
 from dualseg.console import ProgressMode
-from dualseg.engine.config import DataConfig
+from dualseg.data.collate import SameSizeCollate
+from dualseg.engine import checkpoint as ckpt_io
+from dualseg.engine.config import Config, DataConfig, model_kwargs, train_transform
+from dualseg.engine.distributed import DistEnv, ResumableSampler, SeededSamples, ShardSampler
+from dualseg.errors import CheckpointError, ConfigError, DataError, RunExistsError
+from dualseg.metrics import scores_from_confusion
 
 __all__ = [
+    "baseline_note",
+    "build_datasets",
+    "build_loaders",
+    "build_train_model",
+    "check_resumable",
     "check_training_data",
     "label_mapping",
+    "majority_baseline",
+    "refuse_rewind",
     "scored_classes_note",
+    "seed_everything",
     "warn_missing_tensorboard",
 ]
 
@@ -52,7 +64,9 @@ def check_training_data(
         return
     from dualseg.data.check import check_dataset, combine_reports, require_trainable
 
-    splits = tuple(dict.fromkeys(s for s in (d.train_split, d.val_split) if s))
+    # a held-out fraction is part of the training split's files
+    named = (d.train_split,) if d.val_fraction > 0 else (d.train_split, d.val_split)
+    splits = tuple(dict.fromkeys(s for s in named if s))
     roots = [d.root] if isinstance(d.root, str) else list(d.root)
     reports = [
         check_dataset(
@@ -122,3 +136,176 @@ def warn_missing_tensorboard(enabled: bool) -> bool:
         )
         return False
     return True
+
+
+def majority_baseline(confusion: Any) -> tuple[float, int]:
+    """The mIoU of predicting the most frequent ground-truth class everywhere, scored as the
+    model is (``confusion``: ``[C, C]`` pixel counts, rows = ground truth), and that class."""
+    mat = torch.as_tensor(confusion, dtype=torch.float64)
+    gt = mat.sum(1)
+    k = int(gt.argmax())
+    constant = torch.zeros_like(mat)
+    constant[:, k] = gt
+    return float(scores_from_confusion(constant)["miou"]), k
+
+
+def baseline_note(
+    confusion: Any, miou: float, class_names: Sequence[str], *, dominant: float = 0.95
+) -> tuple[float, str]:
+    """The majority-class baseline mIoU, and a note for the validation line: the baseline
+    beside the model's mIoU, plainly saying when the model is not above it or predicts one
+    class on more than ``dominant`` of the pixels."""
+    mat = torch.as_tensor(confusion, dtype=torch.float64)
+    total = float(mat.sum())
+    if total == 0:
+        return math.nan, ""
+    baseline, k = majority_baseline(mat)
+    note = f" (majority-class baseline {100 * baseline:.1f}%)"
+    if not miou > baseline:
+        note += f"; not above predicting {class_names[k]!r} everywhere"
+    top = mat.sum(0)
+    c = int(top.argmax())
+    if float(top[c]) > dominant * total:
+        note += (
+            f"; the model predicts {class_names[c]!r} on {100 * float(top[c]) / total:.0f}% of "
+            "the pixels"
+        )
+    return baseline, note
+
+
+def check_resumable(state: dict, path: Path | None, max_iters: int) -> None:
+    """A resume needs a training checkpoint (not weights alone) with iterations left."""
+    needed = ("optimizer", "scheduler", "sampler", "iteration", "epoch", "rng", "progress")
+    if missing := [k for k in needed if k not in state]:
+        raise CheckpointError(
+            f"{path} holds model weights without the training state a resume needs "
+            f"(no {', '.join(missing)}): resume from a checkpoint that dualseg train wrote "
+            "(the run's last.pt)"
+        )
+    try:
+        done = int(state["iteration"])
+    except (TypeError, ValueError):
+        raise CheckpointError(
+            f"{path} is a damaged training checkpoint (iteration {state['iteration']!r}); resume "
+            "from another checkpoint of the run (best.pt, or an earlier one)"
+        ) from None
+    if max_iters < done:
+        raise ConfigError(
+            f"{path} is at iteration {done}, past train.max_iters {max_iters}: pass "
+            f"--train.max_iters {done} or more to resume it, or evaluate it with dualseg eval"
+        )
+
+
+def refuse_rewind(out_dir: Path, resume: str | None) -> None:
+    """Resuming a folder from its own older ``best.pt`` would replace its later ``last.pt``
+    and log records: only with ``--overwrite``."""
+    best, last = out_dir / ckpt_io.BEST_NAME, out_dir / ckpt_io.LAST_NAME
+    if resume in (None, "auto") or not last.is_file() or Path(resume).resolve() != best.resolve():
+        return
+    at_best = int(ckpt_io.load_checkpoint(best).get("iteration", 0))
+    try:
+        at_last = int(ckpt_io.load_checkpoint(last).get("iteration", 0))
+    except CheckpointError:  # a broken last.pt: best.pt is the way back
+        return
+    if at_last > at_best:
+        raise RunExistsError(
+            f"--resume {resume} (iteration {at_best}) would rewind the run in {out_dir}: its "
+            f"{ckpt_io.LAST_NAME} (iteration {at_last}) and later log records would be "
+            f"replaced; resume from {last}, pass --overwrite to go back to iteration {at_best}, "
+            "or choose another --train.out_dir"
+        )
+
+
+def build_datasets(cfg: Config) -> tuple[Any, Any | None]:
+    from dualseg.data import build_dataset
+
+    d = cfg.data
+    if not d.root:
+        raise ConfigError("no dataset: set data.root in the config or pass --data.root PATH")
+    common: dict[str, Any] = {"layout": d.layout, "preset": d.preset}
+    common |= {"label_format": d.label_format, **label_mapping(d)}
+    if d.val_fraction > 0:  # a held-out part of the training split, by file name
+        common["val_fraction"] = d.val_fraction
+    train_ds = build_dataset(
+        d.root,
+        split=d.train_split,
+        transform=train_transform(d),
+        samples_per_epoch=d.samples_per_epoch,
+        seed=cfg.train.seed,
+        **common,
+    )
+    val_split = "val" if d.val_fraction > 0 else d.val_split
+    val_ds = build_dataset(d.root, split=val_split, **common) if val_split else None
+    if val_ds is not None and sorted(val_ds.samples) == sorted(train_ds.samples):
+        raise ConfigError(
+            f"data.val_split {d.val_split!r} resolves to the training images (split "
+            f"{d.train_split!r} of {d.root}): validating on them would say nothing; add a "
+            "val split, set --data.val_fraction 0.2, or --data.val_split null"
+        )
+    return train_ds, val_ds
+
+
+def build_loaders(
+    cfg: Config, env: DistEnv, train_ds: Any, val_ds: Any | None
+) -> tuple[DataLoader, ResumableSampler, DataLoader | None]:
+    d, seed = cfg.data, cfg.train.seed
+    sampler = ResumableSampler(train_ds, num_replicas=env.world_size, rank=env.rank, seed=seed)
+    if sampler.num_samples < d.batch_size:
+        raise DataError(
+            f"the training split has {sampler.num_samples} images per process, fewer than "
+            f"data.batch_size={d.batch_size}; lower the batch size or set data.samples_per_epoch"
+        )
+    # the loaders' seeds come from their own generator: a new iterator never shifts the
+    # training RNG stream
+    common = {
+        "num_workers": d.workers,
+        "pin_memory": d.pin_memory and env.device.type == "cuda",
+        "persistent_workers": d.workers > 0 and d.persistent_workers,
+        "generator": torch.Generator().manual_seed(seed),
+    }
+    train_loader = DataLoader(
+        SeededSamples(train_ds, seed=seed),
+        batch_size=d.batch_size,
+        sampler=sampler,
+        drop_last=True,
+        **common,
+    )
+    val_loader = None
+    if val_ds is not None:
+        val_loader = DataLoader(
+            val_ds,
+            batch_size=d.val_batch_size,
+            sampler=ShardSampler(len(val_ds), num_replicas=env.world_size, rank=env.rank),
+            collate_fn=SameSizeCollate("set --data.val_batch_size 1"),
+            **common,
+        )
+    return train_loader, sampler, val_loader
+
+
+def seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = not deterministic
+        if deterministic:  # CPU kernels are deterministic already
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def build_train_model(cfg: Config, num_classes: int, *, pretrained: bool) -> nn.Module:
+    from dualseg.models import build_model
+
+    m = cfg.model
+    weights = m.weights if pretrained else None
+    try:
+        return build_model(
+            m.arch,
+            weights=weights,
+            allow_download=m.allow_download,
+            **model_kwargs(m, num_classes),
+        )
+    except ConfigError as err:  # name the option as the config spells it
+        text = str(err)
+        named = text.split(" ", 1)[0] in model_kwargs(m, num_classes)
+        raise ConfigError(f"{'model.' if named else ''}{text} ({m.arch})") from None

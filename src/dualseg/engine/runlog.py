@@ -9,11 +9,12 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from dualseg.engine.config import Config
 from dualseg.engine.distributed import DistEnv
 from dualseg.io import atomic_write_text
 
-__all__ = ["Interrupt", "Progress", "RunLog"]
+__all__ = ["Interrupt", "Progress", "RunLog", "save_curves", "train_data_record"]
 
 
 class Interrupt:
@@ -62,13 +63,7 @@ class Progress:
     last_val: dict[str, Any] = field(default_factory=dict)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "best_miou": self.best_miou,
-            "best_iteration": self.best_iteration,
-            "best_monitored": self.best_monitored,
-            "bad_evals": self.bad_evals,
-            "loss_ema": self.loss_ema,
-        }
+        return {k: v for k, v in asdict(self).items() if k != "last_val"}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         for key, value in d.items():
@@ -174,3 +169,28 @@ class RunLog:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def train_data_record(samples: list[tuple[Path, Path]]) -> dict[str, Any]:
+    """The training pairs' count and a digest of their file names (a moved dataset is the
+    same data), kept in each checkpoint so a resume on changed data says so."""
+    names = "\n".join(f"{img.name}\t{label.name}" for img, label in samples)
+    return {"pairs": len(samples), "digest": hashlib.sha1(names.encode("utf-8")).hexdigest()}
+
+
+def save_curves(path: Path, history: list[dict[str, Any]]) -> None:
+    """PNG of the loss terms and validation scores; skipped when nothing was logged."""
+    if not history:
+        return
+    from dualseg.viz import save_curves as draw
+
+    keys: list[Any] = [("loss", "l1", "loss_ema"), "l2"]
+    ylabels = ["loss", "L2 weight penalty"]  # L2 on its own axis: it is orders smaller
+    val = ("val_miou", "val_trimap_miou", "val_boundary_f1")
+    if any("val_miou" in r for r in history):
+        keys.append(val)
+        ylabels.append("validation score (%)")
+    names = {"l1": "L1 (cross-entropy)", "loss_ema": "loss (smoothed)", "l2": "L2"}
+    names |= {"val_miou": "mIoU", "val_trimap_miou": "trimap mIoU", "val_boundary_f1": "bF1"}
+    draw(path, history, keys, x_key="iteration", title="training", ylabels=ylabels,
+         scale=dict.fromkeys(val, 100.0), names=names)  # fmt: skip

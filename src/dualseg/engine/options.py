@@ -1,0 +1,417 @@
+"""Training options: frozen dataclasses, one per section.
+
+Config flows one way: YAML / CLI (:mod:`dualseg.engine.config`) -> :class:`Config`
+(frozen, checked where each value is declared) -> plain values into ``build_model``,
+``build_dataset``, the optimizer and the loop. Each field's default, ``--help`` line and rule
+are written here once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from dualseg.augment_defaults import (
+    BLUR_PROB,
+    HFLIP_PROB,
+    JITTER,
+    SCALE_RANGE,
+    check_augment_settings,
+    seed_error,
+)
+from dualseg.errors import ConfigError
+
+__all__ = [
+    "ARCH_NAMES",
+    "Config",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "TrainConfig",
+    "config_to_dict",
+    "model_kwargs",
+    "train_transform",
+]
+
+# dualseg.models.MODELS' names: that package imports torch, which `train --help` must not
+# (tests/models/test_factory_defaults.py keeps the two equal)
+ARCH_NAMES = (
+    "dualseg_resnet18",
+    "dualseg_resnet34",
+    "dualseg_resnet50",
+    "dualseg_resnet101",
+    "dualseg_mobilenet_v2",
+    "dualseg_timm",
+    "deeplabv3_resnet18",
+    "deeplabv3_resnet50",
+    "deeplabv3_resnet101",
+    "deeplabv3_mobilenet_v2",
+)
+# larger thread counts crash inside OpenMP
+MAX_THREADS = 1024
+INF = math.inf
+
+
+def opt(default: Any, help: str) -> Any:
+    """A config field: its default and its ``--help`` line, side by side."""
+    return field(default=default, metadata={"help": help})
+
+
+def _no_nulls(section: Any) -> None:
+    """Refuse a null where the field takes none (a YAML key left blank)."""
+    name = type(section).__name__.removesuffix("Config").lower()
+    for f in dataclasses.fields(section):
+        if getattr(section, f.name) is None and "None" not in str(f.type):
+            raise ConfigError(
+                f"{name}.{f.name} has no value (null, or a YAML key left blank): give one "
+                f"(default {f.default!r}), or leave the key out"
+            )
+
+
+def _require(checks: list[tuple[bool, str]]) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def _fraction(value: float) -> bool:
+    return 0.0 <= value < 1.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """dataset, augmentation (spec S1) and loader"""
+
+    root: tuple[str, ...] | str | None = opt(
+        None, "dataset folder (auto layout or list files); a list [A, B] mixes datasets"
+    )
+    preset: str | None = opt(None, "camvid | voc | cityscapes | ade20k | synthetic (null: auto)")
+    layout: str = opt("auto", "auto | list | folder | voc | cityscapes | ade20k")
+    label_format: str = opt("index", "index: pixel values are classes; color: palette colours")
+    train_split: str = opt("train", "split to train on (list file / folder name)")
+    val_split: str | None = opt("val", "split to validate on (null: none)")
+    val_fraction: float = opt(
+        0.0, "hold out this fraction of the training images (by file name) as the val split"
+    )
+    crop_size: tuple[int, int] = opt((360, 480), "(H, W) of training crops")
+    scale_range: tuple[float, float] = opt(SCALE_RANGE, "S1 random scale factors (min, max)")
+    hflip_prob: float = opt(HFLIP_PROB, "S1 horizontal flip probability")
+    blur_prob: float = opt(BLUR_PROB, "S1 'filtering': Gaussian blur probability")
+    jitter: float = opt(JITTER[0], "S1 colour jitter strength (brightness, contrast, saturation)")
+    samples_per_epoch: int | None = opt(None, "S1 on-the-fly augmentation (null: dataset size)")
+    batch_size: int = opt(8, "training images per batch, per process")
+    val_batch_size: int = opt(2, "images per validation batch")
+    num_workers: int | Literal["auto"] = opt(
+        "auto", "loader worker processes (auto: min(4, cores - 1); 0: the main process)"
+    )
+    pin_memory: bool = opt(True, "pinned host memory (CUDA only)")
+    persistent_workers: bool = opt(True, "keep loader workers between epochs")
+    label_map: str | None = opt(
+        None, "raw label value -> class, 'RAW:CLASS[,RAW:CLASS...]', e.g. '255:1' (docs/data.md)"
+    )
+    ignore_index: int | Literal["auto"] | None = opt(
+        "auto", "the raw label value meaning ignore, 0..255 (auto: the dataset's; null: none)"
+    )
+    check: bool = opt(True, "scan every image/label pair before step 1 (as dualseg data check)")
+
+    def __post_init__(self) -> None:
+        _no_nulls(self)
+        _require(
+            [
+                (
+                    bool(self.train_split.strip()) and self.val_split != "",
+                    "data.train_split / data.val_split is an empty name: give a split, or "
+                    "null for no validation split",
+                ),
+                (_fraction(self.val_fraction), "data.val_fraction must be in [0, 1)"),
+                (self.batch_size > 0, "data.batch_size must be > 0"),
+                (self.val_batch_size > 0, "data.val_batch_size must be > 0"),
+                (
+                    self.num_workers == "auto" or int(self.num_workers) >= 0,
+                    "data.num_workers must be >= 0 or auto",
+                ),
+                (
+                    self.ignore_index in (None, "auto") or 0 <= int(self.ignore_index) <= 255,
+                    "data.ignore_index must be a raw label value 0..255, null (none) or auto",
+                ),
+            ],
+        )
+        check_augment_settings(
+            crop_size=tuple(self.crop_size),
+            scale_range=tuple(self.scale_range),
+            hflip_prob=self.hflip_prob,
+            blur_prob=self.blur_prob,
+            jitter=self.jitter,
+            names={k: f"data.{k}" for k in ("crop_size", "scale_range", "hflip_prob")}
+            | {k: f"data.{k}" for k in ("blur_prob", "jitter")},
+        )
+        if self.label_map is not None:
+            from dualseg.data.presets import parse_label_map
+
+            try:
+                parse_label_map(self.label_map)
+            except ValueError as err:
+                raise ConfigError(f"data.label_map: {err}") from None
+
+    @property
+    def workers(self) -> int:
+        """``num_workers`` with ``auto`` fitted to this machine (no more than its cores)."""
+        if self.num_workers == "auto":
+            return max(0, min(4, (os.cpu_count() or 1) - 1))
+        return int(self.num_workers)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """build_model arguments (spec S2); null: the architecture's default"""
+
+    arch: str = opt("dualseg_mobilenet_v2", "network name (docs/models.md)")
+    weights: str | None = opt("imagenet", "'imagenet', a backbone file, or null (random init)")
+    allow_download: bool = opt(False, "'imagenet' may download from torchvision when online")
+    output_stride: int | None = opt(None, "backbone output stride")
+    gray_branch: bool | None = opt(None, "RGB + grayscale branches; false: RGB only")
+    gray_conv_init: str | None = opt(None, "init of the 1-channel first conv")
+    fusion: str | None = opt(None, "how the two branches are fused")
+    coord_channels: bool | None = opt(None, "add i, j, r coordinate channels")
+    coord_radius: str | None = opt(None, "how r is computed")
+    renet_layers: int | None = opt(None, "ReNet (GRU sweep) modules per branch, 0-2")
+    renet_hidden: int | None = opt(None, "GRU units per direction")
+    renet_patch: int | None = opt(None, "ReNet patch size")
+    renet_init: str | None = opt(None, "S31 GRU weight init: scaled | standard")
+    renet_init_bound: float | None = opt(None, "the scaled init's bound")
+    renet_norm: str | None = opt(None, "none | batch: a BatchNorm before the GRUs")
+    renet_skip: bool | None = opt(None, "the ASPP reads the backbone's features beside ReNet's")
+    aspp_rates: tuple[int, ...] | None = opt(None, "ASPP dilation rates")
+    aspp_style: str | None = opt(None, "ASPP style (v2: per-rate class scores, summed)")
+    aspp_init_std: float | None = opt(None, "std of the ASPP weight init")
+    upsample_order: str | None = opt(None, "S44: softmax_first | logits_first")
+    deeplab_rates: tuple[int, ...] | None = opt(None, "ASPP rates of the deeplabv3_* peers")
+    timm_model: str | None = opt(None, "the timm backbone of dualseg_timm")
+
+    def __post_init__(self) -> None:
+        _no_nulls(self)
+        w = self.weights
+        _require(
+            [
+                (
+                    self.arch in ARCH_NAMES,
+                    f"model.arch: unknown model {self.arch!r}; choose one of: "
+                    + ", ".join(ARCH_NAMES),
+                ),
+                (
+                    w is None or w.lower() not in ("none", "random") or Path(w).is_file(),
+                    f"model.weights {w!r} is no file; for random initialization give null "
+                    "(--model.weights null), for ImageNet weights 'imagenet'",
+                ),
+            ],
+        )
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """SGD + poly LR (claim 5) and the explicit L2 term of the objective (S32)"""
+
+    lr: float = opt(0.01, "initial learning rate l_0")
+    momentum: float = opt(0.9, "SGD momentum")
+    nesterov: bool = opt(False, "Nesterov momentum")
+    weight_decay: float = opt(1e-4, "S32: L2 = λ/(2·B·N)·Σw² with λ = weight_decay·B·N")
+    l2_lambda: float | None = opt(None, "λ of the L2 term itself (null: weight_decay·B·N)")
+    poly_power: float = opt(0.9, "poly LR: l_t = l_0·(1 − t/T)^power")
+    warmup_iters: int = opt(0, "linear warm-up from warmup_factor·l_0 to l_0")
+    warmup_factor: float = opt(0.1, "LR factor at the start of the warm-up")
+    head_lr_mult: float = opt(1.0, "LR multiplier of the head (all but the backbones)")
+    clip_grad_norm: float | None = opt(None, "clip the gradient to this L2 norm (null: off)")
+    l1_reduction: Literal["batch_pixels", "valid_pixels"] = opt(
+        "batch_pixels", "S32 L1 divisor: all B·N pixels, or the labelled ones"
+    )
+    l2_recurrent: bool = opt(True, "the L2 term covers the GRU weight matrices too")
+    class_weights: tuple[float, ...] | Literal["median_frequency"] | None = opt(
+        None,
+        "Beyond S32, off by default: cross-entropy weights, one per class, or median_frequency",
+    )
+    ohem_thresh: float | None = opt(None, "OHEM: only pixels with true-class prob < this count")
+    ohem_min_kept: int = opt(100000, "OHEM: keep at least this many pixels per image")
+
+    def __post_init__(self) -> None:
+        _no_nulls(self)
+        _require(
+            [
+                (0 < self.lr < INF, "optim.lr must be > 0 and finite"),
+                (_fraction(self.momentum), "optim.momentum must be in [0, 1)"),
+                (0 <= self.weight_decay < INF, "optim.weight_decay must be >= 0 and finite"),
+                (
+                    self.l2_lambda is None or 0 <= self.l2_lambda < INF,
+                    "optim.l2_lambda must be >= 0 and finite",
+                ),
+                (0 <= self.poly_power < INF, "optim.poly_power must be >= 0 and finite"),
+                (self.warmup_iters >= 0, "optim.warmup_iters must be >= 0"),
+                (0 < self.warmup_factor <= 1, "optim.warmup_factor must be in (0, 1]"),
+                (0 < self.head_lr_mult < INF, "optim.head_lr_mult must be > 0 and finite"),
+                (
+                    self.clip_grad_norm is None or self.clip_grad_norm > 0,
+                    f"optim.clip_grad_norm must be > 0, or null for no clipping; got "
+                    f"{self.clip_grad_norm}",
+                ),
+                (
+                    self.ohem_thresh is None or 0 < self.ohem_thresh <= 1,
+                    "optim.ohem_thresh must be in (0, 1]",
+                ),
+                (self.ohem_min_kept >= 0, "optim.ohem_min_kept must be >= 0"),
+                (
+                    self.ohem_thresh is not None or self.ohem_min_kept == 100000,
+                    f"optim.ohem_min_kept {self.ohem_min_kept} does nothing without "
+                    "optim.ohem_thresh (OHEM is off); set --optim.ohem_thresh (e.g. 0.7) too, "
+                    "or drop ohem_min_kept",
+                ),
+            ],
+        )
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """the loop: length, validation, stopping (S33), checkpoints, speed, logging"""
+
+    out_dir: str = opt("runs/train", "run folder: config, checkpoints, metrics, curves")
+    max_iters: int = opt(40000, "training iterations (T of the poly schedule)")
+    val_every: int = opt(1000, "validate and checkpoint every K iterations (0: at the end)")
+    ckpt_every: int | None = opt(None, "save last.pt every N iterations (null: val_every)")
+    ckpt_minutes: float | None = opt(10.0, "also save last.pt this often, wall clock")
+    log_every: int = opt(20, "a metrics.jsonl record (and a log line) every N iterations")
+    monitor: Literal["auto", "val_loss", "val_miou", "train_loss"] = opt(
+        "auto", "what patience watches (S33; auto: val_loss, else smoothed train_loss)"
+    )
+    patience: int | None = opt(5, "evaluations without improvement before stopping")
+    min_delta: float = opt(0.0, "smallest change that counts as an improvement")
+    loss_smoothing: float = opt(0.9, "EMA factor of the smoothed training loss")
+    seed: int = opt(0, "seed of every random stream (init, sampling, augmentation)")
+    deterministic: bool = opt(False, "deterministic kernels (bit-identical resume on CPU)")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N")
+    amp: Literal["auto", "none", "bf16", "fp16"] = opt(
+        "auto", "mixed precision (auto: bf16/fp16 on CUDA, bf16 on CPUs computing it natively)"
+    )
+    channels_last: bool = opt(True, "channels-last memory format")
+    compile: bool = opt(False, "torch.compile the training model")
+    sync_bn: bool = opt(False, "SyncBatchNorm under DDP (GPUs only)")
+    progress: bool = opt(True, "tqdm bar on a terminal; in a log: a line every log_every")
+    tensorboard: bool = opt(True, "event files when tensorboard is installed")
+    threads: int = opt(0, "torch CPU threads (0: torch's default)")
+    quiet: bool = opt(False, "no progress bar and no log lines (metrics.jsonl is still written)")
+
+    def __post_init__(self) -> None:
+        _no_nulls(self)
+        _require(
+            [
+                (
+                    seed_error(self.seed, "train.seed") is None,
+                    str(seed_error(self.seed, "train.seed")),
+                ),
+                (bool(self.out_dir.strip()), "train.out_dir is empty: give the run folder"),
+                (self.max_iters > 0, "train.max_iters must be > 0"),
+                (self.val_every >= 0, "train.val_every must be >= 0 (0: at the end only)"),
+                (
+                    self.ckpt_every is None or self.ckpt_every > 0,
+                    "train.ckpt_every must be > 0 or null",
+                ),
+                (
+                    self.ckpt_minutes is None or self.ckpt_minutes >= 0,
+                    "train.ckpt_minutes must be >= 0",
+                ),
+                (self.log_every > 0, "train.log_every must be > 0"),
+                (
+                    0 <= self.threads <= MAX_THREADS,
+                    f"train.threads must be 0..{MAX_THREADS} (0: torch's default)",
+                ),
+                (
+                    self.patience is None or self.patience > 0,
+                    "train.patience must be > 0 or null",
+                ),
+                (_fraction(self.loss_smoothing), "train.loss_smoothing must be in [0, 1)"),
+                # NaN: no evaluation would ever improve
+                (0 <= self.min_delta < INF, "train.min_delta must be >= 0 and finite"),
+            ],
+        )
+
+
+@dataclass(frozen=True)
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+def validate(cfg: Config) -> None:
+    """The rules that span sections (each section checks its own when built)."""
+    d, t, arch = cfg.data, cfg.train, cfg.model.arch
+    has_val = bool(d.val_split) or d.val_fraction > 0
+    _require(
+        [
+            (
+                d.batch_size != 1 or not arch.startswith("deeplabv3_"),
+                f"data.batch_size 1 cannot train {arch}: its image-pooling BatchNorm needs 2 "
+                "or more images per batch; set --data.batch_size 2 or more",
+            ),
+            (
+                t.monitor in ("auto", "train_loss") or t.patience is None or has_val,
+                f"train.monitor={t.monitor} needs data.val_split; set --train.monitor train_loss",
+            ),
+        ],
+    )
+
+
+SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig}
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's ``--help`` line."""
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(cls)}
+
+
+# --------------------------------------------------------------------------- values
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain dict (lists instead of tuples): YAML, JSON and checkpoints take it as is."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        return [plain(x) for x in v] if isinstance(v, list | tuple) else v
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def config_changes(old: dict[str, Any], new: Config) -> dict[str, tuple[Any, Any]]:
+    """``{"section.field": (old, new)}`` for each field of ``new`` that differs from ``old``."""
+    return {
+        f"{section}.{key}": ((old.get(section) or {})[key], value)
+        for section, fields in config_to_dict(new).items()
+        for key, value in fields.items()
+        if key in (old.get(section) or {}) and old[section][key] != value
+    }
+
+
+def model_kwargs(cfg: ModelConfig, num_classes: int) -> dict[str, Any]:
+    """``build_model(cfg.arch, **kwargs)``'s options that are set (None: the model's default);
+    ``weights`` / ``allow_download`` are left out (checkpoints carry their own weights)."""
+    skip = ("arch", "weights", "allow_download")
+    kwargs = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip and v is not None}
+    return {"num_classes": int(num_classes), **kwargs}
+
+
+def train_transform(d: DataConfig) -> Any:
+    """The training augmentation (spec S1) that ``d`` describes."""
+    from dualseg.data.transforms import build_train_transform
+
+    return build_train_transform(
+        crop_size=tuple(d.crop_size),
+        scale_range=tuple(d.scale_range),
+        hflip_prob=d.hflip_prob,
+        blur_prob=d.blur_prob,
+        jitter=(d.jitter, d.jitter, d.jitter, 0.0),  # brightness, contrast, saturation; no hue
+    )
