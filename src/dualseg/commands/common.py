@@ -29,6 +29,7 @@ __all__ = [
     "add_inference_arguments",
     "add_label_args",
     "add_overwrite_arg",
+    "add_pixel_args",
     "add_quiet_arg",
     "add_runtime_args",
     "apply_runtime",
@@ -126,6 +127,57 @@ def add_label_args(p: argparse.ArgumentParser, *, source: str) -> None:
         metavar="RAW|none|auto",
         help="the raw label value meaning ignore; none: no value; auto: the dataset's "
         f"(default: {source}'s training data.ignore_index, else auto)",
+    )
+
+
+def bit_depth_arg(text: str) -> int:
+    """``--bit-depth``: bits per sample of 16-bit images, 8..16."""
+    value = nonnegative_int(text)
+    if not 8 <= value <= 16:
+        raise argparse.ArgumentTypeError(f"expected 8..16 bits per sample, got {value}")
+    return value
+
+
+def megapixels_arg(text: str) -> float:
+    """``--max-megapixels``: a positive number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of megapixels, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def add_pixel_args(p: argparse.ArgumentParser, *, source: str, megapixels: bool = True) -> None:
+    """``--bit-depth`` (default: ``source``'s training bit depth) and ``--max-megapixels``."""
+    p.add_argument(
+        "--bit-depth",
+        type=bit_depth_arg,
+        default=None,
+        metavar="BITS",
+        help="bits per sample of 16-bit images, 8..16 (default: as "
+        f"{source}'s training images were read; detected when it says nothing)",
+    )
+    if not megapixels:
+        return
+    p.add_argument(
+        "--max-megapixels",
+        type=megapixels_arg,
+        default=None,
+        metavar="N",
+        help="read images of up to N megapixels, above Pillow's limit (default: Pillow's "
+        "limit); use with --mode slide, which segments them tile by tile",
+    )
+
+
+def explicit_label_args(args: argparse.Namespace) -> bool:
+    """Whether the user said how to read labels or pixels (a label or pixel flag given)."""
+    return (
+        args.label_format is not None
+        or args.label_map is not None
+        or args.ignore_index is not FROM_TRAINING
+        or args.bit_depth is not None
     )
 
 

@@ -21,10 +21,12 @@ from dualseg.commands.common import (
     add_inference_arguments,
     add_label_args,
     add_overwrite_arg,
+    add_pixel_args,
     add_quiet_arg,
     add_runtime_args,
     apply_runtime,
     cuda_amp,
+    explicit_label_args,
     inference_options,
     label_settings,
     mode_of,
@@ -64,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--preset", help="dataset preset (camvid, voc, cityscapes, ade20k, synthetic); default: "
         "ROOT/meta.json, else the classes stored in the checkpoint")  # fmt: skip
     add_label_args(p, source="the checkpoint")
+    add_pixel_args(p, source="the checkpoint", megapixels=False)
     add("--out", "-o", help="folder for metrics.json (<checkpoint dir>/eval_SPLIT for best.pt, "
         "eval_SPLIT_NAME for another checkpoint, + _refined / _slide / _tta for those "
         "evaluations; ./eval_SPLIT_NAME for hf://org/NAME)")  # fmt: skip
@@ -120,6 +123,22 @@ def _load_refiner(args: argparse.Namespace, dataset: Any, device: Any, model: An
     return refiner
 
 
+def _warn_training_images(args: argparse.Namespace, dataset: Any, ckpt: dict) -> None:
+    """A warning when evaluated images are training images of the checkpoint (by content)."""
+    from dualseg.data.contract import count_seen
+
+    if (seen := ckpt.get("train_images")) is None:
+        return
+    images = [image for image, _ in dataset.samples]
+    if shared := count_seen(images, seen):
+        print(
+            f"dualseg eval: warning: {shared} of the {len(images)} images evaluated here were "
+            f"training images of {args.checkpoint} (same file content): its scores on them are "
+            "optimistic; evaluate on images held out of training",
+            file=sys.stderr,
+        )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate as the command line describes; returns the metrics (also written to disk)."""
     import torch
@@ -127,6 +146,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from dualseg.data import read_label
     from dualseg.data.collate import SameSizeCollate
     from dualseg.data.presets import parse_label_map
+    from dualseg.engine.checkpoint import contract_of
     from dualseg.engine.evaluation import evaluate, model_dataset
     from dualseg.engine.pretrained import load_network
 
@@ -144,15 +164,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.label_map and args.label_map.lower() not in NO_MAP:
         parse_label_map(args.label_map)  # a bad value: one line before the model loads
     device = apply_runtime(args)
-    model, meta, ckpt = load_network(args.checkpoint, device=device)
+    model, _, ckpt = load_network(args.checkpoint, device=device)
     trained = (ckpt.get("config") or {}).get("data") or {}
     note = f"dualseg eval: note: labels read as {args.checkpoint} was trained"
     label_format, label_map, ignore, _ = label_settings(args, trained, note=note)
+    contract = contract_of(ckpt)
     dataset = model_dataset(
-        args.data, split=args.split, layout=args.layout, preset=args.preset, meta=meta,
+        args.data, split=args.split, layout=args.layout, preset=args.preset, contract=contract,
+        stored="label_contract" in ckpt, explicit=explicit_label_args(args),
         model_name=f"the checkpoint {args.checkpoint}", label_format=label_format,
         label_map=label_map, ignore_value=ignore,
+        bit_depth=contract.bit_depth if args.bit_depth is None else args.bit_depth,
     )  # fmt: skip
+    _warn_training_images(args, dataset, ckpt)
     if args.batch_size > 1 and (mixed := mixed_size_batch(dataset.samples, args.batch_size)):
         raise DataError(f"{mixed}; use --batch-size 1 (eval runs each image at its own size)")
     loader = torch.utils.data.DataLoader(

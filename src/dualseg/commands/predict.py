@@ -34,6 +34,7 @@ from dualseg.commands.common import (
     add_dataset_check_options,
     add_inference_arguments,
     add_overwrite_arg,
+    add_pixel_args,
     add_quiet_arg,
     add_runtime_args,
     apply_runtime,
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--alpha", type=fraction, default=0.5, help="overlay opacity of the colours, 0-1 (0.5)"
     )
+    add_pixel_args(p, source="the model")
     add_inference_arguments(p)
     return p
 
@@ -107,8 +109,7 @@ def _load(args: argparse.Namespace, device) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dualseg.engine.predict import as_rgb_array
-    from dualseg.imaging import rgb_digest
+    from dualseg.imaging import read_image, rgb_digest
     from dualseg.io import check_writable
 
     args = build_parser().parse_args(argv)
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if seg.num_classes > 255:
         raise DualsegError(f"{source} has {seg.num_classes} classes; label PNGs hold at most 255")
     check_dataset_classes(args, seg.class_names, f"the model {source}")
+    depth = seg.bit_depth if args.bit_depth is None else args.bit_depth  # as in training
     infer = {} if args.onnx else dict(mode=opts.mode, window=opts.window, stride=opts.stride,
         tta_scales=opts.tta_scales, tta_flip=opts.tta_flip, tile_batch=opts.tile_batch)  # fmt: skip
     failures: list[str] = []
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         part = []
         for path, name in images[start : start + chunk]:
             try:
-                part.append((path, name, as_rgb_array(path)))
+                array = read_image(path, bit_depth=depth, max_megapixels=args.max_megapixels)
+                part.append((path, name, array))
             except DualsegError as err:
                 failures.append(str(err))
                 for folder, suffix in files if args.overwrite else []:

@@ -27,6 +27,7 @@ from dualseg.viz import default_palette
 
 if TYPE_CHECKING:  # pragma: no cover
     from dualseg.data import DatasetMeta
+    from dualseg.data.contract import LabelContract
 
 FORMAT = "dualseg-checkpoint/1"
 REQUIRED_KEYS = ("format", "arch", "model_kwargs", "model")
@@ -312,12 +313,40 @@ def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
     config = ckpt.get("config") or {}
     data_cfg = config.get("data") if isinstance(config, Mapping) else None
     name = (data_cfg or {}).get("preset") or "checkpoint"
-    return DatasetMeta(
+    meta = DatasetMeta(
         name=str(name),
         class_names=names,
         palette=tuple(tuple(int(c) for c in rgb) for rgb in palette),
         ignore_index=int(ignore),
     )
+    if "label_contract" not in ckpt:
+        return meta
+    contract = contract_of(ckpt)
+    if contract.meta.class_names != meta.class_names:
+        raise CheckpointError(
+            f"{_meta_name(ckpt)}: its label contract names the classes "
+            f"{list(contract.meta.class_names)}, the model {list(meta.class_names)}; save the "
+            "model again"
+        )
+    return contract.meta
+
+
+def contract_of(ckpt: Mapping[str, Any]) -> LabelContract:
+    """The label contract stored with the model (``label_contract``); a checkpoint made
+    without one gets the minimal contract of its class names and palette (index labels, raw
+    255 ignored, bit depth detected)."""
+    from dualseg.data.contract import LabelContract
+    from dualseg.errors import DataError
+
+    stored = ckpt.get("label_contract")
+    if stored is None:
+        return LabelContract(meta_from_checkpoint(ckpt))
+    try:
+        return LabelContract.from_dict(dict(stored) if isinstance(stored, Mapping) else stored)
+    except DataError as err:
+        raise CheckpointError(
+            f"{_meta_name(ckpt)}: its label_contract is invalid ({err}); save the model again"
+        ) from None
 
 
 def model_kwargs_of(ckpt: Mapping[str, Any]) -> dict[str, Any]:

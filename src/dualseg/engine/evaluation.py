@@ -319,31 +319,47 @@ def format_metrics(
 
 
 def model_dataset(
-    root: str, *, split: str, layout: str, preset: str | None, meta: Any, model_name: str,
-    label_format: str, label_map: dict[int, int] | None, ignore_value: Any,
+    root: str, *, split: str, layout: str, preset: str | None, contract: Any, stored: bool,
+    explicit: bool, model_name: str, label_format: str, label_map: dict[int, int] | None,
+    ignore_value: Any, bit_depth: int | None,
 ) -> Any:  # fmt: skip
-    """The ``split`` of ``root`` read for a model of ``meta``'s classes (eval transform): the
-    dataset's own classes (``meta.json``, ``preset``) must be the model's, or one line shows
-    both. Warns (stderr) when a class can never be scored."""
+    """The ``split`` of ``root`` read for a model of label ``contract`` (eval transform).
+
+    A dataset that does not describe itself (no ``meta.json``, no preset) is read with the
+    model's contract. One that does must have the model's classes, and (when the contract is
+    ``stored`` with the model and no flag was ``explicit``) read its labels and pixels as the
+    model's training data did, or one line shows both sides. Warns (stderr) when a class can
+    never be scored."""
     import sys
 
     from dualseg.data import PRESETS, build_dataset
+    from dualseg.data.contract import LabelContract
     from dualseg.data.datasets import dataset_meta, preset_for
     from dualseg.data.presets import require_same_classes
     from dualseg.data.transforms import build_eval_transform
-    from dualseg.errors import DualsegError
+    from dualseg.errors import DataError, DualsegError
 
+    meta = contract.meta
     own = preset_for(root, preset) if preset else dataset_meta(root, layout=layout, split=split)
     if own is not None:
         where = f"the dataset {root} ({own.name})"
         require_same_classes(meta.class_names, own.class_names, model=model_name, data=where)
         meta = own
-    elif meta.name in PRESETS and PRESETS[meta.name].class_names == meta.class_names:
+    elif not stored and meta.name in PRESETS and PRESETS[meta.name].class_names == meta.class_names:
         meta = PRESETS[meta.name]  # the preset also knows the raw ignore values (CamVid: 11)
     dataset = build_dataset(
         root, split=split, layout=layout, preset=meta, transform=build_eval_transform(),
         label_format=label_format, label_map=label_map, ignore_value=ignore_value,
+        bit_depth=bit_depth,
     )  # fmt: skip
+    read = LabelContract(dataset.meta, label_format, bit_depth)
+    if own is not None and stored and not explicit and (diff := contract.differences(read)):
+        source = "ROOT/meta.json" if preset is None else f"--preset {preset}"
+        raise DataError(
+            f"{root} describes its labels otherwise than {model_name} was trained on: "
+            f"{'; '.join(diff)}; fix {source} to match the model's, or pass --label-map / "
+            "--ignore-index / --label-format / --bit-depth to say how to read it"
+        )
     if len(dataset) == 0:
         raise DualsegError(f"split {split!r} of {root} has no images")
     if label_format != "color" and (lost := dataset.meta.unreachable_classes()):

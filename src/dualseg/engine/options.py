@@ -116,6 +116,9 @@ class DataConfig:
     ignore_index: int | Literal["auto"] | None = opt(
         "auto", "the raw label value meaning ignore, 0..255 (auto: the dataset's; null: none)"
     )
+    bit_depth: int | None = opt(
+        None, "bits per sample of 16-bit images, 8..16 (null: 12 when all values <= 4095, else 16)"
+    )
     check: bool = opt(True, "scan every image/label pair before step 1 (as dualseg data check)")
 
     def __post_init__(self) -> None:
@@ -128,6 +131,10 @@ class DataConfig:
                     "null for no validation split",
                 ),
                 (_fraction(self.val_fraction), "data.val_fraction must be in [0, 1)"),
+                (
+                    self.bit_depth is None or 8 <= int(self.bit_depth) <= 16,
+                    "data.bit_depth must be 8..16 (bits per sample of 16-bit images) or null",
+                ),
                 (self.batch_size > 0, "data.batch_size must be > 0"),
                 (self.val_batch_size > 0, "data.val_batch_size must be > 0"),
                 (

@@ -20,10 +20,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dualseg.data.contract import LabelContract
 from dualseg.engine.distributed import resolve_device
 from dualseg.engine.inference import InferenceOptions, infer_logits
 from dualseg.errors import ConfigError, DataError
-from dualseg.imaging import as_rgb, normalize, numpy_to_rgb
+from dualseg.imaging import as_rgb, normalize, numpy_to_rgb, read_image
 from dualseg.models.base import eval_mode, require_rgb_input
 from dualseg.predictor import Predictor, require_image_list, size_batches
 
@@ -126,12 +127,19 @@ class Segmenter(Predictor):
         self.model_kwargs: dict[str, Any] | None = None
         # how the training labels were read (data.label_map ...), for save_pretrained
         self.training_labels: dict[str, Any] = {}
+        # how the training data was read (labels, bit depth): image files are read so too
+        self.contract = LabelContract(meta)
 
     def __repr__(self) -> str:
         return (
             f"Segmenter({type(self.model).__name__}, {self.num_classes} classes "
             f"[{self.meta.name}], device={self.device})"
         )
+
+    @property
+    def bit_depth(self) -> int | None:
+        """How 16-bit image files are read: as the training images were (None: detected)."""
+        return self.contract.bit_depth
 
     # ------------------------------------------------------------------ public API
     # num_classes, class_names, __call__: from Predictor; predict / predict_proba take the
@@ -206,7 +214,9 @@ class Segmenter(Predictor):
         ``return_probs=True``. Inference options as :meth:`predict`.
         """
         require_image_list(images)
-        arrays = [as_rgb_array(im) for im in images]
+        depth = self.bit_depth
+        arrays = [read_image(im, bit_depth=depth) if isinstance(im, str | os.PathLike)
+                  else as_rgb_array(im) for im in images]  # fmt: skip
         opts = dict(mode=mode, window=window, stride=stride, tta_scales=tta_scales,
                     tta_flip=tta_flip, tile_batch=tile_batch, amp=self.amp)  # fmt: skip
         out: list[Any] = [None] * len(arrays)
@@ -249,6 +259,7 @@ class Segmenter(Predictor):
             mean=IMAGENET_MEAN,
             std=IMAGENET_STD,
             training_labels=self.training_labels,
+            label_contract=self.contract.to_dict(),
             overwrite=overwrite,
         )
 
@@ -266,11 +277,13 @@ def load_model(
     >>> seg = dualseg.load_model("runs/demo/last.pt")      # doctest: +SKIP
     >>> labels = seg.predict("street.png")                  # HxW uint8 at the image's size
     """
+    from dualseg.engine.checkpoint import contract_of
     from dualseg.engine.pretrained import load_network
 
     dev = resolve_device(device)
     model, meta, ckpt = load_network(path, device=dev)
     seg = Segmenter(model, meta, device=dev, amp=amp)
+    seg.contract = contract_of(ckpt)
     seg.arch, seg.model_kwargs = str(ckpt["arch"]), dict(ckpt["model_kwargs"])
     seg.training_labels = dict((ckpt.get("config") or {}).get("data") or {})
     return seg

@@ -223,7 +223,7 @@ def build_datasets(cfg: Config) -> tuple[Any, Any | None]:
     if not d.root:
         raise ConfigError("no dataset: set data.root in the config or pass --data.root PATH")
     common: dict[str, Any] = {"layout": d.layout, "preset": d.preset}
-    common |= {"label_format": d.label_format, **label_mapping(d)}
+    common |= {"label_format": d.label_format, "bit_depth": d.bit_depth, **label_mapping(d)}
     if d.val_fraction > 0:  # a held-out part of the training split, by file name
         common["val_fraction"] = d.val_fraction
     train_ds = build_dataset(

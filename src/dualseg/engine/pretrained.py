@@ -160,6 +160,7 @@ def save_pretrained(
     std: Sequence[float] | None = None,
     metrics: Mapping[str, Any] | None = None,
     training_labels: Mapping[str, Any] | None = None,
+    label_contract: Mapping[str, Any] | None = None,
     overwrite: bool = False,
 ) -> Path:
     """Write ``model`` as a pretrained folder (``config.json`` + ``model.safetensors``).
@@ -168,8 +169,10 @@ def save_pretrained(
     ``meta`` gives class names and palette; ``mean`` / ``std`` the input normalization (default
     ImageNet's, what dualseg trains with); ``training_labels`` how the training labels were
     read (the training config's ``data.label_format`` / ``label_map`` / ``ignore_index``), so
-    that ``eval`` and ``refine fit`` of the folder read labels as the checkpoint's do. An
-    existing folder's files are kept unless ``overwrite=True``.
+    that ``eval`` and ``refine fit`` of the folder read labels as the checkpoint's do;
+    ``label_contract``: :class:`~dualseg.data.contract.LabelContract` ``.to_dict()`` of the
+    training data (default: ``meta``'s). An existing folder's files are kept unless
+    ``overwrite=True``.
     """
     from dualseg._version import __version__
     from dualseg.engine.checkpoint import to_plain
@@ -207,6 +210,15 @@ def save_pretrained(
             "std": list(std or IMAGENET_STD),
         },
     }
+    from dualseg.data.contract import LabelContract
+
+    contract = LabelContract.from_dict(dict(label_contract)) if label_contract else None
+    if contract is not None and contract.class_names != meta.class_names:
+        raise ConfigError(
+            f"label_contract names the classes {list(contract.class_names)}, meta "
+            f"{list(meta.class_names)}; pass the contract of the data the model was trained on"
+        )
+    config["label_contract"] = (contract or LabelContract(meta)).to_dict()
     labels = {k: v for k, v in dict(training_labels or {}).items() if k in TRAINING_LABEL_KEYS}
     if labels:
         config["training_labels"] = to_plain(labels)
@@ -333,7 +345,7 @@ def save_pretrained_from_checkpoint(
 ) -> Path:
     """A training checkpoint (``last.pt`` / ``best.pt``, or any :func:`load_state` source) -> a
     pretrained folder."""
-    from dualseg.engine.checkpoint import build_model_from_checkpoint
+    from dualseg.engine.checkpoint import build_model_from_checkpoint, contract_of
 
     ckpt = load_state(checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device="cpu")
@@ -350,6 +362,7 @@ def save_pretrained_from_checkpoint(
         std=norm.get("std"),
         metrics={k: metrics[k] for k in ("iteration", "miou") if k in metrics},
         training_labels=trained,
+        label_contract=contract_of(ckpt).to_dict(),
         overwrite=overwrite,
     )
 
@@ -398,7 +411,9 @@ def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
             f"{', '.join(TRAINING_LABEL_KEYS)} to values, got {labels!r}; save the folder again"
         )
     state = read_safetensors(folder / WEIGHTS_NAME, what="model")
+    contract = {"label_contract": config["label_contract"]} if "label_contract" in config else {}
     return {
+        **contract,  # checked by meta_from_checkpoint
         "format": FORMAT,
         "arch": config["arch"],
         "model_kwargs": config["model_kwargs"],  # checked by build_model_from_checkpoint

@@ -25,6 +25,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.data import DataLoader
 
 from dualseg.console import progress_mode
+from dualseg.data.contract import LabelContract, content_digests
 from dualseg.engine import checkpoint as ckpt_io
 from dualseg.engine.config import (
     Config,
@@ -89,6 +90,7 @@ class _Run:
     state: dict[str, Any] | None  # the checkpoint resumed from
     meta: Any  # DatasetMeta of the training set
     train_data: dict[str, Any]  # which pairs the training split holds
+    train_images: Any  # content digests of the training images (eval warns on them)
     train_loader: DataLoader
     sampler: ResumableSampler
     val_loader: DataLoader | None
@@ -206,6 +208,7 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
     return _Run(
         cfg, env, resume, resume_path, state, meta, train_data_record(train_ds.samples),
+        content_digests(image for image, _ in train_ds.samples),
         train_loader, sampler, val_loader, model, criterion, optimizer, scheduler, scaler,
         amp_dtype,
     )  # fmt: skip
@@ -443,6 +446,7 @@ def _save(run: _Run, kind: str, *, at: int) -> None:
     if not run.env.is_main:
         return
     cfg, meta = run.cfg, run.meta
+    contract = LabelContract(meta, cfg.data.label_format, cfg.data.bit_depth)
     ckpt_io.save_checkpoint(
         run.paths[kind],
         {
@@ -460,7 +464,9 @@ def _save(run: _Run, kind: str, *, at: int) -> None:
             "class_names": list(meta.class_names),
             "palette": [list(c) for c in meta.palette],
             "ignore_index": meta.ignore_index,
+            "label_contract": contract.to_dict(),
             "train_data": run.train_data,
+            "train_images": run.train_images,
             "metrics": run.progress.last_val,
             "progress": run.progress.state_dict(),
             # a resume stops again only after a patience stop on the same monitor

@@ -335,7 +335,7 @@ def export_checkpoint(
     """Export a checkpoint's network (``.pt``, pretrained folder or ``hf://org/name``) with
     its class names, palette, arch and normalization; returns the difference from PyTorch
     when ``tolerance`` asks for the check."""
-    from dualseg.engine.checkpoint import build_model_from_checkpoint
+    from dualseg.engine.checkpoint import build_model_from_checkpoint, contract_of
     from dualseg.engine.pretrained import load_state
 
     ckpt = load_state(checkpoint)
@@ -346,6 +346,7 @@ def export_checkpoint(
         arch=str(ckpt["arch"]), model_kwargs=ckpt.get("model_kwargs"), output=output,
         input_size=None if dynamic else tuple(example_size), ignore_index=meta.ignore_index,
         dataset=meta.name, mean=norm.get("mean"), std=norm.get("std"),
+        extra={"label_contract": contract_of(ckpt).to_dict()},
     )  # fmt: skip
     return _write(
         _segmenter_wrapper(model.eval(), output, meta.class_names), path, info, format=format,

@@ -108,6 +108,9 @@ class ExportedSegmenter(Predictor):
             palette=tuple(tuple(int(v) for v in c) for c in palette),  # type: ignore[misc]
             ignore_index=int(self.info.get("ignore_index", 255)),
         )
+        contract = self.info.get("label_contract") or {}  # how the training data was read
+        depth = contract.get("bit_depth") if isinstance(contract, dict) else None
+        self.bit_depth: int | None = depth if isinstance(depth, int) else None
         self.mean = np.asarray(self.info["mean"], np.float32)
         self.std = np.asarray(self.info["std"], np.float32)
         size = self.info.get("input_size")
