@@ -96,8 +96,13 @@ def test_a_checkpoint_without_a_contract_gets_the_minimal_one(tmp_path: Path) ->
         None,
         (),
     )
+    # one made by hand with training flags: read as they say
+    flagged = write_synthetic_checkpoint(
+        tmp_path / "f.pt", config={"data": {"preset": "synthetic", "label_map": "200:2"}}
+    )
+    assert dict(contract_of(load_checkpoint(flagged)).meta.label_map) == {200: 2}
     bad = write_synthetic_checkpoint(tmp_path / "bad.pt", label_contract={**MAPPED, "bit_depth": 3})
-    with pytest.raises(CheckpointError, match="label_contract"):
+    with pytest.raises(CheckpointError, match="label contract is invalid .bit_depth 3"):
         load_model(bad)
 
 

@@ -332,20 +332,30 @@ def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
 
 
 def contract_of(ckpt: Mapping[str, Any]) -> LabelContract:
-    """The label contract stored with the model (``label_contract``); a checkpoint made
-    without one gets the minimal contract of its class names and palette (index labels, raw
-    255 ignored, bit depth detected)."""
+    """The label contract stored with the model (``label_contract``). A checkpoint made
+    without one gets the contract its description implies: its class names and palette (a
+    preset's own mapping when it names one with these classes), read as its training config's
+    ``data.label_format`` / ``label_map`` / ``ignore_index`` / ``bit_depth`` say."""
+    from dualseg.data import PRESETS, parse_label_map, with_label_mapping
     from dualseg.data.contract import LabelContract
     from dualseg.errors import DataError
 
     stored = ckpt.get("label_contract")
-    if stored is None:
-        return LabelContract(meta_from_checkpoint(ckpt))
     try:
-        return LabelContract.from_dict(dict(stored) if isinstance(stored, Mapping) else stored)
-    except DataError as err:
+        if stored is not None:
+            return LabelContract.from_dict(dict(stored) if isinstance(stored, Mapping) else stored)
+        meta = meta_from_checkpoint(ckpt)
+        if meta.name in PRESETS and PRESETS[meta.name].class_names == meta.class_names:
+            meta = PRESETS[meta.name]  # the preset also knows the raw ignore values (CamVid: 11)
+        data = (ckpt.get("config") or {}).get("data") or {}
+        mapping = parse_label_map(data["label_map"]) if data.get("label_map") else None
+        meta = with_label_mapping(
+            meta, label_map=mapping, ignore_value=data.get("ignore_index", "auto")
+        )
+        return LabelContract(meta, data.get("label_format") or "index", data.get("bit_depth"))
+    except (DataError, ValueError, TypeError) as err:
         raise CheckpointError(
-            f"{_meta_name(ckpt)}: its label_contract is invalid ({err}); save the model again"
+            f"{_meta_name(ckpt)}: its label contract is invalid ({err}); save the model again"
         ) from None
 
 

@@ -332,7 +332,7 @@ def model_dataset(
     never be scored."""
     import sys
 
-    from dualseg.data import PRESETS, build_dataset
+    from dualseg.data import build_dataset
     from dualseg.data.contract import LabelContract
     from dualseg.data.datasets import dataset_meta, preset_for
     from dualseg.data.presets import require_same_classes
@@ -345,8 +345,6 @@ def model_dataset(
         where = f"the dataset {root} ({own.name})"
         require_same_classes(meta.class_names, own.class_names, model=model_name, data=where)
         meta = own
-    elif not stored and meta.name in PRESETS and PRESETS[meta.name].class_names == meta.class_names:
-        meta = PRESETS[meta.name]  # the preset also knows the raw ignore values (CamVid: 11)
     dataset = build_dataset(
         root, split=split, layout=layout, preset=meta, transform=build_eval_transform(),
         label_format=label_format, label_map=label_map, ignore_value=ignore_value,
