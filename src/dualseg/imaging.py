@@ -197,19 +197,23 @@ def read_image(
 
 
 def decode_image(
-    data: bytes, *, source: str = "the upload", max_pixels: float | None = None
+    data: bytes,
+    *,
+    source: str = "the upload",
+    max_pixels: float | None = None,
+    bit_depth: int | None = None,
 ) -> np.ndarray:
     """Image file bytes (an upload) as ``uint8 HxWx3`` RGB through :func:`image_to_rgb`.
 
     Only :data:`UPLOAD_FORMATS` are opened. ``max_pixels``: larger images raise
-    :class:`ImageTooLargeError` from the header, before decoding. Other problems raise
-    :class:`DataError` naming ``source``.
+    :class:`ImageTooLargeError` from the header, before decoding; ``bit_depth``: of 16-bit
+    images (None: detected). Other problems raise :class:`DataError` naming ``source``.
     """
     if not data:
         raise DataError(f"{source} is empty; choose an image file")
     limit = None if max_pixels is None else max_pixels / 1e6
     im = _load(io.BytesIO(data), source, max_megapixels=limit, formats=UPLOAD_FORMATS)
-    return image_to_rgb(im, source)
+    return image_to_rgb(im, source, bit_depth=bit_depth)
 
 
 _ORIENTATION_TAG = 0x0112

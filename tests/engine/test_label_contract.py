@@ -102,7 +102,7 @@ def test_a_checkpoint_without_a_contract_gets_the_minimal_one(tmp_path: Path) ->
     )
     assert dict(contract_of(load_checkpoint(flagged)).meta.label_map) == {200: 2}
     bad = write_synthetic_checkpoint(tmp_path / "bad.pt", label_contract={**MAPPED, "bit_depth": 3})
-    with pytest.raises(CheckpointError, match="label contract is invalid .bit_depth 3"):
+    with pytest.raises(CheckpointError, match=r"label contract is invalid \(bit_depth 3"):
         load_model(bad)
 
 
@@ -202,7 +202,16 @@ def test_count_seen_is_by_content(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------- pixels
 def _wide_model(tmp_path: Path) -> tuple[Path, Path]:
     """A checkpoint whose contract says 16-bit, and a 12-bit image stored in a 16-bit PNG."""
-    ckpt = write_synthetic_checkpoint(tmp_path / "m.pt")
+    from tests.checkpoint_helpers import SYNTHETIC_KWARGS
+
+    from dualseg.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("dualseg_mobilenet_v2", **SYNTHETIC_KWARGS)
+    with torch.no_grad():  # weights jittered enough that the labels follow the brightness
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    ckpt = write_synthetic_checkpoint(tmp_path / "m.pt", model=model.state_dict())
     state = load_checkpoint(ckpt)
     contract = LabelContract(contract_of(state).meta, bit_depth=16)
     save_checkpoint(ckpt, {**state, "label_contract": contract.to_dict()})
@@ -223,6 +232,7 @@ def test_predict_reads_16_bit_images_as_the_model_was_trained(tmp_path: Path) ->
     assert cli_main(["predict", str(image), "-c", str(ckpt), "-o", str(out), "--quiet"]) == 0
     assert (np.array(Image.open(out / "labels" / "wide.png")) == as_trained).all()
     detected = seg.predict(read_image(image))  # 12-bit, detected: other pixels
+    assert (detected != as_trained).any()
     argv = ["predict", str(image), "-c", str(ckpt), "-o", str(out), "--quiet", "--overwrite"]
     assert cli_main([*argv, "--bit-depth", "12"]) == 0
     assert (np.array(Image.open(out / "labels" / "wide.png")) == detected).all()
@@ -240,3 +250,21 @@ def test_predict_max_megapixels_reads_images_above_the_limit(tmp_path, monkeypat
     slide = ["--mode", "slide", "--window", "32", "32"]
     assert cli_main([*argv, *slide, "--max-megapixels", "0.01"]) == 0
     assert (tmp_path / "o" / "labels" / "big.png").exists()
+
+
+def test_serve_reads_16_bit_uploads_as_the_model_was_trained(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from dualseg.commands import serve as serve_command
+    from dualseg.imaging import read_image
+
+    ckpt, image = _wide_model(tmp_path)
+    calls: dict = {}
+    monkeypatch.setattr(serve_command, "run_server", lambda _, app, **kw: calls.update(app=app))
+    monkeypatch.setattr(serve_command, "check_port", lambda host, port: None)
+    assert cli_main(["serve", "--checkpoint", str(ckpt), "--device", "cpu"]) == 0
+    png = image.read_bytes()
+    body = TestClient(calls["app"]).post("/api/segment", files={"file": ("w.png", png)}).json()
+    as_trained = load_model(ckpt).predict(read_image(image, bit_depth=16))
+    assert body["class_pixels"] == np.bincount(as_trained.ravel(), minlength=8).tolist()

@@ -228,6 +228,7 @@ class _Segmentation:
         self.class_names = [str(c) for c in segmenter.meta.class_names]
         self.palette = [[int(v) for v in rgb] for rgb in segmenter.meta.palette]
         self.ignore_index = int(getattr(segmenter.meta, "ignore_index", 255))
+        self.bit_depth = getattr(segmenter, "bit_depth", None)  # 16-bit uploads read as trained
 
     def paint(self, labels: np.ndarray) -> np.ndarray:
         return colorize(labels, self.palette, ignore_index=self.ignore_index)
@@ -262,7 +263,9 @@ class _Segmentation:
             except OSError as err:  # a full disk: the client still gets its answer
                 log.warning("--save-uploads %s: upload not saved (%s)", self.save_dir, err.strerror)
         t = time.perf_counter()
-        image = decode_image(data, source=name or "the upload", max_pixels=self.max_pixels)
+        image = decode_image(
+            data, source=name or "the upload", max_pixels=self.max_pixels, bit_depth=self.bit_depth
+        )
         timings = {"decode": _ms(t)}
         label, refined = self.labels(image, timings)
         t = time.perf_counter()
