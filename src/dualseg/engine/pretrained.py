@@ -170,11 +170,11 @@ def save_pretrained(
     ImageNet's, what dualseg trains with); ``training_labels`` how the training labels were
     read (the training config's ``data.label_format`` / ``label_map`` / ``ignore_index``), so
     that ``eval`` and ``refine fit`` of the folder read labels as the checkpoint's do;
-    ``label_contract``: :class:`~dualseg.data.contract.LabelContract` ``.to_dict()`` of the
-    training data (default: ``meta``'s). An existing folder's files are kept unless
-    ``overwrite=True``.
+    ``label_contract``: the training data's ``LabelContract.to_dict()`` (default: ``meta``'s).
+    An existing folder's files are kept unless ``overwrite=True``.
     """
     from dualseg._version import __version__
+    from dualseg.data.contract import LabelContract
     from dualseg.engine.checkpoint import to_plain
     from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 
@@ -210,13 +210,11 @@ def save_pretrained(
             "std": list(std or IMAGENET_STD),
         },
     }
-    from dualseg.data.contract import LabelContract
-
     contract = LabelContract.from_dict(dict(label_contract)) if label_contract else None
     if contract is not None and contract.class_names != meta.class_names:
         raise ConfigError(
-            f"label_contract names the classes {list(contract.class_names)}, meta "
-            f"{list(meta.class_names)}; pass the contract of the data the model was trained on"
+            f"label_contract names other classes ({', '.join(contract.class_names)}) than meta; "
+            "pass the contract of the data the model was trained on"
         )
     config["label_contract"] = (contract or LabelContract(meta)).to_dict()
     labels = {k: v for k, v in dict(training_labels or {}).items() if k in TRAINING_LABEL_KEYS}
@@ -411,9 +409,8 @@ def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
             f"{', '.join(TRAINING_LABEL_KEYS)} to values, got {labels!r}; save the folder again"
         )
     state = read_safetensors(folder / WEIGHTS_NAME, what="model")
-    contract = {"label_contract": config["label_contract"]} if "label_contract" in config else {}
     return {
-        **contract,  # checked by meta_from_checkpoint
+        **{k: config[k] for k in ("label_contract",) if k in config},  # see contract_of
         "format": FORMAT,
         "arch": config["arch"],
         "model_kwargs": config["model_kwargs"],  # checked by build_model_from_checkpoint

@@ -72,13 +72,6 @@ from dualseg.errors import CheckpointError, ConfigError
 __all__ = ["TrainingDivergedError", "fit", "train_one_epoch", "train_transform"]
 
 
-def monitored(monitor: str, *, has_val: bool) -> str:
-    """The quantity S33's patience watches (``auto``: val_loss with a val split)."""
-    if monitor == "auto":
-        return "val_loss" if has_val else "train_loss"
-    return monitor if has_val else "train_loss"
-
-
 @dataclass
 class _Run:
     """Everything one ``fit`` holds; the loop's functions read and update it."""
@@ -90,7 +83,7 @@ class _Run:
     state: dict[str, Any] | None  # the checkpoint resumed from
     meta: Any  # DatasetMeta of the training set
     train_data: dict[str, Any]  # which pairs the training split holds
-    train_images: Any  # content digests of the training images (eval warns on them)
+    train_images: Any  # content digests of the training images (rank 0; eval warns on them)
     train_loader: DataLoader
     sampler: ResumableSampler
     val_loader: DataLoader | None
@@ -121,7 +114,9 @@ class _Run:
 
     @property
     def watched(self) -> str:
-        return monitored(self.cfg.train.monitor, has_val=self.val_loader is not None)
+        """The quantity S33's patience watches (``auto``: val_loss with a val split)."""
+        monitor, has_val = self.cfg.train.monitor, self.val_loader is not None
+        return ("val_loss" if monitor == "auto" else monitor) if has_val else "train_loss"
 
 
 def fit(cfg: Config, *, resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
@@ -208,7 +203,7 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 else None
     return _Run(
         cfg, env, resume, resume_path, state, meta, train_data_record(train_ds.samples),
-        content_digests(image for image, _ in train_ds.samples),
+        content_digests(image for image, _ in train_ds.samples) if env.is_main else None,
         train_loader, sampler, val_loader, model, criterion, optimizer, scheduler, scaler,
         amp_dtype,
     )  # fmt: skip
