@@ -268,3 +268,40 @@ def test_serve_reads_16_bit_uploads_as_the_model_was_trained(tmp_path, monkeypat
     body = TestClient(calls["app"]).post("/api/segment", files={"file": ("w.png", png)}).json()
     as_trained = load_model(ckpt).predict(read_image(image, bit_depth=16))
     assert body["class_pixels"] == np.bincount(as_trained.ravel(), minlength=8).tolist()
+
+
+def test_predict_onnx_reads_16_bit_images_as_the_export_says(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    from dualseg.export.export import export_checkpoint
+
+    ckpt, image = _wide_model(tmp_path)
+    onnx = tmp_path / "m.onnx"
+    export_checkpoint(ckpt, onnx)
+    labels = {}
+    for flags in ((), ("--bit-depth", "16"), ("--bit-depth", "12")):
+        out = tmp_path / f"o{len(labels)}"
+        assert (
+            cli_main(["predict", str(image), "--onnx", str(onnx), "-o", str(out), "-q", *flags])
+            == 0
+        )
+        labels[flags[1] if flags else "default"] = np.array(Image.open(out / "labels" / "wide.png"))
+    assert (labels["default"] == labels["16"]).all() and (labels["default"] != labels["12"]).any()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["predict", "x.png", "-c", "m.pt", "-o", "o", "--bit-depth", "20"], "8..16"),
+        (["predict", "x.png", "-c", "m.pt", "-o", "o", "--max-megapixels", "0"], "positive"),
+        (["eval", "-c", "m.pt", "--data", "d", "--bit-depth", "7"], "8..16"),
+        (["train", "--data.root", "d", "--data.bit_depth", "20"], "data.bit_depth must be 8..16"),
+    ],
+)
+def test_bad_pixel_flags_are_one_line(argv, message, capsys) -> None:
+    try:
+        status = cli_main(argv)
+    except SystemExit as stop:  # argparse's errors leave through SystemExit
+        status = stop.code
+    assert status == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
