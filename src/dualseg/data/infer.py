@@ -1,9 +1,6 @@
-"""``dualseg data check --write-meta``: a ``meta.json`` inferred from the label values.
-
-The classes are the distinct raw values of every label file: values 0..K-1 are the classes as
-they are (255 beside them is ignore); any other set (0/255 masks) gets a ``label_map`` writing
-each value's class out. The names are placeholders for the user to review: ``background`` /
-``foreground`` for two values, else ``class_0``, ``class_1``, ...
+"""``dualseg data check --write-meta``: a ``meta.json`` inferred from the label values (0..K-1
+as they are, 255 beside them ignore; any other set through a ``label_map``), with placeholder
+names for the user to review.
 """
 
 from __future__ import annotations
