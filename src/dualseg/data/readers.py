@@ -9,7 +9,6 @@ errors that say the fix. Images follow the image policy of :mod:`dualseg.imaging
 from __future__ import annotations
 
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -55,18 +54,19 @@ def _label_array(path: Path, im: Image.Image) -> np.ndarray:
     )
 
 
+def _rgb_keys(rgb: np.ndarray) -> np.ndarray:
+    rgb = np.asarray(rgb, np.int64)
+    return (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]
+
+
 def decode_color_label(rgb: np.ndarray, meta: DatasetMeta, *, path: str | Path = "") -> np.ndarray:
     """HxWx3 uint8 colour label -> HxW uint8 class ids (void colours: 255; others: error)."""
     meta.require_distinct_colours()
-    colors = np.asarray(list(meta.palette) + list(meta.void_colors), dtype=np.int64)
-    values = np.asarray(
-        list(range(meta.num_classes)) + [IGNORE_INDEX] * len(meta.void_colors), dtype=np.uint8
-    )
-    keys = (colors[:, 0] << 16) | (colors[:, 1] << 8) | colors[:, 2]
+    keys = _rgb_keys([*meta.palette, *meta.void_colors])
+    values = np.asarray([*range(meta.num_classes)] + [IGNORE_INDEX] * len(meta.void_colors))
     order = np.argsort(keys)
-    keys, values = keys[order], values[order]
-    rgb = rgb.astype(np.int64)
-    pix = (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]
+    keys, values = keys[order], values[order].astype(np.uint8)
+    pix = _rgb_keys(rgb)
     pos = np.clip(np.searchsorted(keys, pix), 0, len(keys) - 1)
     known = keys[pos] == pix
     if not known.all():
@@ -83,23 +83,13 @@ def decode_color_label(rgb: np.ndarray, meta: DatasetMeta, *, path: str | Path =
 
 def _check_values(path: Path, raw: np.ndarray, meta: DatasetMeta) -> np.ndarray:
     first = meta.first_class_value
-    if raw.dtype != np.uint8:
-        if raw.size and (raw.min() < 0 or raw.max() > 255):
-            bad = np.unique(raw[(raw < 0) | (raw > 255)])[:8].tolist()
-            raise DataError(
-                f"{path}: label values {bad} are neither a class of {meta.name!r} "
-                f"({first}..{first + meta.num_classes - 1}) nor ignore "
-                f"({meta.describe_ignore()}); fix the label or choose the matching preset"
-            )
-        raw = raw.astype(np.uint8)
-    mapped = meta.lookup_table()[raw]
+    mapped = np.where((raw >= 0) & (raw <= 255), meta.lookup_table()[np.clip(raw, 0, 255)], -1)
     invalid = mapped < 0
     if invalid.any():
-        counts = np.bincount(raw[invalid].ravel(), minlength=256)
-        bad = np.flatnonzero(counts).tolist()
+        bad = np.unique(raw[invalid]).tolist()
         raise DataError(
             f"{path}: label values {bad[:8]}{' ...' if len(bad) > 8 else ''} "
-            f"({int(counts.sum())} pixels) are neither a class of {meta.name!r} "
+            f"({int(invalid.sum())} pixels) are neither a class of {meta.name!r} "
             f"({first}..{first + meta.num_classes - 1}) nor ignore ({meta.describe_ignore()}); "
             "choose the matching preset, map them with --label-map RAW:CLASS (meta.json: "
             '"label_map"), or fix the label'
@@ -191,29 +181,19 @@ def _bits_per_sample(path: Path, im: Image.Image) -> int | None:
 def _webp_is_lossy(path: Path) -> bool:
     """Whether a WebP file holds a lossy ``VP8 `` chunk (animation frames too)."""
     try:
-        with path.open("rb") as f:
-            if f.read(12)[8:] != b"WEBP":
-                return False
-            return _riff_has_lossy_chunk(f, end=None)
+        data = path.read_bytes()
     except OSError:
         return False
 
-
-def _riff_has_lossy_chunk(f: BinaryIO, end: int | None) -> bool:
-    while end is None or f.tell() < end:
-        head = f.read(8)
-        if len(head) < 8:
-            return False
-        kind, size = head[:4], int.from_bytes(head[4:], "little")
-        if kind == b"VP8 ":
-            return True
-        start = f.tell()
-        if kind == b"ANMF":  # an animation frame: 16 bytes of placement, then its chunks
-            f.seek(16, 1)
-            if _riff_has_lossy_chunk(f, end=start + size):
+    def lossy(pos: int, end: int) -> bool:  # walk the RIFF chunks (padded to even sizes)
+        while pos + 8 <= end:
+            kind, size = data[pos : pos + 4], int.from_bytes(data[pos + 4 : pos + 8], "little")
+            if kind == b"VP8 " or (kind == b"ANMF" and lossy(pos + 24, pos + 8 + size)):
                 return True
-        f.seek(start + size + (size & 1))  # chunks are padded to an even size
-    return False
+            pos += 8 + size + (size & 1)
+        return False
+
+    return data[8:12] == b"WEBP" and lossy(12, len(data))
 
 
 def _refuse_lossy_or_deep(path: Path, im: Image.Image) -> None:
@@ -382,10 +362,8 @@ def _swapped(im: Image.Image, label_path: Path, label_format: str, meta: Dataset
             rgb = np.asarray(lab.convert("RGB"), np.int64)
     except Exception:  # unreadable: its own error stands
         return False
-    colours = np.asarray([*meta.palette, *meta.void_colors], np.int64).reshape(-1, 3)
-    keys = (colours[:, 0] << 16) | (colours[:, 1] << 8) | colours[:, 2]
-    pix = (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]
-    return bool(np.isin(pix, keys).mean() < 0.5)
+    keys = _rgb_keys(np.asarray([*meta.palette, *meta.void_colors]).reshape(-1, 3))
+    return bool(np.isin(_rgb_keys(rgb), keys).mean() < 0.5)
 
 
 def read_pair(
