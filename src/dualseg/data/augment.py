@@ -12,6 +12,7 @@ import io
 import json
 import multiprocessing as mp
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -179,8 +180,12 @@ def augment_dataset(
         "label_format": label_format,
         "meta": dataset.meta.to_dict(),
         "source_pairs": len(dataset.samples),
-        "source_digest": _pairs_digest(dataset.samples),
-        "source_stamp": _files_stamp(dataset.samples),
+        "source_digest": _sha1(f"{i.resolve()}\t{lab.resolve()}" for i, lab in dataset.samples),
+        "source_stamp": _sha1(  # sizes and mtimes: no file is read
+            f"{st.st_size}:{st.st_mtime_ns}"
+            for pair in dataset.samples
+            for st in map(Path.stat, pair)
+        ),
     }
     _claim(dst, settings)
     earlier = _pair_count(dst)
@@ -284,20 +289,8 @@ def _check_destination(src: Path, dst: Path, dataset: SegmentationDataset, list_
         )
 
 
-def _pairs_digest(samples: list[tuple[Path, Path]]) -> str:
-    """SHA-1 of the source pairs' resolved paths, in order."""
-    text = "\n".join(f"{img.resolve()}\t{label.resolve()}" for img, label in samples)
-    return hashlib.sha1(text.encode("utf-8")).hexdigest()
-
-
-def _files_stamp(samples: list[tuple[Path, Path]]) -> str:
-    """SHA-1 of every source file's size and modification time (no file is read)."""
-    parts = []
-    for pair in samples:
-        for f in pair:
-            st = f.stat()
-            parts.append(f"{st.st_size}:{st.st_mtime_ns}")
-    return hashlib.sha1("\n".join(parts).encode("utf-8")).hexdigest()
+def _sha1(lines: Iterable[str]) -> str:
+    return hashlib.sha1("\n".join(lines).encode("utf-8")).hexdigest()
 
 
 def _has_files(folder: Path) -> bool:

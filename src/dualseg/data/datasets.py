@@ -59,32 +59,27 @@ def resolve_meta(
     ignore_value: IgnoreSetting = "auto",
 ) -> DatasetMeta:
     """The given preset, else ROOT/meta.json, else the layout's preset; then the overrides."""
-    meta = _own_meta(root, layout, preset)
+    if isinstance(preset, DatasetMeta):
+        meta = preset
+    elif preset is not None:
+        meta = preset_for(root, preset)
+    elif (meta_file := meta_path(Path(root))).is_file():
+        meta = load_meta_file(meta_file)
+    elif layout in PRESETS:  # voc, cityscapes, ade20k
+        meta = PRESETS[layout]
+    else:
+        raise DataError(
+            f"{root}: which classes does this dataset have? pass preset= one of {sorted(PRESETS)} "
+            f"(CLI: --preset), or describe them in {meta_file} (name, class_names, palette, and a "
+            "label_map when the raw values are not 0..K-1, as in 0/255 masks): 'dualseg data "
+            f"check {root} --write-meta' writes one from the label values for you to review"
+        )
     return with_label_mapping(meta, label_map=label_map, ignore_value=ignore_value)
 
 
 def meta_path(root: Path) -> Path:
     """ROOT/meta.json (beside the list file when ROOT is one)."""
     return (root.parent if root.is_file() else root) / META_FILE
-
-
-def _own_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -> DatasetMeta:
-    if isinstance(preset, DatasetMeta):
-        return preset
-    if preset is not None:
-        return preset_for(root, preset)
-    root = Path(root)
-    meta_file = meta_path(root)
-    if meta_file.is_file():
-        return load_meta_file(meta_file)
-    if layout in PRESETS:  # voc, cityscapes, ade20k
-        return PRESETS[layout]
-    raise DataError(
-        f"{root}: which classes does this dataset have? pass preset= one of {sorted(PRESETS)} "
-        f"(CLI: --preset), or describe them in {meta_file} (name, class_names, palette, and a "
-        "label_map when the raw values are not 0..K-1, as in 0/255 masks): 'dualseg data "
-        f"check {root} --write-meta' writes one from the label values for you to review"
-    )
 
 
 def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
