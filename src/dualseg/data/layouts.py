@@ -246,15 +246,20 @@ def _scan_folder(root: Path, split: str) -> Discovery:
             "holds every split's images; read it with --layout list (or auto)"
         )
         return found
-    images, labels = (_images_by_stem(d, found.problems) for d in dirs)
     found.source, found.label_source = dirs
+    return _pair_by_stem(found, *dirs)
+
+
+def _pair_by_stem(found: Discovery, image_dir: Path, label_dir: Path) -> Discovery:
+    """Pair the images and labels of two folders by file stem; each stray file is a problem."""
+    images, labels = (_images_by_stem(d, found.problems) for d in (image_dir, label_dir))
     for stem, img in images.items():
         if stem in labels:
             found.samples.append((img, labels[stem]))
         else:
-            found.problems.append(f"{img}: no label with stem {stem!r} in {dirs[1]}; add it")
+            found.problems.append(f"{img}: no label with stem {stem!r} in {label_dir}; add it")
     for stem in sorted(set(labels) - set(images)):
-        found.problems.append(f"{labels[stem]}: no image with stem {stem!r} in {dirs[0]}; add it")
+        found.problems.append(f"{labels[stem]}: no image with stem {stem!r} in {image_dir}; add it")
     return found
 
 
@@ -328,13 +333,7 @@ def _scan_ade20k(root: Path, split: str) -> Discovery:
             f"{ADE_FOLDER} folder (or its parent) and --split train or val"
         )
         return found
-    labels = _images_by_stem(ann_dir, found.problems)
-    for stem, img in _images_by_stem(img_dir, found.problems).items():
-        if stem in labels:
-            found.samples.append((img, labels[stem]))
-        else:
-            found.problems.append(f"{img}: no annotation {ann_dir / stem}.png; add it")
-    return found
+    return _pair_by_stem(found, img_dir, ann_dir)
 
 
 SCANNERS = {
