@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from dualseg.console import ProgressMode, track
-from dualseg.data.datasets import check_split_name, one_class_set, resolve_meta, size_mismatch
+from dualseg.data.datasets import check_split_name, one_class_set, resolve_meta
 from dualseg.data.layouts import available_splits, detect_any_split, discover, unlabelled_split
 from dualseg.data.presets import IGNORE_INDEX, META_FILE, DatasetMeta, IgnoreSetting
 from dualseg.data.readers import inspect_pair
@@ -120,9 +120,14 @@ def check_dataset(
         largest = (0, 0)
         ranges: list[tuple[str, int, int]] = []
         for img_path, label_path in track(found.samples, desc=f"check {split}", mode=progress):
-            problems, size, values = _check_pair(img_path, label_path, meta, label_format, hist)
+            image, label, problems, values = inspect_pair(
+                img_path, label_path, meta, label_format=label_format
+            )
             report.problems += problems
-            largest = (max(largest[0], size[0]), max(largest[1], size[1]))
+            if label is not None:
+                hist += np.bincount(label.ravel(), minlength=256)
+            if image is not None:
+                largest = (max(largest[0], image.shape[0]), max(largest[1], image.shape[1]))
             ranges += [values] if values else []
         report.largest[split] = largest
         if ranges:
@@ -156,21 +161,6 @@ def _shown_path(path: Path, root: Path) -> str:
         return f"{path.relative_to(root)}/" if path.is_dir() else path.relative_to(root).as_posix()
     except ValueError:
         return str(path)
-
-
-def _check_pair(
-    img_path: Path, label_path: Path, meta: DatasetMeta, label_format: str, hist: np.ndarray
-) -> tuple[list[str], tuple[int, int], tuple[str, int, int] | None]:
-    """The pair's problems, its image's (H, W) ((0, 0) when unreadable) and stored values."""
-    image, label, problems, values = inspect_pair(
-        img_path, label_path, meta, label_format=label_format
-    )
-    if image is not None and label is not None and image.shape[:2] != label.shape:
-        problems.append(size_mismatch(img_path, image.shape[:2], label_path, label.shape))
-    if label is not None:
-        hist += np.bincount(label.ravel(), minlength=256)
-    size = tuple(image.shape[:2]) if image is not None else (0, 0)
-    return problems, size, values  # type: ignore[return-value]
 
 
 def _value_range(ranges: list[tuple[str, int, int]]) -> dict[str, Any]:

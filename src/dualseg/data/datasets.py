@@ -40,16 +40,6 @@ from dualseg.errors import DataError
 __all__ = ["LAYOUTS", "available_splits", "detect_layout", "discover"]  # re-exported for callers
 
 
-def size_mismatch(
-    img_path: Path, image_hw: tuple[int, ...], label_path: Path, label_hw: tuple[int, ...]
-) -> str:
-    (h, w), (lh, lw) = image_hw, label_hw
-    return (
-        f"{label_path}: label size {lw}x{lh} differs from image {img_path} size {w}x{h} (WxH); "
-        "resize the label with nearest-neighbour or fix the pairing"
-    )
-
-
 def resolve_meta(
     root: str | Path,
     layout: str,
@@ -183,16 +173,13 @@ class SegmentationDataset(torch.utils.data.Dataset):
     def load_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The raw pair ``(uint8 HxWx3, uint8 HxW with 255 = ignore)`` of sample ``index``."""
         img_path, label_path = self.samples[index % len(self.samples)]
-        image, label = read_pair(
+        return read_pair(
             img_path,
             label_path,
             self.meta,
             label_format=self.label_format,
             bit_depth=self.bit_depth,
         )
-        if image.shape[:2] != label.shape:
-            raise DataError(size_mismatch(img_path, image.shape[:2], label_path, label.shape))
-        return image, label
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         if not -len(self) <= index < len(self):

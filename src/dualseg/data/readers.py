@@ -347,6 +347,12 @@ def inspect_pair(
                 "file's lines are 'image_path label_path', image first"
             )
         problems.append(message)
+    if image is not None and label is not None and image.shape[:2] != label.shape:
+        (h, w), (lh, lw) = image.shape[:2], label.shape
+        problems.append(
+            f"{label_path}: label size {lw}x{lh} differs from image {img_path} size {w}x{h} "
+            "(WxH); resize the label with nearest-neighbour or fix the pairing"
+        )
     return image, label, problems, values
 
 
@@ -375,7 +381,7 @@ def read_pair(
     bit_depth: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """An image and its label, turned alike by their EXIF orientation; the first problem as a
-    DataError. Sizes are the caller's to compare."""
+    DataError (sizes that differ too)."""
     image, label, problems, _ = inspect_pair(
         img_path, label_path, meta, label_format=label_format, bit_depth=bit_depth
     )
