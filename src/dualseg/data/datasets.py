@@ -172,13 +172,9 @@ class SegmentationDataset(torch.utils.data.Dataset):
 
     def load_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The raw pair ``(uint8 HxWx3, uint8 HxW with 255 = ignore)`` of sample ``index``."""
-        img_path, label_path = self.samples[index % len(self.samples)]
+        img, lab = self.samples[index % len(self.samples)]
         return read_pair(
-            img_path,
-            label_path,
-            self.meta,
-            label_format=self.label_format,
-            bit_depth=self.bit_depth,
+            img, lab, self.meta, label_format=self.label_format, bit_depth=self.bit_depth
         )
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
