@@ -11,7 +11,6 @@ from __future__ import annotations
 import glob
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from dualseg.errors import DataError
 
@@ -60,15 +59,11 @@ def _files_by_stem(folder: Path) -> dict[str, list[Path]]:
 
 
 def _stem_pair(
-    list_file: Path, n: int, stem: str, found: Discovery, cache: dict[str, Any]
+    list_file: Path, n: int, stem: str, found: Discovery, folders: list[tuple[Path, dict]]
 ) -> Pair | None:
-    """The image and label of a stem list's line ``n``: the folder layout's for its split."""
-    if "dirs" not in cache:
-        cache["dirs"] = dirs = _folder_pair_dirs(list_file.parent, list_file.stem, lists=False)
-        cache["files"] = [_files_by_stem(d) for d in dirs] if dirs else None
-    dirs, files = cache["dirs"], cache["files"]
+    """The image and label of a stem list's line ``n`` in the split's ``folders``."""
     where = f"{list_file}:{n}"
-    if dirs is None:
+    if not folders:
         found.problems.append(
             f"{where}: {stem!r} is a file stem, found in images/ + labels/ (or masks/) beside "
             f"{list_file.name}, which {list_file.parent} lacks; add those folders, or write the "
@@ -76,7 +71,7 @@ def _stem_pair(
         )
         return None
     pair = []
-    for folder, by_stem in zip(dirs, files):
+    for folder, by_stem in folders:
         paths = by_stem.get(stem, [])
         if len(paths) != 1:
             found.problems.append(
@@ -91,14 +86,17 @@ def _stem_pair(
 
 def _read_list(list_file: Path, found: Discovery) -> None:
     base = list_file.parent
-    stems: dict[str, Any] = {}  # the folders of a stem list, read once
+    folders = None  # a stem list's: the folder layout's for its split, read once
     for n, line in enumerate(_list_lines(list_file), start=1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         parts = line.split()
         if len(parts) == 1 and _is_stem(parts[0]):
-            if (stem_pair := _stem_pair(list_file, n, parts[0], found, stems)) is not None:
+            if folders is None:
+                dirs = _folder_pair_dirs(base, list_file.stem, lists=False) or ()
+                folders = [(d, _files_by_stem(d)) for d in dirs]
+            if (stem_pair := _stem_pair(list_file, n, parts[0], found, folders)) is not None:
                 found.samples.append(stem_pair)
             continue
         if len(parts) > 2:  # "images/a b.png labels/a b.png": no way to tell where a path ends
