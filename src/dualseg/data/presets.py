@@ -79,7 +79,7 @@ class DatasetMeta:
     def lookup_table(self) -> np.ndarray:
         """``int16 [256]``: raw value -> class id, 255 (ignore) or -1 (invalid); label_map wins."""
         lut = np.full(256, -1, dtype=np.int16)
-        first = self.first_class_value
+        first = int(self.reduce_zero_label)
         lut[first : first + self.num_classes] = np.arange(self.num_classes)
         if self.reduce_zero_label:
             lut[0] = IGNORE_INDEX
@@ -95,11 +95,6 @@ class DatasetMeta:
         reached = {int(v) for v in self.lookup_table() if 0 <= v < self.num_classes}
         return [k for k in range(self.num_classes) if k not in reached]
 
-    @property
-    def first_class_value(self) -> int:
-        """The raw value of class 0: 1 with ``reduce_zero_label`` (ADE20K), else 0."""
-        return 1 if self.reduce_zero_label else 0
-
     def describe_ignore(self) -> str:
         """The raw values that mean ignore, for messages: ``"255, 11"`` or ``"none"``."""
         values = [0] if self.reduce_zero_label else []
@@ -111,7 +106,7 @@ class DatasetMeta:
 
     def describe_mapping(self) -> str:
         """The whole raw-value mapping in a few words, for messages."""
-        first = self.first_class_value
+        first = int(self.reduce_zero_label)
         parts = [f"classes {first}..{first + self.num_classes - 1}"]
         parts.append(f"ignore {self.describe_ignore()}")
         if self.label_map:

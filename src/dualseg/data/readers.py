@@ -82,7 +82,7 @@ def decode_color_label(rgb: np.ndarray, meta: DatasetMeta, *, path: str | Path =
 
 
 def _check_values(path: Path, raw: np.ndarray, meta: DatasetMeta) -> np.ndarray:
-    first = meta.first_class_value
+    first = int(meta.reduce_zero_label)
     mapped = np.where((raw >= 0) & (raw <= 255), meta.lookup_table()[np.clip(raw, 0, 255)], -1)
     invalid = mapped < 0
     if invalid.any():
