@@ -97,22 +97,11 @@ def _check_values(path: Path, raw: np.ndarray, meta: DatasetMeta) -> np.ndarray:
     return mapped.astype(np.uint8)
 
 
-def _palette_in_use(im: Image.Image, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """A palette label's colours ``[N,3]`` and the indices its pixels use; None without one."""
-    flat = im.getpalette()
-    if not flat:
-        return None
-    pal = np.asarray(flat, np.int64).reshape(-1, 3)
-    return pal, np.asarray([int(i) for i in np.unique(raw) if i < len(pal)], np.int64)
-
-
 def _check_palette_indices(
     path: Path, pal: np.ndarray, used: np.ndarray, meta: DatasetMeta
 ) -> None:
     """Refuse a palette label drawn mostly in the dataset's colours at other indices: an
     editor's colour-coded label, whose indices mean nothing (VOC's colour map passes)."""
-    if not meta.palette:
-        return
     colours = [tuple(int(v) for v in pal[i]) for i in used]
     if all(c == VOC_COLOURS[i] for i, c in zip(used.tolist(), colours)):
         return
@@ -141,8 +130,6 @@ def _check_palette_indices(
 def _check_grey_palette(path: Path, pal: np.ndarray, used: np.ndarray, meta: DatasetMeta) -> None:
     """Refuse a palette label whose grey levels are other classes than its indices (a
     quantizer's re-encoding: both readings are valid labels)."""
-    if len(used) == 0:
-        return
     grey = pal[used, 0]
     if not (pal[used] == grey[:, None]).all() or np.array_equal(grey, used):
         return  # colours of its own, or grey levels equal to the indices: unambiguous
@@ -248,9 +235,11 @@ def _decode_label(
         im = ImageOps.exif_transpose(im)
     if label_format == "index":
         raw = _raw_values(path, im)
-        if im.mode == "P" and (in_use := _palette_in_use(im, raw)) is not None:
-            _check_palette_indices(path, *in_use, meta)
-            _check_grey_palette(path, *in_use, meta)
+        if im.mode == "P" and (flat := im.getpalette()):  # colours [N,3], the indices used
+            pal = np.asarray(flat, np.int64).reshape(-1, 3)
+            used = np.asarray([int(i) for i in np.unique(raw) if i < len(pal)], np.int64)
+            _check_palette_indices(path, pal, used, meta)
+            _check_grey_palette(path, pal, used, meta)
         return _check_values(path, raw, meta)
     if im.mode not in {"RGB", "RGBA", "P", "L"}:
         raise DataError(
