@@ -3,6 +3,7 @@ pair of every split read, all problems listed, per-class pixel histograms."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,16 +144,13 @@ def check_dataset(
 
 def _split_overlap(root: Path, images: Mapping[str, set[Path]]) -> str | None:
     """The first two of train / val / test that share images (other names, VOC's trainval, may)."""
-    named = [s for s in DEFAULT_SPLITS if s in images]
-    for i, a in enumerate(named):
-        for b in named[i + 1 :]:
-            shared = images[a] & images[b]
-            if shared:
-                return (
-                    f"{root}: split {b!r} shares {len(shared)} of its {len(images[b])} images "
-                    f"with split {a!r} (e.g. {min(shared).name}), so its scores would be on "
-                    "images trained on; keep each image in one split"
-                )
+    for a, b in itertools.combinations([s for s in DEFAULT_SPLITS if s in images], 2):
+        if shared := images[a] & images[b]:
+            return (
+                f"{root}: split {b!r} shares {len(shared)} of its {len(images[b])} images "
+                f"with split {a!r} (e.g. {min(shared).name}), so its scores would be on "
+                "images trained on; keep each image in one split"
+            )
     return None
 
 
