@@ -112,14 +112,17 @@ def _read_list(list_file: Path, found: Discovery) -> None:
                 "write one pair per line, separated by a space"
             )
             continue
-        pair = (base / parts[0], base / parts[1])
-        missing = [p for p in pair if not p.is_file()]
-        for p in missing:
-            found.problems.append(
-                f"{p}: listed in {list_file}:{n} but not found; fix the path or remove the line"
-            )
-        if not missing:
-            found.samples.append(pair)
+        _add_listed(found, (base / parts[0], base / parts[1]), f"{list_file}:{n}")
+
+
+def _add_listed(found: Discovery, pair: Pair, where: str) -> None:
+    """Add the pair a list line names, or a problem for each of its files that is missing."""
+    missing = [p for p in pair if not p.is_file()]
+    found.problems += [
+        f"{p}: listed in {where} but not found; fix the path or remove the line" for p in missing
+    ]
+    if not missing:
+        found.samples.append(pair)
 
 
 def _scan_list(root: Path, split: str) -> Discovery:
@@ -275,11 +278,7 @@ def _scan_voc(root: Path, split: str) -> Discovery:
         if not stem:
             continue
         pair = (root / "JPEGImages" / f"{stem}.jpg", root / "SegmentationClass" / f"{stem}.png")
-        missing = [p for p in pair if not p.is_file()]
-        for p in missing:
-            found.problems.append(f"{p}: named in {list_file}:{n} but not found; add it")
-        if not missing:
-            found.samples.append(pair)
+        _add_listed(found, pair, f"{list_file}:{n}")
     return found
 
 
