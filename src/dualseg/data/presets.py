@@ -97,12 +97,10 @@ class DatasetMeta:
 
     def describe_ignore(self) -> str:
         """The raw values that mean ignore, for messages: ``"255, 11"`` or ``"none"``."""
-        values = [0] if self.reduce_zero_label else []
-        values += [self.ignore_value] if self.ignore_value not in (None, *values) else []
-        values += [v for v in self.source_ignore if v not in values]
-        values += [s for s, d in self.label_map if d == IGNORE_INDEX and s not in values]
+        raw = [0] * self.reduce_zero_label + [self.ignore_value, *self.source_ignore]
         lut = self.lookup_table()  # a label_map entry may map one of them to a class
-        return ", ".join(str(v) for v in values if lut[v] == IGNORE_INDEX) or "none"
+        raw = [v for v in dict.fromkeys(raw + [s for s, _ in self.label_map]) if v is not None]
+        return ", ".join(str(v) for v in raw if lut[v] == IGNORE_INDEX) or "none"
 
     def describe_mapping(self) -> str:
         """The whole raw-value mapping in a few words, for messages."""
