@@ -37,15 +37,10 @@ def meta_from_values(values: list[int], *, name: str) -> DatasetMeta:
             "in meta.json by hand"
         )
     classes, ignore = values, IGNORE_INDEX
-    if (
-        values[-1] == IGNORE_INDEX
-        and len(values) > 2
-        and values[:-1] == list(range(len(values) - 1))
-    ):
+    if len(values) > 2 and values == [*range(len(values) - 1), IGNORE_INDEX]:
         classes = values[:-1]  # 0..K-1 and 255: the usual ignore value beside the classes
-    label_map = (
-        {} if classes == list(range(len(classes))) else {v: i for i, v in enumerate(classes)}
-    )
+    identity = classes == list(range(len(classes)))
+    label_map = {} if identity else {v: i for i, v in enumerate(classes)}
     if IGNORE_INDEX in label_map:
         ignore = None  # 255 is a class here
     k = len(classes)

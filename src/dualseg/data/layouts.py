@@ -367,8 +367,7 @@ def available_splits(root: str | Path, layout: str = "auto") -> list[str]:
     names |= {p.stem for p in root.glob("ImageSets/Segmentation/*.txt")}
     subs = (root, *(root / n for n in IMAGE_DIRS), root / "leftImg8bit", _ade_root(root) / "images")
     for sub in subs:
-        if sub.is_dir():
-            names |= {d.name for d in sub.iterdir() if d.is_dir() and not d.name.startswith(".")}
+        names |= {d.name for d in _subdirs(sub)}
     found = []
     for name in sorted(names):
         kind = detect(root, name) if layout == "auto" else layout
