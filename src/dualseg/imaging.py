@@ -105,12 +105,9 @@ def _load(
 
 def drop_opaque_alpha(array: np.ndarray, source: str | Path) -> np.ndarray:
     """``array`` without its last (alpha) channel; transparent pixels raise DataError."""
-    if np.issubdtype(array.dtype, np.floating):
-        opaque: float = 1.0
-    elif np.issubdtype(array.dtype, np.unsignedinteger):
-        opaque = float(np.iinfo(array.dtype).max)
-    else:
-        opaque = 255.0
+    unsigned = np.issubdtype(array.dtype, np.unsignedinteger)
+    opaque = float(np.iinfo(array.dtype).max) if unsigned else 255.0
+    opaque = 1.0 if np.issubdtype(array.dtype, np.floating) else opaque
     if array.size and array[..., -1].min() < opaque:
         raise DataError(
             f"{source}: has transparent pixels (alpha < {opaque:g}), so the colour under them is "
