@@ -428,15 +428,19 @@ def format_table(class_names: Sequence[str], results: Mapping[str, Any]) -> str:
 
     name_w = max([len("class"), *(len(n) for n in class_names)])
     widths = [max(len(h), 6) for _, h in cols]
+
+    def row(name: str, cells: list[str]) -> str:
+        return (
+            "| "
+            + " | ".join([name.ljust(name_w), *(c.rjust(w) for c, w in zip(cells, widths))])
+            + " |"
+        )
+
     lines = [
-        "| "
-        + " | ".join(["class".ljust(name_w), *(h.rjust(w) for (_, h), w in zip(cols, widths))])
-        + " |",
-        "|" + "|".join(["-" * (name_w + 1) + "-", *("-" * (w + 1) + ":" for w in widths)]) + "|",
+        row("class", [h for _, h in cols]),
+        "|" + "|".join(["-" * (name_w + 2), *("-" * (w + 1) + ":" for w in widths)]) + "|",
     ]
-    for i, name in enumerate(class_names):
-        cells = [pct(results[k][i]).rjust(w) for (k, _), w in zip(cols, widths)]
-        lines.append("| " + " | ".join([name.ljust(name_w), *cells]) + " |")
+    lines += [row(n, [pct(results[k][i]) for k, _ in cols]) for i, n in enumerate(class_names)]
     summary = [f"{h}: {pct(results[k])}" for k, h in _SUMMARY_KEYS if k in results]
     if summary:
         lines += ["", "  ".join(summary)]

@@ -92,17 +92,9 @@ def verify_hash(path: str | os.PathLike[str]) -> bool | None:
 
 def _offline_path(module: str, relpath: str) -> Path | None:
     # find_spec finds the package without running its code (the wheels pin old torch versions)
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for root in spec.submodule_search_locations:
-        candidate = Path(root) / relpath
-        if candidate.is_file():
-            return candidate
-    return None
+    spec = importlib.util.find_spec(module)
+    roots = (spec.submodule_search_locations or []) if spec else []
+    return next((Path(r) / relpath for r in roots if (Path(r) / relpath).is_file()), None)
 
 
 def resolve_weights(
