@@ -94,38 +94,37 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         print("dualseg: terminated", file=sys.stderr)
         return 143  # 128 + SIGTERM, as a shell reports it
-    except DualsegError as err:  # expected, user-facing failures: one clear line, no traceback
-        print(error_line(name, err), file=sys.stderr)
-        return 1
-    except OSError as err:
+    except (DualsegError, OSError, MemoryError, RuntimeError) as err:
         if isinstance(err, BrokenPipeError) and _stdout_closed():
             return 141  # 128 + SIGPIPE: what a shell reports for `dualseg ... | head`
-        # disk full, a folder made read-only mid-run: the environment, not a bug
-        if err.filename is None and err.errno is None:
-            raise  # no file, no system error code: not the environment, a bug to see whole
-        reason = err.strerror or type(err).__name__
-        where = f"{err.filename}: " if err.filename is not None else ""
-        print(
-            f"dualseg {name}: error: {where}{reason}; check the path, its permissions "
-            "and the free space",
-            file=sys.stderr,
-        )
-        return 1
-    except MemoryError:  # numpy's allocations
-        print(out_of_memory_line(name, ""), file=sys.stderr)
-        return 1
-    except RuntimeError as err:
-        if _is_out_of_memory(err):  # the machine's limit, not a bug: one line with the fix
-            print(out_of_memory_line(name, str(err)), file=sys.stderr)
-            return 1
-        if "PytorchStreamWriter failed" not in str(err):  # torch.save's disk-full / I/O error
+        line = failure_line(name, err)
+        if line is None:  # not the user's input nor the machine: a bug to see whole
             raise
-        print(
-            f"dualseg {name}: error: writing a torch file failed ({' '.join(str(err).split())}); "
-            "check the free space and the permissions of the output folder",
-            file=sys.stderr,
-        )
+        print(line, file=sys.stderr)
         return 1
+
+
+def failure_line(name: str, err: BaseException) -> str | None:
+    """The one line for a user error or the machine's limit (disk, memory), else None."""
+    if isinstance(err, DualsegError):
+        return error_line(name, err)
+    text = " ".join(str(err).split())
+    if isinstance(err, MemoryError):  # numpy's allocations
+        return out_of_memory_line(name, "")
+    if isinstance(err, RuntimeError) and _is_out_of_memory(err):
+        return out_of_memory_line(name, text)
+    if isinstance(err, RuntimeError) and "PytorchStreamWriter failed" in text:  # torch.save's
+        return (
+            f"dualseg {name}: error: writing a torch file failed ({text}); check the free "
+            "space and the permissions of the output folder"
+        )
+    if isinstance(err, OSError) and (err.filename is not None or err.errno is not None):
+        where = f"{err.filename}: " if err.filename is not None else ""
+        return (
+            f"dualseg {name}: error: {where}{err.strerror or type(err).__name__}; check the "
+            "path, its permissions and the free space"
+        )
+    return None
 
 
 # what makes each command's memory smaller, for the out-of-memory line

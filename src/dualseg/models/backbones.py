@@ -42,15 +42,9 @@ def dilate_blocks(blocks: Sequence[nn.Module], output_stride: int, stride: int =
                     m.padding = (dilation * (k - 1) // 2,) * 2
 
 
-def _check_stride(output_stride: int) -> None:
-    if output_stride not in (8, 16, 32):
-        raise ConfigError(f"output_stride must be 8, 16 or 32, got {output_stride}")
-
-
 def _resnet(arch: str, in_channels: int, output_stride: int) -> tuple[nn.Module, int]:
     """Dilated torchvision ResNet without pooling/fc, torchvision's keys; torchvision cannot
     dilate BasicBlock (ResNet-18/34), so :func:`dilate_blocks` does."""
-    _check_stride(output_stride)
     bottleneck = arch in ("resnet50", "resnet101")
     replace = {8: [False, True, True], 16: [False, False, True], 32: [False, False, False]}
     kwargs = {"replace_stride_with_dilation": replace[output_stride]} if bottleneck else {}
@@ -67,7 +61,6 @@ def _resnet(arch: str, in_channels: int, output_stride: int) -> tuple[nn.Module,
 def _mobilenet_v2(in_channels: int, output_stride: int) -> tuple[nn.Module, int]:
     """Dilated torchvision MobileNetV2 ``features[:18]`` (320 channels, as the MobileNetV2
     paper's DeepLabV3, §6.3)."""
-    _check_stride(output_stride)
     net = torchvision.models.mobilenet_v2(weights=None)
     features = net.features[:-1]
     dilate_blocks(list(features), output_stride)
@@ -88,8 +81,7 @@ class TimmBackbone(nn.Module):
             raise ConfigError(
                 "timm backbones need the timm package: pip install 'dualseg[timm]'"
             ) from exc
-        _check_stride(output_stride)
-        self.model_name = model_name
+            self.model_name = model_name
         try:
             self.model = timm.create_model(
                 model_name,
@@ -153,6 +145,8 @@ def build_backbone(
     """``(module, out_channels)`` of backbone ``name`` (a :data:`BACKBONES` key or
     ``timm:<model>``). ``weights``: None, ``"imagenet"``, a state-dict file or a state dict;
     a 1-channel stem gets the RGB kernels' sum (spec S2 Reading) or ``"mean"``."""
+    if output_stride not in (8, 16, 32):
+        raise ConfigError(f"output_stride must be 8, 16 or 32, got {output_stride}")
     if name.startswith("timm:"):
         timm_name = name.removeprefix("timm:")
         module: nn.Module = TimmBackbone(timm_name, in_channels, output_stride)
