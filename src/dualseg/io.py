@@ -34,23 +34,19 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
         ) from None
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        # mkstemp creates the file 0600; give it the permissions a plain open() would.
+        # mkstemp creates the file 0600: the permissions a plain open() would give
         os.chmod(tmp, 0o666 & ~_UMASK)
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as err:
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if err.filename is None and err.errno is not None:
+        if isinstance(err, OSError) and err.filename is None and err.errno is not None:
             # write / fsync failures (disk full) name no file: name the one being written
             raise OSError(err.errno, err.strerror, str(path)) from err
-        raise
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
         raise
 
 

@@ -55,21 +55,6 @@ def _label_tensors(
         return x
 
     pred, target = tensor(pred, "pred").to(device), tensor(target, "target").to(device)
-    _check_labels(pred, target, num_classes, ignore_index)
-    return pred, target
-
-
-def _check_num_classes(num_classes: Any, upper: int | None = None) -> int:
-    if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
-        raise TypeError(f"num_classes must be an int, got {num_classes!r}")
-    num_classes = int(num_classes)
-    if num_classes < 1 or (upper is not None and num_classes >= upper):
-        bound = "" if upper is None else f" and < {upper}"
-        raise ValueError(f"num_classes must be >= 1{bound}, got {num_classes}")
-    return num_classes
-
-
-def _check_labels(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int) -> None:
     if pred.is_floating_point() or target.is_floating_point():
         raise TypeError("pred and target must be integer label maps (take argmax of logits first)")
     if pred.shape != target.shape:
@@ -88,6 +73,17 @@ def _check_labels(pred: Tensor, target: Tensor, num_classes: int, ignore_index: 
             )
         vals = torch.unique(pred[bad_p]).tolist()[:10]
         raise ValueError(f"predicted values {vals} are outside [0, {num_classes})")
+    return pred, target
+
+
+def _check_num_classes(num_classes: Any, upper: int | None = None) -> int:
+    if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
+        raise TypeError(f"num_classes must be an int, got {num_classes!r}")
+    num_classes = int(num_classes)
+    if num_classes < 1 or (upper is not None and num_classes >= upper):
+        bound = "" if upper is None else f" and < {upper}"
+        raise ValueError(f"num_classes must be >= 1{bound}, got {num_classes}")
+    return num_classes
 
 
 def _confusion_counts(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int) -> Tensor:

@@ -81,7 +81,7 @@ class TimmBackbone(nn.Module):
             raise ConfigError(
                 "timm backbones need the timm package: pip install 'dualseg[timm]'"
             ) from exc
-            self.model_name = model_name
+        self.model_name = model_name
         try:
             self.model = timm.create_model(
                 model_name,
