@@ -184,5 +184,10 @@ def backbone_state_dict(
 
 
 def backbone_weights_name(name: str) -> str:
-    """The :mod:`dualseg.weights` name of backbone ``name``."""
-    return name.removeprefix("timm:")
+    """The :mod:`dualseg.weights` name of backbone ``name`` (``timm:<model>`` or a key of
+    :data:`BACKBONES`; ConfigError for another)."""
+    if name.startswith("timm:"):
+        return name.removeprefix("timm:")
+    if name not in BACKBONES:
+        raise ConfigError(f"unknown backbone {name!r}")
+    return name
