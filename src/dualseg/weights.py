@@ -227,6 +227,8 @@ def adapt_conv_in_channels(weight: Tensor, in_channels: int, *, reduce: str = "s
     if in_channels == c:
         return weight
     if in_channels == 1:
+        if reduce not in ("sum", "mean"):  # build_backbone's callers reach it unchecked
+            raise ValueError(f"reduce must be 'sum' or 'mean', got {reduce!r}")
         return weight.sum(1, keepdim=True) if reduce == "sum" else weight.mean(1, keepdim=True)
     reps = -(-in_channels // c)
     return weight.repeat(1, reps, 1, 1)[:, :in_channels] * (c / in_channels)
