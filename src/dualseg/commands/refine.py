@@ -51,6 +51,8 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         kw: dict[str, Any] = {"type": PARSED.get(f.name, kind), "default": f.default}
         if f.type == tuple[int, ...]:
             kw.update(type=int, nargs="+", default=list(f.default))
+        if f.type == tuple[str, ...] | None:
+            kw.update(type=str, nargs="+", metavar="MODULE")
         shown = " ".join(map(str, f.default)) if f.type == tuple[int, ...] else f.default
         help = f.metadata["help"] + (f" ({shown})" if f.default is not None else "")
         if "choices" in f.metadata:
