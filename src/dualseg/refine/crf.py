@@ -150,7 +150,7 @@ def choose_crf(
 ) -> tuple[CRFSettings, list[dict[str, Any]]]:
     """The setting of ``grid`` whose CRF scores best in ``metric`` (``miou`` or
     ``boundary_f1``) on ``loader``'s (dev) images, and every setting's scores."""
-    from dualseg.engine.evaluate import evaluate
+    from dualseg.engine.evaluation import evaluate
 
     rows = []
     for settings in grid:

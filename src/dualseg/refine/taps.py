@@ -59,7 +59,9 @@ def base_logits(base: Callable[[Tensor], Any], images: Tensor) -> Tensor:
     out = base(images)
     out = model_logits(getattr(out, "logits", out), "the base model")
     if out.shape[-2:] != images.shape[-2:]:
-        out = F.interpolate(out.float(), size=images.shape[-2:], mode="bilinear")
+        out = F.interpolate(
+            out.float(), size=images.shape[-2:], mode="bilinear", align_corners=False
+        )
     return out.float()
 
 
