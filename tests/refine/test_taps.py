@@ -128,3 +128,57 @@ def test_refine_layers_lists_the_modules_of_a_python_base(tmp_path, capsys) -> N
     assert "--base-features encoder.layer1 encoder.layer4" in out
     assert main(["refine", "layers", "--base", f"{spec}:nothing"]) == 1
     assert "nothing" in capsys.readouterr().err
+
+
+def _fit_argv(data, spec, out) -> list[str]:
+    argv = ["refine", "fit", "--data", str(data), "--base", spec, "--out", str(out)]
+    argv += ["--embed-dim", "4", "--steps", "1", "--batch-size", "2", "--crop-size", "64", "64"]
+    argv += ["--radius", "2", "--num-triplets", "16", "--aspp-rates", "1", "2", "--device", "cpu"]
+    return [*argv, "--no-progress", "--log-every", "0"]
+
+
+def test_refine_fit_and_apply_on_the_taps_of_a_python_base(tmp_path, capsys) -> None:
+    from dualseg.data import make_synthetic_dataset
+
+    data = make_synthetic_dataset(tmp_path / "data", n_train=2, n_val=1, size=(64, 64))
+    spec = tmp_path / "mymodel.py"
+    spec.write_text(
+        "import torch, segmentation_models_pytorch as smp\n"
+        "torch.manual_seed(0)\n"
+        "model = smp.Unet('resnet18', encoder_weights=None, classes=8)\n"
+    )
+    out = tmp_path / "r.pt"
+    argv = _fit_argv(data, f"{spec}:model", out)
+    assert main([*argv, "--base-features", "auto"]) == 1  # no --decoder-channels
+    assert "--decoder-channels must be > 0 with base_features" in capsys.readouterr().err
+    assert main([*argv, "--base-features", "encoder.layer1", "encoder.layer4",
+                 "--decoder-channels", "4"]) == 0  # fmt: skip
+    assert BoundaryRefiner.load(out).taps.names == TAPS
+    images = sorted((data / "images").glob("*.png"))[:1]
+    refined = tmp_path / "refined"
+    argv = ["refine", "apply", str(images[0]), "-r", str(out), "-b", f"{spec}:model"]
+    assert main([*argv, "-o", str(refined), "--device", "cpu", "--quiet"]) == 0
+    assert (refined / "labels" / f"{images[0].stem}.png").is_file()
+    assert main([*argv[:-2], "-b", str(tmp_path / "nope.py:model"), "-o", str(tmp_path / "o")]) == 1
+    assert "no file" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("pydensecrf") is None,
+    reason="pydensecrf2 not installed (dualseg[crf])",
+)
+def test_refine_apply_crf_writes_the_same_outputs(tmp_path) -> None:
+    from dualseg.data import make_synthetic_dataset
+
+    data = make_synthetic_dataset(tmp_path / "data", n_train=1, n_val=1, size=(64, 64))
+    spec = tmp_path / "mymodel.py"
+    spec.write_text(
+        "import segmentation_models_pytorch as smp\n"
+        "model = smp.Unet('resnet18', encoder_weights=None, classes=8)\n"
+    )
+    image = sorted((data / "images").glob("*.png"))[0]
+    out = tmp_path / "crf"
+    argv = ["refine", "apply", str(image), "--crf", "-b", f"{spec}:model", "-o", str(out)]
+    assert main([*argv, "--device", "cpu", "--quiet"]) == 0
+    for kind in ("labels", "color", "overlay", "changed"):
+        assert (out / kind / f"{image.stem}.png").is_file()

@@ -307,7 +307,8 @@ def fit_summary(refiner: Any, out: Path) -> str:
     present = refiner.present.tolist()
     missing = [n for n, p in zip(refiner.class_names, present) if not p]
     no_proto = f"; no prototype for {missing}" if missing else ""
-    lines.append(f"refiner ({cfg.backbone}, C={cfg.embed_dim}, {refiner.num_classes} classes"
+    on = f"taps {' + '.join(refiner.taps.names)}" if refiner.taps else cfg.backbone
+    lines.append(f"refiner ({on}, C={cfg.embed_dim}, {refiner.num_classes} classes"
                  f"{no_proto}) -> {out}")  # fmt: skip
     return "\n".join(lines)
 
