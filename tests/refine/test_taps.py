@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -64,6 +63,7 @@ def test_a_tap_refiner_fits_refines_round_trips_and_refuses_another_base(tmp_pat
     assert not any(k.startswith("backbone.") for k in refiner.net.state_dict())  # base not saved
     images = torch.stack([_Stripes()[i][0] for i in range(2)])
     labels, changed = refiner.refine(images, base=base, return_changed=True)
+    assert changed.shape == labels.shape
     assert labels.shape == (2, 64, 64)
     # the same labels when the caller runs the base and hands over the taps
     with refiner.shared_features(base) as shared:
@@ -78,11 +78,13 @@ def test_a_tap_refiner_fits_refines_round_trips_and_refuses_another_base(tmp_pat
     assert loaded.taps == refiner.taps
     torch.testing.assert_close(loaded.refine(images, base=base), labels)
     refiner.save_pretrained(tmp_path / "folder")
-    torch.testing.assert_close(BoundaryRefiner.load(tmp_path / "folder").refine(images, base=base), labels)
+    torch.testing.assert_close(
+        BoundaryRefiner.load(tmp_path / "folder").refine(images, base=base), labels
+    )
     with pytest.raises(ConfigError, match="base itself"):  # no base: nothing to tap
         BoundaryRefiner.load(path).refine(images, logits)
 
-    with pytest.raises(DataError, match="encoder.layer1"):  # no such module
+    with pytest.raises(DataError, match=r"encoder\.layer1"):  # no such module
         loaded.refine(images, base=_unet("mobilenet_v2"))
     wide = smp.Unet("resnet50", encoder_weights=None, classes=3).eval()
     with pytest.raises(DataError, match=r"256 channels.*64 channels") as err:

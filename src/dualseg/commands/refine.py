@@ -127,8 +127,12 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
     add = p.add_argument
     add("inputs", nargs="+", metavar="INPUT", help="image files, folders or globs")
     how = p.add_mutually_exclusive_group(required=True)
-    how.add_argument("--refiner", "-r", help="refiner file from 'refine fit', or an exported "
-                     "one ('dualseg export --refiner': its .onnx/.json pair or TorchScript .pt)")
+    how.add_argument(
+        "--refiner",
+        "-r",
+        help="refiner file from 'refine fit', or an exported "
+        "one ('dualseg export --refiner': its .onnx/.json pair or TorchScript .pt)",
+    )
     how.add_argument("--crf", action="store_true", help="dense CRF on the base's probabilities "
                      "in place of method B, to compare on your images (needs pydensecrf2: pip "
                      "install 'dualseg[crf]')")  # fmt: skip
@@ -284,7 +288,9 @@ def crf_refiner(args: argparse.Namespace) -> CRFSettings:
     refused (they would be ignored)."""
     given = [f for f, v in (("--top-n", args.top_n), ("--radius", args.radius)) if v is not None]
     if given:
-        raise ConfigError(f"{' and '.join(given)} set method B's refiner; --crf has none: drop them")
+        raise ConfigError(
+            f"{' and '.join(given)} set method B's refiner; --crf has none: drop them"
+        )
     import_pydensecrf()  # before any output: one line saying how to install it
     return CRFSettings()
 
@@ -295,7 +301,11 @@ def apply_main(args: argparse.Namespace) -> int:
     images = c.collect_images(args.inputs, out=out, command="refine apply")
     kinds = ("labels", "color", "overlay", "changed")
     c.check_image_outputs(
-        out, images, [(f, ".png") for f in kinds], overwrite=args.overwrite, data=args.data,
+        out,
+        images,
+        [(f, ".png") for f in kinds],
+        overwrite=args.overwrite,
+        data=args.data,
         command="refine apply",
     )
     device = c.apply_runtime(args)
@@ -336,16 +346,16 @@ def apply_main(args: argparse.Namespace) -> int:
             with torch.no_grad(), c.autocast(args, device):
                 scores = base_scores(base, x, name, path, opts)
                 if args.crf:  # probabilities: a model's logits, averaged ones are already
-                    probs = scores.softmax(1) if hasattr(base, "module") and not augmented else scores
+                    probs = (
+                        scores.softmax(1) if hasattr(base, "module") and not augmented else scores
+                    )
                     labels, changed = refiner.refine(x, probs)
                 else:
                     features = shared.take(x) if shared is not None else None
                     labels, changed = refiner.refine(x, scores, return_changed=True,
                                                      features=features)  # fmt: skip
                 palette = palette or default_palette(scores.shape[1])
-            c.write_outputs(
-                out, name, rgb, labels[0].cpu().numpy(), palette, alpha=args.alpha
-            )
+            c.write_outputs(out, name, rgb, labels[0].cpu().numpy(), palette, alpha=args.alpha)
             mask = changed[0].cpu().numpy().astype(np.uint8) * 255
             atomic_save_image(out / "changed" / f"{name}.png", mask)
             changed_total += int(changed.sum())

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dualseg.engine.evaluation import evaluate
 from dualseg.errors import ConfigError, DualsegError
 from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 
@@ -150,8 +151,6 @@ def choose_crf(
 ) -> tuple[CRFSettings, list[dict[str, Any]]]:
     """The setting of ``grid`` whose CRF scores best in ``metric`` (``miou`` or
     ``boundary_f1``) on ``loader``'s (dev) images, and every setting's scores."""
-    from dualseg.engine.evaluation import evaluate
-
     rows = []
     for settings in grid:
         m = evaluate(model, loader, num_classes=num_classes, device=device, refiner=settings)

@@ -44,8 +44,9 @@ def check_options(
     if cfg.base_features is not None:
         if not has_base:
             raise ConfigError("--base-features reads modules of the base model: add --base")
-        ignored = [f for f, on in (("--weights", weights), ("--init-backbone", init_backbone != "imagenet"),
-                   ("--backbone-source", cfg.backbone_source != "independent")) if on]  # fmt: skip
+        own = (("--weights", weights), ("--init-backbone", init_backbone != "imagenet"),
+               ("--backbone-source", cfg.backbone_source != "independent"))  # fmt: skip
+        ignored = [flag for flag, given in own if given]
         if ignored:
             raise ConfigError(
                 f"{' and '.join(ignored)} set the refiner's own backbone, which a refiner on "

@@ -385,7 +385,7 @@ class BoundaryRefiner:
         weights: str | os.PathLike[str] | None = "imagenet",
         init_from: nn.Module | Mapping[str, Tensor] | None = None,
         base: nn.Module | None = None,
-        base_features: Sequence[str] | None = None,
+        base_features: Sequence[str] | str | None = None,
         net: EmbeddingNet | None = None,
         device: str | torch.device = "cpu",
         num_workers: int = 0,
@@ -414,7 +414,7 @@ class BoundaryRefiner:
         recorded in the training state so that a resume with other ones is refused. The loss
         history is in ``refiner.history``.
 
-        ``base`` with ``base_features=(LOW, HIGH)`` (module names of ``base``, or ``("auto",)``;
+        ``base`` with ``base_features=(LOW, HIGH)`` (module names of ``base``, or ``"auto"``;
         the same as ``config.base_features``): train on the base model's own features at those
         two modules, read by forward hooks while it runs, frozen (see
         :mod:`dualseg.refine.taps`); ``init_from`` defaults to ``base`` for a ``base-*``
@@ -422,8 +422,13 @@ class BoundaryRefiner:
         """
         config = config or RefinerConfig()
         if base_features is not None:
-            config = dataclasses.replace(config, base_features=tuple(base_features))
-        if init_from is None and config.backbone_source != "independent" and not config.base_features:
+            names = (base_features,) if isinstance(base_features, str) else tuple(base_features)
+            config = dataclasses.replace(config, base_features=names)
+        if (
+            init_from is None
+            and config.backbone_source != "independent"
+            and not config.base_features
+        ):
             init_from = base
         fitted = fit_parts(
             dataset, config, class_names=class_names, base=base,

@@ -186,7 +186,9 @@ class TapReader:
         return keep
 
     def __enter__(self) -> TapReader:
-        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in enumerate(self._modules)]
+        self._handles = [
+            m.register_forward_hook(self._hook(i)) for i, m in enumerate(self._modules)
+        ]
         return self
 
     def __exit__(
@@ -206,16 +208,24 @@ class TapReader:
         H, W = images.shape[-2:]
         for i, t in enumerate((low, high)):
             s = self.record.strides[i]
-            fits = t.dim() == 4 and all(n in (size // s, -(-size // s)) for n, size in zip(t.shape[-2:], (H, W)))
+            fits = t.dim() == 4 and all(
+                n in (size // s, -(-size // s)) for n, size in zip(t.shape[-2:], (H, W))
+            )
             if not fits or t.shape[1] != self.record.channels[i]:
-                got = f"{t.shape[1]} channels, stride {H / t.shape[-2]:g}" if t.dim() == 4 else "no map"
+                got = (
+                    f"{t.shape[1]} channels, stride {H / t.shape[-2]:g}"
+                    if t.dim() == 4
+                    else "no map"
+                )
                 raise DataError(
                     f"the base's {self.record.names[i]} gives {got}, but this refiner was fit "
                     f"on {self.record.describe(i)}: refine with the base it was fit on"
                 )
         s = self.record.strides[1]
         covered = (high.shape[-2] * s, high.shape[-1] * s)
-        return matching(BaseFeatures(high, covered, low), images, s, low_stride=self.record.strides[0])
+        return matching(
+            BaseFeatures(high, covered, low), images, s, low_stride=self.record.strides[0]
+        )
 
 
 class BaseTaps(nn.Module):
