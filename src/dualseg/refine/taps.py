@@ -200,7 +200,21 @@ class TapReader:
         return kind is _Stop  # the forward was ended on purpose
 
     def take(self, images: Tensor) -> BaseFeatures | None:
-        """The taps of the one forward since the last ``take()`` on ``images`` (else None)."""
+        """The taps of the one forward since the last ``take()`` on ``images``, when they can
+        stand for the refiner's own reading (:func:`matching`; else None)."""
+        taps = self.taps(images)
+        if taps is None:
+            return None
+        low, high = taps
+        s = self.record.strides[1]
+        covered = (high.shape[-2] * s, high.shape[-1] * s)
+        return matching(
+            BaseFeatures(high, covered, low), images, s, low_stride=self.record.strides[0]
+        )
+
+    def taps(self, images: Tensor) -> tuple[Tensor, Tensor] | None:
+        """``(low, high)`` of the one forward since the last call on ``images`` (else None),
+        checked against the record; either way what was kept is forgotten."""
         kept, self._kept = self._kept, [[], []]
         if any(len(k) != 1 for k in kept):
             return None
@@ -221,11 +235,7 @@ class TapReader:
                     f"the base's {self.record.names[i]} gives {got}, but this refiner was fit "
                     f"on {self.record.describe(i)}: refine with the base it was fit on"
                 )
-        s = self.record.strides[1]
-        covered = (high.shape[-2] * s, high.shape[-1] * s)
-        return matching(
-            BaseFeatures(high, covered, low), images, s, low_stride=self.record.strides[0]
-        )
+        return low, high
 
 
 class BaseTaps(nn.Module):
@@ -251,13 +261,13 @@ class BaseTaps(nn.Module):
         (model,) = self._base
         with torch.no_grad(), eval_mode(model), TapReader(model, self.record, stop=True) as r:
             model(x)
-        feats = r.take(x)
-        if feats is None or feats.low is None:
+        taps = r.taps(x)
+        if taps is None:
             raise DataError(
                 f"the base's forward did not run {self.record.names[0]!r} and "
                 f"{self.record.names[1]!r} once each on a plain image: tap other modules"
             )
-        return feats.features, feats.low
+        return taps[1], taps[0]
 
 
 def is_py_spec(text: str) -> bool:
