@@ -91,6 +91,16 @@ def test_a_tap_refiner_fits_refines_round_trips_and_refuses_another_base(tmp_pat
         loaded.refine(images, base=wide)
     assert "\n" not in str(err.value)
 
+
+    class Halved(smp.Unet):  # the same modules and channels, at twice the strides
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(torch.nn.functional.avg_pool2d(x, 2))
+
+    torch.manual_seed(0)
+    halved = Halved("resnet18", encoder_weights=None, classes=3).eval()
+    with pytest.raises(DataError, match=r"64 channels, stride 8, but .* stride 4\)"):
+        loaded.refine(images, base=halved)
+
     out = tmp_path / "r.onnx"
     assert main(["export", "--refiner", str(path), "--format", "onnx", "--out", str(out)]) == 1
 

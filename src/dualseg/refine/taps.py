@@ -202,7 +202,7 @@ class TapReader:
     def take(self, images: Tensor) -> BaseFeatures | None:
         """The taps of the one forward since the last ``take()`` on ``images``, when they can
         stand for the refiner's own reading (:func:`matching`; else None)."""
-        taps = self.taps(images)
+        taps = self.taps(images, strict=False)
         if taps is None:
             return None
         low, high = taps
@@ -212,9 +212,11 @@ class TapReader:
             BaseFeatures(high, covered, low), images, s, low_stride=self.record.strides[0]
         )
 
-    def taps(self, images: Tensor) -> tuple[Tensor, Tensor] | None:
+    def taps(self, images: Tensor, *, strict: bool = True) -> tuple[Tensor, Tensor] | None:
         """``(low, high)`` of the one forward since the last call on ``images`` (else None),
-        checked against the record; either way what was kept is forgotten."""
+        checked against the record: other channels are refused, and so is another stride
+        when ``strict`` (the forward was on ``images`` themselves; else it may have been on a
+        tile or a resized copy: None). Either way what was kept is forgotten."""
         kept, self._kept = self._kept, [[], []]
         if any(len(k) != 1 for k in kept):
             return None
@@ -225,6 +227,8 @@ class TapReader:
             fits = t.dim() == 4 and all(
                 n in (size // s, -(-size // s)) for n, size in zip(t.shape[-2:], (H, W))
             )
+            if not fits and not strict and t.dim() == 4 and t.shape[1] == self.record.channels[i]:
+                return None
             if not fits or t.shape[1] != self.record.channels[i]:
                 got = (
                     f"{t.shape[1]} channels, stride {H / t.shape[-2]:g}"
