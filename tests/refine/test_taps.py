@@ -91,7 +91,6 @@ def test_a_tap_refiner_fits_refines_round_trips_and_refuses_another_base(tmp_pat
         loaded.refine(images, base=wide)
     assert "\n" not in str(err.value)
 
-
     class Halved(smp.Unet):  # the same modules and channels, at twice the strides
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return super().forward(torch.nn.functional.avg_pool2d(x, 2))
