@@ -729,8 +729,8 @@ def calibrate_iters(cfg: Config, minutes: float, device: torch.device) -> tuple[
     benchmarks/data_throughput.py and is not the bottleneck at these sizes.
     """
     from dualseg.engine.config import model_kwargs
+    from dualseg.engine.cpu_bf16 import amp_dtype_for as training_dtype  # fit's own choice
     from dualseg.engine.cpu_bf16 import convs_in_fp32
-    from dualseg.engine.train import _amp_dtype as training_dtype  # fit's own choice
 
     kwargs = {
         k: tuple(v) if isinstance(v, list) else v for k, v in model_kwargs(cfg.model, 11).items()

@@ -1,13 +1,5 @@
-"""Spec S1 augmentation defaults, written once (a leaf: the training config reads them
-without importing torch; ``dualseg.data.transforms`` re-exports them).
-
-Also the one bound on seeds (:func:`seed_error`), checked by the training config, ``dualseg
-augment``, ``dualseg demo`` and the refiner's options.
-
-Random scale + crop, horizontal flip, filtering (Gaussian blur) and colour jitter. Used by
-``build_train_transform`` (``dualseg refine fit``), ``augment_dataset`` (``dualseg augment``)
-and the training config's ``data.*`` fields (``dualseg train``).
-"""
+"""Spec S1 augmentation defaults and their checks, and the one bound on seeds (a torch-free
+leaf: the training config, ``dualseg augment`` and ``refine fit`` read them)."""
 
 from __future__ import annotations
 
@@ -23,27 +15,21 @@ JITTER = (0.3, 0.3, 0.3, 0.0)  # colour jitter: brightness, contrast, saturation
 
 JITTER_PARTS = ("brightness", "contrast", "saturation", "hue")
 
-# the largest crop side: a crop is allocated whole (padded past the image), and 100000 x 100000
-# asked for 120 GB before failing with an allocator traceback
+# crops and scaled images are allocated whole: larger ones fail in the allocator
 MAX_CROP_SIDE = 8192
-# the largest random scale factor, for the same reason (recipes use 0.5..2, at most 4)
 MAX_SCALE = 8.0
-
-# the seed of every random draw (augmentation, sampling, initialization): numpy's legacy
-# generators take seeds in 0..2**32-1, so every seed option is checked against this one bound
-SEED_LIMIT = 2**32
+SEED_LIMIT = 2**32  # numpy's legacy generators take seeds in 0..2**32-1
 
 
 def seed_error(seed: int, name: str) -> str | None:
-    """The one-line error for the seed option ``name`` outside 0..2**32-1; None when valid."""
+    """The one-line error for the seed option ``name`` out of range; None when valid."""
     if 0 <= seed < SEED_LIMIT:
         return None
     return f"{name} must be in 0..{SEED_LIMIT - 1}, got {seed}"
 
 
 def _shown(name: str, value: object) -> str:
-    """How the user wrote the setting: ``--scale-range 2 0.5`` (a flag) or
-    ``data.scale_range=[2.0, 0.5]`` (a config key)."""
+    """The setting as the user wrote it: ``--scale-range 2 0.5`` or ``data.scale_range=[2, 1]``."""
     values = list(value) if isinstance(value, list | tuple) else [value]
     if name.startswith("--"):
         return f"{name} {' '.join(f'{v:g}' if isinstance(v, float) else str(v) for v in values)}"
@@ -59,16 +45,8 @@ def check_augment_settings(
     jitter: float | Sequence[float] = JITTER,
     names: Mapping[str, str] | None = None,
 ) -> None:
-    """Raise one :class:`~dualseg.errors.ConfigError` for the first setting out of its range:
-    ``crop_size`` H, W >= 1 (``None``: the source size), ``scale_range`` 0 < MIN <= MAX,
-    probabilities in [0, 1], colour ``jitter`` strengths >= 0 with the hue shift in [0, 0.5]
-    (``v2.ColorJitter``'s ranges; one number: brightness = contrast = saturation, no hue).
-
-    ``names`` maps a keyword to how the caller's user writes it (``{"scale_range":
-    "--scale-range"}``, ``{"scale_range": "data.scale_range"}``); the message names that and
-    the value. Every augmentation entry point (``dualseg train``, ``refine fit``, ``augment``)
-    calls it before it writes anything.
-    """
+    """Raise one ConfigError for the first setting out of ``v2``'s ranges (``jitter`` as one
+    number: brightness = contrast = saturation); ``names``: how the user writes each key."""
     from dualseg.errors import ConfigError
 
     names = dict(names or {})
@@ -84,25 +62,17 @@ def check_augment_settings(
         if len(crop_size) != 2 or not all(
             w and 1 <= v <= MAX_CROP_SIDE for w, v in zip(whole, crop_size, strict=True)
         ):
-            raise bad(
-                "crop_size",
-                crop_size,
-                f"the crop size is H W, each from 1 to {MAX_CROP_SIDE} pixels",
-            )
+            rule = f"the crop size is H W, each from 1 to {MAX_CROP_SIDE} pixels"
+            raise bad("crop_size", crop_size, rule)
     if len(scale_range) != 2 or not all(number(v) for v in scale_range):
         raise bad("scale_range", scale_range, "give two finite scale factors MIN MAX")
     lo, hi = scale_range
     if not 0 < lo <= hi:
-        raise bad(
-            "scale_range", scale_range, "the scale factors must satisfy 0 < MIN <= MAX (e.g. 0.5 2)"
-        )
+        rule = "the scale factors must satisfy 0 < MIN <= MAX (e.g. 0.5 2)"
+        raise bad("scale_range", scale_range, rule)
     if hi > MAX_SCALE:
-        raise bad(
-            "scale_range",
-            scale_range,
-            f"MAX must be at most {MAX_SCALE:g} (the scaled image is "
-            "allocated whole: 100000 asked for 46 TB before an allocator traceback)",
-        )
+        rule = f"MAX must be at most {MAX_SCALE:g} (the scaled image is allocated whole)"
+        raise bad("scale_range", scale_range, rule)
     for key, p in (("hflip_prob", hflip_prob), ("blur_prob", blur_prob)):
         if not (number(p) and 0 <= p <= 1):
             raise bad(key, p, "a probability must be in [0, 1]")

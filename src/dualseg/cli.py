@@ -1,5 +1,5 @@
-"""The ``dualseg`` command line: command name -> module -> ``main(argv) -> int``, imported only
-when the command runs (``dualseg --help`` stays fast); user errors become one line, exit 1."""
+"""The ``dualseg`` command line: command -> module with ``main(argv) -> int``, imported when it
+runs (``dualseg --help`` stays fast); user errors become one line, exit 1."""
 
 from __future__ import annotations
 
@@ -29,8 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("dualseg.commands.export", "export a checkpoint to ONNX or TorchScript"),
     "serve": ("dualseg.commands.serve", "local web page and JSON API for segmentation"),
 }
-# commands whose first argument picks a subcommand: their error lines name it too
-# ("dualseg refine apply: error: ..."), as argparse's own errors do
+# error lines name the subcommand too, as argparse's do
 SUBCOMMANDS: dict[str, tuple[str, ...]] = {"data": ("check",), "refine": ("fit", "apply")}
 
 
@@ -46,7 +45,6 @@ _TRAIN_FLAG_RE = re.compile("(" + "|".join(map(re.escape, _TRAIN_FLAGS)) + r")\b
 
 
 def error_line(command: str, err: BaseException) -> str:
-    """The one line ``dualseg COMMAND`` prints for a user error, flags named as it takes them."""
     text = user_message(err)
     if command == "train":
         text = _TRAIN_FLAG_RE.sub(lambda m: _TRAIN_FLAGS[m[1]], text)
@@ -96,38 +94,37 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         print("dualseg: terminated", file=sys.stderr)
         return 143  # 128 + SIGTERM, as a shell reports it
-    except DualsegError as err:  # expected, user-facing failures: one clear line, no traceback
-        print(error_line(name, err), file=sys.stderr)
-        return 1
-    except OSError as err:
+    except (DualsegError, OSError, MemoryError, RuntimeError) as err:
         if isinstance(err, BrokenPipeError) and _stdout_closed():
             return 141  # 128 + SIGPIPE: what a shell reports for `dualseg ... | head`
-        # disk full, a folder made read-only mid-run: the environment, not a bug
-        if err.filename is None and err.errno is None:
-            raise  # no file, no system error code: not the environment, a bug to see whole
-        reason = err.strerror or type(err).__name__
-        where = f"{err.filename}: " if err.filename is not None else ""
-        print(
-            f"dualseg {name}: error: {where}{reason}; check the path, its permissions "
-            "and the free space",
-            file=sys.stderr,
-        )
-        return 1
-    except MemoryError:  # numpy's allocations
-        print(out_of_memory_line(name, ""), file=sys.stderr)
-        return 1
-    except RuntimeError as err:
-        if _is_out_of_memory(err):  # the machine's limit, not a bug: one line with the fix
-            print(out_of_memory_line(name, str(err)), file=sys.stderr)
-            return 1
-        if "PytorchStreamWriter failed" not in str(err):  # torch.save's disk-full / I/O error
+        line = failure_line(name, err)
+        if line is None:  # not the user's input nor the machine: a bug to see whole
             raise
-        print(
-            f"dualseg {name}: error: writing a torch file failed ({' '.join(str(err).split())}); "
-            "check the free space and the permissions of the output folder",
-            file=sys.stderr,
-        )
+        print(line, file=sys.stderr)
         return 1
+
+
+def failure_line(name: str, err: BaseException) -> str | None:
+    """The one line for a user error or the machine's limit (disk, memory), else None."""
+    if isinstance(err, DualsegError):
+        return error_line(name, err)
+    text = " ".join(str(err).split())
+    if isinstance(err, MemoryError):  # numpy's allocations
+        return out_of_memory_line(name, "")
+    if isinstance(err, RuntimeError) and _is_out_of_memory(err):
+        return out_of_memory_line(name, text)
+    if isinstance(err, RuntimeError) and "PytorchStreamWriter failed" in text:  # torch.save's
+        return (
+            f"dualseg {name}: error: writing a torch file failed ({text}); check the free "
+            "space and the permissions of the output folder"
+        )
+    if isinstance(err, OSError) and (err.filename is not None or err.errno is not None):
+        where = f"{err.filename}: " if err.filename is not None else ""
+        return (
+            f"dualseg {name}: error: {where}{err.strerror or type(err).__name__}; check the "
+            "path, its permissions and the free space"
+        )
+    return None
 
 
 # what makes each command's memory smaller, for the out-of-memory line
@@ -142,8 +139,7 @@ OUT_OF_MEMORY_FIXES = {
 
 
 def _is_out_of_memory(err: RuntimeError) -> bool:
-    """torch's CPU allocator failure and CUDA's out of memory (``torch.OutOfMemoryError``)."""
-    text = str(err)
+    text = str(err)  # torch's CPU allocator, or CUDA's torch.OutOfMemoryError
     return (
         type(err).__name__ == "OutOfMemoryError"
         or "can't allocate memory" in text
@@ -152,7 +148,6 @@ def _is_out_of_memory(err: RuntimeError) -> bool:
 
 
 def out_of_memory_line(name: str, text: str) -> str:
-    """One line for a command that ran out of memory: how much it asked for, and the fix."""
     asked = re.search(r"allocate (\d+) bytes", text)
     size = f" (it asked for {int(asked.group(1)) / 2**30:.1f} GiB more)" if asked else ""
     fix = OUT_OF_MEMORY_FIXES.get(name, "smaller inputs")
@@ -161,8 +156,8 @@ def out_of_memory_line(name: str, text: str) -> str:
 
 @contextlib.contextmanager
 def terminated_as_exception() -> Iterator[None]:
-    """In the block, SIGTERM raises :class:`Terminated` in this process's main thread (a forked
-    worker dies of it as by default); the previous handler comes back after."""
+    """In the block, SIGTERM raises :class:`Terminated` in the main thread (a forked worker
+    dies of it as by default)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -183,8 +178,8 @@ def terminated_as_exception() -> Iterator[None]:
 
 
 def _stdout_closed() -> bool:
-    """True when stdout is a pipe whose reader has gone (``dualseg ... | head``); stdout then
-    points at /dev/null, so Python's flush at exit does not fail again."""
+    """Whether stdout is a pipe without reader (``| head``); if so it is pointed at /dev/null,
+    so Python's flush at exit does not fail again."""
     try:
         fd = sys.stdout.fileno()
         poll = select.poll()  # the write end of a pipe without reader: POLLERR (Linux)

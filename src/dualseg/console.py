@@ -1,8 +1,5 @@
-"""What every command prints while it works: one progress rule, one help layout, one error.
-
-Progress: tqdm bars on a terminal, one plain line every ``DEFAULT_EVERY_S`` seconds (and at
-the end) in a pipe or log, nothing when quiet. Help keeps an epilog's indented examples.
-"""
+"""What every command prints while it works: tqdm bars on a terminal, a plain line every
+``DEFAULT_EVERY_S`` seconds in a pipe or log, nothing when quiet; one help layout, one error."""
 
 from __future__ import annotations
 
@@ -20,16 +17,13 @@ DEFAULT_EVERY_S = 30.0  # seconds between two plain progress lines (pipes, logs)
 
 
 def progress_mode(quiet: bool = False, stream: TextIO | None = None) -> ProgressMode:
-    """``"off"`` when ``quiet``, ``"bar"`` on a terminal, else ``"lines"``."""
     if quiet:
         return "off"
-    stream = stream or sys.stderr
-    return "bar" if stream.isatty() else "lines"
+    return "bar" if (stream or sys.stderr).isatty() else "lines"
 
 
 class Progress:
-    """A progress display of ``total`` steps that follows ``mode``: ``update(n)``, ``close()``
-    (or ``with Progress(...) as bar:``)."""
+    """A progress display of ``total`` steps in ``mode``: ``update(n)``, ``close()``, ``with``."""
 
     def __init__(
         self,
@@ -42,13 +36,12 @@ class Progress:
         stream: TextIO | None = None,
     ) -> None:
         self.desc, self.total, self.unit, self.mode = desc, total, unit, mode
-        self.every_s = every_s
-        self.stream = stream
-        self.done = 0
+        self.every_s, self.stream, self.done = every_s, stream, 0
         self._start = self._last = time.monotonic()
-        self._bar = None
-        if mode == "bar":
-            self._bar = tqdm(total=total, desc=desc, unit=unit, leave=False, file=stream)
+        bar = mode == "bar"
+        self._bar = (
+            tqdm(total=total, desc=desc, unit=unit, leave=False, file=stream) if bar else None
+        )
 
     def update(self, n: int = 1) -> None:
         self.done += n
@@ -94,7 +87,6 @@ def track(
     every_s: float = DEFAULT_EVERY_S,
     stream: TextIO | None = None,
 ) -> Iterator[T]:
-    """Iterate ``iterable`` while showing progress the way ``mode`` says."""
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)  # type: ignore[arg-type]
     with Progress(
@@ -119,9 +111,7 @@ class ExamplesHelpFormatter(argparse.HelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse whose errors are dualseg's: one line ``PROG: error: MESSAGE; see 'PROG --help'``
-    and exit status 1, as for every other usage error (not the usage block and status 2).
-    Subcommand parsers inherit it."""
+    """argparse whose usage errors are one line and exit status 1, as every other error."""
 
     def error(self, message: str) -> NoReturn:
         self.exit(1, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")

@@ -1,9 +1,4 @@
-"""User-facing errors.
-
-Every expected failure (bad image, bad label, mismatched sizes, corrupt or incompatible
-checkpoint, empty dataset, ...) raises a subclass of :class:`DualsegError` whose message names
-the file and says how to fix it. The CLI prints such errors as one line, without a traceback.
-"""
+"""User-facing errors: one line naming the file and the fix, printed by the CLI."""
 
 from __future__ import annotations
 
@@ -41,13 +36,8 @@ _ORIGINAL = "Original Traceback (most recent call last):"
 
 
 def user_message(err: BaseException) -> str:
-    """The one line to show for ``err``.
-
-    A :class:`DualsegError` raised inside a DataLoader worker reaches the main process re-raised
-    by torch with a message holding the worker's whole traceback ("Caught DataError in
-    DataLoader worker process 0. Original Traceback ..."); its last line is the original
-    message, which is what the user needs: the same line as with ``num_workers=0``.
-    """
+    """The one line to show for ``err``; from a DataLoader worker's re-raised error (the
+    worker's whole traceback), its last line: the line ``num_workers=0`` shows."""
     text = str(err)
     if _WORKER_HEADER in text and _ORIGINAL in text:
         last = [line for line in text.split(_ORIGINAL, 1)[1].splitlines() if line.strip()]
@@ -58,7 +48,5 @@ def user_message(err: BaseException) -> str:
 
 
 class Terminated(BaseException):
-    """SIGTERM (``timeout``, ``docker stop``, Slurm) raised in the command's process, so that
-    what Ctrl-C runs runs too: a half-written file's temporary is removed (``dualseg.io``),
-    a training or fit saves its state, and the exit is one line. A BaseException, as
-    KeyboardInterrupt is: no ``except Exception`` swallows it."""
+    """SIGTERM raised in the command, so cleanup runs as for Ctrl-C; a BaseException, as
+    KeyboardInterrupt is, so no ``except Exception`` swallows it."""

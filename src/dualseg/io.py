@@ -21,12 +21,7 @@ from dualseg.errors import OutputError
 
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[Any]]:
-    """Open a temporary sibling of ``path`` for writing; move it over ``path`` on success.
-
-    On an exception the temporary file is removed and ``path`` is left untouched.
-    """
-    if mode not in {"w", "wb"}:
-        raise ValueError(f"atomic_open supports modes 'w' and 'wb', got {mode!r}")
+    """A temporary sibling of ``path``, moved over it on success and removed on failure."""
     path = Path(path)
     if path.is_dir():  # os.replace's error named the hidden temporary file
         raise OutputError(f"{path} is a folder; give a file path inside it, e.g. {path / 'x'}")
@@ -39,34 +34,25 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO[A
         ) from None
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        # mkstemp creates the file 0600; give it the permissions a plain open() would.
+        # mkstemp creates the file 0600: the permissions a plain open() would give
         os.chmod(tmp, 0o666 & ~_UMASK)
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as err:
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if err.filename is None and err.errno is not None:
+        if isinstance(err, OSError) and err.filename is None and err.errno is not None:
             # write / fsync failures (disk full) name no file: name the one being written
             raise OSError(err.errno, err.strerror, str(path)) from err
         raise
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
-def _read_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-# Read once at import: os.umask can only be read by setting it, which is not thread-safe.
-_UMASK = _read_umask()
+# read once at import: os.umask is read by setting it, which is not thread-safe
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
@@ -84,7 +70,6 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
-    """``torch.save`` through a temporary file (checkpoints are never half-written)."""
     import torch
 
     buf = io.BytesIO()
@@ -93,7 +78,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
 
 
 def atomic_save_image(path: str | os.PathLike[str], array: Any) -> None:
-    """Save a uint8 HxW or HxWx3 array as PNG (or the format the suffix names), atomically."""
+    """Save a uint8 image array in the format its suffix names (else PNG), atomically."""
     path = Path(path)
     buf = io.BytesIO()
     fmt = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".bmp": "BMP", ".tif": "TIFF"}.get(
@@ -104,13 +89,11 @@ def atomic_save_image(path: str | os.PathLike[str], array: Any) -> None:
 
 
 def label_png(label: Any, num_classes: int) -> Any:
-    """A label map as the array its PNG holds: 8-bit for up to 256 classes, else 16-bit (an
-    8-bit cast would wrap class 256 to 0 without a word)."""
+    """A label map as its PNG's array: 16-bit above 256 classes (8 bits would wrap them)."""
     return np.asarray(label).astype(np.uint8 if num_classes <= 256 else np.uint16)
 
 
 def _json_default(obj: Any) -> Any:
-    # numpy / torch scalars and arrays, Paths, tuples-as-lists: JSON without surprises.
     if isinstance(obj, Path):
         return str(obj)
     if hasattr(obj, "tolist"):
@@ -121,7 +104,7 @@ def _json_default(obj: Any) -> Any:
 
 
 def file_digest(path: str | os.PathLike[str]) -> str:
-    """16 hex digits of a file's SHA-256: the same content has it under any name."""
+    """16 hex digits of a file's SHA-256."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -132,9 +115,8 @@ def file_digest(path: str | os.PathLike[str]) -> str:
 def check_writable(
     path: str | os.PathLike[str], *, kind: Literal["file", "dir"] = "file", what: str = "output"
 ) -> Path:
-    """``path`` (a folder with ``kind="dir"``, else a file) if it can be written, else one
-    :class:`OutputError` naming it. Nothing is created: a probe file comes and goes in the
-    deepest existing folder. A blank path (an unset shell variable) is refused."""
+    """``path`` (a file, or a folder with ``kind="dir"``) if it can be written, else one
+    :class:`OutputError`; a probe file comes and goes in the deepest existing folder."""
     if not os.fspath(path).strip():
         raise OutputError(f"{what} is empty; name a {'folder' if kind == 'dir' else 'file'}")
     path = Path(path)

@@ -1,14 +1,8 @@
 """Streaming segmentation metrics: confusion-matrix scores and boundary scores.
 
-Both classes accumulate integer counts on the device of their inputs, so a dataset is one
-``update`` per batch and one ``compute``; a distributed evaluation sums the counters
-(``m.all_reduce()``) first. Ground-truth ``ignore_index`` pixels are excluded from everything.
-The definitions (docs/metrics.md): ``iou[c] = TP / (GT + PRED - TP)``, NaN for a class in
-neither map, means over the non-NaN classes; a boundary pixel of class c has a 4-neighbour of
-another class inside the image, neither being ignore (the prediction is set to ignore under
-ground-truth ignore first); boundary F1 matches same-class boundary pixels within Euclidean
-distance ``t`` both ways, counts summed over images (a one-sided class scores 0); the trimap
-band is the non-ignore pixels within distance ``w`` of a ground-truth boundary pixel.
+Integer counts accumulate on the inputs' device (one ``update`` per batch, ``all_reduce()``
+across ranks, one ``compute``); ground-truth ``ignore_index`` pixels count nowhere. The
+definitions (IoU, boundary pixels, boundary F1, trimap band) are in docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -40,9 +34,8 @@ __all__ = [
 def _label_tensors(
     pred: Any, target: Any, num_classes: int, ignore_index: int, device: torch.device
 ) -> tuple[Tensor, Tensor]:
-    """``pred`` and ``target`` as checked tensors on ``device`` (numpy arrays, as
-    ``Segmenter.predict`` returns, are read in place), widened to int64 when ``ignore_index``
-    does not fit their dtype (uint8 and -1 would read -1 as 255)."""
+    """``pred`` and ``target`` as checked tensors on ``device``, widened to int64 when
+    ``ignore_index`` does not fit their dtype (uint8 would read -1 as 255)."""
 
     def tensor(x: Any, name: str) -> Tensor:
         if isinstance(x, np.ndarray):
@@ -62,24 +55,6 @@ def _label_tensors(
         return x
 
     pred, target = tensor(pred, "pred").to(device), tensor(target, "target").to(device)
-    _check_labels(pred, target, num_classes, ignore_index)
-    return pred, target
-
-
-def _check_num_classes(num_classes: Any, upper: int | None = None) -> int:
-    """``num_classes`` as a Python int (numpy's integers too, not bools), checked."""
-    if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
-        raise TypeError(f"num_classes must be an int, got {num_classes!r}")
-    num_classes = int(num_classes)
-    if num_classes < 1 or (upper is not None and num_classes >= upper):
-        bound = "" if upper is None else f" and < {upper}"
-        raise ValueError(f"num_classes must be >= 1{bound}, got {num_classes}")
-    return num_classes
-
-
-def _check_labels(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int) -> None:
-    """``ValueError`` for ground truth neither a class nor ignore, or a prediction outside
-    ``[0, C)`` at a non-ignore pixel (one host sync)."""
     if pred.is_floating_point() or target.is_floating_point():
         raise TypeError("pred and target must be integer label maps (take argmax of logits first)")
     if pred.shape != target.shape:
@@ -98,26 +73,32 @@ def _check_labels(pred: Tensor, target: Tensor, num_classes: int, ignore_index: 
             )
         vals = torch.unique(pred[bad_p]).tolist()[:10]
         raise ValueError(f"predicted values {vals} are outside [0, {num_classes})")
+    return pred, target
+
+
+def _check_num_classes(num_classes: Any, upper: int | None = None) -> int:
+    if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
+        raise TypeError(f"num_classes must be an int, got {num_classes!r}")
+    num_classes = int(num_classes)
+    if num_classes < 1 or (upper is not None and num_classes >= upper):
+        bound = "" if upper is None else f" and < {upper}"
+        raise ValueError(f"num_classes must be >= 1{bound}, got {num_classes}")
+    return num_classes
 
 
 def _confusion_counts(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int) -> Tensor:
-    """``[C, C]`` int64 counts (rows = ground truth) of valid labels; ignore pixels dropped."""
+    """``[C, C]`` int64 counts, rows = ground truth."""
     c = num_classes
     target = target.reshape(-1).long()
     pred = pred.reshape(-1).long()
-    # One flat index per pixel; ignored pixels go to an overflow bin that is dropped, which
-    # avoids a boolean gather (a host sync on GPU).
+    # ignored pixels go to an overflow bin, dropped: no boolean gather (a host sync on GPU)
     idx = torch.where(target != ignore_index, target * c + pred, c * c)
     return torch.bincount(idx, minlength=c * c + 1)[: c * c].view(c, c)
 
 
 def scores_from_confusion(mat: Tensor) -> dict[str, Any]:
-    """Scores of a ``[C, C]`` confusion matrix (rows = ground truth); see the module docstring.
-
-    Returns ``{"iou": Tensor[C], "class_acc": Tensor[C], "miou", "pixel_acc", "mean_acc",
-    "fwiou"}``: float64 CPU tensors per class (NaN for absent classes), Python floats for the
-    scalars (NaN when nothing was counted).
-    """
+    """``{"iou", "class_acc"}`` (float64 ``[C]``, NaN for absent classes) and ``{"miou",
+    "pixel_acc", "mean_acc", "fwiou"}`` (floats) of a ``[C, C]`` confusion matrix."""
     m = mat.detach().to("cpu", torch.float64)
     tp = m.diagonal()
     gt = m.sum(1)
@@ -159,11 +140,8 @@ def _check_ignore_index(ignore_index: int, num_classes: int) -> None:
 
 
 class ConfusionMatrix:
-    """Streaming confusion matrix: per-class IoU, mIoU, pixel / mean class accuracy, fwIoU.
-
-    ``mat`` (int64 ``[C, C]``, rows = ground truth, columns = prediction) lives on the device of
-    the tensors passed to ``update`` (it moves there on the first update when ``device`` is not
-    given) and is all_reduce-able as is.
+    """Streaming confusion matrix ``mat`` (int64 ``[C, C]``, rows = ground truth) on the
+    device of the inputs, unless ``device`` is given: IoU, mIoU, accuracies, fwIoU.
 
     >>> cm = ConfusionMatrix(3)
     >>> cm.update(torch.tensor([[0, 1], [1, 1]]), torch.tensor([[0, 1], [2, 255]]))
@@ -186,8 +164,7 @@ class ConfusionMatrix:
 
     @torch.no_grad()
     def update(self, pred: Tensor, target: Tensor) -> None:
-        """Add one batch: integer label maps of any (equal) shape, ``ignore_index`` in target
-        (tensors or numpy arrays)."""
+        """Add one batch of integer label maps (tensors or numpy arrays) of equal shapes."""
         if self._follow_input and isinstance(target, Tensor):
             self.mat = self.mat.to(target.device)
         pred, target = _label_tensors(
@@ -196,12 +173,11 @@ class ConfusionMatrix:
         self.mat += _confusion_counts(pred, target, self.num_classes, self.ignore_index)
 
     def compute(self) -> dict[str, Any]:
-        """``{"iou", "class_acc", "miou", "pixel_acc", "mean_acc", "fwiou"}``; see
-        :func:`scores_from_confusion`."""
+        """See :func:`scores_from_confusion`."""
         return scores_from_confusion(self.mat)
 
     def all_reduce(self) -> None:
-        """Sum ``mat`` over the ranks of the default process group (no-op when not distributed)."""
+        """Sum ``mat`` over the default process group's ranks (no-op when not distributed)."""
         _all_reduce(self.mat)
 
 
@@ -237,8 +213,7 @@ def neighbour_transitions(label: Any, valid: Any = None) -> Any:
 
 
 def boundary_map(labels: Tensor, ignore_index: int = 255) -> Tensor:
-    """int16 ``[..., H, W]``: the class of each boundary pixel, -1 elsewhere (class ids below
-    32768; transitions to ``ignore_index`` and the image border are no boundary)."""
+    """int16 ``[..., H, W]``: the class of each boundary pixel, -1 elsewhere."""
     lab = labels.to(torch.int16) if labels.dtype != torch.int16 else labels
     edge = neighbour_transitions(lab, labels != ignore_index)
     return torch.where(edge, lab, torch.tensor(-1, dtype=torch.int16, device=lab.device))
@@ -246,8 +221,7 @@ def boundary_map(labels: Tensor, ignore_index: int = 255) -> Tensor:
 
 def _match_counts(src: Tensor, ref: Tensor, radius: int, num_classes: int) -> Tensor:
     """``[2, C]``: boundary pixels of ``src`` per class, and those with a same-class boundary
-    pixel of ``ref`` within ``radius`` (int16 maps ``[B, H, W]``, -1 = none). Only ``src``'s
-    boundary pixels are visited: one gather and compare per disk offset."""
+    pixel of ``ref`` within ``radius``; one gather per disk offset, of boundary pixels only."""
     c, r = num_classes, radius
     _, h, w = src.shape
     hp, wp = h + 2 * r, w + 2 * r
@@ -267,8 +241,7 @@ def _match_counts(src: Tensor, ref: Tensor, radius: int, num_classes: int) -> Te
 
 
 def _dilate(mask: Tensor, radius: int) -> Tensor:
-    """Binary dilation of bool ``[..., H, W]`` by the disk of ``radius``: rows of half-width
-    ``isqrt(r² - dy²)`` built from shifted views, about 4r boolean ops, not (2r + 1)²."""
+    """Binary dilation by the disk of ``radius`` from shifted rows: about 4r ops, not (2r+1)²."""
     if radius <= 0:
         return mask.clone()
     h, w = mask.shape[-2:]
@@ -289,23 +262,15 @@ def _dilate(mask: Tensor, radius: int) -> Tensor:
     return out
 
 
-# The widest boundary tolerance / trimap band: matching pads every label map by it on each
-# side, and at 100000 px that asked for 80 GB; a band wider than 256 px covers whole images.
+# matching pads each map by the width: 100000 px asked for 80 GB; 256 px covers whole images
 MAX_WIDTH = 256
-# the default boundary tolerance and trimap band, px (dualseg eval's --boundary-tolerance and
-# --trimap-width; evaluate()'s boundary_tolerance and trimap_width)
-BOUNDARY_TOLERANCE = 3
+BOUNDARY_TOLERANCE = 3  # px, the defaults of dualseg eval and evaluate()
 TRIMAP_WIDTH = 5
 
 
 class BoundaryMetrics:
-    """Streaming boundary F1 (tolerance ``t`` px) and trimap mIoU (band of ``w`` px).
-
-    Definitions are in the module docstring. All counters live in one int64 tensor ``state``
-    (``4*C + C*C``): per class pred / matched pred / GT / matched GT boundary pixels, then the
-    band's ``[C, C]`` confusion matrix, so ``dist.all_reduce(state)`` gives the global result.
-    Torch ops on the input's device, batched, on class-valued int16 maps (memory does not grow
-    with the number of classes); matching visits only boundary pixels.
+    """Streaming boundary F1 (tolerance px) and trimap mIoU (band px); every counter in one
+    all_reduce-able int64 ``state``: :attr:`boundary_counts`, then :attr:`trimap_mat`.
 
     >>> bm = BoundaryMetrics(2, tolerance=1)
     >>> target = torch.tensor([[0, 0, 1, 1]] * 3)
@@ -329,18 +294,13 @@ class BoundaryMetrics:
             isinstance(v, numbers.Real)
             and not isinstance(v, bool)
             and math.isfinite(v)
-            and v == int(v)
+            and v == int(v)  # a disk of radius 2.5 is not one of radius 2
+            and 0 <= v <= MAX_WIDTH
             for v in (tolerance, trimap_width)
         ):
-            # a disk of radius 2.5 is not one of radius 2: cutting it changed the scores
             raise ConfigError(
                 f"boundary tolerance and trimap width are whole pixels, got {tolerance} and "
-                f"{trimap_width}; round them (dualseg eval: --boundary-tolerance, --trimap-width)"
-            )
-        if not (0 <= tolerance <= MAX_WIDTH and 0 <= trimap_width <= MAX_WIDTH):
-            raise ConfigError(
-                f"boundary tolerance and trimap width must be 0..{MAX_WIDTH} px, got "
-                f"{tolerance} and {trimap_width} (dualseg eval: --boundary-tolerance, "
+                f"{trimap_width}; use 0..{MAX_WIDTH} (dualseg eval: --boundary-tolerance, "
                 "--trimap-width)"
             )
         self.num_classes = num_classes
@@ -365,8 +325,7 @@ class BoundaryMetrics:
 
     @torch.no_grad()
     def update(self, pred: Tensor, target: Tensor) -> None:
-        """Add a batch of label maps ``[B, H, W]`` (or one ``[H, W]``; tensors or numpy
-        arrays)."""
+        """Add label maps ``[B, H, W]`` or ``[H, W]`` (tensors or numpy arrays)."""
         if self._follow_input and isinstance(target, Tensor):
             self.state = self.state.to(target.device)
         c, ign = self.num_classes, self.ignore_index
@@ -391,9 +350,8 @@ class BoundaryMetrics:
         counts[2:4] += _match_counts(gt_bd, pred_bd, self.tolerance, c)
 
     def compute(self) -> dict[str, Any]:
-        """``{"boundary_f1", "boundary_f1_per_class", "boundary_precision", "boundary_recall",
-        "trimap_miou", "trimap_iou"}``: float64 CPU tensors per class (NaN for absent classes),
-        floats for the means."""
+        """Boundary F1 / precision / recall and trimap IoU per class (NaN for absent classes),
+        and their means."""
         cnt = self.boundary_counts.detach().to("cpu", torch.float64)
         n_pred, hit_pred, n_gt, hit_gt = cnt
         nan = torch.tensor(math.nan, dtype=torch.float64)
@@ -414,7 +372,7 @@ class BoundaryMetrics:
         }
 
     def all_reduce(self) -> None:
-        """Sum ``state`` over the default process group's ranks (no-op when not distributed)."""
+        """Sum ``state`` over the ranks (no-op when not distributed)."""
         _all_reduce(self.state)
 
 
@@ -437,7 +395,6 @@ def to_jsonable(results: Mapping[str, Any]) -> dict[str, Any]:
     return {str(k): conv(v) for k, v in results.items()}
 
 
-# Per-class result keys that format_table knows, in column order, with their headers.
 _PER_CLASS_COLUMNS = (
     ("iou", "IoU"),
     ("class_acc", "Acc"),
@@ -455,8 +412,8 @@ _SUMMARY_KEYS = (
 
 
 def format_table(class_names: Sequence[str], results: Mapping[str, Any]) -> str:
-    """A markdown table of per-class scores in percent (one decimal), then the means, from one
-    or several merged ``compute()`` dicts (or :func:`to_jsonable` output); NaN/None is ``-``."""
+    """A markdown table of per-class scores in percent, then the means, from merged
+    ``compute()`` dicts (or :func:`to_jsonable` output); NaN/None is ``-``."""
     cols = [(k, h) for k, h in _PER_CLASS_COLUMNS if k in results]
     for k, _ in cols:
         if len(results[k]) != len(class_names):
@@ -467,15 +424,19 @@ def format_table(class_names: Sequence[str], results: Mapping[str, Any]) -> str:
 
     name_w = max([len("class"), *(len(n) for n in class_names)])
     widths = [max(len(h), 6) for _, h in cols]
+
+    def row(name: str, cells: list[str]) -> str:
+        return (
+            "| "
+            + " | ".join([name.ljust(name_w), *(c.rjust(w) for c, w in zip(cells, widths))])
+            + " |"
+        )
+
     lines = [
-        "| "
-        + " | ".join(["class".ljust(name_w), *(h.rjust(w) for (_, h), w in zip(cols, widths))])
-        + " |",
-        "|" + "|".join(["-" * (name_w + 1) + "-", *("-" * (w + 1) + ":" for w in widths)]) + "|",
+        row("class", [h for _, h in cols]),
+        "|" + "|".join(["-" * (name_w + 2), *("-" * (w + 1) + ":" for w in widths)]) + "|",
     ]
-    for i, name in enumerate(class_names):
-        cells = [pct(results[k][i]).rjust(w) for (k, _), w in zip(cols, widths)]
-        lines.append("| " + " | ".join([name.ljust(name_w), *cells]) + " |")
+    lines += [row(n, [pct(results[k][i]) for k, _ in cols]) for i, n in enumerate(class_names)]
     summary = [f"{h}: {pct(results[k])}" for k, h in _SUMMARY_KEYS if k in results]
     if summary:
         lines += ["", "  ".join(summary)]

@@ -1,6 +1,5 @@
-"""The one safe loader: ``torch.load(weights_only=True)``, one line per failure, for every
-torch file dualseg reads (no message suggests turning ``weights_only`` off). Torch is imported
-only inside the functions that use it: the onnxruntime runtime imports this module."""
+"""The one safe loader, ``torch.load(weights_only=True)``, one line per failure. Torch is
+imported inside the functions: the onnxruntime runtime imports this module."""
 
 from __future__ import annotations
 
@@ -18,14 +17,8 @@ from dualseg.errors import CheckpointError
 
 __all__ = ["TORCHSCRIPT_META", "read_torchscript_meta", "safe_torch_load", "torch_file_format"]
 
-# the metadata file inside a dualseg TorchScript export (its ``_extra_files``); here, below
-# dualseg.export, so that a checkpoint loader can tell such a file from a checkpoint
+# the metadata file in a dualseg TorchScript export: here, so loaders can tell one apart
 TORCHSCRIPT_META = "dualseg.json"
-
-PLAIN_WEIGHTS_HINT = (
-    "for plain weights save a state dict (torch.save(model.state_dict(), path)) and pass that "
-    "file as weights"
-)
 
 
 def safe_torch_load(
@@ -36,11 +29,8 @@ def safe_torch_load(
     written_by: str = "",
     map_location: Any = "cpu",
 ) -> Any:
-    """Load ``path`` with ``weights_only=True``; every failure is one :class:`CheckpointError`.
-
-    ``what`` names the kind of file in messages ("checkpoint", "refiner", ...), ``fix`` says
-    what to do with an unreadable one, ``written_by`` where a missing one comes from.
-    """
+    """Load ``path`` with ``weights_only=True``; every failure is one :class:`CheckpointError`
+    naming the kind of file (``what``), the ``fix`` and where such a file comes from."""
     import torch
 
     path = Path(path)
@@ -70,14 +60,14 @@ def safe_torch_load(
             ) from None
         raise CheckpointError(
             f"{path} contains objects that cannot be loaded safely (weights_only=True; it holds "
-            f"a {found.group(1)}), so it is not a dualseg {what}; {PLAIN_WEIGHTS_HINT}"
+            f"a {found.group(1)}), so it is not a dualseg {what}; for plain weights save a state "
+            "dict (torch.save(model.state_dict(), path)) and pass that file as weights"
         ) from None
     except (KeyError, IndexError, TypeError, struct.error) as err:
-        # the legacy (non-zip) unpickler reading a text or other non-PyTorch file: a text
-        # file fails with KeyError of some byte value, a file of a few bytes with struct.error
+        # the legacy unpickler on a text file (KeyError) or one of a few bytes (struct.error)
+        name = "struct.error" if isinstance(err, struct.error) else type(err).__name__
         raise CheckpointError(
-            f"{path} is corrupt or not a PyTorch {what} file ({_error_name(err)} while "
-            f"unpickling); {fix}"
+            f"{path} is corrupt or not a PyTorch {what} file ({name} while unpickling); {fix}"
         ) from None
     except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -86,14 +76,9 @@ def safe_torch_load(
         ) from None
 
 
-def _error_name(err: Exception) -> str:
-    return "struct.error" if isinstance(err, struct.error) else type(err).__name__
-
-
 def torch_file_format(path: str | os.PathLike[str]) -> str | None:
-    """What an existing file at ``path`` is, for a writer deciding whether it may replace it:
-    the ``format`` of a dualseg torch file; ``""`` for an empty file or a torch zip that cannot
-    be read (one cut short: the leftover of an interrupted write); None for anything else."""
+    """For a writer deciding whether it may replace ``path``: a dualseg torch file's ``format``,
+    ``""`` for an empty or unreadable torch zip (an interrupted write), else None."""
     path = Path(path)
     try:
         state = safe_torch_load(path, what="file", fix="")
@@ -105,9 +90,8 @@ def torch_file_format(path: str | os.PathLike[str]) -> str | None:
 
 
 def read_torchscript_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The metadata ``dualseg export`` stored in a TorchScript archive (:data:`TORCHSCRIPT_META`),
-    ``{}`` for another TorchScript file, None for no readable TorchScript archive. Read from
-    the zip (an archive has ``constants.pkl``, a ``torch.save`` file none), without torch."""
+    """A TorchScript archive's dualseg metadata, ``{}`` for another archive, None for no
+    archive; read from the zip (only archives hold ``constants.pkl``), without torch."""
     try:
         if not zipfile.is_zipfile(path):
             return None
@@ -132,7 +116,6 @@ def read_torchscript_meta(path: str | os.PathLike[str]) -> dict[str, Any] | None
 
 
 def _torchscript_message(path: Path, info: dict[str, Any], what: str, fix: str) -> str:
-    """The line for a TorchScript archive given as a ``what``: ``info`` is its metadata."""
     kind = str(info.get("kind") or "segmenter") if info else ""
     if kind == "embedding":
         return (
@@ -150,8 +133,7 @@ def _torchscript_message(path: Path, info: dict[str, Any], what: str, fix: str) 
 
 
 def short_list(keys: list[str], n: int = 6) -> str:
-    """``keys`` for a one-line message: the first ``n``, then how many more (``none`` for
-    none)."""
+    """The first ``n`` keys, then how many more, for a one-line message."""
     if not keys:
         return "none"
     more = f" (+{len(keys) - n} more)" if len(keys) > n else ""
@@ -159,8 +141,7 @@ def short_list(keys: list[str], n: int = 6) -> str:
 
 
 def nonfinite_keys(tensors: Mapping[str, Any]) -> list[str]:
-    """The keys of ``tensors`` whose floating-point values hold NaN or inf (a diverged model,
-    which would otherwise load and answer without an error); other values are skipped."""
+    """The keys of the float tensors holding NaN or inf (a diverged model would load)."""
     import torch
 
     return [

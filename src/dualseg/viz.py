@@ -1,8 +1,7 @@
-"""Pictures of segmentations: colourized label maps, overlays, side-by-side panels, curves.
+"""Pictures of segmentations: colourized label maps, overlays, panels, curves.
 
-Arrays are numpy ``uint8``: images ``HxWx3`` RGB (or ``HxW`` gray), label maps ``HxW`` integer
-with 255 = ignore (torch tensors are accepted too). Every file is written atomically through
-:mod:`dualseg.io`. Curves use matplotlib's Agg canvas directly (no pyplot, no global backend).
+Images are ``HxWx3`` (or ``HxW``) uint8, label maps ``HxW`` integers with 255 = ignore (arrays
+or tensors); files are written atomically; figures use matplotlib's Agg canvas, not pyplot.
 
 >>> palette = [(128, 64, 128), (70, 70, 70)]
 >>> colorize(np.array([[0, 1, 255]]), palette).tolist()
@@ -44,26 +43,8 @@ def _numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def _lut(palette: Palette) -> np.ndarray:
-    """``[K + 1, 3]`` uint8: the K palette colours, then black (for ignore)."""
-    values = np.asarray(palette, dtype=np.float64).reshape(-1, 3)
-    if values.size and (values.min() < 0 or values.max() > 255):
-        raise ValueError("palette colours must be RGB triples in [0, 255]")
-    if not np.array_equal(values, np.round(values)):  # an int cast drew a 0..1 palette black
-        raise ValueError(
-            "palette colours must be integer RGB triples in [0, 255], got fractions "
-            f"({values[values != np.round(values)][0]:g}); a palette in 0..1: multiply by 255 "
-            "and round"
-        )
-    pal = values.astype(np.int64)
-    return np.concatenate([pal, np.zeros((1, 3), np.int64)]).astype(np.uint8)
-
-
 def colorize(label: Any, palette: Palette, *, ignore_index: int = IGNORE_INDEX) -> np.ndarray:
-    """Label map ``HxW`` -> ``HxWx3`` uint8 RGB, class ``k`` -> ``palette[k]``, ignore -> black.
-
-    Raises ``ValueError`` for a value that is neither a palette entry nor ``ignore_index``.
-    """
+    """Label map ``HxW`` -> ``HxWx3`` uint8 RGB, class ``k`` -> ``palette[k]``, ignore -> black."""
     lab = _numpy(label)
     if lab.ndim != 2 or not np.issubdtype(lab.dtype, np.integer):
         raise ValueError(f"label must be an integer HxW map, got {lab.dtype} {lab.shape}")
@@ -75,7 +56,17 @@ def colorize(label: Any, palette: Palette, *, ignore_index: int = IGNORE_INDEX) 
             f"label values {vals} have no palette colour ({len(palette)} colours) and are not "
             f"the ignore index {ignore_index}"
         )
-    return _lut(palette)[np.where(lab == ignore_index, len(palette), lab)]
+    values = np.asarray(palette, dtype=np.float64).reshape(-1, 3)
+    if values.size and (values.min() < 0 or values.max() > 255):
+        raise ValueError("palette colours must be RGB triples in [0, 255]")
+    if not np.array_equal(values, np.round(values)):  # an int cast drew a 0..1 palette black
+        raise ValueError(
+            "palette colours must be integer RGB triples in [0, 255], got fractions "
+            f"({values[values != np.round(values)][0]:g}); a palette in 0..1: multiply by 255 "
+            "and round"
+        )
+    lut = np.concatenate([values, np.zeros((1, 3))]).astype(np.uint8)  # black for ignore
+    return lut[np.where(lab == ignore_index, len(palette), lab)]
 
 
 def _rgb(image: Any) -> np.ndarray:
@@ -104,10 +95,7 @@ def overlay(
     *,
     ignore_index: int = IGNORE_INDEX,
 ) -> np.ndarray:
-    """Blend the colourized ``label`` over ``image``: ``(1 - alpha) * image + alpha * colour``.
-
-    Ignore pixels keep the image unchanged. Returns ``HxWx3`` uint8.
-    """
+    """``(1 - alpha) * image + alpha * colorize(label)``; ignore pixels keep the image."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     img = _rgb(image)
@@ -122,8 +110,7 @@ def overlay(
 
 
 def mark_changed(picture: Any, changed: Any, color: Sequence[int] = CHANGED_COLOR) -> np.ndarray:
-    """``picture`` (``HxWx3`` uint8, e.g. a colourized label map) with every pixel where the
-    bool mask ``changed`` (``HxW``) is true painted ``color`` (magenta). Returns a copy."""
+    """A copy of ``picture`` with the pixels where ``changed`` is true painted ``color``."""
     img = _rgb(picture).copy()
     mask = _numpy(changed).astype(bool)
     if mask.shape != img.shape[:2]:
@@ -135,13 +122,9 @@ def mark_changed(picture: Any, changed: Any, color: Sequence[int] = CHANGED_COLO
 def denormalize(
     image: Any, mean: Sequence[float] | None = None, std: Sequence[float] | None = None
 ) -> np.ndarray:
-    """Normalized ``[3, H, W]`` float image (tensor or array) -> ``HxWx3`` uint8 RGB.
-
-    ``mean``/``std`` default to ImageNet's, which the datasets use.
-    """
-    if mean is None or std is None:
-        mean = IMAGENET_MEAN if mean is None else mean
-        std = IMAGENET_STD if std is None else std
+    """Normalized ``[3, H, W]`` float image -> ``HxWx3`` uint8 RGB (ImageNet stats default)."""
+    mean = IMAGENET_MEAN if mean is None else mean
+    std = IMAGENET_STD if std is None else std
     x = _numpy(image).astype(np.float32)
     if x.ndim != 3 or x.shape[0] != len(mean):
         raise ValueError(f"expected a [{len(mean)}, H, W] image, got shape {x.shape}")
@@ -162,8 +145,7 @@ def _text_width(draw: ImageDraw.ImageDraw, text: str, font: Any) -> int:
 
 
 def _fit_title(draw: ImageDraw.ImageDraw, title: str, width: int) -> tuple[str, Any, int]:
-    """(text, font, width): the title in the largest font (14 to 8) that fits ``width``, cut
-    with an ellipsis if none does."""
+    """(text, font, width): the largest font (14 to 8) that fits, else cut with an ellipsis."""
     for size in range(14, 7, -1):
         font = _font(size)
         tw = _text_width(draw, title, font)
@@ -189,7 +171,7 @@ def make_legend(
     font = _font(max(swatch - 2, 8))
     probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     row_h, pad = swatch + 6, 6
-    # Lay out the entries first (x, row) so the strip's height is known.
+    # lay out first: the strip's height depends on the rows
     items, x, row = [], pad, 0
     for name, colour in zip(class_names, palette):
         w = swatch + 4 + _text_width(probe, name, font) + 12
@@ -213,9 +195,7 @@ def make_panel(
     class_names: Sequence[str] | None = None,
     palette: Palette | None = None,
 ) -> np.ndarray:
-    """Tiles side by side at their own resolution (``image | ground truth | prediction``),
-    each copied pixel for pixel below its title (``TITLE_HEIGHT`` px, ``GAP`` px apart), and
-    optionally a legend below; ``HxWx3`` uint8. Colourize label maps first."""
+    """Tiles side by side, pixel for pixel below their titles, optionally a legend below."""
     if len(images) == 0 or len(images) != len(titles):
         raise ValueError(
             f"need one title per image, got {len(images)} images, {len(titles)} titles"
@@ -265,11 +245,9 @@ def _figure(width: float, height: float) -> Any:
     return fig
 
 
-def save_figure(fig: Any, path: str | os.PathLike[str], *, tight_layout: bool = True) -> None:
-    """Write a matplotlib figure to ``path`` as PNG, atomically; ``tight_layout=False`` for a
-    figure that lays itself out (``layout="constrained"``)."""
-    if tight_layout:
-        fig.tight_layout()
+def save_figure(fig: Any, path: str | os.PathLike[str]) -> None:
+    """Write a matplotlib figure to ``path`` as PNG, atomically."""
+    fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     atomic_write_bytes(path, buf.getvalue())
@@ -285,11 +263,9 @@ def curves_figure(
     scale: Mapping[str, float] | None = None,
     names: Mapping[str, str] | None = None,
 ) -> Any:
-    """A matplotlib ``Figure`` of training curves from ``history`` (one dict per logged point,
-    ``{"iteration": 100, "loss": 0.8}``). ``keys``: one subplot per entry; a sequence of keys
-    shares one (``[("loss", "val_loss"), "val_miou"]``). Points without the key or with
-    None/NaN are skipped. x: ``x_key``, else the first of iteration/iter/step/epoch present,
-    else the index. ``ylabels`` per subplot, ``scale`` and legend ``names`` per key."""
+    """Training curves from ``history`` (a dict per point): a subplot per entry of ``keys``,
+    a sequence of keys sharing one; x is ``x_key``, else iteration/iter/step/epoch, else the
+    index; None/NaN points are skipped; ``ylabels`` per subplot, ``scale``/``names`` per key."""
     if len(keys) == 0:
         raise ValueError("save_curves needs at least one key to plot")
     groups = [[k] if isinstance(k, str) else list(k) for k in keys]
@@ -357,8 +333,7 @@ def _names_fit(class_names: Sequence[str], count: int) -> list[str]:
 def confusion_matrix_figure(
     matrix: Any, class_names: Sequence[str], *, title: str | None = None
 ) -> Any:
-    """Heat map of a ``[C, C]`` confusion matrix (rows: ground truth), each row in percent of
-    its pixels, written in the non-empty cells up to 30 classes; an empty row is grey."""
+    """Heat map of a confusion matrix in percent of each ground-truth row (empty rows grey)."""
     counts = _numpy(matrix).astype(np.float64)
     if counts.ndim != 2 or counts.shape[0] != counts.shape[1]:
         raise ValueError(f"a confusion matrix must be [C, C], got shape {counts.shape}")
@@ -407,9 +382,8 @@ def class_iou_figure(
     *,
     title: str | None = None,
 ) -> Any:
-    """Bar chart of per-class IoU in percent: one bar per entry of ``series`` (label ->
-    per-class IoU fractions; several compare models) in each class's group; absent classes
-    (None / NaN) are marked ``n/a``."""
+    """Bars of per-class IoU in percent, one per entry of ``series`` (label -> IoUs), ``n/a``
+    for None / NaN."""
     if not series:
         raise ValueError("save_class_iou needs at least one series")
     c = len(class_names)

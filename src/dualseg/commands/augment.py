@@ -1,7 +1,4 @@
-"""``dualseg augment SRC DST --count N``: write N augmented pairs plus a list file (spec S1).
-
-The work is :func:`dualseg.data.augment.augment_dataset`; this module only parses flags.
-"""
+"""``dualseg augment SRC DST --count N``: flags for :func:`dualseg.data.augment.augment_dataset`."""
 
 from __future__ import annotations
 

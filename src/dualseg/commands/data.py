@@ -1,13 +1,6 @@
-"""``dualseg data check ROOT``: scan a dataset, report every problem at once, count pixels.
-
-Unlike loading (which stops at the first bad file), the check reads every pair of every split
-and lists all problems, then prints a per-class pixel histogram (the scan itself lives in
-:mod:`dualseg.data.check`; ``dualseg train`` runs the same scan before its first step). Exit
-status 1 when anything is wrong, so it can guard a training script.
-
-``--json FILE`` also writes the report (atomically); an existing FILE is refused before the
-scan unless ``--overwrite``, and a file of the dataset (list file, image, label, meta.json)
-always is.
+"""``dualseg data check ROOT``: every problem of a dataset at once and a per-class pixel
+histogram (:mod:`dualseg.data.check`); exit 1 when anything is wrong. ``--json FILE`` writes the
+report atomically, never over an existing FILE (without ``--overwrite``) or a dataset's file.
 """
 
 from __future__ import annotations
@@ -25,15 +18,13 @@ from dualseg.commands.common import (
     split_of,
 )
 from dualseg.console import ArgumentParser, argparse_kwargs
-from dualseg.data.check import DEFAULT_SPLITS, CheckReport, check_dataset, format_report
+from dualseg.data.check import DEFAULT_SPLITS, check_dataset, format_report
 from dualseg.data.datasets import LAYOUTS
 from dualseg.data.infer import infer_meta, write_meta
 from dualseg.data.presets import PRESETS, parse_label_map
 from dualseg.data.readers import LABEL_FORMATS
 from dualseg.errors import DataError
 from dualseg.io import atomic_write_json, check_writable
-
-__all__ = ["CheckReport", "check_dataset", "format_report", "main", "parse_ignore_index"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 
 dualseg refine fit --data ROOT --base CKPT_OR_PROBS_DIR --out refiner.pt [options]
 dualseg refine apply --refiner refiner.pt --base CKPT_OR_PROBS_DIR INPUTS... --out DIR
+dualseg refine layers --base CKPT_OR_FILE.py:NAME
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from dualseg.refine.base import load_base
 from dualseg.refine.boundary import MAX_RADIUS
 from dualseg.refine.calibrate import METRICS
 from dualseg.refine.config import OptionError, RefinerConfig
+from dualseg.refine.crf import CRFSettings, import_pydensecrf
+from dualseg.refine.taps import SAMPLE_SIZE, list_taps, pick_taps
 from dualseg.viz import default_palette
 
 
@@ -51,6 +54,8 @@ def add_config_flags(p: argparse.ArgumentParser) -> None:
         kw: dict[str, Any] = {"type": PARSED.get(f.name, kind), "default": f.default}
         if f.type == tuple[int, ...]:
             kw.update(type=int, nargs="+", default=list(f.default))
+        if f.type == tuple[str, ...] | None:
+            kw.update(type=str, nargs="+", metavar="MODULE")
         shown = " ".join(map(str, f.default)) if f.type == tuple[int, ...] else f.default
         help = f.metadata["help"] + (f" ({shown})" if f.default is not None else "")
         if "choices" in f.metadata:
@@ -121,8 +126,16 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
     )
     add = p.add_argument
     add("inputs", nargs="+", metavar="INPUT", help="image files, folders or globs")
-    add("--refiner", "-r", required=True, help="refiner file from 'refine fit', or an exported "
-        "one ('dualseg export --refiner': its .onnx/.json pair or TorchScript .pt)")  # fmt: skip
+    how = p.add_mutually_exclusive_group(required=True)
+    how.add_argument(
+        "--refiner",
+        "-r",
+        help="refiner file from 'refine fit', or an exported "
+        "one ('dualseg export --refiner': its .onnx/.json pair or TorchScript .pt)",
+    )
+    how.add_argument("--crf", action="store_true", help="dense CRF on the base's probabilities "
+                     "in place of method B, to compare on your images (needs pydensecrf2: pip "
+                     "install 'dualseg[crf]')")  # fmt: skip
     add("--base", "-b", required=True, help="checkpoint or 'dualseg predict --probs' folder")
     add("--out", "-o", required=True, help="output folder")
     c.add_overwrite_arg(p, what="output files in --out")
@@ -135,6 +148,25 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
     c.add_inference_arguments(p)  # how a checkpoint base runs; the refiner reads its scores
 
 
+def _add_layers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "layers",
+        help="list the modules of a base model a refiner can read (--base-features)",
+        description="Runs the base model once on a blank sample image and lists each module "
+        "whose output is a feature map: its name, channels and stride. A refiner fitted with "
+        "--base-features LOW HIGH reads two of them: LOW at stride 4, HIGH at 16 or 32.",
+        **argparse_kwargs(
+            "dualseg refine layers --base runs/camvid/best.pt",
+            "dualseg refine layers --base mymodel.py:model --size 512 512",
+        ),
+    )
+    p.add_argument("--base", "-b", required=True, help="a dualseg checkpoint, or a model of "
+                   "your own: file.py:NAME or package.module:NAME (a model, or a function "
+                   "returning one)")  # fmt: skip
+    p.add_argument("--size", type=c.positive_int, nargs=2, default=SAMPLE_SIZE,
+                   metavar=("H", "W"), help="the sample image's size (256 256)")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="dualseg refine",
@@ -144,16 +176,17 @@ def build_parser() -> argparse.ArgumentParser:
             "dualseg refine apply photos/ -r refiner.pt -b runs/camvid/best.pt -o out/",
         ),
     )
-    sub = p.add_subparsers(dest="command", metavar="{fit,apply}")
+    sub = p.add_subparsers(dest="command", metavar="{fit,apply,layers}")
     sub.required = True
     _add_fit(sub)
     _add_apply(sub)
+    _add_layers(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return fit_main(args) if args.command == "fit" else apply_main(args)
+    return {"fit": fit_main, "apply": apply_main, "layers": layers_main}[args.command](args)
 
 
 # ---------------------------------------------------------------------- fit
@@ -216,16 +249,19 @@ def fit_main(args: argparse.Namespace) -> int:
             base.require([name for _, name in files], [str(path) for path, _ in files])
     weights, init_from = fit_run.backbone_init(args.init_backbone, args.weights,
                                                cfg.backbone_source, base)  # fmt: skip
+    taps_of = getattr(base, "module", None) if cfg.base_features else None
+    reads_base = init_from is not None or taps_of is not None
     inputs = fit_run.fit_inputs(args.data, **where, crop_size=args.crop_size, labels=labels,
                                 scale_range=args.scale_range,
-                                base=None if init_from is None else args.base)  # fmt: skip
+                                base=args.base if reads_base else None)  # fmt: skip
     if args.overwrite:  # every input checked: the earlier fit's state goes now
         checkpoint.unlink(missing_ok=True)
     mode = "off" if args.no_progress else c.mode_of(args)
     with c.autocast(args, device):
         refiner = BoundaryRefiner.fit(
             data.train, class_names=class_names, config=cfg, prototype_dataset=data.prototypes,
-            weights=weights, init_from=init_from, device=device, num_workers=args.workers,
+            weights=weights, init_from=init_from, base=taps_of, device=device,
+            num_workers=args.workers,
             checkpoint=checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
             time_budget_s=None if args.time_budget is None else 60 * args.time_budget,
             progress=mode == "bar", log_every=0 if mode == "off" else args.log_every,
@@ -247,6 +283,18 @@ def note(command: str, text: str) -> None:
 
 
 # ---------------------------------------------------------------------- apply
+def crf_refiner(args: argparse.Namespace) -> CRFSettings:
+    """``refine apply --crf``: dense CRF with its default kernels, the options of method B
+    refused (they would be ignored)."""
+    given = [f for f, v in (("--top-n", args.top_n), ("--radius", args.radius)) if v is not None]
+    if given:
+        raise ConfigError(
+            f"{' and '.join(given)} set method B's refiner; --crf has none: drop them"
+        )
+    import_pydensecrf()  # before any output: one line saying how to install it
+    return CRFSettings()
+
+
 def apply_main(args: argparse.Namespace) -> int:
     opts = c.inference_options(args)
     out = check_writable(args.out, kind="dir", what="--out")
@@ -261,23 +309,30 @@ def apply_main(args: argparse.Namespace) -> int:
         command="refine apply",
     )
     device = c.apply_runtime(args)
-    refiner = load_refiner(args.refiner, device=device)
-    c.static_export_note(args.refiner, refiner, "refine")
-    c.check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
-    base = load_base(args.base, device=device)
     augmented = opts.mode != "whole" or opts.uses_tta
-    for line in configure(refiner, base, top_n=args.top_n, radius=args.radius, augmented=augmented,
-                          refiner_name=args.refiner, base_name=str(args.base)):  # fmt: skip
-        print(f"dualseg refine apply: {line}", file=sys.stderr)
+    if args.crf:
+        refiner, base = crf_refiner(args), load_base(args.base, device=device)
+    else:
+        refiner = load_refiner(args.refiner, device=device)
+        c.static_export_note(args.refiner, refiner, "refine")
+        c.check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
+        base = load_base(args.base, device=device)
+        for line in configure(refiner, base, top_n=args.top_n, radius=args.radius,
+                              augmented=augmented, refiner_name=args.refiner,
+                              base_name=str(args.base)):  # fmt: skip
+            print(f"dualseg refine apply: {line}", file=sys.stderr)
     if hasattr(base, "require"):  # a probability folder: every image's map, before any output
         base.require([name for _, name in images], [str(path) for path, _ in images])
     # the base's colours, else those refine fit stored (an exported refiner has none)
-    palette = base.palette or refiner.palette or default_palette(refiner.num_classes)
+    palette = base.palette or getattr(refiner, "palette", None)
     changed_total = pixels_total = 0
     failures: list[str] = []
-    # a model on a plain forward: its backbone output is read, not rerun
-    module = getattr(base, "module", None) if not augmented and not args.amp else None
-    kept = refiner.shared_features(module) if module is not None else contextlib.nullcontext()
+    # a model on a plain forward: its backbone output is read, not rerun (a tap refiner
+    # reads the base's modules on any forward: it holds the base to rerun it otherwise)
+    plain = (not augmented and not args.amp) or getattr(refiner, "taps", None) is not None
+    module = getattr(base, "module", None) if plain else None
+    share = getattr(refiner, "shared_features", None)
+    kept = share(module) if module is not None and share else contextlib.nullcontext()
     with kept as shared:
         for path, name in track(images, desc="refine", unit="img", mode=c.mode_of(args)):
             try:
@@ -290,8 +345,16 @@ def apply_main(args: argparse.Namespace) -> int:
             x = torch.from_numpy(normalize([rgb])).to(device)
             with torch.no_grad(), c.autocast(args, device):
                 scores = base_scores(base, x, name, path, opts)
-                features = shared.take() if shared is not None else None
-                labels, changed = refiner.refine(x, scores, return_changed=True, features=features)
+                if args.crf:  # probabilities: a model's logits, averaged ones are already
+                    probs = (
+                        scores.softmax(1) if hasattr(base, "module") and not augmented else scores
+                    )
+                    labels, changed = refiner.refine(x, probs)
+                else:
+                    features = shared.take(x) if shared is not None else None
+                    labels, changed = refiner.refine(x, scores, return_changed=True,
+                                                     features=features)  # fmt: skip
+                palette = palette or default_palette(scores.shape[1])
             c.write_outputs(out, name, rgb, labels[0].cpu().numpy(), palette, alpha=args.alpha)
             mask = changed[0].cpu().numpy().astype(np.uint8) * 255
             atomic_save_image(out / "changed" / f"{name}.png", mask)
@@ -304,4 +367,33 @@ def apply_main(args: argparse.Namespace) -> int:
         print(f"  skipped: {message}", file=sys.stderr)
     if failures:
         raise DataError(f"{len(failures)} of {len(images)} input image(s) could not be read")
+    return 0
+
+
+# ---------------------------------------------------------------------- layers
+def layers_main(args: argparse.Namespace) -> int:
+    base = load_base(args.base)
+    model = getattr(base, "module", None)
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(
+            f"--base {args.base} holds saved probabilities, not a model: pass a checkpoint "
+            "or file.py:NAME"
+        )
+    try:
+        taps = list_taps(model, torch.zeros(1, 3, *args.size))
+    except DualsegError:
+        raise
+    except Exception as err:  # the user's model on a blank image
+        raise ConfigError(
+            f"the base model failed on a 1x3x{args.size[0]}x{args.size[1]} sample "
+            f"({type(err).__name__}: {err}); try another --size"
+        ) from None
+    print(f"{'module':<44} {'channels':>8} {'stride':>6}  size")
+    for t in taps:
+        print(f"{t.name:<44} {t.channels:>8} {t.stride:>6}  {t.size[0]}x{t.size[1]}")
+    picked = pick_taps(model, taps)
+    if picked:
+        print(f"suggested: --base-features {picked[0]} {picked[1]} (or --base-features auto)")
+    else:
+        print("no taps picked for this layout: choose LOW (stride 4) and HIGH (stride 16 or 32)")
     return 0

@@ -1,10 +1,8 @@
-"""Materialize N augmented pairs of a dataset (spec S1); the ``dualseg augment`` library.
+"""``dualseg augment``: write N augmented pairs of a dataset (spec S1).
 
-Output ``i`` takes source pair ``i % len(SRC)`` and its own seed ``(seed, i)``, so the output is
-a pure function of the arguments: a re-run skips every output pair that already exists and
-reads back as a valid image (resume), and regenerates the rest identically. Files are written
-atomically (``dualseg.io``); the list file ``DST/train.txt`` and ``DST/meta.json`` are written
-last, so ``build_dataset(DST)`` reads the result directly.
+Output ``i`` is source pair ``i % N`` under seed ``(seed, i)``: a re-run with the same settings
+(``augment.json``) skips the valid pairs and rewrites the rest identically. The list file and
+``meta.json`` are written last, so ``build_dataset(DST)`` reads the result.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import io
 import json
 import multiprocessing as mp
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +39,7 @@ from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text,
 
 SETTINGS_FILE = "augment.json"
 IMAGE_FORMATS = {"png": "PNG", "jpg": "JPEG"}
-AUGMENT_FLAGS = {  # how `dualseg augment` names each setting, for its messages
+AUGMENT_FLAGS = {  # how `dualseg augment` names each setting
     k: "--" + k.replace("_", "-")
     for k in ("crop_size", "scale_range", "hflip_prob", "blur_prob", "jitter")
 }
@@ -86,8 +85,8 @@ class Augmenter:
         out_img = img_t.permute(1, 2, 0).contiguous().numpy()
         out_lbl = lbl_t.numpy().astype(np.uint8)
         fmt = IMAGE_FORMATS[self.settings["image_format"]]
-        atomic_write_bytes(img_path, _encode(out_img, fmt))  # image first, label last: a
-        atomic_write_bytes(label_path, _encode(out_lbl, "PNG"))  # pair is done once both exist
+        atomic_write_bytes(img_path, _encode(out_img, fmt))  # the label last: a pair is done
+        atomic_write_bytes(label_path, _encode(out_lbl, "PNG"))  # once both exist
         return True
 
 
@@ -103,10 +102,8 @@ def _valid(path: Path) -> bool:
         return False
     try:
         with Image.open(path) as im:
-            if im.format == "PNG":
-                im.verify()  # structure and checksums, without a full decode
-            else:
-                im.load()  # JPEG and the rest: verify() checks nothing, a truncated file passes
+            # verify() checks PNG checksums; for JPEG it passes a truncated file
+            im.verify() if im.format == "PNG" else im.load()
     except Exception:
         return False
     return True
@@ -117,11 +114,10 @@ def _init_worker(augmenter: Augmenter) -> None:
 
     import torch
 
-    # Ctrl-C reaches the whole process group: the parent stops the pool and says so in one
-    # line; a worker's own KeyboardInterrupt printed a traceback per worker
+    # Ctrl-C reaches the process group: the parent alone reports it, in one line
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    global _WORKER  # one per worker process, set once: the pool's way to share read-only state
+    global _WORKER  # set once per worker process: the pool's way to share read-only state
     _WORKER = augmenter
 
 
@@ -153,9 +149,7 @@ def augment_dataset(
     progress: bool | ProgressMode = True,
 ) -> tuple[int, int]:
     """Write ``count`` augmented pairs of ``src`` into ``dst``; return (written, skipped).
-
-    ``progress``: a :mod:`dualseg.console` mode (``"bar"``, ``"lines"``, ``"off"``); ``True``
-    picks by the terminal, ``False`` is ``"off"``."""
+    ``progress``: a :mod:`dualseg.console` mode, or True (by the terminal) / False."""
     _check_options(count, seed, image_format, list_name)
     check_augment_settings(  # before anything is written: a bad value leaves no augment.json
         crop_size=crop_size,
@@ -180,17 +174,18 @@ def augment_dataset(
         "jitter": list(jitter),
         "seed": seed,
         "image_format": image_format,
-        # how the labels were read: another mapping would mix two codings in one folder
+        # how the labels were read, which pairs in which order, and their size and mtime:
+        # any change would mix two sources in one folder
         "layout": layout,
         "label_format": label_format,
         "meta": dataset.meta.to_dict(),
-        # which pairs, in which order: output i reads source pair i % N, so a source that
-        # gained, lost or reordered pairs would mix two orderings in one folder
         "source_pairs": len(dataset.samples),
-        "source_digest": _pairs_digest(dataset.samples),
-        # and their contents as last written (size, mtime): a source edited in place would
-        # mix pairs of the old and the new file in one folder
-        "source_stamp": _files_stamp(dataset.samples),
+        "source_digest": _sha1(f"{i.resolve()}\t{lab.resolve()}" for i, lab in dataset.samples),
+        "source_stamp": _sha1(  # sizes and mtimes: no file is read
+            f"{st.st_size}:{st.st_mtime_ns}"
+            for pair in dataset.samples
+            for st in map(Path.stat, pair)
+        ),
     }
     _claim(dst, settings)
     earlier = _pair_count(dst)
@@ -233,7 +228,6 @@ def _write_pairs(augmenter: Augmenter, count: int, workers: int, mode: ProgressM
             written += augmenter(i)
             bar.update()
     else:
-        # fork (Linux) starts workers in well under a second, as DataLoader's do; spawn elsewhere
         ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
         try:
             with ctx.Pool(workers, initializer=_init_worker, initargs=(augmenter,)) as pool:
@@ -248,18 +242,15 @@ def _write_pairs(augmenter: Augmenter, count: int, workers: int, mode: ProgressM
 
 
 def _remove_partial(dst: Path) -> None:
-    """Remove the temporary files of writes that never finished (``atomic_open``'s
-    ``.<name>.*.tmp`` siblings) from DST's output folders, which this run owns (``_claim``)."""
+    """Remove unfinished writes' ``.<name>.*.tmp`` files from DST's output folders."""
     for folder in (dst / "images", dst / "labels"):
         for tmp in folder.glob(".*.tmp") if folder.is_dir() else ():
             tmp.unlink(missing_ok=True)
 
 
 def _check_destination(src: Path, dst: Path, dataset: SegmentationDataset, list_name: str) -> None:
-    """Refuse a ``dst`` whose writing would overwrite or change a dataset: the source itself or
-    a folder inside it, a folder whose ``images/`` / ``labels/`` / list file / meta.json are
-    the source's, or a folder
-    holding a dataset that ``dualseg augment`` did not write (no ``augment.json``)."""
+    """Refuse a ``dst`` whose writing would overwrite or change a dataset (the source, a folder
+    inside it or holding its files, or a dataset dualseg augment did not write)."""
     src_dir = (src.parent if src.is_file() else src).resolve()
     here = dst.resolve()
     if here == src_dir:
@@ -298,20 +289,8 @@ def _check_destination(src: Path, dst: Path, dataset: SegmentationDataset, list_
         )
 
 
-def _pairs_digest(samples: list[tuple[Path, Path]]) -> str:
-    """SHA-1 of the source pairs' resolved paths, in order."""
-    text = "\n".join(f"{img.resolve()}\t{label.resolve()}" for img, label in samples)
-    return hashlib.sha1(text.encode("utf-8")).hexdigest()
-
-
-def _files_stamp(samples: list[tuple[Path, Path]]) -> str:
-    """SHA-1 of every source file's size and modification time (no file is read)."""
-    parts = []
-    for pair in samples:
-        for f in pair:
-            st = f.stat()
-            parts.append(f"{st.st_size}:{st.st_mtime_ns}")
-    return hashlib.sha1("\n".join(parts).encode("utf-8")).hexdigest()
+def _sha1(lines: Iterable[str]) -> str:
+    return hashlib.sha1("\n".join(lines).encode("utf-8")).hexdigest()
 
 
 def _has_files(folder: Path) -> bool:
@@ -319,8 +298,7 @@ def _has_files(folder: Path) -> bool:
 
 
 def _pair_count(dst: Path) -> int:
-    """One past the highest pair number in ``dst/images`` or ``dst/labels`` (0 when empty):
-    the ``--count`` that names them all (an interrupted run of several workers leaves gaps)."""
+    """One past the highest pair number in ``dst`` (0 when empty)."""
     numbers = [
         int(p.stem)
         for folder in (dst / "images", dst / "labels")
@@ -331,21 +309,15 @@ def _pair_count(dst: Path) -> int:
     return max(numbers) + 1 if numbers else 0
 
 
-def _has_pairs(dst: Path) -> bool:
-    """Whether ``dst`` holds any output file (an ``images/`` or ``labels/`` file)."""
-    return _has_files(dst / "images") or _has_files(dst / "labels")
-
-
 def _claim(dst: Path, settings: dict) -> None:
-    """Refuse to mix outputs of different settings in one folder (resume needs equal settings);
-    an ``augment.json`` with no pairs written beside it is stale and is replaced."""
+    """Refuse to mix outputs of different settings in one folder; an ``augment.json`` without
+    pairs beside it is stale and replaced."""
     path = dst / SETTINGS_FILE
     settings = json.loads(json.dumps(settings))  # as it reads back from the file
-    if path.is_file() and _has_pairs(dst):
+    if path.is_file() and (_has_files(dst / "images") or _has_files(dst / "labels")):
         try:
             old = json.loads(path.read_text(encoding="utf-8"))
         except UnicodeDecodeError:
-            # not the UTF-8 JSON this command writes: which settings made the pairs is unknown
             raise DataError(
                 f"{path}: not UTF-8 JSON, so the settings of the pairs in {dst} are unknown; "
                 "re-create them: empty the folder (or choose an empty DST) and run again"

@@ -1,14 +1,9 @@
-"""The dataset scan behind ``dualseg data check`` and the pre-flight check of ``dualseg train``.
-
-Unlike loading (which stops at the first bad file), :func:`check_dataset` reads every pair of
-every split and lists all problems, each naming the file and the fix, with per-split pixel
-histograms. On top of per-file problems it reports two dataset-level ones: a class set that
-looks like a 0/255 binary mask read with 255 as "ignore", and a class absent from every split.
-:func:`require_trainable` turns a report into the one-line refusal ``train`` gives.
-"""
+"""The dataset scan of ``dualseg data check`` and ``dualseg train``'s pre-flight check: every
+pair of every split read, all problems listed, per-class pixel histograms."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from dualseg.console import ProgressMode, track
-from dualseg.data.datasets import check_split_name, one_class_set, resolve_meta, size_mismatch
+from dualseg.data.datasets import check_split_name, one_class_set, resolve_meta
 from dualseg.data.layouts import available_splits, detect_any_split, discover, unlabelled_split
 from dualseg.data.presets import IGNORE_INDEX, META_FILE, DatasetMeta, IgnoreSetting
 from dualseg.data.readers import inspect_pair
@@ -25,8 +20,7 @@ from dualseg.errors import DataError
 from dualseg.imaging import wide_depth
 
 DEFAULT_SPLITS = ("train", "val", "test")
-# A 0/255 mask read with 255 as ignore: 255 covers at least this share of all pixels.
-BINARY_MASK_MIN_SHARE = 0.01
+BINARY_MASK_MIN_SHARE = 0.01  # a 0/255 mask read with 255 as ignore: 255's least pixel share
 
 
 def _empty_histogram() -> np.ndarray:
@@ -52,8 +46,7 @@ class CheckReport:
     collapsed: str | None = None  # "--label-map ... leaves one class": a warning
 
     def to_dict(self) -> dict[str, Any]:
-        # "ignore" keys the ignored pixels, "(ignore)" where a class is itself named "ignore"
-        # (its count was lost under the same key)
+        # "(ignore)" where a class is itself named "ignore"
         ignore = "(ignore)" if "ignore" in self.meta.class_names else "ignore"
         names = {**dict(enumerate(self.meta.class_names)), IGNORE_INDEX: ignore}
         return {
@@ -80,23 +73,20 @@ def check_dataset(
     ignore_value: IgnoreSetting = "auto",
     progress: ProgressMode = "off",
 ) -> CheckReport:
-    """Read every pair of ``splits`` (default: those of train/val/test that exist; for a
-    list file as ``root``, its own split, named by its stem).
-
-    ``progress``: a :mod:`dualseg.console` mode (``"bar"``, ``"lines"``, ``"off"``)."""
+    """Read every pair of ``splits`` (default: those of train/val/test that exist; a list file
+    as ``root``: its stem)."""
     root = Path(root)
     for split in splits or ():
         check_split_name(split)
     if layout == "auto":
         layout = detect_any_split(root, splits or DEFAULT_SPLITS)
     if splits is None and layout == "list" and root.is_file():
-        splits = (root.stem,)  # a list file is one split, named by it: data/val.txt is val
+        splits = (root.stem,)
     unlabelled: list[str] = []
     if splits is None:
         found = {s: discover(root, split=s, layout=layout) for s in DEFAULT_SPLITS}
         splits = tuple(s for s, f in found.items() if not f.split_missing) or ("train",)
-        if layout == "folder":  # images/val without labels/val: not "no problems found"
-            # (images/test without labels is a test set's usual shape: images to predict)
+        if layout == "folder":  # images/test without labels is usual: images to predict
             unlabelled = [
                 m for s in ("train", "val") if s not in splits if (m := unlabelled_split(root, s))
             ]
@@ -107,8 +97,7 @@ def check_dataset(
     images: dict[str, set[Path]] = {}  # per split, for the overlap check
     for split in splits:
         found = discover(root, split=split, layout=layout)
-        if found.source is not None and found.source in sources:
-            # a flat images/ folder serves every split: check it once
+        if found.source is not None and found.source in sources:  # a flat folder: checked once
             report.split_histograms[split] = report.split_histograms[sources[found.source]]
             continue
         if found.source is not None:
@@ -132,9 +121,14 @@ def check_dataset(
         largest = (0, 0)
         ranges: list[tuple[str, int, int]] = []
         for img_path, label_path in track(found.samples, desc=f"check {split}", mode=progress):
-            problems, size, values = _check_pair(img_path, label_path, meta, label_format, hist)
+            image, label, problems, values = inspect_pair(
+                img_path, label_path, meta, label_format=label_format
+            )
             report.problems += problems
-            largest = (max(largest[0], size[0]), max(largest[1], size[1]))
+            if label is not None:
+                hist += np.bincount(label.ravel(), minlength=256)
+            if image is not None:
+                largest = (max(largest[0], image.shape[0]), max(largest[1], image.shape[1]))
             ranges += [values] if values else []
         report.largest[split] = largest
         if ranges:
@@ -149,19 +143,14 @@ def check_dataset(
 
 
 def _split_overlap(root: Path, images: Mapping[str, set[Path]]) -> str | None:
-    """The first pair of train / val / test splits that share images, said in a line: a score
-    on the later split would be on images trained on (a flat folder serving every split is
-    checked once, so it is not this). Other split names (VOC's trainval) may overlap."""
-    named = [s for s in DEFAULT_SPLITS if s in images]
-    for i, a in enumerate(named):
-        for b in named[i + 1 :]:
-            shared = images[a] & images[b]
-            if shared:
-                return (
-                    f"{root}: split {b!r} shares {len(shared)} of its {len(images[b])} images "
-                    f"with split {a!r} (e.g. {min(shared).name}), so its scores would be on "
-                    "images trained on; keep each image in one split"
-                )
+    """The first two of train / val / test that share images (other names, VOC's trainval, may)."""
+    for a, b in itertools.combinations([s for s in DEFAULT_SPLITS if s in images], 2):
+        if shared := images[a] & images[b]:
+            return (
+                f"{root}: split {b!r} shares {len(shared)} of its {len(images[b])} images "
+                f"with split {a!r} (e.g. {min(shared).name}), so its scores would be on "
+                "images trained on; keep each image in one split"
+            )
     return None
 
 
@@ -172,24 +161,8 @@ def _shown_path(path: Path, root: Path) -> str:
         return str(path)
 
 
-def _check_pair(
-    img_path: Path, label_path: Path, meta: DatasetMeta, label_format: str, hist: np.ndarray
-) -> tuple[list[str], tuple[int, int], tuple[str, int, int] | None]:
-    """The pair's problems, its image's (H, W) ((0, 0) when unreadable) and stored values."""
-    image, label, problems, values = inspect_pair(
-        img_path, label_path, meta, label_format=label_format
-    )
-    if image is not None and label is not None and image.shape[:2] != label.shape:
-        problems.append(size_mismatch(img_path, image.shape[:2], label_path, label.shape))
-    if label is not None:
-        hist += np.bincount(label.ravel(), minlength=256)
-    size = tuple(image.shape[:2]) if image is not None else (0, 0)
-    return problems, size, values  # type: ignore[return-value]
-
-
 def _value_range(ranges: list[tuple[str, int, int]]) -> dict[str, Any]:
-    """One image set's stored values: dtypes, min, max and how wide images are read (12-bit
-    data in 16-bit files is scaled by 4095; a set mixing both readings is said)."""
+    """One image set's stored values: dtypes, min, max and the bit depths they are read as."""
     wide = [hi for dtype, _, hi in ranges if dtype not in ("uint8", "bool")]
     depths = sorted({wide_depth(np.asarray([hi])) for hi in wide if hi > 255})
     return {
@@ -254,10 +227,8 @@ def _class_problems(report: CheckReport) -> list[str]:
 
 
 def combine_reports(reports: Sequence[CheckReport]) -> CheckReport:
-    """One report over the roots of one mixed dataset (``data.root: [A, B]``): pairs,
-    histograms and file problems added up, the dataset-level problems found again over all of
-    them (a class absent from one root but present in another is not absent). Roots with
-    different classes raise the :class:`DataError` that ``build_dataset`` gives."""
+    """One report over the roots of a mixed dataset: counts added up, dataset-level problems
+    found again over all of them."""
     if len(reports) == 1:
         return reports[0]
     first = reports[0]
@@ -284,14 +255,8 @@ def combine_reports(reports: Sequence[CheckReport]) -> CheckReport:
 
 
 def require_trainable(report: CheckReport, train_split: str) -> None:
-    """Raise one :class:`DataError` when ``train_split``'s labels hold fewer than two classes
-    (a model cannot learn to tell classes apart from one) or ``report`` has problems.
-
-    Classes absent from every split are no reason to refuse (a small subset of a large class
-    set lacks some); :attr:`CheckReport.absent_classes` says which, for a warning. Neither is a
-    validation split that shares images with the training split
-    (:attr:`CheckReport.split_overlap`, a warning too).
-    """
+    """Raise one DataError when ``train_split``'s labels hold fewer than two classes or the
+    report has problems (absent classes and split overlap are warnings)."""
     meta, hist = report.meta, report.split_histograms.get(train_split)
     present = [c for c in range(meta.num_classes) if hist is not None and hist[c] > 0]
     if hist is not None and hist.any() and len(present) < 2:
@@ -306,7 +271,6 @@ def require_trainable(report: CheckReport, train_split: str) -> None:
             f"({shown}; {100 * hist[IGNORE_INDEX] / total:.1f}% of pixels are ignore), so "
             f"training cannot learn to separate classes; {fix}"
         )
-    # absent classes and splits sharing images: warnings for training, not refusals
     problems = [
         p for p in report.problems if p not in (report.absent_classes, report.split_overlap)
     ]

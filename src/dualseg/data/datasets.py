@@ -1,9 +1,5 @@
-"""``SegmentationDataset`` and ``build_dataset``: the pairs a layout finds
-(:mod:`dualseg.data.layouts`) with the classes that describe them (a preset or ROOT/meta.json).
-
-``build_dataset`` also takes several roots (a list): their pairs are concatenated into one
-dataset, provided every root has the same classes.
-"""
+"""``SegmentationDataset`` and ``build_dataset``: a layout's pairs (one root or several with the
+same classes) with the classes that describe them (a preset or ROOT/meta.json)."""
 
 from __future__ import annotations
 
@@ -13,7 +9,6 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -45,18 +40,6 @@ from dualseg.errors import DataError
 __all__ = ["LAYOUTS", "available_splits", "detect_layout", "discover"]  # re-exported for callers
 
 
-def size_mismatch(
-    img_path: Path, image_hw: tuple[int, ...], label_path: Path, label_hw: tuple[int, ...]
-) -> str:
-    """The message for a pair whose sizes differ (an EXIF orientation that would turn the image
-    and not its label is refused before, by :func:`dualseg.data.readers.read_pair`)."""
-    (h, w), (lh, lw) = image_hw, label_hw
-    return (
-        f"{label_path}: label size {lw}x{lh} differs from image {img_path} size {w}x{h} (WxH); "
-        "resize the label with nearest-neighbour or fix the pairing"
-    )
-
-
 def resolve_meta(
     root: str | Path,
     layout: str,
@@ -65,9 +48,22 @@ def resolve_meta(
     label_map: Mapping[int, int] | None = None,
     ignore_value: IgnoreSetting = "auto",
 ) -> DatasetMeta:
-    """The dataset's classes: the given preset, else ROOT/meta.json, else the layout's preset;
-    then the ``label_map`` / ``ignore_value`` overrides (:func:`with_label_mapping`)."""
-    meta = _own_meta(root, layout, preset)
+    """The given preset, else ROOT/meta.json, else the layout's preset; then the overrides."""
+    if isinstance(preset, DatasetMeta):
+        meta = preset
+    elif preset is not None:
+        meta = preset_for(root, preset)
+    elif (meta_file := meta_path(Path(root))).is_file():
+        meta = load_meta_file(meta_file)
+    elif layout in PRESETS:  # voc, cityscapes, ade20k
+        meta = PRESETS[layout]
+    else:
+        raise DataError(
+            f"{root}: which classes does this dataset have? pass preset= one of {sorted(PRESETS)} "
+            f"(CLI: --preset), or describe them in {meta_file} (name, class_names, palette, and a "
+            "label_map when the raw values are not 0..K-1, as in 0/255 masks): 'dualseg data "
+            f"check {root} --write-meta' writes one from the label values for you to review"
+        )
     return with_label_mapping(meta, label_map=label_map, ignore_value=ignore_value)
 
 
@@ -76,34 +72,10 @@ def meta_path(root: Path) -> Path:
     return (root.parent if root.is_file() else root) / META_FILE
 
 
-def _own_meta(root: str | Path, layout: str, preset: str | DatasetMeta | None) -> DatasetMeta:
-    if isinstance(preset, DatasetMeta):
-        return preset
-    if preset is not None:
-        return preset_for(root, preset)
-    root = Path(root)
-    meta_file = meta_path(root)
-    if meta_file.is_file():
-        return load_meta_file(meta_file)
-    if layout in PRESETS:  # voc, cityscapes, ade20k
-        return PRESETS[layout]
-    raise DataError(
-        f"{root}: which classes does this dataset have? pass preset= one of {sorted(PRESETS)} "
-        f"(CLI: --preset), or describe them in {meta_file} (name, class_names, palette, and a "
-        "label_map when the raw values are not 0..K-1, as in 0/255 masks): 'dualseg data "
-        f"check {root} --write-meta' writes one from the label values for you to review"
-    )
-
-
 def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
-    """The preset ``preset`` for the dataset at ``root``: refused (one line, both lists) when
-    ROOT/meta.json describes the dataset's classes under other names, since each label value
-    would be scored or trained under another class's name; refused too when its label mapping
-    reads a raw value as another class or ignore (``reduce_zero_label``, ``ignore_index``,
-    ``source_ignore``, ``label_map``): meta.json describes the files as written (dualseg
-    augment's ADE20K labels are already reduced). A meta.json that is no dualseg description
-    (another tool's file) does not stand in the way: the preset is how to read such a
-    dataset."""
+    """The preset ``preset`` for ``root``, refused when ROOT/meta.json (which describes the files
+    as written) names other classes or reads a raw value as another class; another tool's
+    meta.json does not stand in the way."""
     named = get_preset(preset)
     if root is None:
         return named
@@ -122,16 +94,10 @@ def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
             f"leave --preset out to read {meta_file}, or fix that file"
         )
     ours, theirs = own.lookup_table(), named.lookup_table()
-    if ((ours != theirs) & (ours >= 0) & (theirs >= 0)).any():
-        # meta.json describes these files (dualseg augment writes ADE20K's labels reduced,
-        # reduce_zero_label false): the preset's mapping would shift every class by one. A
-        # raw value only one of the two reads (CamVid's 11, which dualseg augment's labels no
-        # longer hold) is no conflict.
-        differ = [
-            f"{key} {_json_value(getattr(named, attr))} vs {_json_value(getattr(own, attr))}"
-            for key, attr in _MAPPING_KEYS
-            if getattr(named, attr) != getattr(own, attr)
-        ]
+    if ((ours != theirs) & (ours >= 0) & (theirs >= 0)).any():  # a value only one reads is fine
+        a, b = named.to_dict(), own.to_dict()
+        keys = ("reduce_zero_label", "ignore_index", "source_ignore", "label_map")
+        differ = [f"{k} {json.dumps(a[k])} vs {json.dumps(b[k])}" for k in keys if a[k] != b[k]]
         raise DataError(
             f"--preset {preset} reads the labels as {named.describe_mapping()} but {meta_file} "
             f"says {own.describe_mapping()} ({'; '.join(differ)}): its label values would be "
@@ -140,28 +106,10 @@ def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
     return named
 
 
-# the label mapping of a dataset: (meta.json key, DatasetMeta field)
-_MAPPING_KEYS = (
-    ("reduce_zero_label", "reduce_zero_label"),
-    ("ignore_index", "ignore_value"),
-    ("source_ignore", "source_ignore"),
-    ("label_map", "label_map"),
-)
-
-
-def _json_value(value: Any) -> str:
-    """A mapping field as meta.json writes it: true, null, [11], {"255": 1}."""
-    if isinstance(value, tuple) and value and isinstance(value[0], tuple):  # label_map pairs
-        value = {str(s): d for s, d in value}
-    return json.dumps(list(value) if isinstance(value, tuple) else value)
-
-
 def dataset_meta(
     root: str | Path, *, layout: str = "auto", split: str = "train"
 ) -> DatasetMeta | None:
-    """The classes ``root`` describes itself (ROOT/meta.json, or the VOC / Cityscapes / ADE20K
-    layout);
-    ``None`` when it does not say (a bad meta.json is still an error)."""
+    """The classes ``root`` describes itself (meta.json or its layout's preset), else None."""
     root = Path(root)
     meta_file = meta_path(root)
     if meta_file.is_file():
@@ -172,7 +120,7 @@ def dataset_meta(
 
 
 def check_split_name(split: str) -> None:
-    """Refuse an empty split name: "" would read the flat images/ + labels/ of every split."""
+    """Refuse an empty split name ("" would read a flat folder of every split)."""
     if not str(split).strip():
         raise DataError(f"split {split!r} is an empty name; give one (e.g. train, val, test)")
 
@@ -180,15 +128,9 @@ def check_split_name(split: str) -> None:
 class SegmentationDataset(torch.utils.data.Dataset):
     """Image/label pairs -> ``(image float32 [3,H,W] normalized, label int64 [H,W])``.
 
-    ``samples_per_epoch`` expands (or shrinks) the dataset on the fly (spec S1): index ``i`` of
-    epoch ``e`` reads pair ``(i + e·samples_per_epoch) % len(samples)`` with its own
-    augmentation, so the epochs walk on through the pairs and every pair is drawn, each as
-    often as any other to within one over the run (an epoch shorter than the dataset would
-    otherwise never read its last pairs). Every index has its own seed, derived from
-    ``(seed, epoch, i)``, so the stream does not depend on DataLoader workers and a resumed run
-    replays it; call :meth:`set_epoch` before each epoch for fresh augmentations (as with
-    ``DistributedSampler``; with ``persistent_workers=True`` workers keep the epoch they forked
-    with).
+    ``samples_per_epoch`` resizes an epoch (spec S1): index ``i`` of epoch ``e`` reads pair
+    ``(i + e * len) % len(samples)``, so epochs walk on through the pairs. Each index is seeded
+    from ``(seed, epoch, i)`` (worker-independent, replayed on resume); call :meth:`set_epoch`.
     """
 
     def __init__(
@@ -215,7 +157,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
         self.label_format = label_format
         self.samples_per_epoch = samples_per_epoch
         self.seed = seed
-        self.bit_depth = bit_depth  # of 16-bit images; None: from their values (imaging)
+        self.bit_depth = bit_depth
         self.epoch = 0
 
     def __len__(self) -> int:
@@ -225,23 +167,15 @@ class SegmentationDataset(torch.utils.data.Dataset):
         self.epoch = int(epoch)
 
     def pair_index(self, index: int) -> int:
-        """The pair that index ``index`` of the current epoch reads: the epochs go on through
-        the pairs where the last one stopped (``index`` itself without samples_per_epoch)."""
+        """The pair that ``index`` of the current epoch reads."""
         return (index + self.epoch * len(self)) % len(self.samples)
 
     def load_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The raw pair ``(uint8 HxWx3, uint8 HxW with 255 = ignore)`` of sample ``index``."""
-        img_path, label_path = self.samples[index % len(self.samples)]
-        image, label = read_pair(
-            img_path,
-            label_path,
-            self.meta,
-            label_format=self.label_format,
-            bit_depth=self.bit_depth,
+        img, lab = self.samples[index % len(self.samples)]
+        return read_pair(
+            img, lab, self.meta, label_format=self.label_format, bit_depth=self.bit_depth
         )
-        if image.shape[:2] != label.shape:
-            raise DataError(size_mismatch(img_path, image.shape[:2], label_path, label.shape))
-        return image, label
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         if not -len(self) <= index < len(self):
@@ -276,19 +210,12 @@ def build_dataset(
     val_fraction: float = 0.0,
     bit_depth: int | None = None,
 ) -> SegmentationDataset:
-    """Scan ``root`` and return its ``split`` as a :class:`SegmentationDataset`.
+    """``split`` of ``root`` (or of several roots with the same classes, concatenated).
 
-    ``val_fraction`` (0 < f < 1) holds out that share of a root with one set of pairs (no val
-    split of its own): ``split="val"`` gets it, ``"train"`` the rest, chosen by file name
-    (:func:`held_out`), so every run and machine draws the same; 0: the splits on disk.
-    ``bit_depth``: of 16-bit images (:func:`dualseg.imaging.image_to_rgb`; None: detected).
-
-    ``root`` may be a list of roots: their pairs are concatenated (in order) into one dataset;
-    all roots must have the same classes (else a :class:`DataError` naming both class lists).
-    Raises one :class:`DataError` naming the first bad file (and how many more there are) when
-    listed files are missing; ``transform=None`` means :func:`build_eval_transform`.
-    ``label_map`` / ``ignore_value`` override the dataset's label mapping
-    (:func:`dualseg.data.presets.with_label_mapping`).
+    ``val_fraction`` (0 < f < 1) holds out that share of a root without a val split, chosen by
+    file name (:func:`held_out`): ``split="val"`` gets it, ``"train"`` the rest.
+    ``bit_depth``: of 16-bit images (None: detected). ``label_map`` / ``ignore_value``
+    override the dataset's label mapping. The first bad file is one DataError.
     """
     roots = [root] if isinstance(root, str | Path) else list(root)
     if not roots:
@@ -341,9 +268,8 @@ def build_dataset(
 
 
 def held_out(root: str | Path, found: Discovery, fraction: float, split: str) -> list[Pair]:
-    """``split`` of ``found``'s pairs when ``fraction`` of them is held out for validation:
-    the pairs ranked by a SHA-1 of the image's file name (stable, unlike ``hash()``), the
-    first ``round(fraction * n)`` (at least 1) are val, the rest train."""
+    """``split`` of ``found``'s pairs with ``fraction`` held out as val, ranked by a SHA-1 of
+    the image's file name (stable across runs and machines)."""
     pairs = found.samples
     if len(pairs) < 2:
         raise DataError(f"{root}: val_fraction needs 2 or more pairs, found {len(pairs)}")
@@ -356,8 +282,7 @@ def held_out(root: str | Path, found: Discovery, fraction: float, split: str) ->
 def _warn_one_class(
     samples: list[Pair], meta: DatasetMeta, label_format: str, label_map: Mapping[int, int]
 ) -> None:
-    """Warn when an explicit ``label_map`` leaves one class in the first labels: a model
-    trained on them learns nothing, and its scores still look like a result."""
+    """Warn when an explicit ``label_map`` leaves one class in the first labels."""
     present: set[int] = set()
     for _, label_path in samples[:8]:
         label = read_label(label_path, meta, label_format=label_format)
@@ -375,8 +300,8 @@ def _warn_one_class(
 def one_class_set(
     metas: list[tuple[Path, DatasetMeta]], *, label_format: str = "index"
 ) -> DatasetMeta:
-    """The roots' shared description; a :class:`DataError` when two differ (in their palettes
-    too, for colour-coded labels: every root is decoded through the first one's)."""
+    """The roots' shared description; a DataError when two differ (palettes too, for colour
+    labels)."""
     (first_root, first), *rest = metas
     for root, meta in rest:
         if meta.class_names != first.class_names:
@@ -406,9 +331,8 @@ def one_class_set(
 
 
 def label_histogram(dataset: SegmentationDataset) -> tuple[np.ndarray, np.ndarray]:
-    """Per class, over ``dataset``'s label files (no augmentation): the labelled pixels, and
-    the labelled pixels of the images in which the class appears (int64 ``[C]`` each) — the
-    two counts of median frequency balancing."""
+    """Per class (int64 ``[C]``): labelled pixels, and labelled pixels of the images holding it
+    (the two counts of median frequency balancing)."""
     c = dataset.meta.num_classes
     counts = np.zeros(c, np.int64)
     image_pixels = np.zeros(c, np.int64)

@@ -1,9 +1,6 @@
-"""``dualseg data check --write-meta``: a ``meta.json`` inferred from the label values.
-
-The classes are the distinct raw values of every label file: values 0..K-1 are the classes as
-they are (255 beside them is ignore); any other set (0/255 masks) gets a ``label_map`` writing
-each value's class out. The names are placeholders for the user to review: ``background`` /
-``foreground`` for two values, else ``class_0``, ``class_1``, ...
+"""``dualseg data check --write-meta``: a ``meta.json`` inferred from the label values (0..K-1
+as they are, 255 beside them ignore; any other set through a ``label_map``), with placeholder
+names for the user to review.
 """
 
 from __future__ import annotations
@@ -40,15 +37,10 @@ def meta_from_values(values: list[int], *, name: str) -> DatasetMeta:
             "in meta.json by hand"
         )
     classes, ignore = values, IGNORE_INDEX
-    if (
-        values[-1] == IGNORE_INDEX
-        and len(values) > 2
-        and values[:-1] == list(range(len(values) - 1))
-    ):
+    if len(values) > 2 and values == [*range(len(values) - 1), IGNORE_INDEX]:
         classes = values[:-1]  # 0..K-1 and 255: the usual ignore value beside the classes
-    label_map = (
-        {} if classes == list(range(len(classes))) else {v: i for i, v in enumerate(classes)}
-    )
+    identity = classes == list(range(len(classes)))
+    label_map = {} if identity else {v: i for i, v in enumerate(classes)}
     if IGNORE_INDEX in label_map:
         ignore = None  # 255 is a class here
     k = len(classes)

@@ -1,21 +1,9 @@
 """Dataset layouts: which image/label pairs a folder holds, per split.
 
-Layouts (``layout=`` or detected by ``"auto"``):
-
-- ``list``: a text file with ``image_path label_path`` per line, relative to the file's folder
-  (``ROOT/{split}.txt``, or ``root`` is the list file itself) — the CamVid/SegNet format.
-- ``folder``: an image folder (``images/``, ``image/``, ``imgs/``, ``img/``, ``JPEGImages/``)
-  and a label folder (``labels/``, ``label/``, ``masks/``, ``mask/``, ``annotations/``,
-  ``ann/``, ``SegmentationClass/``) matched by file stem; searched as ``ROOT/{split}/images``,
-  ``ROOT/images/{split}``, then a flat ``ROOT/images`` (any split,
-  unless ROOT names splits of its own: list files or split subfolders; then a split it lacks
-  is a "has no split" error listing those it has).
-- ``voc``: ``JPEGImages/``, ``SegmentationClass/``, ``ImageSets/Segmentation/{split}.txt``.
-- ``cityscapes``: ``leftImg8bit/{split}/*/*_leftImg8bit.png`` with
-  ``gtFine/{split}/*/*_gtFine_labelTrainIds.png``.
-- ``ade20k``: ``ADEChallengeData2016/images/{training,validation}/*.jpg`` with
-  ``annotations/{training,validation}/*.png`` (ROOT may be the ``ADEChallengeData2016`` folder
-  or its parent; splits ``train`` / ``val`` name ``training`` / ``validation``).
+``list`` (``ROOT/{split}.txt`` of ``image label`` lines or stems), ``folder`` (an image folder
+beside a label folder, matched by stem: ``ROOT/{split}/images``, ``ROOT/images/{split}``, else a
+flat ``ROOT/images`` unless ROOT names splits of its own), ``voc``, ``cityscapes`` (train-id
+labels) and ``ade20k`` (``ADEChallengeData2016``; ``train``/``val`` name its folders).
 """
 
 from __future__ import annotations
@@ -23,14 +11,11 @@ from __future__ import annotations
 import glob
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from dualseg.errors import DataError
 
 LAYOUTS = ("auto", "list", "folder", "voc", "cityscapes", "ade20k")
-# what the readers read (GIF: palette labels some annotation tools export)
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif")
-# the folder layout's names for its two folders, in the order they are tried
 IMAGE_DIRS = ("images", "image", "imgs", "img", "JPEGImages")
 LABEL_DIRS = ("labels", "label", "masks", "mask", "annotations", "ann", "SegmentationClass")
 Pair = tuple[Path, Path]
@@ -49,7 +34,7 @@ class Discovery:
 
 
 def _list_lines(list_file: Path) -> list[str]:
-    """A list file's lines: UTF-8, a leading byte-order mark (Windows Notepad's) dropped."""
+    """A list file's lines (UTF-8; a byte-order mark dropped)."""
     try:
         return list_file.read_text(encoding="utf-8-sig").splitlines()
     except UnicodeDecodeError as err:
@@ -59,17 +44,10 @@ def _list_lines(list_file: Path) -> list[str]:
 
 
 def _is_stem(token: str) -> bool:
-    """Whether a list file's one-token line is a file stem (mmsegmentation's split files:
-    ``ADE_train_00000001``), not an image path whose label column is missing."""
+    """Whether a one-token list line is a file stem (mmsegmentation's split files)."""
     return (
         "/" not in token and "\\" not in token and Path(token).suffix.lower() not in IMAGE_SUFFIXES
     )
-
-
-def _stem_dirs(list_file: Path) -> tuple[Path, Path] | None:
-    """The ``(images, labels)`` folders a stem list's stems are found in: the folder layout's
-    for the list's split (``images/{split}``, ``{split}/images``, else the flat ``images/``)."""
-    return _folder_pair_dirs(list_file.parent, list_file.stem, lists=False)
 
 
 def _files_by_stem(folder: Path) -> dict[str, list[Path]]:
@@ -81,15 +59,11 @@ def _files_by_stem(folder: Path) -> dict[str, list[Path]]:
 
 
 def _stem_pair(
-    list_file: Path, n: int, stem: str, found: Discovery, cache: dict[str, Any]
+    list_file: Path, n: int, stem: str, found: Discovery, folders: list[tuple[Path, dict]]
 ) -> Pair | None:
-    """The image and label of a stem list's line ``n`` (one problem each when not found)."""
-    if "dirs" not in cache:
-        cache["dirs"] = dirs = _stem_dirs(list_file)
-        cache["files"] = [_files_by_stem(d) for d in dirs] if dirs else None
-    dirs, files = cache["dirs"], cache["files"]
+    """The image and label of a stem list's line ``n`` in the split's ``folders``."""
     where = f"{list_file}:{n}"
-    if dirs is None:
+    if not folders:
         found.problems.append(
             f"{where}: {stem!r} is a file stem, found in images/ + labels/ (or masks/) beside "
             f"{list_file.name}, which {list_file.parent} lacks; add those folders, or write the "
@@ -97,7 +71,7 @@ def _stem_pair(
         )
         return None
     pair = []
-    for folder, by_stem in zip(dirs, files):
+    for folder, by_stem in folders:
         paths = by_stem.get(stem, [])
         if len(paths) != 1:
             found.problems.append(
@@ -112,14 +86,17 @@ def _stem_pair(
 
 def _read_list(list_file: Path, found: Discovery) -> None:
     base = list_file.parent
-    stems: dict[str, Any] = {}  # the folders of a stem list, read once
+    folders = None  # a stem list's: the folder layout's for its split, read once
     for n, line in enumerate(_list_lines(list_file), start=1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         parts = line.split()
         if len(parts) == 1 and _is_stem(parts[0]):
-            if (stem_pair := _stem_pair(list_file, n, parts[0], found, stems)) is not None:
+            if folders is None:
+                dirs = _folder_pair_dirs(base, list_file.stem, lists=False) or ()
+                folders = [(d, _files_by_stem(d)) for d in dirs]
+            if (stem_pair := _stem_pair(list_file, n, parts[0], found, folders)) is not None:
                 found.samples.append(stem_pair)
             continue
         if len(parts) > 2:  # "images/a b.png labels/a b.png": no way to tell where a path ends
@@ -135,14 +112,17 @@ def _read_list(list_file: Path, found: Discovery) -> None:
                 "write one pair per line, separated by a space"
             )
             continue
-        pair = (base / parts[0], base / parts[1])
-        missing = [p for p in pair if not p.is_file()]
-        for p in missing:
-            found.problems.append(
-                f"{p}: listed in {list_file}:{n} but not found; fix the path or remove the line"
-            )
-        if not missing:
-            found.samples.append(pair)
+        _add_listed(found, (base / parts[0], base / parts[1]), f"{list_file}:{n}")
+
+
+def _add_listed(found: Discovery, pair: Pair, where: str) -> None:
+    """Add the pair a list line names, or a problem for each of its files that is missing."""
+    missing = [p for p in pair if not p.is_file()]
+    found.problems += [
+        f"{p}: listed in {where} but not found; fix the path or remove the line" for p in missing
+    ]
+    if not missing:
+        found.samples.append(pair)
 
 
 def _scan_list(root: Path, split: str) -> Discovery:
@@ -157,8 +137,7 @@ def _scan_list(root: Path, split: str) -> Discovery:
 
 
 def _images_by_stem(folder: Path, problems: list[str]) -> dict[str, Path]:
-    """The folder's image files by stem; files sharing a stem (``a.jpg`` and ``a.png``) cannot
-    be paired by name: each such stem is a problem, and none of its files is used."""
+    """The folder's images by stem; a stem of several files is a problem, none of them used."""
     by_stem = _files_by_stem(folder)
     for stem, paths in by_stem.items():
         if len(paths) > 1:
@@ -170,8 +149,7 @@ def _images_by_stem(folder: Path, problems: list[str]) -> dict[str, Path]:
 
 
 def _pair_in(base: Path, sub: str = "") -> tuple[Path, Path] | None:
-    """``(images, labels)`` folders of :data:`IMAGE_DIRS` / :data:`LABEL_DIRS` names side by
-    side in ``base`` (each with the subfolder ``sub``), the first names in order."""
+    """The first ``(images, labels)`` folder pair side by side in ``base`` (each + ``sub``)."""
     for image_name in IMAGE_DIRS:
         images = base / image_name / sub
         if images.is_dir():
@@ -182,8 +160,7 @@ def _pair_in(base: Path, sub: str = "") -> tuple[Path, Path] | None:
 
 
 def _is_list_file(path: Path) -> bool:
-    """Whether ``path``'s first entry is an ``image_path label_path`` line, or the stem of an
-    image of the split's folder (a stem list): a split's list."""
+    """Whether ``path``'s first entry is an ``image label`` line or an image's stem."""
     try:
         with path.open(encoding="utf-8-sig") as f:
             for line in f:
@@ -191,7 +168,7 @@ def _is_list_file(path: Path) -> bool:
                 if line and not line.startswith("#"):
                     parts = line.split()
                     if len(parts) == 1 and _is_stem(parts[0]):
-                        dirs = _stem_dirs(path)
+                        dirs = _folder_pair_dirs(path.parent, path.stem, lists=False)
                         return dirs is not None and any(dirs[0].glob(f"{glob.escape(parts[0])}.*"))
                     return len(parts) == 2 and all(
                         Path(x).suffix.lower() in IMAGE_SUFFIXES for x in parts
@@ -208,10 +185,8 @@ def _subdirs(folder: Path) -> list[Path]:
 
 
 def _declares_splits(root: Path, *, lists: bool = True) -> bool:
-    """Whether ``root`` names splits of its own beside a flat image folder: split subfolders
-    (``ROOT/{s}/images``, ``ROOT/images/{s}`` with their labels) or, with ``lists``, list files
-    (``ROOT/*.txt`` of ``image label`` lines). Then the flat folder is no stand-in for a split
-    it does not have."""
+    """Whether ``root`` names splits of its own (split subfolders, or with ``lists`` list files):
+    then a flat image folder stands in for no split."""
     if any(_pair_in(d) for d in _subdirs(root)):
         return True
     if any(_pair_in(root, d.name) for name in IMAGE_DIRS for d in _subdirs(root / name)):
@@ -220,10 +195,7 @@ def _declares_splits(root: Path, *, lists: bool = True) -> bool:
 
 
 def _folder_pair_dirs(root: Path, split: str, *, lists: bool = True) -> tuple[Path, Path] | None:
-    """``(images, labels)`` of ``split``: ``ROOT/{split}/images``, ``ROOT/images/{split}``,
-    else the flat ``ROOT/images`` — which serves any split only when ``root`` declares none
-    (:func:`_declares_splits`; ``split=""`` asks for the flat pair itself). Any names of
-    :data:`IMAGE_DIRS` / :data:`LABEL_DIRS` do."""
+    """``(images, labels)`` of ``split``; ``split=""`` asks for the flat pair itself."""
     if split and (found := _pair_in(root / split) or _pair_in(root, split)):
         return found
     if split and _declares_splits(root, lists=lists):
@@ -232,9 +204,7 @@ def _folder_pair_dirs(root: Path, split: str, *, lists: bool = True) -> tuple[Pa
 
 
 def unlabelled_split(root: str | Path, split: str) -> str | None:
-    """One line for a ``split`` whose image folder (``ROOT/images/{split}`` or
-    ``ROOT/{split}/images``) has no label folder beside it, else ``None``: the split is there,
-    its labels are not, which "no split" (or no word, for a split not asked for) hid."""
+    """The error for a ``split`` whose image folder has no label folder beside it, else None."""
     root = Path(root)
     if not split or not root.is_dir() or _pair_in(root / split) or _pair_in(root, split):
         return None
@@ -258,7 +228,6 @@ def seen_folders(root: Path) -> str:
 
 def _scan_folder(root: Path, split: str) -> Discovery:
     found = Discovery("folder", source=root)
-    # list files name splits of the list layout; the folder layout's own are its subfolders
     dirs = _folder_pair_dirs(root, split, lists=False)
     if dirs is None:
         found.split_missing = True
@@ -271,24 +240,27 @@ def _scan_folder(root: Path, split: str) -> Discovery:
         )
         return found
     listed = root / f"{split}.txt"
-    if split and dirs[0].parent == root and _is_list_file(listed):
-        # the flat folder stands for every split: beside a list file naming this split, the
-        # train split would read the val images too (documented: no stand-in then)
+    if split and dirs[0].parent == root and _is_list_file(listed):  # train would read val's
         found.split_missing = True
         found.problems.append(
             f"{root}: {listed.name} lists split {split!r}, and the flat {dirs[0].name}/ folder "
             "holds every split's images; read it with --layout list (or auto)"
         )
         return found
-    images, labels = (_images_by_stem(d, found.problems) for d in dirs)
     found.source, found.label_source = dirs
+    return _pair_by_stem(found, *dirs)
+
+
+def _pair_by_stem(found: Discovery, image_dir: Path, label_dir: Path) -> Discovery:
+    """Pair the images and labels of two folders by file stem; each stray file is a problem."""
+    images, labels = (_images_by_stem(d, found.problems) for d in (image_dir, label_dir))
     for stem, img in images.items():
         if stem in labels:
             found.samples.append((img, labels[stem]))
         else:
-            found.problems.append(f"{img}: no label with stem {stem!r} in {dirs[1]}; add it")
+            found.problems.append(f"{img}: no label with stem {stem!r} in {label_dir}; add it")
     for stem in sorted(set(labels) - set(images)):
-        found.problems.append(f"{labels[stem]}: no image with stem {stem!r} in {dirs[0]}; add it")
+        found.problems.append(f"{labels[stem]}: no image with stem {stem!r} in {image_dir}; add it")
     return found
 
 
@@ -306,11 +278,7 @@ def _scan_voc(root: Path, split: str) -> Discovery:
         if not stem:
             continue
         pair = (root / "JPEGImages" / f"{stem}.jpg", root / "SegmentationClass" / f"{stem}.png")
-        missing = [p for p in pair if not p.is_file()]
-        for p in missing:
-            found.problems.append(f"{p}: named in {list_file}:{n} but not found; add it")
-        if not missing:
-            found.samples.append(pair)
+        _add_listed(found, pair, f"{list_file}:{n}")
     return found
 
 
@@ -333,7 +301,7 @@ def _scan_cityscapes(root: Path, split: str) -> Discovery:
             )
     if not found.samples and not found.problems:
         others = sorted(p.name for p in img_dir.glob("*/*_leftImg8bit.*"))
-        if others:  # converted to JPEG: found by no name the layout reads
+        if others:  # converted to JPEG
             found.problems.append(
                 f"{img_dir}: only *_leftImg8bit.png images are read, and its {len(others)} "
                 f"*_leftImg8bit files are other formats (e.g. {others[0]}); use the original "
@@ -343,7 +311,7 @@ def _scan_cityscapes(root: Path, split: str) -> Discovery:
 
 
 ADE_FOLDER = "ADEChallengeData2016"
-ADE_SPLITS = {"train": "training", "val": "validation"}  # dualseg's split names -> ADE20K's
+ADE_SPLITS = {"train": "training", "val": "validation"}
 
 
 def _ade_root(root: Path) -> Path:
@@ -362,13 +330,7 @@ def _scan_ade20k(root: Path, split: str) -> Discovery:
             f"{ADE_FOLDER} folder (or its parent) and --split train or val"
         )
         return found
-    labels = _images_by_stem(ann_dir, found.problems)
-    for stem, img in _images_by_stem(img_dir, found.problems).items():
-        if stem in labels:
-            found.samples.append((img, labels[stem]))
-        else:
-            found.problems.append(f"{img}: no annotation {ann_dir / stem}.png; add it")
-    return found
+    return _pair_by_stem(found, img_dir, ann_dir)
 
 
 SCANNERS = {
@@ -384,7 +346,7 @@ def detect(root: Path, split: str) -> str | None:
     if (root.is_file() and root.suffix == ".txt") or (root / f"{split}.txt").is_file():
         return "list"
     if (root / "ImageSets").is_dir() or (root / "VOC2012" / "JPEGImages").is_dir():
-        return "voc"  # JPEGImages/ + SegmentationClass/ without split lists: the folder layout
+        return "voc"
     if (root / "leftImg8bit").is_dir() and (root / "gtFine").is_dir():
         return "cityscapes"
     ade = _ade_root(root)
@@ -405,8 +367,7 @@ def available_splits(root: str | Path, layout: str = "auto") -> list[str]:
     names |= {p.stem for p in root.glob("ImageSets/Segmentation/*.txt")}
     subs = (root, *(root / n for n in IMAGE_DIRS), root / "leftImg8bit", _ade_root(root) / "images")
     for sub in subs:
-        if sub.is_dir():
-            names |= {d.name for d in sub.iterdir() if d.is_dir() and not d.name.startswith(".")}
+        names |= {d.name for d in _subdirs(sub)}
     found = []
     for name in sorted(names):
         kind = detect(root, name) if layout == "auto" else layout
@@ -423,8 +384,7 @@ def available_splits(root: str | Path, layout: str = "auto") -> list[str]:
 
 
 def missing_split(root: Path, split: str, layout: str = "auto") -> DataError | None:
-    """``DataError`` listing the splits found, when ``split`` is absent but others exist (or
-    naming its image folder, when only its labels are absent)."""
+    """The error for an absent ``split`` when others exist (or only its labels are absent)."""
     if layout in ("auto", "folder") and (unlabelled := unlabelled_split(root, split)):
         return DataError(unlabelled)
     others = [s for s in available_splits(root, layout) if s != split]
@@ -457,8 +417,7 @@ def detect_layout(root: str | Path, split: str = "train") -> str:
 
 
 def detect_any_split(root: Path, splits: tuple[str, ...]) -> str:
-    """The layout of the first split of ``splits`` that is recognisable; an error names the
-    first split."""
+    """The layout of the first recognisable split; an error names the first split."""
     for split in splits:
         try:
             return detect_layout(root, split)

@@ -1,21 +1,7 @@
-"""Dataset descriptions: class names, palette and label mapping (``DatasetMeta``, ``PRESETS``).
+"""Dataset descriptions: class names, palette and the raw-value mapping (``DatasetMeta``).
 
-Internally every label map uses **255 for "ignore"** (loss and metrics skip it). How the raw
-values of a dataset's label files become class ids is the dataset's own setting, one lookup
-table (:meth:`DatasetMeta.lookup_table`) built from:
-
-- ``reduce_zero_label``: raw 0 means "ignore" and raw ``v`` is class ``v - 1`` (ADE20K stores
-  "other" as 0 and its 150 classes as 1..150; mmsegmentation's option of that name);
-- ``ignore_value``: the raw value that means "ignore" (default 255; ``None``: no value does, so
-  a raw 255 is an error unless ``label_map`` maps it);
-- ``source_ignore``: further raw values that mean "ignore" (CamVid: 11);
-- ``label_map``: raw value -> class id (or 255), applied last (a 0/255 binary mask: ``255 -> 1``);
-- ``void_colors``: the colours that mean "ignore" in colour-coded label images.
-
-A dataset describes them in ``ROOT/meta.json`` (keys ``name``, ``class_names``, ``palette``,
-``ignore_index``, ``source_ignore``, ``label_map`` as ``{"255": 1}``, ``reduce_zero_label``,
-``void_colors``); the presets keep their own; ``with_label_mapping`` applies command-line
-overrides.
+Internally 255 means "ignore". Raw label values become class ids through one lookup table
+(:meth:`DatasetMeta.lookup_table`); ``ROOT/meta.json`` holds the same fields as ``to_dict``.
 """
 
 from __future__ import annotations
@@ -73,9 +59,7 @@ class DatasetMeta:
             )
 
     def require_distinct_colours(self) -> None:
-        """Each colour means one thing, which decoding colour labels needs (it would otherwise
-        silently pick one of two classes, or class and void, for it). Index labels use the
-        palette only to draw, where a shared colour is the user's choice: not checked then."""
+        """Each colour means one thing (needed to decode colour labels, not to draw)."""
         owner: dict[Color, str] = {}
         for name, colour in zip(self.class_names, self.palette):
             if tuple(colour) in owner:
@@ -93,14 +77,9 @@ class DatasetMeta:
                 )
 
     def lookup_table(self) -> np.ndarray:
-        """``int16 [256]``: raw label value -> class id, 255 (ignore) or -1 (invalid).
-
-        The one label mapping of a dataset, in this order: raw values ``first..first+C-1`` are
-        the classes (``first`` is 1 with ``reduce_zero_label``, which also ignores raw 0, else
-        0); ``ignore_value`` and ``source_ignore`` mean ignore; ``label_map`` entries win.
-        """
+        """``int16 [256]``: raw value -> class id, 255 (ignore) or -1 (invalid); label_map wins."""
         lut = np.full(256, -1, dtype=np.int16)
-        first = self.first_class_value
+        first = int(self.reduce_zero_label)
         lut[first : first + self.num_classes] = np.arange(self.num_classes)
         if self.reduce_zero_label:
             lut[0] = IGNORE_INDEX
@@ -112,29 +91,20 @@ class DatasetMeta:
         return lut
 
     def unreachable_classes(self) -> list[int]:
-        """Class ids that no raw label value maps to: an ignore value, ``source_ignore`` or
-        ``label_map`` entry took a class's own value, so (in index labels) the class is never
-        in the ground truth and never scored."""
+        """Class ids no raw value maps to (an ignore or label_map entry took their value)."""
         reached = {int(v) for v in self.lookup_table() if 0 <= v < self.num_classes}
         return [k for k in range(self.num_classes) if k not in reached]
 
-    @property
-    def first_class_value(self) -> int:
-        """The raw value of class 0: 1 with ``reduce_zero_label`` (ADE20K), else 0."""
-        return 1 if self.reduce_zero_label else 0
-
     def describe_ignore(self) -> str:
         """The raw values that mean ignore, for messages: ``"255, 11"`` or ``"none"``."""
-        values = [0] if self.reduce_zero_label else []
-        values += [self.ignore_value] if self.ignore_value not in (None, *values) else []
-        values += [v for v in self.source_ignore if v not in values]
-        values += [s for s, d in self.label_map if d == IGNORE_INDEX and s not in values]
+        raw = [0] * self.reduce_zero_label + [self.ignore_value, *self.source_ignore]
         lut = self.lookup_table()  # a label_map entry may map one of them to a class
-        return ", ".join(str(v) for v in values if lut[v] == IGNORE_INDEX) or "none"
+        raw = [v for v in dict.fromkeys(raw + [s for s, _ in self.label_map]) if v is not None]
+        return ", ".join(str(v) for v in raw if lut[v] == IGNORE_INDEX) or "none"
 
     def describe_mapping(self) -> str:
         """The whole raw-value mapping in a few words, for messages."""
-        first = self.first_class_value
+        first = int(self.reduce_zero_label)
         parts = [f"classes {first}..{first + self.num_classes - 1}"]
         parts.append(f"ignore {self.describe_ignore()}")
         if self.label_map:
@@ -146,7 +116,7 @@ class DatasetMeta:
         return len(self.class_names)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form, the ``meta.json`` format (``ignore_index``: the raw value)."""
+        """The ``meta.json`` form (``ignore_index``: the raw ignore value)."""
         return {
             "name": self.name,
             "class_names": list(self.class_names),
@@ -160,7 +130,7 @@ class DatasetMeta:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DatasetMeta:
-        """Read the ``meta.json`` format (``ignore_index``: the raw ignore value, or null)."""
+        """Read the ``meta.json`` form."""
         try:
             ignore = d.get("ignore_index", IGNORE_INDEX)
             return cls(
@@ -183,22 +153,20 @@ class DatasetMeta:
 
 
 def _int(value: Any, key: str) -> int:
-    """A JSON integer: ``int()`` would take 1.9 as 1, ``true`` as 1 and ``"7"`` as 7."""
+    """A JSON integer (``int()`` would take 1.9, true and "7")."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise DataError(f"{key} must be an integer, got {value!r}; write e.g. 255")
     return value
 
 
 def _bool(value: Any, key: str) -> bool:
-    """A JSON boolean: ``bool("false")`` is True."""
     if not isinstance(value, bool):
         raise DataError(f"{key} must be true or false (a JSON boolean), got {value!r}")
     return value
 
 
 def _meta_label_map(value: Any) -> dict[int, int]:
-    """meta.json's ``label_map``: ``{"raw": class_id}``, raw a decimal string (JSON keys are
-    strings; an int from Python), class_id an integer."""
+    """meta.json's ``label_map``: ``{"raw": class_id}``."""
     if not isinstance(value, Mapping):
         raise DataError(f'label_map must be an object like {{"255": 1}}, got {value!r}')
     mapping: dict[int, int] = {}
@@ -209,21 +177,18 @@ def _meta_label_map(value: Any) -> dict[int, int]:
 
 
 def _class_names(value: Any) -> tuple[str, ...]:
-    """meta.json's ``class_names``: a list of unique strings (a bare string is no list)."""
+    """meta.json's ``class_names``: a list of unique strings."""
     if not isinstance(value, list | tuple) or not all(isinstance(c, str) for c in value):
         raise DataError(
             f'class_names must be a list of strings, got {value!r}; write e.g. ["road", "car"]'
         )
-    seen: set[str] = set()
-    for name in value:
-        if name in seen:
-            raise DataError(f"class_names lists {name!r} twice; give each class a unique name")
-        seen.add(name)
+    twice = [name for i, name in enumerate(value) if name in value[:i]]
+    if twice:
+        raise DataError(f"class_names lists {twice[0]!r} twice; give each class a unique name")
     return tuple(value)
 
 
 def _colors(value: Any, key: str) -> tuple[Color, ...]:
-    """meta.json's ``palette`` / ``void_colors``: a list of [r, g, b], 3 integers 0..255 each."""
     if not isinstance(value, list | tuple):
         raise DataError(f"{key} must be a list of [r, g, b] colours, got {value!r}")
     for i, c in enumerate(value):
@@ -237,22 +202,13 @@ def _colors(value: Any, key: str) -> tuple[Color, ...]:
 
 
 def voc_palette(n: int) -> tuple[Color, ...]:
-    """The first ``n`` colours of the PASCAL VOC colour map: the bits of the class index
-    spread over the high bits of r, g, b."""
-    colors = []
-    for i in range(n):
-        r = g = b = 0
-        c = i
-        for j in range(8):
-            r |= ((c >> 0) & 1) << (7 - j)
-            g |= ((c >> 1) & 1) << (7 - j)
-            b |= ((c >> 2) & 1) << (7 - j)
-            c >>= 3
-        colors.append((r, g, b))
-    return tuple(colors)
+    """The first ``n`` colours of the PASCAL VOC colour map."""
+    i, rgb = np.arange(n)[:, None], np.zeros((n, 3), np.int64)
+    for j in range(8):  # bit 3j+k of the index -> bit 7-j of channel k
+        rgb |= ((i >> (3 * j + np.arange(3))) & 1) << (7 - j)
+    return tuple((int(r), int(g), int(b)) for r, g, b in rgb)
 
 
-# the whole VOC colour map: the palette most tools give an index label (readers checks it)
 VOC_COLOURS = voc_palette(256)
 
 
@@ -326,11 +282,10 @@ _ADE20K_NAMES = (
     "clock flag"
 )
 
-# ADE20K / SceneParsing (ADEChallengeData2016): the 150 benchmark classes, in label order 1..150
-# (raw 0 = "other", ignored). The palette is generated (VOC's bit pattern), one colour per class.
+# ADEChallengeData2016: raw 0 = "other" (ignored), classes 1..150
 ADE20K = DatasetMeta(
     name="ade20k",
-    class_names=_names(_ADE20K_NAMES),
+    class_names=tuple(_ADE20K_NAMES.split()),
     palette=voc_palette(151)[1:],
     reduce_zero_label=True,
 )
@@ -341,8 +296,7 @@ META_FILE = "meta.json"  # optional dataset description beside a list-file or fo
 
 
 def get_preset(name: str) -> DatasetMeta:
-    """The preset called ``name`` (``camvid``, ``voc``, ``cityscapes``, ``synthetic``,
-    ``ade20k``)."""
+    """The preset called ``name``."""
     try:
         return PRESETS[name]
     except KeyError:
@@ -353,10 +307,9 @@ def get_preset(name: str) -> DatasetMeta:
 
 
 def load_meta_file(path: str | Path) -> DatasetMeta:
-    """Read a ``meta.json`` dataset description (the form written by ``DatasetMeta.to_dict``)."""
+    """Read a ``meta.json`` dataset description (``DatasetMeta.to_dict``'s form)."""
     path = Path(path)
     try:
-        # utf-8-sig: a byte-order mark (Windows Notepad's) is dropped, as in list files
         d = json.loads(path.read_text(encoding="utf-8-sig"))
     except UnicodeDecodeError as err:
         raise DataError(
@@ -366,12 +319,10 @@ def load_meta_file(path: str | Path) -> DatasetMeta:
         raise DataError(
             f"{path}: cannot read dataset description ({err}); fix or delete it"
         ) from err
-    # a key starting with "_" is a note for people ({"_comment": "..."}): JSON has no comments
+    # "_comment"-style keys are notes; a misspelled key would silently read as its default
     keys = d if isinstance(d, dict) else {}
     unknown = [k for k in keys if k not in META_KEYS and not str(k).startswith("_")]
     if unknown and len(unknown) < len(d):  # none known: another tool's file, said below
-        # a misspelled key ("reduce_zero_labels") was dropped: the dataset read with the
-        # default in its place, every class shifted or an ignore value read as a class
         import difflib
 
         key = str(unknown[0])
@@ -384,21 +335,11 @@ def load_meta_file(path: str | Path) -> DatasetMeta:
         raise DataError(f"{path}: {err}") from err
 
 
-# the keys of meta.json: DatasetMeta.to_dict's (a test holds them equal)
-META_KEYS = (
-    "name",
-    "class_names",
-    "palette",
-    "ignore_index",
-    "source_ignore",
-    "label_map",
-    "void_colors",
-    "reduce_zero_label",
-)
+META_KEYS = tuple(CAMVID.to_dict())  # the keys of meta.json
 
 
 def without_source_ignore(meta: DatasetMeta) -> DatasetMeta:
-    """The same classes for label maps that already hold 255 for ignore (written by dualseg)."""
+    """The same classes for labels dualseg wrote (class ids, 255 = ignore)."""
     return replace(
         meta, source_ignore=(), ignore_value=IGNORE_INDEX, label_map=(), reduce_zero_label=False
     )
@@ -431,23 +372,18 @@ def with_label_mapping(
     label_map: Mapping[int, int] | None = None,
     ignore_value: IgnoreSetting = "auto",
 ) -> DatasetMeta:
-    """``meta`` with command-line overrides: extra ``label_map`` entries (they win) and, unless
-    ``ignore_value`` is ``"auto"`` (keep the dataset's), another raw ignore value (``None``:
-    none)."""
-    changes: dict[str, Any] = {}
+    """``meta`` with command-line overrides (``ignore_value="auto"``: keep the dataset's)."""
     mapped = {int(s): int(d) for s, d in (label_map or {}).items()}
-    if ignore_value not in ("auto", None) and int(ignore_value) in mapped:
-        v = int(ignore_value)
+    if ignore_value not in ("auto", None) and (v := int(ignore_value)) in mapped:
         raise DataError(
             f"raw label {v} is both the ignore value (--ignore-index {v}) and mapped to class "
             f"{mapped[v]} (--label-map {v}:{mapped[v]}): drop one of the two"
         )
     if mapped:
-        merged = {**dict(meta.label_map), **mapped}
-        changes["label_map"] = _label_map_items(merged)
+        meta = replace(meta, label_map=_label_map_items({**dict(meta.label_map), **mapped}))
     if ignore_value != "auto":
-        changes["ignore_value"] = None if ignore_value is None else int(ignore_value)
-    return replace(meta, **changes) if changes else meta
+        meta = replace(meta, ignore_value=None if ignore_value is None else int(ignore_value))
+    return meta
 
 
 def require_same_classes(
@@ -457,11 +393,7 @@ def require_same_classes(
     model: str,
     data: str,
 ) -> None:
-    """Raise one :class:`DataError` listing both class lists when they differ.
-
-    Every command that scores or labels a dataset with a trained model (eval, predict --data,
-    refine fit, refine apply --data) calls this: a model never scores under wrong names.
-    """
+    """Raise one DataError listing both class lists when they differ."""
     if tuple(model_names) != tuple(data_names):
         raise DataError(
             f"{model} has {len(model_names)} classes {list(model_names)} but {data} has "

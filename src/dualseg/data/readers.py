@@ -1,22 +1,14 @@
-"""Reading images and label maps, with one clear :class:`DataError` naming the file.
+"""Reading label maps (and image/label pairs), with one DataError naming the file.
 
-``read_image`` always returns ``uint8 HxWx3`` RGB; ``read_label`` returns ``uint8 HxW`` class
-indices with 255 for ignore. Inputs are converted only where the conversion is unambiguous:
-grayscale -> RGB, palette -> RGB, fully opaque RGBA/LA -> RGB/L, 16-bit -> 8-bit (images, by
-their real range: 12-bit data by 4095), gray-looking RGB label -> index. Anything else
-(transparency, float images, colour labels read as indices, lossy JPEG labels, more than 8
-bits per colour channel, an image whose EXIF orientation its label lacks (:func:`read_pair`),
-...) is an error that says how to fix it.
-
-Pictures follow **the image policy** of :mod:`dualseg.imaging` (``image_to_rgb``: EXIF
-orientation applied, opaque alpha dropped, transparency refused), the one rule for files
-(``read_image``), uploads (``decode_image``), PIL images and arrays.
+``read_label`` returns ``uint8 HxW`` class ids, 255 = ignore. Only unambiguous conversions are
+made (1-, 2-, 4- and 16-bit indices, gray-looking RGB); colour labels read as indices, lossy
+files, deep colour channels and an EXIF orientation the image has and its label lacks are
+errors that say the fix. Images follow the image policy of :mod:`dualseg.imaging`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -32,7 +24,6 @@ from dualseg.imaging import (
 )
 
 LABEL_FORMATS = ("index", "color")
-# Modes Pillow reads with 8 bits per channel, whatever the file stores.
 _EIGHT_BIT_MODES = {"L", "LA", "P", "RGB", "RGBA"}
 
 
@@ -63,21 +54,19 @@ def _label_array(path: Path, im: Image.Image) -> np.ndarray:
     )
 
 
-def decode_color_label(rgb: np.ndarray, meta: DatasetMeta, *, path: str | Path = "") -> np.ndarray:
-    """HxWx3 uint8 colour label -> HxW uint8 indices through ``meta.palette`` (vectorized).
+def _rgb_keys(rgb: np.ndarray) -> np.ndarray:
+    rgb = np.asarray(rgb, np.int64)
+    return (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]
 
-    ``meta.void_colors`` decode to 255; any other colour is an error naming ``path``.
-    """
+
+def decode_color_label(rgb: np.ndarray, meta: DatasetMeta, *, path: str | Path = "") -> np.ndarray:
+    """HxWx3 uint8 colour label -> HxW uint8 class ids (void colours: 255; others: error)."""
     meta.require_distinct_colours()
-    colors = np.asarray(list(meta.palette) + list(meta.void_colors), dtype=np.int64)
-    values = np.asarray(
-        list(range(meta.num_classes)) + [IGNORE_INDEX] * len(meta.void_colors), dtype=np.uint8
-    )
-    keys = (colors[:, 0] << 16) | (colors[:, 1] << 8) | colors[:, 2]
+    keys = _rgb_keys([*meta.palette, *meta.void_colors])
+    values = np.asarray([*range(meta.num_classes)] + [IGNORE_INDEX] * len(meta.void_colors))
     order = np.argsort(keys)
-    keys, values = keys[order], values[order]
-    rgb = rgb.astype(np.int64)
-    pix = (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]
+    keys, values = keys[order], values[order].astype(np.uint8)
+    pix = _rgb_keys(rgb)
     pos = np.clip(np.searchsorted(keys, pix), 0, len(keys) - 1)
     known = keys[pos] == pix
     if not known.all():
@@ -93,26 +82,14 @@ def decode_color_label(rgb: np.ndarray, meta: DatasetMeta, *, path: str | Path =
 
 
 def _check_values(path: Path, raw: np.ndarray, meta: DatasetMeta) -> np.ndarray:
-    """Raw values -> class ids through the dataset's mapping (:meth:`DatasetMeta.lookup_table`);
-    any other value is an error."""
-    first = meta.first_class_value
-    if raw.dtype != np.uint8:
-        if raw.size and (raw.min() < 0 or raw.max() > 255):
-            bad = np.unique(raw[(raw < 0) | (raw > 255)])[:8].tolist()
-            raise DataError(
-                f"{path}: label values {bad} are neither a class of {meta.name!r} "
-                f"({first}..{first + meta.num_classes - 1}) nor ignore "
-                f"({meta.describe_ignore()}); fix the label or choose the matching preset"
-            )
-        raw = raw.astype(np.uint8)
-    mapped = meta.lookup_table()[raw]
+    first = int(meta.reduce_zero_label)
+    mapped = np.where((raw >= 0) & (raw <= 255), meta.lookup_table()[np.clip(raw, 0, 255)], -1)
     invalid = mapped < 0
     if invalid.any():
-        counts = np.bincount(raw[invalid].ravel(), minlength=256)
-        bad = np.flatnonzero(counts).tolist()
+        bad = np.unique(raw[invalid]).tolist()
         raise DataError(
             f"{path}: label values {bad[:8]}{' ...' if len(bad) > 8 else ''} "
-            f"({int(counts.sum())} pixels) are neither a class of {meta.name!r} "
+            f"({int(invalid.sum())} pixels) are neither a class of {meta.name!r} "
             f"({first}..{first + meta.num_classes - 1}) nor ignore ({meta.describe_ignore()}); "
             "choose the matching preset, map them with --label-map RAW:CLASS (meta.json: "
             '"label_map"), or fix the label'
@@ -120,29 +97,14 @@ def _check_values(path: Path, raw: np.ndarray, meta: DatasetMeta) -> np.ndarray:
     return mapped.astype(np.uint8)
 
 
-def _palette_in_use(im: Image.Image, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """A palette label's colours ``[N,3]`` and the indices its pixels use (those the palette
-    has); ``None`` without a palette. Read once for both palette checks (``np.unique`` over
-    the label is their cost)."""
-    flat = im.getpalette()
-    if not flat:
-        return None
-    pal = np.asarray(flat, np.int64).reshape(-1, 3)
-    return pal, np.asarray([int(i) for i in np.unique(raw) if i < len(pal)], np.int64)
-
-
 def _check_palette_indices(
     path: Path, pal: np.ndarray, used: np.ndarray, meta: DatasetMeta
 ) -> None:
-    """Refuse a palette (P-mode) label whose colours are mostly the dataset's colours but at
-    other indices: an image editor's colour-coded label, whose indices mean nothing, even with a
-    few stray colours of its own (an antialiased edge, a slip of the brush). VOC's, drawn in the
-    VOC palette at the VOC indices, pass; so does a palette mostly of its own colours."""
-    if not meta.palette:
-        return
+    """Refuse a palette label drawn mostly in the dataset's colours at other indices: an
+    editor's colour-coded label, whose indices mean nothing (VOC's colour map passes)."""
     colours = [tuple(int(v) for v in pal[i]) for i in used]
     if all(c == VOC_COLOURS[i] for i, c in zip(used.tolist(), colours)):
-        return  # the VOC colour map, the usual palette of index labels: the indices are labels
+        return
     of_class = {tuple(c): k for k, c in enumerate(meta.palette)}
     void = {tuple(c) for c in meta.void_colors}
     strays = [c for c in colours if c not in of_class and c not in void]
@@ -166,12 +128,8 @@ def _check_palette_indices(
 
 
 def _check_grey_palette(path: Path, pal: np.ndarray, used: np.ndarray, meta: DatasetMeta) -> None:
-    """Refuse a palette label drawn in grey levels that are other classes than its indices: an
-    index label re-encoded by a quantizer (pngquant, an editor's "indexed" mode) shows grey 0, 1,
-    2 but may store them as indices 2, 1, 0, and both readings are valid labels. (A mask whose
-    index 1 is drawn white, 255, passes: the grey reading would make a class ignore.)"""
-    if len(used) == 0:
-        return
+    """Refuse a palette label whose grey levels are other classes than its indices (a
+    quantizer's re-encoding: both readings are valid labels)."""
     grey = pal[used, 0]
     if not (pal[used] == grey[:, None]).all() or np.array_equal(grey, used):
         return  # colours of its own, or grey levels equal to the indices: unambiguous
@@ -191,62 +149,43 @@ def _check_grey_palette(path: Path, pal: np.ndarray, used: np.ndarray, meta: Dat
         )
 
 
-def _png_colour_depth(path: Path) -> int | None:
-    """Bits per channel of a PNG file (its IHDR chunk), else ``None``."""
-    try:
-        with path.open("rb") as f:
-            head = f.read(26)
-    except OSError:
-        return None
-    if len(head) < 26 or head[:8] != b"\x89PNG\r\n\x1a\n" or head[12:16] != b"IHDR":
-        return None
-    return head[24]
-
-
 def _bits_per_sample(path: Path, im: Image.Image) -> int | None:
-    """Bits per channel as stored, where the format says (PNG's IHDR, TIFF's BitsPerSample
-    tag 258), else ``None``."""
+    """Bits per channel as stored (TIFF tag 258, PNG's IHDR), else None."""
     if im.format == "TIFF":
         bits = getattr(im, "tag_v2", {}).get(258)
         if isinstance(bits, tuple):  # one entry per channel
             return max(bits, default=None)
         return bits if isinstance(bits, int) else None
-    return _png_colour_depth(path)
+    try:
+        with path.open("rb") as f:
+            head = f.read(26)
+    except OSError:
+        return None
+    png = len(head) == 26 and head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR"
+    return head[24] if png else None
 
 
 def _webp_is_lossy(path: Path) -> bool:
-    """Whether a WebP file holds a lossy (``VP8 ``) bitstream: its RIFF chunks are walked
-    (frames of an animation too); only the chunk headers are read."""
+    """Whether a WebP file holds a lossy ``VP8 `` chunk (animation frames too)."""
     try:
-        with path.open("rb") as f:
-            if f.read(12)[8:] != b"WEBP":
-                return False
-            return _riff_has_lossy_chunk(f, end=None)
+        data = path.read_bytes()
     except OSError:
         return False
 
-
-def _riff_has_lossy_chunk(f: BinaryIO, end: int | None) -> bool:
-    while end is None or f.tell() < end:
-        head = f.read(8)
-        if len(head) < 8:
-            return False
-        kind, size = head[:4], int.from_bytes(head[4:], "little")
-        if kind == b"VP8 ":
-            return True
-        start = f.tell()
-        if kind == b"ANMF":  # an animation frame: 16 bytes of placement, then its chunks
-            f.seek(16, 1)
-            if _riff_has_lossy_chunk(f, end=start + size):
+    def lossy(pos: int, end: int) -> bool:  # walk the RIFF chunks (padded to even sizes)
+        while pos + 8 <= end:
+            kind, size = data[pos : pos + 4], int.from_bytes(data[pos + 4 : pos + 8], "little")
+            if kind == b"VP8 " or (kind == b"ANMF" and lossy(pos + 24, pos + 8 + size)):
                 return True
-        f.seek(start + size + (size & 1))  # chunks are padded to an even size
-    return False
+            pos += 8 + size + (size & 1)
+        return False
+
+    return data[8:12] == b"WEBP" and lossy(12, len(data))
 
 
 def _refuse_lossy_or_deep(path: Path, im: Image.Image) -> None:
-    """Label files whose stored values cannot be read back exactly: a lossy format (JPEG's
-    artifacts invent class ids along every edge) or more than 8 bits per channel in a mode
-    Pillow reads as 8-bit (it keeps the high byte: values under 256 read as 0)."""
+    """Refuse labels whose values cannot be read back exactly: lossy, or deeper than 8 bits
+    in a mode Pillow reads as 8-bit."""
     if im.format in {"JPEG", "MPO"} or (im.format == "WEBP" and _webp_is_lossy(path)):
         raise DataError(
             f"{path}: a lossy {im.format} label, whose compression artifacts change class ids "
@@ -265,9 +204,7 @@ def _refuse_lossy_or_deep(path: Path, im: Image.Image) -> None:
 def _raw_values(path: Path, im: Image.Image) -> np.ndarray:
     raw = _label_array(path, im)
     if im.mode == "L" and (bits := _bits_per_sample(path, im)) in (2, 4):
-        # a 2- or 4-bit grayscale PNG: Pillow scales its samples to 0..255 (x85, x17), but a
-        # label's values are its stored samples, as for 1- and 16-bit labels: 0..3 are
-        # classes 0..3, not 0, 85, 170 and 255 (ignore)
+        # Pillow scales 2/4-bit samples to 0..255; a label's values are its stored samples
         raw = raw // (255 // (2**bits - 1))
     return raw
 
@@ -281,15 +218,8 @@ def raw_label_values(path: str | Path) -> np.ndarray:
 
 
 def read_label(path: str | Path, meta: DatasetMeta, *, label_format: str = "index") -> np.ndarray:
-    """A label file as ``uint8 HxW`` class indices, 255 = ignore.
-
-    ``label_format="index"``: pixel values are raw values, mapped to classes / 255 by the
-    dataset's lookup table (:meth:`DatasetMeta.lookup_table`). ``"color"``: pixels are palette
-    colours, decoded through ``meta.palette``. Labels are read as stored (no EXIF orientation:
-    :func:`read_pair` reads a label with its image).
-    """
-    if label_format not in LABEL_FORMATS:
-        raise DataError(f"unknown label_format {label_format!r}; use one of {LABEL_FORMATS}")
+    """A label file as ``uint8 HxW`` class ids, 255 = ignore (``"index"``: raw values through
+    the dataset's lookup table; ``"color"``: palette colours). Read as stored (no EXIF turn)."""
     path = Path(path)
     return _decode_label(path, open_image(path), meta, label_format)
 
@@ -298,14 +228,18 @@ def _decode_label(
     path: Path, im: Image.Image, meta: DatasetMeta, label_format: str, *, turn: bool = False
 ) -> np.ndarray:
     """``read_label`` of an opened file; ``turn``: apply its EXIF orientation (its image's)."""
+    if label_format not in LABEL_FORMATS:
+        raise DataError(f"unknown label_format {label_format!r}; use one of {LABEL_FORMATS}")
     _refuse_lossy_or_deep(path, im)  # before turning: the turned copy has no format
     if turn:
         im = ImageOps.exif_transpose(im)
     if label_format == "index":
         raw = _raw_values(path, im)
-        if im.mode == "P" and (in_use := _palette_in_use(im, raw)) is not None:
-            _check_palette_indices(path, *in_use, meta)
-            _check_grey_palette(path, *in_use, meta)
+        if im.mode == "P" and (flat := im.getpalette()):  # colours [N,3], the indices used
+            pal = np.asarray(flat, np.int64).reshape(-1, 3)
+            used = np.asarray([int(i) for i in np.unique(raw) if i < len(pal)], np.int64)
+            _check_palette_indices(path, pal, used, meta)
+            _check_grey_palette(path, pal, used, meta)
         return _check_values(path, raw, meta)
     if im.mode not in {"RGB", "RGBA", "P", "L"}:
         raise DataError(
@@ -319,7 +253,6 @@ def _decode_label(
     return decode_color_label(arr, meta, path=path)
 
 
-# What an EXIF orientation does to a picture on reading (exif_transpose), for messages.
 _TURNS = {
     2: "mirror it left-right",
     3: "rotate it 180 degrees",
@@ -353,9 +286,8 @@ def drawn_upright(
     turn: int | None,
     label_turn: int,
 ) -> bool:
-    """Whether a label without an EXIF tag was drawn on its image as displayed (turned 90° by
-    orientation 5-8): its stored size is the upright image's and not the stored one's, which
-    only a non-square image can tell; 2-4 keep the size, so they never tell."""
+    """Whether an untagged label was drawn on its 90°-turned image as displayed (its size is
+    the upright image's, not the stored one's)."""
     if im is None or image is None or turn not in (5, 6, 7, 8) or label_turn != 1:
         return False
     upright, stored = image.shape[:2], (im.size[1], im.size[0])
@@ -370,13 +302,9 @@ def inspect_pair(
     label_format: str = "index",
     bit_depth: int | None = None,
 ) -> tuple[np.ndarray | None, np.ndarray | None, list[str], tuple[str, int, int] | None]:
-    """``(image, label, problems, values)`` of one pair: what :func:`read_pair` reads, every
-    problem found on the way (``None`` for a file that failed), so ``dualseg data check`` can
-    list them all, and the image's stored values ``(dtype, min, max)``. Each file is opened
-    and decoded once."""
+    """``(image, label, problems, values)``: what :func:`read_pair` reads (None for a file that
+    failed), every problem found, and the image's stored ``(dtype, min, max)``."""
     img_path, label_path = Path(img_path), Path(label_path)
-    if label_format not in LABEL_FORMATS:
-        raise DataError(f"unknown label_format {label_format!r}; use one of {LABEL_FORMATS}")
     problems: list[str] = []
     image = label = values = None
     im: Image.Image | None = None
@@ -394,13 +322,10 @@ def inspect_pair(
         lab = open_image(label_path)
         label_turn = exif_orientation(lab, label_path)
         if drawn_upright(im, image, lab, turn, label_turn):
-            # a tool drew the label on the photo as shown (turned by its tag): the sizes say so
             label = _decode_label(label_path, lab, meta, label_format)
-        elif turn is not None and label_turn != turn:
-            # The image is read upright (the image policy), a label as stored: with other
-            # orientations the two would silently not line up (180° keeps the size).
+        elif turn is not None and label_turn != turn:  # they would silently not line up
             problems.append(_orientation_mismatch(img_path, turn, label_path, label_turn))
-        else:  # the same tag on both: turned alike, they stay aligned
+        else:  # the same tag on both: turned alike
             label = _decode_label(label_path, lab, meta, label_format, turn=label_turn != 1)
     except DataError as err:
         message = str(err)
@@ -411,14 +336,18 @@ def inspect_pair(
                 "file's lines are 'image_path label_path', image first"
             )
         problems.append(message)
+    if image is not None and label is not None and image.shape[:2] != label.shape:
+        (h, w), (lh, lw) = image.shape[:2], label.shape
+        problems.append(
+            f"{label_path}: label size {lw}x{lh} differs from image {img_path} size {w}x{h} "
+            "(WxH); resize the label with nearest-neighbour or fix the pairing"
+        )
     return image, label, problems, values
 
 
 def _swapped(im: Image.Image, label_path: Path, label_format: str, meta: DatasetMeta) -> bool:
-    """Whether a pair whose label failed looks like image and label given the other way round:
-    the "image" single-channel (as an index label is), the "label" a colour picture, most of
-    whose pixels are no colour of the dataset (a colour-coded label's are: --label-format
-    color is its fix)."""
+    """Whether a failed pair looks swapped: a single-channel "image" and a colour "label" mostly
+    of no dataset colour (a colour-coded label's are)."""
     if label_format != "index" or im.mode not in {"L", "P", "1", *SIXTEEN_BIT_MODES}:
         return False
     try:
@@ -428,10 +357,8 @@ def _swapped(im: Image.Image, label_path: Path, label_format: str, meta: Dataset
             rgb = np.asarray(lab.convert("RGB"), np.int64)
     except Exception:  # unreadable: its own error stands
         return False
-    colours = np.asarray([*meta.palette, *meta.void_colors], np.int64).reshape(-1, 3)
-    keys = (colours[:, 0] << 16) | (colours[:, 1] << 8) | colours[:, 2]
-    pix = (rgb[..., 0] << 16) | (rgb[..., 1] << 8) | rgb[..., 2]
-    return bool(np.isin(pix, keys).mean() < 0.5)
+    keys = _rgb_keys(np.asarray([*meta.palette, *meta.void_colors]).reshape(-1, 3))
+    return bool(np.isin(_rgb_keys(rgb), keys).mean() < 0.5)
 
 
 def read_pair(
@@ -442,13 +369,11 @@ def read_pair(
     label_format: str = "index",
     bit_depth: int | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """An image and its label (:func:`read_image`, :func:`read_label`), read so that they line
-    up: the label must carry the image's EXIF orientation, if any (then both are turned);
-    otherwise a :class:`DataError` naming the file. Sizes are the caller's to compare."""
+    """An image and its label, turned alike by their EXIF orientation; the first problem as a
+    DataError (sizes that differ too)."""
     image, label, problems, _ = inspect_pair(
         img_path, label_path, meta, label_format=label_format, bit_depth=bit_depth
     )
     if problems:
         raise DataError(problems[0])
-    assert image is not None and label is not None  # no problem: both were read
-    return image, label
+    return image, label  # type: ignore[return-value]

@@ -1,13 +1,6 @@
-"""Procedurally drawn street scenes: the built-in dataset of ``dualseg demo``.
-
-Each image is a painter's-algorithm scene (sky, buildings with windows, trees, road with
-markings, sidewalks, cars with wheels and windows, thin poles carrying signs) drawn with OpenCV
-into a label map and a colour canvas at once, so image and label agree exactly. Colours vary
-per object and per image, and per-class textures (window grids, leaf noise, road grain,
-illumination gradients) are added, so colour alone does not give the class, while a small CNN
-learns the scenes quickly. Poles are 1-3 px wide, so boundaries matter.
-
-Everything is a pure function of ``(seed, split, index)``: the same call writes the same files.
+"""Procedurally drawn street scenes (the ``dualseg demo`` dataset): label and image drawn at
+once with OpenCV, with per-object colours and per-class textures so colour alone does not give
+the class; poles 1-3 px wide. A pure function of ``(seed, split, index)``.
 """
 
 from __future__ import annotations
@@ -25,7 +18,6 @@ from dualseg.errors import DataError
 from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 SKY, BUILDING, ROAD, SIDEWALK, VEGETATION, CAR, POLE, SIGN = range(8)
-# written first marked incomplete, then last with the settings alone: "complete with these"
 STAMP_FILE = "synthetic.json"
 
 FORMAT = "dualseg-synthetic/1"
@@ -98,13 +90,8 @@ def _ground(rng, label, canvas, h, w, horizon) -> tuple[float, float, float, flo
     for t0, t1 in zip(ts[::2], ts[1::2]):
         y0, y1 = horizon + t0 * (h - horizon), horizon + t1 * (h - horizon)
         half0, half1 = 0.5 + 2 * t0, 0.5 + 2 * t1
-        _fill(
-            label,
-            canvas,
-            [(vx - half0, y0), (vx + half0, y0), (vx + half1, y1), (vx - half1, y1)],
-            None,
-            line,
-        )
+        quad = [(vx - half0, y0), (vx + half0, y0), (vx + half1, y1), (vx - half1, y1)]
+        _fill(label, canvas, quad, None, line)
     return vx, road_l, road_r, walk
 
 
@@ -119,20 +106,13 @@ def _cars(rng, label, canvas, h, w, horizon, vx, road_l, road_r) -> None:
         body = _jitter(rng, rng.integers(20, 235, 3), 10)
         x0, x1, top = cx - cw / 2, cx + cw / 2, y - ch
         _rect(label, canvas, x0, y - 0.55 * ch, x1, y - 0.12 * ch, CAR, body)
-        roof = [
-            (x0 + 0.18 * cw, y - 0.55 * ch),
-            (x0 + 0.3 * cw, top),
-            (x1 - 0.3 * cw, top),
-            (x1 - 0.18 * cw, y - 0.55 * ch),
-        ]
-        _fill(label, canvas, roof, CAR, body)
-        glass = [
-            (x0 + 0.26 * cw, y - 0.58 * ch),
-            (x0 + 0.34 * cw, top + 0.12 * ch),
-            (x1 - 0.34 * cw, top + 0.12 * ch),
-            (x1 - 0.26 * cw, y - 0.58 * ch),
-        ]
-        _fill(label, canvas, glass, None, _jitter(rng, (40, 55, 70), 10))
+        for (a, b, dy, dt), cls, color in (
+            ((0.18, 0.3, 0.55, 0.0), CAR, body),  # roof
+            ((0.26, 0.34, 0.58, 0.12), None, _jitter(rng, (40, 55, 70), 10)),  # glass
+        ):
+            quad = [(x0 + a * cw, y - dy * ch), (x0 + b * cw, top + dt * ch)]
+            quad += [(x1 - b * cw, top + dt * ch), (x1 - a * cw, y - dy * ch)]
+            _fill(label, canvas, quad, cls, color)
         r = max(1, int(0.12 * ch))
         for wx in (x0 + 0.22 * cw, x1 - 0.22 * cw):
             c = (int(wx), int(y - 0.12 * ch))
@@ -201,8 +181,7 @@ def _png(array: np.ndarray) -> bytes:
 
 
 def holds_foreign_files(root: Path) -> bool:
-    """Whether ``root`` is a non-empty folder without the generator's stamp: files someone
-    else wrote, which :func:`make_synthetic_dataset` refuses to write over."""
+    """Whether ``root`` is a non-empty folder without the generator's stamp."""
     return not (root / STAMP_FILE).is_file() and root.is_dir() and any(root.iterdir())
 
 
@@ -215,15 +194,10 @@ def make_synthetic_dataset(
     seed: int = 0,
     replace: bool = False,
 ) -> Path:
-    """Write (or reuse) a synthetic street-scene dataset in the list-file layout; return ``root``.
+    """Write (or reuse) a synthetic dataset in the list-file layout; return ``root``.
 
-    ``root/images/*.png``, ``root/labels/*.png``, ``root/train.txt``, ``root/val.txt`` and
-    ``root/meta.json`` (the ``synthetic`` preset), so ``build_dataset(root)`` reads it. A
-    folder already holding a complete dataset made with the same arguments is reused as is;
-    one made with other arguments, or left half-written, is written anew; any other folder
-    that is not empty is refused (it may be someone's dataset: its list files, meta.json and
-    same-named images would be overwritten) unless ``replace`` (the caller knows the folder is
-    its own, as ``dualseg demo`` does its ``--out``).
+    A complete one with the same arguments is reused; one of other arguments or half-written is
+    rewritten; any other non-empty folder is refused unless ``replace`` (the caller owns it).
     """
     root = Path(root)
     h, w = int(size[0]), int(size[1])
@@ -240,8 +214,7 @@ def make_synthetic_dataset(
             f"{root} holds files that make_synthetic_dataset did not write (no {STAMP_FILE}); "
             "give an empty or new folder"
         )
-    # the stamp first, marked incomplete: an interrupted call leaves a folder that is ours to
-    # write again; the settings alone (complete) are written last
+    # the stamp first, marked incomplete, so an interrupted call leaves a folder ours to rewrite
     atomic_write_json(stamp, {**settings, "complete": False})
     for split_id, (split, n) in enumerate((("train", n_train), ("val", n_val))):
         lines = []

@@ -1,11 +1,6 @@
-"""Joint image/label transforms (spec S1 and method B step 1), built on torchvision v2.
-
-A transform is a callable ``(image uint8 HxWx3, label uint8 HxW) -> (image float32 [3,H,W]
-normalized, label int64 [H,W])``. The label is wrapped as ``tv_tensors.Mask`` so torchvision
-resizes it nearest-neighbour, pads it with the ignore index and leaves it out of blur and colour
-jitter. Randomness comes from torch's global generator; :func:`seeded` runs a transform under a
-fixed seed (the datasets use one seed per sample index, so workers and resumed runs replay the
-same stream).
+"""Joint image/label transforms (spec S1, method B step 1) on torchvision v2: the label is a
+``tv_tensors.Mask`` (resized nearest, padded with ignore, never blurred or jittered).
+:func:`seeded` runs a transform under one seed per sample, so workers and resumes replay it.
 """
 
 from __future__ import annotations
@@ -40,7 +35,7 @@ class RandomScale(v2.Transform):
 
     def __init__(self, scale_range: tuple[float, float] = (0.5, 2.0)) -> None:
         super().__init__()
-        check_augment_settings(scale_range=scale_range)  # ConfigError, a ValueError
+        check_augment_settings(scale_range=scale_range)
         lo, hi = scale_range
         self.scale_range = (float(lo), float(hi))
 
@@ -50,17 +45,12 @@ class RandomScale(v2.Transform):
         return {"size": [max(1, round(h * s)), max(1, round(w * s))]}
 
     def transform(self, inpt: Any, params: dict[str, Any]) -> Any:
-        # F.resize dispatches on the tv_tensor type: Image -> bilinear, Mask -> nearest.
         return self._call_kernel(F.resize, inpt, params["size"], antialias=True)
 
 
 class RandomGaussianBlur(v2.Transform):
-    """Gaussian blur of the image (never the label) with probability ``p``.
-
-    Same parameters as ``v2.GaussianBlur`` but run by OpenCV: torchvision's float convolution
-    costs ~25 ms on a 360x480 image on one core, OpenCV's under 1 ms, and blur is applied to
-    every other training sample.
-    """
+    """Gaussian blur of the image (never the label) with probability ``p``, run by OpenCV
+    (torchvision's takes ~25 ms on a 360x480 image on one core, OpenCV's under 1 ms)."""
 
     def __init__(
         self,
@@ -69,8 +59,6 @@ class RandomGaussianBlur(v2.Transform):
         sigma: tuple[float, float] = BLUR_SIGMA,
     ) -> None:
         super().__init__()
-        if kernel_size % 2 != 1:
-            raise ValueError(f"kernel_size must be odd, got {kernel_size}")
         self.p, self.kernel_size, self.sigma = float(p), int(kernel_size), tuple(sigma)
 
     def make_params(self, flat_inputs: list[Any]) -> dict[str, Any]:
@@ -104,14 +92,6 @@ class _Joint:
         return f"{type(self).__name__}({self.pipeline})"
 
 
-def _fill_value(image_fill: str | float, mean: Sequence[float]) -> list[float]:
-    # Padding happens on uint8 pixels before normalization; "mean" pads with the colour that
-    # normalizes to 0, so padding looks like "nothing" to the network.
-    if image_fill == "mean":
-        return [round(255 * m) for m in mean]
-    return [float(image_fill)] * 3
-
-
 def build_augment_pipeline(
     *,
     crop_size: tuple[int, int],
@@ -124,14 +104,8 @@ def build_augment_pipeline(
     mean: Sequence[float] = IMAGENET_MEAN,
     ignore_index: int = 255,
 ) -> v2.Compose:
-    """The random part of training augmentation, on uint8 ``Image``/``Mask`` tv_tensors.
-
-    Order: random scale -> random crop (padded when smaller: image with ``image_fill``, label
-    with ``ignore_index``) -> horizontal flip -> Gaussian blur (probability ``blur_prob``) ->
-    colour jitter (brightness, contrast, saturation, hue). Labels: nearest, never blurred or
-    jittered. ``dualseg augment`` uses this to write uint8 pairs. A setting out of its range
-    is a one-line :class:`~dualseg.errors.ConfigError` (:func:`check_augment_settings`).
-    """
+    """Training augmentation on uint8 ``Image``/``Mask`` tv_tensors: random scale -> random
+    crop (padded: image ``image_fill``, label ``ignore_index``) -> flip -> blur -> jitter."""
     check_augment_settings(
         crop_size=tuple(crop_size),
         scale_range=scale_range,
@@ -142,7 +116,9 @@ def build_augment_pipeline(
     ops: list[v2.Transform] = []
     if scale_range != (1.0, 1.0):
         ops.append(RandomScale(scale_range))
-    fill = {tv_tensors.Image: _fill_value(image_fill, mean), tv_tensors.Mask: ignore_index}
+    # "mean" pads with the colour that normalizes to 0: "nothing" to the network
+    pad = [round(255 * m) for m in mean] if image_fill == "mean" else [float(image_fill)] * 3
+    fill = {tv_tensors.Image: pad, tv_tensors.Mask: ignore_index}
     ops.append(v2.RandomCrop(tuple(crop_size), pad_if_needed=True, fill=fill))
     if hflip_prob > 0:
         ops.append(v2.RandomHorizontalFlip(hflip_prob))
@@ -172,11 +148,8 @@ def build_train_transform(
     std: Sequence[float] = IMAGENET_STD,
     ignore_index: int = 255,
 ) -> JointTransform:
-    """Training transform: :func:`build_augment_pipeline` followed by ImageNet normalization.
-
-    ``jitter`` is (brightness, contrast, saturation, hue) as in ``v2.ColorJitter``; hue defaults
-    to 0 because a hue shift is slow on CPU and turns sky/vegetation colours into others.
-    """
+    """:func:`build_augment_pipeline` then normalization (``jitter``: ``v2.ColorJitter``'s
+    brightness, contrast, saturation, hue; hue 0 by default: slow, and it recolours sky)."""
     aug = build_augment_pipeline(
         crop_size=crop_size,
         scale_range=scale_range,
@@ -199,9 +172,7 @@ def build_eval_transform(
 
 
 def sample_seed(seed: int, *, index: int, epoch: int = 0) -> int:
-    """A well-mixed 31-bit seed for one sample of one epoch: the same inputs give the same seed
-    in any process, rank or worker. Keyword-only (index and epoch are easy to swap); 31 bits
-    so that Python's, numpy's and torch's generators all accept it."""
+    """A well-mixed 31-bit seed (every generator takes it) for one sample of one epoch."""
     return int(np.random.SeedSequence([seed, epoch, index]).generate_state(1)[0] >> 1)
 
 

@@ -234,7 +234,8 @@ def evaluate(
                 tta_flip=tta_flip, tile_batch=tile_batch, amp=amp)  # fmt: skip
     plain = mode == "whole" and not amp and tuple(tta_scales) == (1.0,) and not tta_flip
     share = getattr(refiner, "shared_features", None)
-    shared = share(model) if share is not None and plain else None
+    taps = getattr(refiner, "taps", None) is not None  # reads the base's forward in any mode
+    shared = share(model) if share is not None and (plain or taps) else None
     step = None
     if refiner is not None:
         refined = _Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)

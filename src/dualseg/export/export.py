@@ -377,6 +377,12 @@ def export_refiner(
 
     if not isinstance(refiner, BoundaryRefiner):
         refiner = BoundaryRefiner.load(refiner)
+    if refiner.taps is not None:
+        raise ConfigError(
+            f"this refiner reads its base model's {' and '.join(refiner.taps.names)} during the "
+            "base's forward, which an exported refiner cannot run; use the refiner file with "
+            "its base (refine apply, BoundaryRefiner.load)"
+        )
     cfg, device = refiner.config, refiner.device
     info = export_info(
         kind="embedding",

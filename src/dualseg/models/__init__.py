@@ -1,7 +1,5 @@
-"""dualseg.models: method A's dual-branch network (spec S2), its parts, and the peer DeepLabV3.
-
-Build by name with :func:`build_model`; :data:`MODELS` lists the names.
-"""
+"""Method A's dual-branch network (spec S2), its parts, and the peer DeepLabV3; build one by
+name (a :data:`MODELS` key) with :func:`build_model`."""
 
 from dualseg.models.aspp import ASPP
 from dualseg.models.backbones import build_backbone

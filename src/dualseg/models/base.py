@@ -1,5 +1,4 @@
-"""What every dualseg model shares: padding to the output stride, upsampling back, and the
-``predict_proba`` / ``predict`` methods (spec S4: softmax, bilinear upsampling, argmax)."""
+"""What every dualseg model shares: padding, upsampling back, predict (spec S4)."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from dualseg.errors import ConfigError
 
 
 def pad_to_multiple(x: Tensor, multiple: int) -> Tensor:
-    """Zero-pad the bottom and right of ``[B, C, H, W]`` so H and W are multiples of
-    ``multiple``. Zero in a normalized image is the mean colour."""
+    """Zero-pad (the mean colour) bottom and right to multiples of ``multiple``."""
     h, w = x.shape[-2:]
     pad_h, pad_w = (-h) % multiple, (-w) % multiple
     if pad_h or pad_w:
@@ -24,8 +22,7 @@ def pad_to_multiple(x: Tensor, multiple: int) -> Tensor:
 
 
 def upsample_crop(scores: Tensor, padded: tuple[int, int], size: tuple[int, int]) -> Tensor:
-    """Bilinearly upsample feature-resolution scores to the padded input size, then crop the
-    padding away: logits at the caller's ``size``."""
+    """Bilinearly upsample scores to the padded size, then crop to ``size``."""
     scores = F.interpolate(scores, size=padded, mode="bilinear", align_corners=False)
     return scores[..., : size[0], : size[1]]
 
@@ -37,9 +34,8 @@ class SegmentationModel(nn.Module):
     in_channels: int = 3  # build_model sets it from its own argument
 
     def check_input(self, x: Tensor) -> None:
-        """Refuse, saying the fix, an input a convolution would fail on deep inside: not
-        ``[B, in_channels, H, W]``, not float, empty, or another dtype than the weights outside
-        autocast. Skipped while tracing, scripting, exporting or compiling (symbolic shapes)."""
+        """Refuse, with the fix, an input a convolution would fail on deep inside (skipped on
+        symbolic shapes: tracing, scripting, exporting, compiling)."""
         if (
             torch.jit.is_tracing()
             or torch.jit.is_scripting()
@@ -81,14 +77,14 @@ class SegmentationModel(nn.Module):
 
     @torch.no_grad()
     def predict_proba(self, x: Tensor) -> Tensor:
-        """Class probabilities ``[B, C, H, W]``, computed in eval mode (train-mode BatchNorm
-        would mix the batch's images) and the mode restored. For gradients, call the model."""
+        """Class probabilities ``[B, C, H, W]`` in eval mode (train-mode BatchNorm would mix
+        the batch's images), the mode restored."""
         with eval_mode(self):
             return torch.softmax(self(x), dim=1)
 
     @torch.no_grad()
     def predict(self, x: Tensor) -> Tensor:
-        """Class index per pixel, ``int64 [B, H, W]``, in eval mode as :meth:`predict_proba`."""
+        """Class index per pixel, ``int64 [B, H, W]``, in eval mode."""
         with eval_mode(self):
             return self(x).argmax(dim=1)
 
@@ -105,8 +101,7 @@ def require_rgb_input(model: nn.Module, what: str) -> None:
 
 
 def model_logits(output: object, what: str = "the model") -> Tensor:
-    """A model's logits ``[B,C,h,w]`` from a tensor, torchvision's ``{"out": ...}`` or a
-    tuple/list led by them (auxiliary heads); anything else is one :class:`ConfigError`."""
+    """Logits ``[B,C,h,w]`` from a tensor, torchvision's ``{"out": ...}`` or a tuple led by them."""
     if isinstance(output, dict):
         if "out" not in output:
             raise ConfigError(
@@ -127,8 +122,7 @@ def model_logits(output: object, what: str = "the model") -> Tensor:
 
 @contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
-    """``model`` in eval mode, given back with each submodule in the mode it came in (a
-    fine-tuned model's frozen BatchNorm layers stay frozen)."""
+    """``model`` in eval mode, each submodule's mode restored after (frozen BatchNorm stays)."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
     try:

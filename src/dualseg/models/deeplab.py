@@ -1,8 +1,4 @@
-"""The peer model: torchvision's DeepLabV3 head on the same dilated backbone.
-
-Used by the speed benchmark (same backbone and output stride as method A's network) and as a
-ready base model for method B.
-"""
+"""The peer model: torchvision's DeepLabV3 head on method A's dilated backbone."""
 
 from __future__ import annotations
 
@@ -16,9 +12,8 @@ from dualseg.models.base import SegmentationModel, pad_to_multiple, upsample_cro
 
 
 class DeepLabV3(SegmentationModel):
-    """backbone → torchvision ``DeepLabHead`` (ASPP with image pooling, 256 channels, 3×3 conv,
-    1×1 classifier) → bilinear upsampling. Default rates (12, 24, 36) at output stride 8 and
-    (6, 12, 18) at 16, as in the DeepLabV3 paper. Padding/cropping as in ``DualBranchNet``."""
+    """backbone → torchvision ``DeepLabHead`` → bilinear upsampling; the paper's rates by
+    default: (12, 24, 36) at output stride 8, (6, 12, 18) at 16."""
 
     def __init__(
         self,
@@ -40,8 +35,7 @@ class DeepLabV3(SegmentationModel):
         self.head = DeepLabHead(backbone_channels, num_classes, self.rates)
 
     def _pooling_norm_trains(self) -> bool:
-        """Whether the image-pooling branch's BatchNorm is in training mode (a model in train
-        mode with its BatchNorm layers frozen, as for fine-tuning, trains on one image)."""
+        """Whether the image-pooling BatchNorm trains (frozen ones, as in fine-tuning, do not)."""
         return any(
             isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
             for pool in self.head.modules()
@@ -52,8 +46,7 @@ class DeepLabV3(SegmentationModel):
     def forward(self, x: Tensor) -> Tensor:
         self.check_input(x)
         if x.shape[0] == 1 and self._pooling_norm_trains() and not torch.jit.is_tracing():
-            # torchvision's image-pooling branch normalizes one value per channel: BatchNorm
-            # cannot train on it (its own error names neither the model nor the fix)
+            # BatchNorm's own error names neither the model nor the fix
             raise ValueError(
                 "DeepLabV3 in training mode needs 2 or more images per batch (its image-pooling "
                 "BatchNorm sees one value per channel); use a larger batch, or model.eval()"

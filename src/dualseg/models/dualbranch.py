@@ -27,16 +27,11 @@ RENET_NORMS = ("none", "batch")
 
 
 class Branch(nn.Module):
-    """One branch of spec S2: backbone → CoordChannels → ReNetLayer → CoordChannels →
-    ReNetLayer → ASPP, ``[B, in, H, W] -> [B, num_classes, H/os, W/os]`` (class scores).
+    """One branch of spec S2: backbone → (CoordChannels → ReNetLayer) × ``renet_layers`` →
+    ASPP, ``[B, in, H, W] -> [B, num_classes, H/os, W/os]``.
 
-    Ablations: ``renet_layers`` 0/1/2 keeps that many (CoordChannels → ReNetLayer) pairs;
-    ``renet_norm="batch"`` (beyond the claims, off by default) puts a BatchNorm on the features
-    each ReNetLayer reads, before its coordinate channels: MobileNetV2's stride-16 features
-    have a standard deviation of about 0.19 on CamVid, so the claim's GRUs start nearly linear
-    on a faint input in which the three coordinate channels (std ~0.6) dominate;
-    ``coord_channels=False`` drops the coordinate modules; ``aspp_style="v3"`` swaps the
-    DeepLab-v2 sum of atrous class scores for torchvision's DeepLab-v3 ASPP.
+    ``renet_norm="batch"`` (beyond the claims) normalizes the features each ReNetLayer reads:
+    MobileNetV2's (std ~0.19 on CamVid) are faint beside the coordinates (std ~0.6).
     """
 
     def __init__(
@@ -96,9 +91,8 @@ class Branch(nn.Module):
 
 
 class Fusion(nn.Module):
-    """Weighted sum of the two branches' class scores (spec S2 Reading: two learnable scalars,
-    initialized equal). ``mode="per_class"`` learns one pair per class; ``"fixed"`` keeps
-    0.5/0.5."""
+    """Weighted sum of the branches' scores: two learnable scalars initialized equal (spec S2
+    Reading), a pair per class (``"per_class"``) or a fixed 0.5/0.5 (``"fixed"``)."""
 
     def __init__(self, num_classes: int, mode: str = "scalar") -> None:
         super().__init__()
@@ -121,19 +115,12 @@ class Fusion(nn.Module):
 
 
 class DualBranchNet(SegmentationModel):
-    """Spec S2/S4: RGB branch + grayscale branch (separate weights), fused, upsampled.
+    """Spec S2/S4: RGB and grayscale branches (the BT.601 luma computed inside; ``gray=None``
+    for one branch), fused, upsampled to the input size: ``[B, 3, H, W] -> [B, C, H, W]``.
 
-    Input: ImageNet-normalized RGB ``[B, 3, H, W]`` of any size; the grayscale image is computed
-    inside (BT.601 luma of the un-normalized RGB, normalized with the matching gray mean/std),
-    so callers pass only the RGB tensor. The input is zero-padded to a multiple of the output
-    stride and the logits cropped back: output ``[B, num_classes, H, W]``.
-    ``gray=None`` is the single-branch ablation.
-
-    ``upsample_order`` (S44): ``"softmax_first"`` — the claim's order: softmax over the fused
-    class scores, then bilinear upsampling of the probabilities; the model returns their log
-    (log-probabilities are logits: their softmax is the upsampled probability map, and
-    cross-entropy on them is the NLL of those probabilities). ``"logits_first"`` upsamples the
-    fused scores and returns them (DeepLab's and torchvision's order).
+    ``upsample_order`` (S44): ``"softmax_first"``, the claim's, upsamples the probabilities
+    and returns their log (logits whose softmax is that map); ``"logits_first"`` upsamples
+    the scores (DeepLab's order).
     """
 
     def __init__(
@@ -158,11 +145,9 @@ class DualBranchNet(SegmentationModel):
         self.upsample_order, self.in_channels = upsample_order, in_channels
         self.rgb, self.gray = rgb, gray
         self.fusion = Fusion(num_classes, fusion) if gray is not None else None
-        for name, values in (("mean", mean), ("std", std), ("luma", BT601)):
-            # not persistent: constants, not learned state (checkpoints stay free of them)
+        for name, values in (("mean", mean), ("std", std), ("luma", BT601)):  # constants
             t = torch.tensor(values, dtype=torch.float32).view(1, 3, 1, 1)
             self.register_buffer(name, t, persistent=False)
-        # Gray normalization matching the RGB one: the same linear combination of the stats.
         self.gray_mean = sum(c * m for c, m in zip(BT601, mean))
         self.gray_std = sum(c * s for c, s in zip(BT601, std))
 

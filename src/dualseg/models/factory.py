@@ -1,10 +1,7 @@
 """``build_model(name, *, num_classes, ...)``: every architecture by name, from plain values.
 
-``MODELS`` is an explicit ``{name: builder}`` dict. Checkpoints store the name (``arch``) and
-the keyword arguments (``model_kwargs``), so ``build_model(arch, **model_kwargs)`` rebuilds the
-same network; JSON turns tuples into lists, and both are accepted. ``build_model``'s signature
-is the one place where a model option's default is written; the builders below take every
-value by name from it (no ``**kwargs`` on the way to the modules).
+Checkpoints store ``arch`` and ``model_kwargs``, so ``build_model(arch, **model_kwargs)``
+rebuilds the network; its signature is the one place each option's default is written.
 """
 
 from __future__ import annotations
@@ -58,10 +55,7 @@ def build_dualseg(
     upsample_order: str,
     timm_model: str,
 ) -> DualBranchNet:
-    """Method A (spec S2) on ``backbone``: an RGB branch and, unless ``gray_branch=False``, a
-    grayscale branch with its own weights whose first convolution takes one channel.
-    ``backbone="timm"`` uses the timm model ``timm_model`` (``features_only``). Every value is
-    given by :func:`build_model`, whose signature holds the defaults."""
+    """Method A (spec S2): an RGB branch and, unless ``gray_branch=False``, a 1-channel one."""
     if backbone == "timm":
         backbone = f"timm:{timm_model}"
     if gray_branch and in_channels != 3:
@@ -181,57 +175,23 @@ def build_model(
     timm_model: str = "efficientnet_lite0",
     allow_download: bool = False,
 ) -> nn.Module:
-    """Build the model ``name`` (a key of :data:`MODELS`).
+    """Build the model ``name`` (a key of :data:`MODELS`); defaults: docs/models.md.
 
-    ``weights``: None (random initialization), ``"imagenet"`` (the backbone's ImageNet file,
-    found by :func:`dualseg.weights.resolve_weights`; downloaded only with
-    ``allow_download=True``), or a backbone state-dict file. Every default is the spec's
-    reading (the table in docs/models.md). ``deeplab_rates`` is the peer's only,
-    ``timm_model`` ``dualseg_timm``'s; an option that does not apply to ``name`` must keep its
-    default, and one another option switches off (``renet_*`` with ``renet_layers=0``) is
-    said with a warning.
+    ``weights``: None, ``"imagenet"`` (downloaded only with ``allow_download=True``) or a
+    backbone state-dict file. An option that does not apply to ``name`` must keep its default;
+    one another option switches off (``renet_*`` with ``renet_layers=0``) gives a warning.
     """
     options = {k: v for k, v in locals().items() if k in _DEFAULTS}
     _check(name, num_classes, weights, options)
-    weights = os.fspath(weights) if isinstance(weights, os.PathLike) else weights
     # JSON (checkpoints, YAML) turns tuples into lists: tuples from here on
-    aspp_rates = tuple(aspp_rates)
-    deeplab_rates = None if deeplab_rates is None else tuple(deeplab_rates)
+    options["aspp_rates"] = tuple(aspp_rates)
+    options["deeplab_rates"] = None if deeplab_rates is None else tuple(deeplab_rates)
     builder = MODELS[name]
-    if builder.func is build_deeplabv3:
-        return build_deeplabv3(
-            *builder.args,
-            num_classes=num_classes,
-            weights=weights,
-            allow_download=allow_download,
-            output_stride=output_stride,
-            in_channels=in_channels,
-            deeplab_rates=deeplab_rates,
-        )
-    return build_dualseg(
-        *builder.args,
+    wanted = inspect.signature(builder.func).parameters
+    return builder(
         num_classes=num_classes,
-        weights=weights,
-        allow_download=allow_download,
-        output_stride=output_stride,
-        in_channels=in_channels,
-        gray_branch=gray_branch,
-        gray_conv_init=gray_conv_init,
-        fusion=fusion,
-        coord_channels=coord_channels,
-        coord_radius=coord_radius,
-        renet_layers=renet_layers,
-        renet_hidden=renet_hidden,
-        renet_patch=renet_patch,
-        renet_init=renet_init,
-        renet_init_bound=renet_init_bound,
-        renet_norm=renet_norm,
-        renet_skip=renet_skip,
-        aspp_rates=aspp_rates,
-        aspp_style=aspp_style,
-        aspp_init_std=aspp_init_std,
-        upsample_order=upsample_order,
-        timm_model=timm_model,
+        weights=os.fspath(weights) if isinstance(weights, os.PathLike) else weights,
+        **{k: v for k, v in options.items() if k in wanted},
     )
 
 
@@ -241,11 +201,6 @@ _DEFAULTS: dict[str, Any] = {
     for k, p in inspect.signature(build_model).parameters.items()
     if p.default is not inspect.Parameter.empty and k != "weights"
 }
-# what the peer does not have: everything of method A's network
-_PEER_UNUSED = tuple(
-    k for k in _DEFAULTS
-    if k not in ("output_stride", "in_channels", "deeplab_rates", "allow_download")
-)  # fmt: skip
 # option -> (the option, and its value, that switches it off): accepted, and said
 _SWITCHED_OFF = {
     "fusion": ("gray_branch", False),
@@ -261,8 +216,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _wrong_type(option: str, value: Any) -> str | None:
-    """What ``value`` should be when it is not of the type of ``option``'s default (a YAML
-    ``"false"`` is no bool, 1.5 no int), else None."""
+    """What ``value`` should be when it is not of ``option``'s default's type, else None."""
     default = _DEFAULTS[option]
     if value is None and default is None:
         return None
@@ -278,11 +232,13 @@ def _wrong_type(option: str, value: Any) -> str | None:
     return None if isinstance(value, str) else "a string"
 
 
-def _check(name: str, num_classes: Any, weights: Any, options: dict[str, Any]) -> None:
-    """The values entering :func:`build_model`, checked once: one ConfigError each, and a
-    warning for options another option switches off."""
+def _check_name(name: str) -> None:
     if name not in MODELS:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+
+
+def _check(name: str, num_classes: Any, weights: Any, options: dict[str, Any]) -> None:
+    _check_name(name)
     if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 1:
         raise ConfigError(f"num_classes must be an int >= 1, got {num_classes!r}")
     if weights is not None and not isinstance(weights, str | os.PathLike | Mapping):
@@ -305,11 +261,10 @@ def _check(name: str, num_classes: Any, weights: Any, options: dict[str, Any]) -
         raise ConfigError(
             f"gray_conv_init must be 'sum' or 'mean', got {options['gray_conv_init']!r}"
         )
-    if MODELS[name].func is build_deeplabv3:
-        foreign = _PEER_UNUSED
-    else:
-        foreign = ("deeplab_rates",) if name == "dualseg_timm" else ("deeplab_rates", "timm_model")
-    for option in foreign:
+    takes = set(inspect.signature(MODELS[name].func).parameters) - {"timm_model"}
+    if name == "dualseg_timm":
+        takes.add("timm_model")
+    for option in (k for k in _DEFAULTS if k not in takes):
         value, default = options[option], _DEFAULTS[option]
         if (tuple(value) if isinstance(value, list) else value) != default:
             raise ConfigError(
@@ -326,10 +281,8 @@ def _check(name: str, num_classes: Any, weights: Any, options: dict[str, Any]) -
 
 
 def backbone_of(name: str, *, timm_model: str | None = None) -> str:
-    """The backbone (and :func:`dualseg.weights.resolve_weights` name) of model ``name``:
-    ``"dualseg_resnet101"`` -> ``"resnet101"``, ``"dualseg_timm"`` -> ``timm_model``."""
-    if name not in MODELS:
-        raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}")
+    """The backbone (and ImageNet weights name) of model ``name``."""
+    _check_name(name)
     if name == "dualseg_timm":
         return timm_model or _DEFAULTS["timm_model"]
     return MODELS[name].args[0]

@@ -18,9 +18,7 @@ class ReNetLayer(nn.Module):
     bottom→top. Output: ``2·hidden`` channels (300 for the spec's 150 units) at the input
     resolution, ``[B, C, H, W] -> [B, 2·hidden, H, W]``.
 
-    Rows (then columns) are folded into the batch dimension so each sweep is one ``nn.GRU`` call
-    (cuDNN on GPU) instead of a Python loop. Sequences are laid out time-first
-    (``batch_first=False``), the layout cuDNN works in, so no transpose happens inside the RNN.
+    Rows (columns) are folded into the batch, time-first: one cuDNN ``nn.GRU`` call a sweep.
 
     ``patch`` (spec Reading: 1, i.e. resolution kept) > 1 reads non-overlapping patch×patch
     blocks as one step (ReNet's patches: ``pixel_unshuffle``), and upsamples the result back to

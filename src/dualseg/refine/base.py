@@ -3,6 +3,8 @@
 - :class:`ModuleBase` — any ``nn.Module`` returning logits ``[B,C,h,w]`` (resized to the image
   bilinearly), a dict with ``"out"`` (torchvision's segmentation models) or a tuple/list whose
   first item is the logits;
+- a model dualseg did not build, named ``file.py:NAME`` (:func:`python_model`); any other
+  callable giving logits (or an object with ``.logits``, as Hugging Face models return);
 - :func:`checkpoint_base` — a dualseg checkpoint (method A's network or the peer models);
 - :class:`ProbsFolderBase` — a folder of probability maps saved by ``dualseg predict --probs``
   (one ``<name>.npz`` per image, keys ``probs`` float16 ``[C,H,W]``, ``class_names``,
@@ -16,6 +18,7 @@ folder checks its maps against) and ``class_names`` (``None`` when unknown).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,14 +26,14 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dualseg.engine.distributed import resolve_device
 from dualseg.engine.pretrained import is_hub_source, is_pretrained_folder, load_network
-from dualseg.errors import DataError
+from dualseg.errors import ConfigError, DataError
 from dualseg.imaging import read_image, rgb_digest
-from dualseg.models.base import eval_mode, model_logits
+from dualseg.models.base import eval_mode
+from dualseg.refine.taps import base_logits, is_py_spec
 
 
 class BaseModel(Protocol):
@@ -49,14 +52,14 @@ class ModuleBase:
 
     def __init__(
         self,
-        module: nn.Module,
+        module: nn.Module | Any,
         *,
         class_names: Sequence[str] | None = None,
         palette: Sequence[tuple[int, int, int]] | None = None,
         device: str | torch.device = "cpu",
     ) -> None:
         self.device = resolve_device(device)
-        self.module = module.to(self.device)
+        self.module = module.to(self.device) if isinstance(module, nn.Module) else module
         self.class_names = tuple(class_names) if class_names is not None else None
         self.palette = tuple(tuple(c) for c in palette) if palette is not None else None
 
@@ -65,13 +68,10 @@ class ModuleBase:
         self, images: Tensor, names: Sequence[str] = (), sources: Sequence[str] | None = None
     ) -> Tensor:
         """Logits at the image size; ``names`` / ``sources`` are not needed by a model."""
+        if not isinstance(self.module, nn.Module):  # a plain callable: no modes to set
+            return base_logits(self.module, images.to(self.device))
         with eval_mode(self.module):
-            out = model_logits(self.module(images.to(self.device)), "the base model")
-        if out.shape[-2:] != images.shape[-2:]:
-            out = F.interpolate(
-                out.float(), size=images.shape[-2:], mode="bilinear", align_corners=False
-            )
-        return out.float()
+            return base_logits(self.module, images.to(self.device))
 
 
 def model_fingerprint(module: nn.Module) -> str:
@@ -269,19 +269,48 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     return bool(short) and long[len(long) - len(short) :] == short
 
 
+def python_model(spec: str) -> nn.Module:
+    """The ``nn.Module`` a ``file.py:NAME`` or ``package.module:NAME`` spec names (``NAME`` a
+    model, or a function of no arguments that returns one): a model dualseg did not build."""
+    where, name = spec.rsplit(":", 1)
+    try:
+        if where.endswith(".py"):
+            if not Path(where).is_file():
+                raise ConfigError(f"--base {spec}: no file {where}")
+            loader = importlib.util.spec_from_file_location(Path(where).stem, where)
+            module = importlib.util.module_from_spec(loader)  # type: ignore[arg-type]
+            loader.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            module = importlib.import_module(where)
+        obj = getattr(module, name)
+        model = obj if isinstance(obj, nn.Module) or not callable(obj) else obj()
+    except ConfigError:
+        raise
+    except Exception as err:  # the user's code: any error, said in one line
+        raise ConfigError(f"--base {spec}: {type(err).__name__}: {err}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"--base {spec} gives a {type(model).__name__}, not a torch nn.Module; name the "
+            "model, or a function of no arguments that returns it"
+        )
+    return model
+
+
 def load_base(
     base: str | os.PathLike[str] | nn.Module | BaseModel,
     *,
     device: str | torch.device = "cpu",
     class_names: Sequence[str] | None = None,
 ) -> BaseModel:
-    """Any accepted base (module, checkpoint file, pretrained folder or ``hf://``, probability
-    folder) as a :class:`BaseModel`."""
-    if isinstance(base, nn.Module):
+    """Any accepted base (module or other callable giving logits, checkpoint file, pretrained
+    folder or ``hf://``, probability folder, ``file.py:NAME``) as a :class:`BaseModel`."""
+    if isinstance(base, nn.Module) or (callable(base) and not hasattr(base, "scores")):
         return ModuleBase(base, class_names=class_names, device=device)
     if hasattr(base, "scores"):
         return base  # type: ignore[return-value]
 
+    if isinstance(base, str) and is_py_spec(base) and not is_hub_source(base):
+        return ModuleBase(python_model(base), class_names=class_names, device=device)
     if is_hub_source(base) or is_pretrained_folder(base):  # type: ignore[arg-type]
         return checkpoint_base(base, device=device)  # type: ignore[arg-type]
     path = Path(base)  # type: ignore[arg-type]

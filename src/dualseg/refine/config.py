@@ -122,9 +122,18 @@ class RefinerConfig:
         lambda v: 0 <= v <= MAX_EMBED_DIM, f"in 0..{MAX_EMBED_DIM} (0: no decoder)",
     )  # fmt: skip
 
+    base_features: tuple[str, ...] | None = _opt(
+        None, "beyond the claim: read the base model's own features at two of its modules, "
+        "LOW (stride 4, for the decoder) and HIGH (for the ASPP), or 'auto' for smp, "
+        "torchvision and dualseg encoders ('dualseg refine layers' lists them); the base then "
+        "runs once and backbone, backbone_source, input_scale and output_stride come from it",
+        lambda v: v is None or len(v) == 2 or v == ("auto",), "LOW HIGH module names, or auto",
+    )  # fmt: skip
+
     def __post_init__(self) -> None:
-        if isinstance(self.aspp_rates, list):  # JSON and argparse give lists
-            object.__setattr__(self, "aspp_rates", tuple(self.aspp_rates))
+        for name in ("aspp_rates", "base_features"):  # JSON and argparse give lists
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         for f in dataclasses.fields(self):
             value, meta = getattr(self, f.name), f.metadata
             if not _has_type(f.type, value):
@@ -135,6 +144,11 @@ class RefinerConfig:
                 raise OptionError(f.name, f"one of {', '.join(meta['choices'])}", value)
             if meta.get("ok") is not None and not meta["ok"](value):
                 raise OptionError(f.name, meta["rule"], value)
+        if self.base_features is not None and self.decoder_channels == 0:
+            raise OptionError(
+                "decoder_channels", "> 0 with base_features (its LOW tap feeds the decoder; "
+                "DeepLabV3+ uses 48)", 0,
+            )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -162,9 +176,11 @@ def _has_type(kind: Any, value: Any) -> bool:
     if isinstance(value, bool):
         return False
     if value is None:
-        return kind == float | None
+        return kind in (float | None, tuple[str, ...] | None)
     if kind == tuple[int, ...]:
         return isinstance(value, tuple) and all(_has_type(int, v) for v in value)
+    if kind == tuple[str, ...] | None:
+        return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
     if kind in (float, float | None):
         return isinstance(value, int | float)
     return isinstance(value, kind)

@@ -152,7 +152,6 @@ def choose_crf(
 ) -> tuple[CRFSettings, list[dict[str, Any]]]:
     """The setting of ``grid`` whose CRF scores best in ``metric`` (``miou`` or
     ``boundary_f1``) on ``loader``'s (dev) images, and every setting's scores."""
-
     rows = []
     for settings in grid:
         m = evaluate(model, loader, num_classes=num_classes, device=device, refiner=settings)

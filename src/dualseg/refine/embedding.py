@@ -25,6 +25,7 @@ from dualseg.errors import ConfigError
 from dualseg.models import ASPP, build_backbone
 from dualseg.models.base import pad_to_multiple
 from dualseg.refine.decoder import LowLevelDecoder, low_level_tap
+from dualseg.refine.taps import BaseTaps, TapRecord
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,10 @@ class EmbeddingNet(nn.Module):
 
     def backbone_features(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """The backbone's output ``[B,L,H/s,W/s]`` and, with a decoder, its stride-4 features
-        (the ``low_level`` submodule's output, kept by a forward hook for this one call)."""
+        (the ``low_level`` submodule's output, kept by a forward hook for this one call).
+        A tap refiner's backbone is the base model's forward, read at its two taps."""
+        if isinstance(self.backbone, BaseTaps):
+            return self.backbone(x)
         taps: list[Tensor] = []
         handle = None
         if self.low_level is not None:
@@ -278,6 +282,19 @@ def build_embedding_net(
         freeze_backbone=freeze_backbone,
         decoder=decoder,
         low_level=low_level,
+    )
+
+
+def tap_embedding_net(
+    record: TapRecord, *, embed_dim: int, aspp_rates: Sequence[int], decoder_channels: int
+) -> EmbeddingNet:
+    """The embedding on a base model's taps: ASPP on the high tap, the stride-4 decoder on the
+    low one (the base is attached later: :meth:`BaseTaps.attach`)."""
+    fuse = ASPP(record.channels[1], embed_dim, tuple(aspp_rates))
+    decoder = LowLevelDecoder(record.channels[0], embed_dim, decoder_channels)
+    taps = BaseTaps(record)
+    return EmbeddingNet(
+        taps, fuse, embed_dim, freeze_backbone=True, decoder=decoder, low_level=record.names[0]
     )
 
 

@@ -28,9 +28,15 @@ from dualseg.errors import CheckpointError, ConfigError, DataError, Terminated
 from dualseg.io import atomic_torch_save
 from dualseg.refine.calibrate import DECISION_KEYS
 from dualseg.refine.config import RefinerConfig
-from dualseg.refine.embedding import EmbeddingNet, build_embedding_net, init_backbone_from
+from dualseg.refine.embedding import (
+    EmbeddingNet,
+    build_embedding_net,
+    init_backbone_from,
+    tap_embedding_net,
+)
 from dualseg.refine.formats import TRAIN_FORMAT, load_state
 from dualseg.refine.prototypes import require_class_labels, stream_prototypes
+from dualseg.refine.taps import TapRecord, list_taps, measure_taps, pick_taps
 from dualseg.refine.triplet import triplet_step
 
 log = logging.getLogger(__name__)
@@ -271,6 +277,27 @@ class Fitted(NamedTuple):
     present: Tensor
     config: RefinerConfig  # steps: those made, when a time budget stopped the fit early
     history: list[dict[str, float]]
+    taps: TapRecord | None  # the base's modules a tap refiner reads
+
+
+def read_taps(cfg: RefinerConfig, base: nn.Module | None, device: torch.device) -> TapRecord:
+    """The taps ``cfg.base_features`` names (``auto``: :func:`pick_taps`) measured on ``base``."""
+    if not isinstance(base, nn.Module):
+        raise ConfigError(
+            "base_features reads modules of the base model: pass the model itself (base=model; "
+            "on the CLI --base CHECKPOINT or --base file.py:NAME)"
+        )
+    base.to(device)
+    names = cfg.base_features
+    if names == ("auto",):
+        names = pick_taps(base, list_taps(base, torch.zeros(1, 3, 256, 256, device=device)))
+        if names is None:
+            raise ConfigError(
+                f"no taps could be picked in a {type(base).__name__} without names: give them "
+                "(--base-features LOW HIGH, base_features=(LOW, HIGH)); 'dualseg refine layers "
+                "--base ...' lists the candidates"
+            )
+    return measure_taps(base, names, device)  # type: ignore[arg-type]
 
 
 def fit_parts(
@@ -281,6 +308,7 @@ def fit_parts(
     prototype_dataset: torch.utils.data.Dataset | None,
     weights: str | os.PathLike[str] | None,
     init_from: nn.Module | Mapping[str, Tensor] | None,
+    base: nn.Module | None,
     net: EmbeddingNet | None,
     device: torch.device,
     num_workers: int,
@@ -294,6 +322,18 @@ def fit_parts(
     fit_inputs: Mapping[str, Any] | None,
 ) -> Fitted:
     """Steps 3-5, as :meth:`~dualseg.refine.refiner.BoundaryRefiner.fit` describes them."""
+    taps = None
+    if cfg.base_features is not None:  # the base decides the embedding's input and stride
+        taps = read_taps(cfg, base, device)
+        cfg = dataclasses.replace(
+            cfg, base_features=taps.names, backbone="base", backbone_source="base-frozen",
+            input_scale=1.0, output_stride=taps.strides[1],
+        )  # fmt: skip
+        if net is None:
+            with seeded(cfg.seed):
+                net = tap_embedding_net(taps, embed_dim=cfg.embed_dim, aspp_rates=cfg.aspp_rates,
+                                        decoder_channels=cfg.decoder_channels)  # fmt: skip
+        net.backbone.attach(base)
     if cfg.backbone_source != "independent" and init_from is None and net is None:
         raise ConfigError(
             f"backbone_source={cfg.backbone_source!r} takes the base model's backbone: pass "
@@ -331,7 +371,7 @@ def fit_parts(
         num_workers=num_workers, progress=progress,
     )  # fmt: skip
     _check_prototypes(protos, present, class_names)
-    return Fitted(net, protos, present, cfg, history)
+    return Fitted(net, protos, present, cfg, history, taps)
 
 
 def _check_prototypes(protos: Tensor, present: Tensor, class_names: Sequence[str]) -> None:

@@ -41,6 +41,17 @@ def check_options(
     weights: str | None, init_backbone: str, has_base: bool,
 ) -> None:  # fmt: skip
     """Refuse option combinations that fit a useless refiner or ignore an option unsaid."""
+    if cfg.base_features is not None:
+        if not has_base:
+            raise ConfigError("--base-features reads modules of the base model: add --base")
+        own = (("--weights", weights), ("--init-backbone", init_backbone != "imagenet"),
+               ("--backbone-source", cfg.backbone_source != "independent"))  # fmt: skip
+        ignored = [flag for flag, given in own if given]
+        if ignored:
+            raise ConfigError(
+                f"{' and '.join(ignored)} set the refiner's own backbone, which a refiner on "
+                "--base-features has not (it reads the base's): drop them"
+            )
     if min(crop_size) < MIN_CROP:  # found only after every step had drawn nothing
         raise ConfigError(
             f"--crop-size {crop_size[0]} {crop_size[1]} is too small to hold a class "
@@ -280,7 +291,8 @@ def backbone_init(
         return (None if init_backbone == "none" else weights or "imagenet"), None
     if not hasattr(base, "module"):
         raise ConfigError(
-            "--init-backbone base / --backbone-source base-* need --base to be a dualseg checkpoint"
+            "--init-backbone base / --backbone-source base-* need --base to be a model "
+            "(a dualseg checkpoint or file.py:NAME)"
         )
     return weights, base.module
 
@@ -296,7 +308,8 @@ def fit_summary(refiner: Any, out: Path) -> str:
     present = refiner.present.tolist()
     missing = [n for n, p in zip(refiner.class_names, present) if not p]
     no_proto = f"; no prototype for {missing}" if missing else ""
-    lines.append(f"refiner ({cfg.backbone}, C={cfg.embed_dim}, {refiner.num_classes} classes"
+    on = f"taps {' + '.join(refiner.taps.names)}" if refiner.taps else cfg.backbone
+    lines.append(f"refiner ({on}, C={cfg.embed_dim}, {refiner.num_classes} classes"
                  f"{no_proto}) -> {out}")  # fmt: skip
     return "\n".join(lines)
 

@@ -140,12 +140,24 @@ def stored_description(stored: Mapping[str, Any], source: str | os.PathLike[str]
         and _none_or_strings(calibration.get("image_digests"))
     ):
         raise bad("calibration", "null or the record of 'refine fit --calibrate-split'")
+    taps = stored.get("taps")
+    if taps is not None and not (
+        isinstance(taps, Mapping)
+        and all(isinstance(taps.get(k), list) and len(taps[k]) == 2 for k in TAP_KEYS)
+        and all(isinstance(v, str) for v in taps["names"])
+        and all(isinstance(v, int) and v > 0 for k in TAP_KEYS[1:] for v in taps[k])
+    ):
+        raise bad("taps", "null or the base modules a tap refiner reads")
     return {
+        "taps": taps,
         "class_names": [str(n) for n in names],
         "ignore_index": int(ignore),
         "palette": palette,
         "calibration": None if calibration is None else dict(calibration),
     }
+
+
+TAP_KEYS = ("names", "channels", "strides")
 
 
 def _none_or_strings(value: Any) -> bool:

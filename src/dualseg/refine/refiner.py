@@ -9,6 +9,8 @@ the order of the scores matters, so ``probs`` may be probabilities or logits ali
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,15 +25,23 @@ from dualseg.engine.distributed import resolve_device
 from dualseg.engine.predict import as_rgb_array
 from dualseg.errors import CheckpointError, ConfigError, DataError
 from dualseg.imaging import normalize
+from dualseg.models.base import eval_mode
 from dualseg.refine import formats, pretrained
 from dualseg.refine.calibrate import calibration_note
 from dualseg.refine.config import RefinerConfig
 from dualseg.refine.decision import Candidates, kept_rows, prototype_scale
-from dualseg.refine.embedding import EmbeddingNet, embed_backbone, embedding_cover, p1_filter
+from dualseg.refine.embedding import (
+    EmbeddingNet,
+    embed_backbone,
+    embedding_cover,
+    p1_filter,
+    tap_embedding_net,
+)
 from dualseg.refine.fit import embedding_net, fit_parts
 from dualseg.refine.inputs import as_palette, as_tensor, check_classes, check_normalized_batch
 from dualseg.refine.relabel import collect, decide_as, prototype_row_scores, prototype_scores
 from dualseg.refine.shared import BaseFeatures, SharedFeatures, can_share, matching
+from dualseg.refine.taps import TapReader, TapRecord, base_logits
 
 
 class BoundaryRefiner:
@@ -47,7 +57,9 @@ class BoundaryRefiner:
         config: RefinerConfig | None = None,
         ignore_index: int = 255,
         palette: Sequence[Sequence[int]] | None = None,
+        taps: TapRecord | None = None,
     ) -> None:
+        self.taps = taps  # a tap refiner's base modules (low, high), else None
         self.config = config or RefinerConfig(embed_dim=int(prototypes.shape[1]))
         self.class_names = tuple(str(n) for n in class_names)
         k = len(self.class_names)
@@ -82,8 +94,9 @@ class BoundaryRefiner:
 
     def __repr__(self) -> str:
         c = self.config
+        on = f"taps {'+'.join(self.taps.names)}" if self.taps else c.backbone
         return (
-            f"BoundaryRefiner({c.backbone}, C={c.embed_dim}, {self.num_classes} classes "
+            f"BoundaryRefiner({on}, C={c.embed_dim}, {self.num_classes} classes "
             f"({int(self.present.sum())} with prototypes), top_n={c.top_n}, radius={c.radius})"
         )
 
@@ -98,8 +111,9 @@ class BoundaryRefiner:
     def refine(
         self,
         images: Any,
-        probs: Any,
+        probs: Any = None,
         *,
+        base: Any = None,
         return_changed: bool = False,
         features: BaseFeatures | tuple[Tensor, tuple[int, int]] | None = None,
     ) -> Tensor | np.ndarray | tuple[Any, Any]:
@@ -114,7 +128,15 @@ class BoundaryRefiner:
 
         ``features`` (batch form): the base's backbone output, from :meth:`shared_features`
         (``None``: the refiner runs its own backbone).
+
+        ``base`` in place of ``probs``: the base model (any callable giving logits, a dict
+        with ``"out"`` or an object with ``.logits``, at any resolution), run once here; a
+        tap refiner (``config.base_features``) reads its features during that forward.
         """
+        if (probs is None) == (base is None):
+            raise ConfigError("refine needs the base's scores (probs) or the base model (base=)")
+        if base is not None:
+            return self._refine_with(images, base, return_changed)
         batch = isinstance(images, np.ndarray | Tensor) and images.ndim == 4
         if batch:  # numpy too: the exported refiner's batch form
             check_normalized_batch(images)
@@ -130,6 +152,28 @@ class BoundaryRefiner:
             p = p[None]
         labels, changed = self._refine_batch(x, p, True)
         labels, changed = labels[0].cpu().numpy(), changed[0].cpu().numpy()
+        return (labels, changed) if return_changed else labels
+
+    def _refine_with(self, images: Any, base: Any, return_changed: bool) -> Any:
+        """:meth:`refine` with the base run here, its features read where it is a model."""
+        single = not (isinstance(images, np.ndarray | Tensor) and images.ndim == 4)
+        if single:
+            x = torch.from_numpy(normalize([as_rgb_array(images)]))
+        else:
+            check_normalized_batch(images)
+            x = torch.as_tensor(images)
+        x = x.to(self.device)
+        module = base if isinstance(base, nn.Module) else None
+        kept = self.shared_features(module) if module is not None else contextlib.nullcontext()
+        with kept as shared:
+            with eval_mode(module) if module is not None else contextlib.nullcontext():
+                logits = base_logits(base, x)
+            features = shared.take(x) if shared is not None else None
+        labels, changed = self._refine_batch(x, logits, True, features)
+        if single:
+            labels, changed = labels[0].cpu().numpy(), changed[0].cpu().numpy()
+        elif isinstance(images, np.ndarray):
+            labels, changed = labels.cpu().numpy(), changed.cpu().numpy()
         return (labels, changed) if return_changed else labels
 
     def candidates(
@@ -169,8 +213,9 @@ class BoundaryRefiner:
             self._check_base_features(BaseFeatures(*features).features)
         # not this batch's own backbone output (resized, tiled, half precision): run our own
         features = matching(
-            features, images, cfg.output_stride, needs_low=self.net.decoder is not None
-        )
+            features, images, cfg.output_stride, needs_low=self.net.decoder is not None,
+            low_stride=self.taps.strides[0] if self.taps else 4,
+        )  # fmt: skip
 
         scale = prototype_scale(self.prototypes, self.present)
         if features is not None:  # the base's padded input
@@ -219,7 +264,7 @@ class BoundaryRefiner:
                 "the one it was fit on; pass features=None"
             )
 
-    def shared_features(self, model: nn.Module) -> SharedFeatures:
+    def shared_features(self, model: nn.Module) -> SharedFeatures | TapReader:
         """A context that keeps ``model``'s backbone output for :meth:`refine`'s
         ``features`` (see :mod:`dualseg.refine.shared`); it keeps nothing when this refiner
         cannot share the base's features, so callers need no check of their own::
@@ -228,6 +273,9 @@ class BoundaryRefiner:
                 logits = model(images)
                 labels = refiner.refine(images, logits, features=shared.take())
         """
+        if self.taps is not None:  # the taps are read in this very forward
+            self.net.backbone.attach(model)
+            return TapReader(model, self.taps)
         active = can_share(self.config, self.net.backbone, model)
         return SharedFeatures(model, active, self.config.output_stride, self.net.low_level)
 
@@ -250,6 +298,7 @@ class BoundaryRefiner:
             "ignore_index": self.ignore_index,
             "calibration": self.calibration,
             "palette": None if self.palette is None else [list(c) for c in self.palette],
+            "taps": None if self.taps is None else self.taps.to_dict(),
         }
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -293,6 +342,10 @@ class BoundaryRefiner:
             config = RefinerConfig.from_dict(stored.description["config"])
         except ConfigError as err:
             raise CheckpointError(f"{source}: {err}") from None
+        taps = None if described["taps"] is None else TapRecord.from_dict(described["taps"])
+        if net is None and taps is not None:
+            net = tap_embedding_net(taps, embed_dim=config.embed_dim, aspp_rates=config.aspp_rates,
+                                    decoder_channels=config.decoder_channels)  # fmt: skip
         net = embedding_net(config) if net is None else net
         if problems := _state_dict_problems(net, stored.net_state):
             raise CheckpointError(
@@ -311,7 +364,7 @@ class BoundaryRefiner:
                 )
         refiner = cls(net, stored.prototypes, stored.present, class_names=described["class_names"],
                       config=config, ignore_index=described["ignore_index"],
-                      palette=described["palette"])  # fmt: skip
+                      palette=described["palette"], taps=taps)  # fmt: skip
         refiner.calibration = described["calibration"]
         return refiner
 
@@ -331,6 +384,8 @@ class BoundaryRefiner:
         prototype_dataset: torch.utils.data.Dataset | None = None,
         weights: str | os.PathLike[str] | None = "imagenet",
         init_from: nn.Module | Mapping[str, Tensor] | None = None,
+        base: nn.Module | None = None,
+        base_features: Sequence[str] | str | None = None,
         net: EmbeddingNet | None = None,
         device: str | torch.device = "cpu",
         num_workers: int = 0,
@@ -358,9 +413,25 @@ class BoundaryRefiner:
         ``fit_inputs``: plain values naming the data, augmentation and base the fit depends on,
         recorded in the training state so that a resume with other ones is refused. The loss
         history is in ``refiner.history``.
+
+        ``base`` with ``base_features=(LOW, HIGH)`` (module names of ``base``, or ``"auto"``;
+        the same as ``config.base_features``): train on the base model's own features at those
+        two modules, read by forward hooks while it runs, frozen (see
+        :mod:`dualseg.refine.taps`); ``init_from`` defaults to ``base`` for a ``base-*``
+        backbone source.
         """
+        config = config or RefinerConfig()
+        if base_features is not None:
+            names = (base_features,) if isinstance(base_features, str) else tuple(base_features)
+            config = dataclasses.replace(config, base_features=names)
+        if (
+            init_from is None
+            and config.backbone_source != "independent"
+            and not config.base_features
+        ):
+            init_from = base
         fitted = fit_parts(
-            dataset, config or RefinerConfig(), class_names=class_names,
+            dataset, config, class_names=class_names, base=base,
             prototype_dataset=prototype_dataset, weights=weights, init_from=init_from, net=net,
             device=resolve_device(device), num_workers=num_workers, progress=progress,
             ignore_index=ignore_index, time_budget_s=time_budget_s, checkpoint=checkpoint,
@@ -371,6 +442,6 @@ class BoundaryRefiner:
             palette = getattr(getattr(dataset, "meta", None), "palette", None)
         refiner = cls(fitted.net, fitted.prototypes, fitted.present, class_names=class_names,
                       config=fitted.config, ignore_index=ignore_index,
-                      palette=palette)  # fmt: skip
+                      palette=palette, taps=fitted.taps)  # fmt: skip
         refiner.history = fitted.history
         return refiner

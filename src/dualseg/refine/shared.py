@@ -71,12 +71,13 @@ def matching(
     output_stride: int,
     *,
     needs_low: bool = False,
+    low_stride: int = 4,
 ) -> BaseFeatures | None:
     """``kept`` when it can be the base's backbone output for exactly ``images``: one map per
     image, in float32 (autocast's half precision is not what the refiner's own pass computes),
     covering the images padded at the bottom and right by less than one stride (a resized or
     tiled input covers something else), and with ``needs_low`` (a refiner with a decoder) the
-    stride-4 features of that same padded input; else ``None``."""
+    features at ``low_stride`` of that same padded input; else ``None``."""
     if kept is None:
         return None
     kept = BaseFeatures(*kept)
@@ -89,7 +90,7 @@ def matching(
     if needs_low and (
         low is None
         or not _one_float_map_each(low, images.shape[0])
-        or tuple(low.shape[-2:]) != (-(-h // 4), -(-w // 4))
+        or tuple(low.shape[-2:]) != (-(-h // low_stride), -(-w // low_stride))
     ):
         return None
     return kept

@@ -1,0 +1,279 @@
+"""Method B on any model's own features: two of its modules, read during its forward.
+
+A tap refiner names a low module (fine, e.g. stride 4) and a high module (coarse, e.g. stride
+16 or 32) of the base model. Forward hooks keep their outputs while the base segments the
+image; the refiner's ASPP reads the high tap and its stride-4 decoder the low one, so the base
+runs once and no second backbone is needed. :func:`list_taps` lists a model's candidates and
+:func:`pick_taps` picks them for the encoder layouts of smp, torchvision and dualseg.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dualseg.errors import ConfigError, DataError
+from dualseg.models.base import eval_mode, model_logits
+from dualseg.refine.shared import BaseFeatures, matching
+
+SAMPLE_SIZE = (256, 256)  # divisible by 32, as smp's encoders need
+# where encoder layouts keep the backbone whose stages are the taps (smp, torchvision, dualseg)
+ENCODERS = ("encoder", "backbone", "rgb.backbone")
+
+
+class Tap(NamedTuple):
+    name: str
+    channels: int
+    stride: int
+    size: tuple[int, int]  # the output's (h, w) for the sample input
+
+
+class TapRecord(NamedTuple):
+    """What a tap refiner was fit on: ``(low, high)`` module names, channels and strides."""
+
+    names: tuple[str, str]
+    channels: tuple[int, int]
+    strides: tuple[int, int]
+
+    def describe(self, i: int) -> str:
+        return f"{self.names[i]} ({self.channels[i]} channels, stride {self.strides[i]})"
+
+    def to_dict(self) -> dict[str, list[Any]]:
+        return {k: list(v) for k, v in self._asdict().items()}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> TapRecord:
+        return cls(*(tuple(d[k]) for k in cls._fields))
+
+
+def base_logits(base: Callable[[Tensor], Any], images: Tensor) -> Tensor:
+    """A base's class scores at the image size: it may return logits ``[B,C,h,w]``, a dict
+    with ``"out"`` (torchvision), an object with ``.logits`` (Hugging Face) or a tuple led by
+    the logits; a lower resolution is brought to the image's (bilinear)."""
+    out = base(images)
+    out = model_logits(getattr(out, "logits", out), "the base model")
+    if out.shape[-2:] != images.shape[-2:]:
+        out = F.interpolate(
+            out.float(), size=images.shape[-2:], mode="bilinear", align_corners=False
+        )
+    return out.float()
+
+
+def _outputs(model: nn.Module, names: Sequence[str] | None, sample: Tensor) -> dict[str, Tensor]:
+    """The 4-D tensor outputs of ``model``'s modules ``names`` (``None``: all), in call
+    order, on ``sample`` (eval mode, no gradients; the first call of each module)."""
+    modules = dict(model.named_modules())
+    kept: dict[str, Tensor] = {}
+
+    def hook(name: str) -> Callable[..., None]:
+        def keep(_m: nn.Module, _a: Any, out: Any) -> None:
+            if isinstance(out, Tensor) and out.dim() == 4 and name not in kept:
+                kept[name] = out.detach()
+
+        return keep
+
+    wanted = [n for n in modules if n] if names is None else list(names)
+    handles = [modules[n].register_forward_hook(hook(n)) for n in wanted]
+    try:
+        with torch.no_grad(), eval_mode(model):
+            model(sample)
+    finally:
+        for h in handles:
+            h.remove()
+    return kept
+
+
+def list_taps(model: nn.Module, sample: Tensor | None = None) -> list[Tap]:
+    """Every module of ``model`` whose output on ``sample`` (default ``1x3x256x256`` zeros, on
+    the model's device) is a feature map ``[1,C,h,w]`` at a whole stride, in call order."""
+    if sample is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        sample = torch.zeros(1, 3, *SAMPLE_SIZE, device=device)
+    H, W = sample.shape[-2:]
+    taps = []
+    for name, out in _outputs(model, None, sample).items():
+        h, w = out.shape[-2:]
+        if H % h == 0 and W % w == 0 and H // h == W // w:
+            taps.append(Tap(name, int(out.shape[1]), H // h, (h, w)))
+    return taps
+
+
+def pick_taps(model: nn.Module, taps: Sequence[Tap]) -> tuple[str, str] | None:
+    """``(low, high)`` for an encoder layout (smp's ``encoder``, torchvision's and dualseg's
+    ``backbone``): of the encoder's stages (its shallowest level of modules with more than one
+    stride), the last at stride 4 and the last one; ``None`` for any other layout."""
+    for prefix in ENCODERS:
+        try:
+            model.get_submodule(prefix)
+        except AttributeError:
+            continue
+        inside = [t for t in taps if t.name.startswith(prefix + ".")]
+        for depth in range(prefix.count(".") + 2, prefix.count(".") + 5):
+            stages = [t for t in inside if t.name.count(".") == depth - 1]
+            if len({t.stride for t in stages}) > 1:
+                low = [t for t in stages if t.stride == 4]
+                high = stages[-1]
+                if low and high.stride > 4:
+                    return low[-1].name, high.name
+                return None
+    return None
+
+
+def measure_taps(model: nn.Module, names: Sequence[str], device: torch.device) -> TapRecord:
+    """The record of the ``(low, high)`` modules of ``model`` on a sample input, checked."""
+    low, high = names
+    missing = [n for n in (low, high) if n not in dict(model.named_modules())]
+    if missing:
+        raise ConfigError(
+            f"the base model has no module {missing[0]!r}; 'dualseg refine layers --base ...' "
+            "(or dualseg.refine.list_taps(model)) lists the modules to tap"
+        )
+    sample = torch.zeros(1, 3, *SAMPLE_SIZE, device=device)
+    found = {t.name: t for t in list_taps(model, sample) if t.name in (low, high)}
+    for n in (low, high):
+        if n not in found:
+            raise ConfigError(
+                f"module {n!r} of the base model gives no feature map [B,C,h,w] at a whole "
+                "stride; 'dualseg refine layers' lists the modules that do"
+            )
+    if found[low].stride > found[high].stride:
+        raise ConfigError(
+            f"the low tap {low!r} (stride {found[low].stride}) is coarser than the high tap "
+            f"{high!r} (stride {found[high].stride}): give them as LOW HIGH"
+        )
+    return TapRecord(
+        (low, high), (found[low].channels, found[high].channels),
+        (found[low].stride, found[high].stride),
+    )  # fmt: skip
+
+
+class _Stop(Exception):
+    """Ends the base's forward once both taps are read (training needs nothing after them)."""
+
+
+class TapReader:
+    """``with TapReader(model, record) as r: model(x)``, then ``r.take(images)``: the taps'
+    outputs as :class:`BaseFeatures` ``(high, covered, low)``, or ``None`` unless each tap
+    ran exactly once; a tap of other channels or stride than the record's is refused."""
+
+    def __init__(self, model: nn.Module, record: TapRecord, *, stop: bool = False) -> None:
+        modules = dict(model.named_modules())
+        missing = [n for n in record.names if n not in modules]
+        if missing:
+            raise DataError(
+                f"this refiner reads the base's module {missing[0]!r}, which this base model "
+                f"has not: it was fit on {record.describe(0)} and {record.describe(1)}; "
+                "refine with the base it was fit on"
+            )
+        self.record, self.stop = record, stop
+        self._modules = [modules[n] for n in record.names]
+        self._kept: list[list[Tensor]] = [[], []]
+        self._handles: list[Any] = []
+
+    def _hook(self, i: int) -> Callable[..., None]:
+        def keep(_m: nn.Module, _a: Any, out: Any) -> None:
+            if isinstance(out, Tensor):
+                self._kept[i].append(out.detach())
+            if self.stop and all(self._kept):
+                raise _Stop
+
+        return keep
+
+    def __enter__(self) -> TapReader:
+        self._handles = [
+            m.register_forward_hook(self._hook(i)) for i, m in enumerate(self._modules)
+        ]
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        return kind is _Stop  # the forward was ended on purpose
+
+    def take(self, images: Tensor) -> BaseFeatures | None:
+        """The taps of the one forward since the last ``take()`` on ``images``, when they can
+        stand for the refiner's own reading (:func:`matching`; else None)."""
+        taps = self.taps(images, strict=False)
+        if taps is None:
+            return None
+        low, high = taps
+        s = self.record.strides[1]
+        covered = (high.shape[-2] * s, high.shape[-1] * s)
+        return matching(
+            BaseFeatures(high, covered, low), images, s, low_stride=self.record.strides[0]
+        )
+
+    def taps(self, images: Tensor, *, strict: bool = True) -> tuple[Tensor, Tensor] | None:
+        """``(low, high)`` of the one forward since the last call on ``images`` (else None),
+        checked against the record: other channels are refused, and so is another stride
+        when ``strict`` (the forward was on ``images`` themselves; else it may have been on a
+        tile or a resized copy: None). Either way what was kept is forgotten."""
+        kept, self._kept = self._kept, [[], []]
+        if any(len(k) != 1 for k in kept):
+            return None
+        (low,), (high,) = kept
+        H, W = images.shape[-2:]
+        for i, t in enumerate((low, high)):
+            s = self.record.strides[i]
+            fits = t.dim() == 4 and all(
+                n in (size // s, -(-size // s)) for n, size in zip(t.shape[-2:], (H, W))
+            )
+            if not fits and not strict and t.dim() == 4 and t.shape[1] == self.record.channels[i]:
+                return None
+            if not fits or t.shape[1] != self.record.channels[i]:
+                got = (
+                    f"{t.shape[1]} channels, stride {H / t.shape[-2]:g}"
+                    if t.dim() == 4
+                    else "no map"
+                )
+                raise DataError(
+                    f"the base's {self.record.names[i]} gives {got}, but this refiner was fit "
+                    f"on {self.record.describe(i)}: refine with the base it was fit on"
+                )
+        return low, high
+
+
+class BaseTaps(nn.Module):
+    """The tap refiner's "backbone": runs the attached base model (frozen, eval mode, no
+    gradients) and returns its taps ``(high, low)``. The base is held outside the module tree,
+    so its weights are not the refiner's and are never saved with it."""
+
+    def __init__(self, record: TapRecord) -> None:
+        super().__init__()
+        self.record = record
+        self._base: list[nn.Module] = []
+
+    def attach(self, model: nn.Module) -> None:
+        TapReader(model, self.record)  # names checked now; shapes at the first read
+        self._base = [model]
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if not self._base:
+            raise ConfigError(
+                "this refiner reads its base model's features: refine with the base itself "
+                "(refiner.refine(images, base=model)), not with saved probabilities"
+            )
+        (model,) = self._base
+        with torch.no_grad(), eval_mode(model), TapReader(model, self.record, stop=True) as r:
+            model(x)
+        taps = r.taps(x)
+        if taps is None:
+            raise DataError(
+                f"the base's forward did not run {self.record.names[0]!r} and "
+                f"{self.record.names[1]!r} once each on a plain image: tap other modules"
+            )
+        return taps[1], taps[0]
+
+
+def is_py_spec(text: str) -> bool:
+    """``path/to/file.py:NAME`` or ``package.module:NAME``."""
+    return re.fullmatch(r"(.+\.py|[A-Za-z_][\w.]*):[A-Za-z_]\w*", text) is not None

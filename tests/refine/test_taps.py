@@ -1,0 +1,195 @@
+"""Method B on any model's own features (dualseg.refine.taps): a tiny smp Unet as the base."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dualseg.cli import main
+from dualseg.errors import ConfigError, DataError
+from dualseg.refine import BoundaryRefiner, RefinerConfig, list_taps, pick_taps
+
+smp = pytest.importorskip("segmentation_models_pytorch")
+
+TAPS = ("encoder.layer1", "encoder.layer4")
+
+
+class _Stripes(torch.utils.data.Dataset):
+    """64x64 images of three vertical stripes whose colours are their classes."""
+
+    def __init__(self, n: int = 4) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        label = torch.zeros(64, 64, dtype=torch.long)
+        a, b = 16 + int(torch.randint(0, 8, (1,), generator=g)), 40
+        label[:, a:], label[:, b:] = 1, 2
+        colours = torch.tensor([[-1.0, 0, 1], [1, -1, 0], [0, 1, -1]])
+        image = colours[label].permute(2, 0, 1) + 0.3 * torch.randn(3, 64, 64, generator=g)
+        return image, label
+
+
+def _unet(encoder: str = "resnet18") -> torch.nn.Module:
+    torch.manual_seed(0)
+    return smp.Unet(encoder, encoder_weights=None, classes=3).eval()
+
+
+def _fit(base: torch.nn.Module, **kw) -> BoundaryRefiner:
+    cfg = RefinerConfig(embed_dim=8, decoder_channels=8, steps=3, batch_size=2, radius=3,
+                        num_triplets=64, aspp_rates=(1, 2), top_n=3)  # fmt: skip
+    return BoundaryRefiner.fit(_Stripes(), class_names=list("abc"), config=cfg, weights=None,
+                               base=base, progress=False, **kw)  # fmt: skip
+
+
+def test_the_taps_of_an_smp_unet_are_listed_and_picked() -> None:
+    base = _unet()
+    taps = {t.name: t for t in list_taps(base, torch.zeros(1, 3, 64, 64))}
+    assert (taps["encoder.layer1"].channels, taps["encoder.layer1"].stride) == (64, 4)
+    assert (taps["encoder.layer4"].channels, taps["encoder.layer4"].stride) == (512, 32)
+    assert pick_taps(base, list(taps.values())) == TAPS
+    mobile = _unet("mobilenet_v2")
+    assert pick_taps(mobile, list_taps(mobile)) == ("encoder.features.3", "encoder.features.18")
+
+
+def test_a_tap_refiner_fits_refines_round_trips_and_refuses_another_base(tmp_path) -> None:
+    base = _unet()
+    refiner = _fit(base, base_features=TAPS)
+    assert refiner.taps.names == TAPS and refiner.taps.channels == (64, 512)
+    assert refiner.taps.strides == (4, 32) and refiner.config.output_stride == 32
+    assert not any(k.startswith("backbone.") for k in refiner.net.state_dict())  # base not saved
+    images = torch.stack([_Stripes()[i][0] for i in range(2)])
+    labels, changed = refiner.refine(images, base=base, return_changed=True)
+    assert changed.shape == labels.shape
+    assert labels.shape == (2, 64, 64)
+    # the same labels when the caller runs the base and hands over the taps
+    with refiner.shared_features(base) as shared:
+        logits = base(images)
+        features = shared.take(images)
+    assert features is not None and features.low.shape[-2:] == (16, 16)
+    torch.testing.assert_close(refiner.refine(images, logits, features=features), labels)
+
+    path = tmp_path / "refiner.pt"
+    refiner.save(path)
+    loaded = BoundaryRefiner.load(path)
+    assert loaded.taps == refiner.taps
+    torch.testing.assert_close(loaded.refine(images, base=base), labels)
+    refiner.save_pretrained(tmp_path / "folder")
+    torch.testing.assert_close(
+        BoundaryRefiner.load(tmp_path / "folder").refine(images, base=base), labels
+    )
+    with pytest.raises(ConfigError, match="base itself"):  # no base: nothing to tap
+        BoundaryRefiner.load(path).refine(images, logits)
+
+    with pytest.raises(DataError, match=r"encoder\.layer1"):  # no such module
+        loaded.refine(images, base=_unet("mobilenet_v2"))
+    wide = smp.Unet("resnet50", encoder_weights=None, classes=3).eval()
+    with pytest.raises(DataError, match=r"256 channels.*64 channels") as err:
+        loaded.refine(images, base=wide)
+    assert "\n" not in str(err.value)
+
+    class Halved(smp.Unet):  # the same modules and channels, at twice the strides
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(torch.nn.functional.avg_pool2d(x, 2))
+
+    torch.manual_seed(0)
+    halved = Halved("resnet18", encoder_weights=None, classes=3).eval()
+    with pytest.raises(DataError, match=r"64 channels, stride 8, but .* stride 4\)"):
+        loaded.refine(images, base=halved)
+
+    out = tmp_path / "r.onnx"
+    assert main(["export", "--refiner", str(path), "--format", "onnx", "--out", str(out)]) == 1
+
+
+def test_auto_taps_and_a_base_returning_hugging_face_logits() -> None:
+    base = _unet("mobilenet_v2")
+    refiner = _fit(base, base_features=("auto",))
+    assert refiner.taps.names == ("encoder.features.3", "encoder.features.18")
+
+    class Output:  # as transformers' segmentation models: logits at 1/4 of the image size
+        def __init__(self, logits: torch.Tensor) -> None:
+            self.logits = logits
+
+    def quarter(x: torch.Tensor) -> Output:
+        return Output(torch.nn.functional.avg_pool2d(base(x), 4))
+
+    images = torch.stack([_Stripes()[i][0] for i in range(2)])
+    plain = BoundaryRefiner.fit(
+        _Stripes(), class_names=list("abc"), weights=None, progress=False,
+        config=RefinerConfig(backbone="resnet18", embed_dim=8, steps=2, batch_size=2, radius=3,
+                             num_triplets=64, aspp_rates=(1, 2), input_scale=1.0),
+    )  # fmt: skip
+    assert plain.refine(images, base=quarter).shape == (2, 64, 64)
+    with pytest.raises(ConfigError, match="no taps could be picked"):
+        _fit(torch.nn.Sequential(torch.nn.Conv2d(3, 3, 1)), base_features=("auto",))
+
+
+def test_refine_layers_lists_the_modules_of_a_python_base(tmp_path, capsys) -> None:
+    spec = tmp_path / "mymodel.py"
+    spec.write_text(
+        "import segmentation_models_pytorch as smp\n"
+        "model = smp.Unet('resnet18', encoder_weights=None, classes=3)\n"
+    )
+    assert main(["refine", "layers", "--base", f"{spec}:model", "--size", "64", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "encoder.layer4" in out and "512" in out
+    assert "--base-features encoder.layer1 encoder.layer4" in out
+    assert main(["refine", "layers", "--base", f"{spec}:nothing"]) == 1
+    assert "nothing" in capsys.readouterr().err
+
+
+def _fit_argv(data, spec, out) -> list[str]:
+    argv = ["refine", "fit", "--data", str(data), "--base", spec, "--out", str(out)]
+    argv += ["--embed-dim", "4", "--steps", "1", "--batch-size", "2", "--crop-size", "64", "64"]
+    argv += ["--radius", "2", "--num-triplets", "16", "--aspp-rates", "1", "2", "--device", "cpu"]
+    return [*argv, "--no-progress", "--log-every", "0"]
+
+
+def test_refine_fit_and_apply_on_the_taps_of_a_python_base(tmp_path, capsys) -> None:
+    from dualseg.data import make_synthetic_dataset
+
+    data = make_synthetic_dataset(tmp_path / "data", n_train=2, n_val=1, size=(64, 64))
+    spec = tmp_path / "mymodel.py"
+    spec.write_text(
+        "import torch, segmentation_models_pytorch as smp\n"
+        "torch.manual_seed(0)\n"
+        "model = smp.Unet('resnet18', encoder_weights=None, classes=8)\n"
+    )
+    out = tmp_path / "r.pt"
+    argv = _fit_argv(data, f"{spec}:model", out)
+    assert main([*argv, "--base-features", "auto"]) == 1  # no --decoder-channels
+    assert "--decoder-channels must be > 0 with base_features" in capsys.readouterr().err
+    assert main([*argv, "--base-features", "encoder.layer1", "encoder.layer4",
+                 "--decoder-channels", "4"]) == 0  # fmt: skip
+    assert BoundaryRefiner.load(out).taps.names == TAPS
+    images = sorted((data / "images").glob("*.png"))[:1]
+    refined = tmp_path / "refined"
+    argv = ["refine", "apply", str(images[0]), "-r", str(out), "-b", f"{spec}:model"]
+    assert main([*argv, "-o", str(refined), "--device", "cpu", "--quiet"]) == 0
+    assert (refined / "labels" / f"{images[0].stem}.png").is_file()
+    assert main([*argv[:-2], "-b", str(tmp_path / "nope.py:model"), "-o", str(tmp_path / "o")]) == 1
+    assert "no file" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("pydensecrf") is None,
+    reason="pydensecrf2 not installed (dualseg[crf])",
+)
+def test_refine_apply_crf_writes_the_same_outputs(tmp_path) -> None:
+    from dualseg.data import make_synthetic_dataset
+
+    data = make_synthetic_dataset(tmp_path / "data", n_train=1, n_val=1, size=(64, 64))
+    spec = tmp_path / "mymodel.py"
+    spec.write_text(
+        "import segmentation_models_pytorch as smp\n"
+        "model = smp.Unet('resnet18', encoder_weights=None, classes=8)\n"
+    )
+    image = sorted((data / "images").glob("*.png"))[0]
+    out = tmp_path / "crf"
+    argv = ["refine", "apply", str(image), "--crf", "-b", f"{spec}:model", "-o", str(out)]
+    assert main([*argv, "--device", "cpu", "--quiet"]) == 0
+    for kind in ("labels", "color", "overlay", "changed"):
+        assert (out / kind / f"{image.stem}.png").is_file()
