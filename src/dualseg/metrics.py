@@ -300,7 +300,7 @@ class BoundaryMetrics:
         ):
             raise ConfigError(
                 f"boundary tolerance and trimap width are whole pixels, got {tolerance} and "
-                f"{trimap_width}; use 0..{MAX_WIDTH} (dualseg eval: --boundary-tolerance, "
+                f"{trimap_width}; use 0..{MAX_WIDTH} px (dualseg eval: --boundary-tolerance, "
                 "--trimap-width)"
             )
         self.num_classes = num_classes
