@@ -150,12 +150,12 @@ def _train_config(args, root: Path, meta: Any, weights: str | None) -> options.C
     )  # fmt: skip
 
 
-def _refine(args, cfg, root: Path, meta: Any, model: Any, loader: DataLoader, device, hook):
-    """Method B from the model's own backbone, scored before/after on the held-out split."""
-    read = dict(split=args.train_split, layout=cfg.data.layout, preset=meta)
-    augment = options.train_transform(cfg.data)
-    augmented = build_dataset(root, transform=augment, seed=args.seed, **read)
-    plain = build_dataset(root, **read)
+def _fit_refiner(args, cfg, train_set: Any, model: Any, device) -> tuple[Any, dict]:
+    """Method B, its embedding initialized from the trained model's backbone."""
+    augmented = build_dataset(
+        cfg.data.root, split=args.train_split, layout=cfg.data.layout, preset=train_set.meta,
+        transform=options.train_transform(cfg.data), seed=args.seed,
+    )  # fmt: skip
     config = RefinerConfig(
         backbone=backbone_of(args.arch), output_stride=args.output_stride,
         input_scale=1.0,  # the demo's scenes are small: embedded at full size
@@ -163,38 +163,39 @@ def _refine(args, cfg, root: Path, meta: Any, model: Any, loader: DataLoader, de
     )  # fmt: skip
     t0 = time.perf_counter()
     refiner = BoundaryRefiner.fit(
-        augmented, class_names=meta.class_names, config=config, weights=None, init_from=model,
-        prototype_dataset=Subset(plain, range(min(args.refine_prototypes, len(plain)))),
-        device=device, progress=False,
+        augmented, class_names=train_set.meta.class_names, config=config, weights=None,
+        prototype_dataset=Subset(train_set, range(min(args.refine_prototypes, len(train_set)))),
+        init_from=model, device=device, progress=False,
     )  # fmt: skip
     refiner.save(path := Path(args.out) / "refiner.pt")
     seconds = time.perf_counter() - t0
-    result = engine.evaluate(model, loader, num_classes=meta.num_classes, device=device,
-                             refiner=refiner, on_batch=hook)  # fmt: skip
-    return {"refiner": str(path), "fit_seconds": seconds, "steps": args.refine_steps,
-            "refined": result["refined"], "refine": result["refine"]}  # fmt: skip
+    return refiner, {"refiner": str(path), "fit_seconds": seconds, "steps": args.refine_steps}
 
 
 def _score(args, cfg, root: Path, meta: Any, ckpt: Path, device) -> dict[str, Any]:
-    """The trained model and the baselines on the held-out split, method B, the figures."""
+    """Method B fitted, then the model (and refiner) and the baselines scored on the held-out
+    split, drawing the figures on the way."""
     read = dict(layout=cfg.data.layout, preset=meta, label_format=cfg.data.label_format)
     train_set = build_dataset(root, split=args.train_split, **read)
     val_set = build_dataset(root, split=args.val_split, transform=build_eval_transform(), **read)
     batch = cfg.data.val_batch_size
     loader = DataLoader(val_set, batch_size=batch, num_workers=args.workers)
     common = dict(num_classes=meta.num_classes, device=device, amp=cuda_amp(args, device))
-    t0 = time.perf_counter()
     model = load_model(ckpt, device=device).model
+    refiner, refinement = None, None
+    if not args.no_refine:
+        refiner, refinement = _fit_refiner(args, cfg, train_set, model, device)
+    t0 = time.perf_counter()
     visuals = showcase.VisualWriter(val_set, Path(args.out), args.n_show, batch)
-    metrics = engine.evaluate(model, loader, on_batch=visuals, **common)
+    result = engine.evaluate(model, loader, refiner=refiner, on_batch=visuals, **common)
     seconds = time.perf_counter() - t0
+    metrics = {k: v for k, v in result.items() if k not in ("refined", "refine")}
+    if refinement is not None:
+        refinement = {"base": metrics, **refinement, "refined": result["refined"],
+                      "refine": result["refine"]}  # fmt: skip
     labels = [label for _, label in train_set.samples]
     priors = baseline_models(labels, meta, label_format=cfg.data.label_format)
     baselines = {n: engine.evaluate(m.to(device), loader, **common) for n, m in priors.items()}
-    refinement = None
-    if not args.no_refine:
-        refined = _refine(args, cfg, root, meta, model, loader, device, visuals.refined_hook)
-        refinement = {"base": metrics, **refined}
     dataset = {"root": str(root), "name": meta.name, "class_names": list(meta.class_names),
                "train_images": len(train_set), "val_images": len(val_set)}  # fmt: skip
     figures = visuals.finish()

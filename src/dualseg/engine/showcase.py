@@ -174,7 +174,10 @@ class VisualWriter:
         self.shown: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]] = []
         self.refined: dict[int, np.ndarray] = {}
 
-    def __call__(self, index: int, images: Tensor, labels: Tensor, pred: Tensor, _r: Any) -> None:
+    def __call__(
+        self, index: int, images: Tensor, labels: Tensor, pred: Tensor, refined: Tensor | None
+    ) -> None:
+        self.refined_hook(index, images, labels, pred, refined)
         for k in range(pred.shape[0]):
             i = index * self.batch_size + k  # the eval loader is not shuffled
             image, label = self.dataset.load_pair(i)  # the original pixels, for the overlays
