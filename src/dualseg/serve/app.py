@@ -28,6 +28,7 @@ import cv2
 import numpy as np
 from PIL import Image
 
+from dualseg._version import __version__
 from dualseg.errors import ConfigError, DataError
 from dualseg.imaging import ImageTooLargeError, decode_image, pillow_max_pixels, resize_bilinear
 from dualseg.serve import defaults as d
@@ -324,8 +325,6 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app of ``dualseg serve`` (see the module docstring); ``save_uploads`` is
     created and checked writable here."""
-    from dualseg._version import __version__
-
     _check_model(segmenter, refiner, max_megapixels)
     save_dir = prepare_upload_folder(save_uploads) if save_uploads is not None else None
     segment_one = _Segmentation(segmenter, refiner, max_megapixels, work_megapixels, save_dir)
