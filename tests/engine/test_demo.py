@@ -11,6 +11,7 @@ from PIL import Image
 
 from dualseg.commands import demo
 from dualseg.data import get_preset
+from dualseg.engine import showcase
 from dualseg.engine.baselines import baseline_models
 from dualseg.engine.evaluation import evaluate
 from dualseg.engine.showcase import VisualWriter, demo_weights
@@ -194,7 +195,7 @@ def test_demo_refuses_a_new_out_whose_data_folder_is_someone_elses(tmp_path, cap
     assert main(_tiny_demo(out)) == 1
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "its data/ folder holds files dualseg demo did not write" in err
-    assert "--overwrite" in err and not (out / demo.DEMO_MARKER).exists()  # not marked as ours
+    assert "--overwrite" in err and not (out / showcase.DEMO_MARKER).exists()  # not marked as ours
     assert (out / "data" / "train.txt").read_text() == "images/mine.png labels/mine.png\n"
     assert sorted(p.name for p in out.iterdir()) == ["data"]
 
@@ -207,12 +208,12 @@ def test_demo_reruns_into_its_own_folder_and_overwrite_replaces_another_run(
 
     out = tmp_path / "demo"
     assert main(_tiny_demo(out)) == 0
-    assert (out / demo.DEMO_MARKER).is_file() and (out / "metrics.json").is_file()
+    assert (out / showcase.DEMO_MARKER).is_file() and (out / "metrics.json").is_file()
     assert main(_tiny_demo(out, "--iters", "2")) == 0  # its own previous output: replaced
     assert json.loads((out / "metrics.json").read_text())["train"]["iters"] == 2
     # a demo folder written before the marker existed is recognised by its metrics.json
-    (out / demo.DEMO_MARKER).unlink()
-    assert demo.is_demo_folder(out)
+    (out / showcase.DEMO_MARKER).unlink()
+    assert showcase.is_demo_folder(out)
     # --overwrite replaces a training run
     run = tmp_path / "run"
     run.mkdir()
@@ -244,8 +245,9 @@ def test_demo_refuses_data_whose_val_split_is_its_training_images(tmp_path, caps
     split = tmp_path / "split"
     _write_pairs(split / "train", 3)
     _write_pairs(split / "val", 2)
-    args = demo.build_parser().parse_args(["--data", str(split), "--preset", "camvid"])
-    demo.check_splits_differ(split, get_preset("camvid"), args)
+    showcase.check_splits_differ(
+        split, get_preset("camvid"), layout="auto", train="train", val="val"
+    )
 
 
 def test_demo_predictions_of_images_sharing_a_name_are_all_kept(tmp_path) -> None:

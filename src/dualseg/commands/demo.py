@@ -1,11 +1,6 @@
-"""``dualseg demo``: the whole pipeline on a built-in dataset, offline, in a few CPU minutes.
-
-Synthetic street scenes (or ``--data PATH``) -> :func:`dualseg.engine.fit` -> ``evaluate``
-beside two image-blind baselines -> method B (``BoundaryRefiner``) before/after -> predictions,
-a panel, curves and ``metrics.json`` in ``--out``, and a short printed summary. A re-run
-replaces the demo's own folder; a folder holding files it did not write is refused unless
-``--overwrite``.
-"""
+"""``dualseg demo``: synthetic scenes (or ``--data``) -> :func:`dualseg.engine.fit` ->
+``evaluate`` beside two image-blind baselines -> method B before/after -> predictions, panel,
+curves and ``metrics.json`` in ``--out`` (its folder protocol: :mod:`dualseg.engine.showcase`)."""
 
 from __future__ import annotations
 
@@ -16,48 +11,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import DataLoader, Subset
 
+import dualseg.engine as engine
 from dualseg.augment_defaults import seed_error
 from dualseg.commands.common import add_quiet_arg, cuda_amp
 from dualseg.console import ArgumentParser, argparse_kwargs
-from dualseg.data import build_dataset
-from dualseg.data.transforms import build_eval_transform
-from dualseg.engine import train as engine_train
+from dualseg.data import build_dataset, build_eval_transform
+from dualseg.engine import options, showcase
 from dualseg.engine.baselines import baseline_models
-from dualseg.engine.config import (
-    ARCH_NAMES,
-    MAX_THREADS,
-    Config,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-)
-from dualseg.engine.config import validate as validate_config
-from dualseg.engine.evaluation import evaluate
 from dualseg.engine.predict import load_model, resolve_device
-from dualseg.engine.rundir import check_not_in_use, hold_run_folder
-from dualseg.engine.showcase import (
-    DEMO_MARKER,  # noqa: F401  (named by the tests and docs)
-    VisualWriter,
-    check_data_folder,
-    check_out_dir,
-    check_splits_differ,
-    demo_data,
-    demo_summary,
-    demo_weights,
-    is_demo_folder,
-    mark_demo_folder,
-)
 from dualseg.errors import ConfigError, Terminated
 from dualseg.io import atomic_write_json
 from dualseg.metrics import to_jsonable
 from dualseg.models import backbone_of
-from dualseg.refine import BoundaryRefiner
-from dualseg.refine.refiner import RefinerConfig
+from dualseg.refine import BoundaryRefiner, RefinerConfig
 
-DEFAULT_ARCH = "dualseg_mobilenet_v2"
-# flag, type, default, lowest value (None: any), help
+# flag, type, default, lowest value (None: the config checks it), help
 FLAGS: tuple[tuple[str, type, Any, int | None, str], ...] = (
     ("--out", str, "runs/demo", None, "output folder; a re-run replaces the demo's own output"),
     ("--data", str, None, None, "a real dataset root instead of synthetic data"),
@@ -70,7 +40,7 @@ FLAGS: tuple[tuple[str, type, Any, int | None, str], ...] = (
     ("--iters", int, 250, 1, "training iterations"),
     ("--batch-size", int, 4, 1, "training batch size"),
     ("--lr", float, 0.02, None, "initial learning rate"),
-    ("--arch", str, DEFAULT_ARCH, None, "model name"),
+    ("--arch", str, "dualseg_mobilenet_v2", None, "model name"),
     ("--weights", str, "imagenet", None, "imagenet (offline, when installed), none, or a file"),
     ("--output-stride", int, 8, None, "backbone output stride (16 is about 3x cheaper)"),
     ("--renet-hidden", int, 64, None, "GRU units per direction"),
@@ -88,14 +58,12 @@ FLAGS: tuple[tuple[str, type, Any, int | None, str], ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
+    example = "dualseg demo --data ../shared/data/camvid --preset camvid --iters 500 --out runs/cv"
     p = ArgumentParser(
         prog="dualseg demo",
         description="Train, evaluate and visualize a small dual-branch network on a built-in "
         "synthetic street dataset (offline, a few CPU minutes), or on --data PATH.",
-        **argparse_kwargs(
-            "dualseg demo",
-            "dualseg demo --data ../shared/data/camvid --preset camvid --iters 500 --out runs/cv",
-        ),
+        **argparse_kwargs("dualseg demo", example),
     )
     for flag, kind, default, _, text in FLAGS:
         p.add_argument(flag, type=kind, default=default, help=f"{text} ({default})")
@@ -111,44 +79,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _dest(flag: str) -> str:
-    return flag[2:].replace("-", "_")
-
-
-def _changed(args: argparse.Namespace, parser: argparse.ArgumentParser, flag: str) -> bool:
-    return getattr(args, _dest(flag)) != parser.get_default(_dest(flag))
-
-
 def check_args(args: argparse.Namespace) -> None:
-    """The checks that need no data (one :class:`ConfigError` each); nothing is written."""
-
-    parser = build_parser()
+    """The checks that need no data, before anything is written; the rest is the config's."""
+    value = {flag: vars(args)[flag[2:].replace("-", "_")] for flag, *_ in FLAGS}
     for flag, _, _, low, _ in FLAGS:
-        value = getattr(args, _dest(flag))
-        if low is not None and value < low and not (args.no_refine and "refine" in flag):
-            raise ConfigError(f"{flag} must be >= {low} (got {value})")
-    if args.threads > MAX_THREADS:
-        raise ConfigError(f"--threads must be at most {MAX_THREADS} (got {args.threads})")
+        if low is not None and value[flag] < low and not (args.no_refine and "refine" in flag):
+            raise ConfigError(f"{flag} must be >= {low} (got {value[flag]})")
+    if args.threads > options.MAX_THREADS:
+        raise ConfigError(f"--threads must be at most {options.MAX_THREADS} (got {args.threads})")
     if (problem := seed_error(args.seed, "--seed")) is not None:
         raise ConfigError(problem)
-    dropped = [] if args.arch.startswith("dualseg_") else ["--renet-hidden", "--renet-layers"]
-    for flag in dropped:  # a peer has no ReNet
-        if getattr(args, flag[2:].replace("-", "_")) != parser.get_default(
-            flag[2:].replace("-", "_")
-        ):
-            raise ConfigError(
-                f"{flag} applies to method A (dualseg_*), not to --arch {args.arch}: drop it"
-            )
-    source = "--data (its own images)" if args.data is not None else "the synthetic data"
-    for flag in ("--n-train", "--n-val") if args.data is not None else ("--preset", "--layout"):
-        if getattr(args, flag[2:].replace("-", "_")) != parser.get_default(
-            flag[2:].replace("-", "_")
-        ):
-            raise ConfigError(f"{flag} does not apply to {source}: drop it")
+    source = "--data (its own images)" if args.data else "the synthetic data"
+    drop = ("--n-train", "--n-val") if args.data else ("--preset", "--layout")
+    unused = dict.fromkeys(drop, f"does not apply to {source}")
+    if not args.arch.startswith("dualseg_"):  # a peer has no ReNet
+        peer = f"applies to method A (dualseg_*), not to --arch {args.arch}"
+        unused |= dict.fromkeys(("--renet-hidden", "--renet-layers"), peer)
+    default = {flag: default for flag, _, default, *_ in FLAGS}
+    for flag, why in unused.items():
+        if value[flag] != default[flag]:
+            raise ConfigError(f"{flag} {why}: drop it")
     if args.val_split == args.train_split:
         raise ConfigError(
-            f"--val-split {args.val_split!r} is the training split: the demo would score what "
-            "it trained on; give another split (--val-split val)"
+            f"--val-split {args.val_split!r} is the training split: the demo would score what it "
+            "trained on; give another split (--val-split val)"
         )
     if args.data is None and (args.train_split, args.val_split) != ("train", "val"):
         raise ConfigError(
@@ -160,46 +114,34 @@ def check_args(args: argparse.Namespace) -> None:
             f"--batch-size {args.batch_size} needs at least as many training images, but "
             f"--n-train {args.n_train} draws fewer; lower --batch-size or raise --n-train"
         )
-    if args.arch not in ARCH_NAMES:
-        raise ConfigError(
-            f"--arch {args.arch!r} is unknown; choose one of: {', '.join(ARCH_NAMES)}"
-        )
-    weights = Path(args.weights)
-    if args.weights.lower() not in ("imagenet", "none") and not weights.is_file():
-        where = "is a folder, not a file" if weights.is_dir() else "does not exist"
-        raise ConfigError(
-            f"--weights {args.weights} {where}; pass a backbone state-dict file (.pth), "
-            "imagenet or none"
-        )
     named = argparse.Namespace(name=args.preset or "synthetic")
-    validate_config(_train_config(args, Path(args.out) / "data", named, None))
+    options.validate(_train_config(args, Path(args.out) / "data", named, None))
 
 
-def _train_config(args: argparse.Namespace, root: Path, meta: Any, weights: str | None) -> Any:
-
+def _train_config(args, root: Path, meta: Any, weights: str | None) -> options.Config:
     synthetic, dual = args.data is None, args.arch.startswith("dualseg_")
-    return Config(
-        data=DataConfig(
+    return options.Config(
+        data=options.DataConfig(
             root=str(root), preset=meta.name if synthetic or args.preset else None,
             layout="auto" if synthetic else args.layout, train_split=args.train_split,
             val_split=args.val_split if args.val_every else None,  # the demo scores after
             crop_size=tuple(args.size),
             # the generator varies layout, colour and texture at the working size: flips only
             scale_range=(1.0, 1.0) if synthetic else (0.5, 2.0),
-            blur_prob=0.0 if synthetic else DataConfig.blur_prob,
-            jitter=0.0 if synthetic else DataConfig.jitter,
+            blur_prob=0.0 if synthetic else options.DataConfig.blur_prob,
+            jitter=0.0 if synthetic else options.DataConfig.jitter,
             batch_size=args.batch_size, val_batch_size=4 if synthetic else 1,
             num_workers=args.workers,
         ),
-        model=ModelConfig(
+        model=options.ModelConfig(
             arch=args.arch, weights=weights, output_stride=args.output_stride,
             renet_hidden=args.renet_hidden if dual else None,
             renet_layers=args.renet_layers if dual else None,
         ),
-        optim=OptimConfig(
+        optim=options.OptimConfig(
             lr=args.lr, warmup_iters=min(20, args.iters // 10), head_lr_mult=args.head_lr_mult
         ),
-        train=TrainConfig(
+        train=options.TrainConfig(
             out_dir=str(args.out), max_iters=args.iters, val_every=args.val_every,
             log_every=max(1, min(20, args.iters // 10)), seed=args.seed, device=args.device,
             amp="none" if args.amp is False else "auto", progress=not args.quiet,
@@ -208,112 +150,77 @@ def _train_config(args: argparse.Namespace, root: Path, meta: Any, weights: str 
     )  # fmt: skip
 
 
-def _refine(args, cfg, root, meta, model, val_loader, device, hook) -> dict[str, Any]:
-    """Method B on the demo's model: fit a refiner from its backbone, score before/after."""
-
-    split, layout, seed = args.train_split, cfg.data.layout, args.seed
-    augment = engine_train.train_transform(cfg.data)
-    train = build_dataset(
-        root, split=split, layout=layout, preset=meta, transform=augment, seed=seed
-    )
-    plain = build_dataset(root, split=split, layout=layout, preset=meta)
-    prototypes = torch.utils.data.Subset(plain, range(min(args.refine_prototypes, len(plain))))
+def _fit_refiner(args, cfg, train_set: Any, model: Any, device) -> tuple[Any, dict]:
+    """Method B, its embedding initialized from the trained model's backbone."""
+    augmented = build_dataset(
+        cfg.data.root, split=args.train_split, layout=cfg.data.layout, preset=train_set.meta,
+        transform=options.train_transform(cfg.data), seed=args.seed,
+    )  # fmt: skip
     config = RefinerConfig(
-        backbone=backbone_of(args.arch),
-        output_stride=args.output_stride,
+        backbone=backbone_of(args.arch), output_stride=args.output_stride,
         input_scale=1.0,  # the demo's scenes are small: embedded at full size
-        steps=args.refine_steps,
-        batch_size=args.batch_size,
-        seed=seed,
-    )
+        steps=args.refine_steps, batch_size=args.batch_size, seed=args.seed,
+    )  # fmt: skip
     t0 = time.perf_counter()
     refiner = BoundaryRefiner.fit(
-        train, class_names=meta.class_names, config=config, prototype_dataset=prototypes,
-        weights=None, init_from=model, device=device, progress=False,
+        augmented, class_names=train_set.meta.class_names, config=config, weights=None,
+        prototype_dataset=Subset(train_set, range(min(args.refine_prototypes, len(train_set)))),
+        init_from=model, device=device, progress=False,
     )  # fmt: skip
-    path = Path(args.out) / "refiner.pt"
-    refiner.save(path)
+    refiner.save(path := Path(args.out) / "refiner.pt")
     seconds = time.perf_counter() - t0
-    result = evaluate(
-        model, val_loader, num_classes=meta.num_classes, device=device, refiner=refiner,
-        on_batch=hook,
-    )  # fmt: skip
-    return {
-        "refiner": str(path),
-        "fit_seconds": seconds,
-        "steps": args.refine_steps,
-        "refined": result["refined"],
-        "refine": result["refine"],
-    }
+    return refiner, {"refiner": str(path), "fit_seconds": seconds, "steps": args.refine_steps}
 
 
-def _score(args, cfg, root, meta, ckpt: Path, device) -> dict[str, Any]:
-    """Evaluate the trained model and the baselines on the held-out split, refine, draw."""
-
+def _score(args, cfg, root: Path, meta: Any, ckpt: Path, device) -> dict[str, Any]:
+    """Method B fitted, then the model (and refiner) and the baselines scored on the held-out
+    split, drawing the figures on the way."""
     read = dict(layout=cfg.data.layout, preset=meta, label_format=cfg.data.label_format)
     train_set = build_dataset(root, split=args.train_split, **read)
     val_set = build_dataset(root, split=args.val_split, transform=build_eval_transform(), **read)
     batch = cfg.data.val_batch_size
-    loader = torch.utils.data.DataLoader(val_set, batch_size=batch, num_workers=args.workers)
+    loader = DataLoader(val_set, batch_size=batch, num_workers=args.workers)
     common = dict(num_classes=meta.num_classes, device=device, amp=cuda_amp(args, device))
-    t0 = time.perf_counter()
     model = load_model(ckpt, device=device).model
-    visuals = VisualWriter(val_set, Path(args.out), args.n_show, batch)
-    metrics = evaluate(model, loader, on_batch=visuals, **common)
+    refiner, refinement = None, None
+    if not args.no_refine:
+        refiner, refinement = _fit_refiner(args, cfg, train_set, model, device)
+    t0 = time.perf_counter()
+    visuals = showcase.VisualWriter(val_set, Path(args.out), args.n_show, batch)
+    result = engine.evaluate(model, loader, refiner=refiner, on_batch=visuals, **common)
     seconds = time.perf_counter() - t0
+    metrics = {k: v for k, v in result.items() if k not in ("refined", "refine")}
+    if refinement is not None:
+        refinement = {"base": metrics, **refinement, "refined": result["refined"],
+                      "refine": result["refine"]}  # fmt: skip
     labels = [label for _, label in train_set.samples]
     priors = baseline_models(labels, meta, label_format=cfg.data.label_format)
-    baselines = {name: evaluate(m.to(device), loader, **common) for name, m in priors.items()}
-    refinement = None
-    if not args.no_refine:
-        hook = visuals.refined_hook
-        refinement = {"base": metrics,
-                      **_refine(args, cfg, root, meta, model, loader, device, hook)}  # fmt: skip
-    return {
-        "dataset": {
-            "root": str(root),
-            "name": meta.name,
-            "class_names": list(meta.class_names),
-            "train_images": len(train_set.samples),
-            "val_images": len(val_set.samples),
-        },
-        "metrics": metrics,
-        "baselines": baselines,
-        "refinement": refinement,
-        "figures": visuals.finish(),
-        "eval_seconds": seconds,
-    }
+    baselines = {n: engine.evaluate(m.to(device), loader, **common) for n, m in priors.items()}
+    dataset = {"root": str(root), "name": meta.name, "class_names": list(meta.class_names),
+               "train_images": len(train_set), "val_images": len(val_set)}  # fmt: skip
+    figures = visuals.finish()
+    return {"dataset": dataset, "metrics": metrics, "baselines": baselines,
+            "refinement": refinement, "figures": figures, "eval_seconds": seconds}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the demo as the command line describes; returns what ``metrics.json`` holds."""
-
     start, out = time.perf_counter(), Path(args.out)
     check_args(args)  # before the folder is looked at or touched
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    check_out_dir(out, overwrite=args.overwrite)
-    check_not_in_use(out)
-    own = args.overwrite or (out.is_dir() and is_demo_folder(out))
+    weights = showcase.demo_weights(args.arch, args.weights)
     device = resolve_device(args.device)
-    data = dict(
-        preset=args.preset, layout=args.layout, split=args.train_split, out=out,
-        n_train=args.n_train, n_val=args.n_val, size=tuple(args.size), seed=args.seed,
+    folder = showcase.demo_folder(
+        out, args.data, overwrite=args.overwrite, preset=args.preset, layout=args.layout,
+        train_split=args.train_split, val_split=args.val_split, n_train=args.n_train,
+        n_val=args.n_val, size=tuple(args.size), seed=args.seed,
     )  # fmt: skip
-    if args.data is not None:  # checked before the folder is touched
-        root, meta = demo_data(args.data, replace=False, **data)
-        check_splits_differ(root, meta, args)
-    else:
-        check_data_folder(out, own=own)
-    with hold_run_folder(out):  # one run writes the folder at a time
-        mark_demo_folder(out)
-        if args.data is None:
-            root, meta = demo_data(None, replace=own, **data)
+    with folder as (root, meta):  # checked, then held and marked as the demo's
         t_data = time.perf_counter() - start
-        weights = demo_weights(args.arch, args.weights)
         cfg = _train_config(args, root, meta, weights)
         t0 = time.perf_counter()
-        result = engine_train.fit(cfg, overwrite=True)  # looked up here: tests replace it
+        result = engine.fit(cfg, overwrite=True)
         if result["stop_reason"] == "interrupted":  # fit saved and returned: the demo stops
             raise Terminated if result.get("signal") == signal.SIGTERM else KeyboardInterrupt
         t_train, ckpt = time.perf_counter() - t0, Path(result["best"] or result["last"])
@@ -328,7 +235,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "seconds": {**seconds, "total": time.perf_counter() - start},
         }
         atomic_write_json(out / "metrics.json", to_jsonable(record))
-        print(demo_summary(record))
+        print(showcase.demo_summary(record))
         return record
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ from dualseg.data import build_dataset, get_preset, make_synthetic_dataset
 from dualseg.data.datasets import discover, preset_for, resolve_meta
 from dualseg.data.synthetic import STAMP_FILE, holds_foreign_files
 from dualseg.engine.outputs import prediction_names, write_outputs
-from dualseg.engine.rundir import run_files
+from dualseg.engine.rundir import check_not_in_use, hold_run_folder, run_files
 from dualseg.errors import ConfigError, DataError, RunExistsError, WeightsNotFoundError
 from dualseg.io import atomic_save_image, atomic_write_json, check_writable
 from dualseg.models import backbone_of
@@ -93,27 +95,58 @@ def demo_data(
     return Path(data), resolve_meta(data, discover(data, split=split, layout=layout).layout, None)
 
 
-def check_splits_differ(root: Path, meta: Any, args: Any) -> None:
+@contextmanager
+def demo_folder(
+    out: Path, data: str | None, *, overwrite: bool, preset: str | None, layout: str,
+    train_split: str, val_split: str, n_train: int, n_val: int, size: tuple[int, int], seed: int,
+) -> Iterator[tuple[Path, Any]]:  # fmt: skip
+    """Check ``out`` and the data before anything is written, then hold ``out``, mark it as
+    the demo's and yield the dataset root and its classes (synthetic data generated there)."""
+    check_out_dir(out, overwrite=overwrite)
+    check_not_in_use(out)
+    own = overwrite or (out.is_dir() and is_demo_folder(out))
+    source = dict(preset=preset, layout=layout, split=train_split, out=out, n_train=n_train,
+                  n_val=n_val, size=size, seed=seed)  # fmt: skip
+    if data is not None:
+        root, meta = demo_data(data, replace=False, **source)
+        check_splits_differ(root, meta, layout=layout, train=train_split, val=val_split)
+    else:
+        check_data_folder(out, own=own)
+    with hold_run_folder(out):  # one run writes the folder at a time
+        mark_demo_folder(out)
+        if data is None:
+            root, meta = demo_data(None, replace=own, **source)
+        yield root, meta
+
+
+def check_splits_differ(root: Path, meta: Any, *, layout: str, train: str, val: str) -> None:
     """Refuse ``--data`` whose val split is its training images (a flat ``images/`` folder
     serves every split): the demo would score what it trained on."""
 
     def samples(split: str) -> list[tuple[str, str]]:
-        return sorted(build_dataset(root, split=split, layout=args.layout, preset=meta).samples)
+        return sorted(build_dataset(root, split=split, layout=layout, preset=meta).samples)
 
-    if samples(args.val_split) == samples(args.train_split):
+    if samples(val) == samples(train):
         raise ConfigError(
-            f"--data {root}: split {args.val_split!r} is the same images as split "
-            f"{args.train_split!r} (a flat images/ folder serves every split), so the demo "
-            "would score what it trained on; give it a root with train and val splits "
-            "(ROOT/train/images and ROOT/val/images, or list files) and --val-split NAME"
+            f"--data {root}: split {val!r} is the same images as split {train!r} (a flat "
+            "images/ folder serves every split), so the demo would score what it trained on; "
+            "give it a root with train and val splits (ROOT/train/images and ROOT/val/images, "
+            "or list files) and --val-split NAME"
         )
 
 
 def demo_weights(arch: str, weights: str) -> str | None:
-    """``"imagenet"`` when its file is found offline; otherwise warn once, random init."""
+    """``"imagenet"`` when its file is found offline (otherwise warn once: random init),
+    ``None`` for ``none``, or the backbone file, which must exist."""
     if weights.lower() == "none":
         return None
-    if weights != "imagenet":
+    if weights.lower() != "imagenet":
+        if not Path(weights).is_file():
+            where = "is a folder, not a file" if Path(weights).is_dir() else "does not exist"
+            raise ConfigError(
+                f"--weights {weights} {where}; pass a backbone state-dict file (.pth), "
+                "imagenet or none"
+            )
         return weights
     backbone = backbone_of(arch)
     try:
@@ -141,7 +174,10 @@ class VisualWriter:
         self.shown: list[tuple[str, np.ndarray, np.ndarray, np.ndarray]] = []
         self.refined: dict[int, np.ndarray] = {}
 
-    def __call__(self, index: int, images: Tensor, labels: Tensor, pred: Tensor, _r: Any) -> None:
+    def __call__(
+        self, index: int, images: Tensor, labels: Tensor, pred: Tensor, refined: Tensor | None
+    ) -> None:
+        self.refined_hook(index, images, labels, pred, refined)
         for k in range(pred.shape[0]):
             i = index * self.batch_size + k  # the eval loader is not shuffled
             image, label = self.dataset.load_pair(i)  # the original pixels, for the overlays

@@ -28,6 +28,7 @@ import cv2
 import numpy as np
 from PIL import Image
 
+from dualseg._version import __version__
 from dualseg.errors import ConfigError, DataError
 from dualseg.imaging import ImageTooLargeError, decode_image, pillow_max_pixels, resize_bilinear
 from dualseg.serve import defaults as d
@@ -233,14 +234,12 @@ class _Segmentation:
     def paint(self, labels: np.ndarray) -> np.ndarray:
         return colorize(labels, self.palette, ignore_index=self.ignore_index)
 
-    def labels(self, image: np.ndarray, timings: dict[str, float]) -> tuple[Any, Any]:
-        """``(labels HxW, refined HxW or None)`` at the image's size, inferred at
-        :func:`working_size`; pixels the refiner changed take its label, the others the base."""
+    def labels(self, image: np.ndarray, work: tuple[int, int], timings: dict[str, float]) -> Any:
+        """``(labels HxW, refined HxW or None)`` at the image's size, inferred at ``work``;
+        pixels the refiner changed take its label, the others the base."""
         h, w = image.shape[:2]
-        work = working_size(h, w, self.work_pixels)
-        small = (
-            image if work == (h, w) else cv2.resize(image, work[::-1], interpolation=cv2.INTER_AREA)
-        )
+        area = cv2.INTER_AREA  # a downscale: each small pixel the mean of the ones it covers
+        small = image if work == (h, w) else cv2.resize(image, work[::-1], interpolation=area)
         t = time.perf_counter()
         probs = np.asarray(self.segmenter.predict_proba(small), dtype=np.float32)
         label = upsample_probs(probs, (h, w)).argmax(0).astype(np.uint8)
@@ -267,13 +266,12 @@ class _Segmentation:
             data, source=name or "the upload", max_pixels=self.max_pixels, bit_depth=self.bit_depth
         )
         timings = {"decode": _ms(t)}
-        label, refined = self.labels(image, timings)
+        (h, w), n = image.shape[:2], len(self.class_names)
+        work = working_size(h, w, self.work_pixels)
+        label, refined = self.labels(image, work, timings)
         t = time.perf_counter()
-        h, w = image.shape[:2]
-        work_h, work_w = working_size(h, w, self.work_pixels)
-        n = len(self.class_names)
         out: dict[str, Any] = {
-            "width": w, "height": h, "working_width": work_w, "working_height": work_h,
+            "width": w, "height": h, "working_width": work[1], "working_height": work[0],
             "label_png": png_base64(label),
             "class_pixels": np.bincount(label.ravel(), minlength=n)[:n].tolist(),
         }  # fmt: skip
@@ -330,8 +328,6 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app of ``dualseg serve`` (see the module docstring); ``save_uploads`` is
     created and checked writable here."""
-    from dualseg._version import __version__
-
     _check_model(segmenter, refiner, max_megapixels)
     save_dir = prepare_upload_folder(save_uploads) if save_uploads is not None else None
     segment_one = _Segmentation(segmenter, refiner, max_megapixels, work_megapixels, save_dir)
