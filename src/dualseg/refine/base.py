@@ -30,10 +30,10 @@ from torch import Tensor, nn
 
 from dualseg.engine.distributed import resolve_device
 from dualseg.engine.pretrained import is_hub_source, is_pretrained_folder, load_network
-from dualseg.errors import ConfigError, DataError
+from dualseg.errors import ConfigError, DataError, DualsegError
 from dualseg.imaging import read_image, rgb_digest
 from dualseg.models.base import eval_mode
-from dualseg.refine.taps import base_logits, is_py_spec
+from dualseg.refine.taps import base_logits, is_py_spec, list_taps, pick_taps
 
 
 class BaseModel(Protocol):
@@ -317,3 +317,34 @@ def load_base(
     if path.is_dir():
         return ProbsFolderBase(path)
     return checkpoint_base(path, device=device)
+
+
+def describe_layers(spec: str, size: Sequence[int]) -> str:
+    """``refine layers``: the feature-map modules of base ``spec`` on a blank sample, a table."""
+    model = getattr(load_base(spec), "module", None)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"--base {spec} holds saved probabilities, not a model: pass a checkpoint "
+            "or file.py:NAME"
+        )
+    try:
+        taps = list_taps(model, torch.zeros(1, 3, *size))
+    except DualsegError:
+        raise
+    except Exception as err:  # the user's model on a blank image
+        raise ConfigError(
+            f"the base model failed on a 1x3x{size[0]}x{size[1]} sample "
+            f"({type(err).__name__}: {err}); try another --size"
+        ) from None
+    lines = [f"{'module':<44} {'channels':>8} {'stride':>6}  size"]
+    lines += [f"{t.name:<44} {t.channels:>8} {t.stride:>6}  {t.size[0]}x{t.size[1]}" for t in taps]
+    picked = pick_taps(model, taps)
+    if picked:
+        lines.append(
+            f"suggested: --base-features {picked[0]} {picked[1]} (or --base-features auto)"
+        )
+    else:
+        lines.append(
+            "no taps picked for this layout: choose LOW (stride 4) and HIGH (stride 16 or 32)"
+        )
+    return "\n".join(lines)

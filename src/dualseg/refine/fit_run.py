@@ -20,7 +20,9 @@ from typing import Any, NamedTuple
 import torch
 
 from dualseg.data import build_dataset, build_eval_transform, build_train_transform
+from dualseg.data.presets import require_same_classes
 from dualseg.engine.checkpoint import FORMAT as MODEL_FORMAT
+from dualseg.engine.outputs import check_outputs, dataset_files, unique_names
 from dualseg.engine.pretrained import is_hub_source
 from dualseg.errors import ConfigError, DataError, OutputError, RunExistsError
 from dualseg.io import check_writable, file_digest
@@ -29,6 +31,7 @@ from dualseg.refine.calibrate import CLAIM_DECISION, DECISION_KEYS, choose_decis
 from dualseg.refine.config import RefinerConfig
 from dualseg.refine.decision import describe_decision
 from dualseg.refine.formats import FORMAT, TRAIN_FORMAT
+from dualseg.refine.refiner import BoundaryRefiner
 from dualseg.serialization import torch_file_format
 
 # split names that are for reporting: never where method B's decision options are chosen
@@ -127,9 +130,12 @@ def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: b
         )
 
 
-def fit_paths(out: str, checkpoint: str | None) -> tuple[Path, Path]:
-    """The refiner file and its training state (default ``<out>.train.pt``), both writable."""
-
+def fit_outputs(
+    out: str, checkpoint: str | None, *, data: str, layout: str, base: str | None, resume: bool,
+    overwrite: bool,
+) -> tuple[Path, Path]:  # fmt: skip
+    """The refiner file and its training state (default ``<out>.train.pt``), checked before
+    any data is read: writable, not the base or a dataset file, not another kind of file."""
     target = check_writable(out, kind="file", what="--out")
     state = Path(checkpoint) if checkpoint else target.with_suffix(".train.pt")
     check_writable(state, kind="file", what="--checkpoint")
@@ -138,18 +144,16 @@ def fit_paths(out: str, checkpoint: str | None) -> tuple[Path, Path]:
             f"--checkpoint {state} is --out: the training state and the refiner need two "
             "files; drop --checkpoint (default: <out>.train.pt) or name another"
         )
-    return target, state
-
-
-def check_fit_targets(out: Path, checkpoint: Path) -> None:
-    """Refuse an existing ``out`` or ``checkpoint`` of another kind than refine fit writes
-    there (a refiner; its training state), even with ``--overwrite``."""
-
+    # never the --base model or a file of the dataset, even with --overwrite
+    protected = [(f"a file of the dataset {data}", dataset_files(data, layout=layout))]
+    if base is not None and Path(base).is_file():
+        protected.insert(0, ("the --base model", [Path(base)]))
     kinds = (
-        (out, "--out", FORMAT, "a method-B refiner"),
-        (checkpoint, "--checkpoint", TRAIN_FORMAT, "the training state of a refine fit"),
+        (target, "--out", FORMAT, "a method-B refiner"),
+        (state, "--checkpoint", TRAIN_FORMAT, "the training state of a refine fit"),
     )
     for path, what, fmt, kind in kinds:
+        check_outputs([path], overwrite=True, protected=protected, what=what)
         found = torch_file_format(path) if path.is_file() else ""
         if found not in (fmt, ""):
             model = " (a dualseg model checkpoint: pass it as --base)"
@@ -158,12 +162,15 @@ def check_fit_targets(out: Path, checkpoint: Path) -> None:
                 f" refine fit never writes over another kind of file, not even with "
                 f"--overwrite: choose another {what}"
             )
+    check_earlier_fit(target, state, resume=resume, overwrite=overwrite)
+    return target, state
 
 
 class FitData(NamedTuple):
     train: Any  # with step 1's augmentation
     prototypes: Any  # the same images without it (the first ``proto_images``)
     held_out: Any | None  # the --calibrate-split images
+    held_out_split: str | None
 
 
 def fit_datasets(
@@ -183,7 +190,23 @@ def fit_datasets(
     protos = build_dataset(data, transform=build_eval_transform(), **common)
     if proto_images > 0:
         protos = torch.utils.data.Subset(protos, range(min(proto_images, len(protos))))
-    return FitData(train, protos, held_out)
+    return FitData(train, protos, held_out, calibrate_split)
+
+
+def check_fit_data(
+    data: FitData, base: Any, *, base_name: str | None, root: str
+) -> list[tuple[Path, str]] | None:
+    """Refuse a base of other classes; the held-out images' paths and the names a probability
+    folder holds them under (as predict names them), every map checked before the fit."""
+    if base is not None and base.class_names is not None:
+        require_same_classes(tuple(base.class_names), tuple(data.train.meta.class_names),
+                             model=f"the base model {base_name}", data=root)  # fmt: skip
+    if data.held_out is None:
+        return None
+    files = unique_names([(Path(i), Path(i).stem) for i, _ in data.held_out.samples])
+    if hasattr(base, "require"):
+        base.require([name for _, name in files], [str(path) for path, _ in files])
+    return files
 
 
 def _calibration_dataset(data: str, train: Any, common: dict[str, Any], split: str) -> Any:
@@ -239,6 +262,45 @@ def fit_inputs(
                    "label_map": sorted([int(k), int(v)] for k, v in mapping.items()),
                    "ignore_value": labels["ignore_value"]},
     }  # fmt: skip
+
+
+def run_fit(
+    cfg: RefinerConfig, data: FitData, base: Any, *, root: str, base_name: str | None,
+    where: Mapping[str, Any], labels: Mapping[str, Any], crop_size: Sequence[int],
+    scale_range: Sequence[float], init_backbone: str, weights: str | None, device: Any,
+    amp: bool, workers: int, checkpoint: Path, checkpoint_every: int, resume: bool,
+    overwrite: bool, progress: str, log_every: int, calibrate_metric: str,
+    time_budget_s: float | None,
+) -> tuple[BoundaryRefiner, str]:  # fmt: skip
+    """Steps 1-5 on checked inputs, then the ``--calibrate-split`` sweep; the refiner and what
+    to print about the sweep ("" without one)."""
+    files = check_fit_data(data, base, base_name=base_name, root=root)
+    init_weights, init_from = backbone_init(init_backbone, weights, cfg.backbone_source, base)
+    taps_of = getattr(base, "module", None) if cfg.base_features else None
+    reads_base = init_from is not None or taps_of is not None
+    read = base_name if reads_base else None
+    inputs = fit_inputs(root, **where, crop_size=crop_size, labels=labels,
+                        scale_range=scale_range, base=read)  # fmt: skip
+    if overwrite:  # every input checked: the earlier fit's state goes now
+        checkpoint.unlink(missing_ok=True)
+    bf16 = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if amp else None
+    with bf16 or contextlib.nullcontext():
+        refiner = BoundaryRefiner.fit(
+            data.train, class_names=data.train.meta.class_names, config=cfg,
+            prototype_dataset=data.prototypes, weights=init_weights, init_from=init_from,
+            base=taps_of, device=device, num_workers=workers, checkpoint=checkpoint,
+            checkpoint_every=checkpoint_every, resume=resume, time_budget_s=time_budget_s,
+            progress=progress == "bar", log_every=0 if progress == "off" else log_every,
+            fit_inputs=inputs,
+        )  # fmt: skip
+    if data.held_out is None:
+        return refiner, ""
+    split = data.held_out_split
+    rows = calibrate(refiner, base, data.held_out, files, split=split, metric=calibrate_metric,
+                     device=device)  # fmt: skip
+    report = calibration_report(rows, refiner.config, split=split,
+                                metric=calibrate_metric, images=len(data.held_out))  # fmt: skip
+    return refiner, report
 
 
 def calibrate(
