@@ -1,9 +1,4 @@
-"""``dualseg refine fit``, ``apply`` and ``layers`` (method B).
-
-dualseg refine fit --data ROOT --base CKPT_OR_PROBS_DIR --out refiner.pt [options]
-dualseg refine apply --refiner refiner.pt --base CKPT_OR_PROBS_DIR INPUTS... --out DIR
-dualseg refine layers --base CKPT_OR_FILE.py:NAME
-"""
+"""``dualseg refine fit``, ``apply`` and ``layers`` (method B)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""``refine apply``'s library side: a refiner set up for one base, run over image files.
-
-``BoundaryRefiner`` and an exported refiner are read through the same attributes.
-"""
+"""``refine apply``'s library side: a refiner set up for one base, run over image files."""
 
 from __future__ import annotations
 

@@ -1,19 +1,4 @@
-"""Base models for method B (P2): anything that gives class scores for an image.
-
-- :class:`ModuleBase` — any ``nn.Module`` returning logits ``[B,C,h,w]`` (resized to the image
-  bilinearly), a dict with ``"out"`` (torchvision's segmentation models) or a tuple/list whose
-  first item is the logits;
-- a model dualseg did not build, named ``file.py:NAME`` (:func:`python_model`); any other
-  callable giving logits (or an object with ``.logits``, as Hugging Face models return);
-- :func:`checkpoint_base` — a dualseg checkpoint (method A's network or the peer models);
-- :class:`ProbsFolderBase` — a folder of probability maps saved by ``dualseg predict --probs``
-  (one ``<name>.npz`` per image, keys ``probs`` float16 ``[C,H,W]``, ``class_names``,
-  ``source``), looked up by the image's output name.
-
-All share ``scores(images, names, sources=None) -> [B,C,H,W]`` (logits or probabilities at
-the image size; only their order is used; ``sources``: the images' paths, which a probability
-folder checks its maps against) and ``class_names`` (``None`` when unknown).
-"""
+"""Base models for method B (P2): anything that gives class scores for an image."""
 
 from __future__ import annotations
 
@@ -93,9 +78,8 @@ OTHER_BASE = (
 
 
 def other_calibration_base(refiner: Any, module: nn.Module | None) -> bool:
-    """Whether ``refiner``'s decision options were calibrated on a base model other than
-    ``module`` (False when unknown: no calibration, a probability-folder base, an older
-    refiner)."""
+    """Whether ``refiner``'s decision options were calibrated on a base model other than ``module``
+    (False when unknown: no calibration, a probability-folder base, an older refiner)."""
     calibrated = (getattr(refiner, "calibration", None) or {}).get("base_fingerprint")
     return bool(calibrated) and module is not None and calibrated != model_fingerprint(module)
 
@@ -117,14 +101,7 @@ def checkpoint_base(
 
 class ProbsFolderBase:
     """Saved probability maps (``dualseg predict --probs``): ``<folder>/<name>.npz`` or
-    ``<folder>/probs/<name>.npz``.
-
-    Every file's ``class_names`` must agree (checked when the folder is opened). Given the
-    images' paths (``scores(..., sources=...)``), a map is found by its stored ``source``
-    (two images named ``x.png`` from different folders are ``x.npz`` and ``x_1.npz``), and a
-    map stored for another image is refused; by name alone, a name that several images share
-    is refused rather than guessed.
-    """
+    ``<folder>/probs/<name>.npz``."""
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         folder = Path(folder)
@@ -234,11 +211,10 @@ class ProbsFolderBase:
 
 
 class _SourceMatch:
-    """Whether a stored map's image is the image at ``source``: the same file on disk when
-    both paths exist here; else, when the map stores its image's digest and ``source`` exists,
-    the same decoded pixels (a bare ``x.png`` must not match a stored ``.../A/x.png`` that is
-    gone); else, for maps without a digest (older dualseg), :func:`same_file`'s trailing-path
-    rule. ``source`` is read (once) only when a digest is compared."""
+    """Whether a stored map's image is the image at ``source``: the same file on disk when both
+    paths exist here; else, when the map stores its image's digest and ``source`` exists, the
+    same decoded pixels (a bare ``x.png`` must not match a stored ``.../A/x.png`` that is gone);
+    else, for maps without a digest (older dualseg), :func:`same_file`'s trailing-path rule."""
 
     def __init__(self, source: str) -> None:
         self.source = source

@@ -1,8 +1,4 @@
-"""RefinerConfig: every method-B option, its default, its help line and its rule, once.
-
-``refine fit``'s flags are built from these fields; defaults are the spec's or measured on
-CamVid (docs/refine.md).
-"""
+"""RefinerConfig: every method-B option, its default, its help line and its rule, once."""
 
 # no ``from __future__ import annotations``: __post_init__ and the flag loop read field types
 import argparse

@@ -1,11 +1,5 @@
-"""Dense CRF (Krähenbühl & Koltun 2011) on a base model's probabilities: the baseline that
-method B is compared with.
-
-It runs ``pydensecrf2``, an optional extra (``pip install 'dualseg[crf]'``), on the CPU, one
-image at a time: a Gaussian smoothness kernel and a bilateral appearance kernel, mean-field
-inference. :class:`CRFSettings` holds the kernel settings; :data:`CRF_GRID` is the small set
-from which :func:`choose_crf` picks one on held-out (dev) images, as method B's decision is.
-"""
+"""Dense CRF (Krähenbühl & Koltun 2011) on a base model's probabilities: the baseline that method B
+is compared with."""
 
 from __future__ import annotations
 
@@ -38,12 +32,7 @@ def import_pydensecrf() -> ModuleType:
 
 @dataclass(frozen=True)
 class CRFSettings:
-    """Kernel settings of the dense CRF (the defaults: DeepLab's, common for street scenes).
-
-    ``sxy_*``: the kernels' spatial standard deviations in pixels; ``srgb_bilateral``: the
-    colour standard deviation (0-255 scale); ``compat_*``: each kernel's Potts weight;
-    ``iterations``: mean-field steps.
-    """
+    """Kernel settings of the dense CRF (the defaults: DeepLab's, common for street scenes)."""
 
     iterations: int = 5
     sxy_gaussian: float = 3
@@ -74,11 +63,7 @@ class CRFSettings:
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
     ) -> tuple[Tensor, Tensor]:
-        """As a method-B refiner for :func:`~dualseg.engine.evaluation.evaluate`.
-
-        ``images``: normalized ``[B,3,H,W]``; ``probs``: ``[B,C,H,W]``. Returns
-        ``(labels, changed)``, both ``[B,H,W]`` on ``probs``' device; ``changed`` marks where
-        the CRF moved the argmax."""
+        """As a method-B refiner for :func:`~dualseg.engine.evaluation.evaluate`."""
         rgb = images.detach().float().cpu() * torch.tensor(std)[:, None, None]
         rgb = rgb + torch.tensor(mean)[:, None, None]
         rgb = (rgb * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()

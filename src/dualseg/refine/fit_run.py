@@ -1,11 +1,4 @@
-"""``refine fit`` on a dataset folder: its option checks, datasets and held-out calibration.
-
-What the command adds to :meth:`~dualseg.refine.refiner.BoundaryRefiner.fit` (steps 1-5): the
-training, prototype and ``--calibrate-split`` datasets read as the base model read its labels,
-refusals of option combinations that would fit a wrong or useless refiner, the rule that an
-earlier fit is continued or replaced only on request, and the decision sweep on held-out images
-(:mod:`dualseg.refine.calibrate`).
-"""
+"""``refine fit`` on a dataset folder: its option checks, datasets and held-out calibration."""
 
 from __future__ import annotations
 
@@ -96,9 +89,8 @@ def check_options(
 
 
 def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to replace an earlier fit by accident: an existing ``out`` (refiner) or
-    ``checkpoint`` (its training state) needs ``resume`` or ``overwrite``. ``resume`` with no
-    training state starts a new fit, said in one line, unless that would replace ``out``."""
+    """Refuse to replace an earlier fit by accident: an existing ``out`` (refiner) or ``checkpoint``
+    (its training state) needs ``resume`` or ``overwrite``."""
     if overwrite and resume:
         raise ConfigError(
             "--resume continues the earlier fit and --overwrite replaces it with a new one: "
@@ -247,10 +239,8 @@ def fit_inputs(
     data: str, *, split: str, layout: str, preset: str | None, crop_size: Sequence[int],
     scale_range: Sequence[float], base: str | None, labels: Mapping[str, Any],
 ) -> dict[str, Any]:  # fmt: skip
-    """What the triplet steps read beyond the RefinerConfig (the data stream, how its labels
-    are read, the base a ``base-*`` fit is built on), so that a ``--resume`` must give the
-    same. The backbone initialization and ``--proto-images`` are left out: a resume loads the
-    whole network from its state, and the prototypes are computed after it."""
+    """What the triplet steps read beyond the RefinerConfig (the data stream, how its labels are
+    read, the base a ``base-*`` fit is built on), so that a ``--resume`` must give the same."""
 
     if base is not None and not is_hub_source(base):
         base = str(Path(base).resolve())

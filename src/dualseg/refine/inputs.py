@@ -1,7 +1,4 @@
-"""Checks of what users hand a refiner: image batches, class lists, palettes, stored tensors.
-
-Shared by :class:`~dualseg.refine.refiner.BoundaryRefiner` and the exported refiner.
-"""
+"""Checks of what users hand a refiner: image batches, class lists, palettes, stored tensors."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Class prototypes (method B, training step 5): E_j = mean near-boundary embedding of label j.
-
-Streamed: per-class sums and counts are accumulated batch by batch (float64, ``index_add_``),
-so the training set's near-boundary features are never held in memory at once. A class never
-seen at a near-boundary pixel gets no prototype (``present[j] == False``); the refiner never
-chooses it.
-"""
+"""Class prototypes (method B, training step 5): E_j = mean near-boundary embedding of label j."""
 
 from __future__ import annotations
 

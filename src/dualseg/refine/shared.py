@@ -1,16 +1,4 @@
-"""Method B on the features the base model has already computed (the same labels, faster).
-
-A ``base-frozen`` refiner at ``input_scale`` 1 without P1 blur runs the base's own backbone
-weights on the very image the base has just segmented. :class:`SharedFeatures` hooks the
-base's backbone for a ``with`` block and keeps its output (and, for a refiner with a decoder,
-its stride-4 block's); the refiner's head then reads it instead of running the backbone again.
-
-Safe only when :func:`can_share` holds (that configuration, the base's output stride, the very
-backbone weights) and :func:`matching` accepts the batch (one float32 map per image, covering
-it padded by less than a stride); callers share only on a plain whole-image forward. Anything
-else runs the refiner's own backbone. The shared features cover the padded input
-(``covered``), where the refiner samples them.
-"""
+"""Method B on the features the base model has already computed (the same labels, faster)."""
 
 from __future__ import annotations
 
@@ -23,10 +11,9 @@ from torch.utils.hooks import RemovableHandle
 
 
 class BaseFeatures(NamedTuple):
-    """What the base's forward computed that a refiner can read: the backbone output
-    ``features [B,L,h,w]``, the size ``covered`` of the (padded) input it covers, and ``low``
-    the backbone's stride-4 features ``[B,L',h',w']`` for a refiner with a decoder (else
-    ``None``)."""
+    """What the base's forward computed that a refiner can read: the backbone output ``features
+    [B,L,h,w]``, the size ``covered`` of the (padded) input it covers, and ``low`` the backbone's
+    stride-4 features ``[B,L',h',w']`` for a refiner with a decoder (else ``None``)."""
 
     features: Tensor
     covered: tuple[int, int]
@@ -101,16 +88,7 @@ def _one_float_map_each(t: Tensor, batch: int) -> bool:
 
 
 class SharedFeatures:
-    """``with SharedFeatures(model, active) as shared: logits = model(x); f = shared.take()``.
-
-    While the block runs, a forward hook on ``model``'s backbone keeps its output. ``take()``
-    returns :class:`BaseFeatures` ``(features [B,C,h,w], covered (H', W'), low)`` — the
-    backbone's output, the size of the (padded) input it covered and, with ``low_level`` (the
-    name of the backbone's stride-4 block, for a refiner with a decoder), that block's output —
-    when the backbone ran exactly once since the last ``take()``, else ``None``; either way it
-    forgets what it kept. ``active=False`` (the refiner cannot share, :func:`can_share`) hooks
-    nothing and always gives ``None``.
-    """
+    """``with SharedFeatures(model, active) as shared: logits = model(x); f = shared.take()``."""
 
     def __init__(
         self,
