@@ -36,13 +36,9 @@ class ModuleBase:
     BatchNorm statistics never move)."""
 
     def __init__(
-        self,
-        module: nn.Module | Any,
-        *,
-        class_names: Sequence[str] | None = None,
-        palette: Sequence[tuple[int, int, int]] | None = None,
-        device: str | torch.device = "cpu",
-    ) -> None:
+        self, module: nn.Module | Any, *, class_names: Sequence[str] | None = None,
+        palette: Sequence[tuple[int, int, int]] | None = None, device: str | torch.device = "cpu",
+    ) -> None:  # fmt: skip
         self.device = resolve_device(device)
         self.module = module.to(self.device) if isinstance(module, nn.Module) else module
         self.class_names = tuple(class_names) if class_names is not None else None

@@ -74,12 +74,9 @@ def near_boundary_mask(
     labels: np.ndarray, *, radius: int = ..., ignore_index: int | None = ..., method: str = ...
 ) -> np.ndarray: ...
 def near_boundary_mask(
-    labels: Tensor | np.ndarray,
-    *,
-    radius: int = 5,
-    ignore_index: int | None = 255,
+    labels: Tensor | np.ndarray, *, radius: int = 5, ignore_index: int | None = 255,
     method: str = "canny",
-) -> Tensor | np.ndarray:
+) -> Tensor | np.ndarray:  # fmt: skip
     """Bool mask of pixels near a label boundary: the boundary dilated with OpenCV's elliptical
     ``(2·radius+1)``-square kernel (which reaches a little past a Euclidean ``radius``: up to 5.4
     px at radius 5; the metrics' trimap band is the exact disk)."""

@@ -65,16 +65,10 @@ def decision_grid(
 
 @torch.no_grad()
 def sweep_decision(
-    refiner: _Refines,
-    base: Callable[[Tensor], Tensor],
-    batches: Iterable[tuple[Tensor, Tensor]],
-    *,
-    num_classes: int,
-    grid: Sequence[dict[str, Any]] | None = None,
-    ignore_index: int = 255,
-    device: str | torch.device = "cpu",
-    shared: _Keeps | None = None,
-) -> list[dict[str, Any]]:
+    refiner: _Refines, base: Callable[[Tensor], Tensor], batches: Iterable[tuple[Tensor, Tensor]],
+    *, num_classes: int, grid: Sequence[dict[str, Any]] | None = None, ignore_index: int = 255,
+    device: str | torch.device = "cpu", shared: _Keeps | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
     """Score the base model and the refiner at each decision setting on labelled ``batches``."""
     dev = torch.device(device)
     settings = list(decision_grid() if grid is None else grid)

@@ -55,14 +55,9 @@ class CRFSettings:
 
     @torch.no_grad()
     def refine(
-        self,
-        images: Tensor,
-        probs: Tensor,
-        return_changed: bool = True,
-        *,
-        mean: Sequence[float] = IMAGENET_MEAN,
-        std: Sequence[float] = IMAGENET_STD,
-    ) -> tuple[Tensor, Tensor]:
+        self, images: Tensor, probs: Tensor, return_changed: bool = True, *,
+        mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """As a method-B refiner for :func:`~dualseg.engine.evaluation.evaluate`."""
         rgb = images.detach().float().cpu() * torch.tensor(std)[:, None, None]
         rgb = rgb + torch.tensor(mean)[:, None, None]
@@ -78,16 +73,13 @@ class CRFSettings:
 
 
 def dense_crf(
-    image_uint8_hwc: np.ndarray,
-    probs_chw: np.ndarray,
-    *,
-    iterations: int = CRFSettings.iterations,
+    image_uint8_hwc: np.ndarray, probs_chw: np.ndarray, *, iterations: int = CRFSettings.iterations,
     sxy_gaussian: float = CRFSettings.sxy_gaussian,
     compat_gaussian: float = CRFSettings.compat_gaussian,
     sxy_bilateral: float = CRFSettings.sxy_bilateral,
     srgb_bilateral: float = CRFSettings.srgb_bilateral,
     compat_bilateral: float = CRFSettings.compat_bilateral,
-) -> np.ndarray:
+) -> np.ndarray:  # fmt: skip
     """The CRF's refined probabilities, float32 ``[C,H,W]`` (each pixel's sum to 1; take
     ``argmax(0)`` for labels), of ``image_uint8_hwc`` (RGB ``[H,W,3]`` uint8) and the base
     model's softmax ``probs_chw`` (``[C,H,W]``, unary = ``-log p``)."""
@@ -127,14 +119,9 @@ CRF_GRID: tuple[CRFSettings, ...] = (
 
 
 def choose_crf(
-    model: nn.Module,
-    loader: Iterable[tuple[Tensor, Tensor]],
-    *,
-    num_classes: int,
-    device: torch.device,
-    grid: Sequence[CRFSettings] = CRF_GRID,
-    metric: str = "miou",
-) -> tuple[CRFSettings, list[dict[str, Any]]]:
+    model: nn.Module, loader: Iterable[tuple[Tensor, Tensor]], *, num_classes: int,
+    device: torch.device, grid: Sequence[CRFSettings] = CRF_GRID, metric: str = "miou",
+) -> tuple[CRFSettings, list[dict[str, Any]]]:  # fmt: skip
     """The setting of ``grid`` whose CRF scores best in ``metric`` (``miou`` or
     ``boundary_f1``) on ``loader``'s (dev) images, and every setting's scores."""
     rows = []

@@ -55,16 +55,9 @@ class Candidates:
 
 
 def gather_candidates(
-    probs: Tensor,
-    scores: Callable[[Tensor, Tensor], Tensor],
-    present: Tensor,
-    *,
-    top_n: int,
-    radius: int,
-    edge_method: str,
-    scale: float = 1.0,
-    covered: tuple[float, float] | None = None,
-) -> Candidates:
+    probs: Tensor, scores: Callable[[Tensor, Tensor], Tensor], present: Tensor, *, top_n: int,
+    radius: int, edge_method: str, scale: float = 1.0, covered: tuple[float, float] | None = None,
+) -> Candidates:  # fmt: skip
     """P2-P4 and P5's distances on class scores ``probs [B,C,H,W]`` (probabilities or logits)."""
     p = probs.float()
     # P2's Pred is the argmax, first index on ties like argmax (topk's first is not: on
@@ -109,12 +102,9 @@ def gather_candidates(
 
 
 def decide(
-    c: Candidates,
-    *,
-    gate_margin: float | None = None,
-    prior_weight: float = 0.0,
+    c: Candidates, *, gate_margin: float | None = None, prior_weight: float = 0.0,
     min_prob: float = 0.0,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """P5 with the readings above: ``(labels [B,H,W] int64, changed bool [B,H,W])``."""
     score = c.distance
     if prior_weight > 0:
@@ -138,12 +128,9 @@ def decide(
 
 
 def describe_decision(
-    *,
-    gate_margin: float | None = None,
-    prior_weight: float = 0.0,
-    min_prob: float = 0.0,
+    *, gate_margin: float | None = None, prior_weight: float = 0.0, min_prob: float = 0.0,
     p1_blur_sigma: float = 0.0,
-) -> str:
+) -> str:  # fmt: skip
     """A decision setting in words: its readings beyond the claim, or "the claim's rule"."""
     if gate_margin == 0:
         return "gate 0: never relabel"

@@ -27,15 +27,10 @@ class EmbeddingNet(nn.Module):
     """``x [B,3,H,W]`` (normalized) -> embedding ``[B,C,H,W]`` (spec method B, step 3)."""
 
     def __init__(
-        self,
-        backbone: nn.Module,
-        fuse: nn.Module,
-        embed_dim: int,
-        *,
-        freeze_backbone: bool = False,
-        decoder: nn.Module | None = None,
+        self, backbone: nn.Module, fuse: nn.Module, embed_dim: int, *,
+        freeze_backbone: bool = False, decoder: nn.Module | None = None,
         low_level: str | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         super().__init__()
         if (decoder is None) != (low_level is None):
             raise ConfigError("EmbeddingNet: pass decoder and low_level together, or neither")
@@ -224,15 +219,10 @@ def embedding_cover(
 
 
 def build_embedding_net(
-    backbone: str,
-    *,
-    embed_dim: int,
-    output_stride: int,
-    aspp_rates: Sequence[int],
-    weights: str | os.PathLike[str] | None = None,
-    freeze_backbone: bool = False,
+    backbone: str, *, embed_dim: int, output_stride: int, aspp_rates: Sequence[int],
+    weights: str | os.PathLike[str] | None = None, freeze_backbone: bool = False,
     decoder_channels: int = 0,
-) -> EmbeddingNet:
+) -> EmbeddingNet:  # fmt: skip
     """Backbone from :func:`dualseg.models.build_backbone` + :class:`dualseg.models.ASPP`."""
 
     if decoder_channels < 0:

@@ -138,22 +138,12 @@ def _resume(
 
 
 def train_embedding(
-    net: EmbeddingNet,
-    dataset: torch.utils.data.Dataset,
-    cfg: RefinerConfig,
-    *,
-    class_names: Sequence[str],
-    device: torch.device,
-    num_workers: int = 0,
-    checkpoint: str | os.PathLike[str] | None = None,
-    checkpoint_every: int = 200,
-    resume: bool = False,
-    progress: bool = True,
-    log_every: int = 0,
-    ignore_index: int = 255,
-    time_budget_s: float | None = None,
-    fit_inputs: Mapping[str, Any] | None = None,
-) -> list[dict[str, float]]:
+    net: EmbeddingNet, dataset: torch.utils.data.Dataset, cfg: RefinerConfig, *,
+    class_names: Sequence[str], device: torch.device, num_workers: int = 0,
+    checkpoint: str | os.PathLike[str] | None = None, checkpoint_every: int = 200,
+    resume: bool = False, progress: bool = True, log_every: int = 0, ignore_index: int = 255,
+    time_budget_s: float | None = None, fit_inputs: Mapping[str, Any] | None = None,
+) -> list[dict[str, float]]:  # fmt: skip
     """Step 4: ``cfg.steps`` optimizer steps of the sampled triplet hinge."""
     if time_budget_s is not None and not time_budget_s > 0:  # NaN: a budget never reached
         raise ConfigError(f"the time budget must be > 0 minutes, got {time_budget_s / 60:g}")
@@ -287,26 +277,13 @@ def read_taps(cfg: RefinerConfig, base: nn.Module | None, device: torch.device) 
 
 
 def fit_parts(
-    dataset: torch.utils.data.Dataset,
-    cfg: RefinerConfig,
-    *,
-    class_names: Sequence[str],
-    prototype_dataset: torch.utils.data.Dataset | None,
-    weights: str | os.PathLike[str] | None,
-    init_from: nn.Module | Mapping[str, Tensor] | None,
-    base: nn.Module | None,
-    net: EmbeddingNet | None,
-    device: torch.device,
-    num_workers: int,
-    progress: bool,
-    ignore_index: int,
-    time_budget_s: float | None,
-    checkpoint: str | os.PathLike[str] | None,
-    checkpoint_every: int,
-    resume: bool,
-    log_every: int,
-    fit_inputs: Mapping[str, Any] | None,
-) -> Fitted:
+    dataset: torch.utils.data.Dataset, cfg: RefinerConfig, *, class_names: Sequence[str],
+    prototype_dataset: torch.utils.data.Dataset | None, weights: str | os.PathLike[str] | None,
+    init_from: nn.Module | Mapping[str, Tensor] | None, base: nn.Module | None,
+    net: EmbeddingNet | None, device: torch.device, num_workers: int, progress: bool,
+    ignore_index: int, time_budget_s: float | None, checkpoint: str | os.PathLike[str] | None,
+    checkpoint_every: int, resume: bool, log_every: int, fit_inputs: Mapping[str, Any] | None,
+) -> Fitted:  # fmt: skip
     """Steps 3-5, as :meth:`~dualseg.refine.refiner.BoundaryRefiner.fit` describes them."""
     taps = None
     if cfg.base_features is not None:  # the base decides the embedding's input and stride

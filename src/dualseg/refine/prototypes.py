@@ -56,19 +56,10 @@ def compute_prototypes(emb: Tensor, labels: Tensor, num_classes: int) -> tuple[T
 
 @torch.no_grad()
 def stream_prototypes(
-    net: EmbeddingNet,
-    dataset: torch.utils.data.Dataset,
-    num_classes: int,
-    *,
-    radius: int = 5,
-    edge_method: str = "canny",
-    input_scale: float,
-    output_stride: int,
-    ignore_index: int = 255,
-    device: str | torch.device = "cpu",
-    num_workers: int = 0,
-    progress: bool = True,
-) -> tuple[Tensor, Tensor]:
+    net: EmbeddingNet, dataset: torch.utils.data.Dataset, num_classes: int, *, radius: int = 5,
+    edge_method: str = "canny", input_scale: float, output_stride: int, ignore_index: int = 255,
+    device: str | torch.device = "cpu", num_workers: int = 0, progress: bool = True,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Step 5 over ``dataset`` (one image at a time, any sizes): ``(prototypes, present)``."""
 
     net.eval()

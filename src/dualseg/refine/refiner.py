@@ -41,17 +41,10 @@ class BoundaryRefiner:
     """Re-labels a base model's near-boundary pixels by nearest class prototype (P1-P5)."""
 
     def __init__(
-        self,
-        net: EmbeddingNet,
-        prototypes: Tensor,
-        present: Tensor,
-        *,
-        class_names: Sequence[str],
-        config: RefinerConfig | None = None,
-        ignore_index: int = 255,
-        palette: Sequence[Sequence[int]] | None = None,
-        taps: TapRecord | None = None,
-    ) -> None:
+        self, net: EmbeddingNet, prototypes: Tensor, present: Tensor, *, class_names: Sequence[str],
+        config: RefinerConfig | None = None, ignore_index: int = 255,
+        palette: Sequence[Sequence[int]] | None = None, taps: TapRecord | None = None,
+    ) -> None:  # fmt: skip
         self.taps = taps  # a tap refiner's base modules (low, high), else None
         self.config = config or RefinerConfig(embed_dim=int(prototypes.shape[1]))
         self.class_names = tuple(str(n) for n in class_names)
@@ -102,14 +95,9 @@ class BoundaryRefiner:
     # ------------------------------------------------------------------ inference (P2-P5)
     @torch.no_grad()
     def refine(
-        self,
-        images: Any,
-        probs: Any = None,
-        *,
-        base: Any = None,
-        return_changed: bool = False,
+        self, images: Any, probs: Any = None, *, base: Any = None, return_changed: bool = False,
         features: BaseFeatures | tuple[Tensor, tuple[int, int]] | None = None,
-    ) -> Tensor | np.ndarray | tuple[Any, Any]:
+    ) -> Tensor | np.ndarray | tuple[Any, Any]:  # fmt: skip
         """Refined label map(s)."""
         if (probs is None) == (base is None):
             raise ConfigError("refine needs the base's scores (probs) or the base model (base=)")
@@ -155,13 +143,9 @@ class BoundaryRefiner:
         return (labels, changed) if return_changed else labels
 
     def candidates(
-        self,
-        images: Tensor,
-        probs: Tensor,
-        *,
-        p1_blur_sigma: float | None = None,
+        self, images: Tensor, probs: Tensor, *, p1_blur_sigma: float | None = None,
         features: BaseFeatures | tuple[Tensor, tuple[int, int]] | None = None,
-    ) -> Candidates:
+    ) -> Candidates:  # fmt: skip
         """P1-P4 and P5's distances for a batch (``images [B,3,H,W]`` normalized, ``probs
         [B,C,H,W]``), before any decision: what :mod:`dualseg.refine.calibrate` sweeps."""
         if (
@@ -250,12 +234,9 @@ class BoundaryRefiner:
         return SharedFeatures(model, active, self.config.output_stride, self.net.low_level)
 
     def _refine_batch(
-        self,
-        images: Tensor,
-        probs: Tensor,
-        return_changed: bool,
+        self, images: Tensor, probs: Tensor, return_changed: bool,
         features: BaseFeatures | tuple[Tensor, tuple[int, int]] | None = None,
-    ) -> Any:
+    ) -> Any:  # fmt: skip
         out, changed = decide_as(self.candidates(images, probs, features=features), self.config)
         out = out.to(probs.device)
         return (out, changed.to(probs.device)) if return_changed else out
@@ -284,12 +265,9 @@ class BoundaryRefiner:
 
     @classmethod
     def load(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        device: str | torch.device = "cpu",
+        cls, path: str | os.PathLike[str], *, device: str | torch.device = "cpu",
         net: EmbeddingNet | None = None,
-    ) -> BoundaryRefiner:
+    ) -> BoundaryRefiner:  # fmt: skip
         """Load a refiner file (``weights_only=True``), a refiner folder (``refiner.json`` +
         ``refiner.safetensors``) or ``hf://org/name``."""
         if os.fspath(path).strip() and pretrained.is_folder_source(path):
@@ -344,29 +322,18 @@ class BoundaryRefiner:
     # ------------------------------------------------------------------ training (steps 1-5)
     @classmethod
     def fit(
-        cls,
-        dataset: torch.utils.data.Dataset,
-        *,
-        class_names: Sequence[str],
+        cls, dataset: torch.utils.data.Dataset, *, class_names: Sequence[str],
         config: RefinerConfig | None = None,
         prototype_dataset: torch.utils.data.Dataset | None = None,
         weights: str | os.PathLike[str] | None = "imagenet",
-        init_from: nn.Module | Mapping[str, Tensor] | None = None,
-        base: nn.Module | None = None,
-        base_features: Sequence[str] | str | None = None,
-        net: EmbeddingNet | None = None,
-        device: str | torch.device = "cpu",
-        num_workers: int = 0,
-        checkpoint: str | os.PathLike[str] | None = None,
-        checkpoint_every: int = 200,
-        resume: bool = False,
-        progress: bool = True,
-        log_every: int = 0,
-        ignore_index: int = 255,
-        time_budget_s: float | None = None,
-        palette: Sequence[Sequence[int]] | None = None,
+        init_from: nn.Module | Mapping[str, Tensor] | None = None, base: nn.Module | None = None,
+        base_features: Sequence[str] | str | None = None, net: EmbeddingNet | None = None,
+        device: str | torch.device = "cpu", num_workers: int = 0,
+        checkpoint: str | os.PathLike[str] | None = None, checkpoint_every: int = 200,
+        resume: bool = False, progress: bool = True, log_every: int = 0, ignore_index: int = 255,
+        time_budget_s: float | None = None, palette: Sequence[Sequence[int]] | None = None,
         fit_inputs: Mapping[str, Any] | None = None,
-    ) -> BoundaryRefiner:
+    ) -> BoundaryRefiner:  # fmt: skip
         """Train the embedding model with triplets, then compute the class prototypes."""
         config = config or RefinerConfig()
         if base_features is not None:

@@ -26,13 +26,9 @@ def prototype_row_scores(rows: Tensor, prototypes: Tensor) -> Tensor:
 
 
 def collect(
-    probs: Tensor,
-    scores: Callable[[Tensor, Tensor], Tensor],
-    present: Tensor,
-    config: RefinerConfig,
-    scale: float = 1.0,
-    covered: tuple[float, float] | None = None,
-) -> Candidates:
+    probs: Tensor, scores: Callable[[Tensor, Tensor], Tensor], present: Tensor,
+    config: RefinerConfig, scale: float = 1.0, covered: tuple[float, float] | None = None,
+) -> Candidates:  # fmt: skip
     """P2-P4 and P5's distances with ``config``'s Top-N and mask options."""
     if not bool(probs.isfinite().all()):
         raise DataError(
@@ -63,13 +59,8 @@ def decide_as(c: Candidates, config: RefinerConfig) -> tuple[Tensor, Tensor]:
 
 
 def relabel(
-    probs: Tensor,
-    scores: Callable[[Tensor, Tensor], Tensor],
-    present: Tensor,
-    config: RefinerConfig,
-    *,
-    scale: float = 1.0,
-    covered: tuple[float, float] | None = None,
-) -> tuple[Tensor, Tensor]:
+    probs: Tensor, scores: Callable[[Tensor, Tensor], Tensor], present: Tensor,
+    config: RefinerConfig, *, scale: float = 1.0, covered: tuple[float, float] | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """P2-P5 on class scores ``probs [B,C,H,W]``: ``(labels [B,H,W] int64, changed bool)``."""
     return decide_as(collect(probs, scores, present, config, scale, covered), config)

@@ -53,13 +53,9 @@ def can_share(refiner_config: object, refiner_backbone: nn.Module, model: nn.Mod
 
 
 def matching(
-    kept: BaseFeatures | tuple[Tensor, tuple[int, int]] | None,
-    images: Tensor,
-    output_stride: int,
-    *,
-    needs_low: bool = False,
-    low_stride: int = 4,
-) -> BaseFeatures | None:
+    kept: BaseFeatures | tuple[Tensor, tuple[int, int]] | None, images: Tensor, output_stride: int,
+    *, needs_low: bool = False, low_stride: int = 4,
+) -> BaseFeatures | None:  # fmt: skip
     """``kept`` when it can be the base's backbone output for exactly ``images``: one map per
     image, in float32 (autocast's half precision is not what the refiner's own pass computes),
     covering the images padded at the bottom and right by less than one stride (a resized or
@@ -91,12 +87,9 @@ class SharedFeatures:
     """``with SharedFeatures(model, active) as shared: logits = model(x); f = shared.take()``."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        active: bool = True,
-        output_stride: int | None = None,
+        self, model: nn.Module, active: bool = True, output_stride: int | None = None,
         low_level: str | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.module = base_backbone(model) if active else None
         self.tap = (
             self.module.get_submodule(low_level)

@@ -21,12 +21,9 @@ class TripletStats(TypedDict):
 
 
 def sample_triplets(
-    labels: Tensor,
-    num_triplets: int,
-    *,
-    negatives: int = 1,
+    labels: Tensor, num_triplets: int, *, negatives: int = 1,
     generator: torch.Generator | None = None,
-) -> tuple[Tensor, Tensor, Tensor] | None:
+) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
     """Indices ``(t1, t2, f0)`` into ``labels`` ``[N]``: ``t1``, ``t2`` ``[num_triplets]``, ``f0``
     ``[num_triplets]`` (``negatives=1``) or ``[num_triplets, negatives]`` (a pool of false
     examples per anchor, for mining)."""
@@ -108,16 +105,10 @@ def _euclidean(a: Tensor, b: Tensor) -> Tensor:
 
 
 def triplet_loss(
-    emb: Tensor,
-    labels: Tensor,
-    *,
-    margin: float = 1.0,
-    num_triplets: int = 4096,
-    reduction: str = "all",
-    mining: str = "random",
-    pool: int = 8,
+    emb: Tensor, labels: Tensor, *, margin: float = 1.0, num_triplets: int = 4096,
+    reduction: str = "all", mining: str = "random", pool: int = 8,
     generator: torch.Generator | None = None,
-) -> tuple[Tensor, TripletStats]:
+) -> tuple[Tensor, TripletStats]:  # fmt: skip
     """Sampled triplet hinge loss over near-boundary embeddings ``emb [N,C]``, ``labels [N]``."""
     if reduction not in REDUCTIONS:
         raise ConfigError(f"unknown triplet reduction {reduction!r}; choose one of {REDUCTIONS}")
@@ -151,23 +142,11 @@ def reduce_hinge(hinge: Tensor, gap: Tensor, reduction: str = "all") -> tuple[Te
 
 
 def triplet_step(
-    net: EmbeddingNet,
-    opt: torch.optim.Optimizer,
-    images: Tensor,
-    labels: Tensor,
-    *,
-    generator: torch.Generator,
-    radius: int,
-    edge_method: str,
-    num_triplets: int,
-    margin: float,
-    reduction: str = "all",
-    mining: str = "random",
-    mining_pool: int = 8,
-    input_scale: float = 1.0,
-    output_stride: int = 16,
-    ignore_index: int = 255,
-) -> dict[str, float]:
+    net: EmbeddingNet, opt: torch.optim.Optimizer, images: Tensor, labels: Tensor, *,
+    generator: torch.Generator, radius: int, edge_method: str, num_triplets: int, margin: float,
+    reduction: str = "all", mining: str = "random", mining_pool: int = 8, input_scale: float = 1.0,
+    output_stride: int = 16, ignore_index: int = 255,
+) -> dict[str, float]:  # fmt: skip
     """One step 2-4 iteration on a batch."""
     edge = near_boundary_mask(labels, radius=radius, ignore_index=ignore_index, method=edge_method)
     pix_labels = labels[edge]  # [M]
