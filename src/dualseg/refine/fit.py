@@ -95,15 +95,6 @@ def _require_same_inputs(
 RESUMABLE_CHANGES = ("steps", "top_n", *DECISION_KEYS)
 
 
-def _make_optimizer(net: nn.Module, cfg: RefinerConfig) -> torch.optim.Optimizer:
-    params = [p for p in net.parameters() if p.requires_grad]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-        )
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
 def _resume(
     path: Path, net: nn.Module, opt: torch.optim.Optimizer, cfg: RefinerConfig,
     class_names: Sequence[str], fit_inputs: Mapping[str, Any] | None,
@@ -155,7 +146,12 @@ def train_embedding(
             f"the dataset has {len(meta_classes)} classes and the refiner {len(class_names)} "
             "class names: pass the dataset's (class_names=dataset.meta.class_names)"
         )
-    opt = _make_optimizer(net, cfg)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt: torch.optim.Optimizer = (
+        torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        if cfg.optimizer == "sgd"
+        else torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    )
     start, history = 0, []
     ckpt_path = Path(checkpoint) if checkpoint is not None else None
     if resume and ckpt_path is not None and ckpt_path.is_file():

@@ -185,22 +185,6 @@ def fit_datasets(
     return FitData(train, protos, held_out, calibrate_split)
 
 
-def check_fit_data(
-    data: FitData, base: Any, *, base_name: str | None, root: str
-) -> list[tuple[Path, str]] | None:
-    """Refuse a base of other classes; the held-out images' paths and the names a probability
-    folder holds them under (as predict names them), every map checked before the fit."""
-    if base is not None and base.class_names is not None:
-        require_same_classes(tuple(base.class_names), tuple(data.train.meta.class_names),
-                             model=f"the base model {base_name}", data=root)  # fmt: skip
-    if data.held_out is None:
-        return None
-    files = unique_names([(Path(i), Path(i).stem) for i, _ in data.held_out.samples])
-    if hasattr(base, "require"):
-        base.require([name for _, name in files], [str(path) for path, _ in files])
-    return files
-
-
 def _calibration_dataset(data: str, train: Any, common: dict[str, Any], split: str) -> Any:
     """The ``--calibrate-split`` dataset; it must exist and hold none of the images the refiner
     is fitted on or scored on (val, test)."""
@@ -264,8 +248,25 @@ def run_fit(
 ) -> tuple[BoundaryRefiner, str]:  # fmt: skip
     """Steps 1-5 on checked inputs, then the ``--calibrate-split`` sweep; the refiner and what
     to print about the sweep ("" without one)."""
-    files = check_fit_data(data, base, base_name=base_name, root=root)
-    init_weights, init_from = backbone_init(init_backbone, weights, cfg.backbone_source, base)
+    if base is not None and base.class_names is not None:
+        require_same_classes(tuple(base.class_names), tuple(data.train.meta.class_names),
+                             model=f"the base model {base_name}", data=root)  # fmt: skip
+    files = None
+    if data.held_out is not None:  # named as predict names them: how a folder base finds them
+        files = unique_names([(Path(i), Path(i).stem) for i, _ in data.held_out.samples])
+        if hasattr(base, "require"):  # a probability folder: every map, before the fit
+            base.require([name for _, name in files], [str(path) for path, _ in files])
+    # ImageNet weights unless none; the base's backbone for base / a base-* source
+    init_weights, init_from = weights, None
+    if init_backbone != "base" and cfg.backbone_source == "independent":
+        init_weights = None if init_backbone == "none" else weights or "imagenet"
+    elif not hasattr(base, "module"):
+        raise ConfigError(
+            "--init-backbone base / --backbone-source base-* need --base to be a model "
+            "(a dualseg checkpoint or file.py:NAME)"
+        )
+    else:
+        init_from = base.module
     taps_of = getattr(base, "module", None) if cfg.base_features else None
     reads_base = init_from is not None or taps_of is not None
     read = base_name if reads_base else None
@@ -331,22 +332,6 @@ def calibrate(
         "base_fingerprint": None if module is None else model_fingerprint(module),
     }
     return rows
-
-
-def backbone_init(
-    init_backbone: str, weights: str | None, backbone_source: str, base: Any
-) -> tuple[str | None, Any]:
-    """``(weights, init_from)`` of :meth:`BoundaryRefiner.fit` for ``--init-backbone``,
-    ``--weights`` and ``--backbone-source``: ImageNet weights unless ``none``; the base's
-    backbone (then ImageNet first only for an explicit ``--weights`` file) for ``base``."""
-    if init_backbone != "base" and backbone_source == "independent":
-        return (None if init_backbone == "none" else weights or "imagenet"), None
-    if not hasattr(base, "module"):
-        raise ConfigError(
-            "--init-backbone base / --backbone-source base-* need --base to be a model "
-            "(a dualseg checkpoint or file.py:NAME)"
-        )
-    return weights, base.module
 
 
 def fit_summary(refiner: Any, out: Path) -> str:
