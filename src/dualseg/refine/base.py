@@ -58,7 +58,6 @@ class ModuleBase:
 def model_fingerprint(module: nn.Module) -> str:
     """A short hash of a model's weights (names, shapes and values): which base a refiner's
     decision options were calibrated on, so that applying them to another is said."""
-
     digest = hashlib.sha256()
     for key, tensor in module.state_dict().items():
         digest.update(f"{key}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
@@ -85,7 +84,6 @@ def checkpoint_base(
 ) -> ModuleBase:
     """A dualseg checkpoint, pretrained folder or ``hf://org/name`` as a base model (its class
     names and palette come along)."""
-
     model, meta, ckpt = load_network(path, device=device)  # fed ImageNet-normalized images
     base = ModuleBase(model, class_names=meta.class_names, palette=meta.palette, device=device)
     base.arch = str(ckpt["arch"])  # type: ignore[attr-defined]

@@ -139,7 +139,6 @@ def calibrated_on(calibration: Mapping[str, Any] | None, images: Sequence[Any]) 
     (``calibration["image_digests"]``, :func:`dualseg.io.file_digest`), so the same images under
     another split name, root or file name are found; ``None`` when that is unknown (no
     calibration, or one stored before the digests were)."""
-
     digests = (calibration or {}).get("image_digests")
     if digests is None:
         return None

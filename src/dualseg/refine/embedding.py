@@ -186,7 +186,6 @@ def embed_backbone(
 ) -> tuple[Tensor, Tensor | None]:
     """:meth:`EmbeddingNet.backbone_features` of the input :func:`embed_features` prepares
     (resized, padded): what its ``head`` reads."""
-
     if input_scale != 1.0:
         images = F.interpolate(
             images, scale_factor=input_scale, mode="bilinear", align_corners=False
@@ -224,7 +223,6 @@ def build_embedding_net(
     decoder_channels: int = 0,
 ) -> EmbeddingNet:  # fmt: skip
     """Backbone from :func:`dualseg.models.build_backbone` + :class:`dualseg.models.ASPP`."""
-
     if decoder_channels < 0:
         raise ConfigError(f"decoder_channels must be >= 0, got {decoder_channels}")
     low_level, low_channels = low_level_tap(backbone) if decoder_channels else (None, 0)

@@ -185,7 +185,6 @@ def _run_steps(
     time_budget_s: float | None,
 ) -> list[dict[str, float]]:  # fmt: skip
     """The triplet steps ``start..cfg.steps``."""
-
     net.train()
     started = time.monotonic()
     reached = start

@@ -172,7 +172,6 @@ def fit_datasets(
 ) -> FitData:  # fmt: skip
     """The datasets of a fit, labels read as ``labels`` says (``label_format``, ``label_map``,
     ``ignore_value``); the calibration split is checked before the fit, not after."""
-
     common = {"split": split, "layout": layout, "preset": preset, **labels}
     tf = build_train_transform(crop_size=tuple(crop_size), scale_range=tuple(scale_range))
     train = build_dataset(data, transform=tf, seed=seed, **common)
@@ -188,7 +187,6 @@ def fit_datasets(
 def _calibration_dataset(data: str, train: Any, common: dict[str, Any], split: str) -> Any:
     """The ``--calibrate-split`` dataset; it must exist and hold none of the images the refiner
     is fitted on or scored on (val, test)."""
-
     try:
         held_out = build_dataset(
             data, transform=build_eval_transform(), **{**common, "split": split}
@@ -225,7 +223,6 @@ def fit_inputs(
 ) -> dict[str, Any]:  # fmt: skip
     """What the triplet steps read beyond the RefinerConfig (the data stream, how its labels are
     read, the base a ``base-*`` fit is built on), so that a ``--resume`` must give the same."""
-
     if base is not None and not is_hub_source(base):
         base = str(Path(base).resolve())
     mapping = labels["label_map"] or {}
@@ -301,7 +298,6 @@ def calibrate(
     """Choose the decision options (gate τ, prior weight λ, probability floor, P1 blur) on the
     held-out images (``files``: their paths and the names a probability folder holds them
     under) and store them in the refiner with the sweep's table, which is returned."""
-
     at: list[tuple[Path, str]] = []  # the image the sweep scores now: a folder base needs it
 
     def batches() -> Iterator[Any]:

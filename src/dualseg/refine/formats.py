@@ -61,7 +61,6 @@ def save_refiner_file(
     prototypes: Tensor, present: Tensor,
 ) -> Path:  # fmt: skip
     """Write a refiner atomically to one file."""
-
     target = Path(path)
     if target.is_dir():
         raise OutputError(f"{target} is a folder; save writes one file (save_pretrained: a folder)")

@@ -42,7 +42,6 @@ def save_folder(
     *, overwrite: bool = False,
 ) -> Path:  # fmt: skip
     """Write a refiner into ``folder`` (weights first, ``refiner.json`` last)."""
-
     folder = folder_path(folder)
     refuse_existing(folder, (REFINER_CONFIG, REFINER_WEIGHTS), overwrite)
     names = description["class_names"]

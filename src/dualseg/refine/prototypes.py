@@ -61,7 +61,6 @@ def stream_prototypes(
     device: str | torch.device = "cpu", num_workers: int = 0, progress: bool = True,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Step 5 over ``dataset`` (one image at a time, any sizes): ``(prototypes, present)``."""
-
     net.eval()
     acc = PrototypeAccumulator(num_classes, net.embed_dim, device=device)
     loader = torch.utils.data.DataLoader(dataset, batch_size=1, num_workers=num_workers)

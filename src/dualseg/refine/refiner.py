@@ -281,7 +281,6 @@ class BoundaryRefiner:
         cls, stored: formats.StoredRefiner, *, net: EmbeddingNet | None = None
     ) -> BoundaryRefiner:
         """A refiner from its saved parts, each checked; every problem names the source."""
-
         source = stored.source
         described = formats.stored_description(stored.description, source)
         try:
