@@ -1,66 +1,30 @@
-"""``dualseg refine fit`` and ``dualseg refine apply`` (method B).
-
-dualseg refine fit --data ROOT --base CKPT_OR_PROBS_DIR --out refiner.pt [options]
-dualseg refine apply --refiner refiner.pt --base CKPT_OR_PROBS_DIR INPUTS... --out DIR
-dualseg refine layers --base CKPT_OR_FILE.py:NAME
-"""
+"""``dualseg refine fit``, ``apply`` and ``layers`` (method B)."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-from dataclasses import fields
-from pathlib import Path
-from typing import Any
-
-import numpy as np
-import torch
 
 from dualseg.augment_defaults import check_augment_settings
 from dualseg.commands import common as c
-from dualseg.console import ArgumentParser, argparse_kwargs, track
-from dualseg.data.presets import require_same_classes
+from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.data.transforms import SCALE_RANGE
-from dualseg.engine.predict import as_rgb_array
-from dualseg.errors import ConfigError, DataError, DualsegError
+from dualseg.errors import DataError
 from dualseg.export.runtime import load_refiner
-from dualseg.imaging import normalize
-from dualseg.io import atomic_save_image, check_writable
-from dualseg.refine import BoundaryRefiner, fit_run
-from dualseg.refine.apply_run import base_scores, configure, top_n_over_classes
-from dualseg.refine.base import load_base
+from dualseg.io import check_writable
+from dualseg.refine import apply_run, fit_run
+from dualseg.refine.base import describe_layers, load_base
 from dualseg.refine.boundary import MAX_RADIUS
 from dualseg.refine.calibrate import METRICS
-from dualseg.refine.config import OptionError, RefinerConfig
-from dualseg.refine.crf import CRFSettings, import_pydensecrf
-from dualseg.refine.taps import SAMPLE_SIZE, list_taps, pick_taps
-from dualseg.viz import default_palette
+from dualseg.refine.config import RefinerConfig, add_flags
+from dualseg.refine.taps import SAMPLE_SIZE
 
 
 def radius_arg(text: str) -> int:
-    """argparse ``type=`` of ``--radius``: 0..MAX_RADIUS pixels, refused at parsing."""
     return c.pixels_at_most(text, MAX_RADIUS)
 
 
-# refine fit's flags checked at parsing, as refine apply's overrides of them are
-PARSED = {"radius": radius_arg, "top_n": c.positive_int}
-
-
-def add_config_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per :class:`RefinerConfig` field: ``--embed-dim`` for ``embed_dim``."""
-    for f in fields(RefinerConfig):
-        kind = float if f.type == float | None else f.type
-        kw: dict[str, Any] = {"type": PARSED.get(f.name, kind), "default": f.default}
-        if f.type == tuple[int, ...]:
-            kw.update(type=int, nargs="+", default=list(f.default))
-        if f.type == tuple[str, ...] | None:
-            kw.update(type=str, nargs="+", metavar="MODULE")
-        shown = " ".join(map(str, f.default)) if f.type == tuple[int, ...] else f.default
-        help = f.metadata["help"] + (f" ({shown})" if f.default is not None else "")
-        if "choices" in f.metadata:
-            kw["choices"] = f.metadata["choices"]
-        p.add_argument(f"--{f.name.replace('_', '-')}", help=help, **kw)
+PARSED = {"radius": radius_arg, "top_n": c.positive_int}  # checked at parsing, as apply's are
 
 
 def _add_fit(sub: argparse._SubParsersAction) -> None:
@@ -95,7 +59,7 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         "decision options on it with --base, keep the best (gate 0: never relabel)")  # fmt: skip
     add("--calibrate-metric", choices=METRICS, default=METRICS[0],
         help=f"what --calibrate-split maximizes ({METRICS[0]})")  # fmt: skip
-    add_config_flags(p)
+    add_flags(p, PARSED)
     add("--time-budget", type=float, metavar="MINUTES",
         help="stop the triplet steps after this many minutes, even before --steps")  # fmt: skip
     add("--proto-images", type=c.nonnegative_int, default=0,
@@ -190,12 +154,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ---------------------------------------------------------------------- fit
-def check_fit(args: argparse.Namespace) -> tuple[RefinerConfig, str, Path, Path]:
-    """``refine fit``'s refusals before any data is read: ``(config, split, out, checkpoint)``."""
-    try:
-        cfg = RefinerConfig(**{f.name: getattr(args, f.name) for f in fields(RefinerConfig)})
-    except OptionError as err:  # named as the command line gives it
-        raise ConfigError(err.named(f"--{err.option.replace('_', '-')}")) from None
+def fit_main(args: argparse.Namespace) -> int:
+    cfg = RefinerConfig.from_flags(args)
     if cfg.top_n == 1:
         note("fit", "--top-n 1 leaves each pixel one candidate, the base's label: this refiner "
              "can change no pixel (refine apply --top-n overrides it)")  # fmt: skip
@@ -203,26 +163,12 @@ def check_fit(args: argparse.Namespace) -> tuple[RefinerConfig, str, Path, Path]
     names = {"crop_size": "--crop-size", "scale_range": "--scale-range"}
     check_augment_settings(crop_size=tuple(args.crop_size), scale_range=tuple(args.scale_range),
                            names=names)  # fmt: skip
-    has_base = args.base is not None
     fit_run.check_options(cfg, split=split, calibrate_split=args.calibrate_split,
                           crop_size=args.crop_size, weights=args.weights,
-                          init_backbone=args.init_backbone, has_base=has_base)  # fmt: skip
-    out, checkpoint = fit_run.fit_paths(args.out, args.checkpoint)
-    # never the --base model or a file of the dataset, even with --overwrite
-    protected = [
-        (f"a file of the dataset {args.data}", c.dataset_files(args.data, layout=args.layout))
-    ]
-    if args.base is not None and Path(args.base).is_file():
-        protected.insert(0, ("the --base model", [Path(args.base)]))
-    for path, what in ((out, "--out"), (checkpoint, "--checkpoint")):
-        c.check_outputs([path], overwrite=True, protected=protected, what=what)
-    fit_run.check_fit_targets(out, checkpoint)
-    fit_run.check_earlier_fit(out, checkpoint, resume=args.resume, overwrite=args.overwrite)
-    return cfg, split, out, checkpoint
-
-
-def fit_main(args: argparse.Namespace) -> int:
-    cfg, split, out, checkpoint = check_fit(args)
+                          init_backbone=args.init_backbone, has_base=bool(args.base))  # fmt: skip
+    out, checkpoint = fit_run.fit_outputs(args.out, args.checkpoint, data=args.data,
+                                          layout=args.layout, base=args.base, resume=args.resume,
+                                          overwrite=args.overwrite)  # fmt: skip
     device = c.apply_runtime(args)
     base = None if args.base is None else load_base(args.base, device=device)
     # the labels read as the base was trained, as eval reads them
@@ -238,41 +184,18 @@ def fit_main(args: argparse.Namespace) -> int:
                                 calibrate_split=args.calibrate_split)  # fmt: skip
     class_names = data.train.meta.class_names
     if cfg.top_n != RefinerConfig.top_n and cfg.top_n > len(class_names):  # not the default
-        note("fit", top_n_over_classes(cfg.top_n, len(class_names)))
-    if base is not None and base.class_names is not None:
-        require_same_classes(tuple(base.class_names), tuple(class_names),
-                             model=f"the base model {args.base}", data=f"{args.data}")  # fmt: skip
-    files = None
-    if data.held_out is not None:  # named as predict names them: how a folder base finds them
-        files = c.unique_names([(Path(i), Path(i).stem) for i, _ in data.held_out.samples])
-        if hasattr(base, "require"):  # a probability folder: every map, before the fit
-            base.require([name for _, name in files], [str(path) for path, _ in files])
-    weights, init_from = fit_run.backbone_init(args.init_backbone, args.weights,
-                                               cfg.backbone_source, base)  # fmt: skip
-    taps_of = getattr(base, "module", None) if cfg.base_features else None
-    reads_base = init_from is not None or taps_of is not None
-    inputs = fit_run.fit_inputs(args.data, **where, crop_size=args.crop_size, labels=labels,
-                                scale_range=args.scale_range,
-                                base=args.base if reads_base else None)  # fmt: skip
-    if args.overwrite:  # every input checked: the earlier fit's state goes now
-        checkpoint.unlink(missing_ok=True)
-    mode = "off" if args.no_progress else c.mode_of(args)
-    with c.autocast(args, device):
-        refiner = BoundaryRefiner.fit(
-            data.train, class_names=class_names, config=cfg, prototype_dataset=data.prototypes,
-            weights=weights, init_from=init_from, base=taps_of, device=device,
-            num_workers=args.workers,
-            checkpoint=checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
-            time_budget_s=None if args.time_budget is None else 60 * args.time_budget,
-            progress=mode == "bar", log_every=0 if mode == "off" else args.log_every,
-            fit_inputs=inputs,
-        )  # fmt: skip
-    if data.held_out is not None:
-        split, metric = args.calibrate_split, args.calibrate_metric
-        rows = fit_run.calibrate(refiner, base, data.held_out, files, split=split,
-                                 metric=metric, device=device)  # fmt: skip
-        print(fit_run.calibration_report(rows, refiner.config, split=split, metric=metric,
-                                         images=len(data.held_out)))  # fmt: skip
+        note("fit", apply_run.top_n_over_classes(cfg.top_n, len(class_names)))
+    refiner, report = fit_run.run_fit(
+        cfg, data, base, root=args.data, base_name=args.base, where=where, labels=labels,
+        crop_size=args.crop_size, scale_range=args.scale_range, init_backbone=args.init_backbone,
+        weights=args.weights, device=device, amp=c.cuda_amp(args, device), workers=args.workers,
+        checkpoint=checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
+        overwrite=args.overwrite, progress="off" if args.no_progress else c.mode_of(args),
+        log_every=args.log_every, calibrate_metric=args.calibrate_metric,
+        time_budget_s=None if args.time_budget is None else 60 * args.time_budget,
+    )  # fmt: skip
+    if report:
+        print(report)
     refiner.save(out)
     print(fit_run.fit_summary(refiner, out))
     return 0
@@ -283,117 +206,40 @@ def note(command: str, text: str) -> None:
 
 
 # ---------------------------------------------------------------------- apply
-def crf_refiner(args: argparse.Namespace) -> CRFSettings:
-    """``refine apply --crf``: dense CRF with its default kernels, the options of method B
-    refused (they would be ignored)."""
-    given = [f for f, v in (("--top-n", args.top_n), ("--radius", args.radius)) if v is not None]
-    if given:
-        raise ConfigError(
-            f"{' and '.join(given)} set method B's refiner; --crf has none: drop them"
-        )
-    import_pydensecrf()  # before any output: one line saying how to install it
-    return CRFSettings()
-
-
 def apply_main(args: argparse.Namespace) -> int:
     opts = c.inference_options(args)
     out = check_writable(args.out, kind="dir", what="--out")
     images = c.collect_images(args.inputs, out=out, command="refine apply")
-    kinds = ("labels", "color", "overlay", "changed")
-    c.check_image_outputs(
-        out,
-        images,
-        [(f, ".png") for f in kinds],
-        overwrite=args.overwrite,
-        data=args.data,
-        command="refine apply",
-    )
+    kinds = [(f, ".png") for f in apply_run.KINDS]
+    c.check_image_outputs(out, images, kinds, overwrite=args.overwrite, data=args.data,
+                          command="refine apply")  # fmt: skip
     device = c.apply_runtime(args)
-    augmented = opts.mode != "whole" or opts.uses_tta
     if args.crf:
-        refiner, base = crf_refiner(args), load_base(args.base, device=device)
+        refiner = apply_run.crf_settings(args.top_n, args.radius)
+        base = load_base(args.base, device=device)
     else:
         refiner = load_refiner(args.refiner, device=device)
         c.static_export_note(args.refiner, refiner, "refine")
         c.check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
         base = load_base(args.base, device=device)
-        for line in configure(refiner, base, top_n=args.top_n, radius=args.radius,
-                              augmented=augmented, refiner_name=args.refiner,
-                              base_name=str(args.base)):  # fmt: skip
+        augmented = opts.mode != "whole" or opts.uses_tta
+        for line in apply_run.configure(refiner, base, top_n=args.top_n, radius=args.radius,
+                                        augmented=augmented, refiner_name=args.refiner,
+                                        base_name=str(args.base)):  # fmt: skip
             print(f"dualseg refine apply: {line}", file=sys.stderr)
-    if hasattr(base, "require"):  # a probability folder: every image's map, before any output
-        base.require([name for _, name in images], [str(path) for path, _ in images])
-    # the base's colours, else those refine fit stored (an exported refiner has none)
-    palette = base.palette or getattr(refiner, "palette", None)
-    changed_total = pixels_total = 0
-    failures: list[str] = []
-    # a model on a plain forward: its backbone output is read, not rerun (a tap refiner
-    # reads the base's modules on any forward: it holds the base to rerun it otherwise)
-    plain = (not augmented and not args.amp) or getattr(refiner, "taps", None) is not None
-    module = getattr(base, "module", None) if plain else None
-    share = getattr(refiner, "shared_features", None)
-    kept = share(module) if module is not None and share else contextlib.nullcontext()
-    with kept as shared:
-        for path, name in track(images, desc="refine", unit="img", mode=c.mode_of(args)):
-            try:
-                rgb = as_rgb_array(path)
-            except DualsegError as err:
-                failures.append(str(err))
-                for folder in kinds if args.overwrite else ():  # an earlier run's, now stale
-                    (out / folder / f"{name}.png").unlink(missing_ok=True)
-                continue
-            x = torch.from_numpy(normalize([rgb])).to(device)
-            with torch.no_grad(), c.autocast(args, device):
-                scores = base_scores(base, x, name, path, opts)
-                if args.crf:  # probabilities: a model's logits, averaged ones are already
-                    probs = (
-                        scores.softmax(1) if hasattr(base, "module") and not augmented else scores
-                    )
-                    labels, changed = refiner.refine(x, probs)
-                else:
-                    features = shared.take(x) if shared is not None else None
-                    labels, changed = refiner.refine(x, scores, return_changed=True,
-                                                     features=features)  # fmt: skip
-                palette = palette or default_palette(scores.shape[1])
-            c.write_outputs(out, name, rgb, labels[0].cpu().numpy(), palette, alpha=args.alpha)
-            mask = changed[0].cpu().numpy().astype(np.uint8) * 255
-            atomic_save_image(out / "changed" / f"{name}.png", mask)
-            changed_total += int(changed.sum())
-            pixels_total += changed.numel()
-    frac = 100 * changed_total / pixels_total if pixels_total else 0.0
-    print(f"refined {len(images) - len(failures)} image(s): {changed_total} pixels changed "
+    done = apply_run.apply_images(refiner, base, images, out, device=device, opts=opts,
+                                  amp=args.amp, alpha=args.alpha, overwrite=args.overwrite,
+                                  progress=c.mode_of(args))  # fmt: skip
+    frac = 100 * done.changed / done.pixels if done.pixels else 0.0
+    print(f"refined {len(images) - len(done.failures)} image(s): {done.changed} pixels changed "
           f"({frac:.3f}%) -> {out}")  # fmt: skip
-    for message in failures:
+    for message in done.failures:
         print(f"  skipped: {message}", file=sys.stderr)
-    if failures:
-        raise DataError(f"{len(failures)} of {len(images)} input image(s) could not be read")
+    if done.failures:
+        raise DataError(f"{len(done.failures)} of {len(images)} input image(s) could not be read")
     return 0
 
 
-# ---------------------------------------------------------------------- layers
 def layers_main(args: argparse.Namespace) -> int:
-    base = load_base(args.base)
-    model = getattr(base, "module", None)
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(
-            f"--base {args.base} holds saved probabilities, not a model: pass a checkpoint "
-            "or file.py:NAME"
-        )
-    try:
-        taps = list_taps(model, torch.zeros(1, 3, *args.size))
-    except DualsegError:
-        raise
-    except Exception as err:  # the user's model on a blank image
-        raise ConfigError(
-            f"the base model failed on a 1x3x{args.size[0]}x{args.size[1]} sample "
-            f"({type(err).__name__}: {err}); try another --size"
-        ) from None
-    print(f"{'module':<44} {'channels':>8} {'stride':>6}  size")
-    for t in taps:
-        print(f"{t.name:<44} {t.channels:>8} {t.stride:>6}  {t.size[0]}x{t.size[1]}")
-    picked = pick_taps(model, taps)
-    if picked:
-        print(f"suggested: --base-features {picked[0]} {picked[1]} (or --base-features auto)")
-    else:
-        print("no taps picked for this layout: choose LOW (stride 4) and HIGH (stride 16 or 32)")
+    print(describe_layers(args.base, args.size))
     return 0

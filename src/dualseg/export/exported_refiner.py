@@ -1,9 +1,7 @@
 """``ExportedRefiner``: method B from an exported embedding model plus its JSON sidecar.
 
-``BoundaryRefiner.refine``'s contract (P2-P5) with prototypes and configuration from the
-sidecar. The embedding runs in onnxruntime (or TorchScript); the configuration
-(``RefinerConfig``) and P2-P5 themselves (:func:`dualseg.refine.relabel.relabel`) are
-``BoundaryRefiner``'s, from ``dualseg.refine`` (which imports torch), so the two cannot drift.
+The embedding runs in onnxruntime (or TorchScript); P2-P5 and the configuration are
+``BoundaryRefiner``'s own code, so the two cannot drift.
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from dualseg.errors import CheckpointError, ConfigError, DataError, DualsegError
 from dualseg.export.runners import (
@@ -26,6 +25,14 @@ from dualseg.export.runners import (
     refiner_sidecar_path,
 )
 from dualseg.imaging import normalize
+from dualseg.refine.calibrate import calibration_note
+from dualseg.refine.config import RefinerConfig
+from dualseg.refine.decision import prototype_scale
+from dualseg.refine.embedding import embedding_cover, p1_filter
+from dualseg.refine.formats import stored_description
+from dualseg.refine.inputs import check_classes, check_normalized_batch
+from dualseg.refine.relabel import prototype_scores, relabel
+from dualseg.refine.shared import SharedFeatures
 
 
 class ExportedRefiner:
@@ -33,9 +40,6 @@ class ExportedRefiner:
     contract and P2-P5 code; the embedding is computed by ``runner``."""
 
     def __init__(self, runner: Runner, sidecar: Mapping[str, Any], *, source: str = "") -> None:
-        from dualseg.refine.config import RefinerConfig
-        from dualseg.refine.formats import stored_description
-
         self.runner, self.source = runner, source
         described = stored_description(sidecar, source)
         self.class_names = tuple(described["class_names"])
@@ -58,8 +62,6 @@ class ExportedRefiner:
 
     def calibration_note(self) -> str | None:
         """As :meth:`BoundaryRefiner.calibration_note`."""
-        from dualseg.refine.calibrate import calibration_note
-
         return calibration_note(self.calibration, self.config)
 
     @property
@@ -76,14 +78,10 @@ class ExportedRefiner:
         self, base_names: Sequence[str] | None, num_classes: int, *, what: str = "the base model"
     ) -> None:
         """Raise :class:`CheckpointError` when the base model's classes are not the refiner's."""
-        from dualseg.refine.inputs import check_classes
-
         check_classes(self.class_names, base_names, num_classes, what=what)
 
     def shared_features(self, model: Any) -> Any:
         """A context that shares nothing: the exported model runs its own backbone."""
-        from dualseg.refine.shared import SharedFeatures
-
         return SharedFeatures(model, active=False)
 
     def refine(
@@ -102,13 +100,9 @@ class ExportedRefiner:
             )
         p = _numpy(probs)
         if len(getattr(images, "shape", ())) == 4:
-            from dualseg.refine.inputs import check_normalized_batch
-
             check_normalized_batch(images)
             labels, changed = self._refine_batch(_numpy(images), p)
             if hasattr(probs, "detach"):  # tensors in, tensors out (on probs' device)
-                import torch
-
                 labels = torch.from_numpy(labels).to(probs.device)
                 changed = torch.from_numpy(changed).to(probs.device)
         else:
@@ -118,12 +112,6 @@ class ExportedRefiner:
         return (labels, changed) if return_changed else labels
 
     def _refine_batch(self, x: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        import torch
-
-        from dualseg.refine.decision import prototype_scale
-        from dualseg.refine.embedding import p1_filter
-        from dualseg.refine.relabel import prototype_scores, relabel  # BoundaryRefiner's P2-P5
-
         if probs.ndim != 4 or x.shape[0] != probs.shape[0] or x.shape[-2:] != probs.shape[-2:]:
             raise DataError(
                 f"class probabilities of shape {probs.shape} do not match images of shape "
@@ -160,8 +148,6 @@ def runner_span(
     """The size, in pixels of an image of ``size``, that ``runner``'s embedding map spans; a
     static export resizes every image to its ``static_hw`` first, so that size's span,
     scaled back."""
-    from dualseg.refine.embedding import embedding_cover
-
     static = getattr(runner, "static_hw", None)
     if static is None:
         return embedding_cover(tuple(size), input_scale, output_stride)

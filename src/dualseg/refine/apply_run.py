@@ -1,20 +1,28 @@
-"""``refine apply``'s library side: a refiner set up for one base, and the base's scores.
-
-Both refiners (``BoundaryRefiner`` and an exported one) are read through the same attributes
-(``config``, ``calibration``, ``calibration_note``, ``check_classes``).
-"""
+"""``refine apply``'s library side: a refiner set up for one base, run over image files."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
+from dualseg.console import ProgressMode, track
 from dualseg.engine.inference import InferenceOptions, infer_logits
-from dualseg.errors import ConfigError
+from dualseg.engine.outputs import write_outputs
+from dualseg.engine.predict import as_rgb_array
+from dualseg.errors import ConfigError, DualsegError
+from dualseg.imaging import normalize
+from dualseg.io import atomic_save_image
 from dualseg.refine.base import OTHER_BASE, other_calibration_base
+from dualseg.refine.crf import CRFSettings, import_pydensecrf
+from dualseg.viz import default_palette
+
+KINDS = ("labels", "color", "overlay", "changed")  # refine apply's output folders
 
 
 def configure(
@@ -74,3 +82,75 @@ def base_scores(
     ).float()
     augmented = opts.mode != "whole" or opts.uses_tta
     return scores.softmax(1) if augmented else scores  # the averaged log-probabilities came back
+
+
+def crf_settings(top_n: int | None, radius: int | None) -> CRFSettings:
+    """``refine apply --crf``: the dense CRF, method B's overrides refused (it has none)."""
+    given = [f for f, v in (("--top-n", top_n), ("--radius", radius)) if v is not None]
+    if given:
+        raise ConfigError(
+            f"{' and '.join(given)} set method B's refiner; --crf has none: drop them"
+        )
+    import_pydensecrf()  # before any output: one line saying how to install it
+    return CRFSettings()
+
+
+class Applied(NamedTuple):
+    changed: int
+    pixels: int
+    failures: list[str]
+
+
+def apply_images(
+    refiner: Any, base: Any, images: Sequence[tuple[Path, str]], out: Path, *, device: Any,
+    opts: InferenceOptions, amp: bool, alpha: float, overwrite: bool, progress: ProgressMode,
+) -> Applied:  # fmt: skip
+    """Refine each ``(path, name)`` image and write its ``KINDS`` PNGs to ``out``; an unreadable
+    image is skipped (its stale outputs removed with ``overwrite``) and reported."""
+    crf = isinstance(refiner, CRFSettings)
+    augmented = opts.mode != "whole" or opts.uses_tta
+    if hasattr(base, "require"):  # a probability folder: every image's map, before any output
+        base.require([name for _, name in images], [str(path) for path, _ in images])
+    # the base's colours, else those refine fit stored (an exported refiner has none)
+    palette = base.palette or getattr(refiner, "palette", None)
+    changed_total = pixels_total = 0
+    failures: list[str] = []
+    # a plain forward's backbone output is read, not rerun (a tap refiner reads any forward)
+    plain = (not augmented and not amp) or getattr(refiner, "taps", None) is not None
+    module = getattr(base, "module", None) if plain else None
+    share = getattr(refiner, "shared_features", None)
+    kept = share(module) if module is not None and share else contextlib.nullcontext()
+    cuda_amp = amp and device.type == "cuda"
+    with kept as shared:
+        for path, name in track(images, desc="refine", unit="img", mode=progress):
+            try:
+                rgb = as_rgb_array(path)
+            except DualsegError as err:
+                failures.append(str(err))
+                for folder in KINDS if overwrite else ():  # an earlier run's, now stale
+                    (out / folder / f"{name}.png").unlink(missing_ok=True)
+                continue
+            x = torch.from_numpy(normalize([rgb])).to(device)
+            amp_ctx = (
+                torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+                if cuda_amp
+                else contextlib.nullcontext()
+            )
+            with torch.no_grad(), amp_ctx:
+                scores = base_scores(base, x, name, path, opts)
+                if crf:  # probabilities: a model's logits; averaged ones already are
+                    plain_logits = hasattr(base, "module") and not augmented
+                    labels, changed = refiner.refine(
+                        x, scores.softmax(1) if plain_logits else scores
+                    )
+                else:
+                    features = shared.take(x) if shared is not None else None
+                    labels, changed = refiner.refine(x, scores, return_changed=True,
+                                                     features=features)  # fmt: skip
+                palette = palette or default_palette(scores.shape[1])
+            write_outputs(out, name, rgb, labels[0].cpu().numpy(), palette, alpha=alpha)
+            mask = changed[0].cpu().numpy().astype(np.uint8) * 255
+            atomic_save_image(out / "changed" / f"{name}.png", mask)
+            changed_total += int(changed.sum())
+            pixels_total += changed.numel()
+    return Applied(changed_total, pixels_total, failures)

@@ -1,19 +1,4 @@
-"""Base models for method B (P2): anything that gives class scores for an image.
-
-- :class:`ModuleBase` — any ``nn.Module`` returning logits ``[B,C,h,w]`` (resized to the image
-  bilinearly), a dict with ``"out"`` (torchvision's segmentation models) or a tuple/list whose
-  first item is the logits;
-- a model dualseg did not build, named ``file.py:NAME`` (:func:`python_model`); any other
-  callable giving logits (or an object with ``.logits``, as Hugging Face models return);
-- :func:`checkpoint_base` — a dualseg checkpoint (method A's network or the peer models);
-- :class:`ProbsFolderBase` — a folder of probability maps saved by ``dualseg predict --probs``
-  (one ``<name>.npz`` per image, keys ``probs`` float16 ``[C,H,W]``, ``class_names``,
-  ``source``), looked up by the image's output name.
-
-All share ``scores(images, names, sources=None) -> [B,C,H,W]`` (logits or probabilities at
-the image size; only their order is used; ``sources``: the images' paths, which a probability
-folder checks its maps against) and ``class_names`` (``None`` when unknown).
-"""
+"""Base models for method B (P2): anything that gives class scores for an image."""
 
 from __future__ import annotations
 
@@ -30,10 +15,10 @@ from torch import Tensor, nn
 
 from dualseg.engine.distributed import resolve_device
 from dualseg.engine.pretrained import is_hub_source, is_pretrained_folder, load_network
-from dualseg.errors import ConfigError, DataError
+from dualseg.errors import ConfigError, DataError, DualsegError
 from dualseg.imaging import read_image, rgb_digest
 from dualseg.models.base import eval_mode
-from dualseg.refine.taps import base_logits, is_py_spec
+from dualseg.refine.taps import base_logits, is_py_spec, list_taps, pick_taps
 
 
 class BaseModel(Protocol):
@@ -51,13 +36,9 @@ class ModuleBase:
     BatchNorm statistics never move)."""
 
     def __init__(
-        self,
-        module: nn.Module | Any,
-        *,
-        class_names: Sequence[str] | None = None,
-        palette: Sequence[tuple[int, int, int]] | None = None,
-        device: str | torch.device = "cpu",
-    ) -> None:
+        self, module: nn.Module | Any, *, class_names: Sequence[str] | None = None,
+        palette: Sequence[tuple[int, int, int]] | None = None, device: str | torch.device = "cpu",
+    ) -> None:  # fmt: skip
         self.device = resolve_device(device)
         self.module = module.to(self.device) if isinstance(module, nn.Module) else module
         self.class_names = tuple(class_names) if class_names is not None else None
@@ -77,7 +58,6 @@ class ModuleBase:
 def model_fingerprint(module: nn.Module) -> str:
     """A short hash of a model's weights (names, shapes and values): which base a refiner's
     decision options were calibrated on, so that applying them to another is said."""
-
     digest = hashlib.sha256()
     for key, tensor in module.state_dict().items():
         digest.update(f"{key}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
@@ -93,9 +73,8 @@ OTHER_BASE = (
 
 
 def other_calibration_base(refiner: Any, module: nn.Module | None) -> bool:
-    """Whether ``refiner``'s decision options were calibrated on a base model other than
-    ``module`` (False when unknown: no calibration, a probability-folder base, an older
-    refiner)."""
+    """Whether ``refiner``'s decision options were calibrated on a base model other than ``module``
+    (False when unknown: no calibration, a probability-folder base, an older refiner)."""
     calibrated = (getattr(refiner, "calibration", None) or {}).get("base_fingerprint")
     return bool(calibrated) and module is not None and calibrated != model_fingerprint(module)
 
@@ -105,7 +84,6 @@ def checkpoint_base(
 ) -> ModuleBase:
     """A dualseg checkpoint, pretrained folder or ``hf://org/name`` as a base model (its class
     names and palette come along)."""
-
     model, meta, ckpt = load_network(path, device=device)  # fed ImageNet-normalized images
     base = ModuleBase(model, class_names=meta.class_names, palette=meta.palette, device=device)
     base.arch = str(ckpt["arch"])  # type: ignore[attr-defined]
@@ -117,14 +95,7 @@ def checkpoint_base(
 
 class ProbsFolderBase:
     """Saved probability maps (``dualseg predict --probs``): ``<folder>/<name>.npz`` or
-    ``<folder>/probs/<name>.npz``.
-
-    Every file's ``class_names`` must agree (checked when the folder is opened). Given the
-    images' paths (``scores(..., sources=...)``), a map is found by its stored ``source``
-    (two images named ``x.png`` from different folders are ``x.npz`` and ``x_1.npz``), and a
-    map stored for another image is refused; by name alone, a name that several images share
-    is refused rather than guessed.
-    """
+    ``<folder>/probs/<name>.npz``."""
 
     def __init__(self, folder: str | os.PathLike[str]) -> None:
         folder = Path(folder)
@@ -234,11 +205,10 @@ class ProbsFolderBase:
 
 
 class _SourceMatch:
-    """Whether a stored map's image is the image at ``source``: the same file on disk when
-    both paths exist here; else, when the map stores its image's digest and ``source`` exists,
-    the same decoded pixels (a bare ``x.png`` must not match a stored ``.../A/x.png`` that is
-    gone); else, for maps without a digest (older dualseg), :func:`same_file`'s trailing-path
-    rule. ``source`` is read (once) only when a digest is compared."""
+    """Whether a stored map's image is the image at ``source``: the same file on disk when both
+    paths exist here; else, when the map stores its image's digest and ``source`` exists, the
+    same decoded pixels (a bare ``x.png`` must not match a stored ``.../A/x.png`` that is gone);
+    else, for maps without a digest (older dualseg), :func:`same_file`'s trailing-path rule."""
 
     def __init__(self, source: str) -> None:
         self.source = source
@@ -317,3 +287,34 @@ def load_base(
     if path.is_dir():
         return ProbsFolderBase(path)
     return checkpoint_base(path, device=device)
+
+
+def describe_layers(spec: str, size: Sequence[int]) -> str:
+    """``refine layers``: the feature-map modules of base ``spec`` on a blank sample, a table."""
+    model = getattr(load_base(spec), "module", None)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            f"--base {spec} holds saved probabilities, not a model: pass a checkpoint "
+            "or file.py:NAME"
+        )
+    try:
+        taps = list_taps(model, torch.zeros(1, 3, *size))
+    except DualsegError:
+        raise
+    except Exception as err:  # the user's model on a blank image
+        raise ConfigError(
+            f"the base model failed on a 1x3x{size[0]}x{size[1]} sample "
+            f"({type(err).__name__}: {err}); try another --size"
+        ) from None
+    lines = [f"{'module':<44} {'channels':>8} {'stride':>6}  size"]
+    lines += [f"{t.name:<44} {t.channels:>8} {t.stride:>6}  {t.size[0]}x{t.size[1]}" for t in taps]
+    picked = pick_taps(model, taps)
+    if picked:
+        lines.append(
+            f"suggested: --base-features {picked[0]} {picked[1]} (or --base-features auto)"
+        )
+    else:
+        lines.append(
+            "no taps picked for this layout: choose LOW (stride 4) and HIGH (stride 16 or 32)"
+        )
+    return "\n".join(lines)

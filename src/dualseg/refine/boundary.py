@@ -1,22 +1,4 @@
-"""Near-boundary mask of a label map (method B, training step 2 and inference P4).
-
-Canny edges of the label map give the semantic boundary; dilating them with an elliptical
-kernel of radius ``radius`` gives the boolean mask ``edge`` of near-boundary pixels. Pixels
-with the ignore label are never in the mask (spec Reading: radius default 5 px at the working
-resolution; ignore pixels are never near-boundary samples).
-
-Why not ``cv2.Canny(labels, 100, 200)``: Canny sees grey values, so a step between two adjacent
-class indices (3 | 4) is a gradient of 4 and falls below any usual threshold. We therefore
-re-code each image's labels by rank and spread the codes evenly over 0..255, and run Canny with
-thresholds below the smallest possible step. Canny's non-maximum suppression still drops a
-weak transition lying right next to a stronger one (a 2-px stripe 13 between 55 and 21 loses its
-13|21 edge), and Sobel cancels at symmetric spots; a semantic boundary must not vanish, so the
-default ``method="canny"`` adds to Canny's edges the pixels on both sides of every 4-neighbour
-label transition. ``method="canny_only"`` is the literal Canny (may miss such transitions);
-``method="neighbour"`` is the transition pixels alone (no OpenCV edge detector).
-Boundary of a straight border: the two pixel rows/columns touching it, so the dilated band is
-``2 * radius + 2`` px wide, symmetric about the border.
-"""
+"""Near-boundary mask of a label map (method B, training step 2 and inference P4)."""
 
 from __future__ import annotations
 
@@ -54,13 +36,9 @@ def _canny(label: np.ndarray) -> np.ndarray:
 
 
 def _codes(label: np.ndarray) -> tuple[int, np.ndarray | None]:
-    """``(number of distinct labels, uint8 grey codes)``: each pixel's label rank times the
-    smallest step >= 1 that spreads the ranks over 0..255 (so a Sobel response >= 4); codes
-    ``None`` with fewer than 2 or more than 256 labels.
-
-    Class maps hold small non-negative integers: a bincount + lookup table of codes is ~10x
-    faster than ``np.unique``'s sort; anything else (negative, huge or float labels) sorts.
-    """
+    """``(number of distinct labels, uint8 grey codes)``: each pixel's label rank times the smallest
+    step >= 1 that spreads the ranks over 0..255 (so a Sobel response >= 4); codes ``None`` with
+    fewer than 2 or more than 256 labels."""
     if label.dtype.kind in "ui" and label.size and label.min() >= 0 and label.max() < 65536:
         present = np.bincount(label.ravel()) > 0
         count = int(present.sum())
@@ -96,21 +74,12 @@ def near_boundary_mask(
     labels: np.ndarray, *, radius: int = ..., ignore_index: int | None = ..., method: str = ...
 ) -> np.ndarray: ...
 def near_boundary_mask(
-    labels: Tensor | np.ndarray,
-    *,
-    radius: int = 5,
-    ignore_index: int | None = 255,
+    labels: Tensor | np.ndarray, *, radius: int = 5, ignore_index: int | None = 255,
     method: str = "canny",
-) -> Tensor | np.ndarray:
+) -> Tensor | np.ndarray:  # fmt: skip
     """Bool mask of pixels near a label boundary: the boundary dilated with OpenCV's elliptical
-    ``(2·radius+1)``-square kernel (which reaches a little past a Euclidean ``radius``: up to
-    5.4 px at radius 5; the metrics' trimap band is the exact disk).
-
-    ``labels``: ``[H,W]`` or ``[B,H,W]`` integers (tensor on any device, or numpy). Returns the
-    same kind and shape, dtype bool (a tensor stays on its device). Ignore pixels are False.
-    The ignore label takes part in edge detection (a class/void border is a boundary), only its
-    own pixels are dropped from the mask.
-    """
+    ``(2·radius+1)``-square kernel (which reaches a little past a Euclidean ``radius``: up to 5.4
+    px at radius 5; the metrics' trimap band is the exact disk)."""
     if not 0 <= radius <= MAX_RADIUS:
         raise ConfigError(f"near-boundary radius must be in 0..{MAX_RADIUS}, got {radius}")
     is_tensor = isinstance(labels, Tensor)

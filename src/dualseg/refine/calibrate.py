@@ -1,17 +1,4 @@
-"""Method B's decision options, chosen on held-out labelled images (beyond the claim).
-
-The claim (P5) relabels every near-boundary pixel with the nearest of its Top-N prototypes,
-whatever the base model's confidence; on a strong base that overrides pixels the base had right.
-:mod:`dualseg.refine.decision` offers three readings beyond it — a gate τ on the base's top-1
-minus top-2 probability, a weight λ on the base's log-probability beside the distance, a
-probability floor for the candidates — and P1's filter (a blur of the embedding's input).
-:func:`sweep_decision` scores a grid of them on labelled images in one pass — the base model
-runs once per image and the embedding once per blur, each setting is a cheap decision on their
-outputs — and :func:`choose_decision` picks the best mIoU (or, ``metric="boundary_f1"``, the
-best boundary F1, for users who refine for the edges). τ = 0 never relabels, so the choice is
-never below the base in that metric *on the images that chose it*; choose on images held out of
-the training split, and report on another split.
-"""
+"""Method B's decision options, chosen on held-out labelled images (beyond the claim)."""
 
 from __future__ import annotations
 
@@ -78,30 +65,11 @@ def decision_grid(
 
 @torch.no_grad()
 def sweep_decision(
-    refiner: _Refines,
-    base: Callable[[Tensor], Tensor],
-    batches: Iterable[tuple[Tensor, Tensor]],
-    *,
-    num_classes: int,
-    grid: Sequence[dict[str, Any]] | None = None,
-    ignore_index: int = 255,
-    device: str | torch.device = "cpu",
-    shared: _Keeps | None = None,
-) -> list[dict[str, Any]]:
-    """Score the base model and the refiner at each decision setting on labelled ``batches``.
-
-    ``refiner.candidates(images, probs)`` gives the undecided P2-P5 outputs
-    (:class:`~dualseg.refine.decision.Candidates`); the refiner's own decision options are not
-    used. ``base(images)`` returns class probabilities ``[B,C,H,W]`` at image size; ``batches``
-    yields ``(images [B,3,H,W] normalized, labels [B,H,W])``. ``grid``: settings as from
-    :func:`decision_grid` (its default). Returns a ``"base"`` row (``gate_margin == "base"``)
-    and one row per setting: the setting's keys and ``"miou"``, ``"boundary_f1"``,
-    ``"pixel_acc"``, ``"changed"`` (the fraction of labelled pixels changed).
-
-    ``shared``: the refiner's ``shared_features(model)`` context, entered around the sweep,
-    for the ``model`` that ``base`` runs: the settings without P1 blur then read the base's
-    own backbone output, as ``evaluate`` will with the chosen refiner.
-    """
+    refiner: _Refines, base: Callable[[Tensor], Tensor], batches: Iterable[tuple[Tensor, Tensor]],
+    *, num_classes: int, grid: Sequence[dict[str, Any]] | None = None, ignore_index: int = 255,
+    device: str | torch.device = "cpu", shared: _Keeps | None = None,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Score the base model and the refiner at each decision setting on labelled ``batches``."""
     dev = torch.device(device)
     settings = list(decision_grid() if grid is None else grid)
     keys: list[Any] = ["base", *range(len(settings))]
@@ -150,10 +118,8 @@ def sweep_decision(
 
 
 def choose_decision(rows: Sequence[dict[str, Any]], *, metric: str = METRICS[0]) -> dict[str, Any]:
-    """The decision options of the best row by ``metric`` (one of :data:`METRICS`: mIoU, or
-    boundary F1); on a tie the row changing fewer pixels. The ``"base"`` row is not a
-    candidate, but τ = 0 (which changes nothing) is, when swept. Returns
-    ``{"gate_margin", "prior_weight", "min_prob", "p1_blur_sigma"}``."""
+    """The decision options of the best row by ``metric`` (one of :data:`METRICS`: mIoU, or boundary
+    F1); on a tie the row changing fewer pixels."""
     if metric not in METRICS:
         raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     candidates = [r for r in rows if r["gate_margin"] != "base"]
@@ -173,7 +139,6 @@ def calibrated_on(calibration: Mapping[str, Any] | None, images: Sequence[Any]) 
     (``calibration["image_digests"]``, :func:`dualseg.io.file_digest`), so the same images under
     another split name, root or file name are found; ``None`` when that is unknown (no
     calibration, or one stored before the digests were)."""
-
     digests = (calibration or {}).get("image_digests")
     if digests is None:
         return None

@@ -1,13 +1,7 @@
-"""RefinerConfig: every method-B option, its default, its help line and its rule, once.
-
-``refine fit`` builds its flags from these fields (``--embed-dim`` for ``embed_dim``), so a
-new option is written here only. Defaults are the spec's readings or were measured on CamVid
-(docs/refine.md): output stride 16 at input scale 0.5 costs ~6% of a DeepLabV3-MobileNetV2
-forward on the CPU; AdamW at lr 1e-3 (at 1e-4, over half the triplets still violated the
-margin after 150 steps).
-"""
+"""RefinerConfig: every method-B option, its default, its help line and its rule, once."""
 
 # no ``from __future__ import annotations``: __post_init__ and the flag loop read field types
+import argparse
 import dataclasses
 import math
 from collections.abc import Callable, Mapping
@@ -150,6 +144,14 @@ class RefinerConfig:
                 "DeepLabV3+ uses 48)", 0,
             )  # fmt: skip
 
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace) -> "RefinerConfig":
+        """The options ``refine fit`` parsed; a broken rule is named by its flag."""
+        try:
+            return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        except OptionError as err:
+            raise ConfigError(err.named(f"--{err.option.replace('_', '-')}")) from None
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -184,3 +186,19 @@ def _has_type(kind: Any, value: Any) -> bool:
     if kind in (float, float | None):
         return isinstance(value, int | float)
     return isinstance(value, kind)
+
+
+def add_flags(p: argparse.ArgumentParser, parsers: Mapping[str, Callable[[str], Any]]) -> None:
+    """One flag per field (``--embed-dim`` for ``embed_dim``); ``parsers``: their own ``type=``."""
+    for f in dataclasses.fields(RefinerConfig):
+        kind = float if f.type == float | None else f.type
+        kw: dict[str, Any] = {"type": parsers.get(f.name, kind), "default": f.default}
+        if f.type == tuple[int, ...]:
+            kw.update(type=int, nargs="+", default=list(f.default))
+        if f.type == tuple[str, ...] | None:
+            kw.update(type=str, nargs="+", metavar="MODULE")
+        shown = " ".join(map(str, f.default)) if f.type == tuple[int, ...] else f.default
+        help = f.metadata["help"] + (f" ({shown})" if f.default is not None else "")
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
+        p.add_argument(f"--{f.name.replace('_', '-')}", help=help, **kw)

@@ -1,11 +1,5 @@
-"""Dense CRF (Krähenbühl & Koltun 2011) on a base model's probabilities: the baseline that
-method B is compared with.
-
-It runs ``pydensecrf2``, an optional extra (``pip install 'dualseg[crf]'``), on the CPU, one
-image at a time: a Gaussian smoothness kernel and a bilateral appearance kernel, mean-field
-inference. :class:`CRFSettings` holds the kernel settings; :data:`CRF_GRID` is the small set
-from which :func:`choose_crf` picks one on held-out (dev) images, as method B's decision is.
-"""
+"""Dense CRF (Krähenbühl & Koltun 2011) on a base model's probabilities: the baseline that method B
+is compared with."""
 
 from __future__ import annotations
 
@@ -38,12 +32,7 @@ def import_pydensecrf() -> ModuleType:
 
 @dataclass(frozen=True)
 class CRFSettings:
-    """Kernel settings of the dense CRF (the defaults: DeepLab's, common for street scenes).
-
-    ``sxy_*``: the kernels' spatial standard deviations in pixels; ``srgb_bilateral``: the
-    colour standard deviation (0-255 scale); ``compat_*``: each kernel's Potts weight;
-    ``iterations``: mean-field steps.
-    """
+    """Kernel settings of the dense CRF (the defaults: DeepLab's, common for street scenes)."""
 
     iterations: int = 5
     sxy_gaussian: float = 3
@@ -66,19 +55,10 @@ class CRFSettings:
 
     @torch.no_grad()
     def refine(
-        self,
-        images: Tensor,
-        probs: Tensor,
-        return_changed: bool = True,
-        *,
-        mean: Sequence[float] = IMAGENET_MEAN,
-        std: Sequence[float] = IMAGENET_STD,
-    ) -> tuple[Tensor, Tensor]:
-        """As a method-B refiner for :func:`~dualseg.engine.evaluation.evaluate`.
-
-        ``images``: normalized ``[B,3,H,W]``; ``probs``: ``[B,C,H,W]``. Returns
-        ``(labels, changed)``, both ``[B,H,W]`` on ``probs``' device; ``changed`` marks where
-        the CRF moved the argmax."""
+        self, images: Tensor, probs: Tensor, return_changed: bool = True, *,
+        mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """As a method-B refiner for :func:`~dualseg.engine.evaluation.evaluate`."""
         rgb = images.detach().float().cpu() * torch.tensor(std)[:, None, None]
         rgb = rgb + torch.tensor(mean)[:, None, None]
         rgb = (rgb * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
@@ -93,16 +73,13 @@ class CRFSettings:
 
 
 def dense_crf(
-    image_uint8_hwc: np.ndarray,
-    probs_chw: np.ndarray,
-    *,
-    iterations: int = CRFSettings.iterations,
+    image_uint8_hwc: np.ndarray, probs_chw: np.ndarray, *, iterations: int = CRFSettings.iterations,
     sxy_gaussian: float = CRFSettings.sxy_gaussian,
     compat_gaussian: float = CRFSettings.compat_gaussian,
     sxy_bilateral: float = CRFSettings.sxy_bilateral,
     srgb_bilateral: float = CRFSettings.srgb_bilateral,
     compat_bilateral: float = CRFSettings.compat_bilateral,
-) -> np.ndarray:
+) -> np.ndarray:  # fmt: skip
     """The CRF's refined probabilities, float32 ``[C,H,W]`` (each pixel's sum to 1; take
     ``argmax(0)`` for labels), of ``image_uint8_hwc`` (RGB ``[H,W,3]`` uint8) and the base
     model's softmax ``probs_chw`` (``[C,H,W]``, unary = ``-log p``)."""
@@ -142,14 +119,9 @@ CRF_GRID: tuple[CRFSettings, ...] = (
 
 
 def choose_crf(
-    model: nn.Module,
-    loader: Iterable[tuple[Tensor, Tensor]],
-    *,
-    num_classes: int,
-    device: torch.device,
-    grid: Sequence[CRFSettings] = CRF_GRID,
-    metric: str = "miou",
-) -> tuple[CRFSettings, list[dict[str, Any]]]:
+    model: nn.Module, loader: Iterable[tuple[Tensor, Tensor]], *, num_classes: int,
+    device: torch.device, grid: Sequence[CRFSettings] = CRF_GRID, metric: str = "miou",
+) -> tuple[CRFSettings, list[dict[str, Any]]]:  # fmt: skip
     """The setting of ``grid`` whose CRF scores best in ``metric`` (``miou`` or
     ``boundary_f1``) on ``loader``'s (dev) images, and every setting's scores."""
     rows = []

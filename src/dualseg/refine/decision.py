@@ -1,22 +1,4 @@
-"""Method B's decision at near-boundary pixels (P3-P5), and the readings beyond the claim.
-
-The claim (P5): each near-boundary pixel of Pred takes the Top-N label whose prototype is
-nearest to the pixel's embedding, whatever the base model's confidence. On a strong base that
-overrides pixels the base had right, so three readings beyond the claim are options (each off
-by default, chosen on held-out images by :mod:`dualseg.refine.calibrate`):
-
-- ``gate_margin`` τ: relabel only where the base's top-1 minus top-2 probability is below τ
-  (τ = 0 never relabels);
-- ``prior_weight`` λ: the candidate's score is its squared distance (in units of the mean
-  squared distance between prototypes, so λ means the same for every embedding) plus
-  λ × the base's negative log-probability of it — nearest prototype at λ = 0, the base's
-  argmax as λ grows;
-- ``min_prob``: a Top-N candidate other than the base's top-1 needs at least this probability.
-
-The work is split so a sweep is cheap: :func:`gather_candidates` runs the embedding once and
-returns everything every decision needs at the M near-boundary pixels; :func:`decide` turns it
-into labels for one setting.
-"""
+"""Method B's decision at near-boundary pixels (P3-P5), and the readings beyond the claim."""
 
 from __future__ import annotations
 
@@ -32,8 +14,7 @@ from dualseg.refine.embedding import EmbeddingNet
 
 def are_probabilities(scores: Tensor) -> bool:
     """Whether class scores (classes on dim 1: ``[B,C,H,W]`` maps or ``[M,C]`` rows) are
-    probabilities (non-negative, summing to one over C); otherwise they are read as logits.
-    No scores at all count as probabilities (nothing to convert)."""
+    probabilities (non-negative, summing to one over C); otherwise they are read as logits."""
     if scores.numel() == 0:
         return True
     if bool(scores.min() < 0):
@@ -74,26 +55,10 @@ class Candidates:
 
 
 def gather_candidates(
-    probs: Tensor,
-    scores: Callable[[Tensor, Tensor], Tensor],
-    present: Tensor,
-    *,
-    top_n: int,
-    radius: int,
-    edge_method: str,
-    scale: float = 1.0,
-    covered: tuple[float, float] | None = None,
-) -> Candidates:
-    """P2-P4 and P5's distances on class scores ``probs [B,C,H,W]`` (probabilities or logits).
-
-    ``scores(keep, band)`` returns ``prototype_scores`` ``[b,K,h,w]`` of the images that
-    ``keep`` (bool ``[B]``) selects: those with near-boundary pixels, so the embedding runs only
-    there. ``band`` (bool ``[b,H,W]``) is their near-boundary pixels: the maps need to be exact
-    only at the cells sampled for them (``EmbeddingNet.sampled_cells``).
-    ``covered``: the size ``(H', W')``, in image pixels, those maps span when it is not the
-    image's — an input padded at the bottom and right to a multiple of the stride, the base
-    model's or the embedding model's own (``None``: the image, ``(H, W)``).
-    """
+    probs: Tensor, scores: Callable[[Tensor, Tensor], Tensor], present: Tensor, *, top_n: int,
+    radius: int, edge_method: str, scale: float = 1.0, covered: tuple[float, float] | None = None,
+) -> Candidates:  # fmt: skip
+    """P2-P4 and P5's distances on class scores ``probs [B,C,H,W]`` (probabilities or logits)."""
     p = probs.float()
     # P2's Pred is the argmax, first index on ties like argmax (topk's first is not: on
     # equal scores it picks another class). max(1) returns the same indices and is ~4x
@@ -137,18 +102,10 @@ def gather_candidates(
 
 
 def decide(
-    c: Candidates,
-    *,
-    gate_margin: float | None = None,
-    prior_weight: float = 0.0,
+    c: Candidates, *, gate_margin: float | None = None, prior_weight: float = 0.0,
     min_prob: float = 0.0,
-) -> tuple[Tensor, Tensor]:
-    """P5 with the readings above: ``(labels [B,H,W] int64, changed bool [B,H,W])``.
-
-    The defaults are the claim: every near-boundary pixel takes its nearest Top-N prototype.
-    A pixel none of whose candidates has a prototype keeps the base's label, and so does a
-    pixel whose base label has no prototype (:func:`gather_candidates`).
-    """
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """P5 with the readings above: ``(labels [B,H,W] int64, changed bool [B,H,W])``."""
     score = c.distance
     if prior_weight > 0:
         score = score - prior_weight * c.log_prob
@@ -171,15 +128,10 @@ def decide(
 
 
 def describe_decision(
-    *,
-    gate_margin: float | None = None,
-    prior_weight: float = 0.0,
-    min_prob: float = 0.0,
+    *, gate_margin: float | None = None, prior_weight: float = 0.0, min_prob: float = 0.0,
     p1_blur_sigma: float = 0.0,
-) -> str:
-    """A decision setting in words: its readings beyond the claim, or "the claim's rule".
-
-    One wording for every report (``refine fit --calibrate-split``, the CamVid benchmark)."""
+) -> str:  # fmt: skip
+    """A decision setting in words: its readings beyond the claim, or "the claim's rule"."""
     if gate_margin == 0:
         return "gate 0: never relabel"
     parts = [] if gate_margin is None else [f"gate {gate_margin:g}"]

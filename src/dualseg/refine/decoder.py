@@ -1,15 +1,5 @@
 """A DeepLabV3+-style decoder for method B's embedding (beyond the claim; off by default,
-``RefinerConfig.decoder_channels = 0``).
-
-Why: the claim's embedding is the ASPP output at the backbone's output stride (16 on the CPU
-protocol), bilinearly upsampled — the same resolution as the base model's own class scores, so
-at a boundary it sees what the base saw. DeepLabV3+ (Chen et al., ECCV 2018, §3.2) sharpens
-boundaries by fusing the upsampled ASPP output with the backbone's stride-4 features, projected
-to a few channels (48 there) so that they do not outweigh the ASPP's. The same fusion here
-gives each near-boundary pixel an embedding that reads stride-4 detail.
-
-``[B,C,h,w]`` (ASPP, stride s) + ``[B,L,H/4,W/4]`` (backbone tap) -> ``[B,C,H/4,W/4]``.
-"""
+``RefinerConfig.decoder_channels = 0``)."""
 
 from __future__ import annotations
 
@@ -65,15 +55,8 @@ class LowLevelDecoder(nn.Module):
         return self.fuse(torch.cat([high, self.project(low)], dim=1))  # [B,C,H/4,W/4]
 
     def forward_at(self, high: Tensor, low: Tensor, at: Tensor) -> Tensor:
-        """``forward``'s output at the ``at`` cells alone (bool ``[B,H/4,W/4]``): ``[M,C]``
-        rows in ``at.nonzero()`` order, with BatchNorm's running statistics (inference).
-
-        At inference method B reads the embedding only near boundaries
-        (:meth:`~dualseg.refine.embedding.EmbeddingNet.sampled_cells`), and the 3×3 fuse conv
-        over the whole stride-4 map was the largest part of its cost. Here the conv's input is
-        made only at the cells it reads, and the conv is one matrix product over the M cells'
-        3×3 neighbourhoods, followed by the same BN, ReLU and 1×1 conv on ``[rows, channels]``.
-        """
+        """``forward``'s output at the ``at`` cells alone (bool ``[B,H/4,W/4]``): ``[M,C]`` rows in
+        ``at.nonzero()`` order, with BatchNorm's running statistics (inference)."""
         n, _, h, w = low.shape
         if at.shape != (n, h, w):  # a caller's bug, not a user's error
             raise ValueError(f"cells {tuple(at.shape)} do not match features {tuple(low.shape)}")

@@ -1,11 +1,4 @@
-"""The re-optimization (embedding) model of method B, training step 3.
-
-backbone (ResNet / MobileNetV2 / any timm model) -> ASPP fusing multi-scale features into a
-C-dimensional embedding (default C = 256) -> bilinear upsampling to the input size. The set
-{(Feat_i, Label_i)} is the embedding at the near-boundary pixels; since only those pixels are
-ever used, :meth:`EmbeddingNet.sample` reads them straight from the low-resolution map with the
-same bilinear weights as the full upsampling (no ``[B,C,H,W]`` tensor at input size needed).
-"""
+"""The re-optimization (embedding) model of method B, training step 3."""
 
 from __future__ import annotations
 
@@ -31,30 +24,13 @@ log = logging.getLogger(__name__)
 
 
 class EmbeddingNet(nn.Module):
-    """``x [B,3,H,W]`` (normalized) -> embedding ``[B,C,H,W]`` (spec method B, step 3).
-
-    ``backbone(x)`` must return one feature map ``[B, backbone_channels, H/s, W/s]``;
-    ``fuse`` maps it to ``[B, C, H/s, W/s]`` (dualseg's ASPP by default).
-
-    ``freeze_backbone=True`` (method B with the base model's own backbone, frozen): the backbone
-    keeps its weights and its normalization statistics (it stays in eval mode when the net is
-    put in training mode) and runs without autograd; only ``fuse`` learns.
-
-    ``decoder`` (beyond the claim, :mod:`dualseg.refine.decoder`): also read the output of the
-    backbone's submodule ``low_level`` (its stride-4 features) and fuse it with ``fuse``'s
-    output; the embedding is then at stride 4.
-    """
+    """``x [B,3,H,W]`` (normalized) -> embedding ``[B,C,H,W]`` (spec method B, step 3)."""
 
     def __init__(
-        self,
-        backbone: nn.Module,
-        fuse: nn.Module,
-        embed_dim: int,
-        *,
-        freeze_backbone: bool = False,
-        decoder: nn.Module | None = None,
+        self, backbone: nn.Module, fuse: nn.Module, embed_dim: int, *,
+        freeze_backbone: bool = False, decoder: nn.Module | None = None,
         low_level: str | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         super().__init__()
         if (decoder is None) != (low_level is None):
             raise ConfigError("EmbeddingNet: pass decoder and low_level together, or neither")
@@ -80,9 +56,8 @@ class EmbeddingNet(nn.Module):
         return self.head(local, low)
 
     def backbone_features(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        """The backbone's output ``[B,L,H/s,W/s]`` and, with a decoder, its stride-4 features
-        (the ``low_level`` submodule's output, kept by a forward hook for this one call).
-        A tap refiner's backbone is the base model's forward, read at its two taps."""
+        """The backbone's output ``[B,L,H/s,W/s]`` and, with a decoder, its stride-4 features (the
+        ``low_level`` submodule's output, kept by a forward hook for this one call)."""
         if isinstance(self.backbone, BaseTaps):
             return self.backbone(x)
         taps: list[Tensor] = []
@@ -108,9 +83,8 @@ class EmbeddingNet(nn.Module):
         return f
 
     def head_at(self, local: Tensor, low: Tensor, at: Tensor) -> Tensor:
-        """:meth:`head`'s stride-4 embedding at the ``at`` cells alone (bool ``[B,H/4,W/4]``,
-        from :meth:`sampled_cells`): ``[M,C]`` rows in ``at.nonzero()`` order. Inference with a
-        decoder only (:meth:`~dualseg.refine.decoder.LowLevelDecoder.forward_at`)."""
+        """:meth:`head`'s stride-4 embedding at the ``at`` cells alone (bool ``[B,H/4,W/4]``, from
+        :meth:`sampled_cells`): ``[M,C]`` rows in ``at.nonzero()`` order."""
         if self.decoder is None or low is None:
             raise ConfigError("head_at needs a decoder and the stride-4 features; use head")
         if self.training:  # forward_at normalizes with the running statistics
@@ -144,12 +118,7 @@ class EmbeddingNet(nn.Module):
         features: Tensor, mask: Tensor, covered: tuple[float, float] | None = None
     ) -> Tensor:
         """Embeddings ``[M,C]`` of the ``mask`` pixels (``[B,H,W]`` bool, input size), in
-        ``mask.nonzero()`` order — equal to ``upsample(features)[b, :, y, x]`` for each pixel.
-
-        ``covered``: the size ``(H', W')``, in the mask's pixels, that ``features`` span when it
-        is not the mask's own (an input padded at the bottom and right to a multiple of the
-        stride spans more: :func:`embedding_cover`); ``None``: ``(H, W)``.
-        """
+        ``mask.nonzero()`` order — equal to ``upsample(features)[b, :, y, x]`` for each pixel."""
         b, c = features.shape[:2]
         H, W = covered if covered is not None else mask.shape[-2:]
         idx = mask.nonzero()  # [M,3] (b, y, x)
@@ -176,10 +145,9 @@ class EmbeddingNet(nn.Module):
 
 @functools.lru_cache(maxsize=16)  # one per image size seen: inference repeats a few sizes
 def _neighbour_matrix(n: int, cells: int, span: float, device: torch.device) -> Tensor:
-    """``[cells, n]`` float: 1 where pixel ``i`` of an axis of ``n`` pixels reads cell ``c`` of
-    a map of ``cells`` spanning ``span`` pixels, bilinearly as :meth:`EmbeddingNet.sample`
-    (align_corners=False, border clamp), with a 1e-4 margin either side of the coordinate.
-    Cached: callers only read it."""
+    """``[cells, n]`` float: 1 where pixel ``i`` of an axis of ``n`` pixels reads cell ``c`` of a
+    map of ``cells`` spanning ``span`` pixels, bilinearly as :meth:`EmbeddingNet.sample`
+    (align_corners=False, border clamp), with a 1e-4 margin either side of the coordinate."""
     src = ((torch.arange(n, dtype=torch.float64) + 0.5) * (cells / span) - 0.5).clamp(0, cells - 1)
     first = (src - 1e-4).floor().clamp(0, cells - 1)
     last = ((src + 1e-4).floor() + 1).clamp(0, cells - 1)
@@ -188,10 +156,9 @@ def _neighbour_matrix(n: int, cells: int, span: float, device: torch.device) -> 
 
 
 def p1_filter(images: Tensor, sigma: float) -> Tensor:
-    """P1's filtering of the (normalized) input images ``[B,3,H,W]``: a Gaussian blur of
-    standard deviation ``sigma`` px (kernel ±3σ, reflected borders); ``sigma == 0`` returns
-    the images unfiltered. Blur commutes with the per-channel normalization, so it may come
-    after it."""
+    """P1's filtering of the (normalized) input images ``[B,3,H,W]``: a Gaussian blur of standard
+    deviation ``sigma`` px (kernel ±3σ, reflected borders); ``sigma == 0`` returns the images
+    unfiltered."""
     if sigma <= 0:
         return images
 
@@ -219,7 +186,6 @@ def embed_backbone(
 ) -> tuple[Tensor, Tensor | None]:
     """:meth:`EmbeddingNet.backbone_features` of the input :func:`embed_features` prepares
     (resized, padded): what its ``head`` reads."""
-
     if input_scale != 1.0:
         images = F.interpolate(
             images, scale_factor=input_scale, mode="bilinear", align_corners=False
@@ -252,23 +218,11 @@ def embedding_cover(
 
 
 def build_embedding_net(
-    backbone: str,
-    *,
-    embed_dim: int,
-    output_stride: int,
-    aspp_rates: Sequence[int],
-    weights: str | os.PathLike[str] | None = None,
-    freeze_backbone: bool = False,
+    backbone: str, *, embed_dim: int, output_stride: int, aspp_rates: Sequence[int],
+    weights: str | os.PathLike[str] | None = None, freeze_backbone: bool = False,
     decoder_channels: int = 0,
-) -> EmbeddingNet:
-    """Backbone from :func:`dualseg.models.build_backbone` + :class:`dualseg.models.ASPP`.
-
-    ``weights``: ``None`` (random init), ``"imagenet"`` or a file, as for ``build_backbone``.
-    ``freeze_backbone``: see :class:`EmbeddingNet` (freeze after loading the base's weights).
-    ``decoder_channels``: 0 (the claim: the ASPP output is the embedding) or the width of the
-    stride-4 projection of a :class:`~dualseg.refine.decoder.LowLevelDecoder` (48 in DeepLabV3+).
-    """
-
+) -> EmbeddingNet:  # fmt: skip
+    """Backbone from :func:`dualseg.models.build_backbone` + :class:`dualseg.models.ASPP`."""
     if decoder_channels < 0:
         raise ConfigError(f"decoder_channels must be >= 0, got {decoder_channels}")
     low_level, low_channels = low_level_tap(backbone) if decoder_channels else (None, 0)
@@ -301,15 +255,7 @@ def tap_embedding_net(
 def init_backbone_from(
     backbone: nn.Module, source: nn.Module | Mapping[str, Tensor], *, strict: bool = False
 ) -> int:
-    """Copy a base model's backbone weights into ``backbone``; returns how many tensors matched.
-
-    Works on names, not on a fixed layout: a backbone tensor ``layer1.0.conv1.weight`` takes the
-    base model's tensor whose name ends with ``.layer1.0.conv1.weight`` and has the same shape
-    (the RGB branch first for method A's dual-branch network, then the first match in order).
-    ``strict``: the copy must be the base's whole backbone, tensor for tensor — every tensor of
-    ``backbone`` found, and the base holding no more under the prefixes they came from (a
-    ResNet-18 matches the first blocks of a ResNet-34 by name) — else a :class:`ConfigError`.
-    """
+    """Copy a base model's backbone weights into ``backbone``; returns how many tensors matched."""
     state = source.state_dict() if isinstance(source, nn.Module) else dict(source)
     names = sorted(state, key=lambda k: (0 if "rgb" in k.lower() else 1, k))
     target = backbone.state_dict()

@@ -1,11 +1,5 @@
 """Fitting a refiner (method B, steps 3-5): the embedding model, trained by a fixed number of
-triplet-hinge steps (step 4; or fewer, within a time budget), then the class prototypes (step 5).
-
-Batches are drawn by (seed, pass over the data), so a resumed run (``checkpoint`` +
-``resume=True``) draws exactly the batches it would have drawn; the training state is one file
-(``TRAIN_FORMAT``) with the weights, optimizer, configuration, class names and loss history.
-One step is :func:`dualseg.refine.triplet.triplet_step`.
-"""
+triplet-hinge steps (step 4; or fewer, within a time budget), then the class prototypes (step 5)."""
 
 from __future__ import annotations
 
@@ -73,9 +67,8 @@ class _EpochView(torch.utils.data.Dataset):
 def _require_same_inputs(
     path: Path, saved: Mapping[str, Any] | None, given: Mapping[str, Any] | None
 ) -> None:
-    """Refuse a resume whose data, augmentation or base differ from the checkpoint's; when
-    either side records none (a fit from Python without ``fit_inputs``), there is nothing to
-    compare."""
+    """Refuse a resume whose data, augmentation or base differ from the checkpoint's; when either
+    side records none (a fit from Python without ``fit_inputs``), there is nothing to compare."""
     if saved is None or given is None:
         return
     changed = [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]
@@ -102,21 +95,11 @@ def _require_same_inputs(
 RESUMABLE_CHANGES = ("steps", "top_n", *DECISION_KEYS)
 
 
-def _make_optimizer(net: nn.Module, cfg: RefinerConfig) -> torch.optim.Optimizer:
-    params = [p for p in net.parameters() if p.requires_grad]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
-            params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
-        )
-    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
 def _resume(
     path: Path, net: nn.Module, opt: torch.optim.Optimizer, cfg: RefinerConfig,
     class_names: Sequence[str], fit_inputs: Mapping[str, Any] | None,
 ) -> tuple[int, list[dict[str, float]]]:  # fmt: skip
-    """Load the training state at ``path`` into ``net`` and ``opt``: ``(step, history)``. Only
-    the step count (train longer) and the inference options may differ from the state's."""
+    """Load the training state at ``path`` into ``net`` and ``opt``: ``(step, history)``."""
     state = load_state(path, TRAIN_FORMAT, "refiner training checkpoint")
     saved = RefinerConfig.from_dict(state["config"])
     changed = [
@@ -146,28 +129,13 @@ def _resume(
 
 
 def train_embedding(
-    net: EmbeddingNet,
-    dataset: torch.utils.data.Dataset,
-    cfg: RefinerConfig,
-    *,
-    class_names: Sequence[str],
-    device: torch.device,
-    num_workers: int = 0,
-    checkpoint: str | os.PathLike[str] | None = None,
-    checkpoint_every: int = 200,
-    resume: bool = False,
-    progress: bool = True,
-    log_every: int = 0,
-    ignore_index: int = 255,
-    time_budget_s: float | None = None,
-    fit_inputs: Mapping[str, Any] | None = None,
-) -> list[dict[str, float]]:
-    """Step 4: ``cfg.steps`` optimizer steps of the sampled triplet hinge. Returns the history
-    (one dict per step: step, loss, violating, margin, num_triplets, pixels). ``log_every``:
-    also print one line every that many steps. ``time_budget_s``: stop after the step that
-    passes this many seconds (the checkpoint records the step reached, so ``resume`` goes on).
-    ``fit_inputs``: what else the run depends on (data, augmentation, base: plain JSON values),
-    recorded in the checkpoint; a resume with other values is refused."""
+    net: EmbeddingNet, dataset: torch.utils.data.Dataset, cfg: RefinerConfig, *,
+    class_names: Sequence[str], device: torch.device, num_workers: int = 0,
+    checkpoint: str | os.PathLike[str] | None = None, checkpoint_every: int = 200,
+    resume: bool = False, progress: bool = True, log_every: int = 0, ignore_index: int = 255,
+    time_budget_s: float | None = None, fit_inputs: Mapping[str, Any] | None = None,
+) -> list[dict[str, float]]:  # fmt: skip
+    """Step 4: ``cfg.steps`` optimizer steps of the sampled triplet hinge."""
     if time_budget_s is not None and not time_budget_s > 0:  # NaN: a budget never reached
         raise ConfigError(f"the time budget must be > 0 minutes, got {time_budget_s / 60:g}")
     if len(dataset) == 0:  # type: ignore[arg-type]
@@ -178,7 +146,12 @@ def train_embedding(
             f"the dataset has {len(meta_classes)} classes and the refiner {len(class_names)} "
             "class names: pass the dataset's (class_names=dataset.meta.class_names)"
         )
-    opt = _make_optimizer(net, cfg)
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt: torch.optim.Optimizer = (
+        torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+        if cfg.optimizer == "sgd"
+        else torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    )
     start, history = 0, []
     ckpt_path = Path(checkpoint) if checkpoint is not None else None
     if resume and ckpt_path is not None and ckpt_path.is_file():
@@ -211,9 +184,7 @@ def _run_steps(
     ignore_index: int, progress: bool, log_every: int, checkpoint_every: int,
     time_budget_s: float | None,
 ) -> list[dict[str, float]]:  # fmt: skip
-    """The triplet steps ``start..cfg.steps``. Ctrl-C / SIGTERM: the step under way finishes,
-    its state is saved, then the fit stops; a second Ctrl-C stops at once."""
-
+    """The triplet steps ``start..cfg.steps``."""
     net.train()
     started = time.monotonic()
     reached = start
@@ -301,26 +272,13 @@ def read_taps(cfg: RefinerConfig, base: nn.Module | None, device: torch.device) 
 
 
 def fit_parts(
-    dataset: torch.utils.data.Dataset,
-    cfg: RefinerConfig,
-    *,
-    class_names: Sequence[str],
-    prototype_dataset: torch.utils.data.Dataset | None,
-    weights: str | os.PathLike[str] | None,
-    init_from: nn.Module | Mapping[str, Tensor] | None,
-    base: nn.Module | None,
-    net: EmbeddingNet | None,
-    device: torch.device,
-    num_workers: int,
-    progress: bool,
-    ignore_index: int,
-    time_budget_s: float | None,
-    checkpoint: str | os.PathLike[str] | None,
-    checkpoint_every: int,
-    resume: bool,
-    log_every: int,
-    fit_inputs: Mapping[str, Any] | None,
-) -> Fitted:
+    dataset: torch.utils.data.Dataset, cfg: RefinerConfig, *, class_names: Sequence[str],
+    prototype_dataset: torch.utils.data.Dataset | None, weights: str | os.PathLike[str] | None,
+    init_from: nn.Module | Mapping[str, Tensor] | None, base: nn.Module | None,
+    net: EmbeddingNet | None, device: torch.device, num_workers: int, progress: bool,
+    ignore_index: int, time_budget_s: float | None, checkpoint: str | os.PathLike[str] | None,
+    checkpoint_every: int, resume: bool, log_every: int, fit_inputs: Mapping[str, Any] | None,
+) -> Fitted:  # fmt: skip
     """Steps 3-5, as :meth:`~dualseg.refine.refiner.BoundaryRefiner.fit` describes them."""
     taps = None
     if cfg.base_features is not None:  # the base decides the embedding's input and stride

@@ -1,11 +1,4 @@
-"""``refine fit`` on a dataset folder: its option checks, datasets and held-out calibration.
-
-What the command adds to :meth:`~dualseg.refine.refiner.BoundaryRefiner.fit` (steps 1-5): the
-training, prototype and ``--calibrate-split`` datasets read as the base model read its labels,
-refusals of option combinations that would fit a wrong or useless refiner, the rule that an
-earlier fit is continued or replaced only on request, and the decision sweep on held-out images
-(:mod:`dualseg.refine.calibrate`).
-"""
+"""``refine fit`` on a dataset folder: its option checks, datasets and held-out calibration."""
 
 from __future__ import annotations
 
@@ -20,7 +13,9 @@ from typing import Any, NamedTuple
 import torch
 
 from dualseg.data import build_dataset, build_eval_transform, build_train_transform
+from dualseg.data.presets import require_same_classes
 from dualseg.engine.checkpoint import FORMAT as MODEL_FORMAT
+from dualseg.engine.outputs import check_outputs, dataset_files, unique_names
 from dualseg.engine.pretrained import is_hub_source
 from dualseg.errors import ConfigError, DataError, OutputError, RunExistsError
 from dualseg.io import check_writable, file_digest
@@ -29,6 +24,7 @@ from dualseg.refine.calibrate import CLAIM_DECISION, DECISION_KEYS, choose_decis
 from dualseg.refine.config import RefinerConfig
 from dualseg.refine.decision import describe_decision
 from dualseg.refine.formats import FORMAT, TRAIN_FORMAT
+from dualseg.refine.refiner import BoundaryRefiner
 from dualseg.serialization import torch_file_format
 
 # split names that are for reporting: never where method B's decision options are chosen
@@ -93,9 +89,8 @@ def check_options(
 
 
 def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to replace an earlier fit by accident: an existing ``out`` (refiner) or
-    ``checkpoint`` (its training state) needs ``resume`` or ``overwrite``. ``resume`` with no
-    training state starts a new fit, said in one line, unless that would replace ``out``."""
+    """Refuse to replace an earlier fit by accident: an existing ``out`` (refiner) or ``checkpoint``
+    (its training state) needs ``resume`` or ``overwrite``."""
     if overwrite and resume:
         raise ConfigError(
             "--resume continues the earlier fit and --overwrite replaces it with a new one: "
@@ -127,9 +122,12 @@ def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: b
         )
 
 
-def fit_paths(out: str, checkpoint: str | None) -> tuple[Path, Path]:
-    """The refiner file and its training state (default ``<out>.train.pt``), both writable."""
-
+def fit_outputs(
+    out: str, checkpoint: str | None, *, data: str, layout: str, base: str | None, resume: bool,
+    overwrite: bool,
+) -> tuple[Path, Path]:  # fmt: skip
+    """The refiner file and its training state (default ``<out>.train.pt``), checked before
+    any data is read: writable, not the base or a dataset file, not another kind of file."""
     target = check_writable(out, kind="file", what="--out")
     state = Path(checkpoint) if checkpoint else target.with_suffix(".train.pt")
     check_writable(state, kind="file", what="--checkpoint")
@@ -138,18 +136,16 @@ def fit_paths(out: str, checkpoint: str | None) -> tuple[Path, Path]:
             f"--checkpoint {state} is --out: the training state and the refiner need two "
             "files; drop --checkpoint (default: <out>.train.pt) or name another"
         )
-    return target, state
-
-
-def check_fit_targets(out: Path, checkpoint: Path) -> None:
-    """Refuse an existing ``out`` or ``checkpoint`` of another kind than refine fit writes
-    there (a refiner; its training state), even with ``--overwrite``."""
-
+    # never the --base model or a file of the dataset, even with --overwrite
+    protected = [(f"a file of the dataset {data}", dataset_files(data, layout=layout))]
+    if base is not None and Path(base).is_file():
+        protected.insert(0, ("the --base model", [Path(base)]))
     kinds = (
-        (out, "--out", FORMAT, "a method-B refiner"),
-        (checkpoint, "--checkpoint", TRAIN_FORMAT, "the training state of a refine fit"),
+        (target, "--out", FORMAT, "a method-B refiner"),
+        (state, "--checkpoint", TRAIN_FORMAT, "the training state of a refine fit"),
     )
     for path, what, fmt, kind in kinds:
+        check_outputs([path], overwrite=True, protected=protected, what=what)
         found = torch_file_format(path) if path.is_file() else ""
         if found not in (fmt, ""):
             model = " (a dualseg model checkpoint: pass it as --base)"
@@ -158,12 +154,15 @@ def check_fit_targets(out: Path, checkpoint: Path) -> None:
                 f" refine fit never writes over another kind of file, not even with "
                 f"--overwrite: choose another {what}"
             )
+    check_earlier_fit(target, state, resume=resume, overwrite=overwrite)
+    return target, state
 
 
 class FitData(NamedTuple):
     train: Any  # with step 1's augmentation
     prototypes: Any  # the same images without it (the first ``proto_images``)
     held_out: Any | None  # the --calibrate-split images
+    held_out_split: str | None
 
 
 def fit_datasets(
@@ -173,7 +172,6 @@ def fit_datasets(
 ) -> FitData:  # fmt: skip
     """The datasets of a fit, labels read as ``labels`` says (``label_format``, ``label_map``,
     ``ignore_value``); the calibration split is checked before the fit, not after."""
-
     common = {"split": split, "layout": layout, "preset": preset, **labels}
     tf = build_train_transform(crop_size=tuple(crop_size), scale_range=tuple(scale_range))
     train = build_dataset(data, transform=tf, seed=seed, **common)
@@ -183,13 +181,12 @@ def fit_datasets(
     protos = build_dataset(data, transform=build_eval_transform(), **common)
     if proto_images > 0:
         protos = torch.utils.data.Subset(protos, range(min(proto_images, len(protos))))
-    return FitData(train, protos, held_out)
+    return FitData(train, protos, held_out, calibrate_split)
 
 
 def _calibration_dataset(data: str, train: Any, common: dict[str, Any], split: str) -> Any:
     """The ``--calibrate-split`` dataset; it must exist and hold none of the images the refiner
     is fitted on or scored on (val, test)."""
-
     try:
         held_out = build_dataset(
             data, transform=build_eval_transform(), **{**common, "split": split}
@@ -224,11 +221,8 @@ def fit_inputs(
     data: str, *, split: str, layout: str, preset: str | None, crop_size: Sequence[int],
     scale_range: Sequence[float], base: str | None, labels: Mapping[str, Any],
 ) -> dict[str, Any]:  # fmt: skip
-    """What the triplet steps read beyond the RefinerConfig (the data stream, how its labels
-    are read, the base a ``base-*`` fit is built on), so that a ``--resume`` must give the
-    same. The backbone initialization and ``--proto-images`` are left out: a resume loads the
-    whole network from its state, and the prototypes are computed after it."""
-
+    """What the triplet steps read beyond the RefinerConfig (the data stream, how its labels are
+    read, the base a ``base-*`` fit is built on), so that a ``--resume`` must give the same."""
     if base is not None and not is_hub_source(base):
         base = str(Path(base).resolve())
     mapping = labels["label_map"] or {}
@@ -241,6 +235,62 @@ def fit_inputs(
     }  # fmt: skip
 
 
+def run_fit(
+    cfg: RefinerConfig, data: FitData, base: Any, *, root: str, base_name: str | None,
+    where: Mapping[str, Any], labels: Mapping[str, Any], crop_size: Sequence[int],
+    scale_range: Sequence[float], init_backbone: str, weights: str | None, device: Any,
+    amp: bool, workers: int, checkpoint: Path, checkpoint_every: int, resume: bool,
+    overwrite: bool, progress: str, log_every: int, calibrate_metric: str,
+    time_budget_s: float | None,
+) -> tuple[BoundaryRefiner, str]:  # fmt: skip
+    """Steps 1-5 on checked inputs, then the ``--calibrate-split`` sweep; the refiner and what
+    to print about the sweep ("" without one)."""
+    if base is not None and base.class_names is not None:
+        require_same_classes(tuple(base.class_names), tuple(data.train.meta.class_names),
+                             model=f"the base model {base_name}", data=root)  # fmt: skip
+    files = None
+    if data.held_out is not None:  # named as predict names them: how a folder base finds them
+        files = unique_names([(Path(i), Path(i).stem) for i, _ in data.held_out.samples])
+        if hasattr(base, "require"):  # a probability folder: every map, before the fit
+            base.require([name for _, name in files], [str(path) for path, _ in files])
+    # ImageNet weights unless none; the base's backbone for base / a base-* source
+    init_weights, init_from = weights, None
+    if init_backbone != "base" and cfg.backbone_source == "independent":
+        init_weights = None if init_backbone == "none" else weights or "imagenet"
+    elif not hasattr(base, "module"):
+        raise ConfigError(
+            "--init-backbone base / --backbone-source base-* need --base to be a model "
+            "(a dualseg checkpoint or file.py:NAME)"
+        )
+    else:
+        init_from = base.module
+    taps_of = getattr(base, "module", None) if cfg.base_features else None
+    reads_base = init_from is not None or taps_of is not None
+    read = base_name if reads_base else None
+    inputs = fit_inputs(root, **where, crop_size=crop_size, labels=labels,
+                        scale_range=scale_range, base=read)  # fmt: skip
+    if overwrite:  # every input checked: the earlier fit's state goes now
+        checkpoint.unlink(missing_ok=True)
+    bf16 = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if amp else None
+    with bf16 or contextlib.nullcontext():
+        refiner = BoundaryRefiner.fit(
+            data.train, class_names=data.train.meta.class_names, config=cfg,
+            prototype_dataset=data.prototypes, weights=init_weights, init_from=init_from,
+            base=taps_of, device=device, num_workers=workers, checkpoint=checkpoint,
+            checkpoint_every=checkpoint_every, resume=resume, time_budget_s=time_budget_s,
+            progress=progress == "bar", log_every=0 if progress == "off" else log_every,
+            fit_inputs=inputs,
+        )  # fmt: skip
+    if data.held_out is None:
+        return refiner, ""
+    split = data.held_out_split
+    rows = calibrate(refiner, base, data.held_out, files, split=split, metric=calibrate_metric,
+                     device=device)  # fmt: skip
+    report = calibration_report(rows, refiner.config, split=split,
+                                metric=calibrate_metric, images=len(data.held_out))  # fmt: skip
+    return refiner, report
+
+
 def calibrate(
     refiner: Any, base: Any, held_out: Any, files: Sequence[tuple[Path, str]], *, split: str,
     metric: str, device: Any,
@@ -248,7 +298,6 @@ def calibrate(
     """Choose the decision options (gate τ, prior weight λ, probability floor, P1 blur) on the
     held-out images (``files``: their paths and the names a probability folder holds them
     under) and store them in the refiner with the sweep's table, which is returned."""
-
     at: list[tuple[Path, str]] = []  # the image the sweep scores now: a folder base needs it
 
     def batches() -> Iterator[Any]:
@@ -279,22 +328,6 @@ def calibrate(
         "base_fingerprint": None if module is None else model_fingerprint(module),
     }
     return rows
-
-
-def backbone_init(
-    init_backbone: str, weights: str | None, backbone_source: str, base: Any
-) -> tuple[str | None, Any]:
-    """``(weights, init_from)`` of :meth:`BoundaryRefiner.fit` for ``--init-backbone``,
-    ``--weights`` and ``--backbone-source``: ImageNet weights unless ``none``; the base's
-    backbone (then ImageNet first only for an explicit ``--weights`` file) for ``base``."""
-    if init_backbone != "base" and backbone_source == "independent":
-        return (None if init_backbone == "none" else weights or "imagenet"), None
-    if not hasattr(base, "module"):
-        raise ConfigError(
-            "--init-backbone base / --backbone-source base-* need --base to be a model "
-            "(a dualseg checkpoint or file.py:NAME)"
-        )
-    return weights, base.module
 
 
 def fit_summary(refiner: Any, out: Path) -> str:

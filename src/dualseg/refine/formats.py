@@ -1,9 +1,4 @@
-"""Method B's files: the refiner (``FORMAT``) and its training state (``TRAIN_FORMAT``).
-
-Both are plain dicts with a ``format`` key, read by :func:`load_state` through the one safe
-loader (:func:`dualseg.serialization.safe_torch_load`). A model checkpoint given where a
-refiner is expected gets a message that says which option takes it.
-"""
+"""Method B's files: the refiner (``FORMAT``) and its training state (``TRAIN_FORMAT``)."""
 
 from __future__ import annotations
 
@@ -65,9 +60,7 @@ def save_refiner_file(
     path: str | os.PathLike[str], description: Mapping[str, Any], net_state: Mapping[str, Tensor],
     prototypes: Tensor, present: Tensor,
 ) -> Path:  # fmt: skip
-    """Write a refiner atomically to one file. An earlier refiner file there is replaced; a
-    folder, or a file of any other kind (a model checkpoint, say), is refused."""
-
+    """Write a refiner atomically to one file."""
     target = Path(path)
     if target.is_dir():
         raise OutputError(f"{target} is a folder; save writes one file (save_pretrained: a folder)")

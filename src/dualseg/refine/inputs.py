@@ -1,7 +1,4 @@
-"""Checks of what users hand a refiner: image batches, class lists, palettes, stored tensors.
-
-Shared by :class:`~dualseg.refine.refiner.BoundaryRefiner` and the exported refiner.
-"""
+"""Checks of what users hand a refiner: image batches, class lists, palettes, stored tensors."""
 
 from __future__ import annotations
 
@@ -22,7 +19,6 @@ from dualseg.serialization import nonfinite_keys, short_list
 def check_finite_refiner(source: str | os.PathLike[str], tensors: Mapping[str, Any]) -> None:
     """Refuse a stored refiner with NaN or infinite weights or prototypes: its distances would
     relabel near-boundary pixels at random, without an error anywhere after."""
-
     if bad := nonfinite_keys(tensors):
         raise CheckpointError(
             f"{source} holds NaN or infinite values ({short_list(bad, 3)}): its fit diverged; "

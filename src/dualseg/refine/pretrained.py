@@ -1,16 +1,4 @@
-"""The method-B refiner as a shareable folder: ``refiner.json`` + ``refiner.safetensors``.
-
-Same rules as a model's pretrained folder (:mod:`dualseg.engine.pretrained`): weights only, so
-loading runs no code; ``hf://org/name`` resolves through ``huggingface_hub``. A model and its
-refiner can share one folder (``config.json``, ``model.safetensors``, ``refiner.json``,
-``refiner.safetensors``).
-
-``refiner.safetensors`` holds the embedding network's state dict under ``net.<key>`` plus
-``prototypes`` ``[K,C]`` float32 and ``present`` ``[K]`` (uint8: class has a prototype);
-``refiner.json`` holds ``format``, the :class:`~dualseg.refine.refiner.RefinerConfig`, the
-class names, the ignore index, the fit-time gate calibration (``refine fit
---calibrate-split``; ``null`` without one) and the class colours (``palette``).
-"""
+"""The method-B refiner as a shareable folder: ``refiner.json`` + ``refiner.safetensors``."""
 
 from __future__ import annotations
 
@@ -54,7 +42,6 @@ def save_folder(
     *, overwrite: bool = False,
 ) -> Path:  # fmt: skip
     """Write a refiner into ``folder`` (weights first, ``refiner.json`` last)."""
-
     folder = folder_path(folder)
     refuse_existing(folder, (REFINER_CONFIG, REFINER_WEIGHTS), overwrite)
     names = description["class_names"]

@@ -1,10 +1,4 @@
-"""Class prototypes (method B, training step 5): E_j = mean near-boundary embedding of label j.
-
-Streamed: per-class sums and counts are accumulated batch by batch (float64, ``index_add_``),
-so the training set's near-boundary features are never held in memory at once. A class never
-seen at a near-boundary pixel gets no prototype (``present[j] == False``); the refiner never
-chooses it.
-"""
+"""Class prototypes (method B, training step 5): E_j = mean near-boundary embedding of label j."""
 
 from __future__ import annotations
 
@@ -62,21 +56,11 @@ def compute_prototypes(emb: Tensor, labels: Tensor, num_classes: int) -> tuple[T
 
 @torch.no_grad()
 def stream_prototypes(
-    net: EmbeddingNet,
-    dataset: torch.utils.data.Dataset,
-    num_classes: int,
-    *,
-    radius: int = 5,
-    edge_method: str = "canny",
-    input_scale: float,
-    output_stride: int,
-    ignore_index: int = 255,
-    device: str | torch.device = "cpu",
-    num_workers: int = 0,
-    progress: bool = True,
-) -> tuple[Tensor, Tensor]:
+    net: EmbeddingNet, dataset: torch.utils.data.Dataset, num_classes: int, *, radius: int = 5,
+    edge_method: str = "canny", input_scale: float, output_stride: int, ignore_index: int = 255,
+    device: str | torch.device = "cpu", num_workers: int = 0, progress: bool = True,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Step 5 over ``dataset`` (one image at a time, any sizes): ``(prototypes, present)``."""
-
     net.eval()
     acc = PrototypeAccumulator(num_classes, net.embed_dim, device=device)
     loader = torch.utils.data.DataLoader(dataset, batch_size=1, num_workers=num_workers)

@@ -1,11 +1,4 @@
-"""BoundaryRefiner: method B end to end, fit (steps 1-5) and refine (P1-P5).
-
-Inference on a base model's class scores ``probs [B,C,H,W]`` (P2): Top-N labels per pixel (P3),
-near-boundary mask of the base prediction (P4), and at those pixels the Top-N label whose
-prototype is nearest to the pixel's embedding (P5); see :mod:`dualseg.refine.relabel`. Only
-the order of the scores matters, so ``probs`` may be probabilities or logits alike. Files:
-:mod:`dualseg.refine.formats` (one ``.pt``) and :mod:`dualseg.refine.pretrained` (a folder).
-"""
+"""BoundaryRefiner: method B end to end, fit (steps 1-5) and refine (P1-P5)."""
 
 from __future__ import annotations
 
@@ -48,17 +41,10 @@ class BoundaryRefiner:
     """Re-labels a base model's near-boundary pixels by nearest class prototype (P1-P5)."""
 
     def __init__(
-        self,
-        net: EmbeddingNet,
-        prototypes: Tensor,
-        present: Tensor,
-        *,
-        class_names: Sequence[str],
-        config: RefinerConfig | None = None,
-        ignore_index: int = 255,
-        palette: Sequence[Sequence[int]] | None = None,
-        taps: TapRecord | None = None,
-    ) -> None:
+        self, net: EmbeddingNet, prototypes: Tensor, present: Tensor, *, class_names: Sequence[str],
+        config: RefinerConfig | None = None, ignore_index: int = 255,
+        palette: Sequence[Sequence[int]] | None = None, taps: TapRecord | None = None,
+    ) -> None:  # fmt: skip
         self.taps = taps  # a tap refiner's base modules (low, high), else None
         self.config = config or RefinerConfig(embed_dim=int(prototypes.shape[1]))
         self.class_names = tuple(str(n) for n in class_names)
@@ -109,30 +95,10 @@ class BoundaryRefiner:
     # ------------------------------------------------------------------ inference (P2-P5)
     @torch.no_grad()
     def refine(
-        self,
-        images: Any,
-        probs: Any = None,
-        *,
-        base: Any = None,
-        return_changed: bool = False,
+        self, images: Any, probs: Any = None, *, base: Any = None, return_changed: bool = False,
         features: BaseFeatures | tuple[Tensor, tuple[int, int]] | None = None,
-    ) -> Tensor | np.ndarray | tuple[Any, Any]:
-        """Refined label map(s).
-
-        Batch form: ``images`` float ``[B,3,H,W]`` ImageNet-normalized (tensor or numpy),
-        ``probs`` ``[B,C,H,W]`` probabilities or logits -> int64 ``[B,H,W]`` on ``probs``'
-        device, numpy when ``probs`` is (and the bool ``changed`` mask with
-        ``return_changed``), as the exported refiner answers. Single-image form: ``images`` a
-        uint8 ``HxWx3`` array / file path / PIL image, ``probs`` ``[C,H,W]`` (numpy or tensor)
-        -> numpy ``HxW`` int64 (and a bool ``HxW`` changed mask).
-
-        ``features`` (batch form): the base's backbone output, from :meth:`shared_features`
-        (``None``: the refiner runs its own backbone).
-
-        ``base`` in place of ``probs``: the base model (any callable giving logits, a dict
-        with ``"out"`` or an object with ``.logits``, at any resolution), run once here; a
-        tap refiner (``config.base_features``) reads its features during that forward.
-        """
+    ) -> Tensor | np.ndarray | tuple[Any, Any]:  # fmt: skip
+        """Refined label map(s)."""
         if (probs is None) == (base is None):
             raise ConfigError("refine needs the base's scores (probs) or the base model (base=)")
         if base is not None:
@@ -177,18 +143,11 @@ class BoundaryRefiner:
         return (labels, changed) if return_changed else labels
 
     def candidates(
-        self,
-        images: Tensor,
-        probs: Tensor,
-        *,
-        p1_blur_sigma: float | None = None,
+        self, images: Tensor, probs: Tensor, *, p1_blur_sigma: float | None = None,
         features: BaseFeatures | tuple[Tensor, tuple[int, int]] | None = None,
-    ) -> Candidates:
+    ) -> Candidates:  # fmt: skip
         """P1-P4 and P5's distances for a batch (``images [B,3,H,W]`` normalized, ``probs
-        [B,C,H,W]``), before any decision: what :mod:`dualseg.refine.calibrate` sweeps.
-        ``p1_blur_sigma`` overrides the configuration's. ``features``: the base's backbone
-        output and the input size it covers, from :meth:`shared_features` — read in place of
-        running the refiner's backbone."""
+        [B,C,H,W]``), before any decision: what :mod:`dualseg.refine.calibrate` sweeps."""
         if (
             probs.dim() != 4
             or images.shape[0] != probs.shape[0]
@@ -265,14 +224,9 @@ class BoundaryRefiner:
             )
 
     def shared_features(self, model: nn.Module) -> SharedFeatures | TapReader:
-        """A context that keeps ``model``'s backbone output for :meth:`refine`'s
-        ``features`` (see :mod:`dualseg.refine.shared`); it keeps nothing when this refiner
-        cannot share the base's features, so callers need no check of their own::
-
-            with refiner.shared_features(model) as shared:
-                logits = model(images)
-                labels = refiner.refine(images, logits, features=shared.take())
-        """
+        """A context that keeps ``model``'s backbone output for :meth:`refine`'s ``features`` (see
+        :mod:`dualseg.refine.shared`); it keeps nothing when this refiner cannot share the base's
+        features, so callers need no check of their own."""
         if self.taps is not None:  # the taps are read in this very forward
             self.net.backbone.attach(model)
             return TapReader(model, self.taps)
@@ -280,12 +234,9 @@ class BoundaryRefiner:
         return SharedFeatures(model, active, self.config.output_stride, self.net.low_level)
 
     def _refine_batch(
-        self,
-        images: Tensor,
-        probs: Tensor,
-        return_changed: bool,
+        self, images: Tensor, probs: Tensor, return_changed: bool,
         features: BaseFeatures | tuple[Tensor, tuple[int, int]] | None = None,
-    ) -> Any:
+    ) -> Any:  # fmt: skip
         out, changed = decide_as(self.candidates(images, probs, features=features), self.config)
         out = out.to(probs.device)
         return (out, changed.to(probs.device)) if return_changed else out
@@ -302,8 +253,7 @@ class BoundaryRefiner:
         }
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the refiner (weights, prototypes, config, class names) atomically to one file.
-        An earlier refiner file there is replaced; a folder or another kind of file is refused."""
+        """Write the refiner (weights, prototypes, config, class names) atomically to one file."""
         parts = (self.net.state_dict(), self.prototypes, self.present)
         return formats.save_refiner_file(path, self._description(), *parts)
 
@@ -315,15 +265,11 @@ class BoundaryRefiner:
 
     @classmethod
     def load(
-        cls,
-        path: str | os.PathLike[str],
-        *,
-        device: str | torch.device = "cpu",
+        cls, path: str | os.PathLike[str], *, device: str | torch.device = "cpu",
         net: EmbeddingNet | None = None,
-    ) -> BoundaryRefiner:
+    ) -> BoundaryRefiner:  # fmt: skip
         """Load a refiner file (``weights_only=True``), a refiner folder (``refiner.json`` +
-        ``refiner.safetensors``) or ``hf://org/name``. ``net``: an embedding model to load the
-        weights into, for a custom model (default: rebuilt from the stored configuration)."""
+        ``refiner.safetensors``) or ``hf://org/name``."""
         if os.fspath(path).strip() and pretrained.is_folder_source(path):
             stored = pretrained.read_folder(path)
         else:
@@ -335,7 +281,6 @@ class BoundaryRefiner:
         cls, stored: formats.StoredRefiner, *, net: EmbeddingNet | None = None
     ) -> BoundaryRefiner:
         """A refiner from its saved parts, each checked; every problem names the source."""
-
         source = stored.source
         described = formats.stored_description(stored.description, source)
         try:
@@ -376,50 +321,19 @@ class BoundaryRefiner:
     # ------------------------------------------------------------------ training (steps 1-5)
     @classmethod
     def fit(
-        cls,
-        dataset: torch.utils.data.Dataset,
-        *,
-        class_names: Sequence[str],
+        cls, dataset: torch.utils.data.Dataset, *, class_names: Sequence[str],
         config: RefinerConfig | None = None,
         prototype_dataset: torch.utils.data.Dataset | None = None,
         weights: str | os.PathLike[str] | None = "imagenet",
-        init_from: nn.Module | Mapping[str, Tensor] | None = None,
-        base: nn.Module | None = None,
-        base_features: Sequence[str] | str | None = None,
-        net: EmbeddingNet | None = None,
-        device: str | torch.device = "cpu",
-        num_workers: int = 0,
-        checkpoint: str | os.PathLike[str] | None = None,
-        checkpoint_every: int = 200,
-        resume: bool = False,
-        progress: bool = True,
-        log_every: int = 0,
-        ignore_index: int = 255,
-        time_budget_s: float | None = None,
-        palette: Sequence[Sequence[int]] | None = None,
+        init_from: nn.Module | Mapping[str, Tensor] | None = None, base: nn.Module | None = None,
+        base_features: Sequence[str] | str | None = None, net: EmbeddingNet | None = None,
+        device: str | torch.device = "cpu", num_workers: int = 0,
+        checkpoint: str | os.PathLike[str] | None = None, checkpoint_every: int = 200,
+        resume: bool = False, progress: bool = True, log_every: int = 0, ignore_index: int = 255,
+        time_budget_s: float | None = None, palette: Sequence[Sequence[int]] | None = None,
         fit_inputs: Mapping[str, Any] | None = None,
-    ) -> BoundaryRefiner:
-        """Train the embedding model with triplets, then compute the class prototypes.
-
-        ``dataset`` yields ``(image [3,H,W] normalized, label [H,W])`` with training augmentation
-        (step 1); ``prototype_dataset`` (default ``dataset``) is streamed once for step 5,
-        typically the training images without augmentation. ``weights`` initializes the backbone
-        (``"imagenet"``, a file, or ``None``); ``init_from`` then copies the base model's
-        backbone tensors over it (:func:`init_backbone_from`). ``checkpoint``: a training-state
-        file written every ``checkpoint_every`` steps and at the end; ``resume=True`` continues
-        from it. ``time_budget_s``: stop the triplet steps once this many seconds have passed
-        (the refiner's ``config.steps`` then records the steps made). ``palette``: the class
-        colours stored with the refiner (default: the dataset's ``meta.palette``).
-        ``fit_inputs``: plain values naming the data, augmentation and base the fit depends on,
-        recorded in the training state so that a resume with other ones is refused. The loss
-        history is in ``refiner.history``.
-
-        ``base`` with ``base_features=(LOW, HIGH)`` (module names of ``base``, or ``"auto"``;
-        the same as ``config.base_features``): train on the base model's own features at those
-        two modules, read by forward hooks while it runs, frozen (see
-        :mod:`dualseg.refine.taps`); ``init_from`` defaults to ``base`` for a ``base-*``
-        backbone source.
-        """
+    ) -> BoundaryRefiner:  # fmt: skip
+        """Train the embedding model with triplets, then compute the class prototypes."""
         config = config or RefinerConfig()
         if base_features is not None:
             names = (base_features,) if isinstance(base_features, str) else tuple(base_features)

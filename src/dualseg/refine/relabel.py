@@ -14,14 +14,8 @@ from dualseg.refine.decision import Candidates, decide, gather_candidates
 
 
 def prototype_scores(feats: Tensor, prototypes: Tensor) -> Tensor:
-    """``s_k = |p_k|^2 - 2 e.p_k`` for low-resolution embeddings ``feats [b,C,h,w]``:
-    ``[b,K,h,w]``, whose argmin over k is the nearest prototype (Euclidean).
-
-    Why a score map: ``|e - p_k|^2 = |e|^2 - 2 e.p_k + |p_k|^2`` and ``|e|^2`` is the same
-    for every k. ``s_k`` is affine in ``e`` and the bilinear weights sum to one, so sampling the
-    low-resolution map of ``s`` (K channels) at a pixel equals ``s`` of the sampled
-    embedding (C channels): the same labels, without reading C-dim vectors per pixel.
-    """
+    """``s_k = |p_k|^2 - 2 e.p_k`` for low-resolution embeddings ``feats [b,C,h,w]``: ``[b,K,h,w]``,
+    whose argmin over k is the nearest prototype (Euclidean)."""
     return prototype_row_scores(feats.movedim(1, -1), prototypes).movedim(-1, 1)
 
 
@@ -32,16 +26,10 @@ def prototype_row_scores(rows: Tensor, prototypes: Tensor) -> Tensor:
 
 
 def collect(
-    probs: Tensor,
-    scores: Callable[[Tensor, Tensor], Tensor],
-    present: Tensor,
-    config: RefinerConfig,
-    scale: float = 1.0,
-    covered: tuple[float, float] | None = None,
-) -> Candidates:
-    """P2-P4 and P5's distances with ``config``'s Top-N and mask options. Probabilities that
-    are not finite (a diverged base) are refused: NaN ranks as no class and would be relabelled
-    as class 0 or at random, silently."""
+    probs: Tensor, scores: Callable[[Tensor, Tensor], Tensor], present: Tensor,
+    config: RefinerConfig, scale: float = 1.0, covered: tuple[float, float] | None = None,
+) -> Candidates:  # fmt: skip
+    """P2-P4 and P5's distances with ``config``'s Top-N and mask options."""
     if not bool(probs.isfinite().all()):
         raise DataError(
             "the base model's class probabilities hold NaN or infinite values: its weights or "
@@ -71,22 +59,8 @@ def decide_as(c: Candidates, config: RefinerConfig) -> tuple[Tensor, Tensor]:
 
 
 def relabel(
-    probs: Tensor,
-    scores: Callable[[Tensor, Tensor], Tensor],
-    present: Tensor,
-    config: RefinerConfig,
-    *,
-    scale: float = 1.0,
-    covered: tuple[float, float] | None = None,
-) -> tuple[Tensor, Tensor]:
-    """P2-P5 on class scores ``probs [B,C,H,W]``: ``(labels [B,H,W] int64, changed bool)``.
-
-    ``scores(keep, band)`` returns :func:`prototype_scores` ``[b,K,h,w]`` of the images that
-    ``keep`` (bool ``[B]``) selects: those with near-boundary pixels ``band``, so the embedding
-    model runs only on them (see :func:`~dualseg.refine.decision.gather_candidates`).
-    ``BoundaryRefiner`` runs its ``EmbeddingNet`` there, the exported refiner its
-    onnxruntime / TorchScript model. ``scale``: :func:`~dualseg.refine.decision.prototype_scale`
-    of the prototypes, the unit of ``config.prior_weight``. ``covered``: the size, in image
-    pixels, the score maps span (:func:`~dualseg.refine.embedding.embedding_cover`).
-    """
+    probs: Tensor, scores: Callable[[Tensor, Tensor], Tensor], present: Tensor,
+    config: RefinerConfig, *, scale: float = 1.0, covered: tuple[float, float] | None = None,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """P2-P5 on class scores ``probs [B,C,H,W]``: ``(labels [B,H,W] int64, changed bool)``."""
     return decide_as(collect(probs, scores, present, config, scale, covered), config)

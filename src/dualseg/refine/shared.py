@@ -1,16 +1,4 @@
-"""Method B on the features the base model has already computed (the same labels, faster).
-
-A ``base-frozen`` refiner at ``input_scale`` 1 without P1 blur runs the base's own backbone
-weights on the very image the base has just segmented. :class:`SharedFeatures` hooks the
-base's backbone for a ``with`` block and keeps its output (and, for a refiner with a decoder,
-its stride-4 block's); the refiner's head then reads it instead of running the backbone again.
-
-Safe only when :func:`can_share` holds (that configuration, the base's output stride, the very
-backbone weights) and :func:`matching` accepts the batch (one float32 map per image, covering
-it padded by less than a stride); callers share only on a plain whole-image forward. Anything
-else runs the refiner's own backbone. The shared features cover the padded input
-(``covered``), where the refiner samples them.
-"""
+"""Method B on the features the base model has already computed (the same labels, faster)."""
 
 from __future__ import annotations
 
@@ -23,10 +11,9 @@ from torch.utils.hooks import RemovableHandle
 
 
 class BaseFeatures(NamedTuple):
-    """What the base's forward computed that a refiner can read: the backbone output
-    ``features [B,L,h,w]``, the size ``covered`` of the (padded) input it covers, and ``low``
-    the backbone's stride-4 features ``[B,L',h',w']`` for a refiner with a decoder (else
-    ``None``)."""
+    """What the base's forward computed that a refiner can read: the backbone output ``features
+    [B,L,h,w]``, the size ``covered`` of the (padded) input it covers, and ``low`` the backbone's
+    stride-4 features ``[B,L',h',w']`` for a refiner with a decoder (else ``None``)."""
 
     features: Tensor
     covered: tuple[int, int]
@@ -66,13 +53,9 @@ def can_share(refiner_config: object, refiner_backbone: nn.Module, model: nn.Mod
 
 
 def matching(
-    kept: BaseFeatures | tuple[Tensor, tuple[int, int]] | None,
-    images: Tensor,
-    output_stride: int,
-    *,
-    needs_low: bool = False,
-    low_stride: int = 4,
-) -> BaseFeatures | None:
+    kept: BaseFeatures | tuple[Tensor, tuple[int, int]] | None, images: Tensor, output_stride: int,
+    *, needs_low: bool = False, low_stride: int = 4,
+) -> BaseFeatures | None:  # fmt: skip
     """``kept`` when it can be the base's backbone output for exactly ``images``: one map per
     image, in float32 (autocast's half precision is not what the refiner's own pass computes),
     covering the images padded at the bottom and right by less than one stride (a resized or
@@ -101,24 +84,12 @@ def _one_float_map_each(t: Tensor, batch: int) -> bool:
 
 
 class SharedFeatures:
-    """``with SharedFeatures(model, active) as shared: logits = model(x); f = shared.take()``.
-
-    While the block runs, a forward hook on ``model``'s backbone keeps its output. ``take()``
-    returns :class:`BaseFeatures` ``(features [B,C,h,w], covered (H', W'), low)`` — the
-    backbone's output, the size of the (padded) input it covered and, with ``low_level`` (the
-    name of the backbone's stride-4 block, for a refiner with a decoder), that block's output —
-    when the backbone ran exactly once since the last ``take()``, else ``None``; either way it
-    forgets what it kept. ``active=False`` (the refiner cannot share, :func:`can_share`) hooks
-    nothing and always gives ``None``.
-    """
+    """``with SharedFeatures(model, active) as shared: logits = model(x); f = shared.take()``."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        active: bool = True,
-        output_stride: int | None = None,
+        self, model: nn.Module, active: bool = True, output_stride: int | None = None,
         low_level: str | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         self.module = base_backbone(model) if active else None
         self.tap = (
             self.module.get_submodule(low_level)

@@ -1,11 +1,4 @@
-"""Method B on any model's own features: two of its modules, read during its forward.
-
-A tap refiner names a low module (fine, e.g. stride 4) and a high module (coarse, e.g. stride
-16 or 32) of the base model. Forward hooks keep their outputs while the base segments the
-image; the refiner's ASPP reads the high tap and its stride-4 decoder the low one, so the base
-runs once and no second backbone is needed. :func:`list_taps` lists a model's candidates and
-:func:`pick_taps` picks them for the encoder layouts of smp, torchvision and dualseg.
-"""
+"""Method B on any model's own features: two of its modules, read during its forward."""
 
 from __future__ import annotations
 
@@ -243,9 +236,8 @@ class TapReader:
 
 
 class BaseTaps(nn.Module):
-    """The tap refiner's "backbone": runs the attached base model (frozen, eval mode, no
-    gradients) and returns its taps ``(high, low)``. The base is held outside the module tree,
-    so its weights are not the refiner's and are never saved with it."""
+    """The tap refiner's "backbone": runs the attached base model (frozen, eval mode, no gradients)
+    and returns its taps ``(high, low)``."""
 
     def __init__(self, record: TapRecord) -> None:
         super().__init__()

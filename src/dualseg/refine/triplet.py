@@ -1,22 +1,4 @@
-"""Triplet metric learning on near-boundary embeddings (method B, training step 4).
-
-The claim picks, for a label j, two true examples T1, T2 (label j) and a false example F0
-(another label); when ``d(T1, F0) - d(T1, T2) <= Δ`` it corrects the model by back-propagating
-that difference, else it skips. Reading: a hinge ``max(0, Δ + d(T1,T2) - d(T1,F0))`` averaged
-over many triplets sampled per step, Euclidean ``d``; a triplet with zero loss contributes
-nothing — the claim's skip.
-
-Sampling is vectorized: pixels are sorted by label, so each class occupies one contiguous run
-``[start_j, start_j + count_j)``; positives are drawn inside the anchor's run (never the anchor
-itself), negatives from the complement of that run.
-
-Mining (which false example F0; the claim says only "a false example"): ``"random"`` (the
-Reading: F0 uniform among the other labels' pixels) or ``"semi-hard"`` (FaceNet's rule, beyond
-the claim): of ``pool`` random false examples, the nearest one still farther from T1 than T2
-is; when all are nearer, the farthest of them. Random negatives are mostly easy once training
-has begun (zero loss, the claim's skip); semi-hard ones keep the triplets informative without
-the collapse that always taking the hardest negative causes.
-"""
+"""Triplet metric learning on near-boundary embeddings (method B, training step 4)."""
 
 from __future__ import annotations
 
@@ -39,21 +21,12 @@ class TripletStats(TypedDict):
 
 
 def sample_triplets(
-    labels: Tensor,
-    num_triplets: int,
-    *,
-    negatives: int = 1,
+    labels: Tensor, num_triplets: int, *, negatives: int = 1,
     generator: torch.Generator | None = None,
-) -> tuple[Tensor, Tensor, Tensor] | None:
-    """Indices ``(t1, t2, f0)`` into ``labels`` ``[N]``: ``t1``, ``t2`` ``[num_triplets]``,
-    ``f0`` ``[num_triplets]`` (``negatives=1``) or ``[num_triplets, negatives]`` (a pool of
-    false examples per anchor, for mining).
-
-    ``labels[t1] == labels[t2] != labels[f0]`` and ``t1 != t2``. Anchors are drawn uniformly
-    among the samples of classes that have at least two samples (a class with a single sample
-    cannot give T1 and T2 and is skipped). ``None`` when no triplet exists (fewer than two
-    classes, or no class with two samples): the caller's step is then a no-op.
-    """
+) -> tuple[Tensor, Tensor, Tensor] | None:  # fmt: skip
+    """Indices ``(t1, t2, f0)`` into ``labels`` ``[N]``: ``t1``, ``t2`` ``[num_triplets]``, ``f0``
+    ``[num_triplets]`` (``negatives=1``) or ``[num_triplets, negatives]`` (a pool of false
+    examples per anchor, for mining)."""
     if negatives < 1:
         raise ConfigError(f"negatives must be >= 1, got {negatives}")
     n = labels.numel()
@@ -100,12 +73,7 @@ def pool_size(mining: str, pool: int) -> int:
 
 
 def mine_negatives(emb: Tensor, t1: Tensor, t2: Tensor, pool: Tensor, mining: str) -> Tensor:
-    """F0 ``[T]`` from a pool of false examples ``pool [T,K]`` (module docstring, "Mining").
-
-    ``"random"`` takes each pool's first (a uniform draw); ``"semi-hard"`` the nearest negative
-    farther from T1 than T2, else the farthest. Distances are read without autograd: the
-    choice is not differentiated.
-    """
+    """F0 ``[T]`` from a pool of false examples ``pool [T,K]`` (module docstring, "Mining")."""
     if mining not in MINING:
         raise ConfigError(f"unknown triplet mining {mining!r}; choose one of {MINING}")
     if mining == "random" or pool.shape[1] == 1:
@@ -137,24 +105,11 @@ def _euclidean(a: Tensor, b: Tensor) -> Tensor:
 
 
 def triplet_loss(
-    emb: Tensor,
-    labels: Tensor,
-    *,
-    margin: float = 1.0,
-    num_triplets: int = 4096,
-    reduction: str = "all",
-    mining: str = "random",
-    pool: int = 8,
+    emb: Tensor, labels: Tensor, *, margin: float = 1.0, num_triplets: int = 4096,
+    reduction: str = "all", mining: str = "random", pool: int = 8,
     generator: torch.Generator | None = None,
-) -> tuple[Tensor, TripletStats]:
-    """Sampled triplet hinge loss over near-boundary embeddings ``emb [N,C]``, ``labels [N]``.
-
-    ``reduction="all"`` averages over all sampled triplets (zero-loss ones add zeros);
-    ``"violating"`` averages over the violating ones only (the claim's skip taken literally:
-    only corrected triplets count). ``mining`` chooses F0 among ``pool`` false examples per
-    anchor (``"random"``: one uniform draw). With no possible triplet the loss is an exact zero
-    that still belongs to the graph, so ``backward()`` is a no-op.
-    """
+) -> tuple[Tensor, TripletStats]:  # fmt: skip
+    """Sampled triplet hinge loss over near-boundary embeddings ``emb [N,C]``, ``labels [N]``."""
     if reduction not in REDUCTIONS:
         raise ConfigError(f"unknown triplet reduction {reduction!r}; choose one of {REDUCTIONS}")
     if margin < 0:
@@ -187,26 +142,12 @@ def reduce_hinge(hinge: Tensor, gap: Tensor, reduction: str = "all") -> tuple[Te
 
 
 def triplet_step(
-    net: EmbeddingNet,
-    opt: torch.optim.Optimizer,
-    images: Tensor,
-    labels: Tensor,
-    *,
-    generator: torch.Generator,
-    radius: int,
-    edge_method: str,
-    num_triplets: int,
-    margin: float,
-    reduction: str = "all",
-    mining: str = "random",
-    mining_pool: int = 8,
-    input_scale: float = 1.0,
-    output_stride: int = 16,
-    ignore_index: int = 255,
-) -> dict[str, float]:
-    """One step 2-4 iteration on a batch. Triplets are drawn first, so embeddings are read only
-    at the (at most 3 x num_triplets) pixels they use. A batch without any possible triplet
-    (no boundary, or no class with two near-boundary pixels) is a no-op."""
+    net: EmbeddingNet, opt: torch.optim.Optimizer, images: Tensor, labels: Tensor, *,
+    generator: torch.Generator, radius: int, edge_method: str, num_triplets: int, margin: float,
+    reduction: str = "all", mining: str = "random", mining_pool: int = 8, input_scale: float = 1.0,
+    output_stride: int = 16, ignore_index: int = 255,
+) -> dict[str, float]:  # fmt: skip
+    """One step 2-4 iteration on a batch."""
     edge = near_boundary_mask(labels, radius=radius, ignore_index=ignore_index, method=edge_method)
     pix_labels = labels[edge]  # [M]
     negatives = pool_size(mining, mining_pool)
