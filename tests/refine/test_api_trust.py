@@ -92,3 +92,15 @@ def test_a_batch_of_one_crop_is_refused_by_the_config() -> None:
     net(torch.randn(2, 3, 16, 16))
     with pytest.raises(ConfigError, match=r"batch_size must be >= 2"):
         RefinerConfig(batch_size=1)
+
+
+def test_channels_last_probabilities_are_named_as_such_not_resized() -> None:
+    """H×W×C probabilities were answered with "resize ... (bilinear)", a fix that cannot help."""
+    import numpy as np
+
+    refiner = fit(Stripes(3), ["a", "b", "c"])
+    image = np.zeros((32, 32, 3), np.uint8)
+    probs = np.full((32, 32, 3), 1 / 3, np.float32)  # [H, W, C]
+    with pytest.raises(DataError, match=r"channels-last \[H,W,C\].*\[C,H,W\]"):
+        refiner.refine(image, probs)
+    assert refiner.refine(image, probs.transpose(2, 0, 1)).shape == (32, 32)

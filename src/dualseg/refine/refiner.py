@@ -153,10 +153,15 @@ class BoundaryRefiner:
             or images.shape[0] != probs.shape[0]
             or images.shape[-2:] != probs.shape[-2:]
         ):
+            channels_last = probs.dim() == 4 and probs.shape[1:3] == images.shape[-2:]
+            fix = (
+                "they look channels-last [H,W,C]: pass them as [C,H,W] (probs.transpose(2, 0, 1))"
+                if channels_last
+                else "resize the base model's output to the image size (bilinear) before refining"
+            )
             raise DataError(
                 f"class probabilities of shape {tuple(probs.shape)} do not match images of shape "
-                f"{tuple(images.shape)}; resize the base model's output to the image size "
-                "(bilinear) before refining"
+                f"{tuple(images.shape)}; {fix}"
             )
         self.check_classes(None, probs.shape[1])
         images = images.to(self.device)
