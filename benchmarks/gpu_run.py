@@ -35,7 +35,8 @@ from dualseg.errors import DataError, DualsegError, Terminated
 from dualseg.io import atomic_write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from camvid import calibrate_iters, limit  # shared with the CamVid suite
+from camvid_protocols import calibrate_iters  # shared with the CamVid suite
+from camvid_refine import limit
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -8,8 +8,12 @@ from pathlib import Path
 import pytest
 
 from benchmark_helpers import load_benchmark
-from dualseg.engine.config import save_config
+from dualseg.engine.config import OptimConfig, save_config
 from dualseg.refine.shared import SharedFeatures
+
+# the script and the modules beside it that hold its protocols and method B's steps
+protocols = load_benchmark("camvid_protocols")
+refine = load_benchmark("camvid_refine")
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +50,19 @@ def test_reuse_refuses_a_refiner_fit_with_other_flags(camvid, tmp_path: Path) ->
 
     saved = RefinerConfig(steps=2000, input_scale=0.5, backbone_source="base-frozen")
     path = tmp_path / "refiner_peer.pt"
-    assert camvid.refiner_mismatch(saved, saved, path) is None
+    assert refine.refiner_mismatch(saved, saved, path) is None
     wanted = RefinerConfig(steps=2000, input_scale=1.0, backbone_source="base-frozen")
-    assert "input_scale = 0.5, this call asks 1.0" in camvid.refiner_mismatch(saved, wanted, path)
+    assert "input_scale = 0.5, this call asks 1.0" in refine.refiner_mismatch(saved, wanted, path)
     finer = RefinerConfig(
         steps=2000, input_scale=0.5, output_stride=8, backbone_source="base-frozen"
     )
-    assert "output_stride = 16, this call asks 8" in camvid.refiner_mismatch(saved, finer, path)
+    assert "output_stride = 16, this call asks 8" in refine.refiner_mismatch(saved, finer, path)
     args = camvid.parse_args(["--data", "d", "--refine-output-stride", "8"])
     assert args.refine_output_stride == 8
     decoder = RefinerConfig(
         steps=2000, input_scale=0.5, backbone_source="base-frozen", decoder_channels=48
     )
-    assert "decoder_channels = 0, this call asks 48" in camvid.refiner_mismatch(
+    assert "decoder_channels = 0, this call asks 48" in refine.refiner_mismatch(
         saved, decoder, path
     )
     args = camvid.parse_args(["--data", "d", "--refine-decoder-channels", "48"])
@@ -91,10 +95,10 @@ def test_refinement_is_timed_on_the_same_images_right_after_the_base(camvid) -> 
 
     model = torch.nn.Conv2d(3, 4, 1).eval()
     loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(6)]
-    base_s, extra_s, shared = camvid.time_inference(model, loader, 3, torch.device("cpu"))
+    base_s, extra_s, shared = refine.time_inference(model, loader, 3, torch.device("cpu"))
     assert base_s > 0 and extra_s == 0.0 and not shared  # no refiner: nothing extra
     refiner = Refiner()
-    assert not camvid.time_inference(model, loader, 3, torch.device("cpu"), refiner)[2]
+    assert not refine.time_inference(model, loader, 3, torch.device("cpu"), refiner)[2]
     assert len(refiner.seen) == 5  # 2 warm-up + 3 timed, each right after its own forward
     with torch.no_grad():
         assert torch.equal(refiner.seen[0], model(loader[0][0]))
@@ -124,10 +128,10 @@ def test_timing_says_whether_the_refiner_read_the_base_features(camvid) -> None:
     model = Base().eval()
     loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(5)]
     sharing = Refiner(active=True)
-    assert camvid.time_inference(model, loader, 3, torch.device("cpu"), sharing)[2]
+    assert refine.time_inference(model, loader, 3, torch.device("cpu"), sharing)[2]
     assert all(f is not None for f in sharing.given)
     own = Refiner(active=False)  # e.g. a refiner at another stride: runs its own backbone
-    assert not camvid.time_inference(model, loader, 3, torch.device("cpu"), own)[2]
+    assert not refine.time_inference(model, loader, 3, torch.device("cpu"), own)[2]
     assert own.given == [None] * 5
 
 
@@ -135,8 +139,8 @@ def test_a_decision_chosen_by_boundary_f1_says_so(camvid) -> None:
     from dualseg.refine.refiner import RefinerConfig
 
     cfg = RefinerConfig(gate_margin=0.1, prior_weight=0.5)
-    assert camvid.decision_label(cfg) == "gate 0.1, prior 0.5 (chosen on dev)"
-    by_edges = camvid.decision_label(cfg, "boundary_f1")
+    assert refine.decision_label(cfg) == "gate 0.1, prior 0.5 (chosen on dev)"
+    by_edges = refine.decision_label(cfg, "boundary_f1")
     assert by_edges == "gate 0.1, prior 0.5 (chosen on dev by boundary F1)"
     args = camvid.parse_args(["--data", "d", "--refine-decision-metric", "boundary_f1"])
     assert args.refine_decision_metric == "boundary_f1"
@@ -234,11 +238,11 @@ def test_a_reused_refiner_must_have_been_fit_on_the_same_inputs(camvid, tmp_path
     record = path.with_suffix(".inputs.json")
     inputs = {"fit_split": "train_fit", "fit_list_sha256": "ab", "prototype_limit": None,
               "base": "f00d"}  # fmt: skip
-    assert "does not record what it was fit on" in camvid.inputs_mismatch(record, inputs, path)
+    assert "does not record what it was fit on" in refine.inputs_mismatch(record, inputs, path)
     record.write_text(json.dumps(inputs))
-    assert camvid.inputs_mismatch(record, inputs, path) is None
+    assert refine.inputs_mismatch(record, inputs, path) is None
     for key, value in (("fit_split", "train"), ("prototype_limit", 3), ("base", "beef")):
-        message = camvid.inputs_mismatch(record, {**inputs, key: value}, path)
+        message = refine.inputs_mismatch(record, {**inputs, key: value}, path)
         assert f"fit with {key} = " in message and "delete it to fit it again" in message
 
 
@@ -359,7 +363,7 @@ def test_method_b_keeps_its_training_state_and_reuse_continues_it(
             given.append(kwargs)
             raise Terminated
 
-    monkeypatch.setattr(camvid, "BoundaryRefiner", Refiner)
+    monkeypatch.setattr(refine, "BoundaryRefiner", Refiner)
     out = tmp_path / "out"
     out.mkdir()
     meta = SimpleNamespace(class_names=[f"c{i}" for i in range(11)])
@@ -478,7 +482,7 @@ def test_the_budget_protocol_trains_with_the_recipe_flags(camvid, tmp_path: Path
     # the defaults stay each protocol's own: bf16 where native (budget), fp32 (plateau)
     assert config(camvid, tmp_path, protocol="budget").train.amp == "auto"
     assert config(camvid, tmp_path).train.amp == "none"
-    assert config(camvid, tmp_path, protocol="budget").optim == camvid.OptimConfig()
+    assert config(camvid, tmp_path, protocol="budget").optim == OptimConfig()
 
 
 def test_models_evaluated_one_per_call_into_one_out_keep_each_others_rows(
@@ -518,10 +522,10 @@ def test_models_evaluated_one_per_call_into_one_out_keep_each_others_rows(
 
 
 def test_a_frame_s_sequence_is_its_file_name_prefix(camvid) -> None:
-    assert camvid.sequence_of("train/0001TP_006690.png trainannot/0001TP_006690.png") == "0001TP"
-    assert camvid.sequence_of("/abs/val/0016E5_07959.png") == "0016E5"
+    assert protocols.sequence_of("train/0001TP_006690.png trainannot/0001TP_006690.png") == "0001TP"
+    assert protocols.sequence_of("/abs/val/0016E5_07959.png") == "0016E5"
     lines = ["a/SEQA_1.png b/SEQA_1.png", "a/SEQB_1.png b/SEQB_1.png", "a/SEQA_2.png b/SEQA_2.png"]
-    train, held = camvid.split_by_sequence(lines, "SEQA")
+    train, held = protocols.split_by_sequence(lines, "SEQA")
     assert held == [lines[0], lines[2]] and train == [lines[1]]  # order kept, nothing shared
 
 
@@ -535,7 +539,7 @@ def test_a_holdout_sequence_that_leaves_no_split_is_one_error(camvid, holdout, s
         ["a/SEQB_1.png b/SEQB_1.png"] if holdout != "SEQA" else []
     )
     with pytest.raises(ConfigError, match=rf"--holdout-sequence {said} the training sequences"):
-        camvid.split_by_sequence(lines, holdout)
+        protocols.split_by_sequence(lines, holdout)
 
 
 def test_leave_one_sequence_out_trains_on_the_others_and_chooses_on_it(
@@ -555,9 +559,9 @@ def test_leave_one_sequence_out_trains_on_the_others_and_chooses_on_it(
     def read(name: str) -> list[str]:
         return (root / f"{name}.txt").read_text().splitlines()
 
-    assert {camvid.sequence_of(ln) for ln in read("dev")} == {"0001TP"} and len(read("dev")) == 4
+    assert {protocols.sequence_of(ln) for ln in read("dev")} == {"0001TP"} and len(read("dev")) == 4
     assert read("cross_scene_0001TP") == read("dev")
-    assert {camvid.sequence_of(ln) for ln in read("train_fit")} == {"0006R0", "0016E5"}
+    assert {protocols.sequence_of(ln) for ln in read("train_fit")} == {"0006R0", "0016E5"}
     assert len(read("train_fit")) == 8 and all(
         Path(ln.split()[0]).is_absolute() for ln in read("dev")
     )
@@ -617,7 +621,7 @@ def test_dense_crf_is_timed_on_the_probabilities_right_after_the_base(camvid) ->
     model = torch.nn.Conv2d(3, 4, 1).eval()
     loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(4)]
     crf = CRF()
-    base_s, extra_s, shared = camvid.time_inference(model, loader, 2, torch.device("cpu"), crf)
+    base_s, extra_s, shared = refine.time_inference(model, loader, 2, torch.device("cpu"), crf)
     assert base_s > 0 and extra_s > 0 and not shared and len(crf.seen) == 4
     with torch.no_grad():
         assert torch.allclose(crf.seen[0], model(loader[0][0]).softmax(1))
