@@ -149,6 +149,21 @@ def time_inference(
     return statistics.median(base), extra_s, refiner is not None and shared_n == len(base)
 
 
+def refiner_config(args: argparse.Namespace) -> RefinerConfig:
+    """Method B's options as the ``--refine-*`` flags (and the base's batch, seed) set them."""
+    return RefinerConfig(
+        steps=args.refine_steps,
+        input_scale=args.refine_input_scale,
+        output_stride=args.refine_output_stride,
+        embed_dim=args.refine_embed_dim,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        backbone_source=args.refine_backbone_source,
+        mining=args.refine_mining,
+        decoder_channels=args.refine_decoder_channels,
+    )
+
+
 def fit_refiners(
     args: argparse.Namespace,
     out: Path,
@@ -161,45 +176,21 @@ def fit_refiners(
 
     ``--refine-backbone-source independent`` fits one refiner (ground truth only) for every
     base; ``base-frozen`` / ``base-finetune`` one per base on that base's backbone. Under the
-    plateau protocol the fit reads train_fit (dev held out), and the decision options (gate τ,
-    prior weight, probability floor) are chosen per base
-    on dev (:mod:`dualseg.refine.calibrate`): ``gated[name]["B_gated"]`` holds that copy, and
-    ``gated[name]["B_shared"]`` the best setting without P1 blur when the refiner reads the
-    base's own backbone output (:mod:`dualseg.refine.shared`) and the first choice blurs
-    (which would make it run its own backbone again). Fitted refiners are
-    kept in ``--out`` and reused with ``--reuse``; a fit interrupted (SIGINT / SIGTERM) keeps its
-    training state in ``refiner_*.train.pt`` there, and ``--reuse`` continues it.
+    plateau protocol the fit reads train_fit (dev held out), and the decision is chosen per
+    base on dev (:func:`choose_decisions`). Fitted refiners are kept in ``--out`` and reused
+    with ``--reuse``; a fit interrupted (SIGINT / SIGTERM) keeps its training state in
+    ``refiner_*.train.pt`` there, and ``--reuse`` continues it.
     """
-
     bases = [n for n in REFINED if n in models]
     if args.refine_steps <= 0 or not bases:
         return {}, {}
     plateau = args.protocol == "plateau"
     root, split = (out / "data", "train_fit") if plateau else (Path(args.data), "train")
-    train_ds = build_dataset(
-        root,
-        split=split,
-        preset="camvid",
-        transform=build_train_transform(crop_size=tuple(args.crop), scale_range=tuple(args.scale)),
-    )
-    protos = limit(build_dataset(root, split=split, preset="camvid"), args.prototype_limit)
     shared = args.refine_backbone_source == "independent"
-    wanted = RefinerConfig(
-        steps=args.refine_steps,
-        input_scale=args.refine_input_scale,
-        output_stride=args.refine_output_stride,
-        embed_dim=args.refine_embed_dim,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        backbone_source=args.refine_backbone_source,
-        mining=args.refine_mining,
-        decoder_channels=args.refine_decoder_channels,
-    )
-    fitted: dict[str, BoundaryRefiner] = {}  # "all" (independent) or one per base
     listed = (root / f"{split}.txt").read_text()
+    fitted: dict[str, BoundaryRefiner] = {}  # "all" (independent) or one per base
     for name in bases:
         key = "all" if shared else name
-        path = out / f"refiner_{key}.pt"
         if key in fitted:
             continue
         # what the fit read besides its options: a refiner reused must have read the same
@@ -209,82 +200,116 @@ def fit_refiners(
             "prototype_limit": args.prototype_limit,
             "base": None if shared else model_fingerprint(models[name]),
         }
-        record = path.with_suffix(".inputs.json")
-        if args.reuse and path.is_file():
-            fitted[key] = BoundaryRefiner.load(path, device=device)
-            mismatch = refiner_mismatch(fitted[key].config, wanted, path) or inputs_mismatch(
-                record, inputs, path
-            )
-            if mismatch:
-                raise ConfigError(mismatch)
-            continue
-        t0 = time.time()
-        # its training state is saved every 200 steps and when interrupted: --reuse continues it
-        fitted[key] = BoundaryRefiner.fit(
-            train_ds,
-            class_names=meta.class_names,
-            config=wanted,
-            prototype_dataset=protos,
-            weights=None if args.weights == "none" or not shared else args.weights,
-            init_from=None if shared else models[name],
-            device=device,
-            num_workers=args.workers,
-            progress=False,
-            log_every=250,
-            checkpoint=path.with_suffix(".train.pt"),
-            resume=args.reuse,
-            fit_inputs=inputs,  # a resume on another split, list or base is refused
-        )
-        fitted[key].save(path)
-        atomic_write_json(record, inputs)
-        results["train"][f"method_b_{key}"] = {
-            "steps": args.refine_steps,
-            "backbone_source": args.refine_backbone_source,
-            "mining": args.refine_mining,
-            "seconds": time.time() - t0,
-        }
+        base = None if shared else models[name]
+        fitted[key] = fit_refiner(args, out / f"refiner_{key}.pt", inputs, base, meta, device,
+                                  results)  # fmt: skip
     refiners = {name: fitted["all" if shared else name] for name in bases}
-    gated: dict[str, dict[str, BoundaryRefiner]] = {}
-    if plateau:
-        _, dev = eval_loader(
-            args.data, str(out / "data" / "dev.txt"), args.eval_limit, args.workers
-        )
-        for name in bases:
-            model, refiner = models[name], refiners[name]
-            with refiner.shared_features(model) as kept:  # as evaluate() will read them
-                rows = sweep_decision(
-                    refiner,
-                    lambda x, m=model: m(x).softmax(1),
-                    dev,
-                    num_classes=meta.num_classes,
-                    device=device,
-                    shared=kept,
-                )
-            metric = args.refine_decision_metric
-            chosen = choose_decision(rows, metric=metric)
-            sweep = {"metric": metric, "chosen": chosen, "rows": rows}
-            print(f"[{name}] decision chosen on dev: {chosen}", flush=True)
-
-            def with_decision(options: dict[str, Any], r: BoundaryRefiner = refiner) -> Any:
-                return BoundaryRefiner(
-                    r.net,
-                    r.prototypes,
-                    r.present,
-                    class_names=r.class_names,
-                    config=dataclasses.replace(r.config, **options),
-                )
-
-            gated[name] = {"B_gated": with_decision(chosen)}
-            # P1 blur makes the refiner run its own backbone; where it could read the base's
-            # features instead, also keep the best setting that does (the cheap one)
-            if kept.module is not None and chosen["p1_blur_sigma"]:
-                unblurred = [r for r in rows if r.get("p1_blur_sigma", 0) == 0]
-                fast = choose_decision(unblurred, metric=metric)
-                sweep["chosen_reading_base_features"] = fast
-                gated[name]["B_shared"] = with_decision(fast)
-                print(f"[{name}] ... among those reading the base's features: {fast}", flush=True)
-            results.setdefault("decision_sweep_dev", {})[name] = sweep
+    gated = choose_decisions(args, out, models, refiners, meta, device, results) if plateau else {}
     return refiners, gated
+
+
+def fit_refiner(
+    args: argparse.Namespace,
+    path: Path,
+    inputs: dict[str, Any],
+    base: torch.nn.Module | None,
+    meta: Any,
+    device: torch.device,
+    results: dict[str, Any],
+) -> BoundaryRefiner:
+    """The refiner in ``path``: reused (``--reuse``, refused when fit otherwise) or fitted on
+    ``inputs["fit_split"]``, on ``base``'s backbone or (``None``) its own."""
+    wanted = refiner_config(args)
+    record = path.with_suffix(".inputs.json")
+    if args.reuse and path.is_file():
+        refiner = BoundaryRefiner.load(path, device=device)
+        mismatch = refiner_mismatch(refiner.config, wanted, path)
+        mismatch = mismatch or inputs_mismatch(record, inputs, path)
+        if mismatch:
+            raise ConfigError(mismatch)
+        return refiner
+    root = path.parent / "data" if args.protocol == "plateau" else Path(args.data)
+    split = inputs["fit_split"]
+    transform = build_train_transform(crop_size=tuple(args.crop), scale_range=tuple(args.scale))
+    train_ds = build_dataset(root, split=split, preset="camvid", transform=transform)
+    protos = limit(build_dataset(root, split=split, preset="camvid"), args.prototype_limit)
+    t0 = time.time()
+    # its training state is saved every 200 steps and when interrupted: --reuse continues it
+    refiner = BoundaryRefiner.fit(
+        train_ds,
+        class_names=meta.class_names,
+        config=wanted,
+        prototype_dataset=protos,
+        weights=None if args.weights == "none" or base is not None else args.weights,
+        init_from=base,
+        device=device,
+        num_workers=args.workers,
+        progress=False,
+        log_every=250,
+        checkpoint=path.with_suffix(".train.pt"),
+        resume=args.reuse,
+        fit_inputs=inputs,  # a resume on another split, list or base is refused
+    )
+    refiner.save(path)
+    atomic_write_json(record, inputs)
+    results["train"][path.stem.replace("refiner_", "method_b_", 1)] = {
+        "steps": args.refine_steps,
+        "backbone_source": args.refine_backbone_source,
+        "mining": args.refine_mining,
+        "seconds": time.time() - t0,
+    }
+    return refiner
+
+
+def with_decision(refiner: BoundaryRefiner, options: dict[str, Any]) -> BoundaryRefiner:
+    """A copy of ``refiner`` deciding with ``options`` (gate, prior, floor, blur)."""
+    r = refiner
+    config = dataclasses.replace(r.config, **options)
+    return BoundaryRefiner(r.net, r.prototypes, r.present, class_names=r.class_names, config=config)
+
+
+def choose_decisions(
+    args: argparse.Namespace,
+    out: Path,
+    models: dict[str, torch.nn.Module],
+    refiners: dict[str, BoundaryRefiner],
+    meta: Any,
+    device: torch.device,
+    results: dict[str, Any],
+) -> dict[str, dict[str, BoundaryRefiner]]:
+    """Per base, the decision options (gate τ, prior weight, probability floor) chosen on dev
+    (:mod:`dualseg.refine.calibrate`): ``gated[name]["B_gated"]`` holds that copy, and
+    ``gated[name]["B_shared"]`` the best setting without P1 blur when the refiner reads the
+    base's own backbone output (:mod:`dualseg.refine.shared`) and the first choice blurs
+    (which would make it run its own backbone again)."""
+    _, dev = eval_loader(args.data, str(out / "data" / "dev.txt"), args.eval_limit, args.workers)
+    metric = args.refine_decision_metric
+    gated: dict[str, dict[str, BoundaryRefiner]] = {}
+    for name, refiner in refiners.items():
+        model = models[name]
+        with refiner.shared_features(model) as kept:  # as evaluate() will read them
+            rows = sweep_decision(
+                refiner,
+                lambda x, m=model: m(x).softmax(1),
+                dev,
+                num_classes=meta.num_classes,
+                device=device,
+                shared=kept,
+            )
+        chosen = choose_decision(rows, metric=metric)
+        sweep = {"metric": metric, "chosen": chosen, "rows": rows}
+        print(f"[{name}] decision chosen on dev: {chosen}", flush=True)
+        gated[name] = {"B_gated": with_decision(refiner, chosen)}
+        # P1 blur makes the refiner run its own backbone; where it could read the base's
+        # features instead, also keep the best setting that does (the cheap one)
+        if kept.module is not None and chosen["p1_blur_sigma"]:
+            unblurred = [r for r in rows if r.get("p1_blur_sigma", 0) == 0]
+            fast = choose_decision(unblurred, metric=metric)
+            sweep["chosen_reading_base_features"] = fast
+            gated[name]["B_shared"] = with_decision(refiner, fast)
+            print(f"[{name}] ... among those reading the base's features: {fast}", flush=True)
+        results.setdefault("decision_sweep_dev", {})[name] = sweep
+    return gated
 
 
 def choose_crfs(
