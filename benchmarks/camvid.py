@@ -1,6 +1,6 @@
 """CamVid benchmark: method A against its peer and its ablations, with method B on top.
 
-Trains, with the same data, augmentation, budget and evaluation (issue 6):
+Trains, with the same data, augmentation, budget and evaluation:
 
 1. ``dualseg``        method A, ``dualseg_mobilenet_v2`` (offline ImageNet weights)
 2. ``peer``           torchvision's DeepLabV3 head on the same dilated MobileNetV2 (same engine)

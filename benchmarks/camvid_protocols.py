@@ -264,81 +264,51 @@ def carve_dev_split(data: Path, out: Path, fraction: float, holdout: str | None 
 
 
 def base_config(args: argparse.Namespace, name: str, out: Path) -> Config:
+    """Model ``name``'s training config under ``--protocol``: the same data, augmentation and
+    recipe for every model."""
     arch, options = VARIANTS[name]
-    weights = None if args.weights == "none" else args.weights
     if args.output_stride:
         options = {**options, "output_stride": args.output_stride}
-    optim = OptimConfig(
-        lr=args.lr,
-        head_lr_mult=args.head_lr_mult,
-        warmup_iters=args.warmup_iters,
-        clip_grad_norm=args.clip_grad_norm,
-    )
-    if args.protocol == "plateau":
-        return Config(
-            data=DataConfig(
-                root=str(out / "data"),
-                preset="camvid",
-                train_split="train_fit",
-                val_split="dev",
-                crop_size=tuple(args.crop),
-                scale_range=tuple(args.scale),
-                blur_prob=0.1,  # the shipped CamVid configs' S1 augmentation, for every model
-                jitter=0.2,
-                batch_size=args.batch_size,
-                val_batch_size=1,
-                num_workers=args.workers,
-                persistent_workers=False,  # no idle workers beside the model between validations
-            ),
-            model=ModelConfig(arch=arch, weights=weights, **options),
-            optim=optim,
-            train=TrainConfig(
-                out_dir=str(out / "runs" / name),
-                max_iters=args.max_iters,
-                val_every=args.val_every,
-                monitor="val_miou",
-                patience=args.patience or None,  # 0: off
-                min_delta=args.min_delta / 100.0,
-                seed=args.seed,
-                device=args.device,
-                amp=args.amp or "none",
-                progress=False,
-                tensorboard=False,
-            ),
-        )
+    data: dict[str, Any] = {
+        "preset": "camvid",
+        "crop_size": tuple(args.crop),
+        "scale_range": tuple(args.scale),
+        "blur_prob": 0.1,  # the shipped CamVid configs' S1 augmentation, for every model
+        "jitter": 0.2,
+        "batch_size": args.batch_size,
+        "num_workers": args.workers,
+    }
+    train: dict[str, Any] = {
+        "out_dir": str(out / "runs" / name),
+        "seed": args.seed,
+        "device": args.device,
+        "tensorboard": False,
+    }
+    if args.protocol == "plateau":  # no idle loader workers beside the model between validations
+        data |= {"root": str(out / "data"), "train_split": "train_fit", "val_split": "dev",
+                 "val_batch_size": 1, "persistent_workers": False}  # fmt: skip
+        train |= {"max_iters": args.max_iters, "val_every": args.val_every,
+                  "monitor": "val_miou", "patience": args.patience or None,  # 0: off
+                  "min_delta": args.min_delta / 100.0, "amp": args.amp or "none",
+                  "progress": False}  # fmt: skip
+    else:  # evaluated at full resolution outside the budget; the calibrated schedule runs out
+        data |= {"root": str(args.data), "val_split": None}
+        train |= {"max_iters": 1, "val_every": 0, "monitor": "train_loss", "patience": None,
+                  "amp": args.amp or "auto", "progress": True}  # fmt: skip
     return Config(
-        data=DataConfig(
-            root=str(args.data),
-            preset="camvid",
-            val_split=None,  # evaluated below, at full resolution, outside the budget
-            crop_size=tuple(args.crop),
-            scale_range=tuple(args.scale),
-            blur_prob=0.1,  # the shipped CamVid configs' S1 augmentation, for every model
-            jitter=0.2,
-            batch_size=args.batch_size,
-            num_workers=args.workers,
-        ),
-        model=ModelConfig(arch=arch, weights=weights, **options),
-        optim=optim,
-        train=TrainConfig(
-            out_dir=str(out / "runs" / name),
-            max_iters=1,
-            val_every=0,
-            monitor="train_loss",
-            patience=None,  # the budget protocol runs its full calibrated schedule
-            seed=args.seed,
-            device=args.device,
-            amp=args.amp or "auto",  # as this protocol always trained: bf16 where native
-            progress=True,
-            tensorboard=False,
-        ),
-    )
+        data=DataConfig(**data),
+        model=ModelConfig(arch=arch, weights=None if args.weights == "none" else args.weights,
+                          **options),
+        optim=OptimConfig(lr=args.lr, head_lr_mult=args.head_lr_mult,
+                          warmup_iters=args.warmup_iters, clip_grad_norm=args.clip_grad_norm),
+        train=TrainConfig(**train),
+    )  # fmt: skip
 
 
 def calibrate_iters(cfg: Config, minutes: float, device: torch.device) -> tuple[int, float]:
     """Iterations that fit in ``minutes``, from timed forward+backward steps on a random batch,
-    in the precision and memory format ``fit`` trains ``cfg`` in (``train.amp``, where an fp32
-    calibration of a bf16 run once set T from a step of another cost).
+    in the precision and memory format ``fit`` trains ``cfg`` in (``train.amp``: a step of
+    another cost would set another T).
 
     Data loading runs in worker processes alongside; it is measured separately by
     benchmarks/data_throughput.py and is not the bottleneck at these sizes.

@@ -108,10 +108,10 @@ def time_inference(
 ) -> tuple[float, float, bool]:
     """Median seconds per image (batch 1, full resolution) of the base model, and of the
     ``refiner``'s refinement timed on the same images right after each forward (0.0 without):
-    the two are measured under the same load, so their ratio holds on a busy machine (two
-    separate passes minutes apart once gave a negative "extra time"). The first two images
-    warm up (fewer when the split is tiny). Third: whether every timed refinement read the
-    base's backbone output (``dualseg.refine.shared``) instead of running its own."""
+    the two are measured under the same load, so their ratio holds on a busy machine. The
+    first two images warm up (fewer when the split is tiny). Third: whether every timed
+    refinement read the base's backbone output (``dualseg.refine.shared``) instead of running
+    its own."""
     base, extra = [], []
     shared_n = 0
     warmup = min(2, len(loader) - 1)
