@@ -4,6 +4,7 @@ and the figures (per-class IoU, loss and learning curves, qualitative panels).""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import torch
 from camvid_protocols import LABELS, VARIANTS
 
 from dualseg.errors import ConfigError
-from dualseg.io import atomic_write_text
+from dualseg.io import atomic_write_bytes, atomic_write_text
 from dualseg.viz import save_figure
 
 # flags that change no model's figures: results.json may hold models evaluated under others
@@ -199,7 +200,9 @@ def save_learning_curves(
     by_iter.grid(alpha=0.3)
     by_time.grid(alpha=0.3)
     fig.suptitle(title)
-    save_figure(fig, path, tight_layout=False)  # constrained layout
+    buf = io.BytesIO()  # not save_figure: its tight layout would undo the constrained one
+    fig.savefig(buf, format="png")
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def save_panels(
