@@ -35,7 +35,8 @@ from dualseg.errors import DataError, DualsegError, Terminated
 from dualseg.io import atomic_write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from camvid import calibrate_iters, limit  # shared with the CamVid suite
+from camvid_protocols import calibrate_iters  # shared with the CamVid suite
+from camvid_refine import limit
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,22 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    if not 0 < args.minutes <= 8:
-        raise SystemExit(
-            f"--minutes {args.minutes:g}: give more than 0 and at most 8 (the GPU path is a "
-            "short fixed budget)"
-        )
-    lists = [Path(args.data) / f"{split}.txt" for split in ("train", "val")]
-    if not all(p.is_file() for p in lists):  # before the calibration's minute on the GPU
-        raise DataError(
-            f"{args.data}: no {' / '.join(p.name for p in lists if not p.is_file())} there; "
-            "pass the CamVid folder with train.txt and val.txt"
-        )
-    device = torch.device(args.device)
-    out = Path(args.out)
-    cfg = Config(
+def run_config(args: argparse.Namespace) -> Config:
+    """The training config of the run, with T set later by the calibration."""
+    return Config(
         data=DataConfig(
             root=args.data,
             preset="camvid",
@@ -88,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         optim=OptimConfig(lr=args.lr),
         train=TrainConfig(
-            out_dir=str(out),
+            out_dir=str(Path(args.out)),
             max_iters=1,
             val_every=0,
             monitor="train_loss",
@@ -99,10 +87,48 @@ def main(argv: list[str] | None = None) -> int:
             tensorboard=False,
         ),
     )
+
+
+def images_per_second(model: torch.nn.Module, batch: int, device: torch.device, amp: str) -> float:
+    """Inference throughput of the model alone at full 360x480, median of 10 timed runs."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(amp)
+    x = torch.randn(batch, 3, 360, 480, device=device)
+    times = []
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+    with torch.inference_mode(), autocast:
+        for i in range(13):
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            t = time.perf_counter()
+            model(x).argmax(1)
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            if i >= 3:  # the first runs warm up cuDNN
+                times.append(time.perf_counter() - t)
+    return batch / statistics.median(times)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if not 0 < args.minutes <= 8:
+        raise SystemExit(
+            f"--minutes {args.minutes:g}: give more than 0 and at most 8 (the GPU path is a "
+            "short fixed budget)"
+        )
+    lists = [Path(args.data) / f"{split}.txt" for split in ("train", "val")]
+    if not all(p.is_file() for p in lists):  # before the calibration's minute on the GPU
+        raise DataError(
+            f"{args.data}: no {' / '.join(p.name for p in lists if not p.is_file())} there; "
+            "pass the CamVid folder with train.txt and val.txt"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    check_args(args)
+    device = torch.device(args.device)
+    out = Path(args.out)
+    cfg = run_config(args)
     iters, per_iter = calibrate_iters(cfg, args.minutes, device)
     cfg = replace(cfg, train=replace(cfg.train, max_iters=iters, ckpt_every=iters))
     print(f"calibrated {per_iter * 1000:.0f} ms/iteration -> {iters} iterations", flush=True)
-
     t0 = time.time()
     result = fit(cfg, overwrite=True)  # the benchmark owns --out
     train_s = time.time() - t0
@@ -126,35 +152,16 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         return 128 + int(result.get("signal", signal.SIGINT))
-
     model, meta = build_model_from_checkpoint(load_checkpoint(out / "last.pt"), device=device)
     model.eval()
     val = limit(build_dataset(args.data, split="val", preset="camvid"), args.eval_limit)
     loader = torch.utils.data.DataLoader(val, batch_size=args.batch_size, num_workers=args.workers)
-    metrics = evaluate(
-        model, loader, num_classes=meta.num_classes, device=device, amp=args.amp != "none"
-    )
-
-    # Inference throughput: model only, full 360x480, batch 1 and batch B, AMP, median of runs.
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    infer = {}
-    for b in (1, args.batch_size):
-        x = torch.randn(b, 3, 360, 480, device=device)
-        times = []
-        with (
-            torch.inference_mode(),
-            torch.autocast(device.type, dtype=dtype, enabled=dtype is not None),
-        ):
-            for i in range(13):
-                torch.cuda.synchronize() if device.type == "cuda" else None
-                t = time.perf_counter()
-                model(x).argmax(1)
-                torch.cuda.synchronize() if device.type == "cuda" else None
-                if i >= 3:
-                    times.append(time.perf_counter() - t)
-        infer[f"batch_{b}"] = b / statistics.median(times)
-
-    summary["infer_images_per_s"] = {k: round(v, 2) for k, v in infer.items()}
+    amp = args.amp != "none"
+    metrics = evaluate(model, loader, num_classes=meta.num_classes, device=device, amp=amp)
+    summary["infer_images_per_s"] = {
+        f"batch_{b}": round(images_per_second(model, b, device, args.amp), 2)
+        for b in (1, args.batch_size)
+    }
     summary["val_miou"] = metrics["miou"]
     summary["val_boundary_f1"] = metrics["boundary_f1"]
     atomic_write_json(out / "gpu_run.json", summary)

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from dualseg.io import atomic_write_json
 from dualseg.models import MODELS, ReNetLayer, build_model
 
 
@@ -136,6 +137,51 @@ def renet_inputs(model: nn.Module, x: torch.Tensor, autocast) -> list:
     return inputs
 
 
+def time_training(
+    models: list[nn.Module],
+    rows: list[dict],
+    x: torch.Tensor,
+    args: argparse.Namespace,
+    device: torch.device,
+    autocast: Callable,
+) -> None:
+    """Into ``rows``: each model's training step timed in turns, its FLOP rate and peak memory."""
+    use_amp = rows[0]["amp"]
+    scaler = torch.amp.GradScaler("cuda") if use_amp else None
+
+    def train_step(model: nn.Module) -> Callable[[], None]:
+        # BatchNorm with frozen statistics (eval mode), as usual when fine-tuning
+        # segmentation at small batch: the peer's image-pooling BN cannot train on one image.
+        model.train()
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+
+        def run() -> None:
+            model.zero_grad(set_to_none=True)
+            with autocast():
+                loss = model(x).float().square().mean()
+            (scaler.scale(loss) if scaler else loss).backward()
+
+        return run
+
+    steps = [train_step(m) for m in models]
+    train = interleaved_medians(steps, device, args.reps, args.warmup)
+    for row, model, step, t in zip(rows, models, steps, train):
+        if device.type == "cuda":
+            model.zero_grad(set_to_none=True)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            peak = torch.cuda.max_memory_allocated(device)
+        else:
+            peak = saved_tensor_bytes(model, x, autocast)
+        row.update(
+            train_ms=1e3 * t,
+            gflops_train=3 * row["_flops"] / t / 1e9,  # 3 x forward FLOPs per step
+            peak_mb=peak / 2**20,
+        )
+
+
 def measure_pair(names: list[str], args: argparse.Namespace, device: torch.device, batch: int):
     """Rows for a dualseg model and its peer, timed in turns."""
     size = tuple(args.size)
@@ -193,39 +239,7 @@ def measure_pair(names: list[str], args: argparse.Namespace, device: torch.devic
             row["renet_gflops"] = renet_flops(renet_inputs(model, x, autocast)) / t_renet / 1e9
 
     if not args.no_backward:
-        scaler = torch.amp.GradScaler("cuda") if use_amp else None
-
-        def train_step(model: nn.Module) -> Callable[[], None]:
-            # BatchNorm with frozen statistics (eval mode), as usual when fine-tuning
-            # segmentation at small batch: the peer's image-pooling BN cannot train on one image.
-            model.train()
-            for m in model.modules():
-                if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                    m.eval()
-
-            def run() -> None:
-                model.zero_grad(set_to_none=True)
-                with autocast():
-                    loss = model(x).float().square().mean()
-                (scaler.scale(loss) if scaler else loss).backward()
-
-            return run
-
-        steps = [train_step(m) for m in models]
-        train = interleaved_medians(steps, device, args.reps, args.warmup)
-        for row, model, step, t in zip(rows, models, steps, train):
-            if device.type == "cuda":
-                model.zero_grad(set_to_none=True)
-                torch.cuda.reset_peak_memory_stats(device)
-                step()
-                peak = torch.cuda.max_memory_allocated(device)
-            else:
-                peak = saved_tensor_bytes(model, x, autocast)
-            row.update(
-                train_ms=1e3 * t,
-                gflops_train=3 * row["_flops"] / t / 1e9,  # 3 x forward FLOPs per step
-                peak_mb=peak / 2**20,
-            )
+        time_training(models, rows, x, args, device, autocast)
     del models
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -343,7 +357,46 @@ def print_parts(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def print_pair(dev: str, batch: int, result: list[dict]) -> None:
+    """The rows of a model and its peer, then their ratios against the targets."""
+    for r in result:
+        print(
+            f"{dev + ('+amp' if r['amp'] else ''):6} {batch:>2} {r['model']:24} "
+            f"{r['fwd_ms']:9.1f} {fmt(r, 'train_ms', '9.1f'):>9} "
+            f"{r['gflop_fwd']:8.1f} {r['gflops_fwd']:8.1f} "
+            f"{fmt(r, 'gflops_train', '10.1f'):>10} {fmt(r, 'peak_mb', '8.0f'):>8} "
+            f"{100 * r['renet_share']:6.1f}",
+            flush=True,
+        )
+    if len(result) == 2:
+        a, b = result
+        ratio = a["gflops_fwd"] / b["gflops_fwd"]
+        if "renet_gflops" in a:
+            share = a["renet_gflops"] / a["gemm_gflops"]
+            print(
+                f"  ReNet {a['renet_gflops']:.1f} GFLOP/s, same-run SGEMM "
+                f"{a['gemm_gflops']:.1f}: {100 * share:.0f}% (target >= 50%: "
+                f"{'ok' if share >= 0.5 else 'MISSED'})",
+                flush=True,
+            )
+        if "train_ms" in a:
+            step = a["train_ms"] / b["train_ms"]
+            print(
+                f"  training step dualseg/peer {step:.2f}x (target <= 1.5: "
+                f"{'ok' if step <= 1.5 else 'MISSED'})",
+                flush=True,
+            )
+        print(
+            f"  ratio dualseg/peer: fwd time {a['fwd_ms'] / b['fwd_ms']:.2f}x, "
+            f"FLOPs {a['gflop_fwd'] / b['gflop_fwd']:.2f}x, achieved GFLOP/s "
+            f"{ratio:.2f}x (target >= 0.9: {'ok' if ratio >= 0.9 else 'MISSED'}), "
+            f"ReNet {100 * a['renet_share']:.1f}% of forward (target < 15%: "
+            f"{'ok' if a['renet_share'] < 0.15 else 'MISSED'})",
+            flush=True,
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["dualseg_mobilenet_v2", "dualseg_resnet101"])
     p.add_argument("--device", nargs="+", default=["cpu", "cuda"], help="skipped when absent")
@@ -359,7 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", action="store_true", help="time each part's training step")
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--flops-file", help="JSON cache of counted FLOPs (read, then updated)")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     args.flops_cache = {}
     if args.flops_file and Path(args.flops_file).is_file():
         args.flops_cache = json.loads(Path(args.flops_file).read_text())
@@ -387,43 +444,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 result = measure_pair(pair, args, device, batch)
                 rows += result
-                for r in result:
-                    print(
-                        f"{dev + ('+amp' if r['amp'] else ''):6} {batch:>2} {r['model']:24} "
-                        f"{r['fwd_ms']:9.1f} {fmt(r, 'train_ms', '9.1f'):>9} "
-                        f"{r['gflop_fwd']:8.1f} {r['gflops_fwd']:8.1f} "
-                        f"{fmt(r, 'gflops_train', '10.1f'):>10} {fmt(r, 'peak_mb', '8.0f'):>8} "
-                        f"{100 * r['renet_share']:6.1f}",
-                        flush=True,
-                    )
-                if len(result) == 2:
-                    a, b = result
-                    ratio = a["gflops_fwd"] / b["gflops_fwd"]
-                    if "renet_gflops" in a:
-                        share = a["renet_gflops"] / a["gemm_gflops"]
-                        print(
-                            f"  ReNet {a['renet_gflops']:.1f} GFLOP/s, same-run SGEMM "
-                            f"{a['gemm_gflops']:.1f}: {100 * share:.0f}% (target >= 50%: "
-                            f"{'ok' if share >= 0.5 else 'MISSED'})",
-                            flush=True,
-                        )
-                    if "train_ms" in a:
-                        step = a["train_ms"] / b["train_ms"]
-                        print(
-                            f"  training step dualseg/peer {step:.2f}x (target <= 1.5: "
-                            f"{'ok' if step <= 1.5 else 'MISSED'})",
-                            flush=True,
-                        )
-                    print(
-                        f"  ratio dualseg/peer: fwd time {a['fwd_ms'] / b['fwd_ms']:.2f}x, "
-                        f"FLOPs {a['gflop_fwd'] / b['gflop_fwd']:.2f}x, achieved GFLOP/s "
-                        f"{ratio:.2f}x (target >= 0.9: {'ok' if ratio >= 0.9 else 'MISSED'}), "
-                        f"ReNet {100 * a['renet_share']:.1f}% of forward (target < 15%: "
-                        f"{'ok' if a['renet_share'] < 0.15 else 'MISSED'})",
-                        flush=True,
-                    )
-    from dualseg.io import atomic_write_json
-
+                print_pair(dev, batch, result)
     if args.json:
         atomic_write_json(args.json, rows)
     if args.flops_file:

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from benchmark_helpers import load_benchmark
-from dualseg.engine.config import save_config
-from dualseg.refine.shared import SharedFeatures
+from dualseg.engine.config import OptimConfig, save_config
+
+protocols = load_benchmark("camvid_protocols")  # the run checks and carves beside the script
 
 
 @pytest.fixture(scope="module")
@@ -41,30 +42,6 @@ def test_reuse_refuses_a_run_trained_with_other_flags(camvid, tmp_path: Path) ->
     assert camvid.reuse_mismatch(longer, run, calibrated_iters=True) is None
 
 
-def test_reuse_refuses_a_refiner_fit_with_other_flags(camvid, tmp_path: Path) -> None:
-    from dualseg.refine.refiner import RefinerConfig
-
-    saved = RefinerConfig(steps=2000, input_scale=0.5, backbone_source="base-frozen")
-    path = tmp_path / "refiner_peer.pt"
-    assert camvid.refiner_mismatch(saved, saved, path) is None
-    wanted = RefinerConfig(steps=2000, input_scale=1.0, backbone_source="base-frozen")
-    assert "input_scale = 0.5, this call asks 1.0" in camvid.refiner_mismatch(saved, wanted, path)
-    finer = RefinerConfig(
-        steps=2000, input_scale=0.5, output_stride=8, backbone_source="base-frozen"
-    )
-    assert "output_stride = 16, this call asks 8" in camvid.refiner_mismatch(saved, finer, path)
-    args = camvid.parse_args(["--data", "d", "--refine-output-stride", "8"])
-    assert args.refine_output_stride == 8
-    decoder = RefinerConfig(
-        steps=2000, input_scale=0.5, backbone_source="base-frozen", decoder_channels=48
-    )
-    assert "decoder_channels = 0, this call asks 48" in camvid.refiner_mismatch(
-        saved, decoder, path
-    )
-    args = camvid.parse_args(["--data", "d", "--refine-decoder-channels", "48"])
-    assert args.refine_decoder_channels == 48
-
-
 def test_a_folder_without_the_list_files_is_one_data_error(camvid, tmp_path: Path) -> None:
     from dualseg.errors import DataError
 
@@ -73,74 +50,6 @@ def test_a_folder_without_the_list_files_is_one_data_error(camvid, tmp_path: Pat
     with pytest.raises(DataError, match=r"no val\.txt there"):
         camvid.main(["--data", str(tmp_path / "camvid"), "--out", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()  # nothing written before the check
-
-
-def test_refinement_is_timed_on_the_same_images_right_after_the_base(camvid) -> None:
-    import torch
-
-    class Refiner:  # records what it is given: the base's logits for each image
-        def __init__(self) -> None:
-            self.seen: list[torch.Tensor] = []
-
-        def refine(self, images: torch.Tensor, scores: torch.Tensor, features: object) -> None:
-            assert features is None  # a plain Conv2d has no backbone to share
-            self.seen.append(scores)
-
-        def shared_features(self, model: torch.nn.Module) -> SharedFeatures:
-            return SharedFeatures(model)
-
-    model = torch.nn.Conv2d(3, 4, 1).eval()
-    loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(6)]
-    base_s, extra_s, shared = camvid.time_inference(model, loader, 3, torch.device("cpu"))
-    assert base_s > 0 and extra_s == 0.0 and not shared  # no refiner: nothing extra
-    refiner = Refiner()
-    assert not camvid.time_inference(model, loader, 3, torch.device("cpu"), refiner)[2]
-    assert len(refiner.seen) == 5  # 2 warm-up + 3 timed, each right after its own forward
-    with torch.no_grad():
-        assert torch.equal(refiner.seen[0], model(loader[0][0]))
-
-
-def test_timing_says_whether_the_refiner_read_the_base_features(camvid) -> None:
-    import torch
-
-    class Base(torch.nn.Module):  # a model with a backbone: its output can be shared
-        def __init__(self) -> None:
-            super().__init__()
-            self.backbone = torch.nn.Conv2d(3, 4, 1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.backbone(x)
-
-    class Refiner:
-        def __init__(self, active: bool) -> None:
-            self.active, self.given = active, []
-
-        def refine(self, images: torch.Tensor, scores: torch.Tensor, features: object) -> None:
-            self.given.append(features)
-
-        def shared_features(self, model: torch.nn.Module) -> SharedFeatures:
-            return SharedFeatures(model, active=self.active)
-
-    model = Base().eval()
-    loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(5)]
-    sharing = Refiner(active=True)
-    assert camvid.time_inference(model, loader, 3, torch.device("cpu"), sharing)[2]
-    assert all(f is not None for f in sharing.given)
-    own = Refiner(active=False)  # e.g. a refiner at another stride: runs its own backbone
-    assert not camvid.time_inference(model, loader, 3, torch.device("cpu"), own)[2]
-    assert own.given == [None] * 5
-
-
-def test_a_decision_chosen_by_boundary_f1_says_so(camvid) -> None:
-    from dualseg.refine.refiner import RefinerConfig
-
-    cfg = RefinerConfig(gate_margin=0.1, prior_weight=0.5)
-    assert camvid.decision_label(cfg) == "gate 0.1, prior 0.5 (chosen on dev)"
-    by_edges = camvid.decision_label(cfg, "boundary_f1")
-    assert by_edges == "gate 0.1, prior 0.5 (chosen on dev by boundary F1)"
-    args = camvid.parse_args(["--data", "d", "--refine-decision-metric", "boundary_f1"])
-    assert args.refine_decision_metric == "boundary_f1"
-    assert camvid.parse_args(["--data", "d"]).refine_decision_metric == "miou"
 
 
 def test_an_interrupted_budget_run_is_not_recorded_as_finished(
@@ -225,21 +134,6 @@ def test_a_reused_run_keeps_its_stopping_rule_and_says_what_was_evaluated(
     assert "train.patience = None" in message and "asks 3" in message
     save_config(other, run / "config.yaml")
     assert camvid.evaluated_checkpoint(run) == "best.pt"  # the best on dev
-
-
-def test_a_reused_refiner_must_have_been_fit_on_the_same_inputs(camvid, tmp_path: Path) -> None:
-    import json
-
-    path = tmp_path / "refiner_peer.pt"
-    record = path.with_suffix(".inputs.json")
-    inputs = {"fit_split": "train_fit", "fit_list_sha256": "ab", "prototype_limit": None,
-              "base": "f00d"}  # fmt: skip
-    assert "does not record what it was fit on" in camvid.inputs_mismatch(record, inputs, path)
-    record.write_text(json.dumps(inputs))
-    assert camvid.inputs_mismatch(record, inputs, path) is None
-    for key, value in (("fit_split", "train"), ("prototype_limit", 3), ("base", "beef")):
-        message = camvid.inputs_mismatch(record, {**inputs, key: value}, path)
-        assert f"fit with {key} = " in message and "delete it to fit it again" in message
 
 
 def _camvid_lists(tmp_path: Path) -> Path:
@@ -334,46 +228,6 @@ def test_a_budget_run_is_reused_only_for_its_own_budget(
     ):
         camvid.main([*argv, "--budget-minutes", "1"])
     assert camvid.main([*argv, "--budget-minutes", "0.75"]) == 0
-
-
-def test_method_b_keeps_its_training_state_and_reuse_continues_it(
-    camvid, tmp_path: Path, monkeypatch
-) -> None:
-    """An interrupted fit of method B saves its state beside the refiner, and --reuse resumes it
-    (on the same inputs), where every rerun started again at step 0."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from dualseg.data.synthetic import make_synthetic_dataset
-    from dualseg.errors import Terminated
-
-    data = tmp_path / "camvid"
-    make_synthetic_dataset(data, n_train=2, n_val=1, size=(16, 16))
-    (data / "meta.json").unlink()  # read with the camvid preset, as the benchmark does
-    given = []
-
-    class Refiner:
-        @classmethod
-        def fit(cls, *args, **kwargs):
-            given.append(kwargs)
-            raise Terminated
-
-    monkeypatch.setattr(camvid, "BoundaryRefiner", Refiner)
-    out = tmp_path / "out"
-    out.mkdir()
-    meta = SimpleNamespace(class_names=[f"c{i}" for i in range(11)])
-    for flags, resumed in (([], False), (["--reuse"], True)):
-        args = camvid.parse_args(
-            ["--data", str(data), "--out", str(out), "--refine-steps", "10", *flags]
-        )
-        with pytest.raises(Terminated):
-            camvid.fit_refiners(
-                args, out, {"peer": torch.nn.Conv2d(3, 11, 1)}, meta, torch.device("cpu"), {}
-            )
-        assert given[-1]["checkpoint"] == out / "refiner_all.train.pt"
-        assert given[-1]["resume"] is resumed
-        assert given[-1]["fit_inputs"]["fit_split"] == "train"  # another split is refused
 
 
 def test_an_interrupted_method_b_fit_is_one_line_and_the_signal_s_status(
@@ -478,7 +332,7 @@ def test_the_budget_protocol_trains_with_the_recipe_flags(camvid, tmp_path: Path
     # the defaults stay each protocol's own: bf16 where native (budget), fp32 (plateau)
     assert config(camvid, tmp_path, protocol="budget").train.amp == "auto"
     assert config(camvid, tmp_path).train.amp == "none"
-    assert config(camvid, tmp_path, protocol="budget").optim == camvid.OptimConfig()
+    assert config(camvid, tmp_path, protocol="budget").optim == OptimConfig()
 
 
 def test_models_evaluated_one_per_call_into_one_out_keep_each_others_rows(
@@ -518,10 +372,10 @@ def test_models_evaluated_one_per_call_into_one_out_keep_each_others_rows(
 
 
 def test_a_frame_s_sequence_is_its_file_name_prefix(camvid) -> None:
-    assert camvid.sequence_of("train/0001TP_006690.png trainannot/0001TP_006690.png") == "0001TP"
-    assert camvid.sequence_of("/abs/val/0016E5_07959.png") == "0016E5"
+    assert protocols.sequence_of("train/0001TP_006690.png trainannot/0001TP_006690.png") == "0001TP"
+    assert protocols.sequence_of("/abs/val/0016E5_07959.png") == "0016E5"
     lines = ["a/SEQA_1.png b/SEQA_1.png", "a/SEQB_1.png b/SEQB_1.png", "a/SEQA_2.png b/SEQA_2.png"]
-    train, held = camvid.split_by_sequence(lines, "SEQA")
+    train, held = protocols.split_by_sequence(lines, "SEQA")
     assert held == [lines[0], lines[2]] and train == [lines[1]]  # order kept, nothing shared
 
 
@@ -535,7 +389,7 @@ def test_a_holdout_sequence_that_leaves_no_split_is_one_error(camvid, holdout, s
         ["a/SEQB_1.png b/SEQB_1.png"] if holdout != "SEQA" else []
     )
     with pytest.raises(ConfigError, match=rf"--holdout-sequence {said} the training sequences"):
-        camvid.split_by_sequence(lines, holdout)
+        protocols.split_by_sequence(lines, holdout)
 
 
 def test_leave_one_sequence_out_trains_on_the_others_and_chooses_on_it(
@@ -555,9 +409,9 @@ def test_leave_one_sequence_out_trains_on_the_others_and_chooses_on_it(
     def read(name: str) -> list[str]:
         return (root / f"{name}.txt").read_text().splitlines()
 
-    assert {camvid.sequence_of(ln) for ln in read("dev")} == {"0001TP"} and len(read("dev")) == 4
+    assert {protocols.sequence_of(ln) for ln in read("dev")} == {"0001TP"} and len(read("dev")) == 4
     assert read("cross_scene_0001TP") == read("dev")
-    assert {camvid.sequence_of(ln) for ln in read("train_fit")} == {"0006R0", "0016E5"}
+    assert {protocols.sequence_of(ln) for ln in read("train_fit")} == {"0006R0", "0016E5"}
     assert len(read("train_fit")) == 8 and all(
         Path(ln.split()[0]).is_absolute() for ln in read("dev")
     )
@@ -602,25 +456,6 @@ def test_the_table_counts_the_pixels_refinement_fixed_and_broke(camvid, tmp_path
     assert "**CamVid cross_scene_0001TP**" in text and "pixels fixed / broken" in text
     assert "| peer + B | 50.0 | 30.0 | 40.0 | 90.0 |  | 120 / 45 |" in text
     assert "| peer | 50.0 | 30.0 | 40.0 | 90.0 | 20 |  |" in text
-
-
-def test_dense_crf_is_timed_on_the_probabilities_right_after_the_base(camvid) -> None:
-    import torch
-
-    class CRF:  # as dualseg.refine.crf.CRFSettings: no backbone to share, probabilities in
-        def __init__(self) -> None:
-            self.seen: list[torch.Tensor] = []
-
-        def refine(self, images: torch.Tensor, probs: torch.Tensor) -> None:
-            self.seen.append(probs)
-
-    model = torch.nn.Conv2d(3, 4, 1).eval()
-    loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(4)]
-    crf = CRF()
-    base_s, extra_s, shared = camvid.time_inference(model, loader, 2, torch.device("cpu"), crf)
-    assert base_s > 0 and extra_s > 0 and not shared and len(crf.seen) == 4
-    with torch.no_grad():
-        assert torch.allclose(crf.seen[0], model(loader[0][0]).softmax(1))
 
 
 def test_crf_without_pydensecrf2_is_one_line_before_any_work(
