@@ -11,6 +11,7 @@ from pathlib import Path
 from dualseg.commands.common import (
     add_overwrite_arg,
     add_quiet_arg,
+    bit_depth_arg,
     check_outputs,
     dataset_files,
     mode_of,
@@ -66,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RAW|none",
         help="the raw label value meaning ignore; none: no value (default: the dataset's, 255)",
     )
+    check.add_argument(
+        "--bit-depth",
+        type=bit_depth_arg,
+        metavar="BITS",
+        help="bits per sample of 16-bit images, 8..16 (default: detected from their values)",
+    )
     check.add_argument("--json", type=Path, help="also write the report as JSON to this file")
     check.add_argument(
         "--write-meta",
@@ -99,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         label_format=args.label_format,
         label_map=args.label_map,
         ignore_value=args.ignore_index,
+        bit_depth=args.bit_depth,
         progress=mode_of(args),
     )
     print(format_report(report))
