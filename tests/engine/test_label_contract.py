@@ -196,6 +196,8 @@ def test_eval_of_a_pretrained_folder_warns_on_its_training_images(trained, tmp_p
     folder = save_pretrained_from_checkpoint(last, tmp_path / "folder")
     stored = json.loads((folder / "config.json").read_text())["train_images"]
     assert sorted(stored) == sorted(digests_to_hex(load_checkpoint(last)["train_images"]))
+    again = load_model(folder).save_pretrained(tmp_path / "again")  # kept through Python
+    assert json.loads((again / "config.json").read_text())["train_images"] == stored
     copy = tmp_path / "copy"
     shutil.copytree(root, copy)
     (copy / "val.txt").write_text("images/0.png labels/0.png\nimages/3.png labels/3.png\n")
