@@ -28,7 +28,7 @@ from dualseg.errors import DataError
 from dualseg.io import atomic_write_json, check_writable
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     usage = argparse_kwargs(
         "dualseg data check ../shared/data/camvid --preset camvid",
         "dualseg data check data/ADEChallengeData2016 --split train --json report.json",
@@ -82,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_overwrite_arg(check, what="the --json file and, with --write-meta, meta.json")
     add_quiet_arg(check)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     for split in args.split or ():
         split_of(args.root, split, default=split, flag="ROOT")
     if args.json:

@@ -225,9 +225,7 @@ def save_pretrained(
     if labels:
         config["training_labels"] = to_plain(labels)
     if metrics:
-        config["metrics"] = {
-            k: v for k, v in dict(metrics).items() if isinstance(v, int | float | str)
-        }
+        config["metrics"] = {k: v for k, v in metrics.items() if isinstance(v, int | float | str)}
     write_folder_files(folder, WEIGHTS_NAME, model.state_dict(), CONFIG_NAME, config)
     return folder
 
