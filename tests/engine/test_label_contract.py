@@ -16,7 +16,7 @@ from tests.checkpoint_helpers import write_synthetic_checkpoint
 
 from dualseg.cli import main as cli_main
 from dualseg.data import DatasetMeta
-from dualseg.data.contract import LabelContract, content_digests, count_seen
+from dualseg.data.contract import LabelContract, content_digests, count_seen, digests_to_hex
 from dualseg.engine.checkpoint import contract_of, load_checkpoint, save_checkpoint
 from dualseg.engine.config import load_config
 from dualseg.engine.predict import load_model
@@ -191,6 +191,39 @@ def test_eval_warns_when_it_scores_training_images(trained, tmp_path, capsys) ->
     assert "training images" not in capsys.readouterr().err
 
 
+def test_eval_of_a_pretrained_folder_warns_on_its_training_images(trained, tmp_path, capsys):
+    root, last = trained
+    folder = save_pretrained_from_checkpoint(last, tmp_path / "folder")
+    stored = json.loads((folder / "config.json").read_text())["train_images"]
+    assert sorted(stored) == sorted(digests_to_hex(load_checkpoint(last)["train_images"]))
+    again = load_model(folder).save_pretrained(tmp_path / "again")  # kept through Python
+    assert json.loads((again / "config.json").read_text())["train_images"] == stored
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    (copy / "val.txt").write_text("images/0.png labels/0.png\nimages/3.png labels/3.png\n")
+    capsys.readouterr()
+    assert _eval(folder, copy, tmp_path / "e") == 0
+    assert "1 of the 2 images evaluated here were training images" in capsys.readouterr().err
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "train_images": ["xyz"]}))
+    assert _eval(folder, copy, tmp_path / "f") == 1
+    err = capsys.readouterr().err
+    assert "config.json: train_images: expected a list of 16-digit hex" in err
+
+
+def test_eval_max_megapixels_reads_images_above_the_limit(trained, tmp_path, monkeypatch, capsys):
+    from PIL import Image as PILImage
+
+    root, last = trained
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 1000)  # 64x64 is "too large" now
+    capsys.readouterr()
+    assert _eval(last, root, tmp_path / "e") == 1
+    assert "--max-megapixels" in capsys.readouterr().err
+    slide = ["--mode", "slide", "--window", "32", "32"]
+    assert _eval(last, root, tmp_path / "e", *slide, "--max-megapixels", "0.01") == 0
+    assert json.loads((tmp_path / "e" / "metrics.json").read_text())["num_images"] == 1
+
+
 def test_count_seen_is_by_content(tmp_path: Path) -> None:
     a, b, c = (tmp_path / n for n in "abc")
     a.write_bytes(b"one")
@@ -288,12 +321,48 @@ def test_predict_onnx_reads_16_bit_images_as_the_export_says(tmp_path: Path) -> 
     assert (labels["default"] == labels["16"]).all() and (labels["default"] != labels["12"]).any()
 
 
+def test_an_exported_segmenter_reads_image_files_at_its_bit_depth(tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    from dualseg.export.export import export_checkpoint
+    from dualseg.export.runtime import OnnxSegmenter
+    from dualseg.imaging import read_image
+
+    ckpt, image = _wide_model(tmp_path)
+    export_checkpoint(ckpt, tmp_path / "m.onnx")
+    seg = OnnxSegmenter(tmp_path / "m.onnx")
+    assert seg.bit_depth == 16
+    as_trained = seg.predict(read_image(image, bit_depth=16))
+    assert (seg.predict(image) == as_trained).all()
+    assert (seg.predict_batch([str(image)])[0] == as_trained).all()
+    assert (seg.predict(read_image(image)) != as_trained).any()  # detected 12-bit: other pixels
+
+
+def _low_16_bit_root(root: Path) -> Path:
+    """A binary dataset whose images are 16-bit PNGs holding 8-bit values (0..255)."""
+    _binary_root(root)
+    for path in (root / "images").glob("*.png"):
+        Image.fromarray(np.array(Image.open(path)).astype(np.uint16)).save(path)
+    (root / "meta.json").write_text(json.dumps(MAPPED))
+    return root
+
+
+def test_data_bit_depth_8_reads_16_bit_files_of_8_bit_values(tmp_path: Path, capsys) -> None:
+    root = _low_16_bit_root(tmp_path / "low")
+    assert cli_main(["data", "check", str(root), "--quiet"]) == 1
+    assert "pass --bit-depth 8" in capsys.readouterr().out
+    assert cli_main(["data", "check", str(root), "--quiet", "--bit-depth", "8"]) == 0
+    ckpt = load_checkpoint(_train(root, tmp_path / "run", bit_depth=8))  # the preflight passes
+    assert contract_of(ckpt).bit_depth == 8
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["predict", "x.png", "-c", "m.pt", "-o", "o", "--bit-depth", "20"], "8..16"),
         (["predict", "x.png", "-c", "m.pt", "-o", "o", "--max-megapixels", "0"], "positive"),
         (["eval", "-c", "m.pt", "--data", "d", "--bit-depth", "7"], "8..16"),
+        (["eval", "-c", "m.pt", "--data", "d", "--max-megapixels", "-1"], "positive"),
+        (["data", "check", "d", "--bit-depth", "17"], "8..16"),
         (["train", "--data.root", "d", "--data.bit_depth", "20"], "data.bit_depth must be 8..16"),
     ],
 )

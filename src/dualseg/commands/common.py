@@ -149,7 +149,7 @@ def megapixels_arg(text: str) -> float:
     return value
 
 
-def add_pixel_args(p: argparse.ArgumentParser, *, source: str, megapixels: bool = True) -> None:
+def add_pixel_args(p: argparse.ArgumentParser, *, source: str) -> None:
     """``--bit-depth`` (default: ``source``'s training bit depth) and ``--max-megapixels``."""
     p.add_argument(
         "--bit-depth",
@@ -159,8 +159,6 @@ def add_pixel_args(p: argparse.ArgumentParser, *, source: str, megapixels: bool 
         help="bits per sample of 16-bit images, 8..16 (default: as "
         f"{source}'s training images were read; detected when it says nothing)",
     )
-    if not megapixels:
-        return
     p.add_argument(
         "--max-megapixels",
         type=megapixels_arg,

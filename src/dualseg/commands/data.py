@@ -11,6 +11,7 @@ from pathlib import Path
 from dualseg.commands.common import (
     add_overwrite_arg,
     add_quiet_arg,
+    bit_depth_arg,
     check_outputs,
     dataset_files,
     mode_of,
@@ -27,7 +28,7 @@ from dualseg.errors import DataError
 from dualseg.io import atomic_write_json, check_writable
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     usage = argparse_kwargs(
         "dualseg data check ../shared/data/camvid --preset camvid",
         "dualseg data check data/ADEChallengeData2016 --split train --json report.json",
@@ -66,6 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="RAW|none",
         help="the raw label value meaning ignore; none: no value (default: the dataset's, 255)",
     )
+    check.add_argument(
+        "--bit-depth",
+        type=bit_depth_arg,
+        metavar="BITS",
+        help="bits per sample of 16-bit images, 8..16 (default: detected from their values)",
+    )
     check.add_argument("--json", type=Path, help="also write the report as JSON to this file")
     check.add_argument(
         "--write-meta",
@@ -75,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_overwrite_arg(check, what="the --json file and, with --write-meta, meta.json")
     add_quiet_arg(check)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     for split in args.split or ():
         split_of(args.root, split, default=split, flag="ROOT")
     if args.json:
@@ -99,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         label_format=args.label_format,
         label_map=args.label_map,
         ignore_value=args.ignore_index,
+        bit_depth=args.bit_depth,
         progress=mode_of(args),
     )
     print(format_report(report))

@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--preset", help="dataset preset (camvid, voc, cityscapes, ade20k, synthetic); default: "
         "ROOT/meta.json, else the classes stored in the checkpoint")  # fmt: skip
     add_label_args(p, source="the checkpoint")
-    add_pixel_args(p, source="the checkpoint", megapixels=False)
+    add_pixel_args(p, source="the checkpoint")
     add("--out", "-o", help="folder for metrics.json (<checkpoint dir>/eval_SPLIT for best.pt, "
         "eval_SPLIT_NAME for another checkpoint, + _refined / _slide / _tta for those "
         "evaluations; ./eval_SPLIT_NAME for hf://org/NAME)")  # fmt: skip
@@ -175,6 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model_name=f"the checkpoint {args.checkpoint}", label_format=label_format,
         label_map=label_map, ignore_value=ignore,
         bit_depth=contract.bit_depth if args.bit_depth is None else args.bit_depth,
+        max_megapixels=args.max_megapixels,
     )  # fmt: skip
     _warn_training_images(args, dataset, ckpt)
     if args.batch_size > 1 and (mixed := mixed_size_batch(dataset.samples, args.batch_size)):

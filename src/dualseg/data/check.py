@@ -71,10 +71,11 @@ def check_dataset(
     label_format: str = "index",
     label_map: Mapping[int, int] | None = None,
     ignore_value: IgnoreSetting = "auto",
+    bit_depth: int | None = None,
     progress: ProgressMode = "off",
 ) -> CheckReport:
     """Read every pair of ``splits`` (default: those of train/val/test that exist; a list file
-    as ``root``: its stem)."""
+    as ``root``: its stem), 16-bit images at ``bit_depth`` (None: detected)."""
     root = Path(root)
     for split in splits or ():
         check_split_name(split)
@@ -122,7 +123,7 @@ def check_dataset(
         ranges: list[tuple[str, int, int]] = []
         for img_path, label_path in track(found.samples, desc=f"check {split}", mode=progress):
             image, label, problems, values = inspect_pair(
-                img_path, label_path, meta, label_format=label_format
+                img_path, label_path, meta, label_format=label_format, bit_depth=bit_depth
             )
             report.problems += problems
             if label is not None:
@@ -132,7 +133,7 @@ def check_dataset(
             ranges += [values] if values else []
         report.largest[split] = largest
         if ranges:
-            report.values[split] = _value_range(ranges)
+            report.values[split] = _value_range(ranges, bit_depth)
         report.histogram += hist
     report.problems = _class_problems(report) + report.problems
     report.collapsed = _collapsed(report, label_map)
@@ -161,10 +162,10 @@ def _shown_path(path: Path, root: Path) -> str:
         return str(path)
 
 
-def _value_range(ranges: list[tuple[str, int, int]]) -> dict[str, Any]:
+def _value_range(ranges: list[tuple[str, int, int]], bit_depth: int | None) -> dict[str, Any]:
     """One image set's stored values: dtypes, min, max and the bit depths they are read as."""
     wide = [hi for dtype, _, hi in ranges if dtype not in ("uint8", "bool")]
-    depths = sorted({wide_depth(np.asarray([hi])) for hi in wide if hi > 255})
+    depths = sorted({wide_depth(np.asarray([hi]), bit_depth) for hi in wide if hi > 255})
     return {
         "dtype": "/".join(sorted({d for d, _, _ in ranges})),
         "min": min(lo for _, lo, _ in ranges),

@@ -103,3 +103,16 @@ def count_seen(paths: Iterable[str | Path], seen: Any) -> int:
     """How many of ``paths`` have their content among ``seen`` (:func:`content_digests`)."""
     known = set(np.asarray(seen, dtype=np.int64).tolist())
     return sum(int(d) in known for d in content_digests(paths).tolist())
+
+
+def digests_to_hex(seen: Any) -> list[str]:
+    """:func:`content_digests` as 16-digit hex strings, as a JSON file keeps them."""
+    raw = np.asarray(seen, dtype="<i8").tobytes()
+    return [raw[i : i + 8].hex() for i in range(0, len(raw), 8)]
+
+
+def digests_from_hex(texts: Any) -> np.ndarray:
+    """:func:`digests_to_hex`'s strings back as ``int64 [N]``; ValueError for anything else."""
+    if not isinstance(texts, list) or not all(isinstance(t, str) and len(t) == 16 for t in texts):
+        raise ValueError("expected a list of 16-digit hex strings")
+    return np.frombuffer(bytes.fromhex("".join(texts)), dtype="<i8").copy()

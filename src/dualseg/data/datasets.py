@@ -144,6 +144,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
         seed: int = 0,
         source: str | Path = "",
         bit_depth: int | None = None,
+        max_megapixels: float | None = None,
     ) -> None:
         if not samples:
             raise DataError(f"{source or 'dataset'}: the dataset is empty; check ROOT and split")
@@ -158,6 +159,7 @@ class SegmentationDataset(torch.utils.data.Dataset):
         self.samples_per_epoch = samples_per_epoch
         self.seed = seed
         self.bit_depth = bit_depth
+        self.max_megapixels = max_megapixels
         self.epoch = 0
 
     def __len__(self) -> int:
@@ -173,9 +175,8 @@ class SegmentationDataset(torch.utils.data.Dataset):
     def load_pair(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """The raw pair ``(uint8 HxWx3, uint8 HxW with 255 = ignore)`` of sample ``index``."""
         img, lab = self.samples[index % len(self.samples)]
-        return read_pair(
-            img, lab, self.meta, label_format=self.label_format, bit_depth=self.bit_depth
-        )
+        return read_pair(img, lab, self.meta, label_format=self.label_format,
+                         bit_depth=self.bit_depth, max_megapixels=self.max_megapixels)  # fmt: skip
 
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         if not -len(self) <= index < len(self):
@@ -209,12 +210,14 @@ def build_dataset(
     ignore_value: IgnoreSetting = "auto",
     val_fraction: float = 0.0,
     bit_depth: int | None = None,
+    max_megapixels: float | None = None,
 ) -> SegmentationDataset:
     """``split`` of ``root`` (or of several roots with the same classes, concatenated).
 
     ``val_fraction`` (0 < f < 1) holds out that share of a root without a val split, chosen by
     file name (:func:`held_out`): ``split="val"`` gets it, ``"train"`` the rest.
-    ``bit_depth``: of 16-bit images (None: detected). ``label_map`` / ``ignore_value``
+    ``bit_depth``: of 16-bit images (None: detected); ``max_megapixels``: the largest image
+    read (None: Pillow's limit). ``label_map`` / ``ignore_value``
     override the dataset's label mapping. The first bad file is one DataError.
     """
     roots = [root] if isinstance(root, str | Path) else list(root)
@@ -264,6 +267,7 @@ def build_dataset(
         seed=seed,
         source=source,
         bit_depth=bit_depth,
+        max_megapixels=max_megapixels,
     )
 
 

@@ -301,16 +301,18 @@ def inspect_pair(
     *,
     label_format: str = "index",
     bit_depth: int | None = None,
+    max_megapixels: float | None = None,
 ) -> tuple[np.ndarray | None, np.ndarray | None, list[str], tuple[str, int, int] | None]:
     """``(image, label, problems, values)``: what :func:`read_pair` reads (None for a file that
-    failed), every problem found, and the image's stored ``(dtype, min, max)``."""
+    failed), every problem found, and the image's stored ``(dtype, min, max)``.
+    ``max_megapixels``: the largest image and label read (None: Pillow's limit)."""
     img_path, label_path = Path(img_path), Path(label_path)
     problems: list[str] = []
     image = label = values = None
     im: Image.Image | None = None
     turn: int | None = None
     try:
-        im = open_image(img_path)
+        im = open_image(img_path, max_megapixels=max_megapixels)
         turn = exif_orientation(im, img_path)
         stored = np.asarray(im)
         if stored.size:
@@ -319,7 +321,7 @@ def inspect_pair(
     except DataError as err:
         problems.append(str(err))
     try:
-        lab = open_image(label_path)
+        lab = open_image(label_path, max_megapixels=max_megapixels)
         label_turn = exif_orientation(lab, label_path)
         if drawn_upright(im, image, lab, turn, label_turn):
             label = _decode_label(label_path, lab, meta, label_format)
@@ -368,12 +370,14 @@ def read_pair(
     *,
     label_format: str = "index",
     bit_depth: int | None = None,
+    max_megapixels: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """An image and its label, turned alike by their EXIF orientation; the first problem as a
     DataError (sizes that differ too)."""
     image, label, problems, _ = inspect_pair(
-        img_path, label_path, meta, label_format=label_format, bit_depth=bit_depth
-    )
+        img_path, label_path, meta, label_format=label_format, bit_depth=bit_depth,
+        max_megapixels=max_megapixels,
+    )  # fmt: skip
     if problems:
         raise DataError(problems[0])
     return image, label  # type: ignore[return-value]

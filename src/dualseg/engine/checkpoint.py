@@ -418,6 +418,33 @@ def build_model_from_checkpoint(
     return model.to(device).eval(), meta
 
 
+def check_normalization(state: Mapping[str, Any]) -> None:
+    """Refuse a model whose stored input normalization differs from ImageNet's, what every
+    dualseg path that runs a loaded model applies."""
+    from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
+
+    norm = state.get("normalization") or {}
+    want = {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
+    where = state.get("_meta_path") or state.get("_path")
+    for key, value in want.items():
+        have = norm.get(key)
+        if have is None:
+            continue
+        try:
+            stored = [round(float(v), 6) for v in have]
+        except (TypeError, ValueError):
+            raise CheckpointError(
+                f"{where}: normalization {key} must be a list of numbers, got {have!r}; save "
+                "the model again"
+            ) from None
+        if stored != [round(float(v), 6) for v in value]:
+            raise CheckpointError(
+                f"{where}: the model expects input "
+                f"normalization {key}={have}, dualseg applies {value}; convert the model, or "
+                "normalize the input yourself and call the network (Segmenter.model) directly"
+            )
+
+
 def find_resume_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
     """``<run_dir>/last.pt`` when present (what ``--resume auto`` picks), else ``None``."""
     path = Path(run_dir) / LAST_NAME

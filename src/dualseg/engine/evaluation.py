@@ -322,7 +322,7 @@ def format_metrics(
 def model_dataset(
     root: str, *, split: str, layout: str, preset: str | None, contract: Any, stored: bool,
     explicit: bool, model_name: str, label_format: str, label_map: dict[int, int] | None,
-    ignore_value: Any, bit_depth: int | None,
+    ignore_value: Any, bit_depth: int | None, max_megapixels: float | None = None,
 ) -> Any:  # fmt: skip
     """The ``split`` of ``root`` read for a model of label ``contract`` (eval transform).
 
@@ -349,7 +349,7 @@ def model_dataset(
     dataset = build_dataset(
         root, split=split, layout=layout, preset=meta, transform=build_eval_transform(),
         label_format=label_format, label_map=label_map, ignore_value=ignore_value,
-        bit_depth=bit_depth,
+        bit_depth=bit_depth, max_megapixels=max_megapixels,
     )  # fmt: skip
     read = LabelContract(dataset.meta, label_format, bit_depth)
     if own is not None and stored and not explicit and (diff := contract.differences(read)):

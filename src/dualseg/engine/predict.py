@@ -129,6 +129,7 @@ class Segmenter(Predictor):
         self.training_labels: dict[str, Any] = {}
         # how the training data was read (labels, bit depth): image files are read so too
         self.contract = LabelContract(meta)
+        self.train_images: Any = None  # the training images' content digests, kept on save
 
     def __repr__(self) -> str:
         return (
@@ -260,6 +261,7 @@ class Segmenter(Predictor):
             std=IMAGENET_STD,
             training_labels=self.training_labels,
             label_contract=self.contract.to_dict(),
+            train_images=self.train_images,
             overwrite=overwrite,
         )
 
@@ -283,7 +285,7 @@ def load_model(
     dev = resolve_device(device)
     model, meta, ckpt = load_network(path, device=dev)
     seg = Segmenter(model, meta, device=dev, amp=amp)
-    seg.contract = contract_of(ckpt)
+    seg.contract, seg.train_images = contract_of(ckpt), ckpt.get("train_images")
     seg.arch, seg.model_kwargs = str(ckpt["arch"]), dict(ckpt["model_kwargs"])
     seg.training_labels = dict((ckpt.get("config") or {}).get("data") or {})
     return seg

@@ -75,6 +75,7 @@ def check_training_data(
             layout=d.layout,
             preset=d.preset,
             label_format=d.label_format,
+            bit_depth=d.bit_depth,
             progress=progress,
             **label_mapping(d),
         )

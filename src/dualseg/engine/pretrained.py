@@ -4,7 +4,8 @@ A *pretrained folder* holds what is needed to use a trained network, and nothing
 code when loaded::
 
     config.json          format, arch, build options (model_kwargs), class names, palette,
-                         ignore index, dataset name, input normalization, (metrics)
+                         ignore index, dataset name, input normalization, label
+                         contract, training images' content digests, (metrics)
     model.safetensors    the network's weights only (safetensors: a header plus raw tensors)
 
 The same layout, fetched through ``huggingface_hub``, answers ``hf://org/name`` (optionally
@@ -40,7 +41,6 @@ __all__ = [
     "FORMAT",
     "HF_PREFIX",
     "WEIGHTS_NAME",
-    "check_normalization",
     "is_hub_source",
     "is_pretrained_folder",
     "load_network",
@@ -161,6 +161,7 @@ def save_pretrained(
     metrics: Mapping[str, Any] | None = None,
     training_labels: Mapping[str, Any] | None = None,
     label_contract: Mapping[str, Any] | None = None,
+    train_images: Any = None,
     overwrite: bool = False,
 ) -> Path:
     """Write ``model`` as a pretrained folder (``config.json`` + ``model.safetensors``).
@@ -170,11 +171,12 @@ def save_pretrained(
     ImageNet's, what dualseg trains with); ``training_labels`` how the training labels were
     read (the training config's ``data.label_format`` / ``label_map`` / ``ignore_index``), so
     that ``eval`` and ``refine fit`` of the folder read labels as the checkpoint's do;
-    ``label_contract``: the training data's ``LabelContract.to_dict()`` (default: ``meta``'s).
+    ``label_contract``: the training data's ``LabelContract.to_dict()`` (default: ``meta``'s);
+    ``train_images``: the training images' ``content_digests`` (eval warns on them).
     An existing folder's files are kept unless ``overwrite=True``.
     """
     from dualseg._version import __version__
-    from dualseg.data.contract import LabelContract
+    from dualseg.data.contract import LabelContract, digests_to_hex
     from dualseg.engine.checkpoint import to_plain
     from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 
@@ -217,13 +219,13 @@ def save_pretrained(
             "pass the contract of the data the model was trained on"
         )
     config["label_contract"] = (contract or LabelContract(meta)).to_dict()
+    if train_images is not None:
+        config["train_images"] = digests_to_hex(train_images)
     labels = {k: v for k, v in dict(training_labels or {}).items() if k in TRAINING_LABEL_KEYS}
     if labels:
         config["training_labels"] = to_plain(labels)
     if metrics:
-        config["metrics"] = {
-            k: v for k, v in dict(metrics).items() if isinstance(v, int | float | str)
-        }
+        config["metrics"] = {k: v for k, v in metrics.items() if isinstance(v, int | float | str)}
     write_folder_files(folder, WEIGHTS_NAME, model.state_dict(), CONFIG_NAME, config)
     return folder
 
@@ -361,6 +363,7 @@ def save_pretrained_from_checkpoint(
         metrics={k: metrics[k] for k in ("iteration", "miou") if k in metrics},
         training_labels=trained,
         label_contract=contract_of(ckpt).to_dict(),
+        train_images=ckpt.get("train_images"),
         overwrite=overwrite,
     )
 
@@ -372,6 +375,8 @@ def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
 
     :func:`dualseg.engine.checkpoint.build_model_from_checkpoint` rebuilds the network from it.
     """
+    from dualseg.data.contract import digests_from_hex
+
     folder = resolve_source(source, files=(CONFIG_NAME, WEIGHTS_NAME))
     if not folder.is_dir():
         raise CheckpointError(
@@ -408,9 +413,16 @@ def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
             f"{folder / CONFIG_NAME}: training_labels must map some of "
             f"{', '.join(TRAINING_LABEL_KEYS)} to values, got {labels!r}; save the folder again"
         )
+    try:  # the training images' content digests, which eval warns on
+        seen = {k: digests_from_hex(config[k]) for k in ("train_images",) if k in config}
+    except ValueError as err:
+        raise CheckpointError(
+            f"{folder / CONFIG_NAME}: train_images: {err}; save it again"
+        ) from None
     state = read_safetensors(folder / WEIGHTS_NAME, what="model")
     return {
         **{k: config[k] for k in ("label_contract",) if k in config},  # see contract_of
+        **seen,
         "format": FORMAT,
         "arch": config["arch"],
         "model_kwargs": config["model_kwargs"],  # checked by build_model_from_checkpoint
@@ -459,42 +471,9 @@ def load_network(
 ) -> tuple[nn.Module, DatasetMeta, dict[str, Any]]:
     """``(model, meta, state)`` of any model source (:func:`load_state`): its input
     normalization checked against dualseg's (ImageNet), the network rebuilt on ``device``."""
-    from dualseg.engine.checkpoint import build_model_from_checkpoint
+    from dualseg.engine.checkpoint import build_model_from_checkpoint, check_normalization
 
     state = load_state(source)
     check_normalization(state)
     model, meta = build_model_from_checkpoint(state, device=device)
     return model, meta, state
-
-
-def check_normalization(
-    state: Mapping[str, Any],
-    mean: Sequence[float] | None = None,
-    std: Sequence[float] | None = None,
-) -> None:
-    """Refuse a model whose stored input normalization differs from what the caller applies
-    (``mean`` / ``std``; default ImageNet's, what every dualseg command applies). Every path
-    that runs a loaded model on dualseg-normalized images calls it: ``load_model``, ``eval``,
-    the method-B base (``refine fit / apply --base``)."""
-    from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
-
-    norm = state.get("normalization") or {}
-    want = {"mean": list(mean or IMAGENET_MEAN), "std": list(std or IMAGENET_STD)}
-    where = state.get("_meta_path") or state.get("_path")
-    for key, value in want.items():
-        have = norm.get(key)
-        if have is None:
-            continue
-        try:
-            stored = [round(float(v), 6) for v in have]
-        except (TypeError, ValueError):
-            raise CheckpointError(
-                f"{where}: normalization {key} must be a list of numbers, got {have!r}; save "
-                "the model again"
-            ) from None
-        if stored != [round(float(v), 6) for v in value]:
-            raise CheckpointError(
-                f"{where}: the model expects input "
-                f"normalization {key}={have}, dualseg applies {value}; convert the model, or "
-                "normalize the input yourself and call the network (Segmenter.model) directly"
-            )

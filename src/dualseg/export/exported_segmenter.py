@@ -16,7 +16,7 @@ import numpy as np
 
 from dualseg.errors import CheckpointError
 from dualseg.export.runners import ExportMeta, Runner, _as_rgb, read_export_info
-from dualseg.imaging import normalize, resize_bilinear
+from dualseg.imaging import normalize, read_image, resize_bilinear
 from dualseg.predictor import Predictor, check_batch_size, require_image_list, size_batches
 from dualseg.viz import default_palette
 
@@ -127,10 +127,12 @@ class ExportedSegmenter(Predictor):
     def predict_batch(
         self, images: Sequence[Any], *, batch_size: int = 8, return_probs: bool = False
     ) -> list[Any]:
-        """Labels (or ``(labels, probs)`` pairs) for several images, in input order."""
+        """Labels (or ``(labels, probs)`` pairs) for several images, in input order; image
+        files are read at the export's stored bit depth, as its training images were."""
         require_image_list(images)
         check_batch_size(batch_size)
-        arrays = [_as_rgb(im) for im in images]
+        arrays = [read_image(im, bit_depth=self.bit_depth) if isinstance(im, str | os.PathLike)
+                  else _as_rgb(im) for im in images]  # fmt: skip
         out: list[Any] = [None] * len(arrays)
         for indices, probs in self._run(arrays, batch_size):
             labels = probs.argmax(1).astype(np.uint8 if self.num_classes <= 255 else np.int64)
