@@ -7,6 +7,8 @@ import math
 import numbers
 from collections.abc import Mapping, Sequence
 
+from dualseg.errors import ConfigError
+
 SCALE_RANGE = (0.5, 2.0)  # random scale factors
 HFLIP_PROB = 0.5
 BLUR_PROB = 0.5  # S1 "filtering": Gaussian blur
@@ -47,8 +49,6 @@ def check_augment_settings(
 ) -> None:
     """Raise one ConfigError for the first setting out of ``v2``'s ranges (``jitter`` as one
     number: brightness = contrast = saturation); ``names``: how the user writes each key."""
-    from dualseg.errors import ConfigError
-
     names = dict(names or {})
 
     def bad(key: str, value: object, rule: str) -> ConfigError:

@@ -8,6 +8,7 @@ become 8-bit RGB, 16-bit ones scaled by their real range (12-bit data by 4095).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import threading
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import cv2
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
@@ -280,8 +282,6 @@ def as_rgb(image: Any) -> np.ndarray:
 
 def rgb_digest(rgb: np.ndarray) -> str:
     """SHA-1 of a decoded picture's size and pixels (``predict --probs`` matches by it)."""
-    import hashlib
-
     rgb = np.ascontiguousarray(rgb, dtype=np.uint8)
     return hashlib.sha1(repr(rgb.shape).encode() + rgb.tobytes()).hexdigest()
 
@@ -313,8 +313,6 @@ def normalize(
 def resize_bilinear(array: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     """Bilinear resize of ``HxWxK`` to ``(H, W)`` like ``F.interpolate(align_corners=False)``,
     64 channels per OpenCV call (it takes at most 128: ADE20K has 150 classes)."""
-    import cv2
-
     if array.shape[:2] == tuple(size):
         return array
     h, w = int(size[0]), int(size[1])

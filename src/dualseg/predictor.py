@@ -9,21 +9,18 @@ image's result never depends on the other images (no padding).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from dualseg.errors import ConfigError
+from dualseg.errors import ConfigError, DataError
 
 
 def require_image_list(images: Any) -> None:
     """Refuse one image where ``predict_batch`` takes several: iterating it would read its
     rows (an array), channels (a tensor) or characters (a path) as images."""
-    import os
-
-    from dualseg.errors import DataError
-
     one = isinstance(images, str | bytes | os.PathLike) or type(images).__module__.startswith(
         "PIL."
     )

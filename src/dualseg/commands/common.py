@@ -7,13 +7,21 @@ check. The output-safety helpers live in :mod:`dualseg.engine.outputs` (re-expor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dualseg.console import ProgressMode, progress_mode
+from dualseg.data.datasets import dataset_meta, preset_for
+from dualseg.data.presets import parse_label_map, require_same_classes
+from dualseg.data.readers import LABEL_FORMATS
+from dualseg.engine.config import MAX_THREADS
+from dualseg.engine.inference import MODES, InferenceOptions
 from dualseg.engine.outputs import (
     check_image_outputs,
     check_outputs,
@@ -22,6 +30,7 @@ from dualseg.engine.outputs import (
     unique_names,
     write_outputs,
 )
+from dualseg.engine.predict import resolve_device
 from dualseg.errors import ConfigError, DataError
 
 __all__ = [
@@ -105,8 +114,6 @@ def add_label_args(p: argparse.ArgumentParser, *, source: str) -> None:
     """``--label-format``, ``--label-map`` and ``--ignore-index`` for a command that reads
     labels for a trained model (``source``: e.g. "the checkpoint"); each not given takes the
     model's training value (:func:`label_settings`)."""
-    from dualseg.data.readers import LABEL_FORMATS
-
     p.add_argument(
         "--label-format",
         choices=LABEL_FORMATS,
@@ -191,8 +198,6 @@ def label_settings(
     learnt; ``taken`` lists what was taken. ``note`` (e.g. ``"dualseg eval: note: labels
     read as best.pt was trained"``): said on stderr, with what was taken.
     """
-    from dualseg.data.presets import parse_label_map
-
     taken: list[str] = []
     label_format = args.label_format
     if label_format is None:
@@ -308,11 +313,6 @@ def add_quiet_arg(p: argparse.ArgumentParser) -> None:
 
 def apply_runtime(args: argparse.Namespace) -> Any:
     """Apply ``--threads`` and return the resolved ``--device`` (a ``torch.device``)."""
-    import torch
-
-    from dualseg.engine.config import MAX_THREADS
-    from dualseg.engine.predict import resolve_device
-
     if not 0 <= args.threads <= MAX_THREADS:
         raise ConfigError(
             f"--threads must be 0..{MAX_THREADS} (0: torch's default, one per core), got "
@@ -336,10 +336,6 @@ def cuda_amp(args: argparse.Namespace, device: Any) -> bool:
 
 def autocast(args: argparse.Namespace, device: Any) -> Any:
     """``--amp``: a bf16 autocast context on CUDA; a no-op context otherwise."""
-    import contextlib
-
-    import torch
-
     if cuda_amp(args, device):
         return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
@@ -358,8 +354,6 @@ def add_overwrite_arg(p: argparse.ArgumentParser, *, what: str = "output files")
 def add_inference_arguments(p: argparse.ArgumentParser) -> None:
     """``--mode --window --stride --tta-scales --tta-flip --tile-batch`` (shared by ``eval``,
     ``predict`` and ``refine apply``); defaults from :class:`InferenceOptions`."""
-    from dualseg.engine.inference import MODES, InferenceOptions
-
     d = InferenceOptions()
     g = p.add_argument_group(
         "inference", "sliding window and test-time augmentation (dualseg.engine.inference)"
@@ -413,8 +407,6 @@ def add_inference_arguments(p: argparse.ArgumentParser) -> None:
 
 def inference_options(args: argparse.Namespace) -> Any:
     """The validated options of :func:`add_inference_arguments` (ConfigError when invalid)."""
-    from dualseg.engine.inference import InferenceOptions
-
     if args.mode != "slide" and (args.window is not None or args.stride is not None):
         raise ConfigError("--window and --stride set the tiles of --mode slide; add --mode slide")
     window = InferenceOptions.window if args.window is None else tuple(args.window)
@@ -443,8 +435,6 @@ def check_dataset_classes(args: argparse.Namespace, class_names: Sequence[str], 
     """Refuse (one line, both class lists) when ``--data``'s classes differ from the model's."""
     if not args.data and not args.preset:
         return
-    from dualseg.data.datasets import dataset_meta, preset_for
-    from dualseg.data.presets import require_same_classes
 
     if args.data and not Path(args.data).exists():
         raise DataError(f"--data {args.data}: no such file or folder; check the path")

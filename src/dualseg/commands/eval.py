@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dualseg.commands.common import (
     NO_MAP,
     add_inference_arguments,
@@ -35,18 +37,31 @@ from dualseg.commands.common import (
     split_of,
 )
 from dualseg.console import ArgumentParser, argparse_kwargs, track
+from dualseg.data import read_label
+from dualseg.data.collate import SameSizeCollate
+from dualseg.data.contract import count_seen
+from dualseg.data.presets import parse_label_map
+from dualseg.engine.checkpoint import contract_of
+from dualseg.engine.evaluation import evaluate, format_metrics, model_dataset, sanity_warnings
 from dualseg.engine.outputs import (
     FIGURES,
     PredictionWriter,
     check_eval_outputs,
     default_out,
     mixed_size_batch,
+    write_figures,
 )
+from dualseg.engine.preflight import scored_classes_note
+from dualseg.engine.pretrained import load_network
 from dualseg.errors import DataError, DualsegError
+from dualseg.io import atomic_write_json
+from dualseg.metrics import BOUNDARY_TOLERANCE, MAX_WIDTH, TRIMAP_WIDTH, to_jsonable
+from dualseg.refine import BoundaryRefiner
+from dualseg.refine.base import OTHER_BASE, other_calibration_base
+from dualseg.refine.calibrate import calibrated_on
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from dualseg.metrics import BOUNDARY_TOLERANCE, TRIMAP_WIDTH
 
     p = ArgumentParser(
         prog="dualseg eval",
@@ -88,18 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def width_arg(text: str) -> int:
     """``--boundary-tolerance`` / ``--trimap-width``: 0..MAX_WIDTH px."""
-    from dualseg.metrics import MAX_WIDTH
-
     return pixels_at_most(text, MAX_WIDTH)
 
 
 def _load_refiner(args: argparse.Namespace, dataset: Any, device: Any, model: Any) -> Any:
     """``--refiner``, with a warning when it was calibrated for another base or on the images
     evaluated here (its refined scores would be optimistic)."""
-    from dualseg.refine import BoundaryRefiner
-    from dualseg.refine.base import OTHER_BASE, other_calibration_base
-    from dualseg.refine.calibrate import calibrated_on
-
     refiner = BoundaryRefiner.load(args.refiner, device=device)
     if other_calibration_base(refiner, model):
         print(f"dualseg eval: warning: {OTHER_BASE.format(refiner=args.refiner)}", file=sys.stderr)
@@ -125,8 +134,6 @@ def _load_refiner(args: argparse.Namespace, dataset: Any, device: Any, model: An
 
 def _warn_training_images(args: argparse.Namespace, dataset: Any, ckpt: dict) -> None:
     """A warning when evaluated images are training images of the checkpoint (by content)."""
-    from dualseg.data.contract import count_seen
-
     if (seen := ckpt.get("train_images")) is None:
         return
     images = [image for image, _ in dataset.samples]
@@ -141,15 +148,6 @@ def _warn_training_images(args: argparse.Namespace, dataset: Any, ckpt: dict) ->
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate as the command line describes; returns the metrics (also written to disk)."""
-    import torch
-
-    from dualseg.data import read_label
-    from dualseg.data.collate import SameSizeCollate
-    from dualseg.data.presets import parse_label_map
-    from dualseg.engine.checkpoint import contract_of
-    from dualseg.engine.evaluation import evaluate, model_dataset
-    from dualseg.engine.pretrained import load_network
-
     if args.batch_size < 1:
         raise DualsegError(f"--batch-size must be >= 1, got {args.batch_size}")
     args.split = split_of(args.data, args.split, default="val")
@@ -220,12 +218,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def _report(args: argparse.Namespace, metrics: dict, names: Any, opts: Any, device: Any,
             out: Path) -> None:  # fmt: skip
     """Print the scores and warnings, then write metrics.json and the figures."""
-    from dualseg.engine.evaluation import format_metrics, sanity_warnings
-    from dualseg.engine.outputs import write_figures
-    from dualseg.engine.preflight import scored_classes_note
-    from dualseg.io import atomic_write_json
-    from dualseg.metrics import to_jsonable
-
     print(
         f"{args.checkpoint} on {args.data} [{args.split}], {metrics['num_images']} images, "
         f"batch size {args.batch_size}, {device}, {opts.describe()}"

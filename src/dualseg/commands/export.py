@@ -7,9 +7,13 @@ import argparse
 from pathlib import Path
 
 from dualseg.console import ArgumentParser, argparse_kwargs
+from dualseg.engine.pretrained import save_pretrained_from_checkpoint
 from dualseg.errors import ConfigError
+from dualseg.export import export as library
+from dualseg.export.export import check_onnx_options
 from dualseg.export.outputs import check_outputs
 from dualseg.export.runners import import_extra
+from dualseg.refine import BoundaryRefiner
 
 MAX_SIDE = 8192  # the largest --size side: past it, tracing one image outgrows the memory
 # options only some formats read: given to another, they would be dropped silently
@@ -134,10 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         import_extra("onnx")
         if not args.no_verify:
             import_extra("onnxruntime")
-        from dualseg.export.export import check_onnx_options
 
         check_onnx_options(args.exporter, args.opset, args.dynamic)
-    from dualseg.export import export as library
 
     options = dict(
         format=args.format,
@@ -169,14 +171,10 @@ def main(argv: list[str] | None = None) -> int:
 def _export_pretrained(args: argparse.Namespace) -> int:
     """``--format pretrained``: a folder ``dualseg.load_model`` / ``BoundaryRefiner.load`` read."""
     if args.checkpoint:
-        from dualseg.engine.pretrained import save_pretrained_from_checkpoint
-
         out = save_pretrained_from_checkpoint(args.checkpoint, args.out, overwrite=args.overwrite)
         print(f"exported {args.checkpoint} -> {out}/ (config.json + model.safetensors)")
         print(f"load it with dualseg.load_model({str(out)!r}) or --checkpoint {out}")
     else:
-        from dualseg.refine import BoundaryRefiner
-
         out = BoundaryRefiner.load(args.refiner).save_pretrained(args.out, overwrite=args.overwrite)
         print(f"exported {args.refiner} -> {out}/ (refiner.json + refiner.safetensors)")
     return 0

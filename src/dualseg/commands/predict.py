@@ -54,7 +54,11 @@ from dualseg.engine.outputs import (
     save_probs,
     write_outputs,
 )
+from dualseg.engine.predict import load_model
 from dualseg.errors import ConfigError, DataError, DualsegError
+from dualseg.export.runtime import ExportedSegmenter
+from dualseg.imaging import read_image, rgb_digest
+from dualseg.io import check_writable
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,10 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args: argparse.Namespace, device) -> Any:
     """The ``--checkpoint`` segmenter, or the ``--onnx`` exported one (ONNX or TorchScript)."""
     if not args.onnx:
-        from dualseg.engine.predict import load_model
-
         return load_model(args.checkpoint, device=device, amp=cuda_amp(args, device))
-    from dualseg.export.runtime import ExportedSegmenter
 
     seg = ExportedSegmenter(args.onnx, **onnx_runtime(args, device))
     static_export_note(args.onnx, seg, "predict")
@@ -109,8 +110,6 @@ def _load(args: argparse.Namespace, device) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dualseg.imaging import read_image, rgb_digest
-    from dualseg.io import check_writable
 
     args = build_parser().parse_args(argv)
     if args.batch_size < 1:

@@ -23,7 +23,9 @@ from dualseg.commands.common import (
     static_export_note,
 )
 from dualseg.console import ArgumentParser, argparse_kwargs
+from dualseg.engine.predict import load_model
 from dualseg.errors import ConfigError, DualsegError
+from dualseg.export.runtime import ExportedSegmenter, load_refiner
 from dualseg.serve import defaults as d
 from dualseg.serve.server import check_port, request_log_on_stderr, run_server
 
@@ -123,14 +125,10 @@ def _load(args: argparse.Namespace, options: Any) -> tuple[Any, Any, str]:
     """``(segmenter, refiner or None, model name)`` for the page."""
     device = apply_runtime(args)
     if args.onnx:
-        from dualseg.export.runtime import ExportedSegmenter
-
         segmenter: Any = ExportedSegmenter(args.onnx, **onnx_runtime(args, device))
         static_export_note(args.onnx, segmenter, "serve")
         name = f"{Path(args.onnx).name} ({segmenter.info.get('arch') or 'onnx'})"
     else:
-        from dualseg.engine.predict import load_model
-
         segmenter = load_model(args.checkpoint, device=device, amp=cuda_amp(args, device))
         name = f"{Path(args.checkpoint).name} ({type(segmenter.model).__name__})"
         if options.mode != "whole" or options.uses_tta:  # the page gets the averaged probs
@@ -141,8 +139,6 @@ def _load(args: argparse.Namespace, options: Any) -> tuple[Any, Any, str]:
             )  # fmt: skip
     refiner = None
     if args.refiner:
-        from dualseg.export.runtime import load_refiner
-
         refiner = load_refiner(args.refiner, device=device)  # create_app checks its classes
     return segmenter, refiner, name
 

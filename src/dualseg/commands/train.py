@@ -21,11 +21,18 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from dualseg.engine.checkpoint import load_checkpoint
+from dualseg.engine.config import config_from_dict, parse_command
+from dualseg.engine.train import fit
+from dualseg.errors import ConfigError
+from dualseg.io import atomic_write_json
+
 __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dualseg.engine.config import parse_command
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # --help exits here and bad flags raise ConfigError, before torch is imported
@@ -65,9 +72,6 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.train.quiet != quiet:
         cfg = replace(cfg, train=replace(cfg.train, quiet=quiet))
 
-    from dualseg.engine.train import fit
-    from dualseg.io import atomic_write_json
-
     started = time.perf_counter()
     summary = fit(cfg, resume=resume, overwrite=flags["overwrite"])
     summary["seconds"] = round(time.perf_counter() - started, 1)
@@ -87,11 +91,6 @@ def resume_base_config(checkpoint: Path) -> str:
     run_config = checkpoint.parent / "config.yaml"
     if run_config.is_file():
         return str(run_config)
-    import yaml
-
-    from dualseg.engine.checkpoint import load_checkpoint
-    from dualseg.engine.config import config_from_dict
-    from dualseg.errors import ConfigError
 
     stored = load_checkpoint(checkpoint).get("config")
     if not isinstance(stored, dict) or not stored:

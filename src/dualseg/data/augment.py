@@ -11,11 +11,13 @@ import hashlib
 import io
 import json
 import multiprocessing as mp
+import signal
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 from torchvision import tv_tensors
 from torchvision.transforms import v2
@@ -110,9 +112,6 @@ def _valid(path: Path) -> bool:
 
 
 def _init_worker(augmenter: Augmenter) -> None:
-    import signal
-
-    import torch
 
     # Ctrl-C reaches the process group: the parent alone reports it, in one line
     signal.signal(signal.SIGINT, signal.SIG_IGN)

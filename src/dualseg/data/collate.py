@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from torch.utils.data import default_collate
+
 from dualseg.errors import DataError
 
 
@@ -25,7 +27,6 @@ class SameSizeCollate:
         self.hint = hint
 
     def __call__(self, batch: Sequence[Any]) -> Any:
-        from torch.utils.data import default_collate
 
         if len(batch) > 1 and isinstance(batch[0], tuple | list):
             for field in range(len(batch[0])):

@@ -6,6 +6,7 @@ Internally 255 means "ignore". Raw label values become class ids through one loo
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -323,8 +324,6 @@ def load_meta_file(path: str | Path) -> DatasetMeta:
     keys = d if isinstance(d, dict) else {}
     unknown = [k for k in keys if k not in META_KEYS and not str(k).startswith("_")]
     if unknown and len(unknown) < len(d):  # none known: another tool's file, said below
-        import difflib
-
         key = str(unknown[0])
         close = difflib.get_close_matches(key, META_KEYS, n=1, cutoff=0.5)
         hint = f"did you mean {close[0]!r}?" if close else f"the keys are {', '.join(META_KEYS)}"

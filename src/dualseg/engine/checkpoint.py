@@ -9,6 +9,7 @@ or string (:func:`to_plain`), so the safe loader accepts it.
 
 from __future__ import annotations
 
+import inspect
 import numbers
 import os
 import random
@@ -20,8 +21,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from dualseg.errors import CheckpointError
+from dualseg._version import __version__
+from dualseg.data import PRESETS, DatasetMeta, parse_label_map, with_label_mapping
+from dualseg.data.contract import LabelContract
+from dualseg.errors import CheckpointError, DataError
+from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 from dualseg.io import atomic_torch_save
+from dualseg.models import MODELS, build_model
 from dualseg.serialization import nonfinite_keys, safe_torch_load, short_list
 from dualseg.viz import default_palette
 
@@ -103,8 +109,6 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 # --------------------------------------------------------------------------- save / load
 def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
     """Write ``state`` (with ``format`` and ``version``) to ``path`` atomically."""
-    from dualseg._version import __version__
-
     missing = [k for k in ("arch", "model_kwargs", "model") if k not in state]
     if missing:
         raise ValueError(f"checkpoint state lacks required keys {missing}")
@@ -269,8 +273,6 @@ def placeholder_class_names(n: int) -> tuple[str, ...]:
 
 def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
     """The dataset description stored in a checkpoint (class names, palette, ignore index)."""
-    from dualseg.data import DatasetMeta
-
     n = checkpoint_num_classes(ckpt)
     names, palette = ckpt.get("class_names"), ckpt.get("palette")
     for key, value in (("class_names", names), ("palette", palette)):
@@ -336,10 +338,6 @@ def contract_of(ckpt: Mapping[str, Any]) -> LabelContract:
     without one gets the contract its description implies: its class names and palette (a
     preset's own mapping when it names one with these classes), read as its training config's
     ``data.label_format`` / ``label_map`` / ``ignore_index`` / ``bit_depth`` say."""
-    from dualseg.data import PRESETS, parse_label_map, with_label_mapping
-    from dualseg.data.contract import LabelContract
-    from dualseg.errors import DataError
-
     stored = ckpt.get("label_contract")
     try:
         if stored is not None:
@@ -363,10 +361,6 @@ def model_kwargs_of(ckpt: Mapping[str, Any]) -> dict[str, Any]:
     """``ckpt["model_kwargs"]`` as a dict of :func:`dualseg.models.build_model` options; a
     non-dict or an option this dualseg does not know (a newer version's) is a
     :class:`CheckpointError` naming the file and the keys."""
-    import inspect
-
-    from dualseg.models import build_model
-
     kwargs = ckpt.get("model_kwargs")
     if not isinstance(kwargs, Mapping):
         raise CheckpointError(
@@ -393,8 +387,6 @@ def build_model_from_checkpoint(
 ) -> tuple[nn.Module, DatasetMeta]:
     """Rebuild the checkpoint's model (eval mode, on ``device``) and its dataset description;
     ``arch`` / ``num_classes``: what the caller expects (another is a CheckpointError)."""
-    from dualseg.models import MODELS, build_model
-
     kwargs = model_kwargs_of(ckpt)
     check_compatible(ckpt, arch=arch, num_classes=num_classes)
     meta = meta_from_checkpoint(ckpt)  # before the build: a bad description fails fast
@@ -421,8 +413,6 @@ def build_model_from_checkpoint(
 def check_normalization(state: Mapping[str, Any]) -> None:
     """Refuse a model whose stored input normalization differs from ImageNet's, what every
     dualseg path that runs a loaded model applies."""
-    from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
-
     norm = state.get("normalization") or {}
     want = {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
     where = state.get("_meta_path") or state.get("_path")

@@ -16,7 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from jsonargparse import (
+    ActionConfigFile,
+    ActionYesNo,
+    ArgumentParser,
+    DefaultHelpFormatter,
+    _loaders_dumpers,
+    set_loader,
+)
 
+from dualseg.console import ExamplesHelpFormatter, examples
 from dualseg.engine.options import (
     ARCH_NAMES,
     MAX_THREADS,
@@ -160,17 +169,6 @@ def _read_yaml(path: str, *, inline: bool = False, section: str | None = None) -
 # --------------------------------------------------------------------------- parsing
 def build_parser(prog: str = "dualseg train") -> Any:
     """``--config FILE`` plus one flag per field (help from :func:`opt`), then the command's."""
-    from jsonargparse import (
-        ActionConfigFile,
-        ActionYesNo,
-        ArgumentParser,
-        DefaultHelpFormatter,
-        _loaders_dumpers,
-        set_loader,
-    )
-
-    from dualseg.console import ExamplesHelpFormatter, examples
-
     class Formatter(ExamplesHelpFormatter, DefaultHelpFormatter):
         pass
 

@@ -12,15 +12,24 @@ from __future__ import annotations
 import contextlib
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from tqdm.auto import tqdm
 
+from dualseg.data import build_dataset
+from dualseg.data.contract import LabelContract
+from dualseg.data.datasets import dataset_meta, preset_for
+from dualseg.data.presets import require_same_classes
+from dualseg.data.transforms import build_eval_transform
 from dualseg.engine.inference import InferenceOptions, infer_logits
+from dualseg.errors import DataError, DualsegError
 from dualseg.metrics import (
     BOUNDARY_TOLERANCE,
     TRIMAP_WIDTH,
@@ -81,7 +90,6 @@ class _Scores:
 
 
 def _all_reduce_(t: Tensor) -> None:
-    import torch.distributed as dist
 
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
 
@@ -243,8 +251,6 @@ def evaluate(
     timer, images_seen = _Timer(device), torch.zeros((), dtype=torch.int64, device=device)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     if progress:
-        from tqdm.auto import tqdm
-
         loader = tqdm(loader, desc="eval", leave=False)
     with eval_mode(model), shared if shared is not None else contextlib.nullcontext():
         for index, (images, labels) in enumerate(loader):
@@ -331,15 +337,6 @@ def model_dataset(
     ``stored`` with the model and no flag was ``explicit``) read its labels and pixels as the
     model's training data did, or one line shows both sides. Warns (stderr) when a class can
     never be scored."""
-    import sys
-
-    from dualseg.data import build_dataset
-    from dualseg.data.contract import LabelContract
-    from dualseg.data.datasets import dataset_meta, preset_for
-    from dualseg.data.presets import require_same_classes
-    from dualseg.data.transforms import build_eval_transform
-    from dualseg.errors import DataError, DualsegError
-
     meta = contract.meta
     own = preset_for(root, preset) if preset else dataset_meta(root, layout=layout, split=split)
     if own is not None:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dualseg.data.datasets import label_histogram
 from dualseg.errors import ConfigError
 
 __all__ = ["SegmentationLoss", "class_weights_for", "cross_entropy_loss", "decay_weights"]
@@ -137,7 +138,6 @@ def class_weights_for(
                 f"class_weights={spec!r}: use {MEDIAN_FREQUENCY!r}, a list of one weight per "
                 "class, or null"
             )
-        from dualseg.data.datasets import label_histogram
 
         counts, image_pixels = label_histogram(dataset)
         return median_frequency_weights(counts, image_pixels)

@@ -21,10 +21,12 @@ import torch
 from torch import Tensor, nn
 
 from dualseg.data.contract import LabelContract
+from dualseg.engine.checkpoint import contract_of
 from dualseg.engine.distributed import resolve_device
 from dualseg.engine.inference import InferenceOptions, infer_logits
+from dualseg.engine.pretrained import load_network, save_pretrained
 from dualseg.errors import ConfigError, DataError
-from dualseg.imaging import as_rgb, normalize, numpy_to_rgb, read_image
+from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD, as_rgb, normalize, numpy_to_rgb, read_image
 from dualseg.models.base import eval_mode, require_rgb_input
 from dualseg.predictor import Predictor, require_image_list, size_batches
 
@@ -242,9 +244,6 @@ class Segmenter(Predictor):
     def save_pretrained(self, folder: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Write ``folder/config.json`` + ``folder/model.safetensors``; ``load_model(folder)``
         reads it back (see :mod:`dualseg.engine.pretrained`)."""
-        from dualseg.engine.pretrained import save_pretrained
-        from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
-
         if self.arch is None or self.model_kwargs is None:
             raise ConfigError(
                 "this Segmenter's model was not built by dualseg.load_model, so its arch and "
@@ -279,9 +278,6 @@ def load_model(
     >>> seg = dualseg.load_model("runs/demo/last.pt")      # doctest: +SKIP
     >>> labels = seg.predict("street.png")                  # HxW uint8 at the image's size
     """
-    from dualseg.engine.checkpoint import contract_of
-    from dualseg.engine.pretrained import load_network
-
     dev = resolve_device(device)
     model, meta, ckpt = load_network(path, device=dev)
     seg = Segmenter(model, meta, device=dev, amp=amp)

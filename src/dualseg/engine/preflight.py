@@ -18,12 +18,16 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dualseg.console import ProgressMode
+from dualseg.data import build_dataset
+from dualseg.data.check import check_dataset, combine_reports, require_trainable
 from dualseg.data.collate import SameSizeCollate
+from dualseg.data.presets import parse_label_map
 from dualseg.engine import checkpoint as ckpt_io
 from dualseg.engine.config import Config, DataConfig, model_kwargs, train_transform
 from dualseg.engine.distributed import DistEnv, ResumableSampler, SeededSamples, ShardSampler
 from dualseg.errors import CheckpointError, ConfigError, DataError, RunExistsError
 from dualseg.metrics import scores_from_confusion
+from dualseg.models import build_model
 
 __all__ = [
     "baseline_note",
@@ -43,8 +47,6 @@ __all__ = [
 
 def label_mapping(d: DataConfig) -> dict[str, Any]:
     """``{"label_map", "ignore_value"}`` for ``build_dataset`` / ``check_dataset``."""
-    from dualseg.data.presets import parse_label_map
-
     return {
         "label_map": parse_label_map(d.label_map) if d.label_map else None,
         "ignore_value": d.ignore_index,
@@ -62,7 +64,6 @@ def check_training_data(
     """
     if not d.check or not d.root:
         return
-    from dualseg.data.check import check_dataset, combine_reports, require_trainable
 
     # a held-out fraction is part of the training split's files
     named = (d.train_split,) if d.val_fraction > 0 else (d.train_split, d.val_split)
@@ -218,7 +219,6 @@ def refuse_rewind(out_dir: Path, resume: str | None) -> None:
 
 
 def build_datasets(cfg: Config) -> tuple[Any, Any | None]:
-    from dualseg.data import build_dataset
 
     d = cfg.data
     if not d.root:
@@ -295,7 +295,6 @@ def seed_everything(seed: int, deterministic: bool, device: torch.device) -> Non
 
 
 def build_train_model(cfg: Config, num_classes: int, *, pretrained: bool) -> nn.Module:
-    from dualseg.models import build_model
 
     m = cfg.model
     weights = m.weights if pretrained else None

@@ -27,10 +27,27 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+from safetensors.torch import load, save
 from torch import Tensor, nn
 
+from dualseg._version import __version__
+from dualseg.data.contract import LabelContract, digests_from_hex, digests_to_hex
+from dualseg.engine.checkpoint import (
+    BEST_NAME,
+    LAST_NAME,
+    _state_dict_problems,
+    build_model_from_checkpoint,
+    check_normalization,
+    contract_of,
+    load_checkpoint,
+    to_plain,
+)
 from dualseg.errors import CheckpointError, ConfigError
+from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 from dualseg.io import atomic_write_bytes, atomic_write_json
+from dualseg.models import MODELS, build_model
+from dualseg.serialization import nonfinite_keys, short_list
 from dualseg.weights import hub_folder
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -67,16 +84,12 @@ HF_PREFIX = "hf://"
 # --------------------------------------------------------------------------- files
 def write_safetensors(path: Path, tensors: Mapping[str, Tensor]) -> None:
     """Tensors -> one safetensors file, atomically (contiguous CPU copies, no shared storage)."""
-    from safetensors.torch import save
-
     plain = {k: v.detach().cpu().contiguous().clone() for k, v in tensors.items()}
     atomic_write_bytes(path, save(plain, metadata={"format": "pt"}))
 
 
 def read_safetensors(path: Path, *, what: str) -> dict[str, Tensor]:
     """A safetensors file as a dict of CPU tensors; one :class:`CheckpointError` per failure."""
-    from safetensors.torch import load
-
     if not path.is_file():
         raise CheckpointError(f"{path}: {what} weights not found; the folder is incomplete")
     try:
@@ -175,11 +188,6 @@ def save_pretrained(
     ``train_images``: the training images' ``content_digests`` (eval warns on them).
     An existing folder's files are kept unless ``overwrite=True``.
     """
-    from dualseg._version import __version__
-    from dualseg.data.contract import LabelContract, digests_to_hex
-    from dualseg.engine.checkpoint import to_plain
-    from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
-
     folder = folder_path(folder)
     refuse_existing(folder, (CONFIG_NAME, WEIGHTS_NAME), overwrite)
     kwargs = {k: v for k, v in dict(model_kwargs).items() if k != "weights"}
@@ -258,12 +266,6 @@ def check_rebuilds(model: nn.Module, arch: str, kwargs: Mapping[str, Any]) -> No
     described as stride 8 would load without an error and answer differently), or with
     non-finite weights (a folder that could never be loaded). Differences that leave the output
     alone (BatchNorm momentum, SyncBatchNorm, in-place activations) pass."""
-    import torch
-
-    from dualseg.engine.checkpoint import _state_dict_problems
-    from dualseg.models import MODELS, build_model
-    from dualseg.serialization import nonfinite_keys, short_list
-
     if not isinstance(arch, str) or arch not in MODELS:
         raise ConfigError(f"arch {arch!r} is not a dualseg model; known: {', '.join(MODELS)}")
     state = model.state_dict()
@@ -345,8 +347,6 @@ def save_pretrained_from_checkpoint(
 ) -> Path:
     """A training checkpoint (``last.pt`` / ``best.pt``, or any :func:`load_state` source) -> a
     pretrained folder."""
-    from dualseg.engine.checkpoint import build_model_from_checkpoint, contract_of
-
     ckpt = load_state(checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device="cpu")
     metrics = dict(ckpt.get("metrics") or {})
@@ -375,8 +375,6 @@ def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
 
     :func:`dualseg.engine.checkpoint.build_model_from_checkpoint` rebuilds the network from it.
     """
-    from dualseg.data.contract import digests_from_hex
-
     folder = resolve_source(source, files=(CONFIG_NAME, WEIGHTS_NAME))
     if not folder.is_dir():
         raise CheckpointError(
@@ -442,8 +440,6 @@ def load_state(source: str | os.PathLike[str]) -> dict[str, Any]:
     """Any model source as a checkpoint-like dict: a ``.pt`` checkpoint file, a pretrained
     folder, or ``hf://org/name``. A training run folder (``last.pt`` but no ``config.json``)
     gets an error naming the checkpoint to pass."""
-    from dualseg.engine.checkpoint import BEST_NAME, LAST_NAME, load_checkpoint
-
     if not os.fspath(source).strip():  # Path("") is the current folder
         raise ConfigError(
             "the model path is empty (an unset variable?); pass a checkpoint, a pretrained "
@@ -471,8 +467,6 @@ def load_network(
 ) -> tuple[nn.Module, DatasetMeta, dict[str, Any]]:
     """``(model, meta, state)`` of any model source (:func:`load_state`): its input
     normalization checked against dualseg's (ImageNet), the network rebuilt on ``device``."""
-    from dualseg.engine.checkpoint import build_model_from_checkpoint, check_normalization
-
     state = load_state(source)
     check_normalization(state)
     model, meta = build_model_from_checkpoint(state, device=device)

@@ -18,9 +18,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from dualseg.engine.config import Config
 from dualseg.engine.distributed import DistEnv
 from dualseg.io import atomic_write_text
+from dualseg.viz import save_curves as draw
 
 __all__ = ["Interrupt", "Progress", "RunLog", "save_curves", "train_data_record"]
 
@@ -108,8 +111,6 @@ class RunLog:
             except ImportError:  # tensorboard not installed: JSONL and PNG only
                 self.tb = None
         if cfg.train.progress and not self.quiet and sys.stderr.isatty():
-            from tqdm.auto import tqdm
-
             self.bar = tqdm(total=cfg.train.max_iters, initial=start, desc="train", unit="it")
 
     def _truncate(self, start: int) -> None:
@@ -182,7 +183,6 @@ def save_curves(path: Path, history: list[dict[str, Any]]) -> None:
     """PNG of the loss terms and validation scores; skipped when nothing was logged."""
     if not history:
         return
-    from dualseg.viz import save_curves as draw
 
     keys: list[Any] = [("loss", "l1", "loss_ema"), "l2"]
     ylabels = ["loss", "L2 weight penalty"]  # L2 on its own axis: it is orders smaller

@@ -44,6 +44,7 @@ from dualseg.engine.distributed import (
     cleanup_distributed,
     init_distributed,
 )
+from dualseg.engine.evaluation import evaluate
 from dualseg.engine.losses import SegmentationLoss, class_weights_for
 from dualseg.engine.optim import build_optimizer, build_scheduler
 from dualseg.engine.preflight import (
@@ -407,8 +408,6 @@ def _on_step(run: _Run, s: StepStats) -> bool:
 
 def _validate(run: _Run, at: int) -> bool:
     """Score the validation split; True on a new best mIoU."""
-    from dualseg.engine.evaluation import evaluate
-
     broadcast_buffers(run.model)  # every rank scores rank 0's model (the checkpointed one)
     metrics = evaluate(
         run.model,

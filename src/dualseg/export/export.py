@@ -23,7 +23,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.onnx import _constants
 
+from dualseg._version import __version__
+from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
+from dualseg.engine.checkpoint import build_model_from_checkpoint, contract_of
+from dualseg.engine.pretrained import load_state
 from dualseg.errors import ConfigError, DualsegError
 from dualseg.export.runners import (
     EXPORT_FORMAT,
@@ -35,6 +40,7 @@ from dualseg.export.runners import (
 )
 from dualseg.io import atomic_write_bytes, atomic_write_json
 from dualseg.models.base import eval_mode, model_logits, require_rgb_input
+from dualseg.refine import BoundaryRefiner
 from dualseg.serialization import TORCHSCRIPT_META
 from dualseg.viz import default_palette
 
@@ -113,9 +119,6 @@ def export_info(
     ``kind``: ``"segmenter"`` or ``"embedding"``; ``input_size``: the ``(H, W)`` of a static
     export, ``None`` for a dynamic one.
     """
-    from dualseg._version import __version__
-    from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
-
     info = {
         "format": EXPORT_FORMAT,
         "version": __version__,
@@ -144,8 +147,6 @@ def _example(size: Sequence[int], seed: int = 0) -> Tensor:
 
 def check_onnx_options(exporter: str, opset: int | None, dynamic: bool) -> int:
     """The opset to write; a value this torch's ``exporter`` cannot write is one line."""
-    from torch.onnx import _constants
-
     if exporter not in EXPORTERS:
         raise ConfigError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")
     least = MIN_OPSET[exporter]
@@ -335,9 +336,6 @@ def export_checkpoint(
     """Export a checkpoint's network (``.pt``, pretrained folder or ``hf://org/name``) with
     its class names, palette, arch and normalization; returns the difference from PyTorch
     when ``tolerance`` asks for the check."""
-    from dualseg.engine.checkpoint import build_model_from_checkpoint, contract_of
-    from dualseg.engine.pretrained import load_state
-
     ckpt = load_state(checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device="cpu")
     norm = ckpt.get("normalization") or {}  # the model's own (a folder may store another)
@@ -373,8 +371,6 @@ def export_refiner(
     ``[B,C,h,w]``. Load the pair with ``load_exported_refiner``. Returns the difference from
     PyTorch when ``tolerance`` asked for the check.
     """
-    from dualseg.refine import BoundaryRefiner
-
     if not isinstance(refiner, BoundaryRefiner):
         refiner = BoundaryRefiner.load(refiner)
     if refiner.taps is not None:

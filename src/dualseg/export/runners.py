@@ -12,14 +12,17 @@ import importlib
 import io
 import json
 import os
+import warnings
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import cv2
 import numpy as np
 
+from dualseg.engine.config import MAX_THREADS  # the cap the CLI's --threads has too
 from dualseg.errors import CheckpointError, ConfigError, DualsegError
 from dualseg.imaging import as_rgb
 from dualseg.serialization import read_torchscript_meta, torch_file_format
@@ -146,8 +149,6 @@ def is_exported_torchscript(path: Path) -> bool:
 
 def _resize_chw_batch(x: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     """Bilinear resize of a float ``[B,C,H,W]`` batch to ``hw`` (OpenCV, no torch)."""
-    import cv2
-
     h, w = hw
     return np.stack(
         [cv2.resize(img.transpose(1, 2, 0), (w, h), interpolation=cv2.INTER_LINEAR)
@@ -167,7 +168,6 @@ class Runner:
         providers: Sequence[str] | None = None,
         threads: int | None = None,
     ) -> None:
-        from dualseg.engine.config import MAX_THREADS  # the cap the CLI's --threads has too
 
         if threads is not None and (
             isinstance(threads, bool)
@@ -184,8 +184,6 @@ class Runner:
         self.module: Any = None
         is_zip = data[:4] == ZIP_MAGIC if data is not None else _starts_as_zip(Path(source))
         if is_zip:  # TorchScript
-            import warnings
-
             import torch
 
             with warnings.catch_warnings():  # torch.jit is deprecated, still supported
