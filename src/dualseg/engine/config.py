@@ -169,6 +169,7 @@ def _read_yaml(path: str, *, inline: bool = False, section: str | None = None) -
 # --------------------------------------------------------------------------- parsing
 def build_parser(prog: str = "dualseg train") -> Any:
     """``--config FILE`` plus one flag per field (help from :func:`opt`), then the command's."""
+
     class Formatter(ExamplesHelpFormatter, DefaultHelpFormatter):
         pass
 
