@@ -343,12 +343,12 @@ def test_eval_refuses_an_unwritable_folder_before_evaluating(four_ckpt, four_dat
 def test_eval_prints_the_scores_before_a_failing_write(
     four_ckpt, four_data, tmp_path, capsys, monkeypatch
 ):
-    import dualseg.io
+    import dualseg.commands.eval as eval_command
 
     def refuse(path, obj):  # the folder turned read-only while evaluating
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(dualseg.io, "atomic_write_json", refuse)
+    monkeypatch.setattr(eval_command, "atomic_write_json", refuse)
     out = tmp_path / "e"
     assert main(["eval", "-c", str(four_ckpt), "--data", str(four_data), "-o", str(out)]) == 1
     captured = capsys.readouterr()
