@@ -223,3 +223,14 @@ def test_the_walk_sees_local_upward_imports_and_cycles(tmp_path):
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_every_lazy_import_listed_is_still_there():
+    found = modules()
+    used = {
+        (owner, lazy)
+        for owner, lazy in LAZY
+        for _, module, local in all_imports(found[owner])
+        if local and within(module, lazy)
+    }
+    assert set(LAZY) - used == set(), "drop these stale entries from LAZY"
