@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dualseg.export.exported_refiner import ExportedRefiner, load_exported_refiner
 from dualseg.export.exported_segmenter import ExportedSegmenter, OnnxSegmenter
 from dualseg.export.runners import (
     EXPORT_FORMAT,
@@ -37,6 +36,9 @@ from dualseg.export.runners import (
     refiner_sidecar_path,
 )
 from dualseg.serialization import TORCHSCRIPT_META
+
+if TYPE_CHECKING:  # imported on first use by __getattr__ below
+    from dualseg.export.exported_refiner import ExportedRefiner, load_exported_refiner
 
 __all__ = [
     "EXPORT_FORMAT",
@@ -60,9 +62,20 @@ def load_refiner(path: str | os.PathLike[str], *, device: Any = "cpu") -> Any:
     """Either refiner: a ``dualseg refine fit`` file or folder (``BoundaryRefiner.load``) or
     an exported one (its ``.json`` sidecar, ``.onnx`` model or exported TorchScript ``.pt``):
     what ``--refiner`` accepts in ``refine apply``, ``eval`` and ``serve``."""
+    from dualseg.export.exported_refiner import load_exported_refiner
     from dualseg.refine import BoundaryRefiner
 
     p = Path(path)
     if p.suffix.lower() in (".json", ".onnx") or is_exported_torchscript(p):
         return load_exported_refiner(p)
     return BoundaryRefiner.load(path, device=device)  # as given: Path() would break hf://
+
+
+def __getattr__(name: str) -> Any:
+    """The refiner names, imported on first use: they import torch, which the ONNX segmenter
+    path never needs."""
+    if name in ("ExportedRefiner", "load_exported_refiner"):
+        from dualseg.export import exported_refiner
+
+        return getattr(exported_refiner, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
