@@ -374,3 +374,18 @@ def test_bad_pixel_flags_are_one_line(argv, message, capsys) -> None:
     assert status == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_eval_split_val_is_the_share_training_held_out(tmp_path: Path, capsys) -> None:
+    """``train --data.val_fraction 0.2`` then ``eval --split val`` on the same plain folder
+    scored every image (training ones included) as "val"."""
+    root = _binary_root(tmp_path / "plain", n=10)
+    for f in ("train.txt", "val.txt"):
+        (root / f).unlink()  # a plain image/label folder: no splits of its own
+    (root / "meta.json").write_text(json.dumps(MAPPED))
+    last = _train(root, tmp_path / "run", val_fraction=0.2)
+    capsys.readouterr()
+    assert _eval(last, root, tmp_path / "e", "--split", "val") == 0
+    err = capsys.readouterr().err
+    assert "held out of training (data.val_fraction)" in err and "training images" not in err
+    assert json.loads((tmp_path / "e" / "metrics.json").read_text())["num_images"] == 2

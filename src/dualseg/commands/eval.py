@@ -146,6 +146,23 @@ def _warn_training_images(args: argparse.Namespace, dataset: Any, ckpt: dict) ->
         )
 
 
+def _held_out_fraction(args: argparse.Namespace, trained: dict[str, Any]) -> float:
+    """The model's ``data.val_fraction`` when ``--split val`` names the share training held out
+    of this very root (it has no val split of its own), else 0: all its images would be read."""
+    fraction = float(trained.get("val_fraction") or 0)
+    roots = trained.get("root") or ()
+    roots = [roots] if isinstance(roots, str) else list(roots)
+    here = Path(args.data).resolve()
+    if not fraction or args.split != "val" or all(Path(r).resolve() != here for r in roots):
+        return 0.0
+    print(
+        f"dualseg eval: note: split val is the {fraction:g} of {args.data}'s images that "
+        f"{args.checkpoint} held out of training (data.val_fraction), chosen by file name",
+        file=sys.stderr,
+    )
+    return fraction
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate as the command line describes; returns the metrics (also written to disk)."""
     if args.batch_size < 1:
@@ -173,7 +190,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model_name=f"the checkpoint {args.checkpoint}", label_format=label_format,
         label_map=label_map, ignore_value=ignore,
         bit_depth=contract.bit_depth if args.bit_depth is None else args.bit_depth,
-        max_megapixels=args.max_megapixels,
+        max_megapixels=args.max_megapixels, val_fraction=_held_out_fraction(args, trained),
     )  # fmt: skip
     _warn_training_images(args, dataset, ckpt)
     if args.batch_size > 1 and (mixed := mixed_size_batch(dataset.samples, args.batch_size)):

@@ -329,6 +329,7 @@ def model_dataset(
     root: str, *, split: str, layout: str, preset: str | None, contract: Any, stored: bool,
     explicit: bool, model_name: str, label_format: str, label_map: dict[int, int] | None,
     ignore_value: Any, bit_depth: int | None, max_megapixels: float | None = None,
+    val_fraction: float = 0.0,
 ) -> Any:  # fmt: skip
     """The ``split`` of ``root`` read for a model of label ``contract`` (eval transform).
 
@@ -346,7 +347,7 @@ def model_dataset(
     dataset = build_dataset(
         root, split=split, layout=layout, preset=meta, transform=build_eval_transform(),
         label_format=label_format, label_map=label_map, ignore_value=ignore_value,
-        bit_depth=bit_depth, max_megapixels=max_megapixels,
+        bit_depth=bit_depth, max_megapixels=max_megapixels, val_fraction=val_fraction,
     )  # fmt: skip
     read = LabelContract(dataset.meta, label_format, bit_depth)
     if own is not None and stored and not explicit and (diff := contract.differences(read)):
