@@ -275,11 +275,8 @@ def evaluate(
             _all_reduce_(t)
     result = base.compute()
     labelled = int(base.cm.mat.sum())
-    result.update(
-        num_images=int(images_seen),
-        ms_per_image=timer.median(),
-        loss=float(loss_sum) / labelled if labelled else float("nan"),
-    )
+    loss = float(loss_sum) / labelled if labelled else float("nan")
+    result.update(num_images=int(images_seen), ms_per_image=timer.median(), loss=loss)
     if step is not None:
         result["refined"] = step.scores.compute()
         result["refine"] = step.result()
