@@ -59,6 +59,7 @@ from dualseg.metrics import BOUNDARY_TOLERANCE, MAX_WIDTH, TRIMAP_WIDTH, to_json
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.base import OTHER_BASE, other_calibration_base
 from dualseg.refine.calibrate import calibrated_on
+from dualseg.refine.formats import check_contract
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +107,9 @@ def width_arg(text: str) -> int:
     return pixels_at_most(text, MAX_WIDTH)
 
 
-def _load_refiner(args: argparse.Namespace, dataset: Any, device: Any, model: Any) -> Any:
+def _load_refiner(
+    args: argparse.Namespace, dataset: Any, device: Any, model: Any, contract: Any
+) -> Any:
     """``--refiner``, with a warning when it was calibrated for another base or on the images
     evaluated here (its refined scores would be optimistic)."""
     refiner = BoundaryRefiner.load(args.refiner, device=device)
@@ -129,6 +132,8 @@ def _load_refiner(args: argparse.Namespace, dataset: Any, device: Any, model: An
         )
     names = dataset.meta.class_names
     refiner.check_classes(names, len(names), what=f"the checkpoint (refiner {args.refiner})")
+    check_contract(refiner, contract, refiner_name=args.refiner,
+                   model_name=f"the checkpoint {args.checkpoint}")  # fmt: skip
     return refiner
 
 
@@ -200,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pin_memory=device.type == "cuda",
         collate_fn=SameSizeCollate("use --batch-size 1 (eval runs each image at its own size)"),
     )  # fmt: skip
-    refiner = _load_refiner(args, dataset, device, model) if args.refiner else None
+    refiner = _load_refiner(args, dataset, device, model, contract) if args.refiner else None
     hook = None
     if args.save_predictions:  # every label read before the first prediction is written
         for _, label_path in dataset.samples:

@@ -181,7 +181,8 @@ def fit_main(args: argparse.Namespace) -> int:
     data = fit_run.fit_datasets(args.data, **where, labels=labels, crop_size=args.crop_size,
                                 scale_range=args.scale_range, seed=cfg.seed,
                                 proto_images=args.proto_images,
-                                calibrate_split=args.calibrate_split)  # fmt: skip
+                                calibrate_split=args.calibrate_split,
+                                contract=getattr(base, "contract", None))  # fmt: skip
     class_names = data.train.meta.class_names
     if cfg.top_n != RefinerConfig.top_n and cfg.top_n > len(class_names):  # not the default
         note("fit", apply_run.top_n_over_classes(cfg.top_n, len(class_names)))

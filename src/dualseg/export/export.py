@@ -415,6 +415,7 @@ def export_refiner(
             "present": refiner.present.detach().cpu().bool().tolist(),
             "calibration": refiner.calibration,
             "palette": None if refiner.palette is None else [list(c) for c in refiner.palette],
+            "label_contract": refiner.label_contract,
         },
     )
     return diff

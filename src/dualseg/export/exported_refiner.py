@@ -50,6 +50,7 @@ class ExportedRefiner:
         self.ignore_index = described["ignore_index"]
         self.palette = described["palette"]
         self.calibration = described["calibration"]
+        self.label_contract = described["label_contract"]
         self.prototypes = np.asarray(sidecar["prototypes"], np.float32)
         self.present = np.asarray(sidecar["present"], bool)
         if self.prototypes.shape[0] != self.num_classes or self.present.shape != (

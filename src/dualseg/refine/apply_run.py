@@ -20,6 +20,7 @@ from dualseg.imaging import normalize
 from dualseg.io import atomic_save_image
 from dualseg.refine.base import OTHER_BASE, other_calibration_base
 from dualseg.refine.crf import CRFSettings, import_pydensecrf
+from dualseg.refine.formats import check_contract
 from dualseg.viz import default_palette
 
 KINDS = ("labels", "color", "overlay", "changed")  # refine apply's output folders
@@ -48,6 +49,8 @@ def configure(
         )
     if base.class_names is not None:
         refiner.check_classes(base.class_names, len(base.class_names), what=base_name)
+    check_contract(refiner, getattr(base, "contract", None), refiner_name=refiner_name,
+                   model_name=base_name)  # fmt: skip
     if other_calibration_base(refiner, getattr(base, "module", None)):
         notes.append(f"warning: {OTHER_BASE.format(refiner=refiner_name)}")
     if augmented and not hasattr(base, "module"):

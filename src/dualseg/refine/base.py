@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dualseg.engine.checkpoint import contract_of
 from dualseg.engine.distributed import resolve_device
 from dualseg.engine.pretrained import is_hub_source, is_pretrained_folder, load_network
 from dualseg.errors import ConfigError, DataError, DualsegError
@@ -90,6 +91,7 @@ def checkpoint_base(
     # how its training read the labels (label_map, ignore_index, ...): refine fit reads the
     # refiner's training labels the same way; a pretrained folder stores none
     base.trained_data = dict((ckpt.get("config") or {}).get("data") or {})  # type: ignore[attr-defined]
+    base.contract = contract_of(ckpt)  # type: ignore[attr-defined]
     return base
 
 

@@ -13,6 +13,8 @@ from typing import Any, NamedTuple
 import torch
 
 from dualseg.data import build_dataset, build_eval_transform, build_train_transform
+from dualseg.data.contract import LabelContract
+from dualseg.data.datasets import dataset_meta
 from dualseg.data.presets import require_same_classes
 from dualseg.engine.checkpoint import FORMAT as MODEL_FORMAT
 from dualseg.engine.outputs import check_outputs, dataset_files, unique_names
@@ -168,11 +170,15 @@ class FitData(NamedTuple):
 def fit_datasets(
     data: str, *, split: str, layout: str, preset: str | None, labels: Mapping[str, Any],
     crop_size: Sequence[int], scale_range: Sequence[float], seed: int, proto_images: int,
-    calibrate_split: str | None,
+    calibrate_split: str | None, contract: LabelContract | None = None,
 ) -> FitData:  # fmt: skip
     """The datasets of a fit, labels read as ``labels`` says (``label_format``, ``label_map``,
-    ``ignore_value``); the calibration split is checked before the fit, not after."""
-    common = {"split": split, "layout": layout, "preset": preset, **labels}
+    ``ignore_value``); a dataset that does not describe itself (no preset, no meta.json) is
+    read with the base's ``contract``. The calibration split is checked before the fit."""
+    common: dict[str, Any] = {"split": split, "layout": layout, "preset": preset, **labels}
+    if contract is not None and preset is None and not dataset_meta(data, layout=layout,
+                                                                    split=split):  # fmt: skip
+        common.update(preset=contract.meta, bit_depth=contract.bit_depth)
     tf = build_train_transform(crop_size=tuple(crop_size), scale_range=tuple(scale_range))
     train = build_dataset(data, transform=tf, seed=seed, **common)
     held_out = None
@@ -281,6 +287,10 @@ def run_fit(
             progress=progress == "bar", log_every=0 if progress == "off" else log_every,
             fit_inputs=inputs,
         )  # fmt: skip
+    contract = getattr(base, "contract", None)
+    if contract is None and getattr(data.train, "meta", None) is not None:  # what fit read
+        contract = LabelContract(data.train.meta, data.train.label_format, data.train.bit_depth)
+    refiner.label_contract = None if contract is None else contract.to_dict()
     if data.held_out is None:
         return refiner, ""
     split = data.held_out_split

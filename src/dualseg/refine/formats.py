@@ -10,8 +10,9 @@ from typing import Any, NamedTuple
 from torch import Tensor
 
 from dualseg._version import __version__
+from dualseg.data.contract import LabelContract
 from dualseg.engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
-from dualseg.errors import CheckpointError, ConfigError, OutputError
+from dualseg.errors import CheckpointError, ConfigError, DataError, OutputError
 from dualseg.io import atomic_torch_save
 from dualseg.refine.inputs import check_finite_refiner
 from dualseg.serialization import safe_torch_load, torch_file_format
@@ -141,7 +142,14 @@ def stored_description(stored: Mapping[str, Any], source: str | os.PathLike[str]
         and all(isinstance(v, int) and v > 0 for k in TAP_KEYS[1:] for v in taps[k])
     ):
         raise bad("taps", "null or the base modules a tap refiner reads")
+    contract = stored.get("label_contract")
+    if contract is not None:
+        try:
+            contract = LabelContract.from_dict(dict(contract)).to_dict()
+        except (DataError, TypeError, ValueError):
+            raise bad("label_contract", "null or the label contract of its base") from None
     return {
+        "label_contract": contract,
         "taps": taps,
         "class_names": [str(n) for n in names],
         "ignore_index": int(ignore),
@@ -151,6 +159,23 @@ def stored_description(stored: Mapping[str, Any], source: str | os.PathLike[str]
 
 
 TAP_KEYS = ("names", "channels", "strides")
+
+
+def check_contract(
+    refiner: Any, contract: LabelContract | None, *, refiner_name: str, model_name: str
+) -> None:
+    """Refuse a refiner fitted on data read otherwise than ``contract`` (the model's) says:
+    its labels would mean other classes. A refiner or model without a contract passes."""
+    stored = getattr(refiner, "label_contract", None)
+    if stored is None or contract is None:
+        return
+    diff = contract.differences(LabelContract.from_dict(stored), sides=("model", "refiner"))
+    if diff:
+        raise CheckpointError(
+            f"the refiner {refiner_name} was fitted on labels read otherwise than "
+            f"{model_name} reads them: {'; '.join(diff)}; fit the refiner on this model's data "
+            "(refine fit --base MODEL)"
+        )
 
 
 def _none_or_strings(value: Any) -> bool:

@@ -61,6 +61,8 @@ class BoundaryRefiner:
         self.ignore_index = ignore_index
         # the gate sweep of ``refine fit --calibrate-split``: {"split", "images", "rows"}
         self.calibration: dict[str, Any] | None = None
+        # how the fit's data was read (LabelContract.to_dict()), else None: unknown
+        self.label_contract: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ basics
     @property
@@ -255,6 +257,7 @@ class BoundaryRefiner:
             "calibration": self.calibration,
             "palette": None if self.palette is None else [list(c) for c in self.palette],
             "taps": None if self.taps is None else self.taps.to_dict(),
+            "label_contract": self.label_contract,
         }
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -316,6 +319,7 @@ class BoundaryRefiner:
                       config=config, ignore_index=described["ignore_index"],
                       palette=described["palette"], taps=taps)  # fmt: skip
         refiner.calibration = described["calibration"]
+        refiner.label_contract = described["label_contract"]
         return refiner
 
     def calibration_note(self) -> str | None:

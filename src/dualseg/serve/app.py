@@ -31,6 +31,7 @@ from PIL import Image
 from dualseg._version import __version__
 from dualseg.errors import ConfigError, DataError
 from dualseg.imaging import ImageTooLargeError, decode_image, pillow_max_pixels, resize_bilinear
+from dualseg.refine.formats import check_contract
 from dualseg.serve import defaults as d
 from dualseg.viz import colorize, overlay
 
@@ -307,6 +308,8 @@ def _check_model(segmenter: Any, refiner: Any, max_megapixels: float) -> None:
     names = tuple(str(c) for c in segmenter.meta.class_names)
     if refiner is not None:  # a refiner of another class order would relabel silently
         refiner.check_classes(names, len(names), what="the model")
+        check_contract(refiner, getattr(segmenter, "contract", None), refiner_name="--refiner",
+                       model_name="the model")  # fmt: skip
     if len(names) > 255:
         raise ConfigError(
             f"the model has {len(names)} classes; dualseg serve returns 8-bit label maps, "
