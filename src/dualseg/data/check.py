@@ -12,7 +12,12 @@ from typing import Any
 import numpy as np
 
 from dualseg.console import ProgressMode, track
-from dualseg.data.datasets import check_split_name, one_class_set, resolve_meta
+from dualseg.data.datasets import (
+    check_split_name,
+    one_class_set,
+    one_class_warning,
+    resolve_meta,
+)
 from dualseg.data.layouts import available_splits, detect_any_split, discover, unlabelled_split
 from dualseg.data.presets import IGNORE_INDEX, META_FILE, DatasetMeta, IgnoreSetting
 from dualseg.data.readers import inspect_pair
@@ -179,13 +184,8 @@ def _collapsed(report: CheckReport, label_map: Mapping[int, int] | None) -> str 
     present = np.flatnonzero(report.histogram[: report.meta.num_classes])
     if not label_map or len(present) != 1 or report.meta.num_classes < 2:
         return None
-    shown = ",".join(f"{s}:{d}" for s, d in label_map.items())
-    name = report.meta.class_names[present[0]]
-    return (
-        f"--label-map {shown} leaves one class: every labelled pixel is class {present[0]} "
-        f"({name!r}), so a model learns nothing and scores look fine; map each raw value to "
-        "its own class (e.g. 255:1 for 0/255 masks)"
-    )
+    cls = int(present[0])
+    return one_class_warning(label_map, cls, report.meta.class_names[cls])
 
 
 def _class_problems(report: CheckReport) -> list[str]:

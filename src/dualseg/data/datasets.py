@@ -292,13 +292,18 @@ def _warn_one_class(
         label = read_label(label_path, meta, label_format=label_format)
         present |= set(np.unique(label).tolist()) - {meta.ignore_index}
     if len(present) == 1 and meta.num_classes > 1:
-        shown = ",".join(f"{s}:{d}" for s, d in label_map.items())
-        warnings.warn(
-            f"label map {shown} leaves one class: every labelled pixel of the first labels is "
-            f"class {meta.class_names[present.pop()]!r}; map each raw value to its own class "
-            "(e.g. 255:1 for 0/255 masks)",
-            stacklevel=3,
-        )
+        cls = present.pop()
+        warnings.warn(one_class_warning(label_map, cls, meta.class_names[cls]), stacklevel=3)
+
+
+def one_class_warning(label_map: Mapping[int, int], cls: int, name: str) -> str:
+    """What to say when ``label_map`` leaves every labelled pixel in class ``cls``."""
+    shown = ",".join(f"{s}:{d}" for s, d in label_map.items())
+    return (
+        f"--label-map {shown} leaves one class: every labelled pixel is class {cls} ({name!r}), "
+        "so a model learns nothing and scores look fine; map each raw value to its own class "
+        "(e.g. 255:1 for 0/255 masks)"
+    )
 
 
 def one_class_set(
