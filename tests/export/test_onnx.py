@@ -95,7 +95,7 @@ def test_an_export_without_a_palette_predicts_in_default_colours(torch_model, tm
     """export_model(palette=None): the export stores distinct default colours, and a file that
     holds none (written so before) is read with them, not an empty palette that breaks
     predict and serve."""
-    from dualseg.export.exported_segmenter import ExportedSegmenter
+    from dualseg.export.runtime import ExportedSegmenter
     from dualseg.viz import colorize, default_palette
 
     model, meta = torch_model

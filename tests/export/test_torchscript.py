@@ -12,12 +12,8 @@ from export_case import CLASS_NAMES, PALETTE
 
 from dualseg.cli import main
 from dualseg.errors import CheckpointError, ConfigError
-from dualseg.export.runtime import (
-    TORCHSCRIPT_META,
-    ExportedSegmenter,
-    OnnxSegmenter,
-    read_export_info,
-)
+from dualseg.export.runtime import ExportedSegmenter, OnnxSegmenter, read_export_info
+from dualseg.serialization import TORCHSCRIPT_META
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +46,25 @@ def test_torchscript_metadata(scripted):
     assert info["class_names"] == CLASS_NAMES and info["palette"] == PALETTE
     assert info["output"] == "probs"
     assert read_export_info(scripted) == info  # read from the zip, without torch
+
+
+def test_an_export_carries_its_training_images_digests_and_label_contract(checkpoint, tmp_path):
+    """Checkpoints and pretrained folders kept the training images' content digests (eval
+    warns on them); the exports dropped them."""
+    from dualseg.data.contract import content_digests, digests_to_hex
+    from dualseg.engine.checkpoint import load_checkpoint, save_checkpoint
+    from dualseg.export.export import export_checkpoint
+
+    image = tmp_path / "train.png"
+    image.write_bytes(b"some training image")
+    ckpt = load_checkpoint(checkpoint)
+    ckpt["train_images"] = content_digests([image])
+    save_checkpoint(tmp_path / "seen.pt", ckpt)
+    export_checkpoint(tmp_path / "seen.pt", tmp_path / "seen.ts.pt", format="torchscript")
+    info = read_export_info(tmp_path / "seen.ts.pt")
+    assert info["train_images"] == digests_to_hex(content_digests([image]))
+    contract = ExportedSegmenter(tmp_path / "seen.ts.pt").contract
+    assert contract is not None and list(contract.class_names) == CLASS_NAMES
 
 
 def test_exported_segmenter_runs_torchscript(scripted, torch_model):

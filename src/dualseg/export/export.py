@@ -1,12 +1,9 @@
 """ONNX and TorchScript export of method A's network and of method B's embedding model.
 
-:class:`ExportWrapper` pads the image to a multiple of the output stride with traced size
-arithmetic (the models' own ``if`` on the size would be frozen by tracing), so odd sizes stay
-exact. The TorchScript-based ONNX exporter (``legacy``) is the default: it maps ``nn.GRU`` to
-ONNX ``GRU``, whose lengths are dynamic; torch 2.14's ``dynamo`` exporter fails on the GRU with
-dynamic sizes, so it is offered for static exports only. Metadata travels in the file (ONNX
-``metadata_props`` ``dualseg.<key>``, TorchScript ``_extra_files["dualseg.json"]``). Each
-export is built and checked in memory, then written atomically.
+The TorchScript-based ONNX exporter (``legacy``) is the default: it maps ``nn.GRU`` to ONNX
+``GRU``, whose lengths are dynamic; torch 2.14's ``dynamo`` exporter fails on the GRU with
+dynamic sizes. Metadata travels in the file (``dualseg.export.runners``). Each export is
+built and checked in memory, then written atomically.
 """
 
 from __future__ import annotations
@@ -26,6 +23,8 @@ from torch import Tensor, nn
 from torch.onnx import _constants
 
 from dualseg._version import __version__
+from dualseg.data.contract import LabelContract, digests_to_hex
+from dualseg.data.presets import DatasetMeta
 from dualseg.data.transforms import IMAGENET_MEAN, IMAGENET_STD
 from dualseg.engine.checkpoint import build_model_from_checkpoint, contract_of
 from dualseg.engine.pretrained import load_state
@@ -100,44 +99,28 @@ class _Features(nn.Module):
 
 
 def export_info(
-    *,
     kind: str,
     class_names: Sequence[str],
-    palette: Sequence[Sequence[int]] | None = None,
-    arch: str = "",
-    model_kwargs: Mapping[str, Any] | None = None,
-    output: str = "logits",
-    input_size: tuple[int, int] | None = None,
-    ignore_index: int = 255,
-    dataset: str = "",
-    mean: Sequence[float] | None = None,
-    std: Sequence[float] | None = None,
-    extra: Mapping[str, Any] | None = None,
+    palette: Sequence[Sequence[int]] | None,
+    output: str,
+    input_size: Sequence[int] | None,
+    extra: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The metadata written into an exported file (read back by ``read_export_info``).
-
-    ``kind``: ``"segmenter"`` or ``"embedding"``; ``input_size``: the ``(H, W)`` of a static
-    export, ``None`` for a dynamic one.
-    """
+    """The metadata written into an exported file (read back by ``read_export_info``);
+    ``extra`` overrides the defaults (arch, normalization, the label contract ...)."""
+    palette = [[int(v) for v in c] for c in palette or default_palette(len(class_names))]
+    names = [str(c) for c in class_names]
+    if "label_contract" not in extra:  # what the names and palette say
+        meta = DatasetMeta("exported", tuple(names), tuple(map(tuple, palette)))
+        extra = {**extra, "label_contract": LabelContract(meta).to_dict()}
     info = {
-        "format": EXPORT_FORMAT,
-        "version": __version__,
-        "kind": kind,
-        "arch": arch,
-        "model_kwargs": dict(model_kwargs or {}),
-        "class_names": [str(c) for c in class_names],
-        "palette": [[int(v) for v in c] for c in palette or default_palette(len(class_names))],
-        "ignore_index": int(ignore_index),
-        "dataset": dataset,
-        "mean": list(mean or IMAGENET_MEAN),
-        "std": list(std or IMAGENET_STD),
-        "output": output,
-        "dynamic": input_size is None,
+        "format": EXPORT_FORMAT, "version": __version__, "kind": kind, "arch": "",
+        "model_kwargs": {}, "class_names": names, "palette": palette, "ignore_index": 255,
+        "dataset": "", "mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD),
+        "output": output, "dynamic": input_size is None,
         "input_size": None if input_size is None else list(input_size),
-        "input_name": "image",
-        "output_name": output,
-        **(extra or {}),
-    }
+        "input_name": "image", "output_name": output, **extra,
+    }  # fmt: skip
     return json.loads(json.dumps(info, default=str))  # plain JSON values only
 
 
@@ -150,41 +133,33 @@ def check_onnx_options(exporter: str, opset: int | None, dynamic: bool) -> int:
     if exporter not in EXPORTERS:
         raise ConfigError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")
     least = MIN_OPSET[exporter]
-    most = (
-        _constants.ONNX_MAX_OPSET
-        if exporter == "dynamo"
-        else _constants.ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET
-    )
+    most = {
+        "legacy": _constants.ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET,
+        "dynamo": _constants.ONNX_MAX_OPSET,
+    }[exporter]
     opset = least if opset is None else opset
     if not least <= opset <= most:
         raise ConfigError(
-            f"opset must be in {least}..{most} with the {exporter} exporter (this torch), "
-            f"got {opset}"
+            f"opset must be in {least}..{most} with the {exporter} exporter, got {opset}"
         )
     if exporter == "dynamo" and dynamic:
         raise ConfigError(
-            "the dynamo exporter cannot export the ReNet GRU sweeps with dynamic sizes in this "
-            "torch version; use exporter='legacy' (the default) or a static export"
+            "the dynamo exporter cannot export the GRU sweeps with dynamic "
+            "sizes; use exporter='legacy' (the default) or a static export"
         )
     return opset
 
 
-def onnx_bytes(
-    wrapper: nn.Module,
-    info: Mapping[str, Any],
-    *,
-    example_size: Sequence[int],
-    opset: int | None = None,
-    exporter: str = "legacy",
+def _onnx_bytes(
+    wrapper: nn.Module, info: Mapping[str, Any], x: Tensor, opset: int | None, exporter: str
 ) -> bytes:
     """``wrapper`` as an ONNX model with ``info`` in its metadata_props."""
     dynamic = info["input_size"] is None
     opset = check_onnx_options(exporter, opset, dynamic)
     onnx = import_extra("onnx")
-    x, names = _example(example_size), {"input_names": ["image"], "output_names": [info["output"]]}
+    names = {"input_names": ["image"], "output_names": [info["output"]]}
     if exporter == "legacy":
-        buf = io.BytesIO()
-        axes = {0: "batch", 2: "height", 3: "width"}
+        buf, axes = io.BytesIO(), {0: "batch", 2: "height", 3: "width"}
         torch.onnx.export(
             wrapper, (x,), buf, opset_version=opset, dynamo=False, do_constant_folding=True,
             dynamic_axes={"image": axes, info["output"]: axes} if dynamic else None, **names,
@@ -192,10 +167,9 @@ def onnx_bytes(
         model = onnx.load_from_string(buf.getvalue())
     else:
         import_extra("onnxscript")  # the dynamo exporter builds the model with it
-        program = torch.onnx.export(
+        model = torch.onnx.export(
             wrapper, (x,), None, opset_version=opset, dynamo=True, verbose=False, **names
-        )
-        model = program.model_proto
+        ).model_proto
     del model.metadata_props[:]
     for key, value in info.items():
         model.metadata_props.add(key=f"{META_PREFIX}{key}", value=json.dumps(value))
@@ -204,27 +178,13 @@ def onnx_bytes(
     return model.SerializeToString()
 
 
-def torchscript_bytes(
-    wrapper: nn.Module, info: Mapping[str, Any], *, example_size: Sequence[int]
-) -> bytes:
-    """``wrapper`` traced (its size arithmetic recorded, so it runs at any size) with ``info``
-    in ``_extra_files``."""
-    traced = torch.jit.trace(wrapper, _example(example_size), check_trace=False)
-    buf = io.BytesIO()
-    torch.jit.save(traced, buf, _extra_files={TORCHSCRIPT_META: json.dumps(dict(info))})
-    return buf.getvalue()
-
-
 def verify_export(wrapper: nn.Module, data: bytes, size: Sequence[int]) -> float:
     """Largest absolute difference between an exported model (``data``: ONNX in
     onnxruntime, or TorchScript) and ``wrapper`` on one random input of ``size``."""
     x = _example(size, seed=1)
     with torch.no_grad():
         want = wrapper(x).numpy()
-    got = Runner(data)(x.numpy())
-    if got.shape != want.shape:
-        raise DualsegError(f"the export's output {got.shape} differs from PyTorch's {want.shape}")
-    return float(np.abs(got - want).max())
+    return float(np.abs(Runner(data)(x.numpy()) - want).max())
 
 
 def _write(
@@ -241,7 +201,7 @@ def _write(
     """Export, check against PyTorch when ``tolerance`` is given, then write atomically."""
     if format not in FORMATS:
         raise ConfigError(f"format must be one of {FORMATS}, got {format!r}")
-    wrapper = wrapper.eval()
+    wrapper, x = wrapper.eval(), _example(example_size)
     with warnings.catch_warnings(), torch.no_grad():
         # understood and harmless here: tracing freezes the models' own padding test (the
         # wrapper pads first), torch.jit's deprecation notes, the GRU batch note
@@ -250,17 +210,18 @@ def _write(
         for text in ("batch_size other than 1", "were assigned during export"):
             warnings.filterwarnings("ignore", message=f".*{text}")
         if format == "onnx":
-            data = onnx_bytes(
-                wrapper, info, example_size=example_size, opset=opset, exporter=exporter
-            )
-        else:
-            data = torchscript_bytes(wrapper, info, example_size=example_size)
+            data = _onnx_bytes(wrapper, info, x, opset, exporter)
+        else:  # traced: its size arithmetic recorded, so it runs at any size
+            buf = io.BytesIO()
+            traced = torch.jit.trace(wrapper, x, check_trace=False)
+            torch.jit.save(traced, buf, _extra_files={TORCHSCRIPT_META: json.dumps(info)})
+            data = buf.getvalue()
         diff = None if tolerance is None else verify_export(wrapper, data, example_size)
     if diff is not None and not diff <= tolerance:  # NaN fails too
         raise DualsegError(
             f"the export differs from PyTorch by {diff:.2e}, above --tolerance {tolerance:g}, "
             f"so it was removed (any earlier file at {path} is kept); try another --opset or "
-            "--exporter, or pass a larger --tolerance if that is expected"
+            "--exporter, or a larger --tolerance"
         )
     atomic_write_bytes(path, data)
     return diff
@@ -272,12 +233,10 @@ def _segmenter_wrapper(model: nn.Module, output: str, class_names: Sequence[str]
         raise ConfigError(f"output must be one of {OUTPUTS}, got {output!r}")
     classes = getattr(model, "num_classes", None)
     if isinstance(classes, int) and len(class_names) != classes:
-        raise ConfigError(
-            f"{len(class_names)} class names for a model with {classes} classes; give one "
-            "name per class"
-        )
-    pad = int(getattr(model, "output_stride", 1) or 1)
-    return ExportWrapper(model, pad_multiple=pad, output=output)
+        raise ConfigError(f"{len(class_names)} class names for a model with {classes} classes")
+    return ExportWrapper(
+        model, pad_multiple=int(getattr(model, "output_stride", 1) or 1), output=output
+    )
 
 
 def export_model(
@@ -293,31 +252,28 @@ def export_model(
     opset: int | None = None,
     exporter: str = "legacy",
     tolerance: float | None = None,
-    arch: str = "",
-    model_kwargs: Mapping[str, Any] | None = None,
-    dataset: str = "",
-    ignore_index: int = 255,
-    mean: Sequence[float] | None = None,
-    std: Sequence[float] | None = None,
 ) -> Path:
-    """Export a segmentation network (``model(x) -> logits [B,C,H,W]``) with its metadata.
+    """Export a segmentation network (``model(x) -> logits [B,C,H,W]``, ImageNet-normalized
+    input) with its class names and palette.
 
     ``dynamic=False`` fixes batch 1 at ``example_size``; the runtime then resizes each image
-    to it and the result back. ``mean`` / ``std``: the input normalization (ImageNet's by
-    default), which the runtime applies. ``tolerance``: check the export against PyTorch
-    before writing it, and refuse it above this difference.
+    to it and the result back. ``tolerance``: check the export against PyTorch before writing
+    it, and refuse it above this difference.
     """
     wrapper = _segmenter_wrapper(model, output, class_names)
-    info = export_info(
-        kind="segmenter", class_names=class_names, palette=palette, arch=arch,
-        model_kwargs=model_kwargs, output=output, dataset=dataset, ignore_index=ignore_index,
-        input_size=None if dynamic else tuple(example_size), mean=mean, std=std,
-    )  # fmt: skip
+    size = None if dynamic else tuple(example_size)
+    info = export_info("segmenter", class_names, palette, output, size, {})
     with eval_mode(model):  # the caller's model keeps its own modes
         _write(
-            wrapper, path, info, format=format, example_size=example_size, opset=opset,
-            exporter=exporter, tolerance=tolerance,
-        )  # fmt: skip
+            wrapper,
+            path,
+            info,
+            format=format,
+            example_size=example_size,
+            opset=opset,
+            exporter=exporter,
+            tolerance=tolerance,
+        )
     return Path(path)
 
 
@@ -334,18 +290,21 @@ def export_checkpoint(
     tolerance: float | None = None,
 ) -> float | None:
     """Export a checkpoint's network (``.pt``, pretrained folder or ``hf://org/name``) with
-    its class names, palette, arch and normalization; returns the difference from PyTorch
-    when ``tolerance`` asks for the check."""
+    its class names, palette, arch, normalization, label contract and training images'
+    digests; returns the difference from PyTorch when ``tolerance`` asks for the check."""
     ckpt = load_state(checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device="cpu")
     norm = ckpt.get("normalization") or {}  # the model's own (a folder may store another)
-    info = export_info(
-        kind="segmenter", class_names=meta.class_names, palette=meta.palette,
-        arch=str(ckpt["arch"]), model_kwargs=ckpt.get("model_kwargs"), output=output,
-        input_size=None if dynamic else tuple(example_size), ignore_index=meta.ignore_index,
-        dataset=meta.name, mean=norm.get("mean"), std=norm.get("std"),
-        extra={"label_contract": contract_of(ckpt).to_dict()},
-    )  # fmt: skip
+    extra = {
+        "arch": str(ckpt["arch"]), "model_kwargs": ckpt.get("model_kwargs") or {},
+        "ignore_index": meta.ignore_index, "dataset": meta.name,
+        "mean": norm.get("mean") or IMAGENET_MEAN, "std": norm.get("std") or IMAGENET_STD,
+        "label_contract": contract_of(ckpt).to_dict(),
+    }  # fmt: skip
+    if ckpt.get("train_images") is not None:  # eval warns on them, as for the checkpoint
+        extra["train_images"] = digests_to_hex(ckpt["train_images"])
+    size = None if dynamic else tuple(example_size)
+    info = export_info("segmenter", meta.class_names, meta.palette, output, size, extra)
     return _write(
         _segmenter_wrapper(model.eval(), output, meta.class_names), path, info, format=format,
         example_size=example_size, opset=opset, exporter=exporter, tolerance=tolerance,
@@ -375,20 +334,18 @@ def export_refiner(
         refiner = BoundaryRefiner.load(refiner)
     if refiner.taps is not None:
         raise ConfigError(
-            f"this refiner reads its base model's {' and '.join(refiner.taps.names)} during the "
-            "base's forward, which an exported refiner cannot run; use the refiner file with "
-            "its base (refine apply, BoundaryRefiner.load)"
+            f"this refiner reads its base model's {' and '.join(refiner.taps.names)}, which an "
+            "exported refiner cannot: use the refiner file with its base (refine apply)"
         )
     cfg, device = refiner.config, refiner.device
-    info = export_info(
-        kind="embedding",
-        class_names=refiner.class_names,
-        arch=f"embedding:{cfg.backbone}",
-        output="features",
-        input_size=None if dynamic else tuple(example_size),
-        ignore_index=refiner.ignore_index,
-        extra={"embed_dim": int(cfg.embed_dim)},
-    )
+    extra = {
+        "arch": f"embedding:{cfg.backbone}",
+        "embed_dim": int(cfg.embed_dim),
+        "ignore_index": refiner.ignore_index,
+        "label_contract": refiner.label_contract,
+    }
+    size = None if dynamic else tuple(example_size)
+    info = export_info("embedding", refiner.class_names, refiner.palette, "features", size, extra)
     try:  # on the CPU in eval mode; the caller's refiner keeps its device and modes
         refiner.to("cpu")
         with eval_mode(refiner.net):

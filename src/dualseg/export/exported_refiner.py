@@ -1,8 +1,5 @@
-"""``ExportedRefiner``: method B from an exported embedding model plus its JSON sidecar.
-
-The embedding runs in onnxruntime (or TorchScript); P2-P5 and the configuration are
-``BoundaryRefiner``'s own code, so the two cannot drift.
-"""
+"""``ExportedRefiner``: method B from an exported embedding model plus its JSON sidecar; the
+embedding runs in onnxruntime (or TorchScript), P2-P5 are ``BoundaryRefiner``'s own code."""
 
 from __future__ import annotations
 
@@ -53,12 +50,12 @@ class ExportedRefiner:
         self.label_contract = described["label_contract"]
         self.prototypes = np.asarray(sidecar["prototypes"], np.float32)
         self.present = np.asarray(sidecar["present"], bool)
-        if self.prototypes.shape[0] != self.num_classes or self.present.shape != (
-            self.num_classes,
+        if len(self.prototypes) != self.num_classes or self.present.shape != (
+            len(self.prototypes),
         ):
             raise CheckpointError(
-                f"{source}: {self.prototypes.shape[0]} prototypes for {self.num_classes} "
-                "classes; re-export the refiner"
+                f"{source}: {len(self.prototypes)} prototypes for "
+                f"{self.num_classes} classes; re-export the refiner"
             )
 
     def calibration_note(self) -> str | None:
@@ -95,10 +92,7 @@ class ExportedRefiner:
         (or path, PIL image) and ``[C,H,W]`` probabilities -> numpy ``HxW``.
         """
         if features is not None:
-            raise ConfigError(
-                "an exported refiner runs its own backbone and cannot read the base model's "
-                "features; pass features=None, or use the refiner file from 'dualseg refine fit'"
-            )
+            raise ConfigError("an exported refiner runs its own backbone: pass features=None")
         p = _numpy(probs)
         if len(getattr(images, "shape", ())) == 4:
             check_normalized_batch(images)
@@ -167,21 +161,15 @@ def _missing_sidecar(path: Path, sidecar: Path) -> CheckpointError:
     except DualsegError:
         kind = None
     if kind == "segmenter":
+        what = "is an exported segmentation model ('dualseg export'), not a refiner"
+    elif path.suffix.lower() != ".onnx" and zipfile.is_zipfile(path):  # torch.save's zip
+        what = "is a PyTorch file, not an exported refiner: open it with BoundaryRefiner.load"
+    else:
         return CheckpointError(
-            f"{path} is an exported segmentation model ('dualseg export'), not a refiner; "
-            "pass a refiner: the file 'dualseg refine fit' wrote (refiner.pt) or its export "
-            "('dualseg export --refiner refiner.pt')"
+            f"refiner sidecar not found: {sidecar} (export writes it beside "
+            "the model: dualseg export --refiner R --out refiner.onnx)"
         )
-    if path.suffix.lower() != ".onnx" and zipfile.is_zipfile(path):  # torch.save's zip
-        return CheckpointError(
-            f"{path} is a PyTorch file, not an exported refiner (no {sidecar.name} beside it): "
-            "open a refiner that 'dualseg refine fit' wrote with BoundaryRefiner.load, or "
-            "export it with 'dualseg export --refiner'"
-        )
-    return CheckpointError(
-        f"refiner sidecar not found: {sidecar} (export writes it beside the model: "
-        "dualseg export --refiner R --out refiner.onnx)"
-    )
+    return CheckpointError(f"{path} {what}; pass a refiner (refiner.pt) or its export")
 
 
 def load_exported_refiner(
@@ -202,14 +190,14 @@ def load_exported_refiner(
         raise CheckpointError(f"{sidecar_path} is not readable JSON ({err}); re-export") from err
     if not isinstance(sidecar, dict) or sidecar.get("format") != REFINER_FORMAT:
         raise CheckpointError(
-            f"{sidecar_path} is not an exported dualseg refiner (expected format "
-            f"{REFINER_FORMAT!r}); re-export with 'dualseg export --refiner'"
+            f"{sidecar_path} is no exported dualseg refiner; re-export it "
+            "with 'dualseg export --refiner'"
         )
     model_path = sidecar_path.parent / str(sidecar["embedding"])
     if not model_path.is_file():
         raise CheckpointError(
-            f"{sidecar_path} names its embedding model {model_path.name}, which is not beside "
-            f"it; keep the two files of the export together"
+            f"{sidecar_path}: its model {model_path.name} is not beside it; "
+            "keep the two files of the export together"
         )
     info = read_export_info(model_path)
     if info.get("kind") != "embedding":

@@ -30,56 +30,38 @@ def check_outputs(
         sidecar = refiner_sidecar_path(out)
         if _same(out, sidecar):
             raise ConfigError(
-                f"--out {out}: the refiner's sidecar is <out stem>.json, which would replace "
-                "the exported model; name the model .onnx or .pt"
+                f"--out {out}: the refiner's sidecar <out stem>.json would replace the model; "
+                "name the model .onnx or .pt"
             )
         if sidecar.name == "refiner.json" and (sidecar.parent / "refiner.safetensors").exists():
             raise ConfigError(
-                f"--out {out}: its sidecar {sidecar} would be the refiner.json of the "
-                f"pretrained folder {sidecar.parent}; name the export otherwise (e.g. "
-                f"{sidecar.parent / ('exported_' + out.name)})"
+                f"--out {out}: its sidecar would be the refiner.json of the pretrained folder "
+                f"{sidecar.parent}; name the export otherwise"
             )
         targets.append(sidecar)
-    flag = "--refiner" if refiner else "--checkpoint"
     for target in targets if "://" not in source else []:
         inside = Path(source).is_dir() and target.exists() and _same(target.parent, Path(source))
         if _same(target, Path(source)) or inside:
-            raise ConfigError(
-                f"--out {out} would overwrite {flag} {source}"
-                f"{f' ({target.name})' if inside else ''}, the model being exported; "
-                "choose another --out"
-            )
-    if format != "pretrained":
-        _check_files(targets, format, overwrite)
-    return targets
-
-
-def _check_files(targets: list[Path], format: str, overwrite: bool) -> None:
-    out = targets[0]
+            flag = "--refiner" if refiner else "--checkpoint"
+            raise ConfigError(f"--out {out} would overwrite {flag} {source}; choose another --out")
+    if format == "pretrained":
+        return targets
     for target in targets:  # an earlier export may be replaced; a trained file never
-        kind = torch_file_format(target) if target.is_file() else None
-        if kind:
+        if target.is_file() and (kind := torch_file_format(target)):
             raise ConfigError(
-                f"--out {target} is a dualseg file ({kind}), not an earlier export; "
-                "export never writes over it, not even with --overwrite: choose another --out"
+                f"--out {target} is a dualseg file ({kind}), not an earlier export; choose "
+                "another --out"
             )
     check_writable(out, kind="file", what="--out")  # an existing folder, say
     is_onnx = out.suffix.lower() == ".onnx"
-    renamed = out.with_suffix if out.suffix.lower() in (".pt", ".pth", ".onnx") else None
     if format == "onnx" and not is_onnx:  # readers take a .onnx file for ONNX by name
-        name = renamed(".onnx") if renamed else out.with_name(out.name + ".onnx")
-        raise ConfigError(
-            f"--out {out}: --format onnx writes an ONNX file, which is read by its .onnx "
-            f"suffix; name it {name} (or pass --format torchscript)"
-        )
+        name = out.with_suffix(".onnx") if out.suffix in (".pt", ".pth") else f"{out}.onnx"
+        raise ConfigError(f"--out {out}: --format onnx writes a .onnx file; name it {name}")
     if format == "torchscript" and is_onnx:
         raise ConfigError(
-            f"--out {out}: --format torchscript writes a TorchScript file, which a .onnx name "
-            f"would pass off as ONNX; name it {out.with_suffix('.pt')} (or pass --format onnx)"
+            f"--out {out}: --format torchscript writes no ONNX; name it {out.with_suffix('.pt')}"
         )
     present = [str(t) for t in targets if t.exists()]
     if present and not overwrite:
-        raise ConfigError(
-            f"{' and '.join(present)} already exist{'s' if len(present) == 1 else ''}; "
-            "choose another --out, delete it, or pass --overwrite to replace it"
-        )
+        raise ConfigError(f"{' and '.join(present)} exist(s); pass --overwrite to replace")
+    return targets

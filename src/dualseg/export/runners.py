@@ -1,9 +1,7 @@
-"""Exported files, torch-free: their metadata and the runners that execute them.
+"""Exported files, torch-free: their metadata and the :class:`Runner` that executes them.
 
-ONNX ``metadata_props`` ``dualseg.<key>`` (JSON values) and TorchScript
-``_extra_files["dualseg.json"]`` are both read by :func:`read_export_info` (a TorchScript file
-is a zip archive, so no torch is needed to read it). :func:`open_runner` gives a callable
-``float32 [B,3,H,W] -> float32 output`` through onnxruntime (no torch) or TorchScript.
+Metadata: ONNX ``metadata_props`` ``dualseg.<key>`` (JSON values), TorchScript
+``_extra_files["dualseg.json"]`` (a zip archive: read without torch).
 """
 
 from __future__ import annotations
@@ -13,24 +11,23 @@ import io
 import json
 import os
 import warnings
-import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import cv2
 import numpy as np
 
 from dualseg.engine.config import MAX_THREADS  # the cap the CLI's --threads has too
 from dualseg.errors import CheckpointError, ConfigError, DualsegError
-from dualseg.imaging import as_rgb
+from dualseg.imaging import as_rgb, resize_bilinear
 from dualseg.serialization import read_torchscript_meta, torch_file_format
 
 EXPORT_FORMAT = "dualseg-export/1"
 REFINER_FORMAT = "dualseg-refiner-export/1"
 META_PREFIX = "dualseg."
 ZIP_MAGIC = b"PK\x03\x04"
+REEXPORT = "re-export it with 'dualseg export'"
 
 
 def import_extra(module: str) -> Any:
@@ -48,8 +45,7 @@ def import_extra(module: str) -> Any:
 
 @dataclass(frozen=True)
 class ExportMeta:
-    """The dataset description of an exported model (``DatasetMeta``'s inference fields,
-    without importing torch)."""
+    """``DatasetMeta``'s inference fields, without importing torch."""
 
     name: str
     class_names: tuple[str, ...]
@@ -62,8 +58,7 @@ class ExportMeta:
 
 
 def _starts_as_zip(path: Path) -> bool:
-    """The zip signature: TorchScript or torch.save, even cut short (``zipfile.is_zipfile``
-    looks for the central directory at the end)."""
+    """TorchScript or torch.save, even cut short (``zipfile.is_zipfile`` reads the end)."""
     with open(path, "rb") as f:
         return f.read(4) == ZIP_MAGIC
 
@@ -75,20 +70,16 @@ def refiner_sidecar_path(model_path: str | os.PathLike[str]) -> Path:
 
 def _torchscript_info(path: Path) -> dict[str, Any]:
     info = read_torchscript_meta(path)
-    if info is None:  # a zip, but no TorchScript archive: a torch.save file, say
+    if info is None:  # a zip, but no TorchScript archive
         kind = torch_file_format(path)  # "": unreadable (cut short); None: not dualseg's
-        if kind == "":
-            what = "a zip archive that cannot be read (cut short?); export it again"
-        elif kind is not None and kind.startswith("dualseg-refiner"):
-            what = "a method-B refiner: pass it as --refiner"
-        else:
-            what = "a PyTorch file (a checkpoint? pass it as -c)"
+        what = (
+            "a zip archive that cannot be read: cut short? Export it again" if kind == ""
+            else "a method-B refiner: pass it as --refiner" if (kind or "").startswith(
+                "dualseg-refiner") else "a PyTorch file (a checkpoint? pass it as -c)"
+        )  # fmt: skip
         raise CheckpointError(f"{path} is no exported model: {what}")
     if not info:
-        raise CheckpointError(
-            f"{path} is a TorchScript file without dualseg metadata; export it with "
-            "'dualseg export'"
-        )
+        raise CheckpointError(f"{path} is a TorchScript file without dualseg metadata; {REEXPORT}")
     return info
 
 
@@ -97,9 +88,9 @@ def _onnx_info(path: Path) -> dict[str, Any]:
     try:
         sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     except Exception as err:  # onnxruntime raises its own exception types
+        reason = str(err).splitlines()[0]
         raise CheckpointError(
-            f"{path} is not a readable ONNX model ({str(err).splitlines()[0]}); "
-            "re-export it with 'dualseg export'"
+            f"{path} is not a readable ONNX model ({reason}); {REEXPORT}"
         ) from err
     info = {}
     for key, text in sess.get_modelmeta().custom_metadata_map.items():
@@ -108,8 +99,7 @@ def _onnx_info(path: Path) -> dict[str, Any]:
                 info[key.removeprefix(META_PREFIX)] = json.loads(text)
             except ValueError:
                 raise CheckpointError(
-                    f"{path}: its metadata {key} is not valid JSON ({text[:40]!r}); re-export "
-                    "it with 'dualseg export'"
+                    f"{path}: its metadata {key} is not valid JSON; {REEXPORT}"
                 ) from None
     return info
 
@@ -118,27 +108,14 @@ def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The metadata dict of an exported ONNX or TorchScript file (see ``export_info``)."""
     path = Path(path)
     if path.is_dir():
-        kind = "a pretrained folder" if (path / "config.json").is_file() else "a folder"
         raise CheckpointError(
-            f"{path} is {kind}, not an exported ONNX or TorchScript file; pass a pretrained "
-            "folder as a checkpoint (-c), or export one with 'dualseg export'"
+            f"{path} is a folder, not an exported file; pass a pretrained folder as -c"
         )
     if not path.is_file():
         raise CheckpointError(f"exported model not found: {path} (check the path)")
-    if zipfile.is_zipfile(path):
-        info = _torchscript_info(path)
-    elif _starts_as_zip(path):
-        raise CheckpointError(
-            f"{path} is a zip archive (TorchScript or PyTorch) that cannot be read: cut short? "
-            "Copy or export it again"
-        )
-    else:
-        info = _onnx_info(path)
+    info = _torchscript_info(path) if _starts_as_zip(path) else _onnx_info(path)
     if info.get("format") != EXPORT_FORMAT:
-        raise CheckpointError(
-            f"{path} carries no dualseg export metadata (format {info.get('format')!r}, "
-            f"expected {EXPORT_FORMAT!r}); export it with 'dualseg export'"
-        )
+        raise CheckpointError(f"{path} carries no dualseg export metadata; {REEXPORT}")
     return info
 
 
@@ -149,17 +126,13 @@ def is_exported_torchscript(path: Path) -> bool:
 
 def _resize_chw_batch(x: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     """Bilinear resize of a float ``[B,C,H,W]`` batch to ``hw`` (OpenCV, no torch)."""
-    h, w = hw
-    return np.stack(
-        [cv2.resize(img.transpose(1, 2, 0), (w, h), interpolation=cv2.INTER_LINEAR)
-         .reshape(h, w, -1).transpose(2, 0, 1) for img in x.astype(np.float32)]
-    )  # fmt: skip
+    out = np.stack([resize_bilinear(a.transpose(1, 2, 0), hw) for a in x.astype(np.float32)])
+    return out.reshape(*out.shape[:3], -1).transpose(0, 3, 1, 2)
 
 
 class Runner:
-    """``image batch float32 [B,3,H,W] -> output float32`` through onnxruntime (no torch) or
-    a TorchScript module. A static export (``static_hw``) runs every batch at its one size:
-    other sizes are resized to it (callers sample the output at their own pixel grid)."""
+    """``float32 [B,3,H,W] -> float32 output`` through onnxruntime (no torch) or TorchScript.
+    A static export (``static_hw``) runs every batch at its one size: others are resized to it."""
 
     def __init__(
         self,
@@ -168,22 +141,17 @@ class Runner:
         providers: Sequence[str] | None = None,
         threads: int | None = None,
     ) -> None:
-
         if threads is not None and (
             isinstance(threads, bool)
             or not isinstance(threads, int | np.integer)
             or not 0 <= threads <= MAX_THREADS
         ):
-            raise ConfigError(
-                f"threads must be None or an int 0..{MAX_THREADS} (None or 0: the runtime's "
-                f"default), got {threads!r}"
-            )
+            raise ConfigError(f"threads must be None or an int 0..{MAX_THREADS}, got {threads!r}")
         self.threads = int(threads) if threads else None
         self.static_hw = tuple(int(v) for v in static_hw) if static_hw else None
         data = source if isinstance(source, bytes) else None
         self.module: Any = None
-        is_zip = data[:4] == ZIP_MAGIC if data is not None else _starts_as_zip(Path(source))
-        if is_zip:  # TorchScript
+        if data[:4] == ZIP_MAGIC if data is not None else _starts_as_zip(Path(source)):
             import torch
 
             with warnings.catch_warnings():  # torch.jit is deprecated, still supported
@@ -219,8 +187,7 @@ class Runner:
 
 
 def _as_rgb(image: Any) -> np.ndarray:
-    """uint8 ``HxWx3`` from a path, PIL image or numpy array (torch-free); a tensor goes
-    through the engine's ``as_rgb_array``."""
+    """uint8 ``HxWx3`` from a path, PIL image, numpy array (torch-free) or tensor."""
     if hasattr(image, "detach"):
         from dualseg.engine.predict import as_rgb_array  # tensors: torch is loaded anyway
 

@@ -1,61 +1,201 @@
 """Run exported models: onnxruntime (no torch) or TorchScript, with the metadata they carry.
 
-- :class:`OnnxSegmenter` — method A's exported network with the engine ``Segmenter``'s
-  interface (``predict``, ``predict_proba``, ``predict_batch``, ``meta``, ``num_classes``,
-  ``class_names``), so ``dualseg predict --onnx`` and ``dualseg serve --onnx`` can use it.
-  Importing this module and running an ONNX model on numpy arrays, PIL images or image files
+- :class:`OnnxSegmenter` / :class:`ExportedSegmenter`: method A's exported network with the
+  engine ``Segmenter``'s interface (``predict``, ``predict_proba``, ``predict_batch``,
+  ``meta``, ``num_classes``, ``class_names``); an ONNX model on arrays, PIL images or files
   never imports torch.
-- :func:`load_exported_refiner` — method B from an exported embedding model plus its JSON
-  sidecar (prototypes, configuration), with ``BoundaryRefiner.refine``'s contract. The
-  embedding runs in onnxruntime; the configuration (``RefinerConfig``) and P2-P5 are
-  ``BoundaryRefiner``'s own code from ``dualseg.refine``, which imports torch.
-
-This module gathers them; the code is in :mod:`~dualseg.export.runners` (metadata, runners),
-:mod:`~dualseg.export.exported_segmenter` and :mod:`~dualseg.export.exported_refiner`.
-
-Export metadata: ONNX ``metadata_props`` ``dualseg.<key>`` (JSON values), TorchScript
-``_extra_files["dualseg.json"]``; both read by :func:`read_export_info` (torch-free: a
-TorchScript file is a zip archive).
+- :func:`load_exported_refiner`: method B from an exported embedding model and its JSON sidecar
+  (``BoundaryRefiner.refine``'s contract; P2-P5 are ``dualseg.refine``'s code, with torch).
 """
 
 from __future__ import annotations
 
 import os
+import zipfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dualseg.export.exported_segmenter import ExportedSegmenter, OnnxSegmenter
+import numpy as np
+
+from dualseg.errors import CheckpointError
 from dualseg.export.runners import (
-    EXPORT_FORMAT,
-    META_PREFIX,
-    REFINER_FORMAT,
+    REEXPORT,
     ExportMeta,
-    import_extra,
+    Runner,
+    _as_rgb,
     is_exported_torchscript,
     read_export_info,
-    refiner_sidecar_path,
 )
-from dualseg.serialization import TORCHSCRIPT_META
+from dualseg.imaging import normalize, read_image, resize_bilinear
+from dualseg.predictor import Predictor, check_batch_size, require_image_list, size_batches
+from dualseg.viz import default_palette
 
 if TYPE_CHECKING:  # imported on first use by __getattr__ below
+    from dualseg.data.contract import LabelContract
     from dualseg.export.exported_refiner import ExportedRefiner, load_exported_refiner
 
 __all__ = [
-    "EXPORT_FORMAT",
-    "META_PREFIX",
-    "REFINER_FORMAT",
-    "TORCHSCRIPT_META",
-    "ExportMeta",
     "ExportedRefiner",
     "ExportedSegmenter",
     "OnnxSegmenter",
-    "import_extra",
-    "is_exported_torchscript",
     "load_exported_refiner",
     "load_refiner",
     "read_export_info",
-    "refiner_sidecar_path",
 ]
+
+
+def _numbers(value: Any, n: int, kind: type | tuple[type, ...] = (int, float)) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) == n
+        and all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
+    )
+
+
+def _check_info(path: Path, info: dict[str, Any]) -> None:
+    """One error naming the first metadata entry that is missing or malformed (a file edited
+    by hand, or by another tool), before any of it is used."""
+    names, palette, size = info.get("class_names"), info.get("palette"), info.get("input_size")
+    checks = {
+        "class_names": (
+            isinstance(names, list) and bool(names) and all(isinstance(c, str) for c in names),
+            "a non-empty list of class names",
+        ),
+        "mean": (_numbers(info.get("mean"), 3), "three numbers (RGB)"),
+        "std": (_numbers(info.get("std"), 3) and min(info["std"]) > 0, "three positive numbers"),
+        "output": (info.get("output") in ("logits", "probs"), "'logits' or 'probs'"),
+        "palette": (
+            palette is None
+            or (
+                isinstance(palette, list)
+                and all(_numbers(c, 3, int) and 0 <= min(c) <= max(c) <= 255 for c in palette)
+            ),
+            "a list of [r, g, b] colours in 0..255",
+        ),
+        "ignore_index": (_numbers([info.get("ignore_index", 255)], 1, int), "an integer"),
+        "input_size": (
+            size is None or (_numbers(size, 2, int) and min(size) >= 1),
+            "[H, W] or null",
+        ),
+    }
+    for key, (ok, expected) in checks.items():
+        if not ok:
+            shown = repr(info.get(key, "<missing>"))[:60]
+            raise CheckpointError(
+                f"{path}: its metadata {key} must be {expected}, got {shown}; {REEXPORT}"
+            )
+
+
+class ExportedSegmenter(Predictor):
+    """An exported method-A network (ONNX or TorchScript file) ready for raw images.
+
+    A dynamic export runs each image at its own size (equal sizes share a batch); a static one
+    resizes each image to the exported size and the scores back (bilinear).
+    """
+
+    accepts_torchscript = True
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        providers: Sequence[str] | None = None,
+        threads: int | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.info = read_export_info(self.path)
+        if not self.accepts_torchscript and zipfile.is_zipfile(self.path):
+            raise CheckpointError(f"{path} is a TorchScript file; use ExportedSegmenter for it")
+        if self.info.get("kind") != "segmenter":
+            raise CheckpointError(
+                f"{self.path} is an exported refiner, not a segmentation network: pass it as "
+                "--refiner (Python: load_exported_refiner)"
+            )
+        _check_info(self.path, self.info)
+        names = tuple(self.info["class_names"])
+        palette = self.info.get("palette") or []
+        if len(palette) != len(names):  # none stored
+            palette = default_palette(len(names))
+        self.meta = ExportMeta(
+            name=str(self.info.get("dataset") or "exported"),
+            class_names=names,
+            palette=tuple(tuple(int(v) for v in c) for c in palette),  # type: ignore[misc]
+            ignore_index=int(self.info.get("ignore_index", 255)),
+        )
+        contract = self.info.get("label_contract") or {}  # how the training data was read
+        depth = contract.get("bit_depth") if isinstance(contract, dict) else None
+        self.bit_depth: int | None = depth if isinstance(depth, int) else None
+        self.mean = np.asarray(self.info["mean"], np.float32)
+        self.std = np.asarray(self.info["std"], np.float32)
+        size = self.info.get("input_size")
+        self.input_size: tuple[int, int] | None = tuple(size) if size else None  # type: ignore[assignment]
+        self.runner = Runner(self.path, self.input_size, providers, threads)
+
+    @property
+    def contract(self) -> LabelContract | None:
+        """The label contract of the model's training data, from the metadata (None: none)."""
+        from dualseg.data.contract import LabelContract  # imports torch: on first use only
+        from dualseg.errors import DataError
+
+        stored = self.info.get("label_contract")
+        try:
+            return None if stored is None else LabelContract.from_dict(stored)
+        except (DataError, TypeError, ValueError) as err:
+            raise CheckpointError(
+                f"{self.path}: its label_contract is invalid ({err}); {REEXPORT}"
+            ) from None
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.input_size is None else f"static {self.input_size}"
+        return (
+            f"{type(self).__name__}({self.path.name}: {self.info.get('arch')}, "
+            f"{self.num_classes} classes, {kind}, {self.info['output']})"
+        )
+
+    def predict_batch(
+        self, images: Sequence[Any], *, batch_size: int = 8, return_probs: bool = False
+    ) -> list[Any]:
+        """Labels (or ``(labels, probs)`` pairs) for several images, in input order; image
+        files are read at the export's stored bit depth, as its training images were."""
+        require_image_list(images)
+        check_batch_size(batch_size)
+        arrays = [read_image(im, bit_depth=self.bit_depth) if isinstance(im, str | os.PathLike)
+                  else _as_rgb(im) for im in images]  # fmt: skip
+        out: list[Any] = [None] * len(arrays)
+        for indices, probs in self._run(arrays, batch_size):
+            labels = probs.argmax(1).astype(np.uint8 if self.num_classes <= 255 else np.int64)
+            for k, i in enumerate(indices):
+                out[i] = (labels[k], probs[k]) if return_probs else labels[k]
+        return out
+
+    def _run(self, arrays: list[np.ndarray], batch_size: int) -> Iterator[Any]:
+        if self.input_size is not None:  # static export: batch 1 at the exported size
+            for i, a in enumerate(arrays):
+                x = normalize([resize_bilinear(a, self.input_size)], self.mean, self.std)
+                scores = resize_bilinear(self.runner(x)[0].transpose(1, 2, 0), a.shape[:2])
+                yield [i], self._probs(scores.transpose(2, 0, 1)[None])
+            return
+        for chunk in size_batches(arrays, batch_size):
+            x = normalize([arrays[i] for i in chunk], self.mean, self.std)
+            yield chunk, self._probs(self.runner(x))
+
+    def _probs(self, scores: np.ndarray) -> np.ndarray:
+        if scores.ndim != 4 or scores.shape[1] != self.num_classes:
+            raise CheckpointError(
+                f"{self.path} outputs scores of shape {tuple(scores.shape)} but its metadata "
+                f"names {self.num_classes} classes; {REEXPORT}"
+            )
+        if self.info["output"] == "probs":
+            return scores.astype(np.float32, copy=False)
+        e = np.exp(scores - scores.max(axis=1, keepdims=True))
+        return (e / e.sum(axis=1, keepdims=True)).astype(np.float32, copy=False)
+
+
+class OnnxSegmenter(ExportedSegmenter):
+    """:class:`ExportedSegmenter` for an ONNX file, run by onnxruntime (no torch)."""
+
+    accepts_torchscript = False
 
 
 def load_refiner(path: str | os.PathLike[str], *, device: Any = "cpu") -> Any:
