@@ -47,6 +47,7 @@ LAZY: dict[tuple[str, str], str] = {
     ("dualseg.export.runners", "torch"): "torch only for a TorchScript file; ONNX is torch-free",
     ("dualseg.export.runners", "dualseg.engine.predict"): "imports torch; only for a tensor",
     ("dualseg.export.runtime", "dualseg.refine"): "imports torch; only for a refiner file",
+    ("dualseg.export.runtime", "dualseg.data"): "imports torch; only for the label contract",
     ("dualseg.export.runtime", "dualseg.export.exported_refiner"): "imports torch (refine/); "
     "the ONNX segmenter path is torch-free",
 }

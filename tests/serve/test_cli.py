@@ -219,3 +219,30 @@ def test_an_address_of_another_machine_is_named_as_such():
 
     with pytest.raises(ConfigError, match=r"192\.0\.2\.1: it is no address of this machine"):
         serve_command.check_port("192.0.2.1", 18999)
+
+
+def test_serve_checks_an_exported_models_label_contract_against_the_refiners(
+    files, captured, tmp_path, capsys
+):
+    """An exported model had no contract, so a refiner fitted on labels read otherwise (here
+    12-bit images) was served beside it without a word."""
+    pytest.importorskip("onnx")
+    pytest.importorskip("onnxruntime")
+    from dualseg.export.export import export_checkpoint
+    from dualseg.export.runtime import ExportedSegmenter
+
+    ckpt, refiner_file = files
+    onnx = tmp_path / "m.onnx"
+    export_checkpoint(ckpt, onnx)
+    contract = ExportedSegmenter(onnx).contract
+    assert contract is not None and contract.class_names == tuple(NAMES)
+    refiner = BoundaryRefiner.load(refiner_file)
+    refiner.label_contract = {**contract.to_dict(), "bit_depth": 12}
+    other = refiner.save(tmp_path / "12bit.pt")
+    assert main(["serve", "--onnx", str(onnx), "--refiner", str(other)]) == 1
+    err = capsys.readouterr().err
+    assert "read otherwise" in err and "bit depth" in err and len(err.splitlines()) == 1
+    assert "app" not in captured
+    refiner.label_contract = contract.to_dict()  # the same contract: served
+    same = refiner.save(tmp_path / "same.pt")
+    assert main(["serve", "--onnx", str(onnx), "--refiner", str(same)]) == 0

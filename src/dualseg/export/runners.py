@@ -119,11 +119,6 @@ def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     return info
 
 
-def is_exported_torchscript(path: Path) -> bool:
-    """True for a TorchScript file written by ``dualseg export`` (it carries dualseg metadata)."""
-    return path.is_file() and bool(read_torchscript_meta(path))
-
-
 def _resize_chw_batch(x: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     """Bilinear resize of a float ``[B,C,H,W]`` batch to ``hw`` (OpenCV, no torch)."""
     out = np.stack([resize_bilinear(a.transpose(1, 2, 0), hw) for a in x.astype(np.float32)])

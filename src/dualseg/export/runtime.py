@@ -18,17 +18,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dualseg.errors import CheckpointError
+from dualseg.errors import CheckpointError, DataError
 from dualseg.export.runners import (
     REEXPORT,
     ExportMeta,
     Runner,
     _as_rgb,
-    is_exported_torchscript,
     read_export_info,
 )
 from dualseg.imaging import normalize, read_image, resize_bilinear
 from dualseg.predictor import Predictor, check_batch_size, require_image_list, size_batches
+from dualseg.serialization import read_torchscript_meta
 from dualseg.viz import default_palette
 
 if TYPE_CHECKING:  # imported on first use by __getattr__ below
@@ -136,7 +136,6 @@ class ExportedSegmenter(Predictor):
     def contract(self) -> LabelContract | None:
         """The label contract of the model's training data, from the metadata (None: none)."""
         from dualseg.data.contract import LabelContract  # imports torch: on first use only
-        from dualseg.errors import DataError
 
         stored = self.info.get("label_contract")
         try:
@@ -206,7 +205,7 @@ def load_refiner(path: str | os.PathLike[str], *, device: Any = "cpu") -> Any:
     from dualseg.refine import BoundaryRefiner
 
     p = Path(path)
-    if p.suffix.lower() in (".json", ".onnx") or is_exported_torchscript(p):
+    if p.suffix.lower() in (".json", ".onnx") or (p.is_file() and read_torchscript_meta(p)):
         return load_exported_refiner(p)
     return BoundaryRefiner.load(path, device=device)  # as given: Path() would break hf://
 

@@ -1,12 +1,9 @@
-"""The local web page and JSON API behind ``dualseg serve``.
+"""The local web page and JSON API behind ``dualseg serve`` (docs/export_serve.md).
 
-``create_app(segmenter)``: ``GET /`` (one static page), ``GET /api/info`` (classes, limits),
-``POST /api/segment`` (multipart field ``file`` or a raw ``image/*`` body -> base64 PNGs,
-class shares, timings; schema at ``/openapi.json``). Decoding, inference and encoding run on
-``workers`` threads; at most ``queue_size`` requests wait, further ones get 503 with
-``Retry-After``. An image over ``work_megapixels`` is inferred downscaled and its result
-brought back to its size. ``segmenter`` (``.meta``, ``.predict_proba(uint8 HxWx3) ->
-[C,H,W]``) and ``refiner`` are called from several threads at once.
+``GET /`` (one static page), ``GET /api/info``, ``POST /api/segment`` (multipart field ``file``
+or a raw ``image/*`` body -> base64 PNGs, class shares, timings). Work runs on ``workers``
+threads; ``segmenter`` (``.meta``, ``.predict_proba``) and ``refiner`` are called from several
+threads at once.
 """
 
 from __future__ import annotations
@@ -101,15 +98,15 @@ def _ms(t: float) -> float:
 
 
 def png_base64(array: np.ndarray) -> str:
-    """uint8 ``HxW`` or ``HxWx3`` -> base64 PNG (fast compression: this is a local page)."""
+    """uint8 ``HxW`` or ``HxWx3`` -> base64 PNG (fast compression: a local page)."""
     buf = io.BytesIO()
     Image.fromarray(array).save(buf, format="PNG", compress_level=1)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
 def working_size(height: int, width: int, max_pixels: float) -> tuple[int, int]:
-    """``(h, w)`` an image is inferred at: its own size, or scaled down (aspect kept) to at most
-    ``max_pixels`` pixels. ``max_pixels <= 0``: always its own size."""
+    """``(h, w)`` an image is inferred at: its own, or scaled down (aspect kept) to at most
+    ``max_pixels`` pixels (``<= 0``: its own)."""
     if max_pixels <= 0 or height * width <= max_pixels:
         return height, width
     scale = math.sqrt(max_pixels / (height * width))
@@ -121,8 +118,6 @@ def working_size(height: int, width: int, max_pixels: float) -> tuple[int, int]:
 
 def upsample_probs(probs: np.ndarray, hw: tuple[int, int]) -> np.ndarray:
     """``[C,h,w]`` -> ``[C,H,W]`` bilinear (half-pixel centres, as the engine's S4 tail)."""
-    if probs.shape[1:] == hw:
-        return probs
     return resize_bilinear(probs.transpose(1, 2, 0), hw).transpose(2, 0, 1)
 
 
@@ -134,8 +129,7 @@ class _Workers:
         self.workers, self.queue_size = workers, queue_size
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="dualseg-serve")
         self._lock = threading.Lock()  # TestClient may drive the app from several loops
-        self.pending = 0  # jobs running or waiting now
-        self._mean_s = 1.0  # running mean of a job's duration, for Retry-After
+        self.pending, self._mean_s = 0, 1.0  # jobs running or waiting; mean duration (s)
         self._waiting: set[Any] = set()
         self._closing = False
 
@@ -151,9 +145,8 @@ class _Workers:
                 wait = max(1, math.ceil(self._mean_s * self.pending / self.workers))
                 raise HTTPException(
                     status_code=503,
-                    detail=f"the server is busy: {self.pending} requests are running or "
-                    f"waiting (--workers {self.workers}, --queue-size {self.queue_size}); "
-                    f"retry in {wait} s",
+                    detail=f"the server is busy: {self.pending} requests (--workers "
+                    f"{self.workers}, --queue-size {self.queue_size}); retry in {wait} s",
                     headers={"Retry-After": str(wait)},
                 )
             self.pending += 1
@@ -186,13 +179,13 @@ class _Workers:
             job.cancel()
 
     def shutdown(self) -> None:
-        self._closing = True
+        self.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 class _RequestLog:
-    """One log line per request (method, path, status, ms), as plain ASGI middleware:
-    Starlette's ``@app.middleware("http")`` would hide the client's disconnect."""
+    """One log line per request, as plain ASGI middleware (Starlette's would hide the
+    client's disconnect)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
@@ -229,11 +222,7 @@ class _Segmentation:
         self.max_pixels, self.work_pixels = max_megapixels * 1e6, work_megapixels * 1e6
         self.class_names = [str(c) for c in segmenter.meta.class_names]
         self.palette = [[int(v) for v in rgb] for rgb in segmenter.meta.palette]
-        self.ignore_index = int(getattr(segmenter.meta, "ignore_index", 255))
         self.bit_depth = getattr(segmenter, "bit_depth", None)  # 16-bit uploads read as trained
-
-    def paint(self, labels: np.ndarray) -> np.ndarray:
-        return colorize(labels, self.palette, ignore_index=self.ignore_index)
 
     def labels(self, image: np.ndarray, work: tuple[int, int], timings: dict[str, float]) -> Any:
         """``(labels HxW, refined HxW or None)`` at the image's size, inferred at ``work``;
@@ -277,10 +266,8 @@ class _Segmentation:
             "class_pixels": np.bincount(label.ravel(), minlength=n)[:n].tolist(),
         }  # fmt: skip
         if with_images:
-            out["color_png"] = png_base64(self.paint(label))
-            out["overlay_png"] = png_base64(
-                overlay(image, label, self.palette, ignore_index=self.ignore_index)
-            )
+            out["color_png"] = png_base64(colorize(label, self.palette))
+            out["overlay_png"] = png_base64(overlay(image, label, self.palette))
         if refined is not None:
             changed = refined != label
             out["refined"] = {
@@ -288,7 +275,7 @@ class _Segmentation:
                 "changed_pixels": int(changed.sum()),
             }
             if with_images:
-                color = self.paint(refined)
+                color = colorize(refined, self.palette)
                 dimmed = (color.astype(np.uint16) * 2 // 5).astype(np.uint8)
                 dimmed[changed] = CHANGED_COLOR
                 out["refined"].update(color_png=png_base64(color), changed_png=png_base64(dimmed))
@@ -300,21 +287,16 @@ def _check_model(segmenter: Any, refiner: Any, max_megapixels: float) -> None:
     limit = pillow_max_pixels()
     if limit and max_megapixels * 1e6 > limit:
         raise ConfigError(
-            f"max_megapixels {max_megapixels:g} is over Pillow's decompression-bomb limit of "
-            f"{limit / 1e6:.1f} megapixels, which refuses larger images anyway; choose at most "
-            f"{int(limit / 1e5) / 10:g} (CLI: --max-megapixels), or raise "
-            "PIL.Image.MAX_IMAGE_PIXELS first"
+            f"--max-megapixels {max_megapixels:g} is over Pillow's decompression-bomb limit; "
+            f"choose at most {int(limit / 1e5) / 10:g}"
         )
     names = tuple(str(c) for c in segmenter.meta.class_names)
+    if len(names) > 255:
+        raise ConfigError(f"the model has {len(names)} classes; serve's label maps hold 255")
     if refiner is not None:  # a refiner of another class order would relabel silently
         refiner.check_classes(names, len(names), what="the model")
         check_contract(refiner, getattr(segmenter, "contract", None), refiner_name="--refiner",
                        model_name="the model")  # fmt: skip
-    if len(names) > 255:
-        raise ConfigError(
-            f"the model has {len(names)} classes; dualseg serve returns 8-bit label maps, "
-            "which hold at most 255"
-        )
 
 
 def create_app(
@@ -329,8 +311,7 @@ def create_app(
     save_uploads: str | Path | None = None,
     model_name: str = "",
 ) -> FastAPI:
-    """The FastAPI app of ``dualseg serve`` (see the module docstring); ``save_uploads`` is
-    created and checked writable here."""
+    """The FastAPI app of ``dualseg serve``; ``save_uploads`` is created and checked here."""
     _check_model(segmenter, refiner, max_megapixels)
     save_dir = prepare_upload_folder(save_uploads) if save_uploads is not None else None
     segment_one = _Segmentation(segmenter, refiner, max_megapixels, work_megapixels, save_dir)

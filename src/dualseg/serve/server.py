@@ -1,5 +1,5 @@
 """Running the app: the port checked before the banner, uvicorn until Ctrl-C, the request
-log on stderr (torch-free and FastAPI-free until ``run_server``)."""
+log on stderr (FastAPI-free)."""
 
 from __future__ import annotations
 
@@ -30,16 +30,8 @@ def check_port(host: str, port: int) -> None:
             sock.bind(address)
         except OSError as err:
             if err.errno == errno.EADDRNOTAVAIL:
-                why = (
-                    f"cannot listen on {host}: it is no address of this machine; use 127.0.0.1 "
-                    "(this machine only), 0.0.0.0 (every interface) or one of its addresses"
-                )
-            elif err.errno == errno.EACCES:
-                why = (
-                    f"cannot listen on {host}:{port}: permission denied (ports below 1024 need "
-                    "administrator rights); choose --port 1024 or above"
-                )
-            else:
+                why = f"cannot listen on {host}: it is no address of this machine; use 127.0.0.1"
+            else:  # in use, or a port below 1024 without administrator rights
                 why = (
                     f"cannot listen on {host}:{port} ({err.strerror or err}); stop the program "
                     "using it or choose another --port"
