@@ -169,7 +169,7 @@ def _missing_sidecar(path: Path, sidecar: Path) -> CheckpointError:
             f"refiner sidecar not found: {sidecar} (export writes it beside "
             "the model: dualseg export --refiner R --out refiner.onnx)"
         )
-    return CheckpointError(f"{path} {what}; pass a refiner (refiner.pt) or its export")
+    return CheckpointError(f"{path} {what}; pass what 'dualseg refine fit' wrote, or its export")
 
 
 def load_exported_refiner(

@@ -43,24 +43,16 @@ class SegmentationModel(nn.Module):
             or torch.onnx.is_in_onnx_export()
         ):
             return
+        name, predict = type(self).__name__, "dualseg.load_model(checkpoint).predict(image)"
         if not isinstance(x, Tensor) or x.dim() != 4:
             got = f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else type(x).__name__
-            raise TypeError(
-                f"{type(self).__name__} takes a normalized image batch [B, {self.in_channels}, "
-                f"H, W] tensor, got {got}; for image files, PIL images or HxWx3 arrays use "
-                "dualseg.load_model(checkpoint).predict(image)"
-            )
+            raise TypeError(f"{name} takes a normalized image batch [B, {self.in_channels}, H, "
+                            f"W] tensor, got {got}; for images use {predict}")  # fmt: skip
         if not x.is_floating_point():
-            raise TypeError(
-                f"{type(self).__name__} takes normalized float pixels, got {x.dtype}; "
-                "normalize them first (dualseg.imaging.normalize) or use "
-                "dualseg.load_model(checkpoint).predict(image), which does"
-            )
+            raise TypeError(f"{name} takes normalized float pixels, got {x.dtype}; use {predict}")
         if x.shape[1] != self.in_channels:
-            raise ValueError(
-                f"{type(self).__name__} was built for {self.in_channels}-channel input, got "
-                f"{x.shape[1]} channels (batch shape {tuple(x.shape)})"
-            )
+            raise ValueError(f"{name} was built for {self.in_channels}-channel input, got "
+                             f"{x.shape[1]} channels")  # fmt: skip
         if x.shape[-2] == 0 or x.shape[-1] == 0:
             raise ValueError(f"empty image batch: shape {tuple(x.shape)}")
         weight = next(self.parameters(), None)
@@ -69,11 +61,8 @@ class SegmentationModel(nn.Module):
             and x.dtype != weight.dtype
             and not torch.is_autocast_enabled(x.device.type)
         ):
-            raise TypeError(
-                f"input dtype {x.dtype} differs from the weights' {weight.dtype}: cast the "
-                f"input (x.to({weight.dtype})) or the model (model.to({x.dtype})), or run "
-                "under torch.autocast"
-            )
+            raise TypeError(f"input dtype {x.dtype} differs from the weights' {weight.dtype}: "
+                            f"cast one (x.to({weight.dtype})) or use torch.autocast")  # fmt: skip
 
     @torch.no_grad()
     def predict_proba(self, x: Tensor) -> Tensor:
@@ -93,30 +82,22 @@ def require_rgb_input(model: nn.Module, what: str) -> None:
     """Refuse a model built for other than 3 input channels where ``what`` feeds it RGB."""
     channels = getattr(model, "in_channels", 3)
     if channels != 3:
-        raise ConfigError(
-            f"{what} feeds RGB images, and this {type(model).__name__} was built for "
-            f"{channels}-channel input; call the model on your own [B, {channels}, H, W] "
-            "tensors instead"
-        )
+        raise ConfigError(f"{what} feeds RGB images; this model was built for {channels}-channel "
+                          "input: call it on your own tensors")  # fmt: skip
 
 
 def model_logits(output: object, what: str = "the model") -> Tensor:
     """Logits ``[B,C,h,w]`` from a tensor, torchvision's ``{"out": ...}`` or a tuple led by them."""
     if isinstance(output, dict):
         if "out" not in output:
-            raise ConfigError(
-                f"{what} returned a dict with keys {sorted(output)}; expected its logits under "
-                "'out' (as torchvision's segmentation models return them)"
-            )
+            raise ConfigError(f"{what} returned a dict with keys {sorted(output)}; expected its "
+                              "logits under 'out', as torchvision's")  # fmt: skip
         output = output["out"]
     elif isinstance(output, tuple | list) and output:
         output = output[0]
     if not isinstance(output, Tensor) or output.dim() != 4:
         got = tuple(output.shape) if isinstance(output, Tensor) else type(output).__name__
-        raise ConfigError(
-            f"{what} must return logits [B, C, H, W] (or torchvision's {{'out': logits}}), "
-            f"got {got}"
-        )
+        raise ConfigError(f"{what} must return logits [B, C, H, W], got {got}")
     return output
 
 

@@ -47,11 +47,8 @@ class ReNetLayer(nn.Module):
         if init not in ("scaled", "standard"):
             raise ConfigError(f"renet_init must be 'scaled' or 'standard', got {init!r}")
         if init_bound is not None and (init != "scaled" or not 0 < init_bound < math.inf):
-            raise ConfigError(
-                "renet_init_bound must be > 0 and finite, and applies to renet_init='scaled' "
-                "only, got "
-                f"{init_bound} with {init!r}"
-            )
+            raise ConfigError(f"renet_init_bound must be > 0 and finite, with renet_init='scaled'"
+                              f", got {init_bound} with {init!r}")  # fmt: skip
         self.hidden, self.patch = hidden, patch
         self.init, self.init_bound = init, init_bound
         self.out_channels = 2 * hidden
