@@ -46,45 +46,31 @@ __all__ = [
 
 
 def _numbers(value: Any, n: int, kind: type | tuple[type, ...] = (int, float)) -> bool:
-    return (
-        isinstance(value, list)
-        and len(value) == n
-        and all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
-    )
+    ok = isinstance(value, list) and len(value) == n
+    return ok and all(isinstance(v, kind) and not isinstance(v, bool) for v in value)
 
 
-def _check_info(path: Path, info: dict[str, Any]) -> None:
-    """One error naming the first metadata entry that is missing or malformed (a file edited
-    by hand, or by another tool), before any of it is used."""
-    names, palette, size = info.get("class_names"), info.get("palette"), info.get("input_size")
-    checks = {
-        "class_names": (
-            isinstance(names, list) and bool(names) and all(isinstance(c, str) for c in names),
-            "a non-empty list of class names",
-        ),
-        "mean": (_numbers(info.get("mean"), 3), "three numbers (RGB)"),
-        "std": (_numbers(info.get("std"), 3) and min(info["std"]) > 0, "three positive numbers"),
-        "output": (info.get("output") in ("logits", "probs"), "'logits' or 'probs'"),
-        "palette": (
-            palette is None
-            or (
-                isinstance(palette, list)
-                and all(_numbers(c, 3, int) and 0 <= min(c) <= max(c) <= 255 for c in palette)
-            ),
-            "a list of [r, g, b] colours in 0..255",
-        ),
-        "ignore_index": (_numbers([info.get("ignore_index", 255)], 1, int), "an integer"),
-        "input_size": (
-            size is None or (_numbers(size, 2, int) and min(size) >= 1),
-            "[H, W] or null",
-        ),
-    }
-    for key, (ok, expected) in checks.items():
-        if not ok:
-            shown = repr(info.get(key, "<missing>"))[:60]
-            raise CheckpointError(
-                f"{path}: its metadata {key} must be {expected}, got {shown}; {REEXPORT}"
-            )
+def _colour(c: Any) -> bool:
+    return _numbers(c, 3, int) and 0 <= min(c) <= max(c) <= 255
+
+
+# metadata entry -> (whether a value is fine, what it must be); a file edited by hand (or by
+# another tool) is one error naming its first bad entry, before any of it is used
+METADATA_RULES: dict[str, tuple[Any, str]] = {
+    "class_names": (
+        lambda v: isinstance(v, list) and bool(v) and all(isinstance(c, str) for c in v),
+        "a non-empty list of class names",
+    ),
+    "mean": (lambda v: _numbers(v, 3), "three numbers (RGB)"),
+    "std": (lambda v: _numbers(v, 3) and min(v) > 0, "three positive numbers"),
+    "output": (lambda v: v in ("logits", "probs"), "'logits' or 'probs'"),
+    "palette": (
+        lambda v: v is None or (isinstance(v, list) and all(map(_colour, v))),
+        "a list of [r, g, b] colours in 0..255",
+    ),
+    "ignore_index": (lambda v: _numbers([v], 1, int), "an integer"),
+    "input_size": (lambda v: v is None or (_numbers(v, 2, int) and min(v) >= 1), "[H, W] or null"),
+}
 
 
 class ExportedSegmenter(Predictor):
@@ -112,7 +98,12 @@ class ExportedSegmenter(Predictor):
                 f"{self.path} is an exported refiner, not a segmentation network: pass it as "
                 "--refiner (Python: load_exported_refiner)"
             )
-        _check_info(self.path, self.info)
+        for key, (ok, expected) in METADATA_RULES.items():
+            if not ok(self.info.get(key)):
+                shown = repr(self.info.get(key, "<missing>"))[:60]
+                raise CheckpointError(
+                    f"{path}: its metadata {key} must be {expected}, got {shown}; {REEXPORT}"
+                )
         names = tuple(self.info["class_names"])
         palette = self.info.get("palette") or []
         if len(palette) != len(names):  # none stored
@@ -121,7 +112,7 @@ class ExportedSegmenter(Predictor):
             name=str(self.info.get("dataset") or "exported"),
             class_names=names,
             palette=tuple(tuple(int(v) for v in c) for c in palette),  # type: ignore[misc]
-            ignore_index=int(self.info.get("ignore_index", 255)),
+            ignore_index=self.info["ignore_index"],
         )
         contract = self.info.get("label_contract") or {}  # how the training data was read
         depth = contract.get("bit_depth") if isinstance(contract, dict) else None
