@@ -6,14 +6,14 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from dualseg.io import file_digest
 from dualseg.metrics import BoundaryMetrics, ConfusionMatrix
-from dualseg.refine.decision import Candidates, decide
+from dualseg.refine.decision import decide
 
 # The grid of the sweep; gate None, prior 0 and floor 0 together are the claim.
 DEFAULT_GATES: tuple[float | None, ...] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, None)
@@ -28,21 +28,6 @@ CLAIM_DECISION: Mapping[str, Any] = MappingProxyType(
 DECISION_KEYS = tuple(CLAIM_DECISION)
 # what choose_decision may maximize (scored on every row of the sweep); the first is the default
 METRICS: tuple[str, ...] = ("miou", "boundary_f1")
-
-
-class _Refines(Protocol):
-    def candidates(
-        self,
-        images: Tensor,
-        probs: Tensor,
-        *,
-        p1_blur_sigma: float | None = None,
-        features: Any = None,
-    ) -> Candidates: ...
-
-
-class _Keeps(Protocol):
-    def take(self) -> Any: ...
 
 
 def decision_grid(
@@ -65,9 +50,9 @@ def decision_grid(
 
 @torch.no_grad()
 def sweep_decision(
-    refiner: _Refines, base: Callable[[Tensor], Tensor], batches: Iterable[tuple[Tensor, Tensor]],
+    refiner: Any, base: Callable[[Tensor], Tensor], batches: Iterable[tuple[Tensor, Tensor]],
     *, num_classes: int, grid: Sequence[dict[str, Any]] | None = None, ignore_index: int = 255,
-    device: str | torch.device = "cpu", shared: _Keeps | None = None,
+    device: str | torch.device = "cpu", shared: Any = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Score the base model and the refiner at each decision setting on labelled ``batches``."""
     dev = torch.device(device)
@@ -120,12 +105,7 @@ def sweep_decision(
 def choose_decision(rows: Sequence[dict[str, Any]], *, metric: str = METRICS[0]) -> dict[str, Any]:
     """The decision options of the best row by ``metric`` (one of :data:`METRICS`: mIoU, or boundary
     F1); on a tie the row changing fewer pixels."""
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
     candidates = [r for r in rows if r["gate_margin"] != "base"]
-    if not candidates:
-        raise ValueError("no decision rows to choose from")
-
     def order(r: dict[str, Any]) -> tuple[float, float]:
         score = r[metric] if math.isfinite(r[metric]) else -math.inf
         return (-score, r["changed"])

@@ -116,8 +116,6 @@ def decide(
     low, at = score.min(1)  # min's index: the first minimum, as argmin's
     best = c.labels.gather(1, at[:, None]).squeeze(1)
     where = c.edge.reshape(-1).nonzero().squeeze(1) if c.index is None else c.index  # [M]
-    if len(where) != len(c.labels):  # an index or edge replaced without the other
-        raise ValueError(f"{len(where)} near-boundary pixels but {len(c.labels)} candidate rows")
     base = c.pred.reshape(-1).index_select(0, where)  # [M], Pred (argmax: maybe not labels[:, 0])
     new = torch.where(torch.isfinite(low), best, base)
     if gate_margin is not None:  # beyond the claim: only where the base is unsure

@@ -32,8 +32,6 @@ class EmbeddingNet(nn.Module):
         low_level: str | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
-        if (decoder is None) != (low_level is None):
-            raise ConfigError("EmbeddingNet: pass decoder and low_level together, or neither")
         self.backbone = backbone
         self.fuse = fuse
         self.decoder = decoder
@@ -77,18 +75,12 @@ class EmbeddingNet(nn.Module):
         """What learns on top of the backbone: ``fuse`` (ASPP), then the decoder if any."""
         f = self.fuse(local)  # [B,C,H/s,W/s]
         if self.decoder is not None:
-            if low is None:
-                raise ConfigError("this embedding's decoder needs the backbone's stride-4 features")
             f = self.decoder(f, low)  # [B,C,H/4,W/4]
         return f
 
     def head_at(self, local: Tensor, low: Tensor, at: Tensor) -> Tensor:
         """:meth:`head`'s stride-4 embedding at the ``at`` cells alone (bool ``[B,H/4,W/4]``, from
         :meth:`sampled_cells`): ``[M,C]`` rows in ``at.nonzero()`` order."""
-        if self.decoder is None or low is None:
-            raise ConfigError("head_at needs a decoder and the stride-4 features; use head")
-        if self.training:  # forward_at normalizes with the running statistics
-            raise ConfigError("head_at is for inference: call eval() first, or use head")
         return self.decoder.forward_at(self.fuse(local), low, at)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -223,8 +215,6 @@ def build_embedding_net(
     decoder_channels: int = 0,
 ) -> EmbeddingNet:  # fmt: skip
     """Backbone from :func:`dualseg.models.build_backbone` + :class:`dualseg.models.ASPP`."""
-    if decoder_channels < 0:
-        raise ConfigError(f"decoder_channels must be >= 0, got {decoder_channels}")
     low_level, low_channels = low_level_tap(backbone) if decoder_channels else (None, 0)
     net, channels = build_backbone(backbone, output_stride=output_stride, weights=weights)
     fuse = ASPP(channels, embed_dim, tuple(aspp_rates))

@@ -10,7 +10,7 @@ import signal
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -67,24 +67,12 @@ class _EpochView(torch.utils.data.Dataset):
 def _require_same_inputs(
     path: Path, saved: Mapping[str, Any] | None, given: Mapping[str, Any] | None
 ) -> None:
-    """Refuse a resume whose data, augmentation or base differ from the checkpoint's; when either
-    side records none (a fit from Python without ``fit_inputs``), there is nothing to compare."""
+    """Refuse a resume whose data, augmentation or base differ from the checkpoint's (a fit
+    from Python without ``fit_inputs`` records none: nothing to compare)."""
     if saved is None or given is None:
         return
-    changed = [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]
-    if changed:
-
-        def shown(key: str, value: Any) -> str:
-            if key == "base" and value is None:  # --base given or not: it was not read
-                return (
-                    "no base read (only --init-backbone base or a base-* --backbone-source "
-                    "reads --base)"
-                )
-            return repr(value)
-
-        what = "; ".join(
-            f"{k}: {shown(k, saved.get(k))} then, {shown(k, given.get(k))} now" for k in changed
-        )
+    if changed := [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]:
+        what = "; ".join(f"{k}: {saved.get(k)!r} then, {given.get(k)!r} now" for k in changed)
         raise CheckpointError(
             f"{path} was fitted on other inputs ({what}); resume with the same ones, or "
             "delete it to start over"
@@ -111,9 +99,8 @@ def _resume(
         changed.append("the class names")
     if changed:
         raise CheckpointError(
-            f"{path} was written with other options ({'; '.join(changed)}); resume "
-            "with the same options (--steps and the inference options --top-n, "
-            "--gate-margin, --prior-weight, --min-prob, --p1-blur-sigma may change), or "
+            f"{path} was written with other options ({'; '.join(changed)}); resume with the "
+            f"same ones (only --steps, {', '.join(RESUMABLE_CHANGES[1:])} may change), or "
             "delete it to start over"
         )
     if int(state["step"]) > cfg.steps:
@@ -170,12 +157,21 @@ def train_embedding(
         batch_sampler=list(_batches(len(dataset), cfg.batch_size, cfg.seed, start, cfg.steps)),  # type: ignore[arg-type]
         num_workers=num_workers,
     )
-    steps = _run_steps(net, opt, loader, cfg, start, history, save, device=device,
-                       num_classes=len(class_names), ignore_index=ignore_index,
-                       progress=progress, log_every=log_every, checkpoint_every=checkpoint_every,
-                       time_budget_s=time_budget_s)  # fmt: skip
+    history = _run_steps(
+        net, opt, loader, cfg, start, history, save, device=device, num_classes=len(class_names),
+        ignore_index=ignore_index, progress=progress, log_every=log_every,
+        checkpoint_every=checkpoint_every, time_budget_s=time_budget_s,
+    )  # fmt: skip
     net.eval()
-    return steps
+    if not history:  # time_budget_s ran out before the first step
+        raise ConfigError(f"the time budget ({time_budget_s} s) ended before the first step")
+    if not any(h.get("num_triplets", 1) for h in history):  # an untrained embedding
+        raise DataError(
+            f"no triplet could be drawn in {len(history)} steps: no training image has "
+            "near-boundary pixels of two classes; check the labels and their mapping "
+            "(meta.json, --label-map, --ignore-index) and --radius"
+        )
+    return history
 
 
 def _run_steps(
@@ -242,47 +238,30 @@ def embedding_net(
     )
 
 
-class Fitted(NamedTuple):
-    net: EmbeddingNet
-    prototypes: Tensor
-    present: Tensor
-    config: RefinerConfig  # steps: those made, when a time budget stopped the fit early
-    history: list[dict[str, float]]
-    taps: TapRecord | None  # the base's modules a tap refiner reads
-
-
-def read_taps(cfg: RefinerConfig, base: nn.Module | None, device: torch.device) -> TapRecord:
-    """The taps ``cfg.base_features`` names (``auto``: :func:`pick_taps`) measured on ``base``."""
-    if not isinstance(base, nn.Module):
-        raise ConfigError(
-            "base_features reads modules of the base model: pass the model itself (base=model; "
-            "on the CLI --base CHECKPOINT or --base file.py:NAME)"
-        )
-    base.to(device)
-    names = cfg.base_features
-    if names == ("auto",):
-        names = pick_taps(base, list_taps(base, torch.zeros(1, 3, 256, 256, device=device)))
-        if names is None:
-            raise ConfigError(
-                f"no taps could be picked in a {type(base).__name__} without names: give them "
-                "(--base-features LOW HIGH, base_features=(LOW, HIGH)); 'dualseg refine layers "
-                "--base ...' lists the candidates"
-            )
-    return measure_taps(base, names, device)  # type: ignore[arg-type]
-
-
-def fit_parts(
-    dataset: torch.utils.data.Dataset, cfg: RefinerConfig, *, class_names: Sequence[str],
-    prototype_dataset: torch.utils.data.Dataset | None, weights: str | os.PathLike[str] | None,
-    init_from: nn.Module | Mapping[str, Tensor] | None, base: nn.Module | None,
-    net: EmbeddingNet | None, device: torch.device, num_workers: int, progress: bool,
-    ignore_index: int, time_budget_s: float | None, checkpoint: str | os.PathLike[str] | None,
-    checkpoint_every: int, resume: bool, log_every: int, fit_inputs: Mapping[str, Any] | None,
-) -> Fitted:  # fmt: skip
-    """Steps 3-5, as :meth:`~dualseg.refine.refiner.BoundaryRefiner.fit` describes them."""
+def prepare_net(
+    cfg: RefinerConfig, *, base: nn.Module | None,
+    init_from: nn.Module | Mapping[str, Tensor] | None, net: EmbeddingNet | None,
+    weights: str | os.PathLike[str] | None, device: torch.device,
+) -> tuple[RefinerConfig, EmbeddingNet, TapRecord | None]:  # fmt: skip
+    """Step 3's model on ``device``: on the base's taps (``cfg.base_features``, which then set
+    the embedding's input and stride), or its own backbone (``init_from``: the base's)."""
     taps = None
-    if cfg.base_features is not None:  # the base decides the embedding's input and stride
-        taps = read_taps(cfg, base, device)
+    if cfg.base_features is not None:
+        if not isinstance(base, nn.Module):
+            raise ConfigError(
+                "base_features reads modules of the base model: pass the model itself (base=model; "
+                "on the CLI --base CHECKPOINT or --base file.py:NAME)"
+            )
+        base.to(device)
+        names = cfg.base_features
+        if names == ("auto",):
+            names = pick_taps(base, list_taps(base, torch.zeros(1, 3, 256, 256, device=device)))
+            if names is None:
+                raise ConfigError(
+                    f"no taps could be picked in a {type(base).__name__}: give them "
+                    "(--base-features LOW HIGH); 'dualseg refine layers' lists the candidates"
+                )
+        taps = measure_taps(base, names, device)
         cfg = dataclasses.replace(
             cfg, base_features=taps.names, backbone="base", backbone_source="base-frozen",
             input_scale=1.0, output_stride=taps.strides[1],
@@ -302,34 +281,22 @@ def fit_parts(
             net = embedding_net(cfg, weights=weights)
         if init_from is not None:  # the base's whole backbone, or refused
             init_backbone_from(net.backbone, init_from, strict=True)
-    net.to(device)
-    history = train_embedding(net, dataset, cfg, class_names=class_names, device=device,
-                              num_workers=num_workers, progress=progress,
-                              ignore_index=ignore_index, time_budget_s=time_budget_s,
-                              checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-                              resume=resume, log_every=log_every,
-                              fit_inputs=fit_inputs)  # fmt: skip
-    if not history:  # time_budget_s ran out before the first step
-        raise ConfigError(
-            f"the time budget ({time_budget_s} s) ended before the first triplet step: "
-            "give it more time"
-        )
-    if not any(h.get("num_triplets", 1) for h in history):  # an untrained embedding
-        raise DataError(
-            f"no triplet could be drawn in {len(history)} steps: no training image has "
-            "near-boundary pixels of two classes; check the labels and their mapping "
-            "(meta.json, --label-map, --ignore-index) and --radius"
-        )
-    if history[-1]["step"] < cfg.steps:  # the time budget stopped it early
-        cfg = dataclasses.replace(cfg, steps=int(history[-1]["step"]))
+    return cfg, net.to(device), taps
+
+
+def fit_prototypes(
+    net: EmbeddingNet, dataset: torch.utils.data.Dataset, cfg: RefinerConfig,
+    class_names: Sequence[str], *, ignore_index: int, device: torch.device, num_workers: int,
+    progress: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Step 5 on ``dataset``, checked: at least two classes, warned of collapsed prototypes."""
     protos, present = stream_prototypes(
-        net, prototype_dataset if prototype_dataset is not None else dataset, len(class_names),
-        radius=cfg.radius, edge_method=cfg.edge_method, input_scale=cfg.input_scale,
-        output_stride=cfg.output_stride, ignore_index=ignore_index, device=device,
-        num_workers=num_workers, progress=progress,
+        net, dataset, len(class_names), radius=cfg.radius, edge_method=cfg.edge_method,
+        input_scale=cfg.input_scale, output_stride=cfg.output_stride, ignore_index=ignore_index,
+        device=device, num_workers=num_workers, progress=progress,
     )  # fmt: skip
     _check_prototypes(protos, present, class_names)
-    return Fitted(net, protos, present, cfg, history, taps)
+    return protos, present
 
 
 def _check_prototypes(protos: Tensor, present: Tensor, class_names: Sequence[str]) -> None:
