@@ -86,7 +86,7 @@ def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: b
     """An existing ``out`` or ``checkpoint`` (its training state) needs ``resume`` or
     ``overwrite``."""
     if overwrite and resume:
-        raise ConfigError("--resume continues the earlier fit, --overwrite replaces it: pass one")
+        raise ConfigError("--resume continues a fit, --overwrite replaces it: pass one of them")
     if overwrite or (resume and checkpoint.is_file()):
         return
     if resume and out.exists():
