@@ -163,7 +163,7 @@ class Fixed:
         self.c = c
         self.sigmas: list[float | None] = []
 
-    def candidates(self, images, probs, *, p1_blur_sigma=None):
+    def candidates(self, images, probs, *, p1_blur_sigma=None, features=None):
         self.sigmas.append(p1_blur_sigma)
         return self.c
 

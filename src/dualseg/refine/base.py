@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
@@ -103,23 +104,21 @@ class ProbsFolderBase:
             raise DataError(f"{folder}: no .npz probability maps ('dualseg predict --probs')")
         self.sources: dict[str, str | None] = {}  # output name -> stored source image path
         self.digests: dict[str, str] = {}  # output name -> its image's rgb_digest, if stored
-        names: dict[Path, tuple[str, ...] | None] = {}
+        self.class_names: tuple[str, ...] | None = None
         for path in files:
             data = self._read(path, keys=("class_names", "source", "image_sha1"))
             name = path.relative_to(self.folder).with_suffix("").as_posix()
             self.sources[name] = str(data["source"]) if "source" in data else None
             if "image_sha1" in data:
                 self.digests[name] = str(data["image_sha1"])
-            names[path] = (
-                tuple(str(n) for n in data["class_names"]) if "class_names" in data else None
-            )
-        self.class_names = names[files[0]]
-        odd = [p for p, n in names.items() if n != self.class_names]
-        if odd:
-            raise DataError(
-                f"{odd[0]} holds classes {names[odd[0]]} but {files[0]} holds "
-                f"{self.class_names}: keep one model's probabilities per folder"
-            )
+            classes = tuple(map(str, data["class_names"])) if "class_names" in data else None
+            if path == files[0]:
+                self.class_names = classes
+            elif classes != self.class_names:
+                raise DataError(
+                    f"{path} holds classes {classes} but {files[0]} holds "
+                    f"{self.class_names}: keep one model's probabilities per folder"
+                )
         self.palette = None
 
     def _read(self, path: Path, keys: Sequence[str] | None = None) -> dict[str, np.ndarray]:
@@ -135,7 +134,16 @@ class ProbsFolderBase:
     def _find(self, name: str, source: str | None) -> Path:
         """The map of image ``name`` (at path ``source`` when known)."""
         if source is not None:
-            match = _SourceMatch(source)
+            here = Path(source)
+            digest = functools.cache(lambda: rgb_digest(read_image(here)))
+
+            def match(stored: str, stored_digest: str | None) -> bool:
+                """The same file when both exist, else the same pixels when the map has a
+                digest (a bare ``x.png`` must not match a gone ``A/x.png``), else by path."""
+                if stored_digest is None or Path(stored).exists() or not here.is_file():
+                    return same_file(stored, source)
+                return digest() == stored_digest
+
             by_source = [n for n, s in self.sources.items() if s and match(s, self.digests.get(n))]
             if len(by_source) == 1:
                 return self.folder / f"{by_source[0]}.npz"
@@ -186,23 +194,6 @@ class ProbsFolderBase:
                 )
             out.append(probs)
         return torch.stack(out).to(images.device)
-
-
-class _SourceMatch:
-    """Whether a stored map's image is the image at ``source``: the same file when both exist;
-    else the same decoded pixels when the map stores a digest; else :func:`same_file`."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self._digest: str | None = None
-
-    def __call__(self, stored: str, stored_digest: str | None) -> bool:
-        here = Path(self.source)
-        if stored_digest is None or Path(stored).exists() or not here.is_file():
-            return same_file(stored, self.source)
-        if self._digest is None:
-            self._digest = rgb_digest(read_image(here))
-        return self._digest == stored_digest
 
 
 def _numbered(name: str, stem: str) -> bool:

@@ -39,10 +39,9 @@ log = logging.getLogger(__name__)
 def _batches(
     n: int, batch_size: int, seed: int, start_step: int, steps: int
 ) -> Iterator[list[tuple[int, int]]]:
-    """``(pass, index)`` batches for steps ``start_step..steps-1``: a fresh permutation per
-    pass over the data, seeded by (seed, pass), so a resumed run draws the batches it would
-    have drawn."""
-    per_epoch = max(1, n // batch_size) if n >= batch_size else 1
+    """``(pass, index)`` batches for steps ``start_step..steps-1``: a permutation per pass,
+    seeded by (seed, pass), so a resumed run draws the batches it would have drawn."""
+    per_epoch = max(1, n // batch_size)
     for step in range(start_step, steps):
         epoch, k = divmod(step, per_epoch)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
@@ -50,9 +49,8 @@ def _batches(
 
 
 class _EpochView(torch.utils.data.Dataset):
-    """``view[(pass, i)] = dataset[i]`` with the dataset's augmentation seeded for that pass
-    (``set_epoch``, when it has one), also inside DataLoader workers: each pass over the data
-    sees new augmentations."""
+    """``view[(pass, i)] = dataset[i]`` with the augmentation seeded for that pass (also in
+    DataLoader workers)."""
 
     def __init__(self, dataset: torch.utils.data.Dataset) -> None:
         self.dataset = dataset
@@ -137,7 +135,7 @@ def train_embedding(
     if meta_classes is not None and len(meta_classes) != len(class_names):  # before any step
         raise ConfigError(
             f"the dataset has {len(meta_classes)} classes and the refiner {len(class_names)} "
-            "class names: pass the dataset's (class_names=dataset.meta.class_names)"
+            "class names: pass dataset.meta.class_names"
         )
     params = [p for p in net.parameters() if p.requires_grad]
     opt: torch.optim.Optimizer = (
@@ -169,8 +167,6 @@ def train_embedding(
         checkpoint_every=checkpoint_every, time_budget_s=time_budget_s,
     )  # fmt: skip
     net.eval()
-    if not history:  # time_budget_s ran out before the first step
-        raise ConfigError(f"the time budget ({time_budget_s} s) ended before the first step")
     if not any(h.get("num_triplets", 1) for h in history):  # an untrained embedding
         raise DataError(
             f"no triplet could be drawn in {len(history)} steps: no training image has "
@@ -206,10 +202,9 @@ def _run_steps(
             bar.set_postfix(loss=f"{stats['loss']:.3f}", viol=f"{stats['violating']:.2f}",
                             margin=f"{stats['margin']:.2f}")  # fmt: skip
             if log_every and (step + 1) % log_every == 0:
-                bar.write(
-                    f"[{step + 1}/{cfg.steps}] triplet loss {stats['loss']:.4f}, violating "
-                    f"{100 * stats['violating']:.1f}%, margin {stats['margin']:.3f}"
-                )
+                v, m = 100 * stats["violating"], stats["margin"]
+                bar.write(f"[{step + 1}/{cfg.steps}] triplet loss {stats['loss']:.4f}, "
+                          f"violating {v:.1f}%, margin {m:.3f}")  # fmt: skip
             reached = step + 1
             if reached % max(1, checkpoint_every) == 0:
                 save(reached)
@@ -234,14 +229,10 @@ def embedding_net(
 ) -> EmbeddingNet:
     """The step-3 model ``cfg`` describes (``weights``: backbone initialization)."""
     return build_embedding_net(
-        cfg.backbone,
-        embed_dim=cfg.embed_dim,
-        output_stride=cfg.output_stride,
-        aspp_rates=cfg.aspp_rates,
-        weights=weights,
+        cfg.backbone, embed_dim=cfg.embed_dim, output_stride=cfg.output_stride,
+        aspp_rates=cfg.aspp_rates, weights=weights, decoder_channels=cfg.decoder_channels,
         freeze_backbone=cfg.backbone_source == "base-frozen",
-        decoder_channels=cfg.decoder_channels,
-    )
+    )  # fmt: skip
 
 
 def prepare_net(
@@ -329,9 +320,8 @@ def _check_prototypes(protos: Tensor, present: Tensor, class_names: Sequence[str
 def coinciding_prototypes(
     prototypes: Tensor, present: Tensor, class_names: Sequence[str], *, rtol: float = 1e-4
 ) -> list[tuple[str, str]]:
-    """The pairs of present classes whose prototypes lie within ``rtol`` of the prototypes'
-    mean length of each other: a collapsed embedding (a healthy one keeps its closest pair
-    about 0.1 of that length apart; a 3-step fit from random weights, 1e-6)."""
+    """The pairs of present classes whose prototypes lie within ``rtol`` of their mean length of
+    each other: a collapsed embedding (a healthy one keeps its closest pair ~0.1 apart)."""
     index = present.nonzero().flatten()
     protos = prototypes[index].float()
     if len(protos) < 2:

@@ -236,14 +236,11 @@ def run_fit(
     if init_backbone != "base" and cfg.backbone_source == "independent":
         init_weights = None if init_backbone == "none" else weights or "imagenet"
     elif not hasattr(base, "module"):
-        raise ConfigError(
-            "--init-backbone base / --backbone-source base-* need --base to be a model"
-        )
+        raise ConfigError("--init-backbone base and --backbone-source base-* need a --base model")
     else:
         init_from = base.module
     taps_of = getattr(base, "module", None) if cfg.base_features else None
-    reads_base = init_from is not None or taps_of is not None
-    read = base_name if reads_base else None
+    read = base_name if init_from is not None or taps_of is not None else None
     inputs = fit_inputs(root, **where, crop_size=crop_size, labels=labels,
                         scale_range=scale_range, base=read)  # fmt: skip
     if overwrite:  # every input checked: the earlier fit's state goes now
@@ -264,12 +261,15 @@ def run_fit(
     refiner.label_contract = None if contract is None else contract.to_dict()
     if data.held_out is None:
         return refiner, ""
-    split = data.held_out_split
-    rows = calibrate(refiner, base, data.held_out, files, split=split, metric=calibrate_metric,
-                     device=device)  # fmt: skip
-    report = calibration_report(rows, refiner.config, split=split,
-                                metric=calibrate_metric, images=len(data.held_out))  # fmt: skip
-    return refiner, report
+    split, metric = data.held_out_split, calibrate_metric
+    rows = calibrate(refiner, base, data.held_out, files, split=split, metric=metric, device=device)
+    chosen = ", ".join(f"{k} {getattr(refiner.config, k)}" for k in DECISION_KEYS)
+    if refiner.config.gate_margin == 0:
+        chosen = "gate_margin 0, never relabel (refinement did not help this base)"
+    return refiner, (
+        f"decision sweep on {split} ({len(data.held_out)} held-out images):\n"
+        f"{format_sweep(rows, metric=metric)}\nchosen: {chosen}"
+    )
 
 
 def calibrate(
@@ -298,15 +298,12 @@ def calibrate(
                               shared=shared)  # fmt: skip
     refiner.config = dataclasses.replace(refiner.config, **choose_decision(rows, metric=metric))
     refiner.calibration = {
-        "split": split,
-        "images": len(held_out),
+        "split": split, "images": len(held_out), "metric": metric, "rows": rows,
         # by content: eval finds these images under any split name, root or file name
         "image_digests": [file_digest(path) for path, _ in files],
-        "metric": metric,
-        "rows": rows,
-        # the base these options were chosen for (a model's; a probability folder: unknown)
+        # the base these options were chosen for (a probability folder: unknown)
         "base_fingerprint": None if module is None else model_fingerprint(module),
-    }
+    }  # fmt: skip
     return rows
 
 
@@ -314,29 +311,15 @@ def fit_summary(refiner: Any, out: Path) -> str:
     """What ``refine fit`` prints at the end: the last step's readings and the refiner."""
     cfg, lines = refiner.config, []
     if refiner.history:
-        last = refiner.history[-1]
-        violating = 100 * last["violating"]
-        lines.append(f"step {last['step']}: loss {last['loss']:.4f}, violating triplets "
-                     f"{violating:.1f}%, mean margin {last['margin']:.3f}")  # fmt: skip
-    present = refiner.present.tolist()
-    missing = [n for n, p in zip(refiner.class_names, present) if not p]
+        h = refiner.history[-1]
+        lines.append(f"step {h['step']}: loss {h['loss']:.4f}, violating triplets "
+                     f"{100 * h['violating']:.1f}%, mean margin {h['margin']:.3f}")  # fmt: skip
+    missing = [n for n, p in zip(refiner.class_names, refiner.present.tolist()) if not p]
     no_proto = f"; no prototype for {missing}" if missing else ""
     on = f"taps {' + '.join(refiner.taps.names)}" if refiner.taps else cfg.backbone
     lines.append(f"refiner ({on}, C={cfg.embed_dim}, {refiner.num_classes} classes"
                  f"{no_proto}) -> {out}")  # fmt: skip
     return "\n".join(lines)
-
-
-def calibration_report(rows: list[dict[str, Any]], cfg: RefinerConfig, *, split: str,
-                       images: int, metric: str) -> str:  # fmt: skip
-    """What ``refine fit --calibrate-split`` prints: the sweep's best rows and the choice."""
-    chosen = ", ".join(f"{k} {getattr(cfg, k)}" for k in DECISION_KEYS)
-    if cfg.gate_margin == 0:
-        chosen = "gate_margin 0, never relabel (refinement did not help this base)"
-    return (
-        f"decision sweep on {split} ({images} held-out images):\n"
-        f"{format_sweep(rows, metric=metric)}\nchosen: {chosen}"
-    )
 
 
 def format_sweep(rows: list[dict[str, Any]], *, metric: str, best: int = 5) -> str:
