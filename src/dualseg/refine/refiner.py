@@ -49,6 +49,12 @@ class BoundaryRefiner:
         self.config = config or RefinerConfig(embed_dim=int(prototypes.shape[1]))
         self.class_names = tuple(str(n) for n in class_names)
         self.palette = None if palette is None else tuple(tuple(map(int, c)) for c in palette)
+        if self.palette and (
+            len(self.palette) != self.num_classes or {len(c) for c in self.palette} != {3}
+        ):
+            raise ConfigError(
+                f"a refiner palette needs one RGB colour per class ({self.num_classes})"
+            )
         self.net = net.eval()
         self.prototypes = prototypes.float()
         self.present = present.bool()

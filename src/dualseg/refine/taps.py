@@ -56,41 +56,34 @@ def base_logits(base: Callable[[Tensor], Any], images: Tensor) -> Tensor:
     return out.float()
 
 
-def _outputs(model: nn.Module, sample: Tensor) -> dict[str, Tensor]:
-    """The first 4-D output of each module of ``model`` on ``sample``, in call order."""
-    modules = dict(model.named_modules())
+def list_taps(model: nn.Module, sample: Tensor | None = None) -> list[Tap]:
+    """Every module of ``model`` whose first output on ``sample`` (default ``1x3x256x256``
+    zeros, on the model's device) is a feature map ``[1,C,h,w]`` at a whole stride, in call
+    order."""
+    if sample is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        sample = torch.zeros(1, 3, *SAMPLE_SIZE, device=device)
     kept: dict[str, Tensor] = {}
 
-    def hook(name: str) -> Callable[..., None]:
-        def keep(_m: nn.Module, _a: Any, out: Any) -> None:
-            if isinstance(out, Tensor) and out.dim() == 4 and name not in kept:
-                kept[name] = out.detach()
+    def keep(name: str, out: Any) -> None:
+        if isinstance(out, Tensor) and out.dim() == 4 and name not in kept:
+            kept[name] = out.detach()
 
-        return keep
-
-    handles = [modules[n].register_forward_hook(hook(n)) for n in modules if n]
+    handles = [m.register_forward_hook(lambda _m, _a, out, n=n: keep(n, out))
+               for n, m in model.named_modules() if n]  # fmt: skip
     try:
         with torch.no_grad(), eval_mode(model):
             model(sample)
     finally:
         for h in handles:
             h.remove()
-    return kept
-
-
-def list_taps(model: nn.Module, sample: Tensor | None = None) -> list[Tap]:
-    """Every module of ``model`` whose output on ``sample`` (default ``1x3x256x256`` zeros, on
-    the model's device) is a feature map ``[1,C,h,w]`` at a whole stride, in call order."""
-    if sample is None:
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        sample = torch.zeros(1, 3, *SAMPLE_SIZE, device=device)
     H, W = sample.shape[-2:]
-    taps = []
-    for name, out in _outputs(model, sample).items():
-        h, w = out.shape[-2:]
-        if H % h == 0 and W % w == 0 and H // h == W // w:
-            taps.append(Tap(name, int(out.shape[1]), H // h, (h, w)))
-    return taps
+    return [
+        Tap(name, int(out.shape[1]), H // out.shape[-2], tuple(out.shape[-2:]))
+        for name, out in kept.items()
+        if H % out.shape[-2] == 0 and W % out.shape[-1] == 0
+        and H // out.shape[-2] == W // out.shape[-1]
+    ]  # fmt: skip
 
 
 def pick_taps(model: nn.Module, taps: Sequence[Tap]) -> tuple[str, str] | None:
