@@ -237,12 +237,11 @@ def embedding_net(
 
 def prepare_net(
     cfg: RefinerConfig, *, base: nn.Module | None,
-    init_from: nn.Module | Mapping[str, Tensor] | None, net: EmbeddingNet | None,
+    init_from: nn.Module | Mapping[str, Tensor] | None,
     weights: str | os.PathLike[str] | None, device: torch.device,
 ) -> tuple[RefinerConfig, EmbeddingNet, TapRecord | None]:  # fmt: skip
     """Step 3's model on ``device``: on the base's taps (``cfg.base_features``, which then set
     the embedding's input and stride), or its own backbone (``init_from``: the base's)."""
-    taps = None
     if cfg.base_features is not None:
         if not isinstance(base, nn.Module):
             raise ConfigError(
@@ -263,22 +262,21 @@ def prepare_net(
             cfg, base_features=taps.names, backbone="base", backbone_source="base-frozen",
             input_scale=1.0, output_stride=taps.strides[1],
         )  # fmt: skip
-        if net is None:
-            with seeded(cfg.seed):
-                net = tap_embedding_net(taps, embed_dim=cfg.embed_dim, aspp_rates=cfg.aspp_rates,
-                                        decoder_channels=cfg.decoder_channels)  # fmt: skip
+        with seeded(cfg.seed):
+            net = tap_embedding_net(taps, embed_dim=cfg.embed_dim, aspp_rates=cfg.aspp_rates,
+                                    decoder_channels=cfg.decoder_channels)  # fmt: skip
         net.backbone.attach(base)
-    if cfg.backbone_source != "independent" and init_from is None and net is None:
+        return cfg, net.to(device), taps
+    if cfg.backbone_source != "independent" and init_from is None:
         raise ConfigError(
             f"backbone_source={cfg.backbone_source!r} takes the base model's backbone: pass "
             "the base model (init_from; on the CLI --base CHECKPOINT)"
         )
-    if net is None:
-        with seeded(cfg.seed):  # the random head (and backbone) too: one seed, one refiner
-            net = embedding_net(cfg, weights=weights)
-        if init_from is not None:  # the base's whole backbone, or refused
-            init_backbone_from(net.backbone, init_from, strict=True)
-    return cfg, net.to(device), taps
+    with seeded(cfg.seed):  # the random head (and backbone) too: one seed, one refiner
+        net = embedding_net(cfg, weights=weights)
+    if init_from is not None:  # the base's whole backbone, or refused
+        init_backbone_from(net.backbone, init_from, strict=True)
+    return cfg, net.to(device), None
 
 
 def fit_prototypes(

@@ -297,8 +297,8 @@ class BoundaryRefiner:
         prototype_dataset: torch.utils.data.Dataset | None = None,
         weights: str | os.PathLike[str] | None = "imagenet",
         init_from: nn.Module | Mapping[str, Tensor] | None = None, base: nn.Module | None = None,
-        base_features: Sequence[str] | str | None = None, net: EmbeddingNet | None = None,
-        device: str | torch.device = "cpu", num_workers: int = 0,
+        base_features: Sequence[str] | str | None = None, device: str | torch.device = "cpu",
+        num_workers: int = 0,
         checkpoint: str | os.PathLike[str] | None = None, checkpoint_every: int = 200,
         resume: bool = False, progress: bool = True, log_every: int = 0, ignore_index: int = 255,
         time_budget_s: float | None = None, palette: Sequence[Sequence[int]] | None = None,
@@ -309,15 +309,11 @@ class BoundaryRefiner:
         if base_features is not None:
             names = (base_features,) if isinstance(base_features, str) else tuple(base_features)
             config = dataclasses.replace(config, base_features=names)
-        if (
-            init_from is None
-            and config.backbone_source != "independent"
-            and not config.base_features
-        ):
-            init_from = base
+        if config.backbone_source != "independent" and not config.base_features:
+            init_from = base if init_from is None else init_from
         device = resolve_device(device)
-        config, net, taps = prepare_net(config, base=base, init_from=init_from, net=net,
-                                        weights=weights, device=device)  # fmt: skip
+        config, net, taps = prepare_net(config, base=base, init_from=init_from, weights=weights,
+                                        device=device)  # fmt: skip
         history = train_embedding(
             net, dataset, config, class_names=class_names, device=device,
             num_workers=num_workers, progress=progress, ignore_index=ignore_index,
