@@ -50,7 +50,8 @@ def test_every_transition_found_whatever_the_values() -> None:
 
 
 def test_rank_coding_equals_sorting_for_every_label_kind() -> None:
-    from dualseg.refine.boundary import _codes
+    from dualseg.metrics import neighbour_transitions
+    from dualseg.refine.boundary import semantic_boundary
 
     rng = np.random.default_rng(1)
     cases = [
@@ -63,11 +64,13 @@ def test_rank_coding_equals_sorting_for_every_label_kind() -> None:
     ]
     for label in cases:
         values, inverse = np.unique(label, return_inverse=True)
-        count, codes = _codes(label)
-        assert count == len(values)
-        if count < 2 or count > 256:  # no boundary, or no 8-bit coding
-            assert codes is None
+        edges = semantic_boundary(label, method="canny_only")
+        if len(values) < 2:
+            assert not edges.any()
             continue
-        step = 255 // max(count - 1, 1)  # ranks spread evenly over 0..255
-        assert codes is not None and codes.dtype == np.uint8
-        assert np.array_equal(codes, (inverse.reshape(label.shape) * step).astype(np.uint8))
+        if len(values) > 256:  # no 8-bit coding: the transitions
+            assert np.array_equal(edges, neighbour_transitions(label))
+            continue
+        step = 255 // (len(values) - 1)  # ranks spread evenly over 0..255
+        codes = (inverse.reshape(label.shape) * step).astype(np.uint8)
+        assert np.array_equal(edges, cv2.Canny(codes, 1, 1, L2gradient=True) > 0)

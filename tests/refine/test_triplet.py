@@ -77,8 +77,6 @@ def test_a_pool_of_negatives_are_all_false_examples_and_one_negative_is_the_plai
     plain = sample_triplets(labels, 100, generator=torch.Generator().manual_seed(3))
     single = sample_triplets(labels, 100, negatives=1, generator=torch.Generator().manual_seed(3))
     assert all(torch.equal(a, b) for a, b in zip(plain, single))
-    with pytest.raises(ConfigError, match="negatives"):
-        sample_triplets(labels, 10, negatives=0)
 
 
 def test_semi_hard_takes_the_nearest_negative_beyond_the_positive_else_the_farthest() -> None:
@@ -88,8 +86,6 @@ def test_semi_hard_takes_the_nearest_negative_beyond_the_positive_else_the_farth
     pool = torch.tensor([[2, 4, 3], [5, 6, 2]])  # row 1: every negative nearer than the positive
     assert mine_negatives(emb, t1, t2, pool, "semi-hard").tolist() == [3, 6]
     assert mine_negatives(emb, t1, t2, pool, "random").tolist() == [2, 5]
-    with pytest.raises(ConfigError, match="mining"):
-        mine_negatives(emb, t1, t2, pool, "hardest")
     with pytest.raises(ConfigError, match="mining"):
         RefinerConfig(mining="hard")
 

@@ -30,23 +30,19 @@ def configure(
     refiner: Any, base: Any, *, top_n: int | None, radius: int | None, refiner_name: str,
     base_name: str, augmented: bool,
 ) -> list[str]:  # fmt: skip
-    """Apply the ``top_n`` / ``radius`` overrides and check ``base`` against ``refiner``;
-    returns the notes and warnings to show (``"note: ..."``, ``"warning: ..."``)."""
+    """Apply the ``top_n`` / ``radius`` overrides and check ``base`` against ``refiner``:
+    the notes and warnings to show."""
     notes = [f"note: {text}"] if (text := refiner.calibration_note()) else []
     overrides = {k: v for k, v in (("top_n", top_n), ("radius", radius)) if v is not None}
     if overrides and refiner.calibration is not None:  # the sweep ran at the stored ones
         stored = ", ".join(f"{k} {getattr(refiner.config, k)}" for k in overrides)
-        notes.append(
-            f"note: {refiner_name}'s decision options were chosen (--calibrate-split) at "
-            f"{stored}; at other values they may no longer be the best"
-        )
+        notes.append(f"note: {refiner_name}'s decision options were chosen (--calibrate-split) "
+                     f"at {stored}; at other values they may not be the best")  # fmt: skip
     refiner.config = dataclasses.replace(refiner.config, **overrides)
     if top_n is not None and top_n > refiner.num_classes:  # a stored one was noted by fit
         notes.append(f"note: {top_n_over_classes(top_n, refiner.num_classes)}")
     if refiner.config.top_n == 1:
-        notes.append(
-            "note: Top-N 1 leaves each pixel one candidate, the base's label: no pixel can change"
-        )
+        notes.append("note: Top-N 1 leaves each pixel one candidate: no pixel can change")
     if base.class_names is not None:
         refiner.check_classes(base.class_names, len(base.class_names), what=base_name)
     check_contract(refiner, getattr(base, "contract", None), refiner_name=refiner_name,
@@ -56,8 +52,7 @@ def configure(
     if augmented and not hasattr(base, "module"):
         raise ConfigError(
             f"--mode slide and --tta-* run the base model, but --base {base_name} holds saved "
-            "probabilities; pass a checkpoint, or save them with 'dualseg predict --probs' "
-            "and the same options"
+            "probabilities: pass a checkpoint"
         )
     return notes
 
@@ -74,23 +69,17 @@ def base_scores(
 ) -> torch.Tensor:
     """The base's class scores for one image, with ``opts``' sliding window and TTA."""
     scores = infer_logits(
-        lambda t: base.scores(t, [name] * t.shape[0], sources=[str(path)] * t.shape[0]),
-        x,
-        mode=opts.mode,
-        window=opts.window,
-        stride=opts.stride,
-        tta_scales=opts.tta_scales,
-        tta_flip=opts.tta_flip,
-        tile_batch=opts.tile_batch,
-    ).float()
+        lambda t: base.scores(t, [name] * t.shape[0], sources=[str(path)] * t.shape[0]), x,
+        mode=opts.mode, window=opts.window, stride=opts.stride, tta_scales=opts.tta_scales,
+        tta_flip=opts.tta_flip, tile_batch=opts.tile_batch,
+    ).float()  # fmt: skip
     augmented = opts.mode != "whole" or opts.uses_tta
     return scores.softmax(1) if augmented else scores  # the averaged log-probabilities came back
 
 
 def crf_settings(top_n: int | None, radius: int | None) -> CRFSettings:
     """``refine apply --crf``: the dense CRF, method B's overrides refused (it has none)."""
-    given = [f for f, v in (("--top-n", top_n), ("--radius", radius)) if v is not None]
-    if given:
+    if given := [f for f, v in (("--top-n", top_n), ("--radius", radius)) if v is not None]:
         raise ConfigError(
             f"{' and '.join(given)} set method B's refiner; --crf has none: drop them"
         )
@@ -134,12 +123,8 @@ def apply_images(
                     (out / folder / f"{name}.png").unlink(missing_ok=True)
                 continue
             x = torch.from_numpy(normalize([rgb])).to(device)
-            amp_ctx = (
-                torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-                if cuda_amp
-                else contextlib.nullcontext()
-            )
-            with torch.no_grad(), amp_ctx:
+            bf16 = torch.autocast("cuda", dtype=torch.bfloat16) if cuda_amp else None
+            with torch.no_grad(), bf16 or contextlib.nullcontext():
                 scores = base_scores(base, x, name, path, opts)
                 if crf:  # probabilities: a model's logits; averaged ones already are
                     plain_logits = hasattr(base, "module") and not augmented

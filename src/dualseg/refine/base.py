@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import os
@@ -32,9 +34,8 @@ class BaseModel(Protocol):
 
 
 class ModuleBase:
-    """Wraps a segmentation ``nn.Module``: each call runs it in eval mode without gradients
-    and gives it back in its own mode (a model being fine-tuned stays in train mode, and its
-    BatchNorm statistics never move)."""
+    """A segmentation ``nn.Module`` (or callable), run in eval mode without gradients and given
+    back in its own mode."""
 
     def __init__(
         self, module: nn.Module | Any, *, class_names: Sequence[str] | None = None,
@@ -50,15 +51,13 @@ class ModuleBase:
         self, images: Tensor, names: Sequence[str] = (), sources: Sequence[str] | None = None
     ) -> Tensor:
         """Logits at the image size; ``names`` / ``sources`` are not needed by a model."""
-        if not isinstance(self.module, nn.Module):  # a plain callable: no modes to set
-            return base_logits(self.module, images.to(self.device))
-        with eval_mode(self.module):
+        module = self.module if isinstance(self.module, nn.Module) else None
+        with eval_mode(module) if module is not None else contextlib.nullcontext():
             return base_logits(self.module, images.to(self.device))
 
 
 def model_fingerprint(module: nn.Module) -> str:
-    """A short hash of a model's weights (names, shapes and values): which base a refiner's
-    decision options were calibrated on, so that applying them to another is said."""
+    """A short hash of a model's weights: the base a refiner's decision was calibrated on."""
     digest = hashlib.sha256()
     for key, tensor in module.state_dict().items():
         digest.update(f"{key}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
@@ -74,8 +73,8 @@ OTHER_BASE = (
 
 
 def other_calibration_base(refiner: Any, module: nn.Module | None) -> bool:
-    """Whether ``refiner``'s decision options were calibrated on a base model other than ``module``
-    (False when unknown: no calibration, a probability-folder base, an older refiner)."""
+    """Whether ``refiner``'s decision was calibrated on another base than ``module`` (False
+    when unknown)."""
     calibrated = (getattr(refiner, "calibration", None) or {}).get("base_fingerprint")
     return bool(calibrated) and module is not None and calibrated != model_fingerprint(module)
 
@@ -83,13 +82,11 @@ def other_calibration_base(refiner: Any, module: nn.Module | None) -> bool:
 def checkpoint_base(
     path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
 ) -> ModuleBase:
-    """A dualseg checkpoint, pretrained folder or ``hf://org/name`` as a base model (its class
-    names and palette come along)."""
+    """A dualseg checkpoint, pretrained folder or ``hf://org/name`` as a base model."""
     model, meta, ckpt = load_network(path, device=device)  # fed ImageNet-normalized images
     base = ModuleBase(model, class_names=meta.class_names, palette=meta.palette, device=device)
     base.arch = str(ckpt["arch"])  # type: ignore[attr-defined]
-    # how its training read the labels (label_map, ignore_index, ...): refine fit reads the
-    # refiner's training labels the same way; a pretrained folder stores none
+    # how its training read the labels: refine fit reads the refiner's the same way
     base.trained_data = dict((ckpt.get("config") or {}).get("data") or {})  # type: ignore[attr-defined]
     base.contract = contract_of(ckpt)  # type: ignore[attr-defined]
     return base
@@ -104,30 +101,24 @@ class ProbsFolderBase:
         self.folder = folder / "probs" if (folder / "probs").is_dir() else folder
         files = sorted(self.folder.rglob("*.npz"))
         if not files:
-            raise DataError(
-                f"{folder}: no .npz probability maps found; write them with "
-                "'dualseg predict --probs ... --out DIR' and pass DIR"
-            )
+            raise DataError(f"{folder}: no .npz probability maps ('dualseg predict --probs')")
         self.sources: dict[str, str | None] = {}  # output name -> stored source image path
         self.digests: dict[str, str] = {}  # output name -> its image's rgb_digest, if stored
-        names: dict[Path, tuple[str, ...] | None] = {}
+        self.class_names: tuple[str, ...] | None = None
         for path in files:
             data = self._read(path, keys=("class_names", "source", "image_sha1"))
             name = path.relative_to(self.folder).with_suffix("").as_posix()
             self.sources[name] = str(data["source"]) if "source" in data else None
             if "image_sha1" in data:
                 self.digests[name] = str(data["image_sha1"])
-            names[path] = (
-                tuple(str(n) for n in data["class_names"]) if "class_names" in data else None
-            )
-        self.class_names = names[files[0]]
-        odd = [p for p, n in names.items() if n != self.class_names]
-        if odd:
-            raise DataError(
-                f"{odd[0]} holds classes {names[odd[0]]} but {files[0]} holds "
-                f"{self.class_names}: the folder mixes probabilities of different models; "
-                "keep one model's 'dualseg predict --probs' output per folder"
-            )
+            classes = tuple(map(str, data["class_names"])) if "class_names" in data else None
+            if path == files[0]:
+                self.class_names = classes
+            elif classes != self.class_names:
+                raise DataError(
+                    f"{path} holds classes {classes} but {files[0]} holds "
+                    f"{self.class_names}: keep one model's probabilities per folder"
+                )
         self.palette = None
 
     def _read(self, path: Path, keys: Sequence[str] | None = None) -> dict[str, np.ndarray]:
@@ -136,14 +127,23 @@ class ProbsFolderBase:
                 return {k: z[k] for k in z.files if keys is None or k in keys}
         except Exception as err:  # numpy raises zipfile.BadZipFile, EOFError, TypeError, ...
             raise DataError(
-                f"{path}: not a readable probability file ({type(err).__name__}: {err}); write "
-                "it again with 'dualseg predict --probs'"
+                f"{path}: not a readable probability file ({type(err).__name__}: {err}); "
+                "write it again with 'dualseg predict --probs'"
             ) from err
 
     def _find(self, name: str, source: str | None) -> Path:
         """The map of image ``name`` (at path ``source`` when known)."""
         if source is not None:
-            match = _SourceMatch(source)
+            here = Path(source)
+            digest = functools.cache(lambda: rgb_digest(read_image(here)))
+
+            def match(stored: str, stored_digest: str | None) -> bool:
+                """The same file when both exist, else the same pixels when the map has a
+                digest (a bare ``x.png`` must not match a gone ``A/x.png``), else by path."""
+                if stored_digest is None or Path(stored).exists() or not here.is_file():
+                    return same_file(stored, source)
+                return digest() == stored_digest
+
             by_source = [n for n, s in self.sources.items() if s and match(s, self.digests.get(n))]
             if len(by_source) == 1:
                 return self.folder / f"{by_source[0]}.npz"
@@ -151,8 +151,7 @@ class ProbsFolderBase:
             if stored and not match(stored, self.digests.get(name)):
                 raise DataError(
                     f"{self.folder / name}.npz holds the probabilities of {stored}, not of "
-                    f"{source}; pass the probability folder predicted for this image "
-                    "('dualseg predict --probs' on the same inputs)"
+                    f"{source}; pass the folder predicted for these images"
                 )
         elif self.sources.get(name):
             # predict names a second x.png "x_1": such a pair is ambiguous by name alone
@@ -165,30 +164,22 @@ class ProbsFolderBase:
             )
             if len(sharing) > 1:
                 raise DataError(
-                    f"{self.folder}: {', '.join(f'{n}.npz' for n in sharing)} all hold "
-                    f"probabilities of images named {file_name}; the image {name!r} cannot be "
-                    "matched by name: give the images' paths (sources) or refine one folder "
-                    "at a time"
+                    f"{self.folder}: {', '.join(f'{n}.npz' for n in sharing)} all hold images "
+                    f"named {file_name}: give the images' paths (sources)"
                 )
         path = self.folder / f"{name}.npz"
         if not path.is_file():
-            raise DataError(
-                f"no probabilities for image {source or name!r}: {path} is missing (run "
-                "'dualseg predict --probs' on the same inputs)"
-            )
+            raise DataError(f"no probabilities for image {source or name!r}: {path} is missing")
         return path
 
     def require(self, names: Sequence[str], sources: Sequence[str]) -> None:
-        """Raise the :class:`DataError` that :meth:`scores` would for the first of these images
-        without a map here (so a command can refuse before hours of work, not after)."""
+        """Refuse, before any work, the first of these images without a map here."""
         for name, source in zip(names, sources):
             self._find(name, str(source))
 
     def scores(
         self, images: Tensor, names: Sequence[str], sources: Sequence[str] | None = None
     ) -> Tensor:
-        if len(names) != images.shape[0] or (sources is not None and len(sources) != len(names)):
-            raise DataError("a probability folder needs the name of every image")
         out = []
         for i, name in enumerate(names):
             path = self._find(name, None if sources is None else str(sources[i]))
@@ -199,30 +190,10 @@ class ProbsFolderBase:
             if probs.shape[-2:] != images.shape[-2:]:
                 raise DataError(
                     f"{path}: probabilities are {probs.shape[2]}x{probs.shape[1]} but the image "
-                    f"is {images.shape[-1]}x{images.shape[-2]} (WxH); use the maps predicted "
-                    "for this very image, at its original size"
+                    f"is {images.shape[-1]}x{images.shape[-2]} (WxH)"
                 )
             out.append(probs)
         return torch.stack(out).to(images.device)
-
-
-class _SourceMatch:
-    """Whether a stored map's image is the image at ``source``: the same file on disk when both
-    paths exist here; else, when the map stores its image's digest and ``source`` exists, the
-    same decoded pixels (a bare ``x.png`` must not match a stored ``.../A/x.png`` that is gone);
-    else, for maps without a digest (older dualseg), :func:`same_file`'s trailing-path rule."""
-
-    def __init__(self, source: str) -> None:
-        self.source = source
-        self._digest: str | None = None
-
-    def __call__(self, stored: str, stored_digest: str | None) -> bool:
-        here = Path(self.source)
-        if stored_digest is None or Path(stored).exists() or not here.is_file():
-            return same_file(stored, self.source)
-        if self._digest is None:
-            self._digest = rgb_digest(read_image(here))
-        return self._digest == stored_digest
 
 
 def _numbered(name: str, stem: str) -> bool:
@@ -231,8 +202,7 @@ def _numbered(name: str, stem: str) -> bool:
 
 
 def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
-    """Whether two image paths name the same file: the same file on disk when both exist
-    here, else one path a trailing part of the other (``predict`` may have run elsewhere)."""
+    """The same file on disk when both exist, else one path a trailing part of the other."""
     pa, pb = Path(a), Path(b)
     if pa.exists() and pb.exists():
         return os.path.samefile(pa, pb)
@@ -242,8 +212,8 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
 
 
 def python_model(spec: str) -> nn.Module:
-    """The ``nn.Module`` a ``file.py:NAME`` or ``package.module:NAME`` spec names (``NAME`` a
-    model, or a function of no arguments that returns one): a model dualseg did not build."""
+    """The ``nn.Module`` (or a function of no arguments returning it) ``file.py:NAME`` or
+    ``package.module:NAME`` names."""
     where, name = spec.rsplit(":", 1)
     try:
         if where.endswith(".py"):
@@ -261,10 +231,7 @@ def python_model(spec: str) -> nn.Module:
     except Exception as err:  # the user's code: any error, said in one line
         raise ConfigError(f"--base {spec}: {type(err).__name__}: {err}") from None
     if not isinstance(model, nn.Module):
-        raise ConfigError(
-            f"--base {spec} gives a {type(model).__name__}, not a torch nn.Module; name the "
-            "model, or a function of no arguments that returns it"
-        )
+        raise ConfigError(f"--base {spec} gives a {type(model).__name__}, not a torch nn.Module")
     return model
 
 
@@ -274,8 +241,8 @@ def load_base(
     device: str | torch.device = "cpu",
     class_names: Sequence[str] | None = None,
 ) -> BaseModel:
-    """Any accepted base (module or other callable giving logits, checkpoint file, pretrained
-    folder or ``hf://``, probability folder, ``file.py:NAME``) as a :class:`BaseModel`."""
+    """Any accepted base (module or callable, checkpoint, pretrained folder or ``hf://``,
+    probability folder, ``file.py:NAME``) as a :class:`BaseModel`."""
     if isinstance(base, nn.Module) or (callable(base) and not hasattr(base, "scores")):
         return ModuleBase(base, class_names=class_names, device=device)
     if hasattr(base, "scores"):
@@ -295,10 +262,7 @@ def describe_layers(spec: str, size: Sequence[int]) -> str:
     """``refine layers``: the feature-map modules of base ``spec`` on a blank sample, a table."""
     model = getattr(load_base(spec), "module", None)
     if not isinstance(model, nn.Module):
-        raise ConfigError(
-            f"--base {spec} holds saved probabilities, not a model: pass a checkpoint "
-            "or file.py:NAME"
-        )
+        raise ConfigError(f"--base {spec} holds saved probabilities, not a model")
     try:
         taps = list_taps(model, torch.zeros(1, 3, *size))
     except DualsegError:
@@ -311,12 +275,9 @@ def describe_layers(spec: str, size: Sequence[int]) -> str:
     lines = [f"{'module':<44} {'channels':>8} {'stride':>6}  size"]
     lines += [f"{t.name:<44} {t.channels:>8} {t.stride:>6}  {t.size[0]}x{t.size[1]}" for t in taps]
     picked = pick_taps(model, taps)
-    if picked:
-        lines.append(
-            f"suggested: --base-features {picked[0]} {picked[1]} (or --base-features auto)"
-        )
-    else:
-        lines.append(
-            "no taps picked for this layout: choose LOW (stride 4) and HIGH (stride 16 or 32)"
-        )
+    lines.append(
+        f"suggested: --base-features {picked[0]} {picked[1]} (or --base-features auto)"
+        if picked
+        else "no taps picked for this layout: choose LOW (stride 4) and HIGH (stride 16 or 32)"
+    )
     return "\n".join(lines)

@@ -16,29 +16,18 @@ EDGE_METHODS = ("canny", "canny_only", "neighbour")
 
 
 def semantic_boundary(label: np.ndarray, *, method: str = "canny") -> np.ndarray:
-    """Boundary pixels (bool HxW) of one integer label map; every label transition is found."""
-    if method not in EDGE_METHODS:
-        raise ConfigError(f"unknown boundary method {method!r}; choose one of {EDGE_METHODS}")
+    """Boundary pixels (bool HxW) of one integer label map (ignore takes part: a class/void
+    border is a boundary); ``canny`` adds every 4-neighbour transition to Canny's edges."""
     label = np.asarray(label)
     if method == "neighbour":
-        return _neighbour_transitions(label)
+        return neighbour_transitions(label)
     edges = _canny(label)
-    return edges if method == "canny_only" else edges | _neighbour_transitions(label)
+    return edges if method == "canny_only" else edges | neighbour_transitions(label)
 
 
 def _canny(label: np.ndarray) -> np.ndarray:
-    count, code = _codes(label)
-    if count < 2:
-        return np.zeros(label.shape, dtype=bool)
-    if code is None:  # more distinct labels than 8-bit grey levels: no Canny possible
-        return _neighbour_transitions(label)
-    return cv2.Canny(code, 1, 1, L2gradient=True) > 0
-
-
-def _codes(label: np.ndarray) -> tuple[int, np.ndarray | None]:
-    """``(number of distinct labels, uint8 grey codes)``: each pixel's label rank times the smallest
-    step >= 1 that spreads the ranks over 0..255 (so a Sobel response >= 4); codes ``None`` with
-    fewer than 2 or more than 256 labels."""
+    """Canny on the labels' ranks times the step spreading them over 0..255 (a Sobel response
+    >= 4 at every transition)."""
     if label.dtype.kind in "ui" and label.size and label.min() >= 0 and label.max() < 65536:
         present = np.bincount(label.ravel()) > 0
         count = int(present.sum())
@@ -46,23 +35,16 @@ def _codes(label: np.ndarray) -> tuple[int, np.ndarray | None]:
     else:
         values, inverse = np.unique(label, return_inverse=True)
         count, rank, label = len(values), np.arange(len(values)), inverse.reshape(label.shape)
-    if count < 2 or count > 256:  # no boundary, or more labels than 8-bit grey levels
-        return count, None
-    step = 255 // max(count - 1, 1)
-    return count, (rank * step).astype(np.uint8)[label]  # one lookup, straight to uint8
+    if count < 2:
+        return np.zeros(label.shape, dtype=bool)
+    if count > 256:  # more labels than 8-bit grey levels: no Canny possible
+        return neighbour_transitions(label)
+    code = (rank * (255 // (count - 1))).astype(np.uint8)[label]  # one lookup, straight to uint8
+    return cv2.Canny(code, 1, 1, L2gradient=True) > 0
 
 
-def _neighbour_transitions(label: np.ndarray) -> np.ndarray:
-    return neighbour_transitions(label)  # ignore takes part: a class/void border is a boundary
-
-
-# The widest near-boundary band: its dilation kernel is (2r+1)^2 pixels, and at r = 100000
-# OpenCV asked for 40 GB; a band wider than 256 px covers whole images anyway.
+# The widest band: at r = 100000 OpenCV asked for 40 GB; 256 px covers whole images anyway.
 MAX_RADIUS = 256
-
-
-def _ellipse(radius: int) -> np.ndarray:
-    return cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (2 * radius + 1, 2 * radius + 1))
 
 
 @overload
@@ -84,10 +66,9 @@ def near_boundary_mask(
         raise ConfigError(f"near-boundary radius must be in 0..{MAX_RADIUS}, got {radius}")
     is_tensor = isinstance(labels, Tensor)
     arr = labels.detach().cpu().numpy() if is_tensor else np.asarray(labels)
-    if arr.ndim not in (2, 3):
-        raise ConfigError(f"label map must be [H,W] or [B,H,W], got shape {tuple(arr.shape)}")
     batch = arr[None] if arr.ndim == 2 else arr
-    kernel = _ellipse(radius) if radius > 0 else None
+    size = (2 * radius + 1, 2 * radius + 1)
+    kernel = cv2.getStructuringElement(cv2.MORPH_ELLIPSE, size) if radius > 0 else None
     out = np.empty(batch.shape, dtype=bool)
     for i, label in enumerate(batch):  # one OpenCV call per image; pixels stay vectorized
         edges = semantic_boundary(label, method=method).astype(np.uint8)

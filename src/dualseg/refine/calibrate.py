@@ -6,14 +6,14 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from dualseg.io import file_digest
 from dualseg.metrics import BoundaryMetrics, ConfusionMatrix
-from dualseg.refine.decision import Candidates, decide
+from dualseg.refine.decision import decide
 
 # The grid of the sweep; gate None, prior 0 and floor 0 together are the claim.
 DEFAULT_GATES: tuple[float | None, ...] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, None)
@@ -30,21 +30,6 @@ DECISION_KEYS = tuple(CLAIM_DECISION)
 METRICS: tuple[str, ...] = ("miou", "boundary_f1")
 
 
-class _Refines(Protocol):
-    def candidates(
-        self,
-        images: Tensor,
-        probs: Tensor,
-        *,
-        p1_blur_sigma: float | None = None,
-        features: Any = None,
-    ) -> Candidates: ...
-
-
-class _Keeps(Protocol):
-    def take(self) -> Any: ...
-
-
 def decision_grid(
     gates: Sequence[float | None] = DEFAULT_GATES,
     priors: Sequence[float] = DEFAULT_PRIORS,
@@ -57,17 +42,15 @@ def decision_grid(
         first = (prior, floor, sigma) == (priors[0], min_probs[0], blur_sigmas[0])
         if gate == 0 and not first:
             continue
-        grid.append(
-            {"gate_margin": gate, "prior_weight": prior, "min_prob": floor, "p1_blur_sigma": sigma}
-        )
+        grid.append(dict(zip(DECISION_KEYS, (gate, prior, floor, sigma), strict=True)))
     return grid
 
 
 @torch.no_grad()
 def sweep_decision(
-    refiner: _Refines, base: Callable[[Tensor], Tensor], batches: Iterable[tuple[Tensor, Tensor]],
+    refiner: Any, base: Callable[[Tensor], Tensor], batches: Iterable[tuple[Tensor, Tensor]],
     *, num_classes: int, grid: Sequence[dict[str, Any]] | None = None, ignore_index: int = 255,
-    device: str | torch.device = "cpu", shared: _Keeps | None = None,
+    device: str | torch.device = "cpu", shared: Any = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Score the base model and the refiner at each decision setting on labelled ``batches``."""
     dev = torch.device(device)
@@ -83,21 +66,18 @@ def sweep_decision(
         probs = base(images).float()
         kept = shared.take() if shared is not None else None
         cands = {
-            sigma: refiner.candidates(images, probs, p1_blur_sigma=sigma)
-            if kept is None or sigma != 0
-            else refiner.candidates(images, probs, p1_blur_sigma=0.0, features=kept)
+            sigma: refiner.candidates(images, probs, p1_blur_sigma=sigma,
+                                      features=kept if sigma == 0 else None)
             for sigma in sigmas
-        }
+        }  # fmt: skip
         pred = next(iter(cands.values())).pred.to(dev)  # Pred, as every decision reads it
         valid = labels != ignore_index
         labelled += int(valid.sum())
         for k in keys:
-            if k == "base":
-                out = pred
-            else:
+            out = pred
+            if k != "base":
                 setting = dict(settings[k])
-                c = cands[setting.pop("p1_blur_sigma", 0.0)]
-                out = decide(c, **setting)[0].to(dev)
+                out = decide(cands[setting.pop("p1_blur_sigma", 0.0)], **setting)[0].to(dev)
             conf[k].update(out, labels)
             bnd[k].update(out, labels)
             changed[k] += int(((out != pred) & valid).sum())
@@ -105,40 +85,28 @@ def sweep_decision(
     for k in keys:
         scores = conf[k].compute()
         setting = {"gate_margin": "base"} if k == "base" else dict(settings[k])
-        rows.append(
-            {
-                **setting,
-                "miou": float(scores["miou"]),
-                "pixel_acc": float(scores["pixel_acc"]),
-                "boundary_f1": float(bnd[k].compute()["boundary_f1"]),
-                "changed": changed[k] / max(labelled, 1),
-            }
-        )
+        rows.append({
+            **setting, "miou": float(scores["miou"]), "pixel_acc": float(scores["pixel_acc"]),
+            "boundary_f1": float(bnd[k].compute()["boundary_f1"]),
+            "changed": changed[k] / max(labelled, 1),
+        })  # fmt: skip
     return rows
 
 
 def choose_decision(rows: Sequence[dict[str, Any]], *, metric: str = METRICS[0]) -> dict[str, Any]:
     """The decision options of the best row by ``metric`` (one of :data:`METRICS`: mIoU, or boundary
     F1); on a tie the row changing fewer pixels."""
-    if metric not in METRICS:
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
-    candidates = [r for r in rows if r["gate_margin"] != "base"]
-    if not candidates:
-        raise ValueError("no decision rows to choose from")
 
     def order(r: dict[str, Any]) -> tuple[float, float]:
-        score = r[metric] if math.isfinite(r[metric]) else -math.inf
-        return (-score, r["changed"])
+        return (-r[metric] if math.isfinite(r[metric]) else math.inf, r["changed"])
 
-    best = min(candidates, key=order)
+    best = min((r for r in rows if r["gate_margin"] != "base"), key=order)
     return CLAIM_DECISION | {k: best[k] for k in DECISION_KEYS if k in best}
 
 
 def calibrated_on(calibration: Mapping[str, Any] | None, images: Sequence[Any]) -> int | None:
     """How many of ``images`` (paths) a refiner's decision options were chosen on, by content
-    (``calibration["image_digests"]``, :func:`dualseg.io.file_digest`), so the same images under
-    another split name, root or file name are found; ``None`` when that is unknown (no
-    calibration, or one stored before the digests were)."""
+    (under any split or file name); ``None`` when unknown."""
     digests = (calibration or {}).get("image_digests")
     if digests is None:
         return None
@@ -147,8 +115,7 @@ def calibrated_on(calibration: Mapping[str, Any] | None, images: Sequence[Any]) 
 
 
 def calibration_note(calibration: Mapping[str, Any] | None, config: Any) -> str | None:
-    """A warning when the held-out check at fit time found that refinement did not help the
-    base model it was calibrated on (then the chosen gate 0 changes no pixel)."""
+    """A warning when the held-out check at fit time found that refinement did not help."""
     if calibration is None or config.gate_margin != 0:
         return None
     metric = calibration.get("metric", "miou")

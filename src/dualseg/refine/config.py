@@ -16,9 +16,7 @@ BACKBONE_SOURCES = ("independent", "base-frozen", "base-finetune")
 REDUCTIONS = ("all", "violating")
 MINING = ("random", "semi-hard")
 OPTIMIZERS = ("adamw", "sgd")
-# C (and the decoder's projection): 16x the spec's 256; 100000 ran out of memory building
-# the ASPP head
-MAX_EMBED_DIM = 4096
+MAX_EMBED_DIM = 4096  # C and the decoder's projection: 100000 ran out of memory
 
 
 class OptionError(ConfigError):
@@ -42,6 +40,9 @@ def _choice(default: str, choices: tuple[str, ...], help: str) -> Any:
 
 def _at_least(low: float) -> tuple[Callable[[Any], bool], str]:
     return (lambda v: v >= low), f">= {low:g}"
+
+
+FINITE = (lambda v: 0 <= v < math.inf, ">= 0 and finite")
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,8 @@ class RefinerConfig:
         "random", MINING, "false example F0: random (the claim) or semi-hard, among mining_pool"
     )
     mining_pool: int = _opt(8, "false examples per anchor for semi-hard mining", *_at_least(1))
-    steps: int = _opt(
-        2000, "training steps (an untrained embedding relabels at random)", *_at_least(1)
-    )
-    # training BatchNorm needs more than one value per channel: one small crop shrinks to a
-    # 1x1 map at the output stride ("Expected more than 1 value per channel when training")
+    steps: int = _opt(2000, "training steps", *_at_least(1))
+    # training BatchNorm needs more than one value per channel (one crop at 1x1)
     batch_size: int = _opt(
         8, "crops per step", lambda v: v >= 2, ">= 2 (BatchNorm needs 2 or more crops)"
     )
@@ -89,38 +87,27 @@ class RefinerConfig:
     )
     backbone_source: str = _choice(
         "independent", BACKBONE_SOURCES,
-        "step 3: the embedding's own backbone, or the --base checkpoint's backbone weights "
-        "frozen (only the ASPP head learns) or fine-tuned",
+        "step 3: the embedding's own backbone, or the --base's backbone frozen or fine-tuned",
     )  # fmt: skip
     gate_margin: float | None = _opt(
-        None, "beyond the claim: relabel only where the base's top-1 minus top-2 probability "
-        "is below this (default: no gate, the claim)",
+        None, "relabel only where the base's top-1 minus top-2 probability is below this",
         lambda v: v is None or 0 <= v <= 1, "in [0, 1] or None",
     )  # fmt: skip
     prior_weight: float = _opt(
-        0.0, "beyond the claim: add this times the base's negative log-probability to each "
-        "candidate's squared distance (in units of the mean squared distance between "
-        "prototypes; 0: the claim)", *_at_least(0),
-    )  # fmt: skip
+        0.0, "add this times the base's -log p to each candidate's distance", *_at_least(0)
+    )
     min_prob: float = _opt(
-        0.0, "beyond the claim: a Top-N candidate other than the base's top-1 needs at least "
-        "this base probability (0: the claim)", lambda v: 0 <= v < 1, "in [0, 1)",
+        0.0, "a Top-N candidate other than the base's top-1 needs this base probability",
+        lambda v: 0 <= v < 1, "in [0, 1)",
     )  # fmt: skip
-    p1_blur_sigma: float = _opt(
-        0.0, "P1's filtering: Gaussian blur (px) of the image the embedding model sees "
-        "(0: none, normalization only)", lambda v: 0 <= v < math.inf, ">= 0 and finite",
-    )  # fmt: skip
+    p1_blur_sigma: float = _opt(0.0, "P1: Gaussian blur (px) of the embedding's input", *FINITE)
     decoder_channels: int = _opt(
-        0, "beyond the claim: a DeepLabV3+ decoder fusing the backbone's stride-4 features, "
-        "projected to this many channels (DeepLabV3+ uses 48), into the embedding (0: none)",
+        0, "a DeepLabV3+ decoder on the stride-4 features, projected to this many channels",
         lambda v: 0 <= v <= MAX_EMBED_DIM, f"in 0..{MAX_EMBED_DIM} (0: no decoder)",
     )  # fmt: skip
-
     base_features: tuple[str, ...] | None = _opt(
-        None, "beyond the claim: read the base model's own features at two of its modules, "
-        "LOW (stride 4, for the decoder) and HIGH (for the ASPP), or 'auto' for smp, "
-        "torchvision and dualseg encoders ('dualseg refine layers' lists them); the base then "
-        "runs once and backbone, backbone_source, input_scale and output_stride come from it",
+        None, "read the base model's features at modules LOW (stride 4) and HIGH, or auto "
+        "('dualseg refine layers' lists them)",
         lambda v: v is None or len(v) == 2 or v == ("auto",), "LOW HIGH module names, or auto",
     )  # fmt: skip
 
@@ -131,18 +118,14 @@ class RefinerConfig:
         for f in dataclasses.fields(self):
             value, meta = getattr(self, f.name), f.metadata
             if not _has_type(f.type, value):
-                raise ConfigError(
-                    f"option {f.name} must be {_type_name(f.type)}, got {value!r:.40}"
-                )
+                name = f.type.__name__ if isinstance(f.type, type) else str(f.type)
+                raise ConfigError(f"option {f.name} must be {name}, got {value!r:.40}")
             if "choices" in meta and value not in meta["choices"]:
                 raise OptionError(f.name, f"one of {', '.join(meta['choices'])}", value)
             if meta.get("ok") is not None and not meta["ok"](value):
                 raise OptionError(f.name, meta["rule"], value)
         if self.base_features is not None and self.decoder_channels == 0:
-            raise OptionError(
-                "decoder_channels", "> 0 with base_features (its LOW tap feeds the decoder; "
-                "DeepLabV3+ uses 48)", 0,
-            )  # fmt: skip
+            raise OptionError("decoder_channels", "> 0 with base_features (e.g. 48)", 0)
 
     @classmethod
     def from_flags(cls, args: argparse.Namespace) -> "RefinerConfig":
@@ -160,17 +143,13 @@ class RefinerConfig:
         """The options of a stored refiner (``to_dict``'s output), checked."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"config must be a dict of refiner options, got {d!r:.40}")
-        unknown = sorted(str(k) for k in d if k not in {f.name for f in dataclasses.fields(cls)})
-        if unknown:
+        if unknown := sorted(
+            str(k) for k in d if k not in {f.name for f in dataclasses.fields(cls)}
+        ):
             raise ConfigError(
-                f"config holds option(s) {', '.join(unknown)} that this dualseg does not know "
-                "(written by a newer version?); upgrade dualseg or fit the refiner again"
+                f"config holds option(s) {', '.join(unknown)} that this dualseg does not know"
             )
         return cls(**d)
-
-
-def _type_name(kind: Any) -> str:
-    return getattr(kind, "__name__", None) if isinstance(kind, type) else str(kind)
 
 
 def _has_type(kind: Any, value: Any) -> bool:

@@ -63,49 +63,27 @@ class CRFSettings:
         rgb = rgb + torch.tensor(mean)[:, None, None]
         rgb = (rgb * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
         p = probs.detach().float().cpu().numpy()
-        labels = torch.stack(
-            [
-                torch.from_numpy(dense_crf(im, pr, **asdict(self)).argmax(0))
-                for im, pr in zip(rgb, p)
-            ]
-        ).to(probs.device)
+        labels = [torch.from_numpy(dense_crf(im, pr, self).argmax(0)) for im, pr in zip(rgb, p)]
+        labels = torch.stack(labels).to(probs.device)
         return labels, labels != probs.argmax(1)
 
 
 def dense_crf(
-    image_uint8_hwc: np.ndarray, probs_chw: np.ndarray, *, iterations: int = CRFSettings.iterations,
-    sxy_gaussian: float = CRFSettings.sxy_gaussian,
-    compat_gaussian: float = CRFSettings.compat_gaussian,
-    sxy_bilateral: float = CRFSettings.sxy_bilateral,
-    srgb_bilateral: float = CRFSettings.srgb_bilateral,
-    compat_bilateral: float = CRFSettings.compat_bilateral,
-) -> np.ndarray:  # fmt: skip
-    """The CRF's refined probabilities, float32 ``[C,H,W]`` (each pixel's sum to 1; take
-    ``argmax(0)`` for labels), of ``image_uint8_hwc`` (RGB ``[H,W,3]`` uint8) and the base
-    model's softmax ``probs_chw`` (``[C,H,W]``, unary = ``-log p``)."""
-    if image_uint8_hwc.dtype != np.uint8 or image_uint8_hwc.shape[2:] != (3,):
-        raise DualsegError(
-            f"dense_crf: the image must be uint8 [H,W,3] RGB, got {image_uint8_hwc.dtype} "
-            f"{list(image_uint8_hwc.shape)}"
-        )
-    if probs_chw.ndim != 3 or probs_chw.shape[1:] != image_uint8_hwc.shape[:2]:
-        raise DualsegError(
-            f"dense_crf: probabilities {list(probs_chw.shape)} do not match the image "
-            f"{list(image_uint8_hwc.shape)}: pass [C,H,W] at the image's size"
-        )
-    dcrf = import_pydensecrf()
+    image_uint8_hwc: np.ndarray, probs_chw: np.ndarray, settings: CRFSettings = CRFSettings()
+) -> np.ndarray:
+    """The CRF's refined probabilities, float32 ``[C,H,W]`` (``argmax(0)``: labels), of an RGB
+    ``[H,W,3]`` uint8 image and the base model's softmax ``[C,H,W]`` (unary ``-log p``)."""
+    dcrf, s = import_pydensecrf(), settings
     c, h, w = probs_chw.shape
     unary = -np.log(np.clip(probs_chw, 1e-8, 1.0)).reshape(c, -1)
     crf = dcrf.DenseCRF2D(w, h, c)
     crf.setUnaryEnergy(np.ascontiguousarray(unary, dtype=np.float32))
-    crf.addPairwiseGaussian(sxy=sxy_gaussian, compat=compat_gaussian)
+    crf.addPairwiseGaussian(sxy=s.sxy_gaussian, compat=s.compat_gaussian)
+    image = np.ascontiguousarray(image_uint8_hwc)
     crf.addPairwiseBilateral(
-        sxy=sxy_bilateral,
-        srgb=srgb_bilateral,
-        rgbim=np.ascontiguousarray(image_uint8_hwc),
-        compat=compat_bilateral,
+        sxy=s.sxy_bilateral, srgb=s.srgb_bilateral, rgbim=image, compat=s.compat_bilateral
     )
-    q = np.asarray(crf.inference(int(iterations)), dtype=np.float32)
+    q = np.asarray(crf.inference(int(s.iterations)), dtype=np.float32)
     return q.reshape(c, h, w)
 
 
@@ -127,14 +105,10 @@ def choose_crf(
     rows = []
     for settings in grid:
         m = evaluate(model, loader, num_classes=num_classes, device=device, refiner=settings)
-        rows.append(
-            {
-                "settings": asdict(settings),
-                **{k: m["refined"][k] for k in ("miou", "boundary_f1", "trimap_miou")},
-                "base_" + metric: m[metric],
-                "fixed": m["refine"]["fixed"],
-                "broke": m["refine"]["broke"],
-            }
-        )
+        rows.append({
+            "settings": asdict(settings),
+            **{k: m["refined"][k] for k in ("miou", "boundary_f1", "trimap_miou")},
+            "base_" + metric: m[metric], **{k: m["refine"][k] for k in ("fixed", "broke")},
+        })  # fmt: skip
     best = max(range(len(grid)), key=lambda i: rows[i][metric])  # the first of equals
     return grid[best], rows

@@ -13,8 +13,7 @@ from dualseg.refine.embedding import EmbeddingNet
 
 
 def are_probabilities(scores: Tensor) -> bool:
-    """Whether class scores (classes on dim 1: ``[B,C,H,W]`` maps or ``[M,C]`` rows) are
-    probabilities (non-negative, summing to one over C); otherwise they are read as logits."""
+    """Whether class scores (classes on dim 1) are probabilities, else logits."""
     if scores.numel() == 0:
         return True
     if bool(scores.min() < 0):
@@ -23,14 +22,13 @@ def are_probabilities(scores: Tensor) -> bool:
 
 
 def kept_rows(x: Tensor, keep: Tensor) -> Tensor:
-    """``x[keep]`` (``keep`` bool ``[B]``: the images with near-boundary pixels), without the
-    copy when every image is kept (a one-image batch, usually)."""
+    """``x[keep]`` (``keep`` bool ``[B]``), without a copy when every image is kept."""
     return x if bool(keep.all()) else x[keep]
 
 
 def prototype_scale(prototypes: Tensor, present: Tensor) -> float:
-    """The mean squared Euclidean distance between two present prototypes (1.0 with fewer than
-    two): the unit of ``prior_weight``, so that λ does not depend on the embedding's scale."""
+    """The mean squared distance between two present prototypes (1.0 with fewer than two): the
+    unit of ``prior_weight``."""
     p = prototypes[present.to(prototypes.device)].double()
     if p.shape[0] < 2:
         return 1.0
@@ -60,19 +58,14 @@ def gather_candidates(
 ) -> Candidates:  # fmt: skip
     """P2-P4 and P5's distances on class scores ``probs [B,C,H,W]`` (probabilities or logits)."""
     p = probs.float()
-    # P2's Pred is the argmax, first index on ties like argmax (topk's first is not: on
-    # equal scores it picks another class). max(1) returns the same indices and is ~4x
-    # faster than argmax(1) over the strided class dim on the CPU.
+    # P2's Pred: the first index on ties, as argmax (~4x slower on the CPU; topk picks others)
     pred = p.max(1).indices  # [B,H,W]
     edge = near_boundary_mask(pred, radius=radius, ignore_index=None, method=edge_method)  # P4
-    # P3's Top-N and the probabilities are needed only at the M near-boundary pixels: read
-    # their score rows once (a top-k over the whole map costs more than the rest together).
+    # P3 only at the M near-boundary pixels (a top-k over the whole map costs more)
     index = edge.reshape(-1).nonzero().squeeze(1)  # [M] flat, edge.nonzero() order
-    # [M,C]; one image: rows of its [H·W,C] view by the flat index, gathered contiguous (faster)
-    rows = p[0].flatten(1).T[index] if p.shape[0] == 1 else p.permute(0, 2, 3, 1)[edge]
+    rows = p[0].flatten(1).T[index] if p.shape[0] == 1 else p.permute(0, 2, 3, 1)[edge]  # [M,C]
     n = min(top_n, p.shape[1])
     cand = rows.topk(n, dim=1).indices  # [M,N] P3, most probable first (softmax keeps order)
-    # probabilities or logits, judged on the M rows read (the whole map costs ~5 ms more)
     cand_p = (rows if are_probabilities(rows) else rows.softmax(1)).gather(1, cand)  # [M,N]
     second = cand_p[:, 1] if n > 1 else torch.zeros_like(cand_p[:, 0])
     if len(index):
@@ -82,23 +75,15 @@ def gather_candidates(
         dist = s.gather(1, cand) / scale  # [M,N]
         if not bool(present.all()):
             absent = ~present.to(dist.device)
-            # a label without a prototype is never the nearest; and a pixel whose base label
-            # has none keeps it: its distance is unknown, so no candidate is known nearer (else
-            # a class absent from the fit data vanished wherever it was near a boundary)
+            # a label without a prototype is never the nearest, and a pixel whose base label
+            # has none keeps it (no candidate is known nearer)
             dist = dist.masked_fill(absent[cand], float("inf"))
             base_absent = absent[pred.reshape(-1)[index]]  # [M]
             dist = dist.masked_fill(base_absent[:, None], float("inf"))
     else:
         dist = torch.zeros(cand.shape, dtype=torch.float32, device=cand.device)
-    return Candidates(
-        pred=pred,
-        edge=edge,
-        labels=cand,
-        distance=dist,
-        log_prob=cand_p.clamp_min(1e-12).log(),
-        margin=cand_p[:, 0] - second,
-        index=index,
-    )
+    log_prob = cand_p.clamp_min(1e-12).log()
+    return Candidates(pred, edge, cand, dist, log_prob, cand_p[:, 0] - second, index)
 
 
 def decide(
@@ -116,8 +101,6 @@ def decide(
     low, at = score.min(1)  # min's index: the first minimum, as argmin's
     best = c.labels.gather(1, at[:, None]).squeeze(1)
     where = c.edge.reshape(-1).nonzero().squeeze(1) if c.index is None else c.index  # [M]
-    if len(where) != len(c.labels):  # an index or edge replaced without the other
-        raise ValueError(f"{len(where)} near-boundary pixels but {len(c.labels)} candidate rows")
     base = c.pred.reshape(-1).index_select(0, where)  # [M], Pred (argmax: maybe not labels[:, 0])
     new = torch.where(torch.isfinite(low), best, base)
     if gate_margin is not None:  # beyond the claim: only where the base is unsure
@@ -134,8 +117,6 @@ def describe_decision(
     """A decision setting in words: its readings beyond the claim, or "the claim's rule"."""
     if gate_margin == 0:
         return "gate 0: never relabel"
-    parts = [] if gate_margin is None else [f"gate {gate_margin:g}"]
-    parts += [f"prior {prior_weight:g}"] if prior_weight else []
-    parts += [f"floor {min_prob:g}"] if min_prob else []
-    parts += [f"P1 blur {p1_blur_sigma:g}"] if p1_blur_sigma else []
-    return ", ".join(parts) or "the claim's rule"
+    named = (("gate", gate_margin if gate_margin is not None else 0), ("prior", prior_weight),
+             ("floor", min_prob), ("P1 blur", p1_blur_sigma))  # fmt: skip
+    return ", ".join(f"{k} {v:g}" for k, v in named if v) or "the claim's rule"

@@ -32,8 +32,6 @@ class EmbeddingNet(nn.Module):
         low_level: str | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
-        if (decoder is None) != (low_level is None):
-            raise ConfigError("EmbeddingNet: pass decoder and low_level together, or neither")
         self.backbone = backbone
         self.fuse = fuse
         self.decoder = decoder
@@ -56,39 +54,29 @@ class EmbeddingNet(nn.Module):
         return self.head(local, low)
 
     def backbone_features(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        """The backbone's output ``[B,L,H/s,W/s]`` and, with a decoder, its stride-4 features (the
-        ``low_level`` submodule's output, kept by a forward hook for this one call)."""
+        """The backbone's output ``[B,L,H/s,W/s]`` and, with a decoder, its ``low_level``
+        submodule's stride-4 features."""
         if isinstance(self.backbone, BaseTaps):
             return self.backbone(x)
         taps: list[Tensor] = []
-        handle = None
-        if self.low_level is not None:
-            tap = self.backbone.get_submodule(self.low_level)
-            handle = tap.register_forward_hook(lambda _m, _a, out: taps.append(out))
+        tap = self.backbone.get_submodule(self.low_level) if self.low_level else nn.Identity()
+        handle = tap.register_forward_hook(lambda _m, _a, out: taps.append(out))
         try:
             with torch.no_grad() if self.freeze_backbone else contextlib.nullcontext():
                 local = self.backbone(x)
         finally:
-            if handle is not None:
-                handle.remove()
+            handle.remove()
         return local, (taps[-1] if taps else None)
 
     def head(self, local: Tensor, low: Tensor | None = None) -> Tensor:
         """What learns on top of the backbone: ``fuse`` (ASPP), then the decoder if any."""
         f = self.fuse(local)  # [B,C,H/s,W/s]
         if self.decoder is not None:
-            if low is None:
-                raise ConfigError("this embedding's decoder needs the backbone's stride-4 features")
             f = self.decoder(f, low)  # [B,C,H/4,W/4]
         return f
 
     def head_at(self, local: Tensor, low: Tensor, at: Tensor) -> Tensor:
-        """:meth:`head`'s stride-4 embedding at the ``at`` cells alone (bool ``[B,H/4,W/4]``, from
-        :meth:`sampled_cells`): ``[M,C]`` rows in ``at.nonzero()`` order."""
-        if self.decoder is None or low is None:
-            raise ConfigError("head_at needs a decoder and the stride-4 features; use head")
-        if self.training:  # forward_at normalizes with the running statistics
-            raise ConfigError("head_at is for inference: call eval() first, or use head")
+        """:meth:`head` at the ``at`` cells alone (bool ``[B,H/4,W/4]``; inference): ``[M,C]``."""
         return self.decoder.forward_at(self.fuse(local), low, at)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -100,14 +88,11 @@ class EmbeddingNet(nn.Module):
         mask: Tensor, size: tuple[int, int], covered: tuple[float, float] | None = None
     ) -> Tensor:
         """The cells (bool ``[B,h,w]``) of a ``size`` map that :meth:`sample` reads for the
-        ``mask`` pixels (``[B,H,W]``, input size): each pixel's two bilinear neighbours along
-        each axis, and the next one where float rounding could move its source coordinate
-        across a cell edge, so a map that is exact there samples exactly."""
+        ``mask`` pixels (``[B,H,W]``), with a margin for float rounding at cell edges."""
         H, W = covered if covered is not None else mask.shape[-2:]
         rows = _neighbour_matrix(mask.shape[-2], size[0], H, mask.device)  # [h,H]
         cols = _neighbour_matrix(mask.shape[-1], size[1], W, mask.device)  # [w,W]
-        # a cell is read if some mask pixel of a row and a column that read it is set; two
-        # plain matrix products (a batched one costs more), rows first: fewer operations
+        # a cell is read if some mask pixel of a row and a column reading it is set
         b, n, m = mask.shape
         per_row = rows @ mask.float().transpose(0, 1).reshape(n, b * m)  # [h,B·W]
         per_row = per_row.view(-1, b, m).transpose(0, 1).reshape(-1, m)  # [B·h,W]
@@ -145,9 +130,8 @@ class EmbeddingNet(nn.Module):
 
 @functools.lru_cache(maxsize=16)  # one per image size seen: inference repeats a few sizes
 def _neighbour_matrix(n: int, cells: int, span: float, device: torch.device) -> Tensor:
-    """``[cells, n]`` float: 1 where pixel ``i`` of an axis of ``n`` pixels reads cell ``c`` of a
-    map of ``cells`` spanning ``span`` pixels, bilinearly as :meth:`EmbeddingNet.sample`
-    (align_corners=False, border clamp), with a 1e-4 margin either side of the coordinate."""
+    """``[cells, n]``: 1 where pixel ``i`` reads cell ``c`` (of ``cells`` spanning ``span`` px)
+    bilinearly, as :meth:`EmbeddingNet.sample`, with a 1e-4 margin."""
     src = ((torch.arange(n, dtype=torch.float64) + 0.5) * (cells / span) - 0.5).clamp(0, cells - 1)
     first = (src - 1e-4).floor().clamp(0, cells - 1)
     last = ((src + 1e-4).floor() + 1).clamp(0, cells - 1)
@@ -156,15 +140,12 @@ def _neighbour_matrix(n: int, cells: int, span: float, device: torch.device) -> 
 
 
 def p1_filter(images: Tensor, sigma: float) -> Tensor:
-    """P1's filtering of the (normalized) input images ``[B,3,H,W]``: a Gaussian blur of standard
-    deviation ``sigma`` px (kernel ±3σ, reflected borders); ``sigma == 0`` returns the images
-    unfiltered."""
+    """P1's filter of normalized images ``[B,3,H,W]``: a Gaussian blur of ``sigma`` px
+    (kernel ±3σ, reflected borders; 0: none)."""
     if sigma <= 0:
         return images
-
     k = 2 * math.ceil(3 * sigma) + 1
-    # reflection needs a half-kernel shorter than the side: a blur wider than the image is
-    # cut to it (its weights beyond would only reflect the same pixels again)
+    # reflection needs a half-kernel shorter than the side: cut the kernel to the image
     h, w = images.shape[-2:]
     kh, kw = min(k, 2 * h - 1), min(k, 2 * w - 1)
     return TF.gaussian_blur(images, kernel_size=[kw, kh], sigma=[sigma, sigma])  # (x, y)
@@ -173,19 +154,15 @@ def p1_filter(images: Tensor, sigma: float) -> Tensor:
 def embed_features(
     net: EmbeddingNet, images: Tensor, input_scale: float, output_stride: int
 ) -> Tensor:
-    """Low-resolution embedding of ``images``, optionally of a resized copy (``input_scale``),
-    padded at the bottom and right to a multiple of ``output_stride`` as dualseg's models pad
-    their input: the map then spans :func:`embedding_cover` pixels of the image, on a grid
-    aligned with the image's (an unpadded 360-row image at stride 16 gives 23 rows that span
-    368, and sampling them as if they spanned 360 drifts by up to half a stride)."""
+    """Low-resolution embedding of ``images`` resized by ``input_scale`` and padded at the bottom
+    and right to a multiple of ``output_stride``: it spans :func:`embedding_cover` pixels."""
     return net.head(*embed_backbone(net, images, input_scale, output_stride))
 
 
 def embed_backbone(
     net: EmbeddingNet, images: Tensor, input_scale: float, output_stride: int
 ) -> tuple[Tensor, Tensor | None]:
-    """:meth:`EmbeddingNet.backbone_features` of the input :func:`embed_features` prepares
-    (resized, padded): what its ``head`` reads."""
+    """:meth:`EmbeddingNet.backbone_features` of the resized, padded input."""
     if input_scale != 1.0:
         images = F.interpolate(
             images, scale_factor=input_scale, mode="bilinear", align_corners=False
@@ -196,8 +173,7 @@ def embed_backbone(
 def embed_pixels(
     net: EmbeddingNet, images: Tensor, mask: Tensor, input_scale: float, output_stride: int
 ) -> Tensor:
-    """Embeddings ``[M,C]`` of the ``mask`` pixels of ``images`` (``mask.nonzero()`` order):
-    :func:`embed_features` sampled over the span it covers (:func:`embedding_cover`)."""
+    """Embeddings ``[M,C]`` of the ``mask`` pixels of ``images`` (``mask.nonzero()`` order)."""
     feats = embed_features(net, images, input_scale, output_stride)
     covered = embedding_cover(images.shape[-2:], input_scale, output_stride)
     return EmbeddingNet.sample(feats, mask, covered)
@@ -206,15 +182,11 @@ def embed_pixels(
 def embedding_cover(
     size: tuple[int, int], input_scale: float, output_stride: int
 ) -> tuple[float, float]:
-    """The size, in pixels of an image of ``size``, that :func:`embed_features`' map spans:
-    the resized image (``floor(H·s)`` rows, as ``F.interpolate`` makes) padded to a multiple
-    of the stride, mapped back by ``1/s`` (the coordinate map ``interpolate`` uses)."""
+    """The pixels of an image of ``size`` that :func:`embed_features`' map spans: the resized
+    image (``floor(H·s)`` rows) padded to a multiple of the stride, mapped back by ``1/s``."""
     k = max(1, output_stride)
-    spans = []
-    for n in size:
-        m = math.floor(n * input_scale) if input_scale != 1.0 else n
-        spans.append(math.ceil(m / k) * k / input_scale)
-    return spans[0], spans[1]
+    h, w = (math.floor(n * input_scale) if input_scale != 1.0 else n for n in size)
+    return math.ceil(h / k) * k / input_scale, math.ceil(w / k) * k / input_scale
 
 
 def build_embedding_net(
@@ -223,33 +195,22 @@ def build_embedding_net(
     decoder_channels: int = 0,
 ) -> EmbeddingNet:  # fmt: skip
     """Backbone from :func:`dualseg.models.build_backbone` + :class:`dualseg.models.ASPP`."""
-    if decoder_channels < 0:
-        raise ConfigError(f"decoder_channels must be >= 0, got {decoder_channels}")
     low_level, low_channels = low_level_tap(backbone) if decoder_channels else (None, 0)
     net, channels = build_backbone(backbone, output_stride=output_stride, weights=weights)
     fuse = ASPP(channels, embed_dim, tuple(aspp_rates))
     decoder = LowLevelDecoder(low_channels, embed_dim, decoder_channels) if low_level else None
-    return EmbeddingNet(
-        net,
-        fuse,
-        embed_dim,
-        freeze_backbone=freeze_backbone,
-        decoder=decoder,
-        low_level=low_level,
-    )
+    return EmbeddingNet(net, fuse, embed_dim, freeze_backbone=freeze_backbone, decoder=decoder,
+                        low_level=low_level)  # fmt: skip
 
 
 def tap_embedding_net(
     record: TapRecord, *, embed_dim: int, aspp_rates: Sequence[int], decoder_channels: int
 ) -> EmbeddingNet:
-    """The embedding on a base model's taps: ASPP on the high tap, the stride-4 decoder on the
-    low one (the base is attached later: :meth:`BaseTaps.attach`)."""
+    """ASPP on the high tap, the stride-4 decoder on the low one (base: :meth:`BaseTaps.attach`)."""
     fuse = ASPP(record.channels[1], embed_dim, tuple(aspp_rates))
     decoder = LowLevelDecoder(record.channels[0], embed_dim, decoder_channels)
-    taps = BaseTaps(record)
-    return EmbeddingNet(
-        taps, fuse, embed_dim, freeze_backbone=True, decoder=decoder, low_level=record.names[0]
-    )
+    return EmbeddingNet(BaseTaps(record), fuse, embed_dim, freeze_backbone=True, decoder=decoder,
+                        low_level=record.names[0])  # fmt: skip
 
 
 def init_backbone_from(
@@ -273,8 +234,7 @@ def init_backbone_from(
             raise ConfigError(
                 f"the base model's backbone is not the embedding's: {len(copied)} of the "
                 f"embedding backbone's {len(target)} tensors found in the base, which holds "
-                f"{theirs} there; pass the base model's backbone name (--backbone), or use "
-                "ImageNet initialization"
+                f"{theirs} there; pass the base's backbone name (--backbone)"
             )
     backbone.load_state_dict(copied, strict=False)
     log.info("backbone initialized from the base model: %d of %d tensors", len(copied), len(target))

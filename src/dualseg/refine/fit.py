@@ -10,7 +10,7 @@ import signal
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -39,10 +39,9 @@ log = logging.getLogger(__name__)
 def _batches(
     n: int, batch_size: int, seed: int, start_step: int, steps: int
 ) -> Iterator[list[tuple[int, int]]]:
-    """``(pass, index)`` batches for steps ``start_step..steps-1``: a fresh permutation per
-    pass over the data, seeded by (seed, pass), so a resumed run draws the batches it would
-    have drawn."""
-    per_epoch = max(1, n // batch_size) if n >= batch_size else 1
+    """``(pass, index)`` batches for steps ``start_step..steps-1``: a permutation per pass,
+    seeded by (seed, pass), so a resumed run draws the batches it would have drawn."""
+    per_epoch = max(1, n // batch_size)
     for step in range(start_step, steps):
         epoch, k = divmod(step, per_epoch)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
@@ -50,9 +49,8 @@ def _batches(
 
 
 class _EpochView(torch.utils.data.Dataset):
-    """``view[(pass, i)] = dataset[i]`` with the dataset's augmentation seeded for that pass
-    (``set_epoch``, when it has one), also inside DataLoader workers: each pass over the data
-    sees new augmentations."""
+    """``view[(pass, i)] = dataset[i]`` with the augmentation seeded for that pass (also in
+    DataLoader workers)."""
 
     def __init__(self, dataset: torch.utils.data.Dataset) -> None:
         self.dataset = dataset
@@ -67,24 +65,18 @@ class _EpochView(torch.utils.data.Dataset):
 def _require_same_inputs(
     path: Path, saved: Mapping[str, Any] | None, given: Mapping[str, Any] | None
 ) -> None:
-    """Refuse a resume whose data, augmentation or base differ from the checkpoint's; when either
-    side records none (a fit from Python without ``fit_inputs``), there is nothing to compare."""
+    """Refuse a resume whose data, augmentation or base differ from the checkpoint's (a fit
+    from Python without ``fit_inputs`` records none: nothing to compare)."""
     if saved is None or given is None:
         return
-    changed = [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]
-    if changed:
+    if changed := [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]:
 
-        def shown(key: str, value: Any) -> str:
-            if key == "base" and value is None:  # --base given or not: it was not read
-                return (
-                    "no base read (only --init-backbone base or a base-* --backbone-source "
-                    "reads --base)"
-                )
-            return repr(value)
+        def shown(key: str, value: Any) -> str:  # --base given or not: it was not read
+            read = "no base read (only --init-backbone base or a base-* --backbone-source reads it)"
+            return read if key == "base" and value is None else repr(value)
 
-        what = "; ".join(
-            f"{k}: {shown(k, saved.get(k))} then, {shown(k, given.get(k))} now" for k in changed
-        )
+        what = "; ".join(f"{k}: {shown(k, saved.get(k))} then, {shown(k, given.get(k))} now"
+                         for k in changed)  # fmt: skip
         raise CheckpointError(
             f"{path} was fitted on other inputs ({what}); resume with the same ones, or "
             "delete it to start over"
@@ -111,9 +103,8 @@ def _resume(
         changed.append("the class names")
     if changed:
         raise CheckpointError(
-            f"{path} was written with other options ({'; '.join(changed)}); resume "
-            "with the same options (--steps and the inference options --top-n, "
-            "--gate-margin, --prior-weight, --min-prob, --p1-blur-sigma may change), or "
+            f"{path} was written with other options ({'; '.join(changed)}); resume with the "
+            f"same ones (only --steps, {', '.join(RESUMABLE_CHANGES[1:])} may change), or "
             "delete it to start over"
         )
     if int(state["step"]) > cfg.steps:
@@ -144,7 +135,7 @@ def train_embedding(
     if meta_classes is not None and len(meta_classes) != len(class_names):  # before any step
         raise ConfigError(
             f"the dataset has {len(meta_classes)} classes and the refiner {len(class_names)} "
-            "class names: pass the dataset's (class_names=dataset.meta.class_names)"
+            "class names: pass dataset.meta.class_names"
         )
     params = [p for p in net.parameters() if p.requires_grad]
     opt: torch.optim.Optimizer = (
@@ -170,12 +161,19 @@ def train_embedding(
         batch_sampler=list(_batches(len(dataset), cfg.batch_size, cfg.seed, start, cfg.steps)),  # type: ignore[arg-type]
         num_workers=num_workers,
     )
-    steps = _run_steps(net, opt, loader, cfg, start, history, save, device=device,
-                       num_classes=len(class_names), ignore_index=ignore_index,
-                       progress=progress, log_every=log_every, checkpoint_every=checkpoint_every,
-                       time_budget_s=time_budget_s)  # fmt: skip
+    history = _run_steps(
+        net, opt, loader, cfg, start, history, save, device=device, num_classes=len(class_names),
+        ignore_index=ignore_index, progress=progress, log_every=log_every,
+        checkpoint_every=checkpoint_every, time_budget_s=time_budget_s,
+    )  # fmt: skip
     net.eval()
-    return steps
+    if not any(h.get("num_triplets", 1) for h in history):  # an untrained embedding
+        raise DataError(
+            f"no triplet could be drawn in {len(history)} steps: no training image has "
+            "near-boundary pixels of two classes; check the labels and their mapping "
+            "(meta.json, --label-map, --ignore-index) and --radius"
+        )
+    return history
 
 
 def _run_steps(
@@ -204,10 +202,9 @@ def _run_steps(
             bar.set_postfix(loss=f"{stats['loss']:.3f}", viol=f"{stats['violating']:.2f}",
                             margin=f"{stats['margin']:.2f}")  # fmt: skip
             if log_every and (step + 1) % log_every == 0:
-                bar.write(
-                    f"[{step + 1}/{cfg.steps}] triplet loss {stats['loss']:.4f}, violating "
-                    f"{100 * stats['violating']:.1f}%, margin {stats['margin']:.3f}"
-                )
+                v, m = 100 * stats["violating"], stats["margin"]
+                bar.write(f"[{step + 1}/{cfg.steps}] triplet loss {stats['loss']:.4f}, "
+                          f"violating {v:.1f}%, margin {m:.3f}")  # fmt: skip
             reached = step + 1
             if reached % max(1, checkpoint_every) == 0:
                 save(reached)
@@ -232,104 +229,69 @@ def embedding_net(
 ) -> EmbeddingNet:
     """The step-3 model ``cfg`` describes (``weights``: backbone initialization)."""
     return build_embedding_net(
-        cfg.backbone,
-        embed_dim=cfg.embed_dim,
-        output_stride=cfg.output_stride,
-        aspp_rates=cfg.aspp_rates,
-        weights=weights,
+        cfg.backbone, embed_dim=cfg.embed_dim, output_stride=cfg.output_stride,
+        aspp_rates=cfg.aspp_rates, weights=weights, decoder_channels=cfg.decoder_channels,
         freeze_backbone=cfg.backbone_source == "base-frozen",
-        decoder_channels=cfg.decoder_channels,
-    )
+    )  # fmt: skip
 
 
-class Fitted(NamedTuple):
-    net: EmbeddingNet
-    prototypes: Tensor
-    present: Tensor
-    config: RefinerConfig  # steps: those made, when a time budget stopped the fit early
-    history: list[dict[str, float]]
-    taps: TapRecord | None  # the base's modules a tap refiner reads
-
-
-def read_taps(cfg: RefinerConfig, base: nn.Module | None, device: torch.device) -> TapRecord:
-    """The taps ``cfg.base_features`` names (``auto``: :func:`pick_taps`) measured on ``base``."""
-    if not isinstance(base, nn.Module):
-        raise ConfigError(
-            "base_features reads modules of the base model: pass the model itself (base=model; "
-            "on the CLI --base CHECKPOINT or --base file.py:NAME)"
-        )
-    base.to(device)
-    names = cfg.base_features
-    if names == ("auto",):
-        names = pick_taps(base, list_taps(base, torch.zeros(1, 3, 256, 256, device=device)))
-        if names is None:
+def prepare_net(
+    cfg: RefinerConfig, *, base: nn.Module | None,
+    init_from: nn.Module | Mapping[str, Tensor] | None,
+    weights: str | os.PathLike[str] | None, device: torch.device,
+) -> tuple[RefinerConfig, EmbeddingNet, TapRecord | None]:  # fmt: skip
+    """Step 3's model on ``device``: on the base's taps (``cfg.base_features``, which then set
+    the embedding's input and stride), or its own backbone (``init_from``: the base's)."""
+    if cfg.base_features is not None:
+        if not isinstance(base, nn.Module):
             raise ConfigError(
-                f"no taps could be picked in a {type(base).__name__} without names: give them "
-                "(--base-features LOW HIGH, base_features=(LOW, HIGH)); 'dualseg refine layers "
-                "--base ...' lists the candidates"
+                "base_features reads modules of the base model: pass the model itself (base=model; "
+                "on the CLI --base CHECKPOINT or --base file.py:NAME)"
             )
-    return measure_taps(base, names, device)  # type: ignore[arg-type]
-
-
-def fit_parts(
-    dataset: torch.utils.data.Dataset, cfg: RefinerConfig, *, class_names: Sequence[str],
-    prototype_dataset: torch.utils.data.Dataset | None, weights: str | os.PathLike[str] | None,
-    init_from: nn.Module | Mapping[str, Tensor] | None, base: nn.Module | None,
-    net: EmbeddingNet | None, device: torch.device, num_workers: int, progress: bool,
-    ignore_index: int, time_budget_s: float | None, checkpoint: str | os.PathLike[str] | None,
-    checkpoint_every: int, resume: bool, log_every: int, fit_inputs: Mapping[str, Any] | None,
-) -> Fitted:  # fmt: skip
-    """Steps 3-5, as :meth:`~dualseg.refine.refiner.BoundaryRefiner.fit` describes them."""
-    taps = None
-    if cfg.base_features is not None:  # the base decides the embedding's input and stride
-        taps = read_taps(cfg, base, device)
+        base.to(device)
+        names = cfg.base_features
+        if names == ("auto",):
+            names = pick_taps(base, list_taps(base, torch.zeros(1, 3, 256, 256, device=device)))
+            if names is None:
+                raise ConfigError(
+                    f"no taps could be picked in a {type(base).__name__}: give them "
+                    "(--base-features LOW HIGH); 'dualseg refine layers' lists the candidates"
+                )
+        taps = measure_taps(base, names, device)
         cfg = dataclasses.replace(
             cfg, base_features=taps.names, backbone="base", backbone_source="base-frozen",
             input_scale=1.0, output_stride=taps.strides[1],
         )  # fmt: skip
-        if net is None:
-            with seeded(cfg.seed):
-                net = tap_embedding_net(taps, embed_dim=cfg.embed_dim, aspp_rates=cfg.aspp_rates,
-                                        decoder_channels=cfg.decoder_channels)  # fmt: skip
+        with seeded(cfg.seed):
+            net = tap_embedding_net(taps, embed_dim=cfg.embed_dim, aspp_rates=cfg.aspp_rates,
+                                    decoder_channels=cfg.decoder_channels)  # fmt: skip
         net.backbone.attach(base)
-    if cfg.backbone_source != "independent" and init_from is None and net is None:
+        return cfg, net.to(device), taps
+    if cfg.backbone_source != "independent" and init_from is None:
         raise ConfigError(
             f"backbone_source={cfg.backbone_source!r} takes the base model's backbone: pass "
             "the base model (init_from; on the CLI --base CHECKPOINT)"
         )
-    if net is None:
-        with seeded(cfg.seed):  # the random head (and backbone) too: one seed, one refiner
-            net = embedding_net(cfg, weights=weights)
-        if init_from is not None:  # the base's whole backbone, or refused
-            init_backbone_from(net.backbone, init_from, strict=True)
-    net.to(device)
-    history = train_embedding(net, dataset, cfg, class_names=class_names, device=device,
-                              num_workers=num_workers, progress=progress,
-                              ignore_index=ignore_index, time_budget_s=time_budget_s,
-                              checkpoint=checkpoint, checkpoint_every=checkpoint_every,
-                              resume=resume, log_every=log_every,
-                              fit_inputs=fit_inputs)  # fmt: skip
-    if not history:  # time_budget_s ran out before the first step
-        raise ConfigError(
-            f"the time budget ({time_budget_s} s) ended before the first triplet step: "
-            "give it more time"
-        )
-    if not any(h.get("num_triplets", 1) for h in history):  # an untrained embedding
-        raise DataError(
-            f"no triplet could be drawn in {len(history)} steps: no training image has "
-            "near-boundary pixels of two classes; check the labels and their mapping "
-            "(meta.json, --label-map, --ignore-index) and --radius"
-        )
-    if history[-1]["step"] < cfg.steps:  # the time budget stopped it early
-        cfg = dataclasses.replace(cfg, steps=int(history[-1]["step"]))
+    with seeded(cfg.seed):  # the random head (and backbone) too: one seed, one refiner
+        net = embedding_net(cfg, weights=weights)
+    if init_from is not None:  # the base's whole backbone, or refused
+        init_backbone_from(net.backbone, init_from, strict=True)
+    return cfg, net.to(device), None
+
+
+def fit_prototypes(
+    net: EmbeddingNet, dataset: torch.utils.data.Dataset, cfg: RefinerConfig,
+    class_names: Sequence[str], *, ignore_index: int, device: torch.device, num_workers: int,
+    progress: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """Step 5 on ``dataset``, checked: at least two classes, warned of collapsed prototypes."""
     protos, present = stream_prototypes(
-        net, prototype_dataset if prototype_dataset is not None else dataset, len(class_names),
-        radius=cfg.radius, edge_method=cfg.edge_method, input_scale=cfg.input_scale,
-        output_stride=cfg.output_stride, ignore_index=ignore_index, device=device,
-        num_workers=num_workers, progress=progress,
+        net, dataset, len(class_names), radius=cfg.radius, edge_method=cfg.edge_method,
+        input_scale=cfg.input_scale, output_stride=cfg.output_stride, ignore_index=ignore_index,
+        device=device, num_workers=num_workers, progress=progress,
     )  # fmt: skip
     _check_prototypes(protos, present, class_names)
-    return Fitted(net, protos, present, cfg, history, taps)
+    return protos, present
 
 
 def _check_prototypes(protos: Tensor, present: Tensor, class_names: Sequence[str]) -> None:
@@ -356,9 +318,8 @@ def _check_prototypes(protos: Tensor, present: Tensor, class_names: Sequence[str
 def coinciding_prototypes(
     prototypes: Tensor, present: Tensor, class_names: Sequence[str], *, rtol: float = 1e-4
 ) -> list[tuple[str, str]]:
-    """The pairs of present classes whose prototypes lie within ``rtol`` of the prototypes'
-    mean length of each other: a collapsed embedding (a healthy one keeps its closest pair
-    about 0.1 of that length apart; a 3-step fit from random weights, 1e-6)."""
+    """The pairs of present classes whose prototypes lie within ``rtol`` of their mean length of
+    each other: a collapsed embedding (a healthy one keeps its closest pair ~0.1 apart)."""
     index = present.nonzero().flatten()
     protos = prototypes[index].float()
     if len(protos) < 2:

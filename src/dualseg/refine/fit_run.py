@@ -44,23 +44,20 @@ def check_options(
             raise ConfigError("--base-features reads modules of the base model: add --base")
         own = (("--weights", weights), ("--init-backbone", init_backbone != "imagenet"),
                ("--backbone-source", cfg.backbone_source != "independent"))  # fmt: skip
-        ignored = [flag for flag, given in own if given]
-        if ignored:
+        if ignored := [flag for flag, given in own if given]:
             raise ConfigError(
                 f"{' and '.join(ignored)} set the refiner's own backbone, which a refiner on "
-                "--base-features has not (it reads the base's): drop them"
+                "--base-features has not: drop them"
             )
     if min(crop_size) < MIN_CROP:  # found only after every step had drawn nothing
         raise ConfigError(
-            f"--crop-size {crop_size[0]} {crop_size[1]} is too small to hold a class "
-            f"boundary to draw triplets from; use at least {MIN_CROP} {MIN_CROP} (256 256)"
+            f"--crop-size {crop_size[0]} {crop_size[1]} is too small to hold a class boundary; "
+            f"use at least {MIN_CROP} {MIN_CROP}"
         )
     if weights and init_backbone == "none" and cfg.backbone_source == "independent":
-        # none never reads the file (a base-* source reads it, then takes the base's backbone)
         raise ConfigError(
-            f"--weights {weights} and --init-backbone none conflict: none starts the "
-            "backbone from random weights and never reads the file; drop --weights, or drop "
-            "--init-backbone none to initialize the backbone from it"
+            f"--weights {weights} and --init-backbone none conflict (none never reads the file): "
+            "drop --weights, or --init-backbone none"
         )
     if not calibrate_split:
         return
@@ -71,56 +68,40 @@ def check_options(
     ]
     if given:  # the sweep would replace them without a word
         raise ConfigError(
-            f"{' and '.join(given)} and --calibrate-split both set the decision: "
-            f"--calibrate-split chooses {', '.join(DECISION_KEYS[:-1])} and {DECISION_KEYS[-1]} "
-            f"on held-out images; drop {' and '.join(given)}, or drop --calibrate-split to use "
-            "your values"
+            f"{' and '.join(given)} and --calibrate-split both set the decision: drop one"
         )
     if calibrate_split in EVALUATION_SPLITS:
         raise ConfigError(
-            f"--calibrate-split {calibrate_split} is an evaluation split: choosing the "
-            "decision options on it would report them on the images they were tuned on; carve "
-            "a split from train (a list file, e.g. dev.txt) and calibrate on that"
+            f"--calibrate-split {calibrate_split} is an evaluation split, where results are "
+            "reported: carve a split from train (e.g. dev.txt)"
         )
     if calibrate_split == split:
         raise ConfigError(
             f"--calibrate-split {calibrate_split} is the --split the refiner is fitted on; "
-            "the decision options must be chosen on labelled images held out of the fit: "
-            "name another split (e.g. fit on train_fit, calibrate on dev)"
+            "name a split held out of it"
         )
 
 
 def check_earlier_fit(out: Path, checkpoint: Path, *, resume: bool, overwrite: bool) -> None:
-    """Refuse to replace an earlier fit by accident: an existing ``out`` (refiner) or ``checkpoint``
-    (its training state) needs ``resume`` or ``overwrite``."""
+    """An existing ``out`` or ``checkpoint`` (its training state) needs ``resume`` or
+    ``overwrite``."""
     if overwrite and resume:
-        raise ConfigError(
-            "--resume continues the earlier fit and --overwrite replaces it with a new one: "
-            "pass one of them"
-        )
+        raise ConfigError("--resume continues a fit, --overwrite replaces it: pass one of them")
     if overwrite or (resume and checkpoint.is_file()):
         return
     if resume and out.exists():
         raise RunExistsError(
-            f"--resume: no training state {checkpoint} to continue {out} from, and a new "
-            "fit would replace it; pass --overwrite to fit a new refiner in its place, "
-            "--checkpoint FILE for its state, or another --out"
+            f"--resume: no training state {checkpoint} to continue {out} from; pass --overwrite "
+            "to replace it, --checkpoint FILE for its state, or another --out"
         )
     if resume:
-        print(
-            f"dualseg refine fit: note: --resume: no training state {checkpoint} yet; "
-            "starting a new fit from step 0",
-            file=sys.stderr,
-        )
-    elif out.exists():
+        print(f"dualseg refine fit: note: --resume: no training state {checkpoint} yet; "
+              "starting a new fit from step 0", file=sys.stderr)  # fmt: skip
+    elif out.exists() or checkpoint.exists():
+        what = f"--out {out} holds a refiner" if out.exists() else f"{checkpoint} holds a fit"
         raise RunExistsError(
-            f"--out {out} already holds a refiner; replace it with --overwrite, continue its "
-            "training with --resume, or choose another --out"
-        )
-    elif checkpoint.exists():
-        raise RunExistsError(
-            f"{checkpoint} holds the training state of an earlier fit; continue it with "
-            "--resume, start over with --overwrite, or choose another --out / --checkpoint"
+            f"{what}; replace it with --overwrite, continue it with --resume, or choose "
+            "another --out / --checkpoint"
         )
 
 
@@ -129,15 +110,12 @@ def fit_outputs(
     overwrite: bool,
 ) -> tuple[Path, Path]:  # fmt: skip
     """The refiner file and its training state (default ``<out>.train.pt``), checked before
-    any data is read: writable, not the base or a dataset file, not another kind of file."""
+    any data is read."""
     target = check_writable(out, kind="file", what="--out")
     state = Path(checkpoint) if checkpoint else target.with_suffix(".train.pt")
     check_writable(state, kind="file", what="--checkpoint")
     if target.resolve() == state.resolve():  # found at the first save, after the whole fit
-        raise ConfigError(
-            f"--checkpoint {state} is --out: the training state and the refiner need two "
-            "files; drop --checkpoint (default: <out>.train.pt) or name another"
-        )
+        raise ConfigError(f"--checkpoint {state} is --out: name another, or drop --checkpoint")
     # never the --base model or a file of the dataset, even with --overwrite
     protected = [(f"a file of the dataset {data}", dataset_files(data, layout=layout))]
     if base is not None and Path(base).is_file():
@@ -152,9 +130,8 @@ def fit_outputs(
         if found not in (fmt, ""):
             model = " (a dualseg model checkpoint: pass it as --base)"
             raise OutputError(
-                f"{what} {path} exists and is not {kind}{model if found == MODEL_FORMAT else ''};"
-                f" refine fit never writes over another kind of file, not even with "
-                f"--overwrite: choose another {what}"
+                f"{what} {path} exists and is not {kind}{model if found == MODEL_FORMAT else ''}: "
+                f"choose another {what}"
             )
     check_earlier_fit(target, state, resume=resume, overwrite=overwrite)
     return target, state
@@ -172,9 +149,8 @@ def fit_datasets(
     crop_size: Sequence[int], scale_range: Sequence[float], seed: int, proto_images: int,
     calibrate_split: str | None, contract: LabelContract | None = None,
 ) -> FitData:  # fmt: skip
-    """The datasets of a fit, labels read as ``labels`` says (``label_format``, ``label_map``,
-    ``ignore_value``); a dataset that does not describe itself (no preset, no meta.json) is
-    read with the base's ``contract``. The calibration split is checked before the fit."""
+    """The datasets of a fit, labels read as ``labels`` says (or, with no preset and no
+    meta.json, as the base's ``contract``); the calibration split checked before the fit."""
     common: dict[str, Any] = {"split": split, "layout": layout, "preset": preset, **labels}
     if contract is not None and preset is None and not dataset_meta(data, layout=layout,
                                                                     split=split):  # fmt: skip
@@ -191,8 +167,7 @@ def fit_datasets(
 
 
 def _calibration_dataset(data: str, train: Any, common: dict[str, Any], split: str) -> Any:
-    """The ``--calibrate-split`` dataset; it must exist and hold none of the images the refiner
-    is fitted on or scored on (val, test)."""
+    """The ``--calibrate-split`` dataset, sharing no image with --split, val or test."""
     try:
         held_out = build_dataset(
             data, transform=build_eval_transform(), **{**common, "split": split}
@@ -203,22 +178,20 @@ def _calibration_dataset(data: str, train: Any, common: dict[str, Any], split: s
     def images(ds: Any) -> set[Path]:
         return {Path(image).resolve() for image, _ in getattr(ds, "samples", [])}
 
-    others = [(f"--split {common['split']}", "held out of the fit", images(train))]
+    others = [(f"--split {common['split']}", images(train))]
     for name in EVALUATION_SPLITS:  # val under another name would be tuned on, then scored
         try:
             evaluated = build_dataset(data, **{**common, "split": name})
         except DataError:  # no such split: nothing to keep apart
             continue
-        others.append((f"the {name} split", f"apart from {name}, where it is scored",
-                       images(evaluated)))  # fmt: skip
+        others.append((f"the {name} split", images(evaluated)))
     calibrating = [image for image, _ in getattr(held_out, "samples", [])]
-    for name, why, taken in others:
+    for name, taken in others:
         shared = [image for image in calibrating if Path(image).resolve() in taken]
         if shared:
             raise ConfigError(
-                f"{len(shared)} of the {len(held_out)} --calibrate-split {split} "
-                f"images are also in {name} (e.g. {shared[0]}); the decision options must be "
-                f"chosen on images {why}: carve the calibration split from train"
+                f"{len(shared)} of the {len(held_out)} --calibrate-split {split} images are "
+                f"also in {name} (e.g. {shared[0]}): carve the calibration split from train"
             )
     return held_out
 
@@ -227,8 +200,7 @@ def fit_inputs(
     data: str, *, split: str, layout: str, preset: str | None, crop_size: Sequence[int],
     scale_range: Sequence[float], base: str | None, labels: Mapping[str, Any],
 ) -> dict[str, Any]:  # fmt: skip
-    """What the triplet steps read beyond the RefinerConfig (the data stream, how its labels are
-    read, the base a ``base-*`` fit is built on), so that a ``--resume`` must give the same."""
+    """What the triplet steps read beyond the RefinerConfig, which a ``--resume`` must repeat."""
     if base is not None and not is_hub_source(base):
         base = str(Path(base).resolve())
     mapping = labels["label_map"] or {}
@@ -264,15 +236,11 @@ def run_fit(
     if init_backbone != "base" and cfg.backbone_source == "independent":
         init_weights = None if init_backbone == "none" else weights or "imagenet"
     elif not hasattr(base, "module"):
-        raise ConfigError(
-            "--init-backbone base / --backbone-source base-* need --base to be a model "
-            "(a dualseg checkpoint or file.py:NAME)"
-        )
+        raise ConfigError("--init-backbone base and --backbone-source base-* need a --base model")
     else:
         init_from = base.module
     taps_of = getattr(base, "module", None) if cfg.base_features else None
-    reads_base = init_from is not None or taps_of is not None
-    read = base_name if reads_base else None
+    read = base_name if init_from is not None or taps_of is not None else None
     inputs = fit_inputs(root, **where, crop_size=crop_size, labels=labels,
                         scale_range=scale_range, base=read)  # fmt: skip
     if overwrite:  # every input checked: the earlier fit's state goes now
@@ -293,21 +261,23 @@ def run_fit(
     refiner.label_contract = None if contract is None else contract.to_dict()
     if data.held_out is None:
         return refiner, ""
-    split = data.held_out_split
-    rows = calibrate(refiner, base, data.held_out, files, split=split, metric=calibrate_metric,
-                     device=device)  # fmt: skip
-    report = calibration_report(rows, refiner.config, split=split,
-                                metric=calibrate_metric, images=len(data.held_out))  # fmt: skip
-    return refiner, report
+    split, metric = data.held_out_split, calibrate_metric
+    rows = calibrate(refiner, base, data.held_out, files, split=split, metric=metric, device=device)
+    chosen = ", ".join(f"{k} {getattr(refiner.config, k)}" for k in DECISION_KEYS)
+    if refiner.config.gate_margin == 0:
+        chosen = "gate_margin 0, never relabel (refinement did not help this base)"
+    return refiner, (
+        f"decision sweep on {split} ({len(data.held_out)} held-out images):\n"
+        f"{format_sweep(rows, metric=metric)}\nchosen: {chosen}"
+    )
 
 
 def calibrate(
     refiner: Any, base: Any, held_out: Any, files: Sequence[tuple[Path, str]], *, split: str,
     metric: str, device: Any,
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Choose the decision options (gate τ, prior weight λ, probability floor, P1 blur) on the
-    held-out images (``files``: their paths and the names a probability folder holds them
-    under) and store them in the refiner with the sweep's table, which is returned."""
+    """Choose the decision options on the held-out images (``files``: their paths and names)
+    and store them in the refiner with the sweep's table, which is returned."""
     at: list[tuple[Path, str]] = []  # the image the sweep scores now: a folder base needs it
 
     def batches() -> Iterator[Any]:
@@ -328,15 +298,12 @@ def calibrate(
                               shared=shared)  # fmt: skip
     refiner.config = dataclasses.replace(refiner.config, **choose_decision(rows, metric=metric))
     refiner.calibration = {
-        "split": split,
-        "images": len(held_out),
+        "split": split, "images": len(held_out), "metric": metric, "rows": rows,
         # by content: eval finds these images under any split name, root or file name
         "image_digests": [file_digest(path) for path, _ in files],
-        "metric": metric,
-        "rows": rows,
-        # the base these options were chosen for (a model's; a probability folder: unknown)
+        # the base these options were chosen for (a probability folder: unknown)
         "base_fingerprint": None if module is None else model_fingerprint(module),
-    }
+    }  # fmt: skip
     return rows
 
 
@@ -344,29 +311,15 @@ def fit_summary(refiner: Any, out: Path) -> str:
     """What ``refine fit`` prints at the end: the last step's readings and the refiner."""
     cfg, lines = refiner.config, []
     if refiner.history:
-        last = refiner.history[-1]
-        violating = 100 * last["violating"]
-        lines.append(f"step {last['step']}: loss {last['loss']:.4f}, violating triplets "
-                     f"{violating:.1f}%, mean margin {last['margin']:.3f}")  # fmt: skip
-    present = refiner.present.tolist()
-    missing = [n for n, p in zip(refiner.class_names, present) if not p]
+        h = refiner.history[-1]
+        lines.append(f"step {h['step']}: loss {h['loss']:.4f}, violating triplets "
+                     f"{100 * h['violating']:.1f}%, mean margin {h['margin']:.3f}")  # fmt: skip
+    missing = [n for n, p in zip(refiner.class_names, refiner.present.tolist()) if not p]
     no_proto = f"; no prototype for {missing}" if missing else ""
     on = f"taps {' + '.join(refiner.taps.names)}" if refiner.taps else cfg.backbone
     lines.append(f"refiner ({on}, C={cfg.embed_dim}, {refiner.num_classes} classes"
                  f"{no_proto}) -> {out}")  # fmt: skip
     return "\n".join(lines)
-
-
-def calibration_report(rows: list[dict[str, Any]], cfg: RefinerConfig, *, split: str,
-                       images: int, metric: str) -> str:  # fmt: skip
-    """What ``refine fit --calibrate-split`` prints: the sweep's best rows and the choice."""
-    chosen = ", ".join(f"{k} {getattr(cfg, k)}" for k in DECISION_KEYS)
-    if cfg.gate_margin == 0:
-        chosen = "gate_margin 0, never relabel (refinement did not help this base)"
-    return (
-        f"decision sweep on {split} ({images} held-out images):\n"
-        f"{format_sweep(rows, metric=metric)}\nchosen: {chosen}"
-    )
 
 
 def format_sweep(rows: list[dict[str, Any]], *, metric: str, best: int = 5) -> str:

@@ -23,22 +23,18 @@ TRAIN_FORMAT = "dualseg-refiner-train/1"
 
 def load_state(path: str | os.PathLike[str], fmt: str, what: str) -> dict[str, Any]:
     """The dict stored in ``path``, which must have ``format == fmt`` (one clear error else)."""
-    state = safe_torch_load(
-        path,
-        what=what,
-        fix="refit or use another file",
-        written_by="'dualseg refine fit --out' writes it",
-    )
+    state = safe_torch_load(path, what=what, fix="refit or use another file",
+                            written_by="'dualseg refine fit --out' writes it")  # fmt: skip
     found = state.get("format") if isinstance(state, dict) else type(state).__name__
     if found == CHECKPOINT_FORMAT:
         raise CheckpointError(
             f"{path} is a dualseg model checkpoint, not a method-B {what}: pass it as "
-            "--checkpoint (refine: --base), and a 'dualseg refine fit' file as --refiner"
+            "--checkpoint (refine: --base)"
         )
     if found == TRAIN_FORMAT and fmt == FORMAT:
         raise CheckpointError(
-            f"{path} is the training state of 'dualseg refine fit', not a refiner: pass the "
-            "refiner that fit wrote (its --out), or continue the fit with 'refine fit --resume'"
+            f"{path} is the training state of 'dualseg refine fit', not a refiner: pass its "
+            "--out, or continue the fit with --resume"
         )
     if found != fmt:
         raise CheckpointError(
@@ -50,7 +46,7 @@ def load_state(path: str | os.PathLike[str], fmt: str, what: str) -> dict[str, A
 class StoredRefiner(NamedTuple):
     """A saved refiner's parts, as read from a ``.pt`` or a folder (not yet checked)."""
 
-    description: Mapping[str, Any]  # config, class_names, ignore_index, calibration, palette
+    description: Mapping[str, Any]
     net_state: Mapping[str, Tensor]
     prototypes: Tensor
     present: Tensor
@@ -66,81 +62,68 @@ def save_refiner_file(
     if target.is_dir():
         raise OutputError(f"{target} is a folder; save writes one file (save_pretrained: a folder)")
     kind = torch_file_format(target) if target.is_file() else ""
-    if kind not in (FORMAT, ""):  # "": empty or cut short, an interrupted save's leftover
+    if kind not in (FORMAT, ""):  # "": an interrupted save's leftover
         raise OutputError(
-            f"{target} exists and is not a method-B refiner ({kind or 'another kind of file'}); "
-            "save never writes over it: choose another path"
+            f"{target} exists and is not a method-B refiner ({kind}): choose another path"
         )
-    state = {
-        "format": FORMAT,
-        "version": __version__,
-        **description,
-        "model": {k: v.detach().cpu() for k, v in net_state.items()},
-        "prototypes": prototypes.cpu(),
-        "present": present.cpu(),
-    }
+    state = {"format": FORMAT, "version": __version__, **description,
+             "model": {k: v.detach().cpu() for k, v in net_state.items()},
+             "prototypes": prototypes.cpu(), "present": present.cpu()}  # fmt: skip
     atomic_torch_save(state, target)
     return target
 
 
 def read_refiner_file(path: str | os.PathLike[str]) -> StoredRefiner:
     if not os.fspath(path).strip():  # Path("") is the current folder
-        raise ConfigError(
-            "the refiner path is empty (an unset variable?); pass a refiner file, a refiner "
-            "folder or hf://org/name"
-        )
+        raise ConfigError("the refiner path is empty (an unset variable?)")
     state = load_state(path, FORMAT, "refiner")
-    missing = [k for k in ("model", "prototypes", "present", "config") if k not in state]
-    if missing:
+    if missing := [k for k in ("model", "prototypes", "present", "config") if k not in state]:
         raise CheckpointError(f"{path} lacks {', '.join(missing)}; fit the refiner again")
     check_finite_refiner(path, {**state["model"], "prototypes": state["prototypes"]})
     return StoredRefiner(state, state["model"], state["prototypes"], state["present"], path)
 
 
 def stored_description(stored: Mapping[str, Any], source: str | os.PathLike[str]) -> dict[str, Any]:
-    """The class names, ignore index, palette and calibration a saved refiner describes (a
-    ``.pt``'s dict, a folder's ``refiner.json`` or an export's sidecar), checked: a hand-edited
-    or damaged description is one :class:`CheckpointError` naming ``source``, not a traceback
-    later or a silently coerced value."""
+    """The class names, ignore index, palette, calibration, taps and label contract a saved
+    refiner describes, checked: a damaged one is a :class:`CheckpointError` naming ``source``."""
 
     def bad(key: str, want: str) -> CheckpointError:
-        return CheckpointError(
-            f"{source}: {key} must be {want}, got {stored.get(key)!r:.60}; fit or save the "
-            "refiner again"
+        got = stored.get(key)
+        return CheckpointError(f"{source}: {key} must be {want}, got {got!r:.60}; save it again")
+
+    def ints(values: Any, low: int, high: int) -> bool:
+        return isinstance(values, list | tuple) and all(
+            isinstance(v, int) and not isinstance(v, bool) and low <= v <= high for v in values
         )
+
+    def strs(values: Any) -> bool:
+        return isinstance(values, list | tuple) and all(isinstance(v, str) for v in values)
 
     names = stored.get("class_names")
     if not isinstance(names, list | tuple) or not names:
         raise bad("class_names", "a list of class names")
-    if not all(isinstance(n, str) for n in names):
+    if not strs(names):
         raise bad("class_names", "strings")
     ignore = stored.get("ignore_index", 255)
-    if not isinstance(ignore, int) or isinstance(ignore, bool) or not 0 <= ignore <= 255:
+    if not ints([ignore], 0, 255):
         raise bad("ignore_index", "an integer in 0..255")
     palette = stored.get("palette")
-    colours = isinstance(palette, list | tuple) and all(
-        isinstance(c, list | tuple)
-        and len(c) == 3
-        and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255 for v in c)
-        for c in palette
-    )
-    if palette is not None and not (colours and len(palette) == len(names)):
+    colours = isinstance(palette, list | tuple) and len(palette) == len(names)
+    if palette is not None and not (colours and all(ints(c, 0, 255) and len(c) == 3
+                                                    for c in palette)):  # fmt: skip
         raise bad("palette", f"null or one [r, g, b] in 0..255 per class ({len(names)})")
-    calibration = stored.get("calibration")
-    if calibration is not None and not (
-        isinstance(calibration, Mapping)
-        and isinstance(calibration.get("split"), str)
-        and isinstance(calibration.get("images"), int)
-        and _none_or_strings(calibration.get("image_digests"))
-    ):
+    cal = stored.get("calibration")
+    if cal is not None and not (
+        isinstance(cal, Mapping) and strs([cal.get("split")]) and ints([cal.get("images")], 0, BIG)
+        and (cal.get("image_digests") is None or strs(cal["image_digests"]))
+    ):  # fmt: skip
         raise bad("calibration", "null or the record of 'refine fit --calibrate-split'")
     taps = stored.get("taps")
     if taps is not None and not (
-        isinstance(taps, Mapping)
-        and all(isinstance(taps.get(k), list) and len(taps[k]) == 2 for k in TAP_KEYS)
-        and all(isinstance(v, str) for v in taps["names"])
-        and all(isinstance(v, int) and v > 0 for k in TAP_KEYS[1:] for v in taps[k])
-    ):
+        isinstance(taps, Mapping) and all(isinstance(taps.get(k), list) and len(taps[k]) == 2
+                                          for k in TAP_KEYS)
+        and strs(taps["names"]) and all(ints(taps[k], 1, BIG) for k in TAP_KEYS[1:])
+    ):  # fmt: skip
         raise bad("taps", "null or the base modules a tap refiner reads")
     contract = stored.get("label_contract")
     if contract is not None:
@@ -148,35 +131,26 @@ def stored_description(stored: Mapping[str, Any], source: str | os.PathLike[str]
             contract = LabelContract.from_dict(dict(contract)).to_dict()
         except (DataError, TypeError, ValueError):
             raise bad("label_contract", "null or the label contract of its base") from None
-    return {
-        "label_contract": contract,
-        "taps": taps,
-        "class_names": [str(n) for n in names],
-        "ignore_index": int(ignore),
-        "palette": palette,
-        "calibration": None if calibration is None else dict(calibration),
-    }
+    return {"label_contract": contract, "taps": taps, "class_names": list(names),
+            "ignore_index": ignore, "palette": palette,
+            "calibration": None if cal is None else dict(cal)}  # fmt: skip
 
 
 TAP_KEYS = ("names", "channels", "strides")
+BIG = 2**62
 
 
 def check_contract(
     refiner: Any, contract: LabelContract | None, *, refiner_name: str, model_name: str
 ) -> None:
-    """Refuse a refiner fitted on data read otherwise than ``contract`` (the model's) says:
-    its labels would mean other classes. A refiner or model without a contract passes."""
+    """Refuse a refiner fitted on labels read otherwise than the model's ``contract`` (either
+    side without one passes)."""
     stored = getattr(refiner, "label_contract", None)
     if stored is None or contract is None:
         return
-    diff = contract.differences(LabelContract.from_dict(stored), sides=("model", "refiner"))
-    if diff:
+    if diff := contract.differences(LabelContract.from_dict(stored), sides=("model", "refiner")):
         raise CheckpointError(
             f"the refiner {refiner_name} was fitted on labels read otherwise than "
             f"{model_name} reads them: {'; '.join(diff)}; fit the refiner on this model's data "
             "(refine fit --base MODEL)"
         )
-
-
-def _none_or_strings(value: Any) -> bool:
-    return value is None or (isinstance(value, list) and all(isinstance(v, str) for v in value))

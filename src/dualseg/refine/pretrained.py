@@ -55,9 +55,7 @@ def save_folder(
 
 
 def check_folder_model(folder: Path, names: Sequence[str] | None, *, fix: str) -> None:
-    """A refiner beside a model (``config.json`` in the same folder) must be fit for that
-    model's classes: the folder is loaded as a pair, and names in another order would relabel
-    pixels as other classes."""
+    """A refiner beside a model (``config.json``) must be fit for that model's classes."""
     if names is None or not (folder / CONFIG_NAME).is_file():
         return
     try:
@@ -77,12 +75,10 @@ def read_folder(source: str | os.PathLike[str]) -> StoredRefiner:
     meta = read_json(folder / REFINER_CONFIG, fmt=REFINER_FORMAT, what="refiner")
     tensors = read_safetensors(folder / REFINER_WEIGHTS, what="refiner")
     check_finite_refiner(folder / REFINER_WEIGHTS, tensors)
-    missing = [k for k in ("prototypes", "present") if k not in tensors]
-    if missing or "config" not in meta or "class_names" not in meta:
+    if {"prototypes", "present"} - tensors.keys() or {"config", "class_names"} - meta.keys():
         raise CheckpointError(f"{folder}: incomplete refiner folder; save it again")
     names = meta["class_names"] if isinstance(meta["class_names"], list) else None
     check_folder_model(folder, names, fix="fit a refiner for that model")
     net_state = {k.removeprefix("net."): v for k, v in tensors.items() if k.startswith("net.")}
-    return StoredRefiner(
-        meta, net_state, tensors["prototypes"], tensors["present"].bool(), folder / REFINER_CONFIG
-    )
+    protos, present = tensors["prototypes"], tensors["present"].bool()
+    return StoredRefiner(meta, net_state, protos, present, folder / REFINER_CONFIG)

@@ -12,16 +12,15 @@ from dualseg.refine.embedding import EmbeddingNet, embed_pixels
 
 
 def require_class_labels(labels: Tensor, num_classes: int, ignore_index: int, what: str) -> None:
-    """One :class:`DataError` for label values that are neither a class of the refiner's
-    ``num_classes`` nor ``ignore_index``: the triplets drew them as classes and the prototypes
-    dropped them, without a word (labels 0..7 fitted for three class names)."""
+    """Refuse label values that are neither a class nor ``ignore_index`` (the triplets would
+    draw them as classes, the prototypes drop them)."""
     bad = (labels != ignore_index) & ((labels < 0) | (labels >= num_classes))
     if bool(bad.any()):
         values = torch.unique(labels[bad]).tolist()[:8]
         raise DataError(
             f"{what} hold label values {values}, neither a class of the {num_classes} class "
-            f"names nor the ignore index {ignore_index}: give one class name per label value, "
-            "or map the labels (meta.json, --label-map, --ignore-index)"
+            f"names nor the ignore index {ignore_index}: map the labels (meta.json, "
+            "--label-map, --ignore-index)"
         )
 
 

@@ -30,8 +30,8 @@ from dualseg.refine.embedding import (
     p1_filter,
     tap_embedding_net,
 )
-from dualseg.refine.fit import embedding_net, fit_parts
-from dualseg.refine.inputs import as_palette, as_tensor, check_classes, check_normalized_batch
+from dualseg.refine.fit import embedding_net, fit_prototypes, prepare_net, train_embedding
+from dualseg.refine.inputs import as_tensor, check_classes, check_normalized_batch
 from dualseg.refine.relabel import collect, decide_as, prototype_row_scores, prototype_scores
 from dualseg.refine.shared import BaseFeatures, SharedFeatures, can_share, matching
 from dualseg.refine.taps import TapReader, TapRecord, base_logits
@@ -48,13 +48,13 @@ class BoundaryRefiner:
         self.taps = taps  # a tap refiner's base modules (low, high), else None
         self.config = config or RefinerConfig(embed_dim=int(prototypes.shape[1]))
         self.class_names = tuple(str(n) for n in class_names)
-        k = len(self.class_names)
-        if prototypes.ndim != 2 or prototypes.shape[0] != k or tuple(present.shape) != (k,):
+        self.palette = None if palette is None else tuple(tuple(map(int, c)) for c in palette)
+        if self.palette and (
+            len(self.palette) != self.num_classes or {len(c) for c in self.palette} != {3}
+        ):
             raise ConfigError(
-                f"prototypes {tuple(prototypes.shape)} and present {tuple(present.shape)} for "
-                f"{k} class names: expected [{k}, C] and [{k}]"
+                f"a refiner palette needs one RGB colour per class ({self.num_classes})"
             )
-        self.palette = as_palette(palette, len(self.class_names))
         self.net = net.eval()
         self.prototypes = prototypes.float()
         self.present = present.bool()
@@ -100,47 +100,32 @@ class BoundaryRefiner:
         self, images: Any, probs: Any = None, *, base: Any = None, return_changed: bool = False,
         features: BaseFeatures | tuple[Tensor, tuple[int, int]] | None = None,
     ) -> Tensor | np.ndarray | tuple[Any, Any]:  # fmt: skip
-        """Refined label map(s)."""
+        """Refined label map(s): a batch (tensor or numpy, as ``probs``; with ``base=``, as
+        ``images``) or one image (numpy ``HxW``)."""
         if (probs is None) == (base is None):
             raise ConfigError("refine needs the base's scores (probs) or the base model (base=)")
-        if base is not None:
-            return self._refine_with(images, base, return_changed)
         batch = isinstance(images, np.ndarray | Tensor) and images.ndim == 4
         if batch:  # numpy too: the exported refiner's batch form
             check_normalized_batch(images)
-            if isinstance(images, np.ndarray):
-                images = torch.from_numpy(np.ascontiguousarray(images))
-            out = self._refine_batch(images, as_tensor(probs), return_changed, features)
-            if isinstance(probs, Tensor):
-                return out
-            return tuple(t.cpu().numpy() for t in out) if return_changed else out.cpu().numpy()
-        x = torch.from_numpy(normalize([as_rgb_array(images)]))
-        p = as_tensor(probs)
-        if p.dim() == 3:
-            p = p[None]
-        labels, changed = self._refine_batch(x, p, True)
-        labels, changed = labels[0].cpu().numpy(), changed[0].cpu().numpy()
-        return (labels, changed) if return_changed else labels
-
-    def _refine_with(self, images: Any, base: Any, return_changed: bool) -> Any:
-        """:meth:`refine` with the base run here, its features read where it is a model."""
-        single = not (isinstance(images, np.ndarray | Tensor) and images.ndim == 4)
-        if single:
-            x = torch.from_numpy(normalize([as_rgb_array(images)]))
+            x = as_tensor(images)
         else:
-            check_normalized_batch(images)
-            x = torch.as_tensor(images)
-        x = x.to(self.device)
-        module = base if isinstance(base, nn.Module) else None
-        kept = self.shared_features(module) if module is not None else contextlib.nullcontext()
-        with kept as shared:
-            with eval_mode(module) if module is not None else contextlib.nullcontext():
-                logits = base_logits(base, x)
-            features = shared.take(x) if shared is not None else None
-        labels, changed = self._refine_batch(x, logits, True, features)
-        if single:
+            x = torch.from_numpy(normalize([as_rgb_array(images)]))
+        as_numpy = isinstance(images if base is not None else probs, np.ndarray)
+        if base is not None:  # run here, its features read where it is a model
+            x = x.to(self.device)
+            module = base if isinstance(base, nn.Module) else None
+            null = contextlib.nullcontext()
+            with self.shared_features(module) if module is not None else null as shared:
+                with eval_mode(module) if module is not None else null:
+                    probs = base_logits(base, x)
+                features = shared.take(x) if shared is not None else None
+        p = as_tensor(probs)
+        p = p[None] if not batch and p.dim() == 3 else p
+        out = decide_as(self.candidates(x, p, features=features), self.config)
+        labels, changed = (t.to(p.device) for t in out)
+        if not batch:
             labels, changed = labels[0].cpu().numpy(), changed[0].cpu().numpy()
-        elif isinstance(images, np.ndarray):
+        elif as_numpy:
             labels, changed = labels.cpu().numpy(), changed.cpu().numpy()
         return (labels, changed) if return_changed else labels
 
@@ -152,17 +137,16 @@ class BoundaryRefiner:
         [B,C,H,W]``), before any decision: what :mod:`dualseg.refine.calibrate` sweeps."""
         if (
             probs.dim() != 4
-            or images.shape[0] != probs.shape[0]
-            or images.shape[-2:] != probs.shape[-2:]
+            or probs.shape[0] != images.shape[0]
+            or (probs.shape[-2:] != images.shape[-2:])
         ):
-            channels_last = probs.dim() == 4 and probs.shape[1:3] == images.shape[-2:]
             fix = (
-                "they look channels-last [H,W,C]: pass them as [C,H,W] (probs.transpose(2, 0, 1))"
-                if channels_last
-                else "resize the base model's output to the image size (bilinear) before refining"
+                "they look channels-last [H,W,C]: pass them as [C,H,W]"
+                if probs.dim() == 4 and probs.shape[1:3] == images.shape[-2:]
+                else "resize the base model's output to the image size"
             )
             raise DataError(
-                f"class probabilities of shape {tuple(probs.shape)} do not match images of shape "
+                f"class probabilities {tuple(probs.shape)} do not match images "
                 f"{tuple(images.shape)}; {fix}"
             )
         self.check_classes(None, probs.shape[1])
@@ -170,13 +154,8 @@ class BoundaryRefiner:
         cfg = self.config
         sigma = cfg.p1_blur_sigma if p1_blur_sigma is None else p1_blur_sigma
 
-        if features is not None and sigma != 0:
-            raise ConfigError(
-                "shared base features carry no P1 blur: refine with p1_blur_sigma 0, or "
-                "without the base's features"
-            )
         if features is not None:
-            self._check_base_features(BaseFeatures(*features).features)
+            self._check_base_features(BaseFeatures(*features).features, sigma)
         # not this batch's own backbone output (resized, tiled, half precision): run our own
         features = matching(
             features, images, cfg.output_stride, needs_low=self.net.decoder is not None,
@@ -210,43 +189,32 @@ class BoundaryRefiner:
             probs.to(self.device).float(), scores, self.present, self.config, scale, covered
         )
 
-    def _check_base_features(self, feats: Tensor) -> None:
-        """Refuse base features this refiner's head cannot stand on: only a ``base-frozen``
-        refiner at input scale 1 embeds the base's own backbone output (the rest would be
-        read without an error, and give other labels), and the channels must be its head's."""
+    def _check_base_features(self, feats: Tensor, sigma: float) -> None:
+        """Only a ``base-frozen`` refiner at input scale 1 and no P1 blur reads the base's
+        backbone output, of its head's channels (else other labels, without an error)."""
         cfg = self.config
+        if sigma != 0:
+            raise ConfigError("shared base features carry no P1 blur: refine with p1_blur_sigma 0")
         if cfg.backbone_source != "base-frozen" or cfg.input_scale != 1.0:
             raise ConfigError(
-                f"this refiner (backbone_source {cfg.backbone_source!r}, input_scale "
-                f"{cfg.input_scale:g}) embeds other features than the base's backbone output; "
-                "pass features=None, or take them with refiner.shared_features(model), which "
-                "keeps none a refiner cannot read"
+                f"this refiner ({cfg.backbone_source}, input_scale {cfg.input_scale:g}) embeds "
+                "other features than the base's backbone output; pass features=None"
             )
-        conv = next((m for m in self.net.fuse.modules() if isinstance(m, nn.Conv2d)), None)
-        if conv is not None and (feats.dim() != 4 or feats.shape[1] != conv.in_channels):
+        conv = next(m for m in self.net.fuse.modules() if isinstance(m, nn.Conv2d))
+        if feats.dim() != 4 or feats.shape[1] != conv.in_channels:
             raise DataError(
-                f"base features of shape {tuple(feats.shape)} do not fit this refiner, whose "
-                f"head reads {conv.in_channels} channels: they come from another backbone than "
-                "the one it was fit on; pass features=None"
+                f"base features {tuple(feats.shape)} do not fit this refiner, whose head reads "
+                f"{conv.in_channels} channels; pass features=None"
             )
 
     def shared_features(self, model: nn.Module) -> SharedFeatures | TapReader:
-        """A context that keeps ``model``'s backbone output for :meth:`refine`'s ``features`` (see
-        :mod:`dualseg.refine.shared`); it keeps nothing when this refiner cannot share the base's
-        features, so callers need no check of their own."""
+        """A context keeping ``model``'s features for :meth:`refine`'s ``features`` (nothing
+        when this refiner cannot read them)."""
         if self.taps is not None:  # the taps are read in this very forward
             self.net.backbone.attach(model)
             return TapReader(model, self.taps)
         active = can_share(self.config, self.net.backbone, model)
         return SharedFeatures(model, active, self.config.output_stride, self.net.low_level)
-
-    def _refine_batch(
-        self, images: Tensor, probs: Tensor, return_changed: bool,
-        features: BaseFeatures | tuple[Tensor, tuple[int, int]] | None = None,
-    ) -> Any:  # fmt: skip
-        out, changed = decide_as(self.candidates(images, probs, features=features), self.config)
-        out = out.to(probs.device)
-        return (out, changed.to(probs.device)) if return_changed else out
 
     # ------------------------------------------------------------------ files
     def _description(self) -> dict[str, Any]:
@@ -266,8 +234,7 @@ class BoundaryRefiner:
         return formats.save_refiner_file(path, self._description(), *parts)
 
     def save_pretrained(self, folder: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
-        """Write ``folder/refiner.json`` + ``folder/refiner.safetensors`` (weights only; see
-        :mod:`dualseg.refine.pretrained`); :meth:`load` reads the folder back."""
+        """Write ``folder/refiner.json`` + ``folder/refiner.safetensors`` (weights only)."""
         parts = (self.net.state_dict(), self.prototypes, self.present)
         return pretrained.save_folder(folder, self._description(), *parts, overwrite=overwrite)
 
@@ -307,14 +274,10 @@ class BoundaryRefiner:
             )
         net.load_state_dict(stored.net_state)
         k = len(described["class_names"])
-        shapes = {"prototypes": (k, config.embed_dim), "present": (k,)}
-        for key, tensor in (("prototypes", stored.prototypes), ("present", stored.present)):
-            if tuple(tensor.shape) != shapes[key]:
-                raise CheckpointError(
-                    f"{source}: {key} has shape {tuple(tensor.shape)}, expected "
-                    f"{shapes[key]} ({k} classes, embed_dim {config.embed_dim}); fit the "
-                    "refiner again"
-                )
+        for key, want in (("prototypes", (k, config.embed_dim)), ("present", (k,))):
+            if tuple(getattr(stored, key).shape) != want:
+                got = tuple(getattr(stored, key).shape)
+                raise CheckpointError(f"{source}: {key} has shape {got}, expected {want}")
         refiner = cls(net, stored.prototypes, stored.present, class_names=described["class_names"],
                       config=config, ignore_index=described["ignore_index"],
                       palette=described["palette"], taps=taps)  # fmt: skip
@@ -323,8 +286,7 @@ class BoundaryRefiner:
         return refiner
 
     def calibration_note(self) -> str | None:
-        """A warning when the held-out check at fit time found that refinement did not help
-        the base model it was calibrated on (then the chosen gate 0 changes no pixel)."""
+        """A warning when the held-out check at fit time found that refinement did not help."""
         return calibration_note(self.calibration, self.config)
 
     # ------------------------------------------------------------------ training (steps 1-5)
@@ -335,8 +297,8 @@ class BoundaryRefiner:
         prototype_dataset: torch.utils.data.Dataset | None = None,
         weights: str | os.PathLike[str] | None = "imagenet",
         init_from: nn.Module | Mapping[str, Tensor] | None = None, base: nn.Module | None = None,
-        base_features: Sequence[str] | str | None = None, net: EmbeddingNet | None = None,
-        device: str | torch.device = "cpu", num_workers: int = 0,
+        base_features: Sequence[str] | str | None = None, device: str | torch.device = "cpu",
+        num_workers: int = 0,
         checkpoint: str | os.PathLike[str] | None = None, checkpoint_every: int = 200,
         resume: bool = False, progress: bool = True, log_every: int = 0, ignore_index: int = 255,
         time_budget_s: float | None = None, palette: Sequence[Sequence[int]] | None = None,
@@ -347,24 +309,26 @@ class BoundaryRefiner:
         if base_features is not None:
             names = (base_features,) if isinstance(base_features, str) else tuple(base_features)
             config = dataclasses.replace(config, base_features=names)
-        if (
-            init_from is None
-            and config.backbone_source != "independent"
-            and not config.base_features
-        ):
-            init_from = base
-        fitted = fit_parts(
-            dataset, config, class_names=class_names, base=base,
-            prototype_dataset=prototype_dataset, weights=weights, init_from=init_from, net=net,
-            device=resolve_device(device), num_workers=num_workers, progress=progress,
-            ignore_index=ignore_index, time_budget_s=time_budget_s, checkpoint=checkpoint,
-            checkpoint_every=checkpoint_every, resume=resume, log_every=log_every,
-            fit_inputs=fit_inputs,
+        if config.backbone_source != "independent" and not config.base_features:
+            init_from = base if init_from is None else init_from
+        device = resolve_device(device)
+        config, net, taps = prepare_net(config, base=base, init_from=init_from, weights=weights,
+                                        device=device)  # fmt: skip
+        history = train_embedding(
+            net, dataset, config, class_names=class_names, device=device,
+            num_workers=num_workers, progress=progress, ignore_index=ignore_index,
+            time_budget_s=time_budget_s, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
+            resume=resume, log_every=log_every, fit_inputs=fit_inputs,
+        )  # fmt: skip
+        if history[-1]["step"] < config.steps:  # the time budget stopped it early
+            config = dataclasses.replace(config, steps=int(history[-1]["step"]))
+        protos, present = fit_prototypes(
+            net, dataset if prototype_dataset is None else prototype_dataset, config, class_names,
+            ignore_index=ignore_index, device=device, num_workers=num_workers, progress=progress,
         )  # fmt: skip
         if palette is None:
             palette = getattr(getattr(dataset, "meta", None), "palette", None)
-        refiner = cls(fitted.net, fitted.prototypes, fitted.present, class_names=class_names,
-                      config=fitted.config, ignore_index=ignore_index,
-                      palette=palette, taps=fitted.taps)  # fmt: skip
-        refiner.history = fitted.history
+        refiner = cls(net, protos, present, class_names=class_names, config=config,
+                      ignore_index=ignore_index, palette=palette, taps=taps)  # fmt: skip
+        refiner.history = history
         return refiner

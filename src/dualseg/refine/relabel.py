@@ -1,6 +1,6 @@
-"""P2-P5 on a base model's class scores, shared by ``BoundaryRefiner`` and the exported
-refiner: Top-N candidates (P3) in the near-boundary band of the base prediction (P4), each
-scored by its prototype's distance to the pixel's embedding, then the decision (P5)."""
+"""P2-P5 with a :class:`RefinerConfig`'s options, shared by ``BoundaryRefiner`` and the exported
+refiner: Top-N candidates (P3) in the near-boundary band of the base prediction (P4), scored by
+their prototype's distance to the pixel's embedding, then the decision (P5)."""
 
 from __future__ import annotations
 
@@ -14,15 +14,13 @@ from dualseg.refine.decision import Candidates, decide, gather_candidates
 
 
 def prototype_scores(feats: Tensor, prototypes: Tensor) -> Tensor:
-    """``s_k = |p_k|^2 - 2 e.p_k`` for low-resolution embeddings ``feats [b,C,h,w]``: ``[b,K,h,w]``,
-    whose argmin over k is the nearest prototype (Euclidean)."""
+    """``s_k = |p_k|^2 - 2 e.p_k`` of embeddings ``feats [b,C,h,w]``: ``[b,K,h,w]``."""
     return prototype_row_scores(feats.movedim(1, -1), prototypes).movedim(-1, 1)
 
 
 def prototype_row_scores(rows: Tensor, prototypes: Tensor) -> Tensor:
     """:func:`prototype_scores` of embeddings on the last dim (``[...,C]``): ``[...,K]``."""
-    p = prototypes  # [K,C]
-    return rows.float() @ (-2 * p).T + p.pow(2).sum(1)
+    return rows.float() @ (-2 * prototypes).T + prototypes.pow(2).sum(1)
 
 
 def collect(
@@ -32,30 +30,19 @@ def collect(
     """P2-P4 and P5's distances with ``config``'s Top-N and mask options."""
     if not bool(probs.isfinite().all()):
         raise DataError(
-            "the base model's class probabilities hold NaN or infinite values: its weights or "
-            "its input are broken (a diverged checkpoint?), or they are log-probabilities of an "
-            "exact 0 (-inf); refine the probabilities or logits of a working model"
+            "the base model's class probabilities hold NaN or infinite values: a broken model "
+            "or input, or log-probabilities of an exact 0"
         )
     return gather_candidates(
-        probs,
-        scores,
-        present,
-        top_n=config.top_n,
-        radius=config.radius,
-        edge_method=config.edge_method,
-        scale=scale,
-        covered=covered,
-    )
+        probs, scores, present, top_n=config.top_n, radius=config.radius,
+        edge_method=config.edge_method, scale=scale, covered=covered,
+    )  # fmt: skip
 
 
 def decide_as(c: Candidates, config: RefinerConfig) -> tuple[Tensor, Tensor]:
     """P5 with ``config``'s decision options (the claim by default)."""
-    return decide(
-        c,
-        gate_margin=config.gate_margin,
-        prior_weight=config.prior_weight,
-        min_prob=config.min_prob,
-    )
+    return decide(c, gate_margin=config.gate_margin, prior_weight=config.prior_weight,
+                  min_prob=config.min_prob)  # fmt: skip
 
 
 def relabel(

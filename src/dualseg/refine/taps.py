@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from types import TracebackType
 from typing import Any, NamedTuple
 
 import torch
@@ -46,9 +45,8 @@ class TapRecord(NamedTuple):
 
 
 def base_logits(base: Callable[[Tensor], Any], images: Tensor) -> Tensor:
-    """A base's class scores at the image size: it may return logits ``[B,C,h,w]``, a dict
-    with ``"out"`` (torchvision), an object with ``.logits`` (Hugging Face) or a tuple led by
-    the logits; a lower resolution is brought to the image's (bilinear)."""
+    """A base's class scores at the image size (bilinear): logits, a dict with ``"out"``, an
+    object with ``.logits`` or a tuple led by the logits."""
     out = base(images)
     out = model_logits(getattr(out, "logits", out), "the base model")
     if out.shape[-2:] != images.shape[-2:]:
@@ -58,49 +56,39 @@ def base_logits(base: Callable[[Tensor], Any], images: Tensor) -> Tensor:
     return out.float()
 
 
-def _outputs(model: nn.Module, names: Sequence[str] | None, sample: Tensor) -> dict[str, Tensor]:
-    """The 4-D tensor outputs of ``model``'s modules ``names`` (``None``: all), in call
-    order, on ``sample`` (eval mode, no gradients; the first call of each module)."""
-    modules = dict(model.named_modules())
+def list_taps(model: nn.Module, sample: Tensor | None = None) -> list[Tap]:
+    """Every module of ``model`` whose first output on ``sample`` (default ``1x3x256x256``
+    zeros, on the model's device) is a feature map ``[1,C,h,w]`` at a whole stride, in call
+    order."""
+    if sample is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        sample = torch.zeros(1, 3, *SAMPLE_SIZE, device=device)
     kept: dict[str, Tensor] = {}
 
-    def hook(name: str) -> Callable[..., None]:
-        def keep(_m: nn.Module, _a: Any, out: Any) -> None:
-            if isinstance(out, Tensor) and out.dim() == 4 and name not in kept:
-                kept[name] = out.detach()
+    def keep(name: str, out: Any) -> None:
+        if isinstance(out, Tensor) and out.dim() == 4 and name not in kept:
+            kept[name] = out.detach()
 
-        return keep
-
-    wanted = [n for n in modules if n] if names is None else list(names)
-    handles = [modules[n].register_forward_hook(hook(n)) for n in wanted]
+    handles = [m.register_forward_hook(lambda _m, _a, out, n=n: keep(n, out))
+               for n, m in model.named_modules() if n]  # fmt: skip
     try:
         with torch.no_grad(), eval_mode(model):
             model(sample)
     finally:
         for h in handles:
             h.remove()
-    return kept
-
-
-def list_taps(model: nn.Module, sample: Tensor | None = None) -> list[Tap]:
-    """Every module of ``model`` whose output on ``sample`` (default ``1x3x256x256`` zeros, on
-    the model's device) is a feature map ``[1,C,h,w]`` at a whole stride, in call order."""
-    if sample is None:
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        sample = torch.zeros(1, 3, *SAMPLE_SIZE, device=device)
     H, W = sample.shape[-2:]
-    taps = []
-    for name, out in _outputs(model, None, sample).items():
-        h, w = out.shape[-2:]
-        if H % h == 0 and W % w == 0 and H // h == W // w:
-            taps.append(Tap(name, int(out.shape[1]), H // h, (h, w)))
-    return taps
+    return [
+        Tap(name, int(out.shape[1]), H // out.shape[-2], tuple(out.shape[-2:]))
+        for name, out in kept.items()
+        if H % out.shape[-2] == 0 and W % out.shape[-1] == 0
+        and H // out.shape[-2] == W // out.shape[-1]
+    ]  # fmt: skip
 
 
 def pick_taps(model: nn.Module, taps: Sequence[Tap]) -> tuple[str, str] | None:
-    """``(low, high)`` for an encoder layout (smp's ``encoder``, torchvision's and dualseg's
-    ``backbone``): of the encoder's stages (its shallowest level of modules with more than one
-    stride), the last at stride 4 and the last one; ``None`` for any other layout."""
+    """``(low, high)`` for an encoder layout (:data:`ENCODERS`): of its stages (the shallowest
+    level of modules of several strides), the last at stride 4 and the last; else ``None``."""
     for prefix in ENCODERS:
         try:
             model.get_submodule(prefix)
@@ -121,19 +109,13 @@ def pick_taps(model: nn.Module, taps: Sequence[Tap]) -> tuple[str, str] | None:
 def measure_taps(model: nn.Module, names: Sequence[str], device: torch.device) -> TapRecord:
     """The record of the ``(low, high)`` modules of ``model`` on a sample input, checked."""
     low, high = names
-    missing = [n for n in (low, high) if n not in dict(model.named_modules())]
-    if missing:
-        raise ConfigError(
-            f"the base model has no module {missing[0]!r}; 'dualseg refine layers --base ...' "
-            "(or dualseg.refine.list_taps(model)) lists the modules to tap"
-        )
     sample = torch.zeros(1, 3, *SAMPLE_SIZE, device=device)
     found = {t.name: t for t in list_taps(model, sample) if t.name in (low, high)}
     for n in (low, high):
         if n not in found:
             raise ConfigError(
-                f"module {n!r} of the base model gives no feature map [B,C,h,w] at a whole "
-                "stride; 'dualseg refine layers' lists the modules that do"
+                f"module {n!r} of the base model is missing or gives no feature map at a whole "
+                "stride; 'dualseg refine layers' lists the modules to tap"
             )
     if found[low].stride > found[high].stride:
         raise ConfigError(
@@ -151,18 +133,14 @@ class _Stop(Exception):
 
 
 class TapReader:
-    """``with TapReader(model, record) as r: model(x)``, then ``r.take(images)``: the taps'
-    outputs as :class:`BaseFeatures` ``(high, covered, low)``, or ``None`` unless each tap
-    ran exactly once; a tap of other channels or stride than the record's is refused."""
+    """``with TapReader(model, record) as r: model(x)``, then ``r.take(images)``."""
 
     def __init__(self, model: nn.Module, record: TapRecord, *, stop: bool = False) -> None:
         modules = dict(model.named_modules())
-        missing = [n for n in record.names if n not in modules]
-        if missing:
+        if missing := [n for n in record.names if n not in modules]:
             raise DataError(
-                f"this refiner reads the base's module {missing[0]!r}, which this base model "
-                f"has not: it was fit on {record.describe(0)} and {record.describe(1)}; "
-                "refine with the base it was fit on"
+                f"this base model has no module {missing[0]!r}: the refiner was fit on "
+                f"{record.describe(0)} and {record.describe(1)}; refine with that base"
             )
         self.record, self.stop = record, stop
         self._modules = [modules[n] for n in record.names]
@@ -184,60 +162,49 @@ class TapReader:
         ]
         return self
 
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> bool:
         for h in self._handles:
             h.remove()
         self._handles = []
         return kind is _Stop  # the forward was ended on purpose
 
     def take(self, images: Tensor) -> BaseFeatures | None:
-        """The taps of the one forward since the last ``take()`` on ``images``, when they can
-        stand for the refiner's own reading (:func:`matching`; else None)."""
+        """The taps of the one forward since the last ``take()``, when they :func:`matching`
+        ``images`` (else None: a tile or a resized copy)."""
         taps = self.taps(images, strict=False)
         if taps is None:
             return None
-        low, high = taps
         s = self.record.strides[1]
-        covered = (high.shape[-2] * s, high.shape[-1] * s)
-        return matching(
-            BaseFeatures(high, covered, low), images, s, low_stride=self.record.strides[0]
-        )
+        covered = (taps[1].shape[-2] * s, taps[1].shape[-1] * s)
+        low_stride = self.record.strides[0]
+        return matching(BaseFeatures(taps[1], covered, taps[0]), images, s, low_stride=low_stride)
 
     def taps(self, images: Tensor, *, strict: bool = True) -> tuple[Tensor, Tensor] | None:
-        """``(low, high)`` of the one forward since the last call on ``images`` (else None),
-        checked against the record: other channels are refused, and so is another stride
-        when ``strict`` (the forward was on ``images`` themselves; else it may have been on a
-        tile or a resized copy: None). Either way what was kept is forgotten."""
+        """``(low, high)`` of the one forward since the last call (else None); other channels
+        are refused, and so is another stride when ``strict`` (else None)."""
         kept, self._kept = self._kept, [[], []]
         if any(len(k) != 1 for k in kept):
             return None
-        (low,), (high,) = kept
         H, W = images.shape[-2:]
-        for i, t in enumerate((low, high)):
-            s = self.record.strides[i]
-            fits = t.dim() == 4 and all(
+        for i, (t,) in enumerate(kept):
+            s, channels = self.record.strides[i], self.record.channels[i]
+            sized = t.dim() == 4 and all(
                 n in (size // s, -(-size // s)) for n, size in zip(t.shape[-2:], (H, W))
             )
-            if not fits and not strict and t.dim() == 4 and t.shape[1] == self.record.channels[i]:
-                return None
-            if not fits or t.shape[1] != self.record.channels[i]:
-                got = (
-                    f"{t.shape[1]} channels, stride {H / t.shape[-2]:g}"
-                    if t.dim() == 4
-                    else "no map"
-                )
-                raise DataError(
-                    f"the base's {self.record.names[i]} gives {got}, but this refiner was fit "
-                    f"on {self.record.describe(i)}: refine with the base it was fit on"
-                )
-        return low, high
+            if t.dim() == 4 and t.shape[1] == channels and (sized or not strict):
+                if not sized:
+                    return None
+                continue
+            got = f"{t.shape[1]} channels, stride {H / t.shape[-2]:g}" if t.dim() == 4 else "no map"
+            raise DataError(
+                f"the base's {self.record.names[i]} gives {got}, but this refiner was fit "
+                f"on {self.record.describe(i)}: refine with the base it was fit on"
+            )
+        return kept[0][0], kept[1][0]
 
 
 class BaseTaps(nn.Module):
-    """The tap refiner's "backbone": runs the attached base model (frozen, eval mode, no gradients)
-    and returns its taps ``(high, low)``."""
+    """The tap refiner's "backbone": the attached base model's taps ``(high, low)`` (frozen)."""
 
     def __init__(self, record: TapRecord) -> None:
         super().__init__()
@@ -252,17 +219,14 @@ class BaseTaps(nn.Module):
         if not self._base:
             raise ConfigError(
                 "this refiner reads its base model's features: refine with the base itself "
-                "(refiner.refine(images, base=model)), not with saved probabilities"
+                "(refiner.refine(images, base=model))"
             )
         (model,) = self._base
         with torch.no_grad(), eval_mode(model), TapReader(model, self.record, stop=True) as r:
             model(x)
         taps = r.taps(x)
         if taps is None:
-            raise DataError(
-                f"the base's forward did not run {self.record.names[0]!r} and "
-                f"{self.record.names[1]!r} once each on a plain image: tap other modules"
-            )
+            raise DataError(f"the base's forward did not run {self.record.names} once each")
         return taps[1], taps[0]
 
 

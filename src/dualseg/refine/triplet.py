@@ -9,7 +9,7 @@ from torch import Tensor
 
 from dualseg.errors import ConfigError
 from dualseg.refine.boundary import near_boundary_mask
-from dualseg.refine.config import MINING, REDUCTIONS
+from dualseg.refine.config import REDUCTIONS
 from dualseg.refine.embedding import EmbeddingNet, embed_pixels
 
 
@@ -27,8 +27,6 @@ def sample_triplets(
     """Indices ``(t1, t2, f0)`` into ``labels`` ``[N]``: ``t1``, ``t2`` ``[num_triplets]``, ``f0``
     ``[num_triplets]`` (``negatives=1``) or ``[num_triplets, negatives]`` (a pool of false
     examples per anchor, for mining)."""
-    if negatives < 1:
-        raise ConfigError(f"negatives must be >= 1, got {negatives}")
     n = labels.numel()
     if n < 3 or num_triplets <= 0:
         return None
@@ -67,15 +65,9 @@ def sample_triplets(
     return order[anchor], order[positive], (f0[:, 0] if negatives == 1 else f0)
 
 
-def pool_size(mining: str, pool: int) -> int:
-    """False examples drawn per anchor: ``pool`` for semi-hard mining, else one (the claim)."""
-    return pool if mining == "semi-hard" else 1
-
-
 def mine_negatives(emb: Tensor, t1: Tensor, t2: Tensor, pool: Tensor, mining: str) -> Tensor:
-    """F0 ``[T]`` from a pool of false examples ``pool [T,K]`` (module docstring, "Mining")."""
-    if mining not in MINING:
-        raise ConfigError(f"unknown triplet mining {mining!r}; choose one of {MINING}")
+    """F0 ``[T]`` from a pool of false examples ``pool [T,K]``: the first (random), or
+    semi-hard: the nearest farther from T1 than T2, else the farthest."""
     if mining == "random" or pool.shape[1] == 1:
         return pool[:, 0]
     with torch.no_grad():
@@ -110,15 +102,10 @@ def triplet_loss(
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, TripletStats]:  # fmt: skip
     """Sampled triplet hinge loss over near-boundary embeddings ``emb [N,C]``, ``labels [N]``."""
-    if reduction not in REDUCTIONS:
-        raise ConfigError(f"unknown triplet reduction {reduction!r}; choose one of {REDUCTIONS}")
-    if margin < 0:
-        raise ConfigError(f"triplet margin must be >= 0, got {margin}")
-    zero = emb.sum() * 0.0
-    negatives = pool_size(mining, pool)
+    negatives = pool if mining == "semi-hard" else 1
     triplets = sample_triplets(labels, num_triplets, negatives=negatives, generator=generator)
     if triplets is None:
-        return zero, TripletStats(num_triplets=0, violating=0.0, margin=0.0, loss=0.0)
+        return emb.sum() * 0.0, TripletStats(num_triplets=0, violating=0.0, margin=0.0, loss=0.0)
     t1, t2, f0 = triplets
     f0 = mine_negatives(emb, t1, t2, f0.view(t1.numel(), -1), mining)
     hinge, gap = triplet_hinge(emb, t1, t2, f0, margin)
@@ -150,16 +137,11 @@ def triplet_step(
     """One step 2-4 iteration on a batch."""
     edge = near_boundary_mask(labels, radius=radius, ignore_index=ignore_index, method=edge_method)
     pix_labels = labels[edge]  # [M]
-    negatives = pool_size(mining, mining_pool)
+    negatives = mining_pool if mining == "semi-hard" else 1
     triplets = sample_triplets(pix_labels, num_triplets, negatives=negatives, generator=generator)
     if triplets is None:
-        return {
-            "loss": 0.0,
-            "violating": 0.0,
-            "margin": 0.0,
-            "num_triplets": 0,
-            "pixels": int(edge.sum()),
-        }
+        stats = TripletStats(num_triplets=0, violating=0.0, margin=0.0, loss=0.0)
+        return {**stats, "pixels": int(edge.sum())}
     t = triplets[0].numel()
     used, inverse = torch.unique(torch.cat([x.flatten() for x in triplets]), return_inverse=True)
     where = edge.nonzero()[used]  # [U,3]
