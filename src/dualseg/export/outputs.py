@@ -43,7 +43,10 @@ def check_outputs(
         inside = Path(source).is_dir() and target.exists() and _same(target.parent, Path(source))
         if _same(target, Path(source)) or inside:
             flag = "--refiner" if refiner else "--checkpoint"
-            raise ConfigError(f"--out {out} would overwrite {flag} {source}; choose another --out")
+            what = f" ({target.name})" if inside else ""
+            raise ConfigError(
+                f"--out {out} would overwrite {flag} {source}{what}; choose another --out"
+            )
     if format == "pretrained":
         return targets
     for target in targets:  # an earlier export may be replaced; a trained file never

@@ -108,8 +108,10 @@ def read_export_info(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The metadata dict of an exported ONNX or TorchScript file (see ``export_info``)."""
     path = Path(path)
     if path.is_dir():
+        kind = "a pretrained folder" if (path / "config.json").is_file() else "a folder"
         raise CheckpointError(
-            f"{path} is a folder, not an exported file; pass a pretrained folder as -c"
+            f"{path} is {kind}, not an exported ONNX or TorchScript file; pass a pretrained "
+            "folder as a checkpoint (-c), or export one with 'dualseg export'"
         )
     if not path.is_file():
         raise CheckpointError(f"exported model not found: {path} (check the path)")

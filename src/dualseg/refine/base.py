@@ -164,8 +164,8 @@ class ProbsFolderBase:
             )
             if len(sharing) > 1:
                 raise DataError(
-                    f"{self.folder}: {', '.join(f'{n}.npz' for n in sharing)} all hold images "
-                    f"named {file_name}: give the images' paths (sources)"
+                    f"{self.folder}: {', '.join(f'{n}.npz' for n in sharing)} all hold "
+                    f"probabilities of images named {file_name}: give the images' paths (sources)"
                 )
         path = self.folder / f"{name}.npz"
         if not path.is_file():
