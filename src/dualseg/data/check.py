@@ -96,15 +96,26 @@ def check_dataset(
             unlabelled = [
                 m for s in ("train", "val") if s not in splits if (m := unlabelled_split(root, s))
             ]
-    meta = resolve_meta(root, layout, preset, label_map=label_map, ignore_value=ignore_value)
-    report = CheckReport(root, layout, meta, label_format=label_format)
+    scans = {s: discover(root, split=s, layout=layout) for s in splits}
+    folders = {
+        s: " + ".join(_shown_path(p, root) for p in (f.source, f.label_source) if p)
+        for s, f in scans.items()
+        if f.source is not None
+    }
+    said: dict[str, list[str]] = {}  # what was read -> the splits it serves
+    for s, f in scans.items():
+        said.setdefault(f"{len(f.samples)} pairs in {folders.get(s, root)}", []).append(s)
+    seen = ", ".join(f"{'/'.join(names)} {what}" for what, names in said.items())
+    meta = resolve_meta(root, layout, preset, label_map=label_map, ignore_value=ignore_value,
+                        found=f"found the {layout} layout ({seen}); ")  # fmt: skip
+    report = CheckReport(root, layout, meta, label_format=label_format, folders=folders)
     report.problems += unlabelled
     sources: dict[Path, str] = {}
     images: dict[str, set[Path]] = {}  # per split, for the overlap check
-    for split in splits:
-        found = discover(root, split=split, layout=layout)
+    for split, found in scans.items():
         if found.source is not None and found.source in sources:  # a flat folder: checked once
             report.split_histograms[split] = report.split_histograms[sources[found.source]]
+            report.folders.pop(split, None)
             continue
         if found.source is not None:
             sources[found.source] = split
@@ -119,10 +130,6 @@ def check_dataset(
         if not found.samples and not found.problems:
             report.problems.append(f"{found.source or root}: split {split!r} is empty; add pairs")
         images[split] = {Path(img).resolve() for img, _ in found.samples}
-        if found.source is not None:
-            report.folders[split] = " + ".join(
-                _shown_path(p, root) for p in (found.source, found.label_source) if p
-            )
         hist = report.split_histograms.setdefault(split, _empty_histogram())
         largest = (0, 0)
         ranges: list[tuple[str, int, int]] = []

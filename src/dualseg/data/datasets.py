@@ -47,8 +47,10 @@ def resolve_meta(
     *,
     label_map: Mapping[int, int] | None = None,
     ignore_value: IgnoreSetting = "auto",
+    found: str = "",
 ) -> DatasetMeta:
-    """The given preset, else ROOT/meta.json, else the layout's preset; then the overrides."""
+    """The given preset, else ROOT/meta.json, else the layout's preset; then the overrides.
+    ``found``: what the scan recognised, said first when no description exists."""
     if isinstance(preset, DatasetMeta):
         meta = preset
     elif preset is not None:
@@ -59,10 +61,9 @@ def resolve_meta(
         meta = PRESETS[layout]
     else:
         raise DataError(
-            f"{root}: which classes does this dataset have? pass preset= one of {sorted(PRESETS)} "
-            f"(CLI: --preset), or describe them in {meta_file} (name, class_names, palette, and a "
-            "label_map when the raw values are not 0..K-1, as in 0/255 masks): 'dualseg data "
-            f"check {root} --write-meta' writes one from the label values for you to review"
+            f"{root}: {found}no {meta_file} describes the classes (name, class_names, palette, "
+            f"label_map): 'dualseg data check {root} --write-meta' writes one from the label "
+            f"values to review, or pass --preset (one of {', '.join(sorted(PRESETS))})"
         )
     return with_label_mapping(meta, label_map=label_map, ignore_value=ignore_value)
 
