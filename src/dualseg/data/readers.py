@@ -253,29 +253,17 @@ def _decode_label(
     return decode_color_label(arr, meta, path=path)
 
 
-_TURNS = {
-    2: "mirror it left-right",
-    3: "rotate it 180 degrees",
-    4: "flip it upside down",
-    5: "transpose it",
-    6: "rotate it 90 degrees clockwise",
-    7: "transverse it",
-    8: "rotate it 90 degrees counter-clockwise",
-}
-
-
 def _orientation_mismatch(img_path: Path, turn: int, label_path: Path, label_turn: int) -> str:
     if turn == 1:  # only the label has one
         return (
-            f"{label_path}: its EXIF orientation {label_turn} would {_TURNS[label_turn]} "
-            f"relative to its image {img_path} (which has none); strip the tag from the label"
+            f"{label_path}: its EXIF orientation {label_turn} would turn it relative to its image "
+            f"{img_path} (which has none); strip the tag from the label"
         )
     other = "none" if label_turn == 1 else f"orientation {label_turn}"
     return (
-        f"{img_path}: its EXIF orientation {turn} would {_TURNS[turn]} relative to its label "
-        f"{label_path} (which has {other}); strip the tag (if the label was drawn on the stored "
-        "pixels), or save the image upright without the tag (if it was drawn on the image as "
-        "shown), or rotate the label to match and give it the same tag"
+        f"{img_path}: its EXIF orientation {turn} would turn it relative to its label "
+        f"{label_path} (which has {other}); strip the tag, save the image upright, or give the "
+        "label the same turn and tag"
     )
 
 
