@@ -18,7 +18,7 @@ from dualseg.data.datasets import (
     one_class_warning,
     resolve_meta,
 )
-from dualseg.data.layouts import available_splits, detect_any_split, discover, unlabelled_split
+from dualseg.data.layouts import detect_any_split, discover, missing_split, unlabelled_split
 from dualseg.data.presets import IGNORE_INDEX, META_FILE, DatasetMeta, IgnoreSetting
 from dualseg.data.readers import inspect_pair
 from dualseg.errors import DataError
@@ -119,12 +119,8 @@ def check_dataset(
             continue
         if found.source is not None:
             sources[found.source] = split
-        if found.split_missing and not (layout == "folder" and unlabelled_split(root, split)):
-            others = [s for s in available_splits(root, layout) if s != split]
-            if others:
-                found.problems.append(
-                    f"{root}: has no split {split!r} (splits found: {', '.join(others)})"
-                )
+        if found.split_missing and (m := missing_split(root, split, layout)):
+            found.problems += [str(m)] if str(m) not in found.problems else []
         report.problems += found.problems
         report.pairs[split] = len(found.samples)
         if not found.samples and not found.problems:

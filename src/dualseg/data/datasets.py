@@ -51,18 +51,16 @@ def resolve_meta(
     """The given preset, else ROOT/meta.json, else the layout's preset; then the overrides.
     ``found``: what the scan recognised, said first when no description exists."""
     if isinstance(preset, DatasetMeta):
-        meta = preset
+        meta: DatasetMeta | None = preset
     elif preset is not None:
         meta = preset_for(root, preset)
-    elif (meta_file := meta_path(Path(root))).is_file():
-        meta = load_meta_file(meta_file)
-    elif layout in PRESETS:  # voc, cityscapes, ade20k
-        meta = PRESETS[layout]
     else:
+        meta = dataset_meta(root, layout=layout)
+    if meta is None:
         raise DataError(
-            f"{root}: {found}no {meta_file} describes the classes (name, class_names, palette, "
-            f"label_map): 'dualseg data check {root} --write-meta' writes one from the label "
-            f"values to review, or pass --preset (one of {', '.join(sorted(PRESETS))})"
+            f"{root}: {found}no {meta_path(Path(root))} describes the classes (name, class_names, "
+            f"palette, label_map): 'dualseg data check {root} --write-meta' writes one from the "
+            f"label values to review, or pass --preset (one of {', '.join(sorted(PRESETS))})"
         )
     return with_label_mapping(meta, label_map=label_map, ignore_value=ignore_value)
 
