@@ -144,7 +144,8 @@ def check_dataset(
             report.values[split] = _value_range(ranges, bit_depth)
         report.histogram += hist
     report.problems = _class_problems(report) + report.problems
-    report.collapsed = _collapsed(report, label_map)
+    present = set(np.flatnonzero(report.histogram[: meta.num_classes]).tolist())
+    report.collapsed = one_class_warning(label_map or {}, present, meta) or None
     report.split_overlap = _split_overlap(root, images)
     if report.split_overlap:
         report.problems.append(report.split_overlap)
@@ -180,15 +181,6 @@ def _value_range(ranges: list[tuple[str, int, int]], bit_depth: int | None) -> d
         "max": max(hi for _, _, hi in ranges),
         "bit_depth": depths or [8],
     }
-
-
-def _collapsed(report: CheckReport, label_map: Mapping[int, int] | None) -> str | None:
-    """A warning when an explicit ``label_map`` leaves every labelled pixel in one class."""
-    present = np.flatnonzero(report.histogram[: report.meta.num_classes])
-    if not label_map or len(present) != 1 or report.meta.num_classes < 2:
-        return None
-    cls = int(present[0])
-    return one_class_warning(label_map, cls, report.meta.class_names[cls])
 
 
 def _class_problems(report: CheckReport) -> list[str]:

@@ -246,8 +246,11 @@ def build_dataset(
         samples += found.samples
         source = (found.source or r) if len(roots) == 1 else ", ".join(map(str, roots))
     meta = one_class_set(metas, label_format=label_format)
-    if label_map:
-        _warn_one_class(samples, meta, label_format, label_map)
+    present: set[int] = set()
+    for _, label_path in samples[:8] if label_map else ():  # the first labels tell
+        present |= set(np.unique(read_label(label_path, meta, label_format=label_format)).tolist())
+    if warning := one_class_warning(label_map or {}, present - {meta.ignore_index}, meta):
+        warnings.warn(warning, stacklevel=2)
     return SegmentationDataset(
         samples,
         meta,
@@ -273,26 +276,15 @@ def held_out(root: str | Path, found: Discovery, fraction: float, split: str) ->
     return [p for p in pairs if p in chosen]  # in the order found
 
 
-def _warn_one_class(
-    samples: list[Pair], meta: DatasetMeta, label_format: str, label_map: Mapping[int, int]
-) -> None:
-    """Warn when an explicit ``label_map`` leaves one class in the first labels."""
-    present: set[int] = set()
-    for _, label_path in samples[:8]:
-        label = read_label(label_path, meta, label_format=label_format)
-        present |= set(np.unique(label).tolist()) - {meta.ignore_index}
-    if len(present) == 1 and meta.num_classes > 1:
-        cls = present.pop()
-        warnings.warn(one_class_warning(label_map, cls, meta.class_names[cls]), stacklevel=3)
-
-
-def one_class_warning(label_map: Mapping[int, int], cls: int, name: str) -> str:
-    """What to say when ``label_map`` leaves every labelled pixel in class ``cls``."""
-    shown = ",".join(f"{s}:{d}" for s, d in label_map.items())
+def one_class_warning(label_map: Mapping[int, int], present: set[int], meta: DatasetMeta) -> str:
+    """What to say when ``label_map`` leaves the ``present`` classes one (else "")."""
+    if not label_map or len(present) != 1 or meta.num_classes < 2:
+        return ""
+    cls = min(present)
     return (
-        f"--label-map {shown} leaves one class: every labelled pixel is class {cls} ({name!r}), "
-        "so a model learns nothing and scores look fine; map each raw value to its own class "
-        "(e.g. 255:1 for 0/255 masks)"
+        f"--label-map {','.join(f'{s}:{d}' for s, d in label_map.items())} leaves one class: "
+        f"every labelled pixel is class {cls} ({meta.class_names[cls]!r}), so a model learns "
+        "nothing and scores look fine; map each raw value to its own class (e.g. 255:1)"
     )
 
 
