@@ -30,20 +30,13 @@ _EIGHT_BIT_MODES = {"L", "LA", "P", "RGB", "RGBA"}
 def _label_array(path: Path, im: Image.Image) -> np.ndarray:
     """Raw label values (any integer dtype, HxW) from an index-coded label image."""
     mode = im.mode
-    if mode in {"L", "P"}:  # P: the pixel values are the indices (VOC), not the colours
-        return np.asarray(im)
-    if mode == "1":
-        return np.asarray(im).astype(np.uint8)
-    if mode in SIXTEEN_BIT_MODES:
-        return np.asarray(im).astype(np.int64)
+    if mode in {"L", "P", "1", *SIXTEEN_BIT_MODES}:  # P: the indices (VOC), not the colours
+        return np.asarray(im).astype(np.int64 if mode in SIXTEEN_BIT_MODES else np.uint8)
     if mode in {"LA", "RGB", "RGBA"}:
         arr = np.asarray(im)
-        if mode != "RGB":
-            arr = drop_opaque_alpha(arr, path)
-        if arr.shape[2] == 1:
+        arr = arr if mode == "RGB" else drop_opaque_alpha(arr, path)
+        if (arr == arr[..., :1]).all():  # one channel, or a gray-looking RGB label
             return arr[..., 0]
-        if np.array_equal(arr[..., 0], arr[..., 1]) and np.array_equal(arr[..., 0], arr[..., 2]):
-            return arr[..., 0]  # a gray-looking RGB label: the channels agree, so unambiguous
         raise DataError(
             f"{path}: this label is a colour image, not an index map; pass "
             "label_format='color' (CLI: --label-format color) to decode it through the palette"
@@ -188,24 +181,22 @@ def _refuse_lossy_or_deep(path: Path, im: Image.Image) -> None:
     in a mode Pillow reads as 8-bit."""
     if im.format in {"JPEG", "MPO"} or (im.format == "WEBP" and _webp_is_lossy(path)):
         raise DataError(
-            f"{path}: a lossy {im.format} label, whose compression artifacts change class ids "
-            "along every edge; labels must be lossless (PNG): re-export them from the source"
+            f"{path}: a lossy {im.format} label changes class ids along every edge; labels "
+            "must be lossless (PNG): re-export them from the source"
         )
     bits = _bits_per_sample(path, im)
     if bits is not None and bits > 8 and im.mode in _EIGHT_BIT_MODES:
         raise DataError(
             f"{path}: a {bits}-bit-per-channel {im.format} label with {len(im.getbands())} "
-            "channels, of which only the high byte can be read (values under 256 would all "
-            "read as 0); save the label as an 8-bit colour PNG, or as single-channel (8- or "
-            "16-bit) class indices"
+            "channels reads as its high byte only; save it as an 8-bit colour PNG, or as "
+            "single-channel (8- or 16-bit) class indices"
         )
 
 
 def _raw_values(path: Path, im: Image.Image) -> np.ndarray:
     raw = _label_array(path, im)
     if im.mode == "L" and (bits := _bits_per_sample(path, im)) in (2, 4):
-        # Pillow scales 2/4-bit samples to 0..255; a label's values are its stored samples
-        raw = raw // (255 // (2**bits - 1))
+        raw = raw // (255 // (2**bits - 1))  # Pillow scales 2/4-bit samples to 0..255
     return raw
 
 
