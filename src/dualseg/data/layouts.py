@@ -267,14 +267,11 @@ def _scan_voc(root: Path, split: str) -> Discovery:
 
 def _scan_cityscapes(root: Path, split: str) -> Discovery:
     img_dir, gt_dir = root / "leftImg8bit" / split, root / "gtFine" / split
-    found = Discovery("cityscapes", source=img_dir)
-    if not img_dir.is_dir():
-        found.split_missing = True
+    found = Discovery("cityscapes", source=img_dir, split_missing=not img_dir.is_dir())
+    if found.split_missing:
         found.problems.append(f"{img_dir}: Cityscapes image folder not found; check ROOT/--split")
-        return found
     for img in sorted(img_dir.glob("*/*_leftImg8bit.png")):
-        stem = img.name[: -len("_leftImg8bit.png")]
-        label = gt_dir / img.parent.name / f"{stem}_gtFine_labelTrainIds.png"
+        label = gt_dir / img.parent.name / img.name.replace("leftImg8bit", "gtFine_labelTrainIds")
         if label.is_file():
             found.samples.append((img, label))
         else:
@@ -282,14 +279,15 @@ def _scan_cityscapes(root: Path, split: str) -> Discovery:
                 f"{label}: train-id label not found; create the *_labelTrainIds.png files with "
                 "cityscapesscripts' createTrainIdLabelImgs"
             )
-    if not found.samples and not found.problems:
-        others = sorted(p.name for p in img_dir.glob("*/*_leftImg8bit.*"))
-        if others:  # converted to JPEG
-            found.problems.append(
-                f"{img_dir}: only *_leftImg8bit.png images are read, and its {len(others)} "
-                f"*_leftImg8bit files are other formats (e.g. {others[0]}); use the original "
-                "PNGs, or list the pairs in a list file (--layout list)"
-            )
+    if (
+        not found.samples
+        and not found.problems
+        and (others := sorted(img_dir.glob("*/*_leftImg8bit.*")))
+    ):
+        found.problems.append(  # converted to JPEG
+            f"{img_dir}: only *_leftImg8bit.png images are read, not {others[0].name} and its "
+            f"{len(others) - 1} other(s); use the original PNGs, or a list file (--layout list)"
+        )
     return found
 
 
