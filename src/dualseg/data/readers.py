@@ -258,21 +258,6 @@ def _orientation_mismatch(img_path: Path, turn: int, label_path: Path, label_tur
     )
 
 
-def drawn_upright(
-    im: Image.Image | None,
-    image: np.ndarray | None,
-    lab: Image.Image,
-    turn: int | None,
-    label_turn: int,
-) -> bool:
-    """Whether an untagged label was drawn on its 90°-turned image as displayed (its size is
-    the upright image's, not the stored one's)."""
-    if im is None or image is None or turn not in (5, 6, 7, 8) or label_turn != 1:
-        return False
-    upright, stored = image.shape[:2], (im.size[1], im.size[0])
-    return upright != stored and (lab.size[1], lab.size[0]) == upright
-
-
 def inspect_pair(
     img_path: str | Path,
     label_path: str | Path,
@@ -302,7 +287,15 @@ def inspect_pair(
     try:
         lab = open_image(label_path, max_megapixels=max_megapixels)
         label_turn = exif_orientation(lab, label_path)
-        if drawn_upright(im, image, lab, turn, label_turn):
+        # a tag-less label drawn on its 90°-turned image as displayed: the upright image's size
+        if (
+            image is not None
+            and turn in (5, 6, 7, 8)
+            and label_turn == 1
+            and (
+                lab.size[::-1] == image.shape[:2] != im.size[::-1]  # type: ignore[union-attr]
+            )
+        ):
             label = _decode_label(label_path, lab, meta, label_format)
         elif turn is not None and label_turn != turn:  # they would silently not line up
             problems.append(_orientation_mismatch(img_path, turn, label_path, label_turn))
