@@ -100,19 +100,15 @@ def _encode(array: np.ndarray, fmt: str) -> bytes:
 
 
 def _valid(path: Path) -> bool:
-    if not path.is_file():
-        return False
-    try:
+    try:  # verify() checks PNG checksums; for JPEG it passes a truncated file
         with Image.open(path) as im:
-            # verify() checks PNG checksums; for JPEG it passes a truncated file
             im.verify() if im.format == "PNG" else im.load()
-    except Exception:
+    except Exception:  # missing, truncated or not an image
         return False
     return True
 
 
 def _init_worker(augmenter: Augmenter) -> None:
-
     # Ctrl-C reaches the process group: the parent alone reports it, in one line
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)

@@ -157,9 +157,8 @@ def _split_overlap(root: Path, images: Mapping[str, set[Path]]) -> str | None:
     for a, b in itertools.combinations([s for s in DEFAULT_SPLITS if s in images], 2):
         if shared := images[a] & images[b]:
             return (
-                f"{root}: split {b!r} shares {len(shared)} of its {len(images[b])} images "
-                f"with split {a!r} (e.g. {min(shared).name}), so its scores would be on "
-                "images trained on; keep each image in one split"
+                f"{root}: split {b!r} shares {len(shared)} of its {len(images[b])} images with "
+                f"split {a!r} (e.g. {min(shared).name}); keep each image in one split"
             )
     return None
 
@@ -215,8 +214,7 @@ def _class_problems(report: CheckReport) -> list[str]:
         splits = ", ".join(report.split_histograms) or "the dataset"
         report.absent_classes = (
             f"{report.root}: class(es) {shown}{more} have no pixels in any split ({splits}); "
-            "check the label mapping (label map, preset or meta.json: --label-map / --preset, in "
-            "train --data.label_map / --data.preset) or remove them from the class list"
+            "check the label mapping (--label-map, --preset, meta.json) or remove those classes"
         )
         problems.append(report.absent_classes)
     return problems

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from dualseg.errors import DataError
 
-LAYOUTS = ("auto", "list", "folder", "voc", "cityscapes", "ade20k")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif")
 IMAGE_DIRS = ("images", "image", "imgs", "img", "JPEGImages")
 LABEL_DIRS = ("labels", "label", "masks", "mask", "annotations", "ann", "SegmentationClass")
@@ -321,6 +320,7 @@ SCANNERS = {
     "cityscapes": _scan_cityscapes,
     "ade20k": _scan_ade20k,
 }
+LAYOUTS = ("auto", *SCANNERS)
 
 
 def detect(root: Path, split: str) -> str | None:
