@@ -24,16 +24,6 @@ from dualseg.serialization import nonfinite_keys, safe_torch_load, short_list
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "WEIGHT_FILES",
-    "adapt_conv_in_channels",
-    "hub_folder",
-    "load_pretrained",
-    "load_state_dict_file",
-    "resolve_weights",
-    "verify_hash",
-]
-
 
 @dataclass(frozen=True)
 class WeightFile:
@@ -260,9 +250,6 @@ def load_pretrained(
     log.info("%s: loaded %d tensors (adapted: %s)", label, len(new_state), short_list(adapted))
 
 
-HUB_EXTRA = "pip install 'dualseg[hub]'"
-
-
 def hub_folder(source: str, *, files: Iterable[str]) -> Path:
     """``hf://org/name[@revision]`` as a local folder: only ``files`` downloaded by
     ``huggingface_hub`` (an optional extra) into its cache, or read from it under
@@ -273,9 +260,7 @@ def hub_folder(source: str, *, files: Iterable[str]) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise ConfigError(
-            f"loading {source} needs the huggingface_hub package: {HUB_EXTRA}"
-        ) from None
+        raise ConfigError(f"{source} needs huggingface_hub: pip install 'dualseg[hub]'") from None
     try:
         folder = snapshot_download(
             repo_id, revision=revision or None, allow_patterns=list(files), library_name="dualseg"

@@ -89,14 +89,15 @@ def check_dataset(
     if splits is None and layout == "list" and root.is_file():
         splits = (root.stem,)
     unlabelled: list[str] = []
+    scans = {}
     if splits is None:
-        found = {s: discover(root, split=s, layout=layout) for s in DEFAULT_SPLITS}
-        splits = tuple(s for s, f in found.items() if not f.split_missing) or ("train",)
+        scans = {s: discover(root, split=s, layout=layout) for s in DEFAULT_SPLITS}
+        splits = tuple(s for s, f in scans.items() if not f.split_missing) or ("train",)
         if layout == "folder":  # images/test without labels is usual: images to predict
             unlabelled = [
                 m for s in ("train", "val") if s not in splits if (m := unlabelled_split(root, s))
             ]
-    scans = {s: discover(root, split=s, layout=layout) for s in splits}
+    scans = {s: scans.get(s) or discover(root, split=s, layout=layout) for s in splits}
     folders = {
         s: " + ".join(_shown_path(p, root) for p in (f.source, f.label_source) if p)
         for s, f in scans.items()
@@ -126,20 +127,10 @@ def check_dataset(
         if not found.samples and not found.problems:
             report.problems.append(f"{found.source or root}: split {split!r} is empty; add pairs")
         images[split] = {Path(img).resolve() for img, _ in found.samples}
-        hist = report.split_histograms.setdefault(split, _empty_histogram())
-        largest = (0, 0)
-        ranges: list[tuple[str, int, int]] = []
-        for img_path, label_path in track(found.samples, desc=f"check {split}", mode=progress):
-            image, label, problems, values = inspect_pair(
-                img_path, label_path, meta, label_format=label_format, bit_depth=bit_depth
-            )
-            report.problems += problems
-            if label is not None:
-                hist += np.bincount(label.ravel(), minlength=256)
-            if image is not None:
-                largest = (max(largest[0], image.shape[0]), max(largest[1], image.shape[1]))
-            ranges += [values] if values else []
-        report.largest[split] = largest
+        hist, report.largest[split], ranges = _read_pairs(
+            report, found.samples, f"check {split}", bit_depth, progress
+        )
+        report.split_histograms[split] = hist
         if ranges:
             report.values[split] = _value_range(ranges, bit_depth)
         report.histogram += hist
@@ -150,6 +141,25 @@ def check_dataset(
     if report.split_overlap:
         report.problems.append(report.split_overlap)
     return report
+
+
+def _read_pairs(
+    report: CheckReport, pairs: list, desc: str, bit_depth: int | None, progress: ProgressMode
+) -> tuple[np.ndarray, tuple[int, int], list[tuple[str, int, int]]]:
+    """Read ``pairs`` into the report's problems: ``(histogram, largest (H, W), value ranges)``."""
+    hist, largest, ranges = _empty_histogram(), (0, 0), []
+    for img_path, label_path in track(pairs, desc=desc, mode=progress):
+        image, label, problems, values = inspect_pair(
+            img_path, label_path, report.meta, label_format=report.label_format,
+            bit_depth=bit_depth,
+        )  # fmt: skip
+        report.problems += problems
+        if label is not None:
+            hist += np.bincount(label.ravel(), minlength=256)
+        if image is not None:
+            largest = (max(largest[0], image.shape[0]), max(largest[1], image.shape[1]))
+        ranges += [values] if values else []
+    return hist, largest, ranges
 
 
 def _split_overlap(root: Path, images: Mapping[str, set[Path]]) -> str | None:
