@@ -103,13 +103,13 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
 
 
-def file_digest(path: str | os.PathLike[str]) -> str:
-    """16 hex digits of a file's SHA-256."""
+def file_digest(path: str | os.PathLike[str], n: int = 16) -> str:
+    """``n`` hex digits of a file's SHA-256."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()[:n]
 
 
 def check_writable(

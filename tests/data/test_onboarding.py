@@ -99,6 +99,18 @@ def test_write_meta_infers_0_255_masks_as_two_classes(tmp_path, capsys):
     assert main(["check", str(tmp_path), "--write-meta", "--overwrite"]) == 0
 
 
+def test_data_check_without_meta_names_the_pairs_it_found_first(tmp_path, capsys):
+    from dualseg.cli import main as dualseg_main
+
+    write_masks(tmp_path / "train", 3, images="img", labels="mask")
+    write_masks(tmp_path / "val", 2, images="img", labels="mask")
+    assert dualseg_main(["data", "check", str(tmp_path), "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    found = "found the folder layout (train 3 pairs in train/img/ + train/mask/, val 2 pairs in "
+    assert found in err and err.index(found) < err.index("--write-meta")
+
+
 def test_write_meta_keeps_0_to_k_values_and_255_as_ignore(tmp_path):
     rng = np.random.default_rng(0)
     for i in range(2):

@@ -100,19 +100,15 @@ def _encode(array: np.ndarray, fmt: str) -> bytes:
 
 
 def _valid(path: Path) -> bool:
-    if not path.is_file():
-        return False
-    try:
+    try:  # verify() checks PNG checksums; for JPEG it passes a truncated file
         with Image.open(path) as im:
-            # verify() checks PNG checksums; for JPEG it passes a truncated file
             im.verify() if im.format == "PNG" else im.load()
-    except Exception:
+    except Exception:  # missing, truncated or not an image
         return False
     return True
 
 
 def _init_worker(augmenter: Augmenter) -> None:
-
     # Ctrl-C reaches the process group: the parent alone reports it, in one line
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
@@ -250,41 +246,27 @@ def _remove_partial(dst: Path) -> None:
 def _check_destination(src: Path, dst: Path, dataset: SegmentationDataset, list_name: str) -> None:
     """Refuse a ``dst`` whose writing would overwrite or change a dataset (the source, a folder
     inside it or holding its files, or a dataset dualseg augment did not write)."""
-    src_dir = (src.parent if src.is_file() else src).resolve()
-    here = dst.resolve()
-    if here == src_dir:
-        raise DataError(
-            f"DST {dst} is the source dataset {src}: augmenting in place would overwrite its "
-            f"{list_name} and {META_FILE}; choose a new folder for the augmented pairs"
-        )
-    if src_dir in here.parents:
-        raise DataError(
-            f"DST {dst} is inside the source dataset {src}: its images/ and labels/ would "
-            "become part of the source's layout (a split folder of its own); choose a folder "
-            "outside the source dataset"
-        )
-    written_dirs = {here / "images", here / "labels"}
-    written_files = {here / list_name, here / META_FILE, here / SETTINGS_FILE}
-    source_files = [p for pair in dataset.samples for p in pair]
-    source_files += [src_dir / META_FILE, src.resolve()]
-    for path in source_files:
+    src_dir, here = (src.parent if src.is_file() else src).resolve(), dst.resolve()
+    if here == src_dir or src_dir in here.parents:  # inside: a split folder of the source
+        where = "the" if here == src_dir else "inside the"
+        raise DataError(f"DST {dst} is {where} source dataset {src}; choose a new folder")
+    written = {here / list_name, here / META_FILE, here / SETTINGS_FILE}
+    for path in (*(p for pair in dataset.samples for p in pair), src_dir / META_FILE, src):
         path = path.resolve()
-        if path in written_files or path.parent in written_dirs:
+        if path in written or path.parent in (here / "images", here / "labels"):
             raise DataError(
                 f"DST {dst} would overwrite files of the source dataset {src} ({path}); "
-                "choose a folder outside the source dataset"
+                "choose a folder outside it"
             )
     if (here / SETTINGS_FILE).is_file():
         return  # a previous augment run's output: resumed (or refused) by _claim
-    found = [p.name for p in (here / list_name, here / META_FILE) if p.is_file()]
-    if here.is_dir():
-        found += sorted(p.name for p in here.glob("*.txt") if p.name not in found)
+    found = sorted(p.name for p in here.glob("*.txt")) if here.is_dir() else []
+    found += [META_FILE] if (here / META_FILE).is_file() else []
     found += [f"{sub}/" for sub in ("images", "labels") if _has_files(here / sub)]
     if found:
         raise DataError(
             f"DST {dst} holds a dataset that dualseg augment did not write ({', '.join(found)}; "
-            f"no {SETTINGS_FILE}); writing there would overwrite or mix into it: choose an empty "
-            "or new folder"
+            f"no {SETTINGS_FILE}); choose an empty or new folder"
         )
 
 

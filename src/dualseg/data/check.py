@@ -18,7 +18,7 @@ from dualseg.data.datasets import (
     one_class_warning,
     resolve_meta,
 )
-from dualseg.data.layouts import available_splits, detect_any_split, discover, unlabelled_split
+from dualseg.data.layouts import detect_any_split, discover, missing_split, unlabelled_split
 from dualseg.data.presets import IGNORE_INDEX, META_FILE, DatasetMeta, IgnoreSetting
 from dualseg.data.readers import inspect_pair
 from dualseg.errors import DataError
@@ -89,63 +89,77 @@ def check_dataset(
     if splits is None and layout == "list" and root.is_file():
         splits = (root.stem,)
     unlabelled: list[str] = []
+    scans = {}
     if splits is None:
-        found = {s: discover(root, split=s, layout=layout) for s in DEFAULT_SPLITS}
-        splits = tuple(s for s, f in found.items() if not f.split_missing) or ("train",)
+        scans = {s: discover(root, split=s, layout=layout) for s in DEFAULT_SPLITS}
+        splits = tuple(s for s, f in scans.items() if not f.split_missing) or ("train",)
         if layout == "folder":  # images/test without labels is usual: images to predict
             unlabelled = [
                 m for s in ("train", "val") if s not in splits if (m := unlabelled_split(root, s))
             ]
-    meta = resolve_meta(root, layout, preset, label_map=label_map, ignore_value=ignore_value)
-    report = CheckReport(root, layout, meta, label_format=label_format)
+    scans = {s: scans.get(s) or discover(root, split=s, layout=layout) for s in splits}
+    folders = {
+        s: " + ".join(_shown_path(p, root) for p in (f.source, f.label_source) if p)
+        for s, f in scans.items()
+        if f.source is not None
+    }
+    said: dict[str, list[str]] = {}  # what was read -> the splits it serves
+    for s, f in scans.items():
+        said.setdefault(f"{len(f.samples)} pairs in {folders.get(s, root)}", []).append(s)
+    seen = ", ".join(f"{'/'.join(names)} {what}" for what, names in said.items())
+    meta = resolve_meta(root, layout, preset, label_map=label_map, ignore_value=ignore_value,
+                        found=f"found the {layout} layout ({seen}); ")  # fmt: skip
+    report = CheckReport(root, layout, meta, label_format=label_format, folders=folders)
     report.problems += unlabelled
     sources: dict[Path, str] = {}
     images: dict[str, set[Path]] = {}  # per split, for the overlap check
-    for split in splits:
-        found = discover(root, split=split, layout=layout)
+    for split, found in scans.items():
         if found.source is not None and found.source in sources:  # a flat folder: checked once
             report.split_histograms[split] = report.split_histograms[sources[found.source]]
+            report.folders.pop(split, None)
             continue
         if found.source is not None:
             sources[found.source] = split
-        if found.split_missing and not (layout == "folder" and unlabelled_split(root, split)):
-            others = [s for s in available_splits(root, layout) if s != split]
-            if others:
-                found.problems.append(
-                    f"{root}: has no split {split!r} (splits found: {', '.join(others)})"
-                )
+        if found.split_missing and (m := missing_split(root, split, layout)):
+            found.problems += [str(m)] if str(m) not in found.problems else []
         report.problems += found.problems
         report.pairs[split] = len(found.samples)
         if not found.samples and not found.problems:
             report.problems.append(f"{found.source or root}: split {split!r} is empty; add pairs")
         images[split] = {Path(img).resolve() for img, _ in found.samples}
-        if found.source is not None:
-            report.folders[split] = " + ".join(
-                _shown_path(p, root) for p in (found.source, found.label_source) if p
-            )
-        hist = report.split_histograms.setdefault(split, _empty_histogram())
-        largest = (0, 0)
-        ranges: list[tuple[str, int, int]] = []
-        for img_path, label_path in track(found.samples, desc=f"check {split}", mode=progress):
-            image, label, problems, values = inspect_pair(
-                img_path, label_path, meta, label_format=label_format, bit_depth=bit_depth
-            )
-            report.problems += problems
-            if label is not None:
-                hist += np.bincount(label.ravel(), minlength=256)
-            if image is not None:
-                largest = (max(largest[0], image.shape[0]), max(largest[1], image.shape[1]))
-            ranges += [values] if values else []
-        report.largest[split] = largest
+        hist, report.largest[split], ranges = _read_pairs(
+            report, found.samples, f"check {split}", bit_depth, progress
+        )
+        report.split_histograms[split] = hist
         if ranges:
             report.values[split] = _value_range(ranges, bit_depth)
         report.histogram += hist
     report.problems = _class_problems(report) + report.problems
-    report.collapsed = _collapsed(report, label_map)
+    present = set(np.flatnonzero(report.histogram[: meta.num_classes]).tolist())
+    report.collapsed = one_class_warning(label_map or {}, present, meta) or None
     report.split_overlap = _split_overlap(root, images)
     if report.split_overlap:
         report.problems.append(report.split_overlap)
     return report
+
+
+def _read_pairs(
+    report: CheckReport, pairs: list, desc: str, bit_depth: int | None, progress: ProgressMode
+) -> tuple[np.ndarray, tuple[int, int], list[tuple[str, int, int]]]:
+    """Read ``pairs`` into the report's problems: ``(histogram, largest (H, W), value ranges)``."""
+    hist, largest, ranges = _empty_histogram(), (0, 0), []
+    for img_path, label_path in track(pairs, desc=desc, mode=progress):
+        image, label, problems, values = inspect_pair(
+            img_path, label_path, report.meta, label_format=report.label_format,
+            bit_depth=bit_depth,
+        )  # fmt: skip
+        report.problems += problems
+        if label is not None:
+            hist += np.bincount(label.ravel(), minlength=256)
+        if image is not None:
+            largest = (max(largest[0], image.shape[0]), max(largest[1], image.shape[1]))
+        ranges += [values] if values else []
+    return hist, largest, ranges
 
 
 def _split_overlap(root: Path, images: Mapping[str, set[Path]]) -> str | None:
@@ -153,9 +167,8 @@ def _split_overlap(root: Path, images: Mapping[str, set[Path]]) -> str | None:
     for a, b in itertools.combinations([s for s in DEFAULT_SPLITS if s in images], 2):
         if shared := images[a] & images[b]:
             return (
-                f"{root}: split {b!r} shares {len(shared)} of its {len(images[b])} images "
-                f"with split {a!r} (e.g. {min(shared).name}), so its scores would be on "
-                "images trained on; keep each image in one split"
+                f"{root}: split {b!r} shares {len(shared)} of its {len(images[b])} images with "
+                f"split {a!r} (e.g. {min(shared).name}); keep each image in one split"
             )
     return None
 
@@ -177,15 +190,6 @@ def _value_range(ranges: list[tuple[str, int, int]], bit_depth: int | None) -> d
         "max": max(hi for _, _, hi in ranges),
         "bit_depth": depths or [8],
     }
-
-
-def _collapsed(report: CheckReport, label_map: Mapping[int, int] | None) -> str | None:
-    """A warning when an explicit ``label_map`` leaves every labelled pixel in one class."""
-    present = np.flatnonzero(report.histogram[: report.meta.num_classes])
-    if not label_map or len(present) != 1 or report.meta.num_classes < 2:
-        return None
-    cls = int(present[0])
-    return one_class_warning(label_map, cls, report.meta.class_names[cls])
 
 
 def _class_problems(report: CheckReport) -> list[str]:
@@ -220,8 +224,7 @@ def _class_problems(report: CheckReport) -> list[str]:
         splits = ", ".join(report.split_histograms) or "the dataset"
         report.absent_classes = (
             f"{report.root}: class(es) {shown}{more} have no pixels in any split ({splits}); "
-            "check the label mapping (label map, preset or meta.json: --label-map / --preset, in "
-            "train --data.label_map / --data.preset) or remove them from the class list"
+            "check the label mapping (--label-map, --preset, meta.json) or remove those classes"
         )
         problems.append(report.absent_classes)
     return problems

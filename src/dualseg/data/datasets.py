@@ -4,16 +4,15 @@ same classes) with the classes that describe them (a preset or ROOT/meta.json)."
 from __future__ import annotations
 
 import hashlib
-import json
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from dualseg.data.contract import LabelContract
 from dualseg.data.layouts import (
     LAYOUTS,
     Discovery,
@@ -33,7 +32,7 @@ from dualseg.data.presets import (
     load_meta_file,
     with_label_mapping,
 )
-from dualseg.data.readers import LABEL_FORMATS, read_label, read_pair
+from dualseg.data.readers import read_label, read_pair
 from dualseg.data.transforms import JointTransform, build_eval_transform, sample_seed, seeded
 from dualseg.errors import DataError
 
@@ -47,22 +46,21 @@ def resolve_meta(
     *,
     label_map: Mapping[int, int] | None = None,
     ignore_value: IgnoreSetting = "auto",
+    found: str = "",
 ) -> DatasetMeta:
-    """The given preset, else ROOT/meta.json, else the layout's preset; then the overrides."""
+    """The given preset, else ROOT/meta.json, else the layout's preset; then the overrides.
+    ``found``: what the scan recognised, said first when no description exists."""
     if isinstance(preset, DatasetMeta):
-        meta = preset
+        meta: DatasetMeta | None = preset
     elif preset is not None:
         meta = preset_for(root, preset)
-    elif (meta_file := meta_path(Path(root))).is_file():
-        meta = load_meta_file(meta_file)
-    elif layout in PRESETS:  # voc, cityscapes, ade20k
-        meta = PRESETS[layout]
     else:
+        meta = dataset_meta(root, layout=layout)
+    if meta is None:
         raise DataError(
-            f"{root}: which classes does this dataset have? pass preset= one of {sorted(PRESETS)} "
-            f"(CLI: --preset), or describe them in {meta_file} (name, class_names, palette, and a "
-            "label_map when the raw values are not 0..K-1, as in 0/255 masks): 'dualseg data "
-            f"check {root} --write-meta' writes one from the label values for you to review"
+            f"{root}: {found}no {meta_path(Path(root))} describes the classes (name, class_names, "
+            f"palette, label_map): 'dualseg data check {root} --write-meta' writes one from the "
+            f"label values to review, or pass --preset (one of {', '.join(sorted(PRESETS))})"
         )
     return with_label_mapping(meta, label_map=label_map, ignore_value=ignore_value)
 
@@ -73,9 +71,8 @@ def meta_path(root: Path) -> Path:
 
 
 def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
-    """The preset ``preset`` for ``root``, refused when ROOT/meta.json (which describes the files
-    as written) names other classes or reads a raw value as another class; another tool's
-    meta.json does not stand in the way."""
+    """The preset ``preset``, refused when ROOT/meta.json names other classes or reads a raw
+    value as another class (another tool's meta.json does not count)."""
     named = get_preset(preset)
     if root is None:
         return named
@@ -90,18 +87,13 @@ def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
     if tuple(own.class_names) != tuple(named.class_names):
         raise DataError(
             f"--preset {preset} has the classes {list(named.class_names)} but {meta_file} says "
-            f"{list(own.class_names)}: every label value would be scored under another name; "
-            f"leave --preset out to read {meta_file}, or fix that file"
+            f"{list(own.class_names)}; leave --preset out to read {meta_file}, or fix it"
         )
     ours, theirs = own.lookup_table(), named.lookup_table()
     if ((ours != theirs) & (ours >= 0) & (theirs >= 0)).any():  # a value only one reads is fine
-        a, b = named.to_dict(), own.to_dict()
-        keys = ("reduce_zero_label", "ignore_index", "source_ignore", "label_map")
-        differ = [f"{k} {json.dumps(a[k])} vs {json.dumps(b[k])}" for k in keys if a[k] != b[k]]
         raise DataError(
             f"--preset {preset} reads the labels as {named.describe_mapping()} but {meta_file} "
-            f"says {own.describe_mapping()} ({'; '.join(differ)}): its label values would be "
-            f"read as other classes; leave --preset out to read {meta_file}, or fix that file"
+            f"says {own.describe_mapping()}; leave --preset out to read {meta_file}, or fix it"
         )
     return named
 
@@ -148,8 +140,6 @@ class SegmentationDataset(torch.utils.data.Dataset):
     ) -> None:
         if not samples:
             raise DataError(f"{source or 'dataset'}: the dataset is empty; check ROOT and split")
-        if label_format not in LABEL_FORMATS:
-            raise DataError(f"unknown label_format {label_format!r}; use one of {LABEL_FORMATS}")
         if samples_per_epoch is not None and samples_per_epoch < 1:
             raise DataError(f"samples_per_epoch must be >= 1, got {samples_per_epoch}")
         self.samples = list(samples)
@@ -256,8 +246,11 @@ def build_dataset(
         samples += found.samples
         source = (found.source or r) if len(roots) == 1 else ", ".join(map(str, roots))
     meta = one_class_set(metas, label_format=label_format)
-    if label_map:
-        _warn_one_class(samples, meta, label_format, label_map)
+    present: set[int] = set()
+    for _, label_path in samples[:8] if label_map else ():  # the first labels tell
+        present |= set(np.unique(read_label(label_path, meta, label_format=label_format)).tolist())
+    if warning := one_class_warning(label_map or {}, present - {meta.ignore_index}, meta):
+        warnings.warn(warning, stacklevel=2)
     return SegmentationDataset(
         samples,
         meta,
@@ -283,58 +276,30 @@ def held_out(root: str | Path, found: Discovery, fraction: float, split: str) ->
     return [p for p in pairs if p in chosen]  # in the order found
 
 
-def _warn_one_class(
-    samples: list[Pair], meta: DatasetMeta, label_format: str, label_map: Mapping[int, int]
-) -> None:
-    """Warn when an explicit ``label_map`` leaves one class in the first labels."""
-    present: set[int] = set()
-    for _, label_path in samples[:8]:
-        label = read_label(label_path, meta, label_format=label_format)
-        present |= set(np.unique(label).tolist()) - {meta.ignore_index}
-    if len(present) == 1 and meta.num_classes > 1:
-        cls = present.pop()
-        warnings.warn(one_class_warning(label_map, cls, meta.class_names[cls]), stacklevel=3)
-
-
-def one_class_warning(label_map: Mapping[int, int], cls: int, name: str) -> str:
-    """What to say when ``label_map`` leaves every labelled pixel in class ``cls``."""
-    shown = ",".join(f"{s}:{d}" for s, d in label_map.items())
+def one_class_warning(label_map: Mapping[int, int], present: set[int], meta: DatasetMeta) -> str:
+    """What to say when ``label_map`` leaves the ``present`` classes one (else "")."""
+    if not label_map or len(present) != 1 or meta.num_classes < 2:
+        return ""
+    cls = min(present)
     return (
-        f"--label-map {shown} leaves one class: every labelled pixel is class {cls} ({name!r}), "
-        "so a model learns nothing and scores look fine; map each raw value to its own class "
-        "(e.g. 255:1 for 0/255 masks)"
+        f"--label-map {','.join(f'{s}:{d}' for s, d in label_map.items())} leaves one class: "
+        f"every labelled pixel is class {cls} ({meta.class_names[cls]!r}), so a model learns "
+        "nothing and scores look fine; map each raw value to its own class (e.g. 255:1)"
     )
 
 
 def one_class_set(
     metas: list[tuple[Path, DatasetMeta]], *, label_format: str = "index"
 ) -> DatasetMeta:
-    """The roots' shared description; a DataError when two differ (palettes too, for colour
-    labels)."""
+    """The roots' shared description; a DataError naming both roots when two read labels
+    otherwise (palettes too, for colour labels)."""
     (first_root, first), *rest = metas
     for root, meta in rest:
-        if meta.class_names != first.class_names:
+        a, b = (LabelContract(m, label_format) for m in (first, meta))
+        if differ := a.differences(b, sides=(str(first_root), str(root))):
             raise DataError(
-                f"cannot mix datasets with different classes: {first_root} has "
-                f"{list(first.class_names)} but {root} has {list(meta.class_names)}; remap "
-                "the labels to one class set (or pass the same preset=) before mixing them"
-            )
-        if label_format == "color" and (meta.palette, meta.void_colors) != (
-            first.palette,
-            first.void_colors,
-        ):
-            what = "palettes" if meta.palette != first.palette else "void colours"
-            raise DataError(
-                f"cannot mix {first_root} and {root} with colour-coded labels: same classes, "
-                f"but their {what} differ, so one root's colours would decode as the other's "
-                "classes; give both the same palette and void_colors (meta.json) or convert "
-                "one's labels first"
-            )
-        if replace(meta, name=first.name, palette=first.palette) != first:
-            raise DataError(
-                f"cannot mix {first_root} and {root}: same classes, but their raw labels differ "
-                f"(label mapping {first.describe_mapping()} vs {meta.describe_mapping()}); "
-                "give both the same mapping (meta.json, --data.label_map) or convert one first"
+                f"cannot mix {first_root} and {root}: {'; '.join(differ)}; give both the same "
+                "classes and mapping (meta.json, --data.label_map) or convert one's labels first"
             )
     return first
 

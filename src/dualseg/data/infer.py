@@ -36,22 +36,17 @@ def meta_from_values(values: list[int], *, name: str) -> DatasetMeta:
             f"cannot infer classes from the label values {values[:8]} ({why}); describe them "
             "in meta.json by hand"
         )
-    classes, ignore = values, IGNORE_INDEX
+    classes = values
     if len(values) > 2 and values == [*range(len(values) - 1), IGNORE_INDEX]:
         classes = values[:-1]  # 0..K-1 and 255: the usual ignore value beside the classes
-    identity = classes == list(range(len(classes)))
-    label_map = {} if identity else {v: i for i, v in enumerate(classes)}
-    if IGNORE_INDEX in label_map:
-        ignore = None  # 255 is a class here
-    k = len(classes)
-    if k > IGNORE_INDEX - 1:
-        raise DataError(f"the labels hold {k} distinct values; at most 254 classes are read")
+    k = len(classes)  # over 254: DatasetMeta refuses it
+    label_map = {} if classes == list(range(k)) else {v: i for i, v in enumerate(classes)}
     names = ("background", "foreground") if k == 2 else tuple(f"class_{i}" for i in range(k))
     return DatasetMeta(
         name=name or "dataset",
         class_names=names,
         palette=((0, 0, 0), (255, 255, 255)) if k == 2 else voc_palette(k),
-        ignore_value=ignore,
+        ignore_value=None if IGNORE_INDEX in label_map else IGNORE_INDEX,  # 255: a class here
         label_map=tuple(label_map.items()),
     )
 

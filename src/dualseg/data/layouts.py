@@ -14,7 +14,6 @@ from pathlib import Path
 
 from dualseg.errors import DataError
 
-LAYOUTS = ("auto", "list", "folder", "voc", "cityscapes", "ade20k")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif")
 IMAGE_DIRS = ("images", "image", "imgs", "img", "JPEGImages")
 LABEL_DIRS = ("labels", "label", "masks", "mask", "annotations", "ann", "SegmentationClass")
@@ -58,61 +57,44 @@ def _files_by_stem(folder: Path) -> dict[str, list[Path]]:
     return by_stem
 
 
-def _stem_pair(
-    list_file: Path, n: int, stem: str, found: Discovery, folders: list[tuple[Path, dict]]
-) -> Pair | None:
-    """The image and label of a stem list's line ``n`` in the split's ``folders``."""
-    where = f"{list_file}:{n}"
+def _stem_pair(where: str, stem: str, folders: list[tuple[Path, dict]]) -> Pair | str:
+    """The image and label of a stem list's line in the split's ``folders``, else a problem."""
     if not folders:
-        found.problems.append(
-            f"{where}: {stem!r} is a file stem, found in images/ + labels/ (or masks/) beside "
-            f"{list_file.name}, which {list_file.parent} lacks; add those folders, or write the "
-            "line as 'image_path label_path'"
+        return (
+            f"{where}: {stem!r} is a file stem, found in images/ + labels/ (or masks/) beside the "
+            "list file, which are missing; add them, or write 'image_path label_path'"
         )
-        return None
-    pair = []
-    for folder, by_stem in folders:
-        paths = by_stem.get(stem, [])
+    pair = [by_stem.get(stem, []) for _, by_stem in folders]
+    for (folder, _), paths in zip(folders, pair):
         if len(paths) != 1:
-            found.problems.append(
-                f"{where}: stem {stem!r} is "
-                + (f"{len(paths)} files in {folder} ({', '.join(p.name for p in paths)}); keep one"
-                   if paths else f"in no file of {folder}; add it or remove the line")
+            names = ", ".join(p.name for p in paths)
+            return f"{where}: stem {stem!r} is " + (
+                f"{len(paths)} files in {folder} ({names}); keep one"
+                if paths else f"in no file of {folder}; add it or remove the line"
             )  # fmt: skip
-            return None
-        pair.append(paths[0])
-    return pair[0], pair[1]
+    return pair[0][0], pair[1][0]
 
 
 def _read_list(list_file: Path, found: Discovery) -> None:
-    base = list_file.parent
     folders = None  # a stem list's: the folder layout's for its split, read once
     for n, line in enumerate(_list_lines(list_file), start=1):
-        line = line.strip()
-        if not line or line.startswith("#"):
+        parts, where = line.split(), f"{list_file}:{n}"
+        if not parts or parts[0].startswith("#"):
             continue
-        parts = line.split()
         if len(parts) == 1 and _is_stem(parts[0]):
             if folders is None:
-                dirs = _folder_pair_dirs(base, list_file.stem, lists=False) or ()
+                dirs = _folder_pair_dirs(list_file.parent, list_file.stem, lists=False) or ()
                 folders = [(d, _files_by_stem(d)) for d in dirs]
-            if (stem_pair := _stem_pair(list_file, n, parts[0], found, folders)) is not None:
-                found.samples.append(stem_pair)
-            continue
-        if len(parts) > 2:  # "images/a b.png labels/a b.png": no way to tell where a path ends
+            pair = _stem_pair(where, parts[0], folders)
+            found.samples += [pair] if isinstance(pair, tuple) else []
+            found.problems += [pair] if isinstance(pair, str) else []
+        elif len(parts) != 2:  # "images/a b.png labels/a b.png": where does a path end?
             found.problems.append(
-                f"{list_file}:{n}: {len(parts)} fields where 'image_path label_path' takes 2 "
-                f"({line!r}): a path in a list file cannot hold a space; rename the file (e.g. "
-                "spaces to _) and its line"
+                f"{where}: expected 'image_path label_path', got {len(parts)} fields in "
+                f"{line.strip()!r} (a path in a list file cannot hold a space; rename such files)"
             )
-            continue
-        if len(parts) != 2:
-            found.problems.append(
-                f"{list_file}:{n}: expected 'image_path label_path', got {line!r}; "
-                "write one pair per line, separated by a space"
-            )
-            continue
-        _add_listed(found, (base / parts[0], base / parts[1]), f"{list_file}:{n}")
+        else:
+            _add_listed(found, (list_file.parent / parts[0], list_file.parent / parts[1]), where)
 
 
 def _add_listed(found: Discovery, pair: Pair, where: str) -> None:
@@ -284,14 +266,11 @@ def _scan_voc(root: Path, split: str) -> Discovery:
 
 def _scan_cityscapes(root: Path, split: str) -> Discovery:
     img_dir, gt_dir = root / "leftImg8bit" / split, root / "gtFine" / split
-    found = Discovery("cityscapes", source=img_dir)
-    if not img_dir.is_dir():
-        found.split_missing = True
+    found = Discovery("cityscapes", source=img_dir, split_missing=not img_dir.is_dir())
+    if found.split_missing:
         found.problems.append(f"{img_dir}: Cityscapes image folder not found; check ROOT/--split")
-        return found
     for img in sorted(img_dir.glob("*/*_leftImg8bit.png")):
-        stem = img.name[: -len("_leftImg8bit.png")]
-        label = gt_dir / img.parent.name / f"{stem}_gtFine_labelTrainIds.png"
+        label = gt_dir / img.parent.name / img.name.replace("leftImg8bit", "gtFine_labelTrainIds")
         if label.is_file():
             found.samples.append((img, label))
         else:
@@ -299,14 +278,15 @@ def _scan_cityscapes(root: Path, split: str) -> Discovery:
                 f"{label}: train-id label not found; create the *_labelTrainIds.png files with "
                 "cityscapesscripts' createTrainIdLabelImgs"
             )
-    if not found.samples and not found.problems:
-        others = sorted(p.name for p in img_dir.glob("*/*_leftImg8bit.*"))
-        if others:  # converted to JPEG
-            found.problems.append(
-                f"{img_dir}: only *_leftImg8bit.png images are read, and its {len(others)} "
-                f"*_leftImg8bit files are other formats (e.g. {others[0]}); use the original "
-                "PNGs, or list the pairs in a list file (--layout list)"
-            )
+    if (
+        not found.samples
+        and not found.problems
+        and (others := sorted(img_dir.glob("*/*_leftImg8bit.*")))
+    ):
+        found.problems.append(  # converted to JPEG
+            f"{img_dir}: only *_leftImg8bit.png images are read, not {others[0].name} and its "
+            f"{len(others) - 1} other(s); use the original PNGs, or a list file (--layout list)"
+        )
     return found
 
 
@@ -340,6 +320,7 @@ SCANNERS = {
     "cityscapes": _scan_cityscapes,
     "ade20k": _scan_ade20k,
 }
+LAYOUTS = ("auto", *SCANNERS)
 
 
 def detect(root: Path, split: str) -> str | None:

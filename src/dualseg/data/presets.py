@@ -61,21 +61,18 @@ class DatasetMeta:
 
     def require_distinct_colours(self) -> None:
         """Each colour means one thing (needed to decode colour labels, not to draw)."""
-        owner: dict[Color, str] = {}
-        for name, colour in zip(self.class_names, self.palette):
-            if tuple(colour) in owner:
-                raise DataError(
-                    f"dataset {self.name!r}: classes {owner[tuple(colour)]!r} and {name!r} "
-                    f"share the palette colour {tuple(colour)}; give each class its own colour"
+        owner: dict[tuple[int, ...], str] = {}
+        voids = [(None, c) for c in self.void_colors]
+        for name, colour in [*zip(self.class_names, self.palette), *voids]:
+            if (c := tuple(colour)) in owner:
+                what = (
+                    f"void colour {c} is also class {owner[c]!r}'s palette colour"
+                    if name is None
+                    else f"classes {owner[c]!r} and {name!r} share the palette colour {c}"
                 )
-            owner[tuple(colour)] = name
-        for colour in self.void_colors:
-            if tuple(colour) in owner:
-                raise DataError(
-                    f"dataset {self.name!r}: void colour {tuple(colour)} is also class "
-                    f"{owner[tuple(colour)]!r}'s palette colour; remove it from void_colors or "
-                    "recolour the class"
-                )
+                raise DataError(f"dataset {self.name!r}: {what}; give each class its own colour")
+            if name is not None:
+                owner[c] = name
 
     def lookup_table(self) -> np.ndarray:
         """``int16 [256]``: raw value -> class id, 255 (ignore) or -1 (invalid); label_map wins."""

@@ -30,20 +30,13 @@ _EIGHT_BIT_MODES = {"L", "LA", "P", "RGB", "RGBA"}
 def _label_array(path: Path, im: Image.Image) -> np.ndarray:
     """Raw label values (any integer dtype, HxW) from an index-coded label image."""
     mode = im.mode
-    if mode in {"L", "P"}:  # P: the pixel values are the indices (VOC), not the colours
-        return np.asarray(im)
-    if mode == "1":
-        return np.asarray(im).astype(np.uint8)
-    if mode in SIXTEEN_BIT_MODES:
-        return np.asarray(im).astype(np.int64)
+    if mode in {"L", "P", "1", *SIXTEEN_BIT_MODES}:  # P: the indices (VOC), not the colours
+        return np.asarray(im).astype(np.int64 if mode in SIXTEEN_BIT_MODES else np.uint8)
     if mode in {"LA", "RGB", "RGBA"}:
         arr = np.asarray(im)
-        if mode != "RGB":
-            arr = drop_opaque_alpha(arr, path)
-        if arr.shape[2] == 1:
+        arr = arr if mode == "RGB" else drop_opaque_alpha(arr, path)
+        if (arr == arr[..., :1]).all():  # one channel, or a gray-looking RGB label
             return arr[..., 0]
-        if np.array_equal(arr[..., 0], arr[..., 1]) and np.array_equal(arr[..., 0], arr[..., 2]):
-            return arr[..., 0]  # a gray-looking RGB label: the channels agree, so unambiguous
         raise DataError(
             f"{path}: this label is a colour image, not an index map; pass "
             "label_format='color' (CLI: --label-format color) to decode it through the palette"
@@ -188,24 +181,22 @@ def _refuse_lossy_or_deep(path: Path, im: Image.Image) -> None:
     in a mode Pillow reads as 8-bit."""
     if im.format in {"JPEG", "MPO"} or (im.format == "WEBP" and _webp_is_lossy(path)):
         raise DataError(
-            f"{path}: a lossy {im.format} label, whose compression artifacts change class ids "
-            "along every edge; labels must be lossless (PNG): re-export them from the source"
+            f"{path}: a lossy {im.format} label changes class ids along every edge; labels "
+            "must be lossless (PNG): re-export them from the source"
         )
     bits = _bits_per_sample(path, im)
     if bits is not None and bits > 8 and im.mode in _EIGHT_BIT_MODES:
         raise DataError(
             f"{path}: a {bits}-bit-per-channel {im.format} label with {len(im.getbands())} "
-            "channels, of which only the high byte can be read (values under 256 would all "
-            "read as 0); save the label as an 8-bit colour PNG, or as single-channel (8- or "
-            "16-bit) class indices"
+            "channels reads as its high byte only; save it as an 8-bit colour PNG, or as "
+            "single-channel (8- or 16-bit) class indices"
         )
 
 
 def _raw_values(path: Path, im: Image.Image) -> np.ndarray:
     raw = _label_array(path, im)
     if im.mode == "L" and (bits := _bits_per_sample(path, im)) in (2, 4):
-        # Pillow scales 2/4-bit samples to 0..255; a label's values are its stored samples
-        raw = raw // (255 // (2**bits - 1))
+        raw = raw // (255 // (2**bits - 1))  # Pillow scales 2/4-bit samples to 0..255
     return raw
 
 
@@ -253,45 +244,18 @@ def _decode_label(
     return decode_color_label(arr, meta, path=path)
 
 
-_TURNS = {
-    2: "mirror it left-right",
-    3: "rotate it 180 degrees",
-    4: "flip it upside down",
-    5: "transpose it",
-    6: "rotate it 90 degrees clockwise",
-    7: "transverse it",
-    8: "rotate it 90 degrees counter-clockwise",
-}
-
-
 def _orientation_mismatch(img_path: Path, turn: int, label_path: Path, label_turn: int) -> str:
     if turn == 1:  # only the label has one
         return (
-            f"{label_path}: its EXIF orientation {label_turn} would {_TURNS[label_turn]} "
-            f"relative to its image {img_path} (which has none); strip the tag from the label"
+            f"{label_path}: its EXIF orientation {label_turn} would turn it relative to its image "
+            f"{img_path} (which has none); strip the tag from the label"
         )
     other = "none" if label_turn == 1 else f"orientation {label_turn}"
     return (
-        f"{img_path}: its EXIF orientation {turn} would {_TURNS[turn]} relative to its label "
-        f"{label_path} (which has {other}); strip the tag (if the label was drawn on the stored "
-        "pixels), or save the image upright without the tag (if it was drawn on the image as "
-        "shown), or rotate the label to match and give it the same tag"
+        f"{img_path}: its EXIF orientation {turn} would turn it relative to its label "
+        f"{label_path} (which has {other}); strip the tag, save the image upright, or give the "
+        "label the same turn and tag"
     )
-
-
-def drawn_upright(
-    im: Image.Image | None,
-    image: np.ndarray | None,
-    lab: Image.Image,
-    turn: int | None,
-    label_turn: int,
-) -> bool:
-    """Whether an untagged label was drawn on its 90°-turned image as displayed (its size is
-    the upright image's, not the stored one's)."""
-    if im is None or image is None or turn not in (5, 6, 7, 8) or label_turn != 1:
-        return False
-    upright, stored = image.shape[:2], (im.size[1], im.size[0])
-    return upright != stored and (lab.size[1], lab.size[0]) == upright
 
 
 def inspect_pair(
@@ -323,7 +287,15 @@ def inspect_pair(
     try:
         lab = open_image(label_path, max_megapixels=max_megapixels)
         label_turn = exif_orientation(lab, label_path)
-        if drawn_upright(im, image, lab, turn, label_turn):
+        # a tag-less label drawn on its 90°-turned image as displayed: the upright image's size
+        if (
+            image is not None
+            and turn in (5, 6, 7, 8)
+            and label_turn == 1
+            and (
+                lab.size[::-1] == image.shape[:2] != im.size[::-1]  # type: ignore[union-attr]
+            )
+        ):
             label = _decode_label(label_path, lab, meta, label_format)
         elif turn is not None and label_turn != turn:  # they would silently not line up
             problems.append(_orientation_mismatch(img_path, turn, label_path, label_turn))

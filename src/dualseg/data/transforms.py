@@ -52,14 +52,9 @@ class RandomGaussianBlur(v2.Transform):
     """Gaussian blur of the image (never the label) with probability ``p``, run by OpenCV
     (torchvision's takes ~25 ms on a 360x480 image on one core, OpenCV's under 1 ms)."""
 
-    def __init__(
-        self,
-        p: float = BLUR_PROB,
-        kernel_size: int = 5,
-        sigma: tuple[float, float] = BLUR_SIGMA,
-    ) -> None:
+    def __init__(self, p: float = BLUR_PROB, sigma: tuple[float, float] = BLUR_SIGMA) -> None:
         super().__init__()
-        self.p, self.kernel_size, self.sigma = float(p), int(kernel_size), tuple(sigma)
+        self.p, self.sigma = float(p), tuple(sigma)
 
     def make_params(self, flat_inputs: list[Any]) -> dict[str, Any]:
         apply = bool(torch.rand(1) < self.p)  # both draws always happen: a fixed stream
@@ -70,8 +65,7 @@ class RandomGaussianBlur(v2.Transform):
         if not params["apply"] or not isinstance(inpt, tv_tensors.Image):
             return inpt
         hwc = inpt.permute(1, 2, 0).contiguous().numpy()
-        k = self.kernel_size
-        out = cv2.GaussianBlur(hwc, (k, k), params["sigma"], borderType=cv2.BORDER_REFLECT_101)
+        out = cv2.GaussianBlur(hwc, (5, 5), params["sigma"], borderType=cv2.BORDER_REFLECT_101)
         out = out.reshape(hwc.shape)  # cv2 drops a trailing channel axis of size 1
         return tv_tensors.wrap(torch.from_numpy(out).permute(2, 0, 1).contiguous(), like=inpt)
 
