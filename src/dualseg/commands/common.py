@@ -117,10 +117,9 @@ def add_pixel_args(p: argparse.ArgumentParser, *, source: str) -> None:
 
 def label_settings(
     args: argparse.Namespace, trained: dict[str, Any], *, note: str | None = None
-) -> tuple[str, dict[int, int] | None, Any, list[str]]:
-    """``(label_format, label_map, ignore_value, taken)``: each label flag not given takes the
-    value of ``trained`` (the model's training ``data`` section); ``taken`` lists those, said
-    on stderr after ``note`` when one is given."""
+) -> tuple[str, dict[int, int] | None, Any]:
+    """``(label_format, label_map, ignore_value)``: each label flag not given takes the value
+    of ``trained`` (the model's training ``data`` section), said on stderr after ``note``."""
     taken: list[str] = []
     label_format = args.label_format
     if label_format is None:
@@ -140,7 +139,7 @@ def label_settings(
     if note and taken:
         flags = "--label-format / --label-map / --ignore-index change it"
         print(f"{note}: {', '.join(taken)} ({flags})", file=sys.stderr)
-    return label_format, label_map, ignore, taken
+    return label_format, label_map, ignore
 
 
 def split_of(data: Any, split: str | None, *, default: str, flag: str = "--data") -> str:

@@ -1,5 +1,4 @@
-"""``dualseg eval``: score a checkpoint on a dataset split; prints the scores and writes
-``metrics.json`` and its figures into ``--out`` (``--save-predictions``: label PNGs too)."""
+"""``dualseg eval``: score a checkpoint on a dataset split; ``metrics.json`` + figures in --out."""
 
 from __future__ import annotations
 
@@ -85,10 +84,7 @@ def _load_refiner(args: argparse.Namespace, dataset: Any, device: Any, model: An
         warn(f"note: {note}")
     images = [image for image, _ in dataset.samples]
     split = (refiner.calibration or {}).get("split")
-    shared = calibrated_on(refiner.calibration, images)
-    if shared is None and split == args.split:  # stored without image digests: by split name
-        shared = len(images)
-    if shared:
+    if shared := calibrated_on(refiner.calibration, images):
         warn(f"warning: {args.refiner}'s decision options were chosen (--calibrate-split "
              f"{split}) on {shared} of the {len(images)} images evaluated here: its refined "
              "scores are optimistic")  # fmt: skip
@@ -126,14 +122,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = c.apply_runtime(args)
     model, _, ckpt = load_network(args.checkpoint, device=device)
     trained = (ckpt.get("config") or {}).get("data") or {}
-    note = f"dualseg eval: note: labels read as {args.checkpoint} was trained"
-    label_format, label_map, ignore, _ = c.label_settings(args, trained, note=note)
+    read_as = f"dualseg eval: note: labels read as {args.checkpoint} was trained"
+    label_format, label_map, ignore = c.label_settings(args, trained, note=read_as)
     contract = contract_of(ckpt)
-    explicit = args.label_format or args.label_map or args.bit_depth is not None
+    flags = (args.label_format, args.label_map, args.bit_depth)
     dataset = model_dataset(
         args.data, split=args.split, layout=args.layout, preset=args.preset, contract=contract,
         stored="label_contract" in ckpt, model_name=f"the checkpoint {args.checkpoint}",
-        explicit=bool(explicit) or args.ignore_index is not c.FROM_TRAINING,
+        explicit=flags != (None,) * 3 or args.ignore_index is not c.FROM_TRAINING,
         label_format=label_format, label_map=label_map, ignore_value=ignore,
         bit_depth=contract.bit_depth if args.bit_depth is None else args.bit_depth,
         max_megapixels=args.max_megapixels, val_fraction=_held_out_fraction(args, trained),
@@ -153,8 +149,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.save_predictions:  # every label read before the first prediction is written
         for _, label_path in dataset.samples:
             read_label(label_path, dataset.meta, label_format=dataset.label_format)
-        hook = PredictionWriter(dataset.samples, Path(args.save_predictions),
-                                dataset.meta.palette, args.batch_size)  # fmt: skip
+        folder, palette = Path(args.save_predictions), dataset.meta.palette
+        hook = PredictionWriter(dataset.samples, folder, palette, args.batch_size)
     mode = c.mode_of(args)
     try:
         metrics = evaluate(
@@ -166,8 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )  # fmt: skip
     except BaseException:  # an unreadable image, Ctrl-C: no partial set of predictions stays
         if hook is not None and (removed := hook.undo()):
-            warn(f"note: removed the {removed} prediction files this evaluation had written "
-                 f"to {args.save_predictions}")  # fmt: skip
+            warn(f"note: removed the {removed} prediction files written to {args.save_predictions}")
         raise
     _report(args, metrics, dataset.meta.class_names, opts, device, out)
     for path in stale:

@@ -143,7 +143,7 @@ def fit_main(args: argparse.Namespace) -> int:
     base = None if args.base is None else load_base(args.base, device=device)
     read_as = f"dualseg refine fit: note: labels read as {args.base} was trained"
     trained = getattr(base, "trained_data", None) or {}
-    fmt, mapping, ignore, _ = c.label_settings(args, trained, note=read_as)
+    fmt, mapping, ignore = c.label_settings(args, trained, note=read_as)
     labels = {"label_format": fmt, "label_map": mapping, "ignore_value": ignore}
     where = {"split": split, "layout": args.layout, "preset": args.preset}
     data = fit_run.fit_datasets(
