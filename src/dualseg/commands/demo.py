@@ -9,17 +9,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, Subset
 
 import dualseg.engine as engine
 from dualseg.augment_defaults import seed_error
-from dualseg.commands.common import add_quiet_arg, cuda_amp
+from dualseg.commands.common import add_quiet_arg, apply_runtime, cuda_amp
 from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.data import build_dataset, build_eval_transform
 from dualseg.engine import options, showcase
 from dualseg.engine.baselines import baseline_models
-from dualseg.engine.predict import load_model, resolve_device
+from dualseg.engine.predict import load_model
 from dualseg.errors import ConfigError, Terminated
 from dualseg.io import atomic_write_json
 from dualseg.metrics import to_jsonable
@@ -31,7 +30,6 @@ FLAGS: tuple[tuple[str, type, Any, int | None, str], ...] = (
     ("--out", str, "runs/demo", None, "output folder; a re-run replaces the demo's own output"),
     ("--data", str, None, None, "a real dataset root instead of synthetic data"),
     ("--preset", str, None, None, "classes of --data (camvid, voc, cityscapes, ade20k)"),
-    ("--layout", str, "auto", None, "layout of --data"),
     ("--val-split", str, "val", None, "held-out split to score (the model trains on train)"),
     ("--n-train", int, 400, 1, "synthetic training images"),
     ("--n-val", int, 20, 1, "synthetic held-out images"),
@@ -40,7 +38,6 @@ FLAGS: tuple[tuple[str, type, Any, int | None, str], ...] = (
     ("--lr", float, 0.02, None, "initial learning rate"),
     ("--arch", str, "dualseg_mobilenet_v2", None, "model name"),
     ("--weights", str, "imagenet", None, "imagenet (offline, when installed), none, or a file"),
-    ("--output-stride", int, 8, None, "backbone output stride (16 is about 3x cheaper)"),
     ("--renet-hidden", int, 64, None, "GRU units per direction"),
     ("--renet-layers", int, 2, None, "recurrent modules per branch, 0-2"),
     ("--val-every", int, 0, None, "validate every K iterations for the curves (0: only after)"),
@@ -57,18 +54,15 @@ FLAGS: tuple[tuple[str, type, Any, int | None, str], ...] = (
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="dualseg demo",
-        description="Train, evaluate and visualize a small dual-branch network on a built-in "
-        "synthetic street dataset (offline, a few CPU minutes), or on --data PATH.",
+        description="Train, score and show a small dual-branch network on synthetic scenes.",
         **argparse_kwargs("dualseg demo", "dualseg demo --data data/camvid --preset camvid"),
     )
     for flag, kind, default, _, text in FLAGS:
         p.add_argument(flag, type=kind, default=default, help=f"{text} ({default})")
     p.add_argument("--size", type=int, nargs=2, default=(96, 128), metavar=("H", "W"),
                    help="synthetic image size and training crop size (96 128)")  # fmt: skip
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace what --out holds even when the demo did not write it")  # fmt: skip
-    p.add_argument("--amp", action=argparse.BooleanOptionalAction,
-                   help="--no-amp: train in fp32; --amp: evaluate in bf16 on CUDA too")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true", help="replace what --out holds, any run")
+    p.add_argument("--amp", action=argparse.BooleanOptionalAction, help="bf16 (--no-amp: fp32)")
     p.add_argument("--no-refine", action="store_true", help="skip method B")
     add_quiet_arg(p)
     return p
@@ -85,7 +79,7 @@ def check_args(args: argparse.Namespace) -> None:
     if (problem := seed_error(args.seed, "--seed")) is not None:
         raise ConfigError(problem)
     source = "--data (its own images)" if args.data else "the synthetic data"
-    drop = ("--n-train", "--n-val") if args.data else ("--preset", "--layout")
+    drop = ("--n-train", "--n-val") if args.data else ("--preset", "--val-split")
     unused = dict.fromkeys(drop, f"does not apply to {source}")
     if not args.arch.startswith("dualseg_"):  # a peer has no ReNet
         peer = f"applies to method A (dualseg_*), not to --arch {args.arch}"
@@ -93,11 +87,6 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, _, default, *_ in FLAGS:
         if flag in unused and value[flag] != default:
             raise ConfigError(f"{flag} {unused[flag]}: drop it")
-    if args.val_split == "train":
-        raise ConfigError("--val-split 'train' is the training split: the demo would score what "
-                          "it trained on; give another split (--val-split val)")  # fmt: skip
-    if args.data is None and args.val_split != "val":
-        raise ConfigError("the synthetic data has the splits train and val only: drop --val-split")
     if args.data is None and args.n_train < args.batch_size:
         raise ConfigError(f"--batch-size {args.batch_size} needs as many training images, but "
                           f"--n-train {args.n_train} draws fewer: lower one")  # fmt: skip
@@ -110,18 +99,14 @@ def _train_config(args, root: Path, meta: Any, weights: str | None) -> options.C
     return options.Config(
         data=options.DataConfig(
             root=str(root), preset=meta.name if synthetic or args.preset else None,
-            layout="auto" if synthetic else args.layout, train_split="train",
             val_split=args.val_split if args.val_every else None,  # the demo scores after
-            crop_size=tuple(args.size),
+            crop_size=tuple(args.size), batch_size=args.batch_size, num_workers=args.workers,
             # the generator varies layout, colour and texture at the working size: flips only
-            scale_range=(1.0, 1.0) if synthetic else (0.5, 2.0),
-            blur_prob=0.0 if synthetic else options.DataConfig.blur_prob,
-            jitter=0.0 if synthetic else options.DataConfig.jitter,
-            batch_size=args.batch_size, val_batch_size=4 if synthetic else 1,
-            num_workers=args.workers,
+            **(dict(scale_range=(1.0, 1.0), blur_prob=0.0, jitter=0.0, val_batch_size=4)
+               if synthetic else {"val_batch_size": 1}),
         ),
         model=options.ModelConfig(
-            arch=args.arch, weights=weights, output_stride=args.output_stride,
+            arch=args.arch, weights=weights, output_stride=8,
             renet_hidden=args.renet_hidden if dual else None,
             renet_layers=args.renet_layers if dual else None,
         ),
@@ -138,35 +123,33 @@ def _train_config(args, root: Path, meta: Any, weights: str | None) -> options.C
 
 
 def _score(args, cfg, root: Path, meta: Any, ckpt: Path, device, seconds: dict) -> dict:
-    """Method B fitted (its embedding started from the model's backbone), then the model, the
-    refiner and the baselines scored on the held-out split, drawing the figures on the way."""
+    """Method B fitted, then it, the model and the baselines scored; the figures drawn."""
     read = dict(layout=cfg.data.layout, preset=meta, label_format=cfg.data.label_format)
     train_set = build_dataset(root, split="train", **read)
     val_set = build_dataset(root, split=args.val_split, transform=build_eval_transform(), **read)
-    batch = cfg.data.val_batch_size
-    loader = DataLoader(val_set, batch_size=batch, num_workers=args.workers)
+    loader = DataLoader(val_set, batch_size=cfg.data.val_batch_size, num_workers=args.workers)
     common = dict(num_classes=meta.num_classes, device=device, amp=cuda_amp(args, device))
     model = load_model(ckpt, device=device).model
     refiner, refinement = None, None
     if not args.no_refine:
         start = time.perf_counter()
         config = RefinerConfig(
-            backbone=backbone_of(args.arch), output_stride=args.output_stride,
+            backbone=backbone_of(args.arch), output_stride=8,
             input_scale=1.0,  # the demo's scenes are small: embedded at full size
             steps=args.refine_steps, batch_size=args.batch_size, seed=args.seed,
         )  # fmt: skip
         augmented = build_dataset(root, split="train", **read, seed=args.seed,
                                   transform=options.train_transform(cfg.data))  # fmt: skip
-        prototypes = Subset(train_set, range(min(args.refine_prototypes, len(train_set))))
         refiner = BoundaryRefiner.fit(
             augmented, class_names=meta.class_names, config=config, weights=None,
-            prototype_dataset=prototypes, init_from=model, device=device, progress=False,
+            prototype_dataset=Subset(train_set, range(min(args.refine_prototypes, len(train_set)))),
+            init_from=model, device=device, progress=False,
         )  # fmt: skip
         refiner.save(path := Path(args.out) / "refiner.pt")
         refinement = {"refiner": str(path), "fit_seconds": time.perf_counter() - start,
                       "steps": args.refine_steps}  # fmt: skip
     start = time.perf_counter()
-    visuals = showcase.VisualWriter(val_set, Path(args.out), args.n_show, batch)
+    visuals = showcase.VisualWriter(val_set, Path(args.out), args.n_show, loader.batch_size)
     result = engine.evaluate(model, loader, refiner=refiner, on_batch=visuals, **common)
     seconds["eval"] = time.perf_counter() - start
     metrics = {k: v for k, v in result.items() if k not in ("refined", "refine")}
@@ -177,20 +160,24 @@ def _score(args, cfg, root: Path, meta: Any, ckpt: Path, device, seconds: dict) 
     baselines = {n: engine.evaluate(m.to(device), loader, **common) for n, m in priors.items()}
     dataset = {"root": str(root), "name": meta.name, "class_names": list(meta.class_names),
                "train_images": len(train_set), "val_images": len(val_set)}  # fmt: skip
-    return {"dataset": dataset, "metrics": metrics, "baselines": baselines,
-            "refinement": refinement, "figures": visuals.finish()}  # fmt: skip
+    weights = cfg.model.weights or "random init"
+    return {
+        "out": str(Path(args.out)), "dataset": dataset,
+        "model": {"arch": args.arch, "weights": weights, "checkpoint": ckpt},
+        "train": {"iters": args.iters, "batch_size": args.batch_size, "lr": args.lr},
+        "metrics": metrics, "baselines": baselines, "refinement": refinement,
+        "figures": visuals.finish(), "seconds": seconds,
+    }  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the demo as the command line describes; returns what ``metrics.json`` holds."""
     start, out = time.perf_counter(), Path(args.out)
     check_args(args)  # before the folder is looked at or touched
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     weights = showcase.demo_weights(args.arch, args.weights)
-    device = resolve_device(args.device)
+    device = apply_runtime(args)  # --threads, --device
     with showcase.demo_folder(  # checked, then held and marked as the demo's
-        out, args.data, overwrite=args.overwrite, preset=args.preset, layout=args.layout,
+        out, args.data, overwrite=args.overwrite, preset=args.preset, layout="auto",
         train_split="train", val_split=args.val_split, n_train=args.n_train,
         n_val=args.n_val, size=tuple(args.size), seed=args.seed,
     ) as (root, meta):  # fmt: skip
@@ -201,13 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise Terminated if result.get("signal") == signal.SIGTERM else KeyboardInterrupt
         seconds["train"] = time.perf_counter() - start - seconds["data"]
         ckpt = Path(result["best"] or result["last"])
-        record = {
-            "out": str(out),
-            "model": {"arch": args.arch, "weights": weights or "random init", "checkpoint": ckpt},
-            "train": {"iters": args.iters, "batch_size": args.batch_size, "lr": args.lr},
-            **_score(args, cfg, root, meta, ckpt, device, seconds),
-            "seconds": seconds,
-        }
+        record = _score(args, cfg, root, meta, ckpt, device, seconds)
         seconds["total"] = time.perf_counter() - start
         atomic_write_json(out / "metrics.json", to_jsonable(record))
         print(showcase.demo_summary(record))

@@ -26,11 +26,9 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "fit",
         help="train the re-optimization model and compute class prototypes",
-        description="Method B training (steps 1-5): triplet metric learning near boundaries, "
-        "then the class prototypes. Writes one refiner file.",
+        description="Method B training (steps 1-5): triplet learning, then class prototypes.",
         **argparse_kwargs(
-            "dualseg refine fit --data ../shared/data/camvid --preset camvid "
-            "--base runs/camvid/best.pt --out runs/camvid/refiner.pt",
+            "dualseg refine fit --data ROOT --base runs/camvid/best.pt -o runs/camvid/refiner.pt",
             "dualseg refine fit --data ROOT --base probs/ --steps 500 --device cuda --amp",
         ),
     )
@@ -40,10 +38,8 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     add("--out", "-o", default="refiner.pt", help="refiner file to write (refiner.pt)")
     c.add_label_args(p, source="the --base checkpoint")
     add("--crop-size", type=int, nargs=2, default=(256, 256), metavar=("H", "W"), help="(256 256)")
-    add("--scale-range", type=float, nargs=2, default=SCALE_RANGE, metavar=("LO", "HI"),
-        help=f"random scale of step 1 {SCALE_RANGE}")  # fmt: skip
-    add("--init-backbone", choices=("imagenet", "base", "none"), default="imagenet",
-        help="backbone start: ImageNet, the base's backbone, or random (imagenet)")  # fmt: skip
+    add("--scale-range", type=float, nargs=2, default=SCALE_RANGE, metavar=("LO", "HI"))
+    add("--init-backbone", choices=("imagenet", "base", "none"), default="imagenet")
     add("--weights", help="ImageNet weight file for the backbone (default: resolved)")
     add("--calibrate-split", help="a labelled split to choose the decision options on (--base)")
     add("--calibrate-metric", choices=METRICS, default=METRICS[0], help=f"({METRICS[0]})")
@@ -103,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "layers",
         help="list the modules of a base model a refiner can read (--base-features)",
-        description="Runs the base model once on a blank image and lists each module whose "
-        "output is a feature map (name, channels, stride), for --base-features LOW HIGH.",
+        description="Lists the feature maps of the base model on a blank image (name, channels, "
+        "stride): what --base-features LOW HIGH can name.",
         **argparse_kwargs(
             "dualseg refine layers --base runs/camvid/best.pt",
             "dualseg refine layers --base mymodel.py:model --size 512 512",
@@ -126,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 def fit_main(args: argparse.Namespace) -> int:
     cfg = RefinerConfig.from_flags(args)
     if cfg.top_n == 1:
-        note("fit", "--top-n 1 leaves each pixel one candidate: this refiner changes no pixel")
+        note("--top-n 1 leaves each pixel one candidate: this refiner changes no pixel")
     split = c.split_of(args.data, args.split, default="train")
     names = {"crop_size": "--crop-size", "scale_range": "--scale-range"}
     crop, scales = tuple(args.crop_size), tuple(args.scale_range)
@@ -153,7 +149,7 @@ def fit_main(args: argparse.Namespace) -> int:
     )  # fmt: skip
     class_names = data.train.meta.class_names
     if cfg.top_n != RefinerConfig.top_n and cfg.top_n > len(class_names):  # not the default
-        note("fit", apply_run.top_n_over_classes(cfg.top_n, len(class_names)))
+        note(apply_run.top_n_over_classes(cfg.top_n, len(class_names)))
     refiner, report = fit_run.run_fit(
         cfg, data, base, root=args.data, base_name=args.base, where=where, labels=labels,
         crop_size=args.crop_size, scale_range=args.scale_range, init_backbone=args.init_backbone,
@@ -170,8 +166,8 @@ def fit_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def note(command: str, text: str) -> None:
-    print(f"dualseg refine {command}: note: {text}", file=sys.stderr)
+def note(text: str) -> None:
+    print(f"dualseg refine fit: note: {text}", file=sys.stderr)
 
 
 def apply_main(args: argparse.Namespace) -> int:
@@ -182,14 +178,13 @@ def apply_main(args: argparse.Namespace) -> int:
     check_image_outputs(out, images, kinds, overwrite=args.overwrite, data=args.data,
                           command="refine apply")  # fmt: skip
     device = c.apply_runtime(args)
+    base = load_base(args.base, device=device)
     if args.crf:
         refiner = apply_run.crf_settings(args.top_n, args.radius)
     else:
         refiner = load_refiner(args.refiner, device=device)
         c.static_export_note(args.refiner, refiner, "refine")
         c.check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
-    base = load_base(args.base, device=device)
-    if not args.crf:
         augmented = opts.mode != "whole" or opts.uses_tta
         for line in apply_run.configure(refiner, base, top_n=args.top_n, radius=args.radius,
                                         augmented=augmented, refiner_name=args.refiner,
