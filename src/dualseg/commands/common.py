@@ -1,7 +1,5 @@
 """Flags shared by the commands, each added by one helper so that every command spells and
-means it the same way: runtime (``--device --threads --amp``), ``--quiet``, ``--overwrite``,
-labels, pixels, inference (``--mode --window --stride --tta-*``) and ``--data`` as a class check.
-"""
+means it the same way, and the checks and notes that go with them."""
 
 from __future__ import annotations
 
@@ -14,7 +12,6 @@ from typing import Any
 
 import torch
 
-from dualseg.console import ProgressMode, progress_mode
 from dualseg.data.datasets import dataset_meta, preset_for
 from dualseg.data.presets import parse_label_map, require_same_classes
 from dualseg.data.readers import LABEL_FORMATS
@@ -47,26 +44,24 @@ nonnegative_int = int_in(0)
 positive_int = int_in(1)
 
 
-def fraction(text: str) -> float:
-    """argparse ``type=``: a number in [0, 1] (``--alpha``)."""
+def _number(text: str, ok: Callable[[float], bool], rule: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:  # also NaN
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+        raise argparse.ArgumentTypeError(f"expected a number {rule}, got {text!r}") from None
+    if not ok(value):  # NaN fails every comparison
+        raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
     return value
+
+
+def fraction(text: str) -> float:
+    """argparse ``type=``: a number in [0, 1] (``--alpha``)."""
+    return _number(text, lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
 def megapixels(text: str) -> float:
     """``--max-megapixels``: a positive finite number."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of megapixels, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+    return _number(text, lambda v: 0 < v < math.inf, "positive (megapixels)")
 
 
 def bit_depth(text: str) -> int:
@@ -221,22 +216,14 @@ def static_export_note(path: Any, model: Any, command: str) -> None:
         getattr(model, "runner", None), "static_hw", None
     )
     if size:
-        print(
-            f"dualseg {command}: note: {path} is a static export at {size[0]}x{size[1]}: every "
-            "image is resized to it and back, so its labels differ from the checkpoint's at "
-            "other sizes (export with --dynamic to run each image at its own size)",
-            file=sys.stderr,
-        )
+        note = f"{path} is a static export at {size[0]}x{size[1]}: every image is resized to it"
+        print(f"dualseg {command}: note: {note} and back (export --dynamic keeps sizes)",
+              file=sys.stderr)  # fmt: skip
 
 
 def add_quiet_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress output (default: "
                    "bars on a terminal, a plain line every 30 s in a log)")  # fmt: skip
-
-
-def mode_of(args: argparse.Namespace) -> ProgressMode:
-    """The progress mode of a command run with these arguments (:mod:`dualseg.console`)."""
-    return progress_mode(getattr(args, "quiet", False))
 
 
 def add_overwrite_arg(p: argparse.ArgumentParser, *, what: str = "output files") -> None:

@@ -10,11 +10,10 @@ from dualseg.commands.common import (
     add_overwrite_arg,
     add_quiet_arg,
     bit_depth,
-    mode_of,
     parse_ignore_index,
     split_of,
 )
-from dualseg.console import ArgumentParser, argparse_kwargs
+from dualseg.console import ArgumentParser, argparse_kwargs, progress_mode
 from dualseg.data.check import DEFAULT_SPLITS, check_dataset, format_report
 from dualseg.data.datasets import LAYOUTS
 from dualseg.data.infer import infer_meta, write_meta
@@ -81,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     report = check_dataset(
         args.root, splits=tuple(args.split) if args.split else None, layout=args.layout,
         preset=args.preset, label_format=args.label_format, label_map=args.label_map,
-        ignore_value=args.ignore_index, bit_depth=args.bit_depth, progress=mode_of(args),
+        ignore_value=args.ignore_index, bit_depth=args.bit_depth,
+        progress=progress_mode(args.quiet),
     )  # fmt: skip
     print(format_report(report))
     if args.json:

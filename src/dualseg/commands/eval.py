@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from dualseg.commands import common as c
-from dualseg.console import ArgumentParser, argparse_kwargs, track
+from dualseg.console import ArgumentParser, argparse_kwargs, progress_mode, track
 from dualseg.data import read_label
 from dualseg.data.collate import SameSizeCollate
 from dualseg.data.contract import count_seen
@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             read_label(label_path, dataset.meta, label_format=dataset.label_format)
         folder, palette = Path(args.save_predictions), dataset.meta.palette
         hook = PredictionWriter(dataset.samples, folder, palette, args.batch_size)
-    mode = c.mode_of(args)
+    mode = progress_mode(args.quiet)
     try:
         metrics = evaluate(
             model, loader if mode == "bar" else track(loader, desc="eval", unit="batch", mode=mode),

@@ -16,16 +16,10 @@ from dualseg.export.runners import import_extra
 from dualseg.refine import BoundaryRefiner
 
 MAX_SIDE = 8192  # the largest --size side: past it, tracing one image outgrows the memory
-# options only some formats read: given to another, they would be dropped silently
-FORMAT_OPTIONS = {
-    "--dynamic": ("dynamic", ("onnx", "torchscript")),
-    "--output": ("output", ("onnx", "torchscript")),
-    "--size": ("size", ("onnx", "torchscript")),
-    "--no-verify": ("no_verify", ("onnx", "torchscript")),
-    "--tolerance": ("tolerance", ("onnx", "torchscript")),
-    "--opset": ("opset", ("onnx",)),
-    "--exporter": ("exporter", ("onnx",)),
-}
+# options a format does not read: given to it, they would be dropped silently
+ONNX_ONLY = ("--opset", "--exporter")
+TRACED = ("--dynamic", "--output", "--size", "--no-verify", "--tolerance")
+UNREAD = {"torchscript": ONNX_ONLY, "pretrained": TRACED + ONNX_ONLY}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,12 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Path]:
     """Refuse an option its format does not read, then the outputs; the files to write."""
-    for flag, (dest, formats) in FORMAT_OPTIONS.items():
-        if args.format not in formats and getattr(args, dest) != parser.get_default(dest):
-            raise ConfigError(
-                f"{flag} does not apply to --format {args.format} (only to "
-                f"{' / '.join(formats)}): drop it"
-            )
+    for flag in UNREAD.get(args.format, ()):
+        dest = flag[2:].replace("-", "_")
+        if getattr(args, dest) != parser.get_default(dest):
+            raise ConfigError(f"{flag} does not apply to --format {args.format}: drop it")
     if args.refiner and args.output != "logits":
         raise ConfigError(f"--output {args.output} applies to a --checkpoint export: drop it")
     source, refiner = args.checkpoint or args.refiner, bool(args.refiner)

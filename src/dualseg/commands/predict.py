@@ -1,10 +1,5 @@
-"""``dualseg predict``: segment image files, folders or globs with a trained model.
-
-For each input image ``<name>`` it writes, at the image's resolution, ``OUT/labels/<name>.png``
-(class indices), ``OUT/color/<name>.png``, ``OUT/overlay/<name>.png`` and, with ``--probs``,
-``OUT/probs/<name>.npz``. Outputs are checked before the model loads and written atomically;
-an existing one is refused unless ``--overwrite`` (never an input image or a dataset file).
-"""
+"""``dualseg predict``: segment images into ``OUT/labels/``, ``color/``, ``overlay/`` (and
+``probs/``) at their own resolution; outputs are checked before the model loads."""
 
 from __future__ import annotations
 
@@ -14,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dualseg.commands import common as c
-from dualseg.console import ArgumentParser, Progress, argparse_kwargs
+from dualseg.console import ArgumentParser, Progress, argparse_kwargs, progress_mode
 from dualseg.engine.outputs import (
     OUTPUT_FOLDERS,
     check_image_outputs,
@@ -85,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     depth = seg.bit_depth if args.bit_depth is None else args.bit_depth  # as in training
     infer = {} if args.onnx else asdict(opts)
     failures: list[str] = []
-    bar = Progress(total=len(images), desc="predict", unit="img", mode=c.mode_of(args))
+    bar = Progress(total=len(images), desc="predict", unit="img", mode=progress_mode(args.quiet))
     chunk = args.batch_size * 4  # a few batches read at a time: equal sizes share a pass
     for start in range(0, len(images), chunk):
         part = []

@@ -7,7 +7,7 @@ import sys
 
 from dualseg.augment_defaults import check_augment_settings
 from dualseg.commands import common as c
-from dualseg.console import ArgumentParser, argparse_kwargs
+from dualseg.console import ArgumentParser, argparse_kwargs, progress_mode
 from dualseg.data.transforms import SCALE_RANGE
 from dualseg.engine.outputs import check_image_outputs, collect_images
 from dualseg.export.runtime import load_refiner
@@ -155,7 +155,7 @@ def fit_main(args: argparse.Namespace) -> int:
         crop_size=args.crop_size, scale_range=args.scale_range, init_backbone=args.init_backbone,
         weights=args.weights, device=device, amp=c.cuda_amp(args, device), workers=args.workers,
         checkpoint=checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
-        overwrite=args.overwrite, progress="off" if args.no_progress else c.mode_of(args),
+        overwrite=args.overwrite, progress="off" if args.no_progress else progress_mode(args.quiet),
         log_every=args.log_every, calibrate_metric=args.calibrate_metric,
         time_budget_s=None if args.time_budget is None else 60 * args.time_budget,
     )  # fmt: skip
@@ -192,7 +192,7 @@ def apply_main(args: argparse.Namespace) -> int:
             print(f"dualseg refine apply: {line}", file=sys.stderr)
     done = apply_run.apply_images(refiner, base, images, out, device=device, opts=opts,
                                   amp=args.amp, alpha=args.alpha, overwrite=args.overwrite,
-                                  progress=c.mode_of(args))  # fmt: skip
+                                  progress=progress_mode(args.quiet))  # fmt: skip
     frac = 100 * done.changed / done.pixels if done.pixels else 0.0
     print(f"refined {len(images) - len(done.failures)} image(s): {done.changed} pixels changed "
           f"({frac:.3f}%) -> {out}")  # fmt: skip

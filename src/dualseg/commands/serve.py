@@ -69,28 +69,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """One line for each value no server can run with."""
-    limits = (args.max_megapixels, args.max_upload_mb, args.work_megapixels)
-    if not all(math.isfinite(v) for v in limits):
-        raise ConfigError(
-            "--max-megapixels, --max-upload-mb and --work-megapixels must be finite numbers, "
-            f"got {limits[0]}, {limits[1]}, {limits[2]}"
-        )
-    if args.max_megapixels < MIN_MEGAPIXELS or args.max_upload_mb < MIN_UPLOAD_MB:
-        raise ConfigError(
-            f"--max-megapixels must be >= {MIN_MEGAPIXELS:g} and --max-upload-mb >= "
-            f"{MIN_UPLOAD_MB:g}, got {args.max_megapixels:g} and {args.max_upload_mb:g}"
-        )
-    if args.work_megapixels != 0 and not args.work_megapixels >= MIN_MEGAPIXELS:
-        raise ConfigError(
-            f"--work-megapixels must be 0 (full size) or >= {MIN_MEGAPIXELS:g} (about 32x32), "
-            f"got {args.work_megapixels:g}"
-        )
-    if args.workers < 1 or args.queue_size < 0:
-        raise ConfigError(
-            f"--workers must be >= 1 and --queue-size >= 0, got {args.workers}, {args.queue_size}"
-        )
-    if not 0 < args.port < 65536:
-        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    mp, mb, work = args.max_megapixels, args.max_upload_mb, args.work_megapixels
+    rules = (
+        (all(map(math.isfinite, (mp, mb, work))), "--max-megapixels, --max-upload-mb and "
+         f"--work-megapixels must be finite numbers, got {mp}, {mb}, {work}"),
+        (mp >= MIN_MEGAPIXELS and mb >= MIN_UPLOAD_MB, f"--max-megapixels must be >= "
+         f"{MIN_MEGAPIXELS:g} and --max-upload-mb >= {MIN_UPLOAD_MB:g}, got {mp:g} and {mb:g}"),
+        (work == 0 or work >= MIN_MEGAPIXELS, "--work-megapixels must be 0 (full size) or >= "
+         f"{MIN_MEGAPIXELS:g} (about 32x32), got {work:g}"),
+        (args.workers >= 1 and args.queue_size >= 0, "--workers must be >= 1 and --queue-size "
+         f">= 0, got {args.workers}, {args.queue_size}"),
+        (0 < args.port < 65536, f"--port must be in 1..65535, got {args.port}"),
+    )  # fmt: skip
+    for ok, message in rules:
+        if not ok:
+            raise ConfigError(message)
 
 
 def _load(args: argparse.Namespace, options: Any) -> tuple[Any, Any, str]:
