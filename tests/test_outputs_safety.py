@@ -236,7 +236,7 @@ def test_data_check_json_never_replaces_a_dataset_file(setup, tmp_path, capsys) 
 def test_output_names_never_take_another_files_name(tmp_path):
     """x.jpg and x.png share the name x; the suffix given to the second must not be x_1 when
     x_1.png is an input too, nor may two names differ only in case."""
-    from dualseg.commands.common import unique_names
+    from dualseg.engine.outputs import unique_names
 
     files = [tmp_path / n for n in ("x.jpg", "x.png", "x_1.png", "X.bmp", "x.jpg")]
     names = [name for _, name in unique_names([(p, p.stem) for p in files])]

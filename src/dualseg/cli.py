@@ -29,47 +29,44 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("dualseg.commands.export", "export a checkpoint to ONNX or TorchScript"),
     "serve": ("dualseg.commands.serve", "local web page and JSON API for segmentation"),
 }
-# error lines name the subcommand too, as argparse's do
-SUBCOMMANDS: dict[str, tuple[str, ...]] = {"data": ("check",), "refine": ("fit", "apply")}
-
-
+SUBCOMMANDS = {"data": ("check",), "refine": ("fit", "apply")}  # named in error lines too
 # the data layer's messages name most commands' flags; train's are config fields
-_TRAIN_FLAGS = {
+TRAIN_FLAGS = {
     "--label-format": "--data.label_format",
     "--label-map": "--data.label_map",
     "--ignore-index": "--data.ignore_index",
     "--layout": "--data.layout",
     "--preset": "--data.preset",
 }
-_TRAIN_FLAG_RE = re.compile("(" + "|".join(map(re.escape, _TRAIN_FLAGS)) + r")\b(?![.-])")
+TRAIN_FLAG_RE = re.compile("(" + "|".join(map(re.escape, TRAIN_FLAGS)) + r")\b(?![.-])")
+# what makes each command's memory smaller, for the out-of-memory line
+OUT_OF_MEMORY_FIXES = {
+    "train": "a smaller --data.batch_size or --data.crop_size",
+    "eval": "--mode slide --window 512 512 for large images, or --batch-size 1",
+    "predict": "--mode slide --window 512 512 for large images, or a smaller --batch-size",
+    "refine fit": "a smaller --batch-size or --crop-size",
+    "refine apply": "--mode slide --window 512 512 for large images",
+    "serve": "a lower --work-megapixels or --max-megapixels",
+}
 
 
-def error_line(command: str, err: BaseException) -> str:
-    text = user_message(err)
-    if command == "train":
-        text = _TRAIN_FLAG_RE.sub(lambda m: _TRAIN_FLAGS[m[1]], text)
-    return f"dualseg {command}: error: {text}"
-
-
-def _usage() -> str:
+def usage() -> str:
     width = max(len(n) for n in COMMANDS)
-    lines = [
+    return "\n".join([
         "usage: dualseg COMMAND [options]   (dualseg COMMAND --help for a command's options)",
         "",
         "dualseg: dual-branch semantic segmentation and boundary re-optimization.",
         "",
         "commands:",
-    ]
-    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    return "\n".join(lines)
+        *(f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()),
+    ])  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in {"-h", "--help", "help", "--version"}:
-        text = f"dualseg {__version__}" if argv and argv[0] == "--version" else _usage()
         try:
-            print(text, flush=True)
+            print(f"dualseg {__version__}" if argv[:1] == ["--version"] else usage(), flush=True)
         except BrokenPipeError:  # dualseg --help | head -1
             if _stdout_closed():
                 return 141
@@ -79,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"dualseg: error: unknown command {name!r}; see 'dualseg --help'", file=sys.stderr)
         return 1
+    module = COMMANDS[name][0]
     if rest and rest[0] in SUBCOMMANDS.get(name, ()):
         name = f"{name} {rest[0]}"
     try:
         with terminated_as_exception():
             # imported here: a Ctrl-C while torch loads is one line too
-            module = importlib.import_module(COMMANDS[name.split()[0]][0])
-            code = int(module.main(rest) or 0)
+            code = int(importlib.import_module(module).main(rest) or 0)
         sys.stdout.flush()  # a reader gone before the last buffered line: caught below too
         return code
     except KeyboardInterrupt:
@@ -100,58 +97,33 @@ def main(argv: list[str] | None = None) -> int:
         line = failure_line(name, err)
         if line is None:  # not the user's input nor the machine: a bug to see whole
             raise
-        print(line, file=sys.stderr)
+        print(f"dualseg {name}: error: {line}", file=sys.stderr)
         return 1
 
 
 def failure_line(name: str, err: BaseException) -> str | None:
-    """The one line for a user error or the machine's limit (disk, memory), else None."""
+    """What went wrong, for a user error or the machine's limit (disk, memory), else None."""
     if isinstance(err, DualsegError):
-        return error_line(name, err)
+        text = user_message(err)
+        return TRAIN_FLAG_RE.sub(lambda m: TRAIN_FLAGS[m[1]], text) if name == "train" else text
     text = " ".join(str(err).split())
-    if isinstance(err, MemoryError):  # numpy's allocations
-        return out_of_memory_line(name, "")
-    if isinstance(err, RuntimeError) and _is_out_of_memory(err):
-        return out_of_memory_line(name, text)
-    if isinstance(err, RuntimeError) and "PytorchStreamWriter failed" in text:  # torch.save's
-        return (
-            f"dualseg {name}: error: writing a torch file failed ({text}); check the free "
-            "space and the permissions of the output folder"
-        )
-    if isinstance(err, OSError) and (err.filename is not None or err.errno is not None):
-        where = f"{err.filename}: " if err.filename is not None else ""
-        return (
-            f"dualseg {name}: error: {where}{err.strerror or type(err).__name__}; check the "
-            "path, its permissions and the free space"
-        )
-    return None
-
-
-# what makes each command's memory smaller, for the out-of-memory line
-OUT_OF_MEMORY_FIXES = {
-    "train": "a smaller --data.batch_size or --data.crop_size",
-    "eval": "--mode slide --window 512 512 for large images, or --batch-size 1",
-    "predict": "--mode slide --window 512 512 for large images, or a smaller --batch-size",
-    "refine fit": "a smaller --batch-size or --crop-size",
-    "refine apply": "--mode slide --window 512 512 for large images",
-    "serve": "a lower --work-megapixels or --max-megapixels",
-}
-
-
-def _is_out_of_memory(err: RuntimeError) -> bool:
-    text = str(err)  # torch's CPU allocator, or CUDA's torch.OutOfMemoryError
-    return (
-        type(err).__name__ == "OutOfMemoryError"
+    memory = isinstance(err, RuntimeError) and (
+        type(err).__name__ == "OutOfMemoryError"  # CUDA's; torch's CPU allocator says:
         or "can't allocate memory" in text
         or "out of memory" in text.lower()
     )
-
-
-def out_of_memory_line(name: str, text: str) -> str:
-    asked = re.search(r"allocate (\d+) bytes", text)
-    size = f" (it asked for {int(asked.group(1)) / 2**30:.1f} GiB more)" if asked else ""
-    fix = OUT_OF_MEMORY_FIXES.get(name, "smaller inputs")
-    return f"dualseg {name}: error: out of memory{size}; use {fix}, or a machine with more memory"
+    if memory or isinstance(err, MemoryError):  # MemoryError: numpy's allocations
+        asked = re.search(r"allocate (\d+) bytes", text)
+        size = f" (it asked for {int(asked[1]) / 2**30:.1f} GiB more)" if asked else ""
+        fix = OUT_OF_MEMORY_FIXES.get(name, "smaller inputs")
+        return f"out of memory{size}; use {fix}, or a machine with more memory"
+    if isinstance(err, RuntimeError) and "PytorchStreamWriter failed" in text:  # torch.save's
+        return f"writing a torch file failed ({text}); check the free space and permissions"
+    if isinstance(err, OSError) and (err.filename is not None or err.errno is not None):
+        where = f"{err.filename}: " if err.filename is not None else ""
+        problem = err.strerror or type(err).__name__
+        return f"{where}{problem}; check the path, its permissions and the free space"
+    return None
 
 
 @contextlib.contextmanager
@@ -184,8 +156,7 @@ def _stdout_closed() -> bool:
         fd = sys.stdout.fileno()
         poll = select.poll()  # the write end of a pipe without reader: POLLERR (Linux)
         poll.register(fd, select.POLLOUT)
-        gone = select.POLLERR | select.POLLHUP
-        if not any(events & gone for _, events in poll.poll(0)):
+        if not any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0)):
             return False
     except (OSError, ValueError, AttributeError):  # stdout replaced (tests), closed, or no poll
         return False

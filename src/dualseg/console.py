@@ -38,10 +38,9 @@ class Progress:
         self.desc, self.total, self.unit, self.mode = desc, total, unit, mode
         self.every_s, self.stream, self.done = every_s, stream, 0
         self._start = self._last = time.monotonic()
-        bar = mode == "bar"
-        self._bar = (
-            tqdm(total=total, desc=desc, unit=unit, leave=False, file=stream) if bar else None
-        )
+        self._bar = None
+        if mode == "bar":
+            self._bar = tqdm(total=total, desc=desc, unit=unit, leave=False, file=stream)
 
     def update(self, n: int = 1) -> None:
         self.done += n

@@ -311,7 +311,7 @@ def test_a_crop_larger_than_any_image_side_is_refused_before_writing(files, caps
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        (["--val-split", "train"], "--val-split 'train' is the training split"),
+        (["--val-split", "train"], "--val-split does not apply to the synthetic data"),
         (["--seed", "-1"], "--seed must be in"),
         (["--threads", "-3"], "--threads must be >= 0"),
         (["--threads", "100000"], "--threads must be at most 1024"),  # OpenMP fails otherwise

@@ -277,7 +277,11 @@ def test_demo_predictions_of_images_sharing_a_name_are_all_kept(tmp_path) -> Non
     [
         (("--data", "DATA", "--n-train", "8"), "--n-train does not apply to --data"),
         (("--preset", "camvid"), "--preset does not apply to the synthetic data"),
-        (("--val-split", "test"), "the synthetic data has the splits train and val only"),
+        (("--val-split", "test"), "--val-split does not apply to the synthetic data"),
+        (
+            ("--data", "DATA", "--preset", "synthetic", "--val-split", "train"),
+            "is the same images as split 'train'",
+        ),
     ],
 )
 def test_demo_refuses_options_its_data_source_would_drop(tmp_path, capsys, extra, said) -> None:

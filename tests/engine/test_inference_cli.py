@@ -328,23 +328,6 @@ def test_where_the_refiner_relabels_nothing_the_scored_base_labels_are_kept() ->
     assert m["refine"]["changed"] == 0
 
 
-def test_eval_warns_when_the_refiner_was_calibrated_on_the_evaluated_split(
-    ckpt, synthetic, tmp_path, capsys
-) -> None:
-    from dualseg.refine import BoundaryRefiner
-
-    refiner = BoundaryRefiner.load(_tiny_refiner(tmp_path / "r.pt"))
-    refiner.calibration = {"split": "val", "images": 2, "metric": "miou", "rows": []}
-    path = refiner.save(tmp_path / "calibrated.pt")
-    argv = ["eval", "-c", str(ckpt), "--data", str(synthetic), "--refiner", str(path), "--quiet"]
-    assert cli_main([*argv, "--out", str(tmp_path / "ev")]) == 0
-    val = sorted(Path(p) for p, _ in build_dataset(synthetic, split="val").samples)
-    # a refiner stored before the image digests: known by its split's name alone
-    assert f"(--calibrate-split val) on {len(val)} of the {len(val)} images" in (
-        capsys.readouterr().err
-    )
-
-
 def test_eval_finds_the_calibration_images_by_content_under_any_split_name(
     ckpt, synthetic, tmp_path, capsys
 ) -> None:

@@ -1,6 +1,5 @@
-"""``dualseg demo``: synthetic scenes (or ``--data``) -> :func:`dualseg.engine.fit` ->
-``evaluate`` beside two image-blind baselines -> method B before/after -> predictions, panel,
-curves and ``metrics.json`` in ``--out`` (its folder protocol: :mod:`dualseg.engine.showcase`)."""
+"""``dualseg demo``: synthetic scenes (or ``--data``) -> train -> scores beside two image-blind
+baselines -> method B before/after; figures and ``metrics.json`` in ``--out``."""
 
 from __future__ import annotations
 
@@ -10,17 +9,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader, Subset
 
 import dualseg.engine as engine
 from dualseg.augment_defaults import seed_error
-from dualseg.commands.common import add_quiet_arg, cuda_amp
+from dualseg.commands.common import add_quiet_arg, apply_runtime, cuda_amp
 from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.data import build_dataset, build_eval_transform
 from dualseg.engine import options, showcase
 from dualseg.engine.baselines import baseline_models
-from dualseg.engine.predict import load_model, resolve_device
+from dualseg.engine.predict import load_model
 from dualseg.errors import ConfigError, Terminated
 from dualseg.io import atomic_write_json
 from dualseg.metrics import to_jsonable
@@ -32,9 +30,7 @@ FLAGS: tuple[tuple[str, type, Any, int | None, str], ...] = (
     ("--out", str, "runs/demo", None, "output folder; a re-run replaces the demo's own output"),
     ("--data", str, None, None, "a real dataset root instead of synthetic data"),
     ("--preset", str, None, None, "classes of --data (camvid, voc, cityscapes, ade20k)"),
-    ("--layout", str, "auto", None, "layout of --data"),
-    ("--train-split", str, "train", None, "split to train on"),
-    ("--val-split", str, "val", None, "held-out split to score"),
+    ("--val-split", str, "val", None, "held-out split to score (the model trains on train)"),
     ("--n-train", int, 400, 1, "synthetic training images"),
     ("--n-val", int, 20, 1, "synthetic held-out images"),
     ("--iters", int, 250, 1, "training iterations"),
@@ -42,13 +38,11 @@ FLAGS: tuple[tuple[str, type, Any, int | None, str], ...] = (
     ("--lr", float, 0.02, None, "initial learning rate"),
     ("--arch", str, "dualseg_mobilenet_v2", None, "model name"),
     ("--weights", str, "imagenet", None, "imagenet (offline, when installed), none, or a file"),
-    ("--output-stride", int, 8, None, "backbone output stride (16 is about 3x cheaper)"),
     ("--renet-hidden", int, 64, None, "GRU units per direction"),
     ("--renet-layers", int, 2, None, "recurrent modules per branch, 0-2"),
     ("--val-every", int, 0, None, "validate every K iterations for the curves (0: only after)"),
     ("--workers", int, 0, 0, "DataLoader workers"),
     ("--device", str, "auto", None, "auto | cpu | cuda"),
-    ("--head-lr-mult", float, 10.0, None, "head LR multiplier"),
     ("--threads", int, 1, 0, "torch CPU threads (0: torch's default, one per core)"),
     ("--seed", int, 0, None, "seed of data, init and training"),
     ("--n-show", int, 4, 0, "held-out images in the panel (0: no panel)"),
@@ -58,22 +52,17 @@ FLAGS: tuple[tuple[str, type, Any, int | None, str], ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    example = "dualseg demo --data ../shared/data/camvid --preset camvid --iters 500 --out runs/cv"
     p = ArgumentParser(
         prog="dualseg demo",
-        description="Train, evaluate and visualize a small dual-branch network on a built-in "
-        "synthetic street dataset (offline, a few CPU minutes), or on --data PATH.",
-        **argparse_kwargs("dualseg demo", example),
+        description="Train, score and show a small dual-branch network on synthetic scenes.",
+        **argparse_kwargs("dualseg demo", "dualseg demo --data data/camvid --preset camvid"),
     )
     for flag, kind, default, _, text in FLAGS:
         p.add_argument(flag, type=kind, default=default, help=f"{text} ({default})")
     p.add_argument("--size", type=int, nargs=2, default=(96, 128), metavar=("H", "W"),
                    help="synthetic image size and training crop size (96 128)")  # fmt: skip
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace what --out holds even when the demo did not write it")  # fmt: skip
-    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=None,
-                   help="training follows train.amp auto unless --no-amp; --amp also "
-                   "evaluates in bf16 on CUDA")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true", help="replace what --out holds, any run")
+    p.add_argument("--amp", action=argparse.BooleanOptionalAction, help="bf16 (--no-amp: fp32)")
     p.add_argument("--no-refine", action="store_true", help="skip method B")
     add_quiet_arg(p)
     return p
@@ -90,30 +79,17 @@ def check_args(args: argparse.Namespace) -> None:
     if (problem := seed_error(args.seed, "--seed")) is not None:
         raise ConfigError(problem)
     source = "--data (its own images)" if args.data else "the synthetic data"
-    drop = ("--n-train", "--n-val") if args.data else ("--preset", "--layout")
+    drop = ("--n-train", "--n-val") if args.data else ("--preset", "--val-split")
     unused = dict.fromkeys(drop, f"does not apply to {source}")
     if not args.arch.startswith("dualseg_"):  # a peer has no ReNet
         peer = f"applies to method A (dualseg_*), not to --arch {args.arch}"
         unused |= dict.fromkeys(("--renet-hidden", "--renet-layers"), peer)
-    default = {flag: default for flag, _, default, *_ in FLAGS}
-    for flag, why in unused.items():
-        if value[flag] != default[flag]:
-            raise ConfigError(f"{flag} {why}: drop it")
-    if args.val_split == args.train_split:
-        raise ConfigError(
-            f"--val-split {args.val_split!r} is the training split: the demo would score what it "
-            "trained on; give another split (--val-split val)"
-        )
-    if args.data is None and (args.train_split, args.val_split) != ("train", "val"):
-        raise ConfigError(
-            "the synthetic data has the splits train and val only: drop --train-split / "
-            "--val-split, or pass --data with the splits you name"
-        )
+    for flag, _, default, *_ in FLAGS:
+        if flag in unused and value[flag] != default:
+            raise ConfigError(f"{flag} {unused[flag]}: drop it")
     if args.data is None and args.n_train < args.batch_size:
-        raise ConfigError(
-            f"--batch-size {args.batch_size} needs at least as many training images, but "
-            f"--n-train {args.n_train} draws fewer; lower --batch-size or raise --n-train"
-        )
+        raise ConfigError(f"--batch-size {args.batch_size} needs as many training images, but "
+                          f"--n-train {args.n_train} draws fewer: lower one")  # fmt: skip
     named = argparse.Namespace(name=args.preset or "synthetic")
     options.validate(_train_config(args, Path(args.out) / "data", named, None))
 
@@ -123,23 +99,19 @@ def _train_config(args, root: Path, meta: Any, weights: str | None) -> options.C
     return options.Config(
         data=options.DataConfig(
             root=str(root), preset=meta.name if synthetic or args.preset else None,
-            layout="auto" if synthetic else args.layout, train_split=args.train_split,
             val_split=args.val_split if args.val_every else None,  # the demo scores after
-            crop_size=tuple(args.size),
+            crop_size=tuple(args.size), batch_size=args.batch_size, num_workers=args.workers,
             # the generator varies layout, colour and texture at the working size: flips only
-            scale_range=(1.0, 1.0) if synthetic else (0.5, 2.0),
-            blur_prob=0.0 if synthetic else options.DataConfig.blur_prob,
-            jitter=0.0 if synthetic else options.DataConfig.jitter,
-            batch_size=args.batch_size, val_batch_size=4 if synthetic else 1,
-            num_workers=args.workers,
+            **(dict(scale_range=(1.0, 1.0), blur_prob=0.0, jitter=0.0, val_batch_size=4)
+               if synthetic else {"val_batch_size": 1}),
         ),
         model=options.ModelConfig(
-            arch=args.arch, weights=weights, output_stride=args.output_stride,
+            arch=args.arch, weights=weights, output_stride=8,
             renet_hidden=args.renet_hidden if dual else None,
             renet_layers=args.renet_layers if dual else None,
         ),
         optim=options.OptimConfig(
-            lr=args.lr, warmup_iters=min(20, args.iters // 10), head_lr_mult=args.head_lr_mult
+            lr=args.lr, warmup_iters=min(20, args.iters // 10), head_lr_mult=10.0
         ),
         train=options.TrainConfig(
             out_dir=str(args.out), max_iters=args.iters, val_every=args.val_every,
@@ -150,90 +122,74 @@ def _train_config(args, root: Path, meta: Any, weights: str | None) -> options.C
     )  # fmt: skip
 
 
-def _fit_refiner(args, cfg, train_set: Any, model: Any, device) -> tuple[Any, dict]:
-    """Method B, its embedding initialized from the trained model's backbone."""
-    augmented = build_dataset(
-        cfg.data.root, split=args.train_split, layout=cfg.data.layout, preset=train_set.meta,
-        transform=options.train_transform(cfg.data), seed=args.seed,
-    )  # fmt: skip
-    config = RefinerConfig(
-        backbone=backbone_of(args.arch), output_stride=args.output_stride,
-        input_scale=1.0,  # the demo's scenes are small: embedded at full size
-        steps=args.refine_steps, batch_size=args.batch_size, seed=args.seed,
-    )  # fmt: skip
-    t0 = time.perf_counter()
-    refiner = BoundaryRefiner.fit(
-        augmented, class_names=train_set.meta.class_names, config=config, weights=None,
-        prototype_dataset=Subset(train_set, range(min(args.refine_prototypes, len(train_set)))),
-        init_from=model, device=device, progress=False,
-    )  # fmt: skip
-    refiner.save(path := Path(args.out) / "refiner.pt")
-    seconds = time.perf_counter() - t0
-    return refiner, {"refiner": str(path), "fit_seconds": seconds, "steps": args.refine_steps}
-
-
-def _score(args, cfg, root: Path, meta: Any, ckpt: Path, device) -> dict[str, Any]:
-    """Method B fitted, then the model (and refiner) and the baselines scored on the held-out
-    split, drawing the figures on the way."""
+def _score(args, cfg, root: Path, meta: Any, ckpt: Path, device, seconds: dict) -> dict:
+    """Method B fitted, then it, the model and the baselines scored; the figures drawn."""
     read = dict(layout=cfg.data.layout, preset=meta, label_format=cfg.data.label_format)
-    train_set = build_dataset(root, split=args.train_split, **read)
+    train_set = build_dataset(root, split="train", **read)
     val_set = build_dataset(root, split=args.val_split, transform=build_eval_transform(), **read)
-    batch = cfg.data.val_batch_size
-    loader = DataLoader(val_set, batch_size=batch, num_workers=args.workers)
+    loader = DataLoader(val_set, batch_size=cfg.data.val_batch_size, num_workers=args.workers)
     common = dict(num_classes=meta.num_classes, device=device, amp=cuda_amp(args, device))
     model = load_model(ckpt, device=device).model
     refiner, refinement = None, None
     if not args.no_refine:
-        refiner, refinement = _fit_refiner(args, cfg, train_set, model, device)
-    t0 = time.perf_counter()
-    visuals = showcase.VisualWriter(val_set, Path(args.out), args.n_show, batch)
+        start = time.perf_counter()
+        config = RefinerConfig(
+            backbone=backbone_of(args.arch), output_stride=8,
+            input_scale=1.0,  # the demo's scenes are small: embedded at full size
+            steps=args.refine_steps, batch_size=args.batch_size, seed=args.seed,
+        )  # fmt: skip
+        augmented = build_dataset(root, split="train", **read, seed=args.seed,
+                                  transform=options.train_transform(cfg.data))  # fmt: skip
+        refiner = BoundaryRefiner.fit(
+            augmented, class_names=meta.class_names, config=config, weights=None,
+            prototype_dataset=Subset(train_set, range(min(args.refine_prototypes, len(train_set)))),
+            init_from=model, device=device, progress=False,
+        )  # fmt: skip
+        refiner.save(path := Path(args.out) / "refiner.pt")
+        refinement = {"refiner": str(path), "fit_seconds": time.perf_counter() - start,
+                      "steps": args.refine_steps}  # fmt: skip
+    start = time.perf_counter()
+    visuals = showcase.VisualWriter(val_set, Path(args.out), args.n_show, loader.batch_size)
     result = engine.evaluate(model, loader, refiner=refiner, on_batch=visuals, **common)
-    seconds = time.perf_counter() - t0
+    seconds["eval"] = time.perf_counter() - start
     metrics = {k: v for k, v in result.items() if k not in ("refined", "refine")}
     if refinement is not None:
-        refinement = {"base": metrics, **refinement, "refined": result["refined"],
-                      "refine": result["refine"]}  # fmt: skip
+        refinement |= {"base": metrics, "refined": result["refined"], "refine": result["refine"]}
     labels = [label for _, label in train_set.samples]
     priors = baseline_models(labels, meta, label_format=cfg.data.label_format)
     baselines = {n: engine.evaluate(m.to(device), loader, **common) for n, m in priors.items()}
     dataset = {"root": str(root), "name": meta.name, "class_names": list(meta.class_names),
                "train_images": len(train_set), "val_images": len(val_set)}  # fmt: skip
-    figures = visuals.finish()
-    return {"dataset": dataset, "metrics": metrics, "baselines": baselines,
-            "refinement": refinement, "figures": figures, "eval_seconds": seconds}  # fmt: skip
+    weights = cfg.model.weights or "random init"
+    return {
+        "out": str(Path(args.out)), "dataset": dataset,
+        "model": {"arch": args.arch, "weights": weights, "checkpoint": ckpt},
+        "train": {"iters": args.iters, "batch_size": args.batch_size, "lr": args.lr},
+        "metrics": metrics, "baselines": baselines, "refinement": refinement,
+        "figures": visuals.finish(), "seconds": seconds,
+    }  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the demo as the command line describes; returns what ``metrics.json`` holds."""
     start, out = time.perf_counter(), Path(args.out)
     check_args(args)  # before the folder is looked at or touched
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
     weights = showcase.demo_weights(args.arch, args.weights)
-    device = resolve_device(args.device)
-    folder = showcase.demo_folder(
-        out, args.data, overwrite=args.overwrite, preset=args.preset, layout=args.layout,
-        train_split=args.train_split, val_split=args.val_split, n_train=args.n_train,
+    device = apply_runtime(args)  # --threads, --device
+    with showcase.demo_folder(  # checked, then held and marked as the demo's
+        out, args.data, overwrite=args.overwrite, preset=args.preset, layout="auto",
+        train_split="train", val_split=args.val_split, n_train=args.n_train,
         n_val=args.n_val, size=tuple(args.size), seed=args.seed,
-    )  # fmt: skip
-    with folder as (root, meta):  # checked, then held and marked as the demo's
-        t_data = time.perf_counter() - start
+    ) as (root, meta):  # fmt: skip
+        seconds = {"data": time.perf_counter() - start}
         cfg = _train_config(args, root, meta, weights)
-        t0 = time.perf_counter()
         result = engine.fit(cfg, overwrite=True)
         if result["stop_reason"] == "interrupted":  # fit saved and returned: the demo stops
             raise Terminated if result.get("signal") == signal.SIGTERM else KeyboardInterrupt
-        t_train, ckpt = time.perf_counter() - t0, Path(result["best"] or result["last"])
-        scored = _score(args, cfg, root, meta, ckpt, device)
-        seconds = {"data": t_data, "train": t_train, "eval": scored.pop("eval_seconds")}
-        record = {
-            "out": str(out),
-            "dataset": scored.pop("dataset"),
-            "model": {"arch": args.arch, "weights": weights or "random init", "checkpoint": ckpt},
-            "train": {"iters": args.iters, "batch_size": args.batch_size, "lr": args.lr},
-            **scored,
-            "seconds": {**seconds, "total": time.perf_counter() - start},
-        }
+        seconds["train"] = time.perf_counter() - start - seconds["data"]
+        ckpt = Path(result["best"] or result["last"])
+        record = _score(args, cfg, root, meta, ckpt, device, seconds)
+        seconds["total"] = time.perf_counter() - start
         atomic_write_json(out / "metrics.json", to_jsonable(record))
         print(showcase.demo_summary(record))
         return record

@@ -1,5 +1,5 @@
-"""``dualseg export``: a checkpoint (method A) or a refiner (method B) to ONNX / TorchScript,
-or to a pretrained folder. The export is checked against PyTorch before it is written."""
+"""``dualseg export``: a checkpoint or a refiner to ONNX / TorchScript (checked against PyTorch
+before it is written), or to a pretrained folder."""
 
 from __future__ import annotations
 
@@ -16,16 +16,10 @@ from dualseg.export.runners import import_extra
 from dualseg.refine import BoundaryRefiner
 
 MAX_SIDE = 8192  # the largest --size side: past it, tracing one image outgrows the memory
-# options only some formats read: given to another, they would be dropped silently
-FORMAT_OPTIONS = {
-    "--dynamic": ("dynamic", ("onnx", "torchscript")),
-    "--output": ("output", ("onnx", "torchscript")),
-    "--size": ("size", ("onnx", "torchscript")),
-    "--no-verify": ("no_verify", ("onnx", "torchscript")),
-    "--tolerance": ("tolerance", ("onnx", "torchscript")),
-    "--opset": ("opset", ("onnx",)),
-    "--exporter": ("exporter", ("onnx",)),
-}
+# options a format does not read: given to it, they would be dropped silently
+ONNX_ONLY = ("--opset", "--exporter")
+TRACED = ("--dynamic", "--output", "--size", "--no-verify", "--tolerance")
+UNREAD = {"torchscript": ONNX_ONLY, "pretrained": TRACED + ONNX_ONLY}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,85 +33,41 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument(
-        "--checkpoint", "-c", help="a checkpoint (.pt), a pretrained folder or hf://org/name"
-    )
-    src.add_argument(
-        "--refiner",
-        help="a method-B refiner file: exports its embedding model, plus <out stem>.json with "
-        "prototypes and configuration",
-    )
-    p.add_argument(
-        "--format",
-        choices=("onnx", "torchscript", "pretrained"),
-        default="onnx",
-        help="onnx, torchscript, or pretrained: a folder with config.json + model.safetensors "
-        "(refiner.json + refiner.safetensors for --refiner) that dualseg.load_model reads and "
-        "the Hugging Face Hub hosts as is (onnx)",
-    )
-    p.add_argument("--out", "-o", required=True, help="output file (.onnx / .pt) or folder")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace an existing --out (with --refiner, also its <out stem>.json; --format "
-        "pretrained: the files in the --out folder); never the checkpoint or refiner exported",
-    )
-    p.add_argument(
-        "--dynamic", action="store_true", help="dynamic batch, height and width (else batch 1)"
-    )
-    p.add_argument(
-        "--output",
-        choices=("logits", "probs"),
-        default="logits",
-        help="what the exported network returns (logits); --checkpoint exports only",
-    )
-    p.add_argument(
-        "--size",
-        type=int,
-        nargs=2,
-        metavar=("H", "W"),
-        help="the fixed input size of a static export (512 512), the tracing size of a "
-        "dynamic one (64 64)",
-    )
-    p.add_argument("--opset", type=int, help="ONNX opset (17 with legacy, 18 with dynamo)")
-    p.add_argument(
-        "--exporter",
-        choices=("legacy", "dynamo"),
-        default="legacy",
-        help="torch.onnx exporter: legacy (TorchScript-based, handles the GRU sweeps with "
-        "dynamic sizes) or dynamo (static exports only) (legacy)",
-    )
-    p.add_argument("--no-verify", action="store_true", help="skip the PyTorch comparison")
-    p.add_argument(
-        "--tolerance",
-        type=float,
-        default=1e-3,
-        help="largest |exported - pytorch| accepted; above it nothing is written and the "
-        "command fails (1e-3)",
-    )
+    src.add_argument("--checkpoint", "-c", help="checkpoint, pretrained folder or hf://org/name")
+    src.add_argument("--refiner", help="a method-B refiner file: its embedding model, plus "
+                     "<out stem>.json with prototypes and configuration")  # fmt: skip
+    add = p.add_argument
+    add("--format", choices=("onnx", "torchscript", "pretrained"), default="onnx",
+        help="onnx, torchscript, or pretrained: a folder of config.json + model.safetensors "
+        "(refiner.json + refiner.safetensors) that dualseg.load_model reads (onnx)")  # fmt: skip
+    add("--out", "-o", required=True, help="output file (.onnx / .pt) or folder")
+    add("--overwrite", action="store_true", help="replace an existing --out (and its .json, "
+        "or the folder's files); never the checkpoint or refiner exported")  # fmt: skip
+    add("--dynamic", action="store_true", help="dynamic batch, height and width (else batch 1)")
+    add("--output", choices=("logits", "probs"), default="logits",
+        help="what the exported network returns, --checkpoint only (logits)")  # fmt: skip
+    add("--size", type=int, nargs=2, metavar=("H", "W"), help="input size of a static export "
+        "(512 512), tracing size of a dynamic one (64 64)")  # fmt: skip
+    add("--opset", type=int, help="ONNX opset (17 with legacy, 18 with dynamo)")
+    add("--exporter", choices=("legacy", "dynamo"), default="legacy",
+        help="torch.onnx exporter; dynamo: static exports only (legacy)")  # fmt: skip
+    add("--no-verify", action="store_true", help="skip the PyTorch comparison")
+    add("--tolerance", type=float, default=1e-3,
+        help="largest |exported - pytorch| accepted, else nothing is written (1e-3)")  # fmt: skip
     return p
 
 
 def check_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[Path]:
-    """Refuse an option its format does not read, then the outputs
-    (:func:`dualseg.export.outputs.check_outputs`); returns the files to write."""
-    for flag, (dest, formats) in FORMAT_OPTIONS.items():
-        if args.format not in formats and getattr(args, dest) != parser.get_default(dest):
-            raise ConfigError(
-                f"{flag} does not apply to --format {args.format} (only to "
-                f"{' / '.join(formats)}): drop it"
-            )
+    """Refuse an option its format does not read, then the outputs; the files to write."""
+    for flag in UNREAD.get(args.format, ()):
+        dest = flag[2:].replace("-", "_")
+        if getattr(args, dest) != parser.get_default(dest):
+            raise ConfigError(f"{flag} does not apply to --format {args.format}: drop it")
     if args.refiner and args.output != "logits":
-        raise ConfigError(
-            f"--output {args.output} applies to a --checkpoint export (a refiner's export "
-            "returns its embedding): drop it"
-        )
+        raise ConfigError(f"--output {args.output} applies to a --checkpoint export: drop it")
+    source, refiner = args.checkpoint or args.refiner, bool(args.refiner)
     return check_outputs(
-        Path(args.out),
-        source=args.checkpoint or args.refiner,
-        refiner=bool(args.refiner),
-        format=args.format,
-        overwrite=args.overwrite,
+        Path(args.out), source=source, refiner=refiner, format=args.format, overwrite=args.overwrite
     )
 
 
@@ -138,17 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         import_extra("onnx")
         if not args.no_verify:
             import_extra("onnxruntime")
-
         check_onnx_options(args.exporter, args.opset, args.dynamic)
 
-    options = dict(
-        format=args.format,
-        dynamic=args.dynamic,
-        example_size=size,
-        opset=args.opset,
-        exporter=args.exporter,
-        tolerance=None if args.no_verify else args.tolerance,
-    )
+    tolerance = None if args.no_verify else args.tolerance
+    options = dict(format=args.format, dynamic=args.dynamic, example_size=size, opset=args.opset,
+                   exporter=args.exporter, tolerance=tolerance)  # fmt: skip
     if args.checkpoint:
         diff = library.export_checkpoint(args.checkpoint, args.out, output=args.output, **options)
     else:
@@ -160,11 +104,8 @@ def main(argv: list[str] | None = None) -> int:
     if diff is not None:
         print(f"max |exported - pytorch| on a {size[0]}x{size[1]} input: {diff:.2e}")
     if not args.dynamic:  # the one size where it matches: everything else is resized
-        print(
-            f"note: a static export runs every image at {size[0]}x{size[1]} (resized there and "
-            "back), so at other sizes its labels differ from the checkpoint's; --dynamic runs "
-            "each image at its own size"
-        )
+        print(f"note: a static export runs every image at {size[0]}x{size[1]} (resized there "
+              "and back); --dynamic runs each image at its own size")  # fmt: skip
     return 0
 
 

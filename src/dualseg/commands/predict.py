@@ -1,52 +1,15 @@
-"""``dualseg predict``: segment image files, folders or globs with a trained checkpoint.
-
-For each input image ``<name>`` it writes, at the image's original resolution::
-
-    OUT/labels/<name>.png    class index per pixel (8-bit grayscale PNG)
-    OUT/color/<name>.png     the label map in the dataset palette
-    OUT/overlay/<name>.png   the colours blended over the image
-    OUT/probs/<name>.npz     with --probs: class probabilities (see PROBS_KEYS)
-
-``--mode slide --window H W --stride H W`` segments large images tile by tile, ``--tta-scales``
-/ ``--tta-flip`` average test-time augmentations (:mod:`dualseg.engine.inference`); with
-``--probs`` the saved probabilities are the averaged ones.
-
-``<name>`` is the file stem; images found inside a folder keep their path relative to it (so
-``a/x.png`` and ``b/x.png`` do not collide; other repeats get ``_1``, ``_2`` ...). Files under
-``OUT``'s own folders (``labels/``, ``color/`` ...) are never inputs, so a second run does not
-segment the first one's outputs, nor are those of an earlier output found inside an input
-folder (said in a note); a note also says when ``OUT`` holds outputs of other images. Every
-file is written atomically; ``OUT`` is checked before the model is loaded: an unwritable
-place, and an output file that already exists, are refused (``--overwrite`` replaces the
-latter, but never an input image or a ``--data`` dataset file). ``--data ROOT`` names the
-dataset the images come from: a model whose classes differ from the ones ROOT describes
-(``meta.json``, ``--preset``) is refused with both lists.
-"""
+"""``dualseg predict``: segment images into ``OUT/labels/``, ``color/``, ``overlay/`` (and
+``probs/``) at their own resolution; outputs are checked before the model loads."""
 
 from __future__ import annotations
 
 import argparse
-import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from dualseg.commands.common import (
-    add_dataset_check_options,
-    add_inference_arguments,
-    add_overwrite_arg,
-    add_pixel_args,
-    add_quiet_arg,
-    add_runtime_args,
-    apply_runtime,
-    check_dataset_classes,
-    cuda_amp,
-    fraction,
-    inference_options,
-    mode_of,
-    onnx_runtime,
-    static_export_note,
-)
-from dualseg.console import ArgumentParser, Progress, argparse_kwargs
+from dualseg.commands import common as c
+from dualseg.console import ArgumentParser, Progress, argparse_kwargs, progress_mode
 from dualseg.engine.outputs import (
     OUTPUT_FOLDERS,
     check_image_outputs,
@@ -55,7 +18,7 @@ from dualseg.engine.outputs import (
     write_outputs,
 )
 from dualseg.engine.predict import load_model
-from dualseg.errors import ConfigError, DataError, DualsegError
+from dualseg.errors import ConfigError, DualsegError
 from dualseg.export.runtime import ExportedSegmenter
 from dualseg.imaging import read_image, rgb_digest
 from dualseg.io import check_writable
@@ -73,55 +36,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or globs")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument(
-        "--checkpoint",
-        "-c",
-        help="a dualseg checkpoint (.pt), a pretrained folder or hf://org/name",
-    )
-    src.add_argument(
-        "--onnx",
-        help="an exported model ('dualseg export'): ONNX, run by onnxruntime, or TorchScript",
-    )
+    src.add_argument("--checkpoint", "-c", help="checkpoint, pretrained folder or hf://org/name")
+    src.add_argument("--onnx", help="an exported model (dualseg export): ONNX or TorchScript")
     p.add_argument("--out", "-o", required=True, help="output folder")
-    add_overwrite_arg(p, what="output files in --out")
-    add_dataset_check_options(p)
-    p.add_argument(
-        "--probs", action="store_true", help="also save class probabilities (probs/<name>.npz)"
-    )
-    p.add_argument("--batch-size", type=int, default=4, help="images per forward pass (4)")
-    add_runtime_args(p)
-    add_quiet_arg(p)
-    p.add_argument(
-        "--alpha", type=fraction, default=0.5, help="overlay opacity of the colours, 0-1 (0.5)"
-    )
-    add_pixel_args(p, source="the model")
-    add_inference_arguments(p)
+    c.add_overwrite_arg(p, what="output files in --out")
+    c.add_dataset_check_options(p)
+    p.add_argument("--probs", action="store_true", help="also save probs/<name>.npz")
+    p.add_argument("--batch-size", type=c.positive_int, default=4, help="images per pass (4)")
+    c.add_runtime_args(p)
+    c.add_quiet_arg(p)
+    p.add_argument("--alpha", type=c.fraction, default=0.5, help="overlay opacity, 0-1 (0.5)")
+    c.add_pixel_args(p, source="the model")
+    c.add_inference_arguments(p)
     return p
 
 
-def _load(args: argparse.Namespace, device) -> Any:
+def _load(args: argparse.Namespace, device: Any) -> Any:
     """The ``--checkpoint`` segmenter, or the ``--onnx`` exported one (ONNX or TorchScript)."""
     if not args.onnx:
-        return load_model(args.checkpoint, device=device, amp=cuda_amp(args, device))
-
-    seg = ExportedSegmenter(args.onnx, **onnx_runtime(args, device))
-    static_export_note(args.onnx, seg, "predict")
+        return load_model(args.checkpoint, device=device, amp=c.cuda_amp(args, device))
+    seg = ExportedSegmenter(args.onnx, **c.onnx_runtime(args, device))
+    c.static_export_note(args.onnx, seg, "predict")
     return seg
 
 
 def main(argv: list[str] | None = None) -> int:
-
     args = build_parser().parse_args(argv)
-    if args.batch_size < 1:
-        raise DualsegError(f"--batch-size must be >= 1, got {args.batch_size}")
     out = check_writable(args.out, kind="dir", what="--out")
-    device = apply_runtime(args)
-    opts = inference_options(args)
+    device = c.apply_runtime(args)
+    opts = c.inference_options(args)
     if args.onnx and (opts.mode != "whole" or opts.uses_tta):
-        raise ConfigError(
-            "--mode slide and --tta-* need --checkpoint: an --onnx model runs whole images "
-            "only (drop those options, or pass the checkpoint)"
-        )
+        raise ConfigError("--mode slide and --tta-* need --checkpoint: an --onnx model runs "
+                          "whole images only")  # fmt: skip
     images = collect_images(args.inputs, out=out)
     files = [(f, ".npz" if f == "probs" else ".png") for f in OUTPUT_FOLDERS]
     files = files if args.probs else files[:-1]
@@ -130,12 +76,11 @@ def main(argv: list[str] | None = None) -> int:
     source = args.checkpoint or args.onnx
     if seg.num_classes > 255:
         raise DualsegError(f"{source} has {seg.num_classes} classes; label PNGs hold at most 255")
-    check_dataset_classes(args, seg.class_names, f"the model {source}")
+    c.check_dataset_classes(args, seg.class_names, f"the model {source}")
     depth = seg.bit_depth if args.bit_depth is None else args.bit_depth  # as in training
-    infer = {} if args.onnx else dict(mode=opts.mode, window=opts.window, stride=opts.stride,
-        tta_scales=opts.tta_scales, tta_flip=opts.tta_flip, tile_batch=opts.tile_batch)  # fmt: skip
+    infer = {} if args.onnx else asdict(opts)
     failures: list[str] = []
-    bar = Progress(total=len(images), desc="predict", unit="img", mode=mode_of(args))
+    bar = Progress(total=len(images), desc="predict", unit="img", mode=progress_mode(args.quiet))
     chunk = args.batch_size * 4  # a few batches read at a time: equal sizes share a pass
     for start in range(0, len(images), chunk):
         part = []
@@ -148,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
                 for folder, suffix in files if args.overwrite else []:
                     (out / folder / f"{name}{suffix}").unlink(missing_ok=True)  # now stale
                 bar.update(1)
-        results = seg.predict_batch(
-            [a for _, _, a in part], batch_size=args.batch_size, return_probs=args.probs, **infer
-        )
+        arrays = [a for _, _, a in part]
+        results = seg.predict_batch(arrays, batch_size=args.batch_size, return_probs=args.probs,
+                                    **infer)  # fmt: skip
         for (path, name, array), res in zip(part, results):
             label, probs = res if args.probs else (res, None)
             write_outputs(out, name, array, label, seg.meta.palette, alpha=args.alpha)
@@ -165,8 +110,5 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"segmented {len(images) - len(failures)} image(s) with {seg.num_classes} classes -> {out}"
     )
-    if failures:
-        for message in failures:
-            print(f"  skipped: {message}", file=sys.stderr)
-        raise DataError(f"{len(failures)} of {len(images)} input image(s) could not be read")
+    c.skipped(failures, len(images))
     return 0

@@ -7,9 +7,9 @@ import sys
 
 from dualseg.augment_defaults import check_augment_settings
 from dualseg.commands import common as c
-from dualseg.console import ArgumentParser, argparse_kwargs
+from dualseg.console import ArgumentParser, argparse_kwargs, progress_mode
 from dualseg.data.transforms import SCALE_RANGE
-from dualseg.errors import DataError
+from dualseg.engine.outputs import check_image_outputs, collect_images
 from dualseg.export.runtime import load_refiner
 from dualseg.io import check_writable
 from dualseg.refine import apply_run, fit_run
@@ -19,70 +19,49 @@ from dualseg.refine.calibrate import METRICS
 from dualseg.refine.config import RefinerConfig, add_flags
 from dualseg.refine.taps import SAMPLE_SIZE
 
-
-def radius_arg(text: str) -> int:
-    return c.pixels_at_most(text, MAX_RADIUS)
-
-
-PARSED = {"radius": radius_arg, "top_n": c.positive_int}  # checked at parsing, as apply's are
+PARSED = {"radius": c.int_in(0, MAX_RADIUS, " pixels"), "top_n": c.positive_int}
 
 
 def _add_fit(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "fit",
         help="train the re-optimization model and compute class prototypes",
-        description="Method B training (steps 1-5): triplet metric learning on the near-boundary "
-        "pixels of DATA, then the mean embedding of each class. Writes one refiner file.",
+        description="Method B training (steps 1-5): triplet learning, then class prototypes.",
         **argparse_kwargs(
-            "dualseg refine fit --data ../shared/data/camvid --preset camvid "
-            "--base runs/camvid/best.pt --out runs/camvid/refiner.pt",
+            "dualseg refine fit --data ROOT --base runs/camvid/best.pt -o runs/camvid/refiner.pt",
             "dualseg refine fit --data ROOT --base probs/ --steps 500 --device cuda --amp",
         ),
     )
     add = p.add_argument
-    add("--data", required=True, help="dataset root (any layout build_dataset reads)")
-    add("--base", help="the base model: a dualseg checkpoint or a 'dualseg predict --probs' "
-        "folder; its class names must match the dataset's")  # fmt: skip
+    c.add_data_args(p, split="train")
+    add("--base", help="the base model: a checkpoint or a 'dualseg predict --probs' folder")
     add("--out", "-o", default="refiner.pt", help="refiner file to write (refiner.pt)")
-    add("--split", help="split to fit on (train; a list file as --data: its name)")
-    add("--layout", default="auto", help="dataset layout (auto)")
-    add("--preset", help="class preset: camvid, voc, cityscapes, ade20k, synthetic")
     c.add_label_args(p, source="the --base checkpoint")
     add("--crop-size", type=int, nargs=2, default=(256, 256), metavar=("H", "W"), help="(256 256)")
-    add("--scale-range", type=float, nargs=2, default=SCALE_RANGE, metavar=("LO", "HI"),
-        help=f"random scale of step 1 {SCALE_RANGE}")  # fmt: skip
-    add("--init-backbone", choices=("imagenet", "base", "none"), default="imagenet",
-        help="backbone initialization: ImageNet weights, the base checkpoint's backbone (same "
-        "backbone name), or random (imagenet)")  # fmt: skip
+    add("--scale-range", type=float, nargs=2, default=SCALE_RANGE, metavar=("LO", "HI"))
+    add("--init-backbone", choices=("imagenet", "base", "none"), default="imagenet")
     add("--weights", help="ImageNet weight file for the backbone (default: resolved)")
-    add("--calibrate-split", help="a labelled split of --data held out of --split: sweep the "
-        "decision options on it with --base, keep the best (gate 0: never relabel)")  # fmt: skip
-    add("--calibrate-metric", choices=METRICS, default=METRICS[0],
-        help=f"what --calibrate-split maximizes ({METRICS[0]})")  # fmt: skip
+    add("--calibrate-split", help="a labelled split to choose the decision options on (--base)")
+    add("--calibrate-metric", choices=METRICS, default=METRICS[0], help=f"({METRICS[0]})")
     add_flags(p, PARSED)
-    add("--time-budget", type=float, metavar="MINUTES",
-        help="stop the triplet steps after this many minutes, even before --steps")  # fmt: skip
-    add("--proto-images", type=c.nonnegative_int, default=0,
-        help="use only the first N training images for the prototypes (0: all)")  # fmt: skip
+    add("--time-budget", type=float, metavar="MINUTES", help="stop the steps after MINUTES")
+    add("--proto-images", type=c.nonnegative_int, default=0, help="prototype images (0: all)")
     c.add_runtime_args(p)
     add("--workers", type=c.nonnegative_int, default=0, help="data loader workers (0)")
     add("--checkpoint", help="training-state file, for --resume (default: OUT with .train.pt)")
     add("--checkpoint-every", type=c.positive_int, default=200, help="steps between saves (200)")
     add("--resume", action="store_true", help="continue from --checkpoint")
-    add("--overwrite", action="store_true",
-        help="replace an existing --out and its --checkpoint with a new fit")  # fmt: skip
+    add("--overwrite", action="store_true", help="replace an existing --out and --checkpoint")
     c.add_quiet_arg(p)
     add("--no-progress", action="store_true", help="no progress bar (see --quiet)")
-    add("--log-every", type=c.nonnegative_int, default=50,
-        help="print a loss line every N steps (50; 0: off)")  # fmt: skip
+    add("--log-every", type=c.nonnegative_int, default=50, help="loss line every N steps (50)")
 
 
 def _add_apply(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "apply",
         help="refine a base model's segmentation of images",
-        description="Method B inference (P1-P5): label PNGs (labels/), colour PNGs (color/), "
-        "overlays (overlay/) and the changed pixels (changed/) per input image.",
+        description="Method B inference (P1-P5): labels/, color/, overlay/ and changed/ PNGs.",
         **argparse_kwargs(
             "dualseg refine apply photos/ -r runs/camvid/refiner.pt -b runs/camvid/best.pt -o out/",
             "dualseg refine apply photos/ -r hf://org/camvid-model -b probs/ -o out/ --quiet",
@@ -91,48 +70,22 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
     add = p.add_argument
     add("inputs", nargs="+", metavar="INPUT", help="image files, folders or globs")
     how = p.add_mutually_exclusive_group(required=True)
-    how.add_argument(
-        "--refiner",
-        "-r",
-        help="refiner file from 'refine fit', or an exported "
-        "one ('dualseg export --refiner': its .onnx/.json pair or TorchScript .pt)",
-    )
-    how.add_argument("--crf", action="store_true", help="dense CRF on the base's probabilities "
-                     "in place of method B, to compare on your images (needs pydensecrf2: pip "
-                     "install 'dualseg[crf]')")  # fmt: skip
+    how.add_argument("--refiner", "-r", help="refiner file from 'refine fit', or an exported one")
+    how.add_argument("--crf", action="store_true", help="dense CRF instead (dualseg[crf] extra)")
     add("--base", "-b", required=True, help="checkpoint or 'dualseg predict --probs' folder")
     add("--out", "-o", required=True, help="output folder")
     c.add_overwrite_arg(p, what="output files in --out")
     c.add_dataset_check_options(p)
     add("--top-n", type=c.positive_int, help="override the refiner's Top-N")
-    add("--radius", type=radius_arg, help="override the refiner's near-boundary radius")
+    add("--radius", type=PARSED["radius"], help="override the refiner's near-boundary radius")
     c.add_runtime_args(p)
     c.add_quiet_arg(p)
     add("--alpha", type=c.fraction, default=0.5, help="overlay opacity, 0-1 (0.5)")
     c.add_inference_arguments(p)  # how a checkpoint base runs; the refiner reads its scores
 
 
-def _add_layers(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "layers",
-        help="list the modules of a base model a refiner can read (--base-features)",
-        description="Runs the base model once on a blank sample image and lists each module "
-        "whose output is a feature map: its name, channels and stride. A refiner fitted with "
-        "--base-features LOW HIGH reads two of them: LOW at stride 4, HIGH at 16 or 32.",
-        **argparse_kwargs(
-            "dualseg refine layers --base runs/camvid/best.pt",
-            "dualseg refine layers --base mymodel.py:model --size 512 512",
-        ),
-    )
-    p.add_argument("--base", "-b", required=True, help="a dualseg checkpoint, or a model of "
-                   "your own: file.py:NAME or package.module:NAME (a model, or a function "
-                   "returning one)")  # fmt: skip
-    p.add_argument("--size", type=c.positive_int, nargs=2, default=SAMPLE_SIZE,
-                   metavar=("H", "W"), help="the sample image's size (256 256)")  # fmt: skip
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
+    parser = ArgumentParser(
         prog="dualseg refine",
         description="Method B: boundary re-optimization of any segmentation model.",
         **argparse_kwargs(
@@ -140,58 +93,69 @@ def build_parser() -> argparse.ArgumentParser:
             "dualseg refine apply photos/ -r refiner.pt -b runs/camvid/best.pt -o out/",
         ),
     )
-    sub = p.add_subparsers(dest="command", metavar="{fit,apply,layers}")
-    sub.required = True
+    sub = parser.add_subparsers(dest="command", metavar="{fit,apply,layers}", required=True)
     _add_fit(sub)
     _add_apply(sub)
-    _add_layers(sub)
-    return p
+    p = sub.add_parser(
+        "layers",
+        help="list the modules of a base model a refiner can read (--base-features)",
+        description="Lists the feature maps of the base model on a blank image (name, channels, "
+        "stride): what --base-features LOW HIGH can name.",
+        **argparse_kwargs(
+            "dualseg refine layers --base runs/camvid/best.pt",
+            "dualseg refine layers --base mymodel.py:model --size 512 512",
+        ),
+    )
+    p.add_argument("--base", "-b", required=True, help="checkpoint, file.py:NAME or module:NAME")
+    p.add_argument("--size", type=c.positive_int, nargs=2, default=SAMPLE_SIZE, metavar=("H", "W"))
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return {"fit": fit_main, "apply": apply_main, "layers": layers_main}[args.command](args)
+    if args.command == "layers":
+        print(describe_layers(args.base, args.size))
+        return 0
+    return (fit_main if args.command == "fit" else apply_main)(args)
 
 
-# ---------------------------------------------------------------------- fit
 def fit_main(args: argparse.Namespace) -> int:
     cfg = RefinerConfig.from_flags(args)
     if cfg.top_n == 1:
-        note("fit", "--top-n 1 leaves each pixel one candidate, the base's label: this refiner "
-             "can change no pixel (refine apply --top-n overrides it)")  # fmt: skip
+        note("--top-n 1 leaves each pixel one candidate: this refiner changes no pixel")
     split = c.split_of(args.data, args.split, default="train")
     names = {"crop_size": "--crop-size", "scale_range": "--scale-range"}
-    check_augment_settings(crop_size=tuple(args.crop_size), scale_range=tuple(args.scale_range),
-                           names=names)  # fmt: skip
-    fit_run.check_options(cfg, split=split, calibrate_split=args.calibrate_split,
-                          crop_size=args.crop_size, weights=args.weights,
-                          init_backbone=args.init_backbone, has_base=bool(args.base))  # fmt: skip
-    out, checkpoint = fit_run.fit_outputs(args.out, args.checkpoint, data=args.data,
-                                          layout=args.layout, base=args.base, resume=args.resume,
-                                          overwrite=args.overwrite)  # fmt: skip
+    crop, scales = tuple(args.crop_size), tuple(args.scale_range)
+    check_augment_settings(crop_size=crop, scale_range=scales, names=names)
+    fit_run.check_options(
+        cfg, split=split, calibrate_split=args.calibrate_split, crop_size=args.crop_size,
+        weights=args.weights, init_backbone=args.init_backbone, has_base=bool(args.base),
+    )  # fmt: skip
+    out, checkpoint = fit_run.fit_outputs(
+        args.out, args.checkpoint, data=args.data, layout=args.layout, base=args.base,
+        resume=args.resume, overwrite=args.overwrite,
+    )  # fmt: skip
     device = c.apply_runtime(args)
     base = None if args.base is None else load_base(args.base, device=device)
-    # the labels read as the base was trained, as eval reads them
-    fmt, mapping, ignore, taken = c.label_settings(args, getattr(base, "trained_data", None) or {})
-    if taken:
-        note("fit", f"labels read as {args.base} was trained: {', '.join(taken)} "
-             "(--label-format / --label-map / --ignore-index change it)")  # fmt: skip
+    read_as = f"dualseg refine fit: note: labels read as {args.base} was trained"
+    trained = getattr(base, "trained_data", None) or {}
+    fmt, mapping, ignore = c.label_settings(args, trained, note=read_as)
     labels = {"label_format": fmt, "label_map": mapping, "ignore_value": ignore}
     where = {"split": split, "layout": args.layout, "preset": args.preset}
-    data = fit_run.fit_datasets(args.data, **where, labels=labels, crop_size=args.crop_size,
-                                scale_range=args.scale_range, seed=cfg.seed,
-                                proto_images=args.proto_images,
-                                calibrate_split=args.calibrate_split,
-                                contract=getattr(base, "contract", None))  # fmt: skip
+    data = fit_run.fit_datasets(
+        args.data, **where, labels=labels, crop_size=args.crop_size, seed=cfg.seed,
+        scale_range=args.scale_range, proto_images=args.proto_images,
+        calibrate_split=args.calibrate_split, contract=getattr(base, "contract", None),
+    )  # fmt: skip
     class_names = data.train.meta.class_names
     if cfg.top_n != RefinerConfig.top_n and cfg.top_n > len(class_names):  # not the default
-        note("fit", apply_run.top_n_over_classes(cfg.top_n, len(class_names)))
+        note(apply_run.top_n_over_classes(cfg.top_n, len(class_names)))
     refiner, report = fit_run.run_fit(
         cfg, data, base, root=args.data, base_name=args.base, where=where, labels=labels,
         crop_size=args.crop_size, scale_range=args.scale_range, init_backbone=args.init_backbone,
         weights=args.weights, device=device, amp=c.cuda_amp(args, device), workers=args.workers,
         checkpoint=checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
-        overwrite=args.overwrite, progress="off" if args.no_progress else c.mode_of(args),
+        overwrite=args.overwrite, progress="off" if args.no_progress else progress_mode(args.quiet),
         log_every=args.log_every, calibrate_metric=args.calibrate_metric,
         time_budget_s=None if args.time_budget is None else 60 * args.time_budget,
     )  # fmt: skip
@@ -202,27 +166,25 @@ def fit_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def note(command: str, text: str) -> None:
-    print(f"dualseg refine {command}: note: {text}", file=sys.stderr)
+def note(text: str) -> None:
+    print(f"dualseg refine fit: note: {text}", file=sys.stderr)
 
 
-# ---------------------------------------------------------------------- apply
 def apply_main(args: argparse.Namespace) -> int:
     opts = c.inference_options(args)
     out = check_writable(args.out, kind="dir", what="--out")
-    images = c.collect_images(args.inputs, out=out, command="refine apply")
+    images = collect_images(args.inputs, out=out, command="refine apply")
     kinds = [(f, ".png") for f in apply_run.KINDS]
-    c.check_image_outputs(out, images, kinds, overwrite=args.overwrite, data=args.data,
+    check_image_outputs(out, images, kinds, overwrite=args.overwrite, data=args.data,
                           command="refine apply")  # fmt: skip
     device = c.apply_runtime(args)
+    base = load_base(args.base, device=device)
     if args.crf:
         refiner = apply_run.crf_settings(args.top_n, args.radius)
-        base = load_base(args.base, device=device)
     else:
         refiner = load_refiner(args.refiner, device=device)
         c.static_export_note(args.refiner, refiner, "refine")
         c.check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
-        base = load_base(args.base, device=device)
         augmented = opts.mode != "whole" or opts.uses_tta
         for line in apply_run.configure(refiner, base, top_n=args.top_n, radius=args.radius,
                                         augmented=augmented, refiner_name=args.refiner,
@@ -230,17 +192,9 @@ def apply_main(args: argparse.Namespace) -> int:
             print(f"dualseg refine apply: {line}", file=sys.stderr)
     done = apply_run.apply_images(refiner, base, images, out, device=device, opts=opts,
                                   amp=args.amp, alpha=args.alpha, overwrite=args.overwrite,
-                                  progress=c.mode_of(args))  # fmt: skip
+                                  progress=progress_mode(args.quiet))  # fmt: skip
     frac = 100 * done.changed / done.pixels if done.pixels else 0.0
     print(f"refined {len(images) - len(done.failures)} image(s): {done.changed} pixels changed "
           f"({frac:.3f}%) -> {out}")  # fmt: skip
-    for message in done.failures:
-        print(f"  skipped: {message}", file=sys.stderr)
-    if done.failures:
-        raise DataError(f"{len(done.failures)} of {len(images)} input image(s) could not be read")
-    return 0
-
-
-def layers_main(args: argparse.Namespace) -> int:
-    print(describe_layers(args.base, args.size))
+    c.skipped(done.failures, len(images))
     return 0

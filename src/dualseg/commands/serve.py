@@ -1,7 +1,5 @@
-"""``dualseg serve``: the local web page and JSON API (see :mod:`dualseg.serve.app`).
-
-Binds to 127.0.0.1 (this machine only) unless --host says otherwise; the page has no login.
-"""
+"""``dualseg serve``: the local web page and JSON API (:mod:`dualseg.serve.app`), bound to
+127.0.0.1 unless --host says otherwise (the page has no login)."""
 
 from __future__ import annotations
 
@@ -10,6 +8,7 @@ import functools
 import ipaddress
 import math
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -45,51 +44,24 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument(
-        "--checkpoint", "-c", help="a checkpoint (.pt), a pretrained folder or hf://org/name"
-    )
+    src.add_argument("--checkpoint", "-c", help="checkpoint, pretrained folder or hf://org/name")
     src.add_argument("--onnx", help="an exported model (dualseg export): ONNX or TorchScript")
-    p.add_argument(
-        "--refiner",
-        help="method B: a refiner file (dualseg refine fit), or an exported one (.onnx with "
-        "its .json beside it, or the .json)",
-    )
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (8000)")
-    add = functools.partial(p.add_argument, type=float)
-    add(
-        "--max-megapixels",
-        default=d.DEFAULT_MAX_MEGAPIXELS,
-        help="refuse larger images (%(default)g)",
-    )
-    add(
-        "--max-upload-mb",
-        default=d.DEFAULT_MAX_UPLOAD_MB,
-        help="refuse larger uploads (%(default)g)",
-    )
-    add(
-        "--work-megapixels",
-        default=d.DEFAULT_WORK_MEGAPIXELS,
-        help="infer larger images downscaled to this many megapixels, then bring the result "
-        "back to the image's size; 0: always at full size (%(default)g)",
-    )
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=d.DEFAULT_WORKERS,
-        help="images segmented at the same time, on threads (%(default)d)",
-    )
-    p.add_argument(
-        "--queue-size",
-        type=int,
-        default=d.DEFAULT_QUEUE_SIZE,
-        help="requests that may wait for a worker; more get 503 with Retry-After (%(default)d)",
-    )
-    p.add_argument(
-        "--save-uploads",
-        metavar="DIR",
-        help="keep every uploaded file in DIR (default: uploads stay in memory only)",
-    )
+    p.add_argument("--refiner", help="method B: a refiner file, or an exported one (its .json)")
+    add = p.add_argument
+    add("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    add("--port", type=int, default=8000, help="port (8000)")
+    add("--max-megapixels", type=float, default=d.DEFAULT_MAX_MEGAPIXELS,
+        help="refuse larger images (%(default)g)")  # fmt: skip
+    add("--max-upload-mb", type=float, default=d.DEFAULT_MAX_UPLOAD_MB,
+        help="refuse larger uploads (%(default)g)")  # fmt: skip
+    add("--work-megapixels", type=float, default=d.DEFAULT_WORK_MEGAPIXELS,
+        help="infer larger images downscaled to this size, labels brought back to the image's; "
+        "0: always at full size (%(default)g)")  # fmt: skip
+    add("--workers", type=int, default=d.DEFAULT_WORKERS,
+        help="images segmented at the same time, on threads (%(default)d)")  # fmt: skip
+    add("--queue-size", type=int, default=d.DEFAULT_QUEUE_SIZE,
+        help="requests that may wait for a worker; more get 503 (%(default)d)")  # fmt: skip
+    add("--save-uploads", metavar="DIR", help="keep every uploaded file in DIR (off)")
     add_runtime_args(p, device="cpu")
     add_inference_arguments(p)
     return p
@@ -97,28 +69,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """One line for each value no server can run with."""
-    limits = (args.max_megapixels, args.max_upload_mb, args.work_megapixels)
-    if not all(math.isfinite(v) for v in limits):
-        raise ConfigError(
-            "--max-megapixels, --max-upload-mb and --work-megapixels must be finite numbers, "
-            f"got {limits[0]}, {limits[1]}, {limits[2]}"
-        )
-    if args.max_megapixels < MIN_MEGAPIXELS or args.max_upload_mb < MIN_UPLOAD_MB:
-        raise ConfigError(
-            f"--max-megapixels must be >= {MIN_MEGAPIXELS:g} and --max-upload-mb >= "
-            f"{MIN_UPLOAD_MB:g}, got {args.max_megapixels:g} and {args.max_upload_mb:g}"
-        )
-    if args.work_megapixels != 0 and not args.work_megapixels >= MIN_MEGAPIXELS:
-        raise ConfigError(
-            f"--work-megapixels must be 0 (full size) or >= {MIN_MEGAPIXELS:g} (about 32x32), "
-            f"got {args.work_megapixels:g}"
-        )
-    if args.workers < 1 or args.queue_size < 0:
-        raise ConfigError(
-            f"--workers must be >= 1 and --queue-size >= 0, got {args.workers}, {args.queue_size}"
-        )
-    if not 0 < args.port < 65536:
-        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    mp, mb, work = args.max_megapixels, args.max_upload_mb, args.work_megapixels
+    rules = (
+        (all(map(math.isfinite, (mp, mb, work))), "--max-megapixels, --max-upload-mb and "
+         f"--work-megapixels must be finite numbers, got {mp}, {mb}, {work}"),
+        (mp >= MIN_MEGAPIXELS and mb >= MIN_UPLOAD_MB, f"--max-megapixels must be >= "
+         f"{MIN_MEGAPIXELS:g} and --max-upload-mb >= {MIN_UPLOAD_MB:g}, got {mp:g} and {mb:g}"),
+        (work == 0 or work >= MIN_MEGAPIXELS, "--work-megapixels must be 0 (full size) or >= "
+         f"{MIN_MEGAPIXELS:g} (about 32x32), got {work:g}"),
+        (args.workers >= 1 and args.queue_size >= 0, "--workers must be >= 1 and --queue-size "
+         f">= 0, got {args.workers}, {args.queue_size}"),
+        (0 < args.port < 65536, f"--port must be in 1..65535, got {args.port}"),
+    )  # fmt: skip
+    for ok, message in rules:
+        if not ok:
+            raise ConfigError(message)
 
 
 def _load(args: argparse.Namespace, options: Any) -> tuple[Any, Any, str]:
@@ -132,15 +97,9 @@ def _load(args: argparse.Namespace, options: Any) -> tuple[Any, Any, str]:
         segmenter = load_model(args.checkpoint, device=device, amp=cuda_amp(args, device))
         name = f"{Path(args.checkpoint).name} ({type(segmenter.model).__name__})"
         if options.mode != "whole" or options.uses_tta:  # the page gets the averaged probs
-            segmenter.predict_proba = functools.partial(
-                segmenter.predict_proba, mode=options.mode, window=options.window,
-                stride=options.stride, tta_scales=options.tta_scales,
-                tta_flip=options.tta_flip, tile_batch=options.tile_batch,
-            )  # fmt: skip
-    refiner = None
-    if args.refiner:
-        refiner = load_refiner(args.refiner, device=device)  # create_app checks its classes
-    return segmenter, refiner, name
+            segmenter.predict_proba = functools.partial(segmenter.predict_proba, **asdict(options))
+    refiner = load_refiner(args.refiner, device=device) if args.refiner else None
+    return segmenter, refiner, name  # create_app checks the refiner's classes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     check_args(args)
     options = inference_options(args)
     if args.onnx and (options.mode != "whole" or options.uses_tta):
-        raise ConfigError(
-            "--mode slide and --tta-* need --checkpoint: an --onnx model runs whole images only"
-        )
+        raise ConfigError("--mode slide and --tta-* need --checkpoint: --onnx runs whole images")
     try:
         import uvicorn
 
@@ -177,11 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:  # a host name
         loopback = False
     if not loopback:
-        print(
-            f"warning: binding {args.host}: the page has no login, anyone who can reach this "
-            "address can use it",
-            file=sys.stderr,
-        )
+        print(f"warning: binding {args.host}: the page has no login, anyone who can reach "
+              "this address can use it", file=sys.stderr)  # fmt: skip
     shown = f"[{args.host}]" if ":" in args.host else args.host
     print(f"dualseg serve: http://{shown}:{args.port}/  (API docs: /docs; Ctrl+C stops)")
     with request_log_on_stderr():
