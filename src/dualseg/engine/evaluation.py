@@ -1,8 +1,7 @@
 """Evaluation: run a model over a loader and report region and boundary metrics.
 
-``evaluate`` is shared by the trainer (validation), ``dualseg eval`` and ``dualseg demo``. It
-streams a :class:`~dualseg.metrics.ConfusionMatrix` and :class:`~dualseg.metrics.BoundaryMetrics`;
-under DDP the integer counters are summed over ranks, so every rank returns the whole set's
+``evaluate`` is shared by the trainer (validation), ``dualseg eval`` and ``dualseg demo``.
+Under DDP the integer counters are summed over ranks, so every rank returns the whole set's
 metrics. With a method-B ``refiner`` the same pass scores the refined labels too, and counts
 the pixels refinement changed, fixed and broke.
 """
@@ -15,6 +14,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict
 from typing import Any, Protocol
 
 import torch
@@ -64,44 +64,29 @@ class _Scores:
 
     def __init__(self, num_classes: int, ignore_index: int, tolerance: int, width: int, device):
         self.cm = ConfusionMatrix(num_classes, ignore_index=ignore_index, device=device)
-        self.bm = BoundaryMetrics(
-            num_classes, tolerance=tolerance, trimap_width=width, ignore_index=ignore_index,
-            device=device,
-        )  # fmt: skip
+        self.bm = BoundaryMetrics(num_classes, tolerance=tolerance, trimap_width=width,
+                                  ignore_index=ignore_index, device=device)  # fmt: skip
 
     def update(self, pred: Tensor, target: Tensor) -> None:
         self.cm.update(pred, target)
         self.bm.update(pred, target)
 
-    def all_reduce(self) -> None:
-        _all_reduce_(self.cm.mat)
-        _all_reduce_(self.bm.state)
-
     def compute(self) -> dict[str, Any]:
         """Scalars as floats, per-class scores as lists (NaN for absent classes)."""
         scores = {**self.cm.compute(), **self.bm.compute()}
-        out: dict[str, Any] = {
-            k: [float(x) for x in v.tolist()] if isinstance(v, Tensor) else float(v)
-            for k, v in scores.items()
-        }
+        out = {k: v.tolist() if isinstance(v, Tensor) else float(v) for k, v in scores.items()}
         out["confusion_matrix"] = self.cm.mat.cpu().tolist()
         out["majority_baseline_miou"] = majority_baseline_miou(self.cm.mat)
         return out
 
 
-def _all_reduce_(t: Tensor) -> None:
-
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-
-
 def majority_baseline_miou(confusion: Any) -> float:
     """The mIoU of predicting the most frequent ground-truth class everywhere, from a
     ``[C][C]`` confusion matrix (rows: ground truth)."""
-    mat = torch.as_tensor(confusion, dtype=torch.float64)
-    gt = mat.sum(1)
+    gt = torch.as_tensor(confusion, dtype=torch.float64).sum(1)
     if gt.sum() == 0:
         return math.nan
-    majority = torch.zeros_like(mat)
+    majority = torch.zeros(len(gt), len(gt), dtype=torch.float64)
     majority[:, int(gt.argmax())] = gt
     return float(scores_from_confusion(majority)["miou"])
 
@@ -111,8 +96,7 @@ def sanity_warnings(metrics: dict[str, Any], class_names: Sequence[str]) -> list
     majority-class baseline, or one class predicted on more than 95% of the labelled pixels."""
     out = []
     mat = torch.as_tensor(metrics["confusion_matrix"], dtype=torch.float64)
-    total = float(mat.sum())
-    if total == 0:
+    if float(mat.sum()) == 0:
         return out
     base, miou = metrics.get("majority_baseline_miou", math.nan), metrics["miou"]
     if math.isfinite(base) and not miou > base:
@@ -121,7 +105,7 @@ def sanity_warnings(metrics: dict[str, Any], class_names: Sequence[str]) -> list
             f"({100 * base:.1f}%: the most frequent class everywhere); the model has learnt "
             "nothing the class frequencies do not give (train longer, check the labels)"
         )
-    shares = mat.sum(0) / total
+    shares = mat.sum(0) / mat.sum()
     top = int(shares.argmax())
     if float(shares[top]) > ONE_CLASS_SHARE:
         name = class_names[top] if top < len(class_names) else f"class {top}"
@@ -133,7 +117,7 @@ def sanity_warnings(metrics: dict[str, Any], class_names: Sequence[str]) -> list
 
 
 class _Timer:
-    """Milliseconds per image of each batch's inference (CUDA work synchronized)."""
+    """Milliseconds per image of each timed batch (CUDA work synchronized)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.ms = device, []
@@ -175,9 +159,8 @@ class _RefineStep:
         # where the refiner does not relabel, keep exactly the labels scored as the base
         # (argmax of logits and of softmax differ at float ties), so fixed/broke add up
         new = torch.where(changed.to(pred.device).bool(), new.to(pred.device).long(), pred)
-        changed = new != pred
+        changed, valid = new != pred, labels != self.ignore_index
         self.scores.update(new, labels)
-        valid = labels != self.ignore_index
         was_right, is_right = pred == labels, new == labels
         self.counts[0] += valid.sum()
         self.counts[1] += (changed & valid).sum()
@@ -196,12 +179,6 @@ class _RefineStep:
             "ms_per_image": self.timer.median(),
             "shared_images": shared,  # images refined on the base's own backbone output
         }
-
-
-def _resize(logits: Tensor, size: Any) -> Tensor:
-    if logits.shape[-2:] == size:
-        return logits
-    return F.interpolate(logits, size=size, mode="bilinear", align_corners=False)
 
 
 @torch.no_grad()
@@ -237,48 +214,47 @@ def evaluate(
     fixed / broke pixels, its ms per image). ``distributed``: counters summed over ranks.
     """
     device = torch.device(device)
-    base = _Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)
-    opts = dict(mode=mode, window=window, stride=stride, tta_scales=tta_scales,
-                tta_flip=tta_flip, tile_batch=tile_batch, amp=amp)  # fmt: skip
-    plain = mode == "whole" and not amp and tuple(tta_scales) == (1.0,) and not tta_flip
+    opts = InferenceOptions(mode, window, stride, tta_scales, tta_flip, tile_batch)  # type: ignore[arg-type]
+    scores = [_Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)]
     share = getattr(refiner, "shared_features", None)
     taps = getattr(refiner, "taps", None) is not None  # reads the base's forward in any mode
+    plain = mode == "whole" and not amp and not opts.uses_tta
     shared = share(model) if share is not None and (plain or taps) else None
     step = None
     if refiner is not None:
-        refined = _Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)
-        step = _RefineStep(refiner, shared, refined, ignore_index, device)
-    timer, images_seen = _Timer(device), torch.zeros((), dtype=torch.int64, device=device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    if progress:
-        loader = tqdm(loader, desc="eval", leave=False)
+        scores.append(_Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device))
+        step = _RefineStep(refiner, shared, scores[1], ignore_index, device)
+    timer = _Timer(device)
+    totals = torch.zeros(2, dtype=torch.float64, device=device)  # images, loss sum
     with eval_mode(model), shared if shared is not None else contextlib.nullcontext():
-        for index, (images, labels) in enumerate(loader):
+        for index, (images, labels) in enumerate(
+            tqdm(loader, "eval", leave=False, disable=not progress)
+        ):
             images = images.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True).long()
             with timer.time(images.shape[0]):
-                logits = infer_logits(model, images, **opts)
-            logits = _resize(logits, labels.shape[-2:])
+                logits = infer_logits(model, images, amp=amp, **asdict(opts))
+            if logits.shape[-2:] != labels.shape[-2:]:
+                logits = F.interpolate(
+                    logits, labels.shape[-2:], mode="bilinear", align_corners=False
+                )
             pred = logits.argmax(1)
-            base.update(pred, labels)  # range-checks the labels before the loss reads them
-            images_seen += images.shape[0]
-            loss_sum += F.cross_entropy(
-                logits, labels, ignore_index=ignore_index, reduction="sum"
-            ).double()
+            scores[0].update(pred, labels)  # range-checks the labels before the loss reads them
+            totals[0] += images.shape[0]
+            totals[1] += F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
             new = step(images, logits, pred, labels) if step is not None else None
             if on_batch is not None:
                 on_batch(index, images, labels, pred, new)
     if distributed:
-        for s in (base, step.scores) if step is not None else (base,):
-            s.all_reduce()
-        for t in (images_seen, loss_sum, *([step.counts] if step is not None else [])):
-            _all_reduce_(t)
-    result = base.compute()
-    labelled = int(base.cm.mat.sum())
-    loss = float(loss_sum) / labelled if labelled else float("nan")
-    result.update(num_images=int(images_seen), ms_per_image=timer.median(), loss=loss)
+        for t in (totals, *(x for s in scores for x in (s.cm.mat, s.bm.state)),
+                  *([step.counts] if step is not None else [])):  # fmt: skip
+            dist.all_reduce(t)
+    result = scores[0].compute()
+    labelled = int(scores[0].cm.mat.sum())
+    loss = float(totals[1]) / labelled if labelled else math.nan
+    result.update(num_images=int(totals[0]), ms_per_image=timer.median(), loss=loss)
     if step is not None:
-        result["refined"] = step.scores.compute()
+        result["refined"] = scores[1].compute()
         result["refine"] = step.result()
     return result
 
