@@ -51,19 +51,15 @@ def colorize(label: Any, palette: Palette, *, ignore_index: int = IGNORE_INDEX) 
     lab = lab.astype(np.int64)
     bad = (lab != ignore_index) & ((lab < 0) | (lab >= len(palette)))
     if bad.any():
-        vals = np.unique(lab[bad])[:10].tolist()
         raise ValueError(
-            f"label values {vals} have no palette colour ({len(palette)} colours) and are not "
-            f"the ignore index {ignore_index}"
+            f"label values {np.unique(lab[bad])[:10].tolist()} have no palette "
+            f"colour ({len(palette)} colours) and are not the ignore index"
         )
     values = np.asarray(palette, dtype=np.float64).reshape(-1, 3)
-    if values.size and (values.min() < 0 or values.max() > 255):
-        raise ValueError("palette colours must be RGB triples in [0, 255]")
-    if not np.array_equal(values, np.round(values)):  # an int cast drew a 0..1 palette black
+    if values.size and (values.min() < 0 or values.max() > 255 or (values % 1).any()):
         raise ValueError(
             "palette colours must be integer RGB triples in [0, 255], got fractions "
-            f"({values[values != np.round(values)][0]:g}); a palette in 0..1: multiply by 255 "
-            "and round"
+            "or values outside; a palette in 0..1: multiply by 255 and round"
         )
     lut = np.concatenate([values, np.zeros((1, 3))]).astype(np.uint8)  # black for ignore
     return lut[np.where(lab == ignore_index, len(palette), lab)]
@@ -72,13 +68,11 @@ def colorize(label: Any, palette: Palette, *, ignore_index: int = IGNORE_INDEX) 
 def _rgb(image: Any) -> np.ndarray:
     img = _numpy(image)
     if img.dtype != np.uint8:
-        if img.ndim == 2 and np.issubdtype(img.dtype, np.integer):
-            fix = "a label map? colourize it first with dualseg.viz.colorize"
-        else:
-            fix = (
-                "convert a normalized tensor with dualseg.viz.denormalize, a 0..1 float image "
-                "with (x * 255).round().astype(np.uint8)"
-            )
+        fix = (
+            "a label map? colourize it first with dualseg.viz.colorize"
+            if img.ndim == 2 and np.issubdtype(img.dtype, np.integer)
+            else "dualseg.viz.denormalize a normalized tensor, or convert a 0..1 float image"
+        )
         raise TypeError(f"image must be uint8 (got {img.dtype} {img.shape}); {fix}")
     if img.ndim == 2:
         img = np.repeat(img[:, :, None], 3, axis=2)
@@ -98,14 +92,12 @@ def overlay(
     """``(1 - alpha) * image + alpha * colorize(label)``; ignore pixels keep the image."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    img = _rgb(image)
-    lab = _numpy(label)
+    img, lab = _rgb(image), _numpy(label)
     if img.shape[:2] != lab.shape:
         raise ValueError(f"image {img.shape[:2]} and label {lab.shape} sizes differ")
     col = colorize(lab, palette, ignore_index=ignore_index).astype(np.float32)
     out = img.astype(np.float32)
-    keep = (lab != ignore_index)[:, :, None]
-    out = np.where(keep, (1.0 - alpha) * out + alpha * col, out)
+    out = np.where((lab != ignore_index)[:, :, None], (1.0 - alpha) * out + alpha * col, out)
     return np.clip(np.rint(out), 0, 255).astype(np.uint8)
 
 

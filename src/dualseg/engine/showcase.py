@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from collections.abc import Iterator
@@ -32,14 +31,8 @@ DEMO_FILES = ("metrics.json", "refiner.pt", "panel.png", "predictions")  # besid
 
 
 def is_demo_folder(out: Path) -> bool:
-    """Whether ``out`` holds :data:`DEMO_MARKER` or a demo's ``metrics.json``."""
-    if (out / DEMO_MARKER).is_file():
-        return True
-    try:
-        record = json.loads((out / "metrics.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and {"baselines", "dataset", "metrics"} <= set(record)
+    """Whether ``out`` holds :data:`DEMO_MARKER`."""
+    return (out / DEMO_MARKER).is_file()
 
 
 def check_out_dir(out: Path, *, overwrite: bool) -> None:
@@ -50,19 +43,9 @@ def check_out_dir(out: Path, *, overwrite: bool) -> None:
         return
     foreign = [p.name for p in run_files(out)] + [n for n in DEMO_FILES if (out / n).exists()]
     if foreign:
-        names = ", ".join(foreign[:4]) + (" ..." if len(foreign) > 4 else "")
         raise RunExistsError(
-            f"--out {out} holds files dualseg demo did not write ({names}), which the demo "
-            "would replace; choose another --out, or pass --overwrite to replace them"
-        )
-
-
-def check_data_folder(out: Path, *, own: bool) -> None:
-    """Refuse a new ``--out`` whose ``data/`` holds files the generator did not write."""
-    if not own and holds_foreign_files(out / "data"):
-        raise DataError(
-            f"--out {out}: its data/ folder holds files dualseg demo did not write (no "
-            f"{STAMP_FILE}); choose another --out, or pass --overwrite to replace them"
+            f"--out {out} holds files dualseg demo did not write ({', '.join(foreign[:4])}); "
+            "choose another --out, or pass --overwrite to replace them"
         )
 
 
@@ -70,10 +53,7 @@ def mark_demo_folder(out: Path) -> None:
     """Create ``out``, write :data:`DEMO_MARKER`, and remove an earlier demo's figures: they
     describe a model this run replaces."""
     out.mkdir(parents=True, exist_ok=True)
-    note = "this folder is dualseg demo's output; a re-run of the demo replaces it"
-    atomic_write_json(
-        out / DEMO_MARKER, {"written_by": "dualseg demo", "version": __version__, "note": note}
-    )
+    atomic_write_json(out / DEMO_MARKER, {"written_by": "dualseg demo", "version": __version__})
     for name in DEMO_FILES:
         path = out / name
         shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
@@ -104,14 +84,17 @@ def demo_folder(
     the demo's and yield the dataset root and its classes (synthetic data generated there)."""
     check_out_dir(out, overwrite=overwrite)
     check_not_in_use(out)
-    own = overwrite or (out.is_dir() and is_demo_folder(out))
+    own = overwrite or is_demo_folder(out)
     source = dict(preset=preset, layout=layout, split=train_split, out=out, n_train=n_train,
                   n_val=n_val, size=size, seed=seed)  # fmt: skip
     if data is not None:
         root, meta = demo_data(data, replace=False, **source)
         check_splits_differ(root, meta, layout=layout, train=train_split, val=val_split)
-    else:
-        check_data_folder(out, own=own)
+    elif not own and holds_foreign_files(out / "data"):
+        raise DataError(
+            f"--out {out}: its data/ folder holds files dualseg demo did not write (no "
+            f"{STAMP_FILE}); choose another --out, or pass --overwrite to replace them"
+        )
     with hold_run_folder(out):  # one run writes the folder at a time
         mark_demo_folder(out)
         if data is None:
@@ -128,10 +111,8 @@ def check_splits_differ(root: Path, meta: Any, *, layout: str, train: str, val: 
 
     if samples(val) == samples(train):
         raise ConfigError(
-            f"--data {root}: split {val!r} is the same images as split {train!r} (a flat "
-            "images/ folder serves every split), so the demo would score what it trained on; "
-            "give it a root with train and val splits (ROOT/train/images and ROOT/val/images, "
-            "or list files) and --val-split NAME"
+            f"--data {root}: split {val!r} is the same images as split {train!r}; give it a "
+            "root with train and val splits (ROOT/train/images and ROOT/val/images) and --val-split"
         )
 
 
@@ -143,10 +124,7 @@ def demo_weights(arch: str, weights: str) -> str | None:
     if weights.lower() != "imagenet":
         if not Path(weights).is_file():
             where = "is a folder, not a file" if Path(weights).is_dir() else "does not exist"
-            raise ConfigError(
-                f"--weights {weights} {where}; pass a backbone state-dict file (.pth), "
-                "imagenet or none"
-            )
+            raise ConfigError(f"--weights {weights} {where}; pass a .pth file, imagenet or none")
         return weights
     backbone = backbone_of(arch)
     try:
@@ -177,23 +155,16 @@ class VisualWriter:
     def __call__(
         self, index: int, images: Tensor, labels: Tensor, pred: Tensor, refined: Tensor | None
     ) -> None:
-        self.refined_hook(index, images, labels, pred, refined)
+        palette = self.dataset.meta.palette
         for k in range(pred.shape[0]):
             i = index * self.batch_size + k  # the eval loader is not shuffled
             image, label = self.dataset.load_pair(i)  # the original pixels, for the overlays
             p = pred[k].cpu().numpy().astype(np.uint8)
-            write_outputs(self.out / "predictions", self.names[i], image, p,
-                          self.dataset.meta.palette)  # fmt: skip
+            write_outputs(self.out / "predictions", self.names[i], image, p, palette)
             if i < self.n_show:
                 self.shown.append((self.names[i], image, label, p))
-
-    def refined_hook(
-        self, index: int, images: Tensor, labels: Tensor, pred: Tensor, refined: Tensor | None
-    ) -> None:
-        """``on_batch`` of the evaluation with the refiner: keeps method B's labels to show."""
-        for k in range(pred.shape[0] if refined is not None else 0):
-            if (i := index * self.batch_size + k) < self.n_show:
-                self.refined[i] = refined[k].cpu().numpy().astype(np.uint8)  # type: ignore[index]
+                if refined is not None:
+                    self.refined[i] = refined[k].cpu().numpy().astype(np.uint8)
 
     def _row(self, i: int) -> np.ndarray:
         palette = self.dataset.meta.palette
