@@ -116,69 +116,31 @@ def sanity_warnings(metrics: dict[str, Any], class_names: Sequence[str]) -> list
     return out
 
 
-class _Timer:
-    """Milliseconds per image of each timed batch (CUDA work synchronized)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.ms = device, []
-
-    @contextlib.contextmanager
-    def time(self, images: int) -> Iterator[None]:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.ms.append(1000 * (time.perf_counter() - start) / max(images, 1))
-
-    def median(self) -> float:
-        return float(statistics.median(self.ms)) if self.ms else math.nan
+@contextlib.contextmanager
+def _timed(device: torch.device, ms: list[float], images: int) -> Iterator[None]:
+    """Time the block: milliseconds per image appended to ``ms`` (CUDA work synchronized)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
+    sync(device)
+    start = time.perf_counter()
+    yield
+    sync(device)
+    ms.append(1000 * (time.perf_counter() - start) / max(images, 1))
 
 
-class _RefineStep:
-    """Refine one batch and count changed / fixed / broke pixels against the base labels."""
+def _median(ms: list[float]) -> float:
+    return float(statistics.median(ms)) if ms else math.nan
 
-    def __init__(self, refiner: Refiner, shared: Any, scores: _Scores, ignore_index: int, device):
-        self.refiner, self.shared, self.scores = refiner, shared, scores
-        self.ignore_index, self.timer = ignore_index, _Timer(device)
-        # labelled pixels, changed, fixed, broke, images refined on the base's features
-        self.counts = torch.zeros(5, dtype=torch.int64, device=device)
 
-    def __call__(self, images: Tensor, logits: Tensor, pred: Tensor, labels: Tensor) -> Tensor:
-        with self.timer.time(images.shape[0]):
-            probs = logits.softmax(1)
-            if self.shared is not None:
-                kept = self.shared.take(images)  # None where they do not match
-                new, changed = self.refiner.refine(  # type: ignore[call-arg]
-                    images, probs, return_changed=True, features=kept
-                )
-                self.counts[4] += images.shape[0] if kept is not None else 0
-            else:
-                new, changed = self.refiner.refine(images, probs, return_changed=True)
-        # where the refiner does not relabel, keep exactly the labels scored as the base
-        # (argmax of logits and of softmax differ at float ties), so fixed/broke add up
-        new = torch.where(changed.to(pred.device).bool(), new.to(pred.device).long(), pred)
-        changed, valid = new != pred, labels != self.ignore_index
-        self.scores.update(new, labels)
-        was_right, is_right = pred == labels, new == labels
-        self.counts[0] += valid.sum()
-        self.counts[1] += (changed & valid).sum()
-        self.counts[2] += (changed & valid & ~was_right & is_right).sum()
-        self.counts[3] += (changed & valid & was_right & ~is_right).sum()
-        return new
-
-    def result(self) -> dict[str, Any]:
-        pixels, changed, fixed, broke, shared = (int(v) for v in self.counts)
-        return {
-            "pixels": pixels,
-            "changed": changed,
-            "changed_fraction": changed / pixels if pixels else 0.0,
-            "fixed": fixed,
-            "broke": broke,
-            "ms_per_image": self.timer.median(),
-            "shared_images": shared,  # images refined on the base's own backbone output
-        }
+def _refine(
+    refiner: Refiner, shared: Any, images: Tensor, logits: Tensor
+) -> tuple[Tensor, Tensor, int]:
+    """Method B's labels, where they changed, and 1 when refined on the base's features."""
+    probs = logits.softmax(1)
+    if shared is None:
+        return (*refiner.refine(images, probs, return_changed=True), 0)
+    kept = shared.take(images)  # None where they do not match
+    new, changed = refiner.refine(images, probs, return_changed=True, features=kept)  # type: ignore[call-arg]
+    return new, changed, int(kept is not None)
 
 
 @torch.no_grad()
@@ -215,24 +177,25 @@ def evaluate(
     """
     device = torch.device(device)
     opts = InferenceOptions(mode, window, stride, tta_scales, tta_flip, tile_batch)  # type: ignore[arg-type]
-    scores = [_Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)]
+    scores = [_Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)
+              for _ in range(1 if refiner is None else 2)]  # fmt: skip
     share = getattr(refiner, "shared_features", None)
     taps = getattr(refiner, "taps", None) is not None  # reads the base's forward in any mode
-    plain = mode == "whole" and not amp and not opts.uses_tta
+    plain = opts.mode == "whole" and not amp and not opts.uses_tta
     shared = share(model) if share is not None and (plain or taps) else None
-    step = None
-    if refiner is not None:
-        scores.append(_Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device))
-        step = _RefineStep(refiner, shared, scores[1], ignore_index, device)
-    timer = _Timer(device)
-    totals = torch.zeros(2, dtype=torch.float64, device=device)  # images, loss sum
+    ms: list[float] = []
+    refine_ms: list[float] = []
+    # images, loss sum; labelled pixels, changed, fixed, broke, images refined on shared features
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    counts = torch.zeros(5, dtype=torch.int64, device=device)
     with eval_mode(model), shared if shared is not None else contextlib.nullcontext():
         for index, (images, labels) in enumerate(
             tqdm(loader, "eval", leave=False, disable=not progress)
         ):
             images = images.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True).long()
-            with timer.time(images.shape[0]):
+            n = images.shape[0]
+            with _timed(device, ms, n):
                 logits = infer_logits(model, images, amp=amp, **asdict(opts))
             if logits.shape[-2:] != labels.shape[-2:]:
                 logits = F.interpolate(
@@ -240,22 +203,38 @@ def evaluate(
                 )
             pred = logits.argmax(1)
             scores[0].update(pred, labels)  # range-checks the labels before the loss reads them
-            totals[0] += images.shape[0]
+            totals[0] += n
             totals[1] += F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
-            new = step(images, logits, pred, labels) if step is not None else None
+            new = None
+            if refiner is not None:
+                with _timed(device, refine_ms, n):
+                    new, changed, on_shared = _refine(refiner, shared, images, logits)
+                # where the refiner does not relabel, keep exactly the labels scored as the
+                # base (argmax of logits and of softmax differ at float ties)
+                new = torch.where(changed.to(device).bool(), new.to(device).long(), pred)
+                scores[1].update(new, labels)
+                changed, valid = new != pred, labels != ignore_index
+                was_right, is_right = pred == labels, new == labels
+                counts += torch.stack([valid.sum(), (changed & valid).sum(),
+                                       (changed & valid & ~was_right & is_right).sum(),
+                                       (changed & valid & was_right & ~is_right).sum(),
+                                       torch.tensor(n * on_shared, device=device)])  # fmt: skip
             if on_batch is not None:
                 on_batch(index, images, labels, pred, new)
     if distributed:
-        for t in (totals, *(x for s in scores for x in (s.cm.mat, s.bm.state)),
-                  *([step.counts] if step is not None else [])):  # fmt: skip
+        for t in (totals, counts, *(x for s in scores for x in (s.cm.mat, s.bm.state))):
             dist.all_reduce(t)
     result = scores[0].compute()
     labelled = int(scores[0].cm.mat.sum())
     loss = float(totals[1]) / labelled if labelled else math.nan
-    result.update(num_images=int(totals[0]), ms_per_image=timer.median(), loss=loss)
-    if step is not None:
+    result.update(num_images=int(totals[0]), ms_per_image=_median(ms), loss=loss)
+    if refiner is not None:
+        pixels, changed, fixed, broke, on_shared = (int(v) for v in counts)
         result["refined"] = scores[1].compute()
-        result["refine"] = step.result()
+        result["refine"] = {"pixels": pixels, "changed": changed,
+                            "changed_fraction": changed / pixels if pixels else 0.0,
+                            "fixed": fixed, "broke": broke, "ms_per_image": _median(refine_ms),
+                            "shared_images": on_shared}  # fmt: skip
     return result
 
 

@@ -30,65 +30,27 @@ DEMO_MARKER = "demo.json"  # written into --out first: what marks the folder as 
 DEMO_FILES = ("metrics.json", "refiner.pt", "panel.png", "predictions")  # besides the run's
 
 
-def is_demo_folder(out: Path) -> bool:
-    """Whether ``out`` holds :data:`DEMO_MARKER`."""
-    return (out / DEMO_MARKER).is_file()
-
-
-def check_out_dir(out: Path, *, overwrite: bool) -> None:
-    """Refuse an ``--out`` the demo cannot write, or one holding files it did not write but
-    would replace (unless ``overwrite``); nothing is changed."""
-    check_writable(out, kind="dir", what="--out")
-    if overwrite or not out.is_dir() or is_demo_folder(out):
-        return
-    foreign = [p.name for p in run_files(out)] + [n for n in DEMO_FILES if (out / n).exists()]
-    if foreign:
-        raise RunExistsError(
-            f"--out {out} holds files dualseg demo did not write ({', '.join(foreign[:4])}); "
-            "choose another --out, or pass --overwrite to replace them"
-        )
-
-
-def mark_demo_folder(out: Path) -> None:
-    """Create ``out``, write :data:`DEMO_MARKER`, and remove an earlier demo's figures: they
-    describe a model this run replaces."""
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / DEMO_MARKER, {"written_by": "dualseg demo", "version": __version__})
-    for name in DEMO_FILES:
-        path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-
-
-def demo_data(
-    data: str | None, *, preset: str | None, layout: str, split: str, out: Path,
-    n_train: int, n_val: int, size: tuple[int, int], seed: int, replace: bool,
-) -> tuple[Path, Any]:  # fmt: skip
-    """The dataset root and its classes: ``data`` (its ``preset``, else what it says), or
-    synthetic data generated once into ``out/data`` and reused."""
-    if data is None:
-        root = make_synthetic_dataset(
-            out / "data", n_train=n_train, n_val=n_val, size=size, seed=seed, replace=replace
-        )
-        return Path(root), get_preset("synthetic")
-    if preset is not None:
-        return Path(data), preset_for(data, preset)
-    return Path(data), resolve_meta(data, discover(data, split=split, layout=layout).layout, None)
-
-
 @contextmanager
 def demo_folder(
     out: Path, data: str | None, *, overwrite: bool, preset: str | None, layout: str,
     train_split: str, val_split: str, n_train: int, n_val: int, size: tuple[int, int], seed: int,
 ) -> Iterator[tuple[Path, Any]]:  # fmt: skip
     """Check ``out`` and the data before anything is written, then hold ``out``, mark it as
-    the demo's and yield the dataset root and its classes (synthetic data generated there)."""
-    check_out_dir(out, overwrite=overwrite)
+    the demo's and yield the dataset root and its classes: ``data`` (its ``preset``, else
+    what it says), or synthetic data generated once into ``out/data`` and reused."""
+    check_writable(out, kind="dir", what="--out")
+    own = overwrite or (out / DEMO_MARKER).is_file()
+    foreign = [p.name for p in run_files(out)] + [n for n in DEMO_FILES if (out / n).exists()]
+    if not own and out.is_dir() and foreign:
+        raise RunExistsError(
+            f"--out {out} holds files dualseg demo did not write ({', '.join(foreign[:4])}); "
+            "choose another --out, or pass --overwrite to replace them"
+        )
     check_not_in_use(out)
-    own = overwrite or is_demo_folder(out)
-    source = dict(preset=preset, layout=layout, split=train_split, out=out, n_train=n_train,
-                  n_val=n_val, size=size, seed=seed)  # fmt: skip
     if data is not None:
-        root, meta = demo_data(data, replace=False, **source)
+        root = Path(data)
+        meta = preset_for(data, preset) if preset is not None else resolve_meta(
+            data, discover(data, split=train_split, layout=layout).layout, None)  # fmt: skip
         check_splits_differ(root, meta, layout=layout, train=train_split, val=val_split)
     elif not own and holds_foreign_files(out / "data"):
         raise DataError(
@@ -96,9 +58,15 @@ def demo_folder(
             f"{STAMP_FILE}); choose another --out, or pass --overwrite to replace them"
         )
     with hold_run_folder(out):  # one run writes the folder at a time
-        mark_demo_folder(out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / DEMO_MARKER, {"written_by": "dualseg demo", "version": __version__})
+        for name in DEMO_FILES:  # an earlier demo's: they describe a model this run replaces
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         if data is None:
-            root, meta = demo_data(None, replace=own, **source)
+            root = Path(make_synthetic_dataset(out / "data", n_train=n_train, n_val=n_val,
+                                               size=size, seed=seed, replace=own))  # fmt: skip
+            meta = get_preset("synthetic")
         yield root, meta
 
 
