@@ -67,7 +67,7 @@ class InferenceOptions:
     """How to run a model on an image; the defaults are dualseg's defaults.
 
     ``window``/``stride``: tile size and step ``(H, W)`` of ``slide`` mode (stride ``None``:
-    two thirds of the window, rounded up). ``tta_scales``: resize factors averaged by TTA
+    two thirds of the window, rounded up, set here). ``tta_scales``: resize factors averaged by TTA
     (``(1.0,)``: none). ``tta_flip``: also average the mirrored image. ``tile_batch``: tiles per
     forward pass. Values are checked (and made ints / floats) here, once.
     """
@@ -104,6 +104,8 @@ class InferenceOptions:
                 f"--stride {stride[0]} {stride[1]} is larger than --window {window[0]} "
                 f"{window[1]}; use a stride of at most the window"
             )
+        if self.mode == "slide" and stride is None:  # two thirds of the window, rounded up
+            object.__setattr__(self, "stride", tuple(math.ceil(2 * w / 3) for w in window))
         lo, hi = TTA_SCALE_RANGE
         if not scales or not all(lo <= s <= hi for s in scales):  # NaN too
             shown = " ".join(str(s) for s in scales) or "none"
@@ -113,13 +115,6 @@ class InferenceOptions:
             )
 
     @property
-    def effective_stride(self) -> tuple[int, int]:
-        """``stride``, or two thirds of ``window`` (rounded up) when it is ``None``."""
-        if self.stride is not None:
-            return self.stride
-        return (math.ceil(2 * self.window[0] / 3), math.ceil(2 * self.window[1] / 3))
-
-    @property
     def uses_tta(self) -> bool:
         return self.tta_scales != (1.0,) or self.tta_flip
 
@@ -127,7 +122,7 @@ class InferenceOptions:
         """In words, e.g. ``sliding window 512x512, stride 342x342, TTA scales 1,1.5``."""
         text = "whole images"
         if self.mode == "slide":
-            (wh, ww), (sh, sw) = self.window, self.effective_stride
+            (wh, ww), (sh, sw) = self.window, self.stride
             text = f"sliding window {wh}x{ww}, stride {sh}x{sw}"
         if self.uses_tta:
             text += f", TTA scales {','.join(f'{s:g}' for s in self.tta_scales)}"
@@ -140,7 +135,7 @@ class InferenceOptions:
         return {
             "mode": self.mode,
             "window": list(self.window) if slide else None,
-            "stride": list(self.effective_stride) if slide else None,
+            "stride": list(self.stride) if slide else None,
             "tta_scales": list(self.tta_scales),
             "tta_flip": self.tta_flip,
         }
@@ -183,7 +178,7 @@ def _run(model: Model, images: Tensor, opts: InferenceOptions, amp: bool) -> Ten
     b, _, h, w = images.shape
     if opts.mode == "whole":
         return _forward(model, images, amp)
-    ys, xs, (th, tw) = slide_tiles((h, w), opts.window, opts.effective_stride)
+    ys, xs, (th, tw) = slide_tiles((h, w), opts.window, opts.stride)
     if len(ys) == len(xs) == 1:  # the image fits in the window
         return _forward(model, images, amp)
     jobs = [(i, y, x) for y in ys for x in xs for i in range(b)]  # every (image, tile) pair
