@@ -272,17 +272,12 @@ def curves_figure(
     for g, (ax, group) in enumerate(zip(axes, groups)):
         plotted = 0
         for key in group:
-            xs, ys = [], []
-            for i, h in enumerate(history):
-                v = h.get(key)
-                x = i if x_key is None else h.get(x_key)
-                if v is None or x is None or not math.isfinite(float(v)):
-                    continue
-                xs.append(float(x))
-                ys.append(float(v) * scale.get(key, 1.0))
-            if xs:
-                marker = "." if len(xs) < 30 else None
-                ax.plot(xs, ys, marker=marker, label=names.get(key, key))
+            at = [(i if x_key is None else h.get(x_key), h.get(key)) for i, h in enumerate(history)]
+            pts = [(float(x), float(v) * scale.get(key, 1.0)) for x, v in at
+                   if x is not None and v is not None and math.isfinite(float(v))]  # fmt: skip
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=names.get(key, key))
                 plotted += 1
         if not plotted:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
