@@ -148,14 +148,6 @@ def _scale_low_bit_key(im: Image.Image) -> None:
         im.info["transparency"] = key * (255 // (2 ** int(rawmode[2]) - 1))
 
 
-def _key_fits_8_bits(im: Image.Image) -> bool:
-    """Whether an L/RGB image's colour key is on its 8-bit pixels' scale (a 16-bit PNG's is not)."""
-    key = im.info["transparency"]
-    values = key if isinstance(key, tuple) else (key,)
-    ok = all(isinstance(v, int) and 0 <= v <= 255 for v in values)
-    return ok and im.info.get("bits") in (None, 8)
-
-
 def image_to_rgb(
     im: Image.Image, source: str | Path, *, bit_depth: int | None = None
 ) -> np.ndarray:
@@ -169,16 +161,22 @@ def image_to_rgb(
             f"{source}: unreadable, truncated or closed image, or unreadable EXIF orientation "
             f"({err}); re-save it (without EXIF) or replace it"
         ) from err
-    has_key = "transparency" in im.info
+    key = im.info.get("transparency")
+    has_key = key is not None
+    # a colour key on the 8-bit pixels' scale (a 16-bit PNG's is not) makes keyed pixels alpha 0
+    keys = key if isinstance(key, tuple) else (key,)
+    fits = all(isinstance(v, int) and 0 <= v <= 255 for v in keys) and im.info.get("bits") in (
+        None,
+        8,
+    )
     if im.mode == "P":
         im = im.convert("RGBA" if has_key else "RGB")
-    elif has_key and im.mode in ("L", "RGB") and _key_fits_8_bits(im):
-        im = im.convert("LA" if im.mode == "L" else "RGBA")  # keyed pixels become alpha 0
+    elif has_key and im.mode in ("L", "RGB") and fits:
+        im = im.convert("LA" if im.mode == "L" else "RGBA")
     elif has_key:  # a key Pillow cannot match against the pixels it returns
         raise DataError(
             f"{source}: has a transparency colour key (PNG tRNS) at {im.mode} that cannot be "
-            "read reliably; flatten it onto a background (or drop the key) and save it as 8-bit "
-            "RGB"
+            "read reliably; flatten it onto a background and save it as 8-bit RGB"
         )
     elif im.mode in {"CMYK", "YCbCr", "LAB", "HSV", "PA"}:
         im = im.convert("RGBA" if im.mode == "PA" else "RGB")

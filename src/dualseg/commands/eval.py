@@ -48,11 +48,12 @@ from dualseg.engine.outputs import (
     PredictionWriter,
     check_eval_outputs,
     default_out,
+    mixed_size_batch,
     write_figures,
 )
 from dualseg.engine.preflight import scored_classes_note
 from dualseg.engine.pretrained import load_network
-from dualseg.errors import DualsegError
+from dualseg.errors import DataError, DualsegError
 from dualseg.io import atomic_write_json
 from dualseg.metrics import BOUNDARY_TOLERANCE, MAX_WIDTH, TRIMAP_WIDTH, to_jsonable
 from dualseg.refine import BoundaryRefiner
@@ -197,6 +198,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         max_megapixels=args.max_megapixels, val_fraction=_held_out_fraction(args, trained),
     )  # fmt: skip
     _warn_training_images(args, dataset, ckpt)
+    if args.batch_size > 1 and (mixed := mixed_size_batch(dataset.samples, args.batch_size)):
+        raise DataError(f"{mixed}; use --batch-size 1 (eval runs each image at its own size)")
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=args.batch_size, shuffle=False, num_workers=args.workers,
         pin_memory=device.type == "cuda",

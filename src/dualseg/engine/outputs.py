@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from dualseg import viz
 from dualseg.data.datasets import available_splits, discover
 from dualseg.errors import DataError, OutputError
+from dualseg.imaging import exif_orientation
 from dualseg.io import atomic_save_image, atomic_write_bytes, check_writable, label_png
 
 # what folder and glob inputs pick up: every format the image readers open (a file named
@@ -316,6 +318,29 @@ class PredictionWriter:
             with contextlib.suppress(OSError):  # a folder this evaluation made, now empty
                 folder.rmdir()
         return len(self.created)
+
+
+def mixed_size_batch(samples: list, batch_size: int) -> str | None:
+    """The first batch of ``samples`` (loader order) whose images differ in size, from the file
+    headers (EXIF rotation included), in a line; found before any prediction is written."""
+
+    def size(path: str) -> tuple[int, int] | None:
+        try:
+            with Image.open(path) as im:
+                w, h = im.size
+                return (w, h) if exif_orientation(im, path) < 5 else (h, w)
+        except Exception:  # unreadable: the run itself names the file
+            return None
+
+    for start in range(0, len(samples), batch_size):
+        sizes = [(img, s) for img, _ in samples[start : start + batch_size] if (s := size(img))]
+        if other := next(((img, s) for img, s in sizes if s != sizes[0][1]), None):
+            (a, (wa, ha)), (b, (wb, hb)) = sizes[0], other
+            return (
+                f"two images of one batch differ in size ({wa}x{ha} and {wb}x{hb} px: {a} and "
+                f"{b}), and images of different sizes cannot be batched"
+            )
+    return None
 
 
 def write_figures(out: Path, metrics: dict[str, Any], class_names: Any) -> list[Path]:
