@@ -112,11 +112,9 @@ def mark_changed(picture: Any, changed: Any, color: Sequence[int] = CHANGED_COLO
 
 
 def denormalize(
-    image: Any, mean: Sequence[float] | None = None, std: Sequence[float] | None = None
+    image: Any, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD
 ) -> np.ndarray:
     """Normalized ``[3, H, W]`` float image -> ``HxWx3`` uint8 RGB (ImageNet stats default)."""
-    mean = IMAGENET_MEAN if mean is None else mean
-    std = IMAGENET_STD if std is None else std
     x = _numpy(image).astype(np.float32)
     if x.ndim != 3 or x.shape[0] != len(mean):
         raise ValueError(f"expected a [{len(mean)}, H, W] image, got shape {x.shape}")
@@ -140,14 +138,11 @@ def _fit_title(draw: ImageDraw.ImageDraw, title: str, width: int) -> tuple[str, 
     """(text, font, width): the largest font (14 to 8) that fits, else cut with an ellipsis."""
     for size in range(14, 7, -1):
         font = _font(size)
-        tw = _text_width(draw, title, font)
-        if tw <= width:
+        if (tw := _text_width(draw, title, font)) <= width:
             return title, font, tw
-    text = title
-    while len(text) > 1 and _text_width(draw, text + "…", font) > width:
-        text = text[:-1]
-    text += "…"
-    return text, font, _text_width(draw, text, font)
+    while len(title) > 1 and _text_width(draw, title + "…", font) > width:
+        title = title[:-1]
+    return title + "…", font, _text_width(draw, title + "…", font)
 
 
 def make_legend(

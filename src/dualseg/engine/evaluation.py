@@ -238,6 +238,10 @@ def evaluate(
     return result
 
 
+def _finite(v: float | None) -> bool:
+    return v is not None and math.isfinite(v)
+
+
 def format_metrics(
     metrics: dict[str, Any], class_names: Sequence[str] | None = None, *,
     batch_size: int | None = None,
@@ -259,19 +263,17 @@ def format_metrics(
             f"refinement changed {c['changed']} of {c['pixels']} labelled pixels "
             f"({100 * c['changed_fraction']:.3f}%): {c['fixed']} fixed, {c['broke']} broke"
         )
-    base = metrics.get("majority_baseline_miou")
-    if base is not None and math.isfinite(base):
+    if _finite(base := metrics.get("majority_baseline_miou")):
         lines.append(
             f"mIoU {100 * metrics['miou']:.1f}% vs majority-class baseline {100 * base:.1f}%"
         )
-    ms = metrics.get("ms_per_image")
-    if ms is not None and math.isfinite(ms):
+    if _finite(ms := metrics.get("ms_per_image")):
         at = f", batch {batch_size}" if batch_size is not None else ""
         line = f"inference: {ms:.1f} ms/image (median{at})"
-        r_ms = (metrics.get("refine") or {}).get("ms_per_image")
-        if r_ms is not None and math.isfinite(r_ms):
+        refine = metrics.get("refine") or {}
+        if _finite(r_ms := refine.get("ms_per_image")):
             line += f", refinement: {r_ms:.1f} ms/image"
-            if shared := metrics["refine"].get("shared_images", 0):
+            if shared := refine.get("shared_images", 0):
                 line += f" (on the base's features for {shared} of {metrics['num_images']} images)"
         lines.append(line)
     return "\n".join(lines)

@@ -134,27 +134,23 @@ class VisualWriter:
                 if refined is not None:
                     self.refined[i] = refined[k].cpu().numpy().astype(np.uint8)
 
-    def _row(self, i: int) -> np.ndarray:
-        palette = self.dataset.meta.palette
-        name, image, label, p = self.shown[i]
-        tiles = [image, viz.colorize(label, palette), viz.colorize(p, palette)]
-        tiles.append(viz.overlay(image, p, palette))
-        titles = [name, "ground truth", "prediction", "overlay"]
-        if i in self.refined:
-            r = self.refined[i]
-            tiles.append(viz.mark_changed(viz.colorize(r, palette), r != p))
-            titles.append("method B (changed: magenta)")
-        return viz.make_panel(tiles, titles)
-
     def finish(self) -> dict[str, str]:
         """Write the panel; the figures' paths by name."""
-        meta = self.dataset.meta
+        meta, rows = self.dataset.meta, []
+        for i, (name, image, label, p) in enumerate(self.shown):
+            tiles = [image, viz.colorize(label, meta.palette), viz.colorize(p, meta.palette),
+                     viz.overlay(image, p, meta.palette)]  # fmt: skip
+            titles = [name, "ground truth", "prediction", "overlay"]
+            if (r := self.refined.get(i)) is not None:
+                tiles.append(viz.mark_changed(viz.colorize(r, meta.palette), r != p))
+                titles.append("method B (changed: magenta)")
+            rows.append(viz.make_panel(tiles, titles))
         figures = {"predictions": str(self.out / "predictions")}
-        if rows := [self._row(i) for i in range(len(self.shown))]:
+        if rows:
             width = max(r.shape[1] for r in rows)
+            rows = [np.pad(r, ((0, 0), (0, width - r.shape[1]), (0, 0)), constant_values=255)
+                    for r in rows]  # fmt: skip
             legend = viz.make_legend(meta.class_names, meta.palette, width=width)
-            pad = [((0, 0), (0, width - r.shape[1]), (0, 0)) for r in rows]
-            rows = [np.pad(r, w, constant_values=255) for r, w in zip(rows, pad)]
             atomic_save_image(self.out / "panel.png", np.concatenate([*rows, legend], axis=0))
             figures["panel"] = str(self.out / "panel.png")
         if (self.out / "curves.png").is_file():  # written by fit() at the end of training
