@@ -55,14 +55,16 @@ def _label_tensors(
             f"pred and target shapes differ: {tuple(pred.shape)} vs {tuple(target.shape)}"
         )
     valid = target != ignore_index
-    for values, what in ((target, "ground-truth"), (pred, "predicted")):
-        bad = valid & ((values < 0) | (values >= num_classes))
-        if bool(bad.any()):
-            shown = torch.unique(values[bad]).tolist()[:10]
-            raise ValueError(
-                f"{what} values {shown} are outside [0, {num_classes}) and not the ignore index "
-                f"{ignore_index}"
-            )
+    bad_t = valid & ((target < 0) | (target >= num_classes))
+    bad_p = valid & ((pred < 0) | (pred >= num_classes))
+    if bool((bad_t | bad_p).any()):  # one host sync when all is well
+        values, bad, what = (
+            (target, bad_t, "ground-truth") if bad_t.any() else (pred, bad_p, "predicted")
+        )
+        raise ValueError(
+            f"{what} values {torch.unique(values[bad]).tolist()[:10]} are outside "
+            f"[0, {num_classes}) and not the ignore index {ignore_index}"
+        )
     return pred, target
 
 
