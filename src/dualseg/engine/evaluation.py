@@ -143,6 +143,36 @@ def _refine(
     return new, changed, int(kept is not None)
 
 
+def _changes(new: Tensor, pred: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
+    """Labelled pixels, and those refinement changed, fixed and broke."""
+    changed, valid = new != pred, labels != ignore_index
+    was_right, is_right = pred == labels, new == labels
+    return torch.stack([valid.sum(), (changed & valid).sum(),
+                        (changed & valid & ~was_right & is_right).sum(),
+                        (changed & valid & was_right & ~is_right).sum()])  # fmt: skip
+
+
+def _shared_features(refiner: Any, model: nn.Module, opts: InferenceOptions, amp: bool) -> Any:
+    """The refiner's hold on the base's backbone output, where it sees the same forward."""
+    share = getattr(refiner, "shared_features", None)
+    taps = getattr(refiner, "taps", None) is not None  # reads the base's forward in any mode
+    plain = opts.mode == "whole" and not amp and not opts.uses_tta
+    return share(model) if share is not None and (plain or taps) else None
+
+
+def _refine_record(counts: Tensor, ms: list[float]) -> dict[str, Any]:
+    pixels, changed, fixed, broke, shared = (int(v) for v in counts)
+    return {
+        "pixels": pixels,
+        "changed": changed,
+        "changed_fraction": changed / pixels if pixels else 0.0,
+        "fixed": fixed,
+        "broke": broke,
+        "ms_per_image": _median(ms),
+        "shared_images": shared,  # images refined on the base's own backbone output
+    }
+
+
 @torch.no_grad()
 def evaluate(
     model: nn.Module,
@@ -169,21 +199,17 @@ def evaluate(
     ``[B,3,H,W]`` images, int64 ``[B,H,W]`` labels (``ignore_index`` unlabelled); logits are
     resized to the labels (spec S4); ``mode`` ... ``tile_batch`` as in :func:`infer_logits`.
 
-    Returns the :mod:`dualseg.metrics` scores (fractions; per-class lists with NaN for absent
-    classes), ``confusion_matrix`` (rows: ground truth), ``majority_baseline_miou``,
-    ``num_images``, ``ms_per_image`` (median model time) and ``loss`` (pixel cross-entropy,
-    spec S33); with ``refiner`` also ``refined`` (the same scores) and ``refine`` (changed /
-    fixed / broke pixels, its ms per image). ``distributed``: counters summed over ranks.
+    Returns the :mod:`dualseg.metrics` scores (per-class lists, NaN for absent classes),
+    ``confusion_matrix`` (rows: ground truth), ``majority_baseline_miou``, ``num_images``,
+    ``ms_per_image`` (median) and ``loss`` (pixel cross-entropy, spec S33); with ``refiner``
+    also ``refined`` and ``refine`` (changed / fixed / broke pixels, its ms per image).
     """
     device = torch.device(device)
     opts = InferenceOptions(mode, window, stride, tta_scales, tta_flip, tile_batch)  # type: ignore[arg-type]
     scores = [_Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)
               for _ in range(1 if refiner is None else 2)]  # fmt: skip
-    share = getattr(refiner, "shared_features", None)
-    taps = getattr(refiner, "taps", None) is not None  # reads the base's forward in any mode
-    plain = opts.mode == "whole" and not amp and not opts.uses_tta
-    shared = share(model) if share is not None and (plain or taps) else None
-    ms: list[float] = []
+    shared = _shared_features(refiner, model, opts, amp)
+    ms: list[float] = []  # model, then refiner milliseconds per image of each batch
     refine_ms: list[float] = []
     # images, loss sum; labelled pixels, changed, fixed, broke, images refined on shared features
     totals = torch.zeros(2, dtype=torch.float64, device=device)
@@ -213,12 +239,8 @@ def evaluate(
                 # base (argmax of logits and of softmax differ at float ties)
                 new = torch.where(changed.to(device).bool(), new.to(device).long(), pred)
                 scores[1].update(new, labels)
-                changed, valid = new != pred, labels != ignore_index
-                was_right, is_right = pred == labels, new == labels
-                counts += torch.stack([valid.sum(), (changed & valid).sum(),
-                                       (changed & valid & ~was_right & is_right).sum(),
-                                       (changed & valid & was_right & ~is_right).sum(),
-                                       torch.tensor(n * on_shared, device=device)])  # fmt: skip
+                counts[:4] += _changes(new, pred, labels, ignore_index)
+                counts[4] += n * on_shared
             if on_batch is not None:
                 on_batch(index, images, labels, pred, new)
     if distributed:
@@ -229,12 +251,8 @@ def evaluate(
     loss = float(totals[1]) / labelled if labelled else math.nan
     result.update(num_images=int(totals[0]), ms_per_image=_median(ms), loss=loss)
     if refiner is not None:
-        pixels, changed, fixed, broke, on_shared = (int(v) for v in counts)
         result["refined"] = scores[1].compute()
-        result["refine"] = {"pixels": pixels, "changed": changed,
-                            "changed_fraction": changed / pixels if pixels else 0.0,
-                            "fixed": fixed, "broke": broke, "ms_per_image": _median(refine_ms),
-                            "shared_images": on_shared}  # fmt: skip
+        result["refine"] = _refine_record(counts, refine_ms)
     return result
 
 
