@@ -1,12 +1,8 @@
 """Inference on ordinary images: ``dualseg.load_model(path).predict(image)``.
 
-A :class:`Segmenter` wraps a trained network with what is needed to use it on raw pictures:
-the dataset description (class names, palette), input conversion (path, PIL image, numpy array
-or tensor -> normalized tensor), and the spec's S4 tail — softmax, bilinear resize to the
-original size, argmax. Images are run at their own resolution; a batch groups images of equal
-size, so the result for an image never depends on the other images in its batch (no padding).
-Sliding-window inference and test-time augmentation are keyword options of every ``predict*``
-method (:mod:`dualseg.engine.inference`).
+A :class:`Segmenter` is a trained network with its dataset description and the spec's S4 tail
+(softmax, bilinear resize to the original size, argmax). Images run at their own resolution;
+a batch groups images of one size, so an image's result never depends on the others.
 """
 
 from __future__ import annotations
