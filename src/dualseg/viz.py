@@ -306,12 +306,6 @@ def save_curves(
     save_figure(fig, path)
 
 
-def _names_fit(class_names: Sequence[str], count: int) -> list[str]:
-    if len(class_names) != count:
-        raise ValueError(f"{len(class_names)} class names for {count} classes")
-    return [str(n) for n in class_names]
-
-
 def confusion_matrix_figure(
     matrix: Any, class_names: Sequence[str], *, title: str | None = None
 ) -> Any:
@@ -320,7 +314,8 @@ def confusion_matrix_figure(
     if counts.ndim != 2 or counts.shape[0] != counts.shape[1]:
         raise ValueError(f"a confusion matrix must be [C, C], got shape {counts.shape}")
     c = counts.shape[0]
-    names = _names_fit(class_names, c)
+    if len(class_names) != c:
+        raise ValueError(f"{len(class_names)} class names for {c} classes")
     rows = counts.sum(1, keepdims=True)
     share = np.divide(100 * counts, rows, out=np.full_like(counts, np.nan), where=rows > 0)
 
@@ -334,10 +329,9 @@ def confusion_matrix_figure(
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="% of the ground-truth row")
     ticks = np.arange(c)
     font = max(4, 10 - c // 10)
-    ax.set_xticks(ticks, names, rotation=45, ha="right", fontsize=font)
-    ax.set_yticks(ticks, names, fontsize=font)
-    ax.set_xlabel("predicted class")
-    ax.set_ylabel("ground-truth class")
+    ax.set_xticks(ticks, [str(n) for n in class_names], rotation=45, ha="right", fontsize=font)
+    ax.set_yticks(ticks, [str(n) for n in class_names], fontsize=font)
+    ax.set(xlabel="predicted class", ylabel="ground-truth class")
     if c <= 30:
         for i, j in zip(*np.nonzero(np.nan_to_num(share) > 0)):  # empty cells stay blank
             v = share[i, j]
@@ -369,7 +363,6 @@ def class_iou_figure(
     if not series:
         raise ValueError("save_class_iou needs at least one series")
     c = len(class_names)
-    names = _names_fit(class_names, c)
     fig = _figure(max(6.0, 0.6 * c * max(1, len(series)) ** 0.5 + 2), 4.5)
     ax = fig.subplots()
     width = 0.8 / len(series)
@@ -382,11 +375,9 @@ def class_iou_figure(
         bars = ax.bar(pos, np.nan_to_num(v), width, label=label)
         ax.bar_label(bars, labels=["n/a" if np.isnan(a) else f"{a:.1f}" for a in v],
                      fontsize=6, rotation=90 if c > 12 else 0, padding=2)  # fmt: skip
-    ax.set_xticks(x, names, rotation=45 if c > 6 else 0, ha="right" if c > 6 else "center")
-    ax.set_ylim(0, 110)
-    ax.set_ylabel("IoU (%)")
-    ax.set_xlabel("class")
-    ax.set_title(title or "per-class IoU")
+    ax.set_xticks(x, [str(n) for n in class_names], rotation=45 if c > 6 else 0,
+                  ha="right" if c > 6 else "center")  # fmt: skip
+    ax.set(ylim=(0, 110), ylabel="IoU (%)", xlabel="class", title=title or "per-class IoU")
     if len(series) > 1:
         ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
