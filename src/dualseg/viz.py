@@ -276,10 +276,8 @@ def curves_figure(
                 plotted += 1
         if not plotted:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-        ax.set_xlabel(x_key or "point")
-        if ylabels is not None and ylabels[g]:
-            ax.set_ylabel(ylabels[g])
-        ax.set_title(", ".join(names.get(k, k) for k in group))
+        ax.set(xlabel=x_key or "point", title=", ".join(names.get(k, k) for k in group))
+        ax.set_ylabel((ylabels or [""] * len(groups))[g] or "")
         ax.grid(True, alpha=0.3)
         if plotted and len(group) > 1:
             ax.legend()
