@@ -74,8 +74,7 @@ def _load(
             if max_megapixels is not None and w * h > max_megapixels * 1e6:
                 raise ImageTooLargeError(
                     f"{said} {w}x{h} = {w * h / 1e6:.1f} megapixels, over the limit of "
-                    f"{max_megapixels:g} megapixels (--max-megapixels); raise it or downscale "
-                    "the image"
+                    f"{max_megapixels:g} megapixels (--max-megapixels); raise it or downscale it"
                 )
             _scale_low_bit_key(im)
             im.load()  # truncated / corrupt files fail here, not later
@@ -83,37 +82,26 @@ def _load(
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
         raise ImageTooLargeError(
-            f"{said} over Pillow's decompression-bomb limit of "
-            f"{pillow_max_pixels() / 1e6:.1f} megapixels; pass --max-megapixels N to read it "
-            "(or downscale it)"
+            f"{said} over Pillow's decompression-bomb limit of {pillow_max_pixels() / 1e6:.1f} "
+            "megapixels; pass --max-megapixels N to read it (or downscale it)"
         ) from err
     except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, ...
         if isinstance(err, UnidentifiedImageError) and formats:  # its text: a BytesIO's repr
-            raise DataError(
-                f"{said} not an image in a supported format ({', '.join(formats)}); upload one "
-                "of those"
-            ) from err
-        raise DataError(
-            f"{said} an unreadable or truncated image ({err}); re-export or replace it"
-        ) from err
-    frames = int(getattr(im, "n_frames", 1) or 1)
-    if frames > 1:  # only the first frame would be read, silently
-        raise DataError(
-            f"{source}: has {frames} frames (pages); dualseg reads single images: save the "
-            "frame to segment as its own file"
-        )
+            raise DataError(f"{said} not an image of {', '.join(formats)}") from err
+        raise DataError(f"{said} an unreadable or truncated image ({err}); replace it") from err
+    if (frames := int(getattr(im, "n_frames", 1) or 1)) > 1:  # else the first, silently
+        raise DataError(f"{source}: has {frames} frames (pages); save the one to segment alone")
     return im
 
 
 def drop_opaque_alpha(array: np.ndarray, source: str | Path) -> np.ndarray:
     """``array`` without its last (alpha) channel; transparent pixels raise DataError."""
-    unsigned = np.issubdtype(array.dtype, np.unsignedinteger)
-    opaque = float(np.iinfo(array.dtype).max) if unsigned else 255.0
-    opaque = 1.0 if np.issubdtype(array.dtype, np.floating) else opaque
+    kind = array.dtype
+    opaque = 1.0 if kind.kind == "f" else float(np.iinfo(kind).max) if kind.kind == "u" else 255.0
     if array.size and array[..., -1].min() < opaque:
         raise DataError(
             f"{source}: has transparent pixels (alpha < {opaque:g}), so the colour under them is "
-            "undefined; flatten it onto a background (or save it without alpha) and try again"
+            "undefined; flatten it onto a background (or save it without alpha)"
         )
     return array[..., :-1]
 
@@ -147,9 +135,7 @@ def exif_orientation(im: Image.Image, source: str | Path) -> int:
     try:
         value = im.getexif().get(0x0112, 1)
     except Exception as err:  # a malformed EXIF block: Pillow raises various types
-        raise DataError(
-            f"{source}: unreadable EXIF orientation ({err}); re-save the image without EXIF"
-        ) from err
+        raise DataError(f"{source}: unreadable EXIF orientation ({err}); re-save it") from err
     return value if isinstance(value, int) and 2 <= value <= 8 else 1
 
 
@@ -160,14 +146,6 @@ def _scale_low_bit_key(im: Image.Image) -> None:
     key = im.info.get("transparency")
     if isinstance(rawmode, str) and rawmode in ("L;2", "L;4") and isinstance(key, int):
         im.info["transparency"] = key * (255 // (2 ** int(rawmode[2]) - 1))
-
-
-def _key_fits_8_bits(im: Image.Image) -> bool:
-    """Whether an L/RGB image's colour key is on its 8-bit pixels' scale (a 16-bit PNG's is not)."""
-    key = im.info["transparency"]
-    values = key if isinstance(key, tuple) else (key,)
-    ok = all(isinstance(v, int) and 0 <= v <= 255 for v in values)
-    return ok and im.info.get("bits") in (None, 8)
 
 
 def image_to_rgb(
@@ -183,16 +161,22 @@ def image_to_rgb(
             f"{source}: unreadable, truncated or closed image, or unreadable EXIF orientation "
             f"({err}); re-save it (without EXIF) or replace it"
         ) from err
-    has_key = "transparency" in im.info
+    key = im.info.get("transparency")
+    has_key = key is not None
+    # a colour key on the 8-bit pixels' scale (a 16-bit PNG's is not) makes keyed pixels alpha 0
+    keys = key if isinstance(key, tuple) else (key,)
+    fits = all(isinstance(v, int) and 0 <= v <= 255 for v in keys) and im.info.get("bits") in (
+        None,
+        8,
+    )
     if im.mode == "P":
         im = im.convert("RGBA" if has_key else "RGB")
-    elif has_key and im.mode in ("L", "RGB") and _key_fits_8_bits(im):
-        im = im.convert("LA" if im.mode == "L" else "RGBA")  # keyed pixels become alpha 0
+    elif has_key and im.mode in ("L", "RGB") and fits:
+        im = im.convert("LA" if im.mode == "L" else "RGBA")
     elif has_key:  # a key Pillow cannot match against the pixels it returns
         raise DataError(
             f"{source}: has a transparency colour key (PNG tRNS) at {im.mode} that cannot be "
-            "read reliably; flatten it onto a background (or drop the key) and save it as 8-bit "
-            "RGB"
+            "read reliably; flatten it onto a background and save it as 8-bit RGB"
         )
     elif im.mode in {"CMYK", "YCbCr", "LAB", "HSV", "PA"}:
         im = im.convert("RGBA" if im.mode == "PA" else "RGB")
@@ -229,8 +213,7 @@ def _wide_to_8_bit(
         wide = "32-bit integer" if mode == "I" else "16-bit"
         raise DataError(
             f"{source}: {wide} image whose values all lie in 0..255: 8-bit or 16-bit data "
-            "is unknown (read as 16-bit it is black); pass --bit-depth 8, or save it as 8-bit "
-            "RGB (or grayscale)"
+            "is unknown; pass --bit-depth 8, or save it as 8-bit"
         )
     if bit_depth is not None and not 8 <= bit_depth <= 16:
         raise DataError(f"bit_depth {bit_depth}: give the bits per sample, 8 to 16")
@@ -292,18 +275,11 @@ def normalize(
     std: Sequence[float] | np.ndarray = IMAGENET_STD,
 ) -> np.ndarray:
     """uint8 ``HxWx3`` arrays of one size -> float32 ``[B,3,H,W]``, ``(x / 255 - mean) / std``."""
-    for a in arrays:
-        if not isinstance(a, np.ndarray) or a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3:
-            what = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-            raise DataError(
-                f"normalize takes uint8 HxWx3 RGB arrays, got {what}; read images with "
-                "dualseg.imaging.as_rgb (any image, path or array to uint8 HxWx3)"
-            )
+    if not all(isinstance(a, np.ndarray) and a.dtype == np.uint8 and a.shape[2:] == (3,)
+               and a.ndim == 3 for a in arrays):  # fmt: skip
+        raise DataError("normalize takes uint8 HxWx3 RGB arrays; read images with as_rgb")
     if len({a.shape for a in arrays}) > 1:
-        raise DataError(
-            f"normalize stacks arrays of one size, got {sorted({a.shape for a in arrays})}; "
-            "normalize each size apart"
-        )
+        raise DataError("normalize stacks arrays of one size; normalize each size apart")
     x = np.stack(arrays).astype(np.float32).transpose(0, 3, 1, 2) / 255.0
     m = np.asarray(mean, np.float32).reshape(1, -1, 1, 1)
     s = np.asarray(std, np.float32).reshape(1, -1, 1, 1)

@@ -34,29 +34,22 @@ __all__ = [
 def _label_tensors(
     pred: Any, target: Any, num_classes: int, ignore_index: int, device: torch.device
 ) -> tuple[Tensor, Tensor]:
-    """``pred`` and ``target`` as checked tensors on ``device``, widened to int64 when
-    ``ignore_index`` does not fit their dtype (uint8 would read -1 as 255)."""
+    """``pred`` and ``target`` as checked int64 tensors on ``device`` (numpy arrays too)."""
 
     def tensor(x: Any, name: str) -> Tensor:
-        if isinstance(x, np.ndarray):
-            if x.dtype.kind == "u" and x.dtype.itemsize > 1:  # torch has few uint16/32/64 ops
-                x = x.astype(np.int64)
-            elif not x.flags.writeable:  # torch warns on (and would share) a read-only buffer
-                x = x.copy()
-            x = torch.from_numpy(np.ascontiguousarray(x))
+        if isinstance(x, np.ndarray):  # a copy: torch takes few unsigned and no read-only arrays
+            x = torch.from_numpy(x.astype(np.int64) if x.dtype.kind in "ui" else np.array(x))
         if not isinstance(x, Tensor):
             raise TypeError(
                 f"{name} must be a label map tensor or numpy array, got {type(x).__name__}"
             )
-        if not x.is_floating_point() and x.dtype != torch.bool:
-            info = torch.iinfo(x.dtype)
-            if not info.min <= ignore_index <= info.max:
-                x = x.long()
-        return x
+        if x.is_floating_point():
+            raise TypeError(
+                "pred and target must be integer label maps (take argmax of logits first)"
+            )
+        return x.to(device).long()  # a uint8 map would read an ignore index -1 as 255
 
-    pred, target = tensor(pred, "pred").to(device), tensor(target, "target").to(device)
-    if pred.is_floating_point() or target.is_floating_point():
-        raise TypeError("pred and target must be integer label maps (take argmax of logits first)")
+    pred, target = tensor(pred, "pred"), tensor(target, "target")
     if pred.shape != target.shape:
         raise ValueError(
             f"pred and target shapes differ: {tuple(pred.shape)} vs {tuple(target.shape)}"
@@ -64,25 +57,30 @@ def _label_tensors(
     valid = target != ignore_index
     bad_t = valid & ((target < 0) | (target >= num_classes))
     bad_p = valid & ((pred < 0) | (pred >= num_classes))
-    if bool((bad_t | bad_p).any()):
-        if bool(bad_t.any()):
-            vals = torch.unique(target[bad_t]).tolist()[:10]
-            raise ValueError(
-                f"ground-truth values {vals} are neither a class in [0, {num_classes}) nor the "
-                f"ignore index {ignore_index}"
-            )
-        vals = torch.unique(pred[bad_p]).tolist()[:10]
-        raise ValueError(f"predicted values {vals} are outside [0, {num_classes})")
+    if bool((bad_t | bad_p).any()):  # one host sync when all is well
+        values, bad, what = (
+            (target, bad_t, "ground-truth") if bad_t.any() else (pred, bad_p, "predicted")
+        )
+        raise ValueError(
+            f"{what} values {torch.unique(values[bad]).tolist()[:10]} are outside "
+            f"[0, {num_classes}) and not the ignore index {ignore_index}"
+        )
     return pred, target
 
 
-def _check_num_classes(num_classes: Any, upper: int | None = None) -> int:
+def _check_classes(num_classes: Any, ignore_index: int, upper: int | None = None) -> int:
     if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
         raise TypeError(f"num_classes must be an int, got {num_classes!r}")
     num_classes = int(num_classes)
     if num_classes < 1 or (upper is not None and num_classes >= upper):
-        bound = "" if upper is None else f" and < {upper}"
-        raise ValueError(f"num_classes must be >= 1{bound}, got {num_classes}")
+        raise ValueError(f"num_classes must be >= 1 (and < {upper}), got {num_classes}")
+    # an ignore index that is a class id would drop that class's ground truth while its
+    # predictions still count as false positives: a silently wrong score
+    if 0 <= ignore_index < num_classes:
+        raise ValueError(
+            f"ignore_index {ignore_index} is also a class id of {num_classes} classes; pass one "
+            f"outside [0, {num_classes}), e.g. -1 or {max(255, num_classes)}"
+        )
     return num_classes
 
 
@@ -129,16 +127,6 @@ def _nanmean(x: Tensor) -> float:
     return float(x[keep].mean()) if bool(keep.any()) else math.nan
 
 
-def _check_ignore_index(ignore_index: int, num_classes: int) -> None:
-    # an ignore index that is also a class id would drop that class's ground truth while its
-    # predictions still count as false positives: a silently wrong score
-    if 0 <= ignore_index < num_classes:
-        raise ValueError(
-            f"ignore_index {ignore_index} is also a class id of {num_classes} classes; pass an "
-            f"ignore_index outside [0, {num_classes}), e.g. -1 or {max(255, num_classes)}"
-        )
-
-
 class ConfusionMatrix:
     """Streaming confusion matrix ``mat`` (int64 ``[C, C]``, rows = ground truth) on the
     device of the inputs, unless ``device`` is given: IoU, mIoU, accuracies, fwIoU.
@@ -152,9 +140,7 @@ class ConfusionMatrix:
     def __init__(
         self, num_classes: int, ignore_index: int = 255, device: torch.device | str | None = None
     ) -> None:
-        num_classes = _check_num_classes(num_classes)
-        _check_ignore_index(ignore_index, num_classes)
-        self.num_classes = num_classes
+        self.num_classes = _check_classes(num_classes, ignore_index)
         self.ignore_index = ignore_index
         self._follow_input = device is None
         self.mat = torch.zeros(num_classes, num_classes, dtype=torch.int64, device=device)
@@ -288,8 +274,7 @@ class BoundaryMetrics:
         ignore_index: int = 255,
         device: torch.device | str | None = None,
     ) -> None:
-        num_classes = _check_num_classes(num_classes, 32768)  # boundary maps are int16
-        _check_ignore_index(ignore_index, num_classes)
+        num_classes = _check_classes(num_classes, ignore_index, 32768)  # boundary maps: int16
         if not all(
             isinstance(v, numbers.Real)
             and not isinstance(v, bool)

@@ -19,15 +19,15 @@ from dualseg.errors import ConfigError, DataError
 
 
 def require_image_list(images: Any) -> None:
-    """Refuse one image where ``predict_batch`` takes several: iterating it would read its
-    rows (an array), channels (a tensor) or characters (a path) as images."""
+    """Refuse one image where ``predict_batch`` takes several (iterating it would read rows,
+    channels or characters as images)."""
     one = isinstance(images, str | bytes | os.PathLike) or type(images).__module__.startswith(
         "PIL."
     )
     if one or getattr(images, "ndim", 4) <= 3:  # an array or tensor of one image
         raise DataError(
-            "predict_batch takes a list of images (paths, PIL images, arrays or tensors), got "
-            f"one {type(images).__name__}: wrap it in a list, or call predict"
+            f"predict_batch takes a list of images, got one {type(images).__name__}: wrap it in "
+            "a list, or call predict"
         )
 
 
@@ -75,7 +75,6 @@ def size_batches(arrays: Sequence[np.ndarray], batch_size: int) -> Iterator[list
     by_size: dict[tuple[int, ...], list[int]] = {}
     for i, a in enumerate(arrays):
         by_size.setdefault(a.shape[:2], []).append(i)
-    step = batch_size
     for indices in by_size.values():
-        for start in range(0, len(indices), step):
-            yield indices[start : start + step]
+        for start in range(0, len(indices), batch_size):
+            yield indices[start : start + batch_size]

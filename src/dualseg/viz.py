@@ -51,19 +51,15 @@ def colorize(label: Any, palette: Palette, *, ignore_index: int = IGNORE_INDEX) 
     lab = lab.astype(np.int64)
     bad = (lab != ignore_index) & ((lab < 0) | (lab >= len(palette)))
     if bad.any():
-        vals = np.unique(lab[bad])[:10].tolist()
         raise ValueError(
-            f"label values {vals} have no palette colour ({len(palette)} colours) and are not "
-            f"the ignore index {ignore_index}"
+            f"label values {np.unique(lab[bad])[:10].tolist()} have no palette "
+            f"colour ({len(palette)} colours) and are not the ignore index"
         )
     values = np.asarray(palette, dtype=np.float64).reshape(-1, 3)
-    if values.size and (values.min() < 0 or values.max() > 255):
-        raise ValueError("palette colours must be RGB triples in [0, 255]")
-    if not np.array_equal(values, np.round(values)):  # an int cast drew a 0..1 palette black
+    if values.size and (values.min() < 0 or values.max() > 255 or (values % 1).any()):
         raise ValueError(
             "palette colours must be integer RGB triples in [0, 255], got fractions "
-            f"({values[values != np.round(values)][0]:g}); a palette in 0..1: multiply by 255 "
-            "and round"
+            "or values outside; a palette in 0..1: multiply by 255 and round"
         )
     lut = np.concatenate([values, np.zeros((1, 3))]).astype(np.uint8)  # black for ignore
     return lut[np.where(lab == ignore_index, len(palette), lab)]
@@ -72,13 +68,11 @@ def colorize(label: Any, palette: Palette, *, ignore_index: int = IGNORE_INDEX) 
 def _rgb(image: Any) -> np.ndarray:
     img = _numpy(image)
     if img.dtype != np.uint8:
-        if img.ndim == 2 and np.issubdtype(img.dtype, np.integer):
-            fix = "a label map? colourize it first with dualseg.viz.colorize"
-        else:
-            fix = (
-                "convert a normalized tensor with dualseg.viz.denormalize, a 0..1 float image "
-                "with (x * 255).round().astype(np.uint8)"
-            )
+        fix = (
+            "a label map? colourize it first with dualseg.viz.colorize"
+            if img.ndim == 2 and np.issubdtype(img.dtype, np.integer)
+            else "dualseg.viz.denormalize a normalized tensor, or convert a 0..1 float image"
+        )
         raise TypeError(f"image must be uint8 (got {img.dtype} {img.shape}); {fix}")
     if img.ndim == 2:
         img = np.repeat(img[:, :, None], 3, axis=2)
@@ -98,14 +92,12 @@ def overlay(
     """``(1 - alpha) * image + alpha * colorize(label)``; ignore pixels keep the image."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
-    img = _rgb(image)
-    lab = _numpy(label)
+    img, lab = _rgb(image), _numpy(label)
     if img.shape[:2] != lab.shape:
         raise ValueError(f"image {img.shape[:2]} and label {lab.shape} sizes differ")
     col = colorize(lab, palette, ignore_index=ignore_index).astype(np.float32)
     out = img.astype(np.float32)
-    keep = (lab != ignore_index)[:, :, None]
-    out = np.where(keep, (1.0 - alpha) * out + alpha * col, out)
+    out = np.where((lab != ignore_index)[:, :, None], (1.0 - alpha) * out + alpha * col, out)
     return np.clip(np.rint(out), 0, 255).astype(np.uint8)
 
 
@@ -120,11 +112,9 @@ def mark_changed(picture: Any, changed: Any, color: Sequence[int] = CHANGED_COLO
 
 
 def denormalize(
-    image: Any, mean: Sequence[float] | None = None, std: Sequence[float] | None = None
+    image: Any, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD
 ) -> np.ndarray:
     """Normalized ``[3, H, W]`` float image -> ``HxWx3`` uint8 RGB (ImageNet stats default)."""
-    mean = IMAGENET_MEAN if mean is None else mean
-    std = IMAGENET_STD if std is None else std
     x = _numpy(image).astype(np.float32)
     if x.ndim != 3 or x.shape[0] != len(mean):
         raise ValueError(f"expected a [{len(mean)}, H, W] image, got shape {x.shape}")
@@ -148,14 +138,11 @@ def _fit_title(draw: ImageDraw.ImageDraw, title: str, width: int) -> tuple[str, 
     """(text, font, width): the largest font (14 to 8) that fits, else cut with an ellipsis."""
     for size in range(14, 7, -1):
         font = _font(size)
-        tw = _text_width(draw, title, font)
-        if tw <= width:
+        if (tw := _text_width(draw, title, font)) <= width:
             return title, font, tw
-    text = title
-    while len(text) > 1 and _text_width(draw, text + "…", font) > width:
-        text = text[:-1]
-    text += "…"
-    return text, font, _text_width(draw, text, font)
+    while len(title) > 1 and _text_width(draw, title + "…", font) > width:
+        title = title[:-1]
+    return title + "…", font, _text_width(draw, title + "…", font)
 
 
 def make_legend(
@@ -280,24 +267,17 @@ def curves_figure(
     for g, (ax, group) in enumerate(zip(axes, groups)):
         plotted = 0
         for key in group:
-            xs, ys = [], []
-            for i, h in enumerate(history):
-                v = h.get(key)
-                x = i if x_key is None else h.get(x_key)
-                if v is None or x is None or not math.isfinite(float(v)):
-                    continue
-                xs.append(float(x))
-                ys.append(float(v) * scale.get(key, 1.0))
-            if xs:
-                marker = "." if len(xs) < 30 else None
-                ax.plot(xs, ys, marker=marker, label=names.get(key, key))
+            at = [(i if x_key is None else h.get(x_key), h.get(key)) for i, h in enumerate(history)]
+            pts = [(float(x), float(v) * scale.get(key, 1.0)) for x, v in at
+                   if x is not None and v is not None and math.isfinite(float(v))]  # fmt: skip
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="." if len(xs) < 30 else None, label=names.get(key, key))
                 plotted += 1
         if not plotted:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-        ax.set_xlabel(x_key or "point")
-        if ylabels is not None and ylabels[g]:
-            ax.set_ylabel(ylabels[g])
-        ax.set_title(", ".join(names.get(k, k) for k in group))
+        ax.set(xlabel=x_key or "point", title=", ".join(names.get(k, k) for k in group))
+        ax.set_ylabel((ylabels or [""] * len(groups))[g] or "")
         ax.grid(True, alpha=0.3)
         if plotted and len(group) > 1:
             ax.legend()
@@ -324,12 +304,6 @@ def save_curves(
     save_figure(fig, path)
 
 
-def _names_fit(class_names: Sequence[str], count: int) -> list[str]:
-    if len(class_names) != count:
-        raise ValueError(f"{len(class_names)} class names for {count} classes")
-    return [str(n) for n in class_names]
-
-
 def confusion_matrix_figure(
     matrix: Any, class_names: Sequence[str], *, title: str | None = None
 ) -> Any:
@@ -338,7 +312,8 @@ def confusion_matrix_figure(
     if counts.ndim != 2 or counts.shape[0] != counts.shape[1]:
         raise ValueError(f"a confusion matrix must be [C, C], got shape {counts.shape}")
     c = counts.shape[0]
-    names = _names_fit(class_names, c)
+    if len(class_names) != c:
+        raise ValueError(f"{len(class_names)} class names for {c} classes")
     rows = counts.sum(1, keepdims=True)
     share = np.divide(100 * counts, rows, out=np.full_like(counts, np.nan), where=rows > 0)
 
@@ -352,10 +327,9 @@ def confusion_matrix_figure(
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="% of the ground-truth row")
     ticks = np.arange(c)
     font = max(4, 10 - c // 10)
-    ax.set_xticks(ticks, names, rotation=45, ha="right", fontsize=font)
-    ax.set_yticks(ticks, names, fontsize=font)
-    ax.set_xlabel("predicted class")
-    ax.set_ylabel("ground-truth class")
+    ax.set_xticks(ticks, [str(n) for n in class_names], rotation=45, ha="right", fontsize=font)
+    ax.set_yticks(ticks, [str(n) for n in class_names], fontsize=font)
+    ax.set(xlabel="predicted class", ylabel="ground-truth class")
     if c <= 30:
         for i, j in zip(*np.nonzero(np.nan_to_num(share) > 0)):  # empty cells stay blank
             v = share[i, j]
@@ -387,7 +361,6 @@ def class_iou_figure(
     if not series:
         raise ValueError("save_class_iou needs at least one series")
     c = len(class_names)
-    names = _names_fit(class_names, c)
     fig = _figure(max(6.0, 0.6 * c * max(1, len(series)) ** 0.5 + 2), 4.5)
     ax = fig.subplots()
     width = 0.8 / len(series)
@@ -400,11 +373,9 @@ def class_iou_figure(
         bars = ax.bar(pos, np.nan_to_num(v), width, label=label)
         ax.bar_label(bars, labels=["n/a" if np.isnan(a) else f"{a:.1f}" for a in v],
                      fontsize=6, rotation=90 if c > 12 else 0, padding=2)  # fmt: skip
-    ax.set_xticks(x, names, rotation=45 if c > 6 else 0, ha="right" if c > 6 else "center")
-    ax.set_ylim(0, 110)
-    ax.set_ylabel("IoU (%)")
-    ax.set_xlabel("class")
-    ax.set_title(title or "per-class IoU")
+    ax.set_xticks(x, [str(n) for n in class_names], rotation=45 if c > 6 else 0,
+                  ha="right" if c > 6 else "center")  # fmt: skip
+    ax.set(ylim=(0, 110), ylabel="IoU (%)", xlabel="class", title=title or "per-class IoU")
     if len(series) > 1:
         ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)

@@ -1,8 +1,7 @@
 """Evaluation: run a model over a loader and report region and boundary metrics.
 
-``evaluate`` is shared by the trainer (validation), ``dualseg eval`` and ``dualseg demo``. It
-streams a :class:`~dualseg.metrics.ConfusionMatrix` and :class:`~dualseg.metrics.BoundaryMetrics`;
-under DDP the integer counters are summed over ranks, so every rank returns the whole set's
+``evaluate`` is shared by the trainer (validation), ``dualseg eval`` and ``dualseg demo``.
+Under DDP the integer counters are summed over ranks, so every rank returns the whole set's
 metrics. With a method-B ``refiner`` the same pass scores the refined labels too, and counts
 the pixels refinement changed, fixed and broke.
 """
@@ -15,6 +14,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict
 from typing import Any, Protocol
 
 import torch
@@ -64,44 +64,29 @@ class _Scores:
 
     def __init__(self, num_classes: int, ignore_index: int, tolerance: int, width: int, device):
         self.cm = ConfusionMatrix(num_classes, ignore_index=ignore_index, device=device)
-        self.bm = BoundaryMetrics(
-            num_classes, tolerance=tolerance, trimap_width=width, ignore_index=ignore_index,
-            device=device,
-        )  # fmt: skip
+        self.bm = BoundaryMetrics(num_classes, tolerance=tolerance, trimap_width=width,
+                                  ignore_index=ignore_index, device=device)  # fmt: skip
 
     def update(self, pred: Tensor, target: Tensor) -> None:
         self.cm.update(pred, target)
         self.bm.update(pred, target)
 
-    def all_reduce(self) -> None:
-        _all_reduce_(self.cm.mat)
-        _all_reduce_(self.bm.state)
-
     def compute(self) -> dict[str, Any]:
         """Scalars as floats, per-class scores as lists (NaN for absent classes)."""
         scores = {**self.cm.compute(), **self.bm.compute()}
-        out: dict[str, Any] = {
-            k: [float(x) for x in v.tolist()] if isinstance(v, Tensor) else float(v)
-            for k, v in scores.items()
-        }
+        out = {k: v.tolist() if isinstance(v, Tensor) else float(v) for k, v in scores.items()}
         out["confusion_matrix"] = self.cm.mat.cpu().tolist()
         out["majority_baseline_miou"] = majority_baseline_miou(self.cm.mat)
         return out
 
 
-def _all_reduce_(t: Tensor) -> None:
-
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-
-
 def majority_baseline_miou(confusion: Any) -> float:
     """The mIoU of predicting the most frequent ground-truth class everywhere, from a
     ``[C][C]`` confusion matrix (rows: ground truth)."""
-    mat = torch.as_tensor(confusion, dtype=torch.float64)
-    gt = mat.sum(1)
+    gt = torch.as_tensor(confusion, dtype=torch.float64).sum(1)
     if gt.sum() == 0:
         return math.nan
-    majority = torch.zeros_like(mat)
+    majority = torch.zeros(len(gt), len(gt), dtype=torch.float64)
     majority[:, int(gt.argmax())] = gt
     return float(scores_from_confusion(majority)["miou"])
 
@@ -111,8 +96,7 @@ def sanity_warnings(metrics: dict[str, Any], class_names: Sequence[str]) -> list
     majority-class baseline, or one class predicted on more than 95% of the labelled pixels."""
     out = []
     mat = torch.as_tensor(metrics["confusion_matrix"], dtype=torch.float64)
-    total = float(mat.sum())
-    if total == 0:
+    if float(mat.sum()) == 0:
         return out
     base, miou = metrics.get("majority_baseline_miou", math.nan), metrics["miou"]
     if math.isfinite(base) and not miou > base:
@@ -121,7 +105,7 @@ def sanity_warnings(metrics: dict[str, Any], class_names: Sequence[str]) -> list
             f"({100 * base:.1f}%: the most frequent class everywhere); the model has learnt "
             "nothing the class frequencies do not give (train longer, check the labels)"
         )
-    shares = mat.sum(0) / total
+    shares = mat.sum(0) / mat.sum()
     top = int(shares.argmax())
     if float(shares[top]) > ONE_CLASS_SHARE:
         name = class_names[top] if top < len(class_names) else f"class {top}"
@@ -132,76 +116,61 @@ def sanity_warnings(metrics: dict[str, Any], class_names: Sequence[str]) -> list
     return out
 
 
-class _Timer:
-    """Milliseconds per image of each batch's inference (CUDA work synchronized)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.ms = device, []
-
-    @contextlib.contextmanager
-    def time(self, images: int) -> Iterator[None]:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        start = time.perf_counter()
-        yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.ms.append(1000 * (time.perf_counter() - start) / max(images, 1))
-
-    def median(self) -> float:
-        return float(statistics.median(self.ms)) if self.ms else math.nan
+@contextlib.contextmanager
+def _timed(device: torch.device, ms: list[float], images: int) -> Iterator[None]:
+    """Time the block: milliseconds per image appended to ``ms`` (CUDA work synchronized)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
+    sync(device)
+    start = time.perf_counter()
+    yield
+    sync(device)
+    ms.append(1000 * (time.perf_counter() - start) / max(images, 1))
 
 
-class _RefineStep:
-    """Refine one batch and count changed / fixed / broke pixels against the base labels."""
-
-    def __init__(self, refiner: Refiner, shared: Any, scores: _Scores, ignore_index: int, device):
-        self.refiner, self.shared, self.scores = refiner, shared, scores
-        self.ignore_index, self.timer = ignore_index, _Timer(device)
-        # labelled pixels, changed, fixed, broke, images refined on the base's features
-        self.counts = torch.zeros(5, dtype=torch.int64, device=device)
-
-    def __call__(self, images: Tensor, logits: Tensor, pred: Tensor, labels: Tensor) -> Tensor:
-        with self.timer.time(images.shape[0]):
-            probs = logits.softmax(1)
-            if self.shared is not None:
-                kept = self.shared.take(images)  # None where they do not match
-                new, changed = self.refiner.refine(  # type: ignore[call-arg]
-                    images, probs, return_changed=True, features=kept
-                )
-                self.counts[4] += images.shape[0] if kept is not None else 0
-            else:
-                new, changed = self.refiner.refine(images, probs, return_changed=True)
-        # where the refiner does not relabel, keep exactly the labels scored as the base
-        # (argmax of logits and of softmax differ at float ties), so fixed/broke add up
-        new = torch.where(changed.to(pred.device).bool(), new.to(pred.device).long(), pred)
-        changed = new != pred
-        self.scores.update(new, labels)
-        valid = labels != self.ignore_index
-        was_right, is_right = pred == labels, new == labels
-        self.counts[0] += valid.sum()
-        self.counts[1] += (changed & valid).sum()
-        self.counts[2] += (changed & valid & ~was_right & is_right).sum()
-        self.counts[3] += (changed & valid & was_right & ~is_right).sum()
-        return new
-
-    def result(self) -> dict[str, Any]:
-        pixels, changed, fixed, broke, shared = (int(v) for v in self.counts)
-        return {
-            "pixels": pixels,
-            "changed": changed,
-            "changed_fraction": changed / pixels if pixels else 0.0,
-            "fixed": fixed,
-            "broke": broke,
-            "ms_per_image": self.timer.median(),
-            "shared_images": shared,  # images refined on the base's own backbone output
-        }
+def _median(ms: list[float]) -> float:
+    return float(statistics.median(ms)) if ms else math.nan
 
 
-def _resize(logits: Tensor, size: Any) -> Tensor:
-    if logits.shape[-2:] == size:
-        return logits
-    return F.interpolate(logits, size=size, mode="bilinear", align_corners=False)
+def _refine(
+    refiner: Refiner, shared: Any, images: Tensor, logits: Tensor
+) -> tuple[Tensor, Tensor, int]:
+    """Method B's labels, where they changed, and 1 when refined on the base's features."""
+    probs = logits.softmax(1)
+    if shared is None:
+        return (*refiner.refine(images, probs, return_changed=True), 0)
+    kept = shared.take(images)  # None where they do not match
+    new, changed = refiner.refine(images, probs, return_changed=True, features=kept)  # type: ignore[call-arg]
+    return new, changed, int(kept is not None)
+
+
+def _changes(new: Tensor, pred: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
+    """Labelled pixels, and those refinement changed, fixed and broke."""
+    changed, valid = new != pred, labels != ignore_index
+    was_right, is_right = pred == labels, new == labels
+    return torch.stack([valid.sum(), (changed & valid).sum(),
+                        (changed & valid & ~was_right & is_right).sum(),
+                        (changed & valid & was_right & ~is_right).sum()])  # fmt: skip
+
+
+def _shared_features(refiner: Any, model: nn.Module, opts: InferenceOptions, amp: bool) -> Any:
+    """The refiner's hold on the base's backbone output, where it sees the same forward."""
+    share = getattr(refiner, "shared_features", None)
+    taps = getattr(refiner, "taps", None) is not None  # reads the base's forward in any mode
+    plain = opts.mode == "whole" and not amp and not opts.uses_tta
+    return share(model) if share is not None and (plain or taps) else None
+
+
+def _refine_record(counts: Tensor, ms: list[float]) -> dict[str, Any]:
+    pixels, changed, fixed, broke, shared = (int(v) for v in counts)
+    return {
+        "pixels": pixels,
+        "changed": changed,
+        "changed_fraction": changed / pixels if pixels else 0.0,
+        "fixed": fixed,
+        "broke": broke,
+        "ms_per_image": _median(ms),
+        "shared_images": shared,  # images refined on the base's own backbone output
+    }
 
 
 @torch.no_grad()
@@ -230,57 +199,65 @@ def evaluate(
     ``[B,3,H,W]`` images, int64 ``[B,H,W]`` labels (``ignore_index`` unlabelled); logits are
     resized to the labels (spec S4); ``mode`` ... ``tile_batch`` as in :func:`infer_logits`.
 
-    Returns the :mod:`dualseg.metrics` scores (fractions; per-class lists with NaN for absent
-    classes), ``confusion_matrix`` (rows: ground truth), ``majority_baseline_miou``,
-    ``num_images``, ``ms_per_image`` (median model time) and ``loss`` (pixel cross-entropy,
-    spec S33); with ``refiner`` also ``refined`` (the same scores) and ``refine`` (changed /
-    fixed / broke pixels, its ms per image). ``distributed``: counters summed over ranks.
+    Returns the :mod:`dualseg.metrics` scores (per-class lists, NaN for absent classes),
+    ``confusion_matrix`` (rows: ground truth), ``majority_baseline_miou``, ``num_images``,
+    ``ms_per_image`` (median) and ``loss`` (pixel cross-entropy, spec S33); with ``refiner``
+    also ``refined`` and ``refine`` (changed / fixed / broke pixels, its ms per image).
     """
     device = torch.device(device)
-    base = _Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)
-    opts = dict(mode=mode, window=window, stride=stride, tta_scales=tta_scales,
-                tta_flip=tta_flip, tile_batch=tile_batch, amp=amp)  # fmt: skip
-    plain = mode == "whole" and not amp and tuple(tta_scales) == (1.0,) and not tta_flip
-    share = getattr(refiner, "shared_features", None)
-    taps = getattr(refiner, "taps", None) is not None  # reads the base's forward in any mode
-    shared = share(model) if share is not None and (plain or taps) else None
-    step = None
-    if refiner is not None:
-        refined = _Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)
-        step = _RefineStep(refiner, shared, refined, ignore_index, device)
-    timer, images_seen = _Timer(device), torch.zeros((), dtype=torch.int64, device=device)
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    if progress:
-        loader = tqdm(loader, desc="eval", leave=False)
+    opts = InferenceOptions(mode, window, stride, tta_scales, tta_flip, tile_batch)  # type: ignore[arg-type]
+    scores = [_Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)
+              for _ in range(1 if refiner is None else 2)]  # fmt: skip
+    shared = _shared_features(refiner, model, opts, amp)
+    ms: list[float] = []  # model, then refiner milliseconds per image of each batch
+    refine_ms: list[float] = []
+    # images, loss sum; labelled pixels, changed, fixed, broke, images refined on shared features
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    counts = torch.zeros(5, dtype=torch.int64, device=device)
     with eval_mode(model), shared if shared is not None else contextlib.nullcontext():
-        for index, (images, labels) in enumerate(loader):
+        for index, (images, labels) in enumerate(
+            tqdm(loader, "eval", leave=False, disable=not progress)
+        ):
             images = images.to(device, non_blocking=True)
             labels = labels.to(device, non_blocking=True).long()
-            with timer.time(images.shape[0]):
-                logits = infer_logits(model, images, **opts)
-            logits = _resize(logits, labels.shape[-2:])
+            n = images.shape[0]
+            with _timed(device, ms, n):
+                logits = infer_logits(model, images, amp=amp, **asdict(opts))
+            if logits.shape[-2:] != labels.shape[-2:]:
+                logits = F.interpolate(
+                    logits, labels.shape[-2:], mode="bilinear", align_corners=False
+                )
             pred = logits.argmax(1)
-            base.update(pred, labels)  # range-checks the labels before the loss reads them
-            images_seen += images.shape[0]
-            loss_sum += F.cross_entropy(
-                logits, labels, ignore_index=ignore_index, reduction="sum"
-            ).double()
-            new = step(images, logits, pred, labels) if step is not None else None
+            scores[0].update(pred, labels)  # range-checks the labels before the loss reads them
+            totals[0] += n
+            totals[1] += F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
+            new = None
+            if refiner is not None:
+                with _timed(device, refine_ms, n):
+                    new, changed, on_shared = _refine(refiner, shared, images, logits)
+                # where the refiner does not relabel, keep exactly the labels scored as the
+                # base (argmax of logits and of softmax differ at float ties)
+                new = torch.where(changed.to(device).bool(), new.to(device).long(), pred)
+                scores[1].update(new, labels)
+                counts[:4] += _changes(new, pred, labels, ignore_index)
+                counts[4] += n * on_shared
             if on_batch is not None:
                 on_batch(index, images, labels, pred, new)
     if distributed:
-        for s in (base, step.scores) if step is not None else (base,):
-            s.all_reduce()
-        for t in (images_seen, loss_sum, *([step.counts] if step is not None else [])):
-            _all_reduce_(t)
-    result = base.compute()
-    labelled = int(base.cm.mat.sum())
-    loss = float(loss_sum) / labelled if labelled else float("nan")
-    result.update(num_images=int(images_seen), ms_per_image=timer.median(), loss=loss)
-    if step is not None:
-        result["refined"] = step.scores.compute()
-        result["refine"] = step.result()
+        for t in (totals, counts, *(x for s in scores for x in (s.cm.mat, s.bm.state))):
+            dist.all_reduce(t)
+    result = scores[0].compute()
+    labelled = int(scores[0].cm.mat.sum())
+    loss = float(totals[1]) / labelled if labelled else math.nan
+    result.update(num_images=int(totals[0]), ms_per_image=_median(ms), loss=loss)
+    if refiner is not None:
+        result["refined"] = scores[1].compute()
+        result["refine"] = _refine_record(counts, refine_ms)
     return result
+
+
+def _finite(v: float | None) -> bool:
+    return v is not None and math.isfinite(v)
 
 
 def format_metrics(
@@ -304,19 +281,17 @@ def format_metrics(
             f"refinement changed {c['changed']} of {c['pixels']} labelled pixels "
             f"({100 * c['changed_fraction']:.3f}%): {c['fixed']} fixed, {c['broke']} broke"
         )
-    base = metrics.get("majority_baseline_miou")
-    if base is not None and math.isfinite(base):
+    if _finite(base := metrics.get("majority_baseline_miou")):
         lines.append(
             f"mIoU {100 * metrics['miou']:.1f}% vs majority-class baseline {100 * base:.1f}%"
         )
-    ms = metrics.get("ms_per_image")
-    if ms is not None and math.isfinite(ms):
+    if _finite(ms := metrics.get("ms_per_image")):
         at = f", batch {batch_size}" if batch_size is not None else ""
         line = f"inference: {ms:.1f} ms/image (median{at})"
-        r_ms = (metrics.get("refine") or {}).get("ms_per_image")
-        if r_ms is not None and math.isfinite(r_ms):
+        refine = metrics.get("refine") or {}
+        if _finite(r_ms := refine.get("ms_per_image")):
             line += f", refinement: {r_ms:.1f} ms/image"
-            if shared := metrics["refine"].get("shared_images", 0):
+            if shared := refine.get("shared_images", 0):
                 line += f" (on the base's features for {shared} of {metrics['num_images']} images)"
         lines.append(line)
     return "\n".join(lines)

@@ -1,10 +1,6 @@
-"""Where the commands' outputs go, and what they never replace.
-
-:func:`check_outputs` refuses, before any work, an output file that already exists (unless
-``overwrite``) and one that is an input image or a dataset file (always); :func:`unique_names`
-gives images that share a file name distinct output names. :func:`collect_images` expands the
-inputs of ``predict`` / ``refine apply``; :func:`write_outputs`, :func:`save_probs`,
-:class:`PredictionWriter` and :func:`write_figures` write what they produce, atomically.
+"""Where the commands' outputs go, and what they never replace: an output that exists (unless
+``overwrite``), an input image or a dataset file (always) is refused before any work; images
+that share a file name get distinct output names; every file is written atomically.
 """
 
 from __future__ import annotations
@@ -36,25 +32,19 @@ OUTPUT_FOLDERS = ("labels", "color", "overlay", "probs")  # what predict writes 
 OWN_FOLDERS = (*OUTPUT_FOLDERS, "changed")  # with refine apply's: never read as inputs
 # Keys of each --probs npz file; method B (`refine apply --base <folder>`) reads them.
 PROBS_KEYS = {
-    "probs": "float16 [C, H, W] softmax class probabilities at the original size (with TTA: "
-    "their mean over the augmentations)",
+    "probs": "float16 [C, H, W] softmax probabilities at the original size (TTA: their mean)",
     "class_names": "str [C] class names, in channel order",
     "source": "str, the input image path",
-    "image_sha1": "str, dualseg.imaging.rgb_digest of the decoded input image (matches a map "
-    "to its image where the source path does not exist)",
+    "image_sha1": "str, dualseg.imaging.rgb_digest of the decoded input image",
 }
 FIGURES = ("confusion_matrix.png", "per_class_iou.png", "confusion_matrix_refined.png")
 EVAL_FILES = ("metrics.json", *FIGURES)  # what an evaluation writes into its OUT
 
 
 def unique_names(found: Sequence[tuple[Path, str]]) -> list[tuple[Path, str]]:
-    """``(path, name)`` pairs with names made distinct: distinct files that share a name get a
-    numeric suffix (``x``, ``x_1``, ...); a file listed again keeps its first name.
-
-    Every file whose own name is free keeps it (``x.jpg``, ``x.png`` and ``x_1.png`` give
-    ``x``, ``x_2`` and ``x_1``: the suffix never takes another file's name), and names are
-    compared case-insensitively (``X.png`` and ``x.png`` would be one file on macOS or
-    Windows)."""
+    """``(path, name)`` pairs with distinct names: a file whose name is free keeps it, others
+    get the first free ``name_k``; a file listed again keeps its first name; names compare
+    case-insensitively (macOS, Windows)."""
     keys = [path.resolve() for path, _ in found]
     by_file: dict[Path, str] = {}
     used: set[str] = set()
@@ -73,10 +63,8 @@ def unique_names(found: Sequence[tuple[Path, str]]) -> list[tuple[Path, str]]:
 
 
 def dataset_files(root: str | os.PathLike[str], *, layout: str = "auto") -> Iterator[Path]:
-    """The files of the dataset at ``root`` (any split): its list files, images, labels and
-    ``meta.json`` — what an output must never replace. A generator: nothing is scanned unless
-    it is read."""
-
+    """The files of the dataset at ``root`` (any split): list files, images, labels,
+    ``meta.json``. A generator: nothing is scanned unless it is read."""
     root = Path(root)
     yield root if root.is_file() else root / "meta.json"
     for split in dict.fromkeys([*available_splits(root, layout), "train", "val", "test"]):
@@ -92,11 +80,10 @@ def dataset_files(root: str | os.PathLike[str], *, layout: str = "auto") -> Iter
 
 
 def _file_id(path: Path) -> tuple[int, int] | None:
-    try:
+    with contextlib.suppress(OSError):
         st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
+        return st.st_dev, st.st_ino
+    return None
 
 
 def check_outputs(
@@ -106,28 +93,19 @@ def check_outputs(
     protected: Iterable[tuple[str, Iterable[Path]]] = (),
     what: str = "--out",
 ) -> None:
-    """Refuse (:class:`~dualseg.errors.OutputError`, one line) before any work when one of
-    ``outputs`` already exists: always when it is one of the ``protected`` files (groups of
-    ``(description, paths)``, e.g. ``("an input image", images)``; the same file by another
-    path counts too), otherwise unless ``overwrite``. ``what`` names the option that chose the
-    place (``--out``). The protected files are read only when some output exists."""
+    """Refuse (one-line :class:`OutputError`), before any work, an output that exists: always
+    when it is one of the ``protected`` files (``(description, paths)`` groups, the same file
+    by another path too), otherwise unless ``overwrite``. ``what`` names the option."""
     outputs = [Path(p) for p in outputs]
     for folder in {p.parent for p in outputs}:  # found mid-run otherwise, after some writes
         blocker = next((f for f in (folder, *folder.parents) if os.path.lexists(f)), None)
         if blocker is not None and not blocker.is_dir():
-            raise OutputError(
-                f"{what}: {blocker} is a file where an output folder goes; remove it or choose "
-                f"another {what}"
-            )
+            raise OutputError(f"{what}: {blocker} is a file where an output folder goes; move it")
     existing = [p for p in outputs if os.path.lexists(p)]
     if not existing:
         return
-    folders = [p for p in existing if p.is_dir()]
-    if folders:
-        raise OutputError(
-            f"{what}: {folders[0]} is a folder where an output file goes; remove it or choose "
-            f"another {what}"
-        )
+    if folders := [p for p in existing if p.is_dir()]:
+        raise OutputError(f"{what}: {folders[0]} is a folder where an output file goes; move it")
     ids = {_file_id(p): p for p in existing} if protected else {}
     ids.pop(None, None)
     for description, paths in protected:
@@ -152,34 +130,28 @@ def collect_images(
 ) -> list[tuple[Path, str]]:
     """Expand files, folders (recursively) and globs into ``(path, output name)`` pairs.
 
-    Never inputs, when folders and globs find them (a file named as such is kept): files
-    under ``out``'s own folders (``OWN_FOLDERS``), and those under the own folders of an
-    earlier output found inside an input folder (a ``labels/`` beside an ``overlay/``, which
-    datasets do not have): a second run into ``photos/run2`` would otherwise segment the
-    first run's PNGs in ``photos/run1``; said in one note. Raises :class:`DataError` for an
-    input that matches nothing, listing all such inputs.
+    Folders and globs never pick up files under ``out``'s own folders (``OWN_FOLDERS``) nor
+    under those of an earlier output inside an input folder (a ``labels/`` beside an
+    ``overlay/``, which datasets do not have), said in one note. Inputs that match nothing:
+    one :class:`DataError` naming them all.
     """
     skipped = [] if out is None else [(out / f).resolve() for f in OWN_FOLDERS]
     earlier: set[Path] = set()  # earlier outputs whose files were left out
 
-    def earlier_output(folder: Path) -> bool:
-        return (
-            folder.name in OWN_FOLDERS
-            and (folder.parent / "overlay").is_dir()
-            and (folder.parent / "labels").is_dir()
-        )
-
     def wanted(f: Path, root: Path | None = None) -> bool:
         if not f.is_file() or f.suffix.lower() not in IMAGE_EXTENSIONS:
             return False
-        real = f.resolve()
-        if any(real.is_relative_to(s) for s in skipped):
+        if any(f.resolve().is_relative_to(s) for s in skipped):
             return False
-        if root is not None:
-            for folder in f.relative_to(root).parents[:-1]:  # below the input folder only
-                if earlier_output(root / folder):
-                    earlier.add((root / folder).parent)
-                    return False
+        for folder in f.relative_to(root).parents[:-1] if root is not None else ():
+            run = (root / folder).parent
+            if (
+                folder.name in OWN_FOLDERS
+                and (run / "overlay").is_dir()
+                and (run / "labels").is_dir()
+            ):
+                earlier.add(run)
+                return False
         return True
 
     found: list[tuple[Path, str]] = []
@@ -189,47 +161,38 @@ def collect_images(
             raise DataError("an input is an empty path; name an image file, a folder or a glob")
         path = Path(item)
         if path.is_dir():
-            files = sorted(f for f in path.rglob("*") if wanted(f, path))
-            if not files:
-                why = (
-                    "its images are this command's outputs under --out, never inputs"
-                    if out is not None and any(path.resolve().is_relative_to(s) for s in skipped)
-                    else f"a folder with no {'/'.join(IMAGE_EXTENSIONS)} images"
-                )
-                missing.append(f"{item} ({why})")
-            found += [(f, f.relative_to(path).with_suffix("").as_posix()) for f in files]
+            files = [(f, f.relative_to(path).with_suffix("").as_posix())
+                     for f in sorted(path.rglob("*")) if wanted(f, path)]  # fmt: skip
+            ours = out is not None and any(path.resolve().is_relative_to(s) for s in skipped)
+            why = (
+                "its images are this command's outputs under --out, never inputs"
+                if ours
+                else "a folder with no images"
+            )
         elif path.is_file():
-            found.append((path, path.stem))
+            files, why = [(path, path.stem)], ""
         elif glob.has_magic(item):
             matches = sorted(Path(f) for f in glob.glob(item, recursive=True))
             files = [(f, f.stem) for f in matches if wanted(f)]
             for folder in (m for m in matches if m.is_dir()):  # as the shell's expansion gives
-                files += [
-                    (f, (folder.name / f.relative_to(folder)).with_suffix("").as_posix())
-                    for f in sorted(folder.rglob("*"))
-                    if wanted(f, folder)
-                ]
-            if not files:
-                missing.append(f"{item} (no image matches this pattern)")
-            found += files
+                files += [(f, (folder.name / f.relative_to(folder)).with_suffix("").as_posix())
+                          for f in sorted(folder.rglob("*")) if wanted(f, folder)]  # fmt: skip
+            why = "no image matches this pattern"
         else:
-            missing.append(f"{item} (no such file or folder)")
+            files, why = [], "no such file or folder"
+        found += files
+        if not files:
+            missing.append(f"{item} ({why})")
     if missing:
         raise DataError("input not found: " + "; ".join(missing))
     if earlier:
         shown = ", ".join(str(f) for f in sorted(earlier)[:3])
-        more = f" and {len(earlier) - 3} more" if len(earlier) > 3 else ""
         print(
             f"dualseg {command}: note: left out the outputs of an earlier run found among the "
-            f"inputs ({shown}{more}: its {'/, '.join(OWN_FOLDERS)}/ folders)",
+            f"inputs ({shown}{' ...' if len(earlier) > 3 else ''})",
             file=sys.stderr,
         )
-    return _unique_names(found)
-
-
-def _unique_names(found: list[tuple[Path, str]]) -> list[tuple[Path, str]]:
-    """Drop repeated files; give distinct files that share a name a numeric suffix."""
-    kept: dict[str, tuple[Path, str]] = {}
+    kept: dict[str, tuple[Path, str]] = {}  # a file listed twice is segmented once
     for path, name in unique_names(found):
         kept.setdefault(name, (path, name))
     return list(kept.values())
@@ -251,42 +214,26 @@ def check_image_outputs(
     protected = [("an input image", [path for path, _ in images])]
     if data:
         protected.append((f"a file of the dataset {data}", dataset_files(data)))
-    # --out may itself be a dataset (its labels/ folder is where predictions go): its files too,
-    # when it says so (meta.json or a list file), or when the inputs are its images/ and no
-    # overlay/ or changed/ folder (which datasets do not have) shows that this command wrote
-    # its labels/: they are then the ground truth of the very images being segmented. Labels
-    # an earlier run wrote beside its inputs are that run's output, which --overwrite replaces.
+    # --out is itself a dataset when it says so (meta.json, a list file), or when the inputs
+    # are its images/ and no overlay/ or changed/ (which datasets lack) shows an earlier run
     images_dir = (out / "images").resolve()
     paired = any(path.resolve().is_relative_to(images_dir) for path, _ in images)
     earlier_run = (out / "overlay").is_dir() or (out / "changed").is_dir()
     if (out / "meta.json").is_file() or any(out.glob("*.txt")) or (paired and not earlier_run):
         protected.append((f"a file of the dataset {out}", dataset_files(out)))
     check_outputs(outputs, overwrite=overwrite, protected=protected)
-    if earlier_run:  # an earlier predict / refine apply output (a dataset has no overlay/)
-        note_other_outputs(command, out, outputs, [folder for folder, _ in files])
-
-
-def note_other_outputs(
-    command: str, out: Path, outputs: Sequence[Path], folders: Sequence[str]
-) -> None:
-    """Say when ``out``'s own folders hold outputs this run will not write: an earlier run's,
-    of other images (perhaps by another model), which stay beside this run's without a word
-    otherwise. Nothing is removed: they may be the earlier chunks of one job."""
+    if not earlier_run:
+        return
+    # an earlier run's outputs of other images stay beside this run's: say so
     ours = {p.resolve() for p in outputs}
-    others = sorted(
-        f
-        for folder in folders
-        if (out / folder).is_dir()
-        for f in (out / folder).rglob("*")
-        if f.is_file() and f.suffix in (".png", ".npz") and f.resolve() not in ours
-    )
+    mine = [out / folder for folder, _ in files if (out / folder).is_dir()]
+    others = sorted(f for folder in mine for f in folder.rglob("*") if f.is_file()
+                    and f.suffix in (".png", ".npz") and f.resolve() not in ours)  # fmt: skip
     if others:
-        names = sorted({f.relative_to(out).with_suffix("").as_posix() for f in others})
         print(
-            f"dualseg {command}: note: "
-            f"{out} also holds {len(others)} output files of images this run does not segment "
-            f"(e.g. {names[0]}), from an earlier run: they stay beside this run's; use a new "
-            "--out to keep the two apart",
+            f"dualseg {command}: note: {out} also holds {len(others)} output files of images "
+            f"this run does not segment (e.g. {others[0].relative_to(out).with_suffix('')}), "
+            "from an earlier run; use a new --out to keep the two apart",
             file=sys.stderr,
         )
 
@@ -299,16 +246,11 @@ def save_probs(
     image_sha1: str | None = None,
 ) -> None:
     """Write one ``--probs`` file (keys: :data:`PROBS_KEYS`), compressed and atomically."""
-
     buf = io.BytesIO()
     digest = {} if image_sha1 is None else {"image_sha1": np.asarray(image_sha1)}
-    np.savez_compressed(
-        buf,
-        probs=probs.astype(np.float16),
-        class_names=np.asarray(list(class_names), dtype=str),
-        source=np.asarray(source),
-        **digest,
-    )
+    names = np.asarray(list(class_names), dtype=str)
+    np.savez_compressed(buf, probs=probs.astype(np.float16), class_names=names,
+                        source=np.asarray(source), **digest)  # fmt: skip
     atomic_write_bytes(path, buf.getvalue())
 
 
@@ -322,7 +264,6 @@ def write_outputs(
     alpha: float = 0.5,
 ) -> None:
     """``labels/``, ``color/`` and ``overlay/`` PNGs of one image (atomic writes)."""
-
     atomic_save_image(out / "labels" / f"{name}.png", label_png(label, len(palette)))
     atomic_save_image(out / "color" / f"{name}.png", viz.colorize(label, palette))
     atomic_save_image(
@@ -380,9 +321,8 @@ class PredictionWriter:
 
 
 def mixed_size_batch(samples: list, batch_size: int) -> str | None:
-    """The first batch of ``samples`` (in loader order) whose images differ in size, read from
-    the file headers (EXIF rotation included), said in a line; ``None`` when there is none.
-    Found before the run, not at that batch, after the predictions before it were written."""
+    """The first batch of ``samples`` (loader order) whose images differ in size, from the file
+    headers (EXIF rotation included), in a line; found before any prediction is written."""
 
     def size(path: str) -> tuple[int, int] | None:
         try:
@@ -394,8 +334,7 @@ def mixed_size_batch(samples: list, batch_size: int) -> str | None:
 
     for start in range(0, len(samples), batch_size):
         sizes = [(img, s) for img, _ in samples[start : start + batch_size] if (s := size(img))]
-        other = next(((img, s) for img, s in sizes if s != sizes[0][1]), None)
-        if other is not None:
+        if other := next(((img, s) for img, s in sizes if s != sizes[0][1]), None):
             (a, (wa, ha)), (b, (wb, hb)) = sizes[0], other
             return (
                 f"two images of one batch differ in size ({wa}x{ha} and {wb}x{hb} px: {a} and "
@@ -405,18 +344,14 @@ def mixed_size_batch(samples: list, batch_size: int) -> str | None:
 
 
 def write_figures(out: Path, metrics: dict[str, Any], class_names: Any) -> list[Path]:
-    """``confusion_matrix.png`` and ``per_class_iou.png`` (+ ``confusion_matrix_refined.png``
-    with a refiner) in ``out``; returns the paths written."""
-
-    written = [out / FIGURES[0], out / FIGURES[1]]
-    viz.save_confusion_matrix(written[0], metrics["confusion_matrix"], class_names)
-    series = {"model": metrics["iou"]}
-    refined = metrics.get("refined")
-    if refined is not None:
+    """:data:`FIGURES` in ``out`` (the refined confusion matrix with a refiner); their paths."""
+    viz.save_confusion_matrix(out / FIGURES[0], metrics["confusion_matrix"], class_names)
+    series, written = {"model": metrics["iou"]}, [out / FIGURES[0], out / FIGURES[1]]
+    if (refined := metrics.get("refined")) is not None:
         series["model + method B"] = refined["iou"]
         written.append(out / FIGURES[2])
         viz.save_confusion_matrix(
-            written[-1],
+            written[2],
             refined["confusion_matrix"],
             class_names,
             title="method B: confusion matrix (row-normalized, %)",

@@ -1,18 +1,15 @@
 """Inference on ordinary images: ``dualseg.load_model(path).predict(image)``.
 
-A :class:`Segmenter` wraps a trained network with what is needed to use it on raw pictures:
-the dataset description (class names, palette), input conversion (path, PIL image, numpy array
-or tensor -> normalized tensor), and the spec's S4 tail — softmax, bilinear resize to the
-original size, argmax. Images are run at their own resolution; a batch groups images of equal
-size, so the result for an image never depends on the other images in its batch (no padding).
-Sliding-window inference and test-time augmentation are keyword options of every ``predict*``
-method (:mod:`dualseg.engine.inference`).
+A :class:`Segmenter` is a trained network with its dataset description and the spec's S4 tail
+(softmax, bilinear resize to the original size, argmax). Images run at their own resolution;
+a batch groups images of one size, so an image's result never depends on the others.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Union
 
@@ -44,64 +41,27 @@ ImageLike = Union[str, os.PathLike, "PILImage", np.ndarray, Tensor]
 
 
 def as_rgb_array(image: ImageLike) -> np.ndarray:
-    """Convert any accepted image form to a uint8 ``HxWx3`` RGB array.
-
-    - path (str / PathLike): read with :func:`dualseg.data.read_image`;
-    - PIL image: converted to RGB by the image policy (:func:`dualseg.imaging.image_to_rgb`:
-      EXIF orientation applied, opaque alpha dropped, transparency refused);
-    - numpy: ``HxWx3`` (or ``HxW`` gray, opaque ``HxWx4`` RGBA) uint8, or float in [0, 1];
-    - tensor: ``[3,H,W]`` / ``[1,3,H,W]`` float in [0, 1] (torchvision ``to_tensor``
-      convention) or uint8 ``[3,H,W]`` / ``[H,W,3]`` (a shape that reads both ways, such as
-      ``[3,40,3]``, is refused). Already-normalized tensors are rejected: call
-      ``segmenter.model`` directly for those.
-    """
-    if isinstance(image, Tensor):
-        return _tensor_to_array(image)
-    return as_rgb(image)  # path, PIL image or array: the image policy, or a clear error
-
-
-def _tensor_to_array(t: Tensor) -> np.ndarray:
-    t = t.detach().cpu()
-    if t.dim() == 4 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() != 3:
-        raise DataError(f"expected an image tensor [3,H,W], got shape {tuple(t.shape)}")
-    if t.shape[0] in (1, 3) and t.shape[-1] in (1, 3):  # e.g. [3, 640, 3]: 640x3 or 3x640?
-        raise DataError(
-            f"image tensor of shape {tuple(t.shape)} reads both as [C,H,W] and as [H,W,C]; pass "
-            "it as a numpy HxWx3 array (t.permute(1, 2, 0).numpy() if it is [3,H,W])"
-        )
-    if t.shape[0] in (1, 3):  # CHW (torchvision's convention)
-        t = t.permute(1, 2, 0)
-    elif t.shape[-1] not in (1, 3):
-        raise DataError(f"expected an image tensor [3,H,W] or [H,W,3], got {tuple(t.shape)}")
-    if t.is_floating_point():
-        if t.numel() and not bool(torch.isfinite(t).all()):
-            raise DataError("image tensor holds NaN or inf values; pass RGB in [0, 1] or uint8")
-        lo, hi = float(t.min()), float(t.max())
-        if lo < -1e-3 or hi > 1 + 1e-3:
-            raise DataError(
-                f"float image tensor has values in [{lo:.2f}, {hi:.2f}]; pass RGB in [0, 1] "
-                "(torchvision to_tensor) or uint8; normalized input goes in a [B,3,H,W] batch "
-                "(segmenter.model(x), refiner.refine(x, probs))"
-            )
-        t = (t * 255).round()
-    elif t.dtype != torch.uint8:  # a cast would wrap other integers modulo 256
-        raise DataError(
-            f"image tensors must be uint8 (or float in [0, 1]), got {t.dtype}; convert with "
-            "t.float() / 255 if it holds 0..255"
-        )
-    return numpy_to_rgb(t.to(torch.uint8).numpy())
+    """Any accepted image form as a uint8 ``HxWx3`` RGB array: a path, a PIL image or an array
+    by the image policy (:func:`dualseg.imaging.as_rgb`); a tensor ``[3,H,W]`` / ``[1,3,H,W]``
+    / ``[H,W,3]``, uint8 or float in [0, 1] (torchvision ``to_tensor``; normalized tensors are
+    refused: call ``segmenter.model`` for those)."""
+    if not isinstance(image, Tensor):
+        return as_rgb(image)
+    t = image.detach().cpu()
+    t = t[0] if t.dim() == 4 and t.shape[0] == 1 else t
+    chw, hwc = (t.dim() == 3 and t.shape[k] in (1, 3) for k in (0, -1))
+    if chw == hwc:  # e.g. [3, 640, 3]: 640x3 or 3x640?
+        why = "reads both as [C,H,W] and as [H,W,C]" if chw else "is not [3,H,W] or [H,W,3]"
+        raise DataError(f"image tensor of shape {tuple(t.shape)} {why}; pass a numpy HxWx3 array")
+    return numpy_to_rgb((t.permute(1, 2, 0) if chw else t).numpy())
 
 
 class Segmenter(Predictor):
     """A trained network ready for raw images (see module docstring).
 
     ``model`` returns logits ``[B,C,H,W]`` for ImageNet-normalized input; ``meta`` is the
-    :class:`~dualseg.data.DatasetMeta` (class names, palette, ignore index) it was trained on.
-    ``model`` is moved to ``device`` (in place, as ``nn.Module.to`` moves it); every prediction
-    runs it in eval mode and gives it back in the mode it was in (a model being fine-tuned
-    stays in train mode, and predicting never updates its BatchNorm statistics).
+    :class:`~dualseg.data.DatasetMeta` it was trained on. ``model`` is moved to ``device`` in
+    place; every prediction runs it in eval mode and gives it back in the mode it was in.
     """
 
     def __init__(
@@ -120,18 +80,14 @@ class Segmenter(Predictor):
                 f"({meta.name}): pass the meta of the dataset the model was trained on"
             )
         self.device = resolve_device(device)
-        self.model = model.to(self.device)
-        self.meta = meta
-        self.amp = amp
-        # build_model(arch, **model_kwargs) rebuilds ``model`` (set by load_model; for
-        # save_pretrained). None: a model built elsewhere.
+        self.model, self.meta, self.amp = model.to(self.device), meta, amp
+        # set by load_model, for save_pretrained: build_model(arch, **model_kwargs), how the
+        # training labels were read, their contract and the training images' digests
         self.arch: str | None = None
         self.model_kwargs: dict[str, Any] | None = None
-        # how the training labels were read (data.label_map ...), for save_pretrained
         self.training_labels: dict[str, Any] = {}
-        # how the training data was read (labels, bit depth): image files are read so too
         self.contract = LabelContract(meta)
-        self.train_images: Any = None  # the training images' content digests, kept on save
+        self.train_images: Any = None
 
     def __repr__(self) -> str:
         return (
@@ -144,9 +100,6 @@ class Segmenter(Predictor):
         """How 16-bit image files are read: as the training images were (None: detected)."""
         return self.contract.bit_depth
 
-    # ------------------------------------------------------------------ public API
-    # num_classes, class_names, __call__: from Predictor; predict / predict_proba take the
-    # inference keywords here
     def predict(
         self,
         image: ImageLike,
@@ -158,21 +111,11 @@ class Segmenter(Predictor):
         tta_flip: bool = _INFER.tta_flip,
         tile_batch: int = _INFER.tile_batch,
     ) -> np.ndarray:
-        """Label map ``HxW`` (uint8 for up to 255 classes, else int64) at the original size.
-
-        ``mode="slide"`` with ``window``/``stride`` segments tile by tile (logits averaged in
-        the overlaps); ``tta_scales``/``tta_flip`` average the softmax probabilities of the
-        resized / mirrored image (see :mod:`dualseg.engine.inference`).
-        """
-        return self.predict_batch(
-            [image],
-            mode=mode,
-            window=window,
-            stride=stride,
-            tta_scales=tta_scales,
-            tta_flip=tta_flip,
-            tile_batch=tile_batch,
-        )[0]
+        """Label map ``HxW`` (uint8 for up to 255 classes, else int64) at the original size;
+        ``mode="slide"``, ``window`` ... ``tile_batch``: see :mod:`dualseg.engine.inference`."""
+        return self.predict_batch([image], mode=mode, window=window, stride=stride,
+                                  tta_scales=tta_scales, tta_flip=tta_flip,
+                                  tile_batch=tile_batch)[0]  # fmt: skip
 
     def predict_proba(
         self,
@@ -187,16 +130,9 @@ class Segmenter(Predictor):
     ) -> np.ndarray:
         """Class probabilities ``float32 [C,H,W]`` at the original size (with TTA: the mean
         of the variants' probabilities). Options as :meth:`predict`."""
-        return self.predict_batch(
-            [image],
-            return_probs=True,
-            mode=mode,
-            window=window,
-            stride=stride,
-            tta_scales=tta_scales,
-            tta_flip=tta_flip,
-            tile_batch=tile_batch,
-        )[0][1]
+        return self.predict_batch([image], return_probs=True, mode=mode, window=window,
+                                  stride=stride, tta_scales=tta_scales, tta_flip=tta_flip,
+                                  tile_batch=tile_batch)[0][1]  # fmt: skip
 
     def predict_batch(
         self,
@@ -211,22 +147,17 @@ class Segmenter(Predictor):
         tta_flip: bool = _INFER.tta_flip,
         tile_batch: int = _INFER.tile_batch,
     ) -> list[Any]:
-        """Segment several images, ``batch_size`` at a time (images of equal size share a batch).
-
-        Returns, in input order, label maps — or ``(label, probs)`` pairs with
-        ``return_probs=True``. Inference options as :meth:`predict`.
-        """
+        """Label maps (or ``(label, probs)`` pairs with ``return_probs``) in input order,
+        ``batch_size`` images of one size at a time. Inference options as :meth:`predict`."""
         require_image_list(images)
-        depth = self.bit_depth
-        arrays = [read_image(im, bit_depth=depth) if isinstance(im, str | os.PathLike)
+        opts = InferenceOptions(mode, window, stride, tta_scales, tta_flip, tile_batch)  # type: ignore[arg-type]
+        arrays = [read_image(im, bit_depth=self.bit_depth) if isinstance(im, str | os.PathLike)
                   else as_rgb_array(im) for im in images]  # fmt: skip
-        opts = dict(mode=mode, window=window, stride=stride, tta_scales=tta_scales,
-                    tta_flip=tta_flip, tile_batch=tile_batch, amp=self.amp)  # fmt: skip
         out: list[Any] = [None] * len(arrays)
         for chunk in size_batches(arrays, batch_size):
             x = torch.from_numpy(normalize([arrays[i] for i in chunk])).to(self.device)
             with torch.no_grad(), eval_mode(self.model):  # eval: BatchNorm never updates
-                logits = infer_logits(self.model, x, **opts)  # spec S4: at the original size
+                logits = infer_logits(self.model, x, amp=self.amp, **asdict(opts))
             if logits.shape[1] != self.num_classes:  # a model that declares no num_classes
                 raise ConfigError(
                     f"the model returned {logits.shape[1]} class scores and the meta names "
@@ -246,23 +177,15 @@ class Segmenter(Predictor):
         reads it back (see :mod:`dualseg.engine.pretrained`)."""
         if self.arch is None or self.model_kwargs is None:
             raise ConfigError(
-                "this Segmenter's model was not built by dualseg.load_model, so its arch and "
-                "options are unknown; call dualseg.engine.pretrained.save_pretrained(model, "
-                "folder, arch=..., model_kwargs=..., meta=...)"
+                "this Segmenter's model was not built by dualseg.load_model; call "
+                "dualseg.engine.pretrained.save_pretrained(model, folder, arch=..., ...)"
             )
         return save_pretrained(
-            self.model,
-            folder,
-            arch=self.arch,
-            model_kwargs=self.model_kwargs,
-            meta=self.meta,
-            mean=IMAGENET_MEAN,
-            std=IMAGENET_STD,
-            training_labels=self.training_labels,
-            label_contract=self.contract.to_dict(),
-            train_images=self.train_images,
+            self.model, folder, arch=self.arch, model_kwargs=self.model_kwargs, meta=self.meta,
+            mean=IMAGENET_MEAN, std=IMAGENET_STD, training_labels=self.training_labels,
+            label_contract=self.contract.to_dict(), train_images=self.train_images,
             overwrite=overwrite,
-        )
+        )  # fmt: skip
 
 
 def load_model(

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 from collections.abc import Iterator
@@ -31,91 +30,43 @@ DEMO_MARKER = "demo.json"  # written into --out first: what marks the folder as 
 DEMO_FILES = ("metrics.json", "refiner.pt", "panel.png", "predictions")  # besides the run's
 
 
-def is_demo_folder(out: Path) -> bool:
-    """Whether ``out`` holds :data:`DEMO_MARKER` or a demo's ``metrics.json``."""
-    if (out / DEMO_MARKER).is_file():
-        return True
-    try:
-        record = json.loads((out / "metrics.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(record, dict) and {"baselines", "dataset", "metrics"} <= set(record)
-
-
-def check_out_dir(out: Path, *, overwrite: bool) -> None:
-    """Refuse an ``--out`` the demo cannot write, or one holding files it did not write but
-    would replace (unless ``overwrite``); nothing is changed."""
-    check_writable(out, kind="dir", what="--out")
-    if overwrite or not out.is_dir() or is_demo_folder(out):
-        return
-    foreign = [p.name for p in run_files(out)] + [n for n in DEMO_FILES if (out / n).exists()]
-    if foreign:
-        names = ", ".join(foreign[:4]) + (" ..." if len(foreign) > 4 else "")
-        raise RunExistsError(
-            f"--out {out} holds files dualseg demo did not write ({names}), which the demo "
-            "would replace; choose another --out, or pass --overwrite to replace them"
-        )
-
-
-def check_data_folder(out: Path, *, own: bool) -> None:
-    """Refuse a new ``--out`` whose ``data/`` holds files the generator did not write."""
-    if not own and holds_foreign_files(out / "data"):
-        raise DataError(
-            f"--out {out}: its data/ folder holds files dualseg demo did not write (no "
-            f"{STAMP_FILE}); choose another --out, or pass --overwrite to replace them"
-        )
-
-
-def mark_demo_folder(out: Path) -> None:
-    """Create ``out``, write :data:`DEMO_MARKER`, and remove an earlier demo's figures: they
-    describe a model this run replaces."""
-    out.mkdir(parents=True, exist_ok=True)
-    note = "this folder is dualseg demo's output; a re-run of the demo replaces it"
-    atomic_write_json(
-        out / DEMO_MARKER, {"written_by": "dualseg demo", "version": __version__, "note": note}
-    )
-    for name in DEMO_FILES:
-        path = out / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
-
-
-def demo_data(
-    data: str | None, *, preset: str | None, layout: str, split: str, out: Path,
-    n_train: int, n_val: int, size: tuple[int, int], seed: int, replace: bool,
-) -> tuple[Path, Any]:  # fmt: skip
-    """The dataset root and its classes: ``data`` (its ``preset``, else what it says), or
-    synthetic data generated once into ``out/data`` and reused."""
-    if data is None:
-        root = make_synthetic_dataset(
-            out / "data", n_train=n_train, n_val=n_val, size=size, seed=seed, replace=replace
-        )
-        return Path(root), get_preset("synthetic")
-    if preset is not None:
-        return Path(data), preset_for(data, preset)
-    return Path(data), resolve_meta(data, discover(data, split=split, layout=layout).layout, None)
-
-
 @contextmanager
 def demo_folder(
     out: Path, data: str | None, *, overwrite: bool, preset: str | None, layout: str,
     train_split: str, val_split: str, n_train: int, n_val: int, size: tuple[int, int], seed: int,
 ) -> Iterator[tuple[Path, Any]]:  # fmt: skip
     """Check ``out`` and the data before anything is written, then hold ``out``, mark it as
-    the demo's and yield the dataset root and its classes (synthetic data generated there)."""
-    check_out_dir(out, overwrite=overwrite)
+    the demo's and yield the dataset root and its classes: ``data`` (its ``preset``, else
+    what it says), or synthetic data generated once into ``out/data`` and reused."""
+    check_writable(out, kind="dir", what="--out")
+    own = overwrite or (out / DEMO_MARKER).is_file()
+    foreign = [p.name for p in run_files(out)] + [n for n in DEMO_FILES if (out / n).exists()]
+    if not own and out.is_dir() and foreign:
+        raise RunExistsError(
+            f"--out {out} holds files dualseg demo did not write ({', '.join(foreign[:4])}); "
+            "choose another --out, or pass --overwrite to replace them"
+        )
     check_not_in_use(out)
-    own = overwrite or (out.is_dir() and is_demo_folder(out))
-    source = dict(preset=preset, layout=layout, split=train_split, out=out, n_train=n_train,
-                  n_val=n_val, size=size, seed=seed)  # fmt: skip
     if data is not None:
-        root, meta = demo_data(data, replace=False, **source)
+        root = Path(data)
+        meta = preset_for(data, preset) if preset is not None else resolve_meta(
+            data, discover(data, split=train_split, layout=layout).layout, None)  # fmt: skip
         check_splits_differ(root, meta, layout=layout, train=train_split, val=val_split)
-    else:
-        check_data_folder(out, own=own)
+    elif not own and holds_foreign_files(out / "data"):
+        raise DataError(
+            f"--out {out}: its data/ folder holds files dualseg demo did not write (no "
+            f"{STAMP_FILE}); choose another --out, or pass --overwrite to replace them"
+        )
     with hold_run_folder(out):  # one run writes the folder at a time
-        mark_demo_folder(out)
+        out.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out / DEMO_MARKER, {"written_by": "dualseg demo", "version": __version__})
+        for name in DEMO_FILES:  # an earlier demo's: they describe a model this run replaces
+            path = out / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         if data is None:
-            root, meta = demo_data(None, replace=own, **source)
+            root = Path(make_synthetic_dataset(out / "data", n_train=n_train, n_val=n_val,
+                                               size=size, seed=seed, replace=own))  # fmt: skip
+            meta = get_preset("synthetic")
         yield root, meta
 
 
@@ -128,10 +79,8 @@ def check_splits_differ(root: Path, meta: Any, *, layout: str, train: str, val: 
 
     if samples(val) == samples(train):
         raise ConfigError(
-            f"--data {root}: split {val!r} is the same images as split {train!r} (a flat "
-            "images/ folder serves every split), so the demo would score what it trained on; "
-            "give it a root with train and val splits (ROOT/train/images and ROOT/val/images, "
-            "or list files) and --val-split NAME"
+            f"--data {root}: split {val!r} is the same images as split {train!r}; give it a "
+            "root with train and val splits (ROOT/train/images and ROOT/val/images) and --val-split"
         )
 
 
@@ -143,10 +92,7 @@ def demo_weights(arch: str, weights: str) -> str | None:
     if weights.lower() != "imagenet":
         if not Path(weights).is_file():
             where = "is a folder, not a file" if Path(weights).is_dir() else "does not exist"
-            raise ConfigError(
-                f"--weights {weights} {where}; pass a backbone state-dict file (.pth), "
-                "imagenet or none"
-            )
+            raise ConfigError(f"--weights {weights} {where}; pass a .pth file, imagenet or none")
         return weights
     backbone = backbone_of(arch)
     try:
@@ -177,45 +123,34 @@ class VisualWriter:
     def __call__(
         self, index: int, images: Tensor, labels: Tensor, pred: Tensor, refined: Tensor | None
     ) -> None:
-        self.refined_hook(index, images, labels, pred, refined)
+        palette = self.dataset.meta.palette
         for k in range(pred.shape[0]):
             i = index * self.batch_size + k  # the eval loader is not shuffled
             image, label = self.dataset.load_pair(i)  # the original pixels, for the overlays
             p = pred[k].cpu().numpy().astype(np.uint8)
-            write_outputs(self.out / "predictions", self.names[i], image, p,
-                          self.dataset.meta.palette)  # fmt: skip
+            write_outputs(self.out / "predictions", self.names[i], image, p, palette)
             if i < self.n_show:
                 self.shown.append((self.names[i], image, label, p))
-
-    def refined_hook(
-        self, index: int, images: Tensor, labels: Tensor, pred: Tensor, refined: Tensor | None
-    ) -> None:
-        """``on_batch`` of the evaluation with the refiner: keeps method B's labels to show."""
-        for k in range(pred.shape[0] if refined is not None else 0):
-            if (i := index * self.batch_size + k) < self.n_show:
-                self.refined[i] = refined[k].cpu().numpy().astype(np.uint8)  # type: ignore[index]
-
-    def _row(self, i: int) -> np.ndarray:
-        palette = self.dataset.meta.palette
-        name, image, label, p = self.shown[i]
-        tiles = [image, viz.colorize(label, palette), viz.colorize(p, palette)]
-        tiles.append(viz.overlay(image, p, palette))
-        titles = [name, "ground truth", "prediction", "overlay"]
-        if i in self.refined:
-            r = self.refined[i]
-            tiles.append(viz.mark_changed(viz.colorize(r, palette), r != p))
-            titles.append("method B (changed: magenta)")
-        return viz.make_panel(tiles, titles)
+                if refined is not None:
+                    self.refined[i] = refined[k].cpu().numpy().astype(np.uint8)
 
     def finish(self) -> dict[str, str]:
         """Write the panel; the figures' paths by name."""
-        meta = self.dataset.meta
+        meta, rows = self.dataset.meta, []
+        for i, (name, image, label, p) in enumerate(self.shown):
+            tiles = [image, viz.colorize(label, meta.palette), viz.colorize(p, meta.palette),
+                     viz.overlay(image, p, meta.palette)]  # fmt: skip
+            titles = [name, "ground truth", "prediction", "overlay"]
+            if (r := self.refined.get(i)) is not None:
+                tiles.append(viz.mark_changed(viz.colorize(r, meta.palette), r != p))
+                titles.append("method B (changed: magenta)")
+            rows.append(viz.make_panel(tiles, titles))
         figures = {"predictions": str(self.out / "predictions")}
-        if rows := [self._row(i) for i in range(len(self.shown))]:
+        if rows:
             width = max(r.shape[1] for r in rows)
+            rows = [np.pad(r, ((0, 0), (0, width - r.shape[1]), (0, 0)), constant_values=255)
+                    for r in rows]  # fmt: skip
             legend = viz.make_legend(meta.class_names, meta.palette, width=width)
-            pad = [((0, 0), (0, width - r.shape[1]), (0, 0)) for r in rows]
-            rows = [np.pad(r, w, constant_values=255) for r, w in zip(rows, pad)]
             atomic_save_image(self.out / "panel.png", np.concatenate([*rows, legend], axis=0))
             figures["panel"] = str(self.out / "panel.png")
         if (self.out / "curves.png").is_file():  # written by fit() at the end of training
