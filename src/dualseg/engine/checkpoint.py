@@ -340,9 +340,3 @@ def check_normalization(state: Mapping[str, Any]) -> None:
                 f"applies {list(value)}; convert the model, or normalize the input yourself and "
                 "call the network (Segmenter.model) directly"
             )
-
-
-def find_resume_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
-    """``<run_dir>/last.pt`` when present (what ``--resume auto`` picks), else ``None``."""
-    path = Path(run_dir) / LAST_NAME
-    return path if path.is_file() else None

@@ -41,7 +41,6 @@ __all__ = [
     "refuse_rewind",
     "scored_classes_note",
     "seed_everything",
-    "warn_missing_tensorboard",
 ]
 
 
@@ -91,10 +90,8 @@ def check_training_data(
 
 
 def padded_crop(d: DataConfig, largest: tuple[int, int] | None) -> str | None:
-    """A line when ``data.crop_size`` is so much larger than the largest training image, even
-    at the largest scale of ``data.scale_range``, that over half of every crop is ignore
-    padding: that weakens the loss (to 1/100 in a case seen) and slows every step, without a
-    word. A crop a little larger than the images (some padding) is not worth a line."""
+    """A line when over half of every crop would be ignore padding (``data.crop_size`` above
+    the largest training image at the largest scale): a weaker loss and slower steps."""
     if not largest or min(largest) == 0:
         return None
     hi = max(d.scale_range)
@@ -103,10 +100,9 @@ def padded_crop(d: DataConfig, largest: tuple[int, int] | None) -> str | None:
     if min(ch, h) * min(cw, w) >= 0.5 * ch * cw:
         return None
     return (
-        f"data.crop_size [{ch}, {cw}] is larger than every training image ({largest[0]}x"
-        f"{largest[1]} at most, {h}x{w} at the largest scale {hi:g}): over half of every crop "
-        f"is ignore padding, which weakens the loss and slows each step; use a crop of at most "
-        f"[{min(ch, h)}, {min(cw, w)}]"
+        f"data.crop_size [{ch}, {cw}] is larger than every training image ({h}x{w} at the "
+        f"largest scale {hi:g}): over half of every crop is ignore padding; use a crop of at "
+        f"most [{min(ch, h)}, {min(cw, w)}]"
     )
 
 
@@ -121,23 +117,6 @@ def scored_classes_note(metrics: Mapping[str, Any], class_names: Sequence[str]) 
         return ""
     name = class_names[scored[0]] if scored[0] < len(class_names) else scored[0]
     return f" (1 class scored: {name!r}; the labels hold no other class)"
-
-
-def warn_missing_tensorboard(enabled: bool) -> bool:
-    """Print one warning line when TensorBoard logging is on but cannot be imported; return
-    whether event files can be written."""
-    if not enabled:
-        return False
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError:
-        print(
-            "dualseg train: warning: tensorboard is not installed, so no event files are "
-            "written (pip install tensorboard, or --train.tensorboard false)",
-            file=sys.stderr,
-        )
-        return False
-    return True
 
 
 def majority_baseline(confusion: Any) -> tuple[float, int]:
@@ -177,21 +156,13 @@ def baseline_note(
 
 def check_resumable(state: dict, path: Path | None, max_iters: int) -> None:
     """A resume needs a training checkpoint (not weights alone) with iterations left."""
-    needed = ("optimizer", "scheduler", "sampler", "iteration", "epoch", "rng", "progress")
-    if missing := [k for k in needed if k not in state]:
+    if "optimizer" not in state or "rng" not in state:
         raise CheckpointError(
-            f"{path} holds model weights without the training state a resume needs "
-            f"(no {', '.join(missing)}): resume from a checkpoint that dualseg train wrote "
-            "(the run's last.pt)"
+            f"{path} holds model weights without the training state a resume needs; resume "
+            "from a checkpoint that dualseg train wrote (the run's last.pt)"
         )
-    try:
-        done = int(state["iteration"])
-    except (TypeError, ValueError):
-        raise CheckpointError(
-            f"{path} is a damaged training checkpoint (iteration {state['iteration']!r}); resume "
-            "from another checkpoint of the run (best.pt, or an earlier one)"
-        ) from None
-    if max_iters < done:
+    done = state.get("iteration")
+    if isinstance(done, int) and max_iters < done:
         raise ConfigError(
             f"{path} is at iteration {done}, past train.max_iters {max_iters}: pass "
             f"--train.max_iters {done} or more to resume it, or evaluate it with dualseg eval"
@@ -295,17 +266,7 @@ def seed_everything(seed: int, deterministic: bool, device: torch.device) -> Non
 
 
 def build_train_model(cfg: Config, num_classes: int, *, pretrained: bool) -> nn.Module:
-
     m = cfg.model
     weights = m.weights if pretrained else None
-    try:
-        return build_model(
-            m.arch,
-            weights=weights,
-            allow_download=m.allow_download,
-            **model_kwargs(m, num_classes),
-        )
-    except ConfigError as err:  # name the option as the config spells it
-        text = str(err)
-        named = text.split(" ", 1)[0] in model_kwargs(m, num_classes)
-        raise ConfigError(f"{'model.' if named else ''}{text} ({m.arch})") from None
+    kwargs = model_kwargs(m, num_classes)
+    return build_model(m.arch, weights=weights, allow_download=m.allow_download, **kwargs)

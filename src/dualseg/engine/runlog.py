@@ -108,8 +108,12 @@ class RunLog:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(out_dir), purge_step=start or None)
-            except ImportError:  # tensorboard not installed: JSONL and PNG only
-                self.tb = None
+            except ImportError:  # JSONL and PNG only
+                print(
+                    "dualseg train: warning: tensorboard is not installed, so no event files are "
+                    "written (pip install tensorboard, or --train.tensorboard false)",
+                    file=sys.stderr,
+                )
         if cfg.train.progress and not self.quiet and sys.stderr.isatty():
             self.bar = tqdm(total=cfg.train.max_iters, initial=start, desc="train", unit="it")
 
