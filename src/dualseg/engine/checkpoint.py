@@ -35,65 +35,39 @@ LAST_NAME = "last.pt"
 BEST_NAME = "best.pt"
 
 
-# --------------------------------------------------------------------------- plain containers
+# --------------------------------------------------------------------------- plain values
 def to_plain(obj: Any) -> Any:
     """``obj`` in types ``torch.load(weights_only=True)`` accepts (numpy -> tensors and
-    numbers, paths -> str; ``OrderedDict`` state dicts are kept)."""
+    numbers; ``OrderedDict`` state dicts are kept)."""
     if isinstance(obj, torch.Tensor | str | bytes | bool | int | float | type(None)):
         return obj
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(obj))
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, os.PathLike):
-        return os.fspath(obj)
+    if isinstance(obj, np.ndarray | np.generic):
+        return torch.from_numpy(np.ascontiguousarray(obj)) if obj.ndim else obj.item()
     if isinstance(obj, Mapping):
         plain = {k: to_plain(v) for k, v in obj.items()}
         return type(obj)(plain) if type(obj).__name__ == "OrderedDict" else plain
-    if isinstance(obj, tuple):
-        return tuple(to_plain(v) for v in obj)
-    if isinstance(obj, list | set | frozenset):
-        return [to_plain(v) for v in obj]
-    if isinstance(obj, torch.device | torch.dtype):
-        return str(obj)
-    raise TypeError(
-        f"cannot store a {type(obj).__name__} in a checkpoint: only plain containers, tensors, "
-        "numbers and strings load with weights_only=True"
-    )
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_plain(v) for v in obj)
+    raise TypeError(f"cannot store a {type(obj).__name__} in a checkpoint (weights_only=True)")
 
 
-# --------------------------------------------------------------------------- RNG states
 def capture_rng_state() -> dict[str, Any]:
     """Python, numpy, torch (CPU) and CUDA RNG states as plain values."""
-    np_state = np.random.get_state(legacy=False)
-    state: dict[str, Any] = {
-        "python": random.getstate(),  # (version, tuple[int, ...], gauss) — plain tuples
-        "numpy": {
-            "bit_generator": np_state["bit_generator"],
-            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-            "pos": int(np_state["state"]["pos"]),
-            "has_gauss": int(np_state["has_gauss"]),
-            "gauss": float(np_state["gauss"]),
-        },
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),  # (version, tuple[int, ...], gauss): plain tuples
+        "numpy": (name, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
-    return state
 
 
 def restore_rng_state(state: Mapping[str, Any]) -> None:
     """Inverse of :func:`capture_rng_state` (CUDA states are restored when the counts match)."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state(
-        {
-            "bit_generator": n["bit_generator"],
-            "state": {"key": n["key"].numpy().astype(np.uint32), "pos": int(n["pos"])},
-            "has_gauss": int(n["has_gauss"]),
-            "gauss": float(n["gauss"]),
-        }
-    )
+    name, key, *rest = state["numpy"]
+    np.random.set_state((name, key.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"].cpu())
     cuda = state.get("cuda") or []
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():

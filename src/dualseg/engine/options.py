@@ -25,18 +25,6 @@ from dualseg.augment_defaults import (
 )
 from dualseg.errors import ConfigError
 
-__all__ = [
-    "ARCH_NAMES",
-    "Config",
-    "DataConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "TrainConfig",
-    "config_to_dict",
-    "model_kwargs",
-    "train_transform",
-]
-
 # dualseg.models.MODELS' names: that package imports torch, which `train --help` must not
 # (tests/models/test_factory_defaults.py keeps the two equal)
 ARCH_NAMES = (

@@ -29,20 +29,6 @@ from dualseg.errors import CheckpointError, ConfigError, DataError, RunExistsErr
 from dualseg.metrics import scores_from_confusion
 from dualseg.models import build_model
 
-__all__ = [
-    "baseline_note",
-    "build_datasets",
-    "build_loaders",
-    "build_train_model",
-    "check_resumable",
-    "check_training_data",
-    "label_mapping",
-    "majority_baseline",
-    "refuse_rewind",
-    "scored_classes_note",
-    "seed_everything",
-]
-
 
 def label_mapping(d: DataConfig) -> dict[str, Any]:
     """``{"label_map", "ignore_value"}`` for ``build_dataset`` / ``check_dataset``."""

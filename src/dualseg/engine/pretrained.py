@@ -50,24 +50,6 @@ from dualseg.models import build_model
 from dualseg.serialization import nonfinite_keys, short_list
 from dualseg.weights import hub_folder
 
-__all__ = [
-    "CONFIG_NAME",
-    "FORMAT",
-    "WEIGHTS_NAME",
-    "is_hub_source",
-    "is_pretrained_folder",
-    "load_network",
-    "load_state",
-    "read_json",
-    "read_pretrained",
-    "read_safetensors",
-    "refuse_existing",
-    "resolve_source",
-    "save_pretrained",
-    "save_pretrained_from_checkpoint",
-    "write_safetensors",
-]
-
 FORMAT = "dualseg-pretrained/1"
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -116,8 +98,8 @@ def is_hub_source(source: str | os.PathLike[str]) -> bool:
     return str(source).startswith("hf:/")
 
 
-def is_pretrained_folder(path: str | os.PathLike[str], name: str = CONFIG_NAME) -> bool:
-    return Path(path).is_dir() and (Path(path) / name).is_file()
+def is_pretrained_folder(path: str | os.PathLike[str]) -> bool:
+    return (Path(path) / CONFIG_NAME).is_file()
 
 
 def resolve_source(source: str | os.PathLike[str], *, files: Sequence[str]) -> Path:

@@ -18,18 +18,6 @@ from pathlib import Path
 from dualseg.errors import RunExistsError
 from dualseg.io import check_writable
 
-__all__ = [
-    "LOCK_NAME",
-    "RUN_FILES",
-    "CheckpointClock",
-    "check_not_in_use",
-    "check_run_dir",
-    "clear_run_dir",
-    "continues_run",
-    "hold_run_folder",
-    "run_files",
-]
-
 # the files a run writes (TensorBoard's events.out.* come on top)
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "config.yaml", "curves.png", "summary.json")
 LAST, BEST = RUN_FILES[:2]

@@ -145,11 +145,10 @@ class RunLog:
         if echo:
             self.message(echo)
 
-    def step(self, n: int = 1, **postfix: float) -> None:
+    def step(self, **postfix: float) -> None:
         if self.bar is not None:
-            self.bar.update(n)
-            if postfix:
-                self.bar.set_postfix({k: f"{v:.4f}" for k, v in postfix.items()}, refresh=False)
+            self.bar.update(1)
+            self.bar.set_postfix({k: f"{v:.4f}" for k, v in postfix.items()}, refresh=False)
 
     def message(self, text: str) -> None:
         if not self.enabled or self.quiet:
