@@ -430,7 +430,6 @@ def test_a_folder_with_unknown_training_label_keys_is_refused(folder, tmp_path) 
         ("class_names", "skyroad", "class_names must be a list of one name per class, got 'sky"),
         ("class_names", None, "class_names must be a list of one name per class, got None"),
         ("palette", None, "palette must be a list of one [r, g, b] in 0..255 per class, got No"),
-        ("num_classes", 7, "num_classes is 7 but the model has 8 classes"),
         ("ignore_index", 0, "ignore_index must be 255 (dualseg's ignore value), got 0"),
         ("arch", ["deeplabv3_mobilenet_v2"], "names architecture ['deeplabv3_mobilenet_v2']"),
         ("class_names", [1, 2, 3, 4, 5, 6, 7, 8], "class_names must be a list of one name per"),

@@ -25,14 +25,18 @@ from dualseg.data.presets import parse_label_map
 from dualseg.engine import checkpoint as ckpt_io
 from dualseg.engine.config import Config, DataConfig, model_kwargs, train_transform
 from dualseg.engine.distributed import DistEnv, ResumableSampler, SeededSamples, ShardSampler
+from dualseg.engine.evaluation import sanity_warnings
 from dualseg.errors import CheckpointError, ConfigError, DataError, RunExistsError
-from dualseg.metrics import scores_from_confusion
 from dualseg.models import build_model
 
 
-def label_mapping(d: DataConfig) -> dict[str, Any]:
-    """``{"label_map", "ignore_value"}`` for ``build_dataset`` / ``check_dataset``."""
+def dataset_options(d: DataConfig) -> dict[str, Any]:
+    """How ``build_dataset`` / ``check_dataset`` read ``d``'s folders."""
     return {
+        "layout": d.layout,
+        "preset": d.preset,
+        "label_format": d.label_format,
+        "bit_depth": d.bit_depth,
         "label_map": parse_label_map(d.label_map) if d.label_map else None,
         "ignore_value": d.ignore_index,
     }
@@ -41,30 +45,16 @@ def label_mapping(d: DataConfig) -> dict[str, Any]:
 def check_training_data(
     d: DataConfig, *, progress: ProgressMode = "off", warn: bool = True
 ) -> None:
-    """Scan every pair of ``d``'s training and validation splits (of every root when
-    ``data.root`` is a list); one ``DataError`` if bad.
-
-    ``progress``: a :mod:`dualseg.console` mode. Classes with no pixels in these splits are a
-    one-line warning (``warn``), not a refusal.
-    """
+    """Scan every pair of ``d``'s training and validation splits (of every root); one
+    ``DataError`` if bad; absent classes, overlapping splits and padded crops are warnings."""
     if not d.check or not d.root:
         return
-
     # a held-out fraction is part of the training split's files
     named = (d.train_split,) if d.val_fraction > 0 else (d.train_split, d.val_split)
     splits = tuple(dict.fromkeys(s for s in named if s))
     roots = [d.root] if isinstance(d.root, str) else list(d.root)
     reports = [
-        check_dataset(
-            root,
-            splits=splits,
-            layout=d.layout,
-            preset=d.preset,
-            label_format=d.label_format,
-            bit_depth=d.bit_depth,
-            progress=progress,
-            **label_mapping(d),
-        )
+        check_dataset(root, splits=splits, progress=progress, **dataset_options(d))
         for root in roots
     ]
     report = combine_reports(reports)
@@ -105,39 +95,13 @@ def scored_classes_note(metrics: Mapping[str, Any], class_names: Sequence[str]) 
     return f" (1 class scored: {name!r}; the labels hold no other class)"
 
 
-def majority_baseline(confusion: Any) -> tuple[float, int]:
-    """The mIoU of predicting the most frequent ground-truth class everywhere, scored as the
-    model is (``confusion``: ``[C, C]`` pixel counts, rows = ground truth), and that class."""
-    mat = torch.as_tensor(confusion, dtype=torch.float64)
-    gt = mat.sum(1)
-    k = int(gt.argmax())
-    constant = torch.zeros_like(mat)
-    constant[:, k] = gt
-    return float(scores_from_confusion(constant)["miou"]), k
-
-
-def baseline_note(
-    confusion: Any, miou: float, class_names: Sequence[str], *, dominant: float = 0.95
-) -> tuple[float, str]:
-    """The majority-class baseline mIoU, and a note for the validation line: the baseline
-    beside the model's mIoU, plainly saying when the model is not above it or predicts one
-    class on more than ``dominant`` of the pixels."""
-    mat = torch.as_tensor(confusion, dtype=torch.float64)
-    total = float(mat.sum())
-    if total == 0:
-        return math.nan, ""
-    baseline, k = majority_baseline(mat)
-    note = f" (majority-class baseline {100 * baseline:.1f}%)"
-    if not miou > baseline:
-        note += f"; not above predicting {class_names[k]!r} everywhere"
-    top = mat.sum(0)
-    c = int(top.argmax())
-    if float(top[c]) > dominant * total:
-        note += (
-            f"; the model predicts {class_names[c]!r} on {100 * float(top[c]) / total:.0f}% of "
-            "the pixels"
-        )
-    return baseline, note
+def baseline_note(metrics: Mapping[str, Any], class_names: Sequence[str]) -> str:
+    """The validation line's note: the majority-class baseline, and :func:`sanity_warnings`."""
+    base = metrics["majority_baseline_miou"]
+    if math.isnan(base):
+        return ""
+    warnings = [f"; {w}" for w in sanity_warnings(dict(metrics), class_names)]
+    return "".join([f" (majority-class baseline {100 * base:.1f}%)", *warnings])
 
 
 def check_resumable(state: dict, path: Path | None, max_iters: int) -> None:
@@ -180,8 +144,7 @@ def build_datasets(cfg: Config) -> tuple[Any, Any | None]:
     d = cfg.data
     if not d.root:
         raise ConfigError("no dataset: set data.root in the config or pass --data.root PATH")
-    common: dict[str, Any] = {"layout": d.layout, "preset": d.preset}
-    common |= {"label_format": d.label_format, "bit_depth": d.bit_depth, **label_mapping(d)}
+    common = dataset_options(d)
     if d.val_fraction > 0:  # a held-out part of the training split, by file name
         common["val_fraction"] = d.val_fraction
     train_ds = build_dataset(

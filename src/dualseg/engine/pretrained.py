@@ -312,13 +312,6 @@ def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
         k for k in ("arch", "model_kwargs", "class_names", "palette") if k not in config
     ]:
         raise CheckpointError(f"{where} lacks {missing}; save the folder again")
-    names, kwargs = config["class_names"], config["model_kwargs"]
-    count = kwargs.get("num_classes") if isinstance(kwargs, dict) else None
-    if config.get("num_classes", count) != count and count is not None:
-        raise CheckpointError(
-            f"{where}: num_classes is {config['num_classes']!r} but the model has {count} "
-            "classes (model_kwargs); save the folder again"
-        )
     norm, labels = config.get("normalization") or {}, config.get("training_labels") or {}
     if (
         not isinstance(norm, dict)
@@ -338,9 +331,9 @@ def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
         **seen,
         "format": FORMAT,
         "arch": config["arch"],
-        "model_kwargs": kwargs,
+        "model_kwargs": config["model_kwargs"],
         "model": read_safetensors(folder / WEIGHTS_NAME, what="model"),
-        "class_names": names,
+        "class_names": config["class_names"],
         "palette": config["palette"],
         "ignore_index": config.get("ignore_index", 255),
         "config": {"data": {"preset": config.get("dataset"), **labels}},

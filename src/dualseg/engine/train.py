@@ -398,12 +398,12 @@ def _validate(run: _Run, at: int) -> bool:
     )
     run.progress.last_val = {"iteration": at, **metrics}
     names = run.meta.class_names
-    baseline, note = baseline_note(metrics["confusion_matrix"], metrics["miou"], names)
+    note = baseline_note(metrics, names)
     echo = f"[{at}] val mIoU {100 * metrics['miou']:.1f}%{scored_classes_note(metrics, names)}"
     record: dict[str, Any] = {"iteration": at}
     for key in ("miou", "pixel_acc", "mean_acc", "fwiou", "boundary_f1", "trimap_miou", "loss"):
         record[f"val_{key}"] = metrics[key]
-    record |= {"val_iou": metrics["iou"], "val_baseline_miou": baseline}
+    record |= {"val_iou": metrics["iou"], "val_baseline_miou": metrics["majority_baseline_miou"]}
     record["time"] = round(time.perf_counter() - run.started, 3)
     assert run.log is not None
     run.log.write(record, echo=f"{echo}{note}")
