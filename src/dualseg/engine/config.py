@@ -139,6 +139,8 @@ def _read_yaml(path: str, *, inline: bool = False, section: str | None = None) -
         raise ConfigError(f"{where} is empty: give at least one of {what}")
     if not isinstance(d, dict):
         raise ConfigError(f"{where} is not a dualseg config: it must map {what} to their values")
+    if section is None and (bad := [k for k in SECTIONS if not isinstance(d.get(k), dict | None)]):
+        raise ConfigError(f"{where}: config section {bad[0]!r} must be a mapping of keys")
     if section is None and (unknown := [str(k) for k in d if k not in SECTIONS]):
         close = difflib.get_close_matches(unknown[0], list(SECTIONS), n=1, cutoff=0.5)
         hint = f"did you mean {close[0]}?" if close else f"sections: {', '.join(SECTIONS)}"

@@ -218,4 +218,8 @@ def build_train_model(cfg: Config, num_classes: int, *, pretrained: bool) -> nn.
     m = cfg.model
     weights = m.weights if pretrained else None
     kwargs = model_kwargs(m, num_classes)
-    return build_model(m.arch, weights=weights, allow_download=m.allow_download, **kwargs)
+    try:
+        return build_model(m.arch, weights=weights, allow_download=m.allow_download, **kwargs)
+    except ConfigError as err:  # name the option as the config spells it
+        named = str(err).split(" ", 1)[0] in kwargs
+        raise ConfigError(f"{'model.' if named else ''}{err} ({m.arch})") from None
