@@ -1,10 +1,8 @@
 """Checkpoints: one plain dict, written atomically, loaded with ``weights_only=True``.
 
-A checkpoint names its network by ``arch`` (a ``dualseg.models.MODELS`` key) and
-``model_kwargs`` (``build_model``'s options), so any checkpoint rebuilds its own model; the
-training state beside it (optimizer, scheduler, sampler, RNG states, config, class names,
-palette) lets ``--resume`` continue exactly. Every value is a plain container, tensor, number
-or string (:func:`to_plain`), so the safe loader accepts it.
+``arch`` + ``model_kwargs`` rebuild the network; the training state beside it (optimizer,
+scheduler, sampler, RNG states, config, class names, palette) lets ``--resume`` continue
+exactly.
 """
 
 from __future__ import annotations

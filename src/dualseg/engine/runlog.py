@@ -1,10 +1,5 @@
-"""Run bookkeeping of ``fit``: signals, loop progress, and the rank-0 outputs.
-
-- :class:`Interrupt` turns SIGINT / SIGTERM into a flag checked after each step;
-- :class:`Progress` is the loop state beyond weights (best score, patience, smoothed loss),
-  saved in checkpoints for a bit-exact resume;
-- :class:`RunLog` writes ``metrics.jsonl``, TensorBoard scalars and the progress bar / lines.
-"""
+"""Run bookkeeping of ``fit``: signals (:class:`Interrupt`), loop state saved in checkpoints
+(:class:`Progress`) and the rank-0 outputs (:class:`RunLog`)."""
 
 from __future__ import annotations
 
