@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dualseg.engine.config import DataConfig, ModelConfig, load_config, parse_command
-from dualseg.engine.preflight import baseline_note, majority_baseline
+from dualseg.engine.evaluation import majority_baseline_miou
+from dualseg.engine.preflight import baseline_note
 from dualseg.engine.train import fit
 from dualseg.errors import ConfigError
 from dualseg.metrics import scores_from_confusion
@@ -36,21 +37,20 @@ def test_val_fraction_is_checked_where_it_is_declared() -> None:
     assert cfg.data.val_fraction == 0.25
 
 
-def test_majority_baseline_scores_a_constant_prediction_as_the_model_is_scored() -> None:
+def test_the_validation_note_reads_the_model_against_the_majority_baseline() -> None:
     # rows: ground truth. Class 1 holds 78 of 100 pixels; class 2 never occurs.
     confusion = torch.tensor([[10, 12, 0], [0, 78, 0], [0, 0, 0]])
-    baseline, k = majority_baseline(confusion)
-    assert k == 1
     constant = torch.tensor([[0, 22, 0], [0, 78, 0], [0, 0, 0]])
-    assert baseline == pytest.approx(scores_from_confusion(constant)["miou"])
+    baseline = majority_baseline_miou(confusion)
     assert baseline == pytest.approx((0.0 + 0.78) / 2)  # class 2 absent: not scored
     names = ("membrane", "cell", "other")
-    _, note = baseline_note(constant, baseline, names)
+    common = {"majority_baseline_miou": baseline}
+    note = baseline_note({**common, "confusion_matrix": constant, "miou": baseline}, names)
     assert "majority-class baseline 39.0%" in note
-    assert "not above predicting 'cell' everywhere" in note
-    assert "predicts 'cell' on 100% of the pixels" in note
+    assert "is not above the majority-class baseline" in note
+    assert "predicts one class, 'cell', on 100.0% of the labelled pixels" in note
     good = scores_from_confusion(confusion)["miou"]
-    _, note = baseline_note(confusion, good, names)
+    note = baseline_note({**common, "confusion_matrix": confusion, "miou": good}, names)
     assert "not above" not in note and "predicts" not in note
 
 

@@ -22,11 +22,7 @@ __all__ = ["PriorModel", "baseline_models"]
 
 
 class PriorModel(nn.Module):
-    """A 'model' that ignores the image: fixed class scores per position, resized to the input.
-
-    With a constant map it predicts the most frequent class everywhere; with a per-position
-    majority map it predicts the most frequent class at each (relative) pixel position.
-    """
+    """A 'model' that ignores the image: fixed class scores per position, resized to the input."""
 
     def __init__(self, scores: Tensor) -> None:  # [C, h, w]
         super().__init__()
@@ -40,11 +36,8 @@ class PriorModel(nn.Module):
 def baseline_models(
     label_paths: list[Path], meta: Any, *, label_format: str = "index", grid: int = 64
 ) -> dict[str, PriorModel]:
-    """``{"most_frequent_class", "majority_per_position"}`` baselines from training labels.
-
-    Labels of any size are resampled (nearest) onto a ``grid`` x ``grid`` map of relative
-    positions, so datasets with mixed image sizes work too.
-    """
+    """``{"most_frequent_class", "majority_per_position"}`` baselines from training labels
+    (of any size: counted on a ``grid`` x ``grid`` map of relative positions)."""
     c = meta.num_classes
     counts = torch.zeros(c + 1, grid, grid, dtype=torch.float64)  # last bin: ignore
     for path in label_paths:

@@ -1,21 +1,18 @@
 """Checkpoints: one plain dict, written atomically, loaded with ``weights_only=True``.
 
-A checkpoint names its network by ``arch`` (a ``dualseg.models.MODELS`` key) and
-``model_kwargs`` (``build_model``'s options), so any checkpoint rebuilds its own model; the
-training state beside it (optimizer, scheduler, sampler, RNG states, config, class names,
-palette) lets ``--resume`` continue exactly. Every value is a plain container, tensor, number
-or string (:func:`to_plain`), so the safe loader accepts it.
+``arch`` + ``model_kwargs`` rebuild the network; the training state beside it (optimizer,
+scheduler, sampler, RNG states, config, class names, palette) lets ``--resume`` continue
+exactly.
 """
 
 from __future__ import annotations
 
-import inspect
-import numbers
 import os
 import random
 from collections.abc import Mapping, Sequence
+from inspect import signature
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,75 +28,44 @@ from dualseg.models import MODELS, build_model
 from dualseg.serialization import nonfinite_keys, safe_torch_load, short_list
 from dualseg.viz import default_palette
 
-if TYPE_CHECKING:  # pragma: no cover
-    from dualseg.data import DatasetMeta
-    from dualseg.data.contract import LabelContract
-
 FORMAT = "dualseg-checkpoint/1"
-REQUIRED_KEYS = ("format", "arch", "model_kwargs", "model")
 LAST_NAME = "last.pt"
 BEST_NAME = "best.pt"
 
 
-# --------------------------------------------------------------------------- plain containers
+# --------------------------------------------------------------------------- plain values
 def to_plain(obj: Any) -> Any:
     """``obj`` in types ``torch.load(weights_only=True)`` accepts (numpy -> tensors and
-    numbers, paths -> str; ``OrderedDict`` state dicts are kept)."""
+    numbers; ``OrderedDict`` state dicts are kept)."""
     if isinstance(obj, torch.Tensor | str | bytes | bool | int | float | type(None)):
         return obj
-    if isinstance(obj, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(obj))
-    if isinstance(obj, np.generic):
-        return obj.item()
-    if isinstance(obj, os.PathLike):
-        return os.fspath(obj)
+    if isinstance(obj, np.ndarray | np.generic):
+        return torch.from_numpy(np.ascontiguousarray(obj)) if obj.ndim else obj.item()
     if isinstance(obj, Mapping):
         plain = {k: to_plain(v) for k, v in obj.items()}
         return type(obj)(plain) if type(obj).__name__ == "OrderedDict" else plain
-    if isinstance(obj, tuple):
-        return tuple(to_plain(v) for v in obj)
-    if isinstance(obj, list | set | frozenset):
-        return [to_plain(v) for v in obj]
-    if isinstance(obj, torch.device | torch.dtype):
-        return str(obj)
-    raise TypeError(
-        f"cannot store a {type(obj).__name__} in a checkpoint: only plain containers, tensors, "
-        "numbers and strings load with weights_only=True"
-    )
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_plain(v) for v in obj)
+    raise TypeError(f"cannot store a {type(obj).__name__} in a checkpoint (weights_only=True)")
 
 
-# --------------------------------------------------------------------------- RNG states
 def capture_rng_state() -> dict[str, Any]:
     """Python, numpy, torch (CPU) and CUDA RNG states as plain values."""
-    np_state = np.random.get_state(legacy=False)
-    state: dict[str, Any] = {
-        "python": random.getstate(),  # (version, tuple[int, ...], gauss) — plain tuples
-        "numpy": {
-            "bit_generator": np_state["bit_generator"],
-            "key": torch.from_numpy(np_state["state"]["key"].astype(np.int64)),
-            "pos": int(np_state["state"]["pos"]),
-            "has_gauss": int(np_state["has_gauss"]),
-            "gauss": float(np_state["gauss"]),
-        },
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),  # (version, tuple[int, ...], gauss): plain tuples
+        "numpy": (name, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
     }
-    return state
 
 
 def restore_rng_state(state: Mapping[str, Any]) -> None:
     """Inverse of :func:`capture_rng_state` (CUDA states are restored when the counts match)."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state(
-        {
-            "bit_generator": n["bit_generator"],
-            "state": {"key": n["key"].numpy().astype(np.uint32), "pos": int(n["pos"])},
-            "has_gauss": int(n["has_gauss"]),
-            "gauss": float(n["gauss"]),
-        }
-    )
+    name, key, *rest = state["numpy"]
+    np.random.set_state((name, key.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch"].cpu())
     cuda = state.get("cuda") or []
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
@@ -109,15 +75,11 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
 # --------------------------------------------------------------------------- save / load
 def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any]) -> Path:
     """Write ``state`` (with ``format`` and ``version``) to ``path`` atomically."""
-    missing = [k for k in ("arch", "model_kwargs", "model") if k not in state]
-    if missing:
-        raise ValueError(f"checkpoint state lacks required keys {missing}")
     plain = to_plain({k: v for k, v in state.items() if k != "_path"})
     plain.setdefault("format", FORMAT)
     plain.setdefault("version", __version__)
-    path = Path(path)
-    atomic_torch_save(plain, path)
-    return path
+    atomic_torch_save(plain, Path(path))
+    return Path(path)
 
 
 def load_checkpoint(
@@ -127,51 +89,34 @@ def load_checkpoint(
     path = Path(path)
     if not path.exists():
         raise CheckpointError(
-            f"checkpoint not found: {path} (check the path; training writes "
-            f"<run_dir>/{LAST_NAME} and <run_dir>/{BEST_NAME})"
+            f"checkpoint not found: {path}; training writes <run_dir>/{LAST_NAME}"
         )
     if path.is_dir():
-        raise CheckpointError(
-            f"{path} is a folder, not a checkpoint file (pass {path / LAST_NAME} or "
-            f"{path / BEST_NAME})"
-        )
+        raise CheckpointError(f"{path} is a folder, not a checkpoint file; pass {path / LAST_NAME}")
     ckpt = safe_torch_load(
-        path,
-        what="checkpoint",
-        fix=f"use another checkpoint (e.g. {BEST_NAME} or {LAST_NAME} of the run) or retrain",
+        path, what="checkpoint", fix="use another checkpoint of the run, or retrain",
         map_location=map_location,
-    )
-    if not isinstance(ckpt, dict) or "format" not in ckpt:
-        hint = ""
-        if (
+    )  # fmt: skip
+    fmt = str(ckpt.get("format") or "") if isinstance(ckpt, dict) else ""
+    if not fmt:
+        bare = (
             isinstance(ckpt, dict)
             and ckpt
             and all(isinstance(v, torch.Tensor) for v in ckpt.values())
-        ):
-            hint = (
-                " — it looks like a bare state dict: backbone weights go to training "
-                "(--model.weights FILE); a whole network's, to build_model(...) in Python"
-            )
-        raise CheckpointError(f"{path} is not a dualseg checkpoint (no 'format' key){hint}")
-    if str(ckpt["format"]).startswith("dualseg-refiner-train"):
-        raise CheckpointError(
-            f"{path} is the training state of 'dualseg refine fit', not a model checkpoint: "
-            "continue that fit with 'refine fit --resume', or use the refiner it wrote "
-            "(its --out) as --refiner"
         )
-    if str(ckpt["format"]).startswith("dualseg-refiner"):
+        hint = " (a bare state dict: backbone weights go to --model.weights FILE)" if bare else ""
+        raise CheckpointError(f"{path} is not a dualseg checkpoint{hint}")
+    if fmt.startswith("dualseg-refiner-train"):
         raise CheckpointError(
-            f"{path} is a method-B refiner, not a model checkpoint: pass it as --refiner "
-            "(and the model checkpoint as --checkpoint, or --base for 'dualseg refine')"
+            f"{path} is the training state of 'dualseg refine fit', not a model: continue it "
+            "with 'refine fit --resume', or pass the refiner it wrote as --refiner"
         )
-    if ckpt["format"] != FORMAT:
+    if fmt.startswith("dualseg-refiner"):
+        raise CheckpointError(f"{path} is a method-B refiner, not a model: pass it as --refiner")
+    if fmt != FORMAT or any(k not in ckpt for k in ("arch", "model_kwargs", "model")):
         raise CheckpointError(
-            f"{path} has checkpoint format {ckpt['format']!r}, this dualseg reads {FORMAT!r}; "
-            "use the dualseg version that wrote it"
+            f"{path} has format {fmt!r} or lacks keys; this dualseg reads {FORMAT!r}"
         )
-    missing = [k for k in REQUIRED_KEYS if k not in ckpt]
-    if missing:
-        raise CheckpointError(f"{path} is an incomplete dualseg checkpoint: missing {missing}")
     ckpt["_path"] = str(path)
     return ckpt
 
@@ -185,13 +130,9 @@ def checkpoint_num_classes(ckpt: Mapping[str, Any]) -> int:
     return len(ckpt.get("class_names") or ())
 
 
-def _name(ckpt: Mapping[str, Any]) -> str:
-    return str(ckpt.get("_path", "checkpoint"))
-
-
-def _meta_name(ckpt: Mapping[str, Any]) -> str:
+def _where(ckpt: Mapping[str, Any]) -> str:
     """The file holding the description (a pretrained folder's ``config.json``, else the .pt)."""
-    return str(ckpt.get("_meta_path") or _name(ckpt))
+    return str(ckpt.get("_meta_path") or ckpt.get("_path", "checkpoint"))
 
 
 def check_compatible(
@@ -201,58 +142,50 @@ def check_compatible(
     num_classes: int | None = None,
     class_names: Sequence[str] | None = None,
 ) -> None:
-    """Raise :class:`CheckpointError` when ``ckpt`` is not of ``arch`` / ``num_classes`` /
-    ``class_names`` (the names in order: the same count under other names, or in another
-    order, would go on training each output channel as another class)."""
+    """Refuse ``ckpt`` when it is not of ``arch`` / ``num_classes`` / ``class_names`` (in
+    order: another order would train each output channel as another class)."""
     problems = []
     if arch is not None and ckpt.get("arch") != arch:
         problems.append(f"architecture {ckpt.get('arch')!r} (expected {arch!r})")
     have = checkpoint_num_classes(ckpt)
     if num_classes is not None and have != num_classes:
         problems.append(f"{have} classes (expected {num_classes})")
-    saved = ckpt.get("class_names")
-    renamed = class_names is not None and saved and list(saved) != list(class_names)
-    if renamed and (num_classes is None or have == num_classes):  # a count mismatch says more
+    elif class_names and (saved := ckpt.get("class_names")) and list(saved) != list(class_names):
         problems.append(f"the classes {list(saved)} (the dataset's: {list(class_names)})")
     if problems:
         raise CheckpointError(
-            f"{_name(ckpt)} does not fit this run: it holds {' and '.join(problems)}; "
+            f"{_where(ckpt)} does not fit this run: it holds {' and '.join(problems)}; "
             "resume from a checkpoint of the same model and dataset, or start a new run"
         )
 
 
 def _state_dict_problems(model: nn.Module, state: Mapping[str, torch.Tensor]) -> list[str]:
-    """Human-readable differences between a model's state dict and ``state`` (no exception)."""
+    """Human-readable differences between a model's state dict and ``state``."""
     own = model.state_dict()
-    missing = [k for k in own if k not in state]
-    unexpected = [k for k in state if k not in own]
-    shapes = [
-        f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-        for k in own
-        if k in state and tuple(state[k].shape) != tuple(own[k].shape)
-    ]
-    out = []
-    for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", shapes)):
-        if keys:
-            out.append(f"{len(keys)} {label}: {short_list(keys, 3)}")
-    return out
+    found = {
+        "missing": [k for k in own if k not in state],
+        "unexpected": [k for k in state if k not in own],
+        "shape": [
+            f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+            for k in own
+            if k in state and state[k].shape != own[k].shape
+        ],
+    }
+    return [f"{len(keys)} {label}: {short_list(keys, 3)}" for label, keys in found.items() if keys]
 
 
 def load_model_state(model: nn.Module, ckpt: Mapping[str, Any]) -> None:
-    """``model.load_state_dict(ckpt["model"])`` with a clear error instead of a stack trace."""
-    problems = _state_dict_problems(model, ckpt["model"])
-    if problems:
+    """``model.load_state_dict(ckpt["model"])`` with a one-line error instead of a traceback."""
+    if problems := _state_dict_problems(model, ckpt["model"]):
         raise CheckpointError(
-            f"{_name(ckpt)} does not match the model: checkpoint arch {ckpt.get('arch')!r} with "
-            f"{checkpoint_num_classes(ckpt)} classes, model {type(model).__name__} "
-            f"({'; '.join(problems)}); use a checkpoint of this architecture and class count"
+            f"{_where(ckpt)} does not match the model: checkpoint arch "
+            f"{ckpt.get('arch')!r} with {checkpoint_num_classes(ckpt)} classes, model "
+            f"{type(model).__name__} ({'; '.join(problems)}); use a checkpoint of this model"
         )
-    # such a model answers class 0 everywhere, without an error anywhere after
-    if bad := nonfinite_keys(ckpt["model"]):
+    if bad := nonfinite_keys(ckpt["model"]):  # such a model answers class 0 everywhere
         raise CheckpointError(
-            f"{_name(ckpt)} holds NaN or infinite weights ({short_list(bad, 3)}): the "
-            "training diverged before it was saved; use an earlier checkpoint, or retrain with "
-            "a lower optim.lr"
+            f"{_where(ckpt)} holds NaN or infinite weights ({short_list(bad, 3)}): the "
+            "training diverged; use an earlier checkpoint, or retrain with a lower optim.lr"
         )
     model.load_state_dict(ckpt["model"])
 
@@ -261,8 +194,7 @@ def _is_colour(rgb: Any) -> bool:
     return (
         isinstance(rgb, list | tuple)
         and len(rgb) == 3
-        and all(isinstance(c, numbers.Integral) and not isinstance(c, bool) for c in rgb)
-        and all(0 <= c <= 255 for c in rgb)
+        and all(type(c) is int and 0 <= c <= 255 for c in rgb)
     )
 
 
@@ -272,72 +204,47 @@ def placeholder_class_names(n: int) -> tuple[str, ...]:
 
 
 def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
-    """The dataset description stored in a checkpoint (class names, palette, ignore index)."""
+    """The dataset description stored in a checkpoint (class names, palette, ignore index),
+    or its label contract's; a damaged entry is one error naming the file and the entry."""
     n = checkpoint_num_classes(ckpt)
-    names, palette = ckpt.get("class_names"), ckpt.get("palette")
-    for key, value in (("class_names", names), ("palette", palette)):
-        if value is not None and not isinstance(value, list | tuple):  # "road" is no list
-            raise CheckpointError(
-                f"{_meta_name(ckpt)}: {key} must be a list, got {type(value).__name__} "
-                f"{value!r:.40}; save the model again"
-            )
-    if names and not all(isinstance(c, str) for c in names):
-        raise CheckpointError(
-            f"{_meta_name(ckpt)}: class_names must be strings, got {list(names)!r:.60}; save "
-            "the model again"
-        )
-    names = tuple(names or placeholder_class_names(n))
-    palette = palette or default_palette(n)
-    counts = {"class names": len(names), "palette colours": len(palette)}
-    wrong = [f"{count} {what}" for what, count in counts.items() if count != n]
-    if wrong:
-        raise CheckpointError(
-            f"{_meta_name(ckpt)} describes {' and '.join(wrong)} for a model of {n} classes; "
-            "save the model again with one class name and one colour per class"
-        )
-    bad_colours = [rgb for rgb in palette if not _is_colour(rgb)]
-    if bad_colours:
-        raise CheckpointError(
-            f"{_meta_name(ckpt)}: palette colours must be [r, g, b] in 0..255, got "
-            f"{bad_colours[0]!r}; save the model again"
-        )
+    names = ckpt["class_names"] if "class_names" in ckpt else placeholder_class_names(n)
+    palette = ckpt["palette"] if "palette" in ckpt else default_palette(n)
     ignore = ckpt.get("ignore_index", 255)
-    if not isinstance(ignore, numbers.Integral) or isinstance(ignore, bool):
+    rules = {
+        "class_names": (isinstance(names, list | tuple) and all(isinstance(c, str) for c in names),
+                        "a list of one name per class"),
+        "palette": (isinstance(palette, list | tuple) and all(map(_is_colour, palette)),
+                    "a list of one [r, g, b] in 0..255 per class"),
+        "ignore_index": (type(ignore) is int and ignore == 255, "255 (dualseg's ignore value)"),
+    }  # fmt: skip
+    for key, (ok, what) in rules.items():
+        if not ok:
+            value = {"class_names": names, "palette": palette}.get(key, ignore)
+            raise CheckpointError(
+                f"{_where(ckpt)}: {key} must be {what}, got {value!r:.60}; save the model again"
+            )
+    counts = {"class names": len(names), "palette colours": len(palette)}
+    if wrong := [f"{count} {what}" for what, count in counts.items() if count != n]:
         raise CheckpointError(
-            f"{_meta_name(ckpt)}: ignore_index must be an integer, got {ignore!r}; save the "
+            f"{_where(ckpt)} describes {' and '.join(wrong)} for a model of {n} classes; save "
+            "the model again with one class name and one colour per class"
+        )
+    name = ((ckpt.get("config") or {}).get("data") or {}).get("preset") or "checkpoint"
+    palette = tuple(tuple(rgb) for rgb in palette)
+    meta = DatasetMeta(name=str(name), class_names=tuple(names), palette=palette)
+    if "label_contract" in ckpt and contract_of(ckpt).meta.class_names != meta.class_names:
+        raise CheckpointError(
+            f"{_where(ckpt)}: its label contract names other classes than the model; save the "
             "model again"
         )
-    if ignore != 255:  # labels are mapped to 255 when read; DatasetMeta would blame the data
-        raise CheckpointError(
-            f"{_meta_name(ckpt)}: ignore_index must be 255 (the ignore value dualseg maps every "
-            f"dataset's to), got {ignore}; save the model again"
-        )
-    config = ckpt.get("config") or {}
-    data_cfg = config.get("data") if isinstance(config, Mapping) else None
-    name = (data_cfg or {}).get("preset") or "checkpoint"
-    meta = DatasetMeta(
-        name=str(name),
-        class_names=names,
-        palette=tuple(tuple(int(c) for c in rgb) for rgb in palette),
-        ignore_index=int(ignore),
-    )
-    if "label_contract" not in ckpt:
-        return meta
-    contract = contract_of(ckpt)
-    if contract.meta.class_names != meta.class_names:
-        raise CheckpointError(
-            f"{_meta_name(ckpt)}: its label contract names the classes "
-            f"{list(contract.meta.class_names)}, the model {list(meta.class_names)}; save the "
-            "model again"
-        )
-    return contract.meta
+    return contract_of(ckpt).meta if "label_contract" in ckpt else meta
 
 
 def contract_of(ckpt: Mapping[str, Any]) -> LabelContract:
-    """The label contract stored with the model (``label_contract``). A checkpoint made
-    without one gets the contract its description implies: its class names and palette (a
-    preset's own mapping when it names one with these classes), read as its training config's
-    ``data.label_format`` / ``label_map`` / ``ignore_index`` / ``bit_depth`` say."""
+    """The label contract stored with the model; one made without it gets the contract its
+    class names, palette (a preset's own mapping when it names one with these classes) and
+    training config's ``data.label_format`` / ``label_map`` / ``ignore_index`` / ``bit_depth``
+    imply."""
     stored = ckpt.get("label_contract")
     try:
         if stored is not None:
@@ -353,58 +260,35 @@ def contract_of(ckpt: Mapping[str, Any]) -> LabelContract:
         return LabelContract(meta, data.get("label_format") or "index", data.get("bit_depth"))
     except (DataError, ValueError, TypeError) as err:
         raise CheckpointError(
-            f"{_meta_name(ckpt)}: its label contract is invalid ({err}); save the model again"
+            f"{_where(ckpt)}: its label contract is invalid ({err}); save the model again"
         ) from None
 
 
-def model_kwargs_of(ckpt: Mapping[str, Any]) -> dict[str, Any]:
-    """``ckpt["model_kwargs"]`` as a dict of :func:`dualseg.models.build_model` options; a
-    non-dict or an option this dualseg does not know (a newer version's) is a
-    :class:`CheckpointError` naming the file and the keys."""
-    kwargs = ckpt.get("model_kwargs")
+def build_model_from_checkpoint(
+    ckpt: Mapping[str, Any], *, device: str | torch.device = "cpu"
+) -> tuple[nn.Module, DatasetMeta]:
+    """Rebuild the checkpoint's model (eval mode, on ``device``) and its dataset description."""
+    where, name, kwargs = _where(ckpt), ckpt["arch"], ckpt.get("model_kwargs")
     if not isinstance(kwargs, Mapping):
         raise CheckpointError(
-            f"{_meta_name(ckpt)}: model_kwargs must be a dict of model options, got "
-            f"{type(kwargs).__name__}; save the model again"
+            f"{where}: model_kwargs must be a dict of model options, got {kwargs!r:.40}"
         )
-    known = set(inspect.signature(build_model).parameters) - {"name"}
-    unknown = sorted(str(k) for k in kwargs if k not in known)
-    if unknown:
+    if unknown := sorted(str(k) for k in kwargs if k not in signature(build_model).parameters):
         raise CheckpointError(
-            f"{_meta_name(ckpt)}: model_kwargs holds option(s) {', '.join(unknown)} that this "
-            "dualseg does not know (written by a newer version?); upgrade dualseg or save the "
-            "model with this version"
+            f"{where}: model_kwargs holds option(s) {', '.join(unknown)} that this dualseg does "
+            "not know (a newer version's?); upgrade dualseg or save the model with this version"
         )
-    return dict(kwargs)
-
-
-def build_model_from_checkpoint(
-    ckpt: Mapping[str, Any],
-    *,
-    device: str | torch.device = "cpu",
-    arch: str | None = None,
-    num_classes: int | None = None,
-) -> tuple[nn.Module, DatasetMeta]:
-    """Rebuild the checkpoint's model (eval mode, on ``device``) and its dataset description;
-    ``arch`` / ``num_classes``: what the caller expects (another is a CheckpointError)."""
-    kwargs = model_kwargs_of(ckpt)
-    check_compatible(ckpt, arch=arch, num_classes=num_classes)
     meta = meta_from_checkpoint(ckpt)  # before the build: a bad description fails fast
-    name = ckpt["arch"]
     if not isinstance(name, str) or name not in MODELS:
         raise CheckpointError(
-            f"{_meta_name(ckpt)} names architecture {name!r}, which this dualseg does not know "
-            f"(known: {', '.join(sorted(MODELS))})"
+            f"{where} names architecture {name!r}, which this dualseg does not know"
         )
-    kwargs["weights"] = None  # the checkpoint carries the weights; never resolve files here
-    kwargs.setdefault("num_classes", meta.num_classes)  # a checkpoint naming only its classes
-    try:
-        model = build_model(name, **kwargs)
-    except (TypeError, ValueError) as err:  # a stored option of the wrong type or value
-        detail = " ".join(str(err).split())
+    try:  # the checkpoint carries the weights: never resolve files here
+        model = build_model(name, **{"num_classes": meta.num_classes, **kwargs, "weights": None})
+    except (TypeError, ValueError) as err:
         raise CheckpointError(
-            f"{_name(ckpt)}: its model_kwargs do not build {name!r} ({detail}); it was written "
-            "by other code, or edited: save the model again with dualseg"
+            f"{_where(ckpt)}: its model_kwargs do not build {name!r} "
+            f"({' '.join(str(err).split())}); save the model again with dualseg"
         ) from None
     load_model_state(model, ckpt)
     return model.to(device).eval(), meta
@@ -414,28 +298,17 @@ def check_normalization(state: Mapping[str, Any]) -> None:
     """Refuse a model whose stored input normalization differs from ImageNet's, what every
     dualseg path that runs a loaded model applies."""
     norm = state.get("normalization") or {}
-    want = {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD)}
-    where = state.get("_meta_path") or state.get("_path")
-    for key, value in want.items():
+    for key, value in (("mean", IMAGENET_MEAN), ("std", IMAGENET_STD)):
         have = norm.get(key)
-        if have is None:
-            continue
         try:
-            stored = [round(float(v), 6) for v in have]
+            same = have is None or [round(float(v), 6) for v in have] == [
+                round(v, 6) for v in value
+            ]
         except (TypeError, ValueError):
+            same = False
+        if not same:
             raise CheckpointError(
-                f"{where}: normalization {key} must be a list of numbers, got {have!r}; save "
-                "the model again"
-            ) from None
-        if stored != [round(float(v), 6) for v in value]:
-            raise CheckpointError(
-                f"{where}: the model expects input "
-                f"normalization {key}={have}, dualseg applies {value}; convert the model, or "
-                "normalize the input yourself and call the network (Segmenter.model) directly"
+                f"{_where(state)}: the model expects input normalization {key}={have}, dualseg "
+                f"applies {list(value)}; convert the model, or normalize the input yourself and "
+                "call the network (Segmenter.model) directly"
             )
-
-
-def find_resume_checkpoint(run_dir: str | os.PathLike[str]) -> Path | None:
-    """``<run_dir>/last.pt`` when present (what ``--resume auto`` picks), else ``None``."""
-    path = Path(run_dir) / LAST_NAME
-    return path if path.is_file() else None

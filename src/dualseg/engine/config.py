@@ -1,10 +1,5 @@
-"""Training configuration: YAML files and ``--section.field`` flags into a checked
-:class:`Config` (its sections: :mod:`dualseg.engine.options`), every mistake one line naming
-the key and the fix.
-
-One YAML loader reads files, ``--config`` text and flag values: no base-60 numbers (YAML 1.1
-reads ``255:1`` as 15301 and ``1:30`` as 90) and no key written twice.
-"""
+"""YAML files and ``--section.field`` flags into a checked :class:`Config` (sections:
+:mod:`dualseg.engine.options`); every mistake is one line naming the key and the fix."""
 
 from __future__ import annotations
 
@@ -86,8 +81,7 @@ _FLOAT = r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
 
 class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
     """The one YAML reader of configs and flag values: safe, ``1e4`` a float, a date text, no
-    base-60 numbers (``label_map: 255:1`` is text; ``max_iters: 1:30`` is refused, not 90),
-    and a key written twice in one mapping refused (PyYAML keeps the last silently)."""
+    base-60 numbers, a key written twice refused (PyYAML keeps the last silently)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
@@ -119,8 +113,7 @@ _Loader.add_implicit_resolver(
 
 
 def _yaml_load(stream: str) -> Any:
-    """jsonargparse's loader for files, ``--config`` text and flag values; as jsonargparse
-    does, a value that reads as a mapping of bare keys (``--data.root a:``) stays text."""
+    """jsonargparse's loader; as its own, ``--data.root a:`` (a bare key) stays text."""
     value = yaml.load(stream, Loader=_Loader)
     if isinstance(value, dict) and len(value) == 1 and stream.strip() == f"{next(iter(value))}:":
         return stream
@@ -134,11 +127,8 @@ def _read_yaml(path: str, *, inline: bool = False, section: str | None = None) -
         d = yaml.load(path if inline else Path(path).read_text(encoding="utf-8"), Loader=_Loader)
     except OSError as err:
         raise ConfigError(f"cannot read config {path}: {err}") from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(
-            f"{path} is not a YAML text file (no UTF-8 at byte {err.start}); pass a config "
-            "file (.yaml)"
-        ) from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a YAML text file; pass a config file (.yaml)") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -149,12 +139,8 @@ def _read_yaml(path: str, *, inline: bool = False, section: str | None = None) -
         raise ConfigError(f"{where} is empty: give at least one of {what}")
     if not isinstance(d, dict):
         raise ConfigError(f"{where} is not a dualseg config: it must map {what} to their values")
-    for key, value in d.items() if section is None else ():
-        if key in SECTIONS and not isinstance(value, dict | None):
-            raise ConfigError(
-                f"{where}: config section {key!r} must be a mapping of keys to values, got "
-                f"{value!r}"
-            )
+    if section is None and (bad := [k for k in SECTIONS if not isinstance(d.get(k), dict | None)]):
+        raise ConfigError(f"{where}: config section {bad[0]!r} must be a mapping of keys")
     if section is None and (unknown := [str(k) for k in d if k not in SECTIONS]):
         close = difflib.get_close_matches(unknown[0], list(SECTIONS), n=1, cutoff=0.5)
         hint = f"did you mean {close[0]}?" if close else f"sections: {', '.join(SECTIONS)}"

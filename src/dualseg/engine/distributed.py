@@ -55,32 +55,21 @@ def resolve_device(
     ``cuda:local_rank``; anything else as given (every command's ``--device``)."""
     if name is None or name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    fix = "use auto, cpu, cuda or cuda:N (--device, or --train.device for training)"
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError, ValueError):
-        raise ConfigError(
-            f"device {str(name)!r} is not a device; use auto, cpu, cuda or cuda:N "
-            "(--device, or --train.device for training)"
-        ) from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"device {str(name)!r} asked for but no GPU is visible; use the CPU "
-                "(--device cpu, or --train.device cpu for training)"
-            )
-        if device.index is None:
-            device = torch.device("cuda", local_rank)
-        elif device.index >= torch.cuda.device_count():
-            raise ConfigError(
-                f"device {str(name)!r}: only {torch.cuda.device_count()} GPU(s) visible "
-                f"(cuda:0 to cuda:{torch.cuda.device_count() - 1}); use one of them or auto"
-            )
-    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {str(name)!r} is not a device; {fix}") from None
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {str(name)!r} asked for but no GPU is visible; use --device cpu")
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ConfigError(f"device {str(name)!r}: only {torch.cuda.device_count()} GPU(s); {fix}")
+    if device.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"device {str(name)!r}: this PyTorch has no MPS; use auto or cpu")
-    elif device.type not in ("cpu", "cuda", "mps"):  # meta, xla, xpu, ...: not run here
-        raise ConfigError(
-            f"device {str(name)!r} is not one dualseg runs on; use auto, cpu, cuda or cuda:N"
-        )
+    if device.type not in ("cpu", "cuda", "mps"):  # meta, xla, xpu, ...: not run here
+        raise ConfigError(f"device {str(name)!r} is not one dualseg runs on; {fix}")
     return device
 
 
@@ -123,31 +112,15 @@ def broadcast_buffers(model: torch.nn.Module, src: int = 0) -> None:
 
 
 class ResumableSampler(DistributedSampler):
-    """``DistributedSampler`` yielding ``(index, epoch)`` whose position inside the epoch is
-    saved and restored: ``set_epoch(e)`` picks the permutation, ``set_offset(k)`` skips this
-    rank's first ``k`` samples. A run resumed on another number of processes goes on from the
-    same place: the permutation's first ``k × W`` samples are done, the rest (from ``start``)
-    is sharded over the new processes.
+    """``DistributedSampler`` (shuffled, padded) yielding ``(index, epoch)`` whose position
+    inside the epoch is saved and restored: ``set_epoch(e)`` picks the permutation,
+    ``set_offset(k)`` skips this rank's first ``k`` samples. A run resumed on another number of
+    processes goes on from the same place: the permutation's first ``k × W`` samples are done,
+    the rest (from ``start``) is sharded over the new processes.
     """
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        *,
-        num_replicas: int = 1,
-        rank: int = 0,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = False,
-    ) -> None:
-        super().__init__(
-            dataset,
-            num_replicas=num_replicas,
-            rank=rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-        )
+    def __init__(self, dataset: Dataset, *, num_replicas: int = 1, rank: int = 0, seed: int = 0):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
         self.offset = 0
         self.start = 0  # where this epoch resumed in the permutation (another world size)
 
@@ -160,30 +133,20 @@ class ResumableSampler(DistributedSampler):
         self.offset = int(offset)
 
     def _shard_size(self) -> int:
-        """How many samples this rank's shard holds from ``start`` (``num_samples`` when
-        ``start`` is 0), without drawing the permutation."""
+        """How many samples this rank's shard holds from ``start``."""
         if self.start == 0:
             return self.num_samples
-        rest = len(self.dataset) - self.start  # type: ignore[arg-type]
-        if self.drop_last:
-            return rest // self.num_replicas
-        return math.ceil(rest / self.num_replicas)
+        return math.ceil((len(self.dataset) - self.start) / self.num_replicas)  # type: ignore[arg-type]
 
     def _shard(self) -> list[int]:
         """This rank's samples of the epoch from ``start``, padded as ``DistributedSampler``
         pads (equal to its shard when ``start`` is 0)."""
         if self.start == 0:
             return list(super().__iter__())
-        if self.shuffle:
-            g = torch.Generator()
-            g.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(len(self.dataset), generator=g).tolist()  # type: ignore[arg-type]
-        else:
-            order = list(range(len(self.dataset)))  # type: ignore[arg-type]
-        rest = order[self.start :]
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        rest = torch.randperm(len(self.dataset), generator=g).tolist()[self.start :]  # type: ignore[arg-type]
         total = self._shard_size() * self.num_replicas
-        if not self.drop_last:  # pad by repeating the rest, as DistributedSampler pads
-            rest = (rest * math.ceil(total / max(len(rest), 1)))[:total]
+        rest = (rest * math.ceil(total / max(len(rest), 1)))[:total]
         return rest[self.rank : total : self.num_replicas]
 
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
@@ -194,8 +157,7 @@ class ResumableSampler(DistributedSampler):
 
     def state_dict(self, epoch: int | None = None, offset: int | None = None) -> dict[str, int]:
         """The position to save: ``offset`` samples of this rank's shard of ``epoch`` consumed
-        (defaults: the current ones; a loop that has just finished an epoch saves the next one,
-        which starts at the beginning)."""
+        (a loop that has just finished an epoch saves the next one, from its beginning)."""
         epoch = self.epoch if epoch is None else int(epoch)
         return {
             "epoch": epoch,

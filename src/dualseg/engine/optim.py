@@ -8,6 +8,8 @@ a pretrained backbone), the usual 10× of DeepLab.
 
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 from torch.optim import SGD, Optimizer
 from torch.optim.lr_scheduler import LambdaLR
@@ -75,14 +77,5 @@ def build_scheduler(
     warmup_factor: float = 0.1,
 ) -> LambdaLR:
     """Poly LR (claim 5) as a per-iteration ``LambdaLR``; its state dict is plain numbers."""
-
-    def factor(t: int) -> float:
-        return poly_factor(
-            t,
-            max_iters=max_iters,
-            power=power,
-            warmup_iters=warmup_iters,
-            warmup_factor=warmup_factor,
-        )
-
-    return LambdaLR(optimizer, factor)
+    schedule = {"power": power, "warmup_iters": warmup_iters, "warmup_factor": warmup_factor}
+    return LambdaLR(optimizer, partial(poly_factor, max_iters=max_iters, **schedule))

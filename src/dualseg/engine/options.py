@@ -25,18 +25,6 @@ from dualseg.augment_defaults import (
 )
 from dualseg.errors import ConfigError
 
-__all__ = [
-    "ARCH_NAMES",
-    "Config",
-    "DataConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "TrainConfig",
-    "config_to_dict",
-    "model_kwargs",
-    "train_transform",
-]
-
 # dualseg.models.MODELS' names: that package imports torch, which `train --help` must not
 # (tests/models/test_factory_defaults.py keeps the two equal)
 ARCH_NAMES = (
@@ -54,32 +42,34 @@ ARCH_NAMES = (
 # larger thread counts crash inside OpenMP
 MAX_THREADS = 1024
 INF = math.inf
+# rules of a field's value (null is always allowed where the type takes it)
+POSITIVE = (lambda v: 0 < v < INF, "> 0 and finite")
+NON_NEGATIVE = (lambda v: 0 <= v < INF, ">= 0 and finite")
+FRACTION = (lambda v: 0 <= v < 1, "in [0, 1)")
+SHARE = (lambda v: 0 < v <= 1, "in (0, 1]")
+COUNT = (lambda v: v > 0, "> 0")
 
 
-def opt(default: Any, help: str) -> Any:
-    """A config field: its default and its ``--help`` line, side by side."""
-    return field(default=default, metadata={"help": help})
+def opt(default: Any, help: str, rule: tuple[Any, str] | None = None) -> Any:
+    """A config field: its default, its ``--help`` line and its rule, side by side."""
+    return field(default=default, metadata={"help": help, "rule": rule})
 
 
-def _no_nulls(section: Any) -> None:
-    """Refuse a null where the field takes none (a YAML key left blank)."""
+def _check(section: Any, *rules: tuple[bool, str]) -> None:
+    """Each field's rule (a null only where the field takes one), then ``rules``."""
     name = type(section).__name__.removesuffix("Config").lower()
     for f in dataclasses.fields(section):
-        if getattr(section, f.name) is None and "None" not in str(f.type):
+        value, rule = getattr(section, f.name), f.metadata.get("rule")
+        if value is None and "None" not in str(f.type):
             raise ConfigError(
                 f"{name}.{f.name} has no value (null, or a YAML key left blank): give one "
                 f"(default {f.default!r}), or leave the key out"
             )
-
-
-def _require(checks: list[tuple[bool, str]]) -> None:
-    for ok, message in checks:
+        if value is not None and rule is not None and not rule[0](value):
+            raise ConfigError(f"{name}.{f.name} must be {rule[1]}, got {value!r}")
+    for ok, message in rules:
         if not ok:
             raise ConfigError(message)
-
-
-def _fraction(value: float) -> bool:
-    return 0.0 <= value < 1.0
 
 
 @dataclass(frozen=True)
@@ -95,57 +85,44 @@ class DataConfig:
     train_split: str = opt("train", "split to train on (list file / folder name)")
     val_split: str | None = opt("val", "split to validate on (null: none)")
     val_fraction: float = opt(
-        0.0, "hold out this fraction of the training images (by file name) as the val split"
-    )
+        0.0, "hold out this fraction of the training images (by file name) as the val split",
+        FRACTION,
+    )  # fmt: skip
     crop_size: tuple[int, int] = opt((360, 480), "(H, W) of training crops")
     scale_range: tuple[float, float] = opt(SCALE_RANGE, "S1 random scale factors (min, max)")
     hflip_prob: float = opt(HFLIP_PROB, "S1 horizontal flip probability")
     blur_prob: float = opt(BLUR_PROB, "S1 'filtering': Gaussian blur probability")
     jitter: float = opt(JITTER[0], "S1 colour jitter strength (brightness, contrast, saturation)")
     samples_per_epoch: int | None = opt(None, "S1 on-the-fly augmentation (null: dataset size)")
-    batch_size: int = opt(8, "training images per batch, per process")
-    val_batch_size: int = opt(2, "images per validation batch")
+    batch_size: int = opt(8, "training images per batch, per process", COUNT)
+    val_batch_size: int = opt(2, "images per validation batch", COUNT)
     num_workers: int | Literal["auto"] = opt(
-        "auto", "loader worker processes (auto: min(4, cores - 1); 0: the main process)"
-    )
+        "auto", "loader worker processes (auto: min(4, cores - 1); 0: the main process)",
+        (lambda v: v == "auto" or v >= 0, ">= 0 or auto"),
+    )  # fmt: skip
     pin_memory: bool = opt(True, "pinned host memory (CUDA only)")
     persistent_workers: bool = opt(True, "keep loader workers between epochs")
     label_map: str | None = opt(
         None, "raw label value -> class, 'RAW:CLASS[,RAW:CLASS...]', e.g. '255:1' (docs/data.md)"
     )
     ignore_index: int | Literal["auto"] | None = opt(
-        "auto", "the raw label value meaning ignore, 0..255 (auto: the dataset's; null: none)"
-    )
+        "auto", "the raw label value meaning ignore, 0..255 (auto: the dataset's; null: none)",
+        (lambda v: v == "auto" or 0 <= v <= 255, "a raw label value 0..255, null (none) or auto"),
+    )  # fmt: skip
     bit_depth: int | None = opt(
-        None, "bits per sample of 16-bit images, 8..16 (null: 12 when all values <= 4095, else 16)"
-    )
+        None, "bits per sample of 16-bit images, 8..16 (null: 12 when all values <= 4095, else 16)",
+        (lambda v: 8 <= v <= 16, "8..16 (bits per sample of 16-bit images) or null"),
+    )  # fmt: skip
     check: bool = opt(True, "scan every image/label pair before step 1 (as dualseg data check)")
 
     def __post_init__(self) -> None:
-        _no_nulls(self)
-        _require(
-            [
-                (
-                    bool(self.train_split.strip()) and self.val_split != "",
-                    "data.train_split / data.val_split is an empty name: give a split, or "
-                    "null for no validation split",
-                ),
-                (_fraction(self.val_fraction), "data.val_fraction must be in [0, 1)"),
-                (
-                    self.bit_depth is None or 8 <= int(self.bit_depth) <= 16,
-                    "data.bit_depth must be 8..16 (bits per sample of 16-bit images) or null",
-                ),
-                (self.batch_size > 0, "data.batch_size must be > 0"),
-                (self.val_batch_size > 0, "data.val_batch_size must be > 0"),
-                (
-                    self.num_workers == "auto" or int(self.num_workers) >= 0,
-                    "data.num_workers must be >= 0 or auto",
-                ),
-                (
-                    self.ignore_index in (None, "auto") or 0 <= int(self.ignore_index) <= 255,
-                    "data.ignore_index must be a raw label value 0..255, null (none) or auto",
-                ),
-            ],
+        _check(
+            self,
+            (
+                bool(self.train_split.strip()) and self.val_split != "",
+                "data.train_split / data.val_split is an empty name: give a split, or null "
+                "for no validation split",
+            ),
         )
         check_augment_settings(
             crop_size=tuple(self.crop_size),
@@ -153,8 +130,8 @@ class DataConfig:
             hflip_prob=self.hflip_prob,
             blur_prob=self.blur_prob,
             jitter=self.jitter,
-            names={k: f"data.{k}" for k in ("crop_size", "scale_range", "hflip_prob")}
-            | {k: f"data.{k}" for k in ("blur_prob", "jitter")},
+            names={k: f"data.{k}" for k in ("crop_size", "scale_range", "hflip_prob", "blur_prob")}
+            | {"jitter": "data.jitter"},
         )
         if self.label_map is not None:
             from dualseg.data.presets import parse_label_map
@@ -176,8 +153,15 @@ class DataConfig:
 class ModelConfig:
     """build_model arguments (spec S2); null: the architecture's default"""
 
-    arch: str = opt("dualseg_mobilenet_v2", "network name (docs/models.md)")
-    weights: str | None = opt("imagenet", "'imagenet', a backbone file, or null (random init)")
+    arch: str = opt(
+        "dualseg_mobilenet_v2", "network name (docs/models.md)",
+        (lambda v: v in ARCH_NAMES, "one of " + ", ".join(ARCH_NAMES)),
+    )  # fmt: skip
+    weights: str | None = opt(
+        "imagenet", "'imagenet', a backbone file, or null (random init)",
+        (lambda v: v.lower() not in ("none", "random") or Path(v).is_file(),
+         "'imagenet', a file, or null (--model.weights null) for random initialization"),
+    )  # fmt: skip
     allow_download: bool = opt(False, "'imagenet' may download from torchvision when online")
     output_stride: int | None = opt(None, "backbone output stride")
     gray_branch: bool | None = opt(None, "RGB + grayscale branches; false: RGB only")
@@ -200,38 +184,31 @@ class ModelConfig:
     timm_model: str | None = opt(None, "the timm backbone of dualseg_timm")
 
     def __post_init__(self) -> None:
-        _no_nulls(self)
-        w = self.weights
-        _require(
-            [
-                (
-                    self.arch in ARCH_NAMES,
-                    f"model.arch: unknown model {self.arch!r}; choose one of: "
-                    + ", ".join(ARCH_NAMES),
-                ),
-                (
-                    w is None or w.lower() not in ("none", "random") or Path(w).is_file(),
-                    f"model.weights {w!r} is no file; for random initialization give null "
-                    "(--model.weights null), for ImageNet weights 'imagenet'",
-                ),
-            ],
-        )
+        _check(self)
 
 
 @dataclass(frozen=True)
 class OptimConfig:
     """SGD + poly LR (claim 5) and the explicit L2 term of the objective (S32)"""
 
-    lr: float = opt(0.01, "initial learning rate l_0")
-    momentum: float = opt(0.9, "SGD momentum")
+    lr: float = opt(0.01, "initial learning rate l_0", POSITIVE)
+    momentum: float = opt(0.9, "SGD momentum", FRACTION)
     nesterov: bool = opt(False, "Nesterov momentum")
-    weight_decay: float = opt(1e-4, "S32: L2 = λ/(2·B·N)·Σw² with λ = weight_decay·B·N")
-    l2_lambda: float | None = opt(None, "λ of the L2 term itself (null: weight_decay·B·N)")
-    poly_power: float = opt(0.9, "poly LR: l_t = l_0·(1 − t/T)^power")
-    warmup_iters: int = opt(0, "linear warm-up from warmup_factor·l_0 to l_0")
-    warmup_factor: float = opt(0.1, "LR factor at the start of the warm-up")
-    head_lr_mult: float = opt(1.0, "LR multiplier of the head (all but the backbones)")
-    clip_grad_norm: float | None = opt(None, "clip the gradient to this L2 norm (null: off)")
+    weight_decay: float = opt(
+        1e-4, "S32: L2 = λ/(2·B·N)·Σw² with λ = weight_decay·B·N", NON_NEGATIVE
+    )
+    l2_lambda: float | None = opt(
+        None, "λ of the L2 term itself (null: weight_decay·B·N)", NON_NEGATIVE
+    )
+    poly_power: float = opt(0.9, "poly LR: l_t = l_0·(1 − t/T)^power", NON_NEGATIVE)
+    warmup_iters: int = opt(
+        0, "linear warm-up from warmup_factor·l_0 to l_0", (lambda v: v >= 0, ">= 0")
+    )
+    warmup_factor: float = opt(0.1, "LR factor at the start of the warm-up", SHARE)
+    head_lr_mult: float = opt(1.0, "LR multiplier of the head (all but the backbones)", POSITIVE)
+    clip_grad_norm: float | None = opt(
+        None, "clip the gradient to this L2 norm (null: off)", (COUNT[0], "> 0, or null for off")
+    )
     l1_reduction: Literal["batch_pixels", "valid_pixels"] = opt(
         "batch_pixels", "S32 L1 divisor: all B·N pixels, or the labelled ones"
     )
@@ -239,42 +216,24 @@ class OptimConfig:
     class_weights: tuple[float, ...] | Literal["median_frequency"] | None = opt(
         None,
         "Beyond S32, off by default: cross-entropy weights, one per class, or median_frequency",
+        (lambda v: v == "median_frequency" or (all(0 <= w < INF for w in v) and sum(v) > 0),
+         "median_frequency or one weight per class, >= 0 (not NaN or infinite), not all 0"),
+    )  # fmt: skip
+    ohem_thresh: float | None = opt(
+        None, "OHEM: only pixels with true-class prob < this count", SHARE
     )
-    ohem_thresh: float | None = opt(None, "OHEM: only pixels with true-class prob < this count")
-    ohem_min_kept: int = opt(100000, "OHEM: keep at least this many pixels per image")
+    ohem_min_kept: int = opt(
+        100000, "OHEM: keep at least this many pixels per image", (lambda v: v >= 0, ">= 0")
+    )
 
     def __post_init__(self) -> None:
-        _no_nulls(self)
-        _require(
-            [
-                (0 < self.lr < INF, "optim.lr must be > 0 and finite"),
-                (_fraction(self.momentum), "optim.momentum must be in [0, 1)"),
-                (0 <= self.weight_decay < INF, "optim.weight_decay must be >= 0 and finite"),
-                (
-                    self.l2_lambda is None or 0 <= self.l2_lambda < INF,
-                    "optim.l2_lambda must be >= 0 and finite",
-                ),
-                (0 <= self.poly_power < INF, "optim.poly_power must be >= 0 and finite"),
-                (self.warmup_iters >= 0, "optim.warmup_iters must be >= 0"),
-                (0 < self.warmup_factor <= 1, "optim.warmup_factor must be in (0, 1]"),
-                (0 < self.head_lr_mult < INF, "optim.head_lr_mult must be > 0 and finite"),
-                (
-                    self.clip_grad_norm is None or self.clip_grad_norm > 0,
-                    f"optim.clip_grad_norm must be > 0, or null for no clipping; got "
-                    f"{self.clip_grad_norm}",
-                ),
-                (
-                    self.ohem_thresh is None or 0 < self.ohem_thresh <= 1,
-                    "optim.ohem_thresh must be in (0, 1]",
-                ),
-                (self.ohem_min_kept >= 0, "optim.ohem_min_kept must be >= 0"),
-                (
-                    self.ohem_thresh is not None or self.ohem_min_kept == 100000,
-                    f"optim.ohem_min_kept {self.ohem_min_kept} does nothing without "
-                    "optim.ohem_thresh (OHEM is off); set --optim.ohem_thresh (e.g. 0.7) too, "
-                    "or drop ohem_min_kept",
-                ),
-            ],
+        _check(
+            self,
+            (
+                self.ohem_thresh is not None or self.ohem_min_kept == 100000,
+                f"optim.ohem_min_kept {self.ohem_min_kept} does nothing without "
+                "optim.ohem_thresh (OHEM is off); set --optim.ohem_thresh (e.g. 0.7) too",
+            ),
         )
 
 
@@ -282,19 +241,29 @@ class OptimConfig:
 class TrainConfig:
     """the loop: length, validation, stopping (S33), checkpoints, speed, logging"""
 
-    out_dir: str = opt("runs/train", "run folder: config, checkpoints, metrics, curves")
-    max_iters: int = opt(40000, "training iterations (T of the poly schedule)")
-    val_every: int = opt(1000, "validate and checkpoint every K iterations (0: at the end)")
-    ckpt_every: int | None = opt(None, "save last.pt every N iterations (null: val_every)")
-    ckpt_minutes: float | None = opt(10.0, "also save last.pt this often, wall clock")
-    log_every: int = opt(20, "a metrics.jsonl record (and a log line) every N iterations")
+    out_dir: str = opt(
+        "runs/train", "run folder: config, checkpoints, metrics, curves",
+        (lambda v: bool(v.strip()), "the run folder, not empty"),
+    )  # fmt: skip
+    max_iters: int = opt(40000, "training iterations (T of the poly schedule)", COUNT)
+    val_every: int = opt(
+        1000, "validate and checkpoint every K iterations (0: at the end)",
+        (lambda v: v >= 0, ">= 0 (0: at the end only)"),
+    )  # fmt: skip
+    ckpt_every: int | None = opt(None, "save last.pt every N iterations (null: val_every)", COUNT)
+    ckpt_minutes: float | None = opt(10.0, "also save last.pt this often, wall clock", NON_NEGATIVE)
+    log_every: int = opt(20, "a metrics.jsonl record (and a log line) every N iterations", COUNT)
     monitor: Literal["auto", "val_loss", "val_miou", "train_loss"] = opt(
         "auto", "what patience watches (S33; auto: val_loss, else smoothed train_loss)"
     )
-    patience: int | None = opt(5, "evaluations without improvement before stopping")
-    min_delta: float = opt(0.0, "smallest change that counts as an improvement")
-    loss_smoothing: float = opt(0.9, "EMA factor of the smoothed training loss")
-    seed: int = opt(0, "seed of every random stream (init, sampling, augmentation)")
+    patience: int | None = opt(5, "evaluations without improvement before stopping", COUNT)
+    # NaN: no evaluation would ever improve
+    min_delta: float = opt(0.0, "smallest change that counts as an improvement", NON_NEGATIVE)
+    loss_smoothing: float = opt(0.9, "EMA factor of the smoothed training loss", FRACTION)
+    seed: int = opt(
+        0, "seed of every random stream (init, sampling, augmentation)",
+        (lambda v: seed_error(v, "train.seed") is None, "in 0..4294967295"),
+    )  # fmt: skip
     deterministic: bool = opt(False, "deterministic kernels (bit-identical resume on CPU)")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N")
     amp: Literal["auto", "none", "bf16", "fp16"] = opt(
@@ -305,42 +274,14 @@ class TrainConfig:
     sync_bn: bool = opt(False, "SyncBatchNorm under DDP (GPUs only)")
     progress: bool = opt(True, "tqdm bar on a terminal; in a log: a line every log_every")
     tensorboard: bool = opt(True, "event files when tensorboard is installed")
-    threads: int = opt(0, "torch CPU threads (0: torch's default)")
+    threads: int = opt(
+        0, "torch CPU threads (0: torch's default)",
+        (lambda v: 0 <= v <= MAX_THREADS, f"0..{MAX_THREADS} (0: torch's default)"),
+    )  # fmt: skip
     quiet: bool = opt(False, "no progress bar and no log lines (metrics.jsonl is still written)")
 
     def __post_init__(self) -> None:
-        _no_nulls(self)
-        _require(
-            [
-                (
-                    seed_error(self.seed, "train.seed") is None,
-                    str(seed_error(self.seed, "train.seed")),
-                ),
-                (bool(self.out_dir.strip()), "train.out_dir is empty: give the run folder"),
-                (self.max_iters > 0, "train.max_iters must be > 0"),
-                (self.val_every >= 0, "train.val_every must be >= 0 (0: at the end only)"),
-                (
-                    self.ckpt_every is None or self.ckpt_every > 0,
-                    "train.ckpt_every must be > 0 or null",
-                ),
-                (
-                    self.ckpt_minutes is None or self.ckpt_minutes >= 0,
-                    "train.ckpt_minutes must be >= 0",
-                ),
-                (self.log_every > 0, "train.log_every must be > 0"),
-                (
-                    0 <= self.threads <= MAX_THREADS,
-                    f"train.threads must be 0..{MAX_THREADS} (0: torch's default)",
-                ),
-                (
-                    self.patience is None or self.patience > 0,
-                    "train.patience must be > 0 or null",
-                ),
-                (_fraction(self.loss_smoothing), "train.loss_smoothing must be in [0, 1)"),
-                # NaN: no evaluation would ever improve
-                (0 <= self.min_delta < INF, "train.min_delta must be >= 0 and finite"),
-            ],
-        )
+        _check(self)
 
 
 @dataclass(frozen=True)
@@ -357,20 +298,16 @@ class Config:
 def validate(cfg: Config) -> None:
     """The rules that span sections (each section checks its own when built)."""
     d, t, arch = cfg.data, cfg.train, cfg.model.arch
-    has_val = bool(d.val_split) or d.val_fraction > 0
-    _require(
-        [
-            (
-                d.batch_size != 1 or not arch.startswith("deeplabv3_"),
-                f"data.batch_size 1 cannot train {arch}: its image-pooling BatchNorm needs 2 "
-                "or more images per batch; set --data.batch_size 2 or more",
-            ),
-            (
-                t.monitor in ("auto", "train_loss") or t.patience is None or has_val,
-                f"train.monitor={t.monitor} needs data.val_split; set --train.monitor train_loss",
-            ),
-        ],
-    )
+    if d.batch_size == 1 and arch.startswith("deeplabv3_"):
+        raise ConfigError(
+            f"data.batch_size 1 cannot train {arch}: its image-pooling BatchNorm needs 2 or "
+            "more images per batch; set --data.batch_size 2 or more"
+        )
+    has_val = d.val_split or d.val_fraction > 0
+    if t.monitor not in ("auto", "train_loss") and t.patience is not None and not has_val:
+        raise ConfigError(
+            f"train.monitor={t.monitor} needs data.val_split; set --train.monitor train_loss"
+        )
 
 
 SECTIONS = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig}

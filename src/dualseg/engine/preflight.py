@@ -25,29 +25,18 @@ from dualseg.data.presets import parse_label_map
 from dualseg.engine import checkpoint as ckpt_io
 from dualseg.engine.config import Config, DataConfig, model_kwargs, train_transform
 from dualseg.engine.distributed import DistEnv, ResumableSampler, SeededSamples, ShardSampler
+from dualseg.engine.evaluation import sanity_warnings
 from dualseg.errors import CheckpointError, ConfigError, DataError, RunExistsError
-from dualseg.metrics import scores_from_confusion
 from dualseg.models import build_model
 
-__all__ = [
-    "baseline_note",
-    "build_datasets",
-    "build_loaders",
-    "build_train_model",
-    "check_resumable",
-    "check_training_data",
-    "label_mapping",
-    "majority_baseline",
-    "refuse_rewind",
-    "scored_classes_note",
-    "seed_everything",
-    "warn_missing_tensorboard",
-]
 
-
-def label_mapping(d: DataConfig) -> dict[str, Any]:
-    """``{"label_map", "ignore_value"}`` for ``build_dataset`` / ``check_dataset``."""
+def dataset_options(d: DataConfig) -> dict[str, Any]:
+    """How ``build_dataset`` / ``check_dataset`` read ``d``'s folders."""
     return {
+        "layout": d.layout,
+        "preset": d.preset,
+        "label_format": d.label_format,
+        "bit_depth": d.bit_depth,
         "label_map": parse_label_map(d.label_map) if d.label_map else None,
         "ignore_value": d.ignore_index,
     }
@@ -56,30 +45,16 @@ def label_mapping(d: DataConfig) -> dict[str, Any]:
 def check_training_data(
     d: DataConfig, *, progress: ProgressMode = "off", warn: bool = True
 ) -> None:
-    """Scan every pair of ``d``'s training and validation splits (of every root when
-    ``data.root`` is a list); one ``DataError`` if bad.
-
-    ``progress``: a :mod:`dualseg.console` mode. Classes with no pixels in these splits are a
-    one-line warning (``warn``), not a refusal.
-    """
+    """Scan every pair of ``d``'s training and validation splits (of every root); one
+    ``DataError`` if bad; absent classes, overlapping splits and padded crops are warnings."""
     if not d.check or not d.root:
         return
-
     # a held-out fraction is part of the training split's files
     named = (d.train_split,) if d.val_fraction > 0 else (d.train_split, d.val_split)
     splits = tuple(dict.fromkeys(s for s in named if s))
     roots = [d.root] if isinstance(d.root, str) else list(d.root)
     reports = [
-        check_dataset(
-            root,
-            splits=splits,
-            layout=d.layout,
-            preset=d.preset,
-            label_format=d.label_format,
-            bit_depth=d.bit_depth,
-            progress=progress,
-            **label_mapping(d),
-        )
+        check_dataset(root, splits=splits, progress=progress, **dataset_options(d))
         for root in roots
     ]
     report = combine_reports(reports)
@@ -91,10 +66,8 @@ def check_training_data(
 
 
 def padded_crop(d: DataConfig, largest: tuple[int, int] | None) -> str | None:
-    """A line when ``data.crop_size`` is so much larger than the largest training image, even
-    at the largest scale of ``data.scale_range``, that over half of every crop is ignore
-    padding: that weakens the loss (to 1/100 in a case seen) and slows every step, without a
-    word. A crop a little larger than the images (some padding) is not worth a line."""
+    """A line when over half of every crop would be ignore padding (``data.crop_size`` above
+    the largest training image at the largest scale): a weaker loss and slower steps."""
     if not largest or min(largest) == 0:
         return None
     hi = max(d.scale_range)
@@ -103,10 +76,9 @@ def padded_crop(d: DataConfig, largest: tuple[int, int] | None) -> str | None:
     if min(ch, h) * min(cw, w) >= 0.5 * ch * cw:
         return None
     return (
-        f"data.crop_size [{ch}, {cw}] is larger than every training image ({largest[0]}x"
-        f"{largest[1]} at most, {h}x{w} at the largest scale {hi:g}): over half of every crop "
-        f"is ignore padding, which weakens the loss and slows each step; use a crop of at most "
-        f"[{min(ch, h)}, {min(cw, w)}]"
+        f"data.crop_size [{ch}, {cw}] is larger than every training image ({h}x{w} at the "
+        f"largest scale {hi:g}): over half of every crop is ignore padding; use a crop of at "
+        f"most [{min(ch, h)}, {min(cw, w)}]"
     )
 
 
@@ -123,75 +95,24 @@ def scored_classes_note(metrics: Mapping[str, Any], class_names: Sequence[str]) 
     return f" (1 class scored: {name!r}; the labels hold no other class)"
 
 
-def warn_missing_tensorboard(enabled: bool) -> bool:
-    """Print one warning line when TensorBoard logging is on but cannot be imported; return
-    whether event files can be written."""
-    if not enabled:
-        return False
-    try:
-        import torch.utils.tensorboard  # noqa: F401
-    except ImportError:
-        print(
-            "dualseg train: warning: tensorboard is not installed, so no event files are "
-            "written (pip install tensorboard, or --train.tensorboard false)",
-            file=sys.stderr,
-        )
-        return False
-    return True
-
-
-def majority_baseline(confusion: Any) -> tuple[float, int]:
-    """The mIoU of predicting the most frequent ground-truth class everywhere, scored as the
-    model is (``confusion``: ``[C, C]`` pixel counts, rows = ground truth), and that class."""
-    mat = torch.as_tensor(confusion, dtype=torch.float64)
-    gt = mat.sum(1)
-    k = int(gt.argmax())
-    constant = torch.zeros_like(mat)
-    constant[:, k] = gt
-    return float(scores_from_confusion(constant)["miou"]), k
-
-
-def baseline_note(
-    confusion: Any, miou: float, class_names: Sequence[str], *, dominant: float = 0.95
-) -> tuple[float, str]:
-    """The majority-class baseline mIoU, and a note for the validation line: the baseline
-    beside the model's mIoU, plainly saying when the model is not above it or predicts one
-    class on more than ``dominant`` of the pixels."""
-    mat = torch.as_tensor(confusion, dtype=torch.float64)
-    total = float(mat.sum())
-    if total == 0:
-        return math.nan, ""
-    baseline, k = majority_baseline(mat)
-    note = f" (majority-class baseline {100 * baseline:.1f}%)"
-    if not miou > baseline:
-        note += f"; not above predicting {class_names[k]!r} everywhere"
-    top = mat.sum(0)
-    c = int(top.argmax())
-    if float(top[c]) > dominant * total:
-        note += (
-            f"; the model predicts {class_names[c]!r} on {100 * float(top[c]) / total:.0f}% of "
-            "the pixels"
-        )
-    return baseline, note
+def baseline_note(metrics: Mapping[str, Any], class_names: Sequence[str]) -> str:
+    """The validation line's note: the majority-class baseline, and :func:`sanity_warnings`."""
+    base = metrics["majority_baseline_miou"]
+    if math.isnan(base):
+        return ""
+    warnings = [f"; {w}" for w in sanity_warnings(dict(metrics), class_names)]
+    return "".join([f" (majority-class baseline {100 * base:.1f}%)", *warnings])
 
 
 def check_resumable(state: dict, path: Path | None, max_iters: int) -> None:
     """A resume needs a training checkpoint (not weights alone) with iterations left."""
-    needed = ("optimizer", "scheduler", "sampler", "iteration", "epoch", "rng", "progress")
-    if missing := [k for k in needed if k not in state]:
+    if "optimizer" not in state or "rng" not in state:
         raise CheckpointError(
-            f"{path} holds model weights without the training state a resume needs "
-            f"(no {', '.join(missing)}): resume from a checkpoint that dualseg train wrote "
-            "(the run's last.pt)"
+            f"{path} holds model weights without the training state a resume needs; resume "
+            "from a checkpoint that dualseg train wrote (the run's last.pt)"
         )
-    try:
-        done = int(state["iteration"])
-    except (TypeError, ValueError):
-        raise CheckpointError(
-            f"{path} is a damaged training checkpoint (iteration {state['iteration']!r}); resume "
-            "from another checkpoint of the run (best.pt, or an earlier one)"
-        ) from None
-    if max_iters < done:
+    done = state.get("iteration")
+    if isinstance(done, int) and max_iters < done:
         raise ConfigError(
             f"{path} is at iteration {done}, past train.max_iters {max_iters}: pass "
             f"--train.max_iters {done} or more to resume it, or evaluate it with dualseg eval"
@@ -223,8 +144,7 @@ def build_datasets(cfg: Config) -> tuple[Any, Any | None]:
     d = cfg.data
     if not d.root:
         raise ConfigError("no dataset: set data.root in the config or pass --data.root PATH")
-    common: dict[str, Any] = {"layout": d.layout, "preset": d.preset}
-    common |= {"label_format": d.label_format, "bit_depth": d.bit_depth, **label_mapping(d)}
+    common = dataset_options(d)
     if d.val_fraction > 0:  # a held-out part of the training split, by file name
         common["val_fraction"] = d.val_fraction
     train_ds = build_dataset(
@@ -295,17 +215,11 @@ def seed_everything(seed: int, deterministic: bool, device: torch.device) -> Non
 
 
 def build_train_model(cfg: Config, num_classes: int, *, pretrained: bool) -> nn.Module:
-
     m = cfg.model
     weights = m.weights if pretrained else None
+    kwargs = model_kwargs(m, num_classes)
     try:
-        return build_model(
-            m.arch,
-            weights=weights,
-            allow_download=m.allow_download,
-            **model_kwargs(m, num_classes),
-        )
+        return build_model(m.arch, weights=weights, allow_download=m.allow_download, **kwargs)
     except ConfigError as err:  # name the option as the config spells it
-        text = str(err)
-        named = text.split(" ", 1)[0] in model_kwargs(m, num_classes)
-        raise ConfigError(f"{'model.' if named else ''}{text} ({m.arch})") from None
+        named = str(err).split(" ", 1)[0] in kwargs
+        raise ConfigError(f"{'model.' if named else ''}{err} ({m.arch})") from None

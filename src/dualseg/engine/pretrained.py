@@ -8,10 +8,9 @@ code when loaded::
                          contract, training images' content digests, (metrics)
     model.safetensors    the network's weights only (safetensors: a header plus raw tensors)
 
-The same layout, fetched through ``huggingface_hub``, answers ``hf://org/name`` (optionally
-``hf://org/name@revision``); ``HF_HUB_OFFLINE=1`` reads only the local cache. The method-B
-refiner adds ``refiner.json`` + ``refiner.safetensors`` to the same folder
-(:mod:`dualseg.refine.pretrained`).
+``hf://org/name[@revision]`` fetches the same layout through ``huggingface_hub``
+(``HF_HUB_OFFLINE=1``: the local cache only). The method-B refiner adds ``refiner.json`` +
+``refiner.safetensors`` (:mod:`dualseg.refine.pretrained`).
 
     >>> seg = dualseg.load_model("runs/camvid/best.pt")        # doctest: +SKIP
     >>> seg.save_pretrained("camvid-mobilenet")                 # doctest: +SKIP
@@ -25,13 +24,14 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load, save
 from torch import Tensor, nn
 
 from dualseg._version import __version__
+from dualseg.data import DatasetMeta
 from dualseg.data.contract import LabelContract, digests_from_hex, digests_to_hex
 from dualseg.engine.checkpoint import (
     BEST_NAME,
@@ -46,31 +46,9 @@ from dualseg.engine.checkpoint import (
 from dualseg.errors import CheckpointError, ConfigError
 from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 from dualseg.io import atomic_write_bytes, atomic_write_json
-from dualseg.models import MODELS, build_model
+from dualseg.models import build_model
 from dualseg.serialization import nonfinite_keys, short_list
 from dualseg.weights import hub_folder
-
-if TYPE_CHECKING:  # pragma: no cover
-    from dualseg.data import DatasetMeta
-
-__all__ = [
-    "CONFIG_NAME",
-    "FORMAT",
-    "HF_PREFIX",
-    "WEIGHTS_NAME",
-    "is_hub_source",
-    "is_pretrained_folder",
-    "load_network",
-    "load_state",
-    "read_json",
-    "read_pretrained",
-    "read_safetensors",
-    "refuse_existing",
-    "resolve_source",
-    "save_pretrained",
-    "save_pretrained_from_checkpoint",
-    "write_safetensors",
-]
 
 FORMAT = "dualseg-pretrained/1"
 CONFIG_NAME = "config.json"
@@ -78,7 +56,6 @@ WEIGHTS_NAME = "model.safetensors"
 # the method-B refiner's files in the same folder (written by dualseg.refine.pretrained)
 REFINER_CONFIG = "refiner.json"
 REFINER_WEIGHTS = "refiner.safetensors"
-HF_PREFIX = "hf://"
 
 
 # --------------------------------------------------------------------------- files
@@ -94,31 +71,24 @@ def read_safetensors(path: Path, *, what: str) -> dict[str, Tensor]:
         raise CheckpointError(f"{path}: {what} weights not found; the folder is incomplete")
     try:
         return load(path.read_bytes())
-    except Exception as err:  # safetensors raises its own SafetensorError (not exported stably)
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    except Exception as err:  # safetensors' own SafetensorError (not exported stably)
         raise CheckpointError(
-            f"{path} is corrupt or not a safetensors file ({first}); save or download it again"
-        ) from err
+            f"{path} is corrupt or not a safetensors file ({str(err).partition(chr(10))[0]}); "
+            "save or download it again"
+        ) from None
 
 
 def read_json(path: Path, *, fmt: str, what: str) -> dict[str, Any]:
     """A folder's JSON description, checked for ``format == fmt``."""
     if not path.is_file():
-        raise CheckpointError(
-            f"{path}: {what} description not found; the folder is incomplete (it needs "
-            f"{path.name} beside the .safetensors file)"
-        )
+        raise CheckpointError(f"{path}: {what} description not found; the folder is incomplete")
     try:
         d = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(
-            f"{path} is corrupt ({err}); save or download the folder again"
-        ) from err
-    if not isinstance(d, dict) or d.get("format") != fmt:
-        found = d.get("format") if isinstance(d, dict) else type(d).__name__
-        raise CheckpointError(
-            f"{path} is not a dualseg {what} (format {found!r}, expected {fmt!r})"
-        )
+        raise CheckpointError(f"{path} is corrupt ({err}); save or download it again") from None
+    found = d.get("format") if isinstance(d, dict) else type(d).__name__
+    if found != fmt:
+        raise CheckpointError(f"{path} is not a dualseg {what} (format {found!r}, not {fmt!r})")
     return d
 
 
@@ -128,38 +98,19 @@ def is_hub_source(source: str | os.PathLike[str]) -> bool:
     return str(source).startswith("hf:/")
 
 
-def is_pretrained_folder(path: str | os.PathLike[str], name: str = CONFIG_NAME) -> bool:
-    return Path(path).is_dir() and (Path(path) / name).is_file()
+def is_pretrained_folder(path: str | os.PathLike[str]) -> bool:
+    return (Path(path) / CONFIG_NAME).is_file()
 
 
 def resolve_source(source: str | os.PathLike[str], *, files: Sequence[str]) -> Path:
-    """A local folder for ``source``: the folder itself, or ``hf://`` fetched
-    (:func:`dualseg.weights.hub_folder`)."""
+    """A local folder for ``source``: the folder itself, or ``hf://`` fetched."""
     return hub_folder(str(source), files=files) if is_hub_source(source) else Path(source)
 
 
 # --------------------------------------------------------------------------- save
-# the training config's data keys that say how its labels were read: a folder keeps them, so a
-# model trained with --data.label_map 255:1 is scored on the classes it learnt
+# the training config's data keys that say how its labels were read: a model trained with
+# --data.label_map 255:1 is scored on the classes it learnt
 TRAINING_LABEL_KEYS = ("label_format", "label_map", "ignore_index")
-
-
-def _check_folder_refiner(folder: Path, class_names: Sequence[str]) -> None:
-    """A model saved beside a refiner (``refiner.json``) of other classes is refused: the
-    folder loads as a pair, and the refiner then refused the model, or with names in another
-    order would relabel pixels as other classes (the reverse order is refused by the refiner's
-    save)."""
-    try:
-        stored = json.loads((folder / REFINER_CONFIG).read_text("utf-8")).get("class_names")
-    except (OSError, ValueError, AttributeError):
-        return  # no refiner there (or one whose own loading says what is wrong)
-    if isinstance(stored, list) and list(stored) != list(class_names):
-        raise CheckpointError(
-            f"{folder / REFINER_CONFIG} is a refiner of other classes ({len(stored)}: "
-            f"{', '.join(map(str, stored[:4]))}{', ...' if len(stored) > 4 else ''}) than this "
-            f"model ({len(class_names)}: {', '.join(map(str, list(class_names)[:4]))}"
-            f"{', ...' if len(class_names) > 4 else ''}); save the model to another folder"
-        )
 
 
 def save_pretrained(
@@ -179,31 +130,35 @@ def save_pretrained(
 ) -> Path:
     """Write ``model`` as a pretrained folder (``config.json`` + ``model.safetensors``).
 
-    ``arch`` / ``model_kwargs`` rebuild the network (``build_model(arch, **model_kwargs)``);
-    ``meta`` gives class names and palette; ``mean`` / ``std`` the input normalization (default
-    ImageNet's, what dualseg trains with); ``training_labels`` how the training labels were
-    read (the training config's ``data.label_format`` / ``label_map`` / ``ignore_index``), so
-    that ``eval`` and ``refine fit`` of the folder read labels as the checkpoint's do;
+    ``arch`` / ``model_kwargs`` rebuild the network; ``meta`` gives class names and palette;
+    ``mean`` / ``std`` the input normalization (default ImageNet's); ``training_labels`` the
+    training config's ``data.label_format`` / ``label_map`` / ``ignore_index``;
     ``label_contract``: the training data's ``LabelContract.to_dict()`` (default: ``meta``'s);
     ``train_images``: the training images' ``content_digests`` (eval warns on them).
     An existing folder's files are kept unless ``overwrite=True``.
     """
     folder = folder_path(folder)
     refuse_existing(folder, (CONFIG_NAME, WEIGHTS_NAME), overwrite)
-    kwargs = {k: v for k, v in dict(model_kwargs).items() if k != "weights"}
-    kwargs.setdefault("num_classes", meta.num_classes)  # a checkpoint naming only its classes
+    kwargs = {"num_classes": meta.num_classes, **model_kwargs}
+    kwargs.pop("weights", None)
     check_rebuilds(model, arch, kwargs)
-    _check_folder_refiner(folder, meta.class_names)
-    stale = [n for n in (REFINER_CONFIG, REFINER_WEIGHTS) if (folder / n).exists()]
-    if stale and (folder / WEIGHTS_NAME).exists():
-        # the refiner beside the model being replaced was fit (and its decision calibrated)
-        # for that model; keeping it is the user's call, but never a silent one
+    try:  # a refiner beside it: of these classes, and fit for the model written before
+        stored = json.loads((folder / REFINER_CONFIG).read_text("utf-8")).get("class_names")
+    except (OSError, ValueError, AttributeError):
+        stored = None
+    if isinstance(stored, list) and stored != list(meta.class_names):
+        raise CheckpointError(
+            f"{folder / REFINER_CONFIG} is a refiner of other classes ({short_list(stored, 4)}) "
+            f"than this model ({short_list(list(meta.class_names), 4)}); save to another folder"
+        )
+    if (folder / REFINER_CONFIG).exists() and (folder / WEIGHTS_NAME).exists():
         warnings.warn(
-            f"{folder} keeps {' + '.join(stale)}, the method-B refiner fit for the model "
-            "written there before; refit it for this model (dualseg refine fit) or delete it",
+            f"{folder} keeps {REFINER_CONFIG} + {REFINER_WEIGHTS}, the method-B refiner fit "
+            "for the model written there before; refit it (dualseg refine fit) or delete it",
             UserWarning,
             stacklevel=2,
         )
+    contract = LabelContract.from_dict(dict(label_contract)) if label_contract else None
     config = {
         "format": FORMAT,
         "dualseg_version": __version__,
@@ -219,17 +174,11 @@ def save_pretrained(
             "mean": list(mean or IMAGENET_MEAN),
             "std": list(std or IMAGENET_STD),
         },
+        "label_contract": (contract or LabelContract(meta)).to_dict(),
     }
-    contract = LabelContract.from_dict(dict(label_contract)) if label_contract else None
-    if contract is not None and contract.class_names != meta.class_names:
-        raise ConfigError(
-            f"label_contract names other classes ({', '.join(contract.class_names)}) than meta; "
-            "pass the contract of the data the model was trained on"
-        )
-    config["label_contract"] = (contract or LabelContract(meta)).to_dict()
     if train_images is not None:
         config["train_images"] = digests_to_hex(train_images)
-    labels = {k: v for k, v in dict(training_labels or {}).items() if k in TRAINING_LABEL_KEYS}
+    labels = {k: v for k, v in (training_labels or {}).items() if k in TRAINING_LABEL_KEYS}
     if labels:
         config["training_labels"] = to_plain(labels)
     if metrics:
@@ -245,10 +194,8 @@ def write_folder_files(
     config_name: str,
     config: Mapping[str, Any],
 ) -> None:
-    """Write a folder's weights and their description as a pair: both are written in full
-    under staged names first, then moved into place, weights first (a folder whose
-    description is there is complete). A run stopped while writing leaves an earlier pair as
-    it was, loadable, and no staged file behind."""
+    """Write weights and description as a pair: both staged in full, then moved into place,
+    weights first, so a stopped run leaves the earlier pair loadable and no staged file."""
     staged = {name: folder / f".{name}.staged" for name in (weights_name, config_name)}
     try:
         write_safetensors(staged[weights_name], tensors)
@@ -262,23 +209,18 @@ def write_folder_files(
 
 def check_rebuilds(model: nn.Module, arch: str, kwargs: Mapping[str, Any]) -> None:
     """Refuse to save ``model`` under an ``arch`` / ``model_kwargs`` that rebuild another
-    network (other weights' shapes, or other convolution or pooling geometry: a stride-16 model
-    described as stride 8 would load without an error and answer differently), or with
-    non-finite weights (a folder that could never be loaded). Differences that leave the output
-    alone (BatchNorm momentum, SyncBatchNorm, in-place activations) pass."""
-    if not isinstance(arch, str) or arch not in MODELS:
-        raise ConfigError(f"arch {arch!r} is not a dualseg model; known: {', '.join(MODELS)}")
+    network (other shapes, or other convolution / pooling geometry: a stride-16 model
+    described as stride 8 would load and answer differently), or with non-finite weights."""
     state = model.state_dict()
-    keys = list(state)
     for prefix, what in (("_orig_mod.", "torch.compile's wrapper"), ("module.", "a DDP wrapper")):
-        if keys and all(k.startswith(prefix) for k in keys):
+        if state and all(k.startswith(prefix) for k in state):
             raise ConfigError(
                 f"this model is {what}; save the model inside it (model.{prefix[:-1]})"
             )
     try:
         with torch.device("meta"):  # the layers only: no memory, no initialization
             built = build_model(arch, **{**kwargs, "weights": None})
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, KeyError, ConfigError) as err:
         raise ConfigError(f"model_kwargs {dict(kwargs)!r} do not build {arch!r} ({err})") from None
     problems = _state_dict_problems(built, state)
     if not problems:
@@ -294,48 +236,36 @@ def check_rebuilds(model: nn.Module, arch: str, kwargs: Mapping[str, Any]) -> No
             f"({'; '.join(problems)}); pass the arch and model_kwargs the model was built with"
         )
     if bad := nonfinite_keys(state):
-        raise ConfigError(
-            f"the model holds NaN or infinite weights ({short_list(bad, 3)}); such a folder "
-            "could not be loaded: save a checkpoint from before the training diverged"
-        )
+        raise ConfigError(f"the model holds NaN or infinite weights ({short_list(bad, 3)})")
 
 
 def _geometry(model: nn.Module) -> dict[str, str]:
-    """Each convolution's and pooling layer's sampling geometry (kernel, stride, padding,
-    dilation, groups): what decides which pixels a weight meets, beyond the weights' shapes."""
+    """Each convolution's and pooling layer's sampling geometry (what decides which pixels a
+    weight meets, beyond the weights' shapes)."""
     keys = ("kernel_size", "stride", "padding", "dilation", "groups", "output_size")
-    out = {}
-    for name, m in model.named_modules():
-        found = {k: getattr(m, k) for k in keys if hasattr(m, k)}
-        if found:
-            out[name] = ", ".join(f"{k}={v}" for k, v in found.items())
-    return out
+    out = {
+        name: {k: getattr(m, k) for k in keys if hasattr(m, k)} for name, m in model.named_modules()
+    }
+    return {name: repr(found) for name, found in out.items() if found}
 
 
 def folder_path(folder: str | os.PathLike[str]) -> Path:
-    """``folder`` as a Path; an empty one (an unset variable) is refused, not the current
-    folder (``Path("")`` is ``.``)."""
+    """``folder`` as a Path; an empty one (an unset variable) is refused, not read as ``.``."""
     if not os.fspath(folder).strip():
-        raise ConfigError(
-            "save_pretrained needs a folder path, got an empty one (an unset variable?); name "
-            "a folder, e.g. save_pretrained('camvid-model')"
-        )
+        raise ConfigError("save_pretrained needs a folder path, got an empty one; name a folder")
     return Path(folder)
 
 
 def refuse_existing(folder: Path, names: Sequence[str], overwrite: bool) -> None:
     if str(folder).startswith("hf:"):  # Path("hf://org/name") is the local folder hf:/org/name
         raise ConfigError(
-            f"save_pretrained writes a local folder, not the Hub ({folder}): save to a folder, "
+            f"save_pretrained writes a local folder, not the Hub ({folder}); save to a folder, "
             "then upload it with huggingface_hub.upload_folder"
         )
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"{folder} is a file; save_pretrained needs a folder path")
-    parent = next((p for p in folder.parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise ConfigError(f"{parent} is a file; save_pretrained needs a folder path")
-    present = [n for n in names if (folder / n).exists()]
-    if present and not overwrite:
+    blocker = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise ConfigError(f"{blocker} is a file; save_pretrained needs a folder path")
+    if (present := [n for n in names if (folder / n).exists()]) and not overwrite:
         raise ConfigError(
             f"{folder} already holds {', '.join(present)}; choose another folder, delete them, "
             "or pass overwrite=True (CLI: --overwrite)"
@@ -345,12 +275,10 @@ def refuse_existing(folder: Path, names: Sequence[str], overwrite: bool) -> None
 def save_pretrained_from_checkpoint(
     checkpoint: str | os.PathLike[str], folder: str | os.PathLike[str], *, overwrite: bool = False
 ) -> Path:
-    """A training checkpoint (``last.pt`` / ``best.pt``, or any :func:`load_state` source) -> a
-    pretrained folder."""
+    """Any :func:`load_state` source (``last.pt`` / ``best.pt``, ...) -> a pretrained folder."""
     ckpt = load_state(checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device="cpu")
-    metrics = dict(ckpt.get("metrics") or {})
-    trained = (ckpt.get("config") or {}).get("data") or {}
+    metrics = ckpt.get("metrics") or {}
     norm = ckpt.get("normalization") or {}  # a pretrained folder's own; a .pt: the default
     return save_pretrained(
         model,
@@ -361,7 +289,7 @@ def save_pretrained_from_checkpoint(
         mean=norm.get("mean"),
         std=norm.get("std"),
         metrics={k: metrics[k] for k in ("iteration", "miou") if k in metrics},
-        training_labels=trained,
+        training_labels=(ckpt.get("config") or {}).get("data"),
         label_contract=contract_of(ckpt).to_dict(),
         train_images=ckpt.get("train_images"),
         overwrite=overwrite,
@@ -370,93 +298,66 @@ def save_pretrained_from_checkpoint(
 
 # --------------------------------------------------------------------------- load
 def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
-    """A pretrained folder (or ``hf://``) as a checkpoint-like dict: ``arch``, ``model_kwargs``,
-    ``model`` (state dict), ``class_names``, ``palette``, ``ignore_index``, ``normalization``.
-
-    :func:`dualseg.engine.checkpoint.build_model_from_checkpoint` rebuilds the network from it.
-    """
+    """A pretrained folder (or ``hf://``) as a checkpoint-like dict, which
+    :func:`dualseg.engine.checkpoint.build_model_from_checkpoint` rebuilds (and checks)."""
     folder = resolve_source(source, files=(CONFIG_NAME, WEIGHTS_NAME))
     if not folder.is_dir():
         raise CheckpointError(
             f"{source}: no such folder (a pretrained folder holds {CONFIG_NAME} and "
-            f"{WEIGHTS_NAME}; write one with save_pretrained or 'dualseg export --format "
-            "pretrained')"
+            f"{WEIGHTS_NAME}; write one with 'dualseg export --format pretrained')"
         )
-    config = read_json(folder / CONFIG_NAME, fmt=FORMAT, what="pretrained model")
-    missing = [k for k in ("arch", "model_kwargs", "class_names", "palette") if k not in config]
-    if missing:
-        raise CheckpointError(f"{folder / CONFIG_NAME} lacks {missing}; save the folder again")
-    for key in ("class_names", "palette"):  # save_pretrained writes lists; null is an edit
-        if not isinstance(config[key], list):
-            raise CheckpointError(
-                f"{folder / CONFIG_NAME}: {key} must be a list (one entry per class), got "
-                f"{config[key]!r:.40}; save the folder again"
-            )
-    kwargs = config["model_kwargs"] if isinstance(config["model_kwargs"], dict) else {}
-    model_count = kwargs.get("num_classes", len(config["class_names"]))
-    if config.get("num_classes", model_count) != model_count:  # a summary: the model's must agree
+    where = folder / CONFIG_NAME
+    config = read_json(where, fmt=FORMAT, what="pretrained model")
+    if missing := [
+        k for k in ("arch", "model_kwargs", "class_names", "palette") if k not in config
+    ]:
+        raise CheckpointError(f"{where} lacks {missing}; save the folder again")
+    norm, labels = config.get("normalization") or {}, config.get("training_labels") or {}
+    if (
+        not isinstance(norm, dict)
+        or not isinstance(labels, dict)
+        or set(labels) - set(TRAINING_LABEL_KEYS)
+    ):
         raise CheckpointError(
-            f"{folder / CONFIG_NAME}: num_classes is {config['num_classes']!r} but the model "
-            f"has {model_count} classes (model_kwargs); save the folder again"
-        )
-    norm = config.get("normalization") or {}
-    if not isinstance(norm, dict):
-        raise CheckpointError(
-            f"{folder / CONFIG_NAME}: normalization must be a dict with mean and std, got "
-            f"{type(norm).__name__}; save the folder again"
-        )
-    labels = config.get("training_labels") or {}
-    if not isinstance(labels, dict) or not set(labels) <= set(TRAINING_LABEL_KEYS):
-        raise CheckpointError(
-            f"{folder / CONFIG_NAME}: training_labels must map some of "
-            f"{', '.join(TRAINING_LABEL_KEYS)} to values, got {labels!r}; save the folder again"
+            f"{where}: normalization must be a dict of mean and std, training_labels must map "
+            f"some of {', '.join(TRAINING_LABEL_KEYS)}; save the folder again"
         )
     try:  # the training images' content digests, which eval warns on
         seen = {k: digests_from_hex(config[k]) for k in ("train_images",) if k in config}
     except ValueError as err:
-        raise CheckpointError(
-            f"{folder / CONFIG_NAME}: train_images: {err}; save it again"
-        ) from None
-    state = read_safetensors(folder / WEIGHTS_NAME, what="model")
+        raise CheckpointError(f"{where}: train_images: {err}; save it again") from None
     return {
-        **{k: config[k] for k in ("label_contract",) if k in config},  # see contract_of
+        **{k: config[k] for k in ("label_contract",) if k in config},
         **seen,
         "format": FORMAT,
         "arch": config["arch"],
-        "model_kwargs": config["model_kwargs"],  # checked by build_model_from_checkpoint
-        "model": state,
-        "class_names": config["class_names"],  # checked by meta_from_checkpoint
-        "palette": config["palette"],  # checked by meta_from_checkpoint
-        "ignore_index": config.get("ignore_index", 255),  # checked by meta_from_checkpoint
+        "model_kwargs": config["model_kwargs"],
+        "model": read_safetensors(folder / WEIGHTS_NAME, what="model"),
+        "class_names": config["class_names"],
+        "palette": config["palette"],
+        "ignore_index": config.get("ignore_index", 255),
         "config": {"data": {"preset": config.get("dataset"), **labels}},
-        "normalization": dict(norm),
+        "normalization": norm,
         "metrics": dict(config.get("metrics") or {}),
         "_path": str(folder / WEIGHTS_NAME),
-        "_meta_path": str(folder / CONFIG_NAME),  # what errors about the description name
+        "_meta_path": str(where),  # what errors about the description name
     }
 
 
 def load_state(source: str | os.PathLike[str]) -> dict[str, Any]:
     """Any model source as a checkpoint-like dict: a ``.pt`` checkpoint file, a pretrained
-    folder, or ``hf://org/name``. A training run folder (``last.pt`` but no ``config.json``)
-    gets an error naming the checkpoint to pass."""
+    folder, or ``hf://org/name``."""
     if not os.fspath(source).strip():  # Path("") is the current folder
-        raise ConfigError(
-            "the model path is empty (an unset variable?); pass a checkpoint, a pretrained "
-            "folder or hf://org/name"
-        )
+        raise ConfigError("the model path is empty; pass a checkpoint, a folder or hf://org/name")
     path = Path(source)
     if is_hub_source(source) or is_pretrained_folder(path):
         return read_pretrained(source)
     if path.is_dir():
         has = [n for n in (BEST_NAME, LAST_NAME) if (path / n).is_file()]
         hint = f"pass {path / has[0]}" if has else f"it has no {CONFIG_NAME}"
-        raise CheckpointError(
-            f"{path} is a folder but not a pretrained folder ({hint}; a pretrained folder holds "
-            f"{CONFIG_NAME} and {WEIGHTS_NAME})"
-        )
+        raise CheckpointError(f"{path} is a folder but not a pretrained folder ({hint})")
     if path.name in (CONFIG_NAME, WEIGHTS_NAME) and is_pretrained_folder(path.parent):
-        raise CheckpointError(  # one file of a folder: neither is a checkpoint on its own
+        raise CheckpointError(
             f"{path} is one file of the pretrained folder {path.parent}; pass the folder"
         )
     return load_checkpoint(path)

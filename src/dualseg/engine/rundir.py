@@ -12,23 +12,11 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from dualseg.errors import RunExistsError
 from dualseg.io import check_writable
-
-__all__ = [
-    "LOCK_NAME",
-    "RUN_FILES",
-    "CheckpointClock",
-    "check_not_in_use",
-    "check_run_dir",
-    "clear_run_dir",
-    "continues_run",
-    "hold_run_folder",
-    "run_files",
-]
 
 # the files a run writes (TensorBoard's events.out.* come on top)
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl", "config.yaml", "curves.png", "summary.json")
@@ -64,27 +52,20 @@ def check_run_dir(
     if not previous or overwrite or continues_run(out_dir, resume):
         return previous
     names = ", ".join(p.name for p in previous[:4]) + (" ..." if len(previous) > 4 else "")
-    other = "choose another --train.out_dir"
-    if resume is None:
-        if not any((out_dir / n).is_file() for n in (LAST, BEST)):
-            raise RunExistsError(
-                f"{out_dir} holds a run that stopped before its first checkpoint ({names}); "
-                f"replace it with --overwrite, or {other}"
-            )
-        raise RunExistsError(
-            f"{out_dir} already holds a run ({names}); continue it with --resume auto, "
-            f"replace it with --overwrite, or {other}"
-        )
-    if resume == "auto":
-        best = out_dir / BEST
-        hint = f"resume from its {BEST} with --resume {best}, " if best.is_file() else ""
-        raise RunExistsError(
-            f"{out_dir} holds a run without {LAST} ({names}), so --resume auto has nothing to "
-            f"continue: {hint}replace the run with --overwrite, or {other}"
-        )
+    hint = ""
+    if resume is None and not any((out_dir / n).is_file() for n in (LAST, BEST)):
+        why = "holds a run that stopped before its first checkpoint"
+    elif resume is None:
+        why, hint = "already holds a run", "continue it with --resume auto, "
+    elif resume == "auto":
+        why = f"holds a run without {LAST}, so --resume auto has nothing to continue"
+        if (out_dir / BEST).is_file():
+            hint = f"resume from its {BEST} with --resume {out_dir / BEST}, "
+    else:
+        why = f"holds another run than the checkpoint {resume}"
     raise RunExistsError(
-        f"{out_dir} holds another run ({names}) than the checkpoint {resume}: to resume {resume} "
-        f"{other}, or replace {out_dir}'s run with --overwrite"
+        f"{out_dir} {why} ({names}); {hint}replace it with --overwrite, or choose another "
+        "--train.out_dir"
     )
 
 
@@ -167,18 +148,14 @@ def hold_run_folder(out_dir: str | Path) -> Iterator[None]:
 class CheckpointClock:
     """Says when ``last.pt`` is due: every ``every`` iterations or ``minutes`` of wall clock."""
 
-    def __init__(
-        self, every: int, minutes: float | None, *, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.every = int(every)
-        self.seconds = None if minutes is None else 60.0 * float(minutes)
-        self._clock = clock
-        self._last = clock()
+    def __init__(self, every: int, minutes: float | None) -> None:
+        self.every, self.seconds = every, None if minutes is None else 60.0 * minutes
+        self.saved()
 
     def due(self, iteration: int) -> bool:
         if iteration % self.every == 0:
             return True
-        return self.seconds is not None and self._clock() - self._last >= self.seconds
+        return self.seconds is not None and time.monotonic() - self._last >= self.seconds
 
     def saved(self) -> None:
-        self._last = self._clock()
+        self._last = time.monotonic()

@@ -1,10 +1,5 @@
-"""Run bookkeeping of ``fit``: signals, loop progress, and the rank-0 outputs.
-
-- :class:`Interrupt` turns SIGINT / SIGTERM into a flag checked after each step;
-- :class:`Progress` is the loop state beyond weights (best score, patience, smoothed loss),
-  saved in checkpoints for a bit-exact resume;
-- :class:`RunLog` writes ``metrics.jsonl``, TensorBoard scalars and the progress bar / lines.
-"""
+"""Run bookkeeping of ``fit``: signals (:class:`Interrupt`), loop state saved in checkpoints
+(:class:`Progress`) and the rank-0 outputs (:class:`RunLog`)."""
 
 from __future__ import annotations
 
@@ -108,8 +103,12 @@ class RunLog:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(out_dir), purge_step=start or None)
-            except ImportError:  # tensorboard not installed: JSONL and PNG only
-                self.tb = None
+            except ImportError:  # JSONL and PNG only
+                print(
+                    "dualseg train: warning: tensorboard is not installed, so no event files are "
+                    "written (pip install tensorboard, or --train.tensorboard false)",
+                    file=sys.stderr,
+                )
         if cfg.train.progress and not self.quiet and sys.stderr.isatty():
             self.bar = tqdm(total=cfg.train.max_iters, initial=start, desc="train", unit="it")
 
@@ -141,11 +140,10 @@ class RunLog:
         if echo:
             self.message(echo)
 
-    def step(self, n: int = 1, **postfix: float) -> None:
+    def step(self, **postfix: float) -> None:
         if self.bar is not None:
-            self.bar.update(n)
-            if postfix:
-                self.bar.set_postfix({k: f"{v:.4f}" for k, v in postfix.items()}, refresh=False)
+            self.bar.update(1)
+            self.bar.set_postfix({k: f"{v:.4f}" for k, v in postfix.items()}, refresh=False)
 
     def message(self, text: str) -> None:
         if not self.enabled or self.quiet:

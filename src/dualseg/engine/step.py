@@ -3,7 +3,6 @@ with the losses averaged over ranks and checked for NaN before the update."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -57,11 +56,7 @@ def train_one_epoch(
     model.train()
     iteration = start_iteration
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    autocast = (
-        torch.autocast(device_type=device.type, dtype=amp_dtype)
-        if amp_dtype is not None
-        else contextlib.nullcontext()
-    )
+    autocast = torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
     for images, labels in loader:
         if max_iters is not None and iteration >= max_iters:
             break

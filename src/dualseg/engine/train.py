@@ -57,7 +57,6 @@ from dualseg.engine.preflight import (
     refuse_rewind,
     scored_classes_note,
     seed_everything,
-    warn_missing_tensorboard,
 )
 from dualseg.engine.rundir import (
     CheckpointClock,
@@ -68,7 +67,7 @@ from dualseg.engine.rundir import (
 )
 from dualseg.engine.runlog import Interrupt, Progress, RunLog, save_curves, train_data_record
 from dualseg.engine.step import StepStats, TrainingDivergedError, train_one_epoch
-from dualseg.errors import CheckpointError, ConfigError
+from dualseg.errors import CheckpointError
 
 __all__ = ["TrainingDivergedError", "fit", "train_one_epoch", "train_transform"]
 
@@ -140,7 +139,6 @@ def fit(cfg: Config, *, resume: str | None = None, overwrite: bool = False) -> d
             refuse_rewind(Path(t.out_dir), resume)
         shown = env.is_main and t.progress and not t.quiet
         check_training_data(cfg.data, progress=progress_mode(quiet=not shown), warn=env.is_main)
-        warn_missing_tensorboard(t.tensorboard and env.is_main)
         run = _build(cfg, env, resume)
         if run.state is not None:
             _resume(run)
@@ -160,12 +158,10 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
     train_ds, val_ds = build_datasets(cfg)
     meta = train_ds.meta
     train_loader, sampler, val_loader = build_loaders(cfg, env, train_ds, val_ds)
-    resume_path = None
-    if resume is not None:
-        resume_path = (
-            ckpt_io.find_resume_checkpoint(t.out_dir) if resume == "auto" else Path(resume)
-        )
-    state = ckpt_io.load_checkpoint(resume_path) if resume_path is not None else None
+    resume_path = None if resume in (None, "auto") else Path(resume)
+    if resume == "auto" and (last := Path(t.out_dir, ckpt_io.LAST_NAME)).is_file():
+        resume_path = last  # else a new run, said in _start
+    state = None if resume_path is None else ckpt_io.load_checkpoint(resume_path)
     if state is not None:
         ckpt_io.check_compatible(
             state, arch=cfg.model.arch, num_classes=meta.num_classes, class_names=meta.class_names
@@ -211,53 +207,35 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
 
 
 def _resume(run: _Run) -> None:
-    """Continue the checkpoint's run exactly; a state that passed the checks yet does not
-    restore (edited, or written by other code) is one :class:`CheckpointError`."""
+    """Continue the checkpoint's run exactly; a state that does not restore (damaged, or of
+    other model / optim settings) is one :class:`CheckpointError` naming what changed."""
+    state, changed = run.state or {}, ""
+    fix = "resume with its settings, or start a new run (another --train.out_dir, or --overwrite)"
     try:
-        _restore(run, run.state or {})
-    except (CheckpointError, ConfigError):
-        raise
+        changes = config_changes(state.get("config") or {}, run.cfg).items()
+        changed = "; ".join(
+            f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes if k.startswith(("model.", "optim."))
+        )
+        _restore(run, state)
+    except CheckpointError as err:
+        if not changed:
+            raise
+        raise CheckpointError(f"{err} (changed since that checkpoint: {changed}); {fix}") from None
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
-        detail = " ".join(f"{type(err).__name__}: {err}".split())
+        what = f"changed since that checkpoint: {changed}" if changed else f"{err!r}"
         raise CheckpointError(
-            f"{run.resume_path} is a damaged training checkpoint ({detail}); resume from another "
-            "checkpoint of the run (best.pt, or an earlier one), or start a new run"
+            f"{run.resume_path} is a damaged training checkpoint, or of other settings "
+            f"({' '.join(what.split())}); {fix}"
         ) from None
 
 
 def _restore(run: _Run, state: dict) -> None:
-    changed = {
-        k: v
-        for k, v in config_changes(state.get("config") or {}, run.cfg).items()
-        if k.startswith(("model.", "optim."))
-    }
-    said = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
-    fix = "resume with the checkpoint's settings, or start a new run (another --train.out_dir, "
-    try:
-        ckpt_io.load_model_state(run.model, state)
-    except CheckpointError as err:
-        if not said:
-            raise
-        raise CheckpointError(
-            f"{err} (changed since that checkpoint: {said}; {fix}or --overwrite)"
-        ) from None
-    saved = [len(g["params"]) for g in state["optimizer"].get("param_groups", [])]
-    here = [len(g["params"]) for g in run.optimizer.param_groups]
-    if saved != here:  # torch would raise a bare ValueError
-        why = said or (
-            f"optim.head_lr_mult={run.cfg.optim.head_lr_mult:g}: other than 1 splits backbone "
-            "and head"
-        )
-        raise CheckpointError(
-            f"{run.resume_path}: its optimizer's parameter groups hold {saved} parameters, this "
-            f"run's {here} ({why}); {fix}or --overwrite)"
-        )
+    ckpt_io.load_model_state(run.model, state)
     base_lrs = list(run.scheduler.base_lrs)  # this run's schedule, at the resumed iteration
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     run.scheduler.base_lrs = base_lrs
-    at = run.scheduler.last_epoch
-    o = run.cfg.optim
+    at, o = run.scheduler.last_epoch, run.cfg.optim
     for group, base, factor in zip(run.optimizer.param_groups, base_lrs, run.scheduler.lr_lambdas):
         group["initial_lr"], group["lr"] = base, base * factor(at)
         group["momentum"], group["nesterov"] = o.momentum, o.nesterov
@@ -420,12 +398,12 @@ def _validate(run: _Run, at: int) -> bool:
     )
     run.progress.last_val = {"iteration": at, **metrics}
     names = run.meta.class_names
-    baseline, note = baseline_note(metrics["confusion_matrix"], metrics["miou"], names)
+    note = baseline_note(metrics, names)
     echo = f"[{at}] val mIoU {100 * metrics['miou']:.1f}%{scored_classes_note(metrics, names)}"
     record: dict[str, Any] = {"iteration": at}
     for key in ("miou", "pixel_acc", "mean_acc", "fwiou", "boundary_f1", "trimap_miou", "loss"):
         record[f"val_{key}"] = metrics[key]
-    record |= {"val_iou": metrics["iou"], "val_baseline_miou": baseline}
+    record |= {"val_iou": metrics["iou"], "val_baseline_miou": metrics["majority_baseline_miou"]}
     record["time"] = round(time.perf_counter() - run.started, 3)
     assert run.log is not None
     run.log.write(record, echo=f"{echo}{note}")
