@@ -105,8 +105,8 @@ def test_reexport_keeps_the_normalization(
 def test_onnx_export_carries_the_normalization(odd_norm: Path, tmp_path: Path) -> None:
     """The exported runtime normalizes with the model's own statistics, not ImageNet's."""
     from dualseg.engine.pretrained import load_state
-    from dualseg.export.runtime import ExportedSegmenter
     from dualseg.export.runners import read_export_info
+    from dualseg.export.runtime import ExportedSegmenter
 
     onnx = tmp_path / "m.onnx"
     argv = ["export", "-c", str(odd_norm), "--format", "onnx", "-o", str(onnx), "--dynamic"]
