@@ -14,7 +14,6 @@ from dualseg.commands import common as c
 from dualseg.console import ArgumentParser, argparse_kwargs, progress_mode, track
 from dualseg.data import read_label
 from dualseg.data.collate import SameSizeCollate
-from dualseg.data.contract import count_seen
 from dualseg.engine.checkpoint import contract_of
 from dualseg.engine.evaluation import evaluate, format_metrics, model_dataset, sanity_warnings
 from dualseg.engine.outputs import (
@@ -31,9 +30,7 @@ from dualseg.errors import DataError
 from dualseg.io import atomic_write_json
 from dualseg.metrics import BOUNDARY_TOLERANCE, MAX_WIDTH, TRIMAP_WIDTH, to_jsonable
 from dualseg.refine import BoundaryRefiner
-from dualseg.refine.base import OTHER_BASE, other_calibration_base
-from dualseg.refine.calibrate import calibrated_on
-from dualseg.refine.formats import check_contract
+from dualseg.refine.refiner import evaluation_notes
 
 ONE_SIZE = "use --batch-size 1 (eval runs each image at its own size)"
 
@@ -75,39 +72,6 @@ def warn(text: str) -> None:
     print(f"dualseg eval: {text}", file=sys.stderr)
 
 
-def _load_refiner(args: argparse.Namespace, dataset: Any, device: Any, model: Any, contract: Any):
-    """``--refiner``; a warning when it was calibrated for another base or on these images."""
-    refiner = BoundaryRefiner.load(args.refiner, device=device)
-    if other_calibration_base(refiner, model):
-        warn(f"warning: {OTHER_BASE.format(refiner=args.refiner)}")
-    if note := refiner.calibration_note():
-        warn(f"note: {note}")
-    images = [image for image, _ in dataset.samples]
-    split = (refiner.calibration or {}).get("split")
-    if shared := calibrated_on(refiner.calibration, images):
-        warn(f"warning: {args.refiner}'s decision options were chosen (--calibrate-split "
-             f"{split}) on {shared} of the {len(images)} images evaluated here: its refined "
-             "scores are optimistic")  # fmt: skip
-    names = dataset.meta.class_names
-    refiner.check_classes(names, len(names), what=f"the checkpoint (refiner {args.refiner})")
-    check_contract(refiner, contract, refiner_name=args.refiner,
-                   model_name=f"the checkpoint {args.checkpoint}")  # fmt: skip
-    return refiner
-
-
-def _held_out_fraction(args: argparse.Namespace, trained: dict[str, Any]) -> float:
-    """The model's ``data.val_fraction`` when ``--split val`` is the share it held out here."""
-    fraction = float(trained.get("val_fraction") or 0)
-    roots = trained.get("root") or ()
-    roots = [roots] if isinstance(roots, str) else roots
-    here = Path(args.data).resolve()
-    if not fraction or args.split != "val" or all(Path(r).resolve() != here for r in roots):
-        return 0.0
-    warn(f"note: split val is the {fraction:g} of {args.data}'s images that {args.checkpoint} "
-         "held out of training (data.val_fraction), chosen by file name")  # fmt: skip
-    return fraction
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate as the command line describes; returns the metrics (also written to disk)."""
     args.split = c.split_of(args.data, args.split, default="val")
@@ -128,23 +92,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     flags = (args.label_format, args.label_map, args.bit_depth)
     dataset = model_dataset(
         args.data, split=args.split, layout=args.layout, preset=args.preset, contract=contract,
-        stored="label_contract" in ckpt, model_name=f"the checkpoint {args.checkpoint}",
+        stored="label_contract" in ckpt, checkpoint=args.checkpoint,
         explicit=flags != (None,) * 3 or args.ignore_index is not c.FROM_TRAINING,
         label_format=label_format, label_map=label_map, ignore_value=ignore,
-        bit_depth=contract.bit_depth if args.bit_depth is None else args.bit_depth,
-        max_megapixels=args.max_megapixels, val_fraction=_held_out_fraction(args, trained),
+        bit_depth=args.bit_depth, max_megapixels=args.max_megapixels, trained=trained,
+        train_images=ckpt.get("train_images"),
     )  # fmt: skip
-    images = [image for image, _ in dataset.samples]
-    if ckpt.get("train_images") is not None and (seen := count_seen(images, ckpt["train_images"])):
-        warn(f"warning: {seen} of the {len(images)} images evaluated here were training images "
-             f"of {args.checkpoint}: its scores are optimistic; use held-out images")  # fmt: skip
     if args.batch_size > 1 and (mixed := mixed_size_batch(dataset.samples, args.batch_size)):
         raise DataError(f"{mixed}; {ONE_SIZE}")
     loader = torch.utils.data.DataLoader(
         dataset, batch_size=args.batch_size, num_workers=args.workers,
         pin_memory=device.type == "cuda", collate_fn=SameSizeCollate(ONE_SIZE),
     )  # fmt: skip
-    refiner = _load_refiner(args, dataset, device, model, contract) if args.refiner else None
+    refiner = None
+    if args.refiner:
+        refiner = BoundaryRefiner.load(args.refiner, device=device)
+        for note in evaluation_notes(
+            refiner, model, [image for image, _ in dataset.samples],
+            class_names=dataset.meta.class_names, contract=contract, refiner_name=args.refiner,
+            model_name=f"the checkpoint {args.checkpoint}",
+        ):  # fmt: skip
+            warn(note)
     hook = None
     if args.save_predictions:  # every label read before the first prediction is written
         for _, label_path in dataset.samples:

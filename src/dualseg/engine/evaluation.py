@@ -13,8 +13,9 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -24,7 +25,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from dualseg.data import build_dataset
-from dualseg.data.contract import LabelContract
+from dualseg.data.contract import LabelContract, count_seen
 from dualseg.data.datasets import dataset_meta, preset_for
 from dualseg.data.presets import require_same_classes
 from dualseg.data.transforms import build_eval_transform
@@ -299,17 +300,21 @@ def format_metrics(
 
 def model_dataset(
     root: str, *, split: str, layout: str, preset: str | None, contract: Any, stored: bool,
-    explicit: bool, model_name: str, label_format: str, label_map: dict[int, int] | None,
+    explicit: bool, checkpoint: str, label_format: str, label_map: dict[int, int] | None,
     ignore_value: Any, bit_depth: int | None, max_megapixels: float | None = None,
-    val_fraction: float = 0.0,
+    trained: Mapping[str, Any] | None = None, train_images: Any = None,
 ) -> Any:  # fmt: skip
     """The ``split`` of ``root`` read for a model of label ``contract`` (eval transform).
 
     A dataset that does not describe itself (no ``meta.json``, no preset) is read with the
     model's contract. One that does must have the model's classes, and (when the contract is
     ``stored`` with the model and no flag was ``explicit``) read its labels and pixels as the
-    model's training data did, or one line shows both sides. Warns (stderr) when a class can
-    never be scored."""
+    model's training data did, or one line shows both sides. ``bit_depth`` None is the
+    contract's. Notes (stderr) a ``val`` split that is the share the model held out of ``root``
+    (its ``trained`` data config); warns when a class can never be scored, or when images are
+    the model's ``train_images`` (content digests)."""
+    model_name = f"the checkpoint {checkpoint}"
+    bit_depth = contract.bit_depth if bit_depth is None else bit_depth
     meta = contract.meta
     own = preset_for(root, preset) if preset else dataset_meta(root, layout=layout, split=split)
     if own is not None:
@@ -319,7 +324,8 @@ def model_dataset(
     dataset = build_dataset(
         root, split=split, layout=layout, preset=meta, transform=build_eval_transform(),
         label_format=label_format, label_map=label_map, ignore_value=ignore_value,
-        bit_depth=bit_depth, max_megapixels=max_megapixels, val_fraction=val_fraction,
+        bit_depth=bit_depth, max_megapixels=max_megapixels,
+        val_fraction=_held_out_fraction(root, split, trained or {}, checkpoint),
     )  # fmt: skip
     read = LabelContract(dataset.meta, label_format, bit_depth)
     if own is not None and stored and not explicit and (diff := contract.differences(read)):
@@ -339,4 +345,23 @@ def model_dataset(
             "check --ignore-index / --label-map / meta.json",
             file=sys.stderr,
         )
+    images = [image for image, _ in dataset.samples]
+    if train_images is not None and (seen := count_seen(images, train_images)):
+        print(f"dualseg eval: warning: {seen} of the {len(images)} images evaluated here were "
+              f"training images of {checkpoint}: its scores are optimistic; use held-out images",
+              file=sys.stderr)  # fmt: skip
     return dataset
+
+
+def _held_out_fraction(root: str, split: str, trained: Mapping[str, Any], checkpoint: str) -> float:
+    """The model's ``data.val_fraction`` when ``split`` val is the share it held out of ``root``."""
+    fraction = float(trained.get("val_fraction") or 0)
+    roots = trained.get("root") or ()
+    roots = [roots] if isinstance(roots, str) else roots
+    here = Path(root).resolve()
+    if not fraction or split != "val" or all(Path(r).resolve() != here for r in roots):
+        return 0.0
+    print(f"dualseg eval: note: split val is the {fraction:g} of {root}'s images that "
+          f"{checkpoint} held out of training (data.val_fraction), chosen by file name",
+          file=sys.stderr)  # fmt: skip
+    return fraction

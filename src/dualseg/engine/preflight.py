@@ -1,6 +1,7 @@
 """What ``fit`` prepares and checks before its first step -- the data scan (bad data fails in
-seconds, not at iteration 30,000), datasets and loaders, resume checks -- and the sanity notes
-of a validation (one scored class; not above the majority-class baseline)."""
+seconds, not at iteration 30,000), datasets and loaders, resume checks (and ``--resume``'s
+config) -- and the sanity notes of a validation (one scored class; not above the majority-class
+baseline)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import os
 import random
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -23,7 +26,13 @@ from dualseg.data.check import check_dataset, combine_reports, require_trainable
 from dualseg.data.collate import SameSizeCollate
 from dualseg.data.presets import parse_label_map
 from dualseg.engine import checkpoint as ckpt_io
-from dualseg.engine.config import Config, DataConfig, model_kwargs, train_transform
+from dualseg.engine.config import (
+    Config,
+    DataConfig,
+    model_kwargs,
+    parse_command,
+    train_transform,
+)
 from dualseg.engine.distributed import DistEnv, ResumableSampler, SeededSamples, ShardSampler
 from dualseg.engine.evaluation import sanity_warnings
 from dualseg.errors import CheckpointError, ConfigError, DataError, RunExistsError
@@ -223,3 +232,52 @@ def build_train_model(cfg: Config, num_classes: int, *, pretrained: bool) -> nn.
     except ConfigError as err:  # name the option as the config spells it
         named = str(err).split(" ", 1)[0] in kwargs
         raise ConfigError(f"{'model.' if named else ''}{err} ({m.arch})") from None
+
+
+def train_command(argv: list[str]) -> tuple[Config, str | None, dict[str, bool]]:
+    """:func:`parse_command`, where ``--resume`` without ``--config`` reads the run's own config:
+    ``config.yaml`` beside the checkpoint (or in ``train.out_dir`` for ``auto``), else the one
+    stored in the checkpoint; the flags apply on top."""
+    cfg, resume, flags = parse_command(argv)
+    # a stored train.quiet is how that run's command was run: this command's own is kept
+    quiet = cfg.train.quiet
+    if resume not in (None, "auto") and not any(a.startswith("--config") for a in argv):
+        base = resume_base_config(Path(resume))
+        cfg, resume, flags = parse_command(["--config", base, *argv])
+        folder = Path(resume).parent
+        # a moved run folder's config.yaml still names the old place: the run goes on here
+        # unless a flag or section file names another
+        stored_out = None
+        if Path(base) == folder / "config.yaml":
+            stored_out = parse_command(["--config", base])[0].train.out_dir
+        if stored_out == cfg.train.out_dir and Path(stored_out).resolve() != folder.resolve():
+            print(
+                f"dualseg train: note: {base} names train.out_dir {stored_out}; the run "
+                f"goes on in {folder}, the checkpoint's folder (--train.out_dir chooses another)",
+                file=sys.stderr,
+            )
+            argv = [*argv, "--train.out_dir", str(folder)]
+            cfg, resume, flags = parse_command(["--config", base, *argv])
+    elif resume == "auto" and not any(a.startswith("--config") for a in argv):
+        run_config = Path(cfg.train.out_dir) / "config.yaml"
+        if run_config.is_file():
+            cfg, resume, flags = parse_command(["--config", str(run_config), *argv])
+    if cfg.train.quiet != quiet:
+        cfg = replace(cfg, train=replace(cfg.train, quiet=quiet))
+    return cfg, resume, flags
+
+
+def resume_base_config(checkpoint: Path) -> str:
+    """The ``--config`` of ``--resume CHECKPOINT`` without one: the ``config.yaml`` beside it,
+    else the config stored in the checkpoint (as YAML text, which ``--config`` reads too)."""
+    run_config = checkpoint.parent / "config.yaml"
+    if run_config.is_file():
+        return str(run_config)
+    stored = ckpt_io.load_checkpoint(checkpoint).get("config")
+    if not isinstance(stored, dict) or not stored:
+        raise ConfigError(
+            f"{checkpoint} stores no config and has no config.yaml beside it: pass the run's "
+            "config with --config FILE"
+        )
+    sections = {k: v for k, v in stored.items() if k in ("data", "model", "optim", "train")}
+    return yaml.safe_dump(sections, sort_keys=False)

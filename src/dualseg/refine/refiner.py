@@ -20,7 +20,8 @@ from dualseg.errors import CheckpointError, ConfigError, DataError
 from dualseg.imaging import normalize
 from dualseg.models.base import eval_mode
 from dualseg.refine import formats, pretrained
-from dualseg.refine.calibrate import calibration_note
+from dualseg.refine.base import OTHER_BASE, other_calibration_base
+from dualseg.refine.calibrate import calibrated_on, calibration_note
 from dualseg.refine.config import RefinerConfig
 from dualseg.refine.decision import Candidates, kept_rows, prototype_scale
 from dualseg.refine.embedding import (
@@ -332,3 +333,25 @@ class BoundaryRefiner:
                       ignore_index=ignore_index, palette=palette, taps=taps)  # fmt: skip
         refiner.history = history
         return refiner
+
+
+def evaluation_notes(
+    refiner: Any, model: nn.Module, images: Sequence[Any], *, class_names: Sequence[str],
+    contract: Any, refiner_name: str, model_name: str,
+) -> list[str]:  # fmt: skip
+    """Check ``refiner`` against the ``model`` scoring ``images`` (classes, label contract: one
+    error line each); the warnings to show: calibrated on another base, a held-out check that
+    found it did not help, decision options chosen on some of these images."""
+    notes = [f"warning: {OTHER_BASE.format(refiner=refiner_name)}"]
+    notes = notes if other_calibration_base(refiner, model) else []
+    if note := refiner.calibration_note():
+        notes.append(f"note: {note}")
+    split = (refiner.calibration or {}).get("split")
+    if shared := calibrated_on(refiner.calibration, images):
+        notes.append(f"warning: {refiner_name}'s decision options were chosen (--calibrate-split "
+                     f"{split}) on {shared} of the {len(images)} images evaluated here: its "
+                     "refined scores are optimistic")  # fmt: skip
+    what = f"{model_name} (refiner {refiner_name})"
+    refiner.check_classes(class_names, len(class_names), what=what)
+    formats.check_contract(refiner, contract, refiner_name=refiner_name, model_name=model_name)
+    return notes
