@@ -334,8 +334,9 @@ def export_refiner(
         refiner = BoundaryRefiner.load(refiner)
     if refiner.taps is not None:
         raise ConfigError(
-            f"this refiner reads its base model's {' and '.join(refiner.taps.names)}, which an "
-            "exported refiner cannot: use the refiner file with its base (refine apply)"
+            f"this refiner reads its base model's {' and '.join(refiner.taps.names)} during the "
+            "base's forward, which an exported refiner cannot run; use the refiner file with "
+            "its base (refine apply, BoundaryRefiner.load)"
         )
     cfg, device = refiner.config, refiner.device
     extra = {
