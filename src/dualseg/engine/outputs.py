@@ -18,7 +18,7 @@ import numpy as np
 from PIL import Image
 
 from dualseg import viz
-from dualseg.data.datasets import available_splits, discover
+from dualseg.data.layouts import available_splits, discover
 from dualseg.errors import DataError, OutputError
 from dualseg.imaging import exif_orientation
 from dualseg.io import atomic_save_image, atomic_write_bytes, check_writable, label_png
