@@ -8,12 +8,28 @@ from typing import Any
 
 import torch
 
-from dualseg.data import get_preset
+from dualseg.data import DatasetMeta, get_preset, with_label_mapping
+from dualseg.data.contract import LabelContract
 from dualseg.engine.checkpoint import save_checkpoint
 from dualseg.models import build_model
+from dualseg.viz import default_palette
 
 SYNTHETIC = get_preset("synthetic")
 SYNTHETIC_KWARGS = {"num_classes": SYNTHETIC.num_classes, "output_stride": 16, "renet_hidden": 8}
+
+
+def contract(class_names: Sequence[str], palette: Sequence[Sequence[int]] | None = None) -> dict:
+    """The label contract dualseg stores with a model of ``class_names`` read as indices."""
+    colours = palette or default_palette(len(class_names))
+    meta = DatasetMeta("test", tuple(class_names), tuple(tuple(c) for c in colours))
+    return LabelContract(meta).to_dict()
+
+
+def synthetic_contract(label_map: dict[int, int], ignore_value: int | str = "auto") -> dict:
+    """The synthetic preset's contract of a model trained with ``--data.label_map`` (and
+    ``--data.ignore_index``)."""
+    mapped = with_label_mapping(SYNTHETIC, label_map=label_map, ignore_value=ignore_value)
+    return LabelContract(mapped).to_dict()
 
 
 def write_synthetic_checkpoint(path: Path, **overrides: Any) -> Path:
@@ -32,6 +48,7 @@ def write_synthetic_checkpoint(path: Path, **overrides: Any) -> Path:
         "palette": [list(c) for c in SYNTHETIC.palette],
         "ignore_index": 255,
         "config": {"data": {"preset": "synthetic"}},
+        "label_contract": LabelContract(SYNTHETIC).to_dict(),
     }
     state.update(overrides)
     return save_checkpoint(path, state)
@@ -48,5 +65,6 @@ def write_peer_checkpoint(path: Path, class_names: Sequence[str]) -> Path:
             "model_kwargs": {"num_classes": len(class_names)},
             "model": model.state_dict(),
             "class_names": list(class_names),
+            "label_contract": contract(class_names),
         },
     )

@@ -67,6 +67,7 @@ def class_maps(n: int, classes: int, size: int = 32) -> list[np.ndarray]:
 
 def write_checkpoint(path: Path, class_names: tuple[str, ...]) -> Path:
     """An untrained tiny dual-branch checkpoint predicting ``class_names``."""
+    from checkpoint_helpers import contract
     from dualseg.engine.checkpoint import save_checkpoint
     from dualseg.models import build_model
 
@@ -79,6 +80,7 @@ def write_checkpoint(path: Path, class_names: tuple[str, ...]) -> Path:
             "model_kwargs": kwargs,
             "model": model.state_dict(),
             "class_names": list(class_names),
+            "label_contract": contract(class_names),
         },
     )
     return path

@@ -122,13 +122,6 @@ def denormalize(
     return np.clip(np.rint(x.transpose(1, 2, 0) * 255.0), 0, 255).astype(np.uint8)
 
 
-def _font(size: int = 14) -> ImageFont.ImageFont | ImageFont.FreeTypeFont:
-    try:
-        return ImageFont.load_default(size=size)
-    except (TypeError, OSError):  # Pillow < 10.1 or no FreeType: fixed bitmap font
-        return ImageFont.load_default()
-
-
 def _text_width(draw: ImageDraw.ImageDraw, text: str, font: Any) -> int:
     left, _, right, _ = draw.textbbox((0, 0), text, font=font)
     return math.ceil(right - left)
@@ -137,7 +130,7 @@ def _text_width(draw: ImageDraw.ImageDraw, text: str, font: Any) -> int:
 def _fit_title(draw: ImageDraw.ImageDraw, title: str, width: int) -> tuple[str, Any, int]:
     """(text, font, width): the largest font (14 to 8) that fits, else cut with an ellipsis."""
     for size in range(14, 7, -1):
-        font = _font(size)
+        font = ImageFont.load_default(size=size)
         if (tw := _text_width(draw, title, font)) <= width:
             return title, font, tw
     while len(title) > 1 and _text_width(draw, title + "…", font) > width:
@@ -155,7 +148,7 @@ def make_legend(
     """Legend strip ``hxWx3`` uint8: a swatch and a name per class, in rows of ``width`` px."""
     if len(class_names) != len(palette):
         raise ValueError(f"{len(class_names)} class names but {len(palette)} palette colours")
-    font = _font(max(swatch - 2, 8))
+    font = ImageFont.load_default(size=max(swatch - 2, 8))
     probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     row_h, pad = swatch + 6, 6
     # lay out first: the strip's height depends on the rows

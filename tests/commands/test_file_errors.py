@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 from torch import nn
 
+from checkpoint_helpers import contract
 from dualseg.cli import main as cli_main
 from dualseg.engine.checkpoint import FORMAT, save_checkpoint
 from dualseg.models import build_model
@@ -30,7 +31,12 @@ def files(tmp_path_factory) -> dict[str, Path]:
     model = build_model("dualseg_mobilenet_v2", **KWARGS)
     ckpt = save_checkpoint(
         root / "model.pt",
-        {"arch": "dualseg_mobilenet_v2", "model_kwargs": KWARGS, "model": model.state_dict()},
+        {
+            "arch": "dualseg_mobilenet_v2",
+            "model_kwargs": KWARGS,
+            "model": model.state_dict(),
+            "label_contract": contract(["class_0", "class_1", "class_2"]),
+        },
     )
     net = EmbeddingNet(nn.Conv2d(3, 4, 1), nn.Identity(), 4)
     refiner = BoundaryRefiner(

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from checkpoint_helpers import contract
 from dualseg.engine.checkpoint import (
     FORMAT,
     build_model_from_checkpoint,
@@ -34,6 +35,7 @@ def _state(model: nn.Module, **extra) -> dict:
         "class_names": ["a", "b", "c"],
         "palette": [(1, 2, 3), (4, 5, 6), (7, 8, 9)],
         "ignore_index": 255,
+        "label_contract": contract(["a", "b", "c"], [(1, 2, 3), (4, 5, 6), (7, 8, 9)]),
         **extra,
     }
 

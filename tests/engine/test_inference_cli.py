@@ -16,7 +16,7 @@ from torch import nn
 # the tiny random checkpoint of test_predict (8 synthetic classes)
 from checkpoint_helpers import SYNTHETIC as META
 from checkpoint_helpers import SYNTHETIC_KWARGS as KWARGS
-from checkpoint_helpers import write_synthetic_checkpoint
+from checkpoint_helpers import synthetic_contract, write_synthetic_checkpoint
 from dualseg.cli import main as cli_main
 from dualseg.data import build_dataset, build_eval_transform, make_synthetic_dataset
 from dualseg.engine.evaluation import evaluate
@@ -266,6 +266,7 @@ def test_eval_reads_labels_as_the_checkpoint_was_trained(synthetic, tmp_path, ca
     ckpt = write_synthetic_checkpoint(
         tmp_path / "mapped.pt",
         config={"data": {"preset": "synthetic", "label_map": "200:2", "ignore_index": 7}},
+        label_contract=synthetic_contract({200: 2}, ignore_value=7),
     )
     out = tmp_path / "eval"
     argv = ["eval", "-c", str(ckpt), "--data", str(root), "--out", str(out), "--quiet"]

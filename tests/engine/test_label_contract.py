@@ -87,20 +87,10 @@ def test_the_contract_round_trips_and_says_its_differences_side_by_side() -> Non
     assert mapped.differences(mapped) == []
 
 
-def test_a_checkpoint_without_a_contract_gets_the_minimal_one(tmp_path: Path) -> None:
-    ckpt = load_checkpoint(write_synthetic_checkpoint(tmp_path / "m.pt"))
-    contract = contract_of(ckpt)
-    assert contract.class_names == tuple(ckpt["class_names"])
-    assert (contract.label_format, contract.bit_depth, contract.meta.label_map) == (
-        "index",
-        None,
-        (),
-    )
-    # one made by hand with training flags: read as they say
-    flagged = write_synthetic_checkpoint(
-        tmp_path / "f.pt", config={"data": {"preset": "synthetic", "label_map": "200:2"}}
-    )
-    assert dict(contract_of(load_checkpoint(flagged)).meta.label_map) == {200: 2}
+def test_a_checkpoint_without_a_valid_contract_is_refused(tmp_path: Path) -> None:
+    bare = write_synthetic_checkpoint(tmp_path / "m.pt", label_contract=None)
+    with pytest.raises(CheckpointError, match=r"m\.pt stores no label contract; train the model"):
+        load_model(bare)
     bad = write_synthetic_checkpoint(tmp_path / "bad.pt", label_contract={**MAPPED, "bit_depth": 3})
     with pytest.raises(CheckpointError, match=r"label contract is invalid \(bit_depth 3"):
         load_model(bad)

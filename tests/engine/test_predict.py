@@ -13,7 +13,7 @@ from PIL import Image
 import dualseg
 from checkpoint_helpers import SYNTHETIC as META
 from checkpoint_helpers import SYNTHETIC_KWARGS as KWARGS
-from checkpoint_helpers import write_synthetic_checkpoint
+from checkpoint_helpers import contract, write_synthetic_checkpoint
 from dualseg.cli import main as cli_main
 from dualseg.data import make_synthetic_dataset
 from dualseg.engine.outputs import PROBS_KEYS, collect_images
@@ -114,10 +114,8 @@ def test_corrupt_and_incompatible_checkpoints(ckpt, tmp_path) -> None:
     truncated.write_bytes(ckpt.read_bytes()[:1000])
     with pytest.raises(CheckpointError, match="corrupt"):
         load_model(truncated)
-    eleven = {
-        "class_names": [f"c{i}" for i in range(11)],
-        "palette": [[i, i, i] for i in range(11)],
-    }
+    names, palette = [f"c{i}" for i in range(11)], [[i, i, i] for i in range(11)]
+    eleven = {"class_names": names, "palette": palette, "label_contract": contract(names, palette)}
     wrong = write_synthetic_checkpoint(
         tmp_path / "wrong.pt", model_kwargs={**KWARGS, "num_classes": 11}, **eleven
     )  # weights of 8 classes, claims 11 (names and colours of 11)

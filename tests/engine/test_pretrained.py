@@ -17,7 +17,7 @@ import torch
 import dualseg
 from checkpoint_helpers import SYNTHETIC as META
 from checkpoint_helpers import SYNTHETIC_KWARGS as KWARGS
-from checkpoint_helpers import write_synthetic_checkpoint
+from checkpoint_helpers import synthetic_contract, write_synthetic_checkpoint
 from dualseg.cli import main as cli_main
 from dualseg.engine.pretrained import CONFIG_NAME, WEIGHTS_NAME, read_pretrained
 from dualseg.errors import CheckpointError, ConfigError
@@ -385,7 +385,10 @@ def test_a_folder_keeps_how_the_training_labels_were_read(tmp_path, capsys) -> N
 
     shuffled = "0:1,1:2,2:3,3:4,4:5,5:6,6:7,7:0"
     data_cfg = {"preset": "synthetic", "label_map": shuffled, "ignore_index": 255}
-    ckpt = write_synthetic_checkpoint(tmp_path / "best.pt", config={"data": data_cfg})
+    contract = synthetic_contract({i: (i + 1) % 8 for i in range(8)})
+    ckpt = write_synthetic_checkpoint(
+        tmp_path / "best.pt", config={"data": data_cfg}, label_contract=contract
+    )
     out = tmp_path / "pre"
     assert cli_main(["export", "-c", str(ckpt), "--format", "pretrained", "--out", str(out)]) == 0
     config = json.loads((out / CONFIG_NAME).read_text())

@@ -96,4 +96,4 @@ def test_refine_fit_and_the_transforms_refuse_bad_values(tmp_path: Path, capsys)
     with pytest.raises(ConfigError, match=r"jitter=\[0.3, 0.3, 0.3, 0.6\]: the hue jitter"):
         T.build_augment_pipeline(crop_size=(8, 8), jitter=(0.3, 0.3, 0.3, 0.6))
     with pytest.raises(ConfigError, match=r"scale_range=\[2, 1\]"):
-        T.RandomScale((2, 1))
+        T.build_train_transform(crop_size=(8, 8), scale_range=(2, 1))

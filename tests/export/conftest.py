@@ -8,6 +8,7 @@ import pytest
 import torch
 from export_case import ARCH, CLASS_NAMES, MODEL_KWARGS, PALETTE
 
+from checkpoint_helpers import contract
 from dualseg.engine.checkpoint import save_checkpoint
 from dualseg.models import build_model
 
@@ -31,6 +32,7 @@ def checkpoint(tmp_path_factory) -> Path:
             "model": model.state_dict(),
             "class_names": CLASS_NAMES,
             "palette": PALETTE,
+            "label_contract": contract(CLASS_NAMES, PALETTE),
         },
     )
     return path

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from checkpoint_helpers import write_synthetic_checkpoint
+from checkpoint_helpers import synthetic_contract, write_synthetic_checkpoint
 from dualseg.cli import main
 from dualseg.data import make_synthetic_dataset
 from dualseg.refine import BoundaryRefiner
@@ -61,7 +61,9 @@ def test_labels_are_read_as_the_base_was_trained(data, tmp_path, capsys):
         label[label == 2] = 200
         Image.fromarray(label).save(path)
     config = {"data": {"preset": "synthetic", "label_map": "200:2"}}
-    mapped = write_synthetic_checkpoint(tmp_path / "mapped.pt", config=config)
+    mapped = write_synthetic_checkpoint(
+        tmp_path / "mapped.pt", config=config, label_contract=synthetic_contract({200: 2})
+    )
     out = tmp_path / "r.pt"
     assert main(fit(root, mapped, out)) == 0
     err = capsys.readouterr().err

@@ -7,6 +7,7 @@ import pytest
 import torch
 from serve_fakes import NAMES, BrightnessSegmenter, TopRowRefiner
 
+from checkpoint_helpers import contract
 from dualseg.engine.checkpoint import save_checkpoint
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner, RefinerConfig, build_embedding_net
@@ -37,6 +38,7 @@ def files(tmp_path):
             "model": model.state_dict(),
             "class_names": NAMES,
             "palette": [[128, 64, 128], [0, 0, 142], [70, 130, 180]],
+            "label_contract": contract(NAMES, [[128, 64, 128], [0, 0, 142], [70, 130, 180]]),
         },
     )
     cfg = RefinerConfig(embed_dim=8, radius=2)

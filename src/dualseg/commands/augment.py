@@ -7,7 +7,7 @@ from pathlib import Path
 from dualseg.commands.common import add_quiet_arg, nonnegative_int, split_of
 from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.data.augment import IMAGE_FORMATS, augment_dataset
-from dualseg.data.datasets import LAYOUTS
+from dualseg.data.layouts import LAYOUTS
 from dualseg.data.presets import PRESETS
 from dualseg.data.readers import LABEL_FORMATS
 from dualseg.data.transforms import BLUR_PROB, HFLIP_PROB, JITTER, SCALE_RANGE

@@ -15,8 +15,8 @@ from dualseg.commands.common import (
 )
 from dualseg.console import ArgumentParser, argparse_kwargs, progress_mode
 from dualseg.data.check import DEFAULT_SPLITS, check_dataset, format_report
-from dualseg.data.datasets import LAYOUTS
 from dualseg.data.infer import infer_meta, write_meta
+from dualseg.data.layouts import LAYOUTS
 from dualseg.data.presets import PRESETS, parse_label_map
 from dualseg.data.readers import LABEL_FORMATS
 from dualseg.engine.outputs import check_outputs, dataset_files

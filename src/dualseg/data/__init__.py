@@ -7,15 +7,8 @@
 """
 
 from dualseg.data.check import check_dataset
-from dualseg.data.datasets import (
-    LAYOUTS,
-    SegmentationDataset,
-    available_splits,
-    build_dataset,
-    dataset_meta,
-    detect_layout,
-    discover,
-)
+from dualseg.data.datasets import SegmentationDataset, build_dataset, dataset_meta
+from dualseg.data.layouts import LAYOUTS, available_splits, detect_layout, discover
 from dualseg.data.presets import (
     IGNORE_INDEX,
     PRESETS,

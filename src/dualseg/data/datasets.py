@@ -14,12 +14,10 @@ from torch import Tensor
 
 from dualseg.data.contract import LabelContract
 from dualseg.data.layouts import (
-    LAYOUTS,
     Discovery,
     Pair,
     available_splits,
     detect,
-    detect_layout,
     discover,
     missing_split,
 )
@@ -35,8 +33,6 @@ from dualseg.data.presets import (
 from dualseg.data.readers import read_label, read_pair
 from dualseg.data.transforms import JointTransform, build_eval_transform, sample_seed, seeded
 from dualseg.errors import DataError
-
-__all__ = ["LAYOUTS", "available_splits", "detect_layout", "discover"]  # re-exported for callers
 
 
 def resolve_meta(

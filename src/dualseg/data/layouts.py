@@ -14,7 +14,11 @@ from pathlib import Path
 
 from dualseg.errors import DataError
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".gif")
+# what folder scans pick up: every format the image readers open (a named file is read whatever
+# its suffix)
+IMAGE_SUFFIXES = (
+    ".png", ".jpg", ".jpeg", ".jfif", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".ppm", ".pgm",
+)  # fmt: skip
 IMAGE_DIRS = ("images", "image", "imgs", "img", "JPEGImages")
 LABEL_DIRS = ("labels", "label", "masks", "mask", "annotations", "ann", "SegmentationClass")
 Pair = tuple[Path, Path]

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dualseg._version import __version__
-from dualseg.data import PRESETS, DatasetMeta, parse_label_map, with_label_mapping
+from dualseg.data import DatasetMeta
 from dualseg.data.contract import LabelContract
 from dualseg.errors import CheckpointError, DataError
 from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
@@ -232,32 +232,25 @@ def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
     name = ((ckpt.get("config") or {}).get("data") or {}).get("preset") or "checkpoint"
     palette = tuple(tuple(rgb) for rgb in palette)
     meta = DatasetMeta(name=str(name), class_names=tuple(names), palette=palette)
-    if "label_contract" in ckpt and contract_of(ckpt).meta.class_names != meta.class_names:
+    contract = contract_of(ckpt)
+    if contract.meta.class_names != meta.class_names:
         raise CheckpointError(
             f"{_where(ckpt)}: its label contract names other classes than the model; save the "
             "model again"
         )
-    return contract_of(ckpt).meta if "label_contract" in ckpt else meta
+    return contract.meta
 
 
 def contract_of(ckpt: Mapping[str, Any]) -> LabelContract:
-    """The label contract stored with the model; one made without it gets the contract its
-    class names, palette (a preset's own mapping when it names one with these classes) and
-    training config's ``data.label_format`` / ``label_map`` / ``ignore_index`` / ``bit_depth``
-    imply."""
+    """The label contract (how the training data's labels were read) stored with the model."""
     stored = ckpt.get("label_contract")
-    try:
-        if stored is not None:
-            return LabelContract.from_dict(dict(stored) if isinstance(stored, Mapping) else stored)
-        meta = meta_from_checkpoint(ckpt)
-        if meta.name in PRESETS and PRESETS[meta.name].class_names == meta.class_names:
-            meta = PRESETS[meta.name]  # the preset also knows the raw ignore values (CamVid: 11)
-        data = (ckpt.get("config") or {}).get("data") or {}
-        mapping = parse_label_map(data["label_map"]) if data.get("label_map") else None
-        meta = with_label_mapping(
-            meta, label_map=mapping, ignore_value=data.get("ignore_index", "auto")
+    if stored is None:
+        raise CheckpointError(
+            f"{_where(ckpt)} stores no label contract; train the model again or save it again "
+            "with save_pretrained"
         )
-        return LabelContract(meta, data.get("label_format") or "index", data.get("bit_depth"))
+    try:
+        return LabelContract.from_dict(dict(stored) if isinstance(stored, Mapping) else stored)
     except (DataError, ValueError, TypeError) as err:
         raise CheckpointError(
             f"{_where(ckpt)}: its label contract is invalid ({err}); save the model again"

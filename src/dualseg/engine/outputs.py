@@ -18,16 +18,11 @@ import numpy as np
 from PIL import Image
 
 from dualseg import viz
-from dualseg.data.datasets import available_splits, discover
+from dualseg.data.layouts import IMAGE_SUFFIXES, available_splits, discover
 from dualseg.errors import DataError, OutputError
 from dualseg.imaging import exif_orientation
 from dualseg.io import atomic_save_image, atomic_write_bytes, check_writable, label_png
 
-# what folder and glob inputs pick up: every format the image readers open (a file named
-# on the command line is read whatever its suffix)
-IMAGE_EXTENSIONS = (
-    ".png", ".jpg", ".jpeg", ".jfif", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".ppm", ".pgm",
-)  # fmt: skip
 OUTPUT_FOLDERS = ("labels", "color", "overlay", "probs")  # what predict writes into OUT
 OWN_FOLDERS = (*OUTPUT_FOLDERS, "changed")  # with refine apply's: never read as inputs
 # Keys of each --probs npz file; method B (`refine apply --base <folder>`) reads them.
@@ -139,7 +134,7 @@ def collect_images(
     earlier: set[Path] = set()  # earlier outputs whose files were left out
 
     def wanted(f: Path, root: Path | None = None) -> bool:
-        if not f.is_file() or f.suffix.lower() not in IMAGE_EXTENSIONS:
+        if not f.is_file() or f.suffix.lower() not in IMAGE_SUFFIXES:
             return False
         if any(f.resolve().is_relative_to(s) for s in skipped):
             return False

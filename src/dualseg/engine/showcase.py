@@ -17,7 +17,8 @@ import dualseg.weights
 from dualseg import viz
 from dualseg._version import __version__
 from dualseg.data import build_dataset, get_preset, make_synthetic_dataset
-from dualseg.data.datasets import discover, preset_for, resolve_meta
+from dualseg.data.datasets import preset_for, resolve_meta
+from dualseg.data.layouts import discover
 from dualseg.data.synthetic import STAMP_FILE, holds_foreign_files
 from dualseg.engine.outputs import prediction_names, write_outputs
 from dualseg.engine.rundir import check_not_in_use, hold_run_folder, run_files
