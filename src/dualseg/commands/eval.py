@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     flags = (args.label_format, args.label_map, args.bit_depth)
     dataset = model_dataset(
         args.data, split=args.split, layout=args.layout, preset=args.preset, contract=contract,
-        stored="label_contract" in ckpt, checkpoint=args.checkpoint,
+        checkpoint=args.checkpoint,
         explicit=flags != (None,) * 3 or args.ignore_index is not c.FROM_TRAINING,
         label_format=label_format, label_map=label_map, ignore_value=ignore,
         bit_depth=args.bit_depth, max_megapixels=args.max_megapixels, trained=trained,

@@ -299,20 +299,20 @@ def format_metrics(
 
 
 def model_dataset(
-    root: str, *, split: str, layout: str, preset: str | None, contract: Any, stored: bool,
-    explicit: bool, checkpoint: str, label_format: str, label_map: dict[int, int] | None,
+    root: str, *, split: str, layout: str, preset: str | None, contract: Any, explicit: bool,
+    checkpoint: str, label_format: str, label_map: dict[int, int] | None,
     ignore_value: Any, bit_depth: int | None, max_megapixels: float | None = None,
     trained: Mapping[str, Any] | None = None, train_images: Any = None,
 ) -> Any:  # fmt: skip
     """The ``split`` of ``root`` read for a model of label ``contract`` (eval transform).
 
     A dataset that does not describe itself (no ``meta.json``, no preset) is read with the
-    model's contract. One that does must have the model's classes, and (when the contract is
-    ``stored`` with the model and no flag was ``explicit``) read its labels and pixels as the
-    model's training data did, or one line shows both sides. ``bit_depth`` None is the
-    contract's. Notes (stderr) a ``val`` split that is the share the model held out of ``root``
-    (its ``trained`` data config); warns when a class can never be scored, or when images are
-    the model's ``train_images`` (content digests)."""
+    model's contract. One that does must have the model's classes and (unless a flag was
+    ``explicit``) read its labels and pixels as the model's training data did, or one line
+    shows both sides. ``bit_depth`` None is the contract's. Notes (stderr) a ``val`` split
+    that is the share the model held out of ``root`` (its ``trained`` data config); warns when
+    a class can never be scored, or when images are the model's ``train_images`` (content
+    digests)."""
     model_name = f"the checkpoint {checkpoint}"
     bit_depth = contract.bit_depth if bit_depth is None else bit_depth
     meta = contract.meta
@@ -328,7 +328,7 @@ def model_dataset(
         val_fraction=_held_out_fraction(root, split, trained or {}, checkpoint),
     )  # fmt: skip
     read = LabelContract(dataset.meta, label_format, bit_depth)
-    if own is not None and stored and not explicit and (diff := contract.differences(read)):
+    if own is not None and not explicit and (diff := contract.differences(read)):
         source = "ROOT/meta.json" if preset is None else f"--preset {preset}"
         raise DataError(
             f"{root} describes its labels otherwise than {model_name} was trained on: "
