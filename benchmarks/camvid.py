@@ -210,8 +210,8 @@ PLATEAU: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         "val a scene no model trained on"}),
 ]  # fmt: skip
 RECIPE_TITLE = (
-    "either protocol: the training recipe beyond the flags above (the defaults: the "
-    "published protocol's)"
+    "either protocol: the training recipe beyond the flags above (the defaults: the method "
+    "specification's; the README's CamVid results add --head-lr-mult 10 --warmup-iters 100)"
 )
 RECIPE_FLAGS: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--output-stride",), {"type": int, "help": "every model's (default: its own)"}),
