@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dualseg.commands.common import number_in
 from dualseg.engine.checkpoint import load_checkpoint
 from dualseg.engine.config import (
     Config,
@@ -30,33 +30,20 @@ from dualseg.io import atomic_write_text
 from dualseg.models import build_model
 
 
-def _number(text: str, ok: Any, rule: str) -> float:
-    """argparse ``type=``: a finite number for which ``ok`` holds, refused at parsing."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    if not ok(value):
-        raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
-    return value
-
-
 def positive_float(text: str) -> float:
     """A finite number > 0 (minutes, LR, scales)."""
-    return _number(text, lambda v: v > 0, "> 0")
+    return number_in(text, lambda v: v > 0, "> 0")
 
 
 def nonnegative_float(text: str) -> float:
     """A finite number >= 0 (``--min-delta``)."""
-    return _number(text, lambda v: v >= 0, ">= 0")
+    return number_in(text, lambda v: v >= 0, ">= 0")
 
 
 def open_fraction(text: str) -> float:
     """A number strictly between 0 and 1 (``--dev-fraction``: some frames of each sequence
     held out, and some trained on)."""
-    return _number(text, lambda v: 0 < v < 1, "between 0 and 1 (both excluded)")
+    return number_in(text, lambda v: 0 < v < 1, "between 0 and 1 (both excluded)")
 
 
 # name -> (architecture, build_model options); the ablations switch one part of method A off.

@@ -44,24 +44,27 @@ nonnegative_int = int_in(0)
 positive_int = int_in(1)
 
 
-def _number(text: str, ok: Callable[[float], bool], rule: str) -> float:
+def number_in(text: str, ok: Callable[[float], bool], rule: str) -> float:
+    """argparse ``type=`` helper: a finite number for which ``ok`` holds, refused at parsing."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number {rule}, got {text!r}") from None
-    if not ok(value):  # NaN fails every comparison
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number {rule}, got {text!r}")
+    if not ok(value):
         raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
     return value
 
 
 def fraction(text: str) -> float:
     """argparse ``type=``: a number in [0, 1] (``--alpha``)."""
-    return _number(text, lambda v: 0 <= v <= 1, "in [0, 1]")
+    return number_in(text, lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
 def megapixels(text: str) -> float:
     """``--max-megapixels``: a positive finite number."""
-    return _number(text, lambda v: 0 < v < math.inf, "positive (megapixels)")
+    return number_in(text, lambda v: v > 0, "positive (megapixels)")
 
 
 def bit_depth(text: str) -> int:
