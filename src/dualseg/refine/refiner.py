@@ -342,8 +342,12 @@ def evaluation_notes(
     """Check ``refiner`` against the ``model`` scoring ``images`` (classes, label contract: one
     error line each); the warnings to show: calibrated on another base, a held-out check that
     found it did not help, decision options chosen on some of these images."""
-    notes = [f"warning: {OTHER_BASE.format(refiner=refiner_name)}"]
-    notes = notes if other_calibration_base(refiner, model) else []
+    what = f"{model_name} (refiner {refiner_name})"
+    refiner.check_classes(class_names, len(class_names), what=what)
+    formats.check_contract(refiner, contract, refiner_name=refiner_name, model_name=model_name)
+    notes: list[str] = []  # after the checks: a refused pair reads no image and gets one line
+    if other_calibration_base(refiner, model):
+        notes.append(f"warning: {OTHER_BASE.format(refiner=refiner_name)}")
     if note := refiner.calibration_note():
         notes.append(f"note: {note}")
     split = (refiner.calibration or {}).get("split")
@@ -351,7 +355,4 @@ def evaluation_notes(
         notes.append(f"warning: {refiner_name}'s decision options were chosen (--calibrate-split "
                      f"{split}) on {shared} of the {len(images)} images evaluated here: its "
                      "refined scores are optimistic")  # fmt: skip
-    what = f"{model_name} (refiner {refiner_name})"
-    refiner.check_classes(class_names, len(class_names), what=what)
-    formats.check_contract(refiner, contract, refiner_name=refiner_name, model_name=model_name)
     return notes
