@@ -1,11 +1,9 @@
-"""Images over Pillow's pixel limit in slide mode: read in row bands, labelled band by band.
+"""Images over Pillow's pixel limit in slide mode, read and labelled in row bands.
 
-Whole-image slide mode holds a float logits map of the whole image (about 15 GB for 300
-megapixels); :func:`slide_labels` walks the same tiles down the image and holds only the rows
-a tile still covers, so peak memory is one band of logits and the uint8 label map. TIFFs
-(tiled or in strips, losslessly compressed or not) are decoded segment by segment with
-``tifffile`` (``pip install tifffile``); other formats, and TIFFs it cannot band, are decoded
-whole by the image policy (:func:`dualseg.imaging.read_image`) and sliced.
+Whole-image slide mode holds float logits of the whole image (15 GB at 300 megapixels);
+:func:`slide_labels` holds only the rows a tile still covers. TIFFs are decoded strip by strip
+or tile by tile with ``tifffile`` (``pip install 'dualseg[tiff]'``); other formats, and TIFFs
+it cannot band as Pillow reads them, are decoded whole by :func:`dualseg.imaging.read_image`.
 """
 
 from __future__ import annotations
@@ -18,18 +16,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from dualseg import imaging
 from dualseg.engine.inference import forward_logits, slide_tiles
 from dualseg.errors import DataError
-from dualseg.imaging import (
-    drop_opaque_alpha,
-    exif_orientation,
-    normalize,
-    open_image,
-    pillow_max_pixels,
-    read_image,
-    wide_depth,
-    wide_to_8_bit,
-)
 from dualseg.models.base import eval_mode
 
 __all__ = ["Rows", "needs_bands", "open_rows", "slide_labels"]
@@ -77,12 +66,12 @@ class TiffRows(Rows):
         self.across = math.ceil(w / self.page.tilewidth) if self.page.is_tiled else 1
         self.memmap = tifffile.memmap(str(path), mode="r") if self.page.is_memmappable else None
         self.depth = None
-        if self.page.dtype.itemsize == 2:  # scaled by the whole image's range, as read_image
+        if self.page.bitspersample == 16:  # scaled by the whole image's range, as read_image
             hi = int(self.memmap.max()) if self.memmap is not None else max(
                 int(self._decode(i)[1].max()) for i in range(len(self.page.dataoffsets))
             )  # fmt: skip
-            wide_to_8_bit(np.asarray([hi]), path, "I;16", bit_depth)  # the whole image's errors
-            self.depth = wide_depth(np.asarray([hi]), bit_depth)
+            imaging.wide_to_8_bit(np.asarray([hi]), path, "I;16", bit_depth)  # the image's errors
+            self.depth = imaging.wide_depth(np.asarray([hi]), bit_depth)
         elif self.memmap is None:
             self._decode(0)  # a codec tifffile lacks fails here, so the caller decodes whole
 
@@ -114,9 +103,9 @@ class TiffRows(Rows):
     def rows(self, y0: int, y1: int) -> np.ndarray:
         raw = self._raw(y0, y1)
         if self.depth is not None:
-            raw = wide_to_8_bit(raw, self.path, "I;16", self.depth)
+            raw = imaging.wide_to_8_bit(raw, self.path, "I;16", self.depth)
         if self.samples == 4:
-            raw = drop_opaque_alpha(raw, self.path)
+            raw = imaging.drop_opaque_alpha(raw, self.path)
         return np.ascontiguousarray(np.repeat(raw, 3, axis=2) if raw.shape[2] == 1 else raw)
 
     def close(self) -> None:
@@ -138,10 +127,9 @@ def _tiff_rows(path: Path, bit_depth: int | None) -> TiffRows | None:
         page.compression in LOSSLESS
         and page.planarconfig == 1
         and layout in LAYOUTS
-        and page.dtype is not None
-        and (page.dtype.kind, page.dtype.itemsize * 8) in (("u", 8), ("u", 16))
-        and page.bitspersample == page.dtype.itemsize * 8
-        and (page.dtype.itemsize == 1 or page.samplesperpixel == 1)  # Pillow: 16-bit grey only
+        and page.sampleformat == 1  # unsigned integers
+        and page.bitspersample in (8, 16)
+        and (page.bitspersample == 8 or page.samplesperpixel == 1)  # Pillow: 16-bit grey only
         and page.imagedepth == 1
         and all(page.databytecounts)  # empty tiles: Pillow's fill is not tifffile's
     )
@@ -157,11 +145,11 @@ def _tiff_rows(path: Path, bit_depth: int | None) -> TiffRows | None:
 def needs_bands(path: str | Path, *, max_megapixels: float | None) -> bool:
     """Whether ``path`` is over Pillow's limit and the user opted in (``max_megapixels``);
     an unreadable header is False (reading the image then says why)."""
-    if not max_megapixels or not pillow_max_pixels():
+    if not max_megapixels or not imaging.pillow_max_pixels():
         return False
     try:
-        with open_image(path, max_megapixels=max_megapixels, decode=False) as im:
-            return im.size[0] * im.size[1] > pillow_max_pixels()
+        with imaging.open_image(path, max_megapixels=max_megapixels, decode=False) as im:
+            return im.size[0] * im.size[1] > imaging.pillow_max_pixels()
     except DataError:
         return False
 
@@ -171,11 +159,11 @@ def open_rows(
 ) -> Rows:
     """A row-band reader of ``path`` by the image policy (close it, or use ``with``): a TIFF
     tifffile decodes in segments, else the image decoded whole."""
-    path = Path(path)
-    with open_image(path, max_megapixels=max_megapixels, decode=False) as im:
-        tiff = im.format == "TIFF" and exif_orientation(im, path) == 1  # rotated: decoded whole
+    path, limit = Path(path), max_megapixels
+    with imaging.open_image(path, max_megapixels=limit, decode=False) as im:
+        tiff = im.format == "TIFF" and imaging.exif_orientation(im, path) == 1  # else rotated
     reader = _tiff_rows(path, bit_depth) if tiff else None
-    return reader or Rows(read_image(path, bit_depth=bit_depth, max_megapixels=max_megapixels))
+    return reader or Rows(imaging.read_image(path, bit_depth=bit_depth, max_megapixels=limit))
 
 
 def slide_labels(
@@ -207,7 +195,8 @@ def slide_labels(
             if y0 < b0 or y1 > b0 + len(band):
                 band, b0 = reader.rows(y0, y1), y0
             crops = [band[y - b0 : y - b0 + th, x : x + tw] for y, x in chunk]
-            logits = forward_logits(model, torch.from_numpy(normalize(crops)).to(device), amp)
+            x = torch.from_numpy(imaging.normalize(crops)).to(device)
+            logits = forward_logits(model, x, amp)
             if acc is None:
                 acc = logits.new_zeros(1, logits.shape[1], 0, w)
                 labels = np.empty((h, w), np.uint8 if logits.shape[1] <= 255 else np.int64)
