@@ -23,7 +23,7 @@ from dualseg.models.base import eval_mode
 
 __all__ = ["Rows", "needs_bands", "open_rows", "slide_labels"]
 
-# none, LZW, deflate, PackBits, deflate: lossless, so tifffile and Pillow agree bit for bit
+# none, LZW, Deflate, PackBits, Adobe Deflate: lossless, so tifffile and Pillow agree bit for bit
 LOSSLESS = {1, 5, 8, 32773, 32946}
 # (photometric, samples, extra samples) Pillow reads as L, RGB and RGBA
 LAYOUTS = {(1, 1, ()), (2, 3, ()), (2, 4, (2,))}
