@@ -199,8 +199,8 @@ def test_decision_sweep_reads_the_base_features_as_evaluate_will(peer: torch.nn.
     with refiner.shared_features(peer) as shared:
 
         class Spy:
-            def take(self) -> object:
-                taken.append(shared.take())
+            def take(self, images: torch.Tensor) -> object:
+                taken.append(shared.take(images))
                 return taken[-1]
 
         rows = sweep_decision(refiner, base, [(x, labels)], shared=Spy(), **options)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dualseg.errors import DataError
 from dualseg.refine.boundary import near_boundary_mask
 from dualseg.refine.embedding import EmbeddingNet
 
@@ -59,7 +60,12 @@ def gather_candidates(
     """P2-P4 and P5's distances on class scores ``probs [B,C,H,W]`` (probabilities or logits)."""
     p = probs.float()
     # P2's Pred: the first index on ties, as argmax (~4x slower on the CPU; topk picks others)
-    pred = p.max(1).indices  # [B,H,W]
+    top, pred = p.max(1)  # [B,H,W]
+    if not bool(top.isfinite().all()):  # max propagates NaN: one pass, not a second over [C,H,W]
+        raise DataError(
+            "the base model's class probabilities hold NaN or infinite values: a broken model "
+            "or input, or log-probabilities of an exact 0"
+        )
     edge = near_boundary_mask(pred, radius=radius, ignore_index=None, method=edge_method)  # P4
     # P3 only at the M near-boundary pixels (a top-k over the whole map costs more)
     index = edge.reshape(-1).nonzero().squeeze(1)  # [M] flat, edge.nonzero() order

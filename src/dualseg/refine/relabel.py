@@ -8,7 +8,6 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from dualseg.errors import DataError
 from dualseg.refine.config import RefinerConfig
 from dualseg.refine.decision import Candidates, decide, gather_candidates
 
@@ -28,11 +27,6 @@ def collect(
     config: RefinerConfig, scale: float = 1.0, covered: tuple[float, float] | None = None,
 ) -> Candidates:  # fmt: skip
     """P2-P4 and P5's distances with ``config``'s Top-N and mask options."""
-    if not bool(probs.isfinite().all()):
-        raise DataError(
-            "the base model's class probabilities hold NaN or infinite values: a broken model "
-            "or input, or log-probabilities of an exact 0"
-        )
     return gather_candidates(
         probs, scores, present, top_n=config.top_n, radius=config.radius,
         edge_method=config.edge_method, scale=scale, covered=covered,
