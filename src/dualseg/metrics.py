@@ -20,68 +20,49 @@ from torch import Tensor
 
 from dualseg.errors import ConfigError
 
-__all__ = [
-    "BoundaryMetrics",
-    "ConfusionMatrix",
-    "boundary_map",
-    "disk_offsets",
-    "format_table",
-    "scores_from_confusion",
-    "to_jsonable",
-]
-
 
 def _label_tensors(
     pred: Any, target: Any, num_classes: int, ignore_index: int, device: torch.device
 ) -> tuple[Tensor, Tensor]:
     """``pred`` and ``target`` as checked int64 tensors on ``device`` (numpy arrays too)."""
 
-    def tensor(x: Any, name: str) -> Tensor:
+    def tensor(x: Any) -> Tensor:
         if isinstance(x, np.ndarray):  # a copy: torch takes few unsigned and no read-only arrays
             x = torch.from_numpy(x.astype(np.int64) if x.dtype.kind in "ui" else np.array(x))
-        if not isinstance(x, Tensor):
-            raise TypeError(
-                f"{name} must be a label map tensor or numpy array, got {type(x).__name__}"
-            )
-        if x.is_floating_point():
-            raise TypeError(
-                "pred and target must be integer label maps (take argmax of logits first)"
-            )
+        if not isinstance(x, Tensor) or x.is_floating_point():
+            got = type(x).__name__ if not isinstance(x, Tensor) else x.dtype
+            raise TypeError(f"pass an integer label map tensor or numpy array, got {got} "
+                            "(take argmax of logits first)")  # fmt: skip
         return x.to(device).long()  # a uint8 map would read an ignore index -1 as 255
 
-    pred, target = tensor(pred, "pred"), tensor(target, "target")
+    pred, target = tensor(pred), tensor(target)
     if pred.shape != target.shape:
         raise ValueError(
             f"pred and target shapes differ: {tuple(pred.shape)} vs {tuple(target.shape)}"
         )
     valid = target != ignore_index
-    bad_t = valid & ((target < 0) | (target >= num_classes))
-    bad_p = valid & ((pred < 0) | (pred >= num_classes))
-    if bool((bad_t | bad_p).any()):  # one host sync when all is well
-        values, bad, what = (
-            (target, bad_t, "ground-truth") if bad_t.any() else (pred, bad_p, "predicted")
-        )
-        raise ValueError(
-            f"{what} values {torch.unique(values[bad]).tolist()[:10]} are outside "
-            f"[0, {num_classes}) and not the ignore index {ignore_index}"
-        )
+    for what, x in (("ground-truth", target), ("predicted", pred)):
+        bad = valid & ((x < 0) | (x >= num_classes))
+        if bool(bad.any()):  # one host sync per map when all is well
+            raise ValueError(
+                f"{what} values {torch.unique(x[bad]).tolist()[:10]} are outside "
+                f"[0, {num_classes}) and not the ignore index {ignore_index}"
+            )
     return pred, target
 
 
-def _check_classes(num_classes: Any, ignore_index: int, upper: int | None = None) -> int:
+def _check_classes(num_classes: Any, ignore_index: int, upper: int = 2**62) -> int:
     if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
         raise TypeError(f"num_classes must be an int, got {num_classes!r}")
-    num_classes = int(num_classes)
-    if num_classes < 1 or (upper is not None and num_classes >= upper):
+    if not 1 <= num_classes < upper:
         raise ValueError(f"num_classes must be >= 1 (and < {upper}), got {num_classes}")
-    # an ignore index that is a class id would drop that class's ground truth while its
-    # predictions still count as false positives: a silently wrong score
+    # an ignore index that is a class id drops that class's ground truth, not its predictions
     if 0 <= ignore_index < num_classes:
         raise ValueError(
             f"ignore_index {ignore_index} is also a class id of {num_classes} classes; pass one "
             f"outside [0, {num_classes}), e.g. -1 or {max(255, num_classes)}"
         )
-    return num_classes
+    return int(num_classes)
 
 
 def _confusion_counts(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int) -> Tensor:
@@ -275,14 +256,12 @@ class BoundaryMetrics:
         device: torch.device | str | None = None,
     ) -> None:
         num_classes = _check_classes(num_classes, ignore_index, 32768)  # boundary maps: int16
-        if not all(
-            isinstance(v, numbers.Real)
-            and not isinstance(v, bool)
-            and math.isfinite(v)
-            and v == int(v)  # a disk of radius 2.5 is not one of radius 2
-            and 0 <= v <= MAX_WIDTH
+        whole = [
+            isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+            and v == int(v) and 0 <= v <= MAX_WIDTH
             for v in (tolerance, trimap_width)
-        ):
+        ]  # fmt: skip
+        if not all(whole):  # a disk of radius 2.5 is not one of radius 2
             raise ConfigError(
                 f"boundary tolerance and trimap width are whole pixels, got {tolerance} and "
                 f"{trimap_width}; use 0..{MAX_WIDTH} px (dualseg eval: --boundary-tolerance, "
@@ -400,29 +379,24 @@ def format_table(class_names: Sequence[str], results: Mapping[str, Any]) -> str:
     """A markdown table of per-class scores in percent, then the means, from merged
     ``compute()`` dicts (or :func:`to_jsonable` output); NaN/None is ``-``."""
     cols = [(k, h) for k, h in _PER_CLASS_COLUMNS if k in results]
-    for k, _ in cols:
-        if len(results[k]) != len(class_names):
-            raise ValueError(f"{k} has {len(results[k])} values but {len(class_names)} class names")
+    if bad := [k for k, _ in cols if len(results[k]) != len(class_names)]:
+        raise ValueError(
+            f"{bad[0]} has {len(results[bad[0]])} values but {len(class_names)} class names"
+        )
 
     def pct(v: Any) -> str:
         return "-" if v is None or math.isnan(float(v)) else f"{100 * float(v):.1f}"
 
-    name_w = max([len("class"), *(len(n) for n in class_names)])
-    widths = [max(len(h), 6) for _, h in cols]
+    widths = [max(len("class"), *map(len, class_names)), *(max(len(h), 6) for _, h in cols)]
 
-    def row(name: str, cells: list[str]) -> str:
-        return (
-            "| "
-            + " | ".join([name.ljust(name_w), *(c.rjust(w) for c, w in zip(cells, widths))])
-            + " |"
-        )
+    def row(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"  # fmt: skip
 
-    lines = [
-        row("class", [h for _, h in cols]),
-        "|" + "|".join(["-" * (name_w + 2), *("-" * (w + 1) + ":" for w in widths)]) + "|",
-    ]
-    lines += [row(n, [pct(results[k][i]) for k, _ in cols]) for i, n in enumerate(class_names)]
+    lines = [row(["class", *(h for _, h in cols)])]
+    lines.append(
+        "|" + "|".join(["-" * (widths[0] + 2), *("-" * (w + 1) + ":" for w in widths[1:])]) + "|"
+    )
+    lines += [row([n, *(pct(results[k][i]) for k, _ in cols)]) for i, n in enumerate(class_names)]
     summary = [f"{h}: {pct(results[k])}" for k, h in _SUMMARY_KEYS if k in results]
-    if summary:
-        lines += ["", "  ".join(summary)]
-    return "\n".join(lines)
+    return "\n".join(lines + (["", "  ".join(summary)] if summary else []))
