@@ -61,37 +61,25 @@ def _files_by_stem(folder: Path) -> dict[str, list[Path]]:
     return by_stem
 
 
-def _stem_pair(where: str, stem: str, folders: list[tuple[Path, dict]]) -> Pair | str:
-    """The image and label of a stem list's line in the split's ``folders``, else a problem."""
-    if not folders:
-        return (
-            f"{where}: {stem!r} is a file stem, found in images/ + labels/ (or masks/) beside the "
-            "list file, which are missing; add them, or write 'image_path label_path'"
-        )
-    pair = [by_stem.get(stem, []) for _, by_stem in folders]
-    for (folder, _), paths in zip(folders, pair):
-        if len(paths) != 1:
-            names = ", ".join(p.name for p in paths)
-            return f"{where}: stem {stem!r} is " + (
-                f"{len(paths)} files in {folder} ({names}); keep one"
-                if paths else f"in no file of {folder}; add it or remove the line"
-            )  # fmt: skip
-    return pair[0][0], pair[1][0]
-
-
 def _read_list(list_file: Path, found: Discovery) -> None:
     folders = None  # a stem list's: the folder layout's for its split, read once
     for n, line in enumerate(_list_lines(list_file), start=1):
         parts, where = line.split(), f"{list_file}:{n}"
         if not parts or parts[0].startswith("#"):
             continue
-        if len(parts) == 1 and _is_stem(parts[0]):
-            if folders is None:
-                dirs = _folder_pair_dirs(list_file.parent, list_file.stem, lists=False) or ()
-                folders = [(d, _files_by_stem(d)) for d in dirs]
-            pair = _stem_pair(where, parts[0], folders)
-            found.samples += [pair] if isinstance(pair, tuple) else []
-            found.problems += [pair] if isinstance(pair, str) else []
+        stem = parts[0] if len(parts) == 1 and _is_stem(parts[0]) else None
+        if stem and folders is None:
+            dirs = _folder_pair_dirs(list_file.parent, list_file.stem, lists=False) or ()
+            folders = [(d, _files_by_stem(d)) for d in dirs]
+        if stem and folders:  # mmsegmentation's split files: stems of images/ + labels/
+            pair = [by_stem.get(stem, []) for _, by_stem in folders]
+            if all(len(paths) == 1 for paths in pair):
+                found.samples.append((pair[0][0], pair[1][0]))
+                continue
+            folder, paths = next((f, p) for (f, _), p in zip(folders, pair) if len(p) != 1)
+            found.problems.append(f"{where}: stem {stem!r} is " + (
+                f"{len(paths)} files in {folder}; keep one" if paths
+                else f"in no file of {folder}; add it or remove the line"))  # fmt: skip
         elif len(parts) != 2:  # "images/a b.png labels/a b.png": where does a path end?
             found.problems.append(
                 f"{where}: expected 'image_path label_path', got {len(parts)} fields in "
@@ -282,15 +270,6 @@ def _scan_cityscapes(root: Path, split: str) -> Discovery:
                 f"{label}: train-id label not found; create the *_labelTrainIds.png files with "
                 "cityscapesscripts' createTrainIdLabelImgs"
             )
-    if (
-        not found.samples
-        and not found.problems
-        and (others := sorted(img_dir.glob("*/*_leftImg8bit.*")))
-    ):
-        found.problems.append(  # converted to JPEG
-            f"{img_dir}: only *_leftImg8bit.png images are read, not {others[0].name} and its "
-            f"{len(others) - 1} other(s); use the original PNGs, or a list file (--layout list)"
-        )
     return found
 
 
