@@ -172,19 +172,6 @@ def sample_seed(seed: int, *, index: int, epoch: int = 0) -> int:
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Run a block with torch's CPU generator seeded, restoring the caller's state afterwards."""
-    state = torch.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         yield
-    finally:
-        torch.set_rng_state(state)
-
-
-def denormalize(
-    image: Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD
-) -> np.ndarray:
-    """Normalized float ``[3,H,W]`` -> ``uint8 HxWx3`` (for viewing and for writing to disk)."""
-    m = torch.tensor(mean, dtype=image.dtype).view(3, 1, 1)
-    s = torch.tensor(std, dtype=image.dtype).view(3, 1, 1)
-    out = (image * s + m).clamp(0, 1).mul(255).round().to(torch.uint8)
-    return out.permute(1, 2, 0).contiguous().numpy()
