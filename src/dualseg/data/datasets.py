@@ -73,11 +73,8 @@ def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
         own = None
     if own is None:
         return named
-    ours, theirs, same = (
-        own.lookup_table(),
-        named.lookup_table(),
-        own.class_names == named.class_names,
-    )
+    ours, theirs = own.lookup_table(), named.lookup_table()
+    same = own.class_names == named.class_names
     if not same or ((ours != theirs) & (ours >= 0) & (theirs >= 0)).any():  # a value only one reads
         a, b = (m.describe_mapping() if same else list(m.class_names) for m in (named, own))
         raise DataError(

@@ -101,9 +101,8 @@ def _add_listed(found: Discovery, pair: Pair, where: str) -> None:
 
 def _scan_list(root: Path, split: str) -> Discovery:
     list_file = root if root.is_file() else root / f"{split}.txt"
-    found = Discovery("list", source=list_file)
-    if not list_file.is_file():
-        found.split_missing = True
+    found = Discovery("list", source=list_file, split_missing=not list_file.is_file())
+    if found.split_missing:
         found.problems.append(f"{list_file}: list file not found; create it or pass another split")
     else:
         _read_list(list_file, found)
@@ -136,36 +135,29 @@ def _pair_in(base: Path, sub: str = "") -> tuple[Path, Path] | None:
 def _is_list_file(path: Path) -> bool:
     """Whether ``path``'s first entry is an ``image label`` line or an image's stem."""
     try:
-        with path.open(encoding="utf-8-sig") as f:
-            for line in f:
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    parts = line.split()
-                    if len(parts) == 1 and _is_stem(parts[0]):
-                        dirs = _folder_pair_dirs(path.parent, path.stem, lists=False)
-                        return dirs is not None and any(dirs[0].glob(f"{glob.escape(parts[0])}.*"))
-                    return len(parts) == 2 and all(
-                        Path(x).suffix.lower() in IMAGE_SUFFIXES for x in parts
-                    )
+        lines = [t.split() for t in path.read_text(encoding="utf-8-sig").splitlines()]
     except (OSError, UnicodeDecodeError):
         return False
-    return False
+    parts = next((p for p in lines if p and not p[0].startswith("#")), [])
+    if len(parts) == 1 and _is_stem(parts[0]):
+        dirs = _folder_pair_dirs(path.parent, path.stem, lists=False)
+        return dirs is not None and any(dirs[0].glob(f"{glob.escape(parts[0])}.*"))
+    return len(parts) == 2 and all(Path(x).suffix.lower() in IMAGE_SUFFIXES for x in parts)
 
 
 def _subdirs(folder: Path) -> list[Path]:
-    if not folder.is_dir():
-        return []
-    return sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+    found = folder.iterdir() if folder.is_dir() else ()
+    return sorted(d for d in found if d.is_dir() and not d.name.startswith("."))
 
 
 def _declares_splits(root: Path, *, lists: bool = True) -> bool:
     """Whether ``root`` names splits of its own (split subfolders, or with ``lists`` list files):
     then a flat image folder stands in for no split."""
-    if any(_pair_in(d) for d in _subdirs(root)):
-        return True
-    if any(_pair_in(root, d.name) for name in IMAGE_DIRS for d in _subdirs(root / name)):
-        return True
-    return lists and root.is_dir() and any(_is_list_file(p) for p in root.glob("*.txt"))
+    return (
+        any(_pair_in(d) for d in _subdirs(root))
+        or any(_pair_in(root, d.name) for name in IMAGE_DIRS for d in _subdirs(root / name))
+        or (lists and root.is_dir() and any(_is_list_file(p) for p in root.glob("*.txt")))
+    )
 
 
 def _folder_pair_dirs(root: Path, split: str, *, lists: bool = True) -> tuple[Path, Path] | None:
