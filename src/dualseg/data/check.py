@@ -84,21 +84,24 @@ def check_dataset(
     images at ``bit_depth`` (None: detected)."""
     for split in splits or ():
         check_split_name(split)
-    report, overlaps = None, []
+    report: CheckReport | None = None
+    overlaps: list[str] = []
     for r in [root] if isinstance(root, str | Path) else root:
-        report = _check_root(
-            Path(r),
-            report,
-            splits,
-            layout,
-            preset,
-            label_format,
-            label_map,
-            ignore_value,
-            bit_depth,
-            progress,
-            overlaps,
-        )
+        r = Path(r)
+        kind, scans, unlabelled = _scan_root(r, splits, layout)
+        folders = {s: " + ".join(_shown_path(p, r) for p in (f.source, f.label_source) if p)
+                   for s, f in scans.items() if f.source is not None}  # fmt: skip
+        said: dict[str, list[str]] = {}  # what was read -> the splits it serves
+        for s, f in scans.items():
+            said.setdefault(f"{len(f.samples)} pairs in {folders.get(s, r)}", []).append(s)
+        seen = ", ".join(f"{'/'.join(names)} {what}" for what, names in said.items())
+        meta = resolve_meta(r, kind, preset, label_map=label_map, ignore_value=ignore_value,
+                            found=f"found the {kind} layout ({seen}); ")  # fmt: skip
+        report = report or CheckReport(r, kind, meta, label_format=label_format)
+        one_class_set([(report.root, report.meta), (r, meta)], label_format=label_format)
+        report.folders.update(folders)
+        report.problems += unlabelled
+        overlaps += _read_splits(report, r, kind, scans, bit_depth, progress)
     if report is None:
         raise DataError("no dataset root given; pass at least one folder")
     report.problems = _class_problems(report) + report.problems
@@ -109,20 +112,10 @@ def check_dataset(
     return report
 
 
-def _check_root(
-    root: Path,
-    report: CheckReport | None,
-    splits: tuple[str, ...] | None,
-    layout: str,
-    preset: str | DatasetMeta | None,
-    label_format: str,
-    label_map: Mapping[int, int] | None,
-    ignore_value: IgnoreSetting,
-    bit_depth: int | None,
-    progress: ProgressMode,
-    overlaps: list[str],
-) -> CheckReport:
-    """Add ``root``'s pairs to ``report`` (None: a new report of ``root``)."""
+def _scan_root(
+    root: Path, splits: tuple[str, ...] | None, layout: str
+) -> tuple[str, dict, list[str]]:
+    """``(layout, split -> scan, problems of train/val images without labels)``."""
     if layout == "auto":
         layout = detect_any_split(root, splits or DEFAULT_SPLITS)
     if splits is None and layout == "list" and root.is_file():
@@ -136,23 +129,18 @@ def _check_root(
             unlabelled = [
                 m for s in ("train", "val") if s not in splits if (m := unlabelled_split(root, s))
             ]
-    scans = {s: scans.get(s) or discover(root, split=s, layout=layout) for s in splits}
-    folders = {
-        s: " + ".join(_shown_path(p, root) for p in (f.source, f.label_source) if p)
-        for s, f in scans.items()
-        if f.source is not None
-    }
-    said: dict[str, list[str]] = {}  # what was read -> the splits it serves
-    for s, f in scans.items():
-        said.setdefault(f"{len(f.samples)} pairs in {folders.get(s, root)}", []).append(s)
-    seen = ", ".join(f"{'/'.join(names)} {what}" for what, names in said.items())
-    meta = resolve_meta(root, layout, preset, label_map=label_map, ignore_value=ignore_value,
-                        found=f"found the {layout} layout ({seen}); ")  # fmt: skip
-    if report is None:
-        report = CheckReport(root, layout, meta, label_format=label_format)
-    one_class_set([(report.root, report.meta), (root, meta)], label_format=label_format)
-    report.folders.update(folders)
-    report.problems += unlabelled
+    return (
+        layout,
+        {s: scans.get(s) or discover(root, split=s, layout=layout) for s in splits},
+        unlabelled,
+    )
+
+
+def _read_splits(
+    report: CheckReport, root: Path, layout: str, scans: dict, bit_depth: int | None,
+    progress: ProgressMode,
+) -> list[str]:  # fmt: skip
+    """Read ``scans``' pairs into ``report``; return the split-overlap problem, if any."""
     sources: dict[Path, str] = {}
     images: dict[str, set[Path]] = {}  # per split, for the overlap check
     hists: dict[str, np.ndarray] = {}
@@ -171,37 +159,22 @@ def _check_root(
         if not found.samples and not found.problems:
             report.problems.append(f"{found.source or root}: split {split!r} is empty; add pairs")
         images[split] = {Path(img).resolve() for img, _ in found.samples}
-        hist, (h, w), ranges = _read_pairs(
-            report, found.samples, f"check {split}", bit_depth, progress
-        )
-        top = report.largest.get(split, (0, 0))
-        report.largest[split] = (max(top[0], h), max(top[1], w))
+        hist, (h, w), ranges = _empty_histogram(), report.largest.get(split, (0, 0)), []
+        for img_path, label_path in track(found.samples, desc=f"check {split}", mode=progress):
+            image, label, problems, values = inspect_pair(img_path, label_path, report.meta,
+                label_format=report.label_format, bit_depth=bit_depth)  # fmt: skip
+            report.problems += problems
+            hist += np.bincount(label.ravel(), minlength=256) if label is not None else 0
+            if image is not None:
+                h, w = max(h, image.shape[0]), max(w, image.shape[1])
+            ranges += [values] if values else []
+        report.largest[split] = (h, w)
         report.split_histograms[split] = report.split_histograms.get(split, 0) + hist
         hists[split] = hist
         if ranges:
             report.values[split] = _value_range(ranges, bit_depth)
         report.histogram += hist
-    overlaps += [o] if (o := _split_overlap(root, images)) else []
-    return report
-
-
-def _read_pairs(
-    report: CheckReport, pairs: list, desc: str, bit_depth: int | None, progress: ProgressMode
-) -> tuple[np.ndarray, tuple[int, int], list[tuple[str, int, int]]]:
-    """Read ``pairs`` into the report's problems: ``(histogram, largest (H, W), value ranges)``."""
-    hist, largest, ranges = _empty_histogram(), (0, 0), []
-    for img_path, label_path in track(pairs, desc=desc, mode=progress):
-        image, label, problems, values = inspect_pair(
-            img_path, label_path, report.meta, label_format=report.label_format,
-            bit_depth=bit_depth,
-        )  # fmt: skip
-        report.problems += problems
-        if label is not None:
-            hist += np.bincount(label.ravel(), minlength=256)
-        if image is not None:
-            largest = (max(largest[0], image.shape[0]), max(largest[1], image.shape[1]))
-        ranges += [values] if values else []
-    return hist, largest, ranges
+    return [o] if (o := _split_overlap(root, images)) else []
 
 
 def _split_overlap(root: Path, images: Mapping[str, set[Path]]) -> str | None:
