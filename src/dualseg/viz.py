@@ -28,8 +28,6 @@ IGNORE_INDEX = 255
 TITLE_HEIGHT = 20  # px of the title strip above each panel tile
 GAP = 4  # px of white between tiles
 CHANGED_COLOR = (255, 0, 255)  # magenta: pixels method B changed (as on the serve page)
-_BACKGROUND = (255, 255, 255)
-_TEXT = (0, 0, 0)
 
 
 def default_palette(n: int) -> list[tuple[int, int, int]]:
@@ -143,12 +141,12 @@ def make_legend(
     palette: Palette,
     *,
     width: int = 640,
-    swatch: int = 14,
 ) -> np.ndarray:
     """Legend strip ``hxWx3`` uint8: a swatch and a name per class, in rows of ``width`` px."""
     if len(class_names) != len(palette):
         raise ValueError(f"{len(class_names)} class names but {len(palette)} palette colours")
-    font = ImageFont.load_default(size=max(swatch - 2, 8))
+    swatch = 14  # px
+    font = ImageFont.load_default(size=swatch - 2)
     probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     row_h, pad = swatch + 6, 6
     # lay out first: the strip's height depends on the rows
@@ -159,12 +157,12 @@ def make_legend(
             x, row = pad, row + 1
         items.append((x, row, name, tuple(int(v) for v in colour)))
         x += w
-    canvas = Image.new("RGB", (width, (row + 1) * row_h + pad), _BACKGROUND)
+    canvas = Image.new("RGB", (width, (row + 1) * row_h + pad), "white")
     draw = ImageDraw.Draw(canvas)
     for x, r, name, colour in items:
         y = pad // 2 + r * row_h
         draw.rectangle([x, y, x + swatch - 1, y + swatch - 1], fill=colour, outline=(0, 0, 0))
-        draw.text((x + swatch + 4, y), name, fill=_TEXT, font=font)
+        draw.text((x + swatch + 4, y), name, fill="black", font=font)
     return np.asarray(canvas)
 
 
@@ -183,14 +181,14 @@ def make_panel(
     tiles = [_rgb(im) for im in images]
     height = TITLE_HEIGHT + max(t.shape[0] for t in tiles)
     width = sum(t.shape[1] for t in tiles) + GAP * (len(tiles) - 1)
-    canvas = Image.new("RGB", (width, height), _BACKGROUND)
+    canvas = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(canvas)
     x = 0
     for tile, title in zip(tiles, titles):
         w = tile.shape[1]
         canvas.paste(Image.fromarray(tile), (x, TITLE_HEIGHT))
         text, font, tw = _fit_title(draw, title, w)
-        draw.text((x + max((w - tw) // 2, 0), 2), text, fill=_TEXT, font=font)
+        draw.text((x + max((w - tw) // 2, 0), 2), text, fill="black", font=font)
         x += w + GAP
     panel = np.asarray(canvas)
     if class_names is not None or palette is not None:
