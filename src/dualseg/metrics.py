@@ -86,26 +86,16 @@ def scores_from_confusion(mat: Tensor) -> dict[str, Any]:
     nan = torch.tensor(math.nan, dtype=torch.float64)
     iou = torch.where(union > 0, tp / union.clamp(min=1), nan)
     class_acc = torch.where(gt > 0, tp / gt.clamp(min=1), nan)
-    total = gt.sum()
-    if total > 0:
-        pixel_acc = float(tp.sum() / total)
-        present = gt > 0
-        fwiou = float((gt[present] / total * iou[present]).sum())
-    else:
-        pixel_acc = fwiou = math.nan
+    total = gt.sum()  # pixel accuracy 0 / 0: NaN when nothing is labelled
+    fwiou = float((gt / total * iou).nansum()) if total > 0 else math.nan
     return {
         "iou": iou,
         "class_acc": class_acc,
-        "miou": _nanmean(iou),
-        "pixel_acc": pixel_acc,
-        "mean_acc": _nanmean(class_acc),
+        "miou": float(iou.nanmean()),
+        "pixel_acc": float(tp.sum() / total),
+        "mean_acc": float(class_acc.nanmean()),
         "fwiou": fwiou,
     }
-
-
-def _nanmean(x: Tensor) -> float:
-    keep = ~torch.isnan(x)
-    return float(x[keep].mean()) if bool(keep.any()) else math.nan
 
 
 class ConfusionMatrix:
@@ -327,7 +317,7 @@ class BoundaryMetrics:
         f1 = torch.where(present, f1, nan)
         trimap = scores_from_confusion(self.trimap_mat)
         return {
-            "boundary_f1": _nanmean(f1),
+            "boundary_f1": float(f1.nanmean()),
             "boundary_f1_per_class": f1,
             "boundary_precision": torch.where(n_pred > 0, p, nan),
             "boundary_recall": torch.where(n_gt > 0, r, nan),
