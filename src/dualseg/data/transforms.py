@@ -35,8 +35,7 @@ class RandomScale(v2.Transform):
 
     def __init__(self, scale_range: tuple[float, float] = (0.5, 2.0)) -> None:
         super().__init__()
-        lo, hi = scale_range
-        self.scale_range = (float(lo), float(hi))
+        self.scale_range = (float(scale_range[0]), float(scale_range[1]))
 
     def make_params(self, flat_inputs: list[Any]) -> dict[str, Any]:
         h, w = v2.query_size(flat_inputs)
@@ -80,9 +79,6 @@ class _Joint:
         lbl = tv_tensors.Mask(torch.from_numpy(np.ascontiguousarray(label)))
         img, lbl = self.pipeline(img, lbl)
         return img.as_subclass(Tensor), lbl.as_subclass(Tensor)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.pipeline})"
 
 
 def build_augment_pipeline(
