@@ -343,13 +343,10 @@ def missing_split(root: Path, split: str, layout: str = "auto") -> DataError | N
     """The error for an absent ``split`` when others exist (or only its labels are absent)."""
     if layout in ("auto", "folder") and (unlabelled := unlabelled_split(root, split)):
         return DataError(unlabelled)
-    others = [s for s in available_splits(root, layout) if s != split]
-    if not others:
-        return None
-    return DataError(
-        f"{root}: has no split {split!r} (splits found: {', '.join(others)}); pass one of "
-        "them as --split"
-    )
+    if others := [s for s in available_splits(root, layout) if s != split]:
+        return DataError(f"{root}: has no split {split!r} (splits found: {', '.join(others)}); "
+                         "pass one of them as --split")  # fmt: skip
+    return None
 
 
 def detect_layout(root: str | Path, split: str = "train") -> str:
@@ -360,8 +357,7 @@ def detect_layout(root: str | Path, split: str = "train") -> str:
         return layout
     if not root.exists():
         raise DataError(f"{root}: dataset folder not found; check the path")
-    missing = missing_split(root, split)
-    if missing is not None:
+    if missing := missing_split(root, split):
         raise missing
     raise DataError(
         f"{root}: cannot tell the dataset layout for split {split!r} ({seen_folders(root)}): "
@@ -374,12 +370,8 @@ def detect_layout(root: str | Path, split: str = "train") -> str:
 
 def detect_any_split(root: Path, splits: tuple[str, ...]) -> str:
     """The layout of the first recognisable split; an error names the first split."""
-    for split in splits:
-        try:
-            return detect_layout(root, split)
-        except DataError:
-            continue
-    return detect_layout(root, splits[0])
+    found = next((kind for split in splits if (kind := detect(root, split))), None)
+    return found or detect_layout(root, splits[0])
 
 
 def discover(root: str | Path, *, split: str = "train", layout: str = "auto") -> Discovery:
