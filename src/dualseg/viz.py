@@ -41,13 +41,13 @@ def _numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def colorize(label: Any, palette: Palette, *, ignore_index: int = IGNORE_INDEX) -> np.ndarray:
+def colorize(label: Any, palette: Palette) -> np.ndarray:
     """Label map ``HxW`` -> ``HxWx3`` uint8 RGB, class ``k`` -> ``palette[k]``, ignore -> black."""
     lab = _numpy(label)
     if lab.ndim != 2 or not np.issubdtype(lab.dtype, np.integer):
         raise ValueError(f"label must be an integer HxW map, got {lab.dtype} {lab.shape}")
     lab = lab.astype(np.int64)
-    bad = (lab != ignore_index) & ((lab < 0) | (lab >= len(palette)))
+    bad = (lab != IGNORE_INDEX) & ((lab < 0) | (lab >= len(palette)))
     if bad.any():
         raise ValueError(
             f"label values {np.unique(lab[bad])[:10].tolist()} have no palette "
@@ -60,7 +60,7 @@ def colorize(label: Any, palette: Palette, *, ignore_index: int = IGNORE_INDEX) 
             "or values outside; a palette in 0..1: multiply by 255 and round"
         )
     lut = np.concatenate([values, np.zeros((1, 3))]).astype(np.uint8)  # black for ignore
-    return lut[np.where(lab == ignore_index, len(palette), lab)]
+    return lut[np.where(lab == IGNORE_INDEX, len(palette), lab)]
 
 
 def _rgb(image: Any) -> np.ndarray:
@@ -79,23 +79,16 @@ def _rgb(image: Any) -> np.ndarray:
     return np.ascontiguousarray(img[:, :, :3])
 
 
-def overlay(
-    image: Any,
-    label: Any,
-    palette: Palette,
-    alpha: float = 0.5,
-    *,
-    ignore_index: int = IGNORE_INDEX,
-) -> np.ndarray:
+def overlay(image: Any, label: Any, palette: Palette, alpha: float = 0.5) -> np.ndarray:
     """``(1 - alpha) * image + alpha * colorize(label)``; ignore pixels keep the image."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     img, lab = _rgb(image), _numpy(label)
     if img.shape[:2] != lab.shape:
         raise ValueError(f"image {img.shape[:2]} and label {lab.shape} sizes differ")
-    col = colorize(lab, palette, ignore_index=ignore_index).astype(np.float32)
+    col = colorize(lab, palette).astype(np.float32)
     out = img.astype(np.float32)
-    out = np.where((lab != ignore_index)[:, :, None], (1.0 - alpha) * out + alpha * col, out)
+    out = np.where((lab != IGNORE_INDEX)[:, :, None], (1.0 - alpha) * out + alpha * col, out)
     return np.clip(np.rint(out), 0, 255).astype(np.uint8)
 
 
@@ -136,12 +129,7 @@ def _fit_title(draw: ImageDraw.ImageDraw, title: str, width: int) -> tuple[str, 
     return title + "…", font, _text_width(draw, title + "…", font)
 
 
-def make_legend(
-    class_names: Sequence[str],
-    palette: Palette,
-    *,
-    width: int = 640,
-) -> np.ndarray:
+def make_legend(class_names: Sequence[str], palette: Palette, *, width: int = 640) -> np.ndarray:
     """Legend strip ``hxWx3`` uint8: a swatch and a name per class, in rows of ``width`` px."""
     if len(class_names) != len(palette):
         raise ValueError(f"{len(class_names)} class names but {len(palette)} palette colours")
