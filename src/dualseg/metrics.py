@@ -155,17 +155,13 @@ def neighbour_transitions(label: Any, valid: Any = None) -> Any:
     """Bool mask ``[..., H, W]`` of the pixels with a 4-neighbour of another value (pairs
     touching a False of ``valid`` do not count); numpy arrays or tensors, the same kind out."""
     edge = label != label  # all False, of the input's kind, shape and device
-    # horizontal pairs (x, x+1), then vertical pairs (y, y+1)
-    pair = label[..., :, 1:] != label[..., :, :-1]
-    if valid is not None:
-        pair = pair & valid[..., :, 1:] & valid[..., :, :-1]
-    edge[..., :, 1:] |= pair
-    edge[..., :, :-1] |= pair
-    pair = label[..., 1:, :] != label[..., :-1, :]
-    if valid is not None:
-        pair = pair & valid[..., 1:, :] & valid[..., :-1, :]
-    edge[..., 1:, :] |= pair
-    edge[..., :-1, :] |= pair
+    full, later, earlier = slice(None), slice(1, None), slice(None, -1)
+    for hi, lo in (((..., later), (..., earlier)), ((..., later, full), (..., earlier, full))):
+        pair = label[hi] != label[lo]  # horizontal pairs (x, x+1), then vertical (y, y+1)
+        if valid is not None:
+            pair = pair & valid[hi] & valid[lo]
+        edge[hi] |= pair
+        edge[lo] |= pair
     return edge
 
 
