@@ -32,6 +32,7 @@ OPTIONAL_EXTRAS = {
     "pydensecrf2",
     "segmentation_models_pytorch",
     "matplotlib",
+    "tifffile",
 }
 # leaves the torch-free runtime (onnxruntime) imports: torch only inside what saves or loads it
 TORCH_FREE = {"dualseg.io", "dualseg.serialization"}

@@ -36,12 +36,15 @@ def pillow_max_pixels() -> int:
     return int(Image.MAX_IMAGE_PIXELS or 0)
 
 
-def open_image(path: str | Path, *, max_megapixels: float | None = None) -> Image.Image:
-    """A decoded PIL image of ``path``; ``max_megapixels`` replaces Pillow's pixel limit."""
+def open_image(
+    path: str | Path, *, max_megapixels: float | None = None, decode: bool = True
+) -> Image.Image:
+    """A PIL image of ``path``, decoded unless ``decode`` is False (its header alone, checked);
+    ``max_megapixels`` replaces Pillow's pixel limit."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: file not found; check the path (or the list file naming it)")
-    return _load(path, str(path), max_megapixels=max_megapixels)
+    return _load(path, str(path), max_megapixels=max_megapixels, decode=decode)
 
 
 def _load(
@@ -50,6 +53,7 @@ def _load(
     *,
     max_megapixels: float | None,
     formats: Sequence[str] | None = None,
+    decode: bool = True,
 ) -> Image.Image:
     """Open and decode a file or upload bytes; every failure a one-line DataError."""
     said = f"{source}:" if isinstance(fp, Path) else f"{source} is"
@@ -73,7 +77,8 @@ def _load(
                     f"{max_megapixels:g} megapixels (--max-megapixels); raise it or downscale it"
                 )
             _scale_low_bit_key(im)
-            im.load()  # truncated / corrupt files fail here, not later
+            if decode:
+                im.load()  # truncated / corrupt files fail here, not later
     except DataError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
@@ -178,7 +183,7 @@ def image_to_rgb(
         im = im.convert("L")
     mode, arr = im.mode, np.array(im)  # a writable copy
     if mode in SIXTEEN_BIT_MODES:
-        arr, mode = _wide_to_8_bit(arr, source, mode, bit_depth), "L"
+        arr, mode = wide_to_8_bit(arr, source, mode, bit_depth), "L"
     if mode in ("LA", "RGBA"):
         arr, mode = drop_opaque_alpha(arr, source), mode[:-1]
     if mode == "L":
@@ -198,9 +203,10 @@ def wide_depth(arr: np.ndarray, bit_depth: int | None = None) -> int:
     return 12 if arr.size and arr.max() <= 4095 else 16
 
 
-def _wide_to_8_bit(
+def wide_to_8_bit(
     arr: np.ndarray, source: str | Path, mode: str, bit_depth: int | None
 ) -> np.ndarray:
+    """A 16-bit (or ``I``) grey array as uint8, scaled by its real range (:func:`wide_depth`)."""
     if arr.size and (arr.min() < 0 or arr.max() > 65535):
         raise DataError(f"{source}: 32-bit image values outside 0..65535; save it as 8-bit RGB")
     if bit_depth is None and arr.size and 0 < arr.max() <= 255:  # 8-bit data or a black photo?

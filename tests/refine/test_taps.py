@@ -151,7 +151,7 @@ def _fit_argv(data, spec, out) -> list[str]:
 def test_refine_fit_and_apply_on_the_taps_of_a_python_base(tmp_path, capsys) -> None:
     from dualseg.data import make_synthetic_dataset
 
-    data = make_synthetic_dataset(tmp_path / "data", n_train=2, n_val=1, size=(64, 64))
+    data = make_synthetic_dataset(tmp_path / "data", n_train=3, n_val=1, size=(64, 64))
     spec = tmp_path / "mymodel.py"
     spec.write_text(
         "import torch, segmentation_models_pytorch as smp\n"
@@ -162,9 +162,14 @@ def test_refine_fit_and_apply_on_the_taps_of_a_python_base(tmp_path, capsys) -> 
     argv = _fit_argv(data, f"{spec}:model", out)
     assert main([*argv, "--base-features", "auto"]) == 1  # no --decoder-channels
     assert "--decoder-channels must be > 0 with base_features" in capsys.readouterr().err
+    # the decision chosen on held-out images reads the taps of the base's own forward
+    *train, dev = (data / "train.txt").read_text().splitlines()
+    (data / "train.txt").write_text("\n".join(train) + "\n")
+    (data / "dev.txt").write_text(dev + "\n")
     assert main([*argv, "--base-features", "encoder.layer1", "encoder.layer4",
-                 "--decoder-channels", "4"]) == 0  # fmt: skip
-    assert BoundaryRefiner.load(out).taps.names == TAPS
+                 "--decoder-channels", "4", "--calibrate-split", "dev"]) == 0  # fmt: skip
+    fitted = BoundaryRefiner.load(out)
+    assert fitted.taps.names == TAPS and fitted.calibration["images"] == 1
     images = sorted((data / "images").glob("*.png"))[:1]
     refined = tmp_path / "refined"
     argv = ["refine", "apply", str(images[0]), "-r", str(out), "-b", f"{spec}:model"]

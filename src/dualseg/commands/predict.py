@@ -10,6 +10,7 @@ from typing import Any
 
 from dualseg.commands import common as c
 from dualseg.console import ArgumentParser, Progress, argparse_kwargs, progress_mode
+from dualseg.engine.large_images import needs_bands, open_rows, slide_labels
 from dualseg.engine.outputs import (
     OUTPUT_FOLDERS,
     check_image_outputs,
@@ -60,6 +61,16 @@ def _load(args: argparse.Namespace, device: Any) -> Any:
     return seg
 
 
+def _write_large(args: argparse.Namespace, seg: Any, path: Path, out: Path, name: str,
+                 depth: int | None) -> None:  # fmt: skip
+    """Slide mode on an image above Pillow's limit: read, labelled and written in row bands."""
+    o = c.inference_options(args)
+    with open_rows(path, bit_depth=depth, max_megapixels=args.max_megapixels) as rows:
+        label = slide_labels(seg.model, rows, window=o.window, stride=o.stride,
+                             tile_batch=o.tile_batch, device=seg.device, amp=seg.amp)  # fmt: skip
+        write_outputs(out, name, rows, label, seg.meta.palette, alpha=args.alpha)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = check_writable(args.out, kind="dir", what="--out")
@@ -72,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     files = [(f, ".npz" if f == "probs" else ".png") for f in OUTPUT_FOLDERS]
     files = files if args.probs else files[:-1]
     check_image_outputs(out, images, files, overwrite=args.overwrite, data=args.data)
+    slide = opts.mode == "slide"
+    large = {p for p, _ in images if slide and needs_bands(p, max_megapixels=args.max_megapixels)}
+    if large and (args.probs or opts.uses_tta):
+        flag = "--probs" if args.probs else "--tta-*"
+        raise ConfigError(f"{min(large)}: over Pillow's pixel limit, so read in row bands; "
+                          f"{flag} needs the whole image's probabilities: drop it")  # fmt: skip
     seg = _load(args, device)
     source = args.checkpoint or args.onnx
     if seg.num_classes > 255:
@@ -86,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         part = []
         for path, name in images[start : start + chunk]:
             try:
+                if path in large:
+                    _write_large(args, seg, path, out, name, depth)
+                    bar.update(1)
+                    continue
                 array = read_image(path, bit_depth=depth, max_megapixels=args.max_megapixels)
                 part.append((path, name, array))
             except DualsegError as err:

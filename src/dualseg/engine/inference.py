@@ -30,7 +30,7 @@ from torch import Tensor
 from dualseg.errors import ConfigError
 from dualseg.models.base import model_logits
 
-__all__ = ["MODES", "InferenceOptions", "autocast", "infer_logits", "slide_tiles"]
+__all__ = ["MODES", "InferenceOptions", "autocast", "forward_logits", "infer_logits", "slide_tiles"]
 
 MODES = ("whole", "slide")
 TTA_SCALE_RANGE = (0.1, 8.0)  # TTA resize factors accepted (mmseg uses 0.5-1.75)
@@ -165,7 +165,7 @@ def slide_tiles(
     return starts(size[0], th, stride[0]), starts(size[1], tw, stride[1]), (th, tw)
 
 
-def _forward(model: Model, x: Tensor, amp: bool) -> Tensor:
+def forward_logits(model: Model, x: Tensor, amp: bool) -> Tensor:
     """Model logits (float32) resized to ``x``'s size."""
     with autocast(x.device, amp):
         logits = model_logits(model(x)).float()  # a torchvision model's {"out": ...} too
@@ -177,16 +177,16 @@ def _forward(model: Model, x: Tensor, amp: bool) -> Tensor:
 def _run(model: Model, images: Tensor, opts: InferenceOptions, amp: bool) -> Tensor:
     b, _, h, w = images.shape
     if opts.mode == "whole":
-        return _forward(model, images, amp)
+        return forward_logits(model, images, amp)
     ys, xs, (th, tw) = slide_tiles((h, w), opts.window, opts.stride)
     if len(ys) == len(xs) == 1:  # the image fits in the window
-        return _forward(model, images, amp)
+        return forward_logits(model, images, amp)
     jobs = [(i, y, x) for y in ys for x in xs for i in range(b)]  # every (image, tile) pair
     out = count = None
     for start in range(0, len(jobs), opts.tile_batch):
         chunk = jobs[start : start + opts.tile_batch]
         tiles = torch.stack([images[i, :, y : y + th, x : x + tw] for i, y, x in chunk])
-        logits = _forward(model, tiles, amp)
+        logits = forward_logits(model, tiles, amp)
         if out is None:
             out = logits.new_zeros(b, logits.shape[1], h, w)
             count = torch.zeros(h, w, device=out.device)

@@ -258,12 +258,19 @@ def write_outputs(
     *,
     alpha: float = 0.5,
 ) -> None:
-    """``labels/``, ``color/`` and ``overlay/`` PNGs of one image (atomic writes)."""
+    """``labels/``, ``color/`` and ``overlay/`` PNGs of one image (atomic writes). ``image``:
+    an RGB array, or a large image's row reader (``image[y0:y1]``): colours are made in row
+    bands of about 4 megapixels, so memory follows the band."""
+    h, w = label.shape[:2]
+    color, over = np.empty((h, w, 3), np.uint8), np.empty((h, w, 3), np.uint8)
+    for y in range(0, h, step := max(1, 2**22 // max(w, 1))):
+        color[y : y + step] = viz.colorize(label[y : y + step], palette)
+        over[y : y + step] = viz.overlay(
+            image[y : y + step], label[y : y + step], palette, alpha=alpha
+        )
     atomic_save_image(out / "labels" / f"{name}.png", label_png(label, len(palette)))
-    atomic_save_image(out / "color" / f"{name}.png", viz.colorize(label, palette))
-    atomic_save_image(
-        out / "overlay" / f"{name}.png", viz.overlay(image, label, palette, alpha=alpha)
-    )
+    atomic_save_image(out / "color" / f"{name}.png", color)
+    atomic_save_image(out / "overlay" / f"{name}.png", over)
 
 
 def prediction_names(samples: list) -> list[str]:

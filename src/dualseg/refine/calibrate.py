@@ -55,6 +55,8 @@ def sweep_decision(
     """Score the base model and the refiner at each decision setting on labelled ``batches``."""
     dev = torch.device(device)
     settings = list(decision_grid() if grid is None else grid)
+    if getattr(refiner, "taps", None) is not None:  # it reads the base's own (unblurred) forward
+        settings = [s for s in settings if not s.get("p1_blur_sigma")]
     keys: list[Any] = ["base", *range(len(settings))]
     conf = {k: ConfusionMatrix(num_classes, ignore_index=ignore_index, device=dev) for k in keys}
     bnd = {k: BoundaryMetrics(num_classes, ignore_index=ignore_index, device=dev) for k in keys}
@@ -64,7 +66,7 @@ def sweep_decision(
     for images, labels in batches:
         images, labels = images.to(dev), labels.to(dev)
         probs = base(images).float()
-        kept = shared.take() if shared is not None else None
+        kept = shared.take(images) if shared is not None else None
         cands = {
             sigma: refiner.candidates(images, probs, p1_blur_sigma=sigma,
                                       features=kept if sigma == 0 else None)
