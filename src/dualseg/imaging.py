@@ -1,10 +1,6 @@
-"""Image arrays without torch: the image policy, the RGB conversion and input normalization.
-
-The image policy (:func:`image_to_rgb`) is the one rule for files, uploads, PIL images and
-arrays: EXIF orientation applied; opaque alpha dropped, transparency refused (any background
-dualseg picked would change the prediction); palette, grayscale, 1-bit, CMYK and 16-bit images
-become 8-bit RGB, 16-bit ones scaled by their real range (12-bit data by 4095).
-"""
+"""Image arrays without torch: the image policy (:func:`image_to_rgb`: EXIF orientation
+applied, opaque alpha dropped, transparency refused, every mode to 8-bit RGB, 16-bit images
+scaled by their real range), RGB conversion and input normalization."""
 
 from __future__ import annotations
 
@@ -170,10 +166,8 @@ def image_to_rgb(
     has_key = key is not None
     # a colour key on the 8-bit pixels' scale (a 16-bit PNG's is not) makes keyed pixels alpha 0
     keys = key if isinstance(key, tuple) else (key,)
-    fits = all(isinstance(v, int) and 0 <= v <= 255 for v in keys) and im.info.get("bits") in (
-        None,
-        8,
-    )
+    fits = all(isinstance(v, int) and 0 <= v <= 255 for v in keys)
+    fits = fits and im.info.get("bits") in (None, 8)
     if im.mode == "P":
         im = im.convert("RGBA" if has_key else "RGB")
     elif has_key and im.mode in ("L", "RGB") and fits:
@@ -216,10 +210,9 @@ def wide_to_8_bit(
     if arr.size and (arr.min() < 0 or arr.max() > 65535):
         raise DataError(f"{source}: 32-bit image values outside 0..65535; save it as 8-bit RGB")
     if bit_depth is None and arr.size and 0 < arr.max() <= 255:  # 8-bit data or a black photo?
-        wide = "32-bit integer" if mode == "I" else "16-bit"
         raise DataError(
-            f"{source}: {wide} image whose values all lie in 0..255: 8-bit or 16-bit data "
-            "is unknown; pass --bit-depth 8, or save it as 8-bit"
+            f"{source}: {'32-bit integer' if mode == 'I' else '16-bit'} image whose values all "
+            "lie in 0..255: 8-bit or 16-bit data is unknown; pass --bit-depth 8"
         )
     if bit_depth is not None and not 8 <= bit_depth <= 16:
         raise DataError(f"bit_depth {bit_depth}: give the bits per sample, 8 to 16")

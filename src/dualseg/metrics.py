@@ -20,68 +20,49 @@ from torch import Tensor
 
 from dualseg.errors import ConfigError
 
-__all__ = [
-    "BoundaryMetrics",
-    "ConfusionMatrix",
-    "boundary_map",
-    "disk_offsets",
-    "format_table",
-    "scores_from_confusion",
-    "to_jsonable",
-]
-
 
 def _label_tensors(
     pred: Any, target: Any, num_classes: int, ignore_index: int, device: torch.device
 ) -> tuple[Tensor, Tensor]:
     """``pred`` and ``target`` as checked int64 tensors on ``device`` (numpy arrays too)."""
 
-    def tensor(x: Any, name: str) -> Tensor:
+    def tensor(x: Any) -> Tensor:
         if isinstance(x, np.ndarray):  # a copy: torch takes few unsigned and no read-only arrays
             x = torch.from_numpy(x.astype(np.int64) if x.dtype.kind in "ui" else np.array(x))
-        if not isinstance(x, Tensor):
-            raise TypeError(
-                f"{name} must be a label map tensor or numpy array, got {type(x).__name__}"
-            )
-        if x.is_floating_point():
-            raise TypeError(
-                "pred and target must be integer label maps (take argmax of logits first)"
-            )
+        if not isinstance(x, Tensor) or x.is_floating_point():
+            got = type(x).__name__ if not isinstance(x, Tensor) else x.dtype
+            raise TypeError(f"pass an integer label map tensor or numpy array, got {got} "
+                            "(take argmax of logits first)")  # fmt: skip
         return x.to(device).long()  # a uint8 map would read an ignore index -1 as 255
 
-    pred, target = tensor(pred, "pred"), tensor(target, "target")
+    pred, target = tensor(pred), tensor(target)
     if pred.shape != target.shape:
         raise ValueError(
             f"pred and target shapes differ: {tuple(pred.shape)} vs {tuple(target.shape)}"
         )
     valid = target != ignore_index
-    bad_t = valid & ((target < 0) | (target >= num_classes))
-    bad_p = valid & ((pred < 0) | (pred >= num_classes))
-    if bool((bad_t | bad_p).any()):  # one host sync when all is well
-        values, bad, what = (
-            (target, bad_t, "ground-truth") if bad_t.any() else (pred, bad_p, "predicted")
-        )
-        raise ValueError(
-            f"{what} values {torch.unique(values[bad]).tolist()[:10]} are outside "
-            f"[0, {num_classes}) and not the ignore index {ignore_index}"
-        )
+    for what, x in (("ground-truth", target), ("predicted", pred)):
+        bad = valid & ((x < 0) | (x >= num_classes))
+        if bool(bad.any()):  # one host sync per map when all is well
+            raise ValueError(
+                f"{what} values {torch.unique(x[bad]).tolist()[:10]} are outside "
+                f"[0, {num_classes}) and not the ignore index {ignore_index}"
+            )
     return pred, target
 
 
-def _check_classes(num_classes: Any, ignore_index: int, upper: int | None = None) -> int:
+def _check_classes(num_classes: Any, ignore_index: int, upper: int = 2**62) -> int:
     if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
         raise TypeError(f"num_classes must be an int, got {num_classes!r}")
-    num_classes = int(num_classes)
-    if num_classes < 1 or (upper is not None and num_classes >= upper):
+    if not 1 <= num_classes < upper:
         raise ValueError(f"num_classes must be >= 1 (and < {upper}), got {num_classes}")
-    # an ignore index that is a class id would drop that class's ground truth while its
-    # predictions still count as false positives: a silently wrong score
+    # an ignore index that is a class id drops that class's ground truth, not its predictions
     if 0 <= ignore_index < num_classes:
         raise ValueError(
             f"ignore_index {ignore_index} is also a class id of {num_classes} classes; pass one "
             f"outside [0, {num_classes}), e.g. -1 or {max(255, num_classes)}"
         )
-    return num_classes
+    return int(num_classes)
 
 
 def _confusion_counts(pred: Tensor, target: Tensor, num_classes: int, ignore_index: int) -> Tensor:
@@ -105,26 +86,16 @@ def scores_from_confusion(mat: Tensor) -> dict[str, Any]:
     nan = torch.tensor(math.nan, dtype=torch.float64)
     iou = torch.where(union > 0, tp / union.clamp(min=1), nan)
     class_acc = torch.where(gt > 0, tp / gt.clamp(min=1), nan)
-    total = gt.sum()
-    if total > 0:
-        pixel_acc = float(tp.sum() / total)
-        present = gt > 0
-        fwiou = float((gt[present] / total * iou[present]).sum())
-    else:
-        pixel_acc = fwiou = math.nan
+    total = gt.sum()  # pixel accuracy 0 / 0: NaN when nothing is labelled
+    fwiou = float((gt / total * iou).nansum()) if total > 0 else math.nan
     return {
         "iou": iou,
         "class_acc": class_acc,
-        "miou": _nanmean(iou),
-        "pixel_acc": pixel_acc,
-        "mean_acc": _nanmean(class_acc),
+        "miou": float(iou.nanmean()),
+        "pixel_acc": float(tp.sum() / total),
+        "mean_acc": float(class_acc.nanmean()),
         "fwiou": fwiou,
     }
-
-
-def _nanmean(x: Tensor) -> float:
-    keep = ~torch.isnan(x)
-    return float(x[keep].mean()) if bool(keep.any()) else math.nan
 
 
 class ConfusionMatrix:
@@ -184,17 +155,13 @@ def neighbour_transitions(label: Any, valid: Any = None) -> Any:
     """Bool mask ``[..., H, W]`` of the pixels with a 4-neighbour of another value (pairs
     touching a False of ``valid`` do not count); numpy arrays or tensors, the same kind out."""
     edge = label != label  # all False, of the input's kind, shape and device
-    # horizontal pairs (x, x+1), then vertical pairs (y, y+1)
-    pair = label[..., :, 1:] != label[..., :, :-1]
-    if valid is not None:
-        pair = pair & valid[..., :, 1:] & valid[..., :, :-1]
-    edge[..., :, 1:] |= pair
-    edge[..., :, :-1] |= pair
-    pair = label[..., 1:, :] != label[..., :-1, :]
-    if valid is not None:
-        pair = pair & valid[..., 1:, :] & valid[..., :-1, :]
-    edge[..., 1:, :] |= pair
-    edge[..., :-1, :] |= pair
+    full, later, earlier = slice(None), slice(1, None), slice(None, -1)
+    for hi, lo in (((..., later), (..., earlier)), ((..., later, full), (..., earlier, full))):
+        pair = label[hi] != label[lo]  # horizontal pairs (x, x+1), then vertical (y, y+1)
+        if valid is not None:
+            pair = pair & valid[hi] & valid[lo]
+        edge[hi] |= pair
+        edge[lo] |= pair
     return edge
 
 
@@ -275,14 +242,12 @@ class BoundaryMetrics:
         device: torch.device | str | None = None,
     ) -> None:
         num_classes = _check_classes(num_classes, ignore_index, 32768)  # boundary maps: int16
-        if not all(
-            isinstance(v, numbers.Real)
-            and not isinstance(v, bool)
-            and math.isfinite(v)
-            and v == int(v)  # a disk of radius 2.5 is not one of radius 2
-            and 0 <= v <= MAX_WIDTH
+        whole = [
+            isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
+            and v == int(v) and 0 <= v <= MAX_WIDTH
             for v in (tolerance, trimap_width)
-        ):
+        ]  # fmt: skip
+        if not all(whole):  # a disk of radius 2.5 is not one of radius 2
             raise ConfigError(
                 f"boundary tolerance and trimap width are whole pixels, got {tolerance} and "
                 f"{trimap_width}; use 0..{MAX_WIDTH} px (dualseg eval: --boundary-tolerance, "
@@ -348,7 +313,7 @@ class BoundaryMetrics:
         f1 = torch.where(present, f1, nan)
         trimap = scores_from_confusion(self.trimap_mat)
         return {
-            "boundary_f1": _nanmean(f1),
+            "boundary_f1": float(f1.nanmean()),
             "boundary_f1_per_class": f1,
             "boundary_precision": torch.where(n_pred > 0, p, nan),
             "boundary_recall": torch.where(n_gt > 0, r, nan),
@@ -400,29 +365,24 @@ def format_table(class_names: Sequence[str], results: Mapping[str, Any]) -> str:
     """A markdown table of per-class scores in percent, then the means, from merged
     ``compute()`` dicts (or :func:`to_jsonable` output); NaN/None is ``-``."""
     cols = [(k, h) for k, h in _PER_CLASS_COLUMNS if k in results]
-    for k, _ in cols:
-        if len(results[k]) != len(class_names):
-            raise ValueError(f"{k} has {len(results[k])} values but {len(class_names)} class names")
+    if bad := [k for k, _ in cols if len(results[k]) != len(class_names)]:
+        raise ValueError(
+            f"{bad[0]} has {len(results[bad[0]])} values but {len(class_names)} class names"
+        )
 
     def pct(v: Any) -> str:
         return "-" if v is None or math.isnan(float(v)) else f"{100 * float(v):.1f}"
 
-    name_w = max([len("class"), *(len(n) for n in class_names)])
-    widths = [max(len(h), 6) for _, h in cols]
+    widths = [max(len("class"), *map(len, class_names)), *(max(len(h), 6) for _, h in cols)]
 
-    def row(name: str, cells: list[str]) -> str:
-        return (
-            "| "
-            + " | ".join([name.ljust(name_w), *(c.rjust(w) for c, w in zip(cells, widths))])
-            + " |"
-        )
+    def row(cells: list[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"  # fmt: skip
 
-    lines = [
-        row("class", [h for _, h in cols]),
-        "|" + "|".join(["-" * (name_w + 2), *("-" * (w + 1) + ":" for w in widths)]) + "|",
-    ]
-    lines += [row(n, [pct(results[k][i]) for k, _ in cols]) for i, n in enumerate(class_names)]
+    lines = [row(["class", *(h for _, h in cols)])]
+    lines.append(
+        "|" + "|".join(["-" * (widths[0] + 2), *("-" * (w + 1) + ":" for w in widths[1:])]) + "|"
+    )
+    lines += [row([n, *(pct(results[k][i]) for k, _ in cols)]) for i, n in enumerate(class_names)]
     summary = [f"{h}: {pct(results[k])}" for k, h in _SUMMARY_KEYS if k in results]
-    if summary:
-        lines += ["", "  ".join(summary)]
-    return "\n".join(lines)
+    return "\n".join(lines + (["", "  ".join(summary)] if summary else []))

@@ -28,8 +28,6 @@ IGNORE_INDEX = 255
 TITLE_HEIGHT = 20  # px of the title strip above each panel tile
 GAP = 4  # px of white between tiles
 CHANGED_COLOR = (255, 0, 255)  # magenta: pixels method B changed (as on the serve page)
-_BACKGROUND = (255, 255, 255)
-_TEXT = (0, 0, 0)
 
 
 def default_palette(n: int) -> list[tuple[int, int, int]]:
@@ -43,13 +41,13 @@ def _numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def colorize(label: Any, palette: Palette, *, ignore_index: int = IGNORE_INDEX) -> np.ndarray:
+def colorize(label: Any, palette: Palette) -> np.ndarray:
     """Label map ``HxW`` -> ``HxWx3`` uint8 RGB, class ``k`` -> ``palette[k]``, ignore -> black."""
     lab = _numpy(label)
     if lab.ndim != 2 or not np.issubdtype(lab.dtype, np.integer):
         raise ValueError(f"label must be an integer HxW map, got {lab.dtype} {lab.shape}")
     lab = lab.astype(np.int64)
-    bad = (lab != ignore_index) & ((lab < 0) | (lab >= len(palette)))
+    bad = (lab != IGNORE_INDEX) & ((lab < 0) | (lab >= len(palette)))
     if bad.any():
         raise ValueError(
             f"label values {np.unique(lab[bad])[:10].tolist()} have no palette "
@@ -62,7 +60,7 @@ def colorize(label: Any, palette: Palette, *, ignore_index: int = IGNORE_INDEX) 
             "or values outside; a palette in 0..1: multiply by 255 and round"
         )
     lut = np.concatenate([values, np.zeros((1, 3))]).astype(np.uint8)  # black for ignore
-    return lut[np.where(lab == ignore_index, len(palette), lab)]
+    return lut[np.where(lab == IGNORE_INDEX, len(palette), lab)]
 
 
 def _rgb(image: Any) -> np.ndarray:
@@ -81,23 +79,16 @@ def _rgb(image: Any) -> np.ndarray:
     return np.ascontiguousarray(img[:, :, :3])
 
 
-def overlay(
-    image: Any,
-    label: Any,
-    palette: Palette,
-    alpha: float = 0.5,
-    *,
-    ignore_index: int = IGNORE_INDEX,
-) -> np.ndarray:
+def overlay(image: Any, label: Any, palette: Palette, alpha: float = 0.5) -> np.ndarray:
     """``(1 - alpha) * image + alpha * colorize(label)``; ignore pixels keep the image."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
     img, lab = _rgb(image), _numpy(label)
     if img.shape[:2] != lab.shape:
         raise ValueError(f"image {img.shape[:2]} and label {lab.shape} sizes differ")
-    col = colorize(lab, palette, ignore_index=ignore_index).astype(np.float32)
+    col = colorize(lab, palette).astype(np.float32)
     out = img.astype(np.float32)
-    out = np.where((lab != ignore_index)[:, :, None], (1.0 - alpha) * out + alpha * col, out)
+    out = np.where((lab != IGNORE_INDEX)[:, :, None], (1.0 - alpha) * out + alpha * col, out)
     return np.clip(np.rint(out), 0, 255).astype(np.uint8)
 
 
@@ -138,17 +129,12 @@ def _fit_title(draw: ImageDraw.ImageDraw, title: str, width: int) -> tuple[str, 
     return title + "…", font, _text_width(draw, title + "…", font)
 
 
-def make_legend(
-    class_names: Sequence[str],
-    palette: Palette,
-    *,
-    width: int = 640,
-    swatch: int = 14,
-) -> np.ndarray:
+def make_legend(class_names: Sequence[str], palette: Palette, *, width: int = 640) -> np.ndarray:
     """Legend strip ``hxWx3`` uint8: a swatch and a name per class, in rows of ``width`` px."""
     if len(class_names) != len(palette):
         raise ValueError(f"{len(class_names)} class names but {len(palette)} palette colours")
-    font = ImageFont.load_default(size=max(swatch - 2, 8))
+    swatch = 14  # px
+    font = ImageFont.load_default(size=swatch - 2)
     probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
     row_h, pad = swatch + 6, 6
     # lay out first: the strip's height depends on the rows
@@ -159,12 +145,12 @@ def make_legend(
             x, row = pad, row + 1
         items.append((x, row, name, tuple(int(v) for v in colour)))
         x += w
-    canvas = Image.new("RGB", (width, (row + 1) * row_h + pad), _BACKGROUND)
+    canvas = Image.new("RGB", (width, (row + 1) * row_h + pad), "white")
     draw = ImageDraw.Draw(canvas)
     for x, r, name, colour in items:
         y = pad // 2 + r * row_h
         draw.rectangle([x, y, x + swatch - 1, y + swatch - 1], fill=colour, outline=(0, 0, 0))
-        draw.text((x + swatch + 4, y), name, fill=_TEXT, font=font)
+        draw.text((x + swatch + 4, y), name, fill="black", font=font)
     return np.asarray(canvas)
 
 
@@ -183,14 +169,14 @@ def make_panel(
     tiles = [_rgb(im) for im in images]
     height = TITLE_HEIGHT + max(t.shape[0] for t in tiles)
     width = sum(t.shape[1] for t in tiles) + GAP * (len(tiles) - 1)
-    canvas = Image.new("RGB", (width, height), _BACKGROUND)
+    canvas = Image.new("RGB", (width, height), "white")
     draw = ImageDraw.Draw(canvas)
     x = 0
     for tile, title in zip(tiles, titles):
         w = tile.shape[1]
         canvas.paste(Image.fromarray(tile), (x, TITLE_HEIGHT))
         text, font, tw = _fit_title(draw, title, w)
-        draw.text((x + max((w - tw) // 2, 0), 2), text, fill=_TEXT, font=font)
+        draw.text((x + max((w - tw) // 2, 0), 2), text, fill="black", font=font)
         x += w + GAP
     panel = np.asarray(canvas)
     if class_names is not None or palette is not None:

@@ -129,7 +129,7 @@ def test_palette_label_in_the_class_colours_with_a_stray_colour_is_refused(tmp_p
     im = Image.fromarray(indices, mode="P")
     im.putpalette([v for c in colours for v in c])
     im.save(tmp_path / "stray.png")
-    with pytest.raises(DataError, match=r"other indices.*--label-format color.*\(1, 2, 3\)"):
+    with pytest.raises(DataError, match=r"colour-coded label.*--label-format color.*\(1, 2, 3\)"):
         read_label(tmp_path / "stray.png", camvid)
     # a stray at an index that is no class: the fix was "map them with --label-map"
     far = Image.fromarray(np.where(indices == 2, 40, indices).astype(np.uint8), mode="P")

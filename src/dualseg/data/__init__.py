@@ -27,9 +27,9 @@ from dualseg.data.transforms import (
     build_augment_pipeline,
     build_eval_transform,
     build_train_transform,
-    denormalize,
 )
 from dualseg.imaging import read_image
+from dualseg.viz import denormalize
 
 __all__ = [
     "IGNORE_INDEX",

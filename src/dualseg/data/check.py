@@ -68,7 +68,7 @@ class CheckReport:
 
 
 def check_dataset(
-    root: str | Path,
+    root: str | Path | Sequence[str | Path],
     *,
     splits: tuple[str, ...] | None = None,
     layout: str = "auto",
@@ -80,10 +80,42 @@ def check_dataset(
     progress: ProgressMode = "off",
 ) -> CheckReport:
     """Read every pair of ``splits`` (default: those of train/val/test that exist; a list file
-    as ``root``: its stem), 16-bit images at ``bit_depth`` (None: detected)."""
-    root = Path(root)
+    as ``root``: its stem) of one root, or of several with the same classes (one report), 16-bit
+    images at ``bit_depth`` (None: detected)."""
     for split in splits or ():
         check_split_name(split)
+    report: CheckReport | None = None
+    overlaps: list[str] = []
+    for r in [root] if isinstance(root, str | Path) else root:
+        r = Path(r)
+        kind, scans, unlabelled = _scan_root(r, splits, layout)
+        folders = {s: " + ".join(_shown_path(p, r) for p in (f.source, f.label_source) if p)
+                   for s, f in scans.items() if f.source is not None}  # fmt: skip
+        said: dict[str, list[str]] = {}  # what was read -> the splits it serves
+        for s, f in scans.items():
+            said.setdefault(f"{len(f.samples)} pairs in {folders.get(s, r)}", []).append(s)
+        seen = ", ".join(f"{'/'.join(names)} {what}" for what, names in said.items())
+        meta = resolve_meta(r, kind, preset, label_map=label_map, ignore_value=ignore_value,
+                            found=f"found the {kind} layout ({seen}); ")  # fmt: skip
+        report = report or CheckReport(r, kind, meta, label_format=label_format)
+        one_class_set([(report.root, report.meta), (r, meta)], label_format=label_format)
+        report.folders.update(folders)
+        report.problems += unlabelled
+        overlaps += _read_splits(report, r, kind, scans, bit_depth, progress)
+    if report is None:
+        raise DataError("no dataset root given; pass at least one folder")
+    report.problems = _class_problems(report) + report.problems
+    present = set(np.flatnonzero(report.histogram[: report.meta.num_classes]).tolist())
+    report.collapsed = one_class_warning(label_map or {}, present, report.meta) or None
+    report.split_overlap = "; ".join(overlaps) or None
+    report.problems += overlaps
+    return report
+
+
+def _scan_root(
+    root: Path, splits: tuple[str, ...] | None, layout: str
+) -> tuple[str, dict, list[str]]:
+    """``(layout, split -> scan, problems of train/val images without labels)``."""
     if layout == "auto":
         layout = detect_any_split(root, splits or DEFAULT_SPLITS)
     if splits is None and layout == "list" and root.is_file():
@@ -97,25 +129,25 @@ def check_dataset(
             unlabelled = [
                 m for s in ("train", "val") if s not in splits if (m := unlabelled_split(root, s))
             ]
-    scans = {s: scans.get(s) or discover(root, split=s, layout=layout) for s in splits}
-    folders = {
-        s: " + ".join(_shown_path(p, root) for p in (f.source, f.label_source) if p)
-        for s, f in scans.items()
-        if f.source is not None
-    }
-    said: dict[str, list[str]] = {}  # what was read -> the splits it serves
-    for s, f in scans.items():
-        said.setdefault(f"{len(f.samples)} pairs in {folders.get(s, root)}", []).append(s)
-    seen = ", ".join(f"{'/'.join(names)} {what}" for what, names in said.items())
-    meta = resolve_meta(root, layout, preset, label_map=label_map, ignore_value=ignore_value,
-                        found=f"found the {layout} layout ({seen}); ")  # fmt: skip
-    report = CheckReport(root, layout, meta, label_format=label_format, folders=folders)
-    report.problems += unlabelled
+    return (
+        layout,
+        {s: scans.get(s) or discover(root, split=s, layout=layout) for s in splits},
+        unlabelled,
+    )
+
+
+def _read_splits(
+    report: CheckReport, root: Path, layout: str, scans: dict, bit_depth: int | None,
+    progress: ProgressMode,
+) -> list[str]:  # fmt: skip
+    """Read ``scans``' pairs into ``report``; return the split-overlap problem, if any."""
     sources: dict[Path, str] = {}
     images: dict[str, set[Path]] = {}  # per split, for the overlap check
+    hists: dict[str, np.ndarray] = {}
     for split, found in scans.items():
         if found.source is not None and found.source in sources:  # a flat folder: checked once
-            report.split_histograms[split] = report.split_histograms[sources[found.source]]
+            hist = hists[sources[found.source]]
+            report.split_histograms[split] = report.split_histograms.get(split, 0) + hist
             report.folders.pop(split, None)
             continue
         if found.source is not None:
@@ -123,43 +155,26 @@ def check_dataset(
         if found.split_missing and (m := missing_split(root, split, layout)):
             found.problems += [str(m)] if str(m) not in found.problems else []
         report.problems += found.problems
-        report.pairs[split] = len(found.samples)
+        report.pairs[split] = report.pairs.get(split, 0) + len(found.samples)
         if not found.samples and not found.problems:
             report.problems.append(f"{found.source or root}: split {split!r} is empty; add pairs")
         images[split] = {Path(img).resolve() for img, _ in found.samples}
-        hist, report.largest[split], ranges = _read_pairs(
-            report, found.samples, f"check {split}", bit_depth, progress
-        )
-        report.split_histograms[split] = hist
+        hist, (h, w), ranges = _empty_histogram(), report.largest.get(split, (0, 0)), []
+        for img_path, label_path in track(found.samples, desc=f"check {split}", mode=progress):
+            image, label, problems, values = inspect_pair(img_path, label_path, report.meta,
+                label_format=report.label_format, bit_depth=bit_depth)  # fmt: skip
+            report.problems += problems
+            hist += np.bincount(label.ravel(), minlength=256) if label is not None else 0
+            if image is not None:
+                h, w = max(h, image.shape[0]), max(w, image.shape[1])
+            ranges += [values] if values else []
+        report.largest[split] = (h, w)
+        report.split_histograms[split] = report.split_histograms.get(split, 0) + hist
+        hists[split] = hist
         if ranges:
             report.values[split] = _value_range(ranges, bit_depth)
         report.histogram += hist
-    report.problems = _class_problems(report) + report.problems
-    present = set(np.flatnonzero(report.histogram[: meta.num_classes]).tolist())
-    report.collapsed = one_class_warning(label_map or {}, present, meta) or None
-    report.split_overlap = _split_overlap(root, images)
-    if report.split_overlap:
-        report.problems.append(report.split_overlap)
-    return report
-
-
-def _read_pairs(
-    report: CheckReport, pairs: list, desc: str, bit_depth: int | None, progress: ProgressMode
-) -> tuple[np.ndarray, tuple[int, int], list[tuple[str, int, int]]]:
-    """Read ``pairs`` into the report's problems: ``(histogram, largest (H, W), value ranges)``."""
-    hist, largest, ranges = _empty_histogram(), (0, 0), []
-    for img_path, label_path in track(pairs, desc=desc, mode=progress):
-        image, label, problems, values = inspect_pair(
-            img_path, label_path, report.meta, label_format=report.label_format,
-            bit_depth=bit_depth,
-        )  # fmt: skip
-        report.problems += problems
-        if label is not None:
-            hist += np.bincount(label.ravel(), minlength=256)
-        if image is not None:
-            largest = (max(largest[0], image.shape[0]), max(largest[1], image.shape[1]))
-        ranges += [values] if values else []
-    return hist, largest, ranges
+    return [o] if (o := _split_overlap(root, images)) else []
 
 
 def _split_overlap(root: Path, images: Mapping[str, set[Path]]) -> str | None:
@@ -228,34 +243,6 @@ def _class_problems(report: CheckReport) -> list[str]:
         )
         problems.append(report.absent_classes)
     return problems
-
-
-def combine_reports(reports: Sequence[CheckReport]) -> CheckReport:
-    """One report over the roots of a mixed dataset: counts added up, dataset-level problems
-    found again over all of them."""
-    if len(reports) == 1:
-        return reports[0]
-    first = reports[0]
-    meta = one_class_set([(r.root, r.meta) for r in reports], label_format=first.label_format)
-    combined = CheckReport(first.root, first.layout, meta, label_format=first.label_format)
-    for r in reports:
-        for split, n in r.pairs.items():
-            combined.pairs[split] = combined.pairs.get(split, 0) + n
-        own = {r.absent_classes, f"{r.root}: {r.binary_mask}", r.split_overlap}
-        combined.problems += [p for p in r.problems if p not in own]
-        combined.histogram += r.histogram
-        for split, hist in r.split_histograms.items():
-            combined.split_histograms.setdefault(split, _empty_histogram())
-            combined.split_histograms[split] += hist
-        for split, (h, w) in r.largest.items():
-            top = combined.largest.get(split, (0, 0))
-            combined.largest[split] = (max(top[0], h), max(top[1], w))
-    combined.problems = _class_problems(combined) + combined.problems
-    overlaps = [r.split_overlap for r in reports if r.split_overlap]
-    if overlaps:
-        combined.split_overlap = "; ".join(overlaps)
-        combined.problems.append(combined.split_overlap)
-    return combined
 
 
 def require_trainable(report: CheckReport, train_split: str) -> None:

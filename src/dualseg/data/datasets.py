@@ -46,12 +46,8 @@ def resolve_meta(
 ) -> DatasetMeta:
     """The given preset, else ROOT/meta.json, else the layout's preset; then the overrides.
     ``found``: what the scan recognised, said first when no description exists."""
-    if isinstance(preset, DatasetMeta):
-        meta: DatasetMeta | None = preset
-    elif preset is not None:
-        meta = preset_for(root, preset)
-    else:
-        meta = dataset_meta(root, layout=layout)
+    meta = preset_for(root, preset) if isinstance(preset, str) else preset
+    meta = dataset_meta(root, layout=layout) if meta is None else meta
     if meta is None:
         raise DataError(
             f"{root}: {found}no {meta_path(Path(root))} describes the classes (name, class_names, "
@@ -70,26 +66,20 @@ def preset_for(root: str | Path | None, preset: str) -> DatasetMeta:
     """The preset ``preset``, refused when ROOT/meta.json names other classes or reads a raw
     value as another class (another tool's meta.json does not count)."""
     named = get_preset(preset)
-    if root is None:
-        return named
-    root = Path(root)
-    meta_file = meta_path(root)
-    if not meta_file.is_file():
-        return named
+    meta_file = meta_path(Path(root)) if root is not None else None
     try:
-        own = load_meta_file(meta_file)
+        own = load_meta_file(meta_file) if meta_file and meta_file.is_file() else None
     except DataError:
+        own = None
+    if own is None:
         return named
-    if tuple(own.class_names) != tuple(named.class_names):
-        raise DataError(
-            f"--preset {preset} has the classes {list(named.class_names)} but {meta_file} says "
-            f"{list(own.class_names)}; leave --preset out to read {meta_file}, or fix it"
-        )
     ours, theirs = own.lookup_table(), named.lookup_table()
-    if ((ours != theirs) & (ours >= 0) & (theirs >= 0)).any():  # a value only one reads is fine
+    same = own.class_names == named.class_names
+    if not same or ((ours != theirs) & (ours >= 0) & (theirs >= 0)).any():  # a value only one reads
+        a, b = (m.describe_mapping() if same else list(m.class_names) for m in (named, own))
         raise DataError(
-            f"--preset {preset} reads the labels as {named.describe_mapping()} but {meta_file} "
-            f"says {own.describe_mapping()}; leave --preset out to read {meta_file}, or fix it"
+            f"--preset {preset} {'reads the labels as' if same else 'has the classes'} {a} but "
+            f"{meta_file} says {b}; leave --preset out to read {meta_file}, or fix it"
         )
     return named
 
@@ -98,13 +88,10 @@ def dataset_meta(
     root: str | Path, *, layout: str = "auto", split: str = "train"
 ) -> DatasetMeta | None:
     """The classes ``root`` describes itself (meta.json or its layout's preset), else None."""
-    root = Path(root)
-    meta_file = meta_path(root)
+    meta_file = meta_path(Path(root))
     if meta_file.is_file():
         return load_meta_file(meta_file)
-    if layout == "auto":
-        layout = detect(root, split) or "auto"
-    return PRESETS.get(layout)
+    return PRESETS.get(detect(Path(root), split) or "" if layout == "auto" else layout)
 
 
 def check_split_name(split: str) -> None:
@@ -172,12 +159,6 @@ class SegmentationDataset(torch.utils.data.Dataset):
         with seeded(sample_seed(self.seed, index=index, epoch=self.epoch)):
             return self.transform(image, label)
 
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}({self.meta.name}, {len(self.samples)} pairs, "
-            f"len={len(self)}, transform={self.transform!r})"
-        )
-
 
 Roots = str | Path | Sequence[str | Path]
 
@@ -225,10 +206,8 @@ def build_dataset(
                 "out images of another split; set val_fraction to 0 (or merge the splits)"
             )
         found = discover(r, split="train" if val_fraction else split, layout=layout)
-        if found.split_missing:
-            missing = missing_split(Path(r), split, layout)
-            if missing is not None:
-                raise missing
+        if found.split_missing and (missing := missing_split(Path(r), split, layout)):
+            raise missing
         if found.problems:
             more = len(found.problems) - 1
             raise DataError(

@@ -22,14 +22,10 @@ def infer_meta(root: str | Path, *, layout: str, splits: Iterable[str]) -> Datas
     if layout == "auto":
         layout = detect_any_split(root, splits)
     labels = {label for s in splits for _, label in discover(root, split=s, layout=layout).samples}
-    values: set[int] = set()
+    found: set[int] = set()
     for label in sorted(labels):  # a flat folder serves every split: each file read once
-        values |= {int(v) for v in raw_label_values(label)}
-    return meta_from_values(sorted(values), name=(root.parent if root.is_file() else root).name)
-
-
-def meta_from_values(values: list[int], *, name: str) -> DatasetMeta:
-    """A description of labels holding the raw ``values`` (sorted)."""
+        found |= {int(v) for v in raw_label_values(label)}
+    values = sorted(found)
     if len(values) < 2 or values[-1] > IGNORE_INDEX:
         why = "values above 255 fit no class id" if len(values) > 1 else "one value, one class"
         raise DataError(
@@ -43,7 +39,7 @@ def meta_from_values(values: list[int], *, name: str) -> DatasetMeta:
     label_map = {} if classes == list(range(k)) else {v: i for i, v in enumerate(classes)}
     names = ("background", "foreground") if k == 2 else tuple(f"class_{i}" for i in range(k))
     return DatasetMeta(
-        name=name or "dataset",
+        name=(root.parent if root.is_file() else root).name or "dataset",
         class_names=names,
         palette=((0, 0, 0), (255, 255, 255)) if k == 2 else voc_palette(k),
         ignore_value=None if IGNORE_INDEX in label_map else IGNORE_INDEX,  # 255: a class here

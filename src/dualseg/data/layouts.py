@@ -61,37 +61,25 @@ def _files_by_stem(folder: Path) -> dict[str, list[Path]]:
     return by_stem
 
 
-def _stem_pair(where: str, stem: str, folders: list[tuple[Path, dict]]) -> Pair | str:
-    """The image and label of a stem list's line in the split's ``folders``, else a problem."""
-    if not folders:
-        return (
-            f"{where}: {stem!r} is a file stem, found in images/ + labels/ (or masks/) beside the "
-            "list file, which are missing; add them, or write 'image_path label_path'"
-        )
-    pair = [by_stem.get(stem, []) for _, by_stem in folders]
-    for (folder, _), paths in zip(folders, pair):
-        if len(paths) != 1:
-            names = ", ".join(p.name for p in paths)
-            return f"{where}: stem {stem!r} is " + (
-                f"{len(paths)} files in {folder} ({names}); keep one"
-                if paths else f"in no file of {folder}; add it or remove the line"
-            )  # fmt: skip
-    return pair[0][0], pair[1][0]
-
-
 def _read_list(list_file: Path, found: Discovery) -> None:
     folders = None  # a stem list's: the folder layout's for its split, read once
     for n, line in enumerate(_list_lines(list_file), start=1):
         parts, where = line.split(), f"{list_file}:{n}"
         if not parts or parts[0].startswith("#"):
             continue
-        if len(parts) == 1 and _is_stem(parts[0]):
-            if folders is None:
-                dirs = _folder_pair_dirs(list_file.parent, list_file.stem, lists=False) or ()
-                folders = [(d, _files_by_stem(d)) for d in dirs]
-            pair = _stem_pair(where, parts[0], folders)
-            found.samples += [pair] if isinstance(pair, tuple) else []
-            found.problems += [pair] if isinstance(pair, str) else []
+        stem = parts[0] if len(parts) == 1 and _is_stem(parts[0]) else None
+        if stem and folders is None:
+            dirs = _folder_pair_dirs(list_file.parent, list_file.stem, lists=False) or ()
+            folders = [(d, _files_by_stem(d)) for d in dirs]
+        if stem and folders:  # mmsegmentation's split files: stems of images/ + labels/
+            pair = [by_stem.get(stem, []) for _, by_stem in folders]
+            if all(len(paths) == 1 for paths in pair):
+                found.samples.append((pair[0][0], pair[1][0]))
+                continue
+            folder, paths = next((f, p) for (f, _), p in zip(folders, pair) if len(p) != 1)
+            found.problems.append(f"{where}: stem {stem!r} is " + (
+                f"{len(paths)} files in {folder}; keep one" if paths
+                else f"in no file of {folder}; add it or remove the line"))  # fmt: skip
         elif len(parts) != 2:  # "images/a b.png labels/a b.png": where does a path end?
             found.problems.append(
                 f"{where}: expected 'image_path label_path', got {len(parts)} fields in "
@@ -113,9 +101,8 @@ def _add_listed(found: Discovery, pair: Pair, where: str) -> None:
 
 def _scan_list(root: Path, split: str) -> Discovery:
     list_file = root if root.is_file() else root / f"{split}.txt"
-    found = Discovery("list", source=list_file)
-    if not list_file.is_file():
-        found.split_missing = True
+    found = Discovery("list", source=list_file, split_missing=not list_file.is_file())
+    if found.split_missing:
         found.problems.append(f"{list_file}: list file not found; create it or pass another split")
     else:
         _read_list(list_file, found)
@@ -148,36 +135,29 @@ def _pair_in(base: Path, sub: str = "") -> tuple[Path, Path] | None:
 def _is_list_file(path: Path) -> bool:
     """Whether ``path``'s first entry is an ``image label`` line or an image's stem."""
     try:
-        with path.open(encoding="utf-8-sig") as f:
-            for line in f:
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    parts = line.split()
-                    if len(parts) == 1 and _is_stem(parts[0]):
-                        dirs = _folder_pair_dirs(path.parent, path.stem, lists=False)
-                        return dirs is not None and any(dirs[0].glob(f"{glob.escape(parts[0])}.*"))
-                    return len(parts) == 2 and all(
-                        Path(x).suffix.lower() in IMAGE_SUFFIXES for x in parts
-                    )
+        lines = [t.split() for t in path.read_text(encoding="utf-8-sig").splitlines()]
     except (OSError, UnicodeDecodeError):
         return False
-    return False
+    parts = next((p for p in lines if p and not p[0].startswith("#")), [])
+    if len(parts) == 1 and _is_stem(parts[0]):
+        dirs = _folder_pair_dirs(path.parent, path.stem, lists=False)
+        return dirs is not None and any(dirs[0].glob(f"{glob.escape(parts[0])}.*"))
+    return len(parts) == 2 and all(Path(x).suffix.lower() in IMAGE_SUFFIXES for x in parts)
 
 
 def _subdirs(folder: Path) -> list[Path]:
-    if not folder.is_dir():
-        return []
-    return sorted(d for d in folder.iterdir() if d.is_dir() and not d.name.startswith("."))
+    found = folder.iterdir() if folder.is_dir() else ()
+    return sorted(d for d in found if d.is_dir() and not d.name.startswith("."))
 
 
 def _declares_splits(root: Path, *, lists: bool = True) -> bool:
     """Whether ``root`` names splits of its own (split subfolders, or with ``lists`` list files):
     then a flat image folder stands in for no split."""
-    if any(_pair_in(d) for d in _subdirs(root)):
-        return True
-    if any(_pair_in(root, d.name) for name in IMAGE_DIRS for d in _subdirs(root / name)):
-        return True
-    return lists and root.is_dir() and any(_is_list_file(p) for p in root.glob("*.txt"))
+    return (
+        any(_pair_in(d) for d in _subdirs(root))
+        or any(_pair_in(root, d.name) for name in IMAGE_DIRS for d in _subdirs(root / name))
+        or (lists and root.is_dir() and any(_is_list_file(p) for p in root.glob("*.txt")))
+    )
 
 
 def _folder_pair_dirs(root: Path, split: str, *, lists: bool = True) -> tuple[Path, Path] | None:
@@ -282,15 +262,6 @@ def _scan_cityscapes(root: Path, split: str) -> Discovery:
                 f"{label}: train-id label not found; create the *_labelTrainIds.png files with "
                 "cityscapesscripts' createTrainIdLabelImgs"
             )
-    if (
-        not found.samples
-        and not found.problems
-        and (others := sorted(img_dir.glob("*/*_leftImg8bit.*")))
-    ):
-        found.problems.append(  # converted to JPEG
-            f"{img_dir}: only *_leftImg8bit.png images are read, not {others[0].name} and its "
-            f"{len(others) - 1} other(s); use the original PNGs, or a list file (--layout list)"
-        )
     return found
 
 
@@ -372,13 +343,10 @@ def missing_split(root: Path, split: str, layout: str = "auto") -> DataError | N
     """The error for an absent ``split`` when others exist (or only its labels are absent)."""
     if layout in ("auto", "folder") and (unlabelled := unlabelled_split(root, split)):
         return DataError(unlabelled)
-    others = [s for s in available_splits(root, layout) if s != split]
-    if not others:
-        return None
-    return DataError(
-        f"{root}: has no split {split!r} (splits found: {', '.join(others)}); pass one of "
-        "them as --split"
-    )
+    if others := [s for s in available_splits(root, layout) if s != split]:
+        return DataError(f"{root}: has no split {split!r} (splits found: {', '.join(others)}); "
+                         "pass one of them as --split")  # fmt: skip
+    return None
 
 
 def detect_layout(root: str | Path, split: str = "train") -> str:
@@ -389,8 +357,7 @@ def detect_layout(root: str | Path, split: str = "train") -> str:
         return layout
     if not root.exists():
         raise DataError(f"{root}: dataset folder not found; check the path")
-    missing = missing_split(root, split)
-    if missing is not None:
+    if missing := missing_split(root, split):
         raise missing
     raise DataError(
         f"{root}: cannot tell the dataset layout for split {split!r} ({seen_folders(root)}): "
@@ -403,12 +370,8 @@ def detect_layout(root: str | Path, split: str = "train") -> str:
 
 def detect_any_split(root: Path, splits: tuple[str, ...]) -> str:
     """The layout of the first recognisable split; an error names the first split."""
-    for split in splits:
-        try:
-            return detect_layout(root, split)
-        except DataError:
-            continue
-    return detect_layout(root, splits[0])
+    found = next((kind for split in splits if (kind := detect(root, split))), None)
+    return found or detect_layout(root, splits[0])
 
 
 def discover(root: str | Path, *, split: str = "train", layout: str = "auto") -> Discovery:

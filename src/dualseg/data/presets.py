@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
@@ -28,12 +28,12 @@ class DatasetMeta:
     name: str
     class_names: tuple[str, ...]
     palette: tuple[Color, ...]  # one RGB colour per class
-    ignore_index: int = IGNORE_INDEX  # always 255 internally
     source_ignore: tuple[int, ...] = ()  # raw label values mapped to 255 (CamVid: (11,))
     void_colors: tuple[Color, ...] = field(default=())  # colours decoded to 255 (colour labels)
     ignore_value: int | None = IGNORE_INDEX  # the raw value meaning ignore (None: none)
     label_map: tuple[tuple[int, int], ...] = ()  # (raw value, class id or 255), applied last
     reduce_zero_label: bool = False  # raw 0 -> 255, raw v -> class v - 1 (ADE20K)
+    ignore_index: ClassVar[int] = IGNORE_INDEX  # the class id of "ignore", always 255
 
     def __post_init__(self) -> None:
         if len(self.palette) != len(self.class_names):
@@ -41,16 +41,9 @@ class DatasetMeta:
                 f"dataset {self.name!r}: {len(self.class_names)} class names but "
                 f"{len(self.palette)} palette colours; give one RGB colour per class"
             )
-        if self.ignore_index != IGNORE_INDEX:
-            raise DataError(
-                f"dataset {self.name!r}: ignore_index must be {IGNORE_INDEX} internally; "
-                f"map your raw ignore value through source_ignore=({self.ignore_index},) instead"
-            )
         if not 0 < len(self.class_names) < IGNORE_INDEX:
             raise DataError(f"dataset {self.name!r}: needs 1..254 classes")
-        raw = [*self.source_ignore, *(s for s, _ in self.label_map)]
-        if self.ignore_value is not None:
-            raw.append(self.ignore_value)
+        raw = [*self.source_ignore, *(s for s, _ in self.label_map), self.ignore_value or 0]
         bad = [v for v in raw if not 0 <= v <= 255]
         bad += [d for _, d in self.label_map if not (0 <= d < self.num_classes or d == 255)]
         if bad:
@@ -62,14 +55,15 @@ class DatasetMeta:
     def require_distinct_colours(self) -> None:
         """Each colour means one thing (needed to decode colour labels, not to draw)."""
         owner: dict[tuple[int, ...], str] = {}
-        voids = [(None, c) for c in self.void_colors]
-        for name, colour in [*zip(self.class_names, self.palette), *voids]:
-            if (c := tuple(colour)) in owner:
-                what = (
-                    f"void colour {c} is also class {owner[c]!r}'s palette colour"
-                    if name is None
-                    else f"classes {owner[c]!r} and {name!r} share the palette colour {c}"
-                )
+        for name, colour in [
+            *zip(self.class_names, self.palette),
+            *((None, c) for c in self.void_colors),
+        ]:
+            c = tuple(colour)
+            if c in owner:
+                what = (f"void colour {c} is also class {owner[c]!r}'s palette colour"
+                        if name is None else f"classes {owner[c]!r} and {name!r} share the "
+                        f"palette colour {c}")  # fmt: skip
                 raise DataError(f"dataset {self.name!r}: {what}; give each class its own colour")
             if name is not None:
                 owner[c] = name
@@ -79,11 +73,9 @@ class DatasetMeta:
         lut = np.full(256, -1, dtype=np.int16)
         first = int(self.reduce_zero_label)
         lut[first : first + self.num_classes] = np.arange(self.num_classes)
-        if self.reduce_zero_label:
-            lut[0] = IGNORE_INDEX
+        lut[[0] * self.reduce_zero_label + list(self.source_ignore)] = IGNORE_INDEX
         if self.ignore_value is not None:
             lut[self.ignore_value] = IGNORE_INDEX
-        lut[list(self.source_ignore)] = IGNORE_INDEX
         for src, dst in self.label_map:
             lut[src] = dst
         return lut
@@ -96,15 +88,19 @@ class DatasetMeta:
     def describe_ignore(self) -> str:
         """The raw values that mean ignore, for messages: ``"255, 11"`` or ``"none"``."""
         raw = [0] * self.reduce_zero_label + [self.ignore_value, *self.source_ignore]
-        lut = self.lookup_table()  # a label_map entry may map one of them to a class
-        raw = [v for v in dict.fromkeys(raw + [s for s, _ in self.label_map]) if v is not None]
-        return ", ".join(str(v) for v in raw if lut[v] == IGNORE_INDEX) or "none"
+        lut, raw = self.lookup_table(), raw + [s for s, _ in self.label_map]
+        return (
+            ", ".join(str(v) for v in dict.fromkeys(raw) if v is not None and lut[v] == 255)
+            or "none"
+        )
 
     def describe_mapping(self) -> str:
         """The whole raw-value mapping in a few words, for messages."""
         first = int(self.reduce_zero_label)
-        parts = [f"classes {first}..{first + self.num_classes - 1}"]
-        parts.append(f"ignore {self.describe_ignore()}")
+        parts = [
+            f"classes {first}..{first + self.num_classes - 1}",
+            f"ignore {self.describe_ignore()}",
+        ]
         if self.label_map:
             parts.append("label_map " + ",".join(f"{s}:{d}" for s, d in self.label_map))
         return ", ".join(parts)
@@ -131,6 +127,13 @@ class DatasetMeta:
         """Read the ``meta.json`` form."""
         try:
             ignore = d.get("ignore_index", IGNORE_INDEX)
+            label_map = d.get("label_map") or {}
+            if not isinstance(label_map, Mapping):
+                raise DataError(f'label_map must be an object like {{"255": 1}}, got {label_map!r}')
+            pairs = [(int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k, k, v)
+                     for k, v in label_map.items()]  # fmt: skip
+            mapping = [(_int(r, f"label_map key {k!r}"), _int(v, f"label_map[{k!r}]"))
+                       for r, k, v in pairs]  # fmt: skip
             return cls(
                 name=str(d["name"]),
                 class_names=_class_names(d["class_names"]),
@@ -138,8 +141,10 @@ class DatasetMeta:
                 source_ignore=tuple(_int(v, "source_ignore") for v in d.get("source_ignore", ())),
                 void_colors=_colors(d.get("void_colors", ()), "void_colors"),
                 ignore_value=None if ignore is None else _int(ignore, "ignore_index"),
-                label_map=_label_map_items(_meta_label_map(d.get("label_map") or {})),
-                reduce_zero_label=_bool(d.get("reduce_zero_label", False), "reduce_zero_label"),
+                label_map=tuple(sorted(mapping)),
+                reduce_zero_label=_int(
+                    d.get("reduce_zero_label", False), "reduce_zero_label", bool
+                ),
             )
         except DataError:
             raise
@@ -150,38 +155,21 @@ class DatasetMeta:
             ) from err
 
 
-def _int(value: Any, key: str) -> int:
-    """A JSON integer (``int()`` would take 1.9, true and "7")."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise DataError(f"{key} must be an integer, got {value!r}; write e.g. 255")
+def _int(value: Any, key: str, kind: type = int) -> Any:
+    """A JSON integer (``int()`` would take 1.9, true and "7"), or with ``kind=bool`` a boolean."""
+    if isinstance(value, bool) is not (kind is bool) or not isinstance(value, kind):
+        what = "true or false (a JSON boolean)" if kind is bool else "an integer"
+        raise DataError(f"{key} must be {what}, got {value!r}")
     return value
-
-
-def _bool(value: Any, key: str) -> bool:
-    if not isinstance(value, bool):
-        raise DataError(f"{key} must be true or false (a JSON boolean), got {value!r}")
-    return value
-
-
-def _meta_label_map(value: Any) -> dict[int, int]:
-    """meta.json's ``label_map``: ``{"raw": class_id}``."""
-    if not isinstance(value, Mapping):
-        raise DataError(f'label_map must be an object like {{"255": 1}}, got {value!r}')
-    mapping: dict[int, int] = {}
-    for key, dst in value.items():
-        raw = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
-        mapping[_int(raw, f"label_map key {key!r}")] = _int(dst, f"label_map[{key!r}]")
-    return mapping
 
 
 def _class_names(value: Any) -> tuple[str, ...]:
     """meta.json's ``class_names``: a list of unique strings."""
     if not isinstance(value, list | tuple) or not all(isinstance(c, str) for c in value):
         raise DataError(
-            f'class_names must be a list of strings, got {value!r}; write e.g. ["road", "car"]'
+            f'class_names must be a list of strings, got {value!r}; e.g. ["road", "car"]'
         )
-    twice = [name for i, name in enumerate(value) if name in value[:i]]
-    if twice:
+    if twice := [name for i, name in enumerate(value) if name in value[:i]]:
         raise DataError(f"class_names lists {twice[0]!r} twice; give each class a unique name")
     return tuple(value)
 
@@ -191,11 +179,8 @@ def _colors(value: Any, key: str) -> tuple[Color, ...]:
         raise DataError(f"{key} must be a list of [r, g, b] colours, got {value!r}")
     for i, c in enumerate(value):
         ok = isinstance(c, list | tuple) and len(c) == 3
-        ok = ok and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= 255 for v in c)
-        if not ok:
-            raise DataError(
-                f"{key}[{i}] must be [r, g, b] with 3 integers 0..255, got {c!r}; fix the colour"
-            )
+        if not ok or not all(type(v) is int and 0 <= v <= 255 for v in c):
+            raise DataError(f"{key}[{i}] must be [r, g, b] with 3 integers 0..255, got {c!r}")
     return tuple((c[0], c[1], c[2]) for c in value)
 
 
@@ -341,10 +326,6 @@ def without_source_ignore(meta: DatasetMeta) -> DatasetMeta:
     )
 
 
-def _label_map_items(mapping: Mapping[Any, Any]) -> tuple[tuple[int, int], ...]:
-    return tuple(sorted((int(s), int(d)) for s, d in mapping.items()))
-
-
 def parse_label_map(text: str) -> dict[int, int]:
     """``"255:1"`` or ``"255:1,128:2"`` -> ``{255: 1, 128: 2}`` (raw value -> class id)."""
     mapping: dict[int, int] = {}
@@ -376,7 +357,7 @@ def with_label_mapping(
             f"{mapped[v]} (--label-map {v}:{mapped[v]}): drop one of the two"
         )
     if mapped:
-        meta = replace(meta, label_map=_label_map_items({**dict(meta.label_map), **mapped}))
+        meta = replace(meta, label_map=tuple(sorted({**dict(meta.label_map), **mapped}.items())))
     if ignore_value != "auto":
         meta = replace(meta, ignore_value=None if ignore_value is None else int(ignore_value))
     return meta

@@ -107,16 +107,11 @@ def _check_palette_indices(
     for i, c in zip(used.tolist(), colours):
         k = int(table[i])
         if c not in strays and 0 <= k < meta.num_classes and of_class.get(c) != k:
-            drawn = f"class {meta.class_names[of_class[c]]!r}" if c in of_class else "void"
-            others = ""
-            if strays:
-                shown = ", ".join(map(str, strays[:3])) + (" ..." if len(strays) > 3 else "")
-                others = f" (its {len(strays)} other colour(s), {shown}, are no class's: fix them)"
+            fix = f" and fix its colours of no class ({', '.join(map(str, strays[:3]))})"
             raise DataError(
-                f"{path}: a palette image drawn in the {meta.name!r} colours at other indices "
-                f"(index {i}, class {meta.class_names[k]!r}, is drawn in {drawn}'s colour "
-                f"{c}): a colour-coded label; pass --label-format color to read its colours"
-                f"{others}"
+                f"{path}: index {i} (class {meta.class_names[k]!r}) is drawn in another "
+                f"{meta.name!r} colour {c}: a colour-coded label; pass --label-format color"
+                + (fix if strays else "")
             )
 
 
@@ -126,19 +121,15 @@ def _check_grey_palette(path: Path, pal: np.ndarray, used: np.ndarray, meta: Dat
     grey = pal[used, 0]
     if not (pal[used] == grey[:, None]).all() or np.array_equal(grey, used):
         return  # colours of its own, or grey levels equal to the indices: unambiguous
-    table = meta.lookup_table()  # raw value -> class, 255 (ignore) or -1 (no class)
+    table, n = meta.lookup_table(), meta.num_classes  # raw value -> class, 255 or -1
     as_index, as_grey = table[used], table[grey]
-
-    def classes(values: np.ndarray) -> bool:
-        return bool(((values >= 0) & (values < meta.num_classes)).all())
-
-    if classes(as_grey) and classes(as_index) and (as_grey != as_index).any():
+    both = (as_index >= 0) & (as_index < n) & (as_grey >= 0) & (as_grey < n)
+    if both.all() and (as_grey != as_index).any():
         i = int(np.flatnonzero(as_grey != as_index)[0])
         raise DataError(
             f"{path}: a palette label drawn in grey levels that are other classes than its "
-            f"indices (index {used[i]} is drawn as grey {grey[i]}): re-encoded by a quantizer? "
-            "Both readings are labels; save it as 8-bit greyscale (mode L) holding the class "
-            "indices"
+            f"indices (index {used[i]} is drawn as grey {grey[i]}); save it as 8-bit greyscale "
+            "(mode L) holding the class indices"
         )
 
 
@@ -245,16 +236,12 @@ def _decode_label(
 
 
 def _orientation_mismatch(img_path: Path, turn: int, label_path: Path, label_turn: int) -> str:
-    if turn == 1:  # only the label has one
-        return (
-            f"{label_path}: its EXIF orientation {label_turn} would turn it relative to its image "
-            f"{img_path} (which has none); strip the tag from the label"
-        )
-    other = "none" if label_turn == 1 else f"orientation {label_turn}"
+    a, ta, b, tb = (label_path, label_turn, img_path, turn) if turn == 1 else (
+        img_path, turn, label_path, label_turn)  # fmt: skip
+    has, its = "none" if tb == 1 else f"orientation {tb}", "label" if b == label_path else "image"
     return (
-        f"{img_path}: its EXIF orientation {turn} would turn it relative to its label "
-        f"{label_path} (which has {other}); strip the tag, save the image upright, or give the "
-        "label the same turn and tag"
+        f"{a}: its EXIF orientation {ta} would turn it relative to its {its} {b} "
+        f"(which has {has}); strip the tag, or give both files the same one"
     )
 
 
@@ -302,14 +289,7 @@ def inspect_pair(
         else:  # the same tag on both: turned alike
             label = _decode_label(label_path, lab, meta, label_format, turn=label_turn != 1)
     except DataError as err:
-        message = str(err)
-        if im is not None and _swapped(im, label_path, label_format, meta):
-            message = (
-                f"{label_path}: read as the label, it is a colour picture, and its image "
-                f"{img_path} is single-channel, as a label is: are the two swapped? A list "
-                "file's lines are 'image_path label_path', image first"
-            )
-        problems.append(message)
+        problems.append(str(err))
     if image is not None and label is not None and image.shape[:2] != label.shape:
         (h, w), (lh, lw) = image.shape[:2], label.shape
         problems.append(
@@ -317,22 +297,6 @@ def inspect_pair(
             "(WxH); resize the label with nearest-neighbour or fix the pairing"
         )
     return image, label, problems, values
-
-
-def _swapped(im: Image.Image, label_path: Path, label_format: str, meta: DatasetMeta) -> bool:
-    """Whether a failed pair looks swapped: a single-channel "image" and a colour "label" mostly
-    of no dataset colour (a colour-coded label's are)."""
-    if label_format != "index" or im.mode not in {"L", "P", "1", *SIXTEEN_BIT_MODES}:
-        return False
-    try:
-        with Image.open(label_path) as lab:
-            if lab.mode not in {"RGB", "RGBA", "CMYK", "YCbCr"}:
-                return False
-            rgb = np.asarray(lab.convert("RGB"), np.int64)
-    except Exception:  # unreadable: its own error stands
-        return False
-    keys = _rgb_keys(np.asarray([*meta.palette, *meta.void_colors]).reshape(-1, 3))
-    return bool(np.isin(_rgb_keys(rgb), keys).mean() < 0.5)
 
 
 def read_pair(

@@ -35,8 +35,7 @@ class RandomScale(v2.Transform):
 
     def __init__(self, scale_range: tuple[float, float] = (0.5, 2.0)) -> None:
         super().__init__()
-        lo, hi = scale_range
-        self.scale_range = (float(lo), float(hi))
+        self.scale_range = (float(scale_range[0]), float(scale_range[1]))
 
     def make_params(self, flat_inputs: list[Any]) -> dict[str, Any]:
         h, w = v2.query_size(flat_inputs)
@@ -80,9 +79,6 @@ class _Joint:
         lbl = tv_tensors.Mask(torch.from_numpy(np.ascontiguousarray(label)))
         img, lbl = self.pipeline(img, lbl)
         return img.as_subclass(Tensor), lbl.as_subclass(Tensor)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.pipeline})"
 
 
 def build_augment_pipeline(
@@ -172,19 +168,6 @@ def sample_seed(seed: int, *, index: int, epoch: int = 0) -> int:
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Run a block with torch's CPU generator seeded, restoring the caller's state afterwards."""
-    state = torch.get_rng_state()
-    torch.manual_seed(seed)
-    try:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
         yield
-    finally:
-        torch.set_rng_state(state)
-
-
-def denormalize(
-    image: Tensor, mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD
-) -> np.ndarray:
-    """Normalized float ``[3,H,W]`` -> ``uint8 HxWx3`` (for viewing and for writing to disk)."""
-    m = torch.tensor(mean, dtype=image.dtype).view(3, 1, 1)
-    s = torch.tensor(std, dtype=image.dtype).view(3, 1, 1)
-    out = (image * s + m).clamp(0, 1).mul(255).round().to(torch.uint8)
-    return out.permute(1, 2, 0).contiguous().numpy()

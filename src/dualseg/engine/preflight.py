@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 
 from dualseg.console import ProgressMode
 from dualseg.data import build_dataset
-from dualseg.data.check import check_dataset, combine_reports, require_trainable
+from dualseg.data.check import check_dataset, require_trainable
 from dualseg.data.collate import SameSizeCollate
 from dualseg.data.presets import parse_label_map
 from dualseg.engine import checkpoint as ckpt_io
@@ -61,12 +61,7 @@ def check_training_data(
     # a held-out fraction is part of the training split's files
     named = (d.train_split,) if d.val_fraction > 0 else (d.train_split, d.val_split)
     splits = tuple(dict.fromkeys(s for s in named if s))
-    roots = [d.root] if isinstance(d.root, str) else list(d.root)
-    reports = [
-        check_dataset(root, splits=splits, progress=progress, **dataset_options(d))
-        for root in roots
-    ]
-    report = combine_reports(reports)
+    report = check_dataset(d.root, splits=splits, progress=progress, **dataset_options(d))
     require_trainable(report, d.train_split)
     padded = padded_crop(d, report.largest.get(d.train_split))
     for warning in (report.absent_classes, report.split_overlap, padded):
