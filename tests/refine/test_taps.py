@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -198,3 +200,34 @@ def test_refine_apply_crf_writes_the_same_outputs(tmp_path) -> None:
     assert main([*argv, "--device", "cpu", "--quiet"]) == 0
     for kind in ("labels", "color", "overlay", "changed"):
         assert (out / kind / f"{image.stem}.png").is_file()
+
+
+def test_eval_scores_a_python_model_and_its_tap_refiner(tmp_path, capsys) -> None:
+    """``eval -c FILE.py:NAME``: any PyTorch model, its classes from the data's description."""
+    from dualseg.data import make_synthetic_dataset
+
+    data = make_synthetic_dataset(tmp_path / "data", n_train=2, n_val=1, size=(64, 64))
+    spec = tmp_path / "mymodel.py"
+    spec.write_text(
+        "import torch, segmentation_models_pytorch as smp\n"
+        "torch.manual_seed(0)\n"
+        "model = smp.Unet('resnet18', encoder_weights=None, classes=8)\n"
+        "three = smp.Unet('resnet18', encoder_weights=None, classes=3)\n"
+    )
+    out = tmp_path / "r.pt"
+    argv = _fit_argv(data, f"{spec}:model", out)
+    assert main([*argv, "--base-features", "auto", "--decoder-channels", "4"]) == 0
+    plain = tmp_path / "plain"  # a folder that describes no classes
+    for sub in ("images", "labels"):
+        (plain / sub).mkdir(parents=True)
+        (plain / sub / "a.png").write_bytes((data / sub / "val_00000.png").read_bytes())
+    evaluate = ["eval", "-c", f"{spec}:model", "--data", str(plain), "--quiet", "--device", "cpu"]
+    assert main([*evaluate, "--split", "train", "--out", str(tmp_path / "e0")]) == 1
+    assert "carries no class names: pass --preset" in capsys.readouterr().err
+    evaluate[4] = str(data)  # the synthetic layout names its classes
+    assert main([*evaluate, "--refiner", str(out), "--out", str(tmp_path / "e1")]) == 0
+    metrics = json.loads((tmp_path / "e1" / "metrics.json").read_text())
+    assert metrics["num_images"] == 1 and "refined" in metrics
+    evaluate[2] = f"{spec}:three"  # another number of classes than the data names
+    assert main([*evaluate, "--out", str(tmp_path / "e2")]) == 1
+    assert "gives 3 class scores and the data names 8 classes" in capsys.readouterr().err

@@ -14,6 +14,8 @@ from dualseg.commands import common as c
 from dualseg.console import ArgumentParser, argparse_kwargs, progress_mode, track
 from dualseg.data import read_label
 from dualseg.data.collate import SameSizeCollate
+from dualseg.data.contract import LabelContract
+from dualseg.data.datasets import dataset_meta, preset_for
 from dualseg.engine.checkpoint import contract_of
 from dualseg.engine.evaluation import evaluate, format_metrics, model_dataset, sanity_warnings
 from dualseg.engine.outputs import (
@@ -25,12 +27,14 @@ from dualseg.engine.outputs import (
     write_figures,
 )
 from dualseg.engine.preflight import scored_classes_note
-from dualseg.engine.pretrained import load_network
-from dualseg.errors import DataError
+from dualseg.engine.pretrained import is_hub_source, load_network
+from dualseg.errors import ConfigError, DataError
 from dualseg.io import atomic_write_json
 from dualseg.metrics import BOUNDARY_TOLERANCE, MAX_WIDTH, TRIMAP_WIDTH, to_jsonable
 from dualseg.refine import BoundaryRefiner
+from dualseg.refine.base import python_model
 from dualseg.refine.refiner import evaluation_notes
+from dualseg.refine.taps import is_py_spec
 
 ONE_SIZE = "use --batch-size 1 (eval runs each image at its own size)"
 
@@ -46,7 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     add = p.add_argument
-    add("--checkpoint", "-c", required=True, help="checkpoint, pretrained folder or hf://org/name")
+    add(
+        "--checkpoint",
+        "-c",
+        required=True,
+        help="checkpoint, pretrained folder, hf://org/name, or any PyTorch "
+        "model as FILE.py:NAME (classes from --preset or the data's meta.json)",
+    )
     c.add_data_args(p, split="val")
     c.add_label_args(p, source="the checkpoint")
     c.add_pixel_args(p, source="the checkpoint")
@@ -72,6 +82,26 @@ def warn(text: str) -> None:
     print(f"dualseg eval: {text}", file=sys.stderr)
 
 
+def _network(args: argparse.Namespace, device: torch.device) -> tuple[Any, dict[str, Any]]:
+    """The model and its checkpoint; a Python model (``FILE.py:NAME``) has none (empty)."""
+    if is_py_spec(args.checkpoint) and not is_hub_source(args.checkpoint):
+        return python_model(args.checkpoint, flag="--checkpoint").to(device), {}
+    model, _, ckpt = load_network(args.checkpoint, device=device)
+    return model, ckpt
+
+
+def _data_contract(args: argparse.Namespace, label_format: str) -> LabelContract:
+    """A Python model's label contract: the dataset's own, as it carries none."""
+    where = dict(layout=args.layout, split=args.split)
+    meta = preset_for(args.data, args.preset) if args.preset else dataset_meta(args.data, **where)
+    if meta is None:
+        raise ConfigError(
+            f"{args.checkpoint} carries no class names: pass --preset, or describe {args.data} "
+            f"with a meta.json ('dualseg data check {args.data} --write-meta')"
+        )
+    return LabelContract(meta, label_format, args.bit_depth)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate as the command line describes; returns the metrics (also written to disk)."""
     args.split = c.split_of(args.data, args.split, default="val")
@@ -84,11 +114,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         refined=bool(args.refiner), overwrite=args.overwrite,
     )  # fmt: skip
     device = c.apply_runtime(args)
-    model, _, ckpt = load_network(args.checkpoint, device=device)
+    model, ckpt = _network(args, device)
     trained = (ckpt.get("config") or {}).get("data") or {}
     read_as = f"dualseg eval: note: labels read as {args.checkpoint} was trained"
     label_format, label_map, ignore = c.label_settings(args, trained, note=read_as)
-    contract = contract_of(ckpt)
+    contract = contract_of(ckpt) if ckpt else _data_contract(args, label_format)
     flags = (args.label_format, args.label_map, args.bit_depth)
     dataset = model_dataset(
         args.data, split=args.split, layout=args.layout, preset=args.preset, contract=contract,

@@ -30,7 +30,7 @@ from dualseg.data.datasets import dataset_meta, preset_for
 from dualseg.data.presets import require_same_classes
 from dualseg.data.transforms import build_eval_transform
 from dualseg.engine.inference import InferenceOptions, infer_logits
-from dualseg.errors import DataError, DualsegError
+from dualseg.errors import ConfigError, DataError, DualsegError
 from dualseg.metrics import (
     BOUNDARY_TOLERANCE,
     TRIMAP_WIDTH,
@@ -224,6 +224,11 @@ def evaluate(
             n = images.shape[0]
             with _timed(device, ms, n):
                 logits = infer_logits(model, images, amp=amp, **asdict(opts))
+            if logits.shape[1] != num_classes:  # a model that carries no class names
+                raise ConfigError(
+                    f"the model gives {logits.shape[1]} class scores and the data names "
+                    f"{num_classes} classes: evaluate it on the classes it was trained on"
+                )
             if logits.shape[-2:] != labels.shape[-2:]:
                 logits = F.interpolate(
                     logits, labels.shape[-2:], mode="bilinear", align_corners=False

@@ -87,7 +87,9 @@ def require_rgb_input(model: nn.Module, what: str) -> None:
 
 
 def model_logits(output: object, what: str = "the model") -> Tensor:
-    """Logits ``[B,C,h,w]`` from a tensor, torchvision's ``{"out": ...}`` or a tuple led by them."""
+    """Logits ``[B,C,h,w]`` from a tensor, torchvision's ``{"out": ...}``, an object with
+    ``.logits`` (Hugging Face's outputs) or a tuple led by them."""
+    output = getattr(output, "logits", output)
     if isinstance(output, dict):
         if "out" not in output:
             raise ConfigError(f"{what} returned a dict with keys {sorted(output)}; expected its "

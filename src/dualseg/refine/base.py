@@ -211,14 +211,14 @@ def same_file(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
     return bool(short) and long[len(long) - len(short) :] == short
 
 
-def python_model(spec: str) -> nn.Module:
+def python_model(spec: str, *, flag: str = "--base") -> nn.Module:
     """The ``nn.Module`` (or a function of no arguments returning it) ``file.py:NAME`` or
-    ``package.module:NAME`` names."""
+    ``package.module:NAME`` names; errors name it as ``flag``."""
     where, name = spec.rsplit(":", 1)
     try:
         if where.endswith(".py"):
             if not Path(where).is_file():
-                raise ConfigError(f"--base {spec}: no file {where}")
+                raise ConfigError(f"{flag} {spec}: no file {where}")
             loader = importlib.util.spec_from_file_location(Path(where).stem, where)
             module = importlib.util.module_from_spec(loader)  # type: ignore[arg-type]
             loader.loader.exec_module(module)  # type: ignore[union-attr]
@@ -229,9 +229,9 @@ def python_model(spec: str) -> nn.Module:
     except ConfigError:
         raise
     except Exception as err:  # the user's code: any error, said in one line
-        raise ConfigError(f"--base {spec}: {type(err).__name__}: {err}") from None
+        raise ConfigError(f"{flag} {spec}: {type(err).__name__}: {err}") from None
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"--base {spec} gives a {type(model).__name__}, not a torch nn.Module")
+        raise ConfigError(f"{flag} {spec} gives a {type(model).__name__}, not a torch nn.Module")
     return model
 
 

@@ -48,7 +48,7 @@ def base_logits(base: Callable[[Tensor], Any], images: Tensor) -> Tensor:
     """A base's class scores at the image size (bilinear): logits, a dict with ``"out"``, an
     object with ``.logits`` or a tuple led by the logits."""
     out = base(images)
-    out = model_logits(getattr(out, "logits", out), "the base model")
+    out = model_logits(out, "the base model")
     if out.shape[-2:] != images.shape[-2:]:
         out = F.interpolate(
             out.float(), size=images.shape[-2:], mode="bilinear", align_corners=False
