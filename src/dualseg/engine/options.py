@@ -1,10 +1,5 @@
-"""Training options: frozen dataclasses, one per section.
-
-Config flows one way: YAML / CLI (:mod:`dualseg.engine.config`) -> :class:`Config`
-(frozen, checked where each value is declared) -> plain values into ``build_model``,
-``build_dataset``, the optimizer and the loop. Each field's default, ``--help`` line and rule
-are written here once.
-"""
+"""Training options: frozen dataclasses, one per section; each field's default, ``--help``
+line and rule are written here once (YAML / CLI in :mod:`dualseg.engine.config`)."""
 
 from __future__ import annotations
 
@@ -124,14 +119,9 @@ class DataConfig:
                 "for no validation split",
             ),
         )
+        augment = ("crop_size", "scale_range", "hflip_prob", "blur_prob", "jitter")
         check_augment_settings(
-            crop_size=tuple(self.crop_size),
-            scale_range=tuple(self.scale_range),
-            hflip_prob=self.hflip_prob,
-            blur_prob=self.blur_prob,
-            jitter=self.jitter,
-            names={k: f"data.{k}" for k in ("crop_size", "scale_range", "hflip_prob", "blur_prob")}
-            | {"jitter": "data.jitter"},
+            **{k: getattr(self, k) for k in augment}, names={k: f"data.{k}" for k in augment}
         )
         if self.label_map is not None:
             from dualseg.data.presets import parse_label_map
