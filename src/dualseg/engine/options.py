@@ -4,6 +4,7 @@ line and rule are written here once (YAML / CLI in :mod:`dualseg.engine.config`)
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -311,13 +312,7 @@ def field_docs(cls: type) -> dict[str, str]:
 # --------------------------------------------------------------------------- values
 def config_to_dict(cfg: Config) -> dict[str, Any]:
     """Plain dict (lists instead of tuples): YAML, JSON and checkpoints take it as is."""
-
-    def plain(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {k: plain(x) for k, x in v.items()}
-        return [plain(x) for x in v] if isinstance(v, list | tuple) else v
-
-    return plain(dataclasses.asdict(cfg))
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
 def config_changes(old: dict[str, Any], new: Config) -> dict[str, tuple[Any, Any]]:

@@ -125,10 +125,8 @@ def collect_images(
             return False
         for folder in f.relative_to(root).parents[:-1] if root is not None else ():
             run = (root / folder).parent
-            if (
-                folder.name in OWN_FOLDERS
-                and (run / "overlay").is_dir()
-                and (run / "labels").is_dir()
+            if folder.name in OWN_FOLDERS and all(
+                (run / d).is_dir() for d in ("labels", "overlay")
             ):
                 earlier.add(run)
                 return False
