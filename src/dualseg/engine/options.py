@@ -21,8 +21,8 @@ from dualseg.augment_defaults import (
 )
 from dualseg.errors import ConfigError
 
-# dualseg.models.MODELS' names: that package imports torch, which `train --help` must not
-# (tests/models/test_factory_defaults.py keeps the two equal)
+# dualseg.models.MODELS' names, written out so this module imports no torch (the ONNX runtime
+# reads MAX_THREADS through it); tests/models/test_factory_defaults.py keeps the two equal
 ARCH_NAMES = (
     "dualseg_resnet18",
     "dualseg_resnet34",

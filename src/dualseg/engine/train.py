@@ -150,10 +150,15 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
         ckpt_io.check_compatible(
             state, arch=cfg.model.arch, num_classes=meta.num_classes, class_names=meta.class_names
         )
+        if "optimizer" not in state or "rng" not in state:
+            raise CheckpointError(
+                f"{resume_path} holds model weights without the training state a resume needs; "
+                "resume from the run's last.pt"
+            )
         if isinstance(done := state.get("iteration"), int) and done > t.max_iters:
             raise ConfigError(
                 f"{resume_path} is at iteration {done}, past train.max_iters {t.max_iters}: "
-                "raise --train.max_iters to resume it"
+                f"pass --train.max_iters {done} or more to resume it"
             )
     model = build_train_model(cfg, meta.num_classes, pretrained=state is None)
     if env.distributed and t.sync_bn and device.type == "cuda":
