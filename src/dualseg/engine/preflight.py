@@ -89,16 +89,11 @@ def padded_crop(d: DataConfig, largest: tuple[int, int] | None) -> str | None:
 
 
 def scored_classes_note(metrics: Mapping[str, Any], class_names: Sequence[str]) -> str:
-    """``" (1 class scored: 'a')"`` when the mIoU averages a single class, else ``""``."""
-    iou = metrics.get("iou")
-    if iou is None:
-        return ""
-    values = [float(v) for v in (iou.tolist() if hasattr(iou, "tolist") else iou)]
-    scored = [i for i, v in enumerate(values) if not math.isnan(v)]
+    """``" (1 class scored: 'a'; ...)"`` when the mIoU averages a single class, else ``""``."""
+    scored = [i for i, v in enumerate(metrics.get("iou", ())) if not math.isnan(float(v))]
     if len(scored) != 1:
         return ""
-    name = class_names[scored[0]] if scored[0] < len(class_names) else scored[0]
-    return f" (1 class scored: {name!r}; the labels hold no other class)"
+    return f" (1 class scored: {class_names[scored[0]]!r}; the labels hold no other class)"
 
 
 def baseline_note(metrics: Mapping[str, Any], class_names: Sequence[str]) -> str:
