@@ -51,8 +51,8 @@ def opt(default: Any, help: str, rule: tuple[Any, str] | None = None) -> Any:
     return field(default=default, metadata={"help": help, "rule": rule})
 
 
-def _check(section: Any, *rules: tuple[bool, str]) -> None:
-    """Each field's rule (a null only where the field takes one), then ``rules``."""
+def _check(section: Any) -> None:
+    """Each field's rule (a null only where the field takes one)."""
     name = type(section).__name__.removesuffix("Config").lower()
     for f in dataclasses.fields(section):
         value, rule = getattr(section, f.name), f.metadata.get("rule")
@@ -63,9 +63,6 @@ def _check(section: Any, *rules: tuple[bool, str]) -> None:
             )
         if value is not None and rule is not None and not rule[0](value):
             raise ConfigError(f"{name}.{f.name} must be {rule[1]}, got {value!r}")
-    for ok, message in rules:
-        if not ok:
-            raise ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -112,14 +109,12 @@ class DataConfig:
     check: bool = opt(True, "scan every image/label pair before step 1 (as dualseg data check)")
 
     def __post_init__(self) -> None:
-        _check(
-            self,
-            (
-                bool(self.train_split.strip()) and self.val_split != "",
-                "data.train_split / data.val_split is an empty name: give a split, or null "
-                "for no validation split",
-            ),
-        )
+        _check(self)
+        if not self.train_split.strip() or self.val_split == "":
+            raise ConfigError(
+                "data.train_split / data.val_split is an empty name: give a split, or null for "
+                "no validation split"
+            )
         augment = ("crop_size", "scale_range", "hflip_prob", "blur_prob", "jitter")
         check_augment_settings(
             **{k: getattr(self, k) for k in augment}, names={k: f"data.{k}" for k in augment}
@@ -218,14 +213,12 @@ class OptimConfig:
     )
 
     def __post_init__(self) -> None:
-        _check(
-            self,
-            (
-                self.ohem_thresh is not None or self.ohem_min_kept == 100000,
+        _check(self)
+        if self.ohem_thresh is None and self.ohem_min_kept != 100000:
+            raise ConfigError(
                 f"optim.ohem_min_kept {self.ohem_min_kept} does nothing without "
-                "optim.ohem_thresh (OHEM is off); set --optim.ohem_thresh (e.g. 0.7) too",
-            ),
-        )
+                "optim.ohem_thresh (OHEM is off); set --optim.ohem_thresh (e.g. 0.7) too"
+            )
 
 
 @dataclass(frozen=True)
