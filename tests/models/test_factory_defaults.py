@@ -23,6 +23,13 @@ def test_an_unknown_model_name_is_one_config_error_listing_every_name() -> None:
     assert all(name in str(err.value) for name in MODELS)
 
 
+def test_the_config_knows_every_model_name() -> None:
+    from dualseg.engine.options import ARCH_NAMES
+    from dualseg.models import MODELS
+
+    assert tuple(MODELS) == ARCH_NAMES
+
+
 def test_builders_take_every_value_from_build_model() -> None:
     for builder in (build_dualseg, build_deeplabv3):
         params = list(inspect.signature(builder).parameters.values())[1:]  # after the backbone

@@ -1,9 +1,4 @@
-"""Trivial baselines the demo scores beside the trained model: models that ignore the image.
-
-``baseline_models`` counts the training labels on a grid of relative positions and returns
-two :class:`PriorModel` s — the most frequent class everywhere, and the most frequent class at
-each position — so a trained model's scores can be read against what no image gives.
-"""
+"""Trivial baselines the demo scores beside the trained model: models that ignore the image."""
 
 from __future__ import annotations
 

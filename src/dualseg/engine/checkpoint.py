@@ -1,9 +1,4 @@
-"""Checkpoints: one plain dict, written atomically, loaded with ``weights_only=True``.
-
-``arch`` + ``model_kwargs`` rebuild the network; the training state beside it (optimizer,
-scheduler, sampler, RNG states, config, class names, palette) lets ``--resume`` continue
-exactly.
-"""
+"""Checkpoints: one plain dict, written atomically, loaded with ``weights_only=True``."""
 
 from __future__ import annotations
 
@@ -26,7 +21,6 @@ from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 from dualseg.io import atomic_torch_save
 from dualseg.models import MODELS, build_model
 from dualseg.serialization import nonfinite_keys, safe_torch_load, short_list
-from dualseg.viz import default_palette
 
 FORMAT = "dualseg-checkpoint/1"
 LAST_NAME = "last.pt"
@@ -35,8 +29,7 @@ BEST_NAME = "best.pt"
 
 # --------------------------------------------------------------------------- plain values
 def to_plain(obj: Any) -> Any:
-    """``obj`` in types ``torch.load(weights_only=True)`` accepts (numpy -> tensors and
-    numbers; ``OrderedDict`` state dicts are kept)."""
+    """``obj`` in types ``torch.load(weights_only=True)`` accepts (numpy -> tensors, numbers)."""
     if isinstance(obj, torch.Tensor | str | bytes | bool | int | float | type(None)):
         return obj
     if isinstance(obj, np.ndarray | np.generic):
@@ -87,23 +80,16 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load a dualseg checkpoint safely; every failure is a one-line :class:`CheckpointError`."""
     path = Path(path)
-    if not path.exists():
-        raise CheckpointError(
-            f"checkpoint not found: {path}; training writes <run_dir>/{LAST_NAME}"
-        )
-    if path.is_dir():
-        raise CheckpointError(f"{path} is a folder, not a checkpoint file; pass {path / LAST_NAME}")
+    if not path.is_file():
+        what = "is a folder, not a checkpoint file" if path.is_dir() else "not found"
+        raise CheckpointError(f"checkpoint {path} {what}; training writes <run_dir>/{LAST_NAME}")
     ckpt = safe_torch_load(
         path, what="checkpoint", fix="use another checkpoint of the run, or retrain",
         map_location=map_location,
     )  # fmt: skip
     fmt = str(ckpt.get("format") or "") if isinstance(ckpt, dict) else ""
     if not fmt:
-        bare = (
-            isinstance(ckpt, dict)
-            and ckpt
-            and all(isinstance(v, torch.Tensor) for v in ckpt.values())
-        )
+        bare = isinstance(ckpt, dict) and all(isinstance(v, torch.Tensor) for v in ckpt.values())
         hint = " (a bare state dict: backbone weights go to --model.weights FILE)" if bare else ""
         raise CheckpointError(f"{path} is not a dualseg checkpoint{hint}")
     if fmt.startswith("dualseg-refiner-train"):
@@ -114,9 +100,7 @@ def load_checkpoint(
     if fmt.startswith("dualseg-refiner"):
         raise CheckpointError(f"{path} is a method-B refiner, not a model: pass it as --refiner")
     if fmt != FORMAT or any(k not in ckpt for k in ("arch", "model_kwargs", "model")):
-        raise CheckpointError(
-            f"{path} has format {fmt!r} or lacks keys; this dualseg reads {FORMAT!r}"
-        )
+        raise CheckpointError(f"{path} has format {fmt!r} or lacks keys; dualseg reads {FORMAT!r}")
     ckpt["_path"] = str(path)
     return ckpt
 
@@ -142,8 +126,7 @@ def check_compatible(
     num_classes: int | None = None,
     class_names: Sequence[str] | None = None,
 ) -> None:
-    """Refuse ``ckpt`` when it is not of ``arch`` / ``num_classes`` / ``class_names`` (in
-    order: another order would train each output channel as another class)."""
+    """Refuse ``ckpt`` when it is not of ``arch`` / ``num_classes`` / ``class_names`` (in order)."""
     problems = []
     if arch is not None and ckpt.get("arch") != arch:
         problems.append(f"architecture {ckpt.get('arch')!r} (expected {arch!r})")
@@ -178,9 +161,8 @@ def load_model_state(model: nn.Module, ckpt: Mapping[str, Any]) -> None:
     """``model.load_state_dict(ckpt["model"])`` with a one-line error instead of a traceback."""
     if problems := _state_dict_problems(model, ckpt["model"]):
         raise CheckpointError(
-            f"{_where(ckpt)} does not match the model: checkpoint arch "
-            f"{ckpt.get('arch')!r} with {checkpoint_num_classes(ckpt)} classes, model "
-            f"{type(model).__name__} ({'; '.join(problems)}); use a checkpoint of this model"
+            f"{_where(ckpt)} ({ckpt.get('arch')!r} with {checkpoint_num_classes(ckpt)} classes) "
+            f"does not match the model ({'; '.join(problems)}); use a checkpoint of this model"
         )
     if bad := nonfinite_keys(ckpt["model"]):  # such a model answers class 0 everywhere
         raise CheckpointError(
@@ -188,6 +170,11 @@ def load_model_state(model: nn.Module, ckpt: Mapping[str, Any]) -> None:
             "training diverged; use an earlier checkpoint, or retrain with a lower optim.lr"
         )
     model.load_state_dict(ckpt["model"])
+
+
+def placeholder_class_names(n: int) -> tuple[str, ...]:
+    """``class_0`` ...: the names of a model that stores none (an exported one)."""
+    return tuple(f"class_{i}" for i in range(n))
 
 
 def _is_colour(rgb: Any) -> bool:
@@ -198,53 +185,39 @@ def _is_colour(rgb: Any) -> bool:
     )
 
 
-def placeholder_class_names(n: int) -> tuple[str, ...]:
-    """The names a checkpoint that stores none is given on loading: ``class_0`` ..."""
-    return tuple(f"class_{i}" for i in range(n))
-
-
 def meta_from_checkpoint(ckpt: Mapping[str, Any]) -> DatasetMeta:
-    """The dataset description stored in a checkpoint (class names, palette, ignore index),
-    or its label contract's; a damaged entry is one error naming the file and the entry."""
-    n = checkpoint_num_classes(ckpt)
-    names = ckpt["class_names"] if "class_names" in ckpt else placeholder_class_names(n)
-    palette = ckpt["palette"] if "palette" in ckpt else default_palette(n)
+    """The dataset description stored with a model (its label contract's), checked against the
+    class names and palette beside it; a damaged entry is one error naming the file."""
+    where, n, meta = _where(ckpt), checkpoint_num_classes(ckpt), contract_of(ckpt).meta
+    names, palette = ckpt.get("class_names", meta.class_names), ckpt.get("palette", meta.palette)
     ignore = ckpt.get("ignore_index", 255)
     rules = {
-        "class_names": (isinstance(names, list | tuple) and all(isinstance(c, str) for c in names),
-                        "a list of one name per class"),
-        "palette": (isinstance(palette, list | tuple) and all(map(_is_colour, palette)),
+        "class_names": (names, isinstance(names, list | tuple)
+                        and all(isinstance(c, str) for c in names), "a list of one name per class"),
+        "palette": (palette, isinstance(palette, list | tuple) and all(map(_is_colour, palette)),
                     "a list of one [r, g, b] in 0..255 per class"),
-        "ignore_index": (type(ignore) is int and ignore == 255, "255 (dualseg's ignore value)"),
+        "ignore_index": (ignore, type(ignore) is int and ignore == 255,
+                         "255 (dualseg's ignore value)"),
     }  # fmt: skip
-    for key, (ok, what) in rules.items():
+    for key, (value, ok, what) in rules.items():
         if not ok:
-            value = {"class_names": names, "palette": palette}.get(key, ignore)
             raise CheckpointError(
-                f"{_where(ckpt)}: {key} must be {what}, got {value!r:.60}; save the model again"
+                f"{where}: {key} must be {what}, got {value!r:.60}; save it again"
             )
     counts = {"class names": len(names), "palette colours": len(palette)}
     if wrong := [f"{count} {what}" for what, count in counts.items() if count != n]:
         raise CheckpointError(
-            f"{_where(ckpt)} describes {' and '.join(wrong)} for a model of {n} classes; save "
-            "the model again with one class name and one colour per class"
+            f"{where} describes {' and '.join(wrong)} for a model of {n} classes; save the "
+            "model again with one class name and one colour per class"
         )
-    name = ((ckpt.get("config") or {}).get("data") or {}).get("preset") or "checkpoint"
-    palette = tuple(tuple(rgb) for rgb in palette)
-    meta = DatasetMeta(name=str(name), class_names=tuple(names), palette=palette)
-    contract = contract_of(ckpt)
-    if contract.meta.class_names != meta.class_names:
-        raise CheckpointError(
-            f"{_where(ckpt)}: its label contract names other classes than the model; save the "
-            "model again"
-        )
-    return contract.meta
+    if tuple(names) != meta.class_names:
+        raise CheckpointError(f"{where}: its label contract names other classes; save it again")
+    return meta
 
 
 def contract_of(ckpt: Mapping[str, Any]) -> LabelContract:
     """The label contract (how the training data's labels were read) stored with the model."""
-    stored = ckpt.get("label_contract")
-    if stored is None:
+    if (stored := ckpt.get("label_contract")) is None:
         raise CheckpointError(
             f"{_where(ckpt)} stores no label contract; train the model again or save it again "
             "with save_pretrained"
@@ -263,45 +236,37 @@ def build_model_from_checkpoint(
     """Rebuild the checkpoint's model (eval mode, on ``device``) and its dataset description."""
     where, name, kwargs = _where(ckpt), ckpt["arch"], ckpt.get("model_kwargs")
     if not isinstance(kwargs, Mapping):
-        raise CheckpointError(
-            f"{where}: model_kwargs must be a dict of model options, got {kwargs!r:.40}"
-        )
+        raise CheckpointError(f"{where}: model_kwargs must be a dict, got {kwargs!r:.40}")
     if unknown := sorted(str(k) for k in kwargs if k not in signature(build_model).parameters):
         raise CheckpointError(
             f"{where}: model_kwargs holds option(s) {', '.join(unknown)} that this dualseg does "
-            "not know (a newer version's?); upgrade dualseg or save the model with this version"
+            "not know; upgrade dualseg or save the model with this version"
         )
     meta = meta_from_checkpoint(ckpt)  # before the build: a bad description fails fast
     if not isinstance(name, str) or name not in MODELS:
-        raise CheckpointError(
-            f"{where} names architecture {name!r}, which this dualseg does not know"
-        )
+        raise CheckpointError(f"{where} names architecture {name!r}, which dualseg does not know")
     try:  # the checkpoint carries the weights: never resolve files here
         model = build_model(name, **{"num_classes": meta.num_classes, **kwargs, "weights": None})
     except (TypeError, ValueError) as err:
         raise CheckpointError(
-            f"{_where(ckpt)}: its model_kwargs do not build {name!r} "
-            f"({' '.join(str(err).split())}); save the model again with dualseg"
+            f"{where}: its model_kwargs do not build {name!r} ({' '.join(str(err).split())})"
         ) from None
     load_model_state(model, ckpt)
     return model.to(device).eval(), meta
 
 
 def check_normalization(state: Mapping[str, Any]) -> None:
-    """Refuse a model whose stored input normalization differs from ImageNet's, what every
-    dualseg path that runs a loaded model applies."""
+    """Refuse a model whose stored input normalization is not ImageNet's (what dualseg applies)."""
     norm = state.get("normalization") or {}
     for key, value in (("mean", IMAGENET_MEAN), ("std", IMAGENET_STD)):
-        have = norm.get(key)
+        if (have := norm.get(key)) is None:
+            continue
         try:
-            same = have is None or [round(float(v), 6) for v in have] == [
-                round(v, 6) for v in value
-            ]
+            same = [round(float(v), 6) for v in have] == [round(v, 6) for v in value]
         except (TypeError, ValueError):
             same = False
         if not same:
             raise CheckpointError(
                 f"{_where(state)}: the model expects input normalization {key}={have}, dualseg "
-                f"applies {list(value)}; convert the model, or normalize the input yourself and "
-                "call the network (Segmenter.model) directly"
+                f"applies {list(value)}; normalize the input yourself and call Segmenter.model"
             )

@@ -80,8 +80,8 @@ _FLOAT = r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
 
 
 class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
-    """The one YAML reader of configs and flag values: safe, ``1e4`` a float, a date text, no
-    base-60 numbers, a key written twice refused (PyYAML keeps the last silently)."""
+    """The one YAML reader of configs and flag values: ``1e4`` a float, a date text, no base-60
+    numbers, a key written twice refused."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: dict[Any, int] = {}
@@ -113,7 +113,7 @@ _Loader.add_implicit_resolver(
 
 
 def _yaml_load(stream: str) -> Any:
-    """jsonargparse's loader; as its own, ``--data.root a:`` (a bare key) stays text."""
+    """jsonargparse's loader; ``--data.root a:`` (a bare key) stays text."""
     value = yaml.load(stream, Loader=_Loader)
     if isinstance(value, dict) and len(value) == 1 and stream.strip() == f"{next(iter(value))}:":
         return stream
@@ -154,14 +154,13 @@ def _read_yaml(path: str, *, inline: bool = False, section: str | None = None) -
 
 # --------------------------------------------------------------------------- parsing
 def build_parser(prog: str = "dualseg train") -> Any:
-    """``--config FILE`` plus one flag per field (help from :func:`opt`), then the command's."""
+    """``--config FILE``, one flag per config field, then the command's own flags."""
 
     class Formatter(ExamplesHelpFormatter, DefaultHelpFormatter):
         pass
 
     set_loader("dualseg_yaml", _yaml_load, (yaml.YAMLError,))
-    # jsonargparse reads typed values (max_iters: "1:30") with its own YAML loader, which
-    # knows base-60: it gets this one (no public setter)
+    # jsonargparse reads typed values ("1:30") with its own YAML loader (no public setter)
     _loaders_dumpers.yaml_default_loader = _Loader
     parser = ArgumentParser(
         prog=prog,
@@ -201,7 +200,7 @@ def build_parser(prog: str = "dualseg train") -> Any:
 
 def parse_command(argv: list[str] | None) -> tuple[Config, str | None, dict[str, bool]]:
     """``dualseg train``'s arguments: a checked :class:`Config`, ``--resume`` and the flags
-    ``{"overwrite", "json"}``. A bad flag or key is one :class:`ConfigError` naming it."""
+    ``{"overwrite", "json"}``; a bad flag or key is one :class:`ConfigError`."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     files = _config_files(argv)
@@ -210,25 +209,23 @@ def parse_command(argv: list[str] | None) -> tuple[Config, str | None, dict[str,
     except Exception as err:  # jsonargparse's ArgumentError (or a YAML / type error)
         raise ConfigError(_explain(str(err), parser)) from None
     cfg = _instantiate(parser, ns)
-    given = {a.partition("=")[0] for a in argv}
+    given, roots = {a.partition("=")[0] for a in argv}, cfg.data.root or ()
     if (
         cfg.data.preset is not None
         and "--data.root" in given
         and "--data.preset" not in given
         and any("preset" in (d.get("data") or {}) for _, d in files)
-        and all(Path(r, "meta.json").is_file() for r in _roots(cfg.data.root))
-    ):  # the file's preset was for its own dataset: the folder's meta.json describes this one
+        and all(
+            Path(r, "meta.json").is_file() for r in ([roots] if isinstance(roots, str) else roots)
+        )
+    ):  # the file's preset was for its dataset: the folder's meta.json describes this one
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, preset=None))
     return cfg, ns.resume, {"overwrite": bool(ns.overwrite), "json": bool(ns.json)}
 
 
-def _roots(root: tuple[str, ...] | str | None) -> list[str]:
-    return [] if root is None else [root] if isinstance(root, str) else list(root)
-
-
 def _config_files(argv: list[str]) -> list[tuple[str, dict[str, Any]]]:
-    """Each ``--config`` (or one section's ``--train FILE``) read first, so a bad file is one
-    line naming it; a flag that a later file sets again is refused (the file would win)."""
+    """Each ``--config`` (or ``--SECTION FILE``) read first, so a bad file is one line naming
+    it; a flag that a later file sets again is refused (the file would win)."""
     found = []
     for j, arg in enumerate(argv):
         name, eq, attached = arg[2:].partition("=") if arg.startswith("--") else ("", "", "")
@@ -332,7 +329,7 @@ def _type_error(message: str) -> str | None:
 
 # --------------------------------------------------------------------------- files, values
 def config_from_dict(d: dict[str, Any]) -> Config:
-    """A checked :class:`Config` from a plain dict (a checkpoint's ``config``, a test)."""
+    """A checked :class:`Config` from a plain dict."""
     parser = build_parser()
     try:
         ns = parser.parse_object({k: v for k, v in d.items() if k in SECTIONS})

@@ -1,13 +1,6 @@
-"""CPU mixed precision: which ``train.amp`` applies, and the convolutions that must run in
-fp32 under CPU bf16 autocast.
-
-oneDNN (torch 2.14, ``tests/engine/test_cpu_bf16.py`` checks it layer by layer) computes the
-channels-last bf16 weight gradient of dilated depthwise convolutions wrong (errors of 1.2 up
-to inf/NaN, Xeon AMX and EPYC AVX-512 BF16), and on the EPYC that of dilated dense ones whose
-input channels are not a multiple of 16 (the ASPP's 300 ReNet channels: NaN). Depthwise ones
-are also 4-5x faster in fp32. :func:`convs_in_fp32` gives those a forward that leaves
-autocast; parameters, state dict and optimizer stay the same objects.
-"""
+"""CPU mixed precision: which ``train.amp`` applies, and the convolutions that run in fp32
+under CPU bf16 autocast (oneDNN computes the bf16 weight gradient of dilated depthwise ones,
+and of dilated ones whose input channels are not a multiple of 16, wrong: up to NaN)."""
 
 from __future__ import annotations
 
@@ -35,7 +28,7 @@ def cpu_has_native_bf16() -> bool:
 
 def amp_dtype_for(mode: str, device: torch.device) -> torch.dtype | None:
     """``train.amp`` on ``device``: auto is bf16 (else fp16) on CUDA, bf16 on CPUs computing
-    it natively (docs/training.md), else none; bf16 asked for on another CPU is warned about."""
+    it natively, else none."""
     if device.type == "cuda":
         if mode == "auto":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -58,8 +51,8 @@ def is_depthwise(m: nn.Module) -> bool:
 
 
 def needs_fp32(m: nn.Module) -> bool:
-    """Whether ``m`` is a convolution to run in fp32 under CPU bf16 autocast: a depthwise one,
-    or a dilated one whose input channels (per group) are not a multiple of 16."""
+    """A depthwise convolution, or a dilated one whose input channels per group are not a
+    multiple of 16."""
     if not isinstance(m, nn.Conv2d):
         return False
     dilated = max(m.dilation) > 1 and max(m.kernel_size) > 1
@@ -75,8 +68,8 @@ class Fp32Conv2d(nn.Conv2d):
 
 
 def convs_in_fp32(model: nn.Module) -> int:
-    """Make every convolution of ``model`` that :func:`needs_fp32` an :class:`Fp32Conv2d`, in
-    place; returns how many. Only the class changes: parameters, buffers and hooks stay."""
+    """Make every convolution that :func:`needs_fp32` an :class:`Fp32Conv2d` in place (only
+    the class changes); returns how many."""
     convs = [m for m in model.modules() if needs_fp32(m) and type(m) is nn.Conv2d]
     for conv in convs:
         conv.__class__ = Fp32Conv2d

@@ -1,13 +1,5 @@
-"""DDP (``torchrun``) helpers and the samplers that make a resume exact.
-
-``torchrun --nproc_per_node=N -m dualseg train ...`` sets ``RANK`` / ``WORLD_SIZE`` /
-``LOCAL_RANK``; without them everything runs as rank 0 of 1. :class:`ResumableSampler` is a
-``DistributedSampler`` whose position inside an epoch is saved and restored, and with
-:class:`SeededSamples` each sample's augmentation is seeded by (seed, index, epoch), so a
-resumed run sees the same images, augmented the same, in the same order, whatever the number
-of workers. :class:`ShardSampler` shards evaluation without padding (summed confusion
-matrices equal the single-process one).
-"""
+"""DDP (``torchrun``) helpers and the samplers that make a resume exact: the sampler's position
+is saved, and each sample's augmentation is seeded by (seed, index, epoch)."""
 
 from __future__ import annotations
 
@@ -31,11 +23,10 @@ __all__ = ["DistEnv", "ResumableSampler", "SeededSamples", "ShardSampler", "reso
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Where this process stands: rank, world size, local rank, device."""
+    """Where this process stands: rank, world size, device."""
 
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
 
     @property
@@ -51,8 +42,7 @@ class DistEnv:
 def resolve_device(
     name: str | torch.device | None = "auto", *, local_rank: int = 0
 ) -> torch.device:
-    """``"auto"`` / ``None``: the local GPU when there is one, else CPU; ``"cuda"``:
-    ``cuda:local_rank``; anything else as given (every command's ``--device``)."""
+    """``auto`` / ``None``: the local GPU if any, else CPU; ``cuda``: ``cuda:local_rank``."""
     if name is None or name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     fix = "use auto, cpu, cuda or cuda:N (--device, or --train.device for training)"
@@ -83,41 +73,40 @@ def init_distributed(device: str = "auto") -> DistEnv:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
-    return DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=dev)
+    return DistEnv(rank=rank, world_size=world_size, device=dev)
+
+
+def _joined() -> bool:
+    return dist.is_available() and dist.is_initialized()
 
 
 def cleanup_distributed() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _joined():
         dist.destroy_process_group()
 
 
 def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _joined():
         dist.barrier()
 
 
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum ``t`` over ranks in place (no-op in a single process); returns ``t``."""
-    if dist.is_available() and dist.is_initialized():
+    if _joined():
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
-def broadcast_buffers(model: torch.nn.Module, src: int = 0) -> None:
-    """Copy rank ``src``'s buffers (BatchNorm statistics) to every rank: after a step each
-    rank holds its own, and validation and checkpoints use rank 0's."""
-    if dist.is_available() and dist.is_initialized():
-        for buf in model.buffers():
-            dist.broadcast(buf, src=src)
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Copy rank 0's buffers (BatchNorm statistics) to every rank."""
+    for buf in model.buffers() if _joined() else ():
+        dist.broadcast(buf, src=0)
 
 
 class ResumableSampler(DistributedSampler):
-    """``DistributedSampler`` (shuffled, padded) yielding ``(index, epoch)`` whose position
-    inside the epoch is saved and restored: ``set_epoch(e)`` picks the permutation,
-    ``set_offset(k)`` skips this rank's first ``k`` samples. A run resumed on another number of
-    processes goes on from the same place: the permutation's first ``k × W`` samples are done,
-    the rest (from ``start``) is sharded over the new processes.
-    """
+    """``DistributedSampler`` yielding ``(index, epoch)``, its position in the epoch saved and
+    restored (``set_offset(k)`` skips this rank's first ``k``); resumed on another number of
+    processes, the rest of the permutation (from ``start``) is sharded over them."""
 
     def __init__(self, dataset: Dataset, *, num_replicas: int = 1, rank: int = 0, seed: int = 0):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
@@ -139,8 +128,7 @@ class ResumableSampler(DistributedSampler):
         return math.ceil((len(self.dataset) - self.start) / self.num_replicas)  # type: ignore[arg-type]
 
     def _shard(self) -> list[int]:
-        """This rank's samples of the epoch from ``start``, padded as ``DistributedSampler``
-        pads (equal to its shard when ``start`` is 0)."""
+        """This rank's samples of the epoch from ``start``, padded as ``DistributedSampler``."""
         if self.start == 0:
             return list(super().__iter__())
         g = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -156,8 +144,7 @@ class ResumableSampler(DistributedSampler):
         return max(0, self._shard_size() - self.offset)
 
     def state_dict(self, epoch: int | None = None, offset: int | None = None) -> dict[str, int]:
-        """The position to save: ``offset`` samples of this rank's shard of ``epoch`` consumed
-        (a loop that has just finished an epoch saves the next one, from its beginning)."""
+        """The position to save: ``offset`` samples of this rank's shard of ``epoch`` consumed."""
         epoch = self.epoch if epoch is None else int(epoch)
         return {
             "epoch": epoch,
@@ -177,9 +164,8 @@ class ResumableSampler(DistributedSampler):
 
 
 class SeededSamples(Dataset):
-    """``ds[(index, epoch)]`` loads sample ``index`` as of ``epoch``: the dataset's
-    ``set_epoch`` is called in the loading process, and Python's, numpy's and torch's RNGs are
-    seeded from (seed, epoch, index) around the call, then restored."""
+    """``ds[(index, epoch)]`` loads sample ``index`` as of ``epoch``, the RNGs seeded from
+    (seed, epoch, index) around the call, then restored."""
 
     def __init__(self, dataset: Dataset, *, seed: int = 0) -> None:
         self.dataset = dataset

@@ -1,10 +1,5 @@
-"""Evaluation: run a model over a loader and report region and boundary metrics.
-
-``evaluate`` is shared by the trainer (validation), ``dualseg eval`` and ``dualseg demo``.
-Under DDP the integer counters are summed over ranks, so every rank returns the whole set's
-metrics. With a method-B ``refiner`` the same pass scores the refined labels too, and counts
-the pixels refinement changed, fixed and broke.
-"""
+"""Evaluation: run a model over a loader and report region and boundary metrics (and, with a
+method-B refiner, the refined labels' and what refinement changed, fixed and broke)."""
 
 from __future__ import annotations
 
@@ -30,7 +25,7 @@ from dualseg.data.datasets import dataset_meta, preset_for
 from dualseg.data.presets import require_same_classes
 from dualseg.data.transforms import build_eval_transform
 from dualseg.engine.inference import InferenceOptions, infer_logits
-from dualseg.errors import ConfigError, DataError, DualsegError
+from dualseg.errors import ConfigError, DataError
 from dualseg.metrics import (
     BOUNDARY_TOLERANCE,
     TRIMAP_WIDTH,
@@ -48,8 +43,7 @@ ONE_CLASS_SHARE = 0.95  # a model predicting one class on more of the pixels is 
 
 
 class Refiner(Protocol):
-    """What ``evaluate`` needs from a method-B refiner (``dualseg.refine.BoundaryRefiner``).
-    One offering ``shared_features(model)`` is handed the base's backbone output."""
+    """What ``evaluate`` needs from a method-B refiner (``dualseg.refine.BoundaryRefiner``)."""
 
     def refine(
         self, images: Tensor, probs: Tensor, return_changed: bool = True
@@ -82,8 +76,7 @@ class _Scores:
 
 
 def majority_baseline_miou(confusion: Any) -> float:
-    """The mIoU of predicting the most frequent ground-truth class everywhere, from a
-    ``[C][C]`` confusion matrix (rows: ground truth)."""
+    """The mIoU of the most frequent ground-truth class everywhere (rows: ground truth)."""
     gt = torch.as_tensor(confusion, dtype=torch.float64).sum(1)
     if gt.sum() == 0:
         return math.nan
@@ -93,8 +86,8 @@ def majority_baseline_miou(confusion: Any) -> float:
 
 
 def sanity_warnings(metrics: dict[str, Any], class_names: Sequence[str]) -> list[str]:
-    """Plain warnings about a result no better than a trivial model: mIoU not above the
-    majority-class baseline, or one class predicted on more than 95% of the labelled pixels."""
+    """Warnings about a result no better than a trivial model: mIoU not above the
+    majority-class baseline, or one class predicted on over 95% of the labelled pixels."""
     out = []
     mat = torch.as_tensor(metrics["confusion_matrix"], dtype=torch.float64)
     if float(mat.sum()) == 0:
@@ -109,10 +102,10 @@ def sanity_warnings(metrics: dict[str, Any], class_names: Sequence[str]) -> list
     shares = mat.sum(0) / mat.sum()
     top = int(shares.argmax())
     if float(shares[top]) > ONE_CLASS_SHARE:
-        name = class_names[top] if top < len(class_names) else f"class {top}"
         out.append(
-            f"the model predicts one class, {name!r}, on {100 * float(shares[top]):.1f}% of the "
-            "labelled pixels; it may have collapsed to a single class"
+            f"the model predicts one class, {class_names[top]!r}, on "
+            f"{100 * float(shares[top]):.1f}% of the labelled pixels; it may have collapsed to a "
+            "single class"
         )
     return out
 
@@ -125,22 +118,28 @@ def _timed(device: torch.device, ms: list[float], images: int) -> Iterator[None]
     start = time.perf_counter()
     yield
     sync(device)
-    ms.append(1000 * (time.perf_counter() - start) / max(images, 1))
+    ms.append(1000 * (time.perf_counter() - start) / images)
 
 
 def _median(ms: list[float]) -> float:
     return float(statistics.median(ms)) if ms else math.nan
 
 
-def _refine(
-    refiner: Refiner, shared: Any, images: Tensor, logits: Tensor
-) -> tuple[Tensor, Tensor, int]:
+def _shared_features(refiner: Any, model: nn.Module, opts: InferenceOptions, amp: bool) -> Any:
+    """The refiner's hold on the base's backbone output, where it sees the same forward."""
+    share = getattr(refiner, "shared_features", None)
+    plain = opts.mode == "whole" and not amp and not opts.uses_tta
+    taps = getattr(refiner, "taps", None) is not None  # reads the base's forward in any mode
+    return share(model) if share is not None and (plain or taps) else None
+
+
+def _refine(refiner: Any, shared: Any, images: Tensor, logits: Tensor) -> tuple[Tensor, ...]:
     """Method B's labels, where they changed, and 1 when refined on the base's features."""
     probs = logits.softmax(1)
     if shared is None:
         return (*refiner.refine(images, probs, return_changed=True), 0)
     kept = shared.take(images)  # None where they do not match
-    new, changed = refiner.refine(images, probs, return_changed=True, features=kept)  # type: ignore[call-arg]
+    new, changed = refiner.refine(images, probs, return_changed=True, features=kept)
     return new, changed, int(kept is not None)
 
 
@@ -153,28 +152,19 @@ def _changes(new: Tensor, pred: Tensor, labels: Tensor, ignore_index: int) -> Te
                         (changed & valid & was_right & ~is_right).sum()])  # fmt: skip
 
 
-def _shared_features(refiner: Any, model: nn.Module, opts: InferenceOptions, amp: bool) -> Any:
-    """The refiner's hold on the base's backbone output, where it sees the same forward."""
-    share = getattr(refiner, "shared_features", None)
-    taps = getattr(refiner, "taps", None) is not None  # reads the base's forward in any mode
-    plain = opts.mode == "whole" and not amp and not opts.uses_tta
-    return share(model) if share is not None and (plain or taps) else None
-
-
-def _refine_record(counts: Tensor, ms: list[float]) -> dict[str, Any]:
-    pixels, changed, fixed, broke, shared = (int(v) for v in counts)
-    return {
-        "pixels": pixels,
-        "changed": changed,
-        "changed_fraction": changed / pixels if pixels else 0.0,
-        "fixed": fixed,
-        "broke": broke,
-        "ms_per_image": _median(ms),
-        "shared_images": shared,  # images refined on the base's own backbone output
-    }
-
-
 @torch.no_grad()
+def _at_labels(logits: Tensor, labels: Tensor, num_classes: int) -> Tensor:
+    """``logits`` checked against the data's classes and resized to the labels (spec S4)."""
+    if logits.shape[1] != num_classes:  # a model that carries no class names
+        raise ConfigError(
+            f"the model gives {logits.shape[1]} class scores and the data names "
+            f"{num_classes} classes: evaluate it on the classes it was trained on"
+        )
+    if logits.shape[-2:] == labels.shape[-2:]:
+        return logits
+    return F.interpolate(logits, labels.shape[-2:], mode="bilinear", align_corners=False)
+
+
 def evaluate(
     model: nn.Module,
     loader: Iterable[tuple[Tensor, Tensor]],
@@ -196,21 +186,15 @@ def evaluate(
     tta_flip: bool = _INFER.tta_flip,
     tile_batch: int = _INFER.tile_batch,
 ) -> dict[str, Any]:
-    """Score ``model`` on every ``(images, labels)`` batch of ``loader``: normalized float
-    ``[B,3,H,W]`` images, int64 ``[B,H,W]`` labels (``ignore_index`` unlabelled); logits are
-    resized to the labels (spec S4); ``mode`` ... ``tile_batch`` as in :func:`infer_logits`.
-
-    Returns the :mod:`dualseg.metrics` scores (per-class lists, NaN for absent classes),
-    ``confusion_matrix`` (rows: ground truth), ``majority_baseline_miou``, ``num_images``,
-    ``ms_per_image`` (median) and ``loss`` (pixel cross-entropy, spec S33); with ``refiner``
-    also ``refined`` and ``refine`` (changed / fixed / broke pixels, its ms per image).
-    """
+    """Score ``model`` on ``(images, labels)`` batches, logits resized to the labels (spec S4):
+    the :mod:`dualseg.metrics` scores, ``confusion_matrix``, ``num_images``, ``ms_per_image``,
+    ``loss``; with ``refiner`` also ``refined`` and ``refine`` (changed / fixed / broke)."""
     device = torch.device(device)
     opts = InferenceOptions(mode, window, stride, tta_scales, tta_flip, tile_batch)  # type: ignore[arg-type]
     scores = [_Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)
               for _ in range(1 if refiner is None else 2)]  # fmt: skip
     shared = _shared_features(refiner, model, opts, amp)
-    ms: list[float] = []  # model, then refiner milliseconds per image of each batch
+    ms: list[float] = []
     refine_ms: list[float] = []
     # images, loss sum; labelled pixels, changed, fixed, broke, images refined on shared features
     totals = torch.zeros(2, dtype=torch.float64, device=device)
@@ -224,15 +208,7 @@ def evaluate(
             n = images.shape[0]
             with _timed(device, ms, n):
                 logits = infer_logits(model, images, amp=amp, **asdict(opts))
-            if logits.shape[1] != num_classes:  # a model that carries no class names
-                raise ConfigError(
-                    f"the model gives {logits.shape[1]} class scores and the data names "
-                    f"{num_classes} classes: evaluate it on the classes it was trained on"
-                )
-            if logits.shape[-2:] != labels.shape[-2:]:
-                logits = F.interpolate(
-                    logits, labels.shape[-2:], mode="bilinear", align_corners=False
-                )
+            logits = _at_labels(logits, labels, num_classes)
             pred = logits.argmax(1)
             scores[0].update(pred, labels)  # range-checks the labels before the loss reads them
             totals[0] += n
@@ -257,21 +233,22 @@ def evaluate(
     loss = float(totals[1]) / labelled if labelled else math.nan
     result.update(num_images=int(totals[0]), ms_per_image=_median(ms), loss=loss)
     if refiner is not None:
+        pixels, changed, fixed, broke, on_shared = (int(v) for v in counts)
         result["refined"] = scores[1].compute()
-        result["refine"] = _refine_record(counts, refine_ms)
+        result["refine"] = {
+            "pixels": pixels, "changed": changed,
+            "changed_fraction": changed / pixels if pixels else 0.0,
+            "fixed": fixed, "broke": broke, "ms_per_image": _median(refine_ms),
+            "shared_images": on_shared,  # images refined on the base's own backbone output
+        }  # fmt: skip
     return result
-
-
-def _finite(v: float | None) -> bool:
-    return v is not None and math.isfinite(v)
 
 
 def format_metrics(
     metrics: dict[str, Any], class_names: Sequence[str] | None = None, *,
     batch_size: int | None = None,
 ) -> str:  # fmt: skip
-    """A per-class table and the means in percent, then the median time per image; with
-    refinement, base and refined side by side."""
+    """A per-class table and the means in percent, then the median time per image."""
     names = list(class_names or [f"class_{i}" for i in range(len(metrics["iou"]))])
     refined = metrics.get("refined")
     lines = [format_table(names, metrics)]
@@ -287,15 +264,15 @@ def format_metrics(
             f"refinement changed {c['changed']} of {c['pixels']} labelled pixels "
             f"({100 * c['changed_fraction']:.3f}%): {c['fixed']} fixed, {c['broke']} broke"
         )
-    if _finite(base := metrics.get("majority_baseline_miou")):
+    if math.isfinite(base := metrics.get("majority_baseline_miou", math.nan)):
         lines.append(
             f"mIoU {100 * metrics['miou']:.1f}% vs majority-class baseline {100 * base:.1f}%"
         )
-    if _finite(ms := metrics.get("ms_per_image")):
+    if math.isfinite(ms := metrics.get("ms_per_image", math.nan)):
         at = f", batch {batch_size}" if batch_size is not None else ""
         line = f"inference: {ms:.1f} ms/image (median{at})"
         refine = metrics.get("refine") or {}
-        if _finite(r_ms := refine.get("ms_per_image")):
+        if math.isfinite(r_ms := refine.get("ms_per_image", math.nan)):
             line += f", refinement: {r_ms:.1f} ms/image"
             if shared := refine.get("shared_images", 0):
                 line += f" (on the base's features for {shared} of {metrics['num_images']} images)"
@@ -309,15 +286,9 @@ def model_dataset(
     ignore_value: Any, bit_depth: int | None, max_megapixels: float | None = None,
     trained: Mapping[str, Any] | None = None, train_images: Any = None,
 ) -> Any:  # fmt: skip
-    """The ``split`` of ``root`` read for a model of label ``contract`` (eval transform).
-
-    A dataset that does not describe itself (no ``meta.json``, no preset) is read with the
-    model's contract. One that does must have the model's classes and (unless a flag was
-    ``explicit``) read its labels and pixels as the model's training data did, or one line
-    shows both sides. ``bit_depth`` None is the contract's. Notes (stderr) a ``val`` split
-    that is the share the model held out of ``root`` (its ``trained`` data config); warns when
-    a class can never be scored, or when images are the model's ``train_images`` (content
-    digests)."""
+    """The ``split`` of ``root`` read for a model of label ``contract``: a dataset that
+    describes itself must have the model's classes and (unless ``explicit``) read labels as
+    the model's training data did. Warns of unscorable classes and of training images."""
     model_name = f"the checkpoint {checkpoint}"
     bit_depth = contract.bit_depth if bit_depth is None else bit_depth
     meta = contract.meta
@@ -340,8 +311,6 @@ def model_dataset(
             f"{'; '.join(diff)}; fix {source} to match the model's, or pass --label-map / "
             "--ignore-index / --label-format / --bit-depth to say how to read it"
         )
-    if len(dataset) == 0:
-        raise DualsegError(f"split {split!r} of {root} has no images")
     if label_format != "color" and (lost := dataset.meta.unreachable_classes()):
         names = ", ".join(f"{k} {dataset.meta.class_names[k]!r}" for k in lost)
         print(
@@ -359,7 +328,7 @@ def model_dataset(
 
 
 def _held_out_fraction(root: str, split: str, trained: Mapping[str, Any], checkpoint: str) -> float:
-    """The model's ``data.val_fraction`` when ``split`` val is the share it held out of ``root``."""
+    """The model's ``data.val_fraction`` when ``split`` val is what it held out of ``root``."""
     fraction = float(trained.get("val_fraction") or 0)
     roots = trained.get("root") or ()
     roots = [roots] if isinstance(roots, str) else roots

@@ -1,20 +1,11 @@
-"""The training objective of spec S32: L(θ) = L1(θ) + L2(θ).
-
-* L1: pixel cross-entropy summed over the labelled pixels and divided by the batch's B·N
-  pixels (``"batch_pixels"``, the claim), so L1 and L2 share 1/(B·N); ``"valid_pixels"``
-  divides by the labelled pixels instead.
-* L2: λ/(2·B·N)·Σw² over the weights of convolutions, linear and recurrent layers (not biases
-  or norms), added to the objective, so SGD runs without weight decay of its own. The default
-  λ = weight_decay·B·N makes its gradient exactly weight decay.
-
-Beyond S32, off by default: class weights (one per class, or SegNet's median frequency
-balancing) and OHEM (mmsegmentation's ``OHEMPixelSampler``: only the pixels whose true-class
-probability is below a threshold count, at least ``min_kept`` per image).
-"""
+"""The training objective of spec S32: L = L1 + L2, L1 the pixel cross-entropy over B·N pixels,
+L2 = λ/(2·B·N)·Σw² over conv, linear and recurrent weights (λ = weight_decay·B·N by default).
+Beyond S32, off by default: class weights and OHEM."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -34,8 +25,8 @@ DECAY_LAYERS = (nn.modules.conv._ConvNd, nn.Linear)
 
 
 def decay_weights(model: nn.Module, *, recurrent: bool = True) -> list[Tensor]:
-    """The trainable weights the L2 term covers, each once: conv / linear ``weight`` and,
-    with ``recurrent``, every GRU weight matrix; never biases or normalization layers."""
+    """The trainable weights the L2 term covers, each once: conv / linear ``weight`` and, with
+    ``recurrent``, every GRU weight matrix; never biases or norms."""
     seen: set[int] = set()
     weights = []
     for module in model.modules():
@@ -62,10 +53,8 @@ def cross_entropy_loss(
     ohem_thresh: float | None = None,
     ohem_min_kept: int = 100000,
 ) -> Tensor:
-    """L1 of ``logits`` ``[B,C,H,W]`` (resized to the labels) against ``target`` ``[B,H,W]``:
-    the CE sum over labelled pixels / B·N (``batch_pixels``) or / their count (or Σ w_y with
-    ``class_weights``: the weighted mean). ``ohem_thresh``: only :func:`ohem_keep_mask`'s
-    pixels count. Defaults: the S32 term."""
+    """L1 of ``logits`` (resized to the labels): the CE sum over labelled pixels / B·N
+    (``batch_pixels``) or / their count (weighted mean with ``class_weights``)."""
     if logits.shape[-2:] != target.shape[-2:]:
         logits = F.interpolate(logits, size=target.shape[-2:], mode="bilinear", align_corners=False)
     logits = logits.float()
@@ -90,9 +79,8 @@ def cross_entropy_loss(
 def ohem_keep_mask(
     logits: Tensor, target: Tensor, *, thresh: float, min_kept: int, ignore_index: int = 255
 ) -> Tensor:
-    """OHEM (mmseg ``OHEMPixelSampler``): True for the labelled pixels whose true-class
-    probability is below ``max(thresh, p_(k))``, ``p_(k)`` the (k+1)-th smallest with
-    ``k = min_kept × B``; every labelled pixel when there are at most k."""
+    """OHEM (mmseg's): the labelled pixels whose true-class probability is below
+    ``max(thresh, p_(k))``, ``p_(k)`` the (k+1)-th smallest, ``k = min_kept × B``."""
     valid = target != ignore_index
     prob = logits.float().softmax(1).gather(1, target.masked_fill(~valid, 0)[:, None])[:, 0]
     p = prob[valid]
@@ -104,16 +92,14 @@ def ohem_keep_mask(
 
 
 def median_frequency_weights(counts: Any, image_pixels: Any) -> Tensor:
-    """SegNet's median frequency balancing ``w_c = median(f) / f_c``, ``f_c = counts[c] /
-    image_pixels[c]`` (labelled pixels of c / of the images holding c); absent classes get 0."""
+    """SegNet's ``w_c = median(f) / f_c``, ``f_c = counts[c] / image_pixels[c]``; absent: 0."""
     counts = torch.as_tensor(np.asarray(counts), dtype=torch.float64)
     image_pixels = torch.as_tensor(np.asarray(image_pixels), dtype=torch.float64)
     present = counts > 0
     if not present.any():
         raise ConfigError("median_frequency class weights: the training labels hold no class")
     freq = torch.where(present, counts / image_pixels.clamp_min(1), torch.ones_like(counts))
-    # the median of an even count is the mean of the two middle values (torch.median's is the
-    # lower one, which scaled every weight down, by 0.78 on the synthetic data)
+    # an even count's median is the mean of the middle two (torch.median takes the lower)
     median = torch.quantile(freq[present], 0.5)
     weights = torch.where(present, median / freq, torch.zeros_like(freq))
     return weights.float()
@@ -122,8 +108,7 @@ def median_frequency_weights(counts: Any, image_pixels: Any) -> Tensor:
 def class_weights_for(
     spec: str | Sequence[float] | None, num_classes: int, dataset: Any = None
 ) -> Tensor | None:
-    """The ``class_weights`` option (checked by ``OptimConfig``) as a ``[C]`` tensor: ``None``
-    (unweighted), one weight per class, or ``"median_frequency"`` of ``dataset``'s labels."""
+    """The ``class_weights`` option as a ``[C]`` tensor (or None)."""
     if spec is None:
         return None
     if spec == MEDIAN_FREQUENCY:
@@ -143,8 +128,8 @@ def l2_penalty(weights: list[Tensor], *, lam: float, batch_size: int, num_pixels
 
 
 class SegmentationLoss:
-    """S32 objective for one model: ``loss, parts = criterion(logits, target)``, ``parts``
-    the detached ``l1``, ``l2`` and ``loss``; λ = ``l2_lambda`` or weight_decay·B·N."""
+    """S32 objective: ``loss, parts = criterion(logits, target)``; λ = ``l2_lambda`` or
+    weight_decay·B·N."""
 
     def __init__(
         self,
@@ -160,25 +145,15 @@ class SegmentationLoss:
         ohem_min_kept: int = 100000,
     ) -> None:
         self.weights = decay_weights(model, recurrent=l2_recurrent)
-        self.weight_decay = weight_decay
-        self.l2_lambda = l2_lambda
-        self.ignore_index = ignore_index
-        self.l1_reduction = l1_reduction
-        self.class_weights = None if class_weights is None else torch.as_tensor(class_weights)
-        self.ohem_thresh = ohem_thresh
-        self.ohem_min_kept = ohem_min_kept
+        self.weight_decay, self.l2_lambda = weight_decay, l2_lambda
+        weights = None if class_weights is None else torch.as_tensor(class_weights)
+        self.l1 = partial(cross_entropy_loss, ignore_index=ignore_index, reduction=l1_reduction,
+                          class_weights=weights, ohem_thresh=ohem_thresh,
+                          ohem_min_kept=ohem_min_kept)  # fmt: skip
 
     def __call__(self, logits: Tensor, target: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         b, n = target.shape[0], target.shape[-2] * target.shape[-1]
-        l1 = cross_entropy_loss(
-            logits,
-            target,
-            ignore_index=self.ignore_index,
-            reduction=self.l1_reduction,
-            class_weights=self.class_weights,
-            ohem_thresh=self.ohem_thresh,
-            ohem_min_kept=self.ohem_min_kept,
-        )
+        l1 = self.l1(logits, target)
         lam = self.weight_decay * b * n if self.l2_lambda is None else self.l2_lambda
         l2 = l2_penalty(self.weights, lam=lam, batch_size=b, num_pixels=n)
         loss = l1 + l2.to(l1.device)

@@ -1,10 +1,5 @@
-"""Optimizer and learning-rate schedule (spec S33, claim 5).
-
-SGD with momentum 0.9 and no weight decay of its own (the L2 term is in the objective, S32);
-the poly schedule l_t = l_0·(1 − t/T)^power with power 0.9, stepped once per iteration, with an
-optional linear warm-up; optionally a larger learning rate for the head (everything that is not
-a pretrained backbone), the usual 10× of DeepLab.
-"""
+"""SGD without weight decay of its own (S32's L2 is in the objective) and the poly LR
+l_t = l_0·(1 − t/T)^power (spec S33, claim 5), with an optional warm-up and head LR."""
 
 from __future__ import annotations
 
@@ -17,22 +12,13 @@ from torch.optim.lr_scheduler import LambdaLR
 __all__ = ["build_optimizer", "build_scheduler", "param_groups", "poly_factor"]
 
 
-def _is_backbone(name: str) -> bool:
-    # Backbones are the pretrained fully convolutional modules (`...backbone...` in every
-    # dualseg / DeepLabV3 model); the rest (coord channels, ReNet, ASPP, fusion) is the head.
-    return "backbone" in name.split(".")
-
-
 def param_groups(model: nn.Module, *, lr: float, head_lr_mult: float = 1.0) -> list[dict]:
-    """Parameter groups: one group, or backbone (lr) + head (lr·head_lr_mult).
-
-    Each group carries ``initial_lr`` so the scheduler scales groups independently.
-    """
+    """One group, or backbone (lr) + head (everything else: lr·head_lr_mult)."""
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if head_lr_mult == 1.0:
         return [{"params": [p for _, p in params], "lr": lr, "name": "all"}]
-    backbone = [p for n, p in params if _is_backbone(n)]
-    head = [p for n, p in params if not _is_backbone(n)]
+    backbone = [p for n, p in params if "backbone" in n.split(".")]
+    head = [p for n, p in params if "backbone" not in n.split(".")]
     groups = [
         {"params": backbone, "lr": lr, "name": "backbone"},
         {"params": head, "lr": lr * head_lr_mult, "name": "head"},
@@ -48,7 +34,7 @@ def build_optimizer(
     nesterov: bool = False,
     head_lr_mult: float = 1.0,
 ) -> Optimizer:
-    """SGD, momentum 0.9, weight_decay 0 (S32's L2 is an explicit loss term)."""
+    """SGD, weight_decay 0 (S32's L2 is an explicit loss term)."""
     groups = param_groups(model, lr=lr, head_lr_mult=head_lr_mult)
     return SGD(groups, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=0.0)
 

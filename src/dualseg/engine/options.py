@@ -1,14 +1,10 @@
-"""Training options: frozen dataclasses, one per section.
-
-Config flows one way: YAML / CLI (:mod:`dualseg.engine.config`) -> :class:`Config`
-(frozen, checked where each value is declared) -> plain values into ``build_model``,
-``build_dataset``, the optimizer and the loop. Each field's default, ``--help`` line and rule
-are written here once.
-"""
+"""Training options: frozen dataclasses, one per section; each field's default, ``--help``
+line and rule are written here once (YAML / CLI in :mod:`dualseg.engine.config`)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -25,8 +21,8 @@ from dualseg.augment_defaults import (
 )
 from dualseg.errors import ConfigError
 
-# dualseg.models.MODELS' names: that package imports torch, which `train --help` must not
-# (tests/models/test_factory_defaults.py keeps the two equal)
+# dualseg.models.MODELS' names, written out so this module imports no torch (the ONNX runtime
+# reads MAX_THREADS through it); tests/models/test_factory_defaults.py keeps the two equal
 ARCH_NAMES = (
     "dualseg_resnet18",
     "dualseg_resnet34",
@@ -55,8 +51,8 @@ def opt(default: Any, help: str, rule: tuple[Any, str] | None = None) -> Any:
     return field(default=default, metadata={"help": help, "rule": rule})
 
 
-def _check(section: Any, *rules: tuple[bool, str]) -> None:
-    """Each field's rule (a null only where the field takes one), then ``rules``."""
+def _check(section: Any) -> None:
+    """Each field's rule (a null only where the field takes one)."""
     name = type(section).__name__.removesuffix("Config").lower()
     for f in dataclasses.fields(section):
         value, rule = getattr(section, f.name), f.metadata.get("rule")
@@ -67,9 +63,6 @@ def _check(section: Any, *rules: tuple[bool, str]) -> None:
             )
         if value is not None and rule is not None and not rule[0](value):
             raise ConfigError(f"{name}.{f.name} must be {rule[1]}, got {value!r}")
-    for ok, message in rules:
-        if not ok:
-            raise ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -116,22 +109,15 @@ class DataConfig:
     check: bool = opt(True, "scan every image/label pair before step 1 (as dualseg data check)")
 
     def __post_init__(self) -> None:
-        _check(
-            self,
-            (
-                bool(self.train_split.strip()) and self.val_split != "",
-                "data.train_split / data.val_split is an empty name: give a split, or null "
-                "for no validation split",
-            ),
-        )
+        _check(self)
+        if not self.train_split.strip() or self.val_split == "":
+            raise ConfigError(
+                "data.train_split / data.val_split is an empty name: give a split, or null for "
+                "no validation split"
+            )
+        augment = ("crop_size", "scale_range", "hflip_prob", "blur_prob", "jitter")
         check_augment_settings(
-            crop_size=tuple(self.crop_size),
-            scale_range=tuple(self.scale_range),
-            hflip_prob=self.hflip_prob,
-            blur_prob=self.blur_prob,
-            jitter=self.jitter,
-            names={k: f"data.{k}" for k in ("crop_size", "scale_range", "hflip_prob", "blur_prob")}
-            | {"jitter": "data.jitter"},
+            **{k: getattr(self, k) for k in augment}, names={k: f"data.{k}" for k in augment}
         )
         if self.label_map is not None:
             from dualseg.data.presets import parse_label_map
@@ -227,14 +213,12 @@ class OptimConfig:
     )
 
     def __post_init__(self) -> None:
-        _check(
-            self,
-            (
-                self.ohem_thresh is not None or self.ohem_min_kept == 100000,
+        _check(self)
+        if self.ohem_thresh is None and self.ohem_min_kept != 100000:
+            raise ConfigError(
                 f"optim.ohem_min_kept {self.ohem_min_kept} does nothing without "
-                "optim.ohem_thresh (OHEM is off); set --optim.ohem_thresh (e.g. 0.7) too",
-            ),
-        )
+                "optim.ohem_thresh (OHEM is off); set --optim.ohem_thresh (e.g. 0.7) too"
+            )
 
 
 @dataclass(frozen=True)
@@ -321,13 +305,7 @@ def field_docs(cls: type) -> dict[str, str]:
 # --------------------------------------------------------------------------- values
 def config_to_dict(cfg: Config) -> dict[str, Any]:
     """Plain dict (lists instead of tuples): YAML, JSON and checkpoints take it as is."""
-
-    def plain(v: Any) -> Any:
-        if isinstance(v, dict):
-            return {k: plain(x) for k, x in v.items()}
-        return [plain(x) for x in v] if isinstance(v, list | tuple) else v
-
-    return plain(dataclasses.asdict(cfg))
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
 def config_changes(old: dict[str, Any], new: Config) -> dict[str, tuple[Any, Any]]:

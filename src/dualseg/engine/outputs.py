@@ -1,7 +1,5 @@
-"""Where the commands' outputs go, and what they never replace: an output that exists (unless
-``overwrite``), an input image or a dataset file (always) is refused before any work; images
-that share a file name get distinct output names; every file is written atomically.
-"""
+"""Where the commands' outputs go, and what they never replace: an existing output (unless
+``overwrite``), an input image or a dataset file (always) is refused before any work."""
 
 from __future__ import annotations
 
@@ -25,29 +23,23 @@ from dualseg.io import atomic_save_image, atomic_write_bytes, check_writable, la
 
 OUTPUT_FOLDERS = ("labels", "color", "overlay", "probs")  # what predict writes into OUT
 OWN_FOLDERS = (*OUTPUT_FOLDERS, "changed")  # with refine apply's: never read as inputs
-# Keys of each --probs npz file; method B (`refine apply --base <folder>`) reads them.
-PROBS_KEYS = {
-    "probs": "float16 [C, H, W] softmax probabilities at the original size (TTA: their mean)",
-    "class_names": "str [C] class names, in channel order",
-    "source": "str, the input image path",
-    "image_sha1": "str, dualseg.imaging.rgb_digest of the decoded input image",
-}
+# each --probs npz: float16 [C, H, W] probs, class_names, source path, rgb_digest of the image
+PROBS_KEYS = ("probs", "class_names", "source", "image_sha1")
 FIGURES = ("confusion_matrix.png", "per_class_iou.png", "confusion_matrix_refined.png")
 EVAL_FILES = ("metrics.json", *FIGURES)  # what an evaluation writes into its OUT
 
 
 def unique_names(found: Sequence[tuple[Path, str]]) -> list[tuple[Path, str]]:
-    """``(path, name)`` pairs with distinct names: a file whose name is free keeps it, others
-    get the first free ``name_k``; a file listed again keeps its first name; names compare
-    case-insensitively (macOS, Windows)."""
+    """``(path, name)`` pairs with distinct names (case-insensitively): a free name is kept,
+    others get the first free ``name_k``; a file listed again keeps its first name."""
     keys = [path.resolve() for path, _ in found]
     by_file: dict[Path, str] = {}
     used: set[str] = set()
-    for key, (_, name) in zip(keys, found):  # first: each free name to the first file with it
+    for key, (_, name) in zip(keys, found):
         if key not in by_file and name.casefold() not in used:
             by_file[key] = name
             used.add(name.casefold())
-    for key, (_, name) in zip(keys, found):  # then the others, numbered past every name taken
+    for key, (_, name) in zip(keys, found):
         if key not in by_file:
             k = 1
             while f"{name}_{k}".casefold() in used:
@@ -58,8 +50,7 @@ def unique_names(found: Sequence[tuple[Path, str]]) -> list[tuple[Path, str]]:
 
 
 def dataset_files(root: str | os.PathLike[str], *, layout: str = "auto") -> Iterator[Path]:
-    """The files of the dataset at ``root`` (any split): list files, images, labels,
-    ``meta.json``. A generator: nothing is scanned unless it is read."""
+    """The files of the dataset at ``root`` (any split), lazily."""
     root = Path(root)
     yield root if root.is_file() else root / "meta.json"
     for split in dict.fromkeys([*available_splits(root, layout), "train", "val", "test"]):
@@ -88,11 +79,10 @@ def check_outputs(
     protected: Iterable[tuple[str, Iterable[Path]]] = (),
     what: str = "--out",
 ) -> None:
-    """Refuse (one-line :class:`OutputError`), before any work, an output that exists: always
-    when it is one of the ``protected`` files (``(description, paths)`` groups, the same file
-    by another path too), otherwise unless ``overwrite``. ``what`` names the option."""
+    """Refuse an existing output: always when it is one of the ``protected`` files
+    (``(description, paths)`` groups, by any path), otherwise unless ``overwrite``."""
     outputs = [Path(p) for p in outputs]
-    for folder in {p.parent for p in outputs}:  # found mid-run otherwise, after some writes
+    for folder in {p.parent for p in outputs}:
         blocker = next((f for f in (folder, *folder.parents) if os.path.lexists(f)), None)
         if blocker is not None and not blocker.is_dir():
             raise OutputError(f"{what}: {blocker} is a file where an output folder goes; move it")
@@ -123,13 +113,8 @@ def check_outputs(
 def collect_images(
     inputs: Sequence[str], *, out: Path | None = None, command: str = "predict"
 ) -> list[tuple[Path, str]]:
-    """Expand files, folders (recursively) and globs into ``(path, output name)`` pairs.
-
-    Folders and globs never pick up files under ``out``'s own folders (``OWN_FOLDERS``) nor
-    under those of an earlier output inside an input folder (a ``labels/`` beside an
-    ``overlay/``, which datasets do not have), said in one note. Inputs that match nothing:
-    one :class:`DataError` naming them all.
-    """
+    """Files, folders (recursively) and globs as ``(path, output name)`` pairs, never the
+    files of ``out``'s own folders nor of an earlier run's outputs inside an input folder."""
     skipped = [] if out is None else [(out / f).resolve() for f in OWN_FOLDERS]
     earlier: set[Path] = set()  # earlier outputs whose files were left out
 
@@ -140,10 +125,8 @@ def collect_images(
             return False
         for folder in f.relative_to(root).parents[:-1] if root is not None else ():
             run = (root / folder).parent
-            if (
-                folder.name in OWN_FOLDERS
-                and (run / "overlay").is_dir()
-                and (run / "labels").is_dir()
+            if folder.name in OWN_FOLDERS and all(
+                (run / d).is_dir() for d in ("labels", "overlay")
             ):
                 earlier.add(run)
                 return False
@@ -152,24 +135,21 @@ def collect_images(
     found: list[tuple[Path, str]] = []
     missing: list[str] = []
     for item in inputs:
-        if not item.strip():  # an unset shell variable: as a path, the whole current folder
+        if not item.strip():
             raise DataError("an input is an empty path; name an image file, a folder or a glob")
         path = Path(item)
         if path.is_dir():
             files = [(f, f.relative_to(path).with_suffix("").as_posix())
                      for f in sorted(path.rglob("*")) if wanted(f, path)]  # fmt: skip
-            ours = out is not None and any(path.resolve().is_relative_to(s) for s in skipped)
-            why = (
-                "its images are this command's outputs under --out, never inputs"
-                if ours
-                else "a folder with no images"
-            )
+            why = "a folder with no images"
+            if any(path.resolve().is_relative_to(s) for s in skipped):
+                why = "its images are this command's outputs under --out, never inputs"
         elif path.is_file():
             files, why = [(path, path.stem)], ""
         elif glob.has_magic(item):
             matches = sorted(Path(f) for f in glob.glob(item, recursive=True))
             files = [(f, f.stem) for f in matches if wanted(f)]
-            for folder in (m for m in matches if m.is_dir()):  # as the shell's expansion gives
+            for folder in (m for m in matches if m.is_dir()):
                 files += [(f, (folder.name / f.relative_to(folder)).with_suffix("").as_posix())
                           for f in sorted(folder.rglob("*")) if wanted(f, folder)]  # fmt: skip
             why = "no image matches this pattern"
@@ -202,15 +182,13 @@ def check_image_outputs(
     data: str | None = None,
     command: str = "predict",
 ) -> None:
-    """Refuse, before any work, outputs ``out/<folder>/<name><suffix>`` (``files``: ``(folder,
-    suffix)`` pairs) that exist (unless ``overwrite``) or are an input image or a file of the
-    ``data`` dataset or of a dataset at ``out`` (always)."""
+    """Refuse outputs ``out/<folder>/<name><suffix>`` that exist (unless ``overwrite``) or are
+    an input image or a file of the ``data`` dataset or of a dataset at ``out`` (always)."""
     outputs = [out / folder / f"{name}{suffix}" for _, name in images for folder, suffix in files]
     protected = [("an input image", [path for path, _ in images])]
     if data:
         protected.append((f"a file of the dataset {data}", dataset_files(data)))
-    # --out is itself a dataset when it says so (meta.json, a list file), or when the inputs
-    # are its images/ and no overlay/ or changed/ (which datasets lack) shows an earlier run
+    # --out is a dataset when it says so, or when the inputs are its images/ and no earlier run
     images_dir = (out / "images").resolve()
     paired = any(path.resolve().is_relative_to(images_dir) for path, _ in images)
     earlier_run = (out / "overlay").is_dir() or (out / "changed").is_dir()
@@ -219,7 +197,6 @@ def check_image_outputs(
     check_outputs(outputs, overwrite=overwrite, protected=protected)
     if not earlier_run:
         return
-    # an earlier run's outputs of other images stay beside this run's: say so
     ours = {p.resolve() for p in outputs}
     mine = [out / folder for folder, _ in files if (out / folder).is_dir()]
     others = sorted(f for folder in mine for f in folder.rglob("*") if f.is_file()
@@ -240,7 +217,7 @@ def save_probs(
     source: str,
     image_sha1: str | None = None,
 ) -> None:
-    """Write one ``--probs`` file (keys: :data:`PROBS_KEYS`), compressed and atomically."""
+    """Write one ``--probs`` file (:data:`PROBS_KEYS`), compressed and atomically."""
     buf = io.BytesIO()
     digest = {} if image_sha1 is None else {"image_sha1": np.asarray(image_sha1)}
     names = np.asarray(list(class_names), dtype=str)
@@ -274,8 +251,7 @@ def write_outputs(
 
 
 def prediction_names(samples: list) -> list[str]:
-    """The output name of each ``(image_path, label_path)`` sample: the image's stem, with a
-    numeric suffix for distinct images that share one (as ``dualseg predict`` names them)."""
+    """The output name of each ``(image_path, label_path)`` sample, as predict names them."""
     return [name for _, name in unique_names([(Path(img), Path(img).stem) for img, _ in samples])]
 
 
@@ -286,10 +262,8 @@ def prediction_files(out: Path, names: list[str], *, refined: bool) -> list[Path
 
 
 class PredictionWriter:
-    """``evaluate(on_batch=...)`` hook writing ``labels/`` and ``color/`` PNGs per sample
-    (``refined_labels/``, ``refined_color/`` with a refiner). ``samples`` are the dataset's
-    pairs in loader order (not shuffled): batch ``i`` row ``k`` is sample
-    ``i * batch_size + k``."""
+    """``evaluate(on_batch=...)`` hook writing ``labels/`` and ``color/`` PNGs per sample (and
+    ``refined_*`` with a refiner); ``samples`` in loader order (not shuffled)."""
 
     def __init__(self, samples: list, out: Path, palette: Any, batch_size: int) -> None:
         self.names, self.out = prediction_names(samples), out
@@ -312,8 +286,7 @@ class PredictionWriter:
                                viz.colorize(arr, self.palette))  # fmt: skip
 
     def undo(self) -> int:
-        """Remove the files this evaluation added (it stopped on an error): no partial set is
-        left for the corrected rerun to need --overwrite for. Returns how many."""
+        """Remove the files this evaluation added (it stopped on an error); how many."""
         for path in self.created:
             path.unlink(missing_ok=True)
         for folder in {path.parent for path in self.created}:
@@ -323,8 +296,7 @@ class PredictionWriter:
 
 
 def mixed_size_batch(samples: list, batch_size: int) -> str | None:
-    """The first batch of ``samples`` (loader order) whose images differ in size, from the file
-    headers (EXIF rotation included), in a line; found before any prediction is written."""
+    """A line on the first batch of ``samples`` whose images differ in size (file headers)."""
 
     def size(path: str) -> tuple[int, int] | None:
         try:
@@ -363,9 +335,7 @@ def write_figures(out: Path, metrics: dict[str, Any], class_names: Any) -> list[
 
 
 def default_out(checkpoint: str, split: str, *, variant: str = "") -> Path:
-    """``eval --out``'s default: ``eval_SPLIT`` (+ ``variant``) beside a run's ``best.pt``,
-    ``eval_SPLIT_NAME`` beside another checkpoint or pretrained folder, and
-    ``./eval_SPLIT_NAME`` for ``hf://org/NAME``."""
+    """``eval --out``'s default: ``eval_SPLIT[_NAME]`` beside the checkpoint (``./`` for hf://)."""
     if str(checkpoint).startswith("hf:/"):
         repo = str(checkpoint).rstrip("/").rsplit("/", 1)[-1].split("@", 1)[0]
         return Path(f"eval_{split}_{repo}{variant}")
@@ -378,9 +348,8 @@ def check_eval_outputs(
     out: Path, predictions: str | None, *, data: str, split: str, layout: str, refined: bool,
     overwrite: bool,
 ) -> list[Path]:  # fmt: skip
-    """Refuse, before any work, an unwritable place, an earlier evaluation in ``out`` and
-    existing ``predictions`` files (unless ``overwrite``) or dataset files (always). Returns
-    an earlier evaluation's refined predictions that this one replaces by leaving them out."""
+    """Refuse an unwritable place, earlier outputs (unless ``overwrite``) or dataset files;
+    returns an earlier evaluation's refined predictions that this one leaves out."""
     check_writable(out, kind="dir", what="--out")
     if not predictions:
         check_outputs([out / name for name in EVAL_FILES], overwrite=overwrite, what="--out")

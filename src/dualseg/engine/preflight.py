@@ -1,7 +1,5 @@
-"""What ``fit`` prepares and checks before its first step -- the data scan (bad data fails in
-seconds, not at iteration 30,000), datasets and loaders, resume checks (and ``--resume``'s
-config) -- and the sanity notes of a validation (one scored class; not above the majority-class
-baseline)."""
+"""What ``fit`` prepares and checks before its first step: the data scan, datasets, loaders,
+resume checks and ``--resume``'s config; and the notes of a validation line."""
 
 from __future__ import annotations
 
@@ -54,8 +52,8 @@ def dataset_options(d: DataConfig) -> dict[str, Any]:
 def check_training_data(
     d: DataConfig, *, progress: ProgressMode = "off", warn: bool = True
 ) -> None:
-    """Scan every pair of ``d``'s training and validation splits (of every root); one
-    ``DataError`` if bad; absent classes, overlapping splits and padded crops are warnings."""
+    """Scan every pair of ``d``'s training and validation splits: one ``DataError`` if bad;
+    absent classes, overlapping splits and padded crops are warnings."""
     if not d.check or not d.root:
         return
     # a held-out fraction is part of the training split's files
@@ -70,8 +68,7 @@ def check_training_data(
 
 
 def padded_crop(d: DataConfig, largest: tuple[int, int] | None) -> str | None:
-    """A line when over half of every crop would be ignore padding (``data.crop_size`` above
-    the largest training image at the largest scale): a weaker loss and slower steps."""
+    """A line when over half of every crop would be ignore padding."""
     if not largest or min(largest) == 0:
         return None
     hi = max(d.scale_range)
@@ -87,16 +84,11 @@ def padded_crop(d: DataConfig, largest: tuple[int, int] | None) -> str | None:
 
 
 def scored_classes_note(metrics: Mapping[str, Any], class_names: Sequence[str]) -> str:
-    """``" (1 class scored: 'a')"`` when the mIoU averages a single class, else ``""``."""
-    iou = metrics.get("iou")
-    if iou is None:
-        return ""
-    values = [float(v) for v in (iou.tolist() if hasattr(iou, "tolist") else iou)]
-    scored = [i for i, v in enumerate(values) if not math.isnan(v)]
+    """``" (1 class scored: 'a'; ...)"`` when the mIoU averages a single class, else ``""``."""
+    scored = [i for i, v in enumerate(metrics.get("iou", ())) if not math.isnan(float(v))]
     if len(scored) != 1:
         return ""
-    name = class_names[scored[0]] if scored[0] < len(class_names) else scored[0]
-    return f" (1 class scored: {name!r}; the labels hold no other class)"
+    return f" (1 class scored: {class_names[scored[0]]!r}; the labels hold no other class)"
 
 
 def baseline_note(metrics: Mapping[str, Any], class_names: Sequence[str]) -> str:
@@ -108,24 +100,8 @@ def baseline_note(metrics: Mapping[str, Any], class_names: Sequence[str]) -> str
     return "".join([f" (majority-class baseline {100 * base:.1f}%)", *warnings])
 
 
-def check_resumable(state: dict, path: Path | None, max_iters: int) -> None:
-    """A resume needs a training checkpoint (not weights alone) with iterations left."""
-    if "optimizer" not in state or "rng" not in state:
-        raise CheckpointError(
-            f"{path} holds model weights without the training state a resume needs; resume "
-            "from a checkpoint that dualseg train wrote (the run's last.pt)"
-        )
-    done = state.get("iteration")
-    if isinstance(done, int) and max_iters < done:
-        raise ConfigError(
-            f"{path} is at iteration {done}, past train.max_iters {max_iters}: pass "
-            f"--train.max_iters {done} or more to resume it, or evaluate it with dualseg eval"
-        )
-
-
 def refuse_rewind(out_dir: Path, resume: str | None) -> None:
-    """Resuming a folder from its own older ``best.pt`` would replace its later ``last.pt``
-    and log records: only with ``--overwrite``."""
+    """Refuse resuming a folder from its own older ``best.pt`` (unless ``--overwrite``)."""
     best, last = out_dir / ckpt_io.BEST_NAME, out_dir / ckpt_io.LAST_NAME
     if resume in (None, "auto") or not last.is_file() or Path(resume).resolve() != best.resolve():
         return
@@ -180,8 +156,7 @@ def build_loaders(
             f"the training split has {sampler.num_samples} images per process, fewer than "
             f"data.batch_size={d.batch_size}; lower the batch size or set data.samples_per_epoch"
         )
-    # the loaders' seeds come from their own generator: a new iterator never shifts the
-    # training RNG stream
+    # the loaders' own generator: a new iterator never shifts the training RNG stream
     common = {
         "num_workers": d.workers,
         "pin_memory": d.pin_memory and env.device.type == "cuda",
@@ -230,18 +205,15 @@ def build_train_model(cfg: Config, num_classes: int, *, pretrained: bool) -> nn.
 
 
 def train_command(argv: list[str]) -> tuple[Config, str | None, dict[str, bool]]:
-    """:func:`parse_command`, where ``--resume`` without ``--config`` reads the run's own config:
-    ``config.yaml`` beside the checkpoint (or in ``train.out_dir`` for ``auto``), else the one
-    stored in the checkpoint; the flags apply on top."""
+    """:func:`parse_command`, where ``--resume`` without ``--config`` reads the run's own config
+    (``config.yaml`` beside the checkpoint, else the one stored in it); flags apply on top."""
     cfg, resume, flags = parse_command(argv)
-    # a stored train.quiet is how that run's command was run: this command's own is kept
     quiet = cfg.train.quiet
     if resume not in (None, "auto") and not any(a.startswith("--config") for a in argv):
         base = resume_base_config(Path(resume))
         cfg, resume, flags = parse_command(["--config", base, *argv])
         folder = Path(resume).parent
-        # a moved run folder's config.yaml still names the old place: the run goes on here
-        # unless a flag or section file names another
+        # a moved run folder's config.yaml names the old place: the run goes on here
         stored_out = None
         if Path(base) == folder / "config.yaml":
             stored_out = parse_command(["--config", base])[0].train.out_dir
@@ -263,8 +235,7 @@ def train_command(argv: list[str]) -> tuple[Config, str | None, dict[str, bool]]
 
 
 def resume_base_config(checkpoint: Path) -> str:
-    """The ``--config`` of ``--resume CHECKPOINT`` without one: the ``config.yaml`` beside it,
-    else the config stored in the checkpoint (as YAML text, which ``--config`` reads too)."""
+    """``config.yaml`` beside ``checkpoint``, else the config stored in it (as YAML text)."""
     run_config = checkpoint.parent / "config.yaml"
     if run_config.is_file():
         return str(run_config)

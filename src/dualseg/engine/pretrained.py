@@ -1,21 +1,5 @@
-"""Shareable model folders: ``config.json`` + ``model.safetensors`` (the Hugging Face layout).
-
-A *pretrained folder* holds what is needed to use a trained network, and nothing that can run
-code when loaded::
-
-    config.json          format, arch, build options (model_kwargs), class names, palette,
-                         ignore index, dataset name, input normalization, label
-                         contract, training images' content digests, (metrics)
-    model.safetensors    the network's weights only (safetensors: a header plus raw tensors)
-
-``hf://org/name[@revision]`` fetches the same layout through ``huggingface_hub``
-(``HF_HUB_OFFLINE=1``: the local cache only). The method-B refiner adds ``refiner.json`` +
-``refiner.safetensors`` (:mod:`dualseg.refine.pretrained`).
-
-    >>> seg = dualseg.load_model("runs/camvid/best.pt")        # doctest: +SKIP
-    >>> seg.save_pretrained("camvid-mobilenet")                 # doctest: +SKIP
-    >>> seg = dualseg.load_model("camvid-mobilenet")            # or "hf://org/camvid-mobilenet"
-"""
+"""Shareable model folders: ``config.json`` + ``model.safetensors`` (the Hugging Face layout),
+nothing that runs code when loaded; ``hf://org/name[@revision]`` fetches the same layout."""
 
 from __future__ import annotations
 
@@ -53,7 +37,6 @@ from dualseg.weights import hub_folder
 FORMAT = "dualseg-pretrained/1"
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-# the method-B refiner's files in the same folder (written by dualseg.refine.pretrained)
 REFINER_CONFIG = "refiner.json"
 REFINER_WEIGHTS = "refiner.safetensors"
 
@@ -79,7 +62,6 @@ def read_safetensors(path: Path, *, what: str) -> dict[str, Tensor]:
 
 
 def read_json(path: Path, *, fmt: str, what: str) -> dict[str, Any]:
-    """A folder's JSON description, checked for ``format == fmt``."""
     if not path.is_file():
         raise CheckpointError(f"{path}: {what} description not found; the folder is incomplete")
     try:
@@ -99,6 +81,7 @@ def is_hub_source(source: str | os.PathLike[str]) -> bool:
 
 
 def is_pretrained_folder(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a ``config.json``."""
     return (Path(path) / CONFIG_NAME).is_file()
 
 
@@ -108,8 +91,7 @@ def resolve_source(source: str | os.PathLike[str], *, files: Sequence[str]) -> P
 
 
 # --------------------------------------------------------------------------- save
-# the training config's data keys that say how its labels were read: a model trained with
-# --data.label_map 255:1 is scored on the classes it learnt
+# the training config's data keys that say how its labels were read
 TRAINING_LABEL_KEYS = ("label_format", "label_map", "ignore_index")
 
 
@@ -128,25 +110,17 @@ def save_pretrained(
     train_images: Any = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write ``model`` as a pretrained folder (``config.json`` + ``model.safetensors``).
-
-    ``arch`` / ``model_kwargs`` rebuild the network; ``meta`` gives class names and palette;
-    ``mean`` / ``std`` the input normalization (default ImageNet's); ``training_labels`` the
-    training config's ``data.label_format`` / ``label_map`` / ``ignore_index``;
-    ``label_contract``: the training data's ``LabelContract.to_dict()`` (default: ``meta``'s);
-    ``train_images``: the training images' ``content_digests`` (eval warns on them).
-    An existing folder's files are kept unless ``overwrite=True``.
-    """
+    """Write ``model`` as a pretrained folder; ``mean`` / ``std`` default to ImageNet's,
+    ``label_contract`` to ``meta``'s; an existing folder's files are kept unless ``overwrite``."""
     folder = folder_path(folder)
     refuse_existing(folder, (CONFIG_NAME, WEIGHTS_NAME), overwrite)
     kwargs = {"num_classes": meta.num_classes, **model_kwargs}
-    kwargs.pop("weights", None)
     check_rebuilds(model, arch, kwargs)
     try:  # a refiner beside it: of these classes, and fit for the model written before
-        stored = json.loads((folder / REFINER_CONFIG).read_text("utf-8")).get("class_names")
-    except (OSError, ValueError, AttributeError):
+        stored = json.loads((folder / REFINER_CONFIG).read_text("utf-8"))["class_names"]
+    except (OSError, ValueError, KeyError, TypeError):
         stored = None
-    if isinstance(stored, list) and stored != list(meta.class_names):
+    if stored is not None and stored != list(meta.class_names):
         raise CheckpointError(
             f"{folder / REFINER_CONFIG} is a refiner of other classes ({short_list(stored, 4)}) "
             f"than this model ({short_list(list(meta.class_names), 4)}); save to another folder"
@@ -158,7 +132,10 @@ def save_pretrained(
             UserWarning,
             stacklevel=2,
         )
-    contract = LabelContract.from_dict(dict(label_contract)) if label_contract else None
+    contract = (
+        LabelContract.from_dict(dict(label_contract)) if label_contract else LabelContract(meta)
+    )
+    labels = {k: v for k, v in (training_labels or {}).items() if k in TRAINING_LABEL_KEYS}
     config = {
         "format": FORMAT,
         "dualseg_version": __version__,
@@ -174,15 +151,12 @@ def save_pretrained(
             "mean": list(mean or IMAGENET_MEAN),
             "std": list(std or IMAGENET_STD),
         },
-        "label_contract": (contract or LabelContract(meta)).to_dict(),
+        "label_contract": contract.to_dict(),
+        "training_labels": to_plain(labels),
+        "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, int | float | str)},
     }
     if train_images is not None:
         config["train_images"] = digests_to_hex(train_images)
-    labels = {k: v for k, v in (training_labels or {}).items() if k in TRAINING_LABEL_KEYS}
-    if labels:
-        config["training_labels"] = to_plain(labels)
-    if metrics:
-        config["metrics"] = {k: v for k, v in metrics.items() if isinstance(v, int | float | str)}
     write_folder_files(folder, WEIGHTS_NAME, model.state_dict(), CONFIG_NAME, config)
     return folder
 
@@ -194,8 +168,7 @@ def write_folder_files(
     config_name: str,
     config: Mapping[str, Any],
 ) -> None:
-    """Write weights and description as a pair: both staged in full, then moved into place,
-    weights first, so a stopped run leaves the earlier pair loadable and no staged file."""
+    """Write weights and description as a pair (both staged, then moved into place)."""
     staged = {name: folder / f".{name}.staged" for name in (weights_name, config_name)}
     try:
         write_safetensors(staged[weights_name], tensors)
@@ -208,9 +181,8 @@ def write_folder_files(
 
 
 def check_rebuilds(model: nn.Module, arch: str, kwargs: Mapping[str, Any]) -> None:
-    """Refuse to save ``model`` under an ``arch`` / ``model_kwargs`` that rebuild another
-    network (other shapes, or other convolution / pooling geometry: a stride-16 model
-    described as stride 8 would load and answer differently), or with non-finite weights."""
+    """Refuse to save ``model`` under an ``arch`` / ``model_kwargs`` that build another network
+    (other shapes or convolution / pooling geometry), or with non-finite weights."""
     state = model.state_dict()
     for prefix, what in (("_orig_mod.", "torch.compile's wrapper"), ("module.", "a DDP wrapper")):
         if state and all(k.startswith(prefix) for k in state):
@@ -240,8 +212,7 @@ def check_rebuilds(model: nn.Module, arch: str, kwargs: Mapping[str, Any]) -> No
 
 
 def _geometry(model: nn.Module) -> dict[str, str]:
-    """Each convolution's and pooling layer's sampling geometry (what decides which pixels a
-    weight meets, beyond the weights' shapes)."""
+    """Each convolution's and pooling layer's sampling geometry."""
     keys = ("kernel_size", "stride", "padding", "dilation", "groups", "output_size")
     out = {
         name: {k: getattr(m, k) for k in keys if hasattr(m, k)} for name, m in model.named_modules()
@@ -250,14 +221,15 @@ def _geometry(model: nn.Module) -> dict[str, str]:
 
 
 def folder_path(folder: str | os.PathLike[str]) -> Path:
-    """``folder`` as a Path; an empty one (an unset variable) is refused, not read as ``.``."""
+    """``folder`` as a Path; an empty one is refused, not read as ``.``."""
     if not os.fspath(folder).strip():
         raise ConfigError("save_pretrained needs a folder path, got an empty one; name a folder")
     return Path(folder)
 
 
 def refuse_existing(folder: Path, names: Sequence[str], overwrite: bool) -> None:
-    if str(folder).startswith("hf:"):  # Path("hf://org/name") is the local folder hf:/org/name
+    """Refuse a Hub address, a file in the way, or ``names`` there (unless ``overwrite``)."""
+    if str(folder).startswith("hf:"):
         raise ConfigError(
             f"save_pretrained writes a local folder, not the Hub ({folder}); save to a folder, "
             "then upload it with huggingface_hub.upload_folder"
@@ -298,14 +270,9 @@ def save_pretrained_from_checkpoint(
 
 # --------------------------------------------------------------------------- load
 def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
-    """A pretrained folder (or ``hf://``) as a checkpoint-like dict, which
-    :func:`dualseg.engine.checkpoint.build_model_from_checkpoint` rebuilds (and checks)."""
+    """A pretrained folder (or ``hf://``) as a checkpoint-like dict (for
+    :func:`~dualseg.engine.checkpoint.build_model_from_checkpoint`)."""
     folder = resolve_source(source, files=(CONFIG_NAME, WEIGHTS_NAME))
-    if not folder.is_dir():
-        raise CheckpointError(
-            f"{source}: no such folder (a pretrained folder holds {CONFIG_NAME} and "
-            f"{WEIGHTS_NAME}; write one with 'dualseg export --format pretrained')"
-        )
     where = folder / CONFIG_NAME
     config = read_json(where, fmt=FORMAT, what="pretrained model")
     if missing := [
@@ -322,7 +289,7 @@ def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
             f"{where}: normalization must be a dict of mean and std, training_labels must map "
             f"some of {', '.join(TRAINING_LABEL_KEYS)}; save the folder again"
         )
-    try:  # the training images' content digests, which eval warns on
+    try:
         seen = {k: digests_from_hex(config[k]) for k in ("train_images",) if k in config}
     except ValueError as err:
         raise CheckpointError(f"{where}: train_images: {err}; save it again") from None
@@ -345,9 +312,9 @@ def read_pretrained(source: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 def load_state(source: str | os.PathLike[str]) -> dict[str, Any]:
-    """Any model source as a checkpoint-like dict: a ``.pt`` checkpoint file, a pretrained
-    folder, or ``hf://org/name``."""
-    if not os.fspath(source).strip():  # Path("") is the current folder
+    """Any model source (a ``.pt`` file, a pretrained folder, ``hf://org/name``) as a
+    checkpoint-like dict."""
+    if not os.fspath(source).strip():
         raise ConfigError("the model path is empty; pass a checkpoint, a folder or hf://org/name")
     path = Path(source)
     if is_hub_source(source) or is_pretrained_folder(path):
@@ -366,8 +333,7 @@ def load_state(source: str | os.PathLike[str]) -> dict[str, Any]:
 def load_network(
     source: str | os.PathLike[str], *, device: Any = "cpu"
 ) -> tuple[nn.Module, DatasetMeta, dict[str, Any]]:
-    """``(model, meta, state)`` of any model source (:func:`load_state`): its input
-    normalization checked against dualseg's (ImageNet), the network rebuilt on ``device``."""
+    """``(model, meta, state)`` of any model source, its normalization checked."""
     state = load_state(source)
     check_normalization(state)
     model, meta = build_model_from_checkpoint(state, device=device)

@@ -1,9 +1,5 @@
-"""The run folder of ``fit``: one run per folder, one process at a time, checkpoints on time.
-
-A folder holding a run is refused unless ``--resume`` continues that run or ``--overwrite``
-replaces it; the old run's files go only right before the new run's first write, once every
-check on user input has passed. A lock file (pid and host) keeps a second process out.
-"""
+"""The run folder of ``fit``: a folder holding a run is refused unless ``--resume`` continues
+it or ``--overwrite`` replaces it; a lock file (pid and host) keeps a second process out."""
 
 from __future__ import annotations
 
@@ -31,8 +27,7 @@ def run_files(out_dir: Path) -> list[Path]:
 
 
 def continues_run(out_dir: str | Path, resume: str | os.PathLike[str] | None) -> bool:
-    """Whether ``--resume`` continues the run in ``out_dir``: ``"auto"`` with a ``last.pt``
-    there, or the folder's own ``last.pt`` / ``best.pt`` however spelled."""
+    """Whether ``--resume`` continues the run in ``out_dir`` (``auto``, or its own checkpoint)."""
     out_dir = Path(out_dir)
     if resume is None:
         return False
@@ -44,8 +39,8 @@ def continues_run(out_dir: str | Path, resume: str | os.PathLike[str] | None) ->
 def check_run_dir(
     out_dir: str | Path, *, resume: str | os.PathLike[str] | None, overwrite: bool
 ) -> list[Path]:
-    """Refuse ``out_dir`` when it holds a run that ``resume`` does not continue (unless
-    ``overwrite``) or cannot be written; changes nothing. Returns the run's files."""
+    """Refuse ``out_dir`` when it cannot be written or holds a run ``resume`` does not continue
+    (unless ``overwrite``); returns the run's files."""
     out_dir = Path(out_dir)
     check_writable(out_dir, kind="dir", what="train.out_dir")
     previous = run_files(out_dir) if out_dir.is_dir() else []
@@ -53,14 +48,13 @@ def check_run_dir(
         return previous
     names = ", ".join(p.name for p in previous[:4]) + (" ..." if len(previous) > 4 else "")
     hint = ""
-    if resume is None and not any((out_dir / n).is_file() for n in (LAST, BEST)):
+    if not any((out_dir / n).is_file() for n in (LAST, BEST)):
         why = "holds a run that stopped before its first checkpoint"
     elif resume is None:
         why, hint = "already holds a run", "continue it with --resume auto, "
-    elif resume == "auto":
+    elif resume == "auto":  # a best.pt alone
         why = f"holds a run without {LAST}, so --resume auto has nothing to continue"
-        if (out_dir / BEST).is_file():
-            hint = f"resume from its {BEST} with --resume {out_dir / BEST}, "
+        hint = f"resume from its {BEST} with --resume {out_dir / BEST}, "
     else:
         why = f"holds another run than the checkpoint {resume}"
     raise RunExistsError(
@@ -73,7 +67,7 @@ def clear_run_dir(
     out_dir: str | Path, *, resume: str | os.PathLike[str] | None, overwrite: bool
 ) -> None:
     """Right before the first write: :func:`check_run_dir`, then delete the old run's files
-    (``overwrite``, unless continuing it) and temporaries a killed write left."""
+    (``overwrite``) and temporaries a killed write left."""
     out_dir = Path(out_dir)
     previous = check_run_dir(out_dir, resume=resume, overwrite=overwrite)
     if overwrite and not continues_run(out_dir, resume):
@@ -84,8 +78,7 @@ def clear_run_dir(
 
 
 def _holder(out_dir: Path) -> dict | None:
-    """The lock's record while another live process holds it; None for no lock, this
-    process's own, or one whose process ended on this host."""
+    """The lock's record while another live process (or another host) holds it, else None."""
     try:
         record = json.loads((out_dir / LOCK_NAME).read_text(encoding="utf-8"))
         pid = int(record["pid"])
@@ -117,8 +110,7 @@ def check_not_in_use(out_dir: str | Path) -> None:
 
 @contextlib.contextmanager
 def hold_run_folder(out_dir: str | Path) -> Iterator[None]:
-    """Hold ``out_dir`` (created if needed) for this process while the block runs; re-entrant
-    within one process; a lock left by a dead process is taken over."""
+    """Hold ``out_dir`` (created if needed) while the block runs; re-entrant in one process."""
     out_dir = Path(out_dir)
     check_not_in_use(out_dir)
     lock = out_dir / LOCK_NAME

@@ -68,9 +68,8 @@ class Progress:
             setattr(self, key, value)
 
     def update_monitor(self, value: float, *, higher_is_better: bool, min_delta: float) -> bool:
-        """Record one evaluation of the monitored quantity; True when it improved. A NaN (a
-        validation split without one labelled pixel) is no evaluation: it neither becomes the
-        best (every later value would then count as no gain) nor spends patience."""
+        """Record one evaluation of the monitored quantity; True when it improved. A NaN (no
+        labelled pixel) is no evaluation: it neither becomes the best nor spends patience."""
         if math.isnan(value):
             return False
         best = self.best_monitored
@@ -90,20 +89,19 @@ class RunLog:
     """Rank-0 outputs: JSONL records, TensorBoard scalars, a tqdm bar or plain lines."""
 
     def __init__(self, cfg: Config, env: DistEnv, out_dir: Path, start: int) -> None:
-        self.enabled = env.is_main
-        self.quiet = cfg.train.quiet  # metrics.jsonl and TensorBoard only
-        self.path = out_dir / "metrics.jsonl"
-        self.tb = None
-        self.bar = None
+        self.enabled, self.quiet = env.is_main, cfg.train.quiet
+        self.path, self.tb, self.bar = out_dir / "metrics.jsonl", None, None
         if not self.enabled:
             return
-        self._truncate(start)
+        if self.path.exists():  # records past the resumed checkpoint: dropped
+            keep = [r for r in self.history() if r.get("iteration", 0) <= start]
+            atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in keep))
         if cfg.train.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(out_dir), purge_step=start or None)
-            except ImportError:  # JSONL and PNG only
+            except ImportError:
                 print(
                     "dualseg train: warning: tensorboard is not installed, so no event files are "
                     "written (pip install tensorboard, or --train.tensorboard false)",
@@ -111,13 +109,6 @@ class RunLog:
                 )
         if cfg.train.progress and not self.quiet and sys.stderr.isatty():
             self.bar = tqdm(total=cfg.train.max_iters, initial=start, desc="train", unit="it")
-
-    def _truncate(self, start: int) -> None:
-        """Drop records past the resumed iteration (written after the checkpoint, then lost)."""
-        if not self.path.exists():
-            return
-        keep = [r for r in self.history() if r.get("iteration", 0) <= start]
-        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in keep))
 
     def history(self) -> list[dict[str, Any]]:
         records = []
@@ -130,7 +121,6 @@ class RunLog:
     def write(self, record: dict[str, Any], *, echo: str | None = None) -> None:
         if not self.enabled:
             return
-        # Append-only log: a line cut by a crash is skipped when read back.
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.tb is not None:
@@ -145,23 +135,16 @@ class RunLog:
             self.bar.update(1)
             self.bar.set_postfix({k: f"{v:.4f}" for k, v in postfix.items()}, refresh=False)
 
-    def message(self, text: str) -> None:
-        if not self.enabled or self.quiet:
-            return
-        if self.bar is not None:
-            self.bar.write(text)
-        else:
-            print(text, flush=True)
-
-    def notice(self, text: str) -> None:
-        """A line the user must see even with ``train.quiet`` (then on stderr): what changed
-        about the run itself, never progress."""
-        if not self.enabled:
+    def message(self, text: str, *, always: bool = False) -> None:
+        """A log line; ``always``: said even with ``train.quiet`` (then on stderr)."""
+        if not self.enabled or (self.quiet and not always):
             return
         if self.quiet:
             print(text, file=sys.stderr, flush=True)
+        elif self.bar is not None:
+            self.bar.write(text)
         else:
-            self.message(text)
+            print(text, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -171,8 +154,8 @@ class RunLog:
 
 
 def train_data_record(samples: list[tuple[Path, Path]]) -> dict[str, Any]:
-    """The training pairs' count and a digest of their file names (a moved dataset is the
-    same data), kept in each checkpoint so a resume on changed data says so."""
+    """The training pairs' count and a digest of their file names (a resume on changed data
+    says so)."""
     names = "\n".join(f"{img.name}\t{label.name}" for img, label in samples)
     return {"pairs": len(samples), "digest": hashlib.sha1(names.encode("utf-8")).hexdigest()}
 

@@ -36,9 +36,8 @@ def demo_folder(
     out: Path, data: str | None, *, overwrite: bool, preset: str | None, layout: str,
     train_split: str, val_split: str, n_train: int, n_val: int, size: tuple[int, int], seed: int,
 ) -> Iterator[tuple[Path, Any]]:  # fmt: skip
-    """Check ``out`` and the data before anything is written, then hold ``out``, mark it as
-    the demo's and yield the dataset root and its classes: ``data`` (its ``preset``, else
-    what it says), or synthetic data generated once into ``out/data`` and reused."""
+    """Check ``out`` and the data, then hold ``out``, mark it as the demo's and yield the
+    dataset root and its classes: ``data``, or synthetic data generated into ``out/data``."""
     check_writable(out, kind="dir", what="--out")
     own = overwrite or (out / DEMO_MARKER).is_file()
     foreign = [p.name for p in run_files(out)] + [n for n in DEMO_FILES if (out / n).exists()]
@@ -72,8 +71,7 @@ def demo_folder(
 
 
 def check_splits_differ(root: Path, meta: Any, *, layout: str, train: str, val: str) -> None:
-    """Refuse ``--data`` whose val split is its training images (a flat ``images/`` folder
-    serves every split): the demo would score what it trained on."""
+    """Refuse ``--data`` whose val split is its training images."""
 
     def samples(split: str) -> list[tuple[str, str]]:
         return sorted(build_dataset(root, split=split, layout=layout, preset=meta).samples)
@@ -86,8 +84,7 @@ def check_splits_differ(root: Path, meta: Any, *, layout: str, train: str, val: 
 
 
 def demo_weights(arch: str, weights: str) -> str | None:
-    """``"imagenet"`` when its file is found offline (otherwise warn once: random init),
-    ``None`` for ``none``, or the backbone file, which must exist."""
+    """``"imagenet"`` when found offline (else warn: random init), ``None``, or a file."""
     if weights.lower() == "none":
         return None
     if weights.lower() != "imagenet":
@@ -111,9 +108,8 @@ def demo_weights(arch: str, weights: str) -> str | None:
 
 
 class VisualWriter:
-    """``evaluate(on_batch=...)`` hook: label, colour and overlay PNGs of every held-out
-    image (``out/predictions``), and at :meth:`finish` a panel of the first ``n_show``
-    (image | ground truth | prediction | overlay, + method B with its changes in magenta)."""
+    """``evaluate(on_batch=...)`` hook: PNGs of every held-out image (``out/predictions``),
+    and at :meth:`finish` a panel of the first ``n_show``."""
 
     def __init__(self, dataset: Any, out: Path, n_show: int, batch_size: int) -> None:
         self.dataset, self.out, self.n_show, self.batch_size = dataset, out, n_show, batch_size

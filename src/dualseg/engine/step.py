@@ -51,8 +51,7 @@ def train_one_epoch(
     on_step: Callable[[StepStats], bool] | None = None,
 ) -> int:
     """Train over ``loader`` once (or until ``max_iters`` / ``on_step`` returns True); returns
-    the iteration reached. The losses are averaged over ranks and checked for NaN/inf before
-    the update is applied. On CPU bf16, pass a model prepared by ``convs_in_fp32``."""
+    the iteration reached. On CPU bf16, pass a model prepared by ``convs_in_fp32``."""
     model.train()
     iteration = start_iteration
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

@@ -1,15 +1,6 @@
-"""Training loop (spec S3): ``fit(cfg)`` and its inner ``train_one_epoch``.
-
-One iteration = one SGD step on one batch (per process), until ``max_iters`` (the T of the
-poly schedule) or until the monitored quantity has not improved for ``patience`` evaluations
-(S33). Every ``val_every`` iterations: validation, then ``best.pt`` (on a new best mIoU) and
-``last.pt``. A checkpoint holds weights, optimizer, scheduler, AMP scaler, sampler position
-and RNG states, so ``--resume`` continues bit-identically (CPU, deterministic). SIGINT /
-SIGTERM save ``last.pt`` and return; a NaN loss stops before the bad update.
-
-Run folder: ``config.yaml``, ``last.pt``, ``best.pt``, ``metrics.jsonl``, ``events.out.*``
-(TensorBoard), ``curves.png``.
-"""
+"""Training loop (spec S3): ``fit(cfg)``, SGD steps until ``max_iters`` (T of the poly
+schedule) or S33's patience; validation and ``best.pt`` / ``last.pt`` every ``val_every``
+iterations. A checkpoint holds everything ``--resume`` needs to continue bit-identically."""
 
 from __future__ import annotations
 
@@ -33,7 +24,6 @@ from dualseg.engine.config import (
     config_to_dict,
     model_kwargs,
     save_config,
-    train_transform,
 )
 from dualseg.engine.cpu_bf16 import amp_dtype_for, convs_in_fp32
 from dualseg.engine.distributed import (
@@ -52,7 +42,6 @@ from dualseg.engine.preflight import (
     build_datasets,
     build_loaders,
     build_train_model,
-    check_resumable,
     check_training_data,
     refuse_rewind,
     scored_classes_note,
@@ -67,9 +56,9 @@ from dualseg.engine.rundir import (
 )
 from dualseg.engine.runlog import Interrupt, Progress, RunLog, save_curves, train_data_record
 from dualseg.engine.step import StepStats, TrainingDivergedError, train_one_epoch
-from dualseg.errors import CheckpointError
+from dualseg.errors import CheckpointError, ConfigError
 
-__all__ = ["TrainingDivergedError", "fit", "train_one_epoch", "train_transform"]
+__all__ = ["TrainingDivergedError", "fit", "train_one_epoch"]
 
 
 @dataclass
@@ -121,13 +110,9 @@ class _Run:
 
 def fit(cfg: Config, *, resume: str | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Train ``cfg`` (under ``torchrun``: one process per GPU); returns a summary dict
-    ``{"iteration", "epoch", "stop_reason", "best_miou", "best_iteration", "last", "best",
-    "out_dir", "rank"}`` (``stop_reason``: max_iters, patience or interrupted, with
-    ``"signal"``). ``resume``: a checkpoint path, or ``"auto"`` for ``<out_dir>/last.pt``.
-
-    A ``train.out_dir`` holding a run is refused unless ``resume`` continues it or
-    ``overwrite``, which deletes the old run's files right before the first write (after the
-    data scan and every build)."""
+    (``iteration``, ``stop_reason``, ``best_miou``, ``last``, ``best``, ...). ``resume``: a
+    checkpoint, or ``"auto"`` for ``<out_dir>/last.pt``; a folder holding another run is
+    refused unless ``overwrite`` (its files go right before the first write)."""
     env = init_distributed(cfg.train.device)
     try:
         t = cfg.train
@@ -151,8 +136,7 @@ def fit(cfg: Config, *, resume: str | None = None, overwrite: bool = False) -> d
 
 
 def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
-    """Datasets, loaders, the model, loss, optimizer, schedule and scaler, in this order
-    (which fixes the RNG stream)."""
+    """Datasets, loaders, model, loss, optimizer, schedule, scaler (this order fixes the RNG)."""
     t, o, device = cfg.train, cfg.optim, env.device
     seed_everything(t.seed, t.deterministic, device)
     train_ds, val_ds = build_datasets(cfg)
@@ -166,7 +150,16 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
         ckpt_io.check_compatible(
             state, arch=cfg.model.arch, num_classes=meta.num_classes, class_names=meta.class_names
         )
-        check_resumable(state, resume_path, t.max_iters)
+        if "optimizer" not in state or "rng" not in state:
+            raise CheckpointError(
+                f"{resume_path} holds model weights without the training state a resume needs; "
+                "resume from the run's last.pt"
+            )
+        if isinstance(done := state.get("iteration"), int) and done > t.max_iters:
+            raise ConfigError(
+                f"{resume_path} is at iteration {done}, past train.max_iters {t.max_iters}: "
+                f"pass --train.max_iters {done} or more to resume it"
+            )
     model = build_train_model(cfg, meta.num_classes, pretrained=state is None)
     if env.distributed and t.sync_bn and device.type == "cuda":
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -207,8 +200,8 @@ def _build(cfg: Config, env: DistEnv, resume: str | None) -> _Run:
 
 
 def _resume(run: _Run) -> None:
-    """Continue the checkpoint's run exactly; a state that does not restore (damaged, or of
-    other model / optim settings) is one :class:`CheckpointError` naming what changed."""
+    """Continue the checkpoint's run exactly, or one :class:`CheckpointError` naming what
+    changed since it."""
     state, changed = run.state or {}, ""
     fix = "resume with its settings, or start a new run (another --train.out_dir, or --overwrite)"
     try:
@@ -250,8 +243,8 @@ def _restore(run: _Run, state: dict) -> None:
 
 
 def _start(run: _Run, overwrite: bool) -> None:
-    """Wrap the model (DDP, compile); clear and create the run folder, write the config,
-    open the log and say what a resume continues or changes."""
+    """Wrap the model (DDP, compile), clear the run folder, write the config, open the log and
+    say what a resume continues or changes."""
     t, env = run.cfg.train, run.env
     run.train_model = run.model
     if env.distributed:
@@ -259,14 +252,14 @@ def _start(run: _Run, overwrite: bool) -> None:
         run.train_model = nn.parallel.DistributedDataParallel(run.model, device_ids=ids)
     if t.compile:
         run.train_model = torch.compile(run.train_model)
-    if env.is_main:  # the first write: every check on user input has passed
+    if env.is_main:  # the first write: every check has passed
         clear_run_dir(run.out_dir, resume=run.resume, overwrite=overwrite)
         run.out_dir.mkdir(parents=True, exist_ok=True)
         save_config(run.cfg, run.out_dir / "config.yaml")
     run.log = RunLog(run.cfg, env, run.out_dir, run.iteration)
-    say = run.log.notice if run.resume == "auto" else run.log.message  # said even when quiet
+    auto = run.resume == "auto"  # said even when quiet
     if run.state is not None:
-        say(f"resumed from {run.resume_path} at iteration {run.iteration} (epoch {run.epoch})")
+        run.log.message(f"resumed from {run.resume_path} at iteration {run.iteration}", always=auto)
         changes = config_changes(run.state.get("config") or {}, run.cfg)
         saved = run.state.get("train_data")
         if saved != run.train_data:  # said, not refused: adding data and training on is fine
@@ -277,11 +270,11 @@ def _start(run: _Run, overwrite: bool) -> None:
         resumed: dict[str, Any] = {"iteration": run.iteration, "resumed_from": str(run.resume_path)}
         if changes:
             said = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
-            run.log.notice(f"settings changed since that checkpoint: {said}")
+            run.log.message(f"settings changed since that checkpoint: {said}", always=True)
             resumed["changed"] = {k: [a, b] for k, (a, b) in changes.items()}
         run.log.write(resumed)
     elif run.resume == "auto":
-        say(f"no checkpoint in {run.out_dir}; starting a new run")
+        run.log.message(f"no checkpoint in {run.out_dir}; starting a new run", always=True)
     if run.amp_dtype is not None:  # auto may pick it on a CPU: never silently
         kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}[run.amp_dtype]
         run.log.message(
@@ -302,12 +295,10 @@ def _loop(run: _Run) -> None:
         and state.get("monitor") == run.watched
         and t.patience is not None
         and run.progress.bad_evals >= t.patience
-    ):  # the same patience ends it again, rather than waiting for one lucky validation
+    ):  # the same patience ends it again
         run.stop_reason = "patience"
-        log.notice(
-            f"{run.resume_path} had stopped: {run.watched} had not improved for "
-            f"{run.progress.bad_evals} evaluations (train.patience {t.patience}); raise "
-            "--train.patience (or set it to null) to train on"
+        log.message(
+            f"{run.resume_path} had stopped on patience; raise --train.patience", always=True
         )
     try:
         with run.interrupt:
@@ -323,9 +314,7 @@ def _loop(run: _Run) -> None:
                         clip_grad_norm=run.cfg.optim.clip_grad_norm,
                         interrupted=run.interrupt, on_step=lambda s: _on_step(run, s),
                     )  # fmt: skip
-                except RuntimeError:
-                    # a signal can kill loader workers mid-fetch: the model is intact at the
-                    # last completed step, which is saved
+                except RuntimeError:  # a signal killed a loader worker: save the last step
                     if not run.interrupt():
                         raise
                     run.stop_reason = "interrupted"
@@ -374,8 +363,7 @@ def _on_step(run: _Run, s: StepStats) -> bool:
             f"evaluations (best {progress.best_monitored:.4f})"
         )
     stopping = done or run.stop_reason != "max_iters"
-    # best.pt first: a crash between the two writes must never leave a last.pt vouching for
-    # a best.pt that was not written
+    # best.pt first: a last.pt never vouches for a best.pt that was not written
     if is_best:
         _save(run, "best", at=s.iteration)
     if stopping or run.clock.due(s.iteration) or evaluated:
@@ -400,10 +388,9 @@ def _validate(run: _Run, at: int) -> bool:
     names = run.meta.class_names
     note = baseline_note(metrics, names)
     echo = f"[{at}] val mIoU {100 * metrics['miou']:.1f}%{scored_classes_note(metrics, names)}"
-    record: dict[str, Any] = {"iteration": at}
-    for key in ("miou", "pixel_acc", "mean_acc", "fwiou", "boundary_f1", "trimap_miou", "loss"):
-        record[f"val_{key}"] = metrics[key]
-    record |= {"val_iou": metrics["iou"], "val_baseline_miou": metrics["majority_baseline_miou"]}
+    keys = ("miou", "pixel_acc", "mean_acc", "fwiou", "boundary_f1", "trimap_miou", "loss", "iou")
+    record = {"iteration": at, **{f"val_{k}": metrics[k] for k in keys}}
+    record["val_baseline_miou"] = metrics["majority_baseline_miou"]
     record["time"] = round(time.perf_counter() - run.started, 3)
     assert run.log is not None
     run.log.write(record, echo=f"{echo}{note}")
@@ -414,7 +401,7 @@ def _validate(run: _Run, at: int) -> bool:
 
 
 def _save(run: _Run, kind: str, *, at: int) -> None:
-    """Write ``last.pt`` or ``best.pt`` (rank 0): everything a bit-exact resume needs."""
+    """Write ``last.pt`` or ``best.pt`` (rank 0)."""
     if not run.env.is_main:
         return
     cfg, meta = run.cfg, run.meta
@@ -441,7 +428,6 @@ def _save(run: _Run, kind: str, *, at: int) -> None:
             "train_images": run.train_images,
             "metrics": run.progress.last_val,
             "progress": run.progress.state_dict(),
-            # a resume stops again only after a patience stop on the same monitor
             "stop_reason": run.stop_reason,
             "monitor": run.watched,
         },
@@ -449,7 +435,7 @@ def _save(run: _Run, kind: str, *, at: int) -> None:
 
 
 def _summary(run: _Run) -> dict[str, Any]:
-    """The summary dict ``fit`` returns; rank 0 also draws the curves and prints one line."""
+    """The summary ``fit`` returns; rank 0 also draws the curves and prints one line."""
     barrier()
     best_miou, paths = run.progress.best_miou, run.paths
     summary: dict[str, Any] = {
