@@ -152,7 +152,6 @@ def _changes(new: Tensor, pred: Tensor, labels: Tensor, ignore_index: int) -> Te
                         (changed & valid & was_right & ~is_right).sum()])  # fmt: skip
 
 
-@torch.no_grad()
 def _at_labels(logits: Tensor, labels: Tensor, num_classes: int) -> Tensor:
     """``logits`` checked against the data's classes and resized to the labels (spec S4)."""
     if logits.shape[1] != num_classes:  # a model that carries no class names
@@ -165,6 +164,7 @@ def _at_labels(logits: Tensor, labels: Tensor, num_classes: int) -> Tensor:
     return F.interpolate(logits, labels.shape[-2:], mode="bilinear", align_corners=False)
 
 
+@torch.no_grad()
 def evaluate(
     model: nn.Module,
     loader: Iterable[tuple[Tensor, Tensor]],
