@@ -10,26 +10,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from checkpoint_helpers import write_synthetic_checkpoint
 from dualseg import viz
 from dualseg.cli import main as cli_main
 from dualseg.commands import predict as predict_command
 from dualseg.engine.large_images import Rows, open_rows, slide_labels
-from dualseg.engine.predict import Segmenter, load_model
 from dualseg.errors import DataError
 from dualseg.imaging import read_image
 
 SLIDE = {"window": (32, 32), "stride": (20, 20)}
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("ckpt") / "model.pt")
-
-
-@pytest.fixture(scope="module")
-def seg(ckpt) -> Segmenter:
-    return load_model(ckpt)
 
 
 def _rgb(h: int = 70, w: int = 90) -> np.ndarray:

@@ -21,16 +21,6 @@ from dualseg.engine.predict import Segmenter, as_rgb_array, load_model
 from dualseg.errors import CheckpointError, DataError
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("ckpt") / "model.pt")
-
-
-@pytest.fixture(scope="module")
-def seg(ckpt) -> Segmenter:
-    return load_model(ckpt)
-
-
 @pytest.fixture
 def rgb() -> np.ndarray:
     rng = np.random.default_rng(0)

@@ -150,16 +150,22 @@ def _fit_argv(data, spec, out) -> list[str]:
     return [*argv, "--no-progress", "--log-every", "0"]
 
 
-def test_refine_fit_and_apply_on_the_taps_of_a_python_base(tmp_path, capsys) -> None:
+def _python_base(tmp_path, n_train: int, more: str = "") -> tuple:
+    """Synthetic data and ``mymodel.py`` defining ``model``, an 8-class random smp Unet."""
     from dualseg.data import make_synthetic_dataset
 
-    data = make_synthetic_dataset(tmp_path / "data", n_train=3, n_val=1, size=(64, 64))
+    data = make_synthetic_dataset(tmp_path / "data", n_train=n_train, n_val=1, size=(64, 64))
     spec = tmp_path / "mymodel.py"
     spec.write_text(
         "import torch, segmentation_models_pytorch as smp\n"
         "torch.manual_seed(0)\n"
-        "model = smp.Unet('resnet18', encoder_weights=None, classes=8)\n"
+        f"model = smp.Unet('resnet18', encoder_weights=None, classes=8)\n{more}"
     )
+    return data, spec
+
+
+def test_refine_fit_and_apply_on_the_taps_of_a_python_base(tmp_path, capsys) -> None:
+    data, spec = _python_base(tmp_path, n_train=3)
     out = tmp_path / "r.pt"
     argv = _fit_argv(data, f"{spec}:model", out)
     assert main([*argv, "--base-features", "auto"]) == 1  # no --decoder-channels
@@ -204,16 +210,8 @@ def test_refine_apply_crf_writes_the_same_outputs(tmp_path) -> None:
 
 def test_eval_scores_a_python_model_and_its_tap_refiner(tmp_path, capsys) -> None:
     """``eval -c FILE.py:NAME``: any PyTorch model, its classes from the data's description."""
-    from dualseg.data import make_synthetic_dataset
-
-    data = make_synthetic_dataset(tmp_path / "data", n_train=2, n_val=1, size=(64, 64))
-    spec = tmp_path / "mymodel.py"
-    spec.write_text(
-        "import torch, segmentation_models_pytorch as smp\n"
-        "torch.manual_seed(0)\n"
-        "model = smp.Unet('resnet18', encoder_weights=None, classes=8)\n"
-        "three = smp.Unet('resnet18', encoder_weights=None, classes=3)\n"
-    )
+    three = "three = smp.Unet('resnet18', encoder_weights=None, classes=3)\n"
+    data, spec = _python_base(tmp_path, n_train=2, more=three)
     out = tmp_path / "r.pt"
     argv = _fit_argv(data, f"{spec}:model", out)
     assert main([*argv, "--base-features", "auto", "--decoder-channels", "4"]) == 0
