@@ -265,7 +265,8 @@ def with_decision(refiner: BoundaryRefiner, options: dict[str, Any]) -> Boundary
     """A copy of ``refiner`` deciding with ``options`` (gate, prior, floor, blur)."""
     r = refiner
     config = dataclasses.replace(r.config, **options)
-    return BoundaryRefiner(r.net, r.prototypes, r.present, class_names=r.class_names, config=config)
+    return BoundaryRefiner(r.net, r.prototypes, r.present, class_names=r.class_names,
+                           config=config, taps=r.taps)  # fmt: skip
 
 
 def choose_decisions(

@@ -18,7 +18,6 @@ Interrupted runs continue with ``--reuse`` (the Unet's state is saved at each va
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -29,7 +28,7 @@ import segmentation_models_pytorch as smp
 import torch
 import torch.nn.functional as F
 from camvid_protocols import carve_dev_split
-from camvid_refine import eval_loader, summarize, time_inference
+from camvid_refine import eval_loader, summarize, time_inference, with_decision
 
 from dualseg.data import build_dataset
 from dualseg.engine.evaluation import evaluate
@@ -158,10 +157,7 @@ def with_chosen(refiner: Any, base: Any, dev: Any, num_classes: int) -> tuple[An
         rows = sweep_decision(refiner, lambda x: base(x).softmax(1), dev,
                               num_classes=num_classes, shared=kept)  # fmt: skip
     chosen = choose_decision(rows, metric="miou")
-    config = dataclasses.replace(refiner.config, **chosen)
-    return BoundaryRefiner(refiner.net, refiner.prototypes, refiner.present,
-                           class_names=refiner.class_names, config=config,
-                           taps=refiner.taps), chosen  # fmt: skip
+    return with_decision(refiner, chosen), chosen
 
 
 def main(argv: list[str] | None = None) -> int:
