@@ -14,8 +14,6 @@ from dualseg.commands import common as c
 from dualseg.console import ArgumentParser, argparse_kwargs, progress_mode, track
 from dualseg.data import read_label
 from dualseg.data.collate import SameSizeCollate
-from dualseg.data.contract import LabelContract
-from dualseg.data.datasets import dataset_meta, preset_for
 from dualseg.engine.checkpoint import contract_of
 from dualseg.engine.evaluation import evaluate, format_metrics, model_dataset, sanity_warnings
 from dualseg.engine.outputs import (
@@ -28,7 +26,7 @@ from dualseg.engine.outputs import (
 )
 from dualseg.engine.preflight import scored_classes_note
 from dualseg.engine.pretrained import is_hub_source, load_network
-from dualseg.errors import ConfigError, DataError
+from dualseg.errors import DataError
 from dualseg.io import atomic_write_json
 from dualseg.metrics import BOUNDARY_TOLERANCE, MAX_WIDTH, TRIMAP_WIDTH, to_jsonable
 from dualseg.refine import BoundaryRefiner
@@ -90,18 +88,6 @@ def _network(args: argparse.Namespace, device: torch.device) -> tuple[Any, dict[
     return model, ckpt
 
 
-def _data_contract(args: argparse.Namespace, label_format: str) -> LabelContract:
-    """A Python model's label contract: the dataset's own, as it carries none."""
-    where = dict(layout=args.layout, split=args.split)
-    meta = preset_for(args.data, args.preset) if args.preset else dataset_meta(args.data, **where)
-    if meta is None:
-        raise ConfigError(
-            f"{args.checkpoint} carries no class names: pass --preset, or describe {args.data} "
-            f"with a meta.json ('dualseg data check {args.data} --write-meta')"
-        )
-    return LabelContract(meta, label_format, args.bit_depth)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate as the command line describes; returns the metrics (also written to disk)."""
     args.split = c.split_of(args.data, args.split, default="val")
@@ -118,7 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trained = (ckpt.get("config") or {}).get("data") or {}
     read_as = f"dualseg eval: note: labels read as {args.checkpoint} was trained"
     label_format, label_map, ignore = c.label_settings(args, trained, note=read_as)
-    contract = contract_of(ckpt) if ckpt else _data_contract(args, label_format)
+    contract = contract_of(ckpt) if ckpt else None  # a Python model: the data's contract
     flags = (args.label_format, args.label_map, args.bit_depth)
     dataset = model_dataset(
         args.data, split=args.split, layout=args.layout, preset=args.preset, contract=contract,

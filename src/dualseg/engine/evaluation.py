@@ -290,9 +290,16 @@ def model_dataset(
     describes itself must have the model's classes and (unless ``explicit``) read labels as
     the model's training data did. Warns of unscorable classes and of training images."""
     model_name = f"the checkpoint {checkpoint}"
+    own = preset_for(root, preset) if preset else dataset_meta(root, layout=layout, split=split)
+    if contract is None:  # a model that carries no label contract (FILE.py:NAME): the data's
+        if own is None:
+            raise ConfigError(
+                f"{checkpoint} carries no class names: pass --preset, or describe {root} with "
+                f"a meta.json ('dualseg data check {root} --write-meta')"
+            )
+        contract = LabelContract(own, label_format, bit_depth)
     bit_depth = contract.bit_depth if bit_depth is None else bit_depth
     meta = contract.meta
-    own = preset_for(root, preset) if preset else dataset_meta(root, layout=layout, split=split)
     if own is not None:
         where = f"the dataset {root} ({own.name})"
         require_same_classes(meta.class_names, own.class_names, model=model_name, data=where)
