@@ -31,6 +31,7 @@ from dualseg.refine import BoundaryRefiner
 from dualseg.refine.boundary import near_boundary_mask
 from dualseg.refine.decision import Candidates, decide, prototype_scale
 from dualseg.refine.embedding import EmbeddingNet
+from dualseg.refine.relabel import prototype_row_scores
 
 FAR, MIN_PIXELS, FLOOR = 8, 20, 0.05
 
@@ -49,7 +50,7 @@ def parse_args() -> argparse.Namespace:
 
 def distances(e: torch.Tensor, protos: torch.Tensor, c: Candidates, scale: float) -> torch.Tensor:
     """P5's distances of the near-boundary embeddings ``e [M,D]`` to ``protos`` (as stored)."""
-    d = (e @ (-2 * protos).T + protos.pow(2).sum(1)).gather(1, c.labels) / scale
+    d = prototype_row_scores(e, protos).gather(1, c.labels) / scale
     return d.masked_fill(torch.isinf(c.distance), float("inf"))  # labels without a prototype
 
 

@@ -61,10 +61,10 @@ def _load(args: argparse.Namespace, device: Any) -> Any:
     return seg
 
 
-def _write_large(args: argparse.Namespace, seg: Any, path: Path, out: Path, name: str,
+def _write_large(args: argparse.Namespace, o: Any, seg: Any, path: Path, out: Path, name: str,
                  depth: int | None) -> None:  # fmt: skip
-    """Slide mode on an image above Pillow's limit: read, labelled and written in row bands."""
-    o = c.inference_options(args)
+    """Slide mode (options ``o``) on an image above Pillow's limit: read, labelled and written
+    in row bands."""
     with open_rows(path, bit_depth=depth, max_megapixels=args.max_megapixels) as rows:
         label = slide_labels(seg.model, rows, window=o.window, stride=o.stride,
                              tile_batch=o.tile_batch, device=seg.device, amp=seg.amp)  # fmt: skip
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         for path, name in images[start : start + chunk]:
             try:
                 if path in large:
-                    _write_large(args, seg, path, out, name, depth)
+                    _write_large(args, opts, seg, path, out, name, depth)
                     bar.update(1)
                     continue
                 array = read_image(path, bit_depth=depth, max_megapixels=args.max_megapixels)
