@@ -29,9 +29,8 @@ from dualseg.io import atomic_write_json
 from dualseg.metrics import ConfusionMatrix
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.boundary import near_boundary_mask
-from dualseg.refine.decision import Candidates, decide, prototype_scale
+from dualseg.refine.decision import Candidates, decide, prototype_row_scores, prototype_scale
 from dualseg.refine.embedding import EmbeddingNet
-from dualseg.refine.relabel import prototype_row_scores
 
 FAR, MIN_PIXELS, FLOOR = 8, 20, 0.05
 

@@ -199,7 +199,7 @@ def test_the_export_keeps_the_calibration_and_its_notes(refiner, tmp_path):
     assert main(["export", "--refiner", str(path), "--out", str(out), "--no-verify"]) == 0
     exported = load_exported_refiner(out)
     assert exported.calibration == calibrated.calibration
-    assert exported.palette == [[1, 2, 3]] * 3
+    assert exported.palette == ((1, 2, 3),) * 3  # as BoundaryRefiner.palette
     assert exported.calibration_note() == calibrated.calibration_note() is not None
     assert other_calibration_base(exported, torch.nn.Linear(2, 2))
 

@@ -8,10 +8,9 @@ import torch.nn.functional as F
 
 from dualseg.models import build_model
 from dualseg.refine import BoundaryRefiner, RefinerConfig
-from dualseg.refine.decision import prototype_scale
+from dualseg.refine.decision import prototype_scale, prototype_scores
 from dualseg.refine.embedding import init_backbone_from
 from dualseg.refine.fit import embedding_net
-from dualseg.refine.relabel import prototype_scores
 from dualseg.refine.shared import SharedFeatures, base_backbone
 
 K = 4

@@ -12,59 +12,42 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
-from dualseg.errors import CheckpointError, ConfigError, DataError, DualsegError
-from dualseg.export.runners import (
-    REFINER_FORMAT,
-    Runner,
-    _as_rgb,
-    read_export_info,
-    refiner_sidecar_path,
-)
-from dualseg.imaging import normalize
-from dualseg.refine.calibrate import calibration_note
+from dualseg.errors import CheckpointError, ConfigError, DualsegError
+from dualseg.export.runners import REFINER_FORMAT, Runner, read_export_info, refiner_sidecar_path
 from dualseg.refine.config import RefinerConfig
-from dualseg.refine.decision import prototype_scale
+from dualseg.refine.decision import prototype_scores
 from dualseg.refine.embedding import embedding_cover, p1_filter
 from dualseg.refine.formats import stored_description
-from dualseg.refine.inputs import check_classes, check_normalized_batch
-from dualseg.refine.relabel import prototype_scores, relabel
+from dualseg.refine.refiner import BoundaryRefiner
 from dualseg.refine.shared import SharedFeatures
 
 
-class ExportedRefiner:
+class ExportedRefiner(BoundaryRefiner):
     """Method B from an exported embedding model + sidecar, with ``BoundaryRefiner.refine``'s
     contract and P2-P5 code; the embedding is computed by ``runner``."""
 
     def __init__(self, runner: Runner, sidecar: Mapping[str, Any], *, source: str = "") -> None:
-        self.runner, self.source = runner, source
         described = stored_description(sidecar, source)
-        self.class_names = tuple(described["class_names"])
         try:  # a RefinerConfig, so that dataclasses.replace overrides work as for BoundaryRefiner
-            self.config = RefinerConfig.from_dict(sidecar.get("config"))
+            config = RefinerConfig.from_dict(sidecar.get("config"))
         except ConfigError as err:
             raise CheckpointError(f"{source}: {err}; re-export the refiner") from None
-        self.ignore_index = described["ignore_index"]
-        self.palette = described["palette"]
+        protos = torch.from_numpy(np.asarray(sidecar["prototypes"], np.float32))
+        present = torch.from_numpy(np.asarray(sidecar["present"], bool))
+        names = described["class_names"]
+        if len(protos) != len(names) or present.shape != (len(protos),):
+            raise CheckpointError(
+                f"{source}: {len(protos)} prototypes for {len(names)} classes; re-export it"
+            )
+        super().__init__(
+            None, protos, present, class_names=names, config=config,
+            ignore_index=described["ignore_index"], palette=described["palette"],
+        )  # fmt: skip
+        self.runner, self.source = runner, source
         self.calibration = described["calibration"]
         self.label_contract = described["label_contract"]
-        self.prototypes = np.asarray(sidecar["prototypes"], np.float32)
-        self.present = np.asarray(sidecar["present"], bool)
-        if len(self.prototypes) != self.num_classes or self.present.shape != (
-            len(self.prototypes),
-        ):
-            raise CheckpointError(
-                f"{source}: {len(self.prototypes)} prototypes for "
-                f"{self.num_classes} classes; re-export the refiner"
-            )
-
-    def calibration_note(self) -> str | None:
-        """As :meth:`BoundaryRefiner.calibration_note`."""
-        return calibration_note(self.calibration, self.config)
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.class_names)
 
     def __repr__(self) -> str:
         return (
@@ -72,69 +55,24 @@ class ExportedRefiner:
             f"top_n={self.config.top_n}, radius={self.config.radius})"
         )
 
-    def check_classes(
-        self, base_names: Sequence[str] | None, num_classes: int, *, what: str = "the base model"
-    ) -> None:
-        """Raise :class:`CheckpointError` when the base model's classes are not the refiner's."""
-        check_classes(self.class_names, base_names, num_classes, what=what)
-
     def shared_features(self, model: Any) -> Any:
         """A context that shares nothing: the exported model runs its own backbone."""
         return SharedFeatures(model, active=False)
 
-    def refine(
-        self, images: Any, probs: Any, *, return_changed: bool = False, features: Any = None
-    ) -> Any:
-        """Refined labels, as ``BoundaryRefiner.refine``.
+    def _check_base_features(self, feats: Any, sigma: float) -> None:
+        raise ConfigError("an exported refiner runs its own backbone: pass features=None")
 
-        Batch form: normalized ``[B,3,H,W]`` images and ``[B,C,H,W]`` probabilities (numpy or
-        tensors; tensors out when ``probs`` is one). Single-image form: a uint8 ``HxWx3`` image
-        (or path, PIL image) and ``[C,H,W]`` probabilities -> numpy ``HxW``.
-        """
-        if features is not None:
-            raise ConfigError("an exported refiner runs its own backbone: pass features=None")
-        p = _numpy(probs)
-        if len(getattr(images, "shape", ())) == 4:
-            check_normalized_batch(images)
-            labels, changed = self._refine_batch(_numpy(images), p)
-            if hasattr(probs, "detach"):  # tensors in, tensors out (on probs' device)
-                labels = torch.from_numpy(labels).to(probs.device)
-                changed = torch.from_numpy(changed).to(probs.device)
-        else:
-            x = normalize([_as_rgb(images)])
-            labels, changed = self._refine_batch(x, p[None] if p.ndim == 3 else p)
-            labels, changed = labels[0], changed[0]
-        return (labels, changed) if return_changed else labels
+    def _cover(self, size: tuple[int, int]) -> tuple[float, float]:
+        return runner_span(self.runner, size, self.config.input_scale, self.config.output_stride)
 
-    def _refine_batch(self, x: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if probs.ndim != 4 or x.shape[0] != probs.shape[0] or x.shape[-2:] != probs.shape[-2:]:
-            raise DataError(
-                f"class probabilities of shape {probs.shape} do not match images of shape "
-                f"{x.shape}; resize the base model's output to the image size before refining"
-            )
-        self.check_classes(None, probs.shape[1])
-        cfg = self.config
-        protos = torch.from_numpy(self.prototypes)
-
-        def scores(keep: Any, band: Any) -> Any:  # the exported model, one image a run
-            feats = []
-            for b in np.flatnonzero(keep.numpy()):
-                one = torch.from_numpy(np.ascontiguousarray(x[b : b + 1], np.float32))
-                if cfg.p1_blur_sigma > 0:  # P1's filtering, as BoundaryRefiner's
-                    one = p1_filter(one, cfg.p1_blur_sigma)
-                feats.append(self.runner(one.numpy()))
-            return prototype_scores(torch.from_numpy(np.concatenate(feats, 0)), protos)
-
-        present = torch.from_numpy(self.present)
-        out, changed = relabel(
-            torch.from_numpy(np.ascontiguousarray(probs, np.float32)),
-            scores,
-            present,
-            cfg,
-            scale=prototype_scale(protos, present),
-            covered=runner_span(self.runner, x.shape[-2:], cfg.input_scale, cfg.output_stride),
-        )
-        return out.numpy(), changed.numpy()
+    def _scores(
+        self, images: Tensor, keep: Tensor, band: Tensor, sigma: float, features: Any,
+        covered: tuple[float, float],
+    ) -> Tensor:  # fmt: skip
+        """The exported model, one image a run, P1's filter as ``BoundaryRefiner``'s."""
+        feats = [self.runner(p1_filter(images[b : b + 1].float().cpu(), sigma).numpy())
+                 for b in keep.nonzero().flatten().tolist()]  # fmt: skip
+        return prototype_scores(torch.from_numpy(np.concatenate(feats, 0)), self.prototypes)
 
 
 def runner_span(
@@ -148,10 +86,6 @@ def runner_span(
         return embedding_cover(tuple(size), input_scale, output_stride)
     ch, cw = embedding_cover(tuple(static), input_scale, output_stride)
     return ch * size[0] / static[0], cw * size[1] / static[1]
-
-
-def _numpy(x: Any) -> np.ndarray:
-    return x.detach().float().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
 
 
 def _missing_sidecar(path: Path, sidecar: Path) -> CheckpointError:

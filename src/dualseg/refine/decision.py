@@ -22,6 +22,16 @@ def are_probabilities(scores: Tensor) -> bool:
     return bool((scores.sum(1) - 1).abs().max() <= 1e-3)  # allclose would make copies
 
 
+def prototype_scores(feats: Tensor, prototypes: Tensor) -> Tensor:
+    """``s_k = |p_k|^2 - 2 e.p_k`` of embeddings ``feats [b,C,h,w]``: ``[b,K,h,w]``."""
+    return prototype_row_scores(feats.movedim(1, -1), prototypes).movedim(-1, 1)
+
+
+def prototype_row_scores(rows: Tensor, prototypes: Tensor) -> Tensor:
+    """:func:`prototype_scores` of embeddings on the last dim (``[...,C]``): ``[...,K]``."""
+    return rows.float() @ (-2 * prototypes).T + prototypes.pow(2).sum(1)
+
+
 def kept_rows(x: Tensor, keep: Tensor) -> Tensor:
     """``x[keep]`` (``keep`` bool ``[B]``), without a copy when every image is kept."""
     return x if bool(keep.all()) else x[keep]

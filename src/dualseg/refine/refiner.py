@@ -23,7 +23,15 @@ from dualseg.refine import formats, pretrained
 from dualseg.refine.base import OTHER_BASE, other_calibration_base
 from dualseg.refine.calibrate import calibrated_on, calibration_note
 from dualseg.refine.config import RefinerConfig
-from dualseg.refine.decision import Candidates, kept_rows, prototype_scale
+from dualseg.refine.decision import (
+    Candidates,
+    decide,
+    gather_candidates,
+    kept_rows,
+    prototype_row_scores,
+    prototype_scale,
+    prototype_scores,
+)
 from dualseg.refine.embedding import (
     EmbeddingNet,
     embed_backbone,
@@ -33,7 +41,6 @@ from dualseg.refine.embedding import (
 )
 from dualseg.refine.fit import embedding_net, fit_prototypes, prepare_net, train_embedding
 from dualseg.refine.inputs import as_tensor, check_classes, check_normalized_batch
-from dualseg.refine.relabel import collect, decide_as, prototype_row_scores, prototype_scores
 from dualseg.refine.shared import BaseFeatures, SharedFeatures, can_share, matching
 from dualseg.refine.taps import TapReader, TapRecord, base_logits
 
@@ -42,8 +49,8 @@ class BoundaryRefiner:
     """Re-labels a base model's near-boundary pixels by nearest class prototype (P1-P5)."""
 
     def __init__(
-        self, net: EmbeddingNet, prototypes: Tensor, present: Tensor, *, class_names: Sequence[str],
-        config: RefinerConfig | None = None, ignore_index: int = 255,
+        self, net: EmbeddingNet | None, prototypes: Tensor, present: Tensor, *,
+        class_names: Sequence[str], config: RefinerConfig | None = None, ignore_index: int = 255,
         palette: Sequence[Sequence[int]] | None = None, taps: TapRecord | None = None,
     ) -> None:  # fmt: skip
         self.taps = taps  # a tap refiner's base modules (low, high), else None
@@ -56,7 +63,7 @@ class BoundaryRefiner:
             raise ConfigError(
                 f"a refiner palette needs one RGB colour per class ({self.num_classes})"
             )
-        self.net = net.eval()
+        self.net = net if net is None else net.eval()  # None: an exported refiner's runner
         self.prototypes = prototypes.float()
         self.present = present.bool()
         self.ignore_index = ignore_index
@@ -122,7 +129,9 @@ class BoundaryRefiner:
                 features = shared.take(x) if shared is not None else None
         p = as_tensor(probs)
         p = p[None] if not batch and p.dim() == 3 else p
-        out = decide_as(self.candidates(x, p, features=features), self.config)
+        cfg = self.config
+        out = decide(self.candidates(x, p, features=features), gate_margin=cfg.gate_margin,
+                     prior_weight=cfg.prior_weight, min_prob=cfg.min_prob)  # fmt: skip
         labels, changed = (t.to(p.device) for t in out)
         if not batch:
             labels, changed = labels[0].cpu().numpy(), changed[0].cpu().numpy()
@@ -154,41 +163,46 @@ class BoundaryRefiner:
         images = images.to(self.device)
         cfg = self.config
         sigma = cfg.p1_blur_sigma if p1_blur_sigma is None else p1_blur_sigma
-
         if features is not None:
             self._check_base_features(BaseFeatures(*features).features, sigma)
-        # not this batch's own backbone output (resized, tiled, half precision): run our own
-        features = matching(
-            features, images, cfg.output_stride, needs_low=self.net.decoder is not None,
-            low_stride=self.taps.strides[0] if self.taps else 4,
+            # not this batch's own backbone output (resized, tiled, half precision): run our own
+            features = matching(
+                features, images, cfg.output_stride, needs_low=self.net.decoder is not None,
+                low_stride=self.taps.strides[0] if self.taps else 4,
+            )  # fmt: skip
+        # the base's padded input, else what the embedding's own padded input spans
+        covered = features.covered if features is not None else self._cover(images.shape[-2:])
+        return gather_candidates(
+            probs.to(self.device).float(),
+            lambda keep, band: self._scores(images, keep, band, sigma, features, covered),
+            self.present, top_n=cfg.top_n, radius=cfg.radius, edge_method=cfg.edge_method,
+            scale=prototype_scale(self.prototypes, self.present), covered=covered,
         )  # fmt: skip
 
-        scale = prototype_scale(self.prototypes, self.present)
-        if features is not None:  # the base's padded input
-            covered: tuple[float, float] = features.covered
+    def _cover(self, size: tuple[int, int]) -> tuple[float, float]:
+        return embedding_cover(size, self.config.input_scale, self.config.output_stride)
+
+    def _scores(
+        self, images: Tensor, keep: Tensor, band: Tensor, sigma: float,
+        features: BaseFeatures | None, covered: tuple[float, float],
+    ) -> Tensor:  # fmt: skip
+        """Prototype scores ``[b,K,h,w]`` of the ``keep`` images, whose ``band`` is read."""
+        if features is not None:  # the base's own backbone output: only the head runs
+            local = kept_rows(features.features.to(self.device), keep)
+            low = features.low
+            low = None if low is None else kept_rows(low.to(self.device), keep)
         else:
-            covered = embedding_cover(images.shape[-2:], cfg.input_scale, cfg.output_stride)
-
-        def scores(keep: Tensor, band: Tensor) -> Tensor:  # the embedding on images with a band
-            if features is not None:  # the base's own backbone output: only the head runs
-                local = kept_rows(features.features.to(self.device), keep)
-                low = features.low
-                low = None if low is None else kept_rows(low.to(self.device), keep)
-            else:
-                x = p1_filter(kept_rows(images, keep).float(), sigma)  # P1 (after normalization)
-                local, low = embed_backbone(self.net, x, cfg.input_scale, cfg.output_stride)
-            if self.net.decoder is None:
-                return prototype_scores(self.net.head(local, low), self.prototypes)
-            # with a decoder: only the stride-4 cells the band's pixels sample, zeros elsewhere
-            at = EmbeddingNet.sampled_cells(band, low.shape[-2:], covered)
-            rows = prototype_row_scores(self.net.head_at(local, low, at), self.prototypes)
-            out = rows.new_zeros(*at.shape, rows.shape[1])  # [b,h,w,K]
-            out[at] = rows
-            return out.permute(0, 3, 1, 2)  # [b,K,h,w]
-
-        return collect(
-            probs.to(self.device).float(), scores, self.present, self.config, scale, covered
-        )
+            x = p1_filter(kept_rows(images, keep).float(), sigma)  # P1 (after normalization)
+            local, low = embed_backbone(self.net, x, self.config.input_scale,
+                                        self.config.output_stride)  # fmt: skip
+        if self.net.decoder is None:
+            return prototype_scores(self.net.head(local, low), self.prototypes)
+        # with a decoder: only the stride-4 cells the band's pixels sample, zeros elsewhere
+        at = EmbeddingNet.sampled_cells(band, low.shape[-2:], covered)
+        rows = prototype_row_scores(self.net.head_at(local, low, at), self.prototypes)
+        out = rows.new_zeros(*at.shape, rows.shape[1])  # [b,h,w,K]
+        out[at] = rows
+        return out.permute(0, 3, 1, 2)  # [b,K,h,w]
 
     def _check_base_features(self, feats: Tensor, sigma: float) -> None:
         """Only a ``base-frozen`` refiner at input scale 1 and no P1 blur reads the base's
