@@ -7,9 +7,7 @@ from typing import TypedDict
 import torch
 from torch import Tensor
 
-from dualseg.errors import ConfigError
 from dualseg.refine.boundary import near_boundary_mask
-from dualseg.refine.config import REDUCTIONS
 from dualseg.refine.embedding import EmbeddingNet, embed_pixels
 
 
@@ -101,23 +99,21 @@ def triplet_loss(
     reduction: str = "all", mining: str = "random", pool: int = 8,
     generator: torch.Generator | None = None,
 ) -> tuple[Tensor, TripletStats]:  # fmt: skip
-    """Sampled triplet hinge loss over near-boundary embeddings ``emb [N,C]``, ``labels [N]``."""
+    """Sampled triplet hinge loss over near-boundary embeddings ``emb [N,C]``, ``labels [N]``
+    (``reduction``: ``all`` or ``violating``, the mean over the violating triplets only)."""
     negatives = pool if mining == "semi-hard" else 1
     triplets = sample_triplets(labels, num_triplets, negatives=negatives, generator=generator)
     if triplets is None:
         return emb.sum() * 0.0, TripletStats(num_triplets=0, violating=0.0, margin=0.0, loss=0.0)
     t1, t2, f0 = triplets
-    f0 = mine_negatives(emb, t1, t2, f0.view(t1.numel(), -1), mining)
-    hinge, gap = triplet_hinge(emb, t1, t2, f0, margin)
-    return reduce_hinge(hinge, gap, reduction)
+    return _loss(emb, t1, t2, f0.view(t1.numel(), -1), margin, reduction, mining)
 
 
-def reduce_hinge(hinge: Tensor, gap: Tensor, reduction: str = "all") -> tuple[Tensor, TripletStats]:
-    """The loss of per-triplet hinges (see :func:`triplet_loss`) and its statistics."""
-    if reduction not in REDUCTIONS:
-        raise ConfigError(f"unknown triplet reduction {reduction!r}; choose one of {REDUCTIONS}")
+def _loss(
+    emb: Tensor, t1: Tensor, t2: Tensor, pool: Tensor, margin: float, reduction: str, mining: str
+) -> tuple[Tensor, TripletStats]:
+    hinge, gap = triplet_hinge(emb, t1, t2, mine_negatives(emb, t1, t2, pool, mining), margin)
     violating = hinge > 0
-    # "violating": mean over the corrected triplets only
     loss = hinge.mean() if reduction == "all" else hinge.sum() / violating.sum().clamp(min=1)
     stats = TripletStats(
         num_triplets=int(hinge.numel()),
@@ -134,11 +130,10 @@ def triplet_step(
     reduction: str = "all", mining: str = "random", mining_pool: int = 8, input_scale: float = 1.0,
     output_stride: int = 16, ignore_index: int = 255,
 ) -> dict[str, float]:  # fmt: skip
-    """One step 2-4 iteration on a batch."""
+    """One step 2-4 iteration on a batch; only the pixels the triplets draw are embedded."""
     edge = near_boundary_mask(labels, radius=radius, ignore_index=ignore_index, method=edge_method)
-    pix_labels = labels[edge]  # [M]
     negatives = mining_pool if mining == "semi-hard" else 1
-    triplets = sample_triplets(pix_labels, num_triplets, negatives=negatives, generator=generator)
+    triplets = sample_triplets(labels[edge], num_triplets, negatives=negatives, generator=generator)
     if triplets is None:
         stats = TripletStats(num_triplets=0, violating=0.0, margin=0.0, loss=0.0)
         return {**stats, "pixels": int(edge.sum())}
@@ -148,10 +143,8 @@ def triplet_step(
     sub = torch.zeros_like(edge)
     sub[where[:, 0], where[:, 1], where[:, 2]] = True  # nonzero() order == sorted `used` order
     emb = embed_pixels(net, images, sub, input_scale, output_stride)  # [U,C]
-    t1, t2, pool = inverse[:t], inverse[t : 2 * t], inverse[2 * t :].view(t, -1)
-    f0 = mine_negatives(emb, t1, t2, pool, mining)
-    hinge, gap = triplet_hinge(emb, t1, t2, f0, margin)
-    loss, stats = reduce_hinge(hinge, gap, reduction)
+    pool = inverse[2 * t :].view(t, -1)
+    loss, stats = _loss(emb, inverse[:t], inverse[t : 2 * t], pool, margin, reduction, mining)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
