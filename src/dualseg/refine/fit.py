@@ -70,13 +70,7 @@ def _require_same_inputs(
     if saved is None or given is None:
         return
     if changed := [k for k in sorted(set(saved) | set(given)) if saved.get(k) != given.get(k)]:
-
-        def shown(key: str, value: Any) -> str:  # --base given or not: it was not read
-            read = "no base read (only --init-backbone base or a base-* --backbone-source reads it)"
-            return read if key == "base" and value is None else repr(value)
-
-        what = "; ".join(f"{k}: {shown(k, saved.get(k))} then, {shown(k, given.get(k))} now"
-                         for k in changed)  # fmt: skip
+        what = "; ".join(f"{k}: {saved.get(k)!r} then, {given.get(k)!r} now" for k in changed)
         raise CheckpointError(
             f"{path} was fitted on other inputs ({what}); resume with the same ones, or "
             "delete it to start over"
