@@ -51,7 +51,7 @@ def test_a_static_export_is_read_where_each_pixel_is(input_scale: float) -> None
 
     stride, static = 16, (256, 320)
     wrapper = ExportWrapper(
-        coordinate_probe(stride), pad_multiple=stride, output="features", crop=False,
+        coordinate_probe(stride), pad_multiple=stride, output="features",
         input_scale=input_scale,
     )  # fmt: skip
 

@@ -54,21 +54,16 @@ class ExportWrapper(nn.Module):
 
     ``pad_multiple``: pad H and W up to a multiple of this (the output stride) before the
     model, crop after. ``input_scale`` resizes the image first (method B's embedding reads a
-    resized copy); ``crop=False`` keeps the model's own output resolution.
+    resized copy); ``output="features"`` keeps the model's own output resolution.
     """
 
     def __init__(
-        self,
-        model: nn.Module,
-        *,
-        pad_multiple: int = 1,
-        output: str = "logits",
-        crop: bool = True,
+        self, model: nn.Module, *, pad_multiple: int = 1, output: str = "logits",
         input_scale: float = 1.0,
-    ) -> None:
+    ) -> None:  # fmt: skip
         super().__init__()
         self.model, self.pad_multiple, self.output = model, max(1, int(pad_multiple)), output
-        self.crop, self.input_scale = crop, float(input_scale)
+        self.input_scale = float(input_scale)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.input_scale != 1.0:
@@ -80,7 +75,7 @@ class ExportWrapper(nn.Module):
         if k > 1:  # (k - h % k) % k: traced size arithmetic, exact for every exported size
             x = F.pad(x, (0, (k - w % k) % k, 0, (k - h % k) % k))
         y = model_logits(self.model(x))  # a torchvision model's {"out": ...} too
-        if self.crop:
+        if self.output != "features":
             if y.shape[-2:] != x.shape[-2:]:  # logits below the input size: up to it, as predict
                 y = F.interpolate(y, size=x.shape[-2:], mode="bilinear", align_corners=False)
             y = y[..., :h, :w]
@@ -352,7 +347,7 @@ def export_refiner(
         with eval_mode(refiner.net):
             wrapper = ExportWrapper(
                 _Features(refiner.net), pad_multiple=cfg.output_stride, output="features",
-                crop=False, input_scale=cfg.input_scale,
+                input_scale=cfg.input_scale,
             )  # fmt: skip
             diff = _write(
                 wrapper, path, info, format=format, example_size=example_size, opset=opset,
@@ -360,20 +355,11 @@ def export_refiner(
             )  # fmt: skip
     finally:
         refiner.to(device)
+    prototypes = refiner.prototypes.detach().cpu().float().tolist()
     atomic_write_json(
         refiner_sidecar_path(path),
-        {
-            "format": REFINER_FORMAT,
-            "embedding": Path(path).name,
-            "embedding_format": format,
-            "class_names": list(refiner.class_names),
-            "ignore_index": int(refiner.ignore_index),
-            "config": cfg.to_dict(),
-            "prototypes": refiner.prototypes.detach().cpu().float().tolist(),
-            "present": refiner.present.detach().cpu().bool().tolist(),
-            "calibration": refiner.calibration,
-            "palette": None if refiner.palette is None else [list(c) for c in refiner.palette],
-            "label_contract": refiner.label_contract,
-        },
-    )
+        {"format": REFINER_FORMAT, "embedding": Path(path).name, "embedding_format": format,
+         **refiner.description(), "prototypes": prototypes,
+         "present": refiner.present.detach().cpu().bool().tolist()},
+    )  # fmt: skip
     return diff

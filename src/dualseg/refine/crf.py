@@ -55,12 +55,11 @@ class CRFSettings:
 
     @torch.no_grad()
     def refine(
-        self, images: Tensor, probs: Tensor, return_changed: bool = True, *,
-        mean: Sequence[float] = IMAGENET_MEAN, std: Sequence[float] = IMAGENET_STD,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        self, images: Tensor, probs: Tensor, return_changed: bool = True
+    ) -> tuple[Tensor, Tensor]:
         """As a method-B refiner for :func:`~dualseg.engine.evaluation.evaluate`."""
-        rgb = images.detach().float().cpu() * torch.tensor(std)[:, None, None]
-        rgb = rgb + torch.tensor(mean)[:, None, None]
+        rgb = images.detach().float().cpu() * torch.tensor(IMAGENET_STD)[:, None, None]
+        rgb = rgb + torch.tensor(IMAGENET_MEAN)[:, None, None]
         rgb = (rgb * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
         p = probs.detach().float().cpu().numpy()
         labels = [torch.from_numpy(dense_crf(im, pr, self).argmax(0)) for im, pr in zip(rgb, p)]

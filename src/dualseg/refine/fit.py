@@ -29,7 +29,7 @@ from dualseg.refine.embedding import (
     tap_embedding_net,
 )
 from dualseg.refine.formats import TRAIN_FORMAT, load_state
-from dualseg.refine.prototypes import require_class_labels, stream_prototypes
+from dualseg.refine.prototypes import require_class_labels
 from dualseg.refine.taps import TapRecord, list_taps, measure_taps, pick_taps
 from dualseg.refine.triplet import triplet_step
 
@@ -273,22 +273,8 @@ def prepare_net(
     return cfg, net.to(device), None
 
 
-def fit_prototypes(
-    net: EmbeddingNet, dataset: torch.utils.data.Dataset, cfg: RefinerConfig,
-    class_names: Sequence[str], *, ignore_index: int, device: torch.device, num_workers: int,
-    progress: bool,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Step 5 on ``dataset``, checked: at least two classes, warned of collapsed prototypes."""
-    protos, present = stream_prototypes(
-        net, dataset, len(class_names), radius=cfg.radius, edge_method=cfg.edge_method,
-        input_scale=cfg.input_scale, output_stride=cfg.output_stride, ignore_index=ignore_index,
-        device=device, num_workers=num_workers, progress=progress,
-    )  # fmt: skip
-    _check_prototypes(protos, present, class_names)
-    return protos, present
-
-
-def _check_prototypes(protos: Tensor, present: Tensor, class_names: Sequence[str]) -> None:
+def check_prototypes(protos: Tensor, present: Tensor, class_names: Sequence[str]) -> None:
+    """Step 5's outcome: at least two classes have a prototype; collapsed ones are warned of."""
     missing = [n for n, p in zip(class_names, present.tolist()) if not p]
     if len(class_names) - len(missing) < 2:  # nothing to choose between
         raise DataError(

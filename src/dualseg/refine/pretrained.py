@@ -17,7 +17,6 @@ from dualseg.engine.pretrained import (
     REFINER_CONFIG,
     REFINER_WEIGHTS,
     folder_path,
-    is_hub_source,
     read_json,
     read_safetensors,
     refuse_existing,
@@ -29,11 +28,6 @@ from dualseg.refine.formats import StoredRefiner
 from dualseg.refine.inputs import check_finite_refiner, name_differences
 
 REFINER_FORMAT = "dualseg-refiner-pretrained/1"
-
-
-def is_folder_source(source: str | os.PathLike[str]) -> bool:
-    """A folder path or ``hf://org/name`` (rather than a one-file refiner ``.pt``)."""
-    return is_hub_source(source) or Path(source).is_dir()
 
 
 def save_folder(

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from dualseg.engine.checkpoint import _state_dict_problems
 from dualseg.engine.distributed import resolve_device
 from dualseg.engine.predict import as_rgb_array
+from dualseg.engine.pretrained import is_hub_source
 from dualseg.errors import CheckpointError, ConfigError, DataError
 from dualseg.imaging import normalize
 from dualseg.models.base import eval_mode
@@ -39,8 +40,9 @@ from dualseg.refine.embedding import (
     p1_filter,
     tap_embedding_net,
 )
-from dualseg.refine.fit import embedding_net, fit_prototypes, prepare_net, train_embedding
+from dualseg.refine.fit import check_prototypes, embedding_net, prepare_net, train_embedding
 from dualseg.refine.inputs import as_tensor, check_classes, check_normalized_batch
+from dualseg.refine.prototypes import stream_prototypes
 from dualseg.refine.shared import BaseFeatures, SharedFeatures, can_share, matching
 from dualseg.refine.taps import TapReader, TapRecord, base_logits
 
@@ -232,7 +234,8 @@ class BoundaryRefiner:
         return SharedFeatures(model, active, self.config.output_stride, self.net.low_level)
 
     # ------------------------------------------------------------------ files
-    def _description(self) -> dict[str, Any]:
+    def description(self) -> dict[str, Any]:
+        """Everything but the weights and prototypes, as plain JSON values."""
         return {
             "config": self.config.to_dict(),
             "class_names": list(self.class_names),
@@ -246,12 +249,12 @@ class BoundaryRefiner:
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write the refiner (weights, prototypes, config, class names) atomically to one file."""
         parts = (self.net.state_dict(), self.prototypes, self.present)
-        return formats.save_refiner_file(path, self._description(), *parts)
+        return formats.save_refiner_file(path, self.description(), *parts)
 
     def save_pretrained(self, folder: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
         """Write ``folder/refiner.json`` + ``folder/refiner.safetensors`` (weights only)."""
         parts = (self.net.state_dict(), self.prototypes, self.present)
-        return pretrained.save_folder(folder, self._description(), *parts, overwrite=overwrite)
+        return pretrained.save_folder(folder, self.description(), *parts, overwrite=overwrite)
 
     @classmethod
     def load(
@@ -260,7 +263,7 @@ class BoundaryRefiner:
     ) -> BoundaryRefiner:  # fmt: skip
         """Load a refiner file (``weights_only=True``), a refiner folder (``refiner.json`` +
         ``refiner.safetensors``) or ``hf://org/name``."""
-        if os.fspath(path).strip() and pretrained.is_folder_source(path):
+        if os.fspath(path).strip() and (is_hub_source(path) or Path(path).is_dir()):
             stored = pretrained.read_folder(path)
         else:
             stored = formats.read_refiner_file(path)
@@ -337,10 +340,13 @@ class BoundaryRefiner:
         )  # fmt: skip
         if history[-1]["step"] < config.steps:  # the time budget stopped it early
             config = dataclasses.replace(config, steps=int(history[-1]["step"]))
-        protos, present = fit_prototypes(
-            net, dataset if prototype_dataset is None else prototype_dataset, config, class_names,
-            ignore_index=ignore_index, device=device, num_workers=num_workers, progress=progress,
+        protos, present = stream_prototypes(
+            net, dataset if prototype_dataset is None else prototype_dataset, len(class_names),
+            radius=config.radius, edge_method=config.edge_method, input_scale=config.input_scale,
+            output_stride=config.output_stride, ignore_index=ignore_index, device=device,
+            num_workers=num_workers, progress=progress,
         )  # fmt: skip
+        check_prototypes(protos, present, class_names)
         if palette is None:
             palette = getattr(getattr(dataset, "meta", None), "palette", None)
         refiner = cls(net, protos, present, class_names=class_names, config=config,
