@@ -243,15 +243,15 @@ def prepare_net(
                 "on the CLI --base CHECKPOINT or --base file.py:NAME)"
             )
         base.to(device)
-        names = cfg.base_features
+        names, found = cfg.base_features, list_taps(base)  # on a sample on base's device
         if names == ("auto",):
-            names = pick_taps(base, list_taps(base, torch.zeros(1, 3, 256, 256, device=device)))
+            names = pick_taps(base, found)
             if names is None:
                 raise ConfigError(
                     f"no taps could be picked in a {type(base).__name__}: give them "
                     "(--base-features LOW HIGH); 'dualseg refine layers' lists the candidates"
                 )
-        taps = measure_taps(base, names, device)
+        taps = measure_taps(found, names)
         cfg = dataclasses.replace(
             cfg, base_features=taps.names, backbone="base", backbone_source="base-frozen",
             input_scale=1.0, output_stride=taps.strides[1],

@@ -106,11 +106,10 @@ def pick_taps(model: nn.Module, taps: Sequence[Tap]) -> tuple[str, str] | None:
     return None
 
 
-def measure_taps(model: nn.Module, names: Sequence[str], device: torch.device) -> TapRecord:
-    """The record of the ``(low, high)`` modules of ``model`` on a sample input, checked."""
+def measure_taps(taps: Sequence[Tap], names: Sequence[str]) -> TapRecord:
+    """The record of the ``(low, high)`` modules among a model's ``taps``, checked."""
     low, high = names
-    sample = torch.zeros(1, 3, *SAMPLE_SIZE, device=device)
-    found = {t.name: t for t in list_taps(model, sample) if t.name in (low, high)}
+    found = {t.name: t for t in taps if t.name in (low, high)}
     for n in (low, high):
         if n not in found:
             raise ConfigError(
@@ -174,10 +173,9 @@ class TapReader:
         taps = self.taps(images, strict=False)
         if taps is None:
             return None
-        s = self.record.strides[1]
-        covered = (taps[1].shape[-2] * s, taps[1].shape[-1] * s)
-        low_stride = self.record.strides[0]
-        return matching(BaseFeatures(taps[1], covered, taps[0]), images, s, low_stride=low_stride)
+        (low_stride, s), (h, w) = self.record.strides, taps[1].shape[-2:]
+        return matching(BaseFeatures(taps[1], (h * s, w * s), taps[0]), images, s,
+                        low_stride=low_stride)  # fmt: skip
 
     def taps(self, images: Tensor, *, strict: bool = True) -> tuple[Tensor, Tensor] | None:
         """``(low, high)`` of the one forward since the last call (else None); other channels
@@ -187,14 +185,12 @@ class TapReader:
             return None
         H, W = images.shape[-2:]
         for i, (t,) in enumerate(kept):
-            s, channels = self.record.strides[i], self.record.channels[i]
-            sized = t.dim() == 4 and all(
-                n in (size // s, -(-size // s)) for n, size in zip(t.shape[-2:], (H, W))
-            )
-            if t.dim() == 4 and t.shape[1] == channels and (sized or not strict):
-                if not sized:
+            s = self.record.strides[i]
+            if t.dim() == 4 and t.shape[1] == self.record.channels[i]:
+                if all(n in (size // s, -(-size // s)) for n, size in zip(t.shape[-2:], (H, W))):
+                    continue
+                if not strict:
                     return None
-                continue
             got = f"{t.shape[1]} channels, stride {H / t.shape[-2]:g}" if t.dim() == 4 else "no map"
             raise DataError(
                 f"the base's {self.record.names[i]} gives {got}, but this refiner was fit "
