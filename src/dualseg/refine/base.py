@@ -85,7 +85,6 @@ def checkpoint_base(
     """A dualseg checkpoint, pretrained folder or ``hf://org/name`` as a base model."""
     model, meta, ckpt = load_network(path, device=device)  # fed ImageNet-normalized images
     base = ModuleBase(model, class_names=meta.class_names, palette=meta.palette, device=device)
-    base.arch = str(ckpt["arch"])  # type: ignore[attr-defined]
     # how its training read the labels: refine fit reads the refiner's the same way
     base.trained_data = dict((ckpt.get("config") or {}).get("data") or {})  # type: ignore[attr-defined]
     base.contract = contract_of(ckpt)  # type: ignore[attr-defined]

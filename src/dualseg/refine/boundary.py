@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import overload
-
 import cv2
 import numpy as np
 import torch
@@ -47,14 +45,6 @@ def _canny(label: np.ndarray) -> np.ndarray:
 MAX_RADIUS = 256
 
 
-@overload
-def near_boundary_mask(
-    labels: Tensor, *, radius: int = ..., ignore_index: int | None = ..., method: str = ...
-) -> Tensor: ...
-@overload
-def near_boundary_mask(
-    labels: np.ndarray, *, radius: int = ..., ignore_index: int | None = ..., method: str = ...
-) -> np.ndarray: ...
 def near_boundary_mask(
     labels: Tensor | np.ndarray, *, radius: int = 5, ignore_index: int | None = 255,
     method: str = "canny",
