@@ -15,12 +15,6 @@ from dualseg.io import file_digest
 from dualseg.metrics import BoundaryMetrics, ConfusionMatrix
 from dualseg.refine.decision import decide
 
-# The grid of the sweep; gate None, prior 0 and floor 0 together are the claim.
-DEFAULT_GATES: tuple[float | None, ...] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, None)
-DEFAULT_PRIORS: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
-DEFAULT_MIN_PROBS: tuple[float, ...] = (0.0, 0.05, 0.2)
-DEFAULT_BLUR_SIGMAS: tuple[float, ...] = (0.0, 1.0)  # P1's filter; each runs the embedding
-
 # The claim's decision (every near-boundary pixel, nearest prototype, no filter) as a setting
 CLAIM_DECISION: Mapping[str, Any] = MappingProxyType(
     {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0, "p1_blur_sigma": 0.0}
@@ -31,12 +25,13 @@ METRICS: tuple[str, ...] = ("miou", "boundary_f1")
 
 
 def decision_grid(
-    gates: Sequence[float | None] = DEFAULT_GATES,
-    priors: Sequence[float] = DEFAULT_PRIORS,
-    min_probs: Sequence[float] = DEFAULT_MIN_PROBS,
-    blur_sigmas: Sequence[float] = DEFAULT_BLUR_SIGMAS,
+    gates: Sequence[float | None] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, None),
+    priors: Sequence[float] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0),
+    min_probs: Sequence[float] = (0.0, 0.05, 0.2),
+    blur_sigmas: Sequence[float] = (0.0, 1.0),  # P1's filter: each runs the embedding
 ) -> list[dict[str, Any]]:
-    """Every combination, except that τ = 0 (which changes nothing) appears once."""
+    """The sweep's grid: every combination, except that τ = 0 (which changes nothing) appears
+    once; gate None, prior 0 and floor 0 together are the claim."""
     grid = []
     for gate, prior, floor, sigma in itertools.product(gates, priors, min_probs, blur_sigmas):
         first = (prior, floor, sigma) == (priors[0], min_probs[0], blur_sigmas[0])

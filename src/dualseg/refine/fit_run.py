@@ -255,10 +255,9 @@ def run_fit(
             progress=progress == "bar", log_every=0 if progress == "off" else log_every,
             fit_inputs=inputs,
         )  # fmt: skip
-    contract = getattr(base, "contract", None)
-    if contract is None and getattr(data.train, "meta", None) is not None:  # what fit read
-        contract = LabelContract(data.train.meta, data.train.label_format, data.train.bit_depth)
-    refiner.label_contract = None if contract is None else contract.to_dict()
+    t = data.train  # the base's contract, else how this fit read its labels
+    contract = getattr(base, "contract", None) or LabelContract(t.meta, t.label_format, t.bit_depth)
+    refiner.label_contract = contract.to_dict()
     if data.held_out is None:
         return refiner, ""
     split, metric = data.held_out_split, calibrate_metric
