@@ -49,12 +49,6 @@ class ExportedRefiner(BoundaryRefiner):
         self.calibration = described["calibration"]
         self.label_contract = described["label_contract"]
 
-    def __repr__(self) -> str:
-        return (
-            f"ExportedRefiner({self.source}: {self.num_classes} classes, "
-            f"top_n={self.config.top_n}, radius={self.config.radius})"
-        )
-
     def shared_features(self, model: Any) -> Any:
         """A context that shares nothing: the exported model runs its own backbone."""
         return SharedFeatures(model, active=False)

@@ -94,7 +94,7 @@ class BoundaryRefiner:
         c = self.config
         on = f"taps {'+'.join(self.taps.names)}" if self.taps else c.backbone
         return (
-            f"BoundaryRefiner({on}, C={c.embed_dim}, {self.num_classes} classes "
+            f"{type(self).__name__}({on}, C={c.embed_dim}, {self.num_classes} classes "
             f"({int(self.present.sum())} with prototypes), top_n={c.top_n}, radius={c.radius})"
         )
 
