@@ -8,7 +8,6 @@ Output ``i`` is source pair ``i % N`` under seed ``(seed, i)``: a re-run with th
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import multiprocessing as mp
 import signal
@@ -22,7 +21,7 @@ from PIL import Image
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from dualseg.augment_defaults import seed_error
+from dualseg.augment_defaults import check_augment_settings, seed_error
 from dualseg.console import Progress, ProgressMode, progress_mode
 from dualseg.data.datasets import SegmentationDataset, build_dataset
 from dualseg.data.presets import META_FILE, without_source_ignore
@@ -32,12 +31,17 @@ from dualseg.data.transforms import (
     JITTER,
     SCALE_RANGE,
     build_augment_pipeline,
-    check_augment_settings,
     sample_seed,
     seeded,
 )
 from dualseg.errors import DataError
-from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text, check_writable
+from dualseg.io import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    check_writable,
+    encode_image,
+)
 
 SETTINGS_FILE = "augment.json"
 IMAGE_FORMATS = {"png": "PNG", "jpg": "JPEG"}
@@ -84,19 +88,11 @@ class Augmenter:
                 tv_tensors.Image(np.ascontiguousarray(image.transpose(2, 0, 1))),
                 tv_tensors.Mask(label),
             )
-        out_img = img_t.permute(1, 2, 0).contiguous().numpy()
-        out_lbl = lbl_t.numpy().astype(np.uint8)
         fmt = IMAGE_FORMATS[self.settings["image_format"]]
-        atomic_write_bytes(img_path, _encode(out_img, fmt))  # the label last: a pair is done
-        atomic_write_bytes(label_path, _encode(out_lbl, "PNG"))  # once both exist
+        img_bytes = encode_image(img_t.permute(1, 2, 0).contiguous().numpy(), fmt)
+        atomic_write_bytes(img_path, img_bytes)  # the label last: a pair is done
+        atomic_write_bytes(label_path, encode_image(lbl_t.numpy().astype(np.uint8)))  # once both
         return True
-
-
-def _encode(array: np.ndarray, fmt: str) -> bytes:
-    buf = io.BytesIO()
-    kwargs = {"compress_level": 1} if fmt == "PNG" else {"quality": 95}
-    Image.fromarray(array).save(buf, format=fmt, **kwargs)
-    return buf.getvalue()
 
 
 def _valid(path: Path) -> bool:
@@ -108,19 +104,10 @@ def _valid(path: Path) -> bool:
     return True
 
 
-def _init_worker(augmenter: Augmenter) -> None:
+def _init_worker() -> None:
     # Ctrl-C reaches the process group: the parent alone reports it, in one line
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    global _WORKER  # set once per worker process: the pool's way to share read-only state
-    _WORKER = augmenter
-
-
-def _run_in_worker(i: int) -> bool:
-    return _WORKER(i)
-
-
-_WORKER: Augmenter | None = None
 
 
 def augment_dataset(
@@ -225,8 +212,8 @@ def _write_pairs(augmenter: Augmenter, count: int, workers: int, mode: ProgressM
     else:
         ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
         try:
-            with ctx.Pool(workers, initializer=_init_worker, initargs=(augmenter,)) as pool:
-                for did in pool.imap_unordered(_run_in_worker, range(count), chunksize=8):
+            with ctx.Pool(workers, initializer=_init_worker) as pool:  # augmenter sent per chunk
+                for did in pool.imap_unordered(augmenter, range(count), chunksize=16):
                     written += did
                     bar.update()
         except BaseException:  # the pool is terminated: a worker may have died mid-write
