@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from PIL import Image
 from torchvision import tv_tensors
-from torchvision.transforms import v2
 
 from dualseg.augment_defaults import check_augment_settings, seed_error
 from dualseg.console import Progress, ProgressMode, progress_mode
@@ -56,25 +55,10 @@ class Augmenter:
 
     def __init__(self, dataset: SegmentationDataset, dst: Path, settings: dict) -> None:
         self.dataset, self.dst, self.settings = dataset, dst, settings
-        self._pipelines: dict[tuple[int, ...], v2.Compose] = {}  # crop size -> pipeline
 
     def paths(self, i: int) -> tuple[Path, Path]:
         ext = self.settings["image_format"]
         return self.dst / "images" / f"{i:06d}.{ext}", self.dst / "labels" / f"{i:06d}.png"
-
-    def _pipeline(self, size: tuple[int, ...]) -> v2.Compose:
-        crop = tuple(self.settings["crop_size"] or size)
-        if crop not in self._pipelines:
-            s = self.settings
-            self._pipelines[crop] = build_augment_pipeline(
-                crop_size=crop,
-                scale_range=tuple(s["scale_range"]),
-                hflip_prob=s["hflip_prob"],
-                blur_prob=s["blur_prob"],
-                jitter=tuple(s["jitter"]),
-                image_fill=0,  # written images carry no normalization: pad black
-            )
-        return self._pipelines[crop]
 
     def __call__(self, i: int) -> bool:
         """Write pair ``i`` unless a valid one exists; return True when it was written."""
@@ -82,7 +66,15 @@ class Augmenter:
         if _valid(img_path) and _valid(label_path):
             return False
         image, label = self.dataset.load_pair(i)
-        pipeline = self._pipeline(label.shape)
+        s = self.settings
+        pipeline = build_augment_pipeline(  # cheap to build: a few objects
+            crop_size=tuple(s["crop_size"] or label.shape),
+            scale_range=tuple(s["scale_range"]),
+            hflip_prob=s["hflip_prob"],
+            blur_prob=s["blur_prob"],
+            jitter=tuple(s["jitter"]),
+            image_fill=0,  # written images carry no normalization: pad black
+        )
         with seeded(sample_seed(self.settings["seed"], index=i)):
             img_t, lbl_t = pipeline(
                 tv_tensors.Image(np.ascontiguousarray(image.transpose(2, 0, 1))),
