@@ -181,7 +181,7 @@ def test_demo_refuses_a_folder_holding_another_run_and_checks_first(tmp_path, ca
     assert "--overwrite" in demo.build_parser().format_help()
     # and so does a --weights file that is not there (a folder here)
     assert main([*_tiny_demo(tmp_path / "fresh"), "--weights", str(tmp_path)]) == 1
-    assert "no such file (a folder" in capsys.readouterr().err
+    assert "is a folder, not a file" in capsys.readouterr().err
     assert not (tmp_path / "fresh").exists()
 
 
