@@ -228,7 +228,7 @@ def test_adapt_conv_in_channels() -> None:
 
 
 def test_a_weights_path_that_is_a_folder_or_empty_says_so(tmp_path: Path) -> None:
-    with pytest.raises(WeightsNotFoundError, match="no such file .a folder"):
+    with pytest.raises(WeightsNotFoundError, match=r"no such file \(a folder"):
         W.resolve_weights("resnet18", path=tmp_path)
     with pytest.raises(WeightsNotFoundError, match="weights '': no such file"):
         W.resolve_weights("resnet18", path="")
