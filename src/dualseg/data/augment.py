@@ -120,10 +120,10 @@ def augment_dataset(
     seed: int = 0,
     image_format: str = "png",
     list_name: str = "train.txt",
-    progress: bool | ProgressMode = True,
+    progress: bool = True,
 ) -> tuple[int, int]:
-    """Write ``count`` augmented pairs of ``src`` into ``dst``; return (written, skipped).
-    ``progress``: a :mod:`dualseg.console` mode, or True (by the terminal) / False."""
+    """Write ``count`` augmented pairs of ``src`` into ``dst``; return (written, skipped);
+    ``progress``: a bar or lines (by the terminal), or nothing."""
     _check_options(count, seed, image_format, list_name)
     check_augment_settings(  # before anything is written: a bad value leaves no augment.json
         crop_size=crop_size,
@@ -170,7 +170,7 @@ def augment_dataset(
             "choose a new DST"
         )
     _remove_partial(dst)  # an earlier run's, killed mid-write
-    mode = progress if isinstance(progress, str) else progress_mode(quiet=not progress)
+    mode = progress_mode(quiet=not progress)
     written = _write_pairs(Augmenter(dataset, dst, settings), count, workers, mode)
     ext = image_format
     lines = "".join(f"images/{i:06d}.{ext} labels/{i:06d}.png\n" for i in range(count))
