@@ -214,8 +214,6 @@ def wide_to_8_bit(
             f"{source}: {'32-bit integer' if mode == 'I' else '16-bit'} image whose values all "
             "lie in 0..255: 8-bit or 16-bit data is unknown; pass --bit-depth 8"
         )
-    if bit_depth is not None and not 8 <= bit_depth <= 16:
-        raise DataError(f"bit_depth {bit_depth}: give the bits per sample, 8 to 16")
     top = 2 ** wide_depth(arr, bit_depth) - 1
     if arr.size and arr.max() > top:
         raise DataError(

@@ -77,15 +77,19 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike[str]) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def encode_image(array: Any, fmt: str = "PNG") -> bytes:
+    """An image array as file bytes: the one encoder of every PNG dualseg writes (zlib level 1:
+    several times faster than the default, a few percent larger)."""
+    buf = io.BytesIO()
+    options = {"PNG": {"compress_level": 1}, "JPEG": {"quality": 95}}.get(fmt, {})
+    Image.fromarray(np.asarray(array)).save(buf, format=fmt, **options)
+    return buf.getvalue()
+
+
 def atomic_save_image(path: str | os.PathLike[str], array: Any) -> None:
     """Save a uint8 image array in the format its suffix names (else PNG), atomically."""
-    path = Path(path)
-    buf = io.BytesIO()
-    fmt = {".png": "PNG", ".jpg": "JPEG", ".jpeg": "JPEG", ".bmp": "BMP", ".tif": "TIFF"}.get(
-        path.suffix.lower(), "PNG"
-    )
-    Image.fromarray(array).save(buf, format=fmt)
-    atomic_write_bytes(path, buf.getvalue())
+    fmts = {".jpg": "JPEG", ".jpeg": "JPEG", ".bmp": "BMP", ".tif": "TIFF"}
+    atomic_write_bytes(path, encode_image(array, fmts.get(Path(path).suffix.lower(), "PNG")))
 
 
 def label_png(label: Any, num_classes: int) -> Any:

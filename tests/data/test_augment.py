@@ -78,8 +78,7 @@ def test_workers_ignore_ctrl_c_so_the_parent_says_it_once(src, tmp_path, monkeyp
     seen = {}
     monkeypatch.setattr(signal, "signal", lambda sig, handler: seen.setdefault(sig, handler))
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this process keeps its own
-    monkeypatch.setattr(A, "_WORKER", None)
-    A._init_worker(None)  # as the pool calls it in each worker
+    A._init_worker()  # as the pool calls it in each worker
     assert seen == {signal.SIGINT: signal.SIG_IGN} and signal.getsignal(signal.SIGINT) == before
 
 

@@ -13,7 +13,6 @@ from dualseg.data import make_synthetic_dataset
 from dualseg.data import transforms as T
 from dualseg.data.augment import augment_dataset
 from dualseg.engine.config import DataConfig
-from dualseg.errors import ConfigError
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_synthetic.yaml"
 
@@ -82,7 +81,7 @@ def test_bad_augmentation_values_are_one_line_before_anything_is_written(
     assert not out.exists()
 
 
-def test_refine_fit_and_the_transforms_refuse_bad_values(tmp_path: Path, capsys) -> None:
+def test_refine_fit_refuses_bad_values(tmp_path: Path, capsys) -> None:
     argv = ["refine", "fit", "--data", str(tmp_path), "-o", str(tmp_path / "r.pt")]
     assert main([*argv, "--scale-range", "2", "0.5"]) == 1
     assert _one_line(capsys).endswith(
@@ -91,9 +90,3 @@ def test_refine_fit_and_the_transforms_refuse_bad_values(tmp_path: Path, capsys)
     assert main([*argv, "--crop-size", "0", "0"]) == 1
     assert "--crop-size 0 0" in _one_line(capsys)
     assert list(tmp_path.iterdir()) == []
-    with pytest.raises(ConfigError, match=r"hflip_prob=3: a probability"):
-        T.build_train_transform(crop_size=(8, 8), hflip_prob=3)
-    with pytest.raises(ConfigError, match=r"jitter=\[0.3, 0.3, 0.3, 0.6\]: the hue jitter"):
-        T.build_augment_pipeline(crop_size=(8, 8), jitter=(0.3, 0.3, 0.3, 0.6))
-    with pytest.raises(ConfigError, match=r"scale_range=\[2, 1\]"):
-        T.build_train_transform(crop_size=(8, 8), scale_range=(2, 1))

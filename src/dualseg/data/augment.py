@@ -8,7 +8,6 @@ Output ``i`` is source pair ``i % N`` under seed ``(seed, i)``: a re-run with th
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import multiprocessing as mp
 import signal
@@ -20,9 +19,8 @@ import numpy as np
 import torch
 from PIL import Image
 from torchvision import tv_tensors
-from torchvision.transforms import v2
 
-from dualseg.augment_defaults import seed_error
+from dualseg.augment_defaults import check_augment_settings, seed_error
 from dualseg.console import Progress, ProgressMode, progress_mode
 from dualseg.data.datasets import SegmentationDataset, build_dataset
 from dualseg.data.presets import META_FILE, without_source_ignore
@@ -32,12 +30,17 @@ from dualseg.data.transforms import (
     JITTER,
     SCALE_RANGE,
     build_augment_pipeline,
-    check_augment_settings,
     sample_seed,
     seeded,
 )
 from dualseg.errors import DataError
-from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text, check_writable
+from dualseg.io import (
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    check_writable,
+    encode_image,
+)
 
 SETTINGS_FILE = "augment.json"
 IMAGE_FORMATS = {"png": "PNG", "jpg": "JPEG"}
@@ -52,25 +55,10 @@ class Augmenter:
 
     def __init__(self, dataset: SegmentationDataset, dst: Path, settings: dict) -> None:
         self.dataset, self.dst, self.settings = dataset, dst, settings
-        self._pipelines: dict[tuple[int, ...], v2.Compose] = {}  # crop size -> pipeline
 
     def paths(self, i: int) -> tuple[Path, Path]:
         ext = self.settings["image_format"]
         return self.dst / "images" / f"{i:06d}.{ext}", self.dst / "labels" / f"{i:06d}.png"
-
-    def _pipeline(self, size: tuple[int, ...]) -> v2.Compose:
-        crop = tuple(self.settings["crop_size"] or size)
-        if crop not in self._pipelines:
-            s = self.settings
-            self._pipelines[crop] = build_augment_pipeline(
-                crop_size=crop,
-                scale_range=tuple(s["scale_range"]),
-                hflip_prob=s["hflip_prob"],
-                blur_prob=s["blur_prob"],
-                jitter=tuple(s["jitter"]),
-                image_fill=0,  # written images carry no normalization: pad black
-            )
-        return self._pipelines[crop]
 
     def __call__(self, i: int) -> bool:
         """Write pair ``i`` unless a valid one exists; return True when it was written."""
@@ -78,25 +66,25 @@ class Augmenter:
         if _valid(img_path) and _valid(label_path):
             return False
         image, label = self.dataset.load_pair(i)
-        pipeline = self._pipeline(label.shape)
+        s = self.settings
+        pipeline = build_augment_pipeline(  # cheap to build: a few objects
+            crop_size=tuple(s["crop_size"] or label.shape),
+            scale_range=tuple(s["scale_range"]),
+            hflip_prob=s["hflip_prob"],
+            blur_prob=s["blur_prob"],
+            jitter=tuple(s["jitter"]),
+            image_fill=0,  # written images carry no normalization: pad black
+        )
         with seeded(sample_seed(self.settings["seed"], index=i)):
             img_t, lbl_t = pipeline(
                 tv_tensors.Image(np.ascontiguousarray(image.transpose(2, 0, 1))),
                 tv_tensors.Mask(label),
             )
-        out_img = img_t.permute(1, 2, 0).contiguous().numpy()
-        out_lbl = lbl_t.numpy().astype(np.uint8)
         fmt = IMAGE_FORMATS[self.settings["image_format"]]
-        atomic_write_bytes(img_path, _encode(out_img, fmt))  # the label last: a pair is done
-        atomic_write_bytes(label_path, _encode(out_lbl, "PNG"))  # once both exist
+        img_bytes = encode_image(img_t.permute(1, 2, 0).contiguous().numpy(), fmt)
+        atomic_write_bytes(img_path, img_bytes)  # the label last: a pair is done
+        atomic_write_bytes(label_path, encode_image(lbl_t.numpy().astype(np.uint8)))  # once both
         return True
-
-
-def _encode(array: np.ndarray, fmt: str) -> bytes:
-    buf = io.BytesIO()
-    kwargs = {"compress_level": 1} if fmt == "PNG" else {"quality": 95}
-    Image.fromarray(array).save(buf, format=fmt, **kwargs)
-    return buf.getvalue()
 
 
 def _valid(path: Path) -> bool:
@@ -108,19 +96,10 @@ def _valid(path: Path) -> bool:
     return True
 
 
-def _init_worker(augmenter: Augmenter) -> None:
+def _init_worker() -> None:
     # Ctrl-C reaches the process group: the parent alone reports it, in one line
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    global _WORKER  # set once per worker process: the pool's way to share read-only state
-    _WORKER = augmenter
-
-
-def _run_in_worker(i: int) -> bool:
-    return _WORKER(i)
-
-
-_WORKER: Augmenter | None = None
 
 
 def augment_dataset(
@@ -141,10 +120,10 @@ def augment_dataset(
     seed: int = 0,
     image_format: str = "png",
     list_name: str = "train.txt",
-    progress: bool | ProgressMode = True,
+    progress: bool = True,
 ) -> tuple[int, int]:
-    """Write ``count`` augmented pairs of ``src`` into ``dst``; return (written, skipped).
-    ``progress``: a :mod:`dualseg.console` mode, or True (by the terminal) / False."""
+    """Write ``count`` augmented pairs of ``src`` into ``dst``; return (written, skipped);
+    ``progress``: a bar or lines (by the terminal), or nothing."""
     _check_options(count, seed, image_format, list_name)
     check_augment_settings(  # before anything is written: a bad value leaves no augment.json
         crop_size=crop_size,
@@ -191,7 +170,7 @@ def augment_dataset(
             "choose a new DST"
         )
     _remove_partial(dst)  # an earlier run's, killed mid-write
-    mode = progress if isinstance(progress, str) else progress_mode(quiet=not progress)
+    mode = progress_mode(quiet=not progress)
     written = _write_pairs(Augmenter(dataset, dst, settings), count, workers, mode)
     ext = image_format
     lines = "".join(f"images/{i:06d}.{ext} labels/{i:06d}.png\n" for i in range(count))
@@ -225,8 +204,8 @@ def _write_pairs(augmenter: Augmenter, count: int, workers: int, mode: ProgressM
     else:
         ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
         try:
-            with ctx.Pool(workers, initializer=_init_worker, initargs=(augmenter,)) as pool:
-                for did in pool.imap_unordered(_run_in_worker, range(count), chunksize=8):
+            with ctx.Pool(workers, initializer=_init_worker) as pool:  # augmenter sent per chunk
+                for did in pool.imap_unordered(augmenter, range(count), chunksize=16):
                     written += did
                     bar.update()
         except BaseException:  # the pool is terminated: a worker may have died mid-write

@@ -14,12 +14,13 @@ import numpy as np
 from dualseg.console import ProgressMode, track
 from dualseg.data.datasets import (
     check_split_name,
+    meta_path,
     one_class_set,
     one_class_warning,
     resolve_meta,
 )
 from dualseg.data.layouts import detect_any_split, discover, missing_split, unlabelled_split
-from dualseg.data.presets import IGNORE_INDEX, META_FILE, DatasetMeta, IgnoreSetting
+from dualseg.data.presets import IGNORE_INDEX, DatasetMeta, IgnoreSetting
 from dualseg.data.readers import inspect_pair
 from dualseg.errors import DataError
 from dualseg.imaging import wide_depth
@@ -225,7 +226,7 @@ def _class_problems(report: CheckReport) -> list[str]:
         and ignore_share >= BINARY_MASK_MIN_SHARE
     ):
         absent.remove(1)
-        meta_file = (report.root.parent if report.root.is_file() else report.root) / META_FILE
+        meta_file = meta_path(report.root)
         report.binary_mask = (
             f"looks like a 0/255 binary mask: class 1 ({names[1]!r}) has no "
             f"pixels while value 255 (read as ignore) covers {100 * ignore_share:.1f}% and the "

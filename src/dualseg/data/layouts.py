@@ -37,7 +37,6 @@ class Discovery:
 
 
 def _list_lines(list_file: Path) -> list[str]:
-    """A list file's lines (UTF-8; a byte-order mark dropped)."""
     try:
         return list_file.read_text(encoding="utf-8-sig").splitlines()
     except UnicodeDecodeError as err:
@@ -61,7 +60,12 @@ def _files_by_stem(folder: Path) -> dict[str, list[Path]]:
     return by_stem
 
 
-def _read_list(list_file: Path, found: Discovery) -> None:
+def _scan_list(root: Path, split: str) -> Discovery:
+    list_file = root if root.is_file() else root / f"{split}.txt"
+    found = Discovery("list", source=list_file, split_missing=not list_file.is_file())
+    if found.split_missing:
+        found.problems.append(f"{list_file}: list file not found; create it or pass another split")
+        return found
     folders = None  # a stem list's: the folder layout's for its split, read once
     for n, line in enumerate(_list_lines(list_file), start=1):
         parts, where = line.split(), f"{list_file}:{n}"
@@ -87,26 +91,16 @@ def _read_list(list_file: Path, found: Discovery) -> None:
             )
         else:
             _add_listed(found, (list_file.parent / parts[0], list_file.parent / parts[1]), where)
+    return found
 
 
 def _add_listed(found: Discovery, pair: Pair, where: str) -> None:
-    """Add the pair a list line names, or a problem for each of its files that is missing."""
     missing = [p for p in pair if not p.is_file()]
     found.problems += [
         f"{p}: listed in {where} but not found; fix the path or remove the line" for p in missing
     ]
     if not missing:
         found.samples.append(pair)
-
-
-def _scan_list(root: Path, split: str) -> Discovery:
-    list_file = root if root.is_file() else root / f"{split}.txt"
-    found = Discovery("list", source=list_file, split_missing=not list_file.is_file())
-    if found.split_missing:
-        found.problems.append(f"{list_file}: list file not found; create it or pass another split")
-    else:
-        _read_list(list_file, found)
-    return found
 
 
 def _images_by_stem(folder: Path, problems: list[str]) -> dict[str, Path]:

@@ -86,13 +86,8 @@ class DatasetMeta:
         return [k for k in range(self.num_classes) if k not in reached]
 
     def describe_ignore(self) -> str:
-        """The raw values that mean ignore, for messages: ``"255, 11"`` or ``"none"``."""
-        raw = [0] * self.reduce_zero_label + [self.ignore_value, *self.source_ignore]
-        lut, raw = self.lookup_table(), raw + [s for s, _ in self.label_map]
-        return (
-            ", ".join(str(v) for v in dict.fromkeys(raw) if v is not None and lut[v] == 255)
-            or "none"
-        )
+        """The raw values that mean ignore, for messages: ``"11, 255"`` or ``"none"``."""
+        return ", ".join(map(str, np.flatnonzero(self.lookup_table() == IGNORE_INDEX))) or "none"
 
     def describe_mapping(self) -> str:
         """The whole raw-value mapping in a few words, for messages."""

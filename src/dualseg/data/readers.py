@@ -27,11 +27,14 @@ LABEL_FORMATS = ("index", "color")
 _EIGHT_BIT_MODES = {"L", "LA", "P", "RGB", "RGBA"}
 
 
-def _label_array(path: Path, im: Image.Image) -> np.ndarray:
+def _raw_values(path: Path, im: Image.Image) -> np.ndarray:
     """Raw label values (any integer dtype, HxW) from an index-coded label image."""
     mode = im.mode
     if mode in {"L", "P", "1", *SIXTEEN_BIT_MODES}:  # P: the indices (VOC), not the colours
-        return np.asarray(im).astype(np.int64 if mode in SIXTEEN_BIT_MODES else np.uint8)
+        raw = np.asarray(im).astype(np.int64 if mode in SIXTEEN_BIT_MODES else np.uint8)
+        if mode == "L" and (bits := _bits_per_sample(path, im)) in (2, 4):
+            raw = raw // (255 // (2**bits - 1))  # Pillow scales 2/4-bit samples to 0..255
+        return raw
     if mode in {"LA", "RGB", "RGBA"}:
         arr = np.asarray(im)
         arr = arr if mode == "RGB" else drop_opaque_alpha(arr, path)
@@ -182,13 +185,6 @@ def _refuse_lossy_or_deep(path: Path, im: Image.Image) -> None:
             "channels reads as its high byte only; save it as an 8-bit colour PNG, or as "
             "single-channel (8- or 16-bit) class indices"
         )
-
-
-def _raw_values(path: Path, im: Image.Image) -> np.ndarray:
-    raw = _label_array(path, im)
-    if im.mode == "L" and (bits := _bits_per_sample(path, im)) in (2, 4):
-        raw = raw // (255 // (2**bits - 1))  # Pillow scales 2/4-bit samples to 0..255
-    return raw
 
 
 def raw_label_values(path: str | Path) -> np.ndarray:

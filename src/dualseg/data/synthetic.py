@@ -5,17 +5,15 @@ the class; poles 1-3 px wide. A pure function of ``(seed, split, index)``.
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
 import cv2
 import numpy as np
-from PIL import Image
 
 from dualseg.data.presets import META_FILE, SYNTHETIC
 from dualseg.errors import DataError
-from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from dualseg.io import atomic_write_bytes, atomic_write_json, atomic_write_text, encode_image
 
 SKY, BUILDING, ROAD, SIDEWALK, VEGETATION, CAR, POLE, SIGN = range(8)
 STAMP_FILE = "synthetic.json"
@@ -174,12 +172,6 @@ def draw_scene(rng: np.random.Generator, size: tuple[int, int]) -> tuple[np.ndar
     return np.clip(canvas, 0, 255).astype(np.uint8), label
 
 
-def _png(array: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(array).save(buf, format="PNG", compress_level=1)
-    return buf.getvalue()
-
-
 def holds_foreign_files(root: Path) -> bool:
     """Whether ``root`` is a non-empty folder without the generator's stamp."""
     return not (root / STAMP_FILE).is_file() and root.is_dir() and any(root.iterdir())
@@ -222,8 +214,8 @@ def make_synthetic_dataset(
             rng = np.random.default_rng([seed, split_id, i])
             image, label = draw_scene(rng, (h, w))
             name = f"{split}_{i:05d}.png"
-            atomic_write_bytes(root / "images" / name, _png(image))
-            atomic_write_bytes(root / "labels" / name, _png(label))
+            atomic_write_bytes(root / "images" / name, encode_image(image))
+            atomic_write_bytes(root / "labels" / name, encode_image(label))
             lines.append(f"images/{name} labels/{name}\n")
         atomic_write_text(root / f"{split}.txt", "".join(lines))
     atomic_write_json(root / META_FILE, SYNTHETIC.to_dict())

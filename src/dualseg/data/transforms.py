@@ -23,7 +23,6 @@ from dualseg.augment_defaults import (  # spec S1 defaults, written once
     HFLIP_PROB,
     JITTER,
     SCALE_RANGE,
-    check_augment_settings,
 )
 from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD  # defined once, torch-free
 
@@ -94,14 +93,8 @@ def build_augment_pipeline(
     ignore_index: int = 255,
 ) -> v2.Compose:
     """Training augmentation on uint8 ``Image``/``Mask`` tv_tensors: random scale -> random
-    crop (padded: image ``image_fill``, label ``ignore_index``) -> flip -> blur -> jitter."""
-    check_augment_settings(
-        crop_size=tuple(crop_size),
-        scale_range=scale_range,
-        hflip_prob=hflip_prob,
-        blur_prob=blur_prob,
-        jitter=tuple(jitter),
-    )
+    crop (padded: image ``image_fill``, label ``ignore_index``) -> flip -> blur -> jitter.
+    The values are checked where they enter (``check_augment_settings``)."""
     ops: list[v2.Transform] = []
     if scale_range != (1.0, 1.0):
         ops.append(RandomScale(scale_range))

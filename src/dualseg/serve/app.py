@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import logging
 import math
 import threading
@@ -23,11 +22,11 @@ from typing import Any, TypeVar
 
 import cv2
 import numpy as np
-from PIL import Image
 
 from dualseg._version import __version__
 from dualseg.errors import ConfigError, DataError
 from dualseg.imaging import ImageTooLargeError, decode_image, pillow_max_pixels, resize_bilinear
+from dualseg.io import encode_image
 from dualseg.refine.formats import check_contract
 from dualseg.serve import defaults as d
 from dualseg.viz import colorize, overlay
@@ -99,9 +98,7 @@ def _ms(t: float) -> float:
 
 def png_base64(array: np.ndarray) -> str:
     """uint8 ``HxW`` or ``HxWx3`` -> base64 PNG (fast compression: a local page)."""
-    buf = io.BytesIO()
-    Image.fromarray(array).save(buf, format="PNG", compress_level=1)
-    return base64.b64encode(buf.getvalue()).decode("ascii")
+    return base64.b64encode(encode_image(array)).decode("ascii")
 
 
 def working_size(height: int, width: int, max_pixels: float) -> tuple[int, int]:
