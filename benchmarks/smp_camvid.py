@@ -62,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--refine-steps", type=int, default=2000)
+    p.add_argument("--paths", nargs="+", choices=("taps", "independent"),
+                   default=["taps", "independent"], help="which refiners to fit")  # fmt: skip
     p.add_argument("--eval-limit", type=int, help="score only the first N images of a split")
     p.add_argument("--timing-images", type=int, default=10)
     p.add_argument("--workers", type=int, default=1)
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"args": vars(args), "unet": record, "rows": {}, "decisions": {}}
     _, dev = eval_loader(data, str(data / "dev.txt"), args.eval_limit, args.workers)
     variants: list[tuple[str, Any]] = [("base", None)]
-    for taps in (True, False):
+    for taps in (path == "taps" for path in args.paths):
         refiner, seconds = fit_refiner(args, data, base, taps, names)
         key = "B_taps" if taps else "B_independent"
         results["decisions"][key] = {"fit_seconds": seconds}
