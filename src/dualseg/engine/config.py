@@ -21,46 +21,9 @@ from jsonargparse import (
 )
 
 from dualseg.console import ExamplesHelpFormatter, examples
-from dualseg.engine.options import (
-    ARCH_NAMES,
-    MAX_THREADS,
-    SECTIONS,
-    Config,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-    config_changes,
-    config_to_dict,
-    field_docs,
-    model_kwargs,
-    train_transform,
-    validate,
-)
+from dualseg.engine.options import SECTIONS, Config, config_to_dict, field_docs
 from dualseg.errors import ConfigError
 from dualseg.io import atomic_write_text
-
-__all__ = [
-    "ARCH_NAMES",
-    "MAX_THREADS",
-    "SECTIONS",
-    "Config",
-    "DataConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "TrainConfig",
-    "build_parser",
-    "config_changes",
-    "config_from_dict",
-    "config_to_dict",
-    "field_docs",
-    "load_config",
-    "model_kwargs",
-    "parse_command",
-    "save_config",
-    "train_transform",
-    "validate",
-]
 
 TRAIN_EXAMPLES = (
     "dualseg train --data.root DIR --train.max_iters 2000",

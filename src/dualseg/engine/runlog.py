@@ -15,8 +15,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from dualseg.engine.config import Config
 from dualseg.engine.distributed import DistEnv
+from dualseg.engine.options import Config
 from dualseg.io import atomic_write_text
 from dualseg.viz import save_curves as draw
 

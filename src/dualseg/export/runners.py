@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from dualseg.engine.config import MAX_THREADS  # the cap the CLI's --threads has too
+from dualseg.engine.options import MAX_THREADS  # the cap the CLI's --threads has too
 from dualseg.errors import CheckpointError, ConfigError, DualsegError
 from dualseg.imaging import as_rgb, resize_bilinear
 from dualseg.serialization import read_torchscript_meta, torch_file_format
