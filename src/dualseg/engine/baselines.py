@@ -13,8 +13,6 @@ from torch import Tensor, nn
 from dualseg.data.readers import read_label
 from dualseg.errors import DualsegError
 
-__all__ = ["PriorModel", "baseline_models"]
-
 
 class PriorModel(nn.Module):
     """A 'model' that ignores the image: fixed class scores per position, resized to the input."""

@@ -17,8 +17,6 @@ from torch.utils.data import Dataset, DistributedSampler, Sampler
 from dualseg.data.transforms import sample_seed
 from dualseg.errors import CheckpointError, ConfigError
 
-__all__ = ["DistEnv", "ResumableSampler", "SeededSamples", "ShardSampler", "resolve_device"]
-
 
 @dataclass(frozen=True)
 class DistEnv:

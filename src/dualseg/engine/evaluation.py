@@ -36,8 +36,6 @@ from dualseg.metrics import (
 )
 from dualseg.models.base import eval_mode
 
-__all__ = ["Refiner", "evaluate", "format_metrics", "majority_baseline_miou", "sanity_warnings"]
-
 _INFER = InferenceOptions()
 ONE_CLASS_SHARE = 0.95  # a model predicting one class on more of the pixels is flagged
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +29,6 @@ from torch import Tensor
 
 from dualseg.errors import ConfigError
 from dualseg.models.base import model_logits
-
-__all__ = ["MODES", "InferenceOptions", "autocast", "forward_logits", "infer_logits", "slide_tiles"]
 
 MODES = ("whole", "slide")
 TTA_SCALE_RANGE = (0.1, 8.0)  # TTA resize factors accepted (mmseg uses 0.5-1.75)
@@ -174,28 +172,50 @@ def forward_logits(model: Model, x: Tensor, amp: bool) -> Tensor:
     return logits
 
 
-def _run(model: Model, images: Tensor, opts: InferenceOptions, amp: bool) -> Tensor:
-    b, _, h, w = images.shape
-    if opts.mode == "whole":
-        return forward_logits(model, images, amp)
-    ys, xs, (th, tw) = slide_tiles((h, w), opts.window, opts.stride)
-    if len(ys) == len(xs) == 1:  # the image fits in the window
-        return forward_logits(model, images, amp)
-    jobs = [(i, y, x) for y in ys for x in xs for i in range(b)]  # every (image, tile) pair
-    out = count = None
+def slide_rows(
+    model: Model,
+    rows: Callable[[int, int], Tensor],
+    size: tuple[int, int],
+    batch: int,
+    opts: InferenceOptions,
+    amp: bool,
+) -> Iterator[Tensor]:
+    """Slide mode walked down the image: the mean logits of each run of rows, top to bottom,
+    as soon as no later tile reaches them; ``rows(y0, y1)`` is the input ``[B,3,y1-y0,W]``.
+    Only the rows a tile still covers are held."""
+    (h, w), b0, band = size, 0, None
+    ys, xs, (th, tw) = slide_tiles(size, opts.window, opts.stride)
+    jobs = [(y, x, i) for y in ys for x in xs for i in range(batch)]  # every (tile, image)
+    acc, top = None, 0  # acc: the sums of rows top.. still open
     for start in range(0, len(jobs), opts.tile_batch):
         chunk = jobs[start : start + opts.tile_batch]
-        tiles = torch.stack([images[i, :, y : y + th, x : x + tw] for i, y, x in chunk])
+        y0, y1 = chunk[0][0], chunk[-1][0] + th
+        if band is None or y0 < b0 or y1 > b0 + band.shape[2]:
+            band, b0 = rows(y0, y1), y0
+        tiles = torch.stack([band[i, :, y - b0 : y - b0 + th, x : x + tw] for y, x, i in chunk])
         logits = forward_logits(model, tiles, amp)
-        if out is None:
-            out = logits.new_zeros(b, logits.shape[1], h, w)
-            count = torch.zeros(h, w, device=out.device)
-            for y in ys:
-                for x in xs:
-                    count[y : y + th, x : x + tw] += 1
-        for k, (i, y, x) in enumerate(chunk):
-            out[i, :, y : y + th, x : x + tw] += logits[k]
-    return out / count  # type: ignore[operator]
+        if acc is None:
+            acc = logits.new_zeros(batch, logits.shape[1], 0, w)
+            hits = [torch.zeros(n, device=acc.device) for n in (h, w)]  # tiles per row, column
+            for count, starts, n in zip(hits, (ys, xs), (th, tw)):
+                for s in starts:
+                    count[s : s + n] += 1
+        if y1 - top > acc.shape[2]:
+            acc = torch.cat([acc, acc.new_zeros(*acc.shape[:2], y1 - top - acc.shape[2], w)], 2)
+        for k, (y, x, i) in enumerate(chunk):
+            acc[i, :, y - top : y - top + th, x : x + tw] += logits[k]
+        done = jobs[start + opts.tile_batch][0] if start + opts.tile_batch < len(jobs) else h
+        if done > top:
+            yield acc[:, :, : done - top] / torch.outer(hits[0][top:done], hits[1])
+            acc, top = acc[:, :, done - top :], done
+
+
+def _run(model: Model, images: Tensor, opts: InferenceOptions, amp: bool) -> Tensor:
+    if opts.mode == "whole":
+        return forward_logits(model, images, amp)
+    b, _, h, w = images.shape
+    parts = slide_rows(model, lambda y0, y1: images[:, :, y0:y1], (h, w), b, opts, amp)
+    return torch.cat(list(parts), 2)
 
 
 def infer_logits(

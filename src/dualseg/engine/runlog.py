@@ -20,8 +20,6 @@ from dualseg.engine.options import Config
 from dualseg.io import atomic_write_text
 from dualseg.viz import save_curves as draw
 
-__all__ = ["Interrupt", "Progress", "RunLog", "save_curves", "train_data_record"]
-
 
 class Interrupt:
     """Turns SIGINT / SIGTERM into a flag checked after each step (then save and return)."""

@@ -53,8 +53,6 @@ from dualseg.engine.runlog import Interrupt, Progress, RunLog, save_curves, trai
 from dualseg.engine.step import StepStats, TrainingDivergedError, train_one_epoch
 from dualseg.errors import CheckpointError, ConfigError
 
-__all__ = ["TrainingDivergedError", "fit", "train_one_epoch"]
-
 
 @dataclass
 class _Run:
