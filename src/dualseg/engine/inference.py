@@ -15,7 +15,6 @@ predict / refine apply``) goes through :func:`infer_logits`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -51,10 +50,8 @@ def _pair(name: str, values: Any) -> tuple[int, int]:
 def _scales(values: Any) -> tuple[float, ...]:
     values = values.tolist() if hasattr(values, "tolist") else values  # arrays, tensors
     if isinstance(values, str | bytes) or not isinstance(values, Iterable):
-        raise ConfigError(
-            f"tta_scales (--tta-scales) takes a sequence of factors, e.g. (0.75, 1.0, 1.25), "
-            f"got {values!r}; one factor: ({values!r},)"
-        )
+        raise ConfigError(f"tta_scales takes a sequence of factors, got {values!r}; one factor: "
+                          f"({values!r},)")  # fmt: skip
     if not all(isinstance(s, numbers.Real) and not isinstance(s, bool) for s in values):
         raise ConfigError(f"tta_scales (--tta-scales) must be numbers, got {values!r}")
     return tuple(float(s) for s in values)
@@ -80,37 +77,27 @@ class InferenceOptions:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"inference mode {self.mode!r} is not one of {' | '.join(MODES)}")
-        if not _whole(self.tile_batch):
-            raise ConfigError(
-                f"tile_batch (--tile-batch) must be an int >= 1, got {self.tile_batch!r}"
-            )
-        window, stride = _pair("window", self.window), self.stride
-        stride = None if stride is None else _pair("stride", stride)
-        scales = _scales(self.tta_scales)
-        object.__setattr__(self, "window", window)
-        object.__setattr__(self, "stride", stride)
-        object.__setattr__(self, "tta_scales", scales)
-        object.__setattr__(self, "tta_flip", bool(self.tta_flip))
-        object.__setattr__(self, "tile_batch", int(self.tile_batch))
+        if not _whole(batch := self.tile_batch):
+            raise ConfigError(f"tile_batch (--tile-batch) must be an int >= 1, got {batch!r}")
+        window, scales = _pair("window", self.window), _scales(self.tta_scales)
+        stride = None if self.stride is None else _pair("stride", self.stride)
         if self.mode == "whole" and (window != (512, 512) or stride is not None):
-            raise ConfigError(
-                "window / stride apply to sliding-window inference only: add mode='slide' "
-                "(--mode slide), or drop them"
-            )
+            raise ConfigError("window / stride are for slide mode: add mode='slide' (--mode slide)")
         if stride is not None and any(s > w for s, w in zip(stride, window)):
             raise ConfigError(
                 f"--stride {stride[0]} {stride[1]} is larger than --window {window[0]} "
                 f"{window[1]}; use a stride of at most the window"
             )
-        if self.mode == "slide" and stride is None:  # two thirds of the window, rounded up
-            object.__setattr__(self, "stride", tuple(math.ceil(2 * w / 3) for w in window))
         lo, hi = TTA_SCALE_RANGE
         if not scales or not all(lo <= s <= hi for s in scales):  # NaN too
             shown = " ".join(str(s) for s in scales) or "none"
-            raise ConfigError(
-                f"--tta-scales must be factors from {lo:g} to {hi:g} (e.g. 0.75 1.0 1.25), "
-                f"got {shown}"
-            )
+            raise ConfigError(f"--tta-scales must be factors from {lo:g} to {hi:g}, got {shown}")
+        if self.mode == "slide" and stride is None:  # two thirds of the window, rounded up
+            stride = tuple(math.ceil(2 * w / 3) for w in window)
+        fixed = {"window": window, "stride": stride, "tta_scales": scales,
+                 "tta_flip": bool(self.tta_flip), "tile_batch": int(batch)}  # fmt: skip
+        for key, value in fixed.items():
+            object.__setattr__(self, key, value)
 
     @property
     def uses_tta(self) -> bool:
@@ -142,13 +129,6 @@ class InferenceOptions:
 _DEFAULT = InferenceOptions()
 
 
-def autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
-    """bf16 autocast on ``device`` when ``enabled`` (what the trainer uses), else a no-op."""
-    if not enabled:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
 def slide_tiles(
     size: tuple[int, int], window: tuple[int, int], stride: tuple[int, int]
 ) -> tuple[list[int], list[int], tuple[int, int]]:
@@ -165,7 +145,7 @@ def slide_tiles(
 
 def forward_logits(model: Model, x: Tensor, amp: bool) -> Tensor:
     """Model logits (float32) resized to ``x``'s size."""
-    with autocast(x.device, amp):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
         logits = model_logits(model(x)).float()  # a torchvision model's {"out": ...} too
     if logits.shape[-2:] != x.shape[-2:]:
         logits = F.interpolate(logits, size=x.shape[-2:], mode="bilinear", align_corners=False)
