@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dualseg.engine.distributed import ResumableSampler, SeededSamples, ShardSampler
+from dualseg.engine.distributed import ResumableSampler, SeededSamples
 from dualseg.errors import CheckpointError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,11 +59,6 @@ def test_a_resume_on_another_number_of_processes_is_refused_naming_both() -> Non
     new = ResumableSampler(RandomItems(), seed=4)
     with pytest.raises(CheckpointError, match=r"by 2 process\(es\), this run has 1; resume with 2"):
         new.load_state_dict(old.state_dict(offset=2))
-
-
-def test_shard_sampler_has_no_padding() -> None:
-    shards = [list(ShardSampler(7, num_replicas=3, rank=r)) for r in range(3)]
-    assert shards == [[0, 3, 6], [1, 4], [2, 5]]
 
 
 def test_seeded_samples_depend_on_the_sample_only() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torch.utils.data import Dataset, DistributedSampler
 
 from dualseg.data.transforms import sample_seed
 from dualseg.errors import CheckpointError, ConfigError
@@ -162,16 +162,3 @@ class SeededSamples(Dataset):
             finally:
                 random.setstate(py_state)
                 np.random.set_state(np_state)
-
-
-class ShardSampler(Sampler[int]):
-    """Indices ``rank, rank + world, ...`` in order, without padding (for evaluation)."""
-
-    def __init__(self, length: int, *, num_replicas: int = 1, rank: int = 0) -> None:
-        self.indices = list(range(rank, length, num_replicas))
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
