@@ -211,12 +211,7 @@ def _config_files(argv: list[str]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _instantiate(parser: Any, ns: Any) -> Config:
-    try:
-        cfg = parser.instantiate(ns)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as err:  # e.g. a YAML section that is a number
-        raise ConfigError(f"invalid config: {' '.join(str(err).split())}") from None
+    cfg = parser.instantiate(ns)
     train = dataclasses.replace(cfg.train, quiet=True) if getattr(ns, "quiet", False) else cfg.train
     return Config(data=cfg.data, model=cfg.model, optim=cfg.optim, train=train)
 
@@ -226,9 +221,6 @@ def _explain(message: str, parser: Any) -> str:
     message = " ".join(message.split())
     unknown = re.search(r"unrecognized arguments: (--[\w.\-]+)", message)
     group = re.search(r"Group '(\w+)' does not accept option '([\w\-]+)'", message)
-    section = re.search(r"Option '(\w+)\.[\w\-]+' is not accepted", message)
-    if section and section.group(1) not in SECTIONS:
-        return f"unknown config section {section.group(1)}{_near(section.group(1), SECTIONS)}"
     if not (unknown or group):
         return _type_error(message) or f"invalid arguments: {message}; see dualseg train --help"
     keys = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
@@ -279,22 +271,16 @@ def _type_error(message: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- files, values
-def config_from_dict(d: dict[str, Any]) -> Config:
-    """A checked :class:`Config` from a plain dict."""
-    parser = build_parser()
+def load_config(path: str | Path, **overrides: dict[str, Any]) -> Config:
+    """Read a YAML config; ``overrides`` are per-section dicts, e.g. ``train={"max_iters": 5}``."""
+    d, parser = _read_yaml(str(path)), build_parser()
+    for section, values in overrides.items():
+        d.setdefault(section, {}).update(values)
     try:
-        ns = parser.parse_object({k: v for k, v in d.items() if k in SECTIONS})
+        ns = parser.parse_object(d)
     except Exception as err:  # jsonargparse's ArgumentError: name the bad key, no traceback
         raise ConfigError(_explain(str(err), parser)) from None
     return _instantiate(parser, ns)
-
-
-def load_config(path: str | Path, **overrides: dict[str, Any]) -> Config:
-    """Read a YAML config; ``overrides`` are per-section dicts, e.g. ``train={"max_iters": 5}``."""
-    d = _read_yaml(str(path))
-    for section, values in overrides.items():
-        d.setdefault(section, {}).update(values)
-    return config_from_dict(d)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:
