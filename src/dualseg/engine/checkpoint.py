@@ -86,12 +86,13 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     fmt = str(ckpt.get("format") or "") if isinstance(ckpt, dict) else ""
     if not fmt:
         raise CheckpointError(f"{path} is not a dualseg checkpoint; {fix}")
-    if fmt.startswith("dualseg-refiner"):
-        what = "the training state of 'dualseg refine fit'" if "train" in fmt else "a refiner"
+    if fmt.startswith("dualseg-refiner-train"):
         raise CheckpointError(
-            f"{path} is {what}, not a model: pass a refiner as --refiner, a fit state to "
-            "refine fit --resume"
+            f"{path} is the training state of 'dualseg refine fit', not a model; continue it "
+            "with refine fit --resume"
         )
+    if fmt.startswith("dualseg-refiner"):
+        raise CheckpointError(f"{path} is a method-B refiner, not a model: pass it as --refiner")
     if fmt != FORMAT or any(k not in ckpt for k in ("arch", "model_kwargs", "model")):
         raise CheckpointError(f"{path} has format {fmt!r} or lacks keys; dualseg reads {FORMAT!r}")
     ckpt["_path"] = str(path)

@@ -191,9 +191,10 @@ def slide_rows(
 
 
 def _run(model: Model, images: Tensor, opts: InferenceOptions, amp: bool) -> Tensor:
-    if opts.mode == "whole":
-        return forward_logits(model, images, amp)
     b, _, h, w = images.shape
+    ys, xs, _ = slide_tiles((h, w), opts.window, opts.stride or opts.window)
+    if opts.mode == "whole" or len(ys) == len(xs) == 1:  # one pass on the images as given
+        return forward_logits(model, images, amp)
     parts = slide_rows(model, lambda y0, y1: images[:, :, y0:y1], (h, w), b, opts, amp)
     return torch.cat(list(parts), 2)
 
