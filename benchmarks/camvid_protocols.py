@@ -15,7 +15,8 @@ import torch
 
 from dualseg.commands.common import number_in
 from dualseg.engine.checkpoint import load_checkpoint
-from dualseg.engine.config import (
+from dualseg.engine.config import load_config
+from dualseg.engine.options import (
     Config,
     DataConfig,
     ModelConfig,
@@ -23,7 +24,6 @@ from dualseg.engine.config import (
     TrainConfig,
     config_changes,
     config_to_dict,
-    load_config,
 )
 from dualseg.errors import ConfigError
 from dualseg.io import atomic_write_text
@@ -300,9 +300,9 @@ def calibrate_iters(cfg: Config, minutes: float, device: torch.device) -> tuple[
     Data loading runs in worker processes alongside; it is measured separately by
     benchmarks/data_throughput.py and is not the bottleneck at these sizes.
     """
-    from dualseg.engine.config import model_kwargs
     from dualseg.engine.cpu_bf16 import amp_dtype_for as training_dtype  # fit's own choice
     from dualseg.engine.cpu_bf16 import convs_in_fp32
+    from dualseg.engine.options import model_kwargs
 
     kwargs = {
         k: tuple(v) if isinstance(v, list) else v for k, v in model_kwargs(cfg.model, 11).items()

@@ -28,8 +28,8 @@ import torch
 
 from dualseg.data import build_dataset
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
-from dualseg.engine.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from dualseg.engine.evaluation import evaluate
+from dualseg.engine.options import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from dualseg.engine.train import fit
 from dualseg.errors import DataError, DualsegError, Terminated
 from dualseg.io import atomic_write_json

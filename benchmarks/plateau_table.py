@@ -41,10 +41,10 @@ from cpu_levers import cpu_name
 from model_speed import interleaved_medians
 
 from dualseg.commands.common import nonnegative_int, positive_int
-from dualseg.engine.config import OptimConfig
 from dualseg.engine.cpu_bf16 import convs_in_fp32, cpu_has_native_bf16
 from dualseg.engine.losses import SegmentationLoss
 from dualseg.engine.optim import build_optimizer, build_scheduler
+from dualseg.engine.options import OptimConfig
 from dualseg.engine.train import train_one_epoch
 from dualseg.io import atomic_write_json
 from dualseg.models import build_model

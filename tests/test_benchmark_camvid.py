@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from benchmark_helpers import load_benchmark
-from dualseg.engine.config import OptimConfig, save_config
+from dualseg.engine.config import save_config
+from dualseg.engine.options import OptimConfig
 
 protocols = load_benchmark("camvid_protocols")  # the run checks and carves beside the script
 

@@ -10,7 +10,8 @@ import pytest
 
 from dualseg.cli import COMMANDS
 from dualseg.console import Progress, progress_mode, track
-from dualseg.engine.config import SECTIONS, build_parser, field_docs
+from dualseg.engine.config import build_parser
+from dualseg.engine.options import SECTIONS, field_docs
 
 
 class _Stream(io.StringIO):

@@ -10,7 +10,7 @@ import pytest
 import dualseg
 from dualseg.cli import main
 from dualseg.data import DatasetMeta
-from dualseg.engine.config import DataConfig
+from dualseg.engine.options import DataConfig
 from dualseg.engine.preflight import check_training_data
 from dualseg.engine.rundir import check_run_dir, clear_run_dir
 from dualseg.errors import DataError, RunExistsError

@@ -8,7 +8,8 @@ import pytest
 
 from dualseg.augment_defaults import SEED_LIMIT, seed_error
 from dualseg.data.augment import augment_dataset
-from dualseg.engine.config import load_config, validate
+from dualseg.engine.config import load_config
+from dualseg.engine.options import validate
 from dualseg.errors import ConfigError, DataError
 from dualseg.refine.refiner import RefinerConfig
 

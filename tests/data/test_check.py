@@ -80,7 +80,7 @@ def test_a_class_named_ignore_keeps_its_count_in_the_json(list_root) -> None:
 def test_a_val_split_sharing_images_with_train_is_said(list_root, capsys) -> None:
     """A leak nothing said: the val scores were on images trained on. data check counts it a
     problem; training goes on with a warning (a refusal would stop a deliberate setup)."""
-    from dualseg.engine.config import DataConfig
+    from dualseg.engine.options import DataConfig
     from dualseg.engine.preflight import check_training_data
 
     val = (list_root / "val.txt").read_text()

@@ -100,7 +100,7 @@ def test_missing_folder_truncated_and_foreign_files(tmp_path: Path, model: nn.Mo
 
     bare = tmp_path / "bare.pt"
     torch.save(model.state_dict(), bare)
-    with pytest.raises(CheckpointError, match=r"not a dualseg checkpoint.*bare state dict"):
+    with pytest.raises(CheckpointError, match=r"not a dualseg checkpoint"):
         load_checkpoint(bare)
 
     other = tmp_path / "other.pt"

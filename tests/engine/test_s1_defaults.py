@@ -12,7 +12,7 @@ from dualseg.commands.refine import build_parser as refine_parser
 from dualseg.data import make_synthetic_dataset
 from dualseg.data import transforms as T
 from dualseg.data.augment import augment_dataset
-from dualseg.engine.config import DataConfig
+from dualseg.engine.options import DataConfig
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_synthetic.yaml"
 

@@ -18,7 +18,8 @@ import yaml
 from dualseg.commands.train import main as train_main
 from dualseg.data import SegmentationDataset, make_synthetic_dataset
 from dualseg.engine.checkpoint import load_checkpoint
-from dualseg.engine.config import Config, load_config
+from dualseg.engine.config import load_config
+from dualseg.engine.options import Config
 from dualseg.engine.train import TrainingDivergedError, fit
 from dualseg.errors import CheckpointError, ConfigError, RunExistsError
 

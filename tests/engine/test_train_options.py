@@ -76,7 +76,7 @@ def test_cli_mixes_two_roots(data, tmp_path, capsys):
 
 
 def test_weights_none_spelled_as_a_word_says_how_to_write_random_init(tmp_path, capsys):
-    from dualseg.engine.config import validate
+    from dualseg.engine.options import validate
 
     for word in ("none", "None", "random"):
         with pytest.raises(ConfigError, match=r"--model\.weights null"):
@@ -219,7 +219,7 @@ def test_a_peer_cannot_train_on_batches_of_one_and_is_told_before_any_output() -
     ended in torchvision's traceback after writing its folder."""
     import inspect
 
-    from dualseg.engine.config import validate
+    from dualseg.engine.options import validate
     from dualseg.models import build_model
 
     hidden = inspect.signature(build_model).parameters["renet_hidden"].default  # the peer's
@@ -240,7 +240,7 @@ def test_the_spec_config_stops_when_the_objective_stops_decreasing() -> None:
 
 def test_a_crop_larger_than_every_training_image_is_warned_about(data, tmp_path, capsys):
     from dualseg.cli import main
-    from dualseg.engine.config import DataConfig
+    from dualseg.engine.options import DataConfig
     from dualseg.engine.preflight import padded_crop
 
     d = DataConfig(crop_size=(480, 640), scale_range=(0.5, 2.0))

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dualseg.engine.config import DataConfig, ModelConfig, load_config, parse_command
+from dualseg.engine.config import load_config, parse_command
 from dualseg.engine.evaluation import majority_baseline_miou
+from dualseg.engine.options import DataConfig, ModelConfig
 from dualseg.engine.preflight import baseline_note
 from dualseg.engine.train import fit
 from dualseg.errors import ConfigError

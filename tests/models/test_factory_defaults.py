@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 
-from dualseg.engine.config import ModelConfig, model_kwargs
+from dualseg.engine.options import ModelConfig, model_kwargs
 from dualseg.errors import ConfigError
 from dualseg.models import build_model
 from dualseg.models.factory import build_deeplabv3, build_dualseg

@@ -15,8 +15,8 @@ import torch
 from dualseg.data.datasets import dataset_meta, preset_for
 from dualseg.data.presets import parse_label_map, require_same_classes
 from dualseg.data.readers import LABEL_FORMATS
-from dualseg.engine.config import MAX_THREADS
 from dualseg.engine.inference import MODES, InferenceOptions
+from dualseg.engine.options import MAX_THREADS
 from dualseg.engine.predict import resolve_device
 from dualseg.errors import ConfigError, DataError
 

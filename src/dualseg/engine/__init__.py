@@ -11,7 +11,7 @@ __all__ = ["evaluate", "fit", "load_checkpoint", "save_checkpoint", "train_one_e
 _LAZY = {
     "evaluate": "dualseg.engine.evaluation",
     "fit": "dualseg.engine.train",
-    "train_one_epoch": "dualseg.engine.train",
+    "train_one_epoch": "dualseg.engine.step",
     "save_checkpoint": "dualseg.engine.checkpoint",
     "load_checkpoint": "dualseg.engine.checkpoint",
 }

@@ -75,27 +75,21 @@ def save_checkpoint(path: str | os.PathLike[str], state: Mapping[str, Any]) -> P
     return Path(path)
 
 
-def load_checkpoint(
-    path: str | os.PathLike[str], *, map_location: str | torch.device = "cpu"
-) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Load a dualseg checkpoint safely; every failure is a one-line :class:`CheckpointError`."""
     path = Path(path)
     if not path.is_file():
         what = "is a folder, not a checkpoint file" if path.is_dir() else "not found"
         raise CheckpointError(f"checkpoint {path} {what}; training writes <run_dir>/{LAST_NAME}")
-    ckpt = safe_torch_load(
-        path, what="checkpoint", fix="use another checkpoint of the run, or retrain",
-        map_location=map_location,
-    )  # fmt: skip
+    fix = "use another checkpoint of the run, or retrain"
+    ckpt = safe_torch_load(path, what="checkpoint", fix=fix, map_location="cpu")
     fmt = str(ckpt.get("format") or "") if isinstance(ckpt, dict) else ""
     if not fmt:
-        bare = isinstance(ckpt, dict) and all(isinstance(v, torch.Tensor) for v in ckpt.values())
-        hint = " (a bare state dict: backbone weights go to --model.weights FILE)" if bare else ""
-        raise CheckpointError(f"{path} is not a dualseg checkpoint{hint}")
+        raise CheckpointError(f"{path} is not a dualseg checkpoint; {fix}")
     if fmt.startswith("dualseg-refiner-train"):
         raise CheckpointError(
-            f"{path} is the training state of 'dualseg refine fit', not a model: continue it "
-            "with 'refine fit --resume', or pass the refiner it wrote as --refiner"
+            f"{path} is the training state of 'dualseg refine fit', not a model; continue it "
+            "with refine fit --resume"
         )
     if fmt.startswith("dualseg-refiner"):
         raise CheckpointError(f"{path} is a method-B refiner, not a model: pass it as --refiner")

@@ -7,6 +7,7 @@ import dataclasses
 import difflib
 import re
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -21,46 +22,9 @@ from jsonargparse import (
 )
 
 from dualseg.console import ExamplesHelpFormatter, examples
-from dualseg.engine.options import (
-    ARCH_NAMES,
-    MAX_THREADS,
-    SECTIONS,
-    Config,
-    DataConfig,
-    ModelConfig,
-    OptimConfig,
-    TrainConfig,
-    config_changes,
-    config_to_dict,
-    field_docs,
-    model_kwargs,
-    train_transform,
-    validate,
-)
+from dualseg.engine.options import SECTIONS, Config, config_to_dict, field_docs
 from dualseg.errors import ConfigError
 from dualseg.io import atomic_write_text
-
-__all__ = [
-    "ARCH_NAMES",
-    "MAX_THREADS",
-    "SECTIONS",
-    "Config",
-    "DataConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "TrainConfig",
-    "build_parser",
-    "config_changes",
-    "config_from_dict",
-    "config_to_dict",
-    "field_docs",
-    "load_config",
-    "model_kwargs",
-    "parse_command",
-    "save_config",
-    "train_transform",
-    "validate",
-]
 
 TRAIN_EXAMPLES = (
     "dualseg train --data.root DIR --train.max_iters 2000",
@@ -142,13 +106,13 @@ def _read_yaml(path: str, *, inline: bool = False, section: str | None = None) -
     if section is None and (bad := [k for k in SECTIONS if not isinstance(d.get(k), dict | None)]):
         raise ConfigError(f"{where}: config section {bad[0]!r} must be a mapping of keys")
     if section is None and (unknown := [str(k) for k in d if k not in SECTIONS]):
-        close = difflib.get_close_matches(unknown[0], list(SECTIONS), n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]}?" if close else f"sections: {', '.join(SECTIONS)}"
         if not inline:
             lines = Path(path).read_text(encoding="utf-8").splitlines()
             row = next((i for i, s in enumerate(lines, 1) if s.startswith(f"{unknown[0]}:")), 0)
             where += f" (line {row})" if row else ""
-        raise ConfigError(f"{where}: unknown config section {unknown[0]}; {hint}")
+        raise ConfigError(
+            f"{where}: unknown config section {unknown[0]}{_near(unknown[0], SECTIONS)}"
+        )
     return {section: d} if section else d
 
 
@@ -247,12 +211,7 @@ def _config_files(argv: list[str]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _instantiate(parser: Any, ns: Any) -> Config:
-    try:
-        cfg = parser.instantiate(ns)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as err:  # e.g. a YAML section that is a number
-        raise ConfigError(f"invalid config: {' '.join(str(err).split())}") from None
+    cfg = parser.instantiate(ns)
     train = dataclasses.replace(cfg.train, quiet=True) if getattr(ns, "quiet", False) else cfg.train
     return Config(data=cfg.data, model=cfg.model, optim=cfg.optim, train=train)
 
@@ -260,90 +219,68 @@ def _instantiate(parser: Any, ns: Any) -> Config:
 def _explain(message: str, parser: Any) -> str:
     """One line for a jsonargparse error, with the closest valid key for an unknown one."""
     message = " ".join(message.split())
-    keys = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
     unknown = re.search(r"unrecognized arguments: (--[\w.\-]+)", message)
     group = re.search(r"Group '(\w+)' does not accept option '([\w\-]+)'", message)
-    section = re.search(r"Option '(\w+)\.[\w\-]+' is not accepted", message)
-    if unknown:
-        key = unknown.group(1)
-    elif group:
-        key = f"--{group.group(1)}.{group.group(2)}"
-    elif section and section.group(1) not in SECTIONS:
-        close = difflib.get_close_matches(section.group(1), list(SECTIONS), n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]}?" if close else f"sections: {', '.join(SECTIONS)}"
-        return f"unknown config section {section.group(1)}; {hint}"
-    else:
+    if not (unknown or group):
         return _type_error(message) or f"invalid arguments: {message}; see dualseg train --help"
-    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
-    if unknown and "." not in key:
-        # --lr, --out: a field's name without its section
-        fields = {k.rsplit(".", 1)[1]: k for k in keys if "." in k}
-        name = key[2:].replace("-", "_")
-        near = sorted((f for f in fields if f.startswith(name)), key=len)
-        near = near or difflib.get_close_matches(name, list(fields), n=1, cutoff=0.6)
-        top = [k for k in keys if "." not in k]
-        if near and not difflib.get_close_matches(key, top, n=1, cutoff=0.8):
-            close = [fields[near[0]]]
-    if group:  # a YAML key: named as YAML writes it
-        key, close = key[2:], [c[2:] for c in close]
-    hint = f"; did you mean {close[0]}?" if close else "; see dualseg train --help"
-    return f"unknown {'flag' if unknown else 'config key'} {key}{hint}"
+    keys = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    if unknown:
+        return f"unknown flag {unknown.group(1)}{_near(unknown.group(1), keys)}"
+    key = f"{group.group(1)}.{group.group(2)}"  # a YAML key: named as YAML writes it
+    return f"unknown config key {key}{_near(key, [k[2:] for k in keys])}"
+
+
+def _near(key: str, choices: Any) -> str:
+    close = difflib.get_close_matches(key, list(choices), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]}?" if close else "; see dualseg train --help"
+
+
+_KINDS = {int: "an integer", float: "a number", str: "text", bool: "true | false",
+          type(None): "null"}  # fmt: skip
+
+
+def _takes(kind: Any) -> str:
+    """A field's type in words: ``int | None`` -> ``an integer or null``."""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is typing.Literal:
+        return " | ".join(str(a) for a in args)
+    if typing.get_origin(kind) is tuple:
+        n = len(args)
+        return (
+            "a list, e.g. [1, 2]" if ... in args else f"a list of {n}, e.g. {list(range(1, n + 1))}"
+        )
+    if args:  # a union
+        return " or ".join(_takes(a) for a in args)
+    return _KINDS.get(kind, str(kind))
 
 
 def _type_error(message: str) -> str | None:
     """jsonargparse's type error as one line: the key, the value, what it takes."""
-    found = re.search(r'Parser key "([\w.]+)":', message)
+    found = re.search(r'Parser key "(\w+)\.(\w+)":', message)
     given = re.findall(r"Given value: (.*)", message) or re.findall(r"Got value: (.*)", message)
     if found is None or not given:
         return None
-    key, body, value = found.group(1), message[found.end() :], given[-1].strip()
+    section, name, value = found.group(1), found.group(2), given[-1].strip()
+    key = f"{section}.{name}"
     if value == "None":
         return (
-            f"{key} has no value (null, or a YAML key left blank): give one, or leave the key "
-            "out for its default"
+            f"{key} has no value (null, or a YAML key left blank): give one, or leave the key out"
         )
-    names = {"NoneType": "null", "int": "an integer", "float": "a number", "str": "text",
-             "bool": "true | false"}  # fmt: skip
-
-    def plain(kind: str) -> str:
-        kind = kind.strip()
-        if kind.startswith("typing.Literal["):
-            return " | ".join(re.findall(r"'([^']*)'", kind))
-        if sized := re.fullmatch(r"tuple with (\d+) elements?", kind):
-            n = int(sized.group(1))
-            return f"a list of {n}, e.g. {list(range(1, n + 1))}"
-        if kind.startswith(("tuple[", "<class 'tuple'>", "list[")):
-            return "a list, e.g. [1, 2]"
-        cls = re.fullmatch(r"<class '(\w+)'>", kind)
-        return names.get(cls.group(1), cls.group(1)) if cls else kind
-
-    union = re.search(r"Subtypes: \[(.*?)\] Errors:", body)
-    kinds = (
-        re.split(r", (?=<class|typing|tuple|list)", union.group(1))
-        if union
-        else re.findall(r"Expected a (.*?)(?:\. |$)", body)[:1]
-    )
-    takes = " or ".join(dict.fromkeys(plain(k) for k in kinds)) or "another value"
-    return f"{key}: {value!r} is not valid; it takes {takes} (see dualseg train --help)"
+    kind = typing.get_type_hints(SECTIONS[section])[name]
+    return f"{key}: {value!r} is not valid; it takes {_takes(kind)} (see dualseg train --help)"
 
 
 # --------------------------------------------------------------------------- files, values
-def config_from_dict(d: dict[str, Any]) -> Config:
-    """A checked :class:`Config` from a plain dict."""
-    parser = build_parser()
+def load_config(path: str | Path, **overrides: dict[str, Any]) -> Config:
+    """Read a YAML config; ``overrides`` are per-section dicts, e.g. ``train={"max_iters": 5}``."""
+    d, parser = _read_yaml(str(path)), build_parser()
+    for section, values in overrides.items():
+        d.setdefault(section, {}).update(values)
     try:
-        ns = parser.parse_object({k: v for k, v in d.items() if k in SECTIONS})
+        ns = parser.parse_object(d)
     except Exception as err:  # jsonargparse's ArgumentError: name the bad key, no traceback
         raise ConfigError(_explain(str(err), parser)) from None
     return _instantiate(parser, ns)
-
-
-def load_config(path: str | Path, **overrides: dict[str, Any]) -> Config:
-    """Read a YAML config; ``overrides`` are per-section dicts, e.g. ``train={"max_iters": 5}``."""
-    d = _read_yaml(str(path))
-    for section, values in overrides.items():
-        d.setdefault(section, {}).update(values)
-    return config_from_dict(d)
 
 
 def save_config(cfg: Config, path: str | Path) -> None:

@@ -12,8 +12,6 @@ from torch import nn
 
 from dualseg.errors import ConfigError
 
-__all__ = ["Fp32Conv2d", "amp_dtype_for", "convs_in_fp32", "cpu_has_native_bf16", "needs_fp32"]
-
 log = logging.getLogger(__name__)
 
 

@@ -3,7 +3,6 @@ is saved, and each sample's augmentation is seeded by (seed, index, epoch)."""
 
 from __future__ import annotations
 
-import math
 import os
 import random
 from collections.abc import Iterator
@@ -13,12 +12,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torch.utils.data import Dataset, DistributedSampler
 
 from dualseg.data.transforms import sample_seed
-from dualseg.errors import ConfigError
-
-__all__ = ["DistEnv", "ResumableSampler", "SeededSamples", "ShardSampler", "resolve_device"]
+from dualseg.errors import CheckpointError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -105,62 +102,37 @@ def broadcast_buffers(model: torch.nn.Module) -> None:
 
 class ResumableSampler(DistributedSampler):
     """``DistributedSampler`` yielding ``(index, epoch)``, its position in the epoch saved and
-    restored (``set_offset(k)`` skips this rank's first ``k``); resumed on another number of
-    processes, the rest of the permutation (from ``start``) is sharded over them."""
+    restored (``set_offset(k)`` skips this rank's first ``k``)."""
 
     def __init__(self, dataset: Dataset, *, num_replicas: int = 1, rank: int = 0, seed: int = 0):
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed)
         self.offset = 0
-        self.start = 0  # where this epoch resumed in the permutation (another world size)
-
-    def set_epoch(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            self.start = 0
-        super().set_epoch(epoch)
 
     def set_offset(self, offset: int) -> None:
         self.offset = int(offset)
 
-    def _shard_size(self) -> int:
-        """How many samples this rank's shard holds from ``start``."""
-        if self.start == 0:
-            return self.num_samples
-        return math.ceil((len(self.dataset) - self.start) / self.num_replicas)  # type: ignore[arg-type]
-
-    def _shard(self) -> list[int]:
-        """This rank's samples of the epoch from ``start``, padded as ``DistributedSampler``."""
-        if self.start == 0:
-            return list(super().__iter__())
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        rest = torch.randperm(len(self.dataset), generator=g).tolist()[self.start :]  # type: ignore[arg-type]
-        total = self._shard_size() * self.num_replicas
-        rest = (rest * math.ceil(total / max(len(rest), 1)))[:total]
-        return rest[self.rank : total : self.num_replicas]
-
     def __iter__(self) -> Iterator[tuple[int, int]]:  # type: ignore[override]
-        return iter([(i, self.epoch) for i in self._shard()[self.offset :]])
+        return iter([(i, self.epoch) for i in list(super().__iter__())[self.offset :]])
 
     def __len__(self) -> int:
-        return max(0, self._shard_size() - self.offset)
+        return max(0, self.num_samples - self.offset)
 
     def state_dict(self, epoch: int | None = None, offset: int | None = None) -> dict[str, int]:
         """The position to save: ``offset`` samples of this rank's shard of ``epoch`` consumed."""
-        epoch = self.epoch if epoch is None else int(epoch)
         return {
-            "epoch": epoch,
+            "epoch": self.epoch if epoch is None else int(epoch),
             "offset": int(self.offset if offset is None else offset),
-            "start": int(self.start) if epoch == self.epoch else 0,
             "world_size": int(self.num_replicas),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (saved := int(state["world_size"])) != self.num_replicas:
+            raise CheckpointError(
+                f"the checkpoint was trained by {saved} process(es), this run has "
+                f"{self.num_replicas}; resume with {saved} (torchrun --nproc_per_node {saved})"
+            )
         self.set_epoch(int(state["epoch"]))
-        start, offset, saved_world = (int(state[k]) for k in ("start", "offset", "world_size"))
-        if saved_world != self.num_replicas:
-            # consumed: the permutation's first offset x saved_world samples from start
-            start, offset = min(start + offset * saved_world, len(self.dataset)), 0  # type: ignore[arg-type]
-        self.start = start
-        self.set_offset(offset)
+        self.set_offset(int(state["offset"]))
 
 
 class SeededSamples(Dataset):
@@ -190,16 +162,3 @@ class SeededSamples(Dataset):
             finally:
                 random.setstate(py_state)
                 np.random.set_state(np_state)
-
-
-class ShardSampler(Sampler[int]):
-    """Indices ``rank, rank + world, ...`` in order, without padding (for evaluation)."""
-
-    def __init__(self, length: int, *, num_replicas: int = 1, rank: int = 0) -> None:
-        self.indices = list(range(rank, length, num_replicas))
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)

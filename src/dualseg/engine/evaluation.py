@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,22 +36,8 @@ from dualseg.metrics import (
 )
 from dualseg.models.base import eval_mode
 
-__all__ = ["Refiner", "evaluate", "format_metrics", "majority_baseline_miou", "sanity_warnings"]
-
 _INFER = InferenceOptions()
 ONE_CLASS_SHARE = 0.95  # a model predicting one class on more of the pixels is flagged
-
-
-class Refiner(Protocol):
-    """What ``evaluate`` needs from a method-B refiner (``dualseg.refine.BoundaryRefiner``)."""
-
-    def refine(
-        self, images: Tensor, probs: Tensor, return_changed: bool = True
-    ) -> tuple[Tensor, Tensor]: ...
-
-
-# (batch_index, images, labels, predictions, refined or None), called once per batch
-BatchHook = Callable[[int, Tensor, Tensor, Tensor, "Tensor | None"], None]
 
 
 class _Scores:
@@ -96,16 +82,14 @@ def sanity_warnings(metrics: dict[str, Any], class_names: Sequence[str]) -> list
     if math.isfinite(base) and not miou > base:
         out.append(
             f"mIoU {100 * miou:.1f}% is not above the majority-class baseline "
-            f"({100 * base:.1f}%: the most frequent class everywhere); the model has learnt "
-            "nothing the class frequencies do not give (train longer, check the labels)"
+            f"({100 * base:.1f}%); train longer or check the labels"
         )
     shares = mat.sum(0) / mat.sum()
     top = int(shares.argmax())
     if float(shares[top]) > ONE_CLASS_SHARE:
         out.append(
             f"the model predicts one class, {class_names[top]!r}, on "
-            f"{100 * float(shares[top]):.1f}% of the labelled pixels; it may have collapsed to a "
-            "single class"
+            f"{100 * float(shares[top]):.1f}% of the labelled pixels"
         )
     return out
 
@@ -174,10 +158,10 @@ def evaluate(
     device: str | torch.device = "cpu",
     boundary_tolerance: int = BOUNDARY_TOLERANCE,
     trimap_width: int = TRIMAP_WIDTH,
-    refiner: Refiner | None = None,
+    refiner: Any = None,
     amp: bool = False,
     distributed: bool = False,
-    on_batch: BatchHook | None = None,
+    on_batch: Callable[..., None] | None = None,
     progress: bool = False,
     mode: str = _INFER.mode,
     window: Sequence[int] = _INFER.window,
@@ -188,7 +172,8 @@ def evaluate(
 ) -> dict[str, Any]:
     """Score ``model`` on ``(images, labels)`` batches, logits resized to the labels (spec S4):
     the :mod:`dualseg.metrics` scores, ``confusion_matrix``, ``num_images``, ``ms_per_image``,
-    ``loss``; with ``refiner`` also ``refined`` and ``refine`` (changed / fixed / broke)."""
+    ``loss``; with ``refiner`` (a ``BoundaryRefiner``) also ``refined`` and ``refine`` (changed /
+    fixed / broke). ``on_batch(index, images, labels, pred, refined or None)`` sees each batch."""
     device = torch.device(device)
     opts = InferenceOptions(mode, window, stride, tta_scales, tta_flip, tile_batch)  # type: ignore[arg-type]
     scores = [_Scores(num_classes, ignore_index, boundary_tolerance, trimap_width, device)

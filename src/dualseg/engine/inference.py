@@ -15,10 +15,9 @@ predict / refine apply``) goes through :func:`infer_logits`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import numbers
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +28,6 @@ from torch import Tensor
 
 from dualseg.errors import ConfigError
 from dualseg.models.base import model_logits
-
-__all__ = ["MODES", "InferenceOptions", "autocast", "forward_logits", "infer_logits", "slide_tiles"]
 
 MODES = ("whole", "slide")
 TTA_SCALE_RANGE = (0.1, 8.0)  # TTA resize factors accepted (mmseg uses 0.5-1.75)
@@ -53,10 +50,8 @@ def _pair(name: str, values: Any) -> tuple[int, int]:
 def _scales(values: Any) -> tuple[float, ...]:
     values = values.tolist() if hasattr(values, "tolist") else values  # arrays, tensors
     if isinstance(values, str | bytes) or not isinstance(values, Iterable):
-        raise ConfigError(
-            f"tta_scales (--tta-scales) takes a sequence of factors, e.g. (0.75, 1.0, 1.25), "
-            f"got {values!r}; one factor: ({values!r},)"
-        )
+        raise ConfigError(f"tta_scales takes a sequence of factors, got {values!r}; one factor: "
+                          f"({values!r},)")  # fmt: skip
     if not all(isinstance(s, numbers.Real) and not isinstance(s, bool) for s in values):
         raise ConfigError(f"tta_scales (--tta-scales) must be numbers, got {values!r}")
     return tuple(float(s) for s in values)
@@ -82,37 +77,27 @@ class InferenceOptions:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"inference mode {self.mode!r} is not one of {' | '.join(MODES)}")
-        if not _whole(self.tile_batch):
-            raise ConfigError(
-                f"tile_batch (--tile-batch) must be an int >= 1, got {self.tile_batch!r}"
-            )
-        window, stride = _pair("window", self.window), self.stride
-        stride = None if stride is None else _pair("stride", stride)
-        scales = _scales(self.tta_scales)
-        object.__setattr__(self, "window", window)
-        object.__setattr__(self, "stride", stride)
-        object.__setattr__(self, "tta_scales", scales)
-        object.__setattr__(self, "tta_flip", bool(self.tta_flip))
-        object.__setattr__(self, "tile_batch", int(self.tile_batch))
+        if not _whole(batch := self.tile_batch):
+            raise ConfigError(f"tile_batch (--tile-batch) must be an int >= 1, got {batch!r}")
+        window, scales = _pair("window", self.window), _scales(self.tta_scales)
+        stride = None if self.stride is None else _pair("stride", self.stride)
         if self.mode == "whole" and (window != (512, 512) or stride is not None):
-            raise ConfigError(
-                "window / stride apply to sliding-window inference only: add mode='slide' "
-                "(--mode slide), or drop them"
-            )
+            raise ConfigError("window / stride are for slide mode: add mode='slide' (--mode slide)")
         if stride is not None and any(s > w for s, w in zip(stride, window)):
             raise ConfigError(
                 f"--stride {stride[0]} {stride[1]} is larger than --window {window[0]} "
                 f"{window[1]}; use a stride of at most the window"
             )
-        if self.mode == "slide" and stride is None:  # two thirds of the window, rounded up
-            object.__setattr__(self, "stride", tuple(math.ceil(2 * w / 3) for w in window))
         lo, hi = TTA_SCALE_RANGE
         if not scales or not all(lo <= s <= hi for s in scales):  # NaN too
             shown = " ".join(str(s) for s in scales) or "none"
-            raise ConfigError(
-                f"--tta-scales must be factors from {lo:g} to {hi:g} (e.g. 0.75 1.0 1.25), "
-                f"got {shown}"
-            )
+            raise ConfigError(f"--tta-scales must be factors from {lo:g} to {hi:g}, got {shown}")
+        if self.mode == "slide" and stride is None:  # two thirds of the window, rounded up
+            stride = tuple(math.ceil(2 * w / 3) for w in window)
+        fixed = {"window": window, "stride": stride, "tta_scales": scales,
+                 "tta_flip": bool(self.tta_flip), "tile_batch": int(batch)}  # fmt: skip
+        for key, value in fixed.items():
+            object.__setattr__(self, key, value)
 
     @property
     def uses_tta(self) -> bool:
@@ -144,13 +129,6 @@ class InferenceOptions:
 _DEFAULT = InferenceOptions()
 
 
-def autocast(device: torch.device, enabled: bool) -> contextlib.AbstractContextManager:
-    """bf16 autocast on ``device`` when ``enabled`` (what the trainer uses), else a no-op."""
-    if not enabled:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-
-
 def slide_tiles(
     size: tuple[int, int], window: tuple[int, int], stride: tuple[int, int]
 ) -> tuple[list[int], list[int], tuple[int, int]]:
@@ -167,35 +145,58 @@ def slide_tiles(
 
 def forward_logits(model: Model, x: Tensor, amp: bool) -> Tensor:
     """Model logits (float32) resized to ``x``'s size."""
-    with autocast(x.device, amp):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=amp):
         logits = model_logits(model(x)).float()  # a torchvision model's {"out": ...} too
     if logits.shape[-2:] != x.shape[-2:]:
         logits = F.interpolate(logits, size=x.shape[-2:], mode="bilinear", align_corners=False)
     return logits
 
 
-def _run(model: Model, images: Tensor, opts: InferenceOptions, amp: bool) -> Tensor:
-    b, _, h, w = images.shape
-    if opts.mode == "whole":
-        return forward_logits(model, images, amp)
-    ys, xs, (th, tw) = slide_tiles((h, w), opts.window, opts.stride)
-    if len(ys) == len(xs) == 1:  # the image fits in the window
-        return forward_logits(model, images, amp)
-    jobs = [(i, y, x) for y in ys for x in xs for i in range(b)]  # every (image, tile) pair
-    out = count = None
+def slide_rows(
+    model: Model,
+    rows: Callable[[int, int], Tensor],
+    size: tuple[int, int],
+    batch: int,
+    opts: InferenceOptions,
+    amp: bool,
+) -> Iterator[Tensor]:
+    """Slide mode walked down the image: the mean logits of each run of rows, top to bottom,
+    as soon as no later tile reaches them; ``rows(y0, y1)`` is the input ``[B,3,y1-y0,W]``.
+    Only the rows a tile still covers are held."""
+    (h, w), b0, band = size, 0, None
+    ys, xs, (th, tw) = slide_tiles(size, opts.window, opts.stride)
+    jobs = [(y, x, i) for y in ys for x in xs for i in range(batch)]  # every (tile, image)
+    acc, top = None, 0  # acc: the sums of rows top.. still open
     for start in range(0, len(jobs), opts.tile_batch):
         chunk = jobs[start : start + opts.tile_batch]
-        tiles = torch.stack([images[i, :, y : y + th, x : x + tw] for i, y, x in chunk])
+        y0, y1 = chunk[0][0], chunk[-1][0] + th
+        if band is None or y0 < b0 or y1 > b0 + band.shape[2]:
+            band, b0 = rows(y0, y1), y0
+        tiles = torch.stack([band[i, :, y - b0 : y - b0 + th, x : x + tw] for y, x, i in chunk])
         logits = forward_logits(model, tiles, amp)
-        if out is None:
-            out = logits.new_zeros(b, logits.shape[1], h, w)
-            count = torch.zeros(h, w, device=out.device)
-            for y in ys:
-                for x in xs:
-                    count[y : y + th, x : x + tw] += 1
-        for k, (i, y, x) in enumerate(chunk):
-            out[i, :, y : y + th, x : x + tw] += logits[k]
-    return out / count  # type: ignore[operator]
+        if acc is None:
+            acc = logits.new_zeros(batch, logits.shape[1], 0, w)
+            hits = [torch.zeros(n, device=acc.device) for n in (h, w)]  # tiles per row, column
+            for count, starts, n in zip(hits, (ys, xs), (th, tw)):
+                for s in starts:
+                    count[s : s + n] += 1
+        if y1 - top > acc.shape[2]:
+            acc = torch.cat([acc, acc.new_zeros(*acc.shape[:2], y1 - top - acc.shape[2], w)], 2)
+        for k, (y, x, i) in enumerate(chunk):
+            acc[i, :, y - top : y - top + th, x : x + tw] += logits[k]
+        done = jobs[start + opts.tile_batch][0] if start + opts.tile_batch < len(jobs) else h
+        if done > top:
+            yield acc[:, :, : done - top] / torch.outer(hits[0][top:done], hits[1])
+            acc, top = acc[:, :, done - top :], done
+
+
+def _run(model: Model, images: Tensor, opts: InferenceOptions, amp: bool) -> Tensor:
+    b, _, h, w = images.shape
+    ys, xs, _ = slide_tiles((h, w), opts.window, opts.stride or opts.window)
+    if opts.mode == "whole" or len(ys) == len(xs) == 1:  # one pass on the images as given
+        return forward_logits(model, images, amp)
+    parts = slide_rows(model, lambda y0, y1: images[:, :, y0:y1], (h, w), b, opts, amp)
+    return torch.cat(list(parts), 2)
 
 
 def infer_logits(

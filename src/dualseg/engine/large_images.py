@@ -17,11 +17,9 @@ import torch
 from torch import nn
 
 from dualseg import imaging
-from dualseg.engine.inference import forward_logits, slide_tiles
+from dualseg.engine.inference import InferenceOptions, slide_rows
 from dualseg.errors import DataError
 from dualseg.models.base import eval_mode
-
-__all__ = ["Rows", "needs_bands", "open_rows", "slide_labels"]
 
 # none, LZW, Deflate, PackBits, Adobe Deflate: lossless, so tifffile and Pillow agree bit for bit
 LOSSLESS = {1, 5, 8, 32773, 32946}
@@ -177,37 +175,15 @@ def slide_labels(
     amp: bool = False,
 ) -> np.ndarray:
     """Label map ``[H, W]`` (uint8 up to 255 classes, else int64) of slide mode streamed in
-    row bands: the tiles, batches and per-pixel sums of ``infer_logits(mode="slide")``, so the
-    same labels as ``Segmenter.predict(mode="slide")``."""
-    h, w = reader.size
-    ys, xs, (th, tw) = slide_tiles((h, w), window, stride)
-    hits = [torch.zeros(n, device=device) for n in (h, w)]  # tiles per row, per column
-    for count, starts, size in zip(hits, (ys, xs), (th, tw)):
-        for s in starts:
-            count[s : s + size] += 1
-    jobs = [(y, x) for y in ys for x in xs]
-    labels, acc, top = np.empty((0, 0), np.uint8), None, 0  # acc: rows top.. still open
-    band, b0 = np.empty((0, w, 3), np.uint8), 0
+    row bands: the same labels as ``Segmenter.predict(mode="slide")``."""
+    opts = InferenceOptions("slide", window, stride, tile_batch=tile_batch)
+
+    def rows(y0: int, y1: int) -> torch.Tensor:
+        return torch.from_numpy(imaging.normalize([reader.rows(y0, y1)])).to(device)
+
+    labels: list[np.ndarray] = []
     with torch.no_grad(), eval_mode(model):
-        for start in range(0, len(jobs), tile_batch):
-            chunk = jobs[start : start + tile_batch]
-            y0, y1 = chunk[0][0], chunk[-1][0] + th
-            if y0 < b0 or y1 > b0 + len(band):
-                band, b0 = reader.rows(y0, y1), y0
-            crops = [band[y - b0 : y - b0 + th, x : x + tw] for y, x in chunk]
-            x = torch.from_numpy(imaging.normalize(crops)).to(device)
-            logits = forward_logits(model, x, amp)
-            if acc is None:
-                acc = logits.new_zeros(1, logits.shape[1], 0, w)
-                labels = np.empty((h, w), np.uint8 if logits.shape[1] <= 255 else np.int64)
-            if y1 - top > acc.shape[2]:
-                grow = acc.new_zeros(1, acc.shape[1], y1 - top - acc.shape[2], w)
-                acc = torch.cat([acc, grow], 2)
-            for k, (y, x) in enumerate(chunk):
-                acc[0, :, y - top : y - top + th, x : x + tw] += logits[k]
-            done = jobs[start + tile_batch][0] if start + tile_batch < len(jobs) else h
-            if done > top:  # no later tile reaches above row `done`
-                mean = acc[:, :, : done - top] / torch.outer(hits[0][top:done], hits[1])
-                labels[top:done] = mean.softmax(1).argmax(1)[0].cpu().numpy()
-                acc, top = acc[:, :, done - top :], done
-    return labels
+        for mean in slide_rows(model, rows, reader.size, 1, opts, amp):
+            dtype = np.uint8 if mean.shape[1] <= 255 else np.int64
+            labels.append(mean.softmax(1).argmax(1)[0].cpu().numpy().astype(dtype))
+    return np.concatenate(labels)

@@ -16,8 +16,6 @@ from torch import Tensor, nn
 from dualseg.data.datasets import label_histogram
 from dualseg.errors import ConfigError
 
-__all__ = ["SegmentationLoss", "class_weights_for", "cross_entropy_loss", "decay_weights"]
-
 MEDIAN_FREQUENCY = "median_frequency"  # the class_weights value asking for SegNet's weights
 
 # layers whose ``weight`` the L2 term covers, besides recurrent layers (S32 Reading)

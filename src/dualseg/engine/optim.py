@@ -9,8 +9,6 @@ from torch import nn
 from torch.optim import SGD, Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
-__all__ = ["build_optimizer", "build_scheduler", "param_groups", "poly_factor"]
-
 
 def param_groups(model: nn.Module, *, lr: float, head_lr_mult: float = 1.0) -> list[dict]:
     """One group, or backbone (lr) + head (everything else: lr·head_lr_mult)."""

@@ -32,8 +32,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from dualseg.data import DatasetMeta
 
-__all__ = ["ImageLike", "Segmenter", "as_rgb_array", "load_model", "resolve_device"]
-
 _INFER = InferenceOptions()  # the inference defaults (written once, in engine/inference.py)
 
 # Anything predict() accepts: a file path, a PIL image, an HxWx3 array, or a tensor.

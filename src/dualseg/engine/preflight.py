@@ -24,15 +24,10 @@ from dualseg.data.check import check_dataset, require_trainable
 from dualseg.data.collate import SameSizeCollate
 from dualseg.data.presets import parse_label_map
 from dualseg.engine import checkpoint as ckpt_io
-from dualseg.engine.config import (
-    Config,
-    DataConfig,
-    model_kwargs,
-    parse_command,
-    train_transform,
-)
-from dualseg.engine.distributed import DistEnv, ResumableSampler, SeededSamples, ShardSampler
+from dualseg.engine.config import parse_command
+from dualseg.engine.distributed import DistEnv, ResumableSampler, SeededSamples
 from dualseg.engine.evaluation import sanity_warnings
+from dualseg.engine.options import Config, DataConfig, model_kwargs, train_transform
 from dualseg.errors import CheckpointError, ConfigError, DataError, RunExistsError
 from dualseg.models import build_model
 
@@ -175,7 +170,7 @@ def build_loaders(
         val_loader = DataLoader(
             val_ds,
             batch_size=d.val_batch_size,
-            sampler=ShardSampler(len(val_ds), num_replicas=env.world_size, rank=env.rank),
+            sampler=range(env.rank, len(val_ds), env.world_size),  # each rank's share, unpadded
             collate_fn=SameSizeCollate("set --data.val_batch_size 1"),
             **common,
         )

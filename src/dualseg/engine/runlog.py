@@ -15,12 +15,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from dualseg.engine.config import Config
 from dualseg.engine.distributed import DistEnv
+from dualseg.engine.options import Config
 from dualseg.io import atomic_write_text
 from dualseg.viz import save_curves as draw
-
-__all__ = ["Interrupt", "Progress", "RunLog", "save_curves", "train_data_record"]
 
 
 class Interrupt:

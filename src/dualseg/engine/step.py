@@ -14,8 +14,6 @@ from torch import Tensor, nn
 from dualseg.engine.distributed import all_reduce_sum
 from dualseg.errors import DualsegError
 
-__all__ = ["StepStats", "TrainingDivergedError", "train_one_epoch"]
-
 
 class TrainingDivergedError(DualsegError):
     """The loss became NaN or infinite; the run stopped before applying that update."""

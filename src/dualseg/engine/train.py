@@ -18,13 +18,7 @@ from torch.utils.data import DataLoader
 from dualseg.console import progress_mode
 from dualseg.data.contract import LabelContract, content_digests
 from dualseg.engine import checkpoint as ckpt_io
-from dualseg.engine.config import (
-    Config,
-    config_changes,
-    config_to_dict,
-    model_kwargs,
-    save_config,
-)
+from dualseg.engine.config import save_config
 from dualseg.engine.cpu_bf16 import amp_dtype_for, convs_in_fp32
 from dualseg.engine.distributed import (
     DistEnv,
@@ -37,6 +31,7 @@ from dualseg.engine.distributed import (
 from dualseg.engine.evaluation import evaluate
 from dualseg.engine.losses import SegmentationLoss, class_weights_for
 from dualseg.engine.optim import build_optimizer, build_scheduler
+from dualseg.engine.options import Config, config_changes, config_to_dict, model_kwargs
 from dualseg.engine.preflight import (
     baseline_note,
     build_datasets,
@@ -57,8 +52,6 @@ from dualseg.engine.rundir import (
 from dualseg.engine.runlog import Interrupt, Progress, RunLog, save_curves, train_data_record
 from dualseg.engine.step import StepStats, TrainingDivergedError, train_one_epoch
 from dualseg.errors import CheckpointError, ConfigError
-
-__all__ = ["TrainingDivergedError", "fit", "train_one_epoch"]
 
 
 @dataclass
