@@ -27,7 +27,7 @@ def test_label_map_entries_win_over_reduce_zero_label() -> None:
     )
     lut = meta.lookup_table()
     assert lut[[0, 1, 2, 3, 4, 9, 255]].tolist() == [2, 0, 1, 2, -1, 255, 255]
-    assert meta.describe_ignore() == "255, 9"  # raw 0 is mapped to a class here
+    assert meta.describe_ignore() == "9, 255"  # raw 0 is mapped to a class here
     assert DatasetMeta.from_dict(meta.to_dict()) == meta  # meta.json keeps the whole mapping
 
 
