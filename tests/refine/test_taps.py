@@ -106,6 +106,37 @@ def test_a_tap_refiner_fits_refines_round_trips_and_refuses_another_base(tmp_pat
     assert main(["export", "--refiner", str(path), "--format", "onnx", "--out", str(out)]) == 1
 
 
+class _Padded(torch.nn.Module):
+    """smp's Unet on any size, as users wrap it: padded to a multiple of 32 (bottom and right,
+    or centred), the logits cropped back."""
+
+    def __init__(self, unet: torch.nn.Module, centred: bool = False) -> None:
+        super().__init__()
+        self.unet, self.centred = unet, centred
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (h, w), (ph, pw) = x.shape[-2:], (-x.shape[-2] % 32, -x.shape[-1] % 32)
+        top, left = (ph // 2, pw // 2) if self.centred else (0, 0)
+        out = self.unet(torch.nn.functional.pad(x, (left, pw - left, top, ph - top)))
+        return out[..., top : top + h, left : left + w]
+
+
+@pytest.mark.parametrize("centred", [False, True])
+def test_taps_are_read_from_a_base_that_pads_its_input(centred: bool) -> None:
+    base = _Padded(_unet(), centred).eval()
+    refiner = _fit(base, base_features=("unet.encoder.layer1", "unet.encoder.layer4"))
+    images = torch.stack([_Stripes()[i][0][:, :40, :56] for i in range(2)])  # not 32's multiples
+    with torch.no_grad(), refiner.shared_features(base) as shared:
+        logits = base(images)
+        features = shared.take(images)
+    # padded bottom and right (checked by value), the taps cover the image: the base runs once;
+    # centred, they would be shifted: not read, the refiner runs the encoder on its own padding
+    assert (features is None) == centred
+    own = refiner.refine(images, logits, features=None)
+    torch.testing.assert_close(refiner.refine(images, logits, features=features), own)
+    torch.testing.assert_close(refiner.refine(images, base=base), own)
+
+
 def test_auto_taps_and_a_base_returning_hugging_face_logits() -> None:
     base = _unet("mobilenet_v2")
     refiner = _fit(base, base_features=("auto",))

@@ -143,6 +143,12 @@ class TapReader:
             )
         self.record, self.stop = record, stop
         self._modules = [modules[n] for n in record.names]
+        # the modules' common parents (model, smp's `encoder`, ...): the input of the deepest
+        # one called shows whether the base padded the images before the taps saw them
+        parts = [n.split(".") for n in record.names]
+        common = next((i for i, (a, b) in enumerate(zip(*parts)) if a != b), min(map(len, parts)))
+        self._parents = [modules[".".join(parts[0][:i])] if i else model for i in range(common + 1)]
+        self._inputs: list[list[Tensor]] = [[] for _ in self._parents]
         self._kept: list[list[Tensor]] = [[], []]
         self._handles: list[Any] = []
 
@@ -159,7 +165,34 @@ class TapReader:
         self._handles = [
             m.register_forward_hook(self._hook(i)) for i, m in enumerate(self._modules)
         ]
+        self._handles += [
+            m.register_forward_pre_hook(self._keep_input(i)) for i, m in enumerate(self._parents)
+        ]
         return self
+
+    def _keep_input(self, i: int) -> Callable[..., None]:
+        def keep(_m: nn.Module, args: Any) -> None:
+            if args and isinstance(args[0], Tensor):
+                self._inputs[i].append(args[0].detach())
+
+        return keep
+
+    def _seen_size(self, images: Tensor) -> tuple[int, int]:
+        """The size the taps saw: the images', or the base's padding of them when its input
+        to the taps' parent module is ``images`` padded bottom and right (checked by value;
+        centred padding or a resize is not read as padding)."""
+        called = [k for k in self._inputs if k]
+        self._inputs = [[] for _ in self._parents]
+        H, W = images.shape[-2:]
+        if not called or len(called[-1]) != 1:
+            return H, W
+        seen = called[-1][0]
+        if seen.dim() != 4 or seen.shape[:2] != images.shape[:2]:
+            return H, W
+        h, w = seen.shape[-2:]
+        if (h, w) != (H, W) and h >= H and w >= W and torch.equal(seen[..., :H, :W], images):
+            return h, w
+        return H, W
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> bool:
         for h in self._handles:
@@ -181,9 +214,9 @@ class TapReader:
         """``(low, high)`` of the one forward since the last call (else None); other channels
         are refused, and so is another stride when ``strict`` (else None)."""
         kept, self._kept = self._kept, [[], []]
+        H, W = self._seen_size(images)
         if any(len(k) != 1 for k in kept):
             return None
-        H, W = images.shape[-2:]
         for i, (t,) in enumerate(kept):
             s = self.record.strides[i]
             if t.dim() == 4 and t.shape[1] == self.record.channels[i]:
