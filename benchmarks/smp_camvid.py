@@ -70,6 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reuse", action="store_true", help="continue / reuse what --out holds")
+    p.add_argument("--retime", action="store_true", help="with a finished --out: measure the "
+                   "refiners' extra time again and re-score val with the taps refiner")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -162,6 +164,39 @@ def with_chosen(refiner: Any, base: Any, dev: Any, num_classes: int) -> tuple[An
     return with_decision(refiner, chosen), chosen
 
 
+def retime(args: argparse.Namespace, data: Path, names: list) -> int:
+    """Measure the extra time of a finished run's refiners again (results.json's decisions),
+    keeping its scores; val is scored again with the chosen taps refiner as a check."""
+    out, k = Path(args.out), len(names)
+    results = json.loads((out / "results.json").read_text())
+    base = PaddedUnet("mobilenet_v2", encoder_weights=None, classes=k)
+    base.load_state_dict(torch.load(out / "unet_best.pt", weights_only=True))
+    base.eval()
+    for key, decision in results["decisions"].items():
+        path = out / f"refiner_{key.removeprefix('B_')}.pt"
+        chosen = with_decision(BoundaryRefiner.load(path), decision["chosen"])
+        for split in ("val", "dev"):
+            _, loader = eval_loader(data, str(data / f"{split}.txt"), args.eval_limit, 1)
+            base_s, extra_s, shared = time_inference(base, loader, args.timing_images,
+                                                     torch.device("cpu"), chosen)  # fmt: skip
+            for variant in ("claim", "chosen"):
+                row = results["rows"][f"{split}/{key}_{variant}"]
+                results.setdefault("first_timing", {}).setdefault(
+                    f"{split}/{key}_{variant}",
+                    {t: row[t] for t in ("extra_time_ratio", "read_base_features")},
+                )
+                row |= {"extra_time_ratio": extra_s / base_s, "read_base_features": shared}
+            print(f"[{split}] {key}: extra time {100 * extra_s / base_s:.1f}%, taps read: "
+                  f"{shared}", flush=True)  # fmt: skip
+            if split == "val" and key == "B_taps":
+                m = evaluate(base, loader, num_classes=k, refiner=chosen)["refined"]
+                was = results["rows"][f"val/{key}_chosen"]["miou"]
+                print(f"[val] {key}_chosen mIoU {100 * m['miou']:.2f} (was {100 * was:.2f})")
+                results["retimed_val_miou"] = m["miou"]
+    atomic_write_json(out / "results.json", results)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -170,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     data = carve_dev_split(Path(args.data), out, args.dev_fraction, args.holdout_sequence)
     names = build_dataset(data, split="dev", preset="camvid").meta.class_names
     k = len(names)
+    if args.retime:
+        return retime(args, data, names)
     t0 = time.time()
     base, record = train_unet(args, data, k)
     results: dict[str, Any] = {"args": vars(args), "unet": record, "rows": {}, "decisions": {}}
