@@ -64,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--refine-steps", type=int, default=2000)
     p.add_argument("--paths", nargs="+", choices=("taps", "independent"),
                    default=["taps", "independent"], help="which refiners to fit")  # fmt: skip
+    p.add_argument("--base-features", nargs=2, metavar=("LOW", "HIGH"),
+                   help="the taps refiner's modules (default: auto, the encoder's)")  # fmt: skip
     p.add_argument("--eval-limit", type=int, help="score only the first N images of a split")
     p.add_argument("--timing-images", type=int, default=10)
     p.add_argument("--workers", type=int, default=1)
@@ -147,7 +149,7 @@ def fit_refiner(args: argparse.Namespace, data: Path, base: Any, taps: bool, nam
     t0 = time.time()
     refiner = BoundaryRefiner.fit(
         train, class_names=names, config=config, prototype_dataset=protos,
-        base=base if taps else None, base_features="auto" if taps else None,
+        base=base if taps else None, base_features=(args.base_features or "auto") if taps else None,
         weights=None if taps else "imagenet", num_workers=args.workers, progress=False,
         log_every=250, checkpoint=path.with_suffix(".train.pt"), resume=args.reuse,
     )  # fmt: skip
