@@ -122,19 +122,31 @@ class _Padded(torch.nn.Module):
 
 
 @pytest.mark.parametrize("centred", [False, True])
-def test_taps_are_read_from_a_base_that_pads_its_input(centred: bool) -> None:
+@pytest.mark.parametrize("high", ["unet.encoder.layer4", "unet.decoder.blocks.0"])  # 32, 16
+def test_taps_are_read_from_a_base_that_pads_its_input(centred: bool, high: str) -> None:
     base = _Padded(_unet(), centred).eval()
-    refiner = _fit(base, base_features=("unet.encoder.layer1", "unet.encoder.layer4"))
-    images = torch.stack([_Stripes()[i][0][:, :40, :56] for i in range(2)])  # not 32's multiples
+    refiner = _fit(base, base_features=("unet.encoder.layer1", high))
+    crops = [_Stripes()[i] for i in range(2)]
+    images = torch.stack([x[:, :40, :56] for x, _ in crops])  # sides not multiples of 32
     with torch.no_grad(), refiner.shared_features(base) as shared:
-        logits = base(images)
+        base(images)
         features = shared.take(images)
-    # padded bottom and right (checked by value), the taps cover the image: the base runs once;
-    # centred, they would be shifted: not read, the refiner runs the encoder on its own padding
+    # padded bottom and right (checked by value), the taps cover the image: the base runs once
+    # (at stride 16 the base pads further than the refiner would: the taps are cropped to what
+    # the refiner's padding spans); centred, they would be shifted: not read
     assert (features is None) == centred
-    own = refiner.refine(images, logits, features=None)
-    torch.testing.assert_close(refiner.refine(images, logits, features=features), own)
-    torch.testing.assert_close(refiner.refine(images, base=base), own)
+    if centred:
+        return
+    # scores with boundaries (the random base predicts one class): the prototype distances
+    # there are the same from the taps read as from its own run of the base on its own padded copy
+    labels = torch.stack([y[:40, :56] for _, y in crops])
+    probs = torch.nn.functional.one_hot(labels, 3).permute(0, 3, 1, 2) * 0.7 + 0.1
+    own = refiner.candidates(images, probs, features=None)
+    assert own.edge.any()
+    read = refiner.candidates(images, probs, features=features)
+    torch.testing.assert_close(read.distance, own.distance)
+    torch.testing.assert_close(refiner.refine(images, probs, features=features),
+                               refiner.refine(images, probs))  # fmt: skip
 
 
 def test_auto_taps_and_a_base_returning_hugging_face_logits() -> None:

@@ -143,12 +143,10 @@ class TapReader:
             )
         self.record, self.stop = record, stop
         self._modules = [modules[n] for n in record.names]
-        # the modules' common parents (model, smp's `encoder`, ...): the input of the deepest
-        # one called shows whether the base padded the images before the taps saw them
-        parts = [n.split(".") for n in record.names]
-        common = next((i for i, (a, b) in enumerate(zip(*parts)) if a != b), min(map(len, parts)))
-        self._parents = [modules[".".join(parts[0][:i])] if i else model for i in range(common + 1)]
-        self._inputs: list[list[Tensor]] = [[] for _ in self._parents]
+        # every module's image-like input (a few channels): one of them shows whether the base
+        # padded the images before the taps saw them (smp pads for its encoder)
+        self._all = list(modules.values())
+        self._inputs: list[Tensor] = []
         self._kept: list[list[Tensor]] = [[], []]
         self._handles: list[Any] = []
 
@@ -165,33 +163,26 @@ class TapReader:
         self._handles = [
             m.register_forward_hook(self._hook(i)) for i, m in enumerate(self._modules)
         ]
-        self._handles += [
-            m.register_forward_pre_hook(self._keep_input(i)) for i, m in enumerate(self._parents)
-        ]
+        self._handles += [m.register_forward_pre_hook(self._keep_input) for m in self._all]
         return self
 
-    def _keep_input(self, i: int) -> Callable[..., None]:
-        def keep(_m: nn.Module, args: Any) -> None:
-            if args and isinstance(args[0], Tensor):
-                self._inputs[i].append(args[0].detach())
-
-        return keep
+    def _keep_input(self, _m: nn.Module, args: Any) -> None:
+        x = args[0] if args else None
+        if isinstance(x, Tensor) and x.dim() == 4 and x.shape[1] <= 4:
+            self._inputs.append(x.detach())
 
     def _seen_size(self, images: Tensor) -> tuple[int, int]:
-        """The size the taps saw: the images', or the base's padding of them when its input
-        to the taps' parent module is ``images`` padded bottom and right (checked by value;
-        centred padding or a resize is not read as padding)."""
-        called = [k for k in self._inputs if k]
-        self._inputs = [[] for _ in self._parents]
+        """The size the taps saw: the images', or the base's padding of them when a module's
+        input was ``images`` padded bottom and right (checked by value; centred padding or a
+        resize is not read as padding)."""
+        inputs, self._inputs = self._inputs, []
         H, W = images.shape[-2:]
-        if not called or len(called[-1]) != 1:
-            return H, W
-        seen = called[-1][0]
-        if seen.dim() != 4 or seen.shape[:2] != images.shape[:2]:
-            return H, W
-        h, w = seen.shape[-2:]
-        if (h, w) != (H, W) and h >= H and w >= W and torch.equal(seen[..., :H, :W], images):
-            return h, w
+        for seen in inputs:
+            h, w = seen.shape[-2:]
+            if seen.shape[:2] != images.shape[:2] or (h, w) == (H, W) or h < H or w < W:
+                continue
+            if seen.device == images.device and torch.equal(seen[..., :H, :W], images):
+                return h, w
         return H, W
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> bool:
@@ -229,7 +220,15 @@ class TapReader:
                 f"the base's {self.record.names[i]} gives {got}, but this refiner was fit "
                 f"on {self.record.describe(i)}: refine with the base it was fit on"
             )
-        return kept[0][0], kept[1][0]
+        low, high = kept[0][0], kept[1][0]
+        # the base padded further than the refiner's own padding (to the high tap's stride):
+        # keep what that spans, so that the two maps and the image stay aligned
+        if images.shape[-2:] != (H, W):
+            s = self.record.strides[1]
+            eh, ew = (-(-n // s) * s for n in images.shape[-2:])
+            high = high[..., : eh // s, : ew // s]
+            low = low[..., : eh // self.record.strides[0], : ew // self.record.strides[0]]
+        return low, high
 
 
 class BaseTaps(nn.Module):
