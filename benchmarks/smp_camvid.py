@@ -168,7 +168,9 @@ def with_chosen(refiner: Any, base: Any, dev: Any, num_classes: int) -> tuple[An
 
 def retime(args: argparse.Namespace, data: Path, names: list) -> int:
     """Measure the extra time of a finished run's refiners again (results.json's decisions),
-    keeping its scores; val is scored again with the chosen taps refiner as a check."""
+    keeping its scores; val is scored again with the chosen taps refiner as a check. Each
+    refiner is timed once, with its chosen decision, and that time is written to its claim
+    row too (the embedding, not the decision, is what costs)."""
     out, k = Path(args.out), len(names)
     results = json.loads((out / "results.json").read_text())
     base = PaddedUnet("mobilenet_v2", encoder_weights=None, classes=k)
@@ -178,7 +180,8 @@ def retime(args: argparse.Namespace, data: Path, names: list) -> int:
         path = out / f"refiner_{key.removeprefix('B_')}.pt"
         chosen = with_decision(BoundaryRefiner.load(path), decision["chosen"])
         for split in ("val", "dev"):
-            _, loader = eval_loader(data, str(data / f"{split}.txt"), args.eval_limit, 1)
+            _, loader = eval_loader(data, str(data / f"{split}.txt"), args.eval_limit,
+                                    args.workers)  # fmt: skip
             base_s, extra_s, shared = time_inference(base, loader, args.timing_images,
                                                      torch.device("cpu"), chosen)  # fmt: skip
             for variant in ("claim", "chosen"):

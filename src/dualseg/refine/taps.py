@@ -143,8 +143,8 @@ class TapReader:
             )
         self.record, self.stop = record, stop
         self._modules = [modules[n] for n in record.names]
-        # every module's image-like input (a few channels): one of them shows whether the base
-        # padded the images before the taps saw them (smp pads for its encoder)
+        # every module's 3-channel input (the refiner's images are RGB): one of them shows
+        # whether the base padded the images before the taps saw them (smp pads for its encoder)
         self._all = list(modules.values())
         self._inputs: list[Tensor] = []
         self._kept: list[list[Tensor]] = [[], []]
@@ -168,7 +168,7 @@ class TapReader:
 
     def _keep_input(self, _m: nn.Module, args: Any) -> None:
         x = args[0] if args else None
-        if isinstance(x, Tensor) and x.dim() == 4 and x.shape[1] <= 4:
+        if isinstance(x, Tensor) and x.dim() == 4 and x.shape[1] == 3:
             self._inputs.append(x.detach())
 
     def _seen_size(self, images: Tensor) -> tuple[int, int]:
