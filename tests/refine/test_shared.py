@@ -124,6 +124,21 @@ def test_nothing_is_shared_where_it_would_change_the_answer(peer: torch.nn.Modul
 
 
 @torch.no_grad()
+def test_a_weight_changed_after_a_shared_call_stops_the_sharing() -> None:
+    torch.manual_seed(0)
+    model = with_statistics(build_model("deeplabv3_mobilenet_v2", num_classes=K, output_stride=16))
+    refiner = refiner_on(model)
+    x = images(64, 96)
+    for step in ("same weights", "a weight written in place", "the weight put back"):
+        if step != "same weights":  # as an optimizer step or load_state_dict would
+            next(model.backbone.parameters()).mul_(2.0 if "written" in step else 0.5)
+        with refiner.shared_features(model) as shared:
+            model(x)
+            shared_now = shared.take() is not None
+        assert shared_now == (step != "a weight written in place"), step
+
+
+@torch.no_grad()
 def test_method_a_shares_its_rgb_branch() -> None:
     torch.manual_seed(0)
     model = with_statistics(

@@ -43,7 +43,13 @@ from dualseg.refine.embedding import (
 from dualseg.refine.fit import check_prototypes, embedding_net, prepare_net, train_embedding
 from dualseg.refine.inputs import as_tensor, check_classes, check_normalized_batch
 from dualseg.refine.prototypes import stream_prototypes
-from dualseg.refine.shared import BaseFeatures, SharedFeatures, can_share, matching
+from dualseg.refine.shared import (
+    BaseFeatures,
+    SharedFeatures,
+    can_share,
+    matching,
+    weights_key,
+)
 from dualseg.refine.taps import TapReader, TapRecord, base_logits
 
 
@@ -73,6 +79,7 @@ class BoundaryRefiner:
         self.calibration: dict[str, Any] | None = None
         # how the fit's data was read (LabelContract.to_dict()), else None: unknown
         self.label_contract: dict[str, Any] | None = None
+        self._share: tuple[tuple[Any, ...], bool] | None = None  # (weights_key, can_share)
 
     # ------------------------------------------------------------------ basics
     @property
@@ -230,7 +237,11 @@ class BoundaryRefiner:
         if self.taps is not None:  # the taps are read in this very forward
             self.net.backbone.attach(model)
             return TapReader(model, self.taps)
-        active = can_share(self.config, self.net.backbone, model)
+        # comparing every weight costs ~4% of a forward: once per state of both models
+        key = weights_key(model, self.net.backbone)
+        if self._share is None or self._share[0] != key:
+            self._share = (key, can_share(self.config, self.net.backbone, model))
+        active = self._share[1]
         return SharedFeatures(model, active, self.config.output_stride, self.net.low_level)
 
     # ------------------------------------------------------------------ files

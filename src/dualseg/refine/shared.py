@@ -37,6 +37,15 @@ def can_share(config: Any, backbone: nn.Module, model: nn.Module) -> bool:
     )
 
 
+def weights_key(*modules: nn.Module) -> tuple[Any, ...]:
+    """What changes when any weight of ``modules`` is replaced or written in place (an
+    optimizer step, ``load_state_dict``): the modules, and each tensor's storage and version."""
+    return tuple(
+        (id(m), *((t.data_ptr(), t._version) for t in (*m.parameters(), *m.buffers())))
+        for m in modules
+    )
+
+
 def matching(
     kept: BaseFeatures | tuple[Tensor, tuple[int, int]] | None, images: Tensor, output_stride: int,
     *, needs_low: bool = False, low_stride: int = 4,
