@@ -58,6 +58,7 @@ class EmbeddingNet(nn.Module):
         submodule's stride-4 features."""
         if isinstance(self.backbone, BaseTaps):
             return self.backbone(x)
+        x = self._layout(x)
         taps: list[Tensor] = []
         tap = self.backbone.get_submodule(self.low_level) if self.low_level else nn.Identity()
         handle = tap.register_forward_hook(lambda _m, _a, out: taps.append(out))
@@ -70,14 +71,19 @@ class EmbeddingNet(nn.Module):
 
     def head(self, local: Tensor, low: Tensor | None = None) -> Tensor:
         """What learns on top of the backbone: ``fuse`` (ASPP), then the decoder if any."""
-        f = self.fuse(local)  # [B,C,H/s,W/s]
+        f = self.fuse(self._layout(local))  # [B,C,H/s,W/s]
         if self.decoder is not None:
             f = self.decoder(f, low)  # [B,C,H/4,W/4]
         return f
 
     def head_at(self, local: Tensor, low: Tensor, at: Tensor) -> Tensor:
         """:meth:`head` at the ``at`` cells alone (bool ``[B,H/4,W/4]``; inference): ``[M,C]``."""
-        return self.decoder.forward_at(self.fuse(local), low, at)
+        return self.decoder.forward_at(self.fuse(self._layout(local)), low, at)
+
+    def _layout(self, x: Tensor) -> Tensor:
+        """``x`` channels-last at inference, where oneDNN's convolutions on the CPU run 1.3-2.5x
+        faster (the refiner's weights are too); training keeps its layout and its numbers."""
+        return x if self.training else x.contiguous(memory_format=torch.channels_last)
 
     def forward(self, x: Tensor) -> Tensor:
         f = self.features(x)  # [B,C,h,w]

@@ -71,7 +71,8 @@ class BoundaryRefiner:
             raise ConfigError(
                 f"a refiner palette needs one RGB colour per class ({self.num_classes})"
             )
-        self.net = net if net is None else net.eval()  # None: an exported refiner's runner
+        # None: an exported refiner's runner; channels-last: see EmbeddingNet._layout
+        self.net = net if net is None else net.eval().to(memory_format=torch.channels_last)
         self.prototypes = prototypes.float()
         self.present = present.bool()
         self.ignore_index = ignore_index
