@@ -17,8 +17,9 @@ from dualseg.data.presets import parse_label_map, require_same_classes
 from dualseg.data.readers import LABEL_FORMATS
 from dualseg.engine.inference import MODES, InferenceOptions
 from dualseg.engine.options import MAX_THREADS
-from dualseg.engine.predict import resolve_device
+from dualseg.engine.predict import load_model, resolve_device
 from dualseg.errors import ConfigError, DataError
+from dualseg.export.runtime import ExportedSegmenter
 
 
 def int_in(low: int, high: int | None = None, unit: str = "") -> Callable[[str], int]:
@@ -254,7 +255,7 @@ def inference_options(args: argparse.Namespace) -> InferenceOptions:
     """The options of :func:`add_inference_arguments` (ConfigError when invalid)."""
     if args.mode != "slide" and (args.window is not None or args.stride is not None):
         raise ConfigError("--window and --stride set the tiles of --mode slide; add --mode slide")
-    return InferenceOptions(
+    opts = InferenceOptions(
         mode=args.mode,
         window=InferenceOptions.window if args.window is None else tuple(args.window),
         stride=None if args.stride is None else tuple(args.stride),
@@ -262,6 +263,18 @@ def inference_options(args: argparse.Namespace) -> InferenceOptions:
         tta_flip=args.tta_flip,
         tile_batch=args.tile_batch,
     )
+    if getattr(args, "onnx", None) and (opts.mode != "whole" or opts.uses_tta):
+        raise ConfigError("--mode slide and --tta-* need --checkpoint: --onnx runs whole images")
+    return opts
+
+
+def load_segmenter(args: argparse.Namespace, device: torch.device, command: str) -> Any:
+    """The ``--checkpoint`` segmenter, or the ``--onnx`` exported one (ONNX or TorchScript)."""
+    if not args.onnx:
+        return load_model(args.checkpoint, device=device, amp=cuda_amp(args, device))
+    segmenter = ExportedSegmenter(args.onnx, **onnx_runtime(args, device))
+    static_export_note(args.onnx, segmenter, command)
+    return segmenter
 
 
 def add_dataset_check_options(p: argparse.ArgumentParser) -> None:

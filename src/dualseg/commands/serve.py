@@ -16,15 +16,12 @@ from dualseg.commands.common import (
     add_inference_arguments,
     add_runtime_args,
     apply_runtime,
-    cuda_amp,
     inference_options,
-    onnx_runtime,
-    static_export_note,
+    load_segmenter,
 )
 from dualseg.console import ArgumentParser, argparse_kwargs
-from dualseg.engine.predict import load_model
 from dualseg.errors import ConfigError, DualsegError
-from dualseg.export.runtime import ExportedSegmenter, load_refiner
+from dualseg.export.runtime import load_refiner
 from dualseg.serve import defaults as d
 from dualseg.serve.server import check_port, request_log_on_stderr, run_server
 
@@ -89,12 +86,10 @@ def check_args(args: argparse.Namespace) -> None:
 def _load(args: argparse.Namespace, options: Any) -> tuple[Any, Any, str]:
     """``(segmenter, refiner or None, model name)`` for the page."""
     device = apply_runtime(args)
+    segmenter = load_segmenter(args, device, "serve")
     if args.onnx:
-        segmenter: Any = ExportedSegmenter(args.onnx, **onnx_runtime(args, device))
-        static_export_note(args.onnx, segmenter, "serve")
         name = f"{Path(args.onnx).name} ({segmenter.info.get('arch') or 'onnx'})"
     else:
-        segmenter = load_model(args.checkpoint, device=device, amp=cuda_amp(args, device))
         name = f"{Path(args.checkpoint).name} ({type(segmenter.model).__name__})"
         if options.mode != "whole" or options.uses_tta:  # the page gets the averaged probs
             segmenter.predict_proba = functools.partial(segmenter.predict_proba, **asdict(options))
@@ -106,8 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
     options = inference_options(args)
-    if args.onnx and (options.mode != "whole" or options.uses_tta):
-        raise ConfigError("--mode slide and --tta-* need --checkpoint: --onnx runs whole images")
     try:
         import uvicorn
 
