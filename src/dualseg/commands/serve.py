@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import functools
 import ipaddress
-import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -17,17 +17,26 @@ from dualseg.commands.common import (
     add_runtime_args,
     apply_runtime,
     inference_options,
+    int_in,
     load_segmenter,
+    nonnegative_int,
+    number_in,
+    positive_int,
 )
 from dualseg.console import ArgumentParser, argparse_kwargs
-from dualseg.errors import ConfigError, DualsegError
+from dualseg.errors import DualsegError
 from dualseg.export.runtime import load_refiner
 from dualseg.serve import defaults as d
 from dualseg.serve.server import check_port, request_log_on_stderr, run_server
 
 SERVE_MODULES = ("fastapi", "uvicorn", "python_multipart", "starlette", "pydantic")
 MIN_MEGAPIXELS = 0.001  # about 32x32 pixels: below, every image is refused or one class
-MIN_UPLOAD_MB = 0.01  # 10 KiB
+
+
+def at_least(low: float, *, zero: str = "") -> Callable[[str], float]:
+    """argparse ``type=``: a finite number >= ``low`` (or 0, meaning ``zero``)."""
+    rule = f"0 ({zero}) or >= {low:g}" if zero else f">= {low:g}"
+    return lambda text: number_in(text, lambda v: v >= low or (bool(zero) and v == 0), rule)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,41 +55,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refiner", help="method B: a refiner file, or an exported one (its .json)")
     add = p.add_argument
     add("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
-    add("--port", type=int, default=8000, help="port (8000)")
-    add("--max-megapixels", type=float, default=d.DEFAULT_MAX_MEGAPIXELS,
+    add("--port", type=int_in(1, 65535), default=8000, help="port (8000)")
+    add("--max-megapixels", type=at_least(MIN_MEGAPIXELS), default=d.DEFAULT_MAX_MEGAPIXELS,
         help="refuse larger images (%(default)g)")  # fmt: skip
-    add("--max-upload-mb", type=float, default=d.DEFAULT_MAX_UPLOAD_MB,
+    add("--max-upload-mb", type=at_least(0.01), default=d.DEFAULT_MAX_UPLOAD_MB,
         help="refuse larger uploads (%(default)g)")  # fmt: skip
-    add("--work-megapixels", type=float, default=d.DEFAULT_WORK_MEGAPIXELS,
+    add("--work-megapixels", type=at_least(MIN_MEGAPIXELS, zero="full size"),
+        default=d.DEFAULT_WORK_MEGAPIXELS,
         help="infer larger images downscaled to this size, labels brought back to the image's; "
         "0: always at full size (%(default)g)")  # fmt: skip
-    add("--workers", type=int, default=d.DEFAULT_WORKERS,
+    add("--workers", type=positive_int, default=d.DEFAULT_WORKERS,
         help="images segmented at the same time, on threads (%(default)d)")  # fmt: skip
-    add("--queue-size", type=int, default=d.DEFAULT_QUEUE_SIZE,
+    add("--queue-size", type=nonnegative_int, default=d.DEFAULT_QUEUE_SIZE,
         help="requests that may wait for a worker; more get 503 (%(default)d)")  # fmt: skip
     add("--save-uploads", metavar="DIR", help="keep every uploaded file in DIR (off)")
     add_runtime_args(p, device="cpu")
     add_inference_arguments(p)
     return p
-
-
-def check_args(args: argparse.Namespace) -> None:
-    """One line for each value no server can run with."""
-    mp, mb, work = args.max_megapixels, args.max_upload_mb, args.work_megapixels
-    rules = (
-        (all(map(math.isfinite, (mp, mb, work))), "--max-megapixels, --max-upload-mb and "
-         f"--work-megapixels must be finite numbers, got {mp}, {mb}, {work}"),
-        (mp >= MIN_MEGAPIXELS and mb >= MIN_UPLOAD_MB, f"--max-megapixels must be >= "
-         f"{MIN_MEGAPIXELS:g} and --max-upload-mb >= {MIN_UPLOAD_MB:g}, got {mp:g} and {mb:g}"),
-        (work == 0 or work >= MIN_MEGAPIXELS, "--work-megapixels must be 0 (full size) or >= "
-         f"{MIN_MEGAPIXELS:g} (about 32x32), got {work:g}"),
-        (args.workers >= 1 and args.queue_size >= 0, "--workers must be >= 1 and --queue-size "
-         f">= 0, got {args.workers}, {args.queue_size}"),
-        (0 < args.port < 65536, f"--port must be in 1..65535, got {args.port}"),
-    )  # fmt: skip
-    for ok, message in rules:
-        if not ok:
-            raise ConfigError(message)
 
 
 def _load(args: argparse.Namespace, options: Any) -> tuple[Any, Any, str]:
@@ -99,7 +90,6 @@ def _load(args: argparse.Namespace, options: Any) -> tuple[Any, Any, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    check_args(args)
     options = inference_options(args)
     try:
         import uvicorn
