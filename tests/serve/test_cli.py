@@ -102,7 +102,7 @@ def test_unwritable_save_uploads_is_one_line_before_loading(files, captured, cap
     missing_ckpt = tmp_path / "never-read.pt"  # the folder is checked before the model loads
     assert main(["serve", "-c", str(missing_ckpt), "--save-uploads", str(target)]) == 1
     out = capsys.readouterr()
-    assert f"--save-uploads {target}: cannot write there" in out.err
+    assert f"--save-uploads {target}: cannot create it" in out.err
     assert len(out.err.strip().splitlines()) == 1 and "Traceback" not in out.err
     assert "http://" not in out.out and "app" not in captured
     assert blocker.read_text() == "not a folder"
