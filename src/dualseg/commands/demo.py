@@ -74,8 +74,6 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, _, _, low, _ in FLAGS:
         if low is not None and value[flag] < low and not (args.no_refine and "refine" in flag):
             raise ConfigError(f"{flag} must be >= {low} (got {value[flag]})")
-    if args.threads > options.MAX_THREADS:
-        raise ConfigError(f"--threads must be at most {options.MAX_THREADS} (got {args.threads})")
     if (problem := seed_error(args.seed, "--seed")) is not None:
         raise ConfigError(problem)
     source = "--data (its own images)" if args.data else "the synthetic data"
