@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.data.datasets import dataset_meta, preset_for
 from dualseg.data.presets import parse_label_map, require_same_classes
 from dualseg.data.readers import LABEL_FORMATS
@@ -20,6 +21,13 @@ from dualseg.engine.options import MAX_THREADS
 from dualseg.engine.predict import load_model, resolve_device
 from dualseg.errors import ConfigError, DataError
 from dualseg.export.runtime import ExportedSegmenter
+
+
+def command_parser(name: str, description: str, *examples: str) -> argparse.ArgumentParser:
+    """``dualseg NAME``'s parser: one-line usage errors (exit 1) and its examples as epilog."""
+    return ArgumentParser(
+        prog=f"dualseg {name}", description=description, **argparse_kwargs(*examples)
+    )
 
 
 def int_in(low: int, high: int | None = None, unit: str = "") -> Callable[[str], int]:

@@ -13,8 +13,7 @@ from torch.utils.data import DataLoader, Subset
 
 import dualseg.engine as engine
 from dualseg.augment_defaults import seed_error
-from dualseg.commands.common import add_quiet_arg, apply_runtime, cuda_amp
-from dualseg.console import ArgumentParser, argparse_kwargs
+from dualseg.commands.common import add_quiet_arg, apply_runtime, command_parser, cuda_amp
 from dualseg.data import build_dataset, build_eval_transform
 from dualseg.engine import options, showcase
 from dualseg.engine.baselines import baseline_models
@@ -52,10 +51,11 @@ FLAGS: tuple[tuple[str, type, Any, int | None, str], ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="dualseg demo",
-        description="Train, score and show a small dual-branch network on synthetic scenes.",
-        **argparse_kwargs("dualseg demo", "dualseg demo --data data/camvid --preset camvid"),
+    p = command_parser(
+        "demo",
+        "Train, score and show a small dual-branch network on synthetic scenes.",
+        "dualseg demo",
+        "dualseg demo --data data/camvid --preset camvid",
     )
     for flag, kind, default, _, text in FLAGS:
         p.add_argument(flag, type=kind, default=default, help=f"{text} ({default})")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dualseg.console import ArgumentParser, argparse_kwargs
+from dualseg.commands.common import command_parser
 from dualseg.engine.pretrained import save_pretrained_from_checkpoint
 from dualseg.errors import ConfigError
 from dualseg.export import export as library
@@ -20,14 +20,12 @@ UNREAD = {"torchscript": ONNX_ONLY, "pretrained": TRACED + ONNX_ONLY}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="dualseg export",
-        description="Export a trained network to ONNX or TorchScript, with class names, palette "
+    p = command_parser(
+        "export",
+        "Export a trained network to ONNX or TorchScript, with class names, palette "
         "and normalization in the file's metadata, or as a pretrained folder (safetensors).",
-        **argparse_kwargs(
-            "dualseg export -c runs/camvid/best.pt --format onnx --out model.onnx --dynamic",
-            "dualseg export -c runs/camvid/best.pt --format pretrained --out camvid-model/",
-        ),
+        "dualseg export -c runs/camvid/best.pt --format onnx --out model.onnx --dynamic",
+        "dualseg export -c runs/camvid/best.pt --format pretrained --out camvid-model/",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", "-c", help="checkpoint, pretrained folder or hf://org/name")

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dualseg.commands import common as c
-from dualseg.console import ArgumentParser, Progress, argparse_kwargs, progress_mode
+from dualseg.console import Progress, progress_mode
 from dualseg.engine.large_images import needs_bands, open_rows, slide_labels
 from dualseg.engine.outputs import (
     OUTPUT_FOLDERS,
@@ -24,14 +24,12 @@ from dualseg.io import check_writable
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="dualseg predict",
-        description="Segment images with a trained checkpoint: label PNG, colour PNG, overlay "
+    p = c.command_parser(
+        "predict",
+        "Segment images with a trained checkpoint: label PNG, colour PNG, overlay "
         "(and optionally class probabilities) per image, at the original resolution.",
-        **argparse_kwargs(
-            "dualseg predict street.png photos/ -c runs/camvid/best.pt -o out/",
-            "dualseg predict 'photos/*.jpg' -c hf://org/camvid-model -o out/ --probs",
-        ),
+        "dualseg predict street.png photos/ -c runs/camvid/best.pt -o out/",
+        "dualseg predict 'photos/*.jpg' -c hf://org/camvid-model -o out/ --probs",
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or globs")
     src = p.add_mutually_exclusive_group(required=True)

@@ -16,6 +16,7 @@ from dualseg.commands.common import (
     add_inference_arguments,
     add_runtime_args,
     apply_runtime,
+    command_parser,
     inference_options,
     int_in,
     load_segmenter,
@@ -23,7 +24,6 @@ from dualseg.commands.common import (
     number_in,
     positive_int,
 )
-from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.errors import DualsegError
 from dualseg.export.runtime import load_refiner
 from dualseg.serve import defaults as d
@@ -40,14 +40,12 @@ def at_least(low: float, *, zero: str = "") -> Callable[[str], float]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="dualseg serve",
-        description="Serve a local web page (drop an image, see its segmentation) and a JSON "
+    p = command_parser(
+        "serve",
+        "Serve a local web page (drop an image, see its segmentation) and a JSON "
         "API (POST /api/segment; schema at /docs and /openapi.json).",
-        **argparse_kwargs(
-            "dualseg serve -c runs/camvid/best.pt --refiner runs/camvid/refiner.pt",
-            "dualseg serve --onnx model.onnx --port 8080",
-        ),
+        "dualseg serve -c runs/camvid/best.pt --refiner runs/camvid/refiner.pt",
+        "dualseg serve --onnx model.onnx --port 8080",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", "-c", help="checkpoint, pretrained folder or hf://org/name")
