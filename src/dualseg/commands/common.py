@@ -51,6 +51,7 @@ def int_in(low: int, high: int | None = None, unit: str = "") -> Callable[[str],
 
 nonnegative_int = int_in(0)
 positive_int = int_in(1)
+threads = int_in(0, MAX_THREADS)  # OpenMP fails to start more
 
 
 def number_in(text: str, ok: Callable[[float], bool], rule: str) -> float:
@@ -183,16 +184,12 @@ def add_runtime_args(p: argparse.ArgumentParser, *, device: str = "auto") -> Non
     """``--device`` (default ``device``), ``--threads`` (0) and ``--amp`` (off)."""
     g = p.add_argument_group("device")
     g.add_argument("--device", default=device, help=f"auto | cpu | cuda | cuda:N ({device})")
-    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: one per core)")
+    g.add_argument("--threads", type=threads, default=0, help="torch CPU threads (0: one per core)")
     g.add_argument("--amp", action="store_true", help="bf16 autocast on CUDA (off; CPU: ignored)")
 
 
 def apply_runtime(args: argparse.Namespace) -> torch.device:
     """Apply ``--threads`` and return the resolved ``--device``."""
-    if not 0 <= args.threads <= MAX_THREADS:
-        raise ConfigError(
-            f"--threads must be 0..{MAX_THREADS} (0: one per core), got {args.threads}"
-        )
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     return resolve_device(args.device)
