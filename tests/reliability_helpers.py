@@ -99,8 +99,13 @@ def one_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 
 def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """Run ``dualseg argv``, expect exit status 1, and return its one stderr line."""
+    """Run ``dualseg argv``, expect exit status 1 (returned, or argparse's exit while the
+    line is parsed), and return its one stderr line."""
     from dualseg.cli import main
 
-    assert main(argv) == 1
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 1
     return one_line(capsys)

@@ -140,12 +140,8 @@ def test_a_count_of_at_least_one_names_its_bound(text: str, said: str) -> None:
         positive_int(text)
 
 
-def test_apply_runtime_refuses_more_threads_than_openmp_can_start() -> None:
+@pytest.mark.parametrize("command", [["predict", "x.png", "-o", "o"], ["eval", "--data", "d"]])
+def test_more_threads_than_openmp_can_start_is_refused_at_parsing(command, capsys) -> None:
     """--threads 100000 ended in an allocator failure blamed on the checkpoint read next."""
-    import argparse
-
-    from dualseg.commands.common import apply_runtime
-    from dualseg.errors import ConfigError
-
-    with pytest.raises(ConfigError, match=r"--threads must be 0\.\.1024"):
-        apply_runtime(argparse.Namespace(threads=100000, device="cpu"))
+    line = _refused_at_parsing([*command, "-c", "m.pt", "--threads", "100000"], capsys)
+    assert "argument --threads: must be at most 1024, got 100000" in line

@@ -313,8 +313,8 @@ def test_a_crop_larger_than_any_image_side_is_refused_before_writing(files, caps
     [
         (["--val-split", "train"], "--val-split does not apply to the synthetic data"),
         (["--seed", "-1"], "--seed must be in"),
-        (["--threads", "-3"], "--threads must be >= 0"),
-        (["--threads", "100000"], "--threads must be at most 1024"),  # OpenMP fails otherwise
+        (["--threads", "-3"], "--threads: must be >= 0"),
+        (["--threads", "100000"], "--threads: must be at most 1024"),  # OpenMP fails otherwise
         (["--workers", "-1"], "--workers must be >= 0"),
         (["--n-show", "-1"], "--n-show must be >= 0 (got -1)"),  # once: exit 0, no panel
         (["--refine-prototypes", "0"], "--refine-prototypes must be >= 1"),

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 from serve_fakes import BrightnessSegmenter, gradient_png
 
-from dualseg.errors import ConfigError
+from dualseg.errors import ConfigError, OutputError
 from dualseg.serve.app import create_app, upsample_probs
 
 
@@ -266,7 +266,7 @@ def test_one_log_line_per_request(client, caplog):
 def test_unwritable_save_uploads_fails_when_the_app_is_made(tmp_path, segmenter):
     blocker = tmp_path / "file"
     blocker.write_bytes(b"")
-    with pytest.raises(ConfigError, match=r"--save-uploads .*file.sub: cannot write there"):
+    with pytest.raises(OutputError, match=r"--save-uploads .*file.sub: cannot create it"):
         create_app(segmenter, save_uploads=blocker / "sub")
 
 

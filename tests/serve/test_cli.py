@@ -75,16 +75,20 @@ def test_serve_load_flags_reach_the_app(files, captured):
 @pytest.mark.parametrize(
     ("flag", "value", "message"),
     [
-        ("--work-megapixels", "-1", "--work-megapixels must be 0 (full size) or >= 0.001"),
-        ("--work-megapixels", "1e-12", "--work-megapixels must be 0 (full size) or >= 0.001"),
-        ("--max-upload-mb", "1e-9", "--max-upload-mb >= 0.01, got 20 and 1e-09"),
-        ("--workers", "0", "--workers must be >= 1"),
-        ("--queue-size", "-1", "--queue-size >= 0"),
+        ("--work-megapixels", "-1", "--work-megapixels: must be 0 (full size) or >= 0.001"),
+        ("--work-megapixels", "1e-12", "--work-megapixels: must be 0 (full size) or >= 0.001"),
+        ("--max-upload-mb", "1e-9", "--max-upload-mb: must be >= 0.01, got 1e-9"),
+        ("--max-megapixels", "nan", "--max-megapixels: expected a finite number"),
+        ("--workers", "0", "--workers: must be >= 1"),
+        ("--queue-size", "-1", "--queue-size: must be >= 0"),
+        ("--port", "70000", "--port: must be at most 65535"),
     ],
 )
 def test_serve_refuses_bad_load_flags(files, captured, capsys, flag, value, message):
     ckpt, _ = files
-    assert main(["serve", "-c", str(ckpt), flag, value]) == 1
+    with pytest.raises(SystemExit) as exit_:  # refused while the line is parsed
+        main(["serve", "-c", str(ckpt), flag, value])
+    assert exit_.value.code == 1
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert "app" not in captured
@@ -98,7 +102,7 @@ def test_unwritable_save_uploads_is_one_line_before_loading(files, captured, cap
     missing_ckpt = tmp_path / "never-read.pt"  # the folder is checked before the model loads
     assert main(["serve", "-c", str(missing_ckpt), "--save-uploads", str(target)]) == 1
     out = capsys.readouterr()
-    assert f"--save-uploads {target}: cannot write there" in out.err
+    assert f"--save-uploads {target}: cannot create it" in out.err
     assert len(out.err.strip().splitlines()) == 1 and "Traceback" not in out.err
     assert "http://" not in out.out and "app" not in captured
     assert blocker.read_text() == "not a folder"

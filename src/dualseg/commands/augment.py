@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dualseg.commands.common import add_quiet_arg, nonnegative_int, split_of
-from dualseg.console import ArgumentParser, argparse_kwargs
+from dualseg.commands.common import add_quiet_arg, command_parser, nonnegative_int, split_of
 from dualseg.data.augment import IMAGE_FORMATS, augment_dataset
 from dualseg.data.layouts import LAYOUTS
 from dualseg.data.presets import PRESETS
@@ -14,13 +13,11 @@ from dualseg.data.transforms import BLUR_PROB, HFLIP_PROB, JITTER, SCALE_RANGE
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = ArgumentParser(
-        prog="dualseg augment",
-        description="Write COUNT augmented image/label pairs of SRC plus a list file into DST "
+    p = command_parser(
+        "augment",
+        "Write COUNT augmented image/label pairs of SRC plus a list file into DST "
         "(random scale, crop, flip, blur, colour jitter). Re-running resumes.",
-        **argparse_kwargs(
-            "dualseg augment ../shared/data/camvid data/camvid_aug --preset camvid --count 10000",
-        ),
+        "dualseg augment ../shared/data/camvid data/camvid_aug --preset camvid --count 10000",
     )
     add = p.add_argument
     add("src", type=Path, help="source dataset folder (or list file)")

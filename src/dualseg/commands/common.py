@@ -12,13 +12,22 @@ from typing import Any
 
 import torch
 
+from dualseg.console import ArgumentParser, argparse_kwargs
 from dualseg.data.datasets import dataset_meta, preset_for
 from dualseg.data.presets import parse_label_map, require_same_classes
 from dualseg.data.readers import LABEL_FORMATS
 from dualseg.engine.inference import MODES, InferenceOptions
 from dualseg.engine.options import MAX_THREADS
-from dualseg.engine.predict import resolve_device
+from dualseg.engine.predict import load_model, resolve_device
 from dualseg.errors import ConfigError, DataError
+from dualseg.export.runtime import ExportedSegmenter
+
+
+def command_parser(name: str, description: str, *examples: str) -> argparse.ArgumentParser:
+    """``dualseg NAME``'s parser: one-line usage errors (exit 1) and its examples as epilog."""
+    return ArgumentParser(
+        prog=f"dualseg {name}", description=description, **argparse_kwargs(*examples)
+    )
 
 
 def int_in(low: int, high: int | None = None, unit: str = "") -> Callable[[str], int]:
@@ -42,6 +51,7 @@ def int_in(low: int, high: int | None = None, unit: str = "") -> Callable[[str],
 
 nonnegative_int = int_in(0)
 positive_int = int_in(1)
+threads = int_in(0, MAX_THREADS)  # OpenMP fails to start more
 
 
 def number_in(text: str, ok: Callable[[float], bool], rule: str) -> float:
@@ -174,16 +184,12 @@ def add_runtime_args(p: argparse.ArgumentParser, *, device: str = "auto") -> Non
     """``--device`` (default ``device``), ``--threads`` (0) and ``--amp`` (off)."""
     g = p.add_argument_group("device")
     g.add_argument("--device", default=device, help=f"auto | cpu | cuda | cuda:N ({device})")
-    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: one per core)")
+    g.add_argument("--threads", type=threads, default=0, help="torch CPU threads (0: one per core)")
     g.add_argument("--amp", action="store_true", help="bf16 autocast on CUDA (off; CPU: ignored)")
 
 
 def apply_runtime(args: argparse.Namespace) -> torch.device:
     """Apply ``--threads`` and return the resolved ``--device``."""
-    if not 0 <= args.threads <= MAX_THREADS:
-        raise ConfigError(
-            f"--threads must be 0..{MAX_THREADS} (0: one per core), got {args.threads}"
-        )
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     return resolve_device(args.device)
@@ -254,7 +260,7 @@ def inference_options(args: argparse.Namespace) -> InferenceOptions:
     """The options of :func:`add_inference_arguments` (ConfigError when invalid)."""
     if args.mode != "slide" and (args.window is not None or args.stride is not None):
         raise ConfigError("--window and --stride set the tiles of --mode slide; add --mode slide")
-    return InferenceOptions(
+    opts = InferenceOptions(
         mode=args.mode,
         window=InferenceOptions.window if args.window is None else tuple(args.window),
         stride=None if args.stride is None else tuple(args.stride),
@@ -262,6 +268,18 @@ def inference_options(args: argparse.Namespace) -> InferenceOptions:
         tta_flip=args.tta_flip,
         tile_batch=args.tile_batch,
     )
+    if getattr(args, "onnx", None) and (opts.mode != "whole" or opts.uses_tta):
+        raise ConfigError("--mode slide and --tta-* need --checkpoint: --onnx runs whole images")
+    return opts
+
+
+def load_segmenter(args: argparse.Namespace, device: torch.device, command: str) -> Any:
+    """The ``--checkpoint`` segmenter, or the ``--onnx`` exported one (ONNX or TorchScript)."""
+    if not args.onnx:
+        return load_model(args.checkpoint, device=device, amp=cuda_amp(args, device))
+    segmenter = ExportedSegmenter(args.onnx, **onnx_runtime(args, device))
+    static_export_note(args.onnx, segmenter, command)
+    return segmenter
 
 
 def add_dataset_check_options(p: argparse.ArgumentParser) -> None:

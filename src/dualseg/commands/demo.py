@@ -13,8 +13,7 @@ from torch.utils.data import DataLoader, Subset
 
 import dualseg.engine as engine
 from dualseg.augment_defaults import seed_error
-from dualseg.commands.common import add_quiet_arg, apply_runtime, cuda_amp
-from dualseg.console import ArgumentParser, argparse_kwargs
+from dualseg.commands.common import add_quiet_arg, apply_runtime, command_parser, cuda_amp, threads
 from dualseg.data import build_dataset, build_eval_transform
 from dualseg.engine import options, showcase
 from dualseg.engine.baselines import baseline_models
@@ -26,7 +25,7 @@ from dualseg.models import backbone_of
 from dualseg.refine import BoundaryRefiner, RefinerConfig
 
 # flag, type, default, lowest value (None: the config checks it), help
-FLAGS: tuple[tuple[str, type, Any, int | None, str], ...] = (
+FLAGS: tuple[tuple[str, Any, Any, int | None, str], ...] = (
     ("--out", str, "runs/demo", None, "output folder; a re-run replaces the demo's own output"),
     ("--data", str, None, None, "a real dataset root instead of synthetic data"),
     ("--preset", str, None, None, "classes of --data (camvid, voc, cityscapes, ade20k)"),
@@ -43,7 +42,7 @@ FLAGS: tuple[tuple[str, type, Any, int | None, str], ...] = (
     ("--val-every", int, 0, None, "validate every K iterations for the curves (0: only after)"),
     ("--workers", int, 0, 0, "DataLoader workers"),
     ("--device", str, "auto", None, "auto | cpu | cuda"),
-    ("--threads", int, 1, 0, "torch CPU threads (0: torch's default, one per core)"),
+    ("--threads", threads, 1, None, "torch CPU threads (0: torch's default, one per core)"),
     ("--seed", int, 0, None, "seed of data, init and training"),
     ("--n-show", int, 4, 0, "held-out images in the panel (0: no panel)"),
     ("--refine-steps", int, 100, 1, "method B triplet steps"),
@@ -52,10 +51,11 @@ FLAGS: tuple[tuple[str, type, Any, int | None, str], ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="dualseg demo",
-        description="Train, score and show a small dual-branch network on synthetic scenes.",
-        **argparse_kwargs("dualseg demo", "dualseg demo --data data/camvid --preset camvid"),
+    p = command_parser(
+        "demo",
+        "Train, score and show a small dual-branch network on synthetic scenes.",
+        "dualseg demo",
+        "dualseg demo --data data/camvid --preset camvid",
     )
     for flag, kind, default, _, text in FLAGS:
         p.add_argument(flag, type=kind, default=default, help=f"{text} ({default})")
@@ -74,8 +74,6 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, _, _, low, _ in FLAGS:
         if low is not None and value[flag] < low and not (args.no_refine and "refine" in flag):
             raise ConfigError(f"{flag} must be >= {low} (got {value[flag]})")
-    if args.threads > options.MAX_THREADS:
-        raise ConfigError(f"--threads must be at most {options.MAX_THREADS} (got {args.threads})")
     if (problem := seed_error(args.seed, "--seed")) is not None:
         raise ConfigError(problem)
     source = "--data (its own images)" if args.data else "the synthetic data"

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from dualseg.commands import common as c
-from dualseg.console import ArgumentParser, argparse_kwargs, progress_mode, track
+from dualseg.console import progress_mode, track
 from dualseg.data import read_label
 from dualseg.data.collate import SameSizeCollate
 from dualseg.engine.checkpoint import contract_of
@@ -38,14 +38,12 @@ ONE_SIZE = "use --batch-size 1 (eval runs each image at its own size)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="dualseg eval",
-        description="Evaluate a checkpoint: mIoU, per-class IoU, pixel accuracy, "
+    p = c.command_parser(
+        "eval",
+        "Evaluate a checkpoint: mIoU, per-class IoU, pixel accuracy, "
         "boundary F1 and trimap mIoU; writes metrics.json.",
-        **argparse_kwargs(
-            "dualseg eval -c runs/camvid/best.pt --data ../shared/data/camvid --split val",
-            "dualseg eval -c runs/camvid/best.pt --data ROOT --refiner runs/camvid/refiner.pt",
-        ),
+        "dualseg eval -c runs/camvid/best.pt --data ../shared/data/camvid --split val",
+        "dualseg eval -c runs/camvid/best.pt --data ROOT --refiner runs/camvid/refiner.pt",
     )
     add = p.add_argument
     add(

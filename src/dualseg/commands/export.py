@@ -6,16 +6,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dualseg.console import ArgumentParser, argparse_kwargs
+from dualseg.commands.common import command_parser
 from dualseg.engine.pretrained import save_pretrained_from_checkpoint
 from dualseg.errors import ConfigError
 from dualseg.export import export as library
-from dualseg.export.export import check_onnx_options
 from dualseg.export.outputs import check_outputs
-from dualseg.export.runners import import_extra
 from dualseg.refine import BoundaryRefiner
 
-MAX_SIDE = 8192  # the largest --size side: past it, tracing one image outgrows the memory
 # options a format does not read: given to it, they would be dropped silently
 ONNX_ONLY = ("--opset", "--exporter")
 TRACED = ("--dynamic", "--output", "--size", "--no-verify", "--tolerance")
@@ -23,14 +20,12 @@ UNREAD = {"torchscript": ONNX_ONLY, "pretrained": TRACED + ONNX_ONLY}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="dualseg export",
-        description="Export a trained network to ONNX or TorchScript, with class names, palette "
+    p = command_parser(
+        "export",
+        "Export a trained network to ONNX or TorchScript, with class names, palette "
         "and normalization in the file's metadata, or as a pretrained folder (safetensors).",
-        **argparse_kwargs(
-            "dualseg export -c runs/camvid/best.pt --format onnx --out model.onnx --dynamic",
-            "dualseg export -c runs/camvid/best.pt --format pretrained --out camvid-model/",
-        ),
+        "dualseg export -c runs/camvid/best.pt --format onnx --out model.onnx --dynamic",
+        "dualseg export -c runs/camvid/best.pt --format pretrained --out camvid-model/",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", "-c", help="checkpoint, pretrained folder or hf://org/name")
@@ -78,18 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.format == "pretrained":
         return _export_pretrained(args)
     size = tuple(args.size) if args.size else ((64, 64) if args.dynamic else (512, 512))
-    if not args.tolerance >= 0:
-        raise ConfigError(f"--tolerance must be >= 0, got {args.tolerance}")
-    if min(size) < 8 or max(size) > MAX_SIDE:
-        raise ConfigError(
-            f"--size must be between 8x8 and {MAX_SIDE}x{MAX_SIDE}, got {size[0]}x{size[1]}"
-        )
-    if args.format == "onnx":  # missing extras: one line now, not after the export
-        import_extra("onnx")
-        if not args.no_verify:
-            import_extra("onnxruntime")
-        check_onnx_options(args.exporter, args.opset, args.dynamic)
-
     tolerance = None if args.no_verify else args.tolerance
     options = dict(format=args.format, dynamic=args.dynamic, example_size=size, opset=args.opset,
                    exporter=args.exporter, tolerance=tolerance)  # fmt: skip

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from dualseg.commands import common as c
-from dualseg.console import ArgumentParser, Progress, argparse_kwargs, progress_mode
+from dualseg.console import Progress, progress_mode
 from dualseg.engine.large_images import needs_bands, open_rows, slide_labels
 from dualseg.engine.outputs import (
     OUTPUT_FOLDERS,
@@ -18,22 +18,18 @@ from dualseg.engine.outputs import (
     save_probs,
     write_outputs,
 )
-from dualseg.engine.predict import load_model
 from dualseg.errors import ConfigError, DualsegError
-from dualseg.export.runtime import ExportedSegmenter
 from dualseg.imaging import read_image, rgb_digest
 from dualseg.io import check_writable
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="dualseg predict",
-        description="Segment images with a trained checkpoint: label PNG, colour PNG, overlay "
+    p = c.command_parser(
+        "predict",
+        "Segment images with a trained checkpoint: label PNG, colour PNG, overlay "
         "(and optionally class probabilities) per image, at the original resolution.",
-        **argparse_kwargs(
-            "dualseg predict street.png photos/ -c runs/camvid/best.pt -o out/",
-            "dualseg predict 'photos/*.jpg' -c hf://org/camvid-model -o out/ --probs",
-        ),
+        "dualseg predict street.png photos/ -c runs/camvid/best.pt -o out/",
+        "dualseg predict 'photos/*.jpg' -c hf://org/camvid-model -o out/ --probs",
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, folders or globs")
     src = p.add_mutually_exclusive_group(required=True)
@@ -52,15 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(args: argparse.Namespace, device: Any) -> Any:
-    """The ``--checkpoint`` segmenter, or the ``--onnx`` exported one (ONNX or TorchScript)."""
-    if not args.onnx:
-        return load_model(args.checkpoint, device=device, amp=c.cuda_amp(args, device))
-    seg = ExportedSegmenter(args.onnx, **c.onnx_runtime(args, device))
-    c.static_export_note(args.onnx, seg, "predict")
-    return seg
-
-
 def _write_large(args: argparse.Namespace, o: Any, seg: Any, path: Path, out: Path, name: str,
                  depth: int | None) -> None:  # fmt: skip
     """Slide mode (options ``o``) on an image above Pillow's limit: read, labelled and written
@@ -76,9 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     out = check_writable(args.out, kind="dir", what="--out")
     device = c.apply_runtime(args)
     opts = c.inference_options(args)
-    if args.onnx and (opts.mode != "whole" or opts.uses_tta):
-        raise ConfigError("--mode slide and --tta-* need --checkpoint: an --onnx model runs "
-                          "whole images only")  # fmt: skip
     images = collect_images(args.inputs, out=out)
     files = [(f, ".npz" if f == "probs" else ".png") for f in OUTPUT_FOLDERS]
     files = files if args.probs else files[:-1]
@@ -89,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         flag = "--probs" if args.probs else "--tta-*"
         raise ConfigError(f"{min(large)}: over Pillow's pixel limit, so read in row bands; "
                           f"{flag} needs the whole image's probabilities: drop it")  # fmt: skip
-    seg = _load(args, device)
+    seg = c.load_segmenter(args, device, "predict")
     source = args.checkpoint or args.onnx
     if seg.num_classes > 255:
         raise DualsegError(f"{source} has {seg.num_classes} classes; label PNGs hold at most 255")

@@ -7,7 +7,7 @@ import sys
 
 from dualseg.augment_defaults import check_augment_settings
 from dualseg.commands import common as c
-from dualseg.console import ArgumentParser, argparse_kwargs, progress_mode
+from dualseg.console import argparse_kwargs, progress_mode
 from dualseg.data.transforms import SCALE_RANGE
 from dualseg.engine.outputs import check_image_outputs, collect_images
 from dualseg.export.runtime import load_refiner
@@ -85,13 +85,11 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = ArgumentParser(
-        prog="dualseg refine",
-        description="Method B: boundary re-optimization of any segmentation model.",
-        **argparse_kwargs(
-            "dualseg refine fit --data ROOT --base runs/camvid/best.pt --out refiner.pt",
-            "dualseg refine apply photos/ -r refiner.pt -b runs/camvid/best.pt -o out/",
-        ),
+    parser = c.command_parser(
+        "refine",
+        "Method B: boundary re-optimization of any segmentation model.",
+        "dualseg refine fit --data ROOT --base runs/camvid/best.pt --out refiner.pt",
+        "dualseg refine apply photos/ -r refiner.pt -b runs/camvid/best.pt -o out/",
     )
     sub = parser.add_subparsers(dest="command", metavar="{fit,apply,layers}", required=True)
     _add_fit(sub)

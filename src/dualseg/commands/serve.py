@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 import functools
 import ipaddress
-import math
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -16,32 +16,36 @@ from dualseg.commands.common import (
     add_inference_arguments,
     add_runtime_args,
     apply_runtime,
-    cuda_amp,
+    command_parser,
     inference_options,
-    onnx_runtime,
-    static_export_note,
+    int_in,
+    load_segmenter,
+    nonnegative_int,
+    number_in,
+    positive_int,
 )
-from dualseg.console import ArgumentParser, argparse_kwargs
-from dualseg.engine.predict import load_model
-from dualseg.errors import ConfigError, DualsegError
-from dualseg.export.runtime import ExportedSegmenter, load_refiner
+from dualseg.errors import DualsegError
+from dualseg.export.runtime import load_refiner
 from dualseg.serve import defaults as d
 from dualseg.serve.server import check_port, request_log_on_stderr, run_server
 
 SERVE_MODULES = ("fastapi", "uvicorn", "python_multipart", "starlette", "pydantic")
 MIN_MEGAPIXELS = 0.001  # about 32x32 pixels: below, every image is refused or one class
-MIN_UPLOAD_MB = 0.01  # 10 KiB
+
+
+def at_least(low: float, *, zero: str = "") -> Callable[[str], float]:
+    """argparse ``type=``: a finite number >= ``low`` (or 0, meaning ``zero``)."""
+    rule = f"0 ({zero}) or >= {low:g}" if zero else f">= {low:g}"
+    return lambda text: number_in(text, lambda v: v >= low or (bool(zero) and v == 0), rule)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(
-        prog="dualseg serve",
-        description="Serve a local web page (drop an image, see its segmentation) and a JSON "
+    p = command_parser(
+        "serve",
+        "Serve a local web page (drop an image, see its segmentation) and a JSON "
         "API (POST /api/segment; schema at /docs and /openapi.json).",
-        **argparse_kwargs(
-            "dualseg serve -c runs/camvid/best.pt --refiner runs/camvid/refiner.pt",
-            "dualseg serve --onnx model.onnx --port 8080",
-        ),
+        "dualseg serve -c runs/camvid/best.pt --refiner runs/camvid/refiner.pt",
+        "dualseg serve --onnx model.onnx --port 8080",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", "-c", help="checkpoint, pretrained folder or hf://org/name")
@@ -49,17 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refiner", help="method B: a refiner file, or an exported one (its .json)")
     add = p.add_argument
     add("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
-    add("--port", type=int, default=8000, help="port (8000)")
-    add("--max-megapixels", type=float, default=d.DEFAULT_MAX_MEGAPIXELS,
+    add("--port", type=int_in(1, 65535), default=8000, help="port (8000)")
+    add("--max-megapixels", type=at_least(MIN_MEGAPIXELS), default=d.DEFAULT_MAX_MEGAPIXELS,
         help="refuse larger images (%(default)g)")  # fmt: skip
-    add("--max-upload-mb", type=float, default=d.DEFAULT_MAX_UPLOAD_MB,
+    add("--max-upload-mb", type=at_least(0.01), default=d.DEFAULT_MAX_UPLOAD_MB,
         help="refuse larger uploads (%(default)g)")  # fmt: skip
-    add("--work-megapixels", type=float, default=d.DEFAULT_WORK_MEGAPIXELS,
+    add("--work-megapixels", type=at_least(MIN_MEGAPIXELS, zero="full size"),
+        default=d.DEFAULT_WORK_MEGAPIXELS,
         help="infer larger images downscaled to this size, labels brought back to the image's; "
         "0: always at full size (%(default)g)")  # fmt: skip
-    add("--workers", type=int, default=d.DEFAULT_WORKERS,
+    add("--workers", type=positive_int, default=d.DEFAULT_WORKERS,
         help="images segmented at the same time, on threads (%(default)d)")  # fmt: skip
-    add("--queue-size", type=int, default=d.DEFAULT_QUEUE_SIZE,
+    add("--queue-size", type=nonnegative_int, default=d.DEFAULT_QUEUE_SIZE,
         help="requests that may wait for a worker; more get 503 (%(default)d)")  # fmt: skip
     add("--save-uploads", metavar="DIR", help="keep every uploaded file in DIR (off)")
     add_runtime_args(p, device="cpu")
@@ -67,34 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """One line for each value no server can run with."""
-    mp, mb, work = args.max_megapixels, args.max_upload_mb, args.work_megapixels
-    rules = (
-        (all(map(math.isfinite, (mp, mb, work))), "--max-megapixels, --max-upload-mb and "
-         f"--work-megapixels must be finite numbers, got {mp}, {mb}, {work}"),
-        (mp >= MIN_MEGAPIXELS and mb >= MIN_UPLOAD_MB, f"--max-megapixels must be >= "
-         f"{MIN_MEGAPIXELS:g} and --max-upload-mb >= {MIN_UPLOAD_MB:g}, got {mp:g} and {mb:g}"),
-        (work == 0 or work >= MIN_MEGAPIXELS, "--work-megapixels must be 0 (full size) or >= "
-         f"{MIN_MEGAPIXELS:g} (about 32x32), got {work:g}"),
-        (args.workers >= 1 and args.queue_size >= 0, "--workers must be >= 1 and --queue-size "
-         f">= 0, got {args.workers}, {args.queue_size}"),
-        (0 < args.port < 65536, f"--port must be in 1..65535, got {args.port}"),
-    )  # fmt: skip
-    for ok, message in rules:
-        if not ok:
-            raise ConfigError(message)
-
-
 def _load(args: argparse.Namespace, options: Any) -> tuple[Any, Any, str]:
     """``(segmenter, refiner or None, model name)`` for the page."""
     device = apply_runtime(args)
+    segmenter = load_segmenter(args, device, "serve")
     if args.onnx:
-        segmenter: Any = ExportedSegmenter(args.onnx, **onnx_runtime(args, device))
-        static_export_note(args.onnx, segmenter, "serve")
         name = f"{Path(args.onnx).name} ({segmenter.info.get('arch') or 'onnx'})"
     else:
-        segmenter = load_model(args.checkpoint, device=device, amp=cuda_amp(args, device))
         name = f"{Path(args.checkpoint).name} ({type(segmenter.model).__name__})"
         if options.mode != "whole" or options.uses_tta:  # the page gets the averaged probs
             segmenter.predict_proba = functools.partial(segmenter.predict_proba, **asdict(options))
@@ -104,10 +88,7 @@ def _load(args: argparse.Namespace, options: Any) -> tuple[Any, Any, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    check_args(args)
     options = inference_options(args)
-    if args.onnx and (options.mode != "whole" or options.uses_tta):
-        raise ConfigError("--mode slide and --tta-* need --checkpoint: --onnx runs whole images")
     try:
         import uvicorn
 

@@ -47,6 +47,7 @@ FORMATS = ("onnx", "torchscript")
 OUTPUTS = ("logits", "probs")
 EXPORTERS = ("legacy", "dynamo")
 MIN_OPSET = {"legacy": 17, "dynamo": 18}  # dynamo has no opset-17 converter for Pad
+MAX_SIDE = 8192  # the largest example size side
 
 
 class ExportWrapper(nn.Module):
@@ -145,6 +146,28 @@ def check_onnx_options(exporter: str, opset: int | None, dynamic: bool) -> int:
     return opset
 
 
+def check_options(
+    format: str, output: str, dynamic: bool, size: Sequence[int], opset: int | None,
+    exporter: str, tolerance: float | None,
+) -> None:  # fmt: skip
+    """One line for an option no export can run with (or a missing extra), before any load."""
+    if format not in FORMATS:
+        raise ConfigError(f"format must be one of {FORMATS}, got {format!r}")
+    if output not in OUTPUTS:
+        raise ConfigError(f"output must be one of {OUTPUTS}, got {output!r}")
+    if tolerance is not None and not tolerance >= 0:
+        raise ConfigError(f"--tolerance must be >= 0, got {tolerance}")
+    if min(size) < 8 or max(size) > MAX_SIDE:  # past it, tracing one image outgrows memory
+        raise ConfigError(
+            f"--size must be between 8x8 and {MAX_SIDE}x{MAX_SIDE}, got {size[0]}x{size[1]}"
+        )
+    if format == "onnx":
+        import_extra("onnx")
+        if tolerance is not None:
+            import_extra("onnxruntime")
+        check_onnx_options(exporter, opset, dynamic)
+
+
 def _onnx_bytes(
     wrapper: nn.Module, info: Mapping[str, Any], x: Tensor, opset: int | None, exporter: str
 ) -> bytes:
@@ -183,19 +206,10 @@ def verify_export(wrapper: nn.Module, data: bytes, size: Sequence[int]) -> float
 
 
 def _write(
-    wrapper: nn.Module,
-    path: str | os.PathLike[str],
-    info: Mapping[str, Any],
-    *,
-    format: str,
-    example_size: Sequence[int],
-    opset: int | None,
-    exporter: str,
-    tolerance: float | None,
-) -> float | None:
+    wrapper: nn.Module, path: str | os.PathLike[str], info: Mapping[str, Any], *, format: str,
+    example_size: Sequence[int], opset: int | None, exporter: str, tolerance: float | None,
+) -> float | None:  # fmt: skip
     """Export, check against PyTorch when ``tolerance`` is given, then write atomically."""
-    if format not in FORMATS:
-        raise ConfigError(f"format must be one of {FORMATS}, got {format!r}")
     wrapper, x = wrapper.eval(), _example(example_size)
     with warnings.catch_warnings(), torch.no_grad():
         # understood and harmless here: tracing freezes the models' own padding test (the
@@ -222,16 +236,25 @@ def _write(
     return diff
 
 
-def _segmenter_wrapper(model: nn.Module, output: str, class_names: Sequence[str]) -> nn.Module:
+def _export_segmenter(
+    model: nn.Module, path: str | os.PathLike[str], class_names: Sequence[str],
+    palette: Sequence[Sequence[int]] | None, extra: Mapping[str, Any], *, format: str,
+    output: str, dynamic: bool, example_size: Sequence[int], opset: int | None, exporter: str,
+    tolerance: float | None,
+) -> float | None:  # fmt: skip
+    """Method A's network with its metadata, in eval mode (the caller's keeps its modes)."""
     require_rgb_input(model, "an export")
-    if output not in OUTPUTS:
-        raise ConfigError(f"output must be one of {OUTPUTS}, got {output!r}")
     classes = getattr(model, "num_classes", None)
     if isinstance(classes, int) and len(class_names) != classes:
         raise ConfigError(f"{len(class_names)} class names for a model with {classes} classes")
-    return ExportWrapper(
-        model, pad_multiple=int(getattr(model, "output_stride", 1) or 1), output=output
-    )
+    size = None if dynamic else tuple(example_size)
+    info = export_info("segmenter", class_names, palette, output, size, extra)
+    stride = int(getattr(model, "output_stride", 1) or 1)
+    with eval_mode(model):
+        return _write(
+            ExportWrapper(model, pad_multiple=stride, output=output), path, info, format=format,
+            example_size=example_size, opset=opset, exporter=exporter, tolerance=tolerance,
+        )  # fmt: skip
 
 
 def export_model(
@@ -255,20 +278,11 @@ def export_model(
     to it and the result back. ``tolerance``: check the export against PyTorch before writing
     it, and refuse it above this difference.
     """
-    wrapper = _segmenter_wrapper(model, output, class_names)
-    size = None if dynamic else tuple(example_size)
-    info = export_info("segmenter", class_names, palette, output, size, {})
-    with eval_mode(model):  # the caller's model keeps its own modes
-        _write(
-            wrapper,
-            path,
-            info,
-            format=format,
-            example_size=example_size,
-            opset=opset,
-            exporter=exporter,
-            tolerance=tolerance,
-        )
+    check_options(format, output, dynamic, example_size, opset, exporter, tolerance)
+    _export_segmenter(
+        model, path, class_names, palette, {}, format=format, output=output, dynamic=dynamic,
+        example_size=example_size, opset=opset, exporter=exporter, tolerance=tolerance,
+    )  # fmt: skip
     return Path(path)
 
 
@@ -287,6 +301,7 @@ def export_checkpoint(
     """Export a checkpoint's network (``.pt``, pretrained folder or ``hf://org/name``) with
     its class names, palette, arch, normalization, label contract and training images'
     digests; returns the difference from PyTorch when ``tolerance`` asks for the check."""
+    check_options(format, output, dynamic, example_size, opset, exporter, tolerance)
     ckpt = load_state(checkpoint)
     model, meta = build_model_from_checkpoint(ckpt, device="cpu")
     norm = ckpt.get("normalization") or {}  # the model's own (a folder may store another)
@@ -298,11 +313,10 @@ def export_checkpoint(
     }  # fmt: skip
     if ckpt.get("train_images") is not None:  # eval warns on them, as for the checkpoint
         extra["train_images"] = digests_to_hex(ckpt["train_images"])
-    size = None if dynamic else tuple(example_size)
-    info = export_info("segmenter", meta.class_names, meta.palette, output, size, extra)
-    return _write(
-        _segmenter_wrapper(model.eval(), output, meta.class_names), path, info, format=format,
-        example_size=example_size, opset=opset, exporter=exporter, tolerance=tolerance,
+    return _export_segmenter(
+        model, path, meta.class_names, meta.palette, extra, format=format, output=output,
+        dynamic=dynamic, example_size=example_size, opset=opset, exporter=exporter,
+        tolerance=tolerance,
     )  # fmt: skip
 
 
@@ -325,6 +339,7 @@ def export_refiner(
     ``[B,C,h,w]``. Load the pair with ``load_exported_refiner``. Returns the difference from
     PyTorch when ``tolerance`` asked for the check.
     """
+    check_options(format, "logits", dynamic, example_size, opset, exporter, tolerance)
     if not isinstance(refiner, BoundaryRefiner):
         refiner = BoundaryRefiner.load(refiner)
     if refiner.taps is not None:

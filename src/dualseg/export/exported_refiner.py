@@ -122,12 +122,7 @@ def load_exported_refiner(
             "with 'dualseg export --refiner'"
         )
     model_path = sidecar_path.parent / str(sidecar["embedding"])
-    if not model_path.is_file():
-        raise CheckpointError(
-            f"{sidecar_path}: its model {model_path.name} is not beside it; "
-            "keep the two files of the export together"
-        )
-    info = read_export_info(model_path)
+    info = read_export_info(model_path)  # "not found" when it is not beside the sidecar
     if info.get("kind") != "embedding":
         raise CheckpointError(f"{model_path} is not an exported embedding model")
     runner = Runner(model_path, info.get("input_size"), providers, threads)

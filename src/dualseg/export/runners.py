@@ -138,11 +138,8 @@ class Runner:
         providers: Sequence[str] | None = None,
         threads: int | None = None,
     ) -> None:
-        if threads is not None and (
-            isinstance(threads, bool)
-            or not isinstance(threads, int | np.integer)
-            or not 0 <= threads <= MAX_THREADS
-        ):
+        ok = isinstance(threads, int | np.integer) and not isinstance(threads, bool)
+        if threads is not None and not (ok and 0 <= threads <= MAX_THREADS):
             raise ConfigError(f"threads must be None or an int 0..{MAX_THREADS}, got {threads!r}")
         self.threads = int(threads) if threads else None
         self.static_hw = tuple(int(v) for v in static_hw) if static_hw else None

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import io
 import re
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,7 @@ from fastapi import HTTPException, Request
 from PIL import Image
 from python_multipart.multipart import FormParser, parse_options_header
 
-from dualseg.errors import ConfigError
-from dualseg.io import atomic_write_bytes
+from dualseg.io import atomic_write_bytes, check_writable
 
 GENERIC_TYPE = "application/octet-stream"  # what browsers send for an unknown extension
 VECTOR_TYPES = {"image/svg+xml"}  # image/* types that are drawings, not pictures
@@ -115,15 +113,7 @@ def save_upload(folder: Path, data: bytes, name: str) -> Path:
 
 
 def prepare_upload_folder(folder: str | Path) -> Path:
-    """Create ``folder`` (``--save-uploads``) and prove it writable now, not at the first upload."""
-    folder = Path(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".dualseg-write-test-"):
-            pass
-    except OSError as err:
-        raise ConfigError(
-            f"--save-uploads {folder}: cannot write there ({err.strerror or err}); choose a "
-            "writable folder"
-        ) from err
+    """Create ``folder`` (``--save-uploads``) once it proves writable, not at the first upload."""
+    folder = check_writable(folder, kind="dir", what="--save-uploads")
+    folder.mkdir(parents=True, exist_ok=True)
     return folder
