@@ -6,7 +6,7 @@
 1. The base: segmentation_models_pytorch's Unet with a MobileNetV2 encoder initialized from
    the ImageNet weights dualseg ships offline, trained briefly on synthetic street scenes.
    Bring your own trained model here instead: anything returning logits [B,C,h,w].
-2. Method B fitted on the base's own features: its encoder's stride-4 and stride-32 stages
+2. Method B fitted on the base's own features: its encoder's stride-4 and stride-16 stages
    (``base_features="auto"`` finds them; ``dualseg refine layers`` lists every candidate).
 3. Refined predictions: the base runs once per batch and the refiner reads its features.
 """

@@ -52,9 +52,11 @@ def test_the_taps_of_an_smp_unet_are_listed_and_picked() -> None:
     taps = {t.name: t for t in list_taps(base, torch.zeros(1, 3, 64, 64))}
     assert (taps["encoder.layer1"].channels, taps["encoder.layer1"].stride) == (64, 4)
     assert (taps["encoder.layer4"].channels, taps["encoder.layer4"].stride) == (512, 32)
-    assert pick_taps(base, list(taps.values())) == TAPS
+    # the deepest stage at the embedding's stride (16), not the encoder's last (32)
+    assert pick_taps(base, list(taps.values())) == ("encoder.layer1", "encoder.layer3")
+    assert pick_taps(base, list(taps.values()), high_stride=32) == TAPS
     mobile = _unet("mobilenet_v2")
-    assert pick_taps(mobile, list_taps(mobile)) == ("encoder.features.3", "encoder.features.18")
+    assert pick_taps(mobile, list_taps(mobile)) == ("encoder.features.3", "encoder.features.13")
 
 
 def test_a_tap_refiner_fits_refines_round_trips_and_refuses_another_base(tmp_path) -> None:
@@ -152,7 +154,7 @@ def test_taps_are_read_from_a_base_that_pads_its_input(centred: bool, high: str)
 def test_auto_taps_and_a_base_returning_hugging_face_logits() -> None:
     base = _unet("mobilenet_v2")
     refiner = _fit(base, base_features=("auto",))
-    assert refiner.taps.names == ("encoder.features.3", "encoder.features.18")
+    assert refiner.taps.names == ("encoder.features.3", "encoder.features.13")
 
     class Output:  # as transformers' segmentation models: logits at 1/4 of the image size
         def __init__(self, logits: torch.Tensor) -> None:
@@ -181,7 +183,7 @@ def test_refine_layers_lists_the_modules_of_a_python_base(tmp_path, capsys) -> N
     assert main(["refine", "layers", "--base", f"{spec}:model", "--size", "64", "64"]) == 0
     out = capsys.readouterr().out
     assert "encoder.layer4" in out and "512" in out
-    assert "--base-features encoder.layer1 encoder.layer4" in out
+    assert "--base-features encoder.layer1 encoder.layer3" in out
     assert main(["refine", "layers", "--base", f"{spec}:nothing"]) == 1
     assert "nothing" in capsys.readouterr().err
 

@@ -277,6 +277,6 @@ def describe_layers(spec: str, size: Sequence[int]) -> str:
     lines.append(
         f"suggested: --base-features {picked[0]} {picked[1]} (or --base-features auto)"
         if picked
-        else "no taps picked for this layout: choose LOW (stride 4) and HIGH (stride 16 or 32)"
+        else "no taps picked for this layout: choose LOW (stride 4) and HIGH (stride 16)"
     )
     return "\n".join(lines)

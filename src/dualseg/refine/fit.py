@@ -245,7 +245,7 @@ def prepare_net(
         base.to(device)
         names, found = cfg.base_features, list_taps(base)  # on a sample on base's device
         if names == ("auto",):
-            names = pick_taps(base, found)
+            names = pick_taps(base, found, high_stride=cfg.output_stride)
             if names is None:
                 raise ConfigError(
                     f"no taps could be picked in a {type(base).__name__}: give them "
