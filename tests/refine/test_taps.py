@@ -53,10 +53,14 @@ def test_the_taps_of_an_smp_unet_are_listed_and_picked() -> None:
     assert (taps["encoder.layer1"].channels, taps["encoder.layer1"].stride) == (64, 4)
     assert (taps["encoder.layer4"].channels, taps["encoder.layer4"].stride) == (512, 32)
     # the deepest stage at the embedding's stride (16), not the encoder's last (32)
-    assert pick_taps(base, list(taps.values())) == ("encoder.layer1", "encoder.layer3")
+    assert pick_taps(base, list(taps.values()), high_stride=16) == (
+        "encoder.layer1",
+        "encoder.layer3",
+    )
     assert pick_taps(base, list(taps.values()), high_stride=32) == TAPS
     mobile = _unet("mobilenet_v2")
-    assert pick_taps(mobile, list_taps(mobile)) == ("encoder.features.3", "encoder.features.13")
+    picked = pick_taps(mobile, list_taps(mobile), high_stride=16)
+    assert picked == ("encoder.features.3", "encoder.features.13")
 
 
 def test_a_tap_refiner_fits_refines_round_trips_and_refuses_another_base(tmp_path) -> None:

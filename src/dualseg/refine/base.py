@@ -21,6 +21,7 @@ from dualseg.engine.pretrained import is_hub_source, is_pretrained_folder, load_
 from dualseg.errors import ConfigError, DataError, DualsegError
 from dualseg.imaging import read_image, rgb_digest
 from dualseg.models.base import eval_mode
+from dualseg.refine.config import RefinerConfig
 from dualseg.refine.taps import base_logits, is_py_spec, list_taps, pick_taps
 
 
@@ -273,7 +274,7 @@ def describe_layers(spec: str, size: Sequence[int]) -> str:
         ) from None
     lines = [f"{'module':<44} {'channels':>8} {'stride':>6}  size"]
     lines += [f"{t.name:<44} {t.channels:>8} {t.stride:>6}  {t.size[0]}x{t.size[1]}" for t in taps]
-    picked = pick_taps(model, taps)
+    picked = pick_taps(model, taps, high_stride=RefinerConfig.output_stride)  # fit's default
     lines.append(
         f"suggested: --base-features {picked[0]} {picked[1]} (or --base-features auto)"
         if picked

@@ -86,9 +86,7 @@ def list_taps(model: nn.Module, sample: Tensor | None = None) -> list[Tap]:
     ]  # fmt: skip
 
 
-def pick_taps(
-    model: nn.Module, taps: Sequence[Tap], *, high_stride: int = 16
-) -> tuple[str, str] | None:
+def pick_taps(model: nn.Module, taps: Sequence[Tap], *, high_stride: int) -> tuple[str, str] | None:
     """``(low, high)`` for an encoder layout (:data:`ENCODERS`): of its stages (the shallowest
     level of modules of several strides), the last at stride 4 and the last at ``high_stride``
     or finer (the embedding's output stride: on an smp Unet's MobileNetV2 a stride-16 stage
