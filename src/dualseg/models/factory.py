@@ -280,9 +280,9 @@ def _check(name: str, num_classes: Any, weights: Any, options: dict[str, Any]) -
         warnings.warn(f"model {name!r}: {', '.join(off)} has no effect", UserWarning, stacklevel=3)
 
 
-def backbone_of(name: str, *, timm_model: str | None = None) -> str:
-    """The backbone (and ImageNet weights name) of model ``name``."""
+def backbone_of(name: str) -> str:
+    """The backbone (and ImageNet weights name) of model ``name`` with its default options."""
     _check_name(name)
     if name == "dualseg_timm":
-        return timm_model or _DEFAULTS["timm_model"]
+        return _DEFAULTS["timm_model"]
     return MODELS[name].args[0]
