@@ -100,10 +100,8 @@ def label_png(label: Any, num_classes: int) -> Any:
 def _json_default(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
-    if hasattr(obj, "tolist"):
+    if hasattr(obj, "tolist"):  # numpy and torch arrays and scalars
         return obj.tolist()
-    if hasattr(obj, "item"):
-        return obj.item()
     raise TypeError(f"not JSON serializable: {type(obj).__name__}")
 
 
