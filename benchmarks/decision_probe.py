@@ -1,0 +1,128 @@
+"""Benchmark (not a test): how many pixels does each method-B decision fix, and break?
+
+Method B relabels near-boundary pixels; a target asks that it break at most half as many
+correct pixels as it fixes. This probe runs the base and the refiner once per image, keeps what
+every decision reads at the near-boundary pixels (P2-P4's candidates, P5's distances, the
+ground truth), and then scores the whole decision grid of ``refine fit`` (gate, prior, floor;
+P1's blur aside) from that cache: mIoU, pixels fixed and pixels broken, per split. It also
+tries one reading that is not an option of dualseg, a switch cost ``delta`` (in units of the
+prototype scale) added to every candidate but the base's label, so that a pixel is relabelled
+only when another prototype is nearer by more than ``delta``::
+
+    python benchmarks/decision_probe.py --base RUN/runs/peer/last.pt \
+        --refiner RUN/refiner_peer.pt --split RUN/data/dev.txt RUN/data/val.txt --out probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dualseg.data import build_dataset
+from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+from dualseg.engine.inference import infer_logits
+from dualseg.errors import DualsegError
+from dualseg.io import atomic_write_json
+from dualseg.metrics import ConfusionMatrix, scores_from_confusion
+from dualseg.refine import BoundaryRefiner
+from dualseg.refine.calibrate import decision_grid
+from dualseg.refine.decision import Candidates, decide
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--base", required=True, help="base model checkpoint")
+    p.add_argument("--refiner", required=True, help="its refiner")
+    p.add_argument("--split", required=True, nargs="+", help="list files of labelled splits")
+    p.add_argument("--deltas", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.2, 0.4])
+    p.add_argument("--out", required=True, help="results JSON")
+    return p.parse_args()
+
+
+def band_cache(model: Any, refiner: BoundaryRefiner, split: Path) -> dict[str, Any]:
+    """The base's confusion matrix over whole images, and the candidates of every
+    near-boundary pixel of the split as one flat :class:`Candidates` with its ground truth."""
+    ds = build_dataset(split.parent, split=split.stem, preset="camvid")
+    cm = ConfusionMatrix(refiner.num_classes)
+    parts: dict[str, list[Tensor]] = {k: [] for k in ("gt", "pred", "labels", "distance",
+                                                      "log_prob", "margin")}  # fmt: skip
+    t0 = time.time()
+    with torch.no_grad():
+        for i in range(len(ds)):
+            x, y = (t[None] for t in ds[i][:2])
+            with refiner.shared_features(model) as kept:
+                probs = infer_logits(model, x).softmax(1)
+                feats = kept.take(x)
+            c = refiner.candidates(x, probs, features=feats)
+            cm.update(c.pred, y)
+            parts["gt"].append(y[c.edge])  # edge.nonzero() order, as the candidates' rows
+            parts["pred"].append(c.pred[c.edge])
+            for key in ("labels", "distance", "log_prob", "margin"):
+                parts[key].append(getattr(c, key))
+            if i % 50 == 0:
+                print(f"{split.stem} {i}/{len(ds)} {time.time() - t0:.0f}s", flush=True)
+    band = {k: torch.cat(v) for k, v in parts.items()}
+    m = len(band["pred"])
+    flat = Candidates(band["pred"][None, None], torch.ones(1, 1, m, dtype=torch.bool),
+                      band["labels"], band["distance"], band["log_prob"], band["margin"],
+                      torch.arange(m))  # fmt: skip
+    return {"images": len(ds), "cm": cm.mat, "gt": band["gt"].long(), "cands": flat}
+
+
+def score(cache: dict[str, Any], new: Tensor, k: int) -> dict[str, float]:
+    """mIoU with the band relabelled to ``new``, and the pixels it fixed and broke."""
+    gt, pred = cache["gt"], cache["cands"].pred.reshape(-1)
+    ok = gt != 255
+
+    def counts(p: Tensor) -> Tensor:
+        return torch.bincount(gt[ok] * k + p[ok], minlength=k * k).view(k, k)
+
+    cm = cache["cm"] - counts(pred) + counts(new)
+    fixed = int(((new == gt) & (pred != gt) & ok).sum())
+    broken = int(((new != gt) & (pred == gt) & ok).sum())
+    miou = 100 * scores_from_confusion(cm)["miou"]
+    return {"miou": round(miou, 2), "fixed": fixed, "broken": broken}
+
+
+def sweep(cache: dict[str, Any], deltas: list[float], k: int) -> list[dict[str, Any]]:
+    """One row per decision setting of the grid (P1's blur left out) and switch cost."""
+    c = cache["cands"]
+    rows = [{"setting": "base", **score(cache, c.pred.reshape(-1), k)}]
+    for delta in deltas:
+        cost = torch.zeros_like(c.distance)
+        cost[:, 1:] = delta  # column 0 is the base's own label (Top-1)
+        cd = dataclasses.replace(c, distance=c.distance + cost)
+        for s in decision_grid(blur_sigmas=(0.0,)):
+            setting = {k_: v for k_, v in s.items() if k_ != "p1_blur_sigma"}
+            new = decide(cd, **setting)[0].reshape(-1)
+            rows.append({"setting": {**setting, "switch_cost": delta}, **score(cache, new, k)})
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    model = build_model_from_checkpoint(load_checkpoint(args.base))[0].eval()
+    refiner = BoundaryRefiner.load(args.refiner)
+    out: dict[str, Any] = {"args": vars(args), "splits": {}}
+    for split in map(Path, args.split):
+        cache = band_cache(model, refiner, split)
+        rows = sweep(cache, args.deltas, refiner.num_classes)
+        out["splits"][split.stem] = {"images": cache["images"], "rows": rows}
+        print(split.stem, rows[0], flush=True)
+    atomic_write_json(args.out, out)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except DualsegError as err:  # a user error (a checkpoint, a refiner, a split): one line
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,52 @@
+"""benchmarks/decision_probe.py: its fixed / broken counts and mIoU from the band cache."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmark_helpers import BENCHMARKS, load_benchmark
+from dualseg.metrics import ConfusionMatrix
+from dualseg.refine.decision import Candidates
+
+
+def cache_of(pred: list[int], gt: list[int], distance: list[list[float]]) -> dict:
+    """A band of M pixels, candidates (base label, other label), the whole image = the band."""
+    p, g = torch.tensor(pred), torch.tensor(gt)
+    m = len(pred)
+    labels = torch.stack([p, 1 - p], 1)
+    cands = Candidates(p[None, None], torch.ones(1, 1, m, dtype=torch.bool), labels,
+                       torch.tensor(distance), torch.full((m, 2), -0.7), torch.zeros(m),
+                       torch.arange(m))  # fmt: skip
+    cm = ConfusionMatrix(2)
+    cm.update(p, g)
+    return {"images": 1, "cm": cm.mat, "gt": g, "cands": cands}
+
+
+def test_sweep_counts_fixed_and_broken_and_the_switch_cost_keeps_labels() -> None:
+    probe = load_benchmark("decision_probe")
+    # pixel 0: base wrong, the other prototype nearer by 1 (fixed); pixel 1: base right, the
+    # other nearer by 0.1 (broken unless the switch cost exceeds 0.1); pixel 2: base nearer
+    cache = cache_of([0, 1, 1], [1, 1, 1], [[1.0, 0.0], [0.1, 0.0], [0.0, 1.0]])
+    rows = probe.sweep(cache, [0.0, 0.2], 2)
+    assert rows[0] == {"setting": "base", "miou": 33.33, "fixed": 0, "broken": 0}
+    claim = {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0}
+    by_cost = {r["setting"]["switch_cost"]: r for r in rows[1:]
+               if {k: r["setting"][k] for k in claim} == claim}  # fmt: skip
+    assert (by_cost[0.0]["fixed"], by_cost[0.0]["broken"], by_cost[0.0]["miou"]) == (1, 1, 33.33)
+    assert (by_cost[0.2]["fixed"], by_cost[0.2]["broken"], by_cost[0.2]["miou"]) == (1, 0, 100.0)
+
+
+def test_a_missing_refiner_is_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
+    argv = ["--base", str(tmp_path / "b.pt"), "--refiner", str(tmp_path / "r.pt"),
+            "--split", "val.txt", "--out", str(tmp_path / "o.json")]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["decision_probe.py", *argv])
+    with pytest.raises(SystemExit) as stop:
+        runpy.run_path(str(BENCHMARKS / "decision_probe.py"), run_name="__main__")
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1
