@@ -54,13 +54,11 @@ def band_cache(model: Any, refiner: BoundaryRefiner, split: Path) -> dict[str, A
     parts: dict[str, list[Tensor]] = {k: [] for k in ("gt", "pred", "labels", "distance",
                                                       "log_prob", "margin")}  # fmt: skip
     t0 = time.time()
-    with torch.no_grad():
+    with torch.no_grad(), refiner.shared_features(model) as kept:  # hooks set once
         for i in range(len(ds)):
             x, y = (t[None] for t in ds[i][:2])
-            with refiner.shared_features(model) as kept:
-                probs = infer_logits(model, x).softmax(1)
-                feats = kept.take(x)
-            c = refiner.candidates(x, probs, features=feats)
+            probs = infer_logits(model, x).softmax(1)
+            c = refiner.candidates(x, probs, features=kept.take(x))
             cm.update(c.pred, y)
             parts["gt"].append(y[c.edge])  # edge.nonzero() order, as the candidates' rows
             parts["pred"].append(c.pred[c.edge])
@@ -81,8 +79,10 @@ def score(cache: dict[str, Any], new: Tensor, k: int) -> dict[str, float]:
     gt, pred = cache["gt"], cache["cands"].pred.reshape(-1)
     ok = gt != 255
 
-    def counts(p: Tensor) -> Tensor:
-        return torch.bincount(gt[ok] * k + p[ok], minlength=k * k).view(k, k)
+    def counts(p: Tensor) -> Tensor:  # the band's confusion, as the whole images' was counted
+        band = ConfusionMatrix(k)
+        band.update(p, gt)
+        return band.mat
 
     cm = cache["cm"] - counts(pred) + counts(new)
     fixed = int(((new == gt) & (pred != gt) & ok).sum())

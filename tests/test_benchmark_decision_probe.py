@@ -41,7 +41,7 @@ def test_sweep_counts_fixed_and_broken_and_the_switch_cost_keeps_labels() -> Non
     assert (by_cost[0.2]["fixed"], by_cost[0.2]["broken"], by_cost[0.2]["miou"]) == (1, 0, 100.0)
 
 
-def test_a_missing_refiner_is_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_a_missing_checkpoint_is_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
     argv = ["--base", str(tmp_path / "b.pt"), "--refiner", str(tmp_path / "r.pt"),
             "--split", "val.txt", "--out", str(tmp_path / "o.json")]  # fmt: skip
     monkeypatch.setattr(sys, "argv", ["decision_probe.py", *argv])
