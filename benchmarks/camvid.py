@@ -85,7 +85,6 @@ from camvid_protocols import (
     curve_stats,
     earlier_calls_seconds,
     evaluated_checkpoint,
-    nonnegative_float,
     open_fraction,
     positive_float,
     reuse_mismatch,
@@ -109,7 +108,7 @@ from camvid_report import (
     write_table,
 )
 
-from dualseg.commands.common import nonnegative_int, positive_int
+from dualseg.commands.common import nonnegative_float, nonnegative_int, positive_int
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
 from dualseg.engine.distributed import resolve_device
 from dualseg.engine.train import fit
@@ -159,6 +158,9 @@ METHOD_B: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--refine-decision-metric",), {"choices": METRICS, "default": METRICS[0],
         "help": "what the dev sweep of method B's decision maximizes (boundary_f1: for the "
         "edges)"}),
+    (("--refine-decision-max-broken-ratio",), {"type": nonnegative_float, "metavar": "R",
+        "help": "choose method B's decision on dev only among settings breaking at most R "
+        "pixels per pixel fixed (default: any)"}),
     (("--refine-mining",), {"choices": ("random", "semi-hard"), "default": RefinerConfig.mining,
         "help": "method B step 4: the false example of each triplet (random: the claim)"}),
     (("--refine-decoder-channels",), {"type": nonnegative_int,

@@ -35,11 +35,6 @@ def positive_float(text: str) -> float:
     return number_in(text, lambda v: v > 0, "> 0")
 
 
-def nonnegative_float(text: str) -> float:
-    """A finite number >= 0 (``--min-delta``)."""
-    return number_in(text, lambda v: v >= 0, ">= 0")
-
-
 def open_fraction(text: str) -> float:
     """A number strictly between 0 and 1 (``--dev-fraction``: some frames of each sequence
     held out, and some trained on)."""

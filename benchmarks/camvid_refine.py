@@ -284,7 +284,7 @@ def choose_decisions(
     base's own backbone output (:mod:`dualseg.refine.shared`) and the first choice blurs
     (which would make it run its own backbone again)."""
     _, dev = eval_loader(args.data, str(out / "data" / "dev.txt"), args.eval_limit, args.workers)
-    metric = args.refine_decision_metric
+    metric, ratio = args.refine_decision_metric, args.refine_decision_max_broken_ratio
     gated: dict[str, dict[str, BoundaryRefiner]] = {}
     for name, refiner in refiners.items():
         model = models[name]
@@ -297,15 +297,15 @@ def choose_decisions(
                 device=device,
                 shared=kept,
             )
-        chosen = choose_decision(rows, metric=metric)
-        sweep = {"metric": metric, "chosen": chosen, "rows": rows}
+        chosen = choose_decision(rows, metric=metric, max_broken_ratio=ratio)
+        sweep = {"metric": metric, "max_broken_ratio": ratio, "chosen": chosen, "rows": rows}
         print(f"[{name}] decision chosen on dev: {chosen}", flush=True)
         gated[name] = {"B_gated": with_decision(refiner, chosen)}
         # P1 blur makes the refiner run its own backbone; where it could read the base's
         # features instead, also keep the best setting that does (the cheap one)
         if kept.module is not None and chosen["p1_blur_sigma"]:
             unblurred = [r for r in rows if r.get("p1_blur_sigma", 0) == 0]
-            fast = choose_decision(unblurred, metric=metric)
+            fast = choose_decision(unblurred, metric=metric, max_broken_ratio=ratio)
             sweep["chosen_reading_base_features"] = fast
             gated[name]["B_shared"] = with_decision(refiner, fast)
             print(f"[{name}] ... among those reading the base's features: {fast}", flush=True)
@@ -341,10 +341,15 @@ def choose_crfs(
     return chosen
 
 
-def decision_label(cfg: RefinerConfig, metric: str = METRICS[0]) -> str:
+def decision_label(
+    cfg: RefinerConfig, metric: str = METRICS[0], max_broken_ratio: float | None = None
+) -> str:
     """How a dev-chosen decision reads in a table: 'gate 0.1, prior 2 (chosen on dev)', with
-    '... by boundary F1' where the sweep maximized that instead of mIoU."""
+    '... by boundary F1' where the sweep maximized that instead of mIoU, and '..., broken <=
+    0.5 x fixed' where it chose among the settings within that ratio."""
     by = "" if metric == METRICS[0] else " by " + {"boundary_f1": "boundary F1"}[metric]
+    if max_broken_ratio is not None:
+        by += f", broken <= {max_broken_ratio:g} x fixed"
     words = describe_decision(**{k: getattr(cfg, k) for k in DECISION_KEYS})
     return f"{words} (chosen on dev{by})"
 
@@ -362,9 +367,10 @@ def post_processors(
     if name in refiners:
         variants.append((f"{name}+B", LABELS[name] + " + method B", refiners[name]))
     for kind, copy in gated.get(name, {}).items():
-        label = LABELS[name] + (
-            f" + method B, {decision_label(copy.config, args.refine_decision_metric)}"
+        how = decision_label(
+            copy.config, args.refine_decision_metric, args.refine_decision_max_broken_ratio
         )
+        label = f"{LABELS[name]} + method B, {how}"
         if kind == "B_shared":
             label = label[: -len(")")] + " among the settings reading the base's features)"
         variants.append((f"{name}+{kind}", label, copy))

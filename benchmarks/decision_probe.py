@@ -30,7 +30,7 @@ from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoi
 from dualseg.engine.inference import infer_logits
 from dualseg.errors import DualsegError
 from dualseg.io import atomic_write_json
-from dualseg.metrics import ConfusionMatrix, scores_from_confusion
+from dualseg.metrics import ConfusionMatrix, change_counts, scores_from_confusion
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.calibrate import decision_grid
 from dualseg.refine.decision import Candidates, decide
@@ -77,7 +77,6 @@ def band_cache(model: Any, refiner: BoundaryRefiner, split: Path) -> dict[str, A
 def score(cache: dict[str, Any], new: Tensor, k: int) -> dict[str, float]:
     """mIoU with the band relabelled to ``new``, and the pixels it fixed and broke."""
     gt, pred = cache["gt"], cache["cands"].pred.reshape(-1)
-    ok = gt != 255
 
     def counts(p: Tensor) -> Tensor:  # the band's confusion, as the whole images' was counted
         band = ConfusionMatrix(k)
@@ -85,8 +84,7 @@ def score(cache: dict[str, Any], new: Tensor, k: int) -> dict[str, float]:
         return band.mat
 
     cm = cache["cm"] - counts(pred) + counts(new)
-    fixed = int(((new == gt) & (pred != gt) & ok).sum())
-    broken = int(((new != gt) & (pred == gt) & ok).sum())
+    fixed, broken = change_counts(new, pred, gt)[2:].tolist()
     miou = 100 * scores_from_confusion(cm)["miou"]
     return {"miou": round(miou, 2), "fixed": fixed, "broken": broken}
 

@@ -108,6 +108,11 @@ def test_a_decision_chosen_by_boundary_f1_says_so(camvid) -> None:
     args = camvid.parse_args(["--data", "d", "--refine-decision-metric", "boundary_f1"])
     assert args.refine_decision_metric == "boundary_f1"
     assert camvid.parse_args(["--data", "d"]).refine_decision_metric == "miou"
+    assert camvid.parse_args(["--data", "d"]).refine_decision_max_broken_ratio is None
+    args = camvid.parse_args(["--data", "d", "--refine-decision-max-broken-ratio", "0.5"])
+    assert args.refine_decision_max_broken_ratio == 0.5
+    within = "gate 0.1, prior 0.5 (chosen on dev, broken <= 0.5 x fixed)"
+    assert refine.decision_label(cfg, "miou", 0.5) == within
 
 
 def test_a_reused_refiner_must_have_been_fit_on_the_same_inputs(camvid, tmp_path: Path) -> None:

@@ -184,6 +184,9 @@ def test_sweep_scores_each_setting_and_chooses_the_best() -> None:
     assert by[(None, 0.0)]["pixel_acc"] == pytest.approx(1 / 3)  # the claim breaks two
     assert by[(0.2, 0.0)]["pixel_acc"] == by[(None, 0.5)]["pixel_acc"] == pytest.approx(1.0)
     assert by[(0.0, 0.0)]["changed"] == 0
+    # fixed: wrong before, right after; broken: the reverse (fractions of labelled pixels)
+    assert (by[(None, 0.0)]["fixed"], by[(None, 0.0)]["broken"]) == pytest.approx((1 / 3, 2 / 3))
+    assert (by[(0.2, 0.0)]["fixed"], by[(0.2, 0.0)]["broken"]) == pytest.approx((1 / 3, 0))
     # two perfect rows, both changing one pixel of three: the first of them wins the tie
     assert choose_decision(rows) == {
         "gate_margin": 0.2,
@@ -231,13 +234,8 @@ def test_p1_filter_blurs_and_zero_is_the_identity() -> None:
 def test_the_choice_maximizes_the_metric_asked_for() -> None:
     def row(gate: float, miou: float, bf1: float, changed: float) -> dict:
         options = {"prior_weight": 0.0, "min_prob": 0.0, "p1_blur_sigma": 0.0}
-        return {
-            "gate_margin": gate,
-            **options,
-            "miou": miou,
-            "boundary_f1": bf1,
-            "changed": changed,
-        }
+        scores = {"miou": miou, "boundary_f1": bf1, "changed": changed}
+        return {"gate_margin": gate, **options, **scores, "fixed": changed, "broken": 0.0}
 
     rows = [
         {"gate_margin": "base", "miou": 0.9, "boundary_f1": 0.9, "changed": 0.0},  # never chosen
@@ -250,6 +248,29 @@ def test_the_choice_maximizes_the_metric_asked_for() -> None:
     # the sweep's report lists the best rows by the metric that chose
     by_edges = format_sweep(rows, metric="boundary_f1", best=1).splitlines()
     assert len(by_edges) == 2 and "gate 0.5" in by_edges[1]
+
+
+def test_a_broken_ratio_limits_the_choice_to_settings_within_it() -> None:
+    def row(gate: float | None, miou: float, fixed: float, broken: float) -> dict:
+        options = {"prior_weight": 0.0, "min_prob": 0.0, "p1_blur_sigma": 0.0}
+        scores = {"miou": miou, "boundary_f1": 0.3, "changed": fixed + broken}
+        return {"gate_margin": gate, **options, **scores, "fixed": fixed, "broken": broken}
+
+    rows = [
+        {"gate_margin": "base", "miou": 0.50, "boundary_f1": 0.3, "changed": 0.0},
+        row(0.0, 0.50, 0.0, 0.0),
+        row(None, 0.53, 0.020, 0.015),  # the best mIoU, 0.75 broken per fixed
+        row(0.3, 0.52, 0.010, 0.004),  # 0.4 broken per fixed
+    ]
+    assert choose_decision(rows)["gate_margin"] is None
+    assert choose_decision(rows, max_broken_ratio=1.0)["gate_margin"] is None
+    assert choose_decision(rows, max_broken_ratio=0.5)["gate_margin"] == 0.3
+    assert choose_decision(rows, max_broken_ratio=0.0)["gate_margin"] == 0.0  # none within it
+    # never relabelling is the choice even where the sweep left it out
+    assert choose_decision(rows[2:], max_broken_ratio=0.1)["gate_margin"] == 0.0
+    # the sweep's report names the chosen row, and the pixels each row fixed and broke
+    lines = format_sweep(rows, metric="miou", best=1, chosen={"gate_margin": 0.3}).splitlines()
+    assert "gate 0.3" in lines[-1] and "fixed 1.00%  broke 0.40%" in lines[-1]
 
 
 def test_decision_settings_read_the_same_in_every_report() -> None:
@@ -266,6 +287,8 @@ def test_decision_settings_read_the_same_in_every_report() -> None:
             "miou": 0.4,
             "boundary_f1": 0.2,
             "changed": 0.1,
+            "fixed": 0.04,
+            "broken": 0.06,
         },
         {
             "gate_margin": 0.1,
@@ -275,6 +298,8 @@ def test_decision_settings_read_the_same_in_every_report() -> None:
             "miou": 0.6,
             "boundary_f1": 0.35,
             "changed": 0.01,
+            "fixed": 0.008,
+            "broken": 0.002,
         },
     ]
     lines = format_sweep(rows, metric="miou").splitlines()

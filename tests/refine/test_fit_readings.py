@@ -12,7 +12,7 @@ from checkpoint_helpers import write_peer_checkpoint
 from dualseg.commands.refine import main as refine_main
 from dualseg.data import build_dataset, make_synthetic_dataset
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
-from dualseg.errors import CheckpointError
+from dualseg.errors import CheckpointError, ConfigError
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.fit import embedding_net
 from dualseg.refine.formats import TRAIN_FORMAT, load_state
@@ -60,6 +60,7 @@ def test_base_frozen_backbone_is_the_base_models_and_the_gate_is_calibrated(
     argv += ["--mining", "semi-hard", "--mining-pool", "4"]
     argv += ["--decoder-channels", "8"]  # beyond the claim: a stride-4 decoder
     argv += ["--calibrate-split", "dev", "--calibrate-metric", "boundary_f1"]
+    argv += ["--calibrate-max-broken-ratio", "0.5"]
     assert refine_main(argv) == 0
     refiner = BoundaryRefiner.load(out)
     assert refiner.config.backbone_source == "base-frozen"
@@ -70,11 +71,13 @@ def test_base_frozen_backbone_is_the_base_models_and_the_gate_is_calibrated(
     theirs = model.backbone.state_dict()
     for key, value in refiner.net.backbone.state_dict().items():
         assert torch.equal(value, theirs[key]), key
-    # the sweep chose the decision on the held-out split, by the metric asked for, and kept
-    # its table
+    # the sweep chose the decision on the held-out split, by the metric asked for among the
+    # settings within the broken ratio asked for, and kept its table
     cal = refiner.calibration
     assert (cal["split"], cal["images"], cal["metric"]) == ("dev", 2, "boundary_f1")
-    best = max(r["boundary_f1"] for r in cal["rows"] if r["gate_margin"] != "base")
+    assert cal["max_broken_ratio"] == 0.5
+    within = [r for r in cal["rows"] if r["gate_margin"] != "base"]
+    best = max(r["boundary_f1"] for r in within if r["broken"] <= 0.5 * r["fixed"])
     cfg = refiner.config
     chosen = [
         r
@@ -94,6 +97,10 @@ def test_base_readings_need_a_base_checkpoint(setup: tuple[Path, Path], tmp_path
         refine_main([*argv, "--backbone-source", "base-frozen"])
     with pytest.raises(Exception, match="--base"):
         refine_main([*argv, "--calibrate-split", "dev"])
+    with pytest.raises(ConfigError, match=r"^--calibrate-max-broken-ratio choose .*: add --calib"):
+        refine_main([*argv, "--calibrate-max-broken-ratio", "0.5"])
+    with pytest.raises(SystemExit):  # refused at parsing, with argparse's one line
+        refine_main([*argv, "--calibrate-max-broken-ratio", "-1"])
 
 
 def test_calibration_note_when_refinement_did_not_help(tmp_path: Path) -> None:

@@ -72,6 +72,11 @@ def fraction(text: str) -> float:
     return number_in(text, lambda v: 0 <= v <= 1, "in [0, 1]")
 
 
+def nonnegative_float(text: str) -> float:
+    """argparse ``type=``: a finite number >= 0 (``--calibrate-max-broken-ratio``)."""
+    return number_in(text, lambda v: v >= 0, ">= 0")
+
+
 def megapixels(text: str) -> float:
     """``--max-megapixels``: a positive finite number."""
     return number_in(text, lambda v: v > 0, "positive (megapixels)")

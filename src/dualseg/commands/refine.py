@@ -43,6 +43,12 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     add("--weights", help="ImageNet weight file for the backbone (default: resolved)")
     add("--calibrate-split", help="a labelled split to choose the decision options on (--base)")
     add("--calibrate-metric", choices=METRICS, default=METRICS[0], help=f"({METRICS[0]})")
+    add(
+        "--calibrate-max-broken-ratio",
+        type=c.nonnegative_float,
+        metavar="R",
+        help="choose only among settings breaking at most R pixels per pixel fixed (any)",
+    )
     add_flags(p, PARSED)
     add("--time-budget", type=float, metavar="MINUTES", help="stop the steps after MINUTES")
     add("--proto-images", type=c.nonnegative_int, default=0, help="prototype images (0: all)")
@@ -117,6 +123,15 @@ def main(argv: list[str] | None = None) -> int:
     return (fit_main if args.command == "fit" else apply_main)(args)
 
 
+def _sweep_flags(args: argparse.Namespace) -> list[str]:
+    """The flags given that choose among the --calibrate-split sweep's rows."""
+    given = (
+        ("--calibrate-metric", args.calibrate_metric != METRICS[0]),
+        ("--calibrate-max-broken-ratio", args.calibrate_max_broken_ratio is not None),
+    )
+    return [flag for flag, on in given if on]
+
+
 def fit_main(args: argparse.Namespace) -> int:
     cfg = RefinerConfig.from_flags(args)
     if cfg.top_n == 1:
@@ -128,6 +143,7 @@ def fit_main(args: argparse.Namespace) -> int:
     fit_run.check_options(
         cfg, split=split, calibrate_split=args.calibrate_split, crop_size=args.crop_size,
         weights=args.weights, init_backbone=args.init_backbone, has_base=bool(args.base),
+        sweep_flags=_sweep_flags(args),
     )  # fmt: skip
     out, checkpoint = fit_run.fit_outputs(
         args.out, args.checkpoint, data=args.data, layout=args.layout, base=args.base,
@@ -155,6 +171,7 @@ def fit_main(args: argparse.Namespace) -> int:
         checkpoint=checkpoint, checkpoint_every=args.checkpoint_every, resume=args.resume,
         overwrite=args.overwrite, progress="off" if args.no_progress else progress_mode(args.quiet),
         log_every=args.log_every, calibrate_metric=args.calibrate_metric,
+        calibrate_max_broken_ratio=args.calibrate_max_broken_ratio,
         time_budget_s=None if args.time_budget is None else 60 * args.time_budget,
     )  # fmt: skip
     if report:

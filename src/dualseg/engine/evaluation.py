@@ -31,6 +31,7 @@ from dualseg.metrics import (
     TRIMAP_WIDTH,
     BoundaryMetrics,
     ConfusionMatrix,
+    change_counts,
     format_table,
     scores_from_confusion,
 )
@@ -127,15 +128,6 @@ def _refine(refiner: Any, shared: Any, images: Tensor, logits: Tensor) -> tuple[
     return new, changed, int(kept is not None)
 
 
-def _changes(new: Tensor, pred: Tensor, labels: Tensor, ignore_index: int) -> Tensor:
-    """Labelled pixels, and those refinement changed, fixed and broke."""
-    changed, valid = new != pred, labels != ignore_index
-    was_right, is_right = pred == labels, new == labels
-    return torch.stack([valid.sum(), (changed & valid).sum(),
-                        (changed & valid & ~was_right & is_right).sum(),
-                        (changed & valid & was_right & ~is_right).sum()])  # fmt: skip
-
-
 def _at_labels(logits: Tensor, labels: Tensor, num_classes: int) -> Tensor:
     """``logits`` checked against the data's classes and resized to the labels (spec S4)."""
     if logits.shape[1] != num_classes:  # a model that carries no class names
@@ -206,7 +198,7 @@ def evaluate(
                 # base (argmax of logits and of softmax differ at float ties)
                 new = torch.where(changed.to(device).bool(), new.to(device).long(), pred)
                 scores[1].update(new, labels)
-                counts[:4] += _changes(new, pred, labels, ignore_index)
+                counts[:4] += change_counts(new, pred, labels, ignore_index)
                 counts[4] += n * on_shared
             if on_batch is not None:
                 on_batch(index, images, labels, pred, new)

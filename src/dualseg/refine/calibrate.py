@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from dualseg.io import file_digest
-from dualseg.metrics import BoundaryMetrics, ConfusionMatrix
+from dualseg.metrics import BoundaryMetrics, ConfusionMatrix, change_counts
 from dualseg.refine.decision import decide
 
 # The claim's decision (every near-boundary pixel, nearest prototype, no filter) as a setting
@@ -55,8 +55,7 @@ def sweep_decision(
     keys: list[Any] = ["base", *range(len(settings))]
     conf = {k: ConfusionMatrix(num_classes, ignore_index=ignore_index, device=dev) for k in keys}
     bnd = {k: BoundaryMetrics(num_classes, ignore_index=ignore_index, device=dev) for k in keys}
-    changed = dict.fromkeys(keys, 0)
-    labelled = 0
+    counts = {k: torch.zeros(4, dtype=torch.int64, device=dev) for k in keys}
     sigmas = {s.get("p1_blur_sigma", 0.0) for s in settings}  # one embedding run each
     for images, labels in batches:
         images, labels = images.to(dev), labels.to(dev)
@@ -68,8 +67,6 @@ def sweep_decision(
             for sigma in sigmas
         }  # fmt: skip
         pred = next(iter(cands.values())).pred.to(dev)  # Pred, as every decision reads it
-        valid = labels != ignore_index
-        labelled += int(valid.sum())
         for k in keys:
             out = pred
             if k != "base":
@@ -77,27 +74,38 @@ def sweep_decision(
                 out = decide(cands[setting.pop("p1_blur_sigma", 0.0)], **setting)[0].to(dev)
             conf[k].update(out, labels)
             bnd[k].update(out, labels)
-            changed[k] += int(((out != pred) & valid).sum())
+            counts[k] += change_counts(out, pred, labels, ignore_index)
     rows = []
     for k in keys:
         scores = conf[k].compute()
         setting = {"gate_margin": "base"} if k == "base" else dict(settings[k])
+        _, changed, fixed, broken = (counts[k] / counts[k][0].clamp(min=1)).tolist()
         rows.append({
             **setting, "miou": float(scores["miou"]), "pixel_acc": float(scores["pixel_acc"]),
             "boundary_f1": float(bnd[k].compute()["boundary_f1"]),
-            "changed": changed[k] / max(labelled, 1),
+            "changed": changed, "fixed": fixed, "broken": broken,
         })  # fmt: skip
     return rows
 
 
-def choose_decision(rows: Sequence[dict[str, Any]], *, metric: str = METRICS[0]) -> dict[str, Any]:
+def choose_decision(
+    rows: Sequence[dict[str, Any]], *, metric: str = METRICS[0],
+    max_broken_ratio: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The decision options of the best row by ``metric`` (one of :data:`METRICS`: mIoU, or boundary
-    F1); on a tie the row changing fewer pixels."""
+    F1); on a tie the row changing fewer pixels. With ``max_broken_ratio`` r, only among the rows
+    that broke at most r pixels for each pixel they fixed; never relabelling (τ = 0) always
+    qualifies, so it is the choice when no other row does."""
 
     def order(r: dict[str, Any]) -> tuple[float, float]:
         return (-r[metric] if math.isfinite(r[metric]) else math.inf, r["changed"])
 
-    best = min((r for r in rows if r["gate_margin"] != "base"), key=order)
+    rows = [r for r in rows if r["gate_margin"] != "base"]
+    if max_broken_ratio is not None:
+        rows = [r for r in rows if r["broken"] <= max_broken_ratio * r["fixed"]]
+    if not rows:
+        return CLAIM_DECISION | {"gate_margin": 0.0}
+    best = min(rows, key=order)
     return CLAIM_DECISION | {k: best[k] for k in DECISION_KEYS if k in best}
 
 

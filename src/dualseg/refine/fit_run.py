@@ -36,7 +36,7 @@ MIN_CROP = 16  # px a side: the smallest fit crop that can hold a boundary band
 
 def check_options(
     cfg: RefinerConfig, *, split: str, calibrate_split: str | None, crop_size: Sequence[int],
-    weights: str | None, init_backbone: str, has_base: bool,
+    weights: str | None, init_backbone: str, has_base: bool, sweep_flags: Sequence[str] = (),
 ) -> None:  # fmt: skip
     """Refuse option combinations that fit a useless refiner or ignore an option unsaid."""
     if cfg.base_features is not None:
@@ -60,6 +60,9 @@ def check_options(
             "drop --weights, or --init-backbone none"
         )
     if not calibrate_split:
+        if sweep_flags:  # flags that only choose among the sweep's rows
+            raise ConfigError(f"{' and '.join(sweep_flags)} choose among the --calibrate-split "
+                              "sweep's settings: add --calibrate-split")  # fmt: skip
         return
     if not has_base:
         raise ConfigError("--calibrate-split scores the refiner on top of a base model: add --base")
@@ -219,7 +222,7 @@ def run_fit(
     scale_range: Sequence[float], init_backbone: str, weights: str | None, device: Any,
     amp: bool, workers: int, checkpoint: Path, checkpoint_every: int, resume: bool,
     overwrite: bool, progress: str, log_every: int, calibrate_metric: str,
-    time_budget_s: float | None,
+    calibrate_max_broken_ratio: float | None, time_budget_s: float | None,
 ) -> tuple[BoundaryRefiner, str]:  # fmt: skip
     """Steps 1-5 on checked inputs, then the ``--calibrate-split`` sweep; the refiner and what
     to print about the sweep ("" without one)."""
@@ -260,20 +263,26 @@ def run_fit(
     refiner.label_contract = contract.to_dict()
     if data.held_out is None:
         return refiner, ""
-    split, metric = data.held_out_split, calibrate_metric
-    rows = calibrate(refiner, base, data.held_out, files, split=split, metric=metric, device=device)
-    chosen = ", ".join(f"{k} {getattr(refiner.config, k)}" for k in DECISION_KEYS)
+    split, metric, ratio = data.held_out_split, calibrate_metric, calibrate_max_broken_ratio
+    rows = calibrate(refiner, base, data.held_out, files, split=split, metric=metric,
+                     max_broken_ratio=ratio, device=device)  # fmt: skip
+    options = {k: getattr(refiner.config, k) for k in DECISION_KEYS}
+    chosen = ", ".join(f"{k} {v}" for k, v in options.items())
+    among = "" if ratio is None else f" breaking at most {ratio:g} pixel per pixel fixed"
     if refiner.config.gate_margin == 0:
-        chosen = "gate_margin 0, never relabel (refinement did not help this base)"
+        chosen = f"gate_margin 0, never relabel (no setting{among} helped this base)"
+    elif among:
+        chosen += f" (the best of the settings{among})"
+    table = format_sweep(rows, metric=metric, chosen=options)
     return refiner, (
-        f"decision sweep on {split} ({len(data.held_out)} held-out images):\n"
-        f"{format_sweep(rows, metric=metric)}\nchosen: {chosen}"
+        f"decision sweep on {split} ({len(data.held_out)} held-out images):\n{table}\n"
+        f"chosen: {chosen}"
     )
 
 
 def calibrate(
     refiner: Any, base: Any, held_out: Any, files: Sequence[tuple[Path, str]], *, split: str,
-    metric: str, device: Any,
+    metric: str, device: Any, max_broken_ratio: float | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Choose the decision options on the held-out images (``files``: their paths and names)
     and store them in the refiner with the sweep's table, which is returned."""
@@ -295,9 +304,11 @@ def calibrate(
         rows = sweep_decision(refiner, base_scores, batches(), num_classes=refiner.num_classes,
                               ignore_index=held_out.meta.ignore_index, device=device,
                               shared=shared)  # fmt: skip
-    refiner.config = dataclasses.replace(refiner.config, **choose_decision(rows, metric=metric))
+    chosen = choose_decision(rows, metric=metric, max_broken_ratio=max_broken_ratio)
+    refiner.config = dataclasses.replace(refiner.config, **chosen)
     refiner.calibration = {
-        "split": split, "images": len(held_out), "metric": metric, "rows": rows,
+        "split": split, "images": len(held_out), "metric": metric,
+        "max_broken_ratio": max_broken_ratio, "rows": rows,
         # by content: eval finds these images under any split name, root or file name
         "image_digests": [file_digest(path) for path, _ in files],
         # the base these options were chosen for (a probability folder: unknown)
@@ -321,20 +332,26 @@ def fit_summary(refiner: Any, out: Path) -> str:
     return "\n".join(lines)
 
 
-def format_sweep(rows: list[dict[str, Any]], *, metric: str, best: int = 5) -> str:
-    """The base row, the claim's row and the ``best`` rows by ``metric``, one line each."""
+def format_sweep(
+    rows: list[dict[str, Any]], *, metric: str, best: int = 5,
+    chosen: Mapping[str, Any] | None = None,
+) -> str:  # fmt: skip
+    """The base row, the claim's row, the ``best`` rows by ``metric`` and the ``chosen`` one,
+    one line each."""
 
     def setting(r: dict[str, Any]) -> dict[str, Any]:  # a reading missing from a row: default
         return {k: r.get(k, v) for k, v in CLAIM_DECISION.items()}
 
     base = [r for r in rows if r["gate_margin"] == "base"]
-    claims = [r for r in rows if r not in base and setting(r) == CLAIM_DECISION]
     rest = sorted((r for r in rows if r not in base), key=lambda r: (-r[metric], r["changed"]))
+    show = [r for r in rest if setting(r) == CLAIM_DECISION] + rest[:best]
+    show += [r for r in rest if chosen is not None and setting(r) == CLAIM_DECISION | chosen]
     lines = []
-    for r in [*base, *claims, *[r for r in rest[:best] if r not in claims]]:
+    for r in base + [r for i, r in enumerate(show) if r not in show[:i]]:
         name = "base model" if r in base else describe_decision(**setting(r))
-        lines.append(
-            f"  {name:>32}: mIoU {100 * r['miou']:.1f}  boundary F1 "
-            f"{100 * r['boundary_f1']:.1f}  changed {100 * r['changed']:.2f}%"
-        )
+        line = f"  {name:>32}: mIoU {100 * r['miou']:.1f}  boundary F1 {100 * r['boundary_f1']:.1f}"
+        line += f"  changed {100 * r['changed']:.2f}%"
+        if r not in base:
+            line += f"  fixed {100 * r['fixed']:.2f}%  broke {100 * r['broken']:.2f}%"
+        lines.append(line)
     return "\n".join(lines)
