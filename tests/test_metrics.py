@@ -454,6 +454,18 @@ def test_docstring_examples() -> None:
     assert result.attempted >= 3 and result.failed == 0
 
 
+def test_change_counts_counts_fixed_and_broken_on_labelled_pixels_only() -> None:
+    from dualseg.metrics import change_counts
+
+    labels = torch.tensor([[[0, 1, 2, 3], [9, 9, 1, 1]]])  # 9: unlabelled here
+    pred = torch.tensor([[[0, 0, 2, 2], [0, 1, 1, 0]]])
+    new = torch.tensor([[[1, 1, 2, 1], [5, 5, 1, 1]]])
+    # labelled 6; changed at 4 of them (cols 0, 1, 3 of row 0; col 3 of row 1): fixed 2
+    # (row 0 col 1, row 1 col 3), broken 1 (row 0 col 0), wrong to wrong 1 (row 0 col 3)
+    assert change_counts(new, pred, labels, ignore_index=9).tolist() == [6, 4, 2, 1]
+    assert change_counts(pred, pred, labels, ignore_index=9).tolist() == [6, 0, 0, 0]
+
+
 def test_neighbour_transitions_is_one_code_for_numpy_and_torch() -> None:
     from dualseg.metrics import neighbour_transitions
 

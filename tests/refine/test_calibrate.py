@@ -266,11 +266,18 @@ def test_a_broken_ratio_limits_the_choice_to_settings_within_it() -> None:
     assert choose_decision(rows, max_broken_ratio=1.0)["gate_margin"] is None
     assert choose_decision(rows, max_broken_ratio=0.5)["gate_margin"] == 0.3
     assert choose_decision(rows, max_broken_ratio=0.0)["gate_margin"] == 0.0  # none within it
+    # a row exactly at the ratio qualifies (3 broken, 10 fixed of 15 pixels: in binary floats
+    # 3/15 > 0.3 x 10/15)
+    at = [*rows[:2], row(0.2, 0.54, 10 / 15, 3 / 15)]
+    assert choose_decision(at, max_broken_ratio=0.3)["gate_margin"] == 0.2
+    assert choose_decision(at, max_broken_ratio=0.29)["gate_margin"] == 0.0
     # never relabelling is the choice even where the sweep left it out
     assert choose_decision(rows[2:], max_broken_ratio=0.1)["gate_margin"] == 0.0
     # the sweep's report names the chosen row, and the pixels each row fixed and broke
     lines = format_sweep(rows, metric="miou", best=1, chosen={"gate_margin": 0.3}).splitlines()
-    assert "gate 0.3" in lines[-1] and "fixed 1.00%  broke 0.40%" in lines[-1]
+    assert "gate 0.3" in lines[-1] and "fixed 1.00%  broke 0.40%  <- chosen" in lines[-1]
+    lines = format_sweep(rows, metric="miou", chosen={"gate_margin": 0.3}).splitlines()
+    assert [line.endswith("<- chosen") for line in lines] == [False, False, True, False]
 
 
 def test_decision_settings_read_the_same_in_every_report() -> None:

@@ -88,6 +88,8 @@ def test_base_frozen_backbone_is_the_base_models_and_the_gate_is_calibrated(
     assert len(chosen) == 1 and chosen[0]["boundary_f1"] == best
     out = capsys.readouterr().out
     assert "decision sweep on dev" in out and "chosen: " in out
+    assert "breaking at most 0.5 pixel per pixel fixed" in out.split("chosen: ")[1]
+    assert out.count("<- chosen") == 1
 
 
 def test_base_readings_need_a_base_checkpoint(setup: tuple[Path, Path], tmp_path: Path) -> None:
@@ -97,8 +99,11 @@ def test_base_readings_need_a_base_checkpoint(setup: tuple[Path, Path], tmp_path
         refine_main([*argv, "--backbone-source", "base-frozen"])
     with pytest.raises(Exception, match="--base"):
         refine_main([*argv, "--calibrate-split", "dev"])
-    with pytest.raises(ConfigError, match=r"^--calibrate-max-broken-ratio choose .*: add --calib"):
+    with pytest.raises(ConfigError, match=r"^--calibrate-max-broken-ratio needs --calibrate-split"):
         refine_main([*argv, "--calibrate-max-broken-ratio", "0.5"])
+    both = ["--calibrate-metric", "boundary_f1", "--calibrate-max-broken-ratio", "0.5"]
+    with pytest.raises(ConfigError, match=r"ratio need --calibrate-split: they choose among"):
+        refine_main([*argv, *both])
     with pytest.raises(SystemExit):  # refused at parsing, with argparse's one line
         refine_main([*argv, "--calibrate-max-broken-ratio", "-1"])
 
@@ -122,6 +127,9 @@ def test_calibration_note_when_refinement_did_not_help(tmp_path: Path) -> None:
     assert "'dev'" in loaded.calibration_note()
     loaded.calibration = {**refiner.calibration, "metric": "boundary_f1"}
     assert "did not help (boundary_f1) the base" in loaded.calibration_note()
+    loaded.calibration["max_broken_ratio"] = 0.5
+    within = "no setting breaking at most 0.5 pixel per pixel fixed helped (boundary_f1) the base"
+    assert within in loaded.calibration_note()
     # a pretrained folder (refiner.json + refiner.safetensors) keeps the sweep too
     refiner.calibration["rows"] = [
         {"gate_margin": None, "miou": 0.5, "pixel_acc": 0.8, "boundary_f1": 0.4, "changed": 0.1},

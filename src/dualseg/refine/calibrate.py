@@ -79,7 +79,8 @@ def sweep_decision(
     for k in keys:
         scores = conf[k].compute()
         setting = {"gate_margin": "base"} if k == "base" else dict(settings[k])
-        _, changed, fixed, broken = (counts[k] / counts[k][0].clamp(min=1)).tolist()
+        labelled, *px = counts[k].tolist()
+        changed, fixed, broken = (n / max(labelled, 1) for n in px)
         rows.append({
             **setting, "miou": float(scores["miou"]), "pixel_acc": float(scores["pixel_acc"]),
             "boundary_f1": float(bnd[k].compute()["boundary_f1"]),
@@ -101,8 +102,9 @@ def choose_decision(
         return (-r[metric] if math.isfinite(r[metric]) else math.inf, r["changed"])
 
     rows = [r for r in rows if r["gate_margin"] != "base"]
-    if max_broken_ratio is not None:
-        rows = [r for r in rows if r["broken"] <= max_broken_ratio * r["fixed"]]
+    if max_broken_ratio is not None:  # fractions of one count: exactly R passes despite rounding
+        limit = max_broken_ratio * (1 + 1e-9)
+        rows = [r for r in rows if r["broken"] <= limit * r["fixed"]]
     if not rows:
         return CLAIM_DECISION | {"gate_margin": 0.0}
     best = min(rows, key=order)
@@ -123,10 +125,13 @@ def calibration_note(calibration: Mapping[str, Any] | None, config: Any) -> str 
     """A warning when the held-out check at fit time found that refinement did not help."""
     if calibration is None or config.gate_margin != 0:
         return None
-    metric = calibration.get("metric", "miou")
+    metric, ratio = calibration.get("metric", "miou"), calibration.get("max_broken_ratio")
+    how = "refinement did not help"
+    if ratio is not None:
+        how = f"no setting breaking at most {ratio:g} pixel per pixel fixed helped"
     by = "" if metric == "miou" else f" ({metric})"
     return (
         f"this refiner's held-out check ({calibration['images']} images of split "
-        f"{calibration['split']!r}) found that refinement did not help{by} the base "
+        f"{calibration['split']!r}) found that {how}{by} the base "
         "model it was fit for: its gate_margin is 0 and it changes no pixel"
     )

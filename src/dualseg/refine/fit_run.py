@@ -61,8 +61,9 @@ def check_options(
         )
     if not calibrate_split:
         if sweep_flags:  # flags that only choose among the sweep's rows
-            raise ConfigError(f"{' and '.join(sweep_flags)} choose among the --calibrate-split "
-                              "sweep's settings: add --calibrate-split")  # fmt: skip
+            need, they = ("need", "they choose") if sweep_flags[1:] else ("needs", "it chooses")
+            raise ConfigError(f"{' and '.join(sweep_flags)} {need} --calibrate-split: {they} "
+                              "among that sweep's settings")  # fmt: skip
         return
     if not has_base:
         raise ConfigError("--calibrate-split scores the refiner on top of a base model: add --base")
@@ -353,5 +354,7 @@ def format_sweep(
         line += f"  changed {100 * r['changed']:.2f}%"
         if r not in base:
             line += f"  fixed {100 * r['fixed']:.2f}%  broke {100 * r['broken']:.2f}%"
+        if chosen is not None and r not in base and setting(r) == CLAIM_DECISION | chosen:
+            line += "  <- chosen"
         lines.append(line)
     return "\n".join(lines)
