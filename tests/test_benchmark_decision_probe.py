@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import runpy
-import sys
 from pathlib import Path
 
-import pytest
 import torch
 
-from benchmark_helpers import BENCHMARKS, load_benchmark
+from benchmark_helpers import load_benchmark, run_script
 from dualseg.metrics import ConfusionMatrix
 from dualseg.refine.decision import Candidates
 
@@ -44,9 +41,6 @@ def test_sweep_counts_fixed_and_broken_and_the_switch_cost_keeps_labels() -> Non
 def test_a_missing_checkpoint_is_one_line(tmp_path: Path, monkeypatch, capsys) -> None:
     argv = ["--base", str(tmp_path / "b.pt"), "--refiner", str(tmp_path / "r.pt"),
             "--split", "val.txt", "--out", str(tmp_path / "o.json")]  # fmt: skip
-    monkeypatch.setattr(sys, "argv", ["decision_probe.py", *argv])
-    with pytest.raises(SystemExit) as stop:
-        runpy.run_path(str(BENCHMARKS / "decision_probe.py"), run_name="__main__")
-    assert stop.value.code == 2
+    assert run_script("decision_probe", argv, monkeypatch) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.splitlines()) == 1

@@ -345,8 +345,9 @@ def format_sweep(
 
     base = [r for r in rows if r["gate_margin"] == "base"]
     rest = sorted((r for r in rows if r not in base), key=lambda r: (-r[metric], r["changed"]))
+    picked = None if chosen is None else CLAIM_DECISION | chosen  # never a base row's setting
     show = [r for r in rest if setting(r) == CLAIM_DECISION] + rest[:best]
-    show += [r for r in rest if chosen is not None and setting(r) == CLAIM_DECISION | chosen]
+    show += [r for r in rest if setting(r) == picked]
     lines = []
     for r in base + [r for i, r in enumerate(show) if r not in show[:i]]:
         name = "base model" if r in base else describe_decision(**setting(r))
@@ -354,7 +355,7 @@ def format_sweep(
         line += f"  changed {100 * r['changed']:.2f}%"
         if r not in base:
             line += f"  fixed {100 * r['fixed']:.2f}%  broke {100 * r['broken']:.2f}%"
-        if chosen is not None and r not in base and setting(r) == CLAIM_DECISION | chosen:
+        if setting(r) == picked:
             line += "  <- chosen"
         lines.append(line)
     return "\n".join(lines)
