@@ -12,8 +12,10 @@ import torch
 
 from dualseg.metrics import (
     BoundaryMetrics,
+    ChangeScorer,
     ConfusionMatrix,
     boundary_map,
+    change_counts,
     disk_offsets,
     format_table,
     to_jsonable,
@@ -383,6 +385,27 @@ def test_state_of_two_halves_sums_to_whole() -> None:
     assert summed_b.compute()["boundary_f1"] == whole_b.compute()["boundary_f1"]
     assert summed_c.compute()["miou"] == whole_c.compute()["miou"]
     assert whole_b.state.dtype == torch.int64 and whole_b.state.dim() == 1
+
+
+@pytest.mark.parametrize(("tol", "width"), [(0, 0), (1, 5), (3, 5), (4, 2)])
+def test_change_scorer_equals_whole_updates(tol: int, width: int) -> None:
+    """The sweep's incremental counts are exactly the whole-map updates, at every tolerance,
+    for sparse and dense relabellings, with ignore pixels and two images at once."""
+    gen = torch.Generator().manual_seed(tol * 10 + width)
+    target = blobby(gen, 2, 48, 64, 5, ignore_frac=0.05)
+    base = blobby(gen, 2, 48, 64, 5)
+    scorer = ChangeScorer(base, target, 5, tolerance=tol, trimap_width=width)
+    for frac in (0.0, 0.02, 0.3, 1.0):
+        new = base.clone()
+        where = torch.rand(base.shape, generator=gen) < frac
+        new[where] = torch.randint(0, 5, (int(where.sum()),), generator=gen)
+        conf, bnd = ConfusionMatrix(5), BoundaryMetrics(5, tolerance=tol, trimap_width=width)
+        conf.update(new, target)
+        bnd.update(new, target)
+        mat, state, counts = scorer.scores(new)
+        assert torch.equal(mat, conf.mat)
+        assert torch.equal(state, bnd.state)
+        assert torch.equal(counts, change_counts(new, base, target))
 
 
 def test_all_reduce_in_single_process_group(tmp_path) -> None:

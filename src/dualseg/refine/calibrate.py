@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from dualseg.io import file_digest
-from dualseg.metrics import BoundaryMetrics, ConfusionMatrix, change_counts
+from dualseg.metrics import BoundaryMetrics, ChangeScorer, ConfusionMatrix
 from dualseg.refine.decision import decide
 
 # The claim's decision (every near-boundary pixel, nearest prototype, no filter) as a setting
@@ -67,14 +67,16 @@ def sweep_decision(
             for sigma in sigmas
         }  # fmt: skip
         pred = next(iter(cands.values())).pred.to(dev)  # Pred, as every decision reads it
+        scorer = ChangeScorer(pred, labels, num_classes, ignore_index=ignore_index)
         for k in keys:
             out = pred
             if k != "base":
                 setting = dict(settings[k])
                 out = decide(cands[setting.pop("p1_blur_sigma", 0.0)], **setting)[0].to(dev)
-            conf[k].update(out, labels)
-            bnd[k].update(out, labels)
-            counts[k] += change_counts(out, pred, labels, ignore_index)
+            confusion, state, changes = scorer.scores(out)
+            conf[k].mat += confusion
+            bnd[k].state += state
+            counts[k] += changes
     rows = []
     for k in keys:
         scores = conf[k].compute()
