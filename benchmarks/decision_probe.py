@@ -3,11 +3,9 @@
 Method B relabels near-boundary pixels; a target asks that it break at most half as many
 correct pixels as it fixes. This probe runs the base and the refiner once per image, keeps what
 every decision reads at the near-boundary pixels (P2-P4's candidates, P5's distances, the
-ground truth), and then scores the whole decision grid of ``refine fit`` (gate, prior, floor;
-P1's blur aside) from that cache: mIoU, pixels fixed and pixels broken, per split. It also
-tries one reading that is not an option of dualseg, a switch cost ``delta`` (in units of the
-prototype scale) added to every candidate but the base's label, so that a pixel is relabelled
-only when another prototype is nearer by more than ``delta``::
+ground truth), and then scores the whole decision grid of ``refine fit`` (gate, prior, floor,
+switch cost; P1's blur aside) from that cache: mIoU, pixels fixed and pixels broken, per split.
+``--deltas`` gives the switch costs to score (a finer set than the fit's grid)::
 
     python benchmarks/decision_probe.py --base RUN/runs/peer/last.pt \
         --refiner RUN/refiner_peer.pt --split RUN/data/dev.txt RUN/data/val.txt --out probe.json
@@ -16,7 +14,6 @@ only when another prototype is nearer by more than ``delta``::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -41,7 +38,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--base", required=True, help="base model checkpoint")
     p.add_argument("--refiner", required=True, help="its refiner")
     p.add_argument("--split", required=True, nargs="+", help="list files of labelled splits")
-    p.add_argument("--deltas", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.2, 0.4])
+    p.add_argument("--deltas", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.2, 0.4],
+                   help="switch costs to score")  # fmt: skip
     p.add_argument("--out", required=True, help="results JSON")
     return p.parse_args()
 
@@ -89,18 +87,13 @@ def score(cache: dict[str, Any], new: Tensor, k: int) -> dict[str, float]:
     return {"miou": round(miou, 2), "fixed": fixed, "broken": broken}
 
 
-def sweep(cache: dict[str, Any], deltas: list[float], k: int) -> list[dict[str, Any]]:
-    """One row per decision setting of the grid (P1's blur left out) and switch cost."""
+def sweep(cache: dict[str, Any], switch_costs: list[float], k: int) -> list[dict[str, Any]]:
+    """One row per decision setting of the grid (P1's blur left out) at these switch costs."""
     c = cache["cands"]
     rows = [{"setting": "base", **score(cache, c.pred.reshape(-1), k)}]
-    for delta in deltas:
-        cost = torch.zeros_like(c.distance)
-        cost[:, 1:] = delta  # column 0 is the base's own label (Top-1)
-        cd = dataclasses.replace(c, distance=c.distance + cost)
-        for s in decision_grid(blur_sigmas=(0.0,)):
-            setting = {k_: v for k_, v in s.items() if k_ != "p1_blur_sigma"}
-            new = decide(cd, **setting)[0].reshape(-1)
-            rows.append({"setting": {**setting, "switch_cost": delta}, **score(cache, new, k)})
+    for s in decision_grid(switch_costs=switch_costs, blur_sigmas=(0.0,)):
+        setting = {k_: v for k_, v in s.items() if k_ != "p1_blur_sigma"}
+        rows.append({"setting": setting, **score(cache, decide(c, **setting)[0].reshape(-1), k)})
     return rows
 
 

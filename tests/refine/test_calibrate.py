@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from dualseg.errors import ConfigError
-from dualseg.refine.calibrate import choose_decision, decision_grid, sweep_decision
+from dualseg.refine.calibrate import (
+    CLAIM_DECISION,
+    choose_decision,
+    decision_grid,
+    sweep_decision,
+)
 from dualseg.refine.decision import (
     Candidates,
     are_probabilities,
@@ -67,6 +72,25 @@ def test_gate_and_floor() -> None:
     assert decide(c, gate_margin=0.2)[0].tolist() == [[[0, 1, 0]]]  # only the unsure pixel
     assert decide(c, gate_margin=0.0)[1].sum() == 0  # τ = 0 never relabels
     assert decide(c, min_prob=0.03)[0].tolist() == [[[1, 1, 0]]]  # candidate 2 (0.02) dropped
+
+
+def test_switch_cost_relabels_only_where_another_label_is_nearer_by_more() -> None:
+    c = three_pixels()  # the other label is nearer by 0.5, 1.0 and 0.8
+    assert decide(c, switch_cost=0.6)[0].tolist() == [[[0, 1, 2]]]
+    assert decide(c, switch_cost=0.9)[0].tolist() == [[[0, 1, 0]]]
+    assert decide(c, switch_cost=1.0)[1].sum() == 0  # a tie keeps the base's label
+    # the cost goes on every label but the base's, whatever the label's Top-N rank
+    one = torch.zeros(1, 1, 1, dtype=torch.long)
+    swapped = candidates(one, one == 0, [[1, 0]], [[0.0, 0.3]], [[0.5, 0.5]])
+    assert decide(swapped, switch_cost=0.2)[0].item() == 1
+    assert decide(swapped, switch_cost=0.4)[0].item() == 0
+
+
+def test_the_grid_holds_the_switch_costs_and_the_claim_once() -> None:
+    grid = decision_grid(gates=(0.0, None), priors=(0.0,), min_probs=(0.0,), blur_sigmas=(0.0,))
+    assert [(g["gate_margin"], g["switch_cost"]) for g in grid] == [
+        (0.0, 0.0), (None, 0.0), (None, 0.1), (None, 0.2)]  # fmt: skip
+    assert grid[1] == dict(CLAIM_DECISION)
 
 
 def test_a_pixel_without_prototypes_keeps_the_base_label() -> None:
@@ -172,9 +196,8 @@ def test_sweep_scores_each_setting_and_chooses_the_best() -> None:
     c = three_pixels()
     label = torch.tensor([[[0, 1, 0]]])  # right: keep 0, relabel the unsure pixel, keep 0
     batches = [(torch.zeros(1, 3, 1, 3), label)]
-    grid = decision_grid(
-        gates=(0.0, 0.2, None), priors=(0.0, 0.5), min_probs=(0.0,), blur_sigmas=(0.0,)
-    )
+    grid = decision_grid(gates=(0.0, 0.2, None), priors=(0.0, 0.5), min_probs=(0.0,),
+                         switch_costs=(0.0,), blur_sigmas=(0.0,))  # fmt: skip
     assert len(grid) == 5  # τ = 0 once
     rows = sweep_decision(
         Fixed(c), lambda x: torch.zeros(1, 3, 1, 3), batches, num_classes=3, grid=grid
@@ -192,6 +215,7 @@ def test_sweep_scores_each_setting_and_chooses_the_best() -> None:
         "gate_margin": 0.2,
         "prior_weight": 0.0,
         "min_prob": 0.0,
+        "switch_cost": 0.0,
         "p1_blur_sigma": 0.0,
     }
 
@@ -285,6 +309,7 @@ def test_decision_settings_read_the_same_in_every_report() -> None:
     assert describe_decision(gate_margin=0.0) == "gate 0: never relabel"
     words = describe_decision(gate_margin=0.1, prior_weight=0.5, min_prob=0.2, p1_blur_sigma=1.0)
     assert words == "gate 0.1, prior 0.5, floor 0.2, P1 blur 1"
+    assert describe_decision(switch_cost=0.1) == "switch cost 0.1"
     rows = [
         {"gate_margin": "base", "miou": 0.5, "boundary_f1": 0.3, "changed": 0.0},
         {

@@ -16,9 +16,10 @@ from dualseg.metrics import BoundaryMetrics, ChangeScorer, ConfusionMatrix
 from dualseg.refine.decision import decide
 
 # The claim's decision (every near-boundary pixel, nearest prototype, no filter) as a setting
-CLAIM_DECISION: Mapping[str, Any] = MappingProxyType(
-    {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0, "p1_blur_sigma": 0.0}
-)
+CLAIM_DECISION: Mapping[str, Any] = MappingProxyType({
+    "gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0, "switch_cost": 0.0,
+    "p1_blur_sigma": 0.0,
+})  # fmt: skip
 DECISION_KEYS = tuple(CLAIM_DECISION)
 # what choose_decision may maximize (scored on every row of the sweep); the first is the default
 METRICS: tuple[str, ...] = ("miou", "boundary_f1")
@@ -28,16 +29,18 @@ def decision_grid(
     gates: Sequence[float | None] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, None),
     priors: Sequence[float] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0),
     min_probs: Sequence[float] = (0.0, 0.05, 0.2),
+    switch_costs: Sequence[float] = (0.0, 0.1, 0.2),
     blur_sigmas: Sequence[float] = (0.0, 1.0),  # P1's filter: each runs the embedding
 ) -> list[dict[str, Any]]:
     """The sweep's grid: every combination, except that τ = 0 (which changes nothing) appears
-    once; gate None, prior 0 and floor 0 together are the claim."""
+    once; gate None, prior 0, floor 0 and switch cost 0 together are the claim."""
     grid = []
-    for gate, prior, floor, sigma in itertools.product(gates, priors, min_probs, blur_sigmas):
-        first = (prior, floor, sigma) == (priors[0], min_probs[0], blur_sigmas[0])
-        if gate == 0 and not first:
+    axes = (gates, priors, min_probs, switch_costs, blur_sigmas)
+    for values in itertools.product(*axes):
+        first = all(v == axis[0] for v, axis in zip(values[1:], axes[1:], strict=True))
+        if values[0] == 0 and not first:
             continue
-        grid.append(dict(zip(DECISION_KEYS, (gate, prior, floor, sigma), strict=True)))
+        grid.append(dict(zip(DECISION_KEYS, values, strict=True)))
     return grid
 
 

@@ -100,6 +100,10 @@ class RefinerConfig:
         0.0, "a Top-N candidate other than the base's top-1 needs this base probability",
         lambda v: 0 <= v < 1, "in [0, 1)",
     )  # fmt: skip
+    switch_cost: float = _opt(
+        0.0, "relabel only where a candidate's score is below the base label's by more than "
+        "this (in units of the prototype scale)", *FINITE,
+    )  # fmt: skip
     p1_blur_sigma: float = _opt(0.0, "P1: Gaussian blur (px) of the embedding's input", *FINITE)
     decoder_channels: int = _opt(
         0, "a DeepLabV3+ decoder on the stride-4 features, projected to this many channels",

@@ -104,9 +104,11 @@ def gather_candidates(
 
 def decide(
     c: Candidates, *, gate_margin: float | None = None, prior_weight: float = 0.0,
-    min_prob: float = 0.0,
+    min_prob: float = 0.0, switch_cost: float = 0.0,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """P5 with the readings above: ``(labels [B,H,W] int64, changed bool [B,H,W])``."""
+    where = c.edge.reshape(-1).nonzero().squeeze(1) if c.index is None else c.index  # [M]
+    base = c.pred.reshape(-1).index_select(0, where)  # [M], Pred (argmax: maybe not labels[:, 0])
     score = c.distance
     if prior_weight > 0:
         score = score - prior_weight * c.log_prob
@@ -114,10 +116,10 @@ def decide(
         weak = c.log_prob < torch.log(torch.tensor(min_prob))
         weak[:, 0] = False  # the base's own label is always a candidate
         score = score.masked_fill(weak, float("inf"))
+    if switch_cost > 0:  # another label must beat the base's by more than the cost
+        score = score + switch_cost * (c.labels != base[:, None])
     low, at = score.min(1)  # min's index: the first minimum, as argmin's
     best = c.labels.gather(1, at[:, None]).squeeze(1)
-    where = c.edge.reshape(-1).nonzero().squeeze(1) if c.index is None else c.index  # [M]
-    base = c.pred.reshape(-1).index_select(0, where)  # [M], Pred (argmax: maybe not labels[:, 0])
     new = torch.where(torch.isfinite(low), best, base)
     if gate_margin is not None:  # beyond the claim: only where the base is unsure
         new = torch.where(c.margin < gate_margin, new, base)
@@ -128,11 +130,12 @@ def decide(
 
 def describe_decision(
     *, gate_margin: float | None = None, prior_weight: float = 0.0, min_prob: float = 0.0,
-    p1_blur_sigma: float = 0.0,
+    switch_cost: float = 0.0, p1_blur_sigma: float = 0.0,
 ) -> str:  # fmt: skip
     """A decision setting in words: its readings beyond the claim, or "the claim's rule"."""
     if gate_margin == 0:
         return "gate 0: never relabel"
     named = (("gate", gate_margin if gate_margin is not None else 0), ("prior", prior_weight),
-             ("floor", min_prob), ("P1 blur", p1_blur_sigma))  # fmt: skip
+             ("floor", min_prob), ("switch cost", switch_cost),
+             ("P1 blur", p1_blur_sigma))  # fmt: skip
     return ", ".join(f"{k} {v:g}" for k, v in named if v) or "the claim's rule"

@@ -141,7 +141,8 @@ class BoundaryRefiner:
         p = p[None] if not batch and p.dim() == 3 else p
         cfg = self.config
         out = decide(self.candidates(x, p, features=features), gate_margin=cfg.gate_margin,
-                     prior_weight=cfg.prior_weight, min_prob=cfg.min_prob)  # fmt: skip
+                     prior_weight=cfg.prior_weight, min_prob=cfg.min_prob,
+                     switch_cost=cfg.switch_cost)  # fmt: skip
         labels, changed = (t.to(p.device) for t in out)
         if not batch:
             labels, changed = labels[0].cpu().numpy(), changed[0].cpu().numpy()
