@@ -262,7 +262,7 @@ def fit_refiner(
 
 
 def with_decision(refiner: BoundaryRefiner, options: dict[str, Any]) -> BoundaryRefiner:
-    """A copy of ``refiner`` deciding with ``options`` (gate, prior, floor, blur)."""
+    """A copy of ``refiner`` deciding with ``options`` (gate, prior, floor, switch cost, blur)."""
     r = refiner
     config = dataclasses.replace(r.config, **options)
     return BoundaryRefiner(r.net, r.prototypes, r.present, class_names=r.class_names,
@@ -278,8 +278,8 @@ def choose_decisions(
     device: torch.device,
     results: dict[str, Any],
 ) -> dict[str, dict[str, BoundaryRefiner]]:
-    """Per base, the decision options (gate τ, prior weight, probability floor) chosen on dev
-    (:mod:`dualseg.refine.calibrate`): ``gated[name]["B_gated"]`` holds that copy, and
+    """Per base, the decision options (gate τ, prior weight, probability floor, switch cost)
+    chosen on dev (:mod:`dualseg.refine.calibrate`): ``gated[name]["B_gated"]`` holds that copy, and
     ``gated[name]["B_shared"]`` the best setting without P1 blur when the refiner reads the
     base's own backbone output (:mod:`dualseg.refine.shared`) and the first choice blurs
     (which would make it run its own backbone again)."""

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dualseg.commands.common import nonnegative_float
 from dualseg.data import build_dataset
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
 from dualseg.engine.inference import infer_logits
@@ -38,8 +39,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--base", required=True, help="base model checkpoint")
     p.add_argument("--refiner", required=True, help="its refiner")
     p.add_argument("--split", required=True, nargs="+", help="list files of labelled splits")
-    p.add_argument("--deltas", type=float, nargs="+", default=[0.0, 0.05, 0.1, 0.2, 0.4],
-                   help="switch costs to score")  # fmt: skip
+    p.add_argument("--deltas", type=nonnegative_float, nargs="+",
+                   default=[0.0, 0.05, 0.1, 0.2, 0.4], help="switch costs to score")  # fmt: skip
     p.add_argument("--out", required=True, help="results JSON")
     return p.parse_args()
 

@@ -387,25 +387,48 @@ def test_state_of_two_halves_sums_to_whole() -> None:
     assert whole_b.state.dtype == torch.int64 and whole_b.state.dim() == 1
 
 
-@pytest.mark.parametrize(("tol", "width"), [(0, 0), (1, 5), (3, 5), (4, 2)])
-def test_change_scorer_equals_whole_updates(tol: int, width: int) -> None:
+@pytest.mark.parametrize(
+    ("tol", "width", "classes", "ignore", "shape"),
+    [(0, 0, 5, IGN, (2, 48, 64)), (1, 5, 5, IGN, (2, 48, 64)), (3, 5, 5, -1, (2, 48, 64)),
+     (4, 2, 300, 1000, (1, 48, 64)), (3, 5, 3, -1, (1, 1, 7)), (2, 9, 3, IGN, (1, 8, 8))],
+)  # fmt: skip
+def test_change_scorer_equals_whole_updates(tol, width, classes, ignore, shape) -> None:
     """The sweep's incremental counts are exactly the whole-map updates, at every tolerance,
-    for sparse and dense relabellings, with ignore pixels and two images at once."""
+    for sparse and dense relabellings, with ignore pixels (holding any value) and batches."""
     gen = torch.Generator().manual_seed(tol * 10 + width)
-    target = blobby(gen, 2, 48, 64, 5, ignore_frac=0.05)
-    base = blobby(gen, 2, 48, 64, 5)
-    scorer = ChangeScorer(base, target, 5, tolerance=tol, trimap_width=width)
+    b, h, w = shape
+    coarse = torch.randint(0, classes, (2, b, 1, max(h // 8, 1), max(w // 8, 1)), generator=gen)
+    target, base = (torch.nn.functional.interpolate(x.float(), size=(h, w))[:, 0].long()
+                    for x in coarse)  # fmt: skip
+    ignored = torch.rand(shape, generator=gen) < 0.05
+    target[ignored] = ignore
+    base[ignored] = torch.randint(-5, 2000, (int(ignored.sum()),), generator=gen)  # unscored
+    scorer = ChangeScorer(base, target, classes, ignore_index=ignore, tolerance=tol,
+                          trimap_width=width)  # fmt: skip
     for frac in (0.0, 0.02, 0.3, 1.0):
         new = base.clone()
-        where = torch.rand(base.shape, generator=gen) < frac
-        new[where] = torch.randint(0, 5, (int(where.sum()),), generator=gen)
-        conf, bnd = ConfusionMatrix(5), BoundaryMetrics(5, tolerance=tol, trimap_width=width)
+        where = (torch.rand(shape, generator=gen) < frac) & ~ignored
+        new[where] = torch.randint(0, classes, (int(where.sum()),), generator=gen)
+        conf = ConfusionMatrix(classes, ignore_index=ignore)
+        bnd = BoundaryMetrics(classes, tolerance=tol, trimap_width=width, ignore_index=ignore)
         conf.update(new, target)
         bnd.update(new, target)
         mat, state, counts = scorer.scores(new)
         assert torch.equal(mat, conf.mat)
         assert torch.equal(state, bnd.state)
-        assert torch.equal(counts, change_counts(new, base, target))
+        assert torch.equal(counts, change_counts(new, base, target, ignore))
+
+
+def test_change_scorer_refuses_what_update_refuses() -> None:
+    base = torch.zeros(1, 4, 4, dtype=torch.long)
+    scorer = ChangeScorer(base, base.clone(), 2)
+    assert torch.equal(scorer.scores(base[0])[0], ChangeScorer(base[0], base[0], 2).scores(base)[0])
+    with pytest.raises(ValueError, match="outside"):
+        scorer.scores(base + 2)
+    with pytest.raises(ValueError, match="shape"):
+        scorer.scores(base[:, :2])
+    with pytest.raises(ValueError, match="integer"):
+        scorer.scores(base.float())
 
 
 def test_all_reduce_in_single_process_group(tmp_path) -> None:

@@ -362,6 +362,7 @@ class ChangeScorer:
         bm = BoundaryMetrics(num_classes, tolerance=tolerance, trimap_width=trimap_width,
                              ignore_index=ignore_index, device=target.device)  # fmt: skip
         base, target = _label_tensors(base, target, num_classes, ignore_index, target.device)
+        base, target = (base[None], target[None]) if base.dim() == 2 else (base, target)
         bm.update(base, target)
         self.boundary = bm.state  # the base's BoundaryMetrics.state
         self.c, self.ign, self.tol = num_classes, ignore_index, bm.tolerance
@@ -393,9 +394,14 @@ class ChangeScorer:
         of the base's shape, classes in range): what ``ConfusionMatrix.update``,
         ``BoundaryMetrics.update`` and :func:`change_counts` would add."""
         c, ign = self.c, self.ign
-        new = new.to(self.base.device, self.base.dtype)
+        one = self.base.shape[1:] if len(self.base) == 1 else self.base.shape  # [H, W] for one
+        if new.shape not in (self.base.shape, one) or new.is_floating_point():
+            raise ValueError(f"expected an integer label map of shape {tuple(self.base.shape)}")
+        new = new.to(self.base.device, self.base.dtype).reshape(self.base.shape)
         at = torch.nonzero(((new != self.base) & self.valid).reshape(-1)).squeeze(1)  # [M]
         now, was, gt = new.reshape(-1)[at], self.base.reshape(-1)[at], self.target.reshape(-1)[at]
+        if len(now) and not (int(now.min()) >= 0 and int(now.max()) < c):
+            raise ValueError(f"predicted values outside [0, {c}) where the target is labelled")
         moved = _confusion_counts(now, gt, c, ign) - _confusion_counts(was, gt, c, ign)
         band = self.band[at]
         trimap = (_confusion_counts(now[band], gt[band], c, ign)

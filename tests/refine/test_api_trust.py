@@ -104,3 +104,19 @@ def test_channels_last_probabilities_are_named_as_such_not_resized() -> None:
     with pytest.raises(DataError, match=r"channels-last \[H,W,C\].*\[C,H,W\]"):
         refiner.refine(image, probs)
     assert refiner.refine(image, probs.transpose(2, 0, 1)).shape == (32, 32)
+
+
+def test_a_switch_cost_is_refused_below_zero_and_reaches_the_decision(monkeypatch) -> None:
+    with pytest.raises(ConfigError, match=r"switch_cost must be >= 0 and finite, got -0.1"):
+        RefinerConfig(switch_cost=-0.1)
+    dataset = Stripes(3)
+    refiner = fit(dataset, ["a", "b", "c"], switch_cost=0.3, min_prob=0.05)
+    seen = {}
+
+    def decide(c, **options):
+        seen.update(options)
+        return c.pred, c.pred != c.pred
+
+    monkeypatch.setattr("dualseg.refine.refiner.decide", decide)
+    refiner.refine(dataset[0][0][None], torch.full((1, 3, 32, 32), 1 / 3))
+    assert seen == {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.05, "switch_cost": 0.3}

@@ -1,6 +1,6 @@
-"""Method B's decision readings beyond the claim (gate, prior weight, probability floor): each
-decides exactly as documented, the sweep scores each setting exactly, and the choice never
-falls below the base on the images that chose it."""
+"""Method B's decision readings beyond the claim (gate, prior weight, probability floor,
+switch cost): each decides exactly as documented, the sweep scores each setting exactly, and
+the choice never falls below the base on the images that chose it."""
 
 from __future__ import annotations
 
@@ -79,11 +79,22 @@ def test_switch_cost_relabels_only_where_another_label_is_nearer_by_more() -> No
     assert decide(c, switch_cost=0.6)[0].tolist() == [[[0, 1, 2]]]
     assert decide(c, switch_cost=0.9)[0].tolist() == [[[0, 1, 0]]]
     assert decide(c, switch_cost=1.0)[1].sum() == 0  # a tie keeps the base's label
-    # the cost goes on every label but the base's, whatever the label's Top-N rank
+    # with the prior and the floor: scores 1.05 vs 2.0, 1.35 vs 0.4, 1.05 vs inf (floor)
+    assert decide(c, prior_weight=0.5, min_prob=0.03, switch_cost=0.9)[0].tolist() == [[[0, 1, 0]]]
+    assert decide(c, prior_weight=0.5, switch_cost=1.0)[1].sum() == 0
+
+
+def test_the_base_label_is_found_whatever_its_top_n_rank() -> None:
+    # tied probabilities: Top-N put the base's label (0, argmax's first index) second
     one = torch.zeros(1, 1, 1, dtype=torch.long)
     swapped = candidates(one, one == 0, [[1, 0]], [[0.0, 0.3]], [[0.5, 0.5]])
     assert decide(swapped, switch_cost=0.2)[0].item() == 1
+    assert decide(swapped, switch_cost=0.3)[0].item() == 0  # a tie keeps the base
     assert decide(swapped, switch_cost=0.4)[0].item() == 0
+    weak = candidates(one, one == 0, [[1, 0]], [[0.3, 0.0]], [[0.1, 0.1]])
+    assert decide(weak, min_prob=0.2)[0].item() == 0  # the floor never drops the base
+    equal = candidates(one, one == 0, [[1, 0]], [[0.5, 0.5]], [[0.5, 0.5]])
+    assert decide(equal)[0].item() == 0  # nearest prototypes tied: the base stays
 
 
 def test_the_grid_holds_the_switch_costs_and_the_claim_once() -> None:

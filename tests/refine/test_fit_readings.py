@@ -14,6 +14,7 @@ from dualseg.data import build_dataset, make_synthetic_dataset
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
 from dualseg.errors import CheckpointError, ConfigError
 from dualseg.refine import BoundaryRefiner
+from dualseg.refine.calibrate import CLAIM_DECISION
 from dualseg.refine.fit import embedding_net
 from dualseg.refine.formats import TRAIN_FORMAT, load_state
 
@@ -82,8 +83,7 @@ def test_base_frozen_backbone_is_the_base_models_and_the_gate_is_calibrated(
     chosen = [
         r
         for r in cal["rows"]
-        if (r["gate_margin"], r.get("prior_weight"), r.get("min_prob"), r.get("p1_blur_sigma"))
-        == (cfg.gate_margin, cfg.prior_weight, cfg.min_prob, cfg.p1_blur_sigma)
+        if all(r.get(k, v) == getattr(cfg, k) for k, v in CLAIM_DECISION.items())
     ]
     assert len(chosen) == 1 and chosen[0]["boundary_f1"] == best
     out = capsys.readouterr().out

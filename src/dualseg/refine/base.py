@@ -68,8 +68,9 @@ def model_fingerprint(module: nn.Module) -> str:
 
 # what eval --refiner and refine apply say of a refiner calibrated on another base model
 OTHER_BASE = (
-    "{refiner}'s decision options (gate, prior, floor) were chosen on another base model than "
-    "this one; refit it with --base this model and --calibrate-split for options that fit it"
+    "{refiner}'s decision options (gate, prior, floor, switch cost) were chosen on another base "
+    "model than this one; refit it with --base this model and --calibrate-split for options "
+    "that fit it"
 )
 
 

@@ -70,7 +70,9 @@ def sweep_decision(
             for sigma in sigmas
         }  # fmt: skip
         pred = next(iter(cands.values())).pred.to(dev)  # Pred, as every decision reads it
-        scorer = ChangeScorer(pred, labels, num_classes, ignore_index=ignore_index)
+        scorer = ChangeScorer(pred, labels, num_classes, ignore_index=ignore_index,
+                              tolerance=bnd["base"].tolerance,
+                              trimap_width=bnd["base"].trimap_width)  # fmt: skip
         for k in keys:
             out = pred
             if k != "base":

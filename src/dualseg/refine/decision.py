@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -109,18 +110,18 @@ def decide(
     """P5 with the readings above: ``(labels [B,H,W] int64, changed bool [B,H,W])``."""
     where = c.edge.reshape(-1).nonzero().squeeze(1) if c.index is None else c.index  # [M]
     base = c.pred.reshape(-1).index_select(0, where)  # [M], Pred (argmax: maybe not labels[:, 0])
+    other = c.labels != base[:, None]  # [M,N]; on tied probabilities Top-N may omit the base
     score = c.distance
     if prior_weight > 0:
         score = score - prior_weight * c.log_prob
-    if min_prob > 0:
-        weak = c.log_prob < torch.log(torch.tensor(min_prob))
-        weak[:, 0] = False  # the base's own label is always a candidate
-        score = score.masked_fill(weak, float("inf"))
+    if min_prob > 0:  # the base's own label is always a candidate
+        score = score.masked_fill(other & (c.log_prob < math.log(min_prob)), math.inf)
     if switch_cost > 0:  # another label must beat the base's by more than the cost
-        score = score + switch_cost * (c.labels != base[:, None])
+        score = score + switch_cost * other
     low, at = score.min(1)  # min's index: the first minimum, as argmin's
     best = c.labels.gather(1, at[:, None]).squeeze(1)
-    new = torch.where(torch.isfinite(low), best, base)
+    held = score.masked_fill(other, math.inf).min(1).values  # the base's score (inf: none)
+    new = torch.where(torch.isfinite(low) & (low < held), best, base)  # a tie keeps the base
     if gate_margin is not None:  # beyond the claim: only where the base is unsure
         new = torch.where(c.margin < gate_margin, new, base)
     out = c.pred.clone(memory_format=torch.contiguous_format)
