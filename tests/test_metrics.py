@@ -501,8 +501,6 @@ def test_docstring_examples() -> None:
 
 
 def test_change_counts_counts_fixed_and_broken_on_labelled_pixels_only() -> None:
-    from dualseg.metrics import change_counts
-
     labels = torch.tensor([[[0, 1, 2, 3], [9, 9, 1, 1]]])  # 9: unlabelled here
     pred = torch.tensor([[[0, 0, 2, 2], [0, 1, 1, 0]]])
     new = torch.tensor([[[1, 1, 2, 1], [5, 5, 1, 1]]])

@@ -415,11 +415,13 @@ class ChangeScorer:
         reach = _dilate(self._map(diff), self.tol).reshape(-1) & (self.gt_bd >= 0)
         at_gt = torch.nonzero(reach).squeeze(1)
         now_bd, was_bd, gt_bd = new_bd[at_bd], self.base_bd[at_bd], self.gt_bd[at_gt]
-        hit = _hits(at_bd[now_bd >= 0], now_bd[now_bd >= 0], self._map(self.gt_bd), self.tol)
+        drawn = now_bd >= 0  # of the moved pixels, those on a boundary of ``new``
+        now_bd = now_bd[drawn]
+        hit = _hits(at_bd[drawn], now_bd, self._map(self.gt_bd), self.tol)
         gt_hit = _hits(at_gt, gt_bd, self._map(new_bd), self.tol)
         change = torch.stack([
-            self._counts(now_bd[now_bd >= 0]) - self._counts(was_bd[was_bd >= 0]),
-            self._counts(now_bd[now_bd >= 0][hit]) - self._counts(was_bd[self.base_hit[at_bd]]),
+            self._counts(now_bd) - self._counts(was_bd[was_bd >= 0]),
+            self._counts(now_bd[hit]) - self._counts(was_bd[self.base_hit[at_bd]]),
             torch.zeros_like(moved[0]),  # the GT's boundary pixels stay
             self._counts(gt_bd[gt_hit]) - self._counts(gt_bd[self.gt_hit[at_gt]]),
         ])  # fmt: skip
