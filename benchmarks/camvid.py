@@ -115,6 +115,7 @@ from dualseg.engine.train import fit
 from dualseg.errors import ConfigError, DataError, DualsegError, Terminated
 from dualseg.io import atomic_write_json, check_writable
 from dualseg.refine.calibrate import METRICS
+from dualseg.refine.config import MINING
 from dualseg.refine.crf import import_pydensecrf
 from dualseg.refine.refiner import RefinerConfig
 
@@ -161,7 +162,7 @@ METHOD_B: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--refine-decision-max-broken-ratio",), {"type": nonnegative_float, "metavar": "R",
         "help": "choose method B's decision on dev only among settings breaking at most R "
         "pixels per pixel fixed (default: any)"}),
-    (("--refine-mining",), {"choices": ("random", "semi-hard"), "default": RefinerConfig.mining,
+    (("--refine-mining",), {"choices": MINING, "default": RefinerConfig.mining,
         "help": "method B step 4: the false example of each triplet (random: the claim)"}),
     (("--refine-decoder-channels",), {"type": nonnegative_int,
         "default": RefinerConfig.decoder_channels,
