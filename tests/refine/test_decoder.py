@@ -240,3 +240,15 @@ def test_a_refiner_with_a_decoder_gives_the_labels_of_the_whole_embedding_map(
     np.testing.assert_array_equal(got, refiner.refine(image, probs))
     torch.testing.assert_close(got_batch, refiner.refine(x, p))
     torch.testing.assert_close(got_distance, refiner.candidates(x, p).distance)
+
+
+def test_candidates_called_outside_no_grad_keep_no_graph() -> None:
+    torch.manual_seed(0)
+    cfg = RefinerConfig(embed_dim=8, radius=3, top_n=3, decoder_channels=4)
+    refiner = BoundaryRefiner(
+        embedding_net(cfg).eval(), torch.randn(3, 8), torch.ones(3, dtype=torch.bool),
+        class_names=list("abc"), config=cfg,
+    )  # fmt: skip
+    probs = (3 * torch.randn(1, 3, 40, 56)).softmax(1)
+    got = refiner.candidates(torch.randn(1, 3, 40, 56), probs)
+    assert got.distance.numel() > 0 and not got.distance.requires_grad

@@ -150,6 +150,7 @@ class BoundaryRefiner:
             labels, changed = labels.cpu().numpy(), changed.cpu().numpy()
         return (labels, changed) if return_changed else labels
 
+    @torch.no_grad()  # distances to decide by, never a graph over the embedding
     def candidates(
         self, images: Tensor, probs: Tensor, *, p1_blur_sigma: float | None = None,
         features: BaseFeatures | tuple[Tensor, tuple[int, int]] | None = None,
