@@ -10,7 +10,7 @@ from torch import nn
 
 from dualseg.errors import ConfigError
 from dualseg.refine import EmbeddingNet, RefinerConfig, sample_triplets, triplet_loss, triplet_step
-from dualseg.refine.triplet import local_negatives, mine_negatives
+from dualseg.refine.triplet import mine_negatives
 
 
 def test_triplet_loss_equals_slow_reference() -> None:
@@ -35,7 +35,7 @@ def test_triplet_loss_equals_slow_reference() -> None:
     assert sample_triplets(torch.tensor([2, 2, 2, 2]), 10) is None  # one class: no triplet
 
 
-@pytest.mark.parametrize("mining", ["random", "semi-hard", "local"])
+@pytest.mark.parametrize("mining", ["random", "semi-hard"])
 def test_steps_on_separable_toy_problem_drive_violations_to_zero(mining: str) -> None:
     # 4 vertical stripes of 4 classes; each class has its own colour plus noise
     gen = torch.Generator().manual_seed(0)
@@ -99,24 +99,3 @@ def test_semi_hard_triplets_violate_more_than_random_ones_on_the_same_embedding(
     _, rand = triplet_loss(emb, labels, mining="random", generator=gen.manual_seed(1), **kw)
     _, semi = triplet_loss(emb, labels, mining="semi-hard", generator=gen.manual_seed(1), **kw)
     assert semi["violating"] > rand["violating"] + 0.1 and semi["margin"] < rand["margin"]
-
-
-def test_local_negatives_are_another_label_beside_the_anchor_in_its_image() -> None:
-    # image 0: classes 0 | 1 side by side; image 1: classes 2 | 3; all pixels in the band
-    labels = torch.tensor([[0] * 10 + [1] * 10, [2] * 10 + [3] * 10])[:, None].expand(2, 6, 20)
-    edge = torch.ones(2, 6, 20, dtype=torch.bool)
-    edge[:, :, 14:] = False  # no band pixel right of column 13
-    flat, where = labels[edge], edge.nonzero()
-    t1 = torch.arange(flat.numel())
-    fallback = torch.full_like(t1, -7)
-    gen = torch.Generator().manual_seed(0)
-    f0 = local_negatives(edge, labels, t1, fallback, window=3, tries=64, generator=gen)
-    found = f0 >= 0
-    a, n = where[t1[found]], where[f0[found]]
-    assert (flat[f0[found]] != flat[t1[found]]).all()  # another label ...
-    assert (a[:, 0] == n[:, 0]).all()  # ... in the same image ...
-    assert ((a[:, 1:] - n[:, 1:]).abs() <= 3).all()  # ... within the window
-    # columns 7-13 reach the other class within 3 px; columns 0-5 cannot: the fallback
-    col = where[t1, 2]
-    assert found[(col >= 7) & (col <= 12)].all() and not found[col <= 5].any()
-    assert (f0[col <= 5] == -7).all()

@@ -14,7 +14,7 @@ from dualseg.refine.boundary import EDGE_METHODS, MAX_RADIUS
 
 BACKBONE_SOURCES = ("independent", "base-frozen", "base-finetune")
 REDUCTIONS = ("all", "violating")
-MINING = ("random", "semi-hard", "local")
+MINING = ("random", "semi-hard")
 OPTIMIZERS = ("adamw", "sgd")
 MAX_EMBED_DIM = 4096  # C and the decoder's projection: 100000 ran out of memory
 
@@ -70,13 +70,9 @@ class RefinerConfig:
     num_triplets: int = _opt(4096, "triplets per step", *_at_least(1))
     reduction: str = _choice("all", REDUCTIONS, "which triplets the loss averages")
     mining: str = _choice(
-        "random", MINING,
-        "false example F0: random (the claim), semi-hard among mining_pool, or local: another "
-        "label within 2·radius+1 px of T1 (mining_pool tries)",
-    )  # fmt: skip
-    mining_pool: int = _opt(
-        8, "false examples per anchor (semi-hard), or tries per anchor (local)", *_at_least(1)
+        "random", MINING, "false example F0: random (the claim) or semi-hard, among mining_pool"
     )
+    mining_pool: int = _opt(8, "false examples per anchor for semi-hard mining", *_at_least(1))
     steps: int = _opt(2000, "training steps", *_at_least(1))
     # training BatchNorm needs more than one value per channel (one crop at 1x1)
     batch_size: int = _opt(

@@ -78,29 +78,6 @@ def mine_negatives(emb: Tensor, t1: Tensor, t2: Tensor, pool: Tensor, mining: st
     return pool.gather(1, pick[:, None]).squeeze(1)
 
 
-def local_negatives(
-    edge: Tensor, labels: Tensor, t1: Tensor, fallback: Tensor, *, window: int, tries: int,
-    generator: torch.Generator | None = None,
-) -> Tensor:  # fmt: skip
-    """F0 ``[T]`` beside T1 (beyond the claim): of ``tries`` random pixels within ``window`` px of
-    T1 in its image, the first near-boundary one of another label, else ``fallback``'s. Indices
-    are into ``labels[edge]``; these are the classes P3's Top-N weighs at that boundary, where
-    a random F0 is mostly a class no base would confuse with T1's."""
-    where = edge.nonzero()  # [N,3] (b, y, x), labels[edge] order
-    index = torch.full(edge.shape, -1, dtype=torch.long, device=edge.device)
-    index[edge] = torch.arange(where.shape[0], device=edge.device)
-    size = (t1.numel(), tries, 2)
-    offset = torch.randint(-window, window + 1, size, generator=generator).to(edge.device)
-    at = where[t1]  # [T,3]
-    y = (at[:, None, 1] + offset[..., 0]).clamp(0, edge.shape[1] - 1)  # [T,tries]
-    x = (at[:, None, 2] + offset[..., 1]).clamp(0, edge.shape[2] - 1)
-    near = index[at[:, None, 0], y, x]  # [T,tries], -1 off the band
-    flat = labels[edge]
-    ok = (near >= 0) & (flat[near.clamp(min=0)] != flat[t1][:, None])
-    first = ok.int().argmax(1, keepdim=True)  # the first try that found one
-    return torch.where(ok.any(1), near.gather(1, first).squeeze(1), fallback)
-
-
 def triplet_hinge(
     emb: Tensor, t1: Tensor, t2: Tensor, f0: Tensor, margin: float
 ) -> tuple[Tensor, Tensor]:
@@ -160,11 +137,6 @@ def triplet_step(
     if triplets is None:
         stats = TripletStats(num_triplets=0, violating=0.0, margin=0.0, loss=0.0)
         return {**stats, "pixels": int(edge.sum())}
-    if mining == "local":  # same random stream as "random", then the local draws
-        t1, t2, f0 = triplets
-        near = local_negatives(edge, labels, t1, f0, window=2 * radius + 1, tries=mining_pool,
-                               generator=generator)  # fmt: skip
-        triplets = (t1, t2, near)
     t = triplets[0].numel()
     used, inverse = torch.unique(torch.cat([x.flatten() for x in triplets]), return_inverse=True)
     where = edge.nonzero()[used]  # [U,3]
