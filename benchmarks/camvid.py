@@ -88,6 +88,7 @@ from camvid_protocols import (
     open_fraction,
     positive_float,
     reuse_mismatch,
+    source_commit,
     stale_record,
 )
 from camvid_refine import (
@@ -442,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "cpu_threads": torch.get_num_threads(),
             "torch": torch.__version__,
+            "dualseg_commit": source_commit(),
         },
         "args": args_record(args),
         "train": {},

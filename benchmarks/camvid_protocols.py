@@ -7,12 +7,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import dualseg
 from dualseg.commands.common import number_in
 from dualseg.engine.checkpoint import load_checkpoint
 from dualseg.engine.config import load_config
@@ -359,3 +361,21 @@ def earlier_calls_seconds(train_record: dict[str, Any]) -> float:
     ``train_seconds`` adds every piece; this call's clock saw only the last): counted in
     ``total_seconds`` as a reused run's are."""
     return max(0.0, train_record["train_seconds"] - train_record["seconds_this_call"])
+
+
+def source_commit() -> str | None:
+    """The git commit of the dualseg source this run imports, ``+dirty`` when its tracked
+    files differ from it; None outside a git checkout (an installed wheel). A result read
+    sessions later can then be tied to the code that made it."""
+    where = str(Path(dualseg.__file__).resolve().parent)
+    try:
+        head = subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=30)  # fmt: skip
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               timeout=30).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):  # no git on the machine
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")

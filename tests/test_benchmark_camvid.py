@@ -3,10 +3,12 @@ flags, else its figures would be reported under the wrong recipe."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
+import dualseg
 from benchmark_helpers import load_benchmark
 from dualseg.engine.config import save_config
 from dualseg.engine.options import OptimConfig
@@ -473,3 +475,23 @@ def test_crf_without_pydensecrf2_is_one_line_before_any_work(
     with pytest.raises(DualsegError, match=r"pip install 'dualseg\[crf\]'"):
         camvid.main(argv)
     assert not out.exists()
+
+
+def _git(where: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True)
+
+
+def test_the_results_record_the_commit_of_the_code_that_made_them(
+    tmp_path: Path, monkeypatch
+) -> None:
+    where = Path(dualseg.__file__).resolve().parent
+    head, got = _git(where, "rev-parse", "HEAD"), protocols.source_commit()
+    if head.returncode != 0:  # an installed copy: nothing to tie the results to
+        assert got is None
+    else:
+        dirty = bool(_git(where, "status", "--porcelain", "--untracked-files=no").stdout.strip())
+        assert got == head.stdout.strip() + ("+dirty" if dirty else "")
+    # outside any checkout: None, not an error
+    (tmp_path / "dualseg").mkdir()
+    monkeypatch.setattr(dualseg, "__file__", str(tmp_path / "dualseg" / "__init__.py"))
+    assert protocols.source_commit() is None
