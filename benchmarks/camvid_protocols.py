@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -364,18 +365,23 @@ def earlier_calls_seconds(train_record: dict[str, Any]) -> float:
 
 
 def source_commit() -> str | None:
-    """The git commit of the dualseg source this run imports, ``+dirty`` when its tracked
-    files differ from it; None outside a git checkout (an installed wheel). A result read
-    sessions later can then be tied to the code that made it."""
-    where = str(Path(dualseg.__file__).resolve().parent)
-    try:
-        head = subprocess.run(["git", "-C", where, "rev-parse", "HEAD"], capture_output=True,
-                              text=True, timeout=30)  # fmt: skip
-        if head.returncode != 0:
+    """The git commit of the checkout whose dualseg source this run imports, ``+dirty`` when
+    the checkout's tracked files differ from it; None outside one (an installed copy, even
+    inside another repository). A result read sessions later is then tied to its code."""
+    where = Path(dualseg.__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k not in ("GIT_DIR", "GIT_WORK_TREE")}
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "--no-optional-locks", "-C", str(where), *args],
+                              capture_output=True, text=True, timeout=30, env=env)  # fmt: skip
+
+    try:  # the source must be tracked by the repository found, not merely lie inside it
+        if git("ls-files", "--error-unmatch", "__init__.py").returncode != 0:
             return None
-        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain",
-                                "--untracked-files=no"], capture_output=True, text=True,
-                               timeout=30).stdout.strip()  # fmt: skip
+        head, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "-uno")
     except (OSError, subprocess.SubprocessError):  # no git on the machine
         return None
+    if head.returncode != 0:
+        return None
+    dirty = status.returncode != 0 or bool(status.stdout.strip())  # unknown: not called clean
     return head.stdout.strip() + ("+dirty" if dirty else "")

@@ -491,7 +491,17 @@ def test_the_results_record_the_commit_of_the_code_that_made_them(
     else:
         dirty = bool(_git(where, "status", "--porcelain", "--untracked-files=no").stdout.strip())
         assert got == head.stdout.strip() + ("+dirty" if dirty else "")
-    # outside any checkout: None, not an error
-    (tmp_path / "dualseg").mkdir()
-    monkeypatch.setattr(dualseg, "__file__", str(tmp_path / "dualseg" / "__init__.py"))
+    # outside any checkout, or untracked inside another one: None, not an error
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))
+    monkeypatch.delenv("GIT_DIR", raising=False)
+    repo = tmp_path / "repo"
+    (repo / "dualseg").mkdir(parents=True)
+    (repo / "dualseg" / "__init__.py").write_text("")
+    monkeypatch.setattr(dualseg, "__file__", str(repo / "dualseg" / "__init__.py"))
     assert protocols.source_commit() is None
+    _git(repo, "init", "-q")
+    assert protocols.source_commit() is None
+    # tracked and committed there: that commit, clean
+    _git(repo, "add", "dualseg/__init__.py")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    assert protocols.source_commit() == _git(repo, "rev-parse", "HEAD").stdout.strip()
