@@ -16,7 +16,7 @@ from checkpoint_helpers import synthetic_contract, write_synthetic_checkpoint
 from dualseg.cli import main
 from dualseg.data import make_synthetic_dataset
 from dualseg.refine import BoundaryRefiner
-from reliability_helpers import one_line
+from reliability_helpers import one_line, refused
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +156,60 @@ def test_a_refiner_calibrated_on_another_base_is_said(data, base, tmp_path, caps
     assert main([*apply, "-o", str(tmp_path / "b"), "--top-n", "50", "--device", "cpu"]) == 0
     classes = BoundaryRefiner.load(refiner).num_classes
     assert f"Top-N 50 is more than the {classes} classes" in capsys.readouterr().err
+
+
+STRIPES = """import torch
+
+class Stripes(torch.nn.Module):  # 8 vertical stripes, one per synthetic class
+    def forward(self, x):
+        n, _, h, w = x.shape
+        cls = torch.arange(w) * 8 // w
+        return 4.0 * torch.nn.functional.one_hot(cls, 8).T[None, :, None].expand(n, 8, h, w)
+
+model = Stripes()
+"""
+
+
+def test_eval_and_apply_set_the_decision_for_one_run(data, tmp_path, capsys) -> None:
+    """Comparing decisions on one's own data needs no copy of the refiner: eval and apply take
+    the decision flags for one run, say them in metrics.json, and refuse a bad value or a flag
+    with nothing to set in one line."""
+    import json
+
+    refiner, stripes = tmp_path / "r.pt", tmp_path / "stripes.py"
+    assert main(fit(data, None, refiner)) == 0
+    stripes.write_text(STRIPES)  # a base with boundaries to refine (the checkpoint has none)
+    argv = ["eval", "-c", f"{stripes}:model", "--data", str(data), "--quiet", "--refiner"]
+    argv.append(str(refiner))
+
+    def scored(name: str, *flags: str) -> dict:
+        assert main([*argv, "--out", str(tmp_path / name), *flags]) == 0
+        return json.loads((tmp_path / name / "metrics.json").read_text())
+
+    stored, never = (
+        scored("stored"),
+        scored("never", "--switch-cost", "1e6", "--gate-margin", "none"),
+    )
+    assert stored["refiner_options"]["switch_cost"] == 0.0 and stored["refine"]["changed"] > 0
+    assert never["refiner_options"] | {"switch_cost": 0.0} == stored["refiner_options"]
+    assert never["refine"]["changed"] == 0 and never["refined"]["miou"] == never["miou"]
+    assert BoundaryRefiner.load(refiner).config.switch_cost == 0.0  # the file is not changed
+    capsys.readouterr()
+    for flags, said in (
+        (["--switch-cost", "-1"], "argument --switch-cost: must be >= 0 and finite, got -1"),
+        (["--gate-margin", "2"], "argument --gate-margin: must be in [0, 1] or None, got 2"),
+    ):
+        assert said in refused([*argv, "--out", str(tmp_path / "bad"), *flags], capsys)
+    assert main([*argv[:6], "--min-prob", "0.2", "--out", str(tmp_path / "no")]) == 1
+    assert "--min-prob set a method-B refiner's options: pass --refiner" in one_line(capsys)
+    image = str(sorted((data / "images").iterdir())[0])
+    apply = ["refine", "apply", image, "-b", f"{stripes}:model", "--quiet", "--device", "cpu"]
+    assert (
+        main([*apply, "-r", str(refiner), "-o", str(tmp_path / "a"), "--switch-cost", "1e6"]) == 0
+    )
+    assert "0 pixels changed" in capsys.readouterr().out
+    assert main([*apply, "--crf", "-o", str(tmp_path / "c"), "--prior-weight", "1"]) == 1
+    assert "--prior-weight set method B's refiner; --crf has none" in one_line(capsys)
 
 
 def test_the_same_seed_fits_the_same_refiner(data, base, tmp_path) -> None:

@@ -4,6 +4,7 @@ means it the same way, and the checks and notes that go with them."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -21,6 +22,9 @@ from dualseg.engine.options import MAX_THREADS
 from dualseg.engine.predict import load_model, resolve_device
 from dualseg.errors import ConfigError, DataError
 from dualseg.export.runtime import ExportedSegmenter
+from dualseg.refine.apply_run import OVERRIDABLE
+from dualseg.refine.boundary import MAX_RADIUS
+from dualseg.refine.config import RefinerConfig
 
 
 def command_parser(name: str, description: str, *examples: str) -> argparse.ArgumentParser:
@@ -80,6 +84,40 @@ def nonnegative_float(text: str) -> float:
 def megapixels(text: str) -> float:
     """``--max-megapixels``: a positive finite number."""
     return number_in(text, lambda v: v > 0, "positive (megapixels)")
+
+
+# refiner options whose flags check more than their type, as the line is parsed
+REFINER_PARSED = {"radius": int_in(0, MAX_RADIUS, " pixels"), "top_n": positive_int}
+
+
+def add_refiner_overrides(p: argparse.ArgumentParser) -> None:
+    """``--top-n --radius`` and the decision flags (``--gate-margin`` ...): this run's values
+    for a refiner's stored options (:data:`OVERRIDABLE`), each checked by the option's rule as
+    the line is parsed; a flag not given is absent from ``args`` (:func:`refiner_overrides`)."""
+    group = p.add_argument_group(
+        "method B",
+        "set the refiner's options for this run "
+        "(default: the refiner's own; 'dualseg refine fit --help')",
+    )
+    fields = {f.name: f for f in dataclasses.fields(RefinerConfig)}
+    for name in OVERRIDABLE:
+        meta, optional = fields[name].metadata, fields[name].type == float | None
+        parse = REFINER_PARSED.get(name) or _option_number(meta["ok"], meta["rule"], optional)
+        help = meta["help"] + (" (none: off)" if optional else "")
+        group.add_argument(f"--{name.replace('_', '-')}", type=parse, default=argparse.SUPPRESS,
+                           help=help)  # fmt: skip
+
+
+def _option_number(ok: Callable[[Any], bool], rule: str, optional: bool) -> Callable[[str], Any]:
+    def parse(text: str) -> float | None:
+        return None if optional and text.lower() == "none" else number_in(text, ok, rule)
+
+    return parse
+
+
+def refiner_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The options :func:`add_refiner_overrides`' flags set on this command line."""
+    return {k: getattr(args, k) for k in OVERRIDABLE if hasattr(args, k)}
 
 
 def bit_depth(text: str) -> int:

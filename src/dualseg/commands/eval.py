@@ -26,10 +26,11 @@ from dualseg.engine.outputs import (
 )
 from dualseg.engine.preflight import scored_classes_note
 from dualseg.engine.pretrained import is_hub_source, load_network
-from dualseg.errors import DataError
+from dualseg.errors import ConfigError, DataError
 from dualseg.io import atomic_write_json
 from dualseg.metrics import BOUNDARY_TOLERANCE, MAX_WIDTH, TRIMAP_WIDTH, to_jsonable
 from dualseg.refine import BoundaryRefiner
+from dualseg.refine.apply_run import OVERRIDABLE, override
 from dualseg.refine.base import python_model
 from dualseg.refine.refiner import evaluation_notes
 from dualseg.refine.taps import is_py_spec
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--save-predictions", metavar="DIR", help="write DIR/labels/ and DIR/color/ PNGs")
     c.add_overwrite_arg(p, what="an earlier evaluation in OUT, and --save-predictions files")
     add("--refiner", help="a method-B refiner file (dualseg refine fit)")
+    c.add_refiner_overrides(p)
     add("--batch-size", type=c.positive_int, default=1, help="images per batch (1)")
     add("--workers", type=c.nonnegative_int, default=0, help="DataLoader worker processes (0)")
     c.add_runtime_args(p)
@@ -89,6 +91,10 @@ def _network(args: argparse.Namespace, device: torch.device) -> tuple[Any, dict[
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate as the command line describes; returns the metrics (also written to disk)."""
     args.split = c.split_of(args.data, args.split, default="val")
+    overrides = c.refiner_overrides(args)
+    if overrides and not args.refiner:
+        given = " and ".join(f"--{k.replace('_', '-')}" for k in overrides)
+        raise ConfigError(f"{given} set a method-B refiner's options: pass --refiner")
     opts = c.inference_options(args)
     variant = "".join(v for v, on in (("_refined", args.refiner), ("_slide", opts.mode == "slide"),
                                       ("_tta", opts.uses_tta)) if on)  # fmt: skip
@@ -121,6 +127,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     refiner = None
     if args.refiner:
         refiner = BoundaryRefiner.load(args.refiner, device=device)
+        for note in override(refiner, overrides, refiner_name=args.refiner):
+            warn(note)
         for note in evaluation_notes(
             refiner, model, [image for image, _ in dataset.samples],
             class_names=dataset.meta.class_names, contract=contract, refiner_name=args.refiner,
@@ -146,13 +154,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if hook is not None and (removed := hook.undo()):
             warn(f"note: removed the {removed} prediction files written to {args.save_predictions}")
         raise
-    _report(args, metrics, dataset.meta.class_names, opts, device, out)
+    options = {k: getattr(refiner.config, k) for k in OVERRIDABLE} if refiner else None
+    _report(args, metrics, dataset.meta.class_names, opts, device, out, options)
     for path in stale:
         path.unlink(missing_ok=True)
     return metrics
 
 
-def _report(args: argparse.Namespace, metrics: dict, names: Any, opts: Any, device, out: Path):
+def _report(
+    args: argparse.Namespace, metrics: dict, names: Any, opts: Any, device: torch.device,
+    out: Path, refiner_options: dict[str, Any] | None,
+) -> None:  # fmt: skip
     """Print the scores and warnings, then write metrics.json and the figures."""
     print(f"{args.checkpoint} on {args.data} [{args.split}], {metrics['num_images']} images, "
           f"batch size {args.batch_size}, {device}, {opts.describe()}")  # fmt: skip
@@ -165,7 +177,8 @@ def _report(args: argparse.Namespace, metrics: dict, names: Any, opts: Any, devi
     record = {
         "checkpoint": str(args.checkpoint), "data": str(args.data), "split": args.split,
         "class_names": list(names), "boundary_tolerance": args.boundary_tolerance,
-        "trimap_width": args.trimap_width, "refiner": args.refiner, "inference": opts.record(),
+        "trimap_width": args.trimap_width, "refiner": args.refiner,
+        "refiner_options": refiner_options, "inference": opts.record(),
         "batch_size": args.batch_size, "device": str(device), "amp": c.cuda_amp(args, device),
         **metrics,
     }  # fmt: skip

@@ -14,12 +14,9 @@ from dualseg.export.runtime import load_refiner
 from dualseg.io import check_writable
 from dualseg.refine import apply_run, fit_run
 from dualseg.refine.base import describe_layers, load_base
-from dualseg.refine.boundary import MAX_RADIUS
 from dualseg.refine.calibrate import METRICS
 from dualseg.refine.config import RefinerConfig, add_flags
 from dualseg.refine.taps import SAMPLE_SIZE
-
-PARSED = {"radius": c.int_in(0, MAX_RADIUS, " pixels"), "top_n": c.positive_int}
 
 
 def _add_fit(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +46,7 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
         metavar="R",
         help="choose only among settings breaking at most R pixels per pixel fixed (any)",
     )
-    add_flags(p, PARSED)
+    add_flags(p, c.REFINER_PARSED)
     add("--time-budget", type=float, metavar="MINUTES", help="stop the steps after MINUTES")
     add("--proto-images", type=c.nonnegative_int, default=0, help="prototype images (0: all)")
     c.add_runtime_args(p)
@@ -82,8 +79,7 @@ def _add_apply(sub: argparse._SubParsersAction) -> None:
     add("--out", "-o", required=True, help="output folder")
     c.add_overwrite_arg(p, what="output files in --out")
     c.add_dataset_check_options(p)
-    add("--top-n", type=c.positive_int, help="override the refiner's Top-N")
-    add("--radius", type=PARSED["radius"], help="override the refiner's near-boundary radius")
+    c.add_refiner_overrides(p)
     c.add_runtime_args(p)
     c.add_quiet_arg(p)
     add("--alpha", type=c.fraction, default=0.5, help="overlay opacity, 0-1 (0.5)")
@@ -195,13 +191,13 @@ def apply_main(args: argparse.Namespace) -> int:
     device = c.apply_runtime(args)
     base = load_base(args.base, device=device)
     if args.crf:
-        refiner = apply_run.crf_settings(args.top_n, args.radius)
+        refiner = apply_run.crf_settings(c.refiner_overrides(args))
     else:
         refiner = load_refiner(args.refiner, device=device)
         c.static_export_note(args.refiner, refiner, "refine")
         c.check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
         augmented = opts.mode != "whole" or opts.uses_tta
-        for line in apply_run.configure(refiner, base, top_n=args.top_n, radius=args.radius,
+        for line in apply_run.configure(refiner, base, overrides=c.refiner_overrides(args),
                                         augmented=augmented, refiner_name=args.refiner,
                                         base_name=str(args.base)):  # fmt: skip
             print(f"dualseg refine apply: {line}", file=sys.stderr)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -19,6 +19,7 @@ from dualseg.errors import ConfigError, DualsegError
 from dualseg.imaging import normalize
 from dualseg.io import atomic_save_image
 from dualseg.refine.base import OTHER_BASE, other_calibration_base
+from dualseg.refine.calibrate import DECISION_KEYS
 from dualseg.refine.crf import CRFSettings, import_pydensecrf
 from dualseg.refine.formats import check_contract
 from dualseg.viz import default_palette
@@ -26,23 +27,36 @@ from dualseg.viz import default_palette
 KINDS = ("labels", "color", "overlay", "changed")  # refine apply's output folders
 
 
-def configure(
-    refiner: Any, base: Any, *, top_n: int | None, radius: int | None, refiner_name: str,
-    base_name: str, augmented: bool,
-) -> list[str]:  # fmt: skip
-    """Apply the ``top_n`` / ``radius`` overrides and check ``base`` against ``refiner``:
-    the notes and warnings to show."""
-    notes = [f"note: {text}"] if (text := refiner.calibration_note()) else []
-    overrides = {k: v for k, v in (("top_n", top_n), ("radius", radius)) if v is not None}
+# the options refine apply and eval can set for one run: what inference reads (P3, P4, the
+# decision); not P1's blur, which a refiner reading the base's features cannot take
+OVERRIDABLE = ("top_n", "radius", *(k for k in DECISION_KEYS if k != "p1_blur_sigma"))
+
+
+def override(refiner: Any, overrides: Mapping[str, Any], *, refiner_name: str) -> list[str]:
+    """Set ``overrides`` (options of :data:`OVERRIDABLE`, checked by their flags) on
+    ``refiner`` for this run: the notes to show."""
+    notes = []
     if overrides and refiner.calibration is not None:  # the sweep ran at the stored ones
         stored = ", ".join(f"{k} {getattr(refiner.config, k)}" for k in overrides)
         notes.append(f"note: {refiner_name}'s decision options were chosen (--calibrate-split) "
                      f"at {stored}; at other values they may not be the best")  # fmt: skip
     refiner.config = dataclasses.replace(refiner.config, **overrides)
+    top_n = overrides.get("top_n")
     if top_n is not None and top_n > refiner.num_classes:  # a stored one was noted by fit
         notes.append(f"note: {top_n_over_classes(top_n, refiner.num_classes)}")
     if refiner.config.top_n == 1:
         notes.append("note: Top-N 1 leaves each pixel one candidate: no pixel can change")
+    return notes
+
+
+def configure(
+    refiner: Any, base: Any, *, overrides: Mapping[str, Any], refiner_name: str,
+    base_name: str, augmented: bool,
+) -> list[str]:  # fmt: skip
+    """Apply the ``overrides`` (:func:`override`) and check ``base`` against ``refiner``:
+    the notes and warnings to show."""
+    notes = [f"note: {text}"] if (text := refiner.calibration_note()) else []
+    notes += override(refiner, overrides, refiner_name=refiner_name)
     if base.class_names is not None:
         refiner.check_classes(base.class_names, len(base.class_names), what=base_name)
     check_contract(refiner, getattr(base, "contract", None), refiner_name=refiner_name,
@@ -77,12 +91,11 @@ def base_scores(
     return scores.softmax(1) if augmented else scores  # the averaged log-probabilities came back
 
 
-def crf_settings(top_n: int | None, radius: int | None) -> CRFSettings:
+def crf_settings(overrides: Mapping[str, Any]) -> CRFSettings:
     """``refine apply --crf``: the dense CRF, method B's overrides refused (it has none)."""
-    if given := [f for f, v in (("--top-n", top_n), ("--radius", radius)) if v is not None]:
-        raise ConfigError(
-            f"{' and '.join(given)} set method B's refiner; --crf has none: drop them"
-        )
+    if overrides:
+        given = " and ".join(f"--{k.replace('_', '-')}" for k in overrides)
+        raise ConfigError(f"{given} set method B's refiner; --crf has none: drop them")
     import_pydensecrf()  # before any output: one line saying how to install it
     return CRFSettings()
 
