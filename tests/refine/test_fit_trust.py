@@ -5,6 +5,7 @@ half-way, an --overwrite fit that a later --resume would mix with the fit it rep
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 from pathlib import Path
 
@@ -210,6 +211,27 @@ def test_eval_and_apply_set_the_decision_for_one_run(data, tmp_path, capsys) -> 
     assert "0 pixels changed" in capsys.readouterr().out
     assert main([*apply, "--crf", "-o", str(tmp_path / "c"), "--prior-weight", "1"]) == 1
     assert "--prior-weight set method B's refiner; --crf has none" in one_line(capsys)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("pydensecrf") is None, reason="pydensecrf2 not installed"
+)
+def test_eval_scores_dense_crf_beside_the_base(data, tmp_path, capsys) -> None:
+    """``eval --crf``: the baseline scored on one's own labelled images, as method B is."""
+    import json
+
+    stripes = tmp_path / "stripes.py"
+    stripes.write_text(STRIPES)
+    argv = ["eval", "-c", f"{stripes}:model", "--data", str(data), "--quiet", "--crf"]
+    assert main([*argv, "--out", str(tmp_path / "crf")]) == 0
+    m = json.loads((tmp_path / "crf" / "metrics.json").read_text())
+    assert m["crf"] is True and m["refiner"] is None and m["refiner_options"]["iterations"] == 5
+    assert m["refine"]["changed"] > 0 and m["refined"]["miou"] != m["miou"]
+    assert "--switch-cost set method B's refiner; --crf has none" in refused(
+        [*argv, "--switch-cost", "0.1"], capsys
+    )
+    said = refused([*argv, "--refiner", "r.pt"], capsys)
+    assert "--refiner: not allowed with argument --crf" in said
 
 
 def test_the_same_seed_fits_the_same_refiner(data, base, tmp_path) -> None:

@@ -30,7 +30,7 @@ from dualseg.errors import ConfigError, DataError
 from dualseg.io import atomic_write_json
 from dualseg.metrics import BOUNDARY_TOLERANCE, MAX_WIDTH, TRIMAP_WIDTH, to_jsonable
 from dualseg.refine import BoundaryRefiner
-from dualseg.refine.apply_run import OVERRIDABLE, override
+from dualseg.refine.apply_run import OVERRIDABLE, crf_settings, override
 from dualseg.refine.base import python_model
 from dualseg.refine.refiner import evaluation_notes
 from dualseg.refine.taps import is_py_spec
@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         "boundary F1 and trimap mIoU; writes metrics.json.",
         "dualseg eval -c runs/camvid/best.pt --data ../shared/data/camvid --split val",
         "dualseg eval -c runs/camvid/best.pt --data ROOT --refiner runs/camvid/refiner.pt",
+        "dualseg eval -c runs/camvid/best.pt --data ROOT --crf",
     )
     add = p.add_argument
     add(
@@ -61,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoint, + _refined / _slide / _tta)")  # fmt: skip
     add("--save-predictions", metavar="DIR", help="write DIR/labels/ and DIR/color/ PNGs")
     c.add_overwrite_arg(p, what="an earlier evaluation in OUT, and --save-predictions files")
-    add("--refiner", help="a method-B refiner file (dualseg refine fit)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--refiner", help="a method-B refiner file (dualseg refine fit)")
+    how.add_argument("--crf", action="store_true", help="score dense CRF on the base's "
+                     "probabilities instead, default kernels (the dualseg[crf] extra)")  # fmt: skip
     c.add_refiner_overrides(p)
     add("--batch-size", type=c.positive_int, default=1, help="images per batch (1)")
     add("--workers", type=c.nonnegative_int, default=0, help="DataLoader worker processes (0)")
@@ -92,16 +96,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Evaluate as the command line describes; returns the metrics (also written to disk)."""
     args.split = c.split_of(args.data, args.split, default="val")
     overrides = c.refiner_overrides(args)
-    if overrides and not args.refiner:
+    crf = crf_settings(overrides) if args.crf else None  # refuses method B's options
+    if overrides and not args.refiner and crf is None:
         given = " and ".join(f"--{k.replace('_', '-')}" for k in overrides)
         raise ConfigError(f"{given} set a method-B refiner's options: pass --refiner")
     opts = c.inference_options(args)
-    variant = "".join(v for v, on in (("_refined", args.refiner), ("_slide", opts.mode == "slide"),
-                                      ("_tta", opts.uses_tta)) if on)  # fmt: skip
+    variant = "".join(v for v, on in (("_refined", args.refiner), ("_crf", args.crf),
+                      ("_slide", opts.mode == "slide"), ("_tta", opts.uses_tta)) if on)  # fmt: skip
     out = Path(args.out) if args.out else default_out(args.checkpoint, args.split, variant=variant)
     stale = check_eval_outputs(
         out, args.save_predictions, data=args.data, split=args.split, layout=args.layout,
-        refined=bool(args.refiner), overwrite=args.overwrite,
+        refined=bool(args.refiner) or args.crf, overwrite=args.overwrite,
     )  # fmt: skip
     device = c.apply_runtime(args)
     model, ckpt = _network(args, device)
@@ -124,7 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dataset, batch_size=args.batch_size, num_workers=args.workers,
         pin_memory=device.type == "cuda", collate_fn=SameSizeCollate(ONE_SIZE),
     )  # fmt: skip
-    refiner = None
+    refiner: Any = crf
     if args.refiner:
         refiner = BoundaryRefiner.load(args.refiner, device=device)
         for note in override(refiner, overrides, refiner_name=args.refiner):
@@ -154,7 +159,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if hook is not None and (removed := hook.undo()):
             warn(f"note: removed the {removed} prediction files written to {args.save_predictions}")
         raise
-    options = {k: getattr(refiner.config, k) for k in OVERRIDABLE} if refiner else None
+    options = {k: getattr(refiner.config, k) for k in OVERRIDABLE} if args.refiner else None
+    options = asdict(crf) if crf is not None else options  # the CRF's kernels
     _report(args, metrics, dataset.meta.class_names, opts, device, out, options)
     for path in stale:
         path.unlink(missing_ok=True)
@@ -177,7 +183,7 @@ def _report(
     record = {
         "checkpoint": str(args.checkpoint), "data": str(args.data), "split": args.split,
         "class_names": list(names), "boundary_tolerance": args.boundary_tolerance,
-        "trimap_width": args.trimap_width, "refiner": args.refiner,
+        "trimap_width": args.trimap_width, "refiner": args.refiner, "crf": args.crf,
         "refiner_options": refiner_options, "inference": opts.record(),
         "batch_size": args.batch_size, "device": str(device), "amp": c.cuda_amp(args, device),
         **metrics,
