@@ -178,7 +178,7 @@ def test_eval_and_apply_set_the_decision_for_one_run(data, tmp_path, capsys) -> 
     import json
 
     refiner, stripes = tmp_path / "r.pt", tmp_path / "stripes.py"
-    assert main(fit(data, None, refiner)) == 0
+    assert main(fit(data, None, refiner, "--gate-margin", "none")) == 0  # spelt as eval takes it
     stripes.write_text(STRIPES)  # a base with boundaries to refine (the checkpoint has none)
     argv = ["eval", "-c", f"{stripes}:model", "--data", str(data), "--quiet", "--refiner"]
     argv.append(str(refiner))
@@ -195,6 +195,15 @@ def test_eval_and_apply_set_the_decision_for_one_run(data, tmp_path, capsys) -> 
     assert never["refiner_options"] | {"switch_cost": 0.0} == stored["refiner_options"]
     assert never["refine"]["changed"] == 0 and never["refined"]["miou"] == never["miou"]
     assert BoundaryRefiner.load(refiner).config.switch_cost == 0.0  # the file is not changed
+    one = scored("top1", "--top-n", "1", "--radius", "3")  # on eval as on apply
+    assert one["refiner_options"]["radius"] == 3 and one["refine"]["changed"] == 0
+    assert "Top-N 1 leaves each pixel one candidate" in capsys.readouterr().err
+    # the notes come after the checks: a refused pair gets its one line and nothing before it
+    other = Path(shutil.copytree(data, tmp_path / "renamed"))
+    meta = json.loads((other / "meta.json").read_text())
+    meta["class_names"][-1] = "signs"
+    (other / "meta.json").write_text(json.dumps(meta))
+    assert "class names" in refused([*argv[:4], str(other), *argv[5:], "--top-n", "1"], capsys)
     capsys.readouterr()
     for flags, said in (
         (["--switch-cost", "-1"], "argument --switch-cost: must be >= 0 and finite, got -1"),
@@ -225,7 +234,7 @@ def test_eval_scores_dense_crf_beside_the_base(data, tmp_path, capsys) -> None:
     argv = ["eval", "-c", f"{stripes}:model", "--data", str(data), "--quiet", "--crf"]
     assert main([*argv, "--out", str(tmp_path / "crf")]) == 0
     m = json.loads((tmp_path / "crf" / "metrics.json").read_text())
-    assert m["crf"] is True and m["refiner"] is None and m["refiner_options"]["iterations"] == 5
+    assert m["crf"]["iterations"] == 5 and m["refiner"] is None and m["refiner_options"] is None
     assert m["refine"]["changed"] > 0 and m["refined"]["miou"] != m["miou"]
     assert "--switch-cost set method B's refiner; --crf has none" in refused(
         [*argv, "--switch-cost", "0.1"], capsys

@@ -30,7 +30,7 @@ from dualseg.errors import ConfigError, DataError
 from dualseg.io import atomic_write_json
 from dualseg.metrics import BOUNDARY_TOLERANCE, MAX_WIDTH, TRIMAP_WIDTH, to_jsonable
 from dualseg.refine import BoundaryRefiner
-from dualseg.refine.apply_run import OVERRIDABLE, crf_settings, override
+from dualseg.refine.apply_run import crf_settings, override
 from dualseg.refine.base import python_model
 from dualseg.refine.refiner import evaluation_notes
 from dualseg.refine.taps import is_py_spec
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_label_args(p, source="the checkpoint")
     c.add_pixel_args(p, source="the checkpoint")
     add("--out", "-o", help="folder for metrics.json (default: eval_SPLIT[_NAME] beside the "
-        "checkpoint, + _refined / _slide / _tta)")  # fmt: skip
+        "checkpoint, + _refined / _crf / _slide / _tta)")  # fmt: skip
     add("--save-predictions", metavar="DIR", help="write DIR/labels/ and DIR/color/ PNGs")
     c.add_overwrite_arg(p, what="an earlier evaluation in OUT, and --save-predictions files")
     how = p.add_mutually_exclusive_group()
@@ -132,9 +132,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     refiner: Any = crf
     if args.refiner:
         refiner = BoundaryRefiner.load(args.refiner, device=device)
-        for note in override(refiner, overrides, refiner_name=args.refiner):
-            warn(note)
-        for note in evaluation_notes(
+        notes = override(refiner, overrides, refiner_name=args.refiner)
+        for note in notes + evaluation_notes(  # said once every check has passed
             refiner, model, [image for image, _ in dataset.samples],
             class_names=dataset.meta.class_names, contract=contract, refiner_name=args.refiner,
             model_name=f"the checkpoint {args.checkpoint}",
@@ -159,9 +158,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if hook is not None and (removed := hook.undo()):
             warn(f"note: removed the {removed} prediction files written to {args.save_predictions}")
         raise
-    options = {k: getattr(refiner.config, k) for k in OVERRIDABLE} if args.refiner else None
-    options = asdict(crf) if crf is not None else options  # the CRF's kernels
-    _report(args, metrics, dataset.meta.class_names, opts, device, out, options)
+    _report(args, metrics, dataset.meta.class_names, opts, device, out, refiner)
     for path in stale:
         path.unlink(missing_ok=True)
     return metrics
@@ -169,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _report(
     args: argparse.Namespace, metrics: dict, names: Any, opts: Any, device: torch.device,
-    out: Path, refiner_options: dict[str, Any] | None,
+    out: Path, refiner: Any,
 ) -> None:  # fmt: skip
     """Print the scores and warnings, then write metrics.json and the figures."""
     print(f"{args.checkpoint} on {args.data} [{args.split}], {metrics['num_images']} images, "
@@ -183,14 +180,15 @@ def _report(
     record = {
         "checkpoint": str(args.checkpoint), "data": str(args.data), "split": args.split,
         "class_names": list(names), "boundary_tolerance": args.boundary_tolerance,
-        "trimap_width": args.trimap_width, "refiner": args.refiner, "crf": args.crf,
-        "refiner_options": refiner_options, "inference": opts.record(),
+        "trimap_width": args.trimap_width, "refiner": args.refiner,
+        "refiner_options": refiner.config.to_dict() if args.refiner else None,
+        "crf": asdict(refiner) if args.crf else None, "inference": opts.record(),
         "batch_size": args.batch_size, "device": str(device), "amp": c.cuda_amp(args, device),
         **metrics,
     }  # fmt: skip
     # metrics.json first: a folder that cannot be written gets no figures without their scores
     atomic_write_json(out / "metrics.json", to_jsonable(record))
-    figures = write_figures(out, metrics, names)
+    figures = write_figures(out, metrics, names, refined_by="dense CRF" if args.crf else "method B")
     for stale in {out / name for name in FIGURES} - set(figures):
         stale.unlink(missing_ok=True)  # an earlier evaluation's (--overwrite)
     print(f"metrics -> {out / 'metrics.json'}; figures -> {', '.join(p.name for p in figures)}")

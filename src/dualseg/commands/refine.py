@@ -182,6 +182,7 @@ def note(text: str) -> None:
 
 
 def apply_main(args: argparse.Namespace) -> int:
+    crf = apply_run.crf_settings(c.refiner_overrides(args)) if args.crf else None
     opts = c.inference_options(args)
     out = check_writable(args.out, kind="dir", what="--out")
     images = collect_images(args.inputs, out=out, command="refine apply")
@@ -190,8 +191,8 @@ def apply_main(args: argparse.Namespace) -> int:
                           command="refine apply")  # fmt: skip
     device = c.apply_runtime(args)
     base = load_base(args.base, device=device)
-    if args.crf:
-        refiner = apply_run.crf_settings(c.refiner_overrides(args))
+    if crf is not None:
+        refiner = crf
     else:
         refiner = load_refiner(args.refiner, device=device)
         c.static_export_note(args.refiner, refiner, "refine")

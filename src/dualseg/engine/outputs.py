@@ -317,18 +317,21 @@ def mixed_size_batch(samples: list, batch_size: int) -> str | None:
     return None
 
 
-def write_figures(out: Path, metrics: dict[str, Any], class_names: Any) -> list[Path]:
-    """:data:`FIGURES` in ``out`` (the refined confusion matrix with a refiner); their paths."""
+def write_figures(
+    out: Path, metrics: dict[str, Any], class_names: Any, *, refined_by: str = "method B"
+) -> list[Path]:
+    """:data:`FIGURES` in ``out`` (the refined confusion matrix with a refiner, named by
+    ``refined_by``: method B or dense CRF); their paths."""
     viz.save_confusion_matrix(out / FIGURES[0], metrics["confusion_matrix"], class_names)
     series, written = {"model": metrics["iou"]}, [out / FIGURES[0], out / FIGURES[1]]
     if (refined := metrics.get("refined")) is not None:
-        series["model + method B"] = refined["iou"]
+        series[f"model + {refined_by}"] = refined["iou"]
         written.append(out / FIGURES[2])
         viz.save_confusion_matrix(
             written[2],
             refined["confusion_matrix"],
             class_names,
-            title="method B: confusion matrix (row-normalized, %)",
+            title=f"{refined_by}: confusion matrix (row-normalized, %)",
         )
     viz.save_class_iou(written[1], series, class_names)
     return written

@@ -171,10 +171,20 @@ def _has_type(kind: Any, value: Any) -> bool:
     return isinstance(value, kind)
 
 
+def optional_float(text: str) -> float | None:
+    """argparse ``type=`` of an option that may be off: a number, or ``none``."""
+    if text.lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from None
+
+
 def add_flags(p: argparse.ArgumentParser, parsers: Mapping[str, Callable[[str], Any]]) -> None:
     """One flag per field (``--embed-dim`` for ``embed_dim``); ``parsers``: their own ``type=``."""
     for f in dataclasses.fields(RefinerConfig):
-        kind = float if f.type == float | None else f.type
+        kind = optional_float if f.type == float | None else f.type
         kw: dict[str, Any] = {"type": parsers.get(f.name, kind), "default": f.default}
         if f.type == tuple[int, ...]:
             kw.update(type=int, nargs="+", default=list(f.default))
