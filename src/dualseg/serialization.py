@@ -41,7 +41,7 @@ def safe_torch_load(
         raise CheckpointError(
             f"{path} is an ONNX export ('dualseg export'), not a dualseg {what}: pass the "
             f"{what} it was exported from (predict and serve run an exported model with "
-            "--onnx; refine apply and serve take an exported refiner as --refiner)"
+            "--onnx; eval, refine apply and serve take an exported refiner as --refiner)"
         )
     torchscript = read_torchscript_meta(path)
     if torchscript is not None:  # torch.load would warn, then fail on weights_only

@@ -138,6 +138,48 @@ def test_refine_apply_accepts_the_exported_pair(refiner, tmp_path):
     np.testing.assert_array_equal(got, want)
 
 
+def test_eval_scores_the_exported_refiner_as_the_fitted_one(refiner, tmp_path):
+    """``eval --refiner emb.onnx``: the scores of the refiner it was exported from."""
+    from PIL import Image
+
+    _, path = refiner
+    onnx = tmp_path / "emb.onnx"
+    args = ["export", "--refiner", str(path), "--format", "onnx", "--out", str(onnx)]
+    assert main([*args, "--dynamic", "--no-verify"]) == 0
+    data = tmp_path / "data"
+    for sub in ("images", "labels"):
+        (data / sub).mkdir(parents=True)
+    image, probs = _case(4)
+    Image.fromarray(image).save(data / "images" / "a.png")
+    Image.fromarray(probs.argmax(0).astype(np.uint8)).save(data / "labels" / "a.png")
+    (data / "val.txt").write_text("images/a.png labels/a.png\n")
+    meta = {
+        "name": "abc",
+        "class_names": ["a", "b", "c"],
+        "palette": [[0, 0, 0], [9, 9, 9], [99] * 3],
+    }
+    (data / "meta.json").write_text(json.dumps(meta))
+    np.save(tmp_path / "logits.npy", np.log(probs)[None])
+    (tmp_path / "stripes.py").write_text(
+        "import numpy as np, torch\n"
+        f"LOGITS = torch.from_numpy(np.load({str(tmp_path / 'logits.npy')!r}))\n"
+        "class Fixed(torch.nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return LOGITS.expand(x.shape[0], -1, -1, -1)\n"
+        "model = Fixed()\n"
+    )
+    scores = []
+    for name, ref in (("fitted", path), ("exported", onnx)):
+        argv = ["eval", "-c", f"{tmp_path / 'stripes.py'}:model", "--data", str(data)]
+        argv += ["--refiner", str(ref), "--out", str(tmp_path / name), "--quiet"]
+        assert main([*argv, "--device", "cpu"]) == 0
+        scores.append(json.loads((tmp_path / name / "metrics.json").read_text()))
+    fitted, exported = scores
+    assert fitted["refine"]["changed"] > 0
+    assert exported["refine"] | {"ms_per_image": 0} == fitted["refine"] | {"ms_per_image": 0}
+    assert exported["refined"]["confusion_matrix"] == fitted["refined"]["confusion_matrix"]
+
+
 def test_static_refiner_export_runs_on_other_sizes(refiner, tmp_path):
     """A static export (no --dynamic) resizes other image sizes to its own and still refines
     only near-boundary pixels, to labels among the Top-N."""

@@ -27,9 +27,9 @@ from dualseg.engine.outputs import (
 from dualseg.engine.preflight import scored_classes_note
 from dualseg.engine.pretrained import is_hub_source, load_network
 from dualseg.errors import ConfigError, DataError
+from dualseg.export.runtime import load_refiner
 from dualseg.io import atomic_write_json
 from dualseg.metrics import BOUNDARY_TOLERANCE, MAX_WIDTH, TRIMAP_WIDTH, to_jsonable
-from dualseg.refine import BoundaryRefiner
 from dualseg.refine.apply_run import crf_settings, override
 from dualseg.refine.base import python_model
 from dualseg.refine.refiner import evaluation_notes
@@ -63,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--save-predictions", metavar="DIR", help="write DIR/labels/ and DIR/color/ PNGs")
     c.add_overwrite_arg(p, what="an earlier evaluation in OUT, and --save-predictions files")
     how = p.add_mutually_exclusive_group()
-    how.add_argument("--refiner", help="a method-B refiner file (dualseg refine fit)")
+    how.add_argument(
+        "--refiner", help="a method-B refiner (dualseg refine fit), or an exported one"
+    )
     how.add_argument("--crf", action="store_true", help="score dense CRF on the base's "
                      "probabilities instead, default kernels (the dualseg[crf] extra)")  # fmt: skip
     c.add_refiner_overrides(p)
@@ -131,7 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )  # fmt: skip
     refiner: Any = crf
     if args.refiner:
-        refiner = BoundaryRefiner.load(args.refiner, device=device)
+        refiner = load_refiner(args.refiner, device=device)  # fitted or exported
         notes = override(refiner, overrides, refiner_name=args.refiner)
         for note in notes + evaluation_notes(  # said once every check has passed
             refiner, model, [image for image, _ in dataset.samples],
