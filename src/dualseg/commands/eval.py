@@ -30,7 +30,7 @@ from dualseg.errors import ConfigError, DataError
 from dualseg.export.runtime import load_refiner
 from dualseg.io import atomic_write_json
 from dualseg.metrics import BOUNDARY_TOLERANCE, MAX_WIDTH, TRIMAP_WIDTH, to_jsonable
-from dualseg.refine.apply_run import crf_settings, override
+from dualseg.refine.apply_run import crf_settings, flags_of, override
 from dualseg.refine.base import python_model
 from dualseg.refine.refiner import evaluation_notes
 from dualseg.refine.taps import is_py_spec
@@ -99,9 +99,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     args.split = c.split_of(args.data, args.split, default="val")
     overrides = c.refiner_overrides(args)
     crf = crf_settings(overrides) if args.crf else None  # refuses method B's options
-    if overrides and not args.refiner and crf is None:
-        given = " and ".join(f"--{k.replace('_', '-')}" for k in overrides)
-        raise ConfigError(f"{given} set a method-B refiner's options: pass --refiner")
+    if overrides and not args.refiner:
+        raise ConfigError(f"{flags_of(overrides)} set a method-B refiner's options: pass --refiner")
     opts = c.inference_options(args)
     variant = "".join(v for v, on in (("_refined", args.refiner), ("_crf", args.crf),
                       ("_slide", opts.mode == "slide"), ("_tta", opts.uses_tta)) if on)  # fmt: skip

@@ -32,6 +32,11 @@ KINDS = ("labels", "color", "overlay", "changed")  # refine apply's output folde
 OVERRIDABLE = ("top_n", "radius", *(k for k in DECISION_KEYS if k != "p1_blur_sigma"))
 
 
+def flags_of(overrides: Mapping[str, Any]) -> str:
+    """How the overrides were given, for a message: ``--top-n and --switch-cost``."""
+    return " and ".join(f"--{k.replace('_', '-')}" for k in overrides)
+
+
 def override(refiner: Any, overrides: Mapping[str, Any], *, refiner_name: str) -> list[str]:
     """Set ``overrides`` (options of :data:`OVERRIDABLE`, checked by their flags) on
     ``refiner`` for this run: the notes to show."""
@@ -94,7 +99,7 @@ def base_scores(
 def crf_settings(overrides: Mapping[str, Any]) -> CRFSettings:
     """``refine apply --crf``: the dense CRF, method B's overrides refused (it has none)."""
     if overrides:
-        given = " and ".join(f"--{k.replace('_', '-')}" for k in overrides)
+        given = flags_of(overrides)
         raise ConfigError(f"{given} set method B's refiner; --crf has none: drop them")
     import_pydensecrf()  # before any output: one line saying how to install it
     return CRFSettings()
