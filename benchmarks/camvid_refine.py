@@ -23,7 +23,7 @@ from dualseg.errors import ConfigError
 from dualseg.io import atomic_write_json
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.base import model_fingerprint
-from dualseg.refine.calibrate import DECISION_KEYS, METRICS, choose_decision, sweep_decision
+from dualseg.refine.calibrate import DECISION_KEYS, METRICS, calibrate_decision, choose_decision
 from dualseg.refine.crf import CRFSettings, choose_crf
 from dualseg.refine.decision import describe_decision
 from dualseg.refine.refiner import RefinerConfig
@@ -289,15 +289,16 @@ def choose_decisions(
     for name, refiner in refiners.items():
         model = models[name]
         with refiner.shared_features(model) as kept:  # as evaluate() will read them
-            rows = sweep_decision(
+            chosen, rows = calibrate_decision(
                 refiner,
                 lambda x, m=model: m(x).softmax(1),
-                dev,
+                lambda: dev,
                 num_classes=meta.num_classes,
+                metric=metric,
+                max_broken_ratio=ratio,
                 device=device,
                 shared=kept,
             )
-        chosen = choose_decision(rows, metric=metric, max_broken_ratio=ratio)
         sweep = {"metric": metric, "max_broken_ratio": ratio, "chosen": chosen, "rows": rows}
         print(f"[{name}] decision chosen on dev: {chosen}", flush=True)
         gated[name] = {"B_gated": with_decision(refiner, chosen)}

@@ -35,7 +35,7 @@ from dualseg.engine.evaluation import evaluate
 from dualseg.engine.options import DataConfig, train_transform
 from dualseg.io import atomic_write_json
 from dualseg.refine import BoundaryRefiner, RefinerConfig
-from dualseg.refine.calibrate import choose_decision, sweep_decision
+from dualseg.refine.calibrate import calibrate_decision
 from dualseg.refine.decision import describe_decision
 from dualseg.weights import load_state_dict_file, resolve_weights
 
@@ -160,9 +160,8 @@ def fit_refiner(args: argparse.Namespace, data: Path, base: Any, taps: bool, nam
 def with_chosen(refiner: Any, base: Any, dev: Any, num_classes: int) -> tuple[Any, dict]:
     """A copy of ``refiner`` with its decision chosen on dev (as ``benchmarks/camvid.py``)."""
     with refiner.shared_features(base) as kept:
-        rows = sweep_decision(refiner, lambda x: base(x).softmax(1), dev,
-                              num_classes=num_classes, shared=kept)  # fmt: skip
-    chosen = choose_decision(rows, metric="miou")
+        chosen, _ = calibrate_decision(refiner, lambda x: base(x).softmax(1), lambda: dev,
+                                       num_classes=num_classes, shared=kept)  # fmt: skip
     return with_decision(refiner, chosen), chosen
 
 

@@ -119,4 +119,5 @@ def test_a_switch_cost_is_refused_below_zero_and_reaches_the_decision(monkeypatc
 
     monkeypatch.setattr("dualseg.refine.refiner.decide", decide)
     refiner.refine(dataset[0][0][None], torch.full((1, 3, 32, 32), 1 / 3))
-    assert seen == {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.05, "switch_cost": 0.3}
+    assert seen == {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.05, "switch_cost": 0.3,
+                    "blocked_switches": ()}  # fmt: skip

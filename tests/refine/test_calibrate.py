@@ -4,16 +4,23 @@ the choice never falls below the base on the images that chose it."""
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 import torch
 
 from dualseg.errors import ConfigError
 from dualseg.refine.calibrate import (
     CLAIM_DECISION,
+    blocked_at,
+    calibrate_decision,
     choose_decision,
     decision_grid,
     sweep_decision,
+    switch_counts,
 )
+from dualseg.refine.config import switch_pairs
 from dualseg.refine.decision import (
     Candidates,
     are_probabilities,
@@ -22,8 +29,8 @@ from dualseg.refine.decision import (
     gather_candidates,
     prototype_scale,
 )
-from dualseg.refine.fit_run import format_sweep
-from dualseg.refine.refiner import RefinerConfig
+from dualseg.refine.fit_run import format_sweep, switch_names
+from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig
 
 
 def candidates(pred: torch.Tensor, edge: torch.Tensor, labels, distance, probs) -> Candidates:
@@ -227,6 +234,7 @@ def test_sweep_scores_each_setting_and_chooses_the_best() -> None:
         "prior_weight": 0.0,
         "min_prob": 0.0,
         "switch_cost": 0.0,
+        "blocked_switches": (),
         "p1_blur_sigma": 0.0,
     }
 
@@ -361,3 +369,56 @@ def test_are_probabilities_reads_maps_and_rows_alike() -> None:
     assert are_probabilities(logits.softmax(1).T[None, :, :, None])  # [1,C,M,1] map
     assert not are_probabilities(logits.abs())  # non-negative, but not summing to one
     assert are_probabilities(torch.zeros(0, 3))  # no near-boundary rows: nothing to convert
+
+
+def test_a_blocked_switch_keeps_the_base_label_and_other_switches_go_on() -> None:
+    c = three_pixels()  # the claim: 0 -> 1, 0 -> 1, 0 -> 2
+    assert decide(c, blocked_switches=((0, 1),))[0].tolist() == [[[0, 0, 2]]]
+    assert decide(c, blocked_switches=((0, 2), (1, 0)))[0].tolist() == [[[1, 1, 0]]]
+    assert describe_decision(gate_margin=0.2, blocked_switches=((0, 2), (1, 0))) == (
+        "gate 0.2, 2 switches blocked"
+    )
+    assert switch_names(((0, 2), (1, 0)), "abc") == "0:2 (a -> c) 1:0 (b -> a)"
+    assert switch_names((), "abc") == "none"
+
+
+def test_switch_counts_split_each_switch_into_fixed_and_broken() -> None:
+    label = torch.tensor([[[0, 1, 255]]])  # the claim breaks pixel 0, fixes 1; 2 is ignored
+    counts = switch_counts(Fixed(three_pixels()), lambda x: torch.zeros(1, 3, 1, 3),
+                           [(torch.zeros(1, 3, 1, 3), label)], CLAIM_DECISION,
+                           num_classes=3)  # fmt: skip
+    assert counts[0].tolist() == [[0, 1, 0], [0, 0, 0], [0, 0, 0]]  # fixed: 0 -> 1 once
+    assert counts[1].tolist() == [[0, 1, 0], [0, 0, 0], [0, 0, 0]]  # broken: 0 -> 1 once
+    assert blocked_at(counts, 1.0) == () and blocked_at(counts, 0.5) == ((0, 1),)
+
+
+def test_a_broken_ratio_out_of_the_grids_reach_is_met_by_blocking_a_switch() -> None:
+    # two pixels alike to every reading of the grid (same probabilities and distances): the
+    # nearer prototype is right at the one (0 -> 1) and wrong at the other (0 -> 2)
+    pred = torch.zeros(1, 1, 2, dtype=torch.long)
+    c = candidates(pred, pred == 0, [[0, 1], [0, 2]], [[1.0, 0.0], [1.0, 0.0]],
+                   [[0.6, 0.4], [0.6, 0.4]])  # fmt: skip
+    label = torch.tensor([[[1, 0]]])
+    args = (Fixed(c), lambda x: torch.zeros(1, 3, 1, 2), lambda: [(torch.zeros(1, 3, 1, 2), label)])
+    chosen, rows = calibrate_decision(*args, num_classes=3, max_broken_ratio=0.5)
+    assert chosen["blocked_switches"] == ((0, 2),) and chosen["gate_margin"] != 0.0
+    assert {r["broken"] for r in rows if r.get("blocked_switches")} == {0.0}
+    # without a ratio the grid's best stands, and no blocked row is scored
+    free, rows = calibrate_decision(*args, num_classes=3)
+    assert free["blocked_switches"] == () and not any(r.get("blocked_switches") for r in rows)
+
+
+def test_blocked_switches_are_pairs_of_two_classes_in_every_form() -> None:
+    assert RefinerConfig(blocked_switches=[[1, 4], [2, 0]]).blocked_switches == ((1, 4), (2, 0))
+    cfg = RefinerConfig(blocked_switches=((1, 4),))
+    assert RefinerConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    for bad in (((1, 1),), ((1, -2),), ((1, 2, 3),), ("1:2",)):
+        with pytest.raises(ConfigError, match="blocked_switches"):
+            RefinerConfig(blocked_switches=bad)
+    assert switch_pairs("1:4,2:0") == ((1, 4), (2, 0)) and switch_pairs("None") == ()
+    for text in ("1-4", "1:4,", "3:3", "1:2:3", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected A:B pairs"):
+            switch_pairs(text)
+    with pytest.raises(ConfigError, match=r"blocked switch 0:3 .* outside this refiner's 0..2"):
+        cfg = RefinerConfig(blocked_switches=((0, 3),))
+        BoundaryRefiner(None, torch.zeros(3, 4), torch.ones(3), class_names="abc", config=cfg)

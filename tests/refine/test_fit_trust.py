@@ -195,6 +195,10 @@ def test_eval_and_apply_set_the_decision_for_one_run(data, tmp_path, capsys) -> 
     assert never["refiner_options"] | {"switch_cost": 0.0} == stored["refiner_options"]
     assert never["refine"]["changed"] == 0 and never["refined"]["miou"] == never["miou"]
     assert BoundaryRefiner.load(refiner).config.switch_cost == 0.0  # the file is not changed
+    every = ",".join(f"{a}:{b}" for a in range(8) for b in range(8) if a != b)
+    blocked = scored("blocked", "--blocked-switches", every)  # no switch left: nothing changes
+    assert len(blocked["refiner_options"]["blocked_switches"]) == 56
+    assert blocked["refine"]["changed"] == 0
     one = scored("top1", "--top-n", "1", "--radius", "3")  # on eval as on apply
     assert one["refiner_options"]["radius"] == 3 and one["refine"]["changed"] == 0
     assert "Top-N 1 leaves each pixel one candidate" in capsys.readouterr().err
@@ -208,6 +212,11 @@ def test_eval_and_apply_set_the_decision_for_one_run(data, tmp_path, capsys) -> 
     for flags, said in (
         (["--switch-cost", "-1"], "argument --switch-cost: must be >= 0 and finite, got -1"),
         (["--gate-margin", "2"], "argument --gate-margin: must be in [0, 1] or None, got 2"),
+        (["--blocked-switches", "1-4"], "argument --blocked-switches: expected A:B pairs"),
+        (
+            ["--blocked-switches", "0:8"],
+            "blocked switch 0:8 (--blocked-switches) names a class outside this refiner's 0..7",
+        ),
     ):
         assert said in refused([*argv, "--out", str(tmp_path / "bad"), *flags], capsys)
     assert main([*argv[:6], "--min-prob", "0.2", "--out", str(tmp_path / "no")]) == 1

@@ -24,7 +24,7 @@ from dualseg.errors import ConfigError, DataError
 from dualseg.export.runtime import ExportedSegmenter
 from dualseg.refine.apply_run import OVERRIDABLE
 from dualseg.refine.boundary import MAX_RADIUS
-from dualseg.refine.config import RefinerConfig
+from dualseg.refine.config import RefinerConfig, switch_pairs
 
 
 def command_parser(name: str, description: str, *examples: str) -> argparse.ArgumentParser:
@@ -87,7 +87,10 @@ def megapixels(text: str) -> float:
 
 
 # refiner options whose flags check more than their type, as the line is parsed
-REFINER_PARSED = {"radius": int_in(0, MAX_RADIUS, " pixels"), "top_n": positive_int}
+REFINER_PARSED = {
+    "radius": int_in(0, MAX_RADIUS, " pixels"), "top_n": positive_int,
+    "blocked_switches": switch_pairs,
+}  # fmt: skip
 
 
 def add_refiner_overrides(p: argparse.ArgumentParser) -> None:

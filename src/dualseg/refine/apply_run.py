@@ -46,6 +46,7 @@ def override(refiner: Any, overrides: Mapping[str, Any], *, refiner_name: str) -
         notes.append(f"note: {refiner_name}'s decision options were chosen (--calibrate-split) "
                      f"at {stored}; at other values they may not be the best")  # fmt: skip
     refiner.config = dataclasses.replace(refiner.config, **overrides)
+    refiner.config.check_classes(refiner.num_classes)
     top_n = overrides.get("top_n")
     if top_n is not None and top_n > refiner.num_classes:  # a stored one was noted by fit
         notes.append(f"note: {top_n_over_classes(top_n, refiner.num_classes)}")

@@ -18,9 +18,13 @@ from dualseg.refine.decision import decide
 # The claim's decision (every near-boundary pixel, nearest prototype, no filter) as a setting
 CLAIM_DECISION: Mapping[str, Any] = MappingProxyType({
     "gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0, "switch_cost": 0.0,
-    "p1_blur_sigma": 0.0,
+    "blocked_switches": (), "p1_blur_sigma": 0.0,
 })  # fmt: skip
 DECISION_KEYS = tuple(CLAIM_DECISION)
+GRID_KEYS = ("gate_margin", "prior_weight", "min_prob", "switch_cost", "p1_blur_sigma")
+# the second stage of the choice: block each switch (class a -> b) of the best setting that
+# broke more than r correct pixels of the held-out images per pixel it fixed, for each r
+SWITCH_RATIOS = (2.0, 1.0, 0.75, 0.5, 0.25)
 # what choose_decision may maximize (scored on every row of the sweep); the first is the default
 METRICS: tuple[str, ...] = ("miou", "boundary_f1")
 
@@ -40,7 +44,7 @@ def decision_grid(
         first = all(v == axis[0] for v, axis in zip(values[1:], axes[1:], strict=True))
         if values[0] == 0 and not first:
             continue
-        grid.append(dict(zip(DECISION_KEYS, values, strict=True)))
+        grid.append(CLAIM_DECISION | dict(zip(GRID_KEYS, values, strict=True)))
     return grid
 
 
@@ -94,6 +98,66 @@ def sweep_decision(
             "changed": changed, "fixed": fixed, "broken": broken,
         })  # fmt: skip
     return rows
+
+
+@torch.no_grad()
+def switch_counts(
+    refiner: Any, base: Callable[[Tensor], Tensor], batches: Iterable[tuple[Tensor, Tensor]],
+    setting: Mapping[str, Any], *, num_classes: int, ignore_index: int = 255,
+    device: str | torch.device = "cpu", shared: Any = None,
+) -> Tensor:  # fmt: skip
+    """The pixels ``setting`` relabels from class a to class b on labelled ``batches``, which
+    it fixed and which it broke: ``[2,K,K]`` int64 (``[0, a, b]`` fixed, ``[1, a, b]`` broken)."""
+    dev, k = torch.device(device), num_classes
+    counts = torch.zeros(2, k * k, dtype=torch.int64, device=dev)
+    rest = dict(setting)
+    sigma = rest.pop("p1_blur_sigma", 0.0)
+    for images, labels in batches:
+        images, labels = images.to(dev), labels.to(dev)
+        probs = base(images).float()  # before take(): the base's forward fills what it keeps
+        kept = shared.take(images) if shared is not None else None
+        c = refiner.candidates(images, probs, p1_blur_sigma=sigma,
+                               features=kept if sigma == 0 else None)  # fmt: skip
+        out, changed = (t.to(dev) for t in decide(c, **rest))
+        changed &= labels != ignore_index
+        a, b, truth = c.pred.to(dev)[changed], out[changed], labels[changed]
+        for row, right in enumerate((truth == b, truth == a)):
+            counts[row] += torch.bincount((a * k + b)[right], minlength=k * k)
+    return counts.view(2, k, k)
+
+
+def blocked_at(counts: Tensor, ratio: float) -> tuple[tuple[int, int], ...]:
+    """The switches (a, b) of :func:`switch_counts` that broke more than ``ratio`` pixels per
+    pixel they fixed."""
+    fixed, broken = counts.double()
+    a, b = torch.nonzero(broken > ratio * fixed, as_tuple=True)
+    return tuple(zip(a.tolist(), b.tolist(), strict=True))
+
+
+def calibrate_decision(
+    refiner: Any, base: Callable[[Tensor], Tensor],
+    batches: Callable[[], Iterable[tuple[Tensor, Tensor]]], *, num_classes: int,
+    metric: str = "miou", max_broken_ratio: float | None = None, ignore_index: int = 255,
+    device: str | torch.device = "cpu", shared: Any = None,
+    switch_ratios: Sequence[float] = SWITCH_RATIOS,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:  # fmt: skip
+    """Choose the decision options on labelled images (``batches()`` yields them, each call
+    anew): sweep the grid; with ``max_broken_ratio``, also block the best setting's switches
+    that broke more than each of ``switch_ratios`` pixels per pixel fixed (two more passes);
+    choose among all the rows (:func:`choose_decision`). Returns the choice and the rows."""
+    kw = {"num_classes": num_classes, "ignore_index": ignore_index, "device": device,
+          "shared": shared}  # fmt: skip
+    rows = sweep_decision(refiner, base, batches(), **kw)
+    best = choose_decision(rows, metric=metric)
+    # only to keep within a ratio: unconstrained, the blocks chosen on these images scored
+    # no better than none on new ones (and they chose the blocks: an optimistic row)
+    if max_broken_ratio is not None and switch_ratios and best["gate_margin"] != 0:
+        counts = switch_counts(refiner, base, batches(), best, **kw)
+        blocks = dict.fromkeys(blocked_at(counts, r) for r in switch_ratios)  # ordered, unique
+        grid = [best | {"blocked_switches": pairs} for pairs in blocks if pairs]
+        if grid:  # the base row again is left out
+            rows += sweep_decision(refiner, base, batches(), grid=grid, **kw)[1:]
+    return choose_decision(rows, metric=metric, max_broken_ratio=max_broken_ratio), rows
 
 
 def choose_decision(

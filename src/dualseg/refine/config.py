@@ -104,6 +104,12 @@ class RefinerConfig:
         0.0, "relabel only where a candidate's score is below the base label's by more than "
         "this (in units of the prototype scale)", *FINITE,
     )  # fmt: skip
+    blocked_switches: tuple[tuple[int, int], ...] = _opt(
+        (), "relabel no pixel from the base's class A to class B for these A:B pairs (comma "
+        "separated; none: every switch), as the calibration blocks the switches that broke "
+        "more correct pixels than it allows per pixel fixed",
+        lambda v: all(a != b and min(a, b) >= 0 for a, b in v), "pairs of two class indices",
+    )  # fmt: skip
     p1_blur_sigma: float = _opt(0.0, "P1: Gaussian blur (px) of the embedding's input", *FINITE)
     decoder_channels: int = _opt(
         0, "a DeepLabV3+ decoder on the stride-4 features, projected to this many channels",
@@ -119,6 +125,9 @@ class RefinerConfig:
         for name in ("aspp_rates", "base_features"):  # JSON and argparse give lists
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        pairs = self.blocked_switches  # JSON gives a list of lists
+        if isinstance(pairs, list | tuple) and all(isinstance(q, list | tuple) for q in pairs):
+            object.__setattr__(self, "blocked_switches", tuple(tuple(q) for q in pairs))
         for f in dataclasses.fields(self):
             value, meta = getattr(self, f.name), f.metadata
             if not _has_type(f.type, value):
@@ -142,6 +151,15 @@ class RefinerConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def check_classes(self, num_classes: int) -> None:
+        """Refuse a blocked switch naming a class the refiner does not have."""
+        if bad := [q for q in self.blocked_switches if max(q) >= num_classes]:
+            a, b = bad[0]
+            raise ConfigError(
+                f"blocked switch {a}:{b} (--blocked-switches) names a class outside this "
+                f"refiner's 0..{num_classes - 1}"
+            )
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "RefinerConfig":
         """The options of a stored refiner (``to_dict``'s output), checked."""
@@ -164,6 +182,9 @@ def _has_type(kind: Any, value: Any) -> bool:
         return kind in (float | None, tuple[str, ...] | None)
     if kind == tuple[int, ...]:
         return isinstance(value, tuple) and all(_has_type(int, v) for v in value)
+    if kind == tuple[tuple[int, int], ...]:
+        pairs = isinstance(value, tuple) and all(isinstance(q, tuple) for q in value)
+        return pairs and all(len(q) == 2 and _has_type(tuple[int, ...], q) for q in value)
     if kind == tuple[str, ...] | None:
         return isinstance(value, tuple) and all(isinstance(v, str) for v in value)
     if kind in (float, float | None):
@@ -181,6 +202,22 @@ def optional_float(text: str) -> float | None:
         raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from None
 
 
+def switch_pairs(text: str) -> tuple[tuple[int, int], ...]:
+    """argparse ``type=`` of ``--blocked-switches``: ``A:B,C:D`` (class indices), or ``none``."""
+    if text.lower() == "none":
+        return ()
+    try:
+        pairs = tuple(tuple(int(i) for i in q.split(":")) for q in text.split(","))
+    except ValueError:
+        pairs = ()
+    if not pairs or any(len(q) != 2 or q[0] == q[1] or min(q) < 0 for q in pairs):
+        raise argparse.ArgumentTypeError(
+            f"expected A:B pairs of two class indices, comma separated (1:4,1:6), or none, "
+            f"got {text!r}"
+        )
+    return pairs  # type: ignore[return-value]
+
+
 def add_flags(p: argparse.ArgumentParser, parsers: Mapping[str, Callable[[str], Any]]) -> None:
     """One flag per field (``--embed-dim`` for ``embed_dim``); ``parsers``: their own ``type=``."""
     for f in dataclasses.fields(RefinerConfig):
@@ -190,7 +227,10 @@ def add_flags(p: argparse.ArgumentParser, parsers: Mapping[str, Callable[[str], 
             kw.update(type=int, nargs="+", default=list(f.default))
         if f.type == tuple[str, ...] | None:
             kw.update(type=str, nargs="+", metavar="MODULE")
+        if f.type == tuple[tuple[int, int], ...]:
+            kw.update(metavar="A:B,...")
         shown = " ".join(map(str, f.default)) if f.type == tuple[int, ...] else f.default
+        shown = "none" if shown == () else shown
         help = f.metadata["help"] + (f" ({shown})" if f.default is not None else "")
         if "choices" in f.metadata:
             kw["choices"] = f.metadata["choices"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +48,9 @@ def prototype_scale(prototypes: Tensor, present: Tensor) -> float:
     k = p.shape[0]
     scale = float(d2.sum() / (k * (k - 1)))
     return scale if scale > 0 else 1.0
+
+
+_PAIR_CODE = 1 << 32  # class indices are far below it: a * _PAIR_CODE + b is one per pair
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,7 @@ def gather_candidates(
 def decide(
     c: Candidates, *, gate_margin: float | None = None, prior_weight: float = 0.0,
     min_prob: float = 0.0, switch_cost: float = 0.0,
+    blocked_switches: Sequence[tuple[int, int]] = (),
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """P5 with the readings above: ``(labels [B,H,W] int64, changed bool [B,H,W])``."""
     where = c.edge.reshape(-1).nonzero().squeeze(1) if c.index is None else c.index  # [M]
@@ -126,6 +130,10 @@ def decide(
     new = torch.where(torch.isfinite(low) & (low < held), best, base)  # a tie keeps the base
     if gate_margin is not None:  # beyond the claim: only where the base is unsure
         new = torch.where(c.margin < gate_margin, new, base)
+    if blocked_switches:  # a relabel from class a to b that held-out images showed breaks
+        pairs = torch.tensor(blocked_switches, device=new.device)  # [P,2]
+        code = base * _PAIR_CODE + new  # one int64 per (a, b)
+        new = torch.where(torch.isin(code, pairs[:, 0] * _PAIR_CODE + pairs[:, 1]), base, new)
     out = c.pred.clone(memory_format=torch.contiguous_format)
     out.view(-1)[where] = new
     return out, out != c.pred
@@ -133,7 +141,8 @@ def decide(
 
 def describe_decision(
     *, gate_margin: float | None = None, prior_weight: float = 0.0, min_prob: float = 0.0,
-    switch_cost: float = 0.0, p1_blur_sigma: float = 0.0,
+    switch_cost: float = 0.0, blocked_switches: Sequence[Sequence[int]] = (),
+    p1_blur_sigma: float = 0.0,
 ) -> str:  # fmt: skip
     """A decision setting in words: its readings beyond the claim, or "the claim's rule"."""
     if gate_margin == 0:
@@ -141,4 +150,8 @@ def describe_decision(
     named = (("gate", gate_margin if gate_margin is not None else 0), ("prior", prior_weight),
              ("floor", min_prob), ("switch cost", switch_cost),
              ("P1 blur", p1_blur_sigma))  # fmt: skip
-    return ", ".join(f"{k} {v:g}" for k, v in named if v) or "the claim's rule"
+    words = [f"{k} {v:g}" for k, v in named if v]
+    if blocked_switches:
+        words.append(f"{len(blocked_switches)} switch{'es' if len(blocked_switches) > 1 else ''}"
+                     " blocked")  # fmt: skip
+    return ", ".join(words) or "the claim's rule"

@@ -22,7 +22,7 @@ from dualseg.engine.pretrained import is_hub_source
 from dualseg.errors import ConfigError, DataError, OutputError, RunExistsError
 from dualseg.io import check_writable, file_digest
 from dualseg.refine.base import model_fingerprint
-from dualseg.refine.calibrate import CLAIM_DECISION, DECISION_KEYS, choose_decision, sweep_decision
+from dualseg.refine.calibrate import CLAIM_DECISION, DECISION_KEYS, calibrate_decision
 from dualseg.refine.config import RefinerConfig
 from dualseg.refine.decision import describe_decision
 from dualseg.refine.formats import FORMAT, TRAIN_FORMAT
@@ -268,7 +268,9 @@ def run_fit(
     rows = calibrate(refiner, base, data.held_out, files, split=split, metric=metric,
                      max_broken_ratio=ratio, device=device)  # fmt: skip
     options = {k: getattr(refiner.config, k) for k in DECISION_KEYS}
-    chosen = ", ".join(f"{k} {v}" for k, v in options.items())
+    pairs = options["blocked_switches"]
+    shown = options | {"blocked_switches": switch_names(pairs, refiner.class_names)}
+    chosen = ", ".join(f"{k} {v}" for k, v in shown.items())
     among = "" if ratio is None else f" breaking at most {ratio:g} pixel per pixel fixed"
     if refiner.config.gate_margin == 0:
         chosen = f"gate_margin 0, never relabel (no setting{among} helped this base)"
@@ -279,6 +281,11 @@ def run_fit(
         f"decision sweep on {split} ({len(data.held_out)} held-out images):\n{table}\n"
         f"chosen: {chosen}"
     )
+
+
+def switch_names(pairs: Sequence[tuple[int, int]], names: Sequence[str]) -> str:
+    """Blocked switches by their classes too: ``1:4 (sidewalk -> road)``."""
+    return " ".join(f"{a}:{b} ({names[a]} -> {names[b]})" for a, b in pairs) or "none"
 
 
 def calibrate(
@@ -302,10 +309,11 @@ def calibrate(
     module = getattr(base, "module", None)  # a model's backbone output is read, not rerun
     kept = refiner.shared_features(module) if module is not None else contextlib.nullcontext()
     with kept as shared:
-        rows = sweep_decision(refiner, base_scores, batches(), num_classes=refiner.num_classes,
-                              ignore_index=held_out.meta.ignore_index, device=device,
-                              shared=shared)  # fmt: skip
-    chosen = choose_decision(rows, metric=metric, max_broken_ratio=max_broken_ratio)
+        chosen, rows = calibrate_decision(
+            refiner, base_scores, batches, num_classes=refiner.num_classes, metric=metric,
+            max_broken_ratio=max_broken_ratio, ignore_index=held_out.meta.ignore_index,
+            device=device, shared=shared,
+        )  # fmt: skip
     refiner.config = dataclasses.replace(refiner.config, **chosen)
     refiner.calibration = {
         "split": split, "images": len(held_out), "metric": metric,

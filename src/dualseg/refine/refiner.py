@@ -64,6 +64,7 @@ class BoundaryRefiner:
         self.taps = taps  # a tap refiner's base modules (low, high), else None
         self.config = config or RefinerConfig(embed_dim=int(prototypes.shape[1]))
         self.class_names = tuple(str(n) for n in class_names)
+        self.config.check_classes(self.num_classes)
         self.palette = None if palette is None else tuple(tuple(map(int, c)) for c in palette)
         if self.palette and (
             len(self.palette) != self.num_classes or {len(c) for c in self.palette} != {3}
@@ -142,7 +143,8 @@ class BoundaryRefiner:
         cfg = self.config
         out = decide(self.candidates(x, p, features=features), gate_margin=cfg.gate_margin,
                      prior_weight=cfg.prior_weight, min_prob=cfg.min_prob,
-                     switch_cost=cfg.switch_cost)  # fmt: skip
+                     switch_cost=cfg.switch_cost,
+                     blocked_switches=cfg.blocked_switches)  # fmt: skip
         labels, changed = (t.to(p.device) for t in out)
         if not batch:
             labels, changed = labels[0].cpu().numpy(), changed[0].cpu().numpy()
@@ -292,6 +294,7 @@ class BoundaryRefiner:
         described = formats.stored_description(stored.description, source)
         try:
             config = RefinerConfig.from_dict(stored.description["config"])
+            config.check_classes(len(described["class_names"]))
         except ConfigError as err:
             raise CheckpointError(f"{source}: {err}") from None
         taps = None if described["taps"] is None else TapRecord.from_dict(described["taps"])
