@@ -305,6 +305,7 @@ def choose_decisions(
         # P1 blur makes the refiner run its own backbone; where it could read the base's
         # features instead, also keep the best setting that does (the cheap one)
         if kept.module is not None and chosen["p1_blur_sigma"]:
+            # none of these rows blocks switches: the blocks were counted for the blurred best
             unblurred = [r for r in rows if r.get("p1_blur_sigma", 0) == 0]
             fast = choose_decision(unblurred, metric=metric, max_broken_ratio=ratio)
             sweep["chosen_reading_base_features"] = fast

@@ -84,6 +84,11 @@ def test_missing_sidecar_and_class_mismatch(refiner, tmp_path):
     exported = load_exported_refiner(tmp_path / "emb.json")  # the sidecar works as well
     with pytest.raises(CheckpointError, match="fit for 3"):
         exported.check_classes(None, 5)
+    sidecar = json.loads((tmp_path / "emb.json").read_text())
+    sidecar["config"]["blocked_switches"] = [[0, 7]]  # a class the refiner does not have
+    (tmp_path / "bad.json").write_text(json.dumps(sidecar))
+    with pytest.raises(CheckpointError, match=r"bad.json: blocked switch 0:7 .*re-export"):
+        load_exported_refiner(tmp_path / "bad.json")
     (tmp_path / "emb.json").unlink()
     with pytest.raises(CheckpointError, match="sidecar not found"):
         load_exported_refiner(out)
@@ -108,7 +113,7 @@ def test_load_refiner_opens_both_kinds_and_overrides_apply(refiner, tmp_path):
     ref = load_refiner(path)
     image, probs = _case(1)
     for r in (exported, ref):
-        r.config = dataclasses.replace(r.config, radius=1, top_n=3)
+        r.config = dataclasses.replace(r.config, radius=1, top_n=3, blocked_switches=((0, 1),))
     got, got_changed = exported.refine(image, probs, return_changed=True)
     want, want_changed = ref.refine(image, probs, return_changed=True)
     np.testing.assert_array_equal(got, want)

@@ -28,8 +28,9 @@ from dualseg.refine.decision import (
     describe_decision,
     gather_candidates,
     prototype_scale,
+    switch_names,
 )
-from dualseg.refine.fit_run import format_sweep, switch_names
+from dualseg.refine.fit_run import format_sweep
 from dualseg.refine.refiner import BoundaryRefiner, RefinerConfig
 
 
@@ -419,6 +420,8 @@ def test_blocked_switches_are_pairs_of_two_classes_in_every_form() -> None:
     for text in ("1-4", "1:4,", "3:3", "1:2:3", ""):
         with pytest.raises(argparse.ArgumentTypeError, match="expected A:B pairs"):
             switch_pairs(text)
-    with pytest.raises(ConfigError, match=r"blocked switch 0:3 .* outside this refiner's 0..2"):
+    with pytest.raises(
+        ConfigError, match=r"blocked switch 0:3 names a class outside 0..2: pass pairs"
+    ):
         cfg = RefinerConfig(blocked_switches=((0, 3),))
         BoundaryRefiner(None, torch.zeros(3, 4), torch.ones(3), class_names="abc", config=cfg)

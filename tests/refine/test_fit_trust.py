@@ -53,6 +53,15 @@ def test_a_state_file_that_is_the_refiner_is_refused_before_the_fit(data, tmp_pa
     assert "--checkpoint" in one_line(capsys) and not out.exists()
 
 
+def test_a_blocked_switch_outside_the_classes_is_refused_before_the_fit(data, tmp_path, capsys):
+    out = tmp_path / "r.pt"
+    assert main(fit(data, None, out, "--blocked-switches", "1:2,0:99")) == 1
+    assert "blocked switch 0:99 names a class outside 0..7: pass --blocked-switches" in one_line(
+        capsys
+    )
+    assert not out.exists() and not (tmp_path / "r.train.pt").exists()
+
+
 def test_labels_are_read_as_the_base_was_trained(data, tmp_path, capsys):
     """A base trained with --data.label_map 200:2: the fit reads class 2 from raw 200 too;
     without that mapping the raw 200 pixels are no class, refused in one line."""
@@ -215,7 +224,7 @@ def test_eval_and_apply_set_the_decision_for_one_run(data, tmp_path, capsys) -> 
         (["--blocked-switches", "1-4"], "argument --blocked-switches: expected A:B pairs"),
         (
             ["--blocked-switches", "0:8"],
-            "blocked switch 0:8 (--blocked-switches) names a class outside this refiner's 0..7",
+            "blocked switch 0:8 names a class outside 0..7: pass --blocked-switches pairs of",
         ),
     ):
         assert said in refused([*argv, "--out", str(tmp_path / "bad"), *flags], capsys)

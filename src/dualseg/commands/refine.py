@@ -158,6 +158,7 @@ def fit_main(args: argparse.Namespace) -> int:
         calibrate_split=args.calibrate_split, contract=getattr(base, "contract", None),
     )  # fmt: skip
     class_names = data.train.meta.class_names
+    cfg.check_switches(len(class_names), f"pass --blocked-switches pairs of {args.data}'s classes")
     if cfg.top_n != RefinerConfig.top_n and cfg.top_n > len(class_names):  # not the default
         note(apply_run.top_n_over_classes(cfg.top_n, len(class_names)))
     refiner, report = fit_run.run_fit(

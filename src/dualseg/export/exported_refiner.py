@@ -32,6 +32,7 @@ class ExportedRefiner(BoundaryRefiner):
         described = stored_description(sidecar, source)
         try:  # a RefinerConfig, so that dataclasses.replace overrides work as for BoundaryRefiner
             config = RefinerConfig.from_dict(sidecar.get("config"))
+            config.check_switches(len(described["class_names"]), "its class names are fewer")
         except ConfigError as err:
             raise CheckpointError(f"{source}: {err}; re-export the refiner") from None
         protos = torch.from_numpy(np.asarray(sidecar["prototypes"], np.float32))

@@ -21,6 +21,7 @@ from dualseg.io import atomic_save_image
 from dualseg.refine.base import OTHER_BASE, other_calibration_base
 from dualseg.refine.calibrate import DECISION_KEYS
 from dualseg.refine.crf import CRFSettings, import_pydensecrf
+from dualseg.refine.decision import switch_names
 from dualseg.refine.formats import check_contract
 from dualseg.viz import default_palette
 
@@ -41,12 +42,19 @@ def override(refiner: Any, overrides: Mapping[str, Any], *, refiner_name: str) -
     """Set ``overrides`` (options of :data:`OVERRIDABLE`, checked by their flags) on
     ``refiner`` for this run: the notes to show."""
     notes = []
+
+    def shown(key: str) -> Any:  # a stored value, blocked switches by their classes
+        value = getattr(refiner.config, key)
+        return switch_names(value, refiner.class_names) if key == "blocked_switches" else value
+
     if overrides and refiner.calibration is not None:  # the sweep ran at the stored ones
-        stored = ", ".join(f"{k} {getattr(refiner.config, k)}" for k in overrides)
+        stored = ", ".join(f"{k} {shown(k)}" for k in overrides)
         notes.append(f"note: {refiner_name}'s decision options were chosen (--calibrate-split) "
                      f"at {stored}; at other values they may not be the best")  # fmt: skip
     refiner.config = dataclasses.replace(refiner.config, **overrides)
-    refiner.config.check_classes(refiner.num_classes)
+    refiner.config.check_switches(
+        refiner.num_classes, f"pass --blocked-switches pairs of {refiner_name}'s classes"
+    )
     top_n = overrides.get("top_n")
     if top_n is not None and top_n > refiner.num_classes:  # a stored one was noted by fit
         notes.append(f"note: {top_n_over_classes(top_n, refiner.num_classes)}")

@@ -151,13 +151,12 @@ class RefinerConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def check_classes(self, num_classes: int) -> None:
-        """Refuse a blocked switch naming a class the refiner does not have."""
+    def check_switches(self, num_classes: int, fix: str) -> None:
+        """Refuse a blocked switch naming a class outside ``0..num_classes - 1``, saying ``fix``."""
         if bad := [q for q in self.blocked_switches if max(q) >= num_classes]:
             a, b = bad[0]
             raise ConfigError(
-                f"blocked switch {a}:{b} (--blocked-switches) names a class outside this "
-                f"refiner's 0..{num_classes - 1}"
+                f"blocked switch {a}:{b} names a class outside 0..{num_classes - 1}: {fix}"
             )
 
     @classmethod

@@ -155,3 +155,8 @@ def describe_decision(
         words.append(f"{len(blocked_switches)} switch{'es' if len(blocked_switches) > 1 else ''}"
                      " blocked")  # fmt: skip
     return ", ".join(words) or "the claim's rule"
+
+
+def switch_names(pairs: Sequence[tuple[int, int]], names: Sequence[str]) -> str:
+    """Blocked switches by their classes too: ``1:4 (sidewalk -> road)``."""
+    return " ".join(f"{a}:{b} ({names[a]} -> {names[b]})" for a, b in pairs) or "none"

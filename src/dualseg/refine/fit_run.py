@@ -24,7 +24,7 @@ from dualseg.io import check_writable, file_digest
 from dualseg.refine.base import model_fingerprint
 from dualseg.refine.calibrate import CLAIM_DECISION, DECISION_KEYS, calibrate_decision
 from dualseg.refine.config import RefinerConfig
-from dualseg.refine.decision import describe_decision
+from dualseg.refine.decision import describe_decision, switch_names
 from dualseg.refine.formats import FORMAT, TRAIN_FORMAT
 from dualseg.refine.refiner import BoundaryRefiner
 from dualseg.serialization import torch_file_format
@@ -281,11 +281,6 @@ def run_fit(
         f"decision sweep on {split} ({len(data.held_out)} held-out images):\n{table}\n"
         f"chosen: {chosen}"
     )
-
-
-def switch_names(pairs: Sequence[tuple[int, int]], names: Sequence[str]) -> str:
-    """Blocked switches by their classes too: ``1:4 (sidewalk -> road)``."""
-    return " ".join(f"{a}:{b} ({names[a]} -> {names[b]})" for a, b in pairs) or "none"
 
 
 def calibrate(

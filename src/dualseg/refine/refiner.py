@@ -64,7 +64,7 @@ class BoundaryRefiner:
         self.taps = taps  # a tap refiner's base modules (low, high), else None
         self.config = config or RefinerConfig(embed_dim=int(prototypes.shape[1]))
         self.class_names = tuple(str(n) for n in class_names)
-        self.config.check_classes(self.num_classes)
+        self.config.check_switches(self.num_classes, "pass pairs of indices into class_names")
         self.palette = None if palette is None else tuple(tuple(map(int, c)) for c in palette)
         if self.palette and (
             len(self.palette) != self.num_classes or {len(c) for c in self.palette} != {3}
@@ -294,7 +294,7 @@ class BoundaryRefiner:
         described = formats.stored_description(stored.description, source)
         try:
             config = RefinerConfig.from_dict(stored.description["config"])
-            config.check_classes(len(described["class_names"]))
+            config.check_switches(len(described["class_names"]), "fit the refiner again")
         except ConfigError as err:
             raise CheckpointError(f"{source}: {err}") from None
         taps = None if described["taps"] is None else TapRecord.from_dict(described["taps"])
