@@ -178,10 +178,11 @@ def test_candidates_equal_the_dense_top_n_at_each_near_boundary_pixel() -> None:
     assert torch.equal(c.labels, top[b, :, y, x])
     assert torch.allclose(c.log_prob, top_p[b, :, y, x].log(), atol=1e-5)
     assert torch.allclose(c.margin, top_p[b, 0, y, x] - top_p[b, 1, y, x], atol=1e-6)
-    # one image at a time (the single-image fast paths) gives each image's rows of the batch
-    for i in range(2):
+    # one image at a time (the single-image fast paths, a channels-last model's output too)
+    # gives each image's rows of the batch
+    for i, layout in ((0, torch.contiguous_format), (1, torch.channels_last)):
         one = gather_candidates(
-            logits[i : i + 1],
+            logits[i : i + 1].contiguous(memory_format=layout),
             lambda keep, _band, i=i: scores[i : i + 1][keep],
             present,
             top_n=3,
@@ -189,6 +190,7 @@ def test_candidates_equal_the_dense_top_n_at_each_near_boundary_pixel() -> None:
             edge_method="neighbour",
         )
         assert torch.equal(one.labels, c.labels[b == i])
+        assert torch.equal(one.log_prob, c.log_prob[b == i])
         assert torch.equal(one.distance, c.distance[b == i])
         assert torch.equal(decide(one)[0][0], decide(c)[0][i])
     dist = scores[b, :, y, x].gather(1, c.labels)

@@ -50,9 +50,6 @@ def prototype_scale(prototypes: Tensor, present: Tensor) -> float:
     return scale if scale > 0 else 1.0
 
 
-_PAIR_CODE = 1 << 32  # class indices are far below it: a * _PAIR_CODE + b is one per pair
-
-
 @dataclass(frozen=True)
 class Candidates:
     """What every decision needs at the M near-boundary pixels (``edge.nonzero()`` order)."""
@@ -130,10 +127,12 @@ def decide(
     new = torch.where(torch.isfinite(low) & (low < held), best, base)  # a tie keeps the base
     if gate_margin is not None:  # beyond the claim: only where the base is unsure
         new = torch.where(c.margin < gate_margin, new, base)
-    if blocked_switches:  # a relabel from class a to b that held-out images showed breaks
+    if blocked_switches and len(new):  # a relabel from a to b that held-out images showed breaks
         pairs = torch.tensor(blocked_switches, device=new.device)  # [P,2]
-        code = base * _PAIR_CODE + new  # one int64 per (a, b)
-        new = torch.where(torch.isin(code, pairs[:, 0] * _PAIR_CODE + pairs[:, 1]), base, new)
+        k = 1 + max(int(pairs.max()), int(base.max()), int(new.max()))
+        table = torch.zeros(k, k, dtype=torch.bool, device=new.device)  # [a,b]: blocked
+        table[pairs[:, 0], pairs[:, 1]] = True
+        new = torch.where(table[base, new], base, new)
     out = c.pred.clone(memory_format=torch.contiguous_format)
     out.view(-1)[where] = new
     return out, out != c.pred
