@@ -84,3 +84,4 @@ def test_eval_default_out_of_a_hub_model_is_in_the_current_folder() -> None:
     assert default_out("hf://org/name", "val") == Path("eval_val_name")
     assert default_out("hf://org/name@v2", "val", variant="_tta") == Path("eval_val_name_tta")
     assert default_out("runs/x/best.pt", "test") == Path("runs/x/eval_test")
+    assert default_out("models/unet.py:model", "val") == Path("models/eval_val_unet_model")

@@ -338,12 +338,17 @@ def write_figures(
 
 
 def default_out(checkpoint: str, split: str, *, variant: str = "") -> Path:
-    """``eval --out``'s default: ``eval_SPLIT[_NAME]`` beside the checkpoint (``./`` for hf://)."""
+    """``eval --out``'s default: ``eval_SPLIT[_NAME]`` beside the checkpoint (``./`` for hf://,
+    ``FILE_NAME`` for a model ``FILE.py:NAME``)."""
     if str(checkpoint).startswith("hf:/"):
         repo = str(checkpoint).rstrip("/").rsplit("/", 1)[-1].split("@", 1)[0]
         return Path(f"eval_{split}_{repo}{variant}")
     path = Path(checkpoint)
-    tag = "" if path.name == "best.pt" else f"_{path.stem if path.is_file() else path.name}"
+    name = path.stem if path.is_file() else path.name
+    if ":" in name and not path.exists():  # FILE.py:NAME: no colon in a folder name
+        file, attr = name.rsplit(":", 1)
+        name = f"{Path(file).stem}_{attr}"
+    tag = "" if path.name == "best.pt" else f"_{name}"
     return path.parent / f"eval_{split}{tag}{variant}"
 
 
