@@ -183,7 +183,8 @@ def note(text: str) -> None:
 
 
 def apply_main(args: argparse.Namespace) -> int:
-    crf = apply_run.crf_settings(c.refiner_overrides(args)) if args.crf else None
+    overrides = c.refiner_overrides(args)
+    crf = apply_run.crf_settings(overrides) if args.crf else None
     opts = c.inference_options(args)
     out = check_writable(args.out, kind="dir", what="--out")
     images = collect_images(args.inputs, out=out, command="refine apply")
@@ -199,7 +200,7 @@ def apply_main(args: argparse.Namespace) -> int:
         c.static_export_note(args.refiner, refiner, "refine")
         c.check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
         augmented = opts.mode != "whole" or opts.uses_tta
-        for line in apply_run.configure(refiner, base, overrides=c.refiner_overrides(args),
+        for line in apply_run.configure(refiner, base, overrides=overrides,
                                         augmented=augmented, refiner_name=args.refiner,
                                         base_name=str(args.base)):  # fmt: skip
             print(f"dualseg refine apply: {line}", file=sys.stderr)

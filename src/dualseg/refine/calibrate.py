@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -21,7 +21,7 @@ CLAIM_DECISION: Mapping[str, Any] = MappingProxyType({
     "blocked_switches": (), "p1_blur_sigma": 0.0,
 })  # fmt: skip
 DECISION_KEYS = tuple(CLAIM_DECISION)
-GRID_KEYS = ("gate_margin", "prior_weight", "min_prob", "switch_cost", "p1_blur_sigma")
+GRID_KEYS = tuple(k for k in DECISION_KEYS if k != "blocked_switches")  # decision_grid's axes
 # the second stage of the choice: block each switch (class a -> b) of the best setting that
 # broke more than r correct pixels of the held-out images per pixel it fixed, for each r
 SWITCH_RATIOS = (2.0, 1.0, 0.75, 0.5, 0.25)
@@ -48,6 +48,23 @@ def decision_grid(
     return grid
 
 
+def labelled_candidates(
+    refiner: Any, base: Callable[[Tensor], Tensor], batches: Iterable[tuple[Tensor, Tensor]],
+    sigmas: Iterable[float], *, device: torch.device, shared: Any = None,
+) -> Iterator[tuple[Tensor, dict[float, Any]]]:  # fmt: skip
+    """Each labelled batch's labels and its candidates at each P1 blur of ``sigmas``: the base
+    runs once a batch, the embedding once a blur."""
+    for images, labels in batches:
+        images, labels = images.to(device), labels.to(device)
+        probs = base(images).float()  # before take(): the base's forward fills what it keeps
+        kept = shared.take(images) if shared is not None else None
+        yield labels, {
+            sigma: refiner.candidates(images, probs, p1_blur_sigma=sigma,
+                                      features=kept if sigma == 0 else None)
+            for sigma in sigmas
+        }  # fmt: skip
+
+
 @torch.no_grad()
 def sweep_decision(
     refiner: Any, base: Callable[[Tensor], Tensor], batches: Iterable[tuple[Tensor, Tensor]],
@@ -64,15 +81,8 @@ def sweep_decision(
     bnd = {k: BoundaryMetrics(num_classes, ignore_index=ignore_index, device=dev) for k in keys}
     counts = {k: torch.zeros(4, dtype=torch.int64, device=dev) for k in keys}
     sigmas = {s.get("p1_blur_sigma", 0.0) for s in settings}  # one embedding run each
-    for images, labels in batches:
-        images, labels = images.to(dev), labels.to(dev)
-        probs = base(images).float()
-        kept = shared.take(images) if shared is not None else None
-        cands = {
-            sigma: refiner.candidates(images, probs, p1_blur_sigma=sigma,
-                                      features=kept if sigma == 0 else None)
-            for sigma in sigmas
-        }  # fmt: skip
+    for labels, cands in labelled_candidates(refiner, base, batches, sigmas, device=dev,
+                                             shared=shared):  # fmt: skip
         pred = next(iter(cands.values())).pred.to(dev)  # Pred, as every decision reads it
         scorer = ChangeScorer(pred, labels, num_classes, ignore_index=ignore_index,
                               tolerance=bnd["base"].tolerance,
@@ -112,12 +122,9 @@ def switch_counts(
     counts = torch.zeros(2, k * k, dtype=torch.int64, device=dev)
     rest = dict(setting)
     sigma = rest.pop("p1_blur_sigma", 0.0)
-    for images, labels in batches:
-        images, labels = images.to(dev), labels.to(dev)
-        probs = base(images).float()  # before take(): the base's forward fills what it keeps
-        kept = shared.take(images) if shared is not None else None
-        c = refiner.candidates(images, probs, p1_blur_sigma=sigma,
-                               features=kept if sigma == 0 else None)  # fmt: skip
+    for labels, cands in labelled_candidates(refiner, base, batches, [sigma], device=dev,
+                                             shared=shared):  # fmt: skip
+        c = cands[sigma]
         out, changed = (t.to(dev) for t in decide(c, **rest))
         changed &= labels != ignore_index
         a, b, truth = c.pred.to(dev)[changed], out[changed], labels[changed]
