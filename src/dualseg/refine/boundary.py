@@ -17,28 +17,35 @@ def semantic_boundary(label: np.ndarray, *, method: str = "canny") -> np.ndarray
     """Boundary pixels (bool HxW) of one integer label map (ignore takes part: a class/void
     border is a boundary); ``canny`` adds every 4-neighbour transition to Canny's edges."""
     label = np.asarray(label)
-    if method == "neighbour":
+    code = None if method == "neighbour" else _grey_code(label)
+    if code is None:  # asked for, or more labels than 8-bit grey levels: no Canny possible
         return neighbour_transitions(label)
-    edges = _canny(label)
-    return edges if method == "canny_only" else edges | neighbour_transitions(label)
+    if not code.any():  # fewer than two labels
+        return np.zeros(label.shape, dtype=bool)
+    edges = cv2.Canny(code, 1, 1, L2gradient=True) > 0
+    # one code per label: the codes' transitions are the labels', read ~3x faster in 8 bits
+    return edges if method == "canny_only" else edges | neighbour_transitions(code)
 
 
-def _canny(label: np.ndarray) -> np.ndarray:
-    """Canny on the labels' ranks times the step spreading them over 0..255 (a Sobel response
-    >= 4 at every transition)."""
+def _grey_code(label: np.ndarray) -> np.ndarray | None:
+    """The labels' ranks times the step spreading them over 0..255 (uint8: a Sobel response
+    >= 4 at every transition), or None with more than 256 labels."""
+    if label.dtype.kind in "ui" and label.size and label.min() >= 0 and label.max() < 256:
+        small = label.astype(np.uint8)  # OpenCV's histogram and lookup: ~2x numpy's time less
+        present = cv2.calcHist([small], [0], None, [256], [0, 256]).ravel() > 0
+        rank = np.cumsum(present) - 1  # a lookup table: label -> rank
+        step = 255 // max(int(present.sum()) - 1, 1)
+        return cv2.LUT(small, (rank * step).astype(np.uint8))
     if label.dtype.kind in "ui" and label.size and label.min() >= 0 and label.max() < 65536:
         present = np.bincount(label.ravel()) > 0
         count = int(present.sum())
-        rank = np.cumsum(present) - 1  # a lookup table: label -> rank
+        rank = np.cumsum(present) - 1
     else:
         values, inverse = np.unique(label, return_inverse=True)
         count, rank, label = len(values), np.arange(len(values)), inverse.reshape(label.shape)
-    if count < 2:
-        return np.zeros(label.shape, dtype=bool)
-    if count > 256:  # more labels than 8-bit grey levels: no Canny possible
-        return neighbour_transitions(label)
-    code = (rank * (255 // (count - 1))).astype(np.uint8)[label]  # one lookup, straight to uint8
-    return cv2.Canny(code, 1, 1, L2gradient=True) > 0
+    if count > 256:
+        return None
+    return (rank * (255 // max(count - 1, 1))).astype(np.uint8)[label]  # one lookup
 
 
 # The widest band: at r = 100000 OpenCV asked for 40 GB; 256 px covers whole images anyway.

@@ -72,7 +72,8 @@ def gather_candidates(
     p = probs.float()
     # P2's Pred: the first index on ties, as argmax (~4x slower on the CPU; topk picks others)
     top, pred = p.max(1)  # [B,H,W]
-    if not bool(top.isfinite().all()):  # max propagates NaN: one pass, not a second over [C,H,W]
+    # max propagates NaN and a float64 sum cannot overflow: ~6x faster than isfinite().all()
+    if not bool(top.sum(dtype=torch.float64).isfinite()):
         raise DataError(
             "the base model's class probabilities hold NaN or infinite values: a broken model "
             "or input, or log-probabilities of an exact 0"
@@ -81,10 +82,16 @@ def gather_candidates(
     # P3 only at the M near-boundary pixels (a top-k over the whole map costs more)
     index = edge.reshape(-1).nonzero().squeeze(1)  # [M] flat, edge.nonzero() order
     # classes first: a softmax over C runs ~15x faster along M than row by row on the CPU
-    cols = p[0].flatten(1).index_select(1, index) if p.shape[0] == 1 else p.movedim(1, 0)[:, edge]
+    one = p[0].flatten(1) if p.shape[0] == 1 else None  # [C,H·W], a view if rows are whole
+    if one is not None and not one.is_contiguous():  # a cropped map: index_select would copy
+        cols = one.gather(1, index.expand(len(one), -1))  # it first, gather reads it in place
+    elif one is not None:  # (gather is ~1.4x index_select's time on a contiguous one)
+        cols = one.index_select(1, index)
+    else:
+        cols = p.movedim(1, 0)[:, edge]  # [C,M]
     n = min(top_n, p.shape[1])
     cand = cols.T.topk(n, dim=1).indices  # [M,N] P3, most probable first (softmax keeps order)
-    prob = cols if are_probabilities(cols.T) else cols.softmax(0)  # [C,M]
+    prob = cols if are_probabilities(cols[None]) else cols.softmax(0)  # [C,M]
     cand_p = prob.T.gather(1, cand)  # [M,N]
     second = cand_p[:, 1] if n > 1 else torch.zeros_like(cand_p[:, 0])
     if len(index):

@@ -99,5 +99,7 @@ def cells_of(features: Tensor, b: Tensor, y: Tensor, x: Tensor) -> Tensor:
     """``features[b, :, y, x]`` (``[B,C,h,w]``): ``[R,C]``, as one row gather of the
     channels-last map (indexing with the channel slice in the middle is several times slower)."""
     n, c, h, w = features.shape
+    if n == 1 and features.is_contiguous():  # one NCHW map: its columns, not a channels-last copy
+        return features[0].flatten(1).index_select(1, y * w + x).T
     rows = features.permute(0, 2, 3, 1).reshape(n * h * w, c)  # a view when channels-last
     return rows.index_select(0, (b * h + y) * w + x)
