@@ -28,8 +28,8 @@ def check_finite_refiner(source: str | os.PathLike[str], tensors: Mapping[str, A
 
 
 def check_normalized_batch(images: Tensor | np.ndarray) -> None:
-    """The batch form reads ImageNet-normalized floats ``[B,3,H,W]``: refuse another shape and
-    raw pixels, warn on floats all in [0, 1] (RGB before normalization)."""
+    """The batch form reads ImageNet-normalized floats ``[B,3,H,W]``: refuse another shape or
+    type (the values: :func:`check_normalized_values`, where the embedding reads them)."""
     images = as_tensor(images)
     if images.dim() != 4 or images.shape[1] != 3:
         raise DataError(
@@ -41,6 +41,10 @@ def check_normalized_batch(images: Tensor | np.ndarray) -> None:
             f"refine(images [B,3,H,W]) takes ImageNet-normalized float images, got "
             f"{images.dtype}; {NORMALIZE}"
         )
+
+
+def check_normalized_values(images: Tensor) -> None:
+    """Refuse raw pixels as floats, warn on floats all in [0, 1] (RGB before normalization)."""
     lo, hi = map(float, torch.aminmax(images)) if images.numel() else (0.0, 0.0)
     if hi > 20:  # normalized images lie in -2.12..2.64: raw 0..255 pixels as floats
         raise DataError(f"refine(images): values up to {hi:g} are no ImageNet-normalized image; "
@@ -49,7 +53,7 @@ def check_normalized_batch(images: Tensor | np.ndarray) -> None:
         warnings.warn(
             f"refine(images): every value lies in [0, 1], which looks like RGB before ImageNet "
             f"normalization; {NORMALIZE}",
-            stacklevel=3,
+            stacklevel=6,  # refine's caller, past candidates and two no_grad wrappers
         )
 
 

@@ -41,7 +41,12 @@ from dualseg.refine.embedding import (
     tap_embedding_net,
 )
 from dualseg.refine.fit import check_prototypes, embedding_net, prepare_net, train_embedding
-from dualseg.refine.inputs import as_tensor, check_classes, check_normalized_batch
+from dualseg.refine.inputs import (
+    as_tensor,
+    check_classes,
+    check_normalized_batch,
+    check_normalized_values,
+)
 from dualseg.refine.prototypes import stream_prototypes
 from dualseg.refine.shared import (
     BaseFeatures,
@@ -184,6 +189,8 @@ class BoundaryRefiner:
                 features, images, cfg.output_stride, needs_low=self.net.decoder is not None,
                 low_stride=self.taps.strides[0] if self.taps else 4,
             )  # fmt: skip
+        if features is None:  # the embedding reads the pixels (shared features leave them be)
+            check_normalized_values(images)
         # the base's padded input, else what the embedding's own padded input spans
         covered = features.covered if features is not None else self._cover(images.shape[-2:])
         return gather_candidates(
