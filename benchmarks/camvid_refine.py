@@ -21,6 +21,7 @@ from dualseg.data.transforms import build_train_transform
 from dualseg.engine.evaluation import evaluate
 from dualseg.errors import ConfigError
 from dualseg.io import atomic_write_json
+from dualseg.models.base import class_labels
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.base import model_fingerprint
 from dualseg.refine.calibrate import DECISION_KEYS, METRICS, calibrate_decision, choose_decision
@@ -106,12 +107,12 @@ def time_inference(
     device: torch.device,
     refiner: BoundaryRefiner | CRFSettings | None = None,
 ) -> tuple[float, float, bool]:
-    """Median seconds per image (batch 1, full resolution) of the base model, and of the
-    ``refiner``'s refinement timed on the same images right after each forward (0.0 without):
-    the two are measured under the same load, so their ratio holds on a busy machine. The
-    first two images warm up (fewer when the split is tiny). Third: whether every timed
-    refinement read the base's backbone output (``dualseg.refine.shared``) instead of running
-    its own."""
+    """Median seconds per image (batch 1, full resolution) of the base model (its forward and
+    labels), and of the ``refiner``'s refinement timed on the same images right after each
+    forward (0.0 without): the two are measured under the same load, so their ratio holds on a
+    busy machine. The first two images warm up (fewer when the split is tiny). Third: whether
+    every timed refinement read the base's backbone output (``dualseg.refine.shared``) instead
+    of running its own."""
     base, extra = [], []
     shared_n = 0
     warmup = min(2, len(loader) - 1)
@@ -131,7 +132,7 @@ def time_inference(
             sync()
             t0 = time.perf_counter()
             logits = model(x)
-            logits.argmax(1)
+            class_labels(logits)  # the base's labels (argmax would add ~10% on the CPU)
             sync()
             t1 = time.perf_counter()
             if share is not None:

@@ -19,7 +19,7 @@ from torch import nn
 from dualseg import imaging
 from dualseg.engine.inference import InferenceOptions, slide_rows
 from dualseg.errors import DataError
-from dualseg.models.base import eval_mode
+from dualseg.models.base import class_labels, eval_mode
 
 # none, LZW, Deflate, PackBits, Adobe Deflate: lossless, so tifffile and Pillow agree bit for bit
 LOSSLESS = {1, 5, 8, 32773, 32946}
@@ -185,5 +185,5 @@ def slide_labels(
     with torch.no_grad(), eval_mode(model):
         for mean in slide_rows(model, rows, reader.size, 1, opts, amp):
             dtype = np.uint8 if mean.shape[1] <= 255 else np.int64
-            labels.append(mean.softmax(1).argmax(1)[0].cpu().numpy().astype(dtype))
+            labels.append(class_labels(mean.softmax(1))[0].cpu().numpy().astype(dtype))
     return np.concatenate(labels)

@@ -24,7 +24,7 @@ from dualseg.engine.inference import InferenceOptions, infer_logits
 from dualseg.engine.pretrained import load_network, save_pretrained
 from dualseg.errors import ConfigError, DataError
 from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD, as_rgb, normalize, numpy_to_rgb, read_image
-from dualseg.models.base import eval_mode, require_rgb_input
+from dualseg.models.base import class_labels, eval_mode, require_rgb_input
 from dualseg.predictor import Predictor, require_image_list, size_batches
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -164,7 +164,7 @@ class Segmenter(Predictor):
                 )
             probs = logits.softmax(1)
             dtype = torch.uint8 if self.num_classes <= 255 else torch.int64
-            labels = probs.argmax(1).to(dtype).cpu().numpy()
+            labels = class_labels(probs).to(dtype).cpu().numpy()
             probs_np = probs.cpu().numpy() if return_probs else None
             for k, i in enumerate(chunk):
                 out[i] = (labels[k], probs_np[k]) if return_probs else labels[k]

@@ -15,6 +15,8 @@ from torch import Tensor, nn
 from dualseg.engine.evaluation import evaluate
 from dualseg.errors import ConfigError, DualsegError
 from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
+from dualseg.models.base import class_labels
+from dualseg.refine.decision import are_probabilities
 
 __all__ = ["CRF_GRID", "CRFSettings", "choose_crf", "dense_crf", "import_pydensecrf"]
 
@@ -57,14 +59,16 @@ class CRFSettings:
     def refine(
         self, images: Tensor, probs: Tensor, return_changed: bool = True
     ) -> tuple[Tensor, Tensor]:
-        """As a method-B refiner for :func:`~dualseg.engine.evaluation.evaluate`."""
+        """As a method-B refiner for :func:`~dualseg.engine.evaluation.evaluate` (``probs``:
+        probabilities or logits)."""
         rgb = images.detach().float().cpu() * torch.tensor(IMAGENET_STD)[:, None, None]
         rgb = rgb + torch.tensor(IMAGENET_MEAN)[:, None, None]
         rgb = (rgb * 255).round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).numpy()
+        probs = probs if are_probabilities(probs) else probs.softmax(1)
         p = probs.detach().float().cpu().numpy()
         labels = [torch.from_numpy(dense_crf(im, pr, self).argmax(0)) for im, pr in zip(rgb, p)]
         labels = torch.stack(labels).to(probs.device)
-        return labels, labels != probs.argmax(1)
+        return labels, labels != class_labels(probs)
 
 
 def dense_crf(

@@ -70,7 +70,8 @@ def gather_candidates(
 ) -> Candidates:  # fmt: skip
     """P2-P4 and P5's distances on class scores ``probs [B,C,H,W]`` (probabilities or logits)."""
     p = probs.float()
-    # P2's Pred: the first index on ties, as argmax (~4x slower on the CPU; topk picks others)
+    # P2's Pred: the first index on ties, as argmax (several times slower on the CPU; topk
+    # picks others)
     top, pred = p.max(1)  # [B,H,W]
     # max propagates NaN and a float64 sum cannot overflow: ~6x faster than isfinite().all()
     if not bool(top.sum(dtype=torch.float64).isfinite()):
@@ -130,7 +131,7 @@ def decide(
         score = score + switch_cost * other
     low, at = score.min(1)  # min's index: the first minimum, as argmin's
     best = c.labels.gather(1, at[:, None]).squeeze(1)
-    held = score.masked_fill(other, math.inf).min(1).values  # the base's score (inf: none)
+    held = score.masked_fill(other, math.inf).amin(1)  # the base's score (inf: none)
     new = torch.where(torch.isfinite(low) & (low < held), best, base)  # a tie keeps the base
     if gate_margin is not None:  # beyond the claim: only where the base is unsure
         new = torch.where(c.margin < gate_margin, new, base)
