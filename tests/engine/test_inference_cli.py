@@ -153,7 +153,7 @@ class _Recorder:
         return labels, torch.zeros_like(labels, dtype=torch.bool)
 
 
-def test_evaluate_gives_the_refiner_the_tta_averaged_probabilities(seg, rgb) -> None:
+def test_evaluate_gives_the_refiner_the_tta_averaged_scores(seg, rgb) -> None:
     x = torch.from_numpy(normalize([rgb]))
     rec = _Recorder()
     m = evaluate(
@@ -163,8 +163,8 @@ def test_evaluate_gives_the_refiner_the_tta_averaged_probabilities(seg, rgb) -> 
         refiner=rec,
         tta_flip=True,
     )
-    (probs,) = rec.seen
-    np.testing.assert_allclose(probs[0].numpy(), _flip_mean(seg, rgb), atol=1e-5)
+    (scores,) = rec.seen  # the logits (TTA: log of the mean probabilities), as the base's
+    np.testing.assert_allclose(scores[0].softmax(0).numpy(), _flip_mean(seg, rgb), atol=1e-5)
     assert m["refine"]["ms_per_image"] >= 0 and m["refine"]["changed"] == 0
 
 

@@ -35,7 +35,7 @@ from dualseg.metrics import (
     format_table,
     scores_from_confusion,
 )
-from dualseg.models.base import eval_mode
+from dualseg.models.base import class_labels, eval_mode
 
 _INFER = InferenceOptions()
 ONE_CLASS_SHARE = 0.95  # a model predicting one class on more of the pixels is flagged
@@ -119,12 +119,12 @@ def _shared_features(refiner: Any, model: nn.Module, opts: InferenceOptions, amp
 
 
 def _refine(refiner: Any, shared: Any, images: Tensor, logits: Tensor) -> tuple[Tensor, ...]:
-    """Method B's labels, where they changed, and 1 when refined on the base's features."""
-    probs = logits.softmax(1)
+    """Method B's labels, where they changed, and 1 when refined on the base's features (the
+    logits: method B softmaxes only the near-boundary pixels it reads)."""
     if shared is None:
-        return (*refiner.refine(images, probs, return_changed=True), 0)
+        return (*refiner.refine(images, logits, return_changed=True), 0)
     kept = shared.take(images)  # None where they do not match
-    new, changed = refiner.refine(images, probs, return_changed=True, features=kept)
+    new, changed = refiner.refine(images, logits, return_changed=True, features=kept)
     return new, changed, int(kept is not None)
 
 
@@ -186,7 +186,7 @@ def evaluate(
             with _timed(device, ms, n):
                 logits = infer_logits(model, images, amp=amp, **asdict(opts))
             logits = _at_labels(logits, labels, num_classes)
-            pred = logits.argmax(1)
+            pred = class_labels(logits)
             scores[0].update(pred, labels)  # range-checks the labels before the loss reads them
             totals[0] += n
             totals[1] += F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction="sum")
