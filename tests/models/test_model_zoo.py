@@ -214,3 +214,16 @@ def test_a_model_for_other_input_channels_is_refused_where_rgb_is_fed(tmp_path: 
     with pytest.raises(ConfigError, match="built for 1-channel input"):
         export_model(model, tmp_path / "m.onnx", class_names=["a", "b"])
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_class_labels_are_argmax_to_the_tie_and_nan() -> None:
+    """Every base prediction reads class_labels (max's index, several times faster than argmax
+    on the CPU): it must be argmax exactly, first class on ties, NaN as a maximum."""
+    from dualseg.models.base import class_labels
+
+    torch.manual_seed(0)
+    scores = torch.randint(0, 3, (2, 5, 24, 30)).float()  # ties everywhere
+    scores[0, 3, 2, 4] = scores[1, 1, 0, 0] = scores[1, 4, 0, 0] = float("nan")
+    scores[0, :, 5, 5] = float("-inf")
+    for s in (scores, scores[:, :, 2:], scores.contiguous(memory_format=torch.channels_last)):
+        assert torch.equal(class_labels(s), s.argmax(1))
