@@ -43,9 +43,10 @@ def decisions(chosen: dict) -> dict[str, dict]:
                                 if chosen.get("blocked_switches") else {})  # fmt: skip
 
 
-def retime_model(run: Path, name: str, loader: object, images: int, repeats: int) -> dict:
+def retime_model(
+    run: Path, results: dict, name: str, loader: object, images: int, repeats: int
+) -> dict:
     """``{decision: {"ratios": [...], "median": m, "base_ms": [...], "extra_ms": [...]}}``."""
-    results = json.loads((run / "results.json").read_text())
     kept = results["train"][name]["evaluated"]["checkpoint"]
     ckpt = load_checkpoint(run / "runs" / name / kept)
     model, _ = build_model_from_checkpoint(ckpt, device="cpu")
@@ -75,12 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     if not results_path.is_file():
         print(f"error: {results_path} not found; pass a finished benchmarks/camvid.py --out folder")
         return 2
-    sweeps = json.loads(results_path.read_text()).get("decision_sweep_dev") or {}
+    results = json.loads(results_path.read_text())
+    sweeps = results.get("decision_sweep_dev") or {}
     if not sweeps:
         print(f"error: {results_path} holds no chosen decision; run camvid.py with --refine-steps")
         return 2
     _, loader = eval_loader(args.data, None, args.images + 2, 0)  # + time_inference's warm-up
-    timed = {name: retime_model(args.run, name, loader, args.images, args.repeats)
+    timed = {name: retime_model(args.run, results, name, loader, args.images, args.repeats)
              for name in sweeps}  # fmt: skip
     record = {"images": args.images, "repeats": args.repeats, "threads": args.threads,
               "models": timed}  # fmt: skip

@@ -30,22 +30,21 @@ def semantic_boundary(label: np.ndarray, *, method: str = "canny") -> np.ndarray
 def _grey_code(label: np.ndarray) -> np.ndarray | None:
     """The labels' ranks times the step spreading them over 0..255 (uint8: a Sobel response
     >= 4 at every transition), or None with more than 256 labels."""
-    if label.dtype.kind in "ui" and label.size and label.min() >= 0 and label.max() < 256:
-        small = label.astype(np.uint8)  # OpenCV's histogram and lookup: ~2x numpy's time less
+    ints = label.dtype.kind in "ui" and label.size > 0 and label.min() >= 0
+    top = int(label.max()) if ints else -1
+    small = label.astype(np.uint8) if 0 <= top < 256 else None
+    if small is not None:  # OpenCV's 8-bit histogram and lookup: about half numpy's time
         present = cv2.calcHist([small], [0], None, [256], [0, 256]).ravel() > 0
-        rank = np.cumsum(present) - 1  # a lookup table: label -> rank
-        step = 255 // max(int(present.sum()) - 1, 1)
-        return cv2.LUT(small, (rank * step).astype(np.uint8))
-    if label.dtype.kind in "ui" and label.size and label.min() >= 0 and label.max() < 65536:
+    elif 0 <= top < 65536:
         present = np.bincount(label.ravel()) > 0
-        count = int(present.sum())
-        rank = np.cumsum(present) - 1
-    else:
+    else:  # negative or huge values: their sorted order
         values, inverse = np.unique(label, return_inverse=True)
-        count, rank, label = len(values), np.arange(len(values)), inverse.reshape(label.shape)
+        present, label = np.ones(len(values), dtype=bool), inverse.reshape(label.shape)
+    count = int(present.sum())
     if count > 256:
         return None
-    return (rank * (255 // max(count - 1, 1))).astype(np.uint8)[label]  # one lookup
+    table = ((np.cumsum(present) - 1) * (255 // max(count - 1, 1))).astype(np.uint8)  # -> code
+    return cv2.LUT(small, table) if small is not None else table[label]
 
 
 # The widest band: at r = 100000 OpenCV asked for 40 GB; 256 px covers whole images anyway.

@@ -83,13 +83,12 @@ def gather_candidates(
     # P3 only at the M near-boundary pixels (a top-k over the whole map costs more)
     index = edge.reshape(-1).nonzero().squeeze(1)  # [M] flat, edge.nonzero() order
     # classes first: a softmax over C runs ~15x faster along M than row by row on the CPU
-    one = p[0].flatten(1) if p.shape[0] == 1 else None  # [C,H·W], a view if rows are whole
-    if one is not None and not one.is_contiguous():  # a cropped map: index_select would copy
-        cols = one.gather(1, index.expand(len(one), -1))  # it first, gather reads it in place
-    elif one is not None:  # (gather is ~1.4x index_select's time on a contiguous one)
-        cols = one.index_select(1, index)
-    else:
+    if p.shape[0] > 1:
         cols = p.movedim(1, 0)[:, edge]  # [C,M]
+    elif (one := p[0].flatten(1)).is_contiguous():  # [C,H·W] (gather: ~1.4x the time here)
+        cols = one.index_select(1, index)
+    else:  # a cropped map: index_select would copy it first, gather reads it in place
+        cols = one.gather(1, index.expand(len(one), -1))
     n = min(top_n, p.shape[1])
     cand = cols.T.topk(n, dim=1).indices  # [M,N] P3, most probable first (softmax keeps order)
     prob = cols if are_probabilities(cols[None]) else cols.softmax(0)  # [C,M]
