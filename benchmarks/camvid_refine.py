@@ -108,11 +108,15 @@ def time_inference(
     refiner: BoundaryRefiner | CRFSettings | None = None,
 ) -> tuple[float, float, bool]:
     """Median seconds per image (batch 1, full resolution) of the base model (its forward and
-    labels), and of the ``refiner``'s refinement timed on the same images right after each
-    forward (0.0 without): the two are measured under the same load, so their ratio holds on a
+    labels), and what the ``refiner`` adds to it (0.0 without), timed on the same images right
+    after each forward: the two are measured under the same load, so their ratio holds on a
     busy machine. The first two images warm up (fewer when the split is tiny). Third: whether
     every timed refinement read the base's backbone output (``dualseg.refine.shared``) instead
-    of running its own."""
+    of running its own.
+
+    What the refiner adds is its refinement less the base's labels: a refiner takes them
+    itself (P2; dense CRF labels its own output), so the pipeline with it is the forward and
+    the refinement, and the base's alone is the forward and its labels."""
     base, extra = [], []
     shared_n = 0
     warmup = min(2, len(loader) - 1)
@@ -132,6 +136,8 @@ def time_inference(
             sync()
             t0 = time.perf_counter()
             logits = model(x)
+            sync()
+            forward = time.perf_counter()
             class_labels(logits)  # the base's labels (argmax would add ~10% on the CPU)
             sync()
             t1 = time.perf_counter()
@@ -145,7 +151,7 @@ def time_inference(
             sync()
             if i >= warmup:
                 base.append(t1 - t0)
-                extra.append(time.perf_counter() - t1)
+                extra.append(time.perf_counter() - t1 - (t1 - forward))
     extra_s = statistics.median(extra) if refiner is not None else 0.0
     return statistics.median(base), extra_s, refiner is not None and shared_n == len(base)
 

@@ -1,10 +1,10 @@
 """Benchmark: method B's extra time again, on a finished ``benchmarks/camvid.py`` run folder.
 
 The paired timing of ``camvid_refine.time_inference`` (the base's forward and labels, then
-method B on the same image, batch 1) for each refined model of the run, with the decision
-chosen there (``results.json``'s ``decision_sweep_dev``) and the same decision without its
-blocked switches, the two alternating for ``--repeats`` rounds, so that both read the same
-load. The scores are not touched; the ratios land in ``RUN/retime.json``::
+method B on the same image, batch 1, less the labels it takes itself) for each refined model
+of the run, with the decision chosen there (``results.json``'s ``decision_sweep_dev``) and the
+same decision without its blocked switches, the two alternating for ``--repeats`` rounds, so
+that both read the same load. The scores are not touched; the ratios land in ``RUN/retime.json``::
 
     python benchmarks/retime_refine.py runs/xscene_0016E5_recipe_T3000 \\
         --data ../shared/data/camvid --images 30 --repeats 4 --threads 1

@@ -3,6 +3,7 @@ resumable, and each refinement timed beside the base it refines."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -179,6 +180,7 @@ def test_dense_crf_is_timed_on_the_probabilities_right_after_the_base(camvid) ->
 
         def refine(self, images: torch.Tensor, probs: torch.Tensor) -> None:
             self.seen.append(probs)
+            time.sleep(0.01)  # more than the base's labels of a 4x8x8 map take
 
     model = torch.nn.Conv2d(3, 4, 1).eval()
     loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(4)]
@@ -187,3 +189,24 @@ def test_dense_crf_is_timed_on_the_probabilities_right_after_the_base(camvid) ->
     assert base_s > 0 and extra_s > 0 and not shared and len(crf.seen) == 4
     with torch.no_grad():
         assert torch.allclose(crf.seen[0], model(loader[0][0]).softmax(1))
+
+
+def test_what_a_refiner_adds_is_its_time_less_the_base_labels_it_takes_itself(
+    camvid, monkeypatch
+) -> None:
+    import torch
+
+    def slow_labels(scores: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return scores.max(1).indices
+
+    class Refiner:  # 30 ms, its own labels among them
+        def refine(self, images: torch.Tensor, probs: torch.Tensor) -> None:
+            time.sleep(0.03)
+
+    monkeypatch.setattr(refine, "class_labels", slow_labels)
+    model = torch.nn.Conv2d(3, 4, 1).eval()
+    loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(5)]
+    base_s, extra_s, _ = refine.time_inference(model, loader, 3, torch.device("cpu"), Refiner())
+    assert base_s >= 0.02  # the forward and the labels
+    assert 0 < extra_s < 0.025  # the refiner's 30 ms less the labels' 20 ms: ~10 ms
