@@ -54,7 +54,10 @@ on, and images no choice was made on (the choices saw that sequence's training f
         --refine-input-scale 1.0 --refine-embed-dim 32 --refine-decoder-channels 48
 
 (the README's recipe; add ``--amp bf16`` only on a CPU with AVX-512 BF16 or AMX, where it is
-native: elsewhere it is emulated and many times slower)
+native: elsewhere it is emulated and many times slower). ``--unseen-sequence SEQ2`` leaves a
+second sequence out of training and of every choice and reports it as ``unseen_SEQ2``: a new
+scene scored with choices made on another (``--holdout-sequence 0001TP --unseen-sequence
+0006R0``: trained on 0016E5, val in-distribution beside it).
 
 Outputs in ``--out``: ``results.json``, ``results.md`` (markdown table), ``per_class_iou.png``,
 ``curves.png`` and ``panel_*.png`` (image | ground truth | peer | method A | method A + B).
@@ -80,6 +83,7 @@ from camvid_protocols import (
     VARIANTS,
     base_config,
     budget_mismatch,
+    budget_words,
     calibrate_iters,
     carve_dev_split,
     curve_stats,
@@ -212,6 +216,10 @@ PLATEAU: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         "sequences, this one is dev (stopping, method B's decision, --crf's settings) and is "
         "reported as the cross-scene split (in place of --dev-fraction's carve); 0016E5 leaves "
         "val a scene no model trained on"}),
+    (("--unseen-sequence",), {"metavar": "SEQ",
+        "help": "with --holdout-sequence, a second sequence left out of training and of every "
+        "choice, reported as the unseen_SEQ split: what a new scene gets from choices made on "
+        "another new scene"}),
 ]  # fmt: skip
 RECIPE_TITLE = (
     "either protocol: the training recipe beyond the flags above (the defaults: the method "
@@ -255,6 +263,11 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if args.crf:
         import_pydensecrf()  # missing: one line naming the extra
+    if args.unseen_sequence and args.holdout_sequence in (args.unseen_sequence, None):
+        raise ConfigError(
+            f"--unseen-sequence {args.unseen_sequence} leaves a sequence out beside the one "
+            "that chooses: add --holdout-sequence with another sequence"
+        )
     if args.holdout_sequence and args.protocol != "plateau":
         raise ConfigError(
             f"--holdout-sequence {args.holdout_sequence} holds a sequence out of the plateau "
@@ -363,22 +376,6 @@ def train_models(
     return earlier, None
 
 
-def budget_words(args: argparse.Namespace, device: torch.device) -> str:
-    """How the models were trained, as the table's caption says it."""
-    if args.holdout_sequence:
-        how = (
-            f"trained to plateau on sequences other than {args.holdout_sequence}, which is dev "
-            f"(T={args.max_iters})"
-        )
-    elif args.protocol == "plateau":
-        how = f"trained to plateau on a dev split of train (T={args.max_iters})"
-    elif args.budget_iters:
-        how = f"{args.budget_iters} iterations per model"
-    else:
-        how = f"{args.budget_minutes:g} min per model"
-    return f"{how}, crops {args.crop[0]}x{args.crop[1]}, batch {args.batch_size}, {device.type}"
-
-
 def load_models(
     args: argparse.Namespace, out: Path, device: torch.device, results: dict[str, Any]
 ) -> tuple[dict[str, torch.nn.Module], Any]:
@@ -432,7 +429,9 @@ def main(argv: list[str] | None = None) -> int:
         earlier_results(out, args)
     out.mkdir(parents=True, exist_ok=True)
     if args.protocol == "plateau":
-        carve_dev_split(Path(args.data), out, args.dev_fraction, args.holdout_sequence)
+        carve_dev_split(
+            Path(args.data), out, args.dev_fraction, args.holdout_sequence, args.unseen_sequence
+        )
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -466,8 +465,9 @@ def main(argv: list[str] | None = None) -> int:
         return 143 if isinstance(stop, Terminated) else 130
     crfs = choose_crfs(args, out, models, meta, device, results)
     # step 3: evaluate at full resolution
-    held = args.holdout_sequence
+    held, unseen = args.holdout_sequence, args.unseen_sequence
     cross_scene = [str(out / "data" / f"cross_scene_{held}.txt")] if held else []
+    cross_scene += [str(out / "data" / f"unseen_{unseen}.txt")] if unseen else []
     for split_path in [None, *cross_scene, *args.eval_split]:
         split, loader = eval_loader(args.data, split_path, args.eval_limit, args.workers)
         rows: dict[str, Any] = {}

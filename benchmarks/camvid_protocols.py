@@ -180,22 +180,26 @@ def sequence_of(path: str) -> str:
     return Path(path.split()[0]).name.split("_")[0]
 
 
-def split_by_sequence(lines: list[str], holdout: str) -> tuple[list[str], list[str]]:
+def split_by_sequence(
+    lines: list[str], holdout: str, flag: str = "--holdout-sequence"
+) -> tuple[list[str], list[str]]:
     """``(train_lines, holdout_lines)``: the list lines of every other sequence, and those of
-    sequence ``holdout`` (a :class:`ConfigError` naming the sequences there are when it is
-    absent or would leave nothing to train on)."""
+    sequence ``holdout`` (a :class:`ConfigError` naming ``flag`` and the sequences there are
+    when it is absent or would leave nothing to train on)."""
     held = [ln for ln in lines if sequence_of(ln) == holdout]
     rest = [ln for ln in lines if sequence_of(ln) != holdout]
     if not held or not rest:
         names = ", ".join(sorted({sequence_of(ln) for ln in lines}))
         why = "is not among" if not held else "is the only one of"
         raise ConfigError(
-            f"--holdout-sequence {holdout} {why} the training sequences ({names}): name another one"
+            f"{flag} {holdout} {why} the training sequences ({names}): name another one"
         )
     return rest, held
 
 
-def carve_dev_split(data: Path, out: Path, fraction: float, holdout: str | None = None) -> Path:
+def carve_dev_split(
+    data: Path, out: Path, fraction: float, holdout: str | None = None, unseen: str | None = None
+) -> Path:
     """List files ``train_fit.txt`` / ``dev.txt`` / ``val.txt`` in ``out/data`` (absolute paths).
 
     Dev = the last ``fraction`` of each training sequence (CamVid names ``SEQ_frame.png``,
@@ -208,6 +212,8 @@ def carve_dev_split(data: Path, out: Path, fraction: float, holdout: str | None 
     With ``holdout`` (a sequence name, leave-one-sequence-out) dev is that whole sequence and
     train_fit every other: the choices are made on a scene nothing was trained on, and
     ``cross_scene_<holdout>.txt`` (the same lines) is evaluated as the cross-scene split.
+    ``unseen`` (another sequence) is left out of both: ``unseen_<unseen>.txt`` is a scene that
+    no model trained on and no choice was made on.
 
     A folder whose runs or refiners were trained on another carve (another ``--dev-fraction``,
     ``--holdout-sequence`` or ``train.txt``) is refused: reusing or resuming them would put
@@ -218,6 +224,8 @@ def carve_dev_split(data: Path, out: Path, fraction: float, holdout: str | None 
         return " ".join(str((data / part).resolve()) for part in line.split())
 
     lines = sorted(ln for ln in (data / "train.txt").read_text().splitlines() if ln.strip())
+    if unseen is not None:
+        lines, left_out = split_by_sequence(lines, unseen, "--unseen-sequence")
     if holdout is not None:
         fit, dev = (list(map(absolute, part)) for part in split_by_sequence(lines, holdout))
     else:
@@ -232,9 +240,12 @@ def carve_dev_split(data: Path, out: Path, fraction: float, holdout: str | None 
     lists = {"train_fit": fit, "dev": dev, "val": val}
     if holdout is not None:
         lists[f"cross_scene_{holdout}"] = dev
+    if unseen is not None:
+        lists[f"unseen_{unseen}"] = list(map(absolute, left_out))
     texts = {name: "\n".join(rows) + "\n" for name, rows in lists.items()}
     trained = [c.parent for c in out.glob("runs/*/config.yaml")] + [*out.glob("refiner_*.pt")]
     carve = f"--holdout-sequence {holdout}" if holdout else f"--dev-fraction {fraction:g}"
+    carve += f" --unseen-sequence {unseen}" if unseen else ""
     for name in ("train_fit", "dev"):
         path = root / f"{name}.txt"
         if trained and path.is_file() and path.read_text() != texts[name]:
@@ -385,3 +396,20 @@ def source_commit() -> str | None:
         return None
     dirty = status.returncode != 0 or bool(status.stdout.strip())  # unknown: not called clean
     return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def budget_words(args: argparse.Namespace, device: torch.device) -> str:
+    """How the models were trained, as the table's caption says it."""
+    if args.holdout_sequence:
+        unseen = f" and {args.unseen_sequence}, unseen" if args.unseen_sequence else ""
+        how = (
+            f"trained to plateau on sequences other than {args.holdout_sequence}, which is dev"
+            f"{unseen} (T={args.max_iters})"
+        )
+    elif args.protocol == "plateau":
+        how = f"trained to plateau on a dev split of train (T={args.max_iters})"
+    elif args.budget_iters:
+        how = f"{args.budget_iters} iterations per model"
+    else:
+        how = f"{args.budget_minutes:g} min per model"
+    return f"{how}, crops {args.crop[0]}x{args.crop[1]}, batch {args.batch_size}, {device.type}"
