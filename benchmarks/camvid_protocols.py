@@ -401,7 +401,7 @@ def source_commit() -> str | None:
 def budget_words(args: argparse.Namespace, device: torch.device) -> str:
     """How the models were trained, as the table's caption says it."""
     if args.holdout_sequence:
-        unseen = f" and {args.unseen_sequence}, unseen" if args.unseen_sequence else ""
+        unseen = f", and {args.unseen_sequence}, unseen" if args.unseen_sequence else ""
         how = (
             f"trained to plateau on sequences other than {args.holdout_sequence}, which is dev"
             f"{unseen} (T={args.max_iters})"
