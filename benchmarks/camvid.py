@@ -163,7 +163,7 @@ METHOD_B: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         "own backbone"}),
     (("--refine-decision-metric",), {"choices": METRICS, "default": METRICS[0],
         "help": "what the dev sweep of method B's decision maximizes (boundary_f1: for the "
-        "edges)"}),
+        "edges; net_fixed: pixels fixed less twice those broken, for fewer broken pixels)"}),
     (("--refine-decision-max-broken-ratio",), {"type": nonnegative_float, "metavar": "R",
         "help": "choose method B's decision on dev only among settings breaking at most R "
         "pixels per pixel fixed (default: any)"}),

@@ -355,9 +355,10 @@ def decision_label(
     cfg: RefinerConfig, metric: str = METRICS[0], max_broken_ratio: float | None = None
 ) -> str:
     """How a dev-chosen decision reads in a table: 'gate 0.1, prior 2 (chosen on dev)', with
-    '... by boundary F1' where the sweep maximized that instead of mIoU, and '..., broken <=
-    0.5 x fixed' where it chose among the settings within that ratio."""
-    by = "" if metric == METRICS[0] else " by " + {"boundary_f1": "boundary F1"}[metric]
+    '... by boundary F1' where the sweep maximized another metric than mIoU, and '..., broken
+    <= 0.5 x fixed' where it chose among the settings within that ratio."""
+    named = {"boundary_f1": "boundary F1", "net_fixed": "pixels fixed less twice those broken"}
+    by = "" if metric == METRICS[0] else " by " + named[metric]
     if max_broken_ratio is not None:
         by += f", broken <= {max_broken_ratio:g} x fixed"
     words = describe_decision(**{k: getattr(cfg, k) for k in DECISION_KEYS})

@@ -99,7 +99,7 @@ def test_timing_says_whether_the_refiner_read_the_base_features(camvid) -> None:
     assert own.given == [None] * 5
 
 
-def test_a_decision_chosen_by_boundary_f1_says_so(camvid) -> None:
+def test_a_decision_chosen_by_another_metric_says_so(camvid) -> None:
     from dualseg.refine.refiner import RefinerConfig
 
     cfg = RefinerConfig(gate_margin=0.1, prior_weight=0.5)
@@ -114,6 +114,9 @@ def test_a_decision_chosen_by_boundary_f1_says_so(camvid) -> None:
     assert args.refine_decision_max_broken_ratio == 0.5
     within = "gate 0.1, prior 0.5 (chosen on dev, broken <= 0.5 x fixed)"
     assert refine.decision_label(cfg, "miou", 0.5) == within
+    args = camvid.parse_args(["--data", "d", "--refine-decision-metric", "net_fixed"])
+    net = "gate 0.1, prior 0.5 (chosen on dev by pixels fixed less twice those broken)"
+    assert refine.decision_label(cfg, args.refine_decision_metric) == net
 
 
 def test_a_reused_refiner_must_have_been_fit_on_the_same_inputs(camvid, tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from dualseg.refine.calibrate import (
     calibrate_decision,
     choose_decision,
     decision_grid,
+    net_fixed,
     sweep_decision,
     switch_counts,
 )
@@ -231,6 +232,9 @@ def test_sweep_scores_each_setting_and_chooses_the_best() -> None:
     # fixed: wrong before, right after; broken: the reverse (fractions of labelled pixels)
     assert (by[(None, 0.0)]["fixed"], by[(None, 0.0)]["broken"]) == pytest.approx((1 / 3, 2 / 3))
     assert (by[(0.2, 0.0)]["fixed"], by[(0.2, 0.0)]["broken"]) == pytest.approx((1 / 3, 0))
+    # net_fixed: the fixed less twice the broken
+    assert by[(None, 0.0)]["net_fixed"] == pytest.approx(1 / 3 - 4 / 3)
+    assert by[(0.2, 0.0)]["net_fixed"] == pytest.approx(1 / 3)
     # two perfect rows, both changing one pixel of three: the first of them wins the tie
     assert choose_decision(rows) == {
         "gate_margin": 0.2,
@@ -324,6 +328,29 @@ def test_a_broken_ratio_limits_the_choice_to_settings_within_it() -> None:
     assert "gate 0.3" in lines[-1] and "fixed 1.00%  broke 0.40%  <- chosen" in lines[-1]
     lines = format_sweep(rows, metric="miou", chosen={"gate_margin": 0.3}).splitlines()
     assert [line.endswith("<- chosen") for line in lines] == [False, False, True, False]
+
+
+def test_net_fixed_chooses_the_setting_whose_relabels_pay_twice_over() -> None:
+    def row(gate: float | None, miou: float, fixed: float, broken: float) -> dict:
+        options = {"prior_weight": 0.0, "min_prob": 0.0, "p1_blur_sigma": 0.0}
+        scores = {"miou": miou, "boundary_f1": 0.3, "changed": fixed + broken}
+        return {"gate_margin": gate, **options, **scores, "fixed": fixed, "broken": broken,
+                "net_fixed": net_fixed(fixed, broken)}  # fmt: skip
+
+    rows = [
+        row(0.0, 0.50, 0.0, 0.0),
+        row(None, 0.53, 0.020, 0.009),  # the best mIoU, 0.45 broken per fixed: net 0.002
+        row(0.3, 0.52, 0.012, 0.004),  # 0.33 broken per fixed: net 0.004
+        row(0.1, 0.51, 0.003, 0.0),  # breaks nothing, fixes little: net 0.003
+    ]
+    assert choose_decision(rows, metric="miou")["gate_margin"] is None
+    assert choose_decision(rows, metric="net_fixed")["gate_margin"] == 0.3
+    # within a ratio too: only the rows within it compete
+    assert choose_decision(rows, metric="net_fixed", max_broken_ratio=0.2)["gate_margin"] == 0.1
+    # where every setting breaks more than half of what it fixes, it never relabels
+    worse = [rows[0], row(None, 0.53, 0.020, 0.011), row(0.3, 0.52, 0.010, 0.006)]
+    assert choose_decision(worse, metric="net_fixed")["gate_margin"] == 0.0
+    assert choose_decision(worse, metric="miou")["gate_margin"] is None
 
 
 def test_decision_settings_read_the_same_in_every_report() -> None:

@@ -84,3 +84,5 @@ def test_as_a_refiner_it_scores_beside_method_b_and_is_chosen_on_dev() -> None:
     assert best in CRF_GRID[:2] and len(rows) == 2
     assert max(r["miou"] for r in rows) == rows[CRF_GRID.index(best)]["miou"]
     assert all(r["miou"] > r["base_miou"] and r["fixed"] > r["broke"] for r in rows)
+    # the kernel can be chosen by method B's every metric, net_fixed among them
+    assert all(r["net_fixed"] == r["fixed"] - 2 * r["broke"] for r in rows)

@@ -39,7 +39,9 @@ def _add_fit(sub: argparse._SubParsersAction) -> None:
     add("--init-backbone", choices=("imagenet", "base", "none"), default="imagenet")
     add("--weights", help="ImageNet weight file for the backbone (default: resolved)")
     add("--calibrate-split", help="a labelled split to choose the decision options on (--base)")
-    add("--calibrate-metric", choices=METRICS, default=METRICS[0], help=f"({METRICS[0]})")
+    add("--calibrate-metric", choices=METRICS, default=METRICS[0],
+        help=f"what the choice maximizes (net_fixed: pixels fixed less twice those broken, for "
+        f"fewer broken pixels) ({METRICS[0]})")  # fmt: skip
     add(
         "--calibrate-max-broken-ratio",
         type=c.nonnegative_float,

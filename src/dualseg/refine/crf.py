@@ -16,6 +16,7 @@ from dualseg.engine.evaluation import evaluate
 from dualseg.errors import ConfigError, DualsegError
 from dualseg.imaging import IMAGENET_MEAN, IMAGENET_STD
 from dualseg.models.base import class_labels
+from dualseg.refine.calibrate import net_fixed
 from dualseg.refine.decision import are_probabilities
 
 __all__ = ["CRF_GRID", "CRFSettings", "choose_crf", "dense_crf", "import_pydensecrf"]
@@ -103,15 +104,17 @@ def choose_crf(
     model: nn.Module, loader: Iterable[tuple[Tensor, Tensor]], *, num_classes: int,
     device: torch.device, grid: Sequence[CRFSettings] = CRF_GRID, metric: str = "miou",
 ) -> tuple[CRFSettings, list[dict[str, Any]]]:  # fmt: skip
-    """The setting of ``grid`` whose CRF scores best in ``metric`` (``miou`` or
-    ``boundary_f1``) on ``loader``'s (dev) images, and every setting's scores."""
+    """The setting of ``grid`` whose CRF scores best in ``metric`` (one of method B's
+    ``METRICS``) on ``loader``'s (dev) images, and every setting's scores."""
     rows = []
     for settings in grid:
         m = evaluate(model, loader, num_classes=num_classes, device=device, refiner=settings)
         rows.append({
             "settings": asdict(settings),
             **{k: m["refined"][k] for k in ("miou", "boundary_f1", "trimap_miou")},
-            "base_" + metric: m[metric], **{k: m["refine"][k] for k in ("fixed", "broke")},
+            **{"base_" + k: m[k] for k in ("miou", "boundary_f1")},
+            **{k: m["refine"][k] for k in ("fixed", "broke")},
+            "net_fixed": net_fixed(m["refine"]["fixed"], m["refine"]["broke"]),
         })  # fmt: skip
     best = max(range(len(grid)), key=lambda i: rows[i][metric])  # the first of equals
     return grid[best], rows
