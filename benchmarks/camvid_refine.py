@@ -24,7 +24,7 @@ from dualseg.io import atomic_write_json
 from dualseg.models.base import class_labels
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.base import model_fingerprint
-from dualseg.refine.calibrate import DECISION_KEYS, METRICS, calibrate_decision, choose_decision
+from dualseg.refine.calibrate import DECISION_KEYS, METRICS, calibrate_decision
 from dualseg.refine.crf import CRFSettings, choose_crf
 from dualseg.refine.decision import describe_decision
 from dualseg.refine.refiner import RefinerConfig
@@ -287,10 +287,8 @@ def choose_decisions(
     results: dict[str, Any],
 ) -> dict[str, dict[str, BoundaryRefiner]]:
     """Per base, the decision options (gate τ, prior weight, probability floor, switch cost)
-    chosen on dev (:mod:`dualseg.refine.calibrate`): ``gated[name]["B_gated"]`` holds that copy, and
-    ``gated[name]["B_shared"]`` the best setting without P1 blur when the refiner reads the
-    base's own backbone output (:mod:`dualseg.refine.shared`) and the first choice blurs
-    (which would make it run its own backbone again)."""
+    chosen on dev (:mod:`dualseg.refine.calibrate`; without P1 blur where the refiner reads the
+    base's own backbone output): ``gated[name]["B_gated"]`` holds that copy."""
     _, dev = eval_loader(args.data, str(out / "data" / "dev.txt"), args.eval_limit, args.workers)
     metric, ratio = args.refine_decision_metric, args.refine_decision_max_broken_ratio
     gated: dict[str, dict[str, BoundaryRefiner]] = {}
@@ -310,15 +308,6 @@ def choose_decisions(
         sweep = {"metric": metric, "max_broken_ratio": ratio, "chosen": chosen, "rows": rows}
         print(f"[{name}] decision chosen on dev: {chosen}", flush=True)
         gated[name] = {"B_gated": with_decision(refiner, chosen)}
-        # P1 blur makes the refiner run its own backbone; where it could read the base's
-        # features instead, also keep the best setting that does (the cheap one)
-        if kept.module is not None and chosen["p1_blur_sigma"]:
-            # none of these rows blocks switches: the blocks were counted for the blurred best
-            unblurred = [r for r in rows if r.get("p1_blur_sigma", 0) == 0]
-            fast = choose_decision(unblurred, metric=metric, max_broken_ratio=ratio)
-            sweep["chosen_reading_base_features"] = fast
-            gated[name]["B_shared"] = with_decision(refiner, fast)
-            print(f"[{name}] ... among those reading the base's features: {fast}", flush=True)
         results.setdefault("decision_sweep_dev", {})[name] = sweep
     return gated
 
@@ -381,10 +370,7 @@ def post_processors(
         how = decision_label(
             copy.config, args.refine_decision_metric, args.refine_decision_max_broken_ratio
         )
-        label = f"{LABELS[name]} + method B, {how}"
-        if kind == "B_shared":
-            label = label[: -len(")")] + " among the settings reading the base's features)"
-        variants.append((f"{name}+{kind}", label, copy))
+        variants.append((f"{name}+{kind}", f"{LABELS[name]} + method B, {how}", copy))
     if name in crfs:
         how = "chosen on dev" if args.protocol == "plateau" else "default settings"
         label = f"{LABELS[name]} + dense CRF ({crfs[name].describe()}; {how})"

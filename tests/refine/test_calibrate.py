@@ -264,6 +264,26 @@ def test_choice_falls_back_to_never_relabelling_when_refinement_only_hurts() -> 
     assert next(r for r in rows if r["gate_margin"] == 0.0)["miou"] == base["miou"]
 
 
+def test_a_refiner_reading_the_base_features_is_never_offered_a_blur() -> None:
+    class Kept:  # the base's features, as refiner.shared_features(model) keeps them
+        module = torch.nn.Identity()
+
+        def take(self, images: torch.Tensor) -> None:
+            return None
+
+    # a blur would make it run a second backbone (~6x its time on the peer)
+    sharing = Fixed(three_pixels())
+    swept = sweep_decision(
+        sharing,
+        lambda x: torch.zeros(1, 3, 1, 3),
+        [(torch.zeros(1, 3, 1, 3), torch.zeros(1, 1, 3, dtype=torch.long))],
+        num_classes=3,
+        shared=Kept(),
+        grid=decision_grid(gates=(0.0, None), priors=(0.0,), min_probs=(0.0,)),
+    )
+    assert sharing.sigmas == [0.0] and {r.get("p1_blur_sigma") for r in swept} == {None, 0.0}
+
+
 def test_p1_filter_blurs_and_zero_is_the_identity() -> None:
     from dualseg.refine.embedding import p1_filter
 
