@@ -74,12 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     results_path = args.run / "results.json"
     if not results_path.is_file():
-        print(f"error: {results_path} not found; pass a finished benchmarks/camvid.py --out folder")
+        print(f"error: {results_path} not found; pass a finished benchmarks/camvid.py --out folder",
+              file=sys.stderr)  # fmt: skip
         return 2
     results = json.loads(results_path.read_text())
     sweeps = results.get("decision_sweep_dev") or {}
     if not sweeps:
-        print(f"error: {results_path} holds no chosen decision; run camvid.py with --refine-steps")
+        print(f"error: {results_path} holds no chosen decision; run camvid.py with --refine-steps",
+              file=sys.stderr)  # fmt: skip
         return 2
     _, loader = eval_loader(args.data, None, args.images + 2, 0)  # + time_inference's warm-up
     timed = {name: retime_model(args.run, results, name, loader, args.images, args.repeats)

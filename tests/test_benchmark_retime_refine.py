@@ -60,4 +60,8 @@ def test_a_run_is_timed_with_and_without_its_blocks_and_its_scores_kept(
 
 def test_a_folder_without_results_is_one_line(retime_refine, tmp_path, capsys) -> None:
     assert retime_refine.main([str(tmp_path), "--data", str(tmp_path)]) == 2
-    assert "results.json not found; pass a finished benchmarks/camvid.py" in capsys.readouterr().out
+    err = capsys.readouterr().err  # as camvid.py's errors: on stderr
+    assert "results.json not found; pass a finished benchmarks/camvid.py" in err
+    (tmp_path / "results.json").write_text(json.dumps({"splits": {}}))  # a --refine-steps 0 run
+    assert retime_refine.main([str(tmp_path), "--data", str(tmp_path)]) == 2
+    assert "holds no chosen decision; run camvid.py with --refine-steps" in capsys.readouterr().err
