@@ -5,7 +5,10 @@ correct pixels as it fixes. This probe runs the base and the refiner once per im
 every decision reads at the near-boundary pixels (P2-P4's candidates, P5's distances, the
 ground truth), and then scores the whole decision grid of ``refine fit`` (gate, prior, floor,
 switch cost; P1's blur aside) from that cache: mIoU, pixels fixed and pixels broken, per split.
-``--deltas`` gives the switch costs to score (a finer set than the fit's grid)::
+``--deltas`` gives the switch costs to score (a finer set than the fit's grid). It also makes
+``refine fit``'s choice on the first split by each of its rules (by mIoU, by mIoU within a
+broken ratio of 0.5, by ``net_fixed``; the fit's switch costs, no blocks) and reads that
+setting on every split: a choice made on one scene, scored on others::
 
     python benchmarks/decision_probe.py --base RUN/runs/peer/last.pt \
         --refiner RUN/refiner_peer.pt --split RUN/data/dev.txt RUN/data/val.txt --out probe.json
@@ -30,7 +33,7 @@ from dualseg.errors import DualsegError
 from dualseg.io import atomic_write_json
 from dualseg.metrics import ConfusionMatrix, change_counts, scores_from_confusion
 from dualseg.refine import BoundaryRefiner
-from dualseg.refine.calibrate import decision_grid
+from dualseg.refine.calibrate import SWITCH_COSTS, choose_decision, decision_grid, net_fixed
 from dualseg.refine.decision import Candidates, decide
 
 
@@ -83,9 +86,9 @@ def score(cache: dict[str, Any], new: Tensor, k: int) -> dict[str, float]:
         return band.mat
 
     cm = cache["cm"] - counts(pred) + counts(new)
-    fixed, broken = change_counts(new, pred, gt)[2:].tolist()
+    changed, fixed, broken = change_counts(new, pred, gt)[1:].tolist()
     miou = 100 * scores_from_confusion(cm)["miou"]
-    return {"miou": round(miou, 2), "fixed": fixed, "broken": broken}
+    return {"miou": round(miou, 2), "changed": changed, "fixed": fixed, "broken": broken}
 
 
 def sweep(cache: dict[str, Any], switch_costs: list[float], k: int) -> list[dict[str, Any]]:
@@ -96,6 +99,30 @@ def sweep(cache: dict[str, Any], switch_costs: list[float], k: int) -> list[dict
         setting = {k_: v for k_, v in s.items() if k_ != "p1_blur_sigma"}
         rows.append({"setting": setting, **score(cache, decide(c, **setting)[0].reshape(-1), k)})
     return rows
+
+
+# refine fit's rules: (--calibrate-metric, --calibrate-max-broken-ratio)
+RULES: tuple[tuple[str, float | None], ...] = (("miou", None), ("miou", 0.5), ("net_fixed", None))
+
+
+def fit_choices(splits: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each of :data:`RULES`' choice among the first split's rows at the fit's switch costs,
+    and that setting's mIoU gain, pixels fixed and broken on every split (rows in one order)."""
+    first = next(iter(splits.values()))
+    offered = [i for i, r in enumerate(first) if r["setting"] != "base"
+               and r["setting"]["switch_cost"] in SWITCH_COSTS]  # fmt: skip
+    flat = [{**first[i]["setting"], **first[i], "net_fixed": net_fixed(first[i]["fixed"],
+             first[i]["broken"])} for i in offered]  # fmt: skip
+    out = []
+    for metric, ratio in RULES:
+        chosen = choose_decision(flat, metric=metric, max_broken_ratio=ratio)
+        i = next(i for i in offered if all(chosen[k] == v for k, v in first[i]["setting"].items()))
+        reads = {name: {"miou_gain": round(rows[i]["miou"] - rows[0]["miou"], 2),
+                        "fixed": rows[i]["fixed"], "broken": rows[i]["broken"]}
+                 for name, rows in splits.items()}  # fmt: skip
+        out.append({"metric": metric, "max_broken_ratio": ratio,
+                    "setting": first[i]["setting"], "splits": reads})  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -109,6 +136,9 @@ def main() -> None:
         rows = sweep(cache, args.deltas, refiner.num_classes)
         out["splits"][split.stem] = {"images": cache["images"], "rows": rows}
         print(split.stem, rows[0], flush=True)
+    out["fit_choices"] = fit_choices({k: v["rows"] for k, v in out["splits"].items()})
+    for c in out["fit_choices"]:
+        print(c["metric"], c["max_broken_ratio"], c["setting"], c["splits"], flush=True)
     atomic_write_json(args.out, out)
 
 

@@ -30,12 +30,41 @@ def test_sweep_counts_fixed_and_broken_and_the_switch_cost_keeps_labels() -> Non
     # other nearer by 0.1 (broken unless the switch cost exceeds 0.1); pixel 2: base nearer
     cache = cache_of([0, 1, 1], [1, 1, 1], [[1.0, 0.0], [0.1, 0.0], [0.0, 1.0]])
     rows = probe.sweep(cache, [0.0, 0.2], 2)
-    assert rows[0] == {"setting": "base", "miou": 33.33, "fixed": 0, "broken": 0}
+    assert rows[0] == {"setting": "base", "miou": 33.33, "changed": 0, "fixed": 0, "broken": 0}
     claim = {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0}
     by_cost = {r["setting"]["switch_cost"]: r for r in rows[1:]
                if {k: r["setting"][k] for k in claim} == claim}  # fmt: skip
     assert (by_cost[0.0]["fixed"], by_cost[0.0]["broken"], by_cost[0.0]["miou"]) == (1, 1, 33.33)
     assert (by_cost[0.2]["fixed"], by_cost[0.2]["broken"], by_cost[0.2]["miou"]) == (1, 0, 100.0)
+
+
+def test_the_fit_choice_is_made_on_the_first_split_and_read_on_the_others() -> None:
+    probe = load_benchmark("decision_probe")
+    # pixel 0: base wrong, fixed by any relabel; pixel 1: base right, its other label nearer by
+    # 0.3, broken below a switch cost of 0.3; "other": the same labels, pixel 0 right there
+    near = [[1.0, 0.0], [0.3, 0.0], [0.0, 1.0]]
+    choice, other = cache_of([0, 1, 1], [1, 1, 1], near), cache_of([0, 1, 1], [0, 1, 1], near)
+    splits = {
+        "choice": probe.sweep(choice, [0.0, 0.4], 2),
+        "other": probe.sweep(other, [0.0, 0.4], 2),
+    }
+    # only δ 0.4 pays, and the fit offers no such switch cost: every rule never relabels
+    choices = probe.fit_choices(splits)
+    assert [(c["metric"], c["max_broken_ratio"]) for c in choices] == list(probe.RULES)
+    for c in choices:
+        assert c["setting"]["gate_margin"] == 0.0
+        assert c["splits"]["other"] == {"miou_gain": 0.0, "fixed": 0, "broken": 0}
+    # nearer by 0.1 only: δ 0.2 (a fit's) pays on the choice split; on the other it breaks
+    near[1] = [0.1, 0.0]
+    choice, other = cache_of([0, 1, 1], [1, 1, 1], near), cache_of([0, 1, 1], [0, 1, 1], near)
+    splits = {
+        "choice": probe.sweep(choice, [0.0, 0.2], 2),
+        "other": probe.sweep(other, [0.0, 0.2], 2),
+    }
+    for c in probe.fit_choices(splits):
+        assert c["setting"]["switch_cost"] == 0.2
+        assert c["splits"]["choice"] == {"miou_gain": 66.67, "fixed": 1, "broken": 0}
+        assert c["splits"]["other"] == {"miou_gain": -66.67, "fixed": 0, "broken": 1}
 
 
 def test_a_missing_checkpoint_is_one_line(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -27,6 +27,7 @@ GRID_KEYS = tuple(k for k in DECISION_KEYS if k != "blocked_switches")  # decisi
 SWITCH_RATIOS = (2.0, 1.0, 0.75, 0.5, 0.25)
 # what choose_decision may maximize (scored on every row of the sweep); the first is the default
 METRICS: tuple[str, ...] = ("miou", "boundary_f1", "net_fixed")
+SWITCH_COSTS = (0.0, 0.1, 0.2)  # the sweep's switch costs δ
 # net_fixed's price of a broken pixel: a relabel pays only where it is right two times in three,
 # so the chosen setting breaks at most half as many pixels as it fixes at its margin, and well
 # under half on the whole (the headroom a new scene's drift needs: docs/refine.md)
@@ -43,7 +44,7 @@ def decision_grid(
     gates: Sequence[float | None] = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, None),
     priors: Sequence[float] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0),
     min_probs: Sequence[float] = (0.0, 0.05, 0.2),
-    switch_costs: Sequence[float] = (0.0, 0.1, 0.2),
+    switch_costs: Sequence[float] = SWITCH_COSTS,
     blur_sigmas: Sequence[float] = (0.0, 1.0),  # P1's filter: each runs the embedding
 ) -> list[dict[str, Any]]:
     """The sweep's grid: every combination, except that τ = 0 (which changes nothing) appears
