@@ -29,7 +29,7 @@ from dualseg.commands.common import nonnegative_float
 from dualseg.data import build_dataset
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
 from dualseg.engine.inference import infer_logits
-from dualseg.errors import DualsegError
+from dualseg.errors import ConfigError, DualsegError
 from dualseg.io import atomic_write_json
 from dualseg.metrics import ConfusionMatrix, change_counts, scores_from_confusion
 from dualseg.refine import BoundaryRefiner
@@ -87,8 +87,8 @@ def score(cache: dict[str, Any], new: Tensor, k: int) -> dict[str, float]:
 
     cm = cache["cm"] - counts(pred) + counts(new)
     changed, fixed, broken = change_counts(new, pred, gt)[1:].tolist()
-    miou = 100 * scores_from_confusion(cm)["miou"]
-    return {"miou": round(miou, 2), "changed": changed, "fixed": fixed, "broken": broken}
+    miou = 100 * scores_from_confusion(cm)["miou"]  # unrounded: the choice reads it as the fit's
+    return {"miou": miou, "changed": changed, "fixed": fixed, "broken": broken}
 
 
 def sweep(cache: dict[str, Any], switch_costs: list[float], k: int) -> list[dict[str, Any]]:
@@ -109,8 +109,13 @@ def fit_choices(splits: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]
     """Each of :data:`RULES`' choice among the first split's rows at the fit's switch costs,
     and that setting's mIoU gain, pixels fixed and broken on every split (rows in one order)."""
     first = next(iter(splits.values()))
-    offered = [i for i, r in enumerate(first) if r["setting"] != "base"
-               and r["setting"]["switch_cost"] in SWITCH_COSTS]  # fmt: skip
+
+    def fits(setting: Any) -> bool:  # never relabelling is in the grid once, at --deltas' first
+        return setting != "base" and (
+            setting["gate_margin"] == 0 or setting["switch_cost"] in SWITCH_COSTS
+        )
+
+    offered = [i for i, r in enumerate(first) if fits(r["setting"])]
     flat = [{**first[i]["setting"], **first[i], "net_fixed": net_fixed(first[i]["fixed"],
              first[i]["broken"])} for i in offered]  # fmt: skip
     out = []
@@ -127,6 +132,9 @@ def fit_choices(splits: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]
 
 def main() -> None:
     args = parse_args()
+    if missing := sorted(set(SWITCH_COSTS) - set(args.deltas)):  # before the long part
+        raise ConfigError(f"--deltas lacks refine fit's switch costs {missing}: add them, for "
+                          "the fit's choice (fit_choices)")  # fmt: skip
     torch.set_num_threads(1)
     model = build_model_from_checkpoint(load_checkpoint(args.base))[0].eval()
     refiner = BoundaryRefiner.load(args.refiner)

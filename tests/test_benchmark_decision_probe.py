@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmark_helpers import load_benchmark, run_script
@@ -30,12 +31,14 @@ def test_sweep_counts_fixed_and_broken_and_the_switch_cost_keeps_labels() -> Non
     # other nearer by 0.1 (broken unless the switch cost exceeds 0.1); pixel 2: base nearer
     cache = cache_of([0, 1, 1], [1, 1, 1], [[1.0, 0.0], [0.1, 0.0], [0.0, 1.0]])
     rows = probe.sweep(cache, [0.0, 0.2], 2)
-    assert rows[0] == {"setting": "base", "miou": 33.33, "changed": 0, "fixed": 0, "broken": 0}
+    assert rows[0] == {"setting": "base", "miou": pytest.approx(100 / 3), "changed": 0,
+                       "fixed": 0, "broken": 0}  # fmt: skip
     claim = {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0}
     by_cost = {r["setting"]["switch_cost"]: r for r in rows[1:]
                if {k: r["setting"][k] for k in claim} == claim}  # fmt: skip
-    assert (by_cost[0.0]["fixed"], by_cost[0.0]["broken"], by_cost[0.0]["miou"]) == (1, 1, 33.33)
-    assert (by_cost[0.2]["fixed"], by_cost[0.2]["broken"], by_cost[0.2]["miou"]) == (1, 0, 100.0)
+    assert (by_cost[0.0]["fixed"], by_cost[0.0]["broken"]) == (1, 1)
+    assert (by_cost[0.2]["fixed"], by_cost[0.2]["broken"]) == (1, 0)
+    assert by_cost[0.0]["miou"] == pytest.approx(100 / 3) and by_cost[0.2]["miou"] == 100.0
 
 
 def test_the_fit_choice_is_made_on_the_first_split_and_read_on_the_others() -> None:
@@ -65,6 +68,41 @@ def test_the_fit_choice_is_made_on_the_first_split_and_read_on_the_others() -> N
         assert c["setting"]["switch_cost"] == 0.2
         assert c["splits"]["choice"] == {"miou_gain": 66.67, "fixed": 1, "broken": 0}
         assert c["splits"]["other"] == {"miou_gain": -66.67, "fixed": 0, "broken": 1}
+
+
+def test_each_rule_makes_its_own_choice() -> None:
+    probe = load_benchmark("decision_probe")
+
+    def pixels(d: float, fixed: int, broken: int) -> list[tuple[int, int, list[float]]]:
+        """(base label, truth, distances): the other label nearer by d; fixed ones are
+        wrong at base (class 0), broken ones right (class 1)."""
+        return [(0, 1, [d, 0.0])] * fixed + [(1, 1, [d, 0.0])] * broken
+
+    # d = 1: relabelled at every switch cost; 0.15: below 0.2; 0.05: at 0 only; then pixels
+    # the base keeps (its label nearer)
+    band = (pixels(1.0, 2, 0) + pixels(0.15, 3, 2) + pixels(0.05, 4, 3)
+            + [(0, 0, [-1.0, 0.0])] * 10 + [(1, 1, [-1.0, 0.0])] * 10)  # fmt: skip
+    pred, gt, dist = (list(x) for x in zip(*band, strict=True))
+    rows = probe.sweep(cache_of(pred, gt, dist), [0.0, 0.1, 0.2], 2)
+    chosen = {(c["metric"], c["max_broken_ratio"]): c for c in probe.fit_choices({"a": rows})}
+    # by mIoU every relabel (9 fixed, 5 broken); within 0.5: 5 fixed, 2 broken; by net_fixed
+    # only those that fix without breaking
+    reads = {k: (c["setting"]["switch_cost"], c["splits"]["a"]["fixed"], c["splits"]["a"]["broken"])
+             for k, c in chosen.items()}  # fmt: skip
+    assert reads == {("miou", None): (0.0, 9, 5), ("miou", 0.5): (0.1, 5, 2),
+                     ("net_fixed", None): (0.2, 2, 0)}  # fmt: skip
+
+
+def test_deltas_without_the_fits_switch_costs_are_one_line(tmp_path, monkeypatch, capsys) -> None:
+    argv = ["--base", str(tmp_path / "b.pt"), "--refiner", str(tmp_path / "r.pt"),
+            "--split", "val.txt", "--out", str(tmp_path / "o.json"),
+            "--deltas", "0.05", "0.4"]  # fmt: skip
+    assert run_script("decision_probe", argv, monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert (
+        err == "error: --deltas lacks refine fit's switch costs [0.0, 0.1, 0.2]: add them, "
+        "for the fit's choice (fit_choices)\n"
+    )
 
 
 def test_a_missing_checkpoint_is_one_line(tmp_path: Path, monkeypatch, capsys) -> None:

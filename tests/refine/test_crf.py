@@ -86,3 +86,6 @@ def test_as_a_refiner_it_scores_beside_method_b_and_is_chosen_on_dev() -> None:
     assert all(r["miou"] > r["base_miou"] and r["fixed"] > r["broke"] for r in rows)
     # the kernel can be chosen by method B's every metric, net_fixed among them
     assert all(r["net_fixed"] == r["fixed"] - 2 * r["broke"] for r in rows)
+    best, rows = choose_crf(Fixed(), loader, num_classes=2, device=torch.device("cpu"),
+                            grid=CRF_GRID[:2], metric="net_fixed")  # fmt: skip
+    assert max(r["net_fixed"] for r in rows) == rows[CRF_GRID.index(best)]["net_fixed"]

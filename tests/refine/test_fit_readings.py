@@ -130,6 +130,9 @@ def test_calibration_note_when_refinement_did_not_help(tmp_path: Path) -> None:
     loaded.calibration["max_broken_ratio"] = 0.5
     within = "no setting breaking at most 0.5 pixel per pixel fixed helped (boundary_f1) the base"
     assert within in loaded.calibration_note()
+    loaded.calibration = {**refiner.calibration, "metric": "net_fixed"}  # it may raise mIoU
+    paid = "found that no setting fixed more than twice the pixels it broke for the base model"
+    assert paid in loaded.calibration_note()
     # a pretrained folder (refiner.json + refiner.safetensors) keeps the sweep too
     refiner.calibration["rows"] = [
         {"gate_margin": None, "miou": 0.5, "pixel_acc": 0.8, "boundary_f1": 0.4, "changed": 0.1},

@@ -219,10 +219,11 @@ def calibration_note(calibration: Mapping[str, Any] | None, config: Any) -> str 
     if calibration is None or config.gate_margin != 0:
         return None
     metric, ratio = calibration.get("metric", "miou"), calibration.get("max_broken_ratio")
-    how = "refinement did not help"
-    if ratio is not None:
-        how = f"no setting breaking at most {ratio:g} pixel per pixel fixed helped"
+    within = "" if ratio is None else f" breaking at most {ratio:g} pixel per pixel fixed"
+    how = f"no setting{within} helped" if within else "refinement did not help"
     by = "" if metric == "miou" else f" ({metric})"
+    if metric == "net_fixed":  # it may leave a setting that raised mIoU but broke too much
+        how, by = f"no setting{within} fixed more than twice the pixels it broke for", ""
     return (
         f"this refiner's held-out check ({calibration['images']} images of split "
         f"{calibration['split']!r}) found that {how}{by} the base "
