@@ -40,6 +40,7 @@ from dualseg.engine.predict import resolve_device
 from dualseg.errors import ConfigError, DualsegError
 from dualseg.io import atomic_write_json
 from dualseg.refine import BoundaryRefiner, RefinerConfig
+from dualseg.refine.calibrate import METRICS
 from dualseg.refine.crf import CRFSettings, choose_crf, import_pydensecrf
 
 KEYS = (("miou", "mIoU"), ("boundary_f1", "boundary F1"), ("trimap_miou", "trimap mIoU"))
@@ -89,9 +90,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--crf-metric",
-        choices=("miou", "boundary_f1"),
-        default="miou",
-        help="what the choice of CRF settings on --crf-dev maximizes",
+        choices=METRICS,
+        default=METRICS[0],
+        help="what the choice of CRF settings on --crf-dev maximizes (method B's metrics)",
     )
     return p.parse_args(argv)
 

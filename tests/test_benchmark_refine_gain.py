@@ -76,6 +76,9 @@ def test_crf_settings_are_never_chosen_on_the_evaluation_split(refine_gain, tmp_
     args = refine_gain.parse_args([*base, "--eval", str(data), "--crf-dev", "train"])
     assert len(refine_gain.crf_dev_dataset(args)) == 2
     assert refine_gain.crf_dev_dataset(refine_gain.parse_args([*base, "--eval", "e"])) is None
+    # the kernel is chosen by any of method B's metrics, as the decision is
+    args = refine_gain.parse_args([*base, "--eval", "e", "--crf-metric", "net_fixed"])
+    assert args.crf_metric == "net_fixed"
 
 
 @pytest.mark.slow
