@@ -273,7 +273,9 @@ def run_fit(
     chosen = ", ".join(f"{k} {v}" for k, v in shown.items())
     among = "" if ratio is None else f" breaking at most {ratio:g} pixel per pixel fixed"
     if refiner.config.gate_margin == 0:
-        helped = "fixed more than twice what it broke" if metric == "net_fixed" else "helped this base"
+        helped = (
+            "fixed more than twice what it broke" if metric == "net_fixed" else "helped this base"
+        )
         chosen = f"gate_margin 0, never relabel (no setting{among} {helped})"
     elif among:
         chosen += f" (the best of the settings{among})"
