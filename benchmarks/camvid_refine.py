@@ -179,7 +179,7 @@ def fit_refiners(
     meta: Any,
     device: torch.device,
     results: dict[str, Any],
-) -> tuple[dict[str, BoundaryRefiner], dict[str, dict[str, BoundaryRefiner]]]:
+) -> tuple[dict[str, BoundaryRefiner], dict[str, BoundaryRefiner]]:
     """Method B for each base in ``REFINED``: ``(refiners, gated)``.
 
     ``--refine-backbone-source independent`` fits one refiner (ground truth only) for every
@@ -288,10 +288,10 @@ def choose_decisions(
 ) -> dict[str, dict[str, BoundaryRefiner]]:
     """Per base, the decision options (gate τ, prior weight, probability floor, switch cost)
     chosen on dev (:mod:`dualseg.refine.calibrate`; without P1 blur where the refiner reads the
-    base's own backbone output): ``gated[name]["B_gated"]`` holds that copy."""
+    base's own backbone output): ``gated[name]`` holds that copy."""
     _, dev = eval_loader(args.data, str(out / "data" / "dev.txt"), args.eval_limit, args.workers)
     metric, ratio = args.refine_decision_metric, args.refine_decision_max_broken_ratio
-    gated: dict[str, dict[str, BoundaryRefiner]] = {}
+    gated: dict[str, BoundaryRefiner] = {}
     for name, refiner in refiners.items():
         model = models[name]
         with refiner.shared_features(model) as kept:  # as evaluate() will read them
@@ -307,7 +307,7 @@ def choose_decisions(
             )
         sweep = {"metric": metric, "max_broken_ratio": ratio, "chosen": chosen, "rows": rows}
         print(f"[{name}] decision chosen on dev: {chosen}", flush=True)
-        gated[name] = {"B_gated": with_decision(refiner, chosen)}
+        gated[name] = with_decision(refiner, chosen)
         results.setdefault("decision_sweep_dev", {})[name] = sweep
     return gated
 
@@ -358,7 +358,7 @@ def post_processors(
     name: str,
     args: argparse.Namespace,
     refiners: dict[str, BoundaryRefiner],
-    gated: dict[str, dict[str, BoundaryRefiner]],
+    gated: dict[str, BoundaryRefiner],
     crfs: dict[str, CRFSettings],
 ) -> list[tuple[str, str, Any]]:
     """``(row key, label, post-processor)`` of base ``name``'s rows: the base alone (``None``),
@@ -366,11 +366,11 @@ def post_processors(
     variants: list[tuple[str, str, Any]] = [(name, LABELS[name], None)]
     if name in refiners:
         variants.append((f"{name}+B", LABELS[name] + " + method B", refiners[name]))
-    for kind, copy in gated.get(name, {}).items():
+    if name in gated:
         how = decision_label(
-            copy.config, args.refine_decision_metric, args.refine_decision_max_broken_ratio
+            gated[name].config, args.refine_decision_metric, args.refine_decision_max_broken_ratio
         )
-        variants.append((f"{name}+{kind}", f"{LABELS[name]} + method B, {how}", copy))
+        variants.append((f"{name}+B_gated", f"{LABELS[name]} + method B, {how}", gated[name]))
     if name in crfs:
         how = "chosen on dev" if args.protocol == "plateau" else "default settings"
         label = f"{LABELS[name]} + dense CRF ({crfs[name].describe()}; {how})"

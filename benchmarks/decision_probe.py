@@ -88,7 +88,8 @@ def score(cache: dict[str, Any], new: Tensor, k: int) -> dict[str, float]:
     cm = cache["cm"] - counts(pred) + counts(new)
     changed, fixed, broken = change_counts(new, pred, gt)[1:].tolist()
     miou = 100 * scores_from_confusion(cm)["miou"]  # unrounded: the choice reads it as the fit's
-    return {"miou": miou, "changed": changed, "fixed": fixed, "broken": broken}
+    return {"miou": miou, "changed": changed, "fixed": fixed, "broken": broken,
+            "net_fixed": net_fixed(fixed, broken)}  # as the fit's sweep rows  # fmt: skip
 
 
 def sweep(cache: dict[str, Any], switch_costs: list[float], k: int) -> list[dict[str, Any]]:
@@ -116,8 +117,7 @@ def fit_choices(splits: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]
         )
 
     offered = [i for i, r in enumerate(first) if fits(r["setting"])]
-    flat = [{**first[i]["setting"], **first[i], "net_fixed": net_fixed(first[i]["fixed"],
-             first[i]["broken"])} for i in offered]  # fmt: skip
+    flat = [{**first[i]["setting"], **first[i]} for i in offered]
     out = []
     for metric, ratio in RULES:
         chosen = choose_decision(flat, metric=metric, max_broken_ratio=ratio)

@@ -32,7 +32,7 @@ def test_sweep_counts_fixed_and_broken_and_the_switch_cost_keeps_labels() -> Non
     cache = cache_of([0, 1, 1], [1, 1, 1], [[1.0, 0.0], [0.1, 0.0], [0.0, 1.0]])
     rows = probe.sweep(cache, [0.0, 0.2], 2)
     assert rows[0] == {"setting": "base", "miou": pytest.approx(100 / 3), "changed": 0,
-                       "fixed": 0, "broken": 0}  # fmt: skip
+                       "fixed": 0, "broken": 0, "net_fixed": 0}  # fmt: skip
     claim = {"gate_margin": None, "prior_weight": 0.0, "min_prob": 0.0}
     by_cost = {r["setting"]["switch_cost"]: r for r in rows[1:]
                if {k: r["setting"][k] for k in claim} == claim}  # fmt: skip
