@@ -4,7 +4,8 @@ The paired timing of ``camvid_refine.time_inference`` (the base's forward and la
 method B on the same image, batch 1, less the labels it takes itself) for each refined model
 of the run, with the decision chosen there (``results.json``'s ``decision_sweep_dev``) and the
 same decision without its blocked switches, the two alternating for ``--repeats`` rounds, so
-that both read the same load. The scores are not touched; the ratios land in ``RUN/retime.json``::
+that both read the same load. The scores are not touched; the ratios land in ``RUN/retime.json``
+(``--out``; an existing file is kept unless ``--overwrite``)::
 
     python benchmarks/retime_refine.py runs/xscene_0016E5_recipe_T3000 \\
         --data ../shared/data/camvid --images 30 --repeats 4 --threads 1
@@ -34,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--images", type=int, default=30, help="images timed per round")
     p.add_argument("--repeats", type=int, default=4, help="rounds of each decision")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, help="where the record goes (default: RUN/retime.json)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return p.parse_args(argv)
 
 
@@ -83,13 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {results_path} holds no chosen decision; run camvid.py with --refine-steps",
               file=sys.stderr)  # fmt: skip
         return 2
+    out = args.out or args.run / "retime.json"
+    if out.exists() and not args.overwrite:  # before the long part: a timing is not redone lightly
+        print(f"error: {out} exists; pass --overwrite to replace it, or --out another file",
+              file=sys.stderr)  # fmt: skip
+        return 2
     _, loader = eval_loader(args.data, None, args.images + 2, 0)  # + time_inference's warm-up
     timed = {name: retime_model(args.run, results, name, loader, args.images, args.repeats)
              for name in sweeps}  # fmt: skip
     record = {"images": args.images, "repeats": args.repeats, "threads": args.threads,
               "models": timed}  # fmt: skip
-    atomic_write_json(args.run / "retime.json", record)
-    print(f"-> {args.run / 'retime.json'}")
+    atomic_write_json(out, record)
+    print(f"-> {out}")
     return 0
 
 

@@ -56,6 +56,14 @@ def test_a_run_is_timed_with_and_without_its_blocks_and_its_scores_kept(
         assert v["median"] == statistics.median(v["ratios"])
         assert all(b > 0 for b in v["base_ms"]) and all(e > 0 for e in v["extra_ms"])
     assert (run / "results.json").read_text() == before
+    kept = (run / "retime.json").read_text()
+    assert retime_refine.main(argv) == 2  # an earlier timing is not replaced without a word
+    assert (run / "retime.json").read_text() == kept
+    assert retime_refine.main([*argv, "--repeats", "1", "--overwrite"]) == 0
+    assert (
+        len(json.loads((run / "retime.json").read_text())["models"]["peer"]["chosen"]["ratios"])
+        == 1
+    )
 
 
 def test_a_folder_without_results_is_one_line(retime_refine, tmp_path, capsys) -> None:
@@ -65,3 +73,12 @@ def test_a_folder_without_results_is_one_line(retime_refine, tmp_path, capsys) -
     (tmp_path / "results.json").write_text(json.dumps({"splits": {}}))  # a --refine-steps 0 run
     assert retime_refine.main([str(tmp_path), "--data", str(tmp_path)]) == 2
     assert "holds no chosen decision; run camvid.py with --refine-steps" in capsys.readouterr().err
+
+
+def test_an_existing_record_is_refused_before_the_timing(retime_refine, tmp_path, capsys) -> None:
+    run = _run_folder(tmp_path / "run")
+    (run / "mine.json").write_text("{}")
+    argv = [str(run), "--data", str(tmp_path / "absent"), "--out", str(run / "mine.json")]
+    assert retime_refine.main(argv) == 2  # no data read: refused first
+    assert "mine.json exists; pass --overwrite to replace it" in capsys.readouterr().err
+    assert (run / "mine.json").read_text() == "{}"
