@@ -214,18 +214,28 @@ def calibrated_on(calibration: Mapping[str, Any] | None, images: Sequence[Any]) 
     return sum(file_digest(image) in chosen_on for image in images)
 
 
+def within_ratio(max_broken_ratio: float | None) -> str:
+    """``" breaking at most 0.5 pixel per pixel fixed"``, or ``""`` without the ratio."""
+    r = max_broken_ratio
+    return "" if r is None else f" breaking at most {r:g} pixel per pixel fixed"
+
+
+def no_gain(metric: str, max_broken_ratio: float | None) -> str:
+    """Why a sweep chose never to relabel, to be followed by the base: ``"no setting raised the
+    miou of"`` (the fit's printed choice and :func:`calibration_note` say it alike)."""
+    within = within_ratio(max_broken_ratio)
+    if metric == "net_fixed":  # it may leave a setting that raised mIoU but broke too much
+        return f"no setting{within} fixed more than twice the pixels it broke for"
+    return f"no setting{within} raised the {metric} of"
+
+
 def calibration_note(calibration: Mapping[str, Any] | None, config: Any) -> str | None:
     """A warning when the held-out check at fit time found that refinement did not help."""
     if calibration is None or config.gate_margin != 0:
         return None
-    metric, ratio = calibration.get("metric", "miou"), calibration.get("max_broken_ratio")
-    within = "" if ratio is None else f" breaking at most {ratio:g} pixel per pixel fixed"
-    how = f"no setting{within} helped" if within else "refinement did not help"
-    by = "" if metric == "miou" else f" ({metric})"
-    if metric == "net_fixed":  # it may leave a setting that raised mIoU but broke too much
-        how, by = f"no setting{within} fixed more than twice the pixels it broke for", ""
+    why = no_gain(calibration.get("metric", "miou"), calibration.get("max_broken_ratio"))
     return (
         f"this refiner's held-out check ({calibration['images']} images of split "
-        f"{calibration['split']!r}) found that {how}{by} the base "
+        f"{calibration['split']!r}) found that {why} the base "
         "model it was fit for: its gate_margin is 0 and it changes no pixel"
     )

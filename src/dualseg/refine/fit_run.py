@@ -22,7 +22,13 @@ from dualseg.engine.pretrained import is_hub_source
 from dualseg.errors import ConfigError, DataError, OutputError, RunExistsError
 from dualseg.io import check_writable, file_digest
 from dualseg.refine.base import model_fingerprint
-from dualseg.refine.calibrate import CLAIM_DECISION, DECISION_KEYS, calibrate_decision
+from dualseg.refine.calibrate import (
+    CLAIM_DECISION,
+    DECISION_KEYS,
+    calibrate_decision,
+    no_gain,
+    within_ratio,
+)
 from dualseg.refine.config import RefinerConfig
 from dualseg.refine.decision import describe_decision, switch_names
 from dualseg.refine.formats import FORMAT, TRAIN_FORMAT
@@ -271,14 +277,10 @@ def run_fit(
     pairs = options["blocked_switches"]
     shown = options | {"blocked_switches": switch_names(pairs, refiner.class_names)}
     chosen = ", ".join(f"{k} {v}" for k, v in shown.items())
-    among = "" if ratio is None else f" breaking at most {ratio:g} pixel per pixel fixed"
     if refiner.config.gate_margin == 0:
-        helped = (
-            "fixed more than twice what it broke" if metric == "net_fixed" else "helped this base"
-        )
-        chosen = f"gate_margin 0, never relabel (no setting{among} {helped})"
-    elif among:
-        chosen += f" (the best of the settings{among})"
+        chosen = f"gate_margin 0, never relabel ({no_gain(metric, ratio)} this base)"
+    elif ratio is not None:
+        chosen += f" (the best of the settings{within_ratio(ratio)})"
     table = format_sweep(rows, metric=metric, chosen=options)
     return refiner, (
         f"decision sweep on {split} ({len(data.held_out)} held-out images):\n{table}\n"
