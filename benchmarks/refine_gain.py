@@ -17,7 +17,9 @@ chosen among four on ``--crf-dev``, the dev data that chose method B's decision 
 
 Without ``--refiner`` it first fits one on ``--data``'s train split (``--steps`` etc.). The
 evaluation split is a path: a list file (``image label`` per line) or a dataset folder with
-``--eval-split``. Timing: medians over ``--time-images`` images, after a warm-up, on the device.
+``--eval-split``. Timing: medians over ``--time-images`` images, after a warm-up, on the
+device; what method B and dense CRF add is paired with the base's forward and labels on each
+image, as in ``benchmarks/camvid.py``.
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import statistics
 import sys
-import time
+import types
 from pathlib import Path
 from typing import Any
 
 import torch
+from camvid_refine import time_inference
 
 from dualseg.data import build_dataset, build_eval_transform, build_train_transform
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
@@ -137,47 +139,17 @@ def fit_refiner(args: argparse.Namespace, device: torch.device) -> BoundaryRefin
     return refiner
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@torch.no_grad()
-def time_ratio(model, refiner, dataset, device: torch.device, n: int) -> dict[str, Any]:
-    """Median seconds per image of the base forward (+ softmax) and of ``refiner.refine``,
-    paired image by image. A refiner that can read the base's own backbone output
-    (``dualseg.refine.shared``) is timed that way, and on its own backbone beside it."""
-    base_t, refine_t, own_t = [], [], []
-    shared_n = 0  # timed images refined on the base's features
-    count = min(n + 1, len(dataset))
-    warmup = 1 if count > 1 else 0  # the first image warms up, unless it is the only one
-    with refiner.shared_features(model) as shared:
-        for i in range(count):
-            image = dataset[i][0][None].to(device)
-            _sync(device)
-            t0 = time.perf_counter()
-            probs = model(image).softmax(1)
-            _sync(device)
-            t1 = time.perf_counter()
-            features = shared.take(image)  # None where they do not match the image
-            refiner.refine(image, probs, features=features)
-            _sync(device)
-            t2 = time.perf_counter()
-            if features is not None:
-                refiner.refine(image, probs)
-                _sync(device)
-            t3 = time.perf_counter()
-            if i >= warmup:
-                base_t.append(t1 - t0)
-                refine_t.append(t2 - t1)
-                own_t.append(t3 - t2)
-                shared_n += features is not None
-    b, r = statistics.median(base_t), statistics.median(refine_t)
-    out: dict[str, Any] = {"base_s": b, "refine_s": r, "extra_time_ratio": r / b}
-    out["shares_base_features"] = shared_n == len(base_t)  # every timed image
-    if shared_n == len(base_t):
-        own = statistics.median(own_t)
-        out |= {"refine_own_backbone_s": own, "extra_time_ratio_own_backbone": own / b}
+def time_ratio(model, refiner, loader, device: torch.device, n: int) -> dict[str, Any]:
+    """What method B adds to the base's forward and labels, paired image by image: the measure
+    of every benchmark (``camvid_refine.time_inference``). A refiner that reads the base's own
+    backbone output (``dualseg.refine.shared``) is timed on its own backbone beside it."""
+    base_s, extra_s, shared = time_inference(model, loader, n, device, refiner)
+    out: dict[str, Any] = {"base_s": base_s, "refine_s": extra_s}
+    out |= {"extra_time_ratio": extra_s / base_s, "shares_base_features": shared}
+    if shared:  # a stand-in with refine() alone is handed no features: its own backbone runs
+        own = types.SimpleNamespace(refine=refiner.refine)
+        _, own_s, _ = time_inference(model, loader, n, device, own)
+        out |= {"refine_own_backbone_s": own_s, "extra_time_ratio_own_backbone": own_s / base_s}
     return out
 
 
@@ -210,6 +182,7 @@ def score_crf(
     num_classes: int,
     device: torch.device,
     metric: str,
+    time_images: int,
 ) -> dict[str, Any]:
     """Dense CRF on the base's probabilities, its settings chosen on ``dev`` (the defaults
     without it): the same figures as method B's, with the pixels it fixed and broke."""
@@ -220,7 +193,7 @@ def score_crf(
             model, dev_loader, num_classes=num_classes, device=device, metric=metric
         )
     m = evaluate(model, loader, num_classes=num_classes, device=device, refiner=chosen)
-    crf_ms, base_ms = m["refine"]["ms_per_image"], m["ms_per_image"]
+    base_s, crf_s, _ = time_inference(model, loader, time_images, device, chosen)
     return {
         **{k: m["refined"][k] for k, _ in KEYS},
         "settings": dataclasses.asdict(chosen),
@@ -228,8 +201,8 @@ def score_crf(
         "dev_sweep": sweep,
         "fixed": m["refine"]["fixed"],
         "broke": m["refine"]["broke"],
-        "ms_per_image": crf_ms,  # the CRF alone (CPU), paired with the base in one pass
-        "extra_time_ratio": crf_ms / base_ms,
+        "ms_per_image": 1000 * crf_s,  # paired with the base's forward, as method B's
+        "extra_time_ratio": crf_s / base_s,
     }
 
 
@@ -326,9 +299,10 @@ def main(argv: list[str] | None = None) -> int:
         model, meta = build_model_from_checkpoint(load_checkpoint(ckpt_path), device=device)
         refiner.check_classes(meta.class_names, meta.num_classes, what=ckpt_path)
         row = score_method_b(model, refiner, loader, meta, device)
-        row.update(time_ratio(model, refiner, val, device, args.time_images))
+        row.update(time_ratio(model, refiner, loader, device, args.time_images))
         if args.crf == "on":
-            row["crf"] = score_crf(model, loader, dev, meta.num_classes, device, args.crf_metric)
+            row["crf"] = score_crf(model, loader, dev, meta.num_classes, device, args.crf_metric,
+                                   args.time_images)  # fmt: skip
         report["bases"][ckpt_path] = row
         print_row(ckpt_path, row, len(val), device)
     atomic_write_json(args.out, report)

@@ -35,11 +35,52 @@ class Refiner:
 @pytest.mark.parametrize("images", [1, 2, 5])
 def test_timing_warms_up_only_when_there_is_a_second_image(refine_gain, images) -> None:
     """A one-image split once ended in a StatisticsError after the whole evaluation."""
-    dataset = [(torch.randn(3, 8, 8), None) for _ in range(images)]
+    loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(images)]
     refiner = Refiner()
-    out = refine_gain.time_ratio(torch.nn.Conv2d(3, 4, 1), refiner, dataset, torch.device("cpu"), 3)
-    assert refiner.calls == min(images, 4)  # every image read, the first only to warm up
-    assert out["base_s"] > 0 and out["extra_time_ratio"] >= 0 and not out["shares_base_features"]
+    out = refine_gain.time_ratio(torch.nn.Conv2d(3, 4, 1), refiner, loader, torch.device("cpu"), 3)
+    assert refiner.calls == min(images, 5)  # every image read, up to two only to warm up
+    assert out["base_s"] > 0 and not out["shares_base_features"]
+    assert out["extra_time_ratio"] == out["refine_s"] / out["base_s"]
+    assert "refine_own_backbone_s" not in out  # it never ran on the base's features
+
+
+class Shared:
+    """The base's features for every image, as a refiner on its frozen backbone reads them."""
+
+    def __enter__(self) -> Shared:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def take(self, images: torch.Tensor) -> torch.Tensor:
+        return images
+
+
+class SharingRefiner(Refiner):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features: list[object] = []
+
+    def refine(self, images: torch.Tensor, scores: torch.Tensor, features: object = None) -> None:
+        super().refine(images, scores, features)
+        self.features.append(features)
+
+    def shared_features(self, model: torch.nn.Module) -> Shared:
+        return Shared()
+
+
+def test_a_refiner_on_the_bases_features_is_also_timed_on_its_own(refine_gain) -> None:
+    loader = [(torch.randn(1, 3, 8, 8), None) for _ in range(4)]
+    refiner = SharingRefiner()
+    out = refine_gain.time_ratio(torch.nn.Conv2d(3, 4, 1), refiner, loader, torch.device("cpu"), 2)
+    assert out["shares_base_features"]
+    assert all(f is x for f, (x, _) in zip(refiner.features[:4], loader))  # the base's
+    assert all(f is None for f in refiner.features[4:])  # then none: its own backbone
+    own = out["refine_own_backbone_s"]
+    assert (
+        len(refiner.features) == 8 and out["extra_time_ratio_own_backbone"] == own / out["base_s"]
+    )
 
 
 def test_no_timed_image_is_refused_before_any_work(refine_gain, capsys) -> None:
