@@ -60,7 +60,11 @@ scene scored with choices made on another (``--holdout-sequence 0001TP --unseen-
 0006R0``: trained on 0016E5, val in-distribution beside it).
 
 Outputs in ``--out``: ``results.json``, ``results.md`` (markdown table), ``per_class_iou.png``,
-``curves.png`` and ``panel_*.png`` (image | ground truth | peer | method A | method A + B).
+``curves.png`` and ``panel_*.png`` (image | ground truth | peer | method A | method A + B);
+method B's refiners as fitted (``refiner_NAME.pt``: the claim's decision) and, under the plateau
+protocol, with the decision chosen on dev (``refiner_NAME_chosen.pt``: ``dualseg eval
+--checkpoint RUN/runs/NAME/last.pt --refiner RUN/refiner_NAME_chosen.pt`` scores that row on
+other images).
 A call evaluating other models into an ``--out`` whose ``results.json`` holds some (``--models
 peer``, then ``--models single_branch``) adds its rows to theirs; under other flags it is refused.
 """

@@ -287,10 +287,11 @@ def choose_decisions(
     meta: Any,
     device: torch.device,
     results: dict[str, Any],
-) -> dict[str, dict[str, BoundaryRefiner]]:
+) -> dict[str, BoundaryRefiner]:
     """Per base, the decision options (gate τ, prior weight, probability floor, switch cost)
     chosen on dev (:mod:`dualseg.refine.calibrate`; without P1 blur where the refiner reads the
-    base's own backbone output): ``gated[name]`` holds that copy."""
+    base's own backbone output): ``gated[name]`` holds that copy, also saved as
+    ``refiner_NAME_chosen.pt`` in ``out`` for ``dualseg eval --refiner``."""
     _, dev = eval_loader(args.data, str(out / "data" / "dev.txt"), args.eval_limit, args.workers)
     metric, ratio = args.refine_decision_metric, args.refine_decision_max_broken_ratio
     gated: dict[str, BoundaryRefiner] = {}
@@ -310,6 +311,7 @@ def choose_decisions(
         sweep = {"metric": metric, "max_broken_ratio": ratio, "chosen": chosen, "rows": rows}
         print(f"[{name}] decision chosen on dev: {chosen}", flush=True)
         gated[name] = with_decision(refiner, chosen)
+        gated[name].save(out / f"refiner_{name}_chosen.pt")  # what dualseg eval --refiner scores
         results.setdefault("decision_sweep_dev", {})[name] = sweep
     return gated
 

@@ -213,3 +213,41 @@ def test_what_a_refiner_adds_is_its_time_less_the_base_labels_it_takes_itself(
     base_s, extra_s, _ = refine.time_inference(model, loader, 3, torch.device("cpu"), Refiner())
     assert base_s >= 0.02  # the forward and the labels
     assert 0 < extra_s < 0.025  # the refiner's 30 ms less the labels' 20 ms: ~10 ms
+
+
+@pytest.mark.slow
+def test_the_chosen_decision_is_saved_for_dualseg_eval(camvid, camvid_root, tmp_path) -> None:
+    """refiner_NAME_chosen.pt decides as the dev sweep chose: dualseg eval --refiner scores
+    the benchmark's row on any other images."""
+    import torch
+
+    from checkpoint_helpers import write_peer_checkpoint
+    from dualseg.data import build_dataset
+    from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+    from dualseg.refine import BoundaryRefiner, RefinerConfig
+    from dualseg.refine.calibrate import DECISION_KEYS
+    from dualseg.refine.embedding import build_embedding_net
+
+    (tmp_path / "data").mkdir()
+    lines = [ln.split() for ln in (camvid_root / "train.txt").read_text().splitlines()[:2]]
+    dev = "".join(f"{camvid_root / a} {camvid_root / b}\n" for a, b in lines)
+    (tmp_path / "data" / "dev.txt").write_text(dev)
+    classes = build_dataset(camvid_root, split="val", preset="camvid").meta.class_names
+    ckpt = write_peer_checkpoint(tmp_path / "peer.pt", classes)
+    model, meta = build_model_from_checkpoint(load_checkpoint(ckpt), device="cpu")
+    cfg = RefinerConfig(embed_dim=8, output_stride=16, aspp_rates=(2, 3), top_n=3, radius=3)
+    net = build_embedding_net(cfg.backbone, embed_dim=8, output_stride=16, aspp_rates=(2, 3))
+    k = len(classes)
+    refiner = BoundaryRefiner(net, torch.randn(k, 8), torch.ones(k, dtype=torch.bool),
+                              class_names=classes, config=cfg)  # fmt: skip
+    args = camvid.parse_args(["--data", str(camvid_root), "--workers", "0"])
+    results: dict = {}
+    gated = refine.choose_decisions(args, tmp_path, {"peer": model.eval()}, {"peer": refiner},
+                                    meta, torch.device("cpu"), results)  # fmt: skip
+    chosen = results["decision_sweep_dev"]["peer"]["chosen"]
+    saved = BoundaryRefiner.load(tmp_path / "refiner_peer_chosen.pt").config
+    assert (
+        {k: getattr(saved, k) for k in DECISION_KEYS}
+        == chosen
+        == {k: getattr(gated["peer"].config, k) for k in DECISION_KEYS}
+    )
