@@ -124,7 +124,7 @@ from dualseg.engine.train import fit
 from dualseg.errors import ConfigError, DataError, DualsegError, Terminated
 from dualseg.io import atomic_write_json, check_writable
 from dualseg.refine.calibrate import METRICS
-from dualseg.refine.config import MINING, SAMPLE_BANDS
+from dualseg.refine.config import MINING
 from dualseg.refine.crf import import_pydensecrf
 from dualseg.refine.refiner import RefinerConfig
 
@@ -173,9 +173,6 @@ METHOD_B: list[tuple[tuple[str, ...], dict[str, Any]]] = [
         "pixels per pixel fixed (default: any)"}),
     (("--refine-mining",), {"choices": MINING, "default": RefinerConfig.mining,
         "help": "method B step 4: the false example of each triplet (random: the claim)"}),
-    (("--refine-sample-band",), {"choices": SAMPLE_BANDS, "default": RefinerConfig.sample_band,
-        "help": "method B step 2: triplets near the label boundaries (the claim), the base's "
-        "predicted ones (where P4 relabels; base-* sources) or both"}),
     (("--refine-decoder-channels",), {"type": nonnegative_int,
         "default": RefinerConfig.decoder_channels,
         "help": "method B step 3, beyond the claim: 0 (the claim's embedding) or a DeepLabV3+ "

@@ -168,7 +168,6 @@ def refiner_config(args: argparse.Namespace) -> RefinerConfig:
         seed=args.seed,
         backbone_source=args.refine_backbone_source,
         mining=args.refine_mining,
-        sample_band=args.refine_sample_band,
         decoder_channels=args.refine_decoder_channels,
     )
 
@@ -251,7 +250,6 @@ def fit_refiner(
         prototype_dataset=protos,
         weights=None if args.weights == "none" or base is not None else args.weights,
         init_from=base,
-        base=base,  # read only by --refine-sample-band base / both
         device=device,
         num_workers=args.workers,
         progress=False,

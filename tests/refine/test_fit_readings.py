@@ -440,32 +440,3 @@ def test_top_n_over_the_classes_is_noted_only_when_asked_for(
     with pytest.raises(AssertionError, match="fit ran"):
         main([*argv, "--top-n", "6"])
     assert "Top-N 6 is more than the 4 classes" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_triplets_near_the_bases_predicted_boundaries(
-    setup: tuple[Path, Path], tmp_path: Path
-) -> None:
-    """--sample-band both runs the base on every crop; without a base model it is refused."""
-    data, base = setup
-    out = tmp_path / "refiner.pt"
-    argv = [*fit_args(data, base, out), "--backbone-source", "base-frozen"]
-    assert refine_main([*argv, "--sample-band", "both"]) == 0
-    refiner = BoundaryRefiner.load(out)
-    assert refiner.config.sample_band == "both"
-    history = load_state(out.with_suffix(".train.pt"), TRAIN_FORMAT, "checkpoint")["history"]
-    assert len(history) == 2 and all(h["num_triplets"] > 0 for h in history)
-    from dualseg.cli import main
-
-    probs = tmp_path / "probs"  # a probability folder has no model to run on the crops
-    image = build_dataset(data, split="train").samples[0][0]
-    assert main(["predict", str(image), "-c", str(base), "--probs", "-o", str(probs)]) == 0
-    folder = ["fit", "--data", str(data), "--base", str(probs), "--out", str(tmp_path / "f.pt")]
-    with pytest.raises(ConfigError, match="--sample-band base runs the base model on the train"):
-        refine_main([*folder, "--sample-band", "base"])
-    from dualseg.refine import RefinerConfig
-
-    train = build_dataset(data, split="train")
-    with pytest.raises(ConfigError, match=r"sample_band 'base' draws near the base model's pre"):
-        cfg = RefinerConfig(embed_dim=4, sample_band="base", steps=1)
-        BoundaryRefiner.fit(train, class_names=train.meta.class_names, weights=None, config=cfg)

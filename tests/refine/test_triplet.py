@@ -99,30 +99,3 @@ def test_semi_hard_triplets_violate_more_than_random_ones_on_the_same_embedding(
     _, rand = triplet_loss(emb, labels, mining="random", generator=gen.manual_seed(1), **kw)
     _, semi = triplet_loss(emb, labels, mining="semi-hard", generator=gen.manual_seed(1), **kw)
     assert semi["violating"] > rand["violating"] + 0.1 and semi["margin"] < rand["margin"]
-
-
-def test_triplets_can_be_drawn_near_the_base_models_predicted_boundaries() -> None:
-    """sample_band base: step 2's band is where P4 will relabel, the base's predicted
-    boundaries (less the ignored pixels); both: the union with the label band."""
-    from dualseg.refine.boundary import near_boundary_mask
-
-    labels = torch.zeros(2, 32, 48, dtype=torch.long)
-    labels[..., 16:] = 1
-    labels[:, :4] = 255  # ignored rows: never drawn, whatever the base says there
-    predicted = torch.zeros_like(labels)
-    predicted[..., 32:] = 1  # the base puts the boundary 16 px too far right
-    images = torch.randn(2, 3, 32, 48, generator=torch.Generator().manual_seed(0))
-    net = EmbeddingNet(nn.Sequential(nn.Conv2d(3, 16, 1), nn.ReLU()), nn.Conv2d(16, 8, 1), 8)
-    opt = torch.optim.SGD(net.parameters(), lr=0.0)
-
-    def pixels(band: str, base_labels: torch.Tensor) -> int:
-        stats = triplet_step(net, opt, images, labels, generator=torch.Generator().manual_seed(1),
-                             radius=2, edge_method="canny", num_triplets=64, margin=1.0,
-                             predicted=base_labels, sample_band=band)  # fmt: skip
-        return stats["pixels"]
-
-    near = near_boundary_mask(predicted, radius=2) & (labels != 255)
-    assert pixels("base", predicted) == int(near.sum())
-    union = near | near_boundary_mask(labels, radius=2)
-    assert pixels("both", predicted) == int(union.sum()) > pixels("labels", predicted)
-    assert pixels("base", labels.clamp(max=1)) < pixels("labels", labels)  # no void border

@@ -15,7 +15,6 @@ from dualseg.refine.boundary import EDGE_METHODS, MAX_RADIUS
 BACKBONE_SOURCES = ("independent", "base-frozen", "base-finetune")
 REDUCTIONS = ("all", "violating")
 MINING = ("random", "semi-hard")
-SAMPLE_BANDS = ("labels", "base", "both")
 OPTIMIZERS = ("adamw", "sgd")
 MAX_EMBED_DIM = 4096  # C and the decoder's projection: 100000 ran out of memory
 
@@ -74,10 +73,6 @@ class RefinerConfig:
         "random", MINING, "false example F0: random (the claim) or semi-hard, among mining_pool"
     )
     mining_pool: int = _opt(8, "false examples per anchor for semi-hard mining", *_at_least(1))
-    sample_band: str = _choice(
-        "labels", SAMPLE_BANDS, "step 2: draw the triplets near the label boundaries (the claim), "
-        "near the base model's predicted ones, where P4 relabels (base), or both",
-    )  # fmt: skip
     steps: int = _opt(2000, "training steps", *_at_least(1))
     # training BatchNorm needs more than one value per channel (one crop at 1x1)
     batch_size: int = _opt(

@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,6 @@ from dualseg.data.transforms import seeded
 from dualseg.engine.runlog import Interrupt
 from dualseg.errors import CheckpointError, ConfigError, DataError, Terminated
 from dualseg.io import atomic_torch_save
-from dualseg.models.base import class_labels
 from dualseg.refine.calibrate import DECISION_KEYS
 from dualseg.refine.config import RefinerConfig
 from dualseg.refine.embedding import (
@@ -31,7 +30,7 @@ from dualseg.refine.embedding import (
 )
 from dualseg.refine.formats import TRAIN_FORMAT, load_state
 from dualseg.refine.prototypes import require_class_labels
-from dualseg.refine.taps import TapRecord, base_logits, list_taps, measure_taps, pick_taps
+from dualseg.refine.taps import TapRecord, list_taps, measure_taps, pick_taps
 from dualseg.refine.triplet import triplet_step
 
 log = logging.getLogger(__name__)
@@ -120,15 +119,8 @@ def train_embedding(
     checkpoint: str | os.PathLike[str] | None = None, checkpoint_every: int = 200,
     resume: bool = False, progress: bool = True, log_every: int = 0, ignore_index: int = 255,
     time_budget_s: float | None = None, fit_inputs: Mapping[str, Any] | None = None,
-    base: nn.Module | None = None,
 ) -> list[dict[str, float]]:  # fmt: skip
-    """Step 4: ``cfg.steps`` optimizer steps of the sampled triplet hinge (``base``: the model
-    whose predicted boundaries ``cfg.sample_band`` base or both draws near)."""
-    if cfg.sample_band != "labels" and base is None:
-        raise ConfigError(
-            f"sample_band {cfg.sample_band!r} draws near the base model's predicted boundaries: "
-            "pass the base model (base=model; on the CLI --base CHECKPOINT or --base file.py:NAME)"
-        )
+    """Step 4: ``cfg.steps`` optimizer steps of the sampled triplet hinge."""
     if time_budget_s is not None and not time_budget_s > 0:  # NaN: a budget never reached
         raise ConfigError(f"the time budget must be > 0 minutes, got {time_budget_s / 60:g}")
     if len(dataset) == 0:  # type: ignore[arg-type]
@@ -163,11 +155,10 @@ def train_embedding(
         batch_sampler=list(_batches(len(dataset), cfg.batch_size, cfg.seed, start, cfg.steps)),  # type: ignore[arg-type]
         num_workers=num_workers,
     )
-    predict = None if cfg.sample_band == "labels" else _predictor(base, device)
     history = _run_steps(
         net, opt, loader, cfg, start, history, save, device=device, num_classes=len(class_names),
         ignore_index=ignore_index, progress=progress, log_every=log_every,
-        checkpoint_every=checkpoint_every, time_budget_s=time_budget_s, predict=predict,
+        checkpoint_every=checkpoint_every, time_budget_s=time_budget_s,
     )  # fmt: skip
     net.eval()
     if not any(h.get("num_triplets", 1) for h in history):  # an untrained embedding
@@ -179,22 +170,11 @@ def train_embedding(
     return history
 
 
-def _predictor(base: Any, device: torch.device) -> Callable[[Tensor], Tensor]:
-    """The base model's labels of a batch, in eval mode and without gradients."""
-    base.to(device).eval()
-
-    @torch.inference_mode()
-    def predict(images: Tensor) -> Tensor:
-        return class_labels(base_logits(base, images))
-
-    return predict
-
-
 def _run_steps(
     net: EmbeddingNet, opt: torch.optim.Optimizer, loader: Any, cfg: RefinerConfig, start: int,
     history: list[dict[str, float]], save: Any, *, device: torch.device, num_classes: int,
     ignore_index: int, progress: bool, log_every: int, checkpoint_every: int,
-    time_budget_s: float | None, predict: Callable[[Tensor], Tensor] | None,
+    time_budget_s: float | None,
 ) -> list[dict[str, float]]:  # fmt: skip
     """The triplet steps ``start..cfg.steps``."""
     net.train()
@@ -205,11 +185,8 @@ def _run_steps(
         for step, (images, labels) in enumerate(bar, start=start):
             require_class_labels(labels, num_classes, ignore_index, "the training images")
             gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-            images, labels = images.to(device), labels.to(device)
-            predicted = None if predict is None else predict(images)
             stats = triplet_step(
-                net, opt, images, labels, generator=gen, predicted=predicted,
-                sample_band=cfg.sample_band,
+                net, opt, images.to(device), labels.to(device), generator=gen,
                 radius=cfg.radius, edge_method=cfg.edge_method, num_triplets=cfg.num_triplets,
                 margin=cfg.margin, reduction=cfg.reduction, mining=cfg.mining,
                 mining_pool=cfg.mining_pool, input_scale=cfg.input_scale,

@@ -249,13 +249,7 @@ def run_fit(
         raise ConfigError("--init-backbone base and --backbone-source base-* need a --base model")
     else:
         init_from = base.module
-    runs_base = cfg.base_features is not None or cfg.sample_band != "labels"
-    if cfg.sample_band != "labels" and not hasattr(base, "module"):
-        raise ConfigError(
-            f"--sample-band {cfg.sample_band} runs the base model on the training crops: pass "
-            "--base CHECKPOINT or --base file.py:NAME, not a probability folder"
-        )
-    taps_of = getattr(base, "module", None) if runs_base else None
+    taps_of = getattr(base, "module", None) if cfg.base_features else None
     read = base_name if init_from is not None or taps_of is not None else None
     inputs = fit_inputs(root, **where, crop_size=crop_size, labels=labels,
                         scale_range=scale_range, base=read)  # fmt: skip

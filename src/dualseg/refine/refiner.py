@@ -361,7 +361,6 @@ class BoundaryRefiner:
             num_workers=num_workers, progress=progress, ignore_index=ignore_index,
             time_budget_s=time_budget_s, checkpoint=checkpoint, checkpoint_every=checkpoint_every,
             resume=resume, log_every=log_every, fit_inputs=fit_inputs,
-            base=base if config.sample_band != "labels" else None,
         )  # fmt: skip
         if history[-1]["step"] < config.steps:  # the time budget stopped it early
             config = dataclasses.replace(config, steps=int(history[-1]["step"]))

@@ -128,18 +128,10 @@ def triplet_step(
     net: EmbeddingNet, opt: torch.optim.Optimizer, images: Tensor, labels: Tensor, *,
     generator: torch.Generator, radius: int, edge_method: str, num_triplets: int, margin: float,
     reduction: str = "all", mining: str = "random", mining_pool: int = 8, input_scale: float = 1.0,
-    output_stride: int = 16, ignore_index: int = 255, predicted: Tensor | None = None,
-    sample_band: str = "labels",
+    output_stride: int = 16, ignore_index: int = 255,
 ) -> dict[str, float]:  # fmt: skip
-    """One step 2-4 iteration on a batch; only the pixels the triplets draw are embedded.
-    ``predicted``: the base model's labels ``[B,H,W]``, whose boundaries ``sample_band`` base
-    or both draws near (where P4 will relabel); the triplets' classes stay the true labels."""
-    near = dict(radius=radius, ignore_index=ignore_index, method=edge_method)
-    edge = near_boundary_mask(labels, **near) if sample_band != "base" else None
-    if sample_band != "labels":
-        assert predicted is not None  # train_embedding runs the base for these bands
-        band = near_boundary_mask(predicted, **near) & (labels != ignore_index)
-        edge = band if edge is None else edge | band
+    """One step 2-4 iteration on a batch; only the pixels the triplets draw are embedded."""
+    edge = near_boundary_mask(labels, radius=radius, ignore_index=ignore_index, method=edge_method)
     negatives = mining_pool if mining == "semi-hard" else 1
     triplets = sample_triplets(labels[edge], num_triplets, negatives=negatives, generator=generator)
     if triplets is None:
