@@ -53,11 +53,12 @@ on, and images no choice was made on (the choices saw that sequence's training f
         --val-every 150 --patience 0 --refine-steps 2000 --refine-backbone-source base-frozen \\
         --refine-input-scale 1.0 --refine-embed-dim 32 --refine-decoder-channels 48
 
-(the README's recipe; add ``--amp bf16`` only on a CPU with AVX-512 BF16 or AMX, where it is
-native: elsewhere it is emulated and many times slower). ``--unseen-sequence SEQ2`` leaves a
-second sequence out of training and of every choice and reports it as ``unseen_SEQ2``: a new
-scene scored with choices made on another (``--holdout-sequence 0001TP --unseen-sequence
-0006R0``: trained on 0016E5, val in-distribution beside it).
+(the leave-one-out runs of docs/results; the README's recipe holds out 0001TP instead, the
+smallest sequence, and adds ``--amp bf16``: use it only on a CPU with AVX-512 BF16 or AMX,
+where it is native: elsewhere it is emulated and many times slower). ``--unseen-sequence
+SEQ2`` leaves a second sequence out of training and of every choice and reports it as
+``unseen_SEQ2``: a new scene scored with choices made on another (``--holdout-sequence 0001TP
+--unseen-sequence 0006R0``: trained on 0016E5, val in-distribution beside it).
 
 Outputs in ``--out``: ``results.json``, ``results.md`` (markdown table), ``per_class_iou.png``,
 ``curves.png`` and ``panel_*.png`` (image | ground truth | peer | method A | method A + B);
