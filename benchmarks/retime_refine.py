@@ -24,7 +24,8 @@ import torch
 from camvid_refine import eval_loader, time_inference
 
 from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
-from dualseg.io import atomic_write_json
+from dualseg.errors import DualsegError
+from dualseg.io import atomic_write_json, check_writable
 from dualseg.refine import BoundaryRefiner
 
 
@@ -72,6 +73,16 @@ def retime_model(
     return out
 
 
+def out_problem(out: Path, results_path: Path, overwrite: bool) -> str | None:
+    """Why ``out`` may not be written, or None: the run's scores never are, and an earlier
+    timing only with ``--overwrite`` (it took minutes under a load that may not recur)."""
+    if out.resolve() == results_path.resolve():
+        return "holds the run's scores; pass --out another file"
+    if out.exists() and not overwrite:
+        return "exists; pass --overwrite to replace it, or --out another file"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -87,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)  # fmt: skip
         return 2
     out = args.out or args.run / "retime.json"
-    if out.exists() and not args.overwrite:  # before the long part: a timing is not redone lightly
-        print(f"error: {out} exists; pass --overwrite to replace it, or --out another file",
-              file=sys.stderr)  # fmt: skip
+    if problem := out_problem(out, results_path, args.overwrite):  # before the long part
+        print(f"error: {out} {problem}", file=sys.stderr)
         return 2
+    check_writable(out, what="--out")
     _, loader = eval_loader(args.data, None, args.images + 2, 0)  # + time_inference's warm-up
     timed = {name: retime_model(args.run, results, name, loader, args.images, args.repeats)
              for name in sweeps}  # fmt: skip
@@ -102,4 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except DualsegError as err:  # an output that cannot be written, a checkpoint refused
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

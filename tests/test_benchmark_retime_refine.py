@@ -12,6 +12,7 @@ import torch
 
 from benchmark_helpers import load_benchmark
 from checkpoint_helpers import write_peer_checkpoint
+from dualseg.errors import DualsegError
 from dualseg.refine import BoundaryRefiner, RefinerConfig
 from dualseg.refine.embedding import build_embedding_net
 
@@ -82,3 +83,10 @@ def test_an_existing_record_is_refused_before_the_timing(retime_refine, tmp_path
     assert retime_refine.main(argv) == 2  # no data read: refused first
     assert "mine.json exists; pass --overwrite to replace it" in capsys.readouterr().err
     assert (run / "mine.json").read_text() == "{}"
+    results = run / "results.json"  # the scores are never replaced, --overwrite or not
+    kept = results.read_text()
+    assert retime_refine.main([*argv[:3], "--out", str(results), "--overwrite"]) == 2
+    assert "results.json holds the run's scores" in capsys.readouterr().err
+    assert results.read_text() == kept
+    with pytest.raises(DualsegError, match="is an existing folder"):  # before any timing
+        retime_refine.main([*argv[:3], "--out", str(run), "--overwrite"])
