@@ -20,7 +20,7 @@ from dualseg.data import build_dataset
 from dualseg.data.transforms import build_train_transform
 from dualseg.engine.evaluation import evaluate
 from dualseg.errors import ConfigError
-from dualseg.io import atomic_write_json
+from dualseg.io import atomic_write_json, file_digest
 from dualseg.models.base import class_labels
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.base import model_fingerprint
@@ -95,9 +95,10 @@ def eval_loader(
     return name, torch.utils.data.DataLoader(limit(ds, n), batch_size=1, num_workers=workers)
 
 
-def limit(ds: Any, n: int | None) -> Any:
-    """The first ``n`` samples of ``ds`` (all when ``n`` is None)."""
-    return ds if n is None else torch.utils.data.Subset(ds, range(min(n, len(ds))))
+def limit(ds: Any, n: int | None) -> torch.utils.data.Subset:
+    """The first ``n`` samples of ``ds`` (all when ``n`` is None), as a ``Subset`` whose
+    ``indices`` name the images read (the chosen refiner records their digests)."""
+    return torch.utils.data.Subset(ds, range(len(ds) if n is None else min(n, len(ds))))
 
 
 def time_inference(
@@ -309,6 +310,14 @@ def choose_decisions(
         sweep = {"metric": metric, "max_broken_ratio": ratio, "chosen": chosen, "rows": rows}
         print(f"[{name}] decision chosen on dev: {chosen}", flush=True)
         gated[name] = with_decision(refiner, chosen)
+        # as refine fit --calibrate-split stores it: dualseg eval --refiner then says so when
+        # it scores the dev images, another base, or a choice never to relabel
+        samples = [dev.dataset.dataset.samples[i] for i in dev.dataset.indices]
+        gated[name].calibration = {
+            **{k: v for k, v in sweep.items() if k != "chosen"}, "split": "dev",
+            "images": len(samples), "image_digests": [file_digest(i) for i, _ in samples],
+            "base_fingerprint": model_fingerprint(model),
+        }  # fmt: skip
         gated[name].save(out / f"refiner_{name}_chosen.pt")  # what dualseg eval --refiner scores
         results.setdefault("decision_sweep_dev", {})[name] = sweep
     return gated

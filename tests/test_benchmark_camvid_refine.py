@@ -224,8 +224,10 @@ def test_the_chosen_decision_is_saved_for_dualseg_eval(camvid, camvid_root, tmp_
     from checkpoint_helpers import write_peer_checkpoint
     from dualseg.data import build_dataset
     from dualseg.engine.checkpoint import build_model_from_checkpoint, load_checkpoint
+    from dualseg.io import file_digest
     from dualseg.refine import BoundaryRefiner, RefinerConfig
-    from dualseg.refine.calibrate import DECISION_KEYS
+    from dualseg.refine.base import model_fingerprint
+    from dualseg.refine.calibrate import DECISION_KEYS, calibrated_on
     from dualseg.refine.embedding import build_embedding_net
 
     (tmp_path / "data").mkdir()
@@ -245,9 +247,12 @@ def test_the_chosen_decision_is_saved_for_dualseg_eval(camvid, camvid_root, tmp_
     gated = refine.choose_decisions(args, tmp_path, {"peer": model.eval()}, {"peer": refiner},
                                     meta, torch.device("cpu"), results)  # fmt: skip
     chosen = results["decision_sweep_dev"]["peer"]["chosen"]
-    saved = BoundaryRefiner.load(tmp_path / "refiner_peer_chosen.pt").config
-    assert (
-        {k: getattr(saved, k) for k in DECISION_KEYS}
-        == chosen
-        == {k: getattr(gated["peer"].config, k) for k in DECISION_KEYS}
-    )
+    loaded = BoundaryRefiner.load(tmp_path / "refiner_peer_chosen.pt")
+    decided = {k: getattr(loaded.config, k) for k in DECISION_KEYS}
+    assert decided == chosen == {k: getattr(gated["peer"].config, k) for k in DECISION_KEYS}
+    # the sweep is recorded as refine fit records it: eval warns on these images and bases
+    cal = loaded.calibration
+    assert (cal["split"], cal["images"], cal["metric"]) == ("dev", 2, "miou")
+    assert cal["image_digests"] == [file_digest(camvid_root / a) for a, _ in lines]
+    assert cal["base_fingerprint"] == model_fingerprint(model)
+    assert calibrated_on(cal, [camvid_root / lines[1][0]]) == 1
