@@ -62,12 +62,11 @@ SEQ2`` leaves a second sequence out of training and of every choice and reports 
 
 Outputs in ``--out``: ``results.json``, ``results.md`` (markdown table), ``per_class_iou.png``,
 ``curves.png`` and ``panel_*.png`` (image | ground truth | peer | method A | method A + B);
-method B's refiners as fitted (``refiner_NAME.pt``: the claim's decision) and, under the plateau
-protocol, with the decision chosen on dev (``refiner_NAME_chosen.pt``: ``dualseg eval
---checkpoint RUN/runs/NAME/last.pt --refiner RUN/refiner_NAME_chosen.pt`` scores that row on
-other images).
-A call evaluating other models into an ``--out`` whose ``results.json`` holds some (``--models
-peer``, then ``--models single_branch``) adds its rows to theirs; under other flags it is refused.
+method B's refiners as fitted (``refiner_NAME.pt``) and with the decision chosen on dev
+(``refiner_NAME_chosen.pt``, plateau protocol: what ``dualseg eval --refiner`` scores as that
+row on other images). A call evaluating other models into an ``--out`` whose ``results.json``
+holds some (``--models peer``, then ``--models single_branch``) adds its rows to theirs; under
+other flags it is refused.
 """
 
 from __future__ import annotations
