@@ -123,12 +123,12 @@ def test_calibration_note_when_refinement_did_not_help(tmp_path: Path) -> None:
     refiner.calibration = {"split": "dev", "images": 3, "rows": []}
     refiner.save(tmp_path / "r.pt")
     loaded = BoundaryRefiner.load(tmp_path / "r.pt")
-    assert "no setting raised the miou of the base" in loaded.calibration_note()  # before metric
+    assert "no setting raised the mIoU of the base" in loaded.calibration_note()  # before metric
     assert "'dev'" in loaded.calibration_note()
     loaded.calibration = {**refiner.calibration, "metric": "boundary_f1"}
-    assert "no setting raised the boundary_f1 of the base" in loaded.calibration_note()
+    assert "no setting raised the boundary F1 of the base" in loaded.calibration_note()
     loaded.calibration["max_broken_ratio"] = 0.5
-    within = "no setting breaking at most 0.5 pixel per pixel fixed raised the boundary_f1 of"
+    within = "no setting breaking at most 0.5 pixel per pixel fixed raised the boundary F1 of"
     assert within in loaded.calibration_note()
     loaded.calibration = {**refiner.calibration, "metric": "net_fixed"}  # it may raise mIoU
     paid = "found that no setting fixed more than twice the pixels it broke for the base model"

@@ -222,11 +222,12 @@ def within_ratio(max_broken_ratio: float | None) -> str:
 
 def no_gain(metric: str, max_broken_ratio: float | None) -> str:
     """Why a sweep chose never to relabel, to be followed by the base: ``"no setting raised the
-    miou of"`` (the fit's printed choice and :func:`calibration_note` say it alike)."""
+    mIoU of"`` (the fit's printed choice and :func:`calibration_note` say it alike)."""
     within = within_ratio(max_broken_ratio)
     if metric == "net_fixed":  # it may leave a setting that raised mIoU but broke too much
         return f"no setting{within} fixed more than twice the pixels it broke for"
-    return f"no setting{within} raised the {metric} of"
+    shown = {"miou": "mIoU", "boundary_f1": "boundary F1"}.get(metric, metric)
+    return f"no setting{within} raised the {shown} of"
 
 
 def calibration_note(calibration: Mapping[str, Any] | None, config: Any) -> str | None:
