@@ -20,11 +20,16 @@ from dualseg.data import build_dataset
 from dualseg.data.transforms import build_train_transform
 from dualseg.engine.evaluation import evaluate
 from dualseg.errors import ConfigError
-from dualseg.io import atomic_write_json, file_digest
+from dualseg.io import atomic_write_json
 from dualseg.models.base import class_labels
 from dualseg.refine import BoundaryRefiner
 from dualseg.refine.base import model_fingerprint
-from dualseg.refine.calibrate import DECISION_KEYS, METRICS, calibrate_decision
+from dualseg.refine.calibrate import (
+    DECISION_KEYS,
+    METRICS,
+    calibrate_decision,
+    calibration_record,
+)
 from dualseg.refine.crf import CRFSettings, choose_crf
 from dualseg.refine.decision import describe_decision
 from dualseg.refine.refiner import RefinerConfig
@@ -312,12 +317,11 @@ def choose_decisions(
         gated[name] = with_decision(refiner, chosen)
         # as refine fit --calibrate-split stores it: dualseg eval --refiner then says so when
         # it scores the dev images, another base, or a choice never to relabel
-        samples = [dev.dataset.dataset.samples[i] for i in dev.dataset.indices]
-        gated[name].calibration = {
-            **{k: v for k, v in sweep.items() if k != "chosen"}, "split": "dev",
-            "images": len(samples), "image_digests": [file_digest(i) for i, _ in samples],
-            "base_fingerprint": model_fingerprint(model),
-        }  # fmt: skip
+        images = [dev.dataset.dataset.samples[i][0] for i in dev.dataset.indices]
+        gated[name].calibration = calibration_record(
+            rows, split="dev", images=images, metric=metric, max_broken_ratio=ratio,
+            base_fingerprint=model_fingerprint(model),
+        )  # fmt: skip
         gated[name].save(out / f"refiner_{name}_chosen.pt")  # what dualseg eval --refiner scores
         results.setdefault("decision_sweep_dev", {})[name] = sweep
     return gated

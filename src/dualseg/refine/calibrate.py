@@ -214,6 +214,22 @@ def calibrated_on(calibration: Mapping[str, Any] | None, images: Sequence[Any]) 
     return sum(file_digest(image) in chosen_on for image in images)
 
 
+def calibration_record(
+    rows: list[dict[str, Any]], *, split: str, images: Sequence[Any], metric: str,
+    max_broken_ratio: float | None, base_fingerprint: str | None,
+) -> dict[str, Any]:  # fmt: skip
+    """What a refiner stores of the sweep that chose its decision on ``images`` (paths), for
+    ``eval --refiner`` / ``refine apply``: images chosen on (found by content, under any split
+    or file name), another base (``base_fingerprint``; None: unknown), a choice never to
+    relabel (:func:`calibration_note`)."""
+    return {
+        "split": split, "images": len(images), "metric": metric,
+        "max_broken_ratio": max_broken_ratio, "rows": rows,
+        "image_digests": [file_digest(path) for path in images],
+        "base_fingerprint": base_fingerprint,
+    }  # fmt: skip
+
+
 def within_ratio(max_broken_ratio: float | None) -> str:
     """``" breaking at most 0.5 pixel per pixel fixed"``, or ``""`` without the ratio."""
     r = max_broken_ratio

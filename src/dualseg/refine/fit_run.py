@@ -20,12 +20,13 @@ from dualseg.engine.checkpoint import FORMAT as MODEL_FORMAT
 from dualseg.engine.outputs import check_outputs, dataset_files, unique_names
 from dualseg.engine.pretrained import is_hub_source
 from dualseg.errors import ConfigError, DataError, OutputError, RunExistsError
-from dualseg.io import check_writable, file_digest
+from dualseg.io import check_writable
 from dualseg.refine.base import model_fingerprint
 from dualseg.refine.calibrate import (
     CLAIM_DECISION,
     DECISION_KEYS,
     calibrate_decision,
+    calibration_record,
     no_gain,
     within_ratio,
 )
@@ -315,14 +316,12 @@ def calibrate(
             device=device, shared=shared,
         )  # fmt: skip
     refiner.config = dataclasses.replace(refiner.config, **chosen)
-    refiner.calibration = {
-        "split": split, "images": len(held_out), "metric": metric,
-        "max_broken_ratio": max_broken_ratio, "rows": rows,
-        # by content: eval finds these images under any split name, root or file name
-        "image_digests": [file_digest(path) for path, _ in files],
+    refiner.calibration = calibration_record(
+        rows, split=split, images=[path for path, _ in files], metric=metric,
+        max_broken_ratio=max_broken_ratio,
         # the base these options were chosen for (a probability folder: unknown)
-        "base_fingerprint": None if module is None else model_fingerprint(module),
-    }  # fmt: skip
+        base_fingerprint=None if module is None else model_fingerprint(module),
+    )  # fmt: skip
     return rows
 
 
