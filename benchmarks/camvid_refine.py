@@ -26,6 +26,7 @@ from dualseg.refine import BoundaryRefiner
 from dualseg.refine.base import model_fingerprint
 from dualseg.refine.calibrate import (
     DECISION_KEYS,
+    METRIC_NAMES,
     METRICS,
     calibrate_decision,
     calibration_record,
@@ -361,8 +362,7 @@ def decision_label(
     """How a dev-chosen decision reads in a table: 'gate 0.1, prior 2 (chosen on dev)', with
     '... by boundary F1' where the sweep maximized another metric than mIoU, and '..., broken
     <= 0.5 x fixed' where it chose among the settings within that ratio."""
-    named = {"boundary_f1": "boundary F1", "net_fixed": "pixels fixed less twice those broken"}
-    by = "" if metric == METRICS[0] else " by " + named[metric]
+    by = "" if metric == METRICS[0] else " by " + METRIC_NAMES[metric]
     if max_broken_ratio is not None:
         by += f", broken <= {max_broken_ratio:g} x fixed"
     words = describe_decision(**{k: getattr(cfg, k) for k in DECISION_KEYS})

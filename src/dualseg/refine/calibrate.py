@@ -27,6 +27,9 @@ GRID_KEYS = tuple(k for k in DECISION_KEYS if k != "blocked_switches")  # decisi
 SWITCH_RATIOS = (2.0, 1.0, 0.75, 0.5, 0.25)
 # what choose_decision may maximize (scored on every row of the sweep); the first is the default
 METRICS: tuple[str, ...] = ("miou", "boundary_f1", "net_fixed")
+# how messages and tables name them
+METRIC_NAMES = {"miou": "mIoU", "boundary_f1": "boundary F1",
+                "net_fixed": "pixels fixed less twice those broken"}  # fmt: skip
 SWITCH_COSTS = (0.0, 0.1, 0.2)  # the sweep's switch costs δ
 # net_fixed's price of a broken pixel: a relabel pays only where it is right two times in three,
 # so the chosen setting breaks at most half as many pixels as it fixes at its margin, and well
@@ -242,8 +245,7 @@ def no_gain(metric: str, max_broken_ratio: float | None) -> str:
     within = within_ratio(max_broken_ratio)
     if metric == "net_fixed":  # it may leave a setting that raised mIoU but broke too much
         return f"no setting{within} fixed more than twice the pixels it broke for"
-    shown = {"miou": "mIoU", "boundary_f1": "boundary F1"}.get(metric, metric)
-    return f"no setting{within} raised the {shown} of"
+    return f"no setting{within} raised the {METRIC_NAMES.get(metric, metric)} of"
 
 
 def calibration_note(calibration: Mapping[str, Any] | None, config: Any) -> str | None:
