@@ -1,4 +1,5 @@
-"""Helpers that write tiny checkpoints into a test's tmp_path (seeded: the same model each call)."""
+"""Helpers that write tiny checkpoints into a test's tmp_path, and a tiny refiner (seeded: the
+same model each call)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dualseg.data import DatasetMeta, get_preset, with_label_mapping
 from dualseg.data.contract import LabelContract
 from dualseg.engine.checkpoint import save_checkpoint
 from dualseg.models import build_model
+from dualseg.refine import BoundaryRefiner, RefinerConfig, build_embedding_net
 from dualseg.viz import default_palette
 
 SYNTHETIC = get_preset("synthetic")
@@ -68,3 +70,14 @@ def write_peer_checkpoint(path: Path, class_names: Sequence[str]) -> Path:
             "label_contract": contract(class_names),
         },
     )
+
+
+def small_refiner(names: Sequence[str] = "abc") -> BoundaryRefiner:
+    """A small refiner with the embedding net its config describes (random weights)."""
+    torch.manual_seed(0)
+    cfg = RefinerConfig(embed_dim=4, output_stride=16, top_n=2, radius=2)
+    net = build_embedding_net(
+        cfg.backbone, embed_dim=4, output_stride=16, aspp_rates=cfg.aspp_rates
+    )
+    present = torch.arange(len(names)) != 1
+    return BoundaryRefiner(net, torch.randn(len(names), 4), present, class_names=names, config=cfg)

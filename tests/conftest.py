@@ -27,6 +27,14 @@ def camvid_root() -> Path:
     return CAMVID
 
 
+@pytest.fixture(scope="module")
+def camvid():
+    """benchmarks/camvid.py, imported as a module."""
+    from benchmark_helpers import load_benchmark
+
+    return load_benchmark("camvid")
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     np.random.seed(0)

@@ -14,11 +14,6 @@ from dualseg.refine.shared import SharedFeatures
 refine = load_benchmark("camvid_refine")
 
 
-@pytest.fixture(scope="module")
-def camvid():
-    return load_benchmark("camvid")
-
-
 def test_reuse_refuses_a_refiner_fit_with_other_flags(camvid, tmp_path: Path) -> None:
     from dualseg.refine.refiner import RefinerConfig
 

@@ -3,41 +3,15 @@ written over that should not be (a dataset, a model, an earlier result), no trac
 
 from __future__ import annotations
 
-import hashlib
-import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
+from cli_argv import TINY, fit_argv, md5, train_argv
 
-from checkpoint_helpers import write_synthetic_checkpoint
 from dualseg.cli import main as cli_main
 from dualseg.data import make_synthetic_dataset
 from reliability_helpers import refused, tree
-
-TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny_synthetic.yaml"
-
-
-def _md5(path: Path) -> str:
-    return hashlib.md5(path.read_bytes()).hexdigest()
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("mistakes")
-    data = make_synthetic_dataset(root / "data", n_train=2, n_val=2, size=(32, 48))
-    return {"root": root, "data": data, "ckpt": write_synthetic_checkpoint(root / "model.pt")}
-
-
-def _train(files, out: Path, *extra: str) -> list[str]:
-    """``dualseg train`` on TINY; ``--config X`` pairs in ``extra`` go right after TINY's (a
-    flag before a --config that sets it again is refused)."""
-    configs = [a for i, a in enumerate(extra) if "--config" in extra[max(i - 1, 0) : i + 1]]
-    rest = [a for a in extra if a not in configs]
-    return ["train", "--config", str(TINY), *configs, "--data.root", str(files["data"]),
-            "--quiet", "--data.crop_size", "[32, 32]", "--train.out_dir", str(out),
-            *rest]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -55,7 +29,7 @@ def _train(files, out: Path, *extra: str) -> list[str]:
 )
 def test_a_bad_model_value_is_one_line_before_any_output(files, capsys, flag, value, named):
     out = files["root"] / f"run_{named}"
-    line = refused(_train(files, out, flag, value), capsys)
+    line = refused(train_argv(files, out, flag, value), capsys)
     assert f"model.{named}" in line and value.strip("[]").split(",")[0] in line
     assert not out.exists()
 
@@ -69,13 +43,13 @@ def test_a_config_section_that_is_not_a_mapping_is_one_line(files, capsys) -> No
 
 def test_resume_needs_a_training_checkpoint_with_iterations_left(files, capsys) -> None:
     # weights alone (what write_synthetic_checkpoint writes) cannot be resumed
-    line = refused(_train(files, files["root"] / "r1", "--resume", str(files["ckpt"])), capsys)
+    line = refused(train_argv(files, files["root"] / "r1", "--resume", str(files["ckpt"])), capsys)
     assert "training state" in line and "last.pt" in line
     run = files["root"] / "r2"
-    assert cli_main(_train(files, run, "--train.max_iters", "2")) == 0
+    assert cli_main(train_argv(files, run, "--train.max_iters", "2")) == 0
     config = (run / "config.yaml").read_text()
     line = refused(
-        _train(files, run, "--resume", str(run / "last.pt"), "--train.max_iters", "1"), capsys
+        train_argv(files, run, "--resume", str(run / "last.pt"), "--train.max_iters", "1"), capsys
     )
     assert "iteration 2" in line and "--train.max_iters 2" in line
     assert (run / "config.yaml").read_text() == config  # the run's record is unchanged
@@ -83,35 +57,9 @@ def test_resume_needs_a_training_checkpoint_with_iterations_left(files, capsys) 
 
 def test_a_dualseg_checkpoint_as_backbone_weights_says_what_it_is(files, capsys) -> None:
     line = refused(
-        _train(files, files["root"] / "w", "--model.weights", str(files["ckpt"])), capsys
+        train_argv(files, files["root"] / "w", "--model.weights", str(files["ckpt"])), capsys
     )
     assert "not backbone weights" in line and "--resume" in line and "--init-backbone" in line
-
-
-def test_predict_never_writes_over_the_labels_of_a_dataset_at_out(files, capsys, tmp_path):
-    data = make_synthetic_dataset(tmp_path / "d", n_train=1, n_val=1, size=(32, 48))
-    label = sorted((data / "labels").iterdir())[0]
-    before = _md5(label)
-    argv = ["predict", str(data / "images"), "-c", str(files["ckpt"]), "-o", str(data)]
-    line = refused([*argv, "--overwrite", "--device", "cpu", "-q"], capsys)
-    assert "a file of the dataset" in line and "not even with --overwrite" in line
-    assert _md5(label) == before
-    # an images/ folder with labels/ that an earlier run wrote: that output may be replaced
-    photos = tmp_path / "photos"
-    (photos / "images").mkdir(parents=True)
-    (photos / "images" / "x.png").write_bytes(sorted((data / "images").iterdir())[0].read_bytes())
-    argv = ["predict", str(photos / "images"), "-c", str(files["ckpt"]), "-o", str(photos), "-q"]
-    assert cli_main([*argv, "--device", "cpu"]) == 0
-    assert cli_main([*argv, "--device", "cpu", "--overwrite"]) == 0
-    # a plain images/ + labels/ pair, no meta.json or list file: its labels are ground truth
-    plain = tmp_path / "plain"
-    for sub in ("images", "labels"):
-        (plain / sub).mkdir(parents=True)
-        (plain / sub / "x.png").write_bytes(sorted((data / sub).iterdir())[0].read_bytes())
-    before = _md5(plain / "labels" / "x.png")
-    argv = ["predict", str(plain / "images"), "-c", str(files["ckpt"]), "-o", str(plain)]
-    line = refused([*argv, "--overwrite", "--device", "cpu", "-q"], capsys)
-    assert "a file of the dataset" in line and _md5(plain / "labels" / "x.png") == before
 
 
 def test_eval_keeps_an_earlier_evaluation_unless_overwrite(files, capsys) -> None:
@@ -119,11 +67,11 @@ def test_eval_keeps_an_earlier_evaluation_unless_overwrite(files, capsys) -> Non
     argv = ["eval", "-c", str(files["ckpt"]), "--data", str(files["data"]), "-o", str(out),
             "--device", "cpu", "-q"]  # fmt: skip
     assert cli_main(argv) == 0
-    first = _md5(out / "metrics.json")
+    first = md5(out / "metrics.json")
     capsys.readouterr()
     line = refused(argv, capsys)
     assert "metrics.json" in line and "--overwrite" in line
-    assert _md5(out / "metrics.json") == first
+    assert md5(out / "metrics.json") == first
     assert cli_main([*argv, "--overwrite"]) == 0
     # the default folder: a sliding-window evaluation sits beside the plain one
     plain = ["eval", "-c", str(files["ckpt"]), "--data", str(files["data"]), "--device", "cpu"]
@@ -139,67 +87,6 @@ def test_eval_keeps_an_earlier_evaluation_unless_overwrite(files, capsys) -> Non
         assert cli_main([*argv, "-q"]) == 0
     assert (run / "eval_val" / "metrics.json").is_file()
     assert (run / "eval_val_last" / "metrics.json").is_file()
-
-
-def _fit(files, *extra: str) -> list[str]:
-    return ["refine", "fit", "--data", str(files["data"]), "--base", str(files["ckpt"]),
-            "--init-backbone", "none", "--steps", "1", "--device", "cpu", "-q", *extra]  # fmt: skip
-
-
-def test_refine_fit_never_writes_over_the_base_a_model_or_the_dataset(files, capsys) -> None:
-    model = files["root"] / "other_model.pt"
-    model.write_bytes(files["ckpt"].read_bytes())
-    kept = {p: _md5(p) for p in (files["ckpt"], model, files["data"] / "meta.json")}
-    out = str(files["root"] / "r.pt")
-    line = refused(_fit(files, "--out", str(files["ckpt"]), "--overwrite"), capsys)
-    assert "--base model" in line
-    line = refused(_fit(files, "--out", out, "--checkpoint", str(model), "--overwrite"), capsys)
-    assert "model checkpoint: pass it as --base" in line
-    line = refused(_fit(files, "--out", str(files["data"] / "meta.json"), "--overwrite"), capsys)
-    assert "a file of the dataset" in line
-    assert {p: _md5(p) for p in kept} == kept
-    assert not Path(out).exists()
-    text = files["root"] / "notes.txt"
-    text.write_text("my notes")
-    line = refused(_fit(files, "--out", str(text), "--overwrite"), capsys)
-    assert "is not a method-B refiner" in line and text.read_text() == "my notes"
-
-
-def test_a_refiner_training_state_is_named_as_such(files, capsys, tmp_path) -> None:
-    state = tmp_path / "r.train.pt"
-    torch.save({"format": "dualseg-refiner-train/1", "step": 1}, state)
-    image = sorted((files["data"] / "images").iterdir())[0]
-    line = refused(["predict", str(image), "-c", str(state), "-o", str(tmp_path / "o")], capsys)
-    assert "training state of 'dualseg refine fit'" in line
-    line = refused(
-        ["refine", "apply", str(image), "-r", str(state), "-b", str(files["ckpt"]),
-         "-o", str(tmp_path / "a")], capsys,
-    )  # fmt: skip
-    assert "training state of 'dualseg refine fit'" in line and "--resume" in line
-
-
-def test_an_exported_segmentation_model_as_refiner_says_what_it_is(files, capsys, tmp_path):
-    """It once said the refiner's .json sidecar was missing, as if this were a refiner."""
-    exported = tmp_path / "model_ts.pt"
-    argv = ["export", "-c", str(files["ckpt"]), "--format", "torchscript", "--out", str(exported)]
-    assert cli_main([*argv, "--size", "32", "32"]) == 0
-    capsys.readouterr()
-    image = sorted((files["data"] / "images").iterdir())[0]
-    line = refused(
-        ["refine", "apply", str(image), "-r", str(exported), "-b", str(files["ckpt"]),
-         "-o", str(tmp_path / "a")], capsys,
-    )  # fmt: skip
-    assert f"{exported} is an exported segmentation model" in line and "not a refiner" in line
-    assert "sidecar" not in line and "dualseg refine fit" in line
-    assert not (tmp_path / "a").exists()
-
-
-def test_predict_onnx_with_a_checkpoint_does_not_call_it_torchscript(files, capsys, tmp_path):
-    image = sorted((files["data"] / "images").iterdir())[0]
-    line = refused(
-        ["predict", str(image), "--onnx", str(files["ckpt"]), "-o", str(tmp_path / "o")], capsys
-    )
-    assert "TorchScript file" not in line and "-c" in line
 
 
 def test_export_refuses_an_opset_this_torch_cannot_write(files, capsys, tmp_path) -> None:
@@ -266,7 +153,7 @@ def test_a_config_key_left_blank_is_one_line_naming_it(files, capsys) -> None:
     blank.write_text(TINY.read_text().replace("max_iters: 6", "max_iters:"))
     assert "max_iters:\n" in blank.read_text()
     out = files["root"] / "run_blank"
-    line = refused(_train(files, out, "--config", str(blank)), capsys)
+    line = refused(train_argv(files, out, "--config", str(blank)), capsys)
     assert "train.max_iters has no value" in line and "leave the key out" in line
     assert not out.exists()
 
@@ -281,7 +168,7 @@ def test_a_config_key_left_blank_is_one_line_naming_it(files, capsys) -> None:
 )
 def test_an_empty_split_or_a_negative_seed_is_refused(files, capsys, flags, named) -> None:
     out = files["root"] / f"run_{len(named)}"
-    assert named in refused(_train(files, out, *flags), capsys)
+    assert named in refused(train_argv(files, out, *flags), capsys)
     assert not out.exists()
 
 
@@ -303,7 +190,7 @@ def test_a_crop_larger_than_any_image_side_is_refused_before_writing(files, caps
     assert "--crop-size 100000 100000" in line and "from 1 to 8192 pixels" in line
     assert not out.exists()
     line = refused(
-        _train(files, files["root"] / "run_crop", "--data.crop_size", "[9000, 9]"), capsys
+        train_argv(files, files["root"] / "run_crop", "--data.crop_size", "[9000, 9]"), capsys
     )
     assert "data.crop_size" in line and "8192" in line
 
@@ -337,22 +224,6 @@ def test_a_raw_value_both_ignored_and_mapped_is_refused(files, capsys) -> None:
     assert "both the ignore value" in refused(argv, capsys)
 
 
-def test_refine_fit_refuses_bad_optimizer_values_and_intervals(files, capsys) -> None:
-    from dualseg.errors import ConfigError
-    from dualseg.refine.refiner import RefinerConfig
-
-    for bad in ({"weight_decay": -1.0}, {"momentum": -1.0}, {"seed": -1}, {"lr": math.inf}):
-        with pytest.raises(ConfigError, match=next(iter(bad))):
-            RefinerConfig(**bad)
-    out = files["root"] / "rf" / "r.pt"
-    for flag in (["--checkpoint-every", "0"], ["--proto-images", "-5"], ["--log-every", "-3"]):
-        argv = ["refine", "fit", "--data", str(files["data"]), "--out", str(out), *flag]
-        with pytest.raises(SystemExit) as exc:
-            cli_main(argv)
-        assert exc.value.code == 1 and flag[0] in capsys.readouterr().err
-    assert not out.parent.exists()
-
-
 @pytest.mark.parametrize(
     ("fmt", "flags"),
     [
@@ -384,7 +255,7 @@ def test_an_export_option_the_format_does_not_read_is_refused(files, capsys, fmt
 def test_a_bad_second_config_file_is_named(files, capsys, text, said) -> None:
     bad = files["root"] / f"second_{len(text)}.yaml"
     bad.write_text(text)
-    line = refused(_train(files, files["root"] / "run_second", "--config", str(bad)), capsys)
+    line = refused(train_argv(files, files["root"] / "run_second", "--config", str(bad)), capsys)
     assert said in line and bad.name in line
 
 
@@ -395,49 +266,13 @@ def test_an_infinite_learning_rate_in_a_config_file_is_refused(files, capsys) ->
         config.write_text(f"optim:\n  {key}: .inf\n")
         out = files["root"] / f"run_inf_{key}"
         line = refused(
-            _train(files, out, "--config", str(config), "--train.max_iters", "1"), capsys
+            train_argv(files, out, "--config", str(config), "--train.max_iters", "1"), capsys
         )
         assert f"optim.{key} must be > 0 and finite" in line
         assert not out.exists()
-    line = refused(_fit(files, "--lr", "inf", "--out", str(files["root"] / "inf.pt")), capsys)
+    line = refused(fit_argv(files, "--lr", "inf", "--out", str(files["root"] / "inf.pt")), capsys)
     assert "lr must be > 0 and finite, got inf" in line
     assert not (files["root"] / "inf.pt").exists()
-
-
-def test_refine_fit_refuses_weights_it_would_not_read(files, capsys, tmp_path) -> None:
-    """--init-backbone none with --weights FILE once fitted from random weights, FILE unread."""
-    weights = tmp_path / "backbone.pth"
-    weights.write_bytes(b"never read")
-    out = tmp_path / "r.pt"
-    line = refused(_fit(files, "--weights", str(weights), "--out", str(out)), capsys)
-    assert f"--weights {weights} and --init-backbone none conflict" in line
-    assert "drop --weights" in line
-    assert not out.exists() and not out.with_suffix(".train.pt").exists()
-
-
-def test_refine_fit_refuses_an_embedding_too_wide_to_build(files, capsys, tmp_path) -> None:
-    """--embed-dim 100000 once ran out of memory building the ASPP head: a traceback."""
-    from dualseg.errors import ConfigError
-    from dualseg.refine.refiner import RefinerConfig
-
-    with pytest.raises(ConfigError, match=r"embed_dim must be in 1\.\.4096, got 4097"):
-        RefinerConfig(embed_dim=4097)
-    assert RefinerConfig(embed_dim=4096).embed_dim == 4096
-    out = tmp_path / "r.pt"
-    line = refused(_fit(files, "--embed-dim", "100000", "--out", str(out)), capsys)
-    assert "--embed-dim must be in 1..4096, got 100000" in line  # the flag, as given
-    line = refused(_fit(files, "--margin", "-1", "--out", str(out)), capsys)
-    assert "--margin must be >= 0, got -1.0" in line
-    assert not out.exists() and not out.with_suffix(".train.pt").exists()
-
-
-@pytest.mark.parametrize("minutes", ["nan", "-1"])
-def test_refine_fit_refuses_a_time_budget_that_is_not_positive(files, capsys, minutes) -> None:
-    """NaN passed "<= 0" and was never reached: a fit of all --steps, the budget ignored."""
-    out = files["root"] / f"budget_{minutes}.pt"
-    line = refused(_fit(files, "--time-budget", minutes, "--out", str(out)), capsys)
-    assert f"the time budget must be > 0 minutes, got {minutes}" in line
-    assert not out.exists() and not out.with_suffix(".train.pt").exists()
 
 
 def test_an_image_or_a_checkpoint_as_config_is_one_line(files, capsys) -> None:
@@ -447,7 +282,7 @@ def test_an_image_or_a_checkpoint_as_config_is_one_line(files, capsys) -> None:
         line = refused(["train", "--config", str(wrong)], capsys)
         assert f"{wrong} is not a YAML text file" in line and "pass a config file" in line
         out = files["root"] / "run_binary_config"
-        line = refused(_train(files, out, "--config", str(wrong)), capsys)
+        line = refused(train_argv(files, out, "--config", str(wrong)), capsys)
         assert f"{wrong} is not a YAML text file" in line and not out.exists()
 
 
@@ -517,14 +352,14 @@ def test_yaml_infinities_and_nans_are_refused_before_any_output(
     extra = files["root"] / f"{key}_{value}.yaml"
     extra.write_text(f"{section}:\n  {key}: {value}\n")
     out = files["root"] / f"run_{key}_{value}"
-    line = refused(_train(files, out, "--config", str(extra)), capsys)
+    line = refused(train_argv(files, out, "--config", str(extra)), capsys)
     assert says in line and not out.exists()
 
 
 def test_nan_class_weights_are_refused_by_name(files, capsys) -> None:
     out = files["root"] / "run_nan_weights"
     weights = "[.nan, 1, 1, 1, 1, 1, 1, 1]"
-    line = refused(_train(files, out, "--optim.class_weights", weights), capsys)
+    line = refused(train_argv(files, out, "--optim.class_weights", weights), capsys)
     assert "class_weights" in line and "NaN or infinite" in line
 
 
@@ -535,86 +370,16 @@ def test_nan_class_weights_are_refused_by_name(files, capsys) -> None:
 def test_resuming_from_a_damaged_training_checkpoint_is_one_line(files, capsys, key, value):
     run = files["root"] / "damaged_src"
     if not (run / "last.pt").is_file():
-        assert cli_main(_train(files, run, "--train.max_iters", "1")) == 0
+        assert cli_main(train_argv(files, run, "--train.max_iters", "1")) == 0
     state = torch.load(run / "last.pt", weights_only=True)
     state[key] = value
     damaged = files["root"] / f"damaged_{key}.pt"
     torch.save(state, damaged)
     out = files["root"] / f"resumed_{key}"
-    line = refused(_train(files, out, "--resume", str(damaged), "--train.max_iters", "2"), capsys)
+    argv = train_argv(files, out, "--resume", str(damaged), "--train.max_iters", "2")
+    line = refused(argv, capsys)
     assert f"{damaged} is a damaged training checkpoint" in line
     assert not out.exists()
-
-
-def _image(files) -> Path:
-    return files["data"] / "images" / "train_00000.png"
-
-
-def test_predict_refuses_an_empty_input_or_out(files, capsys, tmp_path, monkeypatch) -> None:
-    """An unset shell variable: "" as an input segmented the whole current folder, as --out it
-    wrote labels/, color/ and overlay/ there."""
-    monkeypatch.chdir(tmp_path)
-    ckpt = str(files["ckpt"])
-    line = refused(["predict", "", "-c", ckpt, "-o", str(tmp_path / "o")], capsys)
-    assert "an input is an empty path; name an image file, a folder or a glob" in line
-    line = refused(["predict", str(_image(files)), "-c", ckpt, "-o", " "], capsys)
-    assert "--out is empty; name a folder" in line
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_predict_reads_the_folders_a_glob_matches_and_every_readable_suffix(files, tmp_path):
-    """A quoted 'in/*' dropped in/sub/ (the shell's expansion keeps it), and a folder scan
-    dropped .ppm / .gif files the readers open."""
-    from PIL import Image
-
-    src = tmp_path / "in"
-    (src / "sub").mkdir(parents=True)
-    shutil.copy(_image(files), src / "a.png")
-    Image.open(_image(files)).save(src / "sub" / "b.ppm")
-    out = tmp_path / "o"
-    assert (
-        cli_main(["predict", str(src / "*"), "-c", str(files["ckpt"]), "-o", str(out), "-q"]) == 0
-    )
-    labels = sorted(p.relative_to(out / "labels").as_posix() for p in (out / "labels").rglob("*"))
-    assert labels == ["a.png", "sub", "sub/b.png"]
-
-
-def test_predict_refuses_a_blocked_output_slot_before_writing_anything(files, capsys, tmp_path):
-    ckpt, image = str(files["ckpt"]), str(_image(files))
-    out = tmp_path / "o"
-    (out / "labels" / "train_00000.png").mkdir(parents=True)  # a folder where a file goes
-    line = refused(["predict", image, "-c", ckpt, "-o", str(out), "--overwrite"], capsys)
-    assert "labels/train_00000.png is a folder where an output file goes" in line
-    assert sorted(p.name for p in out.iterdir()) == ["labels"]
-    out = tmp_path / "o2"
-    out.mkdir()
-    (out / "color").write_text("x")  # a file where a folder goes
-    line = refused(["predict", image, "-c", ckpt, "-o", str(out)], capsys)
-    assert "o2/color is a file where an output folder goes" in line
-    assert sorted(p.name for p in out.iterdir()) == ["color"]
-
-
-def test_predict_data_that_does_not_exist_says_so(files, capsys, tmp_path) -> None:
-    argv = ["predict", str(_image(files)), "-c", str(files["ckpt"]), "-o", str(tmp_path / "o")]
-    line = refused([*argv, "--data", str(tmp_path / "nowhere")], capsys)
-    assert "nowhere: no such file or folder" in line
-
-
-def test_refine_fit_refuses_a_crop_too_small_for_a_boundary(files, capsys) -> None:
-    """A 1x1 crop ran every step, drew no triplet, then blamed the labels."""
-    out = files["root"] / "tiny_crop.pt"
-    line = refused(_fit(files, "--crop-size", "4", "4", "--out", str(out)), capsys)
-    assert "--crop-size 4 4 is too small to hold a class boundary" in line
-    assert not out.exists()
-
-
-def test_refine_fit_refuses_a_batch_of_one_crop_before_any_step(files, capsys) -> None:
-    """--batch-size 1 ended the first step in a BatchNorm traceback ("Expected more than 1
-    value per channel when training")."""
-    out = files["root"] / "batch_one.pt"
-    line = refused(_fit(files, "--batch-size", "1", "--out", str(out)), capsys)
-    assert "--batch-size must be >= 2" in line and "2 or more" in line
-    assert not out.exists() and not out.with_suffix(".train.pt").exists()
 
 
 def test_eval_of_a_list_file_scores_and_names_that_split(files, capsys, tmp_path) -> None:
@@ -639,7 +404,7 @@ def test_a_list_file_and_another_split_are_refused_by_every_command(files, capsy
     val = str(files["data"] / "val.txt")
     out = tmp_path / "out"
     for argv, flag in [
-        (["refine", "fit", *_fit(files, "--out", str(out / "r.pt"))[2:]], "--data"),
+        (["refine", "fit", *fit_argv(files, "--out", str(out / "r.pt"))[2:]], "--data"),
         (["augment", val, str(out / "aug"), "--count", "1"], "SRC"),
         (["data", "check", val, "--split", "val", "--split", "train"], "ROOT"),
     ]:

@@ -1,4 +1,5 @@
-"""Pretrained folders: save_pretrained / load_model(folder | hf://), refiner folders, export."""
+"""Pretrained folders: save_pretrained / load_model(folder | hf://), export (refiner folders:
+test_pretrained_refiner.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,11 +16,11 @@ import torch
 import dualseg
 from checkpoint_helpers import SYNTHETIC as META
 from checkpoint_helpers import SYNTHETIC_KWARGS as KWARGS
-from checkpoint_helpers import synthetic_contract, write_synthetic_checkpoint
+from checkpoint_helpers import small_refiner, synthetic_contract, write_synthetic_checkpoint
 from dualseg.cli import main as cli_main
 from dualseg.engine.pretrained import CONFIG_NAME, WEIGHTS_NAME, read_pretrained
 from dualseg.errors import CheckpointError, ConfigError
-from dualseg.refine import BoundaryRefiner, RefinerConfig, build_embedding_net
+from dualseg.refine import BoundaryRefiner
 
 SRC = Path(dualseg.__file__).resolve().parents[1]
 
@@ -94,23 +93,6 @@ def test_save_refuses_to_overwrite_and_bad_folders_are_one_line_errors(folder, t
         dualseg.load_model(broken)
 
 
-def test_overwriting_a_model_beside_its_refiner_warns_and_keeps_the_refiner(ckpt, tmp_path) -> None:
-    seg = dualseg.load_model(ckpt)
-    out = seg.save_pretrained(tmp_path / "m")
-    _refiner(seg.meta.class_names).save_pretrained(out)
-    with pytest.warns(UserWarning, match=r"keeps refiner\.json \+ refiner\.safetensors.*refit"):
-        seg.save_pretrained(out, overwrite=True)
-    assert (out / "refiner.json").exists()  # the user's to delete, never silently lost
-    fresh = tmp_path / "fresh"
-    fresh.mkdir()
-    _refiner(seg.meta.class_names).save_pretrained(
-        fresh
-    )  # a refiner saved first, then its model: nothing replaced
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        seg.save_pretrained(fresh)
-
-
 def test_missing_huggingface_hub_names_the_extra(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import raises ImportError
     with pytest.raises(ConfigError, match=r"pip install 'dualseg\[hub\]'"):
@@ -130,95 +112,6 @@ def _hub_cache(home: Path, repo: str, files: dict[str, bytes]) -> str:
     for name, data in files.items():
         (snap / name).write_bytes(data)
     return commit
-
-
-def _refiner(names: Sequence[str] = "abc") -> BoundaryRefiner:
-    """A small refiner with the embedding net its config describes (random weights)."""
-    torch.manual_seed(0)
-    cfg = RefinerConfig(embed_dim=4, output_stride=16, top_n=2, radius=2)
-    net = build_embedding_net(
-        cfg.backbone, embed_dim=4, output_stride=16, aspp_rates=cfg.aspp_rates
-    )
-    present = torch.arange(len(names)) != 1
-    return BoundaryRefiner(net, torch.randn(len(names), 4), present, class_names=names, config=cfg)
-
-
-def test_refiner_folder_round_trip(tmp_path) -> None:
-    refiner = _refiner()
-    out = refiner.save_pretrained(tmp_path / "r")
-    assert sorted(p.name for p in out.iterdir()) == ["refiner.json", "refiner.safetensors"]
-    loaded = BoundaryRefiner.load(out)
-    assert loaded.class_names == ("a", "b", "c") and loaded.config == refiner.config
-    assert loaded.calibration is None  # fit without --calibrate-split
-    assert torch.equal(loaded.prototypes, refiner.prototypes)
-    assert torch.equal(loaded.present, refiner.present)
-    images = torch.randn(1, 3, 16, 16)
-    probs = torch.randn(1, 3, 16, 16).softmax(1)
-    assert torch.equal(loaded.refine(images, probs), refiner.refine(images, probs))
-    with pytest.raises(ConfigError, match=r"already holds refiner\.json"):
-        refiner.save_pretrained(out)
-    (out / "refiner.safetensors").write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match="corrupt or not a safetensors file"):
-        BoundaryRefiner.load(out)
-    (out / "refiner.json").unlink()
-    with pytest.raises(CheckpointError, match=r"refiner\.json: refiner description not found"):
-        BoundaryRefiner.load(out)
-
-
-@pytest.mark.parametrize(
-    ("entry", "value", "said"),
-    [
-        ("config", None, "config must be a dict of refiner options"),
-        ("config", {"top_n": "5"}, "option top_n must be int, got '5'"),
-        ("config", {"gate_margin": "0.1"}, "option gate_margin must be float | None"),
-        ("config", {"foo": 1}, "option(s) foo that this dualseg does not know"),
-        ("config", {"top_n": 0}, "top_n must be >= 1, got 0"),
-        ("config", {"embed_dim": 8}, "the embedding weights do not fit the model"),
-        ("class_names", [0, 1, 2], "class_names must be strings"),
-        ("class_names", ["a", "b"], "prototypes has shape (3, 4), expected (2, 4)"),
-        ("ignore_index", None, "ignore_index must be an integer in 0..255"),
-        ("palette", "red", "palette must be null or one [r, g, b]"),
-        ("calibration", "garbage", "calibration must be null or the record"),
-        (
-            "calibration",
-            {"split": "dev", "images": 1, "image_digests": "abc"},
-            "calibration must be null or the record",
-        ),
-    ],
-)
-def test_a_damaged_refiner_json_names_the_file_and_the_entry(tmp_path, entry, value, said) -> None:
-    out = _refiner().save_pretrained(tmp_path / "r")
-    stored = json.loads((out / "refiner.json").read_text())
-    if entry == "config" and isinstance(value, dict):  # one option edited
-        value = {**stored["config"], **value}
-    (out / "refiner.json").write_text(json.dumps({**stored, entry: value}))
-    with pytest.raises(CheckpointError) as err:
-        BoundaryRefiner.load(out)
-    assert said in str(err.value) and str(out / "refiner.json") in str(err.value)
-
-
-def test_a_refiner_saved_beside_a_model_of_other_classes_is_refused(folder, tmp_path) -> None:
-    import shutil
-
-    both = tmp_path / "both"
-    shutil.copytree(folder, both)
-    with pytest.raises(CheckpointError, match="describes a model of other classes"):
-        _refiner().save_pretrained(both)  # classes a, b, c beside the model's eight
-    assert not (both / "refiner.json").exists()
-    _refiner().save_pretrained(tmp_path / "r")  # copied in by hand: refused when it loads
-    for name in ("refiner.json", "refiner.safetensors"):
-        shutil.copy(tmp_path / "r" / name, both / name)
-    with pytest.raises(CheckpointError, match=r"0: 'sky' vs 'a'.*fit a refiner for that model"):
-        BoundaryRefiner.load(both)
-
-
-def test_a_model_saved_beside_a_refiner_of_other_classes_is_refused(ckpt, tmp_path) -> None:
-    """The reverse order: the model was written without a word, and the folder then failed
-    to load as a pair."""
-    out = _refiner().save_pretrained(tmp_path / "pair")  # classes a, b, c
-    with pytest.raises(CheckpointError, match=r"refiner\.json is a refiner of other classes"):
-        dualseg.load_model(ckpt).save_pretrained(out)  # the model's eight
-    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
 
 
 def test_save_pretrained_refuses_a_model_its_description_would_not_rebuild(ckpt, tmp_path) -> None:
@@ -264,7 +157,7 @@ def test_an_empty_path_is_refused_not_read_as_the_current_folder(ckpt, tmp_path,
     with pytest.raises(ConfigError, match="got an empty one"):
         dualseg.load_model(ckpt).save_pretrained("")
     with pytest.raises(ConfigError, match="got an empty one"):
-        _refiner().save_pretrained("")
+        small_refiner().save_pretrained("")
     with pytest.raises(ConfigError, match="the model path is empty"):
         dualseg.load_model("")
     with pytest.raises(ConfigError, match="the refiner path is empty"):
@@ -276,7 +169,7 @@ def test_hf_source_reads_the_local_hub_cache_offline(folder, tmp_path, rgb) -> N
     """hf://org/name through huggingface_hub, offline, from a cache laid out as the hub does."""
     pytest.importorskip("huggingface_hub")
     names = tuple(json.loads((folder / CONFIG_NAME).read_text())["class_names"])
-    refiner_dir = _refiner(names).save_pretrained(tmp_path / "r")  # fit for that model
+    refiner_dir = small_refiner(names).save_pretrained(tmp_path / "r")  # fit for that model
     files = {n: (folder / n).read_bytes() for n in (CONFIG_NAME, WEIGHTS_NAME)}
     files.update({p.name: p.read_bytes() for p in refiner_dir.iterdir()})
     home = tmp_path / "hf_home"
@@ -330,7 +223,7 @@ def test_export_format_pretrained_cli(ckpt, tmp_path, capsys, rgb) -> None:
     assert cli_main([*args, "--overwrite"]) == 0
 
     names = dualseg.load_model(ckpt).meta.class_names
-    refiner = _refiner(names)  # fit for that model: it joins the model's folder
+    refiner = small_refiner(names)  # fit for that model: it joins the model's folder
     refiner_file = refiner.save(tmp_path / "refiner.pt")
     args = ["export", "--refiner", str(refiner_file), "--format", "pretrained", "--out", str(out)]
     assert cli_main(args) == 0  # the refiner joins the model in the same folder
@@ -342,7 +235,7 @@ def test_export_format_pretrained_cli(ckpt, tmp_path, capsys, rgb) -> None:
     probs = torch.randn(1, len(names), 32, 32).softmax(1)
     assert torch.equal(loaded.refine(images, probs), refiner.refine(images, probs))
     # a refiner fit for other classes is refused there: the folder is loaded as a pair
-    other = _refiner().save(tmp_path / "other.pt")
+    other = small_refiner().save(tmp_path / "other.pt")
     args = ["export", "--refiner", str(other), "--format", "pretrained", "--out", str(out)]
     assert cli_main([*args, "--overwrite"]) == 1
     err = capsys.readouterr().err
