@@ -63,6 +63,7 @@ def test_refiner_folder_round_trip(tmp_path) -> None:
         ("config", {"foo": 1}, "option(s) foo that this dualseg does not know"),
         ("config", {"top_n": 0}, "top_n must be >= 1, got 0"),
         ("config", {"embed_dim": 8}, "the embedding weights do not fit the model"),
+        ("config", {"blocked_switches": [[0, 5]]}, "blocked switch 0:5 names a class outside"),
         ("class_names", [0, 1, 2], "class_names must be strings"),
         ("class_names", ["a", "b"], "prototypes has shape (3, 4), expected (2, 4)"),
         ("ignore_index", None, "ignore_index must be an integer in 0..255"),

@@ -32,7 +32,6 @@ class ExportedRefiner(BoundaryRefiner):
         described = stored_description(sidecar, source)
         try:  # a RefinerConfig, so that dataclasses.replace overrides work as for BoundaryRefiner
             config = RefinerConfig.from_dict(sidecar.get("config"))
-            config.check_switches(len(described["class_names"]), "its class names are fewer")
         except ConfigError as err:
             raise CheckpointError(f"{source}: {err}; re-export the refiner") from None
         protos = torch.from_numpy(np.asarray(sidecar["prototypes"], np.float32))
@@ -42,10 +41,13 @@ class ExportedRefiner(BoundaryRefiner):
             raise CheckpointError(
                 f"{source}: {len(protos)} prototypes for {len(names)} classes; re-export it"
             )
-        super().__init__(
-            None, protos, present, class_names=names, config=config,
-            ignore_index=described["ignore_index"], palette=described["palette"],
-        )  # fmt: skip
+        try:  # the options read against the classes: a blocked switch names one of them
+            super().__init__(
+                None, protos, present, class_names=names, config=config,
+                ignore_index=described["ignore_index"], palette=described["palette"],
+            )  # fmt: skip
+        except ConfigError as err:
+            raise CheckpointError(f"{source}: {err}; re-export the refiner") from None
         self.runner, self.source = runner, source
         self.calibration = described["calibration"]
         self.label_contract = described["label_contract"]

@@ -301,7 +301,6 @@ class BoundaryRefiner:
         described = formats.stored_description(stored.description, source)
         try:
             config = RefinerConfig.from_dict(stored.description["config"])
-            config.check_switches(len(described["class_names"]), "fit the refiner again")
         except ConfigError as err:
             raise CheckpointError(f"{source}: {err}") from None
         taps = None if described["taps"] is None else TapRecord.from_dict(described["taps"])
@@ -320,9 +319,13 @@ class BoundaryRefiner:
             if tuple(getattr(stored, key).shape) != want:
                 got = tuple(getattr(stored, key).shape)
                 raise CheckpointError(f"{source}: {key} has shape {got}, expected {want}")
-        refiner = cls(net, stored.prototypes, stored.present, class_names=described["class_names"],
-                      config=config, ignore_index=described["ignore_index"],
-                      palette=described["palette"], taps=taps)  # fmt: skip
+        try:  # the options read against the classes: a blocked switch names one of them
+            refiner = cls(net, stored.prototypes, stored.present,
+                          class_names=described["class_names"], config=config,
+                          ignore_index=described["ignore_index"], palette=described["palette"],
+                          taps=taps)  # fmt: skip
+        except ConfigError as err:
+            raise CheckpointError(f"{source}: {err}; fit the refiner again") from None
         refiner.calibration = described["calibration"]
         refiner.label_contract = described["label_contract"]
         return refiner
