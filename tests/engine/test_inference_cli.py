@@ -349,7 +349,8 @@ def test_eval_finds_the_calibration_images_by_content_under_any_split_name(
     path = refiner.save(tmp_path / "calibrated.pt")
     argv = ["eval", "-c", str(ckpt), "--data", str(synthetic), "--refiner", str(path), "--quiet"]
     assert cli_main([*argv, "--out", str(tmp_path / "ev")]) == 0
-    assert f"(--calibrate-split dev) on 1 of the {len(val)} images" in capsys.readouterr().err
+    said = f"chosen on 1 of the {len(val)} images evaluated here (its calibration split, dev)"
+    assert said in capsys.readouterr().err
     # a calibration on other images: nothing to say, whatever the split is called
     refiner.calibration = {**refiner.calibration, "split": "val", "image_digests": ["0" * 16]}
     path = refiner.save(tmp_path / "elsewhere.pt")

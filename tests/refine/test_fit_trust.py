@@ -160,7 +160,7 @@ def test_a_refiner_calibrated_on_another_base_is_said(data, base, tmp_path, caps
     apply = ["refine", "apply", str(image), "-r", str(refiner), "-b", str(base), "--quiet"]
     assert main([*apply, "-o", str(tmp_path / "a"), "--top-n", "1", "--device", "cpu"]) == 0
     err = capsys.readouterr().err
-    assert "decision options were chosen (--calibrate-split) at top_n 5" in err, err
+    assert "decision options were chosen on its calibration split at top_n 5" in err, err
     assert "Top-N 1 leaves each pixel one candidate" in err
     # more than the classes: every class is a candidate, said rather than cut without a word
     assert main([*apply, "-o", str(tmp_path / "b"), "--top-n", "50", "--device", "cpu"]) == 0

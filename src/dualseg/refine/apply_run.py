@@ -49,8 +49,8 @@ def override(refiner: Any, overrides: Mapping[str, Any], *, refiner_name: str) -
 
     if overrides and refiner.calibration is not None:  # the sweep ran at the stored ones
         stored = ", ".join(f"{k} {shown(k)}" for k in overrides)
-        notes.append(f"note: {refiner_name}'s decision options were chosen (--calibrate-split) "
-                     f"at {stored}; at other values they may not be the best")  # fmt: skip
+        notes.append(f"note: {refiner_name}'s decision options were chosen on its calibration "
+                     f"split at {stored}; at other values they may not be the best")  # fmt: skip
     refiner.config = dataclasses.replace(refiner.config, **overrides)
     refiner.config.check_switches(
         refiner.num_classes, f"pass --blocked-switches pairs of {refiner_name}'s classes"

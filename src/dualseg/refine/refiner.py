@@ -399,7 +399,7 @@ def evaluation_notes(
         notes.append(f"note: {note}")
     split = (refiner.calibration or {}).get("split")
     if shared := calibrated_on(refiner.calibration, images):
-        notes.append(f"warning: {refiner_name}'s decision options were chosen (--calibrate-split "
-                     f"{split}) on {shared} of the {len(images)} images evaluated here: its "
-                     "refined scores are optimistic")  # fmt: skip
+        notes.append(f"warning: {refiner_name}'s decision options were chosen on {shared} of "
+                     f"the {len(images)} images evaluated here (its calibration split, {split}): "
+                     "its refined scores are optimistic")  # fmt: skip
     return notes
