@@ -182,7 +182,7 @@ def _tiny_refiner(path: Path) -> Path:
     return refiner.save(path)
 
 
-def test_refine_apply_refines_the_tta_scores(ckpt, seg, rgb, tmp_path) -> None:
+def test_refine_apply_refines_the_tta_scores(ckpt, seg, rgb, tmp_path, capsys) -> None:
     from dualseg.refine import BoundaryRefiner
 
     refiner_path = _tiny_refiner(tmp_path / "refiner.pt")
@@ -199,7 +199,15 @@ def test_refine_apply_refines_the_tta_scores(ckpt, seg, rgb, tmp_path) -> None:
     probs_dir = tmp_path / "probs"
     assert cli_main(["predict", "-c", str(ckpt), str(image), "-o", str(probs_dir), "--probs"]) == 0
     bad = ["refine", "apply", "-r", str(refiner_path), "--base", str(probs_dir), str(image)]
+    said = f"--base {probs_dir} holds saved probabilities: pass a checkpoint"
     assert cli_main([*bad, "--out", str(tmp_path / "o2"), "--tta-flip"]) == 1
+    assert said in capsys.readouterr().err
+    # dense CRF as well: the maps were averaged with their own mirror image, without a word
+    pytest.importorskip("pydensecrf.densecrf")
+    crf = ["refine", "apply", "--crf", "--base", str(probs_dir), str(image), "--out"]
+    for flags in (["--tta-flip"], ["--mode", "slide", "--window", "16", "16"]):
+        assert cli_main([*crf, str(tmp_path / "o3"), *flags]) == 1
+        assert said in capsys.readouterr().err and not (tmp_path / "o3").exists()
 
 
 def test_predict_tta_probs_and_onnx_refusal(ckpt, seg, rgb, tmp_path, capsys) -> None:

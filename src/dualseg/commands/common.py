@@ -314,7 +314,7 @@ def inference_options(args: argparse.Namespace) -> InferenceOptions:
         tta_flip=args.tta_flip,
         tile_batch=args.tile_batch,
     )
-    if getattr(args, "onnx", None) and (opts.mode != "whole" or opts.uses_tta):
+    if getattr(args, "onnx", None) and opts.augmented:
         raise ConfigError("--mode slide and --tta-* need --checkpoint: --onnx runs whole images")
     return opts
 

@@ -195,15 +195,15 @@ def apply_main(args: argparse.Namespace) -> int:
                           command="refine apply")  # fmt: skip
     device = c.apply_runtime(args)
     base = load_base(args.base, device=device)
+    apply_run.require_a_model(base, opts, str(args.base))
     if crf is not None:
         refiner = crf
     else:
         refiner = load_refiner(args.refiner, device=device)
         c.static_export_note(args.refiner, refiner, "refine")
         c.check_dataset_classes(args, refiner.class_names, f"the refiner {args.refiner}")
-        augmented = opts.mode != "whole" or opts.uses_tta
         for line in apply_run.configure(refiner, base, overrides=overrides,
-                                        augmented=augmented, refiner_name=args.refiner,
+                                        refiner_name=args.refiner,
                                         base_name=str(args.base)):  # fmt: skip
             print(f"dualseg refine apply: {line}", file=sys.stderr)
     done = apply_run.apply_images(refiner, base, images, out, device=device, opts=opts,

@@ -80,7 +80,7 @@ def _load(args: argparse.Namespace, options: Any) -> tuple[Any, Any, str]:
         name = f"{Path(args.onnx).name} ({segmenter.info.get('arch') or 'onnx'})"
     else:
         name = f"{Path(args.checkpoint).name} ({type(segmenter.model).__name__})"
-        if options.mode != "whole" or options.uses_tta:  # the page gets the averaged probs
+        if options.augmented:  # the page gets the averaged probs
             segmenter.predict_proba = functools.partial(segmenter.predict_proba, **asdict(options))
     refiner = load_refiner(args.refiner, device=device) if args.refiner else None
     return segmenter, refiner, name  # create_app checks the refiner's classes

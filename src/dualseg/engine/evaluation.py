@@ -113,7 +113,7 @@ def _median(ms: list[float]) -> float:
 def _shared_features(refiner: Any, model: nn.Module, opts: InferenceOptions, amp: bool) -> Any:
     """The refiner's hold on the base's backbone output, where it sees the same forward."""
     share = getattr(refiner, "shared_features", None)
-    plain = opts.mode == "whole" and not amp and not opts.uses_tta
+    plain = not opts.augmented and not amp
     taps = getattr(refiner, "taps", None) is not None  # reads the base's forward in any mode
     return share(model) if share is not None and (plain or taps) else None
 

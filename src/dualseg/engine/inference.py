@@ -103,6 +103,11 @@ class InferenceOptions:
     def uses_tta(self) -> bool:
         return self.tta_scales != (1.0,) or self.tta_flip
 
+    @property
+    def augmented(self) -> bool:
+        """Whether the model runs other than once on the whole image (its scores averaged)."""
+        return self.mode != "whole" or self.uses_tta
+
     def describe(self) -> str:
         """In words, e.g. ``sliding window 512x512, stride 342x342, TTA scales 1,1.5``."""
         text = "whole images"

@@ -65,7 +65,7 @@ def override(refiner: Any, overrides: Mapping[str, Any], *, refiner_name: str) -
 
 def configure(
     refiner: Any, base: Any, *, overrides: Mapping[str, Any], refiner_name: str,
-    base_name: str, augmented: bool,
+    base_name: str,
 ) -> list[str]:  # fmt: skip
     """Apply the ``overrides`` (:func:`override`) and check ``base`` against ``refiner``:
     the notes and warnings to show."""
@@ -77,12 +77,17 @@ def configure(
                    model_name=base_name)  # fmt: skip
     if other_calibration_base(refiner, getattr(base, "module", None)):
         notes.append(f"warning: {OTHER_BASE.format(refiner=refiner_name)}")
-    if augmented and not hasattr(base, "module"):
+    return notes
+
+
+def require_a_model(base: Any, opts: InferenceOptions, base_name: str) -> None:
+    """Refuse --mode slide and --tta-* on saved probabilities: they run the base model (a
+    folder's maps would be averaged with their own mirror image, or cut to tiles)."""
+    if opts.augmented and not hasattr(base, "module"):
         raise ConfigError(
             f"--mode slide and --tta-* run the base model, but --base {base_name} holds saved "
             "probabilities: pass a checkpoint"
         )
-    return notes
 
 
 def top_n_over_classes(top_n: int, num_classes: int) -> str:
@@ -101,8 +106,8 @@ def base_scores(
         mode=opts.mode, window=opts.window, stride=opts.stride, tta_scales=opts.tta_scales,
         tta_flip=opts.tta_flip, tile_batch=opts.tile_batch,
     ).float()  # fmt: skip
-    augmented = opts.mode != "whole" or opts.uses_tta
-    return scores.softmax(1) if augmented else scores  # the averaged log-probabilities came back
+    # the averaged log-probabilities came back
+    return scores.softmax(1) if opts.augmented else scores
 
 
 def crf_settings(overrides: Mapping[str, Any]) -> CRFSettings:
@@ -127,7 +132,6 @@ def apply_images(
     """Refine each ``(path, name)`` image and write its ``KINDS`` PNGs to ``out``; an unreadable
     image is skipped (its stale outputs removed with ``overwrite``) and reported."""
     crf = isinstance(refiner, CRFSettings)
-    augmented = opts.mode != "whole" or opts.uses_tta
     if hasattr(base, "require"):  # a probability folder: every image's map, before any output
         base.require([name for _, name in images], [str(path) for path, _ in images])
     # the base's colours, else those refine fit stored (an exported refiner has none)
@@ -135,7 +139,7 @@ def apply_images(
     changed_total = pixels_total = 0
     failures: list[str] = []
     # a plain forward's backbone output is read, not rerun (a tap refiner reads any forward)
-    plain = (not augmented and not amp) or getattr(refiner, "taps", None) is not None
+    plain = (not opts.augmented and not amp) or getattr(refiner, "taps", None) is not None
     module = getattr(base, "module", None) if plain else None
     share = getattr(refiner, "shared_features", None)
     kept = share(module) if module is not None and share else contextlib.nullcontext()
@@ -154,7 +158,7 @@ def apply_images(
             with torch.no_grad(), bf16 or contextlib.nullcontext():
                 scores = base_scores(base, x, name, path, opts)
                 if crf:  # probabilities: a model's logits; averaged ones already are
-                    plain_logits = hasattr(base, "module") and not augmented
+                    plain_logits = hasattr(base, "module") and not opts.augmented
                     labels, changed = refiner.refine(
                         x, scores.softmax(1) if plain_logits else scores
                     )
