@@ -25,7 +25,6 @@ image, as in ``benchmarks/camvid.py``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import math
 import sys
@@ -45,6 +44,7 @@ from dualseg.io import atomic_write_json
 from dualseg.refine import BoundaryRefiner, RefinerConfig
 from dualseg.refine.calibrate import METRICS
 from dualseg.refine.crf import CRFSettings, choose_crf, import_pydensecrf
+from dualseg.refine.shared import SharedFeatures
 
 KEYS = (("miou", "mIoU"), ("boundary_f1", "boundary F1"), ("trimap_miou", "trimap mIoU"))
 
@@ -140,13 +140,6 @@ def fit_refiner(args: argparse.Namespace, device: torch.device) -> BoundaryRefin
     return refiner
 
 
-class _NoFeatures(contextlib.nullcontext):
-    """Shared features that never match: the refiner runs its own backbone on the logits."""
-
-    def take(self, images: torch.Tensor) -> None:
-        return None
-
-
 def time_ratio(
     model: torch.nn.Module, refiner: BoundaryRefiner, loader: Any, device: torch.device, n: int
 ) -> dict[str, Any]:
@@ -157,8 +150,10 @@ def time_ratio(
     base_s, extra_s, shared = time_inference(model, loader, n, device, refiner)
     out: dict[str, Any] = {"base_s": base_s, "refine_s": extra_s}
     out |= {"extra_time_ratio": extra_s / base_s, "shares_base_features": shared}
-    if shared:
-        own = types.SimpleNamespace(refine=refiner.refine, shared_features=lambda m: _NoFeatures())
+    if shared:  # a context that shares nothing: the refiner runs its own backbone
+        own = types.SimpleNamespace(
+            refine=refiner.refine, shared_features=lambda m: SharedFeatures(m, active=False)
+        )
         own_base_s, own_s, _ = time_inference(model, loader, n, device, own)
         out |= {"refine_own_backbone_s": own_s, "extra_time_ratio_own_backbone": own_s / own_base_s}
     return out
