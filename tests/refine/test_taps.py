@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -255,6 +256,33 @@ def test_refine_apply_crf_writes_the_same_outputs(tmp_path) -> None:
     assert main([*argv, "--device", "cpu", "--quiet"]) == 0
     for kind in ("labels", "color", "overlay", "changed"):
         assert (out / kind / f"{image.stem}.png").is_file()
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("pydensecrf") is None,
+    reason="pydensecrf2 not installed (dualseg[crf])",
+)
+def test_refine_apply_crf_takes_a_model_that_returns_probabilities(tmp_path) -> None:
+    """A model ending in softmax gives the CRF its probabilities, not their softmax."""
+    from PIL import Image
+
+    from dualseg.data import make_synthetic_dataset
+
+    data = make_synthetic_dataset(tmp_path / "data", n_train=1, n_val=1, size=(64, 64))
+    image = sorted((data / "images").glob("*.png"))[0]
+    spec = tmp_path / "mymodel.py"
+    spec.write_text(
+        "import segmentation_models_pytorch as smp, torch\n"
+        "torch.manual_seed(0)\n"
+        "logits = smp.Unet('resnet18', encoder_weights=None, classes=8)\n"
+        "probs = torch.nn.Sequential(logits, torch.nn.Softmax(1))\n"
+    )
+    labels = {}
+    for name in ("logits", "probs"):
+        argv = ["refine", "apply", str(image), "--crf", "-b", f"{spec}:{name}"]
+        assert main([*argv, "-o", str(tmp_path / name), "--device", "cpu", "--quiet"]) == 0
+        labels[name] = np.asarray(Image.open(tmp_path / name / "labels" / f"{image.stem}.png"))
+    assert (labels["probs"] == labels["logits"]).all()
 
 
 def test_eval_scores_a_python_model_and_its_tap_refiner(tmp_path, capsys) -> None:

@@ -157,11 +157,8 @@ def apply_images(
             bf16 = torch.autocast("cuda", dtype=torch.bfloat16) if cuda_amp else None
             with torch.no_grad(), bf16 or contextlib.nullcontext():
                 scores = base_scores(base, x, name, path, opts)
-                if crf:  # probabilities: a model's logits; averaged ones already are
-                    plain_logits = hasattr(base, "module") and not opts.augmented
-                    labels, changed = refiner.refine(
-                        x, scores.softmax(1) if plain_logits else scores
-                    )
+                if crf:  # logits or probabilities, told apart as method B's decision does
+                    labels, changed = refiner.refine(x, scores)
                 else:
                     features = shared.take(x) if shared is not None else None
                     labels, changed = refiner.refine(x, scores, return_changed=True,
