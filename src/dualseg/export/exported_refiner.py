@@ -16,7 +16,6 @@ from torch import Tensor
 
 from dualseg.errors import CheckpointError, ConfigError, DualsegError
 from dualseg.export.runners import REFINER_FORMAT, Runner, read_export_info, refiner_sidecar_path
-from dualseg.refine.config import RefinerConfig
 from dualseg.refine.decision import prototype_scores
 from dualseg.refine.embedding import embedding_cover, p1_filter
 from dualseg.refine.formats import stored_description
@@ -30,10 +29,6 @@ class ExportedRefiner(BoundaryRefiner):
 
     def __init__(self, runner: Runner, sidecar: Mapping[str, Any], *, source: str = "") -> None:
         described = stored_description(sidecar, source)
-        try:  # a RefinerConfig, so that dataclasses.replace overrides work as for BoundaryRefiner
-            config = RefinerConfig.from_dict(sidecar.get("config"))
-        except ConfigError as err:
-            raise CheckpointError(f"{source}: {err}; re-export the refiner") from None
         protos = torch.from_numpy(np.asarray(sidecar["prototypes"], np.float32))
         present = torch.from_numpy(np.asarray(sidecar["present"], bool))
         names = described["class_names"]
@@ -43,7 +38,7 @@ class ExportedRefiner(BoundaryRefiner):
             )
         try:  # the options read against the classes: a blocked switch names one of them
             super().__init__(
-                None, protos, present, class_names=names, config=config,
+                None, protos, present, class_names=names, config=described["config"],
                 ignore_index=described["ignore_index"], palette=described["palette"],
             )  # fmt: skip
         except ConfigError as err:

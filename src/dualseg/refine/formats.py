@@ -14,6 +14,7 @@ from dualseg.data.contract import LabelContract
 from dualseg.engine.checkpoint import FORMAT as CHECKPOINT_FORMAT
 from dualseg.errors import CheckpointError, ConfigError, DataError, OutputError
 from dualseg.io import atomic_torch_save
+from dualseg.refine.config import RefinerConfig
 from dualseg.refine.inputs import check_finite_refiner
 from dualseg.serialization import safe_torch_load, torch_file_format
 
@@ -84,8 +85,9 @@ def read_refiner_file(path: str | os.PathLike[str]) -> StoredRefiner:
 
 
 def stored_description(stored: Mapping[str, Any], source: str | os.PathLike[str]) -> dict[str, Any]:
-    """The class names, ignore index, palette, calibration, taps and label contract a saved
-    refiner describes, checked: a damaged one is a :class:`CheckpointError` naming ``source``."""
+    """The options, class names, ignore index, palette, calibration, taps and label contract
+    a saved refiner describes, checked: a damaged one is a :class:`CheckpointError` naming
+    ``source``."""
 
     def bad(key: str, want: str) -> CheckpointError:
         got = stored.get(key)
@@ -131,8 +133,12 @@ def stored_description(stored: Mapping[str, Any], source: str | os.PathLike[str]
             contract = LabelContract.from_dict(dict(contract)).to_dict()
         except (DataError, TypeError, ValueError):
             raise bad("label_contract", "null or the label contract of its base") from None
+    try:
+        config = RefinerConfig.from_dict(stored.get("config"))
+    except ConfigError as err:
+        raise CheckpointError(f"{source}: {err}; save it again") from None
     return {"label_contract": contract, "taps": taps, "class_names": list(names),
-            "ignore_index": ignore, "palette": palette,
+            "ignore_index": ignore, "palette": palette, "config": config,
             "calibration": None if cal is None else dict(cal)}  # fmt: skip
 
 

@@ -299,10 +299,7 @@ class BoundaryRefiner:
         """A refiner from its saved parts, each checked; every problem names the source."""
         source = stored.source
         described = formats.stored_description(stored.description, source)
-        try:
-            config = RefinerConfig.from_dict(stored.description["config"])
-        except ConfigError as err:
-            raise CheckpointError(f"{source}: {err}") from None
+        config = described["config"]
         taps = None if described["taps"] is None else TapRecord.from_dict(described["taps"])
         if net is None and taps is not None:
             net = tap_embedding_net(taps, embed_dim=config.embed_dim, aspp_rates=config.aspp_rates,
