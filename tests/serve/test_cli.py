@@ -250,3 +250,18 @@ def test_serve_checks_an_exported_models_label_contract_against_the_refiners(
     refiner.label_contract = contract.to_dict()  # the same contract: served
     same = refiner.save(tmp_path / "same.pt")
     assert main(["serve", "--onnx", str(onnx), "--refiner", str(same)]) == 0
+
+
+def test_serve_warns_of_a_refiner_chosen_on_another_base(files, captured, tmp_path, capsys):
+    """As ``eval --refiner`` and ``refine apply`` do; serve said nothing."""
+    from dualseg.refine.base import checkpoint_base, model_fingerprint
+
+    ckpt, refiner_file = files
+    refiner = BoundaryRefiner.load(refiner_file)
+    own = model_fingerprint(checkpoint_base(ckpt).module)
+    for fingerprint, warned in ((own, False), ("0" * 16, True)):
+        refiner.calibration = {"split": "dev", "images": 2, "base_fingerprint": fingerprint}
+        saved = refiner.save(tmp_path / f"{fingerprint}.pt")
+        assert main(["serve", "-c", str(ckpt), "--refiner", str(saved)]) == 0
+        err = capsys.readouterr().err
+        assert ("chosen on another base model than this one" in err) is warned

@@ -26,6 +26,7 @@ from dualseg.commands.common import (
 )
 from dualseg.errors import DualsegError
 from dualseg.export.runtime import load_refiner
+from dualseg.refine.base import pairing_notes
 from dualseg.serve import defaults as d
 from dualseg.serve.server import check_port, request_log_on_stderr, run_server
 
@@ -110,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         workers=args.workers, queue_size=args.queue_size, save_uploads=args.save_uploads,
         model_name=name,
     )  # fmt: skip
+    model = getattr(segmenter, "model", None)
+    for line in pairing_notes(refiner, model, args.refiner) if refiner else ():  # pair checked
+        print(f"dualseg serve: {line}", file=sys.stderr)
     try:
         loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
     except ValueError:  # a host name

@@ -18,7 +18,7 @@ from dualseg.engine.predict import as_rgb_array
 from dualseg.errors import ConfigError, DualsegError
 from dualseg.imaging import normalize
 from dualseg.io import atomic_save_image
-from dualseg.refine.base import OTHER_BASE, other_calibration_base
+from dualseg.refine.base import pairing_notes
 from dualseg.refine.calibrate import DECISION_KEYS
 from dualseg.refine.crf import CRFSettings, import_pydensecrf
 from dualseg.refine.decision import switch_names
@@ -69,15 +69,12 @@ def configure(
 ) -> list[str]:  # fmt: skip
     """Apply the ``overrides`` (:func:`override`) and check ``base`` against ``refiner``:
     the notes and warnings to show."""
-    notes = [f"note: {text}"] if (text := refiner.calibration_note()) else []
-    notes += override(refiner, overrides, refiner_name=refiner_name)
+    notes = override(refiner, overrides, refiner_name=refiner_name)
     if base.class_names is not None:
         refiner.check_classes(base.class_names, len(base.class_names), what=base_name)
     check_contract(refiner, getattr(base, "contract", None), refiner_name=refiner_name,
                    model_name=base_name)  # fmt: skip
-    if other_calibration_base(refiner, getattr(base, "module", None)):
-        notes.append(f"warning: {OTHER_BASE.format(refiner=refiner_name)}")
-    return notes
+    return notes + pairing_notes(refiner, getattr(base, "module", None), refiner_name)
 
 
 def require_a_model(base: Any, opts: InferenceOptions, base_name: str) -> None:

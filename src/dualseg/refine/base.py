@@ -81,6 +81,15 @@ def other_calibration_base(refiner: Any, module: nn.Module | None) -> bool:
     return bool(calibrated) and module is not None and calibrated != model_fingerprint(module)
 
 
+def pairing_notes(refiner: Any, module: Any, refiner_name: str) -> list[str]:
+    """What to say before ``refiner`` runs on ``module`` (checked already): its decision chosen
+    on another base, a held-out check at fit time that found it did not help."""
+    module = module if isinstance(module, nn.Module) else None  # an ONNX session: unknown
+    notes = [f"warning: {OTHER_BASE.format(refiner=refiner_name)}"]
+    notes = notes if other_calibration_base(refiner, module) else []
+    return notes + ([f"note: {text}"] if (text := refiner.calibration_note()) else [])
+
+
 def checkpoint_base(
     path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
 ) -> ModuleBase:

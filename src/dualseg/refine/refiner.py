@@ -21,7 +21,7 @@ from dualseg.errors import CheckpointError, ConfigError, DataError
 from dualseg.imaging import normalize
 from dualseg.models.base import eval_mode
 from dualseg.refine import formats, pretrained
-from dualseg.refine.base import OTHER_BASE, other_calibration_base
+from dualseg.refine.base import pairing_notes
 from dualseg.refine.calibrate import calibrated_on, calibration_note
 from dualseg.refine.config import RefinerConfig
 from dualseg.refine.decision import (
@@ -389,11 +389,8 @@ def evaluation_notes(
     what = f"{model_name} (refiner {refiner_name})"
     refiner.check_classes(class_names, len(class_names), what=what)
     formats.check_contract(refiner, contract, refiner_name=refiner_name, model_name=model_name)
-    notes: list[str] = []  # after the checks: a refused pair reads no image and gets one line
-    if other_calibration_base(refiner, model):
-        notes.append(f"warning: {OTHER_BASE.format(refiner=refiner_name)}")
-    if note := refiner.calibration_note():
-        notes.append(f"note: {note}")
+    # after the checks: a refused pair reads no image and gets one line
+    notes = pairing_notes(refiner, model, refiner_name)
     split = (refiner.calibration or {}).get("split")
     if shared := calibrated_on(refiner.calibration, images):
         notes.append(f"warning: {refiner_name}'s decision options were chosen on {shared} of "
