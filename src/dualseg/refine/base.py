@@ -74,20 +74,23 @@ OTHER_BASE = (
 )
 
 
-def other_calibration_base(refiner: Any, module: nn.Module | None) -> bool:
+def other_calibration_base(refiner: Any, module: Any) -> bool:
     """Whether ``refiner``'s decision was calibrated on another base than ``module`` (False
-    when unknown)."""
+    when unknown: no fingerprint stored, or no PyTorch module, e.g. an ONNX session)."""
     calibrated = (getattr(refiner, "calibration", None) or {}).get("base_fingerprint")
-    return bool(calibrated) and module is not None and calibrated != model_fingerprint(module)
+    known = isinstance(module, nn.Module)
+    return bool(calibrated) and known and calibrated != model_fingerprint(module)
 
 
 def pairing_notes(refiner: Any, module: Any, refiner_name: str) -> list[str]:
     """What to say before ``refiner`` runs on ``module`` (checked already): its decision chosen
     on another base, a held-out check at fit time that found it did not help."""
-    module = module if isinstance(module, nn.Module) else None  # an ONNX session: unknown
-    notes = [f"warning: {OTHER_BASE.format(refiner=refiner_name)}"]
-    notes = notes if other_calibration_base(refiner, module) else []
-    return notes + ([f"note: {text}"] if (text := refiner.calibration_note()) else [])
+    notes: list[str] = []
+    if other_calibration_base(refiner, module):
+        notes.append(f"warning: {OTHER_BASE.format(refiner=refiner_name)}")
+    if text := refiner.calibration_note():
+        notes.append(f"note: {text}")
+    return notes
 
 
 def checkpoint_base(
